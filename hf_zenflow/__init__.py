@@ -1,0 +1,44 @@
+"""hf_zenflow: ZenFlow's importance-aware, stall-free CPU-offloaded AdamW for the Hugging Face stack.
+
+Where things live:
+
+- the optimizer engine: `optimizer.py` (`ZenFlowAdamW`, orchestration and checkpoints), with the device path in
+  `device_step.py`, the host path (host state, accumulation, the worker thread) in `host.py`, column selection and
+  windows in `selection.py`, telemetry in `telemetry.py`, settings in `config.py`;
+- the synchronous offload baseline: `baselines.py` (`SyncOffloadAdamW`);
+- the Hugging Face glue: `hf/` (`ZenFlowTrainer`, `ZenFlowTrainingArguments`, `ZenFlowPlugin`, model cards);
+- the side-by-side comparison and the emulated accelerator: `compare/`, driven by `cli.py` (`hf-zenflow`).
+"""
+
+from typing import Any
+
+from .baselines import SyncOffloadAdamW
+from .config import ZenFlowConfig
+from .host import HostWorkerError
+from .optimizer import ZenFlowAdamW
+
+
+__version__ = "0.1.0"
+
+_HF_EXPORTS = {"ZenFlowTrainer", "ZenFlowTrainingArguments", "ZenFlowPlugin"}
+
+
+def __getattr__(name: str) -> Any:
+    # The HF glue imports transformers/accelerate (seconds); load it only when asked for.
+    if name in _HF_EXPORTS:
+        from . import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'hf_zenflow' has no attribute {name!r}")
+
+
+__all__ = [
+    "HostWorkerError",
+    "SyncOffloadAdamW",
+    "ZenFlowAdamW",
+    "ZenFlowConfig",
+    "ZenFlowPlugin",
+    "ZenFlowTrainer",
+    "ZenFlowTrainingArguments",
+    "__version__",
+]

@@ -1,0 +1,129 @@
+"""What `ZenFlowAdamW` and `SyncOffloadAdamW` share: hyper-parameter checks, the global gradient norm and clipping,
+the fused AdamW kernel call, host buffer allocation and the worker-thread count."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.optim.adam import adam as _functional_adam
+
+
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """Reject AdamW settings torch would reject, naming the argument."""
+    if isinstance(lr, torch.Tensor) or not 0.0 <= lr:
+        raise ValueError(f"lr={lr!r} is invalid: allowed is a float >= 0.")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas={betas!r} is invalid: allowed is a pair of floats in [0, 1).")
+    if not 0.0 <= eps:
+        raise ValueError(f"eps={eps!r} is invalid: allowed is a float >= 0.")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"weight_decay={weight_decay!r} is invalid: allowed is a float >= 0.")
+
+
+def fused_adamw_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    group: dict[str, Any],
+) -> None:
+    """One AdamW step (decoupled weight decay) with torch's fused kernel, in place; increments `steps`.
+
+    The same kernel serves the device path, the host path and the baseline, so a column's update is the same
+    arithmetic wherever it runs (the degenerate-setting tests rely on that).
+    """
+    if not params:
+        return
+    beta1, beta2 = group["betas"]
+    _functional_adam(
+        params, grads, exp_avgs, exp_avg_sqs, [], steps,
+        foreach=False, fused=True, decoupled_weight_decay=True, amsgrad=False, maximize=False,
+        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+    )
+
+
+def host_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host buffer; pinned when a CUDA device will copy from/to it asynchronously."""
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run host math with `n` intra-op threads. torch's setting is per OS thread, so this neither sees nor changes
+    what `OMP_NUM_THREADS` (set to 1 by `accelerate launch`) gave the training thread once restored."""
+    before = torch.get_num_threads()
+    if before != n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if before != n:
+            torch.set_num_threads(before)
+
+
+def grad_norms(grads: list[torch.Tensor], norm_type: float = 2.0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per-tensor norms (in the order given) and their total, computed exactly as
+    `torch.nn.utils.clip_grad_norm_` does (grouped by device and dtype, foreach where supported, the total taken
+    over the norms in grouped order), so the total is bit-identical to what torch would report."""
+    if not grads:
+        return [], torch.tensor(0.0)
+    grouped = torch.utils._foreach_utils._group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[attr-defined]
+    norms: list[torch.Tensor | None] = [None] * len(grads)
+    in_grouped_order: list[torch.Tensor] = []
+    for (device, _), ([device_grads], indices) in grouped.items():
+        if torch.utils._foreach_utils._has_foreach_support(device_grads, device):  # type: ignore[attr-defined]
+            values = list(torch._foreach_norm(device_grads, norm_type))
+        else:
+            values = [torch.linalg.vector_norm(g, norm_type) for g in device_grads]
+        in_grouped_order.extend(values)
+        for i, v in zip(indices, values):
+            norms[i] = v
+    first = grads[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in in_grouped_order]), norm_type)
+    return norms, total  # type: ignore[return-value]
+
+
+class GradNormCache:
+    """Remembers the norms `clip_grad_norm_` computed so `step()` does not read every gradient a second time.
+
+    Valid only for the very gradient tensors, unmodified (same identity and version counter), that were measured.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[tuple[int, int], ...] | None = None
+        self.norms: list[torch.Tensor] = []
+        self.total: torch.Tensor | None = None
+        self.clip_coef: torch.Tensor | None = None
+
+    @staticmethod
+    def _key_of(grads: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+        return tuple((id(g), g._version) for g in grads)
+
+    def store(
+        self, grads: list[torch.Tensor], norms: list[torch.Tensor], total: torch.Tensor | None,
+        clip_coef: torch.Tensor | None,
+    ) -> None:
+        self._key, self.norms, self.total, self.clip_coef = self._key_of(grads), norms, total, clip_coef
+
+    def take(
+        self, grads: list[torch.Tensor],
+    ) -> tuple[list[torch.Tensor] | None, torch.Tensor | None, torch.Tensor | None]:
+        """(L2 norms, their total, clip coefficient) if measured on exactly these gradients; clears the cache."""
+        hit = self._key is not None and self._key == self._key_of(grads)
+        out = (self.norms or None, self.total, self.clip_coef) if hit else (None, None, None)
+        self._key, self.norms, self.total, self.clip_coef = None, [], None, None
+        return out
+
+
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clipping rule: scale = min(1, max_norm / (norm + 1e-6))."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+

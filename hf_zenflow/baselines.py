@@ -1,0 +1,171 @@
+"""`SyncOffloadAdamW`: the synchronous CPU-offloaded AdamW baseline (ZeRO-Offload's schedule).
+
+Every step: all gradients go to the host, a fused host AdamW updates fp32 masters and moments there, and the
+parameters come back; the caller waits for all of it. This is what ZenFlow is measured against, and with
+``topk_ratio=0, update_interval=1, overlap_step=False`` ZenFlow reproduces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ._base import (
+    GradNormCache,
+    check_hyperparameters,
+    clip_coefficient,
+    fused_adamw_,
+    grad_norms,
+    host_empty,
+    torch_threads,
+)
+from .config import available_cpu_count
+from .telemetry import StepTimer, ZenFlowStats
+
+
+class _HostParam:
+    __slots__ = ("master", "grad", "exp_avg", "exp_avg_sq", "step")
+
+    def __init__(self, param: torch.Tensor) -> None:
+        pin = param.is_cuda
+        self.master = host_empty(param.shape, torch.float32, pin)
+        self.master.copy_(param.detach())
+        self.grad = host_empty(param.shape, torch.float32, pin)
+        self.exp_avg = torch.zeros(param.shape, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(param.shape, dtype=torch.float32)
+        self.step = torch.zeros((), dtype=torch.float32)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq))
+
+
+class SyncOffloadAdamW(torch.optim.Optimizer):
+    """AdamW with all optimizer state on the host and a synchronous host step (ZeRO-Offload's schedule).
+
+    Args:
+        params: parameters or param groups.
+        lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
+        cpu_threads: threads of the host AdamW; None = the cores in this process's CPU affinity.
+
+    Example:
+        >>> import torch
+        >>> from hf_zenflow import SyncOffloadAdamW
+        >>> model = torch.nn.Linear(16, 16)
+        >>> opt = SyncOffloadAdamW(model.parameters(), lr=1e-3)
+        >>> model(torch.randn(4, 16)).sum().backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        cpu_threads: int | None = None,
+    ) -> None:
+        check_hyperparameters(lr, betas, eps, weight_decay)
+        if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
+            raise ValueError(f"SyncOffloadAdamW cpu_threads={cpu_threads!r} is invalid: allowed is None or an "
+                             "integer >= 1.")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.cpu_threads = cpu_threads if cpu_threads is not None else available_cpu_count()
+        self._host: dict[torch.Tensor, _HostParam] = {}
+        self._norm_cache = GradNormCache()
+        self._stats = ZenFlowStats()
+        self._steps = 0
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm (as `torch.nn.utils.clip_grad_norm_`); the clip scale is applied on the host."""
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        _, total = grad_norms(grads, norm_type)
+        coef = clip_coefficient(total, float(max_norm)) if max_norm != float("inf") else None
+        self._norm_cache.store(grads, [], None, coef)
+        return total
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        timer = StepTimer()
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        _, _, clip = self._norm_cache.take(grads)
+        coef = float(clip) if clip is not None else None  # Sync point: the clip scale is needed on the host
+        with timer.phase("handoff"):
+            # Sync point: every gradient is copied to the host and the caller waits for it (the ZeRO-Offload stall).
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    host = self._host.get(p)
+                    if host is None:
+                        host = self._host[p] = _HostParam(p)
+                    host.grad.copy_(p.grad)
+                    if coef is not None and coef != 1.0:
+                        host.grad.mul_(coef)
+                    self._stats.bytes_to_host += p.grad.numel() * p.grad.element_size()
+        with timer.phase("host_update"), torch_threads(self.cpu_threads):
+            for group in self.param_groups:
+                live = [self._host[p] for p in group["params"] if p.grad is not None]
+                fused_adamw_([h.master for h in live], [h.grad for h in live], [h.exp_avg for h in live],
+                             [h.exp_avg_sq for h in live], [h.step for h in live], group)
+        with timer.phase("writeback"):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.copy_(self._host[p].master)
+                        self._stats.bytes_to_device += p.numel() * p.element_size()
+        self._steps += 1
+        self._stats.finish_step(timer, staleness=0)
+        return loss
+
+    def synchronize(self) -> None:
+        """Nothing runs in the background: present for API parity with `ZenFlowAdamW`."""
+
+    def flush(self) -> None:
+        """Nothing is ever pending: present for API parity with `ZenFlowAdamW`."""
+
+    def close(self) -> None:
+        """No worker to stop: present for API parity with `ZenFlowAdamW`."""
+
+    def stats(self) -> dict[str, float]:
+        return self._stats.as_dict(
+            selected_fraction=0.0, update_interval=1.0, steps=self._steps, windows=self._steps, reselections=0,
+            host_step_ms=self._stats.last_phases.get("host_update", 0.0), accumulate_ms=0.0,
+            host_state_bytes=sum(h.nbytes() for h in self._host.values()), device_state_bytes=0,
+        )
+
+    def master_weight(self, param: torch.Tensor) -> torch.Tensor:
+        host = self._host.get(param)
+        return host.master.clone() if host is not None else param.detach().float().cpu().clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        index_of = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index_of[p] for p in g["params"]]}
+                  for g in self.param_groups]
+        state = {index_of[p]: {"master": h.master, "exp_avg": h.exp_avg, "exp_avg_sq": h.exp_avg_sq, "step": h.step}
+                 for p, h in self._host.items()}
+        return {"state": state, "param_groups": groups, "steps": self._steps}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("SyncOffloadAdamW.load_state_dict: the saved param groups do not match this optimizer's.")
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            group["betas"] = tuple(group["betas"])
+        self._host.clear()
+        for index, entry in state_dict["state"].items():
+            p = params[int(index)]
+            host = self._host[p] = _HostParam(p)
+            for name in ("master", "exp_avg", "exp_avg_sq", "step"):
+                getattr(host, name).copy_(entry[name])
+        self._steps = int(state_dict.get("steps", 0))

@@ -1,0 +1,94 @@
+"""The device path: AdamW every step on the selected columns of each matrix and on every 1-D parameter.
+
+All device-side optimizer state is fp32 (master values and both moments), whatever the parameter dtype, so a bf16
+model never has its master truncated: the parameter only ever receives a rounded copy of the fp32 master.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DeviceColumns:
+    """fp32 master values and moments of the selected columns of one matrix, on the parameter's device.
+
+    `index` holds the selected input columns, sorted; every tensor here is [out, k].
+    """
+
+    index: torch.Tensor
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+    grad: torch.Tensor  # reused gather buffer
+
+    @classmethod
+    def from_columns(
+        cls, index: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+        step: torch.Tensor, device: torch.device,
+    ) -> DeviceColumns:
+        to = {"device": device, "dtype": torch.float32}
+        master = master.to(**to).contiguous()
+        return cls(
+            index=index.to(device), master=master, exp_avg=exp_avg.to(**to).contiguous(),
+            exp_avg_sq=exp_avg_sq.to(**to).contiguous(), step=step.to(**to).clone(),
+            grad=torch.empty_like(master),
+        )
+
+    @property
+    def k(self) -> int:
+        return self.index.numel()
+
+    def gather_grad(self, grad2d: torch.Tensor) -> torch.Tensor:
+        """Copy the selected gradient columns into the fp32 buffer (one strided read of the gradient)."""
+        if grad2d.dtype == torch.float32:
+            torch.index_select(grad2d, 1, self.index, out=self.grad)
+        else:
+            self.grad.copy_(torch.index_select(grad2d, 1, self.index))
+        return self.grad
+
+    def scatter_into(self, param2d: torch.Tensor) -> None:
+        """Write the (rounded) master columns into the parameter."""
+        source = self.master if param2d.dtype == torch.float32 else self.master.to(param2d.dtype)
+        param2d.index_copy_(1, self.index, source)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
+
+
+@dataclass
+class DenseDeviceState:
+    """AdamW state of a parameter updated entirely on the device (1-D parameters, non-contiguous tensors).
+
+    `master` is the parameter itself when it is fp32, else an fp32 copy.
+    """
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+
+    @classmethod
+    def fresh(cls, param: torch.Tensor) -> DenseDeviceState:
+        master = param.data if param.dtype == torch.float32 else param.detach().float().clone()
+        return cls(
+            master=master,
+            exp_avg=torch.zeros_like(master),
+            exp_avg_sq=torch.zeros_like(master),
+            step=torch.zeros((), dtype=torch.float32, device=param.device),
+        )
+
+    def nbytes(self, param: torch.Tensor) -> int:
+        own = [self.exp_avg, self.exp_avg_sq] + ([self.master] if self.master is not param.data else [])
+        return sum(t.numel() * t.element_size() for t in own)
+
+
+def scaled_fp32(grad: torch.Tensor, coef: float | None) -> torch.Tensor:
+    """The gradient as fp32, times the clip coefficient, never modifying the caller's tensor."""
+    g = grad if grad.dtype == torch.float32 else grad.float()
+    if coef is None:
+        return g
+    return g * coef

@@ -1,0 +1,227 @@
+"""The host path: per-matrix host state, gradient accumulation, and the worker that runs the host AdamW.
+
+Host memory per offloaded parameter element: fp32 master (4 B) + fp32 exp_avg and exp_avg_sq (8 B) + fp32 window
+accumulator (4 B) = 16 B, plus on CUDA a pinned copy of the gradient per in-flight step (2 slots x the gradient dtype)
+and a pinned write-back buffer in the parameter dtype. One moment set (DeepSpeed keeps two, zenflow.md §3.12).
+
+The host state keeps the parameter's own row-major [out, in] layout. Every step the whole gradient is added into
+the accumulator (a contiguous streaming add on the worker) and every window the host AdamW updates the whole matrix
+with one fused call; the columns currently on the device are carried along and simply ignored (their host values
+are refreshed from the device at re-selection). That keeps every per-step and per-window host operation contiguous;
+the only strided column moves are the selected columns (device side, every step) and the migration at re-selection.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from ._base import fused_adamw_, host_empty, torch_threads
+
+
+class HostWorkerError(RuntimeError):
+    """The host worker failed; raised in the training process at its next `step()`/`synchronize()`."""
+
+
+#: In-flight gradient hand-offs between the caller and the worker. Two lets the caller hand over step t+1 while the
+#: worker still folds step t into the accumulator; more would only buy memory (each slot pins one gradient copy).
+GRAD_SLOTS = 2
+
+#: How often a waiting caller wakes to check that the worker thread is still alive.
+_POLL_S = 0.5
+
+
+@dataclass
+class HostMatrix:
+    """Host-side AdamW state of one matrix, as [out, in] fp32 tensors."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+    accum: torch.Tensor
+    accum_count: int = 0
+    # CUDA only: pinned landing buffers for the device->host gradient copy (one per slot), the pinned write-back
+    # buffer in the parameter dtype, and the event after which the last host->device copy of it has finished.
+    staging: list[torch.Tensor] = field(default_factory=list)
+    writeback: torch.Tensor | None = None
+    writeback_free: object | None = None
+
+    @classmethod
+    def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype) -> HostMatrix:
+        pin = param2d.is_cuda
+        master = host_empty(param2d.shape, torch.float32, pin)
+        master.copy_(param2d.detach())
+        state = cls(
+            master=master,
+            exp_avg=torch.zeros(param2d.shape, dtype=torch.float32),
+            exp_avg_sq=torch.zeros(param2d.shape, dtype=torch.float32),
+            step=torch.zeros((), dtype=torch.float32),
+            accum=torch.zeros(param2d.shape, dtype=torch.float32),
+        )
+        if pin:
+            state.staging = [host_empty(param2d.shape, grad_dtype, True) for _ in range(GRAD_SLOTS)]
+            state.writeback = host_empty(param2d.shape, param2d.dtype, True)
+        return state
+
+    def accumulate(self, grad2d: torch.Tensor, coef: float | None) -> None:
+        """Fold one step's gradient (times the clip coefficient) into the window sum, in fp32."""
+        if self.accum_count == 0:
+            self.accum.copy_(grad2d)
+            if coef is not None:
+                self.accum.mul_(coef)
+        elif coef is None:
+            self.accum.add_(grad2d)
+        else:
+            self.accum.add_(grad2d, alpha=coef)
+        self.accum_count += 1
+
+    def nbytes(self) -> int:
+        tensors = [self.master, self.exp_avg, self.exp_avg_sq, self.accum, *self.staging]
+        if self.writeback is not None:
+            tensors.append(self.writeback)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]]) -> None:
+    """The host AdamW step of one window: mean gradient of the window, one fused call per param group.
+
+    Matrices that received no gradient during the window are left alone, as torch's AdamW skips parameters
+    without a gradient.
+    """
+    for hyper, matrices in groups:
+        live = [m for m in matrices if m.accum_count > 0]
+        for m in live:
+            if m.accum_count > 1:
+                m.accum.div_(m.accum_count)
+        fused_adamw_(
+            [m.master for m in live], [m.accum for m in live], [m.exp_avg for m in live],
+            [m.exp_avg_sq for m in live], [m.step for m in live], hyper,
+        )
+        for m in live:
+            m.accum_count = 0
+            if m.writeback is not None:
+                # Sync point (worker waits on the device): the previous host->device copy of this buffer, enqueued
+                # at the last window boundary, must have finished reading it before we overwrite it.
+                if m.writeback_free is not None:
+                    m.writeback_free.synchronize()  # type: ignore[attr-defined]
+                m.writeback.copy_(m.master)
+
+
+class HostAdamWorker:
+    """Runs host jobs (gradient accumulation, the host AdamW) in order, on a background thread or inline.
+
+    Jobs run strictly in submission order, so a window's host step always sees all of that window's gradients and
+    the next window's accumulation never races it. The inline mode runs the very same jobs at submission time: it
+    is the sequential reference of the overlapped schedule and the engine of ``overlap_step=False``.
+
+    A failed job poisons the worker: its exception is re-raised (as `HostWorkerError`) in the caller at the next
+    `check()` / `wait()`, and every later job is dropped rather than run on inconsistent state.
+    """
+
+    def __init__(self, threads: int, background: bool) -> None:
+        self.threads = threads
+        self.background = background
+        self._error: BaseException | None = None
+        self._error_job = ""
+        self._outstanding: list[Future] = []
+        self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(GRAD_SLOTS):
+            self._slots.put(slot)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.last_job_ms: dict[str, float] = {}
+        if background:
+            # A daemon thread: an interpreter that exits (Ctrl-C included) is never held up by a host step.
+            self._thread = threading.Thread(target=self._run, name="hf_zenflow-host", daemon=True)
+            self._thread.start()
+
+    # -- worker side -------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_num_threads(self.threads)  # per OS thread in torch: the training thread keeps its own setting
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            what, fn, future = item
+            self._execute(what, fn, future)
+
+    def _execute(self, what: str, fn: Callable[[], None], future: Future) -> None:
+        if self._error is not None:
+            future.set_exception(HostWorkerError(f"host job '{what}' dropped after an earlier failure"))
+            return
+        start = time.perf_counter()
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - everything must reach the caller, KeyboardInterrupt too
+            self._error, self._error_job = exc, what
+            future.set_exception(exc)
+            return
+        self.last_job_ms[what] = (time.perf_counter() - start) * 1e3
+        future.set_result(None)
+
+    # -- caller side -------------------------------------------------------------------------------------------
+    def submit(self, what: str, fn: Callable[[], None]) -> Future:
+        self.check()
+        future: Future = Future()
+        if self._thread is None:
+            with torch_threads(self.threads):
+                self._execute(what, fn, future)
+            self.check()
+        else:
+            self._outstanding = [f for f in self._outstanding if not f.done()]
+            self._outstanding.append(future)
+            self._jobs.put((what, fn, future))
+        return future
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise HostWorkerError(
+                f"the hf_zenflow host worker failed in '{self._error_job}': "
+                f"{type(self._error).__name__}: {self._error}"
+            ) from self._error
+
+    def wait(self, future: Future) -> None:
+        """Block until `future` is done; raise the worker's failure; never hang on a dead worker."""
+        while True:
+            try:
+                future.result(timeout=_POLL_S)
+                return
+            except TimeoutError:
+                if self._thread is not None and not self._thread.is_alive():
+                    raise HostWorkerError("the hf_zenflow host worker thread died") from None
+            except BaseException:
+                self.check()
+                raise
+
+    def synchronize(self) -> None:
+        """Wait until every submitted job has run."""
+        for future in list(self._outstanding):
+            self.wait(future)
+        self._outstanding = []
+        self.check()
+
+    def acquire_slot(self) -> int:
+        """A free gradient hand-off slot; blocks (a stall) while the worker is two steps behind."""
+        while True:
+            try:
+                return self._slots.get(timeout=_POLL_S)
+            except queue.Empty:
+                self.check()
+                if self._thread is not None and not self._thread.is_alive():
+                    raise HostWorkerError("the hf_zenflow host worker thread died") from None
+
+    def release_slot(self, slot: int) -> None:
+        self._slots.put(slot)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout)
+        self._thread = None

@@ -1,0 +1,667 @@
+"""`ZenFlowAdamW`: AdamW with ZenFlow's importance-aware device/host split.
+
+Each optimizer step:
+
+1. one pass over the gradients gives per-tensor norms: the non-finite check, the clip norm and Zen-auto's masses;
+2. **device path** (`device_step.py`): the top-k input columns of every matrix (by gradient norm) and every 1-D
+   parameter get a fused AdamW update on the device, on fp32 master values and moments;
+3. **host path** (`host.py`): the whole matrix gradient is handed to the host worker, which adds it to a window
+   accumulator; every `update_interval` steps the window closes and the host AdamW updates the matrix on the window's
+   mean gradient, with the learning rate in force when the window closed;
+4. the host result is written back into the device weights at the next window boundary (``overlap_step=True``: the
+   host step runs while the device trains on) or at once (``overlap_step=False``); the columns on the device keep
+   their device values.
+
+The selection is refreshed on schedule; the master values and moments of columns that enter or leave the device
+set migrate with them, so with ``update_interval=1`` the split is invisible (AdamW is elementwise).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import math
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ._base import (
+    GradNormCache,
+    check_hyperparameters,
+    clip_coefficient,
+    fused_adamw_,
+    grad_norms,
+)
+from .config import ZenFlowConfig
+from .device_step import DenseDeviceState, DeviceColumns, scaled_fp32
+from .host import HostAdamWorker, HostMatrix, host_adamw_window
+from .selection import WindowSchedule, ZenAutoStats, as_matrix, column_scores, num_selected, top_columns
+from .telemetry import StepTimer, ZenFlowStats
+
+
+_LIVE_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:  # the host threads are daemons; this just lets in-flight jobs end cleanly
+    for opt in list(_LIVE_OPTIMIZERS):
+        opt.close()
+
+
+class _SplitParam:
+    """One matrix: its device columns and its host state (either may be absent)."""
+
+    __slots__ = ("param", "k", "columns", "device", "host", "auto")
+
+    def __init__(self, param: torch.Tensor, k: int) -> None:
+        self.param = param
+        self.columns = as_matrix(param).shape[1]
+        self.k = k
+        self.device: DeviceColumns | None = None
+        self.host: HostMatrix | None = None
+        self.auto = ZenAutoStats()
+
+    @property
+    def offloaded(self) -> bool:
+        """True when some columns live on the host (k < in)."""
+        return self.k < self.columns
+
+
+class ZenFlowAdamW(torch.optim.Optimizer):
+    """AdamW whose important columns are updated on the device every step and the rest by a host AdamW every
+    `update_interval` steps, overlapped with training.
+
+    Args:
+        params: parameters or param groups (per-group ``lr``, ``betas``, ``eps``, ``weight_decay``).
+        lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay, as `torch.optim.AdamW`).
+        config: a `ZenFlowConfig`; keyword arguments named like its fields override it.
+        host_executor: ``"thread"`` (default) runs the host work on a background thread; ``"inline"`` runs the same
+            jobs in the calling thread, in the same order (the sequential reference of the overlapped schedule).
+
+    Matrices (parameters with ``ndim >= 2``, viewed as ``[out, in]``) are split by input column; 1-D and
+    non-contiguous parameters are updated entirely on the device. `step()` takes ownership of the gradients of
+    split matrices (it sets their ``.grad`` to None) so that the host worker can read them after `step()` returns.
+
+    Example:
+        >>> import torch
+        >>> from hf_zenflow import ZenFlowAdamW
+        >>> model = torch.nn.Linear(64, 64)
+        >>> opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.1, update_interval=4)
+        >>> model(torch.randn(8, 64)).square().mean().backward()
+        >>> grad_norm = opt.clip_grad_norm_(1.0)
+        >>> opt.step(); opt.zero_grad()
+        >>> opt.flush()  # end of training: every gradient seen is now in the weights
+        >>> opt.close()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        config: ZenFlowConfig | None = None,
+        host_executor: str = "thread",
+        **config_overrides: Any,
+    ) -> None:
+        check_hyperparameters(lr, betas, eps, weight_decay)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        config = config if config is not None else ZenFlowConfig()
+        if config_overrides:
+            known = {f.name for f in dataclasses.fields(ZenFlowConfig)}
+            unknown = sorted(set(config_overrides) - known)
+            if unknown:
+                raise ValueError(f"ZenFlowAdamW got unknown argument(s) {unknown}: ZenFlowConfig fields are "
+                                 f"{sorted(known)}.")
+            config = dataclasses.replace(config, **config_overrides)
+        if host_executor not in ("thread", "inline"):
+            raise ValueError(f'ZenFlowAdamW host_executor={host_executor!r} is invalid: allowed is "thread" or '
+                             '"inline".')
+        self.config = config
+        self.host_executor = host_executor
+        self._worker: HostAdamWorker | None = None
+        self._split: dict[torch.Tensor, _SplitParam] = {}
+        self._dense: dict[torch.Tensor, DenseDeviceState] = {}
+        self._schedule: WindowSchedule | None = None
+        self._pending = None  # Future of the host step whose result awaits write-back (overlap mode)
+        self._writeback_pending = False
+        self._unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
+        self._norm_cache = GradNormCache()
+        self._copy_stream: Any = None
+        self._stats = ZenFlowStats()
+        _LIVE_OPTIMIZERS.add(self)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Public API
+    # ------------------------------------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if key in param_group:
+                check_hyperparameters(
+                    param_group.get("lr", self.defaults["lr"]), param_group.get("betas", self.defaults["betas"]),
+                    param_group.get("eps", self.defaults["eps"]),
+                    param_group.get("weight_decay", self.defaults["weight_decay"]),
+                )
+                break
+        super().add_param_group(param_group)
+
+    def set_steps_per_epoch(self, steps: int) -> None:
+        """Epoch length in optimizer steps, for ``select_strategy="epoch"`` or ``"auto"``."""
+        self.config = dataclasses.replace(self.config, steps_per_epoch=int(steps))
+        if self._schedule is not None:
+            self._schedule.select_period = self.config.select_period()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Global norm of ALL gradients (what `torch.nn.utils.clip_grad_norm_` returns) and, when it exceeds
+        `max_norm`, the same scale applied to both the device and the host path inside the next `step()`.
+
+        The gradients themselves are not rewritten: the coefficient is folded into the gather of the selected
+        columns and into the host accumulation, which read the gradient anyway.
+        """
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norms, total = grad_norms(grads, norm_type)
+        coef = clip_coefficient(total, float(max_norm)) if max_norm != float("inf") else None
+        if norm_type == 2.0:
+            self._norm_cache.store(grads, norms, total, coef)
+        else:
+            self._norm_cache.store(grads, [], None, coef)
+        return total
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        worker = self._ensure_worker()
+        worker.check()
+        timer = StepTimer()
+        entries = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not entries:
+            return loss
+        for _, p in entries:
+            if p.grad.is_sparse:
+                raise RuntimeError("ZenFlowAdamW does not support sparse gradients")
+        grads = [p.grad for _, p in entries]
+        cached_norms, cached_total, clip = self._norm_cache.take(grads)
+        schedule = self._ensure_schedule()
+        self._ensure_state(entries)
+
+        # ---- 1. norms and the one device->host sync of the step -------------------------------------------------
+        with timer.phase("norms"):
+            norms, total = (cached_norms, cached_total) if cached_norms else grad_norms(grads)
+            warm_up, selecting = schedule.in_warm_up(), schedule.selection_due()
+            auto_split = [
+                (i, self._split[p]) for i, (_, p) in enumerate(entries)
+                if p in self._split and self._split[p].offloaded and self._split[p].device is not None
+            ] if (self.config.is_auto_interval and not warm_up and not selecting) else []
+            critical = [s.device.gather_grad(as_matrix(grads[i])).square().sum() for i, s in auto_split]
+            probe = [total] + [norms[i].square() for i, _ in auto_split] + critical
+            # Sync point: the caller waits for the backward pass to finish and reads a few scalars. Skipping a
+            # non-finite step must be decided before any state changes, and Zen-auto's window decision and the
+            # clip coefficient are needed as numbers on the host; bundling them keeps it to one sync per step.
+            values = torch.stack([v.float().to(probe[0].device) for v in probe]).tolist()
+            coef = float(clip) if clip is not None else None
+        if not math.isfinite(values[0]) or (coef is not None and not math.isfinite(coef)):
+            self._stats.skipped_steps += 1
+            self._stats.finish_step(timer, skipped=True)
+            return loss
+        if coef == 1.0:
+            coef = None  # multiplying by exactly 1 changes nothing; skip the pass
+
+        if warm_up:
+            self._warm_up_step(entries, grads, coef, timer)
+        else:
+            with timer.phase("select"):
+                if selecting:
+                    self._reselect(entries, grads)
+                else:
+                    self._select_new_matrices(entries, grads)
+            with timer.phase("device_update"):
+                self._device_update(entries, grads, coef, gathered=bool(auto_split))
+            with timer.phase("handoff"):
+                self._hand_off(entries, grads, coef)
+            schedule.window_steps += 1
+            votes: list[bool] = []
+            n = len(auto_split)
+            for j, (_, split) in enumerate(auto_split):
+                votes.append(split.auto.update(values[1 + n + j], values[1 + j], split.k, split.columns))
+            if schedule.window_closes(votes):
+                self._close_window(timer, sequential=not self.config.overlap_step)
+        schedule.steps += 1
+        self._stats.finish_step(timer, staleness=sum(self._unapplied_steps) + schedule.window_steps)
+        return loss
+
+    def synchronize(self) -> None:
+        """Wait until the host worker is idle and re-raise its failure, if any. Does not change the schedule: a
+        host result still waiting for its window boundary stays pending (and is part of `state_dict()`)."""
+        if self._worker is not None:
+            self._worker.synchronize()
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Close the open window and write every host result into the weights now, so that the model reflects
+        every gradient seen. Call it at the end of training; mid-training it shortens the current window."""
+        if self._schedule is None:
+            return
+        if self._schedule.window_steps > 0:
+            self._close_window(StepTimer(), sequential=True)
+        self._drain_and_apply()
+
+    def train(self) -> None:
+        """HF calls this before every training step: only surface a worker failure. (Waiting here would serialise
+        the host step with every training step.)"""
+        if self._worker is not None:
+            self._worker.check()
+
+    def eval(self) -> None:
+        """HF calls this before evaluation: wait for the host worker."""
+        self.synchronize()
+
+    def close(self) -> None:
+        """Stop the host worker thread (a later `step()` starts a new one)."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
+
+    def __del__(self) -> None:  # noqa: D105
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+    def stats(self) -> dict[str, float]:
+        """Telemetry of the last step (see `telemetry.ZenFlowStats`)."""
+        split = [s for s in self._split.values()]
+        total = sum(s.param.numel() for s in split)
+        on_device = sum(s.param.numel() * (s.k / s.columns) for s in split if s.device is not None)
+        schedule = self._schedule
+        host_bytes = sum(s.host.nbytes() for s in split if s.host is not None)
+        device_bytes = sum(s.device.nbytes() for s in split if s.device is not None) + sum(
+            d.nbytes(p) for p, d in self._dense.items()
+        )
+        worker_ms = self._worker.last_job_ms if self._worker is not None else {}
+        return self._stats.as_dict(
+            selected_fraction=(on_device / total) if total else 1.0,
+            update_interval=float(schedule.last_interval if schedule and schedule.last_interval else (
+                self.config.update_interval if not self.config.is_auto_interval else 0)),
+            steps=schedule.steps if schedule else 0,
+            windows=schedule.windows if schedule else 0,
+            reselections=schedule.reselections if schedule else 0,
+            host_step_ms=worker_ms.get("host_adamw", 0.0),
+            accumulate_ms=worker_ms.get("accumulate", 0.0),
+            host_state_bytes=host_bytes,
+            device_state_bytes=device_bytes,
+        )
+
+    def master_weight(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 master value of `param` (host columns from the host master, device columns from the device),
+        on the host. Call `synchronize()` first in overlap mode."""
+        if param in self._dense:
+            return self._dense[param].master.detach().float().cpu().clone()
+        split = self._split.get(param)
+        if split is None:
+            return param.detach().float().cpu().clone()
+        full = split.host.master.clone() if split.host is not None else as_matrix(param).detach().float().cpu()
+        if split.device is not None:
+            full.index_copy_(1, split.device.index.cpu(), split.device.master.cpu())
+        return full.view(param.shape)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Step internals
+    # ------------------------------------------------------------------------------------------------------------
+    def _ensure_worker(self) -> HostAdamWorker:
+        if self._worker is None:
+            self._worker = HostAdamWorker(
+                self.config.resolved_cpu_threads,
+                background=self.config.overlap_step and self.host_executor == "thread",
+            )
+        return self._worker
+
+    def _ensure_schedule(self) -> WindowSchedule:
+        if self._schedule is None:
+            cfg = self.config
+            self._schedule = WindowSchedule(
+                warm_up=cfg.full_warm_up_rounds,
+                update_interval=None if cfg.is_auto_interval else int(cfg.update_interval),
+                auto_ratio=cfg.auto_ratio,
+                auto_max_interval=cfg.auto_max_interval,
+                select_period=cfg.select_period(),
+            )
+        return self._schedule
+
+    def _ensure_state(self, entries: list[tuple[dict, torch.Tensor]]) -> None:
+        for _, p in entries:
+            if p in self._split or p in self._dense:
+                continue
+            if p.ndim >= 2 and p.is_contiguous():
+                split = _SplitParam(p, num_selected(self.config.topk_ratio, as_matrix(p).shape[1]))
+                if split.offloaded or self._schedule.in_warm_up():
+                    split.host = HostMatrix.create(as_matrix(p), p.grad.dtype)
+                self._split[p] = split
+            else:
+                self._dense[p] = DenseDeviceState.fresh(p)
+            if p.is_cuda and self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device=p.device)
+
+    def _group_of(self) -> dict[torch.Tensor, dict]:
+        return {p: g for g in self.param_groups for p in g["params"]}
+
+    def _device_update(
+        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None, gathered: bool,
+    ) -> None:
+        """Fused AdamW on the selected columns and the dense parameters, one kernel launch per group and device."""
+        batches: dict[tuple[int, torch.device], tuple[dict, list[list[torch.Tensor]]]] = {}
+        scatters: list[tuple[DeviceColumns, torch.Tensor]] = []
+        dense_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for (group, p), g in zip(entries, grads):
+            lists = batches.setdefault((id(group), p.device), (group, [[], [], [], [], []]))[1]
+            if p in self._split:
+                cols = self._split[p].device
+                if cols is None:
+                    continue
+                if not gathered or not self._split[p].offloaded:
+                    cols.gather_grad(as_matrix(g))
+                if coef is not None:
+                    cols.grad.mul_(coef)
+                tensors = (cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.step)
+                scatters.append((cols, as_matrix(p)))
+            else:
+                state = self._dense[p]
+                tensors = (state.master, scaled_fp32(g, coef), state.exp_avg, state.exp_avg_sq, state.step)
+                if state.master is not p.data:
+                    dense_copies.append((p, state.master))
+            for bucket, t in zip(lists, tensors):
+                bucket.append(t)
+        for group, (params, gs, m, v, steps) in batches.values():
+            fused_adamw_(params, gs, m, v, steps, group)
+        for cols, p2d in scatters:
+            cols.scatter_into(p2d)
+        for p, master in dense_copies:
+            p.copy_(master)
+
+    def _hand_off(
+        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
+    ) -> None:
+        """Give this step's gradients of the offloaded matrices to the host worker, which adds them to the window.
+
+        On CUDA the device->host copy is enqueued on a side stream into pinned memory and the worker waits for it;
+        on a CPU device the worker reads the gradient tensors themselves. Either way the caller does not wait,
+        unless the worker is `GRAD_SLOTS` steps behind.
+        """
+        work = [(self._split[p], g) for (_, p), g in zip(entries, grads)
+                if p in self._split and self._split[p].host is not None]
+        if not work:
+            return
+        worker = self._worker
+        slot = worker.acquire_slot()
+        event = None
+        if work[0][0].param.is_cuda:
+            stream = self._copy_stream
+            # Sync point (device streams only): the copy stream waits for the compute stream that produced the
+            # gradients; the host thread does not wait.
+            stream.wait_stream(torch.cuda.current_stream(work[0][0].param.device))
+            with torch.cuda.stream(stream):
+                for split, g in work:
+                    split.host.staging[slot].view(g.shape).copy_(g, non_blocking=True)
+                    g.record_stream(stream)  # keep the gradient's memory alive until the copy has read it
+                event = torch.cuda.Event()
+                event.record(stream)
+            sources = [(split.host, split.host.staging[slot]) for split, _ in work]
+        else:
+            sources = [(split.host, as_matrix(g)) for split, g in work]
+        for split, _ in work:
+            split.param.grad = None  # the worker owns this gradient now
+        self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in work)
+
+        def accumulate() -> None:
+            try:
+                if event is not None:
+                    event.synchronize()  # Sync point (worker waits on the device): the gradient has landed on the host
+                for host, g2d in sources:
+                    host.accumulate(g2d, coef)
+            finally:
+                worker.release_slot(slot)
+
+        worker.submit("accumulate", accumulate)
+
+    def _close_window(self, timer: StepTimer, sequential: bool) -> None:
+        """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
+        schedule = self._schedule
+        group_of = self._group_of()
+        by_group: dict[int, tuple[dict, list[HostMatrix]]] = {}
+        for p, split in self._split.items():
+            if split.host is not None:
+                group = group_of[p]
+                by_group.setdefault(id(group), ({k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}, []))[
+                    1].append(split.host)
+        work = list(by_group.values())  # hyper-parameters are copied now: the lr in force when the window closed
+        worker = self._worker
+        if not sequential and self._writeback_pending:
+            with timer.phase("wait"):
+                # Sync point: the previous window's host step must be done before its result is written back.
+                if self._pending is not None:
+                    worker.wait(self._pending)
+            with timer.phase("writeback"):
+                self._write_back()
+        future = worker.submit("host_adamw", lambda: host_adamw_window(work))
+        schedule.windows += 1
+        schedule.last_interval = schedule.window_steps
+        self._unapplied_steps.append(schedule.window_steps)
+        schedule.window_steps = 0
+        for split in self._split.values():
+            split.auto.reset()
+        self._pending, self._writeback_pending = future, True
+        if sequential:
+            with timer.phase("wait"):
+                worker.wait(future)
+            with timer.phase("writeback"):
+                self._write_back()
+
+    def _write_back(self) -> None:
+        """Copy the host masters into the device weights, then put the device columns back on top."""
+        moved = 0
+        for split in self._split.values():
+            if split.host is None:
+                continue
+            p2d = as_matrix(split.param)
+            if split.host.writeback is not None:
+                # Asynchronous host->device copy from pinned memory on the compute stream: the next forward pass
+                # is ordered after it; the host thread does not wait.
+                p2d.copy_(split.host.writeback, non_blocking=True)
+            else:
+                p2d.copy_(split.host.master)
+            if split.device is not None:
+                split.device.scatter_into(p2d)
+            if split.host.writeback is not None:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(split.param.device))
+                split.host.writeback_free = event
+            moved += split.param.numel() * split.param.element_size()
+        self._stats.bytes_to_device += moved
+        self._writeback_pending = False
+        self._pending = None
+        self._unapplied_steps.clear()
+
+    def _drain_and_apply(self) -> None:
+        worker = self._ensure_worker()
+        worker.synchronize()
+        if self._writeback_pending:
+            self._write_back()
+
+    def _warm_up_step(
+        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
+        timer: StepTimer,
+    ) -> None:
+        """Plain dense AdamW: every matrix column by the host, synchronously; 1-D parameters on the device."""
+        with timer.phase("device_update"):
+            self._device_update(entries, grads, coef, gathered=False)
+        with timer.phase("handoff"):
+            self._hand_off(entries, grads, coef)
+        self._schedule.window_steps += 1
+        self._close_window(timer, sequential=True)
+
+    def _reselect(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]) -> None:
+        """Choose new device columns from this step's gradient and migrate state to match.
+
+        The open window is closed first and every host result applied, so the host master is current for all
+        columns it owns; then the outgoing device columns are copied into the host state and the incoming ones
+        gathered from it (master values, moments, no reset).
+        """
+        schedule = self._schedule
+        if schedule.window_steps > 0:
+            self._close_window(StepTimer(), sequential=True)
+        self._drain_and_apply()
+        for (_, p), g in zip(entries, grads):
+            if p in self._split:
+                self._select(self._split[p], g)
+        schedule.reselections += 1
+
+    def _select_new_matrices(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]) -> None:
+        """A matrix seen for the first time after warm-up (its first gradient came late) gets its columns now; it
+        has no host update in flight, so nothing needs draining."""
+        for (_, p), g in zip(entries, grads):
+            split = self._split.get(p)
+            if split is not None and split.device is None and split.k > 0:
+                self._select(split, g)
+
+    def _select(self, split: _SplitParam, grad: torch.Tensor) -> None:
+        p, host = split.param, split.host
+        if split.device is not None and host is not None:
+            idx = split.device.index.cpu()
+            host.master.index_copy_(1, idx, split.device.master.cpu())
+            host.exp_avg.index_copy_(1, idx, split.device.exp_avg.cpu())
+            host.exp_avg_sq.index_copy_(1, idx, split.device.exp_avg_sq.cpu())
+        if split.k == 0 or (split.device is not None and not split.offloaded):
+            return  # nothing on the device, or every column already there
+        if split.offloaded:
+            index = top_columns(column_scores(as_matrix(grad)), split.k)
+        else:
+            index = torch.arange(split.k, device=p.device)
+        if split.device is not None:
+            step = split.device.step  # most device columns stay: keep the device path's count
+        elif host is not None:
+            step = host.step
+        else:
+            step = torch.zeros(())
+        if host is not None:
+            cpu_idx = index.cpu()
+            cols = [t.index_select(1, cpu_idx) for t in (host.master, host.exp_avg, host.exp_avg_sq)]
+        else:
+            master = as_matrix(p).detach().index_select(1, index).float()
+            cols = [master, torch.zeros_like(master), torch.zeros_like(master)]
+        split.device = DeviceColumns.from_columns(index, *cols, step=step, device=p.device)
+        if not split.offloaded:
+            split.host = None  # every column on the device (topk_ratio=1): the host keeps nothing
+        split.auto.reset()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Checkpointing
+    # ------------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: per-matrix selection, device and host masters and moments, the
+        open window's accumulated gradient, a host result still waiting to be written back, counters and Zen-auto
+        statistics. Only tensors, numbers, strings, lists and dicts: loadable with ``torch.load(weights_only=True)``.
+
+        Waits for the host worker first (`synchronize`), which does not change the schedule. Like torch's
+        optimizers, the returned tensors are the live state: serialise it before stepping again.
+        """
+        self.synchronize()
+        index_of: dict[torch.Tensor, int] = {}
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = []
+            for p in group["params"]:
+                index_of[p] = len(index_of)
+                packed["params"].append(index_of[p])
+            groups.append(packed)
+        state: dict[int, dict[str, Any]] = {}
+        for p, split in self._split.items():
+            entry: dict[str, Any] = {"kind": "split", "k": split.k, "auto": split.auto.to_list()}
+            if split.device is not None:
+                d = split.device
+                entry.update(device_index=d.index, device_master=d.master, device_exp_avg=d.exp_avg,
+                             device_exp_avg_sq=d.exp_avg_sq, device_step=d.step)
+            if split.host is not None:
+                h = split.host
+                entry.update(host_master=h.master, host_exp_avg=h.exp_avg, host_exp_avg_sq=h.exp_avg_sq,
+                             host_step=h.step, accum=h.accum if h.accum_count else None, accum_count=h.accum_count)
+            state[index_of[p]] = entry
+        for p, dense in self._dense.items():
+            state[index_of[p]] = {
+                "kind": "dense", "step": dense.step, "exp_avg": dense.exp_avg, "exp_avg_sq": dense.exp_avg_sq,
+                "master": None if dense.master is p.data else dense.master,
+            }
+        schedule = self._schedule
+        zenflow = None
+        if schedule is not None:
+            zenflow = {
+                "steps": schedule.steps, "window_steps": schedule.window_steps, "windows": schedule.windows,
+                "reselections": schedule.reselections, "last_interval": schedule.last_interval,
+                "writeback_pending": self._writeback_pending, "unapplied_steps": list(self._unapplied_steps),
+                "skipped_steps": self._stats.skipped_steps, "config": self.config.to_dict(),
+            }
+        return {"state": state, "param_groups": groups, "zenflow": zenflow}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a `state_dict()`; tensors may be on any device (they are copied where each piece lives)."""
+        self.synchronize()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError("ZenFlowAdamW.load_state_dict: the saved param groups do not match this optimizer's "
+                             "(different number of groups or of parameters per group).")
+        params = [p for g in self.param_groups for p in g["params"]]
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            group["betas"] = tuple(group["betas"])
+        self._split.clear()
+        self._dense.clear()
+        self._pending, self._writeback_pending, self._unapplied_steps = None, False, []
+        self._schedule = None
+        zenflow = state_dict.get("zenflow")
+        if zenflow is None:
+            return
+        schedule = self._ensure_schedule()
+        for key in ("steps", "window_steps", "windows", "reselections", "last_interval"):
+            setattr(schedule, key, int(zenflow[key]))
+        self._writeback_pending = bool(zenflow["writeback_pending"])
+        self._unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
+        self._stats.skipped_steps = int(zenflow["skipped_steps"])
+
+        for index, entry in state_dict["state"].items():
+            p = params[int(index)]
+            if entry["kind"] == "dense":
+                dense = DenseDeviceState.fresh(p)
+                for name in ("step", "exp_avg", "exp_avg_sq"):
+                    getattr(dense, name).copy_(entry[name])
+                if entry["master"] is not None:
+                    dense.master.copy_(entry["master"])
+                self._dense[p] = dense
+                continue
+            split = _SplitParam(p, int(entry["k"]))
+            split.auto = ZenAutoStats.from_list(entry["auto"])
+            if "host_master" in entry:
+                host = HostMatrix.create(as_matrix(p), p.dtype)
+                for name in ("master", "exp_avg", "exp_avg_sq", "step"):
+                    getattr(host, name).copy_(entry[f"host_{name}"])
+                host.accum_count = int(entry["accum_count"])
+                if entry["accum"] is not None:
+                    host.accum.copy_(entry["accum"])
+                if host.writeback is not None:
+                    host.writeback.copy_(host.master)  # the pending write-back reads this buffer
+                split.host = host
+            if "device_master" in entry:
+                split.device = DeviceColumns.from_columns(
+                    entry["device_index"].long(), entry["device_master"], entry["device_exp_avg"],
+                    entry["device_exp_avg_sq"], step=entry["device_step"], device=p.device,
+                )
+            self._split[p] = split

@@ -1,0 +1,85 @@
+"""Per-step telemetry of the offloading optimizers: where the caller's time went, what moved, how stale it is."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+
+#: Phases of the caller's time inside `step()`, in the order they happen.
+PHASES = ("norms", "select", "device_update", "handoff", "wait", "writeback", "host_update")
+
+
+class StepTimer:
+    """Wall time of each phase of one `step()` call, as seen by the caller (the critical path)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1e3
+
+
+class ZenFlowStats:
+    """Counters behind `stats()`.
+
+    Keys of the dict it returns (``*_ms`` in milliseconds, bytes per step unless named ``total_``):
+
+    - ``critical_path_ms``: wall time the caller spent in the last `step()` (what the training loop waits for);
+      ``cp_<phase>_ms`` splits it (norms, select, device_update, handoff, wait, writeback, host_update);
+    - ``host_step_ms``: duration of the last host AdamW window step (on the worker, off the critical path when
+      overlapped); ``accumulate_ms``: the last gradient accumulation job;
+    - ``bytes_to_host`` / ``bytes_to_device``: bytes crossing the host-device link in the last step (on a CPU
+      device: the bytes that would), ``total_bytes_to_host`` / ``total_bytes_to_device`` since construction;
+    - ``selected_fraction``: fraction of matrix elements updated on the device each step;
+    - ``update_interval``: length of the last closed window, in steps;
+    - ``staleness``: optimizer steps whose host-path gradients are not yet in the weights after the last step;
+    - ``steps``, ``windows``, ``reselections``, ``skipped_steps`` (non-finite gradients);
+    - ``host_state_bytes`` / ``device_state_bytes``: optimizer state held on each side.
+    """
+
+    def __init__(self) -> None:
+        self.bytes_to_host = 0
+        self.bytes_to_device = 0
+        self.total_bytes_to_host = 0
+        self.total_bytes_to_device = 0
+        self.skipped_steps = 0
+        self.staleness = 0
+        self.last_ms = 0.0
+        self.last_phases: dict[str, float] = {}
+        self._step_bytes = (0, 0)
+
+    def finish_step(self, timer: StepTimer, skipped: bool = False, staleness: int | None = None) -> None:
+        self.last_ms = timer.elapsed_ms()
+        self.last_phases = dict(timer.phases)
+        self._step_bytes = (self.bytes_to_host, self.bytes_to_device)
+        self.total_bytes_to_host += self.bytes_to_host
+        self.total_bytes_to_device += self.bytes_to_device
+        self.bytes_to_host = self.bytes_to_device = 0
+        if staleness is not None:
+            self.staleness = staleness
+
+    def as_dict(self, **extra: float) -> dict[str, float]:
+        out: dict[str, float] = {
+            "critical_path_ms": self.last_ms,
+            "bytes_to_host": float(self._step_bytes[0]),
+            "bytes_to_device": float(self._step_bytes[1]),
+            "total_bytes_to_host": float(self.total_bytes_to_host),
+            "total_bytes_to_device": float(self.total_bytes_to_device),
+            "staleness": float(self.staleness),
+            "skipped_steps": float(self.skipped_steps),
+        }
+        for phase in PHASES:
+            out[f"cp_{phase}_ms"] = self.last_phases.get(phase, 0.0)
+        out.update({k: float(v) for k, v in extra.items()})
+        return out

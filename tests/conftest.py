@@ -1,0 +1,93 @@
+"""Shared fixtures: tiny in-file models and a deterministic training loop (no downloads)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+
+import pytest
+import torch
+
+
+class TinyNet(torch.nn.Module):
+    """Embedding + two matrices + a norm and biases: every parameter kind the optimizer distinguishes."""
+
+    def __init__(self, vocab: int = 24, width: int = 40, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width, dtype=dtype)
+        self.up = torch.nn.Linear(width, 2 * width, dtype=dtype)
+        self.norm = torch.nn.LayerNorm(2 * width, dtype=dtype)
+        self.down = torch.nn.Linear(2 * width, vocab, bias=False, dtype=dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.down(self.norm(torch.nn.functional.gelu(self.up(self.embed(tokens)))))
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet(dtype=dtype)
+
+
+def param_groups(model: torch.nn.Module) -> list[dict]:
+    """Two groups as the HF Trainer builds them: weight decay on matrices, none on biases and norms."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def batches(n: int, seed: int = 1, vocab: int = 24) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (8, 6), generator=g), torch.randint(0, vocab, (8, 6), generator=g))
+            for _ in range(n)]
+
+
+def train(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    sched: torch.optim.lr_scheduler.LRScheduler | None = None,
+    clip: float | None = None,
+    hook: Callable[[int], None] | None = None,
+) -> list[float]:
+    losses = []
+    for i, (x, y) in enumerate(data):
+        logits = model(x).float()
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+        loss.backward()
+        if hook is not None:
+            hook(i)
+        if clip is not None:
+            if hasattr(opt, "clip_grad_norm_"):
+                opt.clip_grad_norm_(clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def linear_schedule(opt: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / total))
+
+
+def max_rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(((p.detach().float() - q.detach().float()).norm() / q.detach().float().norm().clamp_min(1e-12)).item()
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+def roundtrip(state: dict) -> dict:
+    """Serialise and load back the way the HF Trainer does (weights_only=True)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)

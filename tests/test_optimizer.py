@@ -1,0 +1,405 @@
+"""Reference tests of `ZenFlowAdamW`: degenerate settings reproduce known optimizers, the overlapped schedule is the
+sequential one it claims, checkpoints continue exactly, and failures surface."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+import hf_zenflow.host as host_module
+from hf_zenflow import HostWorkerError, SyncOffloadAdamW, ZenFlowAdamW
+from hf_zenflow._base import fused_adamw_
+from tests.conftest import batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
+
+
+LR = 1e-2
+STEPS = 50
+
+
+def run_reference(steps: int = STEPS, clip: float | None = None, fused: bool = False) -> tuple[torch.nn.Module, list]:
+    model = make_model()
+    opt = torch.optim.AdamW(param_groups(model), lr=LR, fused=fused)
+    losses = train(model, opt, batches(steps), linear_schedule(opt, steps), clip=clip)
+    return model, losses
+
+
+def run_zenflow(steps: int = STEPS, clip: float | None = None, **kw) -> tuple[torch.nn.Module, list, ZenFlowAdamW]:
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **kw)
+    losses = train(model, opt, batches(steps), linear_schedule(opt, steps), clip=clip)
+    opt.flush()
+    opt.close()
+    return model, losses, opt
+
+
+def test_all_columns_selected_is_adamw():
+    ref, ref_losses = run_reference()
+    model, losses, opt = run_zenflow(topk_ratio=1.0)
+    assert max_rel_diff(model, ref) < 1e-5
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert opt.stats()["selected_fraction"] == 1.0
+    assert opt.stats()["host_state_bytes"] == 0  # nothing lives on the host
+
+
+def test_all_columns_selected_matches_fused_adamw_bit_for_bit():
+    ref, _ = run_reference(fused=True)
+    model, _, _ = run_zenflow(topk_ratio=1.0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("topk_ratio", [0.0, 0.05, 0.1, 0.5, 0.9])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_interval_one_sequential_is_adamw_for_any_ratio_with_reselection(topk_ratio, clip):
+    ref, ref_losses = run_reference(clip=clip)
+    model, losses, opt = run_zenflow(
+        clip=clip, topk_ratio=topk_ratio, update_interval=1, overlap_step=False, select_strategy="step",
+        select_interval=3,
+    )
+    assert max_rel_diff(model, ref) < 1e-5
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    if topk_ratio > 0:
+        assert opt.stats()["reselections"] == len(range(0, STEPS, 3))
+
+
+def test_nothing_selected_interval_one_is_sync_offload():
+    model_s = make_model()
+    sync = SyncOffloadAdamW(param_groups(model_s), lr=LR)
+    sync_losses = train(model_s, sync, batches(STEPS), linear_schedule(sync, STEPS), clip=1.0)
+    model, losses, _ = run_zenflow(clip=1.0, topk_ratio=0.0, update_interval=1, overlap_step=False)
+    assert losses == sync_losses
+    for p, q in zip(model.parameters(), model_s.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_warm_up_rounds_are_dense_adamw():
+    ref, _ = run_reference(steps=10)
+    model, _, opt = run_zenflow(steps=10, topk_ratio=0.1, update_interval=4, full_warm_up_rounds=10)
+    assert max_rel_diff(model, ref) < 1e-5
+    assert opt.stats()["reselections"] == 0
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(topk_ratio=0.1, update_interval=4),
+        dict(topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=7),  # partial windows
+        dict(topk_ratio=0.1, update_interval="auto", select_strategy="step", select_interval=10),
+        dict(topk_ratio=0.1, update_interval=2, full_warm_up_rounds=5),
+    ],
+)
+def test_overlapped_equals_sequential_schedule_bit_for_bit(settings):
+    threaded, losses_t, opt_t = run_zenflow(clip=1.0, host_executor="thread", **settings)
+    inline, losses_i, opt_i = run_zenflow(clip=1.0, host_executor="inline", **settings)
+    assert losses_t == losses_i
+    for p, q in zip(threaded.parameters(), inline.parameters()):
+        assert torch.equal(p, q)
+    assert opt_t.stats()["windows"] == opt_i.stats()["windows"] > 0
+
+
+def test_overlapped_schedule_matches_an_independent_model_of_it():
+    """A from-scratch model of the claimed schedule: selected columns by AdamW every step; the rest by a host AdamW
+    on the mean gradient of each U-step window, written back one window later (lr at window close)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 16, bias=False)
+    ref_w = lin.weight.detach().clone()
+    data = [torch.randn(4, 32) for _ in range(24)]
+    U, k = 4, 8
+    opt = ZenFlowAdamW([lin.weight], lr=LR, weight_decay=0.05, topk_ratio=k / 32, update_interval=U,
+                       select_strategy="step", select_interval=1000)
+    sched = linear_schedule(opt, 24)
+    group = dict(lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
+
+    def zeros():
+        return torch.zeros_like(ref_w)
+
+    dev = dict(master=None, m=None, v=None, step=torch.zeros(()))
+    host = dict(master=ref_w.clone(), m=zeros(), v=zeros(), step=torch.zeros(()), acc=zeros(), n=0)
+    pending = None
+    sel = None
+    for t, x in enumerate(data):
+        w = ref_w.clone().requires_grad_(True)
+        (x @ w.t()).square().mean().backward()
+        g = w.grad
+        lr = LR * max(0.0, 1.0 - t / 24)
+        if sel is None:
+            sel = torch.topk(g.square().sum(0), k).indices.sort().values
+            dev.update(master=ref_w[:, sel].clone(), m=torch.zeros(16, k), v=torch.zeros(16, k))
+        fused_adamw_([dev["master"]], [g[:, sel].clone()], [dev["m"]], [dev["v"]], [dev["step"]], {**group, "lr": lr})
+        ref_w[:, sel] = dev["master"]
+        host["acc"] += g
+        host["n"] += 1
+        if host["n"] == U:
+            if pending is not None:
+                ref_w.copy_(pending)
+                ref_w[:, sel] = dev["master"]
+            fused_adamw_([host["master"]], [host["acc"] / U], [host["m"]], [host["v"]], [host["step"]],
+                         {**group, "lr": lr})
+            pending = host["master"].clone()
+            host["acc"].zero_()
+            host["n"] = 0
+        # the optimizer under test, same gradient
+        (x @ lin.weight.t()).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        opt.synchronize()
+        torch.testing.assert_close(lin.weight.detach(), ref_w, rtol=1e-6, atol=1e-7)
+    opt.close()
+
+
+@pytest.mark.parametrize("executor", ["thread", "inline"])
+@pytest.mark.parametrize("split_at", [6, 13])  # mid-window with a host step in flight / right after a boundary
+def test_checkpoint_mid_window_continues_identically(executor, split_at):
+    total = split_at + 20
+    data = batches(total)
+    settings = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8,
+                    host_executor=executor)
+
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings)
+    sched = linear_schedule(opt, total)
+    full_losses = train(model, opt, data, sched, clip=1.0)
+    opt.close()
+
+    model_a = make_model()
+    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, **settings)
+    sched_a = linear_schedule(opt_a, total)
+    first = train(model_a, opt_a, data[:split_at], sched_a, clip=1.0)
+    checkpoint = roundtrip({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "sched": sched_a.state_dict()})
+    assert checkpoint["opt"]["zenflow"]["window_steps"] == split_at % 4
+    opt_a.close()
+
+    model_b = make_model(seed=123)  # fresh copy, different init: everything must come from the checkpoint
+    model_b.load_state_dict(checkpoint["model"])
+    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, **settings)
+    sched_b = linear_schedule(opt_b, total)  # built before loading, as the HF Trainer does
+    opt_b.load_state_dict(checkpoint["opt"])
+    sched_b.load_state_dict(checkpoint["sched"])
+    rest = train(model_b, opt_b, data[split_at:], sched_b, clip=1.0)
+    opt_b.close()
+    assert first + rest == full_losses
+    for p, q in zip(model_b.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_state_dict_is_weights_only_safe_and_accepts_any_device_tensors():
+    _, _, opt = run_zenflow(steps=6, topk_ratio=0.2, update_interval=4)
+    state = roundtrip(opt.state_dict())
+    assert state["zenflow"]["steps"] == 6
+    kinds = {entry["kind"] for entry in state["state"].values()}
+    assert kinds == {"split", "dense"}
+    model = make_model()
+    fresh = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.2, update_interval=4)
+    fresh.load_state_dict(copy.deepcopy(state))
+    assert roundtrip(fresh.state_dict())["zenflow"] == state["zenflow"]
+
+
+def test_bf16_weights_are_the_rounded_fp32_master():
+    model = make_model(dtype=torch.bfloat16)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=3, select_strategy="step",
+                       select_interval=5)
+    train(model, opt, batches(23))
+    opt.flush()
+    for p in model.parameters():
+        master = opt.master_weight(p)
+        assert master.dtype == torch.float32
+        assert torch.equal(p.detach(), master.to(torch.bfloat16).view(p.shape))
+    # the master carries information below bf16 resolution (it was never truncated)
+    big = opt.master_weight(model.up.weight)
+    assert not torch.equal(big, big.to(torch.bfloat16).float())
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clip_grad_norm_returns_torch_value(dtype):
+    model = make_model(dtype=dtype)
+    x, y = batches(1)[0]
+    logits = model(x).float()
+    torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt = ZenFlowAdamW(model.parameters(), lr=LR)
+    sync = SyncOffloadAdamW(model.parameters(), lr=LR)
+    ours, ours_sync = opt.clip_grad_norm_(0.1), sync.clip_grad_norm_(0.1)
+    theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    assert theirs > 0.1  # clipping is active
+    assert torch.equal(ours, theirs) and torch.equal(ours_sync, theirs)
+    for p, g in zip(model.parameters(), grads):  # measuring does not rewrite the gradients
+        assert torch.equal(g * torch.clamp(0.1 / (theirs + 1e-6), max=1.0), p.grad)
+
+
+def test_non_finite_gradient_skips_the_whole_step():
+    data = batches(16)
+    settings = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8)
+
+    # reference: the same run with batch 6 simply absent
+    model_r = make_model()
+    opt_r = ZenFlowAdamW(param_groups(model_r), lr=LR, **settings)
+    ref_losses = train(model_r, opt_r, data[:6] + data[7:])
+    opt_r.flush()
+
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings)
+    snapshot = {}
+
+    def poison(i: int) -> None:
+        if i == 6:
+            model.up.weight.grad[3, 5] = float("nan")
+            model.norm.bias.grad[0] = float("inf")
+            opt.synchronize()
+            snapshot["weights"] = copy.deepcopy(model.state_dict())
+            snapshot["opt"] = roundtrip(opt.state_dict())
+
+    losses = train(model, opt, data, hook=poison)
+    opt.flush()
+    assert opt.stats()["skipped_steps"] == 1
+    assert losses[:6] + losses[7:] == ref_losses
+    for p, q in zip(model.parameters(), model_r.parameters()):
+        assert torch.equal(p, q)
+    opt.close()
+    opt_r.close()
+
+
+def test_skipped_step_leaves_weights_and_state_untouched():
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4)
+    train(model, opt, batches(5))
+    opt.synchronize()
+    before_w = copy.deepcopy(model.state_dict())
+    before_s = copy.deepcopy(roundtrip(opt.state_dict()))
+    x, y = batches(1, seed=9)[0]
+    logits = model(x)
+    torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
+    model.down.weight.grad[0, 0] = float("nan")
+    opt.step()
+    opt.synchronize()
+    after_s = roundtrip(opt.state_dict())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before_w[name])
+    assert after_s["zenflow"].pop("skipped_steps") == before_s["zenflow"].pop("skipped_steps") + 1
+    assert after_s["zenflow"] == before_s["zenflow"]
+    for i, entry in before_s["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, after_s["state"][i][key]), key
+    opt.close()
+
+
+def test_worker_failure_is_raised_in_the_caller(monkeypatch):
+    def broken(groups):
+        raise MemoryError("injected host failure")
+
+    monkeypatch.setattr(host_module, "host_adamw_window", broken)
+    import hf_zenflow.optimizer as optimizer_module
+
+    monkeypatch.setattr(optimizer_module, "host_adamw_window", broken)
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2)
+    start = time.monotonic()
+    with pytest.raises(HostWorkerError, match="injected host failure"):
+        train(model, opt, batches(10))
+        opt.synchronize()
+    assert time.monotonic() - start < 30
+    with pytest.raises(HostWorkerError):
+        opt.synchronize()  # stays failed: nothing continues on inconsistent state
+    opt.close()
+
+
+def test_inline_failure_raises_at_once(monkeypatch):
+    import hf_zenflow.optimizer as optimizer_module
+
+    monkeypatch.setattr(optimizer_module, "host_adamw_window", lambda groups: 1 / 0)
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False)
+    with pytest.raises(HostWorkerError, match="ZeroDivisionError"):
+        train(model, opt, batches(2))
+
+
+def test_eval_drains_and_close_stops_the_worker():
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2)
+    train(model, opt, batches(4))
+    opt.eval()
+    worker = opt._worker
+    assert all(f.done() for f in worker._outstanding)
+    thread = worker._thread
+    opt.close()
+    assert not thread.is_alive()
+    train(model, opt, batches(2))  # a later step starts a new worker
+    opt.close()
+
+
+def test_reselection_follows_changing_importance():
+    lin = torch.nn.Linear(20, 4, bias=False)
+    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                       select_interval=4)
+    for t in range(8):
+        hot = 3 if t < 4 else 17
+        lin.weight.grad = torch.zeros_like(lin.weight)
+        lin.weight.grad[:, hot] = 1.0
+        lin.weight.grad[:, (hot + 1) % 20] = 0.5
+        opt.step()
+        split = opt._split[lin.weight]
+        assert split.device.index.tolist() == sorted([hot, (hot + 1) % 20])
+    assert opt.stats()["reselections"] == 2
+    opt.close()
+
+
+def test_epoch_strategy_needs_the_epoch_length():
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, select_strategy="epoch", select_interval=1)
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        train(model, opt, batches(1))
+    opt.set_steps_per_epoch(3)
+    train(model, opt, batches(7))
+    assert opt.stats()["reselections"] == 3  # steps 0, 3, 6
+    opt.close()
+
+
+def test_auto_interval_is_adaptive_and_bounded():
+    lin = torch.nn.Linear(50, 8, bias=False)
+    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.1, update_interval="auto", auto_max_interval=6,
+                       select_strategy="step", select_interval=1000, host_executor="inline")
+    intervals = []
+    for t in range(40):
+        g = torch.zeros_like(lin.weight)
+        g[:, :5] = 1.0  # the selected columns: one step's selected mass per column is 8
+        # unselected mass per column: tiny for the first 20 steps (window runs to the bound), then large
+        g[:, 5:] = 0.01 if t < 20 else 3.0
+        lin.weight.grad = g
+        windows = opt.stats()["windows"]
+        opt.step()
+        if opt.stats()["windows"] > windows:
+            intervals.append(int(opt.stats()["update_interval"]))
+    assert max(intervals) <= 6
+    assert intervals[0] == 6  # little unselected mass: the window runs to its bound
+    assert intervals[-1] == 1  # unselected mass above the selected mean: the window closes every step
+    opt.close()
+
+
+def test_host_memory_is_sixteen_bytes_per_offloaded_element():
+    lin = torch.nn.Linear(64, 32, bias=False)
+    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.25, update_interval=2)
+    lin.weight.grad = torch.randn_like(lin.weight)
+    opt.step()
+    stats = opt.stats()
+    assert stats["host_state_bytes"] == 16 * lin.weight.numel()
+    # device: fp32 master, two moments and the gather buffer for 16 of 64 columns
+    assert stats["device_state_bytes"] == 4 * 4 * 32 * 16
+    opt.close()
+
+
+def test_steps_consume_offloaded_gradients_only():
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2)
+    train(model, opt, batches(1))  # zero_grad already ran; do one more backward by hand
+    x, y = batches(1)[0]
+    logits = model(x)
+    torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
+    opt.step()
+    assert model.up.weight.grad is None  # handed to the host worker
+    assert model.up.bias.grad is not None  # device-only parameter: left as torch optimizers leave it
+    opt.close()
