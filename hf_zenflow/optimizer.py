@@ -192,15 +192,26 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         schedule = self._ensure_schedule()
         self._ensure_state(entries)
 
-        # ---- 1. norms and the one device->host sync of the step -------------------------------------------------
+        # ---- 1. one read of every gradient, and the one device->host sync of the step ---------------------------
+        warm_up, selecting = schedule.in_warm_up(), schedule.selection_due()
+        gather_now = not warm_up and not selecting
+        gathered: set[torch.Tensor] = set()
         with timer.phase("norms"):
-            norms, total = (cached_norms, cached_total) if cached_norms else grad_norms(grads)
-            warm_up, selecting = schedule.in_warm_up(), schedule.selection_due()
+            norms: list[torch.Tensor] = cached_norms if cached_norms else []
+            for i, (_, p) in enumerate(entries):
+                if not cached_norms:
+                    norms.append(torch.linalg.vector_norm(grads[i]))
+                split = self._split.get(p)
+                if gather_now and split is not None and split.device is not None:
+                    # Gather the selected columns right after the norm pass brought this gradient into cache: on a
+                    # CPU device the strided gather then mostly hits the last-level cache instead of memory.
+                    split.device.gather_grad(as_matrix(grads[i]))
+                    gathered.add(p)
+            total = cached_total if cached_norms else torch.linalg.vector_norm(torch.stack(norms))
             auto_split = [
-                (i, self._split[p]) for i, (_, p) in enumerate(entries)
-                if p in self._split and self._split[p].offloaded and self._split[p].device is not None
-            ] if (self.config.is_auto_interval and not warm_up and not selecting) else []
-            critical = [s.device.gather_grad(as_matrix(grads[i])).square().sum() for i, s in auto_split]
+                (i, self._split[p]) for i, (_, p) in enumerate(entries) if p in gathered and self._split[p].offloaded
+            ] if self.config.is_auto_interval else []
+            critical = [split.device.grad.square().sum() for _, split in auto_split]
             probe = [total] + [norms[i].square() for i, _ in auto_split] + critical
             # Sync point: the caller waits for the backward pass to finish and reads a few scalars. Skipping a
             # non-finite step must be decided before any state changes, and Zen-auto's window decision and the
@@ -223,7 +234,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 else:
                     self._select_new_matrices(entries, grads)
             with timer.phase("device_update"):
-                self._device_update(entries, grads, coef, gathered=bool(auto_split))
+                self._device_update(entries, grads, coef, gathered)
             with timer.phase("handoff"):
                 self._hand_off(entries, grads, coef)
             schedule.window_steps += 1
@@ -353,7 +364,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return {p: g for g in self.param_groups for p in g["params"]}
 
     def _device_update(
-        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None, gathered: bool,
+        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
+        gathered: set[torch.Tensor],
     ) -> None:
         """Fused AdamW on the selected columns and the dense parameters, one kernel launch per group and device."""
         batches: dict[tuple[int, torch.device], tuple[dict, list[list[torch.Tensor]]]] = {}
@@ -365,7 +377,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 cols = self._split[p].device
                 if cols is None:
                     continue
-                if not gathered or not self._split[p].offloaded:
+                if p not in gathered:
                     cols.gather_grad(as_matrix(g))
                 if coef is not None:
                     cols.grad.mul_(coef)
@@ -500,7 +512,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     ) -> None:
         """Plain dense AdamW: every matrix column by the host, synchronously; 1-D parameters on the device."""
         with timer.phase("device_update"):
-            self._device_update(entries, grads, coef, gathered=False)
+            self._device_update(entries, grads, coef, set())
         with timer.phase("handoff"):
             self._hand_off(entries, grads, coef)
         self._schedule.window_steps += 1

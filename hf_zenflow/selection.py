@@ -8,7 +8,7 @@ gradient's energy is concentrated on a few input channels, and those channels ar
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -97,7 +97,6 @@ class WindowSchedule:
     windows: int = 0
     reselections: int = 0
     last_interval: int = 0
-    auto: dict[int, ZenAutoStats] = field(default_factory=dict)
 
     def in_warm_up(self) -> bool:
         return self.steps < self.warm_up
@@ -115,5 +114,6 @@ class WindowSchedule:
             return True
         if not auto_votes:  # a selection step (no masses measured) or no offloaded matrix: wait for the bound
             return False
-        needed = max(1, math.floor(self.auto_ratio * len(auto_votes)))
+        # At least `auto_ratio` of the matrices (DeepSpeed floors this count, so 0.99 of 10 matrices means 9).
+        needed = max(1, math.ceil(self.auto_ratio * len(auto_votes) - 1e-9))
         return sum(auto_votes) >= needed

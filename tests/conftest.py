@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable
 
 import pytest
@@ -23,9 +24,13 @@ class TinyNet(torch.nn.Module):
         return self.down(self.norm(torch.nn.functional.gelu(self.up(self.embed(tokens)))))
 
 
+#: The device the reference tests train on: "cpu" in CI; `scripts/gpu_check.sh` runs them with "cuda".
+DEVICE = torch.device(os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu"))
+
+
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyNet:
     torch.manual_seed(seed)
-    return TinyNet(dtype=dtype)
+    return TinyNet(dtype=dtype).to(DEVICE)
 
 
 def param_groups(model: torch.nn.Module) -> list[dict]:
@@ -50,7 +55,9 @@ def train(
     hook: Callable[[int], None] | None = None,
 ) -> list[float]:
     losses = []
+    device = next(model.parameters()).device
     for i, (x, y) in enumerate(data):
+        x, y = x.to(device), y.to(device)
         logits = model(x).float()
         loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
         loss.backward()

@@ -12,7 +12,7 @@ import torch
 import hf_zenflow.host as host_module
 from hf_zenflow import HostWorkerError, SyncOffloadAdamW, ZenFlowAdamW
 from hf_zenflow._base import fused_adamw_
-from tests.conftest import batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
+from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
 
 
 LR = 1e-2
@@ -217,7 +217,7 @@ def test_bf16_weights_are_the_rounded_fp32_master():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_clip_grad_norm_returns_torch_value(dtype):
     model = make_model(dtype=dtype)
-    x, y = batches(1)[0]
+    x, y = (t.to(DEVICE) for t in batches(1)[0])
     logits = model(x).float()
     torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -270,7 +270,7 @@ def test_skipped_step_leaves_weights_and_state_untouched():
     opt.synchronize()
     before_w = copy.deepcopy(model.state_dict())
     before_s = copy.deepcopy(roundtrip(opt.state_dict()))
-    x, y = batches(1, seed=9)[0]
+    x, y = (t.to(DEVICE) for t in batches(1, seed=9)[0])
     logits = model(x)
     torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
     model.down.weight.grad[0, 0] = float("nan")
@@ -396,7 +396,7 @@ def test_steps_consume_offloaded_gradients_only():
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2)
     train(model, opt, batches(1))  # zero_grad already ran; do one more backward by hand
-    x, y = batches(1)[0]
+    x, y = (t.to(DEVICE) for t in batches(1)[0])
     logits = model(x)
     torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
     opt.step()

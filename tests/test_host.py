@@ -1,0 +1,102 @@
+"""The host worker: ordering, failure propagation without hangs, thread count, shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hf_zenflow.host import GRAD_SLOTS, HostAdamWorker, HostMatrix, HostWorkerError
+
+
+def test_jobs_run_in_submission_order_off_the_calling_thread():
+    worker = HostAdamWorker(threads=1, background=True)
+    seen, gate = [], threading.Event()
+    worker.submit("first", lambda: (gate.wait(5), seen.append(("first", threading.current_thread().name))))
+    worker.submit("second", lambda: seen.append(("second", threading.current_thread().name)))
+    assert seen == []  # submission did not wait for the (blocked) job
+    gate.set()
+    worker.synchronize()
+    assert [name for name, _ in seen] == ["first", "second"]
+    assert {thread for _, thread in seen} == {"hf_zenflow-host"}
+    worker.close()
+
+
+def test_inline_worker_runs_at_submission():
+    worker = HostAdamWorker(threads=1, background=False)
+    seen = []
+    future = worker.submit("job", lambda: seen.append(threading.current_thread().name))
+    assert future.done() and seen == [threading.current_thread().name]
+
+
+def test_failure_is_raised_in_the_caller_and_poisons_the_worker():
+    worker = HostAdamWorker(threads=1, background=True)
+    ran = []
+    worker.submit("broken", lambda: 1 / 0)
+    later = worker.submit("later", lambda: ran.append(1))
+    start = time.monotonic()
+    with pytest.raises(HostWorkerError, match="'broken'.*ZeroDivisionError") as info:
+        worker.synchronize()
+    assert time.monotonic() - start < 5
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    with pytest.raises(HostWorkerError):
+        worker.wait(later)
+    assert ran == []  # nothing runs on top of a failed update
+    with pytest.raises(HostWorkerError):
+        worker.submit("again", lambda: None)
+    worker.close()
+
+
+def test_keyboard_interrupt_in_a_job_reaches_the_caller():
+    worker = HostAdamWorker(threads=1, background=True)
+    def interrupted():
+        raise KeyboardInterrupt
+    worker.submit("interrupted", interrupted)
+    with pytest.raises(HostWorkerError, match="KeyboardInterrupt"):
+        worker.synchronize()
+    worker.close()
+
+
+def test_slot_wait_raises_instead_of_hanging_when_the_worker_fails():
+    worker = HostAdamWorker(threads=1, background=True)
+    slots = [worker.acquire_slot() for _ in range(GRAD_SLOTS)]
+    assert sorted(slots) == list(range(GRAD_SLOTS))
+    worker.submit("broken", lambda: 1 / 0)
+    start = time.monotonic()
+    with pytest.raises(HostWorkerError):
+        worker.acquire_slot()  # no slot will ever come back: must not block forever
+    assert time.monotonic() - start < 5
+    worker.close()
+
+
+def test_worker_uses_its_own_thread_count_whatever_the_caller_has():
+    torch.set_num_threads(1)  # what `accelerate launch` leaves the training process with (OMP_NUM_THREADS=1)
+    worker = HostAdamWorker(threads=2, background=True)
+    seen = []
+    worker.submit("probe", lambda: seen.append(torch.get_num_threads()))
+    worker.synchronize()
+    assert seen == [2] and torch.get_num_threads() == 1
+    inline = HostAdamWorker(threads=2, background=False)
+    inline.submit("probe", lambda: seen.append(torch.get_num_threads()))
+    assert seen == [2, 2] and torch.get_num_threads() == 1
+    worker.close()
+
+
+def test_close_joins_the_thread():
+    worker = HostAdamWorker(threads=1, background=True)
+    thread = worker._thread
+    worker.close()
+    assert not thread.is_alive()
+
+
+def test_accumulation_is_the_clipped_window_sum():
+    param = torch.zeros(3, 4)
+    host = HostMatrix.create(param, torch.float32)
+    g1, g2 = torch.randn(3, 4), torch.randn(3, 4, dtype=torch.bfloat16)
+    host.accumulate(g1, 0.5)
+    host.accumulate(g2, None)
+    torch.testing.assert_close(host.accum, g1 * 0.5 + g2.float())
+    assert host.accum_count == 2
+    assert host.nbytes() == 16 * param.numel()
