@@ -403,3 +403,24 @@ def test_steps_consume_offloaded_gradients_only():
     assert model.up.weight.grad is None  # handed to the host worker
     assert model.up.bias.grad is not None  # device-only parameter: left as torch optimizers leave it
     opt.close()
+
+
+def test_telemetry_counts_bytes_staleness_and_phases():
+    lin = torch.nn.Linear(40, 16, bias=True)
+    opt = ZenFlowAdamW(lin.parameters(), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
+                       select_interval=1000, host_executor="inline")
+    matrix_bytes = lin.weight.numel() * 4
+    seen = []
+    for _ in range(12):
+        lin.weight.grad, lin.bias.grad = torch.randn_like(lin.weight), torch.randn_like(lin.bias)
+        opt.step()
+        s = opt.stats()
+        seen.append((s["bytes_to_host"], s["bytes_to_device"], s["staleness"]))
+        assert s["critical_path_ms"] >= s["cp_norms_ms"] + s["cp_device_update_ms"]
+        assert s["selected_fraction"] == pytest.approx(4 / 40)
+    assert all(b == matrix_bytes for b, _, _ in seen)  # the matrix gradient goes down every step
+    # written back one window late: nothing until the second boundary (step 7), then every 4 steps
+    assert [d for _, d, _ in seen] == [0] * 7 + [matrix_bytes] + [0] * 3 + [matrix_bytes]
+    # steps whose host-path gradient is not yet in the weights: grows to 8 before each write-back
+    assert [int(s) for _, _, s in seen] == [1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 4]
+    assert opt.stats()["windows"] == 3 and opt.stats()["update_interval"] == 4
