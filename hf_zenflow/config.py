@@ -169,7 +169,12 @@ class ZenFlowConfig:
 
     @property
     def resolved_cpu_threads(self) -> int:
-        return self.cpu_threads if self.cpu_threads is not None else available_cpu_count()
+        """`cpu_threads`, or half the cores of this process's CPU affinity (at least 1): the other half stays with
+        the training thread. Sharing every core oversubscribes them (both sides' OpenMP threads spin-wait), which
+        was measured to make a host step >100x slower on a busy 2-core machine."""
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        return max(1, available_cpu_count() // 2)
 
     def select_period(self) -> int:
         """Optimizer steps between re-selections, as resolved from the strategy and the epoch length."""

@@ -299,8 +299,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         worker_ms = self._worker.last_job_ms if self._worker is not None else {}
         return self._stats.as_dict(
             selected_fraction=(on_device / total) if total else 1.0,
+            # the last closed window; before the first one, the configured interval (auto: the open window so far)
             update_interval=float(schedule.last_interval if schedule and schedule.last_interval else (
-                self.config.update_interval if not self.config.is_auto_interval else 0)),
+                schedule.window_steps if self.config.is_auto_interval and schedule else
+                (0 if self.config.is_auto_interval else self.config.update_interval))),
+            host_threads=self.config.resolved_cpu_threads,
             steps=schedule.steps if schedule else 0,
             windows=schedule.windows if schedule else 0,
             reselections=schedule.reselections if schedule else 0,
@@ -454,6 +457,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     1].append(split.host)
         work = list(by_group.values())  # hyper-parameters are copied now: the lr in force when the window closed
         worker = self._worker
+        schedule.windows += 1
+        schedule.last_interval = schedule.window_steps
+        steps, schedule.window_steps = schedule.window_steps, 0
+        for split in self._split.values():
+            split.auto.reset()
+        if not work:
+            return  # every column lives on the device: no host step, nothing stale
         if not sequential and self._writeback_pending:
             with timer.phase("wait"):
                 # Sync point: the previous window's host step must be done before its result is written back.
@@ -462,12 +472,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             with timer.phase("writeback"):
                 self._write_back()
         future = worker.submit("host_adamw", lambda: host_adamw_window(work))
-        schedule.windows += 1
-        schedule.last_interval = schedule.window_steps
-        self._unapplied_steps.append(schedule.window_steps)
-        schedule.window_steps = 0
-        for split in self._split.values():
-            split.auto.reset()
+        self._unapplied_steps.append(steps)
         self._pending, self._writeback_pending = future, True
         if sequential:
             with timer.phase("wait"):

@@ -45,7 +45,8 @@ class ZenFlowStats:
     - ``update_interval``: length of the last closed window, in steps;
     - ``staleness``: optimizer steps whose host-path gradients are not yet in the weights after the last step;
     - ``steps``, ``windows``, ``reselections``, ``skipped_steps`` (non-finite gradients);
-    - ``host_state_bytes`` / ``device_state_bytes``: optimizer state held on each side.
+    - ``host_state_bytes`` / ``device_state_bytes``: optimizer state held on each side;
+    - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says).
     """
 
     def __init__(self) -> None:

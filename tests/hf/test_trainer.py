@@ -1,0 +1,279 @@
+"""`ZenFlowTrainer` against a plain `Trainer` (`adamw_torch`) on a tiny Llama built from config."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+import pytest
+import torch
+from hf_helpers import SEQ_LEN, ByteLMDataset, logged, tiny_llama, zenflow_args
+from transformers import Trainer, TrainingArguments
+
+from hf_zenflow import ZenFlowAdamW, ZenFlowTrainer, ZenFlowTrainingArguments
+
+
+TELEMETRY_KEYS = ("zenflow/critical_path_ms", "zenflow/cp_wait_ms", "zenflow/host_step_ms",
+                  "zenflow/selected_fraction", "zenflow/update_interval", "zenflow/bytes_to_host",
+                  "zenflow/bytes_to_device", "zenflow/staleness")
+
+
+def reference_run(tmp_path, train_dataset, **overrides) -> Trainer:
+    """A plain Trainer with torch's AdamW and the same data, schedule and clipping."""
+    args = zenflow_args(tmp_path / "reference", zenflow=False, **overrides)
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=train_dataset)
+    trainer.train()
+    return trainer
+
+
+def zenflow_run(tmp_path, train_dataset, name="zenflow", model=None, resume=None, **overrides) -> ZenFlowTrainer:
+    args = zenflow_args(tmp_path / name, **overrides)
+    trainer = ZenFlowTrainer(model=model if model is not None else tiny_llama(), args=args,
+                             train_dataset=train_dataset)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def assert_close_rel(actual, expected, rel):
+    assert len(actual) == len(expected) > 0
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert abs(a - e) <= rel * abs(e), f"step {i + 1}: {a} vs {e} (rel {abs(a - e) / abs(e):.2e} > {rel})"
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0], ids=["clip", "no-clip"])
+def test_topk_ratio_1_reproduces_adamw_torch(tmp_path, train_dataset, max_grad_norm):
+    common = dict(weight_decay=0.01, max_grad_norm=max_grad_norm)
+    ref = reference_run(tmp_path, train_dataset, **common)
+    zen = zenflow_run(tmp_path, train_dataset, zenflow_topk_ratio=1.0, **common)  # U=4, overlap: the defaults
+    assert isinstance(zen.zenflow_optimizer, ZenFlowAdamW)
+    assert len(logged(zen)) == 30
+    assert_close_rel(logged(zen), logged(ref), 1e-5)
+    # The logged grad_norm is the true global norm (what torch.nn.utils.clip_grad_norm_ reports).
+    assert_close_rel(logged(zen, "grad_norm"), logged(ref, "grad_norm"), 1e-5)
+    assert logged(zen, "learning_rate") == logged(ref, "learning_rate")
+
+
+def test_sequential_interval_1_reproduces_adamw_torch_at_topk_0_1(tmp_path, train_dataset):
+    common = dict(weight_decay=0.01)
+    ref = reference_run(tmp_path, train_dataset, **common)
+    zen = zenflow_run(tmp_path, train_dataset, zenflow_topk_ratio=0.1, zenflow_update_interval=1,
+                      zenflow_overlap_step=False, **common)
+    stats = zen.zenflow_optimizer.stats()
+    assert 0.0 < stats["selected_fraction"] < 0.5  # the host path really is in use
+    assert stats["windows"] == 30
+    assert_close_rel(logged(zen), logged(ref), 1e-5)
+    assert_close_rel(logged(zen, "grad_norm"), logged(ref, "grad_norm"), 1e-5)
+    for name, value in weights(zen).items():
+        torch.testing.assert_close(value, weights(ref)[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_defaults_fine_tune_close_to_adamw_torch(tmp_path, text):
+    """Defaults (r=0.1, U=4, overlap) against adamw_torch: 30 fine-tuning steps from the same pretrained model.
+
+    Fine-tuning is ZenFlow's use case. (Trained from scratch, the tiny model's eval loss after 30-200 steps is ~15%
+    above adamw_torch's: the 90% of columns left to the host get one AdamW update per window of U=4 steps.)
+    """
+    pretrain = ByteLMDataset(text, num_samples=512)
+    finetune = ByteLMDataset(text, num_samples=256, offset=512 * SEQ_LEN)
+    held_out = ByteLMDataset(text, num_samples=64, offset=768 * SEQ_LEN)
+    base = tiny_llama()
+    Trainer(model=base, args=zenflow_args(tmp_path / "pretrain", zenflow=False, max_steps=150, logging_steps=50),
+            train_dataset=pretrain).train()
+    ref = Trainer(model=copy.deepcopy(base), args=zenflow_args(tmp_path / "ref", zenflow=False),
+                  train_dataset=finetune)
+    start_loss = ref.evaluate(held_out)["eval_loss"]
+    ref.train()
+    zen = zenflow_run(tmp_path, finetune, model=copy.deepcopy(base))
+    cfg = zen.zenflow_optimizer.config
+    assert (cfg.topk_ratio, cfg.update_interval, cfg.overlap_step) == (0.1, 4, True)
+    ref_loss = ref.evaluate(held_out)["eval_loss"]
+    zen_loss = zen.evaluate(held_out)["eval_loss"]
+    assert ref_loss < start_loss - 0.05  # the reference learned something
+    assert zen_loss < start_loss - 0.02  # so did ZenFlow
+    assert abs(zen_loss - ref_loss) <= 0.10 * ref_loss, (zen_loss, ref_loss)
+    # The training losses too: mean of the last 5 logged steps.
+    assert abs(sum(logged(zen)[-5:]) - sum(logged(ref)[-5:])) <= 0.10 * sum(logged(ref)[-5:])
+
+
+def test_defaults_train_from_scratch(tmp_path, train_dataset, eval_dataset):
+    zen = zenflow_run(tmp_path, train_dataset)
+    first = logged(zen)[0]  # ln(256) ~ 5.55 for the untrained byte model
+    assert zen.evaluate(eval_dataset)["eval_loss"] < first - 0.5
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
+def test_resume_mid_window_continues_exactly(tmp_path, train_dataset, overlap):
+    common = dict(max_steps=12, zenflow_update_interval=4, zenflow_overlap_step=overlap)
+    # Uninterrupted run, checkpointing at step 6 (mid-window: window 2 spans steps 5-8).
+    full = zenflow_run(tmp_path, train_dataset, "full", save_strategy="steps", save_steps=6, **common)
+    checkpoint = tmp_path / "full" / "checkpoint-6"
+    assert (checkpoint / "optimizer.pt").is_file()
+    # The same run without checkpoints: synchronising for the checkpoint does not change the schedule.
+    plain = zenflow_run(tmp_path, train_dataset, "plain", **common)
+    assert logged(plain) == logged(full)
+    # Resume from step 6 in a fresh trainer with a freshly initialised (different) model.
+    resumed = zenflow_run(tmp_path, train_dataset, "resumed", model=tiny_llama(seed=123), resume=str(checkpoint),
+                          **common)
+    assert resumed.state.global_step == 12
+    # log_history comes back from the checkpoint's trainer_state.json: steps 1-6 restored, 7-12 trained again.
+    assert len(logged(resumed)) == 12
+    assert logged(resumed)[6:] == logged(full)[6:]  # bit for bit
+    full_w, resumed_w = weights(full), weights(resumed)
+    for name in full_w:
+        assert torch.equal(full_w[name], resumed_w[name]), name
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tmp_path, train_dataset):
+    common = dict(max_steps=8, zenflow_update_interval=4, zenflow_overlap_step=True, learning_rate=1e-3)
+    accumulated = zenflow_run(tmp_path, train_dataset, "ga4", per_device_train_batch_size=2,
+                              gradient_accumulation_steps=4, **common)
+    stats = accumulated.zenflow_optimizer.stats()
+    assert stats["steps"] == 8  # optimizer steps, not the 32 micro-batches
+    assert stats["windows"] == 8 // 4  # windows close every U optimizer steps
+    assert stats["update_interval"] == 4
+    # Same samples per optimizer step as one batch of 8: same training, up to float summation order.
+    big_batch = zenflow_run(tmp_path, train_dataset, "bs8", per_device_train_batch_size=8, **common)
+    assert_close_rel(logged(accumulated), logged(big_batch), 1e-4)
+
+
+def test_lora_only_adapters_change(tmp_path, train_dataset):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                              lora_dropout=0.0))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = zenflow_run(tmp_path, train_dataset, model=model, max_steps=20, learning_rate=1e-2)
+    opt = trainer.zenflow_optimizer
+    optimized = {id(p) for g in opt.param_groups for p in g["params"]}
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert optimized == trainable and trainable
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed and all("lora_" in n for n in changed), sorted(changed)
+    assert any("lora_A" in n for n in changed) and any("lora_B" in n for n in changed)
+    losses = logged(trainer)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05  # it trains
+    trainer.save_model()
+    assert (tmp_path / "zenflow" / "adapter_model.safetensors").is_file()
+    card = (tmp_path / "zenflow" / "README.md").read_text()
+    assert "## ZenFlow" in card and "library_name: peft" in card
+
+
+def test_gradient_checkpointing_gives_the_same_run(tmp_path, train_dataset):
+    common = dict(max_steps=10, zenflow_update_interval=2)
+    base = zenflow_run(tmp_path, train_dataset, "base", **common)
+    checkpointed = zenflow_run(tmp_path, train_dataset, "ckpt", activation_checkpointing=True, **common)
+    assert checkpointed.model.is_gradient_checkpointing
+    assert_close_rel(logged(checkpointed), logged(base), 1e-5)
+
+
+def test_telemetry_in_logs_and_model_card(tmp_path, train_dataset):
+    trainer = zenflow_run(tmp_path, train_dataset, max_steps=8, logging_steps=4)
+    step_logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(step_logs) == 2
+    for entry in step_logs:
+        for key in TELEMETRY_KEYS:
+            assert key in entry and math.isfinite(entry[key]), key
+        assert entry["zenflow/update_interval"] == 4
+        assert 0.0 < entry["zenflow/selected_fraction"] < 1.0
+        assert entry["zenflow/bytes_to_host"] > 0
+    assert step_logs[-1]["zenflow/bytes_to_device"] > 0  # a window was written back
+    summary = trainer.state.log_history[-1]
+    assert "train_loss" in summary and summary["zenflow/steps"] == 8
+    trainer.save_model()
+    card = (tmp_path / "zenflow" / "README.md").read_text()
+    assert "- hf_zenflow" in card.split("---")[1]  # tag in the YAML front matter
+    assert "## ZenFlow" in card and "### ZenFlow settings" in card and "### Measured during training" in card
+    assert "| `topk_ratio` | 0.1 |" in card and "| `update_interval` | 4 |" in card
+    assert "| optimizer steps | 8 |" in card and "critical path per step" in card
+    assert (tmp_path / "zenflow" / "model.safetensors").is_file()
+
+
+def test_checkpoint_writes_model_card_and_drains(tmp_path, train_dataset, monkeypatch):
+    calls = []
+    original = ZenFlowAdamW.synchronize
+
+    def spy(self):
+        calls.append(self)
+        return original(self)
+
+    monkeypatch.setattr(ZenFlowAdamW, "synchronize", spy)
+    args = zenflow_args(tmp_path / "out", max_steps=4, save_strategy="steps", save_steps=2)
+    trainer = ZenFlowTrainer(model=tiny_llama(), args=args, train_dataset=train_dataset)
+    seen = []
+    original_save = Trainer._save_checkpoint
+
+    def save(self, model, trial):
+        seen.append(len(calls))
+        return original_save(self, model, trial)
+
+    monkeypatch.setattr(Trainer, "_save_checkpoint", save)
+    trainer.train()
+    assert seen and all(n > 0 for n in seen)  # synchronised before each checkpoint
+    assert (tmp_path / "out" / "checkpoint-2" / "optimizer.pt").is_file()
+    assert "hf_zenflow" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_final_weights_contain_every_host_update(tmp_path, train_dataset):
+    # 10 steps with U=4 and overlap: without the end-of-training flush, windows 2 and 3 would be missing.
+    trainer = zenflow_run(tmp_path, train_dataset, max_steps=10, zenflow_update_interval=4)
+    opt = trainer.zenflow_optimizer
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(p.detach().float(), opt.master_weight(p).view(p.shape), rtol=0, atol=0,
+                                   msg=name)
+
+
+def test_evaluate_mid_training(tmp_path, train_dataset, eval_dataset):
+    args = zenflow_args(tmp_path / "out", max_steps=6, eval_strategy="steps", eval_steps=3)
+    trainer = ZenFlowTrainer(model=tiny_llama(), args=args, train_dataset=train_dataset, eval_dataset=eval_dataset)
+    trainer.train()
+    assert len(logged(trainer, "eval_loss")) == 2
+
+
+def test_plain_training_arguments_are_upgraded(tmp_path, train_dataset):
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, use_cpu=True, report_to="none",
+                             learning_rate=5e-4, hub_token="secret", seed=3)
+    trainer = ZenFlowTrainer(model=tiny_llama(), args=args, train_dataset=train_dataset)
+    assert isinstance(trainer.args, ZenFlowTrainingArguments)
+    assert trainer.args.zenflow and trainer.args.learning_rate == 5e-4 and trainer.args.seed == 3
+    assert trainer.args.hub_token == "secret"
+    assert trainer.args.zenflow_config().update_interval == 4
+
+
+def test_unsupported_optim_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="adamw_torch"):
+        ZenFlowTrainer(model=tiny_llama(), args=TrainingArguments(output_dir=str(tmp_path), optim="sgd",
+                                                                 use_cpu=True, report_to="none"))
+    args = ZenFlowTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", zenflow=False,
+                                    optim="adafactor")
+    args.zenflow = True  # switched on after validation: the trainer still refuses
+    with pytest.raises(ValueError, match="--optim adafactor"):
+        ZenFlowTrainer.get_optimizer_cls_and_kwargs(args)
+
+
+def test_zenflow_off_is_a_plain_trainer(tmp_path, train_dataset):
+    trainer = zenflow_run(tmp_path, train_dataset, max_steps=3, zenflow=False)
+    assert trainer.zenflow_optimizer is None
+    assert isinstance(trainer.optimizer.optimizer, torch.optim.AdamW)
+    assert not any(k.startswith("zenflow/") for e in trainer.state.log_history for k in e)
+
+
+def test_user_built_zenflow_optimizer(tmp_path, train_dataset):
+    model = tiny_llama()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.5, update_interval=2, cpu_threads=1)
+    trainer = ZenFlowTrainer(model=model, args=zenflow_args(tmp_path / "o", max_steps=4), train_dataset=train_dataset,
+                             optimizers=(opt, None))
+    trainer.train()
+    assert trainer.zenflow_optimizer is opt
+    assert opt.stats()["windows"] == 2 and opt.config.steps_per_epoch == 64  # 256 samples / batch 4
+    assert "zenflow/critical_path_ms" in trainer.state.log_history[0]
+
+
+def test_tags_added_to_model(tmp_path, train_dataset):
+    trainer = ZenFlowTrainer(model=tiny_llama(), args=zenflow_args(tmp_path / "o", max_steps=1),
+                             train_dataset=train_dataset)
+    assert "hf_zenflow" in trainer.model.model_tags
+    assert os.fspath(tmp_path / "o") == trainer.args.output_dir

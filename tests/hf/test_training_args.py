@@ -1,0 +1,147 @@
+"""`ZenFlowTrainingArguments`: command-line parsing, validation naming the flag, serialisation, conflicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import HfArgumentParser, TrainingArguments
+
+from hf_zenflow import ZenFlowConfig
+from hf_zenflow.hf.training_args import ZenFlowTrainingArguments
+
+
+BASE = ["--output_dir", "unused", "--use_cpu", "--report_to", "none"]
+
+
+def parse(*flags: str) -> ZenFlowTrainingArguments:
+    (args,) = HfArgumentParser(ZenFlowTrainingArguments).parse_args_into_dataclasses([*BASE, *flags])
+    return args
+
+
+def make(**kwargs) -> ZenFlowTrainingArguments:
+    return ZenFlowTrainingArguments(output_dir="unused", use_cpu=True, report_to="none", **kwargs)
+
+
+def test_defaults_match_zenflow_config():
+    args = parse()
+    assert args.zenflow is True
+    assert args.zenflow_config() == ZenFlowConfig()
+    assert args.zenflow_update_interval == 4 and isinstance(args.zenflow_update_interval, int)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("AUTO", "auto"), ("4", 4), ("12", 12)])
+def test_update_interval_parses_int_or_auto(value, expected):
+    args = parse("--zenflow_update_interval", value)
+    assert args.zenflow_update_interval == expected
+    assert args.zenflow_config().update_interval == expected
+
+
+def test_every_flag_parses_into_the_config():
+    args = parse(
+        "--zenflow_topk_ratio", "0.25", "--zenflow_update_interval", "auto", "--zenflow_select_strategy", "step",
+        "--zenflow_select_interval", "50", "--zenflow_full_warm_up_rounds", "3", "--zenflow_overlap_step", "False",
+        "--zenflow_cpu_threads", "2",
+    )
+    assert args.zenflow_config() == ZenFlowConfig(
+        topk_ratio=0.25, update_interval="auto", select_strategy="step", select_interval=50, full_warm_up_rounds=3,
+        overlap_step=False, cpu_threads=2,
+    )
+    assert parse("--no_zenflow_overlap_step").zenflow_overlap_step is False
+    assert parse("--no_zenflow").zenflow is False
+
+
+def test_help_renders():
+    # argparse formats every help string (a bare % would raise here).
+    text = HfArgumentParser(ZenFlowTrainingArguments).format_help()
+    for flag in ("--zenflow_topk_ratio", "--zenflow_update_interval", "--zenflow_select_strategy",
+                 "--zenflow_select_interval", "--zenflow_full_warm_up_rounds", "--zenflow_overlap_step",
+                 "--zenflow_cpu_threads"):
+        assert flag in text
+    assert "10% of the columns" in " ".join(text.split())  # "%%" rendered as "%"
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag_name"),
+    [
+        (["--zenflow_update_interval", "often"], "--zenflow_update_interval"),
+        (["--zenflow_update_interval", "0"], "--zenflow_update_interval"),
+        (["--zenflow_topk_ratio", "1.5"], "--zenflow_topk_ratio"),
+        (["--zenflow_select_interval", "-2", "--zenflow_select_strategy", "step"], "--zenflow_select_interval"),
+        (["--zenflow_full_warm_up_rounds", "-1"], "--zenflow_full_warm_up_rounds"),
+        (["--zenflow_cpu_threads", "0"], "--zenflow_cpu_threads"),
+        (["--zenflow_select_interval", "3"], "--zenflow_select_interval"),  # needs strategy step/epoch
+    ],
+)
+def test_bad_values_name_the_flag(flags, flag_name):
+    with pytest.raises(ValueError, match=flag_name):
+        parse(*flags)
+
+
+def test_bad_select_strategy_is_rejected_by_argparse():
+    with pytest.raises(SystemExit):
+        parse("--zenflow_select_strategy", "sometimes")
+    with pytest.raises(ValueError, match="--zenflow_select_strategy"):
+        make(zenflow_select_strategy="sometimes")
+
+
+def test_to_dict_and_json_round_trip():
+    args = make(zenflow_topk_ratio=0.2, zenflow_update_interval="auto", zenflow_overlap_step=False,
+                zenflow_cpu_threads=3, zenflow_select_strategy="step", zenflow_select_interval="7")
+    as_dict = args.to_dict()
+    assert {k: v for k, v in as_dict.items() if k.startswith("zenflow")} == {
+        "zenflow": True, "zenflow_topk_ratio": 0.2, "zenflow_update_interval": "auto",
+        "zenflow_select_strategy": "step", "zenflow_select_interval": 7, "zenflow_full_warm_up_rounds": 0,
+        "zenflow_overlap_step": False, "zenflow_cpu_threads": 3,
+    }
+    restored = ZenFlowTrainingArguments(**{**json.loads(args.to_json_string()), "hub_token": None})
+    assert restored.zenflow_config() == args.zenflow_config()
+    assert restored.to_dict() == as_dict
+
+
+def test_zenflow_config_overrides():
+    assert make().zenflow_config(steps_per_epoch=10).steps_per_epoch == 10
+
+
+def test_deepspeed_conflict():
+    with pytest.raises(ValueError, match="DeepSpeed"):
+        make(deepspeed={"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}})
+
+
+def test_deepspeed_from_accelerate_env(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="DeepSpeed"):
+        make()
+
+
+def test_fsdp_conflict():
+    with pytest.raises(ValueError, match="FSDP"):
+        make(fsdp="full_shard")
+
+
+def test_fp16_conflict_and_bf16_is_fine():
+    with pytest.raises(ValueError, match="fp16"):
+        make(fp16=True)
+    assert make(bf16=True).bf16
+
+
+def test_fp16_from_accelerate_env(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ValueError, match="fp16"):
+        make()
+
+
+def test_unsupported_optim():
+    with pytest.raises(ValueError, match="--optim sgd"):
+        make(optim="sgd")
+    assert make(optim="adamw_torch").zenflow
+    assert make(optim="adamw_torch_fused").zenflow
+
+
+def test_conflicts_ignored_when_zenflow_is_off():
+    args = make(zenflow=False, optim="sgd")
+    assert args.optim == "sgd"
+
+
+def test_is_a_training_arguments():
+    assert isinstance(make(), TrainingArguments)
