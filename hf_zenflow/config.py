@@ -116,6 +116,18 @@ class ZenFlowConfig:
         metadata={"help": 'With update_interval="auto": a window never spans more than this many steps (bounded '
                   "staleness)."},
     )
+    host_lr_scale: float | str = field(
+        default=1.0,
+        metadata={"help": 'Learning-rate multiplier of the host AdamW step. The unselected columns take one AdamW '
+                  'step per window, so they move about `update_interval` times less per optimizer step than under '
+                  'AdamW; "interval" multiplies by the length of each window, restoring the per-step rate. 1.0 is '
+                  "ZenFlow's (and DeepSpeed's) rule."},
+    )
+    min_offload_numel: int = field(
+        default=0,
+        metadata={"help": "Matrices with fewer elements are updated entirely on the device every step, like 1-D "
+                  "parameters (e.g. a classification head: tiny state, and every step matters)."},
+    )
     cpu_threads: int | None = field(
         default=None,
         metadata={"help": "Threads of the host AdamW and of the host accumulation. None = the number of cores in "
@@ -153,6 +165,18 @@ class ZenFlowConfig:
         self.auto_ratio = float(self.auto_ratio)
         if not _is_int(self.auto_max_interval) or self.auto_max_interval < 1:
             _fail("auto_max_interval", self.auto_max_interval, "an integer >= 1")
+        if isinstance(self.host_lr_scale, str) and self.host_lr_scale.strip().lower() == "interval":
+            self.host_lr_scale = "interval"
+        else:
+            try:
+                scale = float(self.host_lr_scale)
+            except (TypeError, ValueError):
+                scale = float("nan")
+            if isinstance(self.host_lr_scale, bool) or not scale > 0 or math.isinf(scale):
+                _fail("host_lr_scale", self.host_lr_scale, 'a float > 0 or "interval"')
+            self.host_lr_scale = scale
+        if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
+            _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")
         if self.cpu_threads is not None and (not _is_int(self.cpu_threads) or self.cpu_threads < 1):
             _fail("cpu_threads", self.cpu_threads, "None (derive from CPU affinity) or an integer >= 1")
         if self.steps_per_epoch is not None and (not _is_int(self.steps_per_epoch) or self.steps_per_epoch < 1):

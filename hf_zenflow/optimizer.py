@@ -353,7 +353,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for _, p in entries:
             if p in self._split or p in self._dense:
                 continue
-            if p.ndim >= 2 and p.is_contiguous():
+            if p.ndim >= 2 and p.is_contiguous() and p.numel() >= self.config.min_offload_numel:
                 split = _SplitParam(p, num_selected(self.config.topk_ratio, as_matrix(p).shape[1]))
                 if split.offloaded or self._schedule.in_warm_up():
                     split.host = HostMatrix.create(as_matrix(p), p.grad.dtype)
@@ -448,20 +448,25 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _close_window(self, timer: StepTimer, sequential: bool) -> None:
         """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
         schedule = self._schedule
+        steps, schedule.window_steps = schedule.window_steps, 0
+        schedule.windows += 1
+        schedule.last_interval = steps
+        for split in self._split.values():
+            split.auto.reset()
+        scale = float(steps) if self.config.host_lr_scale == "interval" else float(self.config.host_lr_scale)
         group_of = self._group_of()
         by_group: dict[int, tuple[dict, list[HostMatrix]]] = {}
         for p, split in self._split.items():
             if split.host is not None:
                 group = group_of[p]
-                by_group.setdefault(id(group), ({k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}, []))[
-                    1].append(split.host)
-        work = list(by_group.values())  # hyper-parameters are copied now: the lr in force when the window closed
+                if id(group) not in by_group:
+                    # hyper-parameters are copied now: the lr in force when the window closed
+                    hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+                    hyper["lr"] = hyper["lr"] * scale
+                    by_group[id(group)] = (hyper, [])
+                by_group[id(group)][1].append(split.host)
+        work = list(by_group.values())
         worker = self._worker
-        schedule.windows += 1
-        schedule.last_interval = schedule.window_steps
-        steps, schedule.window_steps = schedule.window_steps, 0
-        for split in self._split.values():
-            split.auto.reset()
         if not work:
             return  # every column lives on the device: no host step, nothing stale
         if not sequential and self._writeback_pending:

@@ -26,6 +26,9 @@ from hf_zenflow.config import DEFAULT_SELECT_STEPS, available_cpu_count
         ("auto_ratio", 0.0),
         ("auto_ratio", 1.2),
         ("auto_max_interval", 0),
+        ("host_lr_scale", 0.0),
+        ("host_lr_scale", "twice"),
+        ("min_offload_numel", -1),
         ("cpu_threads", 0),
         ("steps_per_epoch", 0),
     ],
@@ -59,6 +62,11 @@ def test_strings_from_a_command_line_parse():
     cfg = ZenFlowConfig(update_interval="8", select_strategy="step", select_interval="AUTO")
     assert cfg.update_interval == 8 and cfg.select_interval == "auto"
     assert ZenFlowConfig(update_interval="auto").is_auto_interval
+
+
+def test_host_lr_scale_parses_numbers_and_interval():
+    assert ZenFlowConfig(host_lr_scale="2.5").host_lr_scale == 2.5
+    assert ZenFlowConfig(host_lr_scale="Interval").host_lr_scale == "interval"
 
 
 def test_integer_interval_with_auto_strategy_is_rejected():

@@ -100,16 +100,19 @@ def test_overlapped_equals_sequential_schedule_bit_for_bit(settings):
     assert opt_t.stats()["windows"] == opt_i.stats()["windows"] > 0
 
 
-def test_overlapped_schedule_matches_an_independent_model_of_it():
+@pytest.mark.parametrize("host_lr_scale", [1.0, "interval"])
+def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale):
     """A from-scratch model of the claimed schedule: selected columns by AdamW every step; the rest by a host AdamW
-    on the mean gradient of each U-step window, written back one window later (lr at window close)."""
+    on the mean gradient of each U-step window, written back one window later (lr at window close, times U with
+    host_lr_scale="interval")."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(32, 16, bias=False)
     ref_w = lin.weight.detach().clone()
     data = [torch.randn(4, 32) for _ in range(24)]
     U, k = 4, 8
     opt = ZenFlowAdamW([lin.weight], lr=LR, weight_decay=0.05, topk_ratio=k / 32, update_interval=U,
-                       select_strategy="step", select_interval=1000)
+                       select_strategy="step", select_interval=1000, host_lr_scale=host_lr_scale)
+    host_scale = U if host_lr_scale == "interval" else 1.0
     sched = linear_schedule(opt, 24)
     group = dict(lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
 
@@ -137,7 +140,7 @@ def test_overlapped_schedule_matches_an_independent_model_of_it():
                 ref_w.copy_(pending)
                 ref_w[:, sel] = dev["master"]
             fused_adamw_([host["master"]], [host["acc"] / U], [host["m"]], [host["v"]], [host["step"]],
-                         {**group, "lr": lr})
+                         {**group, "lr": lr * host_scale})
             pending = host["master"].clone()
             host["acc"].zero_()
             host["n"] = 0
@@ -424,3 +427,12 @@ def test_telemetry_counts_bytes_staleness_and_phases():
     # steps whose host-path gradient is not yet in the weights: grows to 8 before each write-back
     assert [int(s) for _, _, s in seen] == [1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 4]
     assert opt.stats()["windows"] == 3 and opt.stats()["update_interval"] == 4
+
+
+def test_small_matrices_stay_on_the_device():
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=1500)
+    train(model, opt, batches(2))
+    split = {name for name, p in model.named_parameters() if p in opt._split}
+    assert split == {"up.weight", "down.weight"}  # the 24x40 embedding (960 elements) is below the threshold
+    opt.close()

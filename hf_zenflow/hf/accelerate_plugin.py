@@ -92,6 +92,8 @@ class ZenFlowPlugin:
         full_warm_up_rounds: ``HF_ZENFLOW_FULL_WARM_UP_ROUNDS``; dense AdamW steps before the first selection.
         overlap_step: ``HF_ZENFLOW_OVERLAP_STEP``; overlap the host AdamW with training (``true``/``false``).
         auto_ratio, auto_max_interval: ``HF_ZENFLOW_AUTO_RATIO``, ``HF_ZENFLOW_AUTO_MAX_INTERVAL`` (Zen-auto).
+        host_lr_scale: ``HF_ZENFLOW_HOST_LR_SCALE``; host AdamW lr multiplier, or ``"interval"``.
+        min_offload_numel: ``HF_ZENFLOW_MIN_OFFLOAD_NUMEL``; smaller matrices stay entirely on the device.
         cpu_threads: ``HF_ZENFLOW_CPU_THREADS``; host worker threads (default: half the cores in this process's
             affinity, whatever ``OMP_NUM_THREADS`` says).
         steps_per_epoch: ``HF_ZENFLOW_STEPS_PER_EPOCH``; derived from the prepared dataloader when not given.
@@ -115,6 +117,10 @@ class ZenFlowPlugin:
     overlap_step: bool | None = field(default=None, metadata={"help": "Overlap the host AdamW with training."})
     auto_ratio: float | None = field(default=None, metadata={"help": "Zen-auto: fraction of matrices that agree."})
     auto_max_interval: int | None = field(default=None, metadata={"help": "Zen-auto: longest window."})
+    host_lr_scale: float | str | None = field(
+        default=None, metadata={"help": 'Host AdamW lr multiplier, or "interval" (x window length).'})
+    min_offload_numel: int | None = field(
+        default=None, metadata={"help": "Matrices with fewer elements stay entirely on the device."})
     cpu_threads: int | None = field(default=None, metadata={"help": "Host worker threads."})
     steps_per_epoch: int | None = field(default=None, metadata={"help": "Optimizer steps per epoch."})
 
@@ -136,7 +142,8 @@ class ZenFlowPlugin:
         try:
             if field_name in ("topk_ratio", "auto_ratio"):
                 return float(raw)
-            if field_name in ("full_warm_up_rounds", "auto_max_interval", "cpu_threads", "steps_per_epoch"):
+            if field_name in ("full_warm_up_rounds", "auto_max_interval", "cpu_threads", "steps_per_epoch",
+                              "min_offload_numel"):
                 return int(raw)
             if field_name == "overlap_step":
                 if raw.lower() in _TRUE:

@@ -28,6 +28,8 @@ ZENFLOW_FIELDS = {
     "zenflow_select_interval": "select_interval",
     "zenflow_full_warm_up_rounds": "full_warm_up_rounds",
     "zenflow_overlap_step": "overlap_step",
+    "zenflow_host_lr_scale": "host_lr_scale",
+    "zenflow_min_offload_numel": "min_offload_numel",
     "zenflow_cpu_threads": "cpu_threads",
 }
 
@@ -63,6 +65,10 @@ class ZenFlowTrainingArguments(TrainingArguments):
         The first N optimizer steps are dense AdamW steps.
     zenflow_overlap_step (`bool`, *optional*, defaults to `True`):
         Overlap the host AdamW with the next steps (one window of staleness); `False` applies it at once.
+    zenflow_host_lr_scale (`str`, *optional*, defaults to `"1.0"`):
+        Learning-rate multiplier of the host AdamW step (a number > 0), or `"interval"` (the window length).
+    zenflow_min_offload_numel (`int`, *optional*, defaults to `0`):
+        Weight matrices with fewer elements are updated entirely on the device.
     zenflow_cpu_threads (`int` or `None`, *optional*, defaults to `None`):
         Threads of the host worker; `None` = half the cores in this process's CPU affinity. Independent of
         `OMP_NUM_THREADS` (which `accelerate launch` sets to 1).
@@ -128,6 +134,18 @@ class ZenFlowTrainingArguments(TrainingArguments):
             "window later). Pass `--zenflow_overlap_step False` to apply it at once (sequential mode)."
         },
     )
+    # `str` for the same reason as the update interval: a number or "interval".
+    zenflow_host_lr_scale: str = field(
+        default="1.0",
+        metadata={
+            "help": 'Learning-rate multiplier of the host AdamW step, or "interval" to multiply by the window length '
+            "(the unselected columns take one step per window). 1.0 is ZenFlow's rule."
+        },
+    )
+    zenflow_min_offload_numel: int = field(
+        default=0,
+        metadata={"help": "Weight matrices with fewer elements are updated entirely on the device every step."},
+    )
     zenflow_cpu_threads: int | None = field(
         default=None,
         metadata={
@@ -148,6 +166,7 @@ class ZenFlowTrainingArguments(TrainingArguments):
         # place; its messages name `ZenFlowConfig.<field>`, which we rewrite into the command-line flag.
         config = self.zenflow_config()
         self.zenflow_update_interval = config.update_interval
+        self.zenflow_host_lr_scale = config.host_lr_scale
         self.zenflow_select_interval = config.select_interval
         self.zenflow_topk_ratio = config.topk_ratio
 
