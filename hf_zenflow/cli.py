@@ -18,6 +18,10 @@ def _interval(value: str) -> int | str:
     return value if value.strip().lower() == "auto" else int(value)
 
 
+def _scale(value: str) -> float | str:
+    return value if value.strip().lower() == "interval" else float(value)
+
+
 def _add_compare(sub: argparse._SubParsersAction) -> None:
     from hf_zenflow.compare.runner import OPTIMIZERS, CompareConfig
 
@@ -49,10 +53,14 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--topk-ratio", type=float, default=d.topk_ratio)
     p.add_argument("--update-interval", type=_interval, default=d.update_interval, help='an integer or "auto"')
+    p.add_argument("--host-lr-scale", type=_scale, default=d.host_lr_scale,
+                   help='ZenFlow host-AdamW lr multiplier: a float, or "interval" (x window length)')
+    p.add_argument("--min-offload-numel", type=int, default=d.min_offload_numel,
+                   help="ZenFlow: matrices with fewer elements stay wholly on the device (e.g. the classifier head)")
     p.add_argument("--select-strategy", default=d.select_strategy, choices=["auto", "step", "epoch"])
     p.add_argument("--no-overlap", dest="overlap_step", action="store_false",
                    help="run ZenFlow's host step inline instead of in the background worker")
-    p.add_argument("--cpu-threads", type=int, default=None, help="host-optimizer threads (default: CPU affinity)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="host-optimizer threads (default: the engine's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for forward/backward")
     p.add_argument("--device", default=d.device, help="'auto', 'cpu' or 'cuda[:N]'")
     p.add_argument("--optimizers", default=",".join(d.optimizers),
@@ -87,8 +95,8 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         description="Emulated accelerator (no GPU is used): device compute is a timed wait that occupies no host "
         "core, host<->device copies are real memory copies paced at the link bandwidth, and the host side is the "
         "real SyncOffloadAdamW / ZenFlowAdamW on a scaled-down model whose measured host time is scaled to the "
-        "full model. The three schedules are measured in one run. See --scenario llama2-7b-4xa100.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "full model. The three schedules are measured in one run. See --scenario llama2-7b-4xa100. Defaults of "
+        "the flags are in [brackets].",
     )
     add_estimate_arguments(p)
     p.set_defaults(func=_run_estimate)

@@ -296,6 +296,8 @@ class ZenFlowTrainer(Trainer):
             "select_interval": config.select_interval,
             "full_warm_up_rounds": config.full_warm_up_rounds,
             "overlap_step": config.overlap_step,
+            "host_lr_scale": config.host_lr_scale,
+            "min_offload_numel": config.min_offload_numel,
             "cpu_threads": f"{config.resolved_cpu_threads}" + (" (auto)" if config.cpu_threads is None else ""),
             "steps_per_epoch": config.steps_per_epoch,
         }
