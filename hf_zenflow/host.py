@@ -36,6 +36,18 @@ GRAD_SLOTS = 2
 #: How often a waiting caller wakes to check that the worker thread is still alive.
 _POLL_S = 0.5
 
+_scratch = threading.local()
+
+
+def _fp32_scratch(like: torch.Tensor) -> torch.Tensor:
+    """A reused fp32 buffer shaped like `like`, one per thread. Adding a bf16 tensor into an fp32 one directly is
+    ~3.5x slower on CPU than converting into a warm fp32 buffer first and adding that (measured, 25M elements:
+    135 ms against 16 + 21 ms); a fresh conversion each time pays page faults instead."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < like.numel():
+        buf = _scratch.buf = torch.empty(like.numel(), dtype=torch.float32)
+    return buf[: like.numel()].view(like.shape)
+
 
 @dataclass
 class HostMatrix:
@@ -76,10 +88,13 @@ class HostMatrix:
             self.accum.copy_(grad2d)
             if coef is not None:
                 self.accum.mul_(coef)
-        elif coef is None:
-            self.accum.add_(grad2d)
         else:
-            self.accum.add_(grad2d, alpha=coef)
+            if grad2d.dtype != torch.float32:
+                grad2d = _fp32_scratch(grad2d).copy_(grad2d)
+            if coef is None:
+                self.accum.add_(grad2d)
+            else:
+                self.accum.add_(grad2d, alpha=coef)
         self.accum_count += 1
 
     def nbytes(self) -> int:

@@ -9,7 +9,8 @@ Between steps the script sleeps `--compute-ms` to stand for the device's forward
 sleep occupies no host core, so the ZenFlow host worker can run then. After each ZenFlow step the script (untimed)
 lets the worker finish, as a device compute phase long enough to hide it would, so that the worker never competes
 with a timed step of any optimizer on this 2-core machine; the worker's own time per step is printed, which is the
-device compute a real run needs to hide it (`--no-drain` keeps the worker running into the next steps instead). Gradients are pre-generated random tensors
+device compute a real run needs to hide it (`--no-drain` keeps the worker running into the next steps instead).
+Gradients are pre-generated random tensors
 (two sets, alternated); the optimizers are stepped round-robin, rotating the order every round, so drifts in machine
 load hit all of them alike. The device is this machine's CPU, so "device" updates and "host" updates share the same
 memory system: the strided gather/scatter of the selected columns is real work here, and nothing is copied over a
