@@ -33,6 +33,7 @@ from ._base import (
     clip_coefficient,
     fused_adamw_,
     grad_norms,
+    l2_norm,
 )
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, scaled_fp32
@@ -200,7 +201,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             norms: list[torch.Tensor] = cached_norms if cached_norms else []
             for i, (_, p) in enumerate(entries):
                 if not cached_norms:
-                    norms.append(torch.linalg.vector_norm(grads[i]))
+                    norms.append(l2_norm(grads[i]))
                 split = self._split.get(p)
                 if gather_now and split is not None and split.device is not None:
                     # Gather the selected columns right after the norm pass brought this gradient into cache: on a
