@@ -560,6 +560,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def _select(self, split: _SplitParam, grad: torch.Tensor) -> None:
         p, host = split.param, split.host
+        # Sync point (re-selection only, every `select_period` steps): the outgoing device columns are copied to the
+        # host and the incoming ones up with blocking copies; the worker was drained by the caller first.
         if split.device is not None and host is not None:
             idx = split.device.index.cpu()
             host.master.index_copy_(1, idx, split.device.master.cpu())
