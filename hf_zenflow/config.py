@@ -22,6 +22,7 @@ SelectStrategy = Literal["auto", "step", "epoch"]
 DEFAULT_SELECT_STEPS = 100
 
 _SELECT_STRATEGIES = ("auto", "step", "epoch")
+_ACCUMULATE_ON = ("host", "device")
 
 
 def available_cpu_count() -> int:
@@ -128,6 +129,14 @@ class ZenFlowConfig:
         metadata={"help": "Matrices with fewer elements are updated entirely on the device every step, like 1-D "
                   "parameters (e.g. a classification head: tiny state, and every step matters)."},
     )
+    accumulate_on: str = field(
+        default="host",
+        metadata={"help": 'Where the unselected gradient is summed over a window. "host": every step the whole '
+                  "matrix gradient goes to the host and the worker adds it into an fp32 accumulator (no device "
+                  'memory). "device": an fp32 accumulator per offloaded matrix stays on the device (+4 bytes per '
+                  "offloaded parameter of device memory) and crosses the link once per window; the host then only "
+                  "runs the AdamW. Use it when the host cannot keep up with one accumulation per step."},
+    )
     cpu_threads: int | None = field(
         default=None,
         metadata={"help": "Threads of the host AdamW and of the host accumulation. None = the number of cores in "
@@ -177,6 +186,8 @@ class ZenFlowConfig:
             self.host_lr_scale = scale
         if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
             _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")
+        if self.accumulate_on not in _ACCUMULATE_ON:
+            _fail("accumulate_on", self.accumulate_on, " | ".join(f'"{s}"' for s in _ACCUMULATE_ON))
         if self.cpu_threads is not None and (not _is_int(self.cpu_threads) or self.cpu_threads < 1):
             _fail("cpu_threads", self.cpu_threads, "None (derive from CPU affinity) or an integer >= 1")
         if self.steps_per_epoch is not None and (not _is_int(self.steps_per_epoch) or self.steps_per_epoch < 1):

@@ -1,8 +1,9 @@
 """The host path: per-matrix host state, gradient accumulation, and the worker that runs the host AdamW.
 
 Host memory per offloaded parameter element: fp32 master (4 B) + fp32 exp_avg and exp_avg_sq (8 B) + fp32 window
-accumulator (4 B) = 16 B, plus on CUDA a pinned copy of the gradient per in-flight step (2 slots x the gradient dtype)
-and a pinned write-back buffer in the parameter dtype. One moment set (DeepSpeed keeps two, zenflow.md §3.12).
+accumulator (4 B) = 16 B, plus on CUDA a pinned copy of the gradient per in-flight step (2 slots x the gradient dtype;
+none with ``accumulate_on="device"``) and a pinned write-back buffer in the parameter dtype. One moment set (DeepSpeed
+keeps two, zenflow.md §3.12).
 
 The host state keeps the parameter's own row-major [out, in] layout. Every step the whole gradient is added into
 the accumulator (a contiguous streaming add on the worker) and every window the host AdamW updates the whole matrix
@@ -49,6 +50,23 @@ def _fp32_scratch(like: torch.Tensor) -> torch.Tensor:
     return buf[: like.numel()].view(like.shape)
 
 
+def accumulate_into(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | None, first: bool) -> None:
+    """``accum = grad * coef`` (first step of a window) or ``accum += grad * coef``, in fp32. The one rule for both
+    places a window is summed (the host worker, or the device with ``accumulate_on="device"``), so the two give
+    the same bits."""
+    if first:
+        accum.copy_(grad2d)
+        if coef is not None:
+            accum.mul_(coef)
+        return
+    if grad2d.dtype != torch.float32 and grad2d.device.type == "cpu":
+        grad2d = _fp32_scratch(grad2d).copy_(grad2d)
+    if coef is None:
+        accum.add_(grad2d)
+    else:
+        accum.add_(grad2d, alpha=coef)
+
+
 @dataclass
 class HostMatrix:
     """Host-side AdamW state of one matrix, as [out, in] fp32 tensors."""
@@ -66,35 +84,29 @@ class HostMatrix:
     writeback_free: object | None = None
 
     @classmethod
-    def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype) -> HostMatrix:
+    def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host") -> HostMatrix:
+        """Host state for `param2d`. With ``accumulate_on="device"`` the window is summed on the device and lands
+        in `accum` once per window (pinned on CUDA), so no per-step staging buffers are needed."""
         pin = param2d.is_cuda
         master = host_empty(param2d.shape, torch.float32, pin)
         master.copy_(param2d.detach())
+        on_device = accumulate_on == "device"
         state = cls(
             master=master,
             exp_avg=torch.zeros(param2d.shape, dtype=torch.float32),
             exp_avg_sq=torch.zeros(param2d.shape, dtype=torch.float32),
             step=torch.zeros((), dtype=torch.float32),
-            accum=torch.zeros(param2d.shape, dtype=torch.float32),
+            accum=host_empty(param2d.shape, torch.float32, pin and on_device).zero_(),
         )
         if pin:
-            state.staging = [host_empty(param2d.shape, grad_dtype, True) for _ in range(GRAD_SLOTS)]
+            if not on_device:
+                state.staging = [host_empty(param2d.shape, grad_dtype, True) for _ in range(GRAD_SLOTS)]
             state.writeback = host_empty(param2d.shape, param2d.dtype, True)
         return state
 
     def accumulate(self, grad2d: torch.Tensor, coef: float | None) -> None:
         """Fold one step's gradient (times the clip coefficient) into the window sum, in fp32."""
-        if self.accum_count == 0:
-            self.accum.copy_(grad2d)
-            if coef is not None:
-                self.accum.mul_(coef)
-        else:
-            if grad2d.dtype != torch.float32:
-                grad2d = _fp32_scratch(grad2d).copy_(grad2d)
-            if coef is None:
-                self.accum.add_(grad2d)
-            else:
-                self.accum.add_(grad2d, alpha=coef)
+        accumulate_into(self.accum, grad2d, coef, first=self.accum_count == 0)
         self.accum_count += 1
 
     def nbytes(self) -> int:

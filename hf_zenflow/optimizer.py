@@ -37,7 +37,7 @@ from ._base import (
 )
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, scaled_fp32
-from .host import HostAdamWorker, HostMatrix, host_adamw_window
+from .host import HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
 from .selection import WindowSchedule, ZenAutoStats, as_matrix, column_scores, num_selected, top_columns
 from .telemetry import StepTimer, ZenFlowStats
 
@@ -54,7 +54,7 @@ def _close_all() -> None:  # the host threads are daemons; this just lets in-fli
 class _SplitParam:
     """One matrix: its device columns and its host state (either may be absent)."""
 
-    __slots__ = ("param", "k", "columns", "device", "host", "auto")
+    __slots__ = ("param", "k", "columns", "device", "host", "auto", "window_sum", "window_count", "window_sum_free")
 
     def __init__(self, param: torch.Tensor, k: int) -> None:
         self.param = param
@@ -63,6 +63,23 @@ class _SplitParam:
         self.device: DeviceColumns | None = None
         self.host: HostMatrix | None = None
         self.auto = ZenAutoStats()
+        # accumulate_on="device": the open window's fp32 gradient sum on the parameter's device, the steps in it,
+        # and (CUDA) the event after which its last device->host copy has read it
+        self.window_sum: torch.Tensor | None = None
+        self.window_count = 0
+        self.window_sum_free: Any = None
+
+    def attach_host(self, accumulate_on: str) -> None:
+        """Create the host state (and, accumulating on the device, the device-side window sum)."""
+        p2d = as_matrix(self.param)
+        self.host = HostMatrix.create(p2d, self.param.dtype if self.param.grad is None else self.param.grad.dtype,
+                                      accumulate_on)
+        if accumulate_on == "device":
+            self.window_sum = torch.zeros(p2d.shape, dtype=torch.float32, device=self.param.device)
+            self.window_count = 0
+
+    def detach_host(self) -> None:
+        self.host, self.window_sum, self.window_count, self.window_sum_free = None, None, 0, None
 
     @property
     def offloaded(self) -> bool:
@@ -296,7 +313,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         host_bytes = sum(s.host.nbytes() for s in split if s.host is not None)
         device_bytes = sum(s.device.nbytes() for s in split if s.device is not None) + sum(
             d.nbytes(p) for p, d in self._dense.items()
-        )
+        ) + sum(s.window_sum.numel() * 4 for s in split if s.window_sum is not None)
         worker_ms = self._worker.last_job_ms if self._worker is not None else {}
         return self._stats.as_dict(
             selected_fraction=(on_device / total) if total else 1.0,
@@ -357,7 +374,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if p.ndim >= 2 and p.is_contiguous() and p.numel() >= self.config.min_offload_numel:
                 split = _SplitParam(p, num_selected(self.config.topk_ratio, as_matrix(p).shape[1]))
                 if split.offloaded or self._schedule.in_warm_up():
-                    split.host = HostMatrix.create(as_matrix(p), p.grad.dtype)
+                    split.attach_host(self.config.accumulate_on)
                 self._split[p] = split
             else:
                 self._dense[p] = DenseDeviceState.fresh(p)
@@ -414,6 +431,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if p in self._split and self._split[p].host is not None]
         if not work:
             return
+        if self.config.accumulate_on == "device":
+            self._accumulate_on_device(work, coef)
+            return
         worker = self._worker
         slot = worker.acquire_slot()
         event = None
@@ -446,6 +466,43 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
         worker.submit("accumulate", accumulate)
 
+    def _accumulate_on_device(self, work: list[tuple[_SplitParam, torch.Tensor]], coef: float | None) -> None:
+        """``accumulate_on="device"``: add this step's gradients into the device-side window sums (the caller's
+        stream, like the rest of the device update); nothing crosses the link until the window closes."""
+        for split, g in work:
+            if split.window_sum_free is not None:
+                # Sync point (device streams only): the compute stream waits until the last window's device->host
+                # copy has read the sum before overwriting it; the host thread does not wait.
+                torch.cuda.current_stream(split.param.device).wait_event(split.window_sum_free)
+                split.window_sum_free = None
+            accumulate_into(split.window_sum, as_matrix(g), coef, first=split.window_count == 0)
+            split.window_count += 1
+
+    def _ship_window_sums(self, splits: list[_SplitParam]) -> Any:
+        """``accumulate_on="device"``: move each closed window's device sum into the host accumulator, once per
+        window. Returns the CUDA event the host step must wait for (None on a CPU device, where the two buffers are
+        simply swapped). The caller has made sure no host step still reads the accumulators."""
+        event, moved = None, 0
+        for split in splits:
+            if split.window_sum is None or split.window_count == 0:
+                continue
+            host = split.host
+            if split.param.is_cuda:
+                stream = self._copy_stream
+                # Sync point (device streams only): the copy stream waits for the compute stream's last add.
+                stream.wait_stream(torch.cuda.current_stream(split.param.device))
+                with torch.cuda.stream(stream):
+                    host.accum.copy_(split.window_sum, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                split.window_sum_free = event
+            else:
+                host.accum, split.window_sum = split.window_sum, host.accum
+            host.accum_count, split.window_count = split.window_count, 0
+            moved += host.accum.numel() * host.accum.element_size()
+        self._stats.bytes_to_host += moved
+        return event
+
     def _close_window(self, timer: StepTimer, sequential: bool) -> None:
         """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
         schedule = self._schedule
@@ -477,7 +534,22 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     worker.wait(self._pending)
             with timer.phase("writeback"):
                 self._write_back()
-        future = worker.submit("host_adamw", lambda: host_adamw_window(work))
+        landed = None
+        if self.config.accumulate_on == "device":
+            with timer.phase("handoff"):
+                if self._pending is not None:
+                    # Sync point: the previous window's host step reads the host accumulators; it must be done
+                    # before this window's sums land there (only reached in sequential closes: an overlapped close
+                    # waited above).
+                    worker.wait(self._pending)
+                landed = self._ship_window_sums([s for s in self._split.values() if s.host is not None])
+
+        def host_step() -> None:
+            if landed is not None:
+                landed.synchronize()  # Sync point (worker waits on the device): the window's sums are on the host
+            host_adamw_window(work)
+
+        future = worker.submit("host_adamw", host_step)
         self._unapplied_steps.append(steps)
         self._pending, self._writeback_pending = future, True
         if sequential:
@@ -587,7 +659,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             cols = [master, torch.zeros_like(master), torch.zeros_like(master)]
         split.device = DeviceColumns.from_columns(index, *cols, step=step, device=p.device, columns=split.columns)
         if not split.offloaded:
-            split.host = None  # every column on the device (topk_ratio=1): the host keeps nothing
+            split.detach_host()  # every column on the device (topk_ratio=1): the host keeps nothing
         split.auto.reset()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -620,8 +692,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                              device_exp_avg_sq=d.exp_avg_sq, device_step=d.step)
             if split.host is not None:
                 h = split.host
+                # the open window's sum, wherever it is kept (the host worker is idle: closed windows are applied)
+                accum, count = (split.window_sum, split.window_count) if split.window_sum is not None else (
+                    h.accum, h.accum_count)
                 entry.update(host_master=h.master, host_exp_avg=h.exp_avg, host_exp_avg_sq=h.exp_avg_sq,
-                             host_step=h.step, accum=h.accum if h.accum_count else None, accum_count=h.accum_count)
+                             host_step=h.step, accum=accum if count else None, accum_count=count)
             state[index_of[p]] = entry
         for p, dense in self._dense.items():
             state[index_of[p]] = {
@@ -680,12 +755,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             split = _SplitParam(p, int(entry["k"]))
             split.auto = ZenAutoStats.from_list(entry["auto"])
             if "host_master" in entry:
-                host = HostMatrix.create(as_matrix(p), p.dtype)
+                split.attach_host(self.config.accumulate_on)
+                host = split.host
                 for name in ("master", "exp_avg", "exp_avg_sq", "step"):
                     getattr(host, name).copy_(entry[f"host_{name}"])
-                host.accum_count = int(entry["accum_count"])
+                # the open window's sum goes wherever this optimizer keeps it (either setting can load either)
+                target = split.window_sum if split.window_sum is not None else host.accum
+                if split.window_sum is not None:
+                    split.window_count = int(entry["accum_count"])
+                else:
+                    host.accum_count = int(entry["accum_count"])
                 if entry["accum"] is not None:
-                    host.accum.copy_(entry["accum"])
+                    target.copy_(entry["accum"])
                 if host.writeback is not None:
                     host.writeback.copy_(host.master)  # the pending write-back reads this buffer
                 split.host = host

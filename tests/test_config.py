@@ -29,6 +29,7 @@ from hf_zenflow.config import DEFAULT_SELECT_STEPS, available_cpu_count
         ("host_lr_scale", 0.0),
         ("host_lr_scale", "twice"),
         ("min_offload_numel", -1),
+        ("accumulate_on", "gpu"),
         ("cpu_threads", 0),
         ("steps_per_epoch", 0),
     ],

@@ -154,6 +154,68 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale):
     opt.close()
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(topk_ratio=0.1, update_interval=4),
+        dict(topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=7),
+        dict(topk_ratio=0.1, update_interval="auto", select_strategy="step", select_interval=10),
+        dict(topk_ratio=0.1, update_interval=2, full_warm_up_rounds=5, overlap_step=False),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_accumulation_equals_host_accumulation_bit_for_bit(settings, dtype):
+    """Where the window is summed changes memory and traffic, never the arithmetic."""
+    results = []
+    for accumulate_on in ("host", "device"):
+        model = make_model(dtype=dtype)
+        opt = ZenFlowAdamW(param_groups(model), lr=LR, accumulate_on=accumulate_on, **settings)
+        losses = train(model, opt, batches(30), linear_schedule(opt, 30), clip=1.0)
+        opt.flush()
+        results.append((model, losses, opt.stats()))
+        opt.close()
+    (host_model, host_losses, host_stats), (dev_model, dev_losses, dev_stats) = results
+    assert host_losses == dev_losses
+    for p, q in zip(host_model.parameters(), dev_model.parameters()):
+        assert torch.equal(p, q)
+    assert host_stats["windows"] == dev_stats["windows"] > 0
+    # the device keeps one fp32 sum per offloaded matrix, the host no staging
+    extra = sum(p.numel() * 4 for p in (dev_model.up.weight, dev_model.down.weight, dev_model.embed.weight))
+    assert dev_stats["device_state_bytes"] - host_stats["device_state_bytes"] == extra
+    # one fp32 transfer per window instead of one gradient per step
+    if dtype == torch.float32:
+        assert dev_stats["total_bytes_to_host"] < host_stats["total_bytes_to_host"]
+
+
+@pytest.mark.parametrize("save_on, load_on", [("host", "device"), ("device", "host"), ("device", "device")])
+def test_checkpoint_moves_between_accumulation_places(save_on, load_on):
+    total, split_at = 26, 6
+    data = batches(total)
+    settings = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8)
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings)
+    full_losses = train(model, opt, data, linear_schedule(opt, total), clip=1.0)
+    opt.close()
+
+    model_a = make_model()
+    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, accumulate_on=save_on, **settings)
+    sched_a = linear_schedule(opt_a, total)
+    first = train(model_a, opt_a, data[:split_at], sched_a, clip=1.0)
+    checkpoint = roundtrip({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "sched": sched_a.state_dict()})
+    opt_a.close()
+    model_b = make_model(seed=123)
+    model_b.load_state_dict(checkpoint["model"])
+    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, accumulate_on=load_on, **settings)
+    sched_b = linear_schedule(opt_b, total)
+    opt_b.load_state_dict(checkpoint["opt"])
+    sched_b.load_state_dict(checkpoint["sched"])
+    rest = train(model_b, opt_b, data[split_at:], sched_b, clip=1.0)
+    opt_b.close()
+    assert first + rest == full_losses
+    for p, q in zip(model_b.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("executor", ["thread", "inline"])
 @pytest.mark.parametrize("split_at", [6, 13])  # mid-window with a host step in flight / right after a boundary
 def test_checkpoint_mid_window_continues_identically(executor, split_at):

@@ -94,6 +94,7 @@ class ZenFlowPlugin:
         auto_ratio, auto_max_interval: ``HF_ZENFLOW_AUTO_RATIO``, ``HF_ZENFLOW_AUTO_MAX_INTERVAL`` (Zen-auto).
         host_lr_scale: ``HF_ZENFLOW_HOST_LR_SCALE``; host AdamW lr multiplier, or ``"interval"``.
         min_offload_numel: ``HF_ZENFLOW_MIN_OFFLOAD_NUMEL``; smaller matrices stay entirely on the device.
+        accumulate_on: ``HF_ZENFLOW_ACCUMULATE_ON``; ``"host"`` or ``"device"``.
         cpu_threads: ``HF_ZENFLOW_CPU_THREADS``; host worker threads (default: half the cores in this process's
             affinity, whatever ``OMP_NUM_THREADS`` says).
         steps_per_epoch: ``HF_ZENFLOW_STEPS_PER_EPOCH``; derived from the prepared dataloader when not given.
@@ -121,6 +122,8 @@ class ZenFlowPlugin:
         default=None, metadata={"help": 'Host AdamW lr multiplier, or "interval" (x window length).'})
     min_offload_numel: int | None = field(
         default=None, metadata={"help": "Matrices with fewer elements stay entirely on the device."})
+    accumulate_on: str | None = field(
+        default=None, metadata={"help": 'Where the window gradient is summed: "host" or "device".'})
     cpu_threads: int | None = field(default=None, metadata={"help": "Host worker threads."})
     steps_per_epoch: int | None = field(default=None, metadata={"help": "Optimizer steps per epoch."})
 

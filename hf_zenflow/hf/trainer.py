@@ -298,6 +298,7 @@ class ZenFlowTrainer(Trainer):
             "overlap_step": config.overlap_step,
             "host_lr_scale": config.host_lr_scale,
             "min_offload_numel": config.min_offload_numel,
+            "accumulate_on": config.accumulate_on,
             "cpu_threads": f"{config.resolved_cpu_threads}" + (" (auto)" if config.cpu_threads is None else ""),
             "steps_per_epoch": config.steps_per_epoch,
         }

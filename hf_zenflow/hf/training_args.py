@@ -30,6 +30,7 @@ ZENFLOW_FIELDS = {
     "zenflow_overlap_step": "overlap_step",
     "zenflow_host_lr_scale": "host_lr_scale",
     "zenflow_min_offload_numel": "min_offload_numel",
+    "zenflow_accumulate_on": "accumulate_on",
     "zenflow_cpu_threads": "cpu_threads",
 }
 
@@ -69,6 +70,9 @@ class ZenFlowTrainingArguments(TrainingArguments):
         Learning-rate multiplier of the host AdamW step (a number > 0), or `"interval"` (the window length).
     zenflow_min_offload_numel (`int`, *optional*, defaults to `0`):
         Weight matrices with fewer elements are updated entirely on the device.
+    zenflow_accumulate_on (`str`, *optional*, defaults to `"host"`):
+        Where the unselected gradient is summed over a window: `"host"` (no device memory) or `"device"` (+4 bytes
+        per offloaded parameter on the device; one transfer per window instead of one per step).
     zenflow_cpu_threads (`int` or `None`, *optional*, defaults to `None`):
         Threads of the host worker; `None` = half the cores in this process's CPU affinity. Independent of
         `OMP_NUM_THREADS` (which `accelerate launch` sets to 1).
@@ -145,6 +149,11 @@ class ZenFlowTrainingArguments(TrainingArguments):
     zenflow_min_offload_numel: int = field(
         default=0,
         metadata={"help": "Weight matrices with fewer elements are updated entirely on the device every step."},
+    )
+    zenflow_accumulate_on: str = field(
+        default="host",
+        metadata={"help": 'Where the unselected gradient is summed over a window: "host" or "device" (+4 bytes per '
+                  "offloaded parameter of device memory, one link transfer per window)."},
     )
     zenflow_cpu_threads: int | None = field(
         default=None,
