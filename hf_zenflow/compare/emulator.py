@@ -64,6 +64,9 @@ PUBLISHED_HOST_CORES = 128
 #: Key of the per-step host-executed device-phase time in a ZenFlow row's "extra".
 EXEC_KEY = "device_phases_on_host_real_ms"
 
+#: ZenFlow's rows: the window summed on the host (the default) or on the device (``accumulate_on="device"``).
+ZENFLOW_ROWS = ("zenflow", "zenflow_device_accumulation")
+
 HEADER = "EMULATED ACCELERATOR (no GPU used): device compute = timed waits, link = paced real copies, host = real code"
 
 
@@ -312,15 +315,25 @@ def _run_sync(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn.Pa
 
 
 def _run_zenflow(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn.Parameter],
-                 grads: list[torch.Tensor], link_down: PacedLink, link_up: PacedLink, threads: int) -> _Run:
+                 grads: list[torch.Tensor], link_down: PacedLink, link_up: PacedLink, threads: int,
+                 accumulate_on: str = "host") -> _Run:
+    """ZenFlow's schedule. ``accumulate_on="host"``: every step's bf16 gradient crosses the link and the host worker
+    adds it up. ``"device"``: the window is summed on the device (modelled device time) and its fp32 sum crosses
+    the link once per window; the host worker only runs the AdamW."""
     from hf_zenflow import ZenFlowAdamW
 
+    on_device = accumulate_on == "device"
     opt = ZenFlowAdamW(params, lr=1e-5, topk_ratio=sc.topk_ratio, update_interval=sc.update_interval,
-                       overlap_step=True, cpu_threads=threads, select_strategy="step", select_interval=100)
+                       overlap_step=True, cpu_threads=threads, select_strategy="step", select_interval=100,
+                       accumulate_on=accumulate_on)
     engine = CopyEngine(link_down)
     grad_bytes_bf16 = _offloaded_grad_bytes(params)
+    offloaded = sum(p.numel() for p in params if p.ndim >= 2)
     worker_gate = hasattr(opt, "_ensure_worker")
     dense_fraction = sum(p.numel() for p in params if p.ndim < 2) / sum(p.numel() for p in params)
+    # device-side window sum: read the bf16 gradient, read and write the fp32 sum (10 B per offloaded parameter)
+    device_accumulate_ms = (sc.params * offloaded / sum(p.numel() for p in params) * 10
+                            / (sc.device_mem_gbps * 1e9) * 1e3) if on_device else 0.0
     steps, raw, stalls, device_exec, waits, link_waits = [], [], [], [], [], []
     host_jobs: list[float] = []
     accumulate: list[float] = []
@@ -328,18 +341,24 @@ def _run_zenflow(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn
         t0 = time.perf_counter()
         clock.compute(sc.device_compute_ms)
         _set_grads(params, grads)
-        # The step's gradient download starts when backward ends, on the copy engine; the host worker must not
-        # fold the gradient in before it has landed (the CUDA path waits on a copy event the same way).
-        landed, link_wait = engine.start(grad_bytes_bf16)
-        if worker_gate:
-            opt._ensure_worker().submit("emulated_link_d2h", landed.wait)
+        link_wait = 0.0
+        schedule = opt._schedule
+        closes = (schedule.window_steps if schedule is not None else 0) + 1 >= sc.update_interval
+        if not on_device or closes:
+            # The download starts when backward ends (host accumulation: this step's bf16 gradient; device
+            # accumulation: the window's fp32 sum, when the window closes), on the copy engine; the host worker
+            # must not use it before it has landed (the CUDA path waits on a copy event the same way).
+            landed, link_wait = engine.start(grad_bytes_bf16 if not on_device else offloaded * 4)
+            if worker_gate:
+                opt._ensure_worker().submit("emulated_link_d2h", landed.wait)
         opt.step()
         st = opt.stats()
-        executed = (st["cp_norms_ms"] + st["cp_select_ms"] + st["cp_device_update_ms"]) / 1e3
+        device_phases = ("norms", "select", "device_update") + (("handoff",) if on_device else ())
+        executed = sum(st[f"cp_{phase}_ms"] for phase in device_phases) / 1e3
         selected = st.get("selected_fraction", sc.topk_ratio)
         modelled = sc.resolved_device_optimizer_ms() * (selected + dense_fraction) + (
             # the gradient-norm pass reads every bf16 gradient once on the device
-            sc.params * LINK_BYTES_PER_PARAM / (sc.device_mem_gbps * 1e9) * 1e3)
+            sc.params * LINK_BYTES_PER_PARAM / (sc.device_mem_gbps * 1e9) * 1e3) + device_accumulate_ms
         if st["bytes_to_device"] > 0:
             # Write-back of the host result: host->device on the compute stream, so on the device timeline.
             nbytes = int(st["bytes_to_device"])
@@ -349,7 +368,7 @@ def _run_zenflow(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn
         # Device work executed on the host is accounted at its modelled device time (see the module docstring).
         raw.append(wall)
         steps.append(wall - executed + clock.seconds(modelled))  # `executed` includes any link-copy excess
-        stalls.append(st["cp_wait_ms"] + st["cp_handoff_ms"])
+        stalls.append(st["cp_wait_ms"] + (0.0 if on_device else st["cp_handoff_ms"]))
         waits.append(st["cp_wait_ms"])
         device_exec.append(executed * 1e3)
         link_waits.append(link_wait * 1e3)
@@ -367,7 +386,7 @@ def _run_zenflow(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn
     return _Run(steps, {"stall_real_ms": stalls, "wait_real_ms": waits, "device_phases_on_host_real_ms": device_exec,
                         "link_channel_wait_real_ms": link_waits, "unadjusted_step_real_ms": [x * 1e3 for x in raw],
                         "host_adamw_real_ms": host_jobs, "accumulate_real_ms": accumulate,
-                        "selected_fraction": st.get("selected_fraction"),
+                        "selected_fraction": st.get("selected_fraction"), "accumulate_on": accumulate_on,
                         "windows": st.get("windows"), "worker_gated_on_link": worker_gate})
 
 
@@ -413,7 +432,9 @@ def run_estimate(sc: EmulatorScenario, progress: bool = True) -> dict[str, Any]:
         runs: dict[str, _Run] = {}
         for name, fn in (("no_offload", lambda c, d, u: _run_no_offload(sc, c)),
                          ("sync_offload", lambda c, d, u: _run_sync(sc, c, params, grads, d, u, threads)),
-                         ("zenflow", lambda c, d, u: _run_zenflow(sc, c, params, grads, d, u, threads))):
+                         ("zenflow", lambda c, d, u: _run_zenflow(sc, c, params, grads, d, u, threads)),
+                         ("zenflow_device_accumulation",
+                          lambda c, d, u: _run_zenflow(sc, c, params, grads, d, u, threads, "device"))):
             if progress:
                 print(f"[estimate] running {name} for {sc.steps} steps ...", flush=True)
             for p in params:
@@ -452,25 +473,27 @@ def run_estimate(sc: EmulatorScenario, progress: bool = True) -> dict[str, Any]:
     # waits for it: in steady state a step cannot be shorter than the worker's work per step. The emulator measures
     # that work directly (the worker's own job timers), so the step time is also bounded by it; this also removes
     # the bias of the extra overlap the worker gets while device phases execute on the host.
-    zen = out_rows["zenflow"]
-    acc, adamw = zen["extra"].get("accumulate_real_ms") or [], zen["extra"].get("host_adamw_real_ms") or []
     interval = max(1, int(sc.update_interval))
-    floor = (statistics.fmean(acc) if acc else 0.0) + (statistics.fmean(adamw) / interval if adamw else 0.0)
-    zen["host_work_per_step_ms"] = floor
-    zen["step_ms_measured"] = zen["step_ms_mean"]
-    zen["host_bound"] = floor > zen["step_ms_mean"]
-    if zen["host_bound"]:
-        zen["step_ms_mean"] = floor
-        zen["optimizer_critical_path_ms"] = floor - compute
-        zen["device_idle_fraction"] = max(0.0, 1.0 - compute / floor)
+    for key in ZENFLOW_ROWS:
+        zen = out_rows[key]
+        acc, adamw = zen["extra"].get("accumulate_real_ms") or [], zen["extra"].get("host_adamw_real_ms") or []
+        floor = (statistics.fmean(acc) if acc else 0.0) + (statistics.fmean(adamw) / interval if adamw else 0.0)
+        zen["host_work_per_step_ms"] = floor
+        zen["step_ms_measured"] = zen["step_ms_mean"]
+        zen["host_bound"] = floor > zen["step_ms_mean"]
+        if zen["host_bound"]:
+            zen["step_ms_mean"] = floor
+            zen["optimizer_critical_path_ms"] = floor - compute
+            zen["device_idle_fraction"] = max(0.0, 1.0 - compute / floor)
     base, sync = out_rows["no_offload"], out_rows["sync_offload"]
-    summary = {
-        "zenflow_speedup_vs_sync": sync["step_ms_mean"] / zen["step_ms_mean"],
-        "zenflow_step_vs_no_offload": zen["step_ms_mean"] / base["step_ms_mean"],
-        "sync_step_vs_no_offload": sync["step_ms_mean"] / base["step_ms_mean"],
-        "zenflow_critical_path_vs_sync": (zen["optimizer_critical_path_ms"] / sync["optimizer_critical_path_ms"]
-                                          if sync["optimizer_critical_path_ms"] > 0 else math.nan),
-    }
+    summary: dict[str, float] = {"sync_step_vs_no_offload": sync["step_ms_mean"] / base["step_ms_mean"]}
+    for key in ZENFLOW_ROWS:
+        zen = out_rows[key]
+        summary[f"{key}_speedup_vs_sync"] = sync["step_ms_mean"] / zen["step_ms_mean"]
+        summary[f"{key}_step_vs_no_offload"] = zen["step_ms_mean"] / base["step_ms_mean"]
+        summary[f"{key}_critical_path_vs_sync"] = (
+            zen["optimizer_critical_path_ms"] / sync["optimizer_critical_path_ms"]
+            if sync["optimizer_critical_path_ms"] > 0 else math.nan)
     return {
         "label": HEADER,
         "scenario": asdict(sc),
@@ -508,21 +531,22 @@ def format_estimate(res: dict[str, Any]) -> str:
     base = rows["no_offload"]["step_ms_mean"]
     sync = rows["sync_offload"]["step_ms_mean"]
     names = {"no_offload": "no offload (AdamW on device)", "sync_offload": "SyncOffloadAdamW (ZeRO-Offload schedule)",
-             "zenflow": "ZenFlowAdamW"}
+             "zenflow": "ZenFlowAdamW (window summed on the host)",
+             "zenflow_device_accumulation": 'ZenFlowAdamW, accumulate_on="device" (+4 B/param on the device)'}
     for key, label in names.items():
         r = rows[key]
+        versus = "1.00x" if key == "sync_offload" else f"{sync / r['step_ms_mean']:.2f}x faster"
         lines.append(f"| {label} | {r['step_ms_mean']:.0f} | {r['step_ms_median']:.0f} | {r['step_ms_min']:.0f} | "
                      f"{r['step_ms_max']:.0f} | {r['optimizer_critical_path_ms']:.0f} | "
-                     f"{100 * r['device_idle_fraction']:.0f}% | {r['step_ms_mean'] / base:.2f}x | "
-                     f"{sync / r['step_ms_mean']:.2f}x faster |" if key != "sync_offload" else
-                     f"| {label} | {r['step_ms_mean']:.0f} | {r['step_ms_median']:.0f} | {r['step_ms_min']:.0f} | "
-                     f"{r['step_ms_max']:.0f} | {r['optimizer_critical_path_ms']:.0f} | "
-                     f"{100 * r['device_idle_fraction']:.0f}% | {r['step_ms_mean'] / base:.2f}x | 1.00x |")
+                     f"{100 * r['device_idle_fraction']:.0f}% | {r['step_ms_mean'] / base:.2f}x | {versus} |")
     s = res["summary"]
+    lines.append("")
+    for key in ZENFLOW_ROWS:
+        lines.append(f"{names[key]} vs synchronous offload: **{s[f'{key}_speedup_vs_sync']:.2f}x** faster per step; "
+                     f"optimizer critical path ratio **{s[f'{key}_critical_path_vs_sync']:.3f}x**; step = "
+                     f"{s[f'{key}_step_vs_no_offload']:.2f}x the no-offload step.")
+    zen, dev = rows["zenflow"], rows["zenflow_device_accumulation"]
     lines += ["",
-              f"ZenFlow vs synchronous offload: **{s['zenflow_speedup_vs_sync']:.2f}x** faster per step; optimizer "
-              f"critical path ratio {s['zenflow_critical_path_vs_sync']:.3f}x; ZenFlow step = "
-              f"{s['zenflow_step_vs_no_offload']:.2f}x the no-offload step.", "",
               "Assumptions (emulation):",
               "- real: host AdamW / accumulation / ZenFlow worker of hf_zenflow on "
               f"{res['emulated_params'] / 1e6:.1f}M bf16 params ({res['host_threads']} host threads on this machine); "
@@ -534,20 +558,24 @@ def format_estimate(res: dict[str, Any]) -> str:
               "copy, full scale: sync offload down "
               f"{_f(rows['sync_offload']['link_down_ms_per_copy'])} / up "
               f"{_f(rows['sync_offload']['link_up_ms_per_copy'])} ms, ZenFlow down "
-              f"{_f(rows['zenflow']['link_down_ms_per_copy'])} / up "
-              f"{_f(rows['zenflow']['link_up_ms_per_copy'])} ms (targets {sc['grad_offload_ms']:.0f} / "
-              f"{sc['param_upload_ms']:.0f} ms; a longer real copy is accounted at the target);",
-              "- ZenFlow's device phases (norms, selection, selected-column AdamW) execute on this CPU; their "
-              f"measured time (mean {_mean_or_nan(rows['zenflow']['extra'].get(EXEC_KEY)):.0f} ms/step "
-              "full scale) is replaced by the modelled device time (selected fraction x device AdamW + one gradient "
-              "read); the host worker keeps running meanwhile (extra overlap, a bias in ZenFlow's favour of at most "
-              "that much per step);",
-              f"- ZenFlow host worker work per step (mean accumulation + host AdamW / update_interval, its own job "
-              f"timers): {rows['zenflow']['host_work_per_step_ms']:.0f} ms full scale against a measured step of "
-              f"{rows['zenflow']['step_ms_measured']:.0f} ms; "
-              + ("the schedule is HOST-BOUND, so the ZenFlow step is reported as the host work per step;"
-                 if rows["zenflow"]["host_bound"] else "the device, not the host, bounds the step;"),
-              "- one training process, one device timeline: data-parallel communication is not modelled.",
+              f"{_f(zen['link_down_ms_per_copy'])} / up {_f(zen['link_up_ms_per_copy'])} ms, device accumulation "
+              f"down {_f(dev['link_down_ms_per_copy'])} (one fp32 sum per window) / up "
+              f"{_f(dev['link_up_ms_per_copy'])} ms (targets {sc['grad_offload_ms']:.0f} / "
+              f"{sc['param_upload_ms']:.0f} ms for bf16; a longer real copy is accounted at the target);",
+              "- ZenFlow's device phases (norms, selection, selected-column AdamW; with accumulate_on=\"device\" also "
+              "the window sum) execute on this CPU; their measured time (mean "
+              f"{_mean_or_nan(zen['extra'].get(EXEC_KEY)):.0f} / {_mean_or_nan(dev['extra'].get(EXEC_KEY)):.0f} "
+              "ms/step full scale) is replaced by the modelled device time (selected fraction x device AdamW + one "
+              "gradient read, + 10 B per offloaded parameter for the device sum); the host worker keeps running "
+              "meanwhile (extra overlap, a bias in ZenFlow's favour of at most that much per step);"]
+    for key in ZENFLOW_ROWS:
+        r = rows[key]
+        lines.append(f"- {names[key]}: host worker work per step (mean accumulation + host AdamW / update_interval, "
+                     f"its own job timers) {r['host_work_per_step_ms']:.0f} ms full scale against a measured step of "
+                     f"{r['step_ms_measured']:.0f} ms; "
+                     + ("the schedule is HOST-BOUND, so its step is reported as the host work per step;"
+                        if r["host_bound"] else "the device, not the host, bounds the step;"))
+    lines += ["- one training process, one device timeline: data-parallel communication is not modelled.",
               f"- {sc['notes']}" if sc["notes"] else ""]
     return "\n".join(line for line in lines if line is not None).rstrip() + "\n"
 

@@ -71,13 +71,13 @@ def test_three_schedules_measured_with_the_real_optimizers() -> None:
                           steps=5, warmup_steps=1, update_interval=2)
     res = run_estimate(sc, progress=False)
     rows = res["results"]
-    assert set(rows) == {"no_offload", "sync_offload", "zenflow"}
+    assert set(rows) == {"no_offload", "sync_offload", "zenflow", "zenflow_device_accumulation"}
     device_ms = sc.device_compute_ms + sc.resolved_device_optimizer_ms()
     # no offload = device time (a wait); never shorter, and not wildly longer even on a busy machine
     assert device_ms * 0.97 <= rows["no_offload"]["step_ms_mean"] <= device_ms * 3
     # the offloading schedules cannot beat the device compute they include (on average: device work executed on
     # the host is repaid out of the next step's compute wait, so a single step may look shorter)
-    for name in ("sync_offload", "zenflow"):
+    for name in ("sync_offload", "zenflow", "zenflow_device_accumulation"):
         assert rows[name]["step_ms_mean"] >= sc.device_compute_ms * 0.97
         assert len(rows[name]["per_step_ms"]) == sc.steps
     # the ZenFlow figures come from the real ZenFlowAdamW: host windows ran, columns were selected
@@ -86,6 +86,12 @@ def test_three_schedules_measured_with_the_real_optimizers() -> None:
     assert 0.0 < extra["selected_fraction"] < 1.0
     assert extra["host_adamw_real_ms"]
     assert extra["worker_gated_on_link"] is True
+    assert extra["accumulate_real_ms"] and extra["accumulate_on"] == "host"
+    # accumulate_on="device": the host worker runs only the AdamW; the window sum crosses the link once per window
+    dev = rows["zenflow_device_accumulation"]["extra"]
+    assert dev["accumulate_on"] == "device" and dev["windows"] >= 2
+    assert dev["host_adamw_real_ms"] and not dev["accumulate_real_ms"]
+    assert rows["zenflow_device_accumulation"]["link_down_ms_per_copy"] is not None
     assert rows["sync_offload"]["extra"]["host_update_real_ms"]
     assert res["time_compression"] > 0 and res["cpu_update_ms"] == 60.0
     text = format_estimate(res)
@@ -101,4 +107,4 @@ def test_estimate_cli_writes_json(tmp_path: Path) -> None:
     assert res["scenario"]["name"] == "custom"
     assert "extrapolated" in res["cpu_update_source"]
     assert res["scenario"]["grad_offload_ms"] == pytest.approx(1e8 * 2 / 10e9 * 1e3)
-    assert {"no_offload", "sync_offload", "zenflow"} == set(res["results"])
+    assert {"no_offload", "sync_offload", "zenflow", "zenflow_device_accumulation"} == set(res["results"])
