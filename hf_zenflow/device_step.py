@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _native
+
 
 @dataclass
 class DeviceColumns:
@@ -88,6 +90,32 @@ class DenseDeviceState:
     def nbytes(self, param: torch.Tensor) -> int:
         own = [self.exp_avg, self.exp_avg_sq] + ([self.master] if self.master is not param.data else [])
         return sum(t.numel() * t.element_size() for t in own)
+
+
+def _native_split(items: list[tuple[DeviceColumns, torch.Tensor]]) -> tuple[list, list]:
+    """(items the CPU kernels take, the rest). The kernels are built only when a CPU tensor needs them."""
+    native = [(c, t) for c, t in items if _native.supports(t)]
+    if native and _native.library() is None:
+        return [], items
+    return native, [(c, t) for c, t in items if not _native.supports(t)]
+
+
+def gather_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
+    """Gather the selected gradient columns of each (columns, gradient [out, in]) pair into `columns.grad`."""
+    native, rest = _native_split(items)
+    if native:
+        _native.norms_and_gather([g for _, g in native], [c.grad for c, _ in native], [c.index for c, _ in native])
+    for cols, g in rest:
+        cols.gather_grad(g)
+
+
+def scatter_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
+    """Write each matrix's (rounded) master columns into its parameter [out, in]."""
+    native, rest = _native_split(items)
+    if native:
+        _native.scatter([p for _, p in native], [c.master for c, _ in native], [c.index for c, _ in native])
+    for cols, p in rest:
+        cols.scatter_into(p)
 
 
 def scaled_fp32(grad: torch.Tensor, coef: float | None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from . import _native
 from ._base import (
     GradNormCache,
     check_hyperparameters,
@@ -36,7 +37,7 @@ from ._base import (
     l2_norm,
 )
 from .config import ZenFlowConfig
-from .device_step import DenseDeviceState, DeviceColumns, scaled_fp32
+from .device_step import DenseDeviceState, DeviceColumns, gather_columns, scaled_fp32, scatter_columns
 from .host import HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
 from .selection import WindowSchedule, ZenAutoStats, as_matrix, column_scores, num_selected, top_columns
 from .telemetry import StepTimer, ZenFlowStats
@@ -215,16 +216,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         gather_now = not warm_up and not selecting
         gathered: set[torch.Tensor] = set()
         with timer.phase("norms"):
-            norms: list[torch.Tensor] = cached_norms if cached_norms else []
-            for i, (_, p) in enumerate(entries):
-                if not cached_norms:
-                    norms.append(l2_norm(grads[i]))
-                split = self._split.get(p)
-                if gather_now and split is not None and split.device is not None:
-                    # Gather the selected columns right after the norm pass brought this gradient into cache: on a
-                    # CPU device the strided gather then mostly hits the last-level cache instead of memory.
-                    split.device.gather_grad(as_matrix(grads[i]))
-                    gathered.add(p)
+            if cached_norms:
+                norms = cached_norms
+            else:
+                norms = self._norms_and_gather(entries, grads, gather_now, gathered)
             total = cached_total if cached_norms else torch.linalg.vector_norm(torch.stack(norms))
             auto_split = [
                 (i, self._split[p]) for i, (_, p) in enumerate(entries) if p in gathered and self._split[p].offloaded
@@ -384,6 +379,41 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _group_of(self) -> dict[torch.Tensor, dict]:
         return {p: g for g in self.param_groups for p in g["params"]}
 
+    def _norms_and_gather(
+        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], gather_now: bool,
+        gathered: set[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Per-gradient L2 norms, and the selected columns gathered in the same sweep (added to `gathered`).
+
+        On a CPU device one C kernel does both row by row (the strided gather then costs almost nothing on top of
+        the streaming read); elsewhere each gradient's norm is followed right away by its gather, so the gather
+        finds the gradient in cache where it fits.
+        """
+        norms: list[torch.Tensor | None] = [None] * len(grads)
+        want = [
+            (i, split.device) if gather_now and (split := self._split.get(p)) is not None and split.device is not None
+            else (i, None)
+            for i, (_, p) in enumerate(entries)
+        ]
+        native = [(i, cols) for i, cols in want if _native.supports(grads[i])]
+        if native and _native.library() is not None:
+            sums = _native.norms_and_gather(
+                [as_matrix(grads[i]) if cols is not None else grads[i] for i, cols in native],
+                [cols.grad if cols is not None else None for _, cols in native],
+                [cols.index if cols is not None else None for _, cols in native],
+            )
+            for (i, cols), total in zip(native, sums):
+                norms[i] = torch.tensor(math.sqrt(total), dtype=torch.float32)
+                if cols is not None:
+                    gathered.add(entries[i][1])
+        for i, cols in want:
+            if norms[i] is None:
+                norms[i] = l2_norm(grads[i])
+                if cols is not None:
+                    cols.gather_grad(as_matrix(grads[i]))
+                    gathered.add(entries[i][1])
+        return norms  # type: ignore[return-value]
+
     def _device_update(
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
         gathered: set[torch.Tensor],
@@ -392,14 +422,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         batches: dict[tuple[int, torch.device], tuple[dict, list[list[torch.Tensor]]]] = {}
         scatters: list[tuple[DeviceColumns, torch.Tensor]] = []
         dense_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        gather_columns([(self._split[p].device, as_matrix(g)) for (_, p), g in zip(entries, grads)
+                        if p in self._split and self._split[p].device is not None and p not in gathered])
         for (group, p), g in zip(entries, grads):
             lists = batches.setdefault((id(group), p.device), (group, [[], [], [], [], []]))[1]
             if p in self._split:
                 cols = self._split[p].device
                 if cols is None:
                     continue
-                if p not in gathered:
-                    cols.gather_grad(as_matrix(g))
                 if coef is not None:
                     cols.grad.mul_(coef)
                 tensors = (cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.step)
@@ -413,8 +443,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 bucket.append(t)
         for group, (params, gs, m, v, steps) in batches.values():
             fused_adamw_(params, gs, m, v, steps, group)
-        for cols, p2d in scatters:
-            cols.scatter_into(p2d)
+        scatter_columns(scatters)
         for p, master in dense_copies:
             p.copy_(master)
 
@@ -561,9 +590,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _write_back(self) -> None:
         """Copy the host masters into the device weights, then put the device columns back on top."""
         moved = 0
-        for split in self._split.values():
-            if split.host is None:
-                continue
+        live = [split for split in self._split.values() if split.host is not None]
+        native = [s for s in live if s.host.writeback is None and _native.supports(s.param)]
+        if native and _native.library() is not None:
+            # CPU device: one sweep per row copies the host row and puts the device columns back on top
+            _native.copy_keep(
+                [as_matrix(s.param) for s in native], [s.host.master for s in native],
+                [s.device.master if s.device is not None else None for s in native],
+                [s.device.index if s.device is not None else None for s in native],
+            )
+            moved += sum(s.param.numel() * s.param.element_size() for s in native)
+            live = [s for s in live if s not in native]
+        for split in live:
             p2d = as_matrix(split.param)
             if split.host.writeback is not None:
                 # Asynchronous host->device copy from pinned memory on the compute stream: the next forward pass

@@ -1,0 +1,169 @@
+"""Optional C kernels for the device path when the device is the CPU (`csrc/zenflow_cpu.c`).
+
+On a CPU device the selected-column gather and scatter are strided sweeps over whole matrices (10% of the columns
+touch ~80% of the cache lines). The kernels fold them into the row sweeps that happen anyway (the gradient-norm pass,
+the write-back copy) and run them on the caller's intra-op thread count. Every result is exact (copies; bf16 rounds
+to nearest even as torch does), except the norms, which are summed in fp64 and serve the non-finite check and
+Zen-auto only (clipping always uses torch's own norms).
+
+The source is compiled with the system C compiler on first use and cached under ``$HF_ZENFLOW_CACHE`` (default
+``~/.cache/hf_zenflow``), keyed by source, flags and CPU. Without a compiler, or with ``HF_ZENFLOW_NATIVE=0``, the
+optimizer uses torch operations instead (same results, slower); `status()` says which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+
+_SOURCE = Path(__file__).with_name("csrc") / "zenflow_cpu.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
+_NORM_GATHER, _SCATTER, _COPY_KEEP = 0, 1, 2
+_KINDS = (torch.float32, torch.bfloat16)
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_state = "not loaded"
+
+
+def _disabled() -> bool:
+    return os.environ.get("HF_ZENFLOW_NATIVE", "").strip().lower() in ("0", "false", "no", "off")
+
+
+def _cpu_signature() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return os.uname().machine
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("HF_ZENFLOW_CACHE"):
+        return Path(os.environ["HF_ZENFLOW_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hf_zenflow"
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode() + _cpu_signature().encode()).hexdigest()
+    target = _cache_dir() / f"zenflow_cpu_{key[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # compile to a private name, then rename: concurrent processes (accelerate launch) never load a partial file
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lpthread"],
+                                    capture_output=True, text=True, timeout=120)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    p = ctypes.c_void_p
+    lib.zf_run.argtypes = [ctypes.c_int, ctypes.c_int64, p, p, p, p, p, p, p, p, ctypes.c_int, p]
+    lib.zf_run.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, building them on first use; None when disabled or unavailable (warned once)."""
+    global _lib, _state
+    if _disabled():
+        return None
+    if _state != "not loaded":
+        return _lib
+    with _lock:
+        if _state == "not loaded":
+            try:
+                _lib = _build()
+                _state = "loaded"
+            except Exception as exc:  # noqa: BLE001 - any failure means: use the torch fallback
+                _lib, _state = None, f"unavailable ({exc})"
+                warnings.warn(f"hf_zenflow: CPU kernels unavailable, using torch operations instead: {exc}",
+                              RuntimeWarning, stacklevel=3)
+    return _lib
+
+
+def status() -> str:
+    """"loaded", "disabled (HF_ZENFLOW_NATIVE=0)", "not loaded" (not needed yet) or "unavailable (why)"."""
+    return "disabled (HF_ZENFLOW_NATIVE=0)" if _disabled() else _state
+
+
+def supports(t: torch.Tensor) -> bool:
+    """Whether the kernels can take `t` as the strided [rows, cols] operand."""
+    return t.device.type == "cpu" and t.dtype in _KINDS and t.is_contiguous() and t.ndim >= 1
+
+
+def _array(ctype: type, values: list) -> ctypes.Array:
+    return (ctype * max(1, len(values)))(*values)
+
+
+def _shape(t: torch.Tensor) -> tuple[int, int]:
+    return (t.shape[0], t.numel() // t.shape[0]) if t.ndim >= 2 and t.shape[0] > 0 else (1, t.numel())
+
+
+def _run(kind: int, big: list[torch.Tensor], small: list[torch.Tensor | None], host: list[torch.Tensor | None],
+         index: list[torch.Tensor | None], want_sums: bool) -> list[float] | None:
+    lib = library()
+    assert lib is not None, "call library() first"
+    n = len(big)
+    rows, cols = zip(*(_shape(t) for t in big)) if n else ((), ())
+    ks = [0 if i is None else i.numel() for i in index]
+    for t, s, i, k, r in zip(big, small, index, ks, rows):
+        assert supports(t)
+        if k:
+            assert s is not None and s.dtype == torch.float32 and s.is_contiguous() and s.numel() == r * k
+            assert i is not None and i.dtype == torch.int64 and i.is_contiguous() and i.device.type == "cpu"
+    sums = (ctypes.c_double * max(1, n))() if want_sums else None
+    rc = lib.zf_run(
+        kind, n,
+        _array(ctypes.c_void_p, [t.data_ptr() for t in big]),
+        _array(ctypes.c_int32, [int(t.dtype == torch.bfloat16) for t in big]),
+        _array(ctypes.c_void_p, [0 if s is None else s.data_ptr() for s in small]),
+        _array(ctypes.c_void_p, [0 if h is None else h.data_ptr() for h in host]),
+        _array(ctypes.c_void_p, [0 if i is None else i.data_ptr() for i in index]),
+        _array(ctypes.c_int64, list(rows)), _array(ctypes.c_int64, list(cols)), _array(ctypes.c_int64, ks),
+        torch.get_num_threads(), sums,
+    )
+    if rc != 0:
+        raise MemoryError("hf_zenflow CPU kernel: out of memory for its work list")
+    return list(sums)[:n] if sums is not None else None
+
+
+def norms_and_gather(grads: list[torch.Tensor], outs: list[torch.Tensor | None],
+                     index: list[torch.Tensor | None]) -> list[float]:
+    """Sum of squares of each gradient and, where `index` is given, its selected columns copied into `outs`
+    (fp32 [rows, k]) in the same sweep."""
+    return _run(_NORM_GATHER, grads, outs, [None] * len(grads), index, want_sums=True)  # type: ignore[return-value]
+
+
+def scatter(params: list[torch.Tensor], sources: list[torch.Tensor], index: list[torch.Tensor]) -> None:
+    """``param[:, index] = source`` (rounded to the parameter dtype) for each matrix."""
+    _run(_SCATTER, params, list(sources), [None] * len(params), list(index), want_sums=False)
+
+
+def copy_keep(params: list[torch.Tensor], hosts: list[torch.Tensor], sources: list[torch.Tensor | None],
+              index: list[torch.Tensor | None]) -> None:
+    """``param = host`` (rounded), then ``param[:, index] = source`` for each matrix, in one sweep."""
+    for p, h in zip(params, hosts):
+        assert h.dtype == torch.float32 and h.is_contiguous() and h.numel() == p.numel()
+    _run(_COPY_KEEP, params, list(sources), list(hosts), list(index), want_sums=False)

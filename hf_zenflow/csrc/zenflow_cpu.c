@@ -1,0 +1,170 @@
+/* CPU kernels of hf_zenflow's device path when the "device" is the CPU (compiled on first use by _native.py).
+ *
+ * A weight matrix is [rows, cols] row-major; the selected input columns are `k` sorted indices into a row. Picking
+ * 10% of the columns of a row touches ~80% of its cache lines, so every pass over the selected columns costs
+ * nearly a pass over the whole matrix. These kernels therefore do the column work in the same row sweep as the
+ * work that streams the row anyway, and run the sweep on several threads:
+ *   - zf_norm_gather: sum of squares of the whole gradient row (the non-finite check and the norms) and the gather
+ *     of its selected columns into a contiguous fp32 [rows, k] buffer;
+ *   - zf_scatter: write the (rounded) fp32 master columns into the parameter;
+ *   - zf_copy_keep: the host result into the parameter (row copy), then the device columns on top.
+ * Copies are exact; bf16 results round to nearest even exactly as torch does. Every call takes a batch of tensors
+ * and splits them into fixed row chunks, so partial sums (and hence the norms) do not depend on the thread count.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { ZF_NORM_GATHER = 0, ZF_SCATTER = 1, ZF_COPY_KEEP = 2 };
+#define ZF_CHUNK_ELEMS 32768
+#define ZF_MAX_THREADS 64
+
+typedef struct {
+  int kind;
+  int64_t n;                 /* tensors in the batch */
+  void *const *big;          /* the [rows, cols] tensor: gradient (norm_gather) or parameter (scatter, copy_keep) */
+  const int32_t *big_bf16;   /* 1 when that tensor is bf16, 0 when fp32 */
+  float *const *small;       /* the fp32 [rows, k] buffer: gather output, or the master columns to write */
+  const float *const *host;  /* copy_keep: the fp32 [rows, cols] host master */
+  const int64_t *const *idx; /* sorted selected columns, k of them (may be NULL when k == 0) */
+  const int64_t *rows, *cols, *k;
+  int64_t *item_tensor, *item_row0, *item_row1;
+  double *item_sum;
+  int64_t n_items;
+  atomic_llong next;
+} zf_job;
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* c10::round_to_nearest_even */
+  if (f != f) return 0x7FC0;
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+}
+
+static double row_norm_gather(const zf_job *job, int64_t t, int64_t r) {
+  const int64_t cols = job->cols[t], k = job->k[t];
+  const int64_t *idx = job->idx[t];
+  float *out = job->small[t] + r * k;
+  double s = 0.0;
+  if (job->big_bf16[t]) {
+    const uint16_t *row = (const uint16_t *)job->big[t] + r * cols;
+#pragma omp simd reduction(+ : s)
+    for (int64_t c = 0; c < cols; ++c) {
+      double x = bf16_to_f32(row[c]);
+      s += x * x;
+    }
+    for (int64_t j = 0; j < k; ++j) out[j] = bf16_to_f32(row[idx[j]]);
+  } else {
+    const float *row = (const float *)job->big[t] + r * cols;
+#pragma omp simd reduction(+ : s)
+    for (int64_t c = 0; c < cols; ++c) {
+      double x = row[c];
+      s += x * x;
+    }
+    for (int64_t j = 0; j < k; ++j) out[j] = row[idx[j]];
+  }
+  return s;
+}
+
+static void row_scatter(const zf_job *job, int64_t t, int64_t r) {
+  const int64_t cols = job->cols[t], k = job->k[t];
+  const int64_t *idx = job->idx[t];
+  const float *src = job->small[t] + r * k;
+  if (job->big_bf16[t]) {
+    uint16_t *row = (uint16_t *)job->big[t] + r * cols;
+    for (int64_t j = 0; j < k; ++j) row[idx[j]] = f32_to_bf16(src[j]);
+  } else {
+    float *row = (float *)job->big[t] + r * cols;
+    for (int64_t j = 0; j < k; ++j) row[idx[j]] = src[j];
+  }
+}
+
+static void row_copy_keep(const zf_job *job, int64_t t, int64_t r) {
+  const int64_t cols = job->cols[t];
+  const float *host = job->host[t] + r * cols;
+  if (job->big_bf16[t]) {
+    uint16_t *row = (uint16_t *)job->big[t] + r * cols;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) row[c] = f32_to_bf16(host[c]);
+  } else {
+    memcpy((float *)job->big[t] + r * cols, host, (size_t)cols * sizeof(float));
+  }
+  if (job->k[t] > 0) row_scatter(job, t, r);
+}
+
+static void *worker(void *arg) {
+  zf_job *job = (zf_job *)arg;
+  for (;;) {
+    int64_t i = atomic_fetch_add(&job->next, 1);
+    if (i >= job->n_items) break;
+    const int64_t t = job->item_tensor[i];
+    double s = 0.0;
+    for (int64_t r = job->item_row0[i]; r < job->item_row1[i]; ++r) {
+      if (job->kind == ZF_NORM_GATHER) s += row_norm_gather(job, t, r);
+      else if (job->kind == ZF_SCATTER) row_scatter(job, t, r);
+      else row_copy_keep(job, t, r);
+    }
+    job->item_sum[i] = s;
+  }
+  return NULL;
+}
+
+/* Runs one batch; `sums` (n doubles, may be NULL) receives each tensor's sum of squares (norm_gather).
+ * Returns 0, or -1 when memory for the work list could not be allocated. */
+int zf_run(int kind, int64_t n, void *const *big, const int32_t *big_bf16, float *const *small,
+           const float *const *host, const int64_t *const *idx, const int64_t *rows, const int64_t *cols,
+           const int64_t *k, int threads, double *sums) {
+  zf_job job = {.kind = kind, .n = n, .big = big, .big_bf16 = big_bf16, .small = small, .host = host, .idx = idx,
+                .rows = rows, .cols = cols, .k = k};
+  int64_t n_items = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    int64_t per = cols[t] > 0 ? ZF_CHUNK_ELEMS / cols[t] : rows[t];
+    if (per < 1) per = 1;
+    n_items += (rows[t] + per - 1) / per;
+  }
+  job.item_tensor = malloc(sizeof(int64_t) * (size_t)(n_items + 1));
+  job.item_row0 = malloc(sizeof(int64_t) * (size_t)(n_items + 1));
+  job.item_row1 = malloc(sizeof(int64_t) * (size_t)(n_items + 1));
+  job.item_sum = calloc((size_t)(n_items + 1), sizeof(double));
+  if (!job.item_tensor || !job.item_row0 || !job.item_row1 || !job.item_sum) {
+    free(job.item_tensor); free(job.item_row0); free(job.item_row1); free(job.item_sum);
+    return -1;
+  }
+  int64_t i = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    int64_t per = cols[t] > 0 ? ZF_CHUNK_ELEMS / cols[t] : rows[t];
+    if (per < 1) per = 1;
+    for (int64_t r = 0; r < rows[t]; r += per, ++i) {
+      job.item_tensor[i] = t;
+      job.item_row0[i] = r;
+      job.item_row1[i] = r + per < rows[t] ? r + per : rows[t];
+    }
+  }
+  job.n_items = n_items;
+  atomic_init(&job.next, 0);
+  if (threads < 1) threads = 1;
+  if (threads > ZF_MAX_THREADS) threads = ZF_MAX_THREADS;
+  if (threads > n_items) threads = n_items > 0 ? (int)n_items : 1;
+  pthread_t helpers[ZF_MAX_THREADS];
+  int started = 0;
+  for (int h = 1; h < threads; ++h)
+    if (pthread_create(&helpers[started], NULL, worker, &job) == 0) ++started;
+  worker(&job); /* the calling thread works too; a helper that failed to start only costs speed */
+  for (int h = 0; h < started; ++h) pthread_join(helpers[h], NULL);
+  if (sums) {
+    for (int64_t t = 0; t < n; ++t) sums[t] = 0.0;
+    for (int64_t j = 0; j < n_items; ++j) sums[job.item_tensor[j]] += job.item_sum[j]; /* fixed order */
+  }
+  free(job.item_tensor); free(job.item_row0); free(job.item_row1); free(job.item_sum);
+  return 0;
+}

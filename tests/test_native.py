@@ -1,0 +1,120 @@
+"""The CPU kernels (`hf_zenflow/_native.py`) against torch: exact copies, bf16 rounding, fp64 norms, and the
+optimizer giving the same bits with and without them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_zenflow import ZenFlowAdamW, _native
+from tests.conftest import batches, linear_schedule, make_model, param_groups, train
+
+
+needs_kernels = pytest.mark.skipif(_native.library() is None, reason=f"CPU kernels: {_native.status()}")
+
+SHAPES = [(37, 53), (300, 1024), (1, 7)]
+
+
+def _case(shape: tuple[int, int], dtype: torch.dtype, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    big = (torch.randn(shape, generator=g) * 3).to(dtype)
+    index = torch.randperm(shape[1], generator=g)[:k].sort().values
+    return big, index
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_norms_and_gather_match_torch(dtype, shape):
+    k = max(1, shape[1] // 10)
+    grad, index = _case(shape, dtype, k)
+    out = torch.full((shape[0], k), float("nan"))
+    (sumsq,) = _native.norms_and_gather([grad], [out], [index])
+    assert torch.equal(out, grad[:, index].float())
+    assert sumsq == pytest.approx(grad.double().square().sum().item(), rel=1e-12)
+
+
+@needs_kernels
+def test_norms_without_gather_and_non_finite_values():
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    nan = torch.tensor([1.0, float("nan"), 2.0])
+    inf = torch.tensor([[float("inf"), 0.0]])
+    big = torch.tensor([3e30, 4e30])  # squares overflow fp32, not the fp64 sum
+    sums = _native.norms_and_gather([a, nan, inf, big], [None] * 4, [None] * 4)
+    assert sums[0] == 30.0
+    assert math.isnan(sums[1]) and sums[2] == math.inf
+    assert math.sqrt(sums[3]) == pytest.approx(5e30)
+
+
+@needs_kernels
+def test_norms_do_not_depend_on_the_thread_count():
+    grad, _ = _case((2000, 300), torch.float32, 0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _native.norms_and_gather([grad], [None], [None])
+        torch.set_num_threads(2)
+        two = _native.norms_and_gather([grad], [None], [None])
+    finally:
+        torch.set_num_threads(before)
+    assert one == two
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_scatter_and_copy_keep_match_torch(dtype, shape):
+    k = max(1, shape[1] // 10)
+    param, index = _case(shape, dtype, k, seed=1)
+    source = torch.randn(shape[0], k) * 1.0001  # values between bf16 neighbours: exercises the rounding
+    host = torch.randn(shape) * 0.999
+
+    expected = param.clone()
+    expected[:, index] = source.to(dtype)
+    _native.scatter([param], [source], [index])
+    assert torch.equal(param, expected)
+
+    expected = host.to(dtype)
+    expected[:, index] = source.to(dtype)
+    _native.copy_keep([param], [host], [source], [index])
+    assert torch.equal(param, expected)
+
+    _native.copy_keep([param], [host], [None], [None])  # nothing on the device: a plain (rounding) copy
+    assert torch.equal(param, host.to(dtype))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_optimizer_gives_the_same_bits_without_the_kernels(monkeypatch, dtype):
+    """Gather, scatter and write-back are exact either way; the norms differ in rounding but only decide skips
+    (none here) and Zen-auto windows (fixed interval here)."""
+    runs = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("HF_ZENFLOW_NATIVE", native)
+        model = make_model(dtype=dtype)
+        opt = ZenFlowAdamW(param_groups(model), lr=1e-2, topk_ratio=0.2, update_interval=3,
+                           select_strategy="step", select_interval=7)
+        losses = train(model, opt, batches(20), linear_schedule(opt, 20))
+        opt.flush()
+        opt.close()
+        runs.append((model, losses))
+    (with_kernels, losses_a), (without, losses_b) = runs
+    assert losses_a == losses_b
+    for p, q in zip(with_kernels.parameters(), without.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("HF_ZENFLOW_NATIVE", "0")
+    assert _native.library() is None
+    assert _native.status().startswith("disabled")
+
+
+def test_kernels_build_wherever_a_compiler_exists():
+    import shutil
+
+    if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler here")
+    assert _native.library() is not None, _native.status()
