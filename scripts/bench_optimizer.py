@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="ZenFlow host worker threads (default: half the cores)")
     ap.add_argument("--no-drain", dest="drain", action="store_false",
                     help="do not wait (untimed) for the ZenFlow worker after each step")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the memory passes any column-split step must make on a CPU device (one read of "
+                         "every gradient, AdamW on the selected columns, writing them into the weights, the "
+                         "write-back per window) with the same kernels, and print their sum against sync offload")
     args = ap.parse_args(argv)
 
     shapes = transformer_shapes(args.params)
@@ -112,12 +116,60 @@ def main(argv: list[str] | None = None) -> int:
     host = statistics.mean(phases["accumulate_ms"]) + statistics.mean(phases["host_step_ms"]) / args.update_interval
     print(f"\nZenFlow host worker time per step (accumulate + host AdamW / U), to hide behind device compute: "
           f"{host:.1f} ms")
+    if args.floor:
+        print_floor(shapes, grad_sets[0], args, med["sync_offload"])
     print("\nZenFlow critical path, mean ms per step (host work is off the critical path):")
     print("| phase | mean ms |")
     print("|---|---|")
     for key, values in phases.items():
         print(f"| {key} | {statistics.mean(values):.2f} |")
     return 0
+
+
+def print_floor(shapes: list[tuple[int, ...]], grads: list[torch.Tensor], args: argparse.Namespace,
+                sync_ms: float) -> None:
+    """Median time of each unavoidable pass, measured here, and their sum as a fraction of sync offload's step."""
+    from hf_zenflow import _native
+    from hf_zenflow._base import fused_adamw_
+    from hf_zenflow.selection import num_selected
+
+    if _native.library() is None:
+        print(f"\n(floor not measured: CPU kernels {_native.status()})")
+        return
+    gen = torch.Generator().manual_seed(2)
+    mats = [(g, s) for g, s in zip(grads, shapes) if len(s) == 2]
+    index = [torch.randperm(s[1], generator=gen)[: num_selected(args.topk_ratio, s[1])].sort().values for _, s in mats]
+    params = [torch.randn(s, generator=gen) for _, s in mats]
+    hosts = [torch.randn(s, generator=gen) for _, s in mats]
+    cols = [torch.randn(s[0], i.numel(), generator=gen) for (_, s), i in zip(mats, index)]
+    state = [[torch.zeros_like(c) for c in cols] for _ in range(3)]
+    steps = [torch.zeros(()) for _ in cols]
+    hyper = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    passes = {
+        "read every gradient once (sum of squares)": lambda: _native.norms_and_gather(grads, [None] * len(grads),
+                                                                                     [None] * len(grads)),
+        "AdamW on the selected columns (contiguous [out, k])": lambda: fused_adamw_(
+            state[0], cols, state[1], state[2], steps, hyper),
+        "write the selected columns into the weights": lambda: _native.scatter(params, cols, index),
+        f"write-back of the host result, per step (1/{args.update_interval} of a copy)": lambda: _native.copy_keep(
+            params, hosts, cols, index),
+    }
+    print("\nFloor on this CPU device: the passes a column-split step cannot avoid, timed alone (median of 7):")
+    print("| pass | ms |")
+    print("|---|---|")
+    total = 0.0
+    for name, fn in passes.items():
+        fn()
+        samples = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(samples) / (args.update_interval if name.startswith("write-back") else 1)
+        total += ms
+        print(f"| {name} | {ms:.1f} |")
+    print(f"| **sum** | **{total:.1f}** |")
+    print(f"\nFloor / sync offload (median step): {total / sync_ms:.3f}")
 
 
 if __name__ == "__main__":
