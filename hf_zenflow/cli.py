@@ -57,7 +57,15 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    help='ZenFlow host-AdamW lr multiplier: a float, or "interval" (x window length)')
     p.add_argument("--min-offload-numel", type=int, default=d.min_offload_numel,
                    help="ZenFlow: matrices with fewer elements stay wholly on the device (e.g. the classifier head)")
-    p.add_argument("--select-strategy", default=d.select_strategy, choices=["auto", "step", "epoch"])
+    p.add_argument("--select-strategy", default=d.select_strategy, choices=["auto", "step", "epoch"],
+                   help='ZenFlow column re-selection: "step"/"epoch" every --select-interval steps/epochs, "auto" '
+                   "every epoch")
+    p.add_argument("--select-interval", type=_interval, default=None,
+                   help='ZenFlow re-selection period in steps or epochs (see --select-strategy): an integer or "auto" '
+                   f'(only "auto" with --select-strategy auto); unset: {d.select_interval} with --select-strategy '
+                   'step, "auto" otherwise')
+    p.add_argument("--full-warm-up-rounds", type=int, default=d.full_warm_up_rounds,
+                   help="ZenFlow: the first N steps are dense AdamW; the first column selection follows them")
     p.add_argument("--no-overlap", dest="overlap_step", action="store_false",
                    help="run ZenFlow's host step inline instead of in the background worker")
     p.add_argument("--cpu-threads", type=int, default=None, help="host-optimizer threads (default: the engine's)")
