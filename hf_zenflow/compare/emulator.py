@@ -30,9 +30,11 @@ host AdamW on them (the `host_update` phase of `SyncOffloadAdamW`); the time-com
 divided by ``s`` for the real waits, and every measured wall time is multiplied by ``s`` when reported. This assumes
 all host work (AdamW, accumulation, copies) scales linearly with the parameter count, and it scales fixed per-step
 costs (Python overhead, thread hand-offs) by ``s`` as well, which makes the offloading schedules look *slower*, never
-faster. The copy pacing needs real copies to be at least as fast as the scaled link. When one is slower (this host is
-small and shared), the step is accounted with the scenario's link time instead of the real copy time, for every
-schedule alike, and the table reports the real per-copy time next to the target.
+faster; the default of 1e8 emulated parameters keeps the factor near 30 (at 24e6 it was 50-150 and ~1.5 ms of
+per-step Python overhead became ~100 ms "full scale"). The copy pacing needs real copies to be at least as fast as
+the scaled link. When one is slower (this host is small and shared), the step is accounted with the scenario's link
+time instead of the real copy time, for every schedule alike, and the table reports the real per-copy time next to
+the target.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class EmulatorScenario:
     host_cores: int | None = 128
     topk_ratio: float = 0.1
     update_interval: int = 4
-    emulated_params: float = 24e6
+    emulated_params: float = 100e6
     steps: int = 14
     warmup_steps: int = 2
     host_threads: int | None = None
@@ -394,9 +396,12 @@ def run_estimate(sc: EmulatorScenario, progress: bool = True) -> dict[str, Any]:
     """Run the three schedules in one process and return the measured step times, scaled to the full model."""
     from hf_zenflow.config import available_cpu_count
 
-    threads = sc.host_threads or available_cpu_count()
+    # The training thread keeps one core, the host worker gets the rest (as DeepSpeed reserves cores). The training
+    # thread is busy here (it executes the device phases), so a worker on every core would oversubscribe them; the
+    # calibration uses the same thread count, so the full-scale host AdamW time does not depend on it.
+    threads = sc.host_threads or max(1, available_cpu_count() - 1)
     before_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the training thread: one core, the rest for the host worker (as DeepSpeed reserves)
+    torch.set_num_threads(1)
     try:
         params, grads = emulated_model(sc.emulated_params)
         n_emu = sum(p.numel() for p in params)
@@ -611,9 +616,11 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk-ratio", type=float, default=None, help="[0.1]")
     p.add_argument("--update-interval", type=int, default=None, help="[4]")
     p.add_argument("--emulated-params", type=float, default=None,
-                   help="real parameters the host code runs on (the scaled-down model) [24e6]")
+                   help="real parameters the host code runs on (the scaled-down model; ~4 GB of host memory at "
+                        "the default) [1e8]")
     p.add_argument("--steps", type=int, default=None, help="steps per schedule [14]")
-    p.add_argument("--host-threads", type=int, default=None, help="host worker threads here (default: affinity)")
+    p.add_argument("--host-threads", type=int, default=None,
+                   help="host worker threads here (default: the cores in this process's affinity minus one)")
     p.add_argument("--output", default=None, help="write the result as JSON to this file")
 
 
