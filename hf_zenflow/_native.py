@@ -28,7 +28,7 @@ import torch
 
 _SOURCE = Path(__file__).with_name("csrc") / "zenflow_cpu.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
-_NORM_GATHER, _SCATTER, _COPY_KEEP = 0, 1, 2
+_NORM_GATHER, _SCATTER, _COPY_KEEP, _ACCUMULATE = 0, 1, 2, 3
 _KINDS = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
@@ -79,7 +79,8 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
     p = ctypes.c_void_p
-    lib.zf_run.argtypes = [ctypes.c_int, ctypes.c_int64, p, p, p, p, p, p, p, p, ctypes.c_int, p]
+    lib.zf_run.argtypes = [ctypes.c_int, ctypes.c_int64, p, p, p, p, p, p, p, p, ctypes.c_int, p, ctypes.c_float,
+                           ctypes.c_int]
     lib.zf_run.restype = ctypes.c_int
     return lib
 
@@ -122,7 +123,8 @@ def _shape(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _run(kind: int, big: list[torch.Tensor], small: list[torch.Tensor | None], host: list[torch.Tensor | None],
-         index: list[torch.Tensor | None], want_sums: bool) -> list[float] | None:
+         index: list[torch.Tensor | None], want_sums: bool, coef: float = 1.0, first: bool = False,
+         ) -> list[float] | None:
     lib = library()
     assert lib is not None, "call library() first"
     n = len(big)
@@ -142,7 +144,7 @@ def _run(kind: int, big: list[torch.Tensor], small: list[torch.Tensor | None], h
         _array(ctypes.c_void_p, [0 if h is None else h.data_ptr() for h in host]),
         _array(ctypes.c_void_p, [0 if i is None else i.data_ptr() for i in index]),
         _array(ctypes.c_int64, list(rows)), _array(ctypes.c_int64, list(cols)), _array(ctypes.c_int64, ks),
-        torch.get_num_threads(), sums,
+        torch.get_num_threads(), sums, coef, int(first),
     )
     if rc != 0:
         raise MemoryError("hf_zenflow CPU kernel: out of memory for its work list")
@@ -159,6 +161,15 @@ def norms_and_gather(grads: list[torch.Tensor], outs: list[torch.Tensor | None],
 def scatter(params: list[torch.Tensor], sources: list[torch.Tensor], index: list[torch.Tensor]) -> None:
     """``param[:, index] = source`` (rounded to the parameter dtype) for each matrix."""
     _run(_SCATTER, params, list(sources), [None] * len(params), list(index), want_sums=False)
+
+
+def accumulate(accum: torch.Tensor, grad: torch.Tensor, coef: float | None, first: bool) -> None:
+    """``accum = grad * coef`` (first step of a window) or ``accum += grad * coef`` (fma, as torch's vectorised
+    ``add_(grad, alpha=coef)``), fp32 `accum`, fp32 or bf16 `grad` read directly."""
+    assert accum.dtype == torch.float32 and accum.is_contiguous() and accum.shape == grad.shape
+    assert supports(grad)
+    _run(_ACCUMULATE, [grad], [accum], [None], [None], want_sums=False,
+         coef=1.0 if coef is None else float(coef), first=first)
 
 
 def copy_keep(params: list[torch.Tensor], hosts: list[torch.Tensor], sources: list[torch.Tensor | None],

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _native
 from ._base import fused_adamw_, host_empty, torch_threads
 
 
@@ -54,6 +55,10 @@ def accumulate_into(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | Non
     """``accum = grad * coef`` (first step of a window) or ``accum += grad * coef``, in fp32. The one rule for both
     places a window is summed (the host worker, or the device with ``accumulate_on="device"``), so the two give
     the same bits."""
+    if _native.supports(grad2d) and accum.device.type == "cpu" and _native.library() is not None:
+        # one pass that reads a bf16 gradient directly (torch needs a conversion pass first); same arithmetic
+        _native.accumulate(accum, grad2d, coef, first)
+        return
     if first:
         accum.copy_(grad2d)
         if coef is not None:

@@ -118,3 +118,21 @@ def test_kernels_build_wherever_a_compiler_exists():
     if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
         pytest.skip("no C compiler here")
     assert _native.library() is not None, _native.status()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("coef", [None, 0.37])
+def test_accumulate_matches_torch(monkeypatch, dtype, coef):
+    from hf_zenflow.host import accumulate_into
+
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(203, 77, generator=gen).to(dtype) for _ in range(3)]
+    results = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("HF_ZENFLOW_NATIVE", native)
+        accum = torch.full((203, 77), float("nan"))
+        for i, g in enumerate(grads):
+            accumulate_into(accum, g, coef, first=i == 0)
+        results.append(accum)
+    assert torch.equal(results[0], results[1])

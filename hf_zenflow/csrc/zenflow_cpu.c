@@ -7,7 +7,9 @@
  *   - zf_norm_gather: sum of squares of the whole gradient row (the non-finite check and the norms) and the gather
  *     of its selected columns into a contiguous fp32 [rows, k] buffer;
  *   - zf_scatter: write the (rounded) fp32 master columns into the parameter;
- *   - zf_copy_keep: the host result into the parameter (row copy), then the device columns on top.
+ *   - zf_copy_keep: the host result into the parameter (row copy), then the device columns on top;
+ *   - zf_accumulate: the host window sum, acc = g * coef (first step) or acc = fma(g, coef, acc), reading a bf16
+ *     gradient directly (torch needs a conversion pass first); fma is what torch's vectorised add with alpha does.
  * Copies are exact; bf16 results round to nearest even exactly as torch does. Every call takes a batch of tensors
  * and splits them into fixed row chunks, so partial sums (and hence the norms) do not depend on the thread count.
  */
@@ -18,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { ZF_NORM_GATHER = 0, ZF_SCATTER = 1, ZF_COPY_KEEP = 2 };
+enum { ZF_NORM_GATHER = 0, ZF_SCATTER = 1, ZF_COPY_KEEP = 2, ZF_ACCUMULATE = 3 };
 #define ZF_CHUNK_ELEMS 32768
 #define ZF_MAX_THREADS 64
 
@@ -33,6 +35,8 @@ typedef struct {
   const int64_t *rows, *cols, *k;
   int64_t *item_tensor, *item_row0, *item_row1;
   double *item_sum;
+  float coef;  /* accumulate: the clip coefficient (1 when none) */
+  int first;   /* accumulate: 1 on the first step of a window (overwrite instead of add) */
   int64_t n_items;
   atomic_llong next;
 } zf_job;
@@ -102,6 +106,31 @@ static void row_copy_keep(const zf_job *job, int64_t t, int64_t r) {
   if (job->k[t] > 0) row_scatter(job, t, r);
 }
 
+static void row_accumulate(const zf_job *job, int64_t t, int64_t r) {
+  const int64_t cols = job->cols[t];
+  float *acc = job->small[t] + r * cols;
+  const float coef = job->coef;
+  if (job->big_bf16[t]) {
+    const uint16_t *g = (const uint16_t *)job->big[t] + r * cols;
+    if (job->first) {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) acc[c] = bf16_to_f32(g[c]) * coef;
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) acc[c] = fmaf(bf16_to_f32(g[c]), coef, acc[c]);
+    }
+  } else {
+    const float *g = (const float *)job->big[t] + r * cols;
+    if (job->first) {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) acc[c] = g[c] * coef;
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) acc[c] = fmaf(g[c], coef, acc[c]);
+    }
+  }
+}
+
 static void *worker(void *arg) {
   zf_job *job = (zf_job *)arg;
   for (;;) {
@@ -112,7 +141,8 @@ static void *worker(void *arg) {
     for (int64_t r = job->item_row0[i]; r < job->item_row1[i]; ++r) {
       if (job->kind == ZF_NORM_GATHER) s += row_norm_gather(job, t, r);
       else if (job->kind == ZF_SCATTER) row_scatter(job, t, r);
-      else row_copy_keep(job, t, r);
+      else if (job->kind == ZF_COPY_KEEP) row_copy_keep(job, t, r);
+      else row_accumulate(job, t, r);
     }
     job->item_sum[i] = s;
   }
@@ -123,9 +153,9 @@ static void *worker(void *arg) {
  * Returns 0, or -1 when memory for the work list could not be allocated. */
 int zf_run(int kind, int64_t n, void *const *big, const int32_t *big_bf16, float *const *small,
            const float *const *host, const int64_t *const *idx, const int64_t *rows, const int64_t *cols,
-           const int64_t *k, int threads, double *sums) {
+           const int64_t *k, int threads, double *sums, float coef, int first) {
   zf_job job = {.kind = kind, .n = n, .big = big, .big_bf16 = big_bf16, .small = small, .host = host, .idx = idx,
-                .rows = rows, .cols = cols, .k = k};
+                .rows = rows, .cols = cols, .k = k, .coef = coef, .first = first};
   int64_t n_items = 0;
   for (int64_t t = 0; t < n; ++t) {
     int64_t per = cols[t] > 0 ? ZF_CHUNK_ELEMS / cols[t] : rows[t];
