@@ -6,6 +6,7 @@ Optimizers (same model init, batch and hyper-parameters):
   adamw_torch_fused   torch.optim.AdamW(fused=True) on the GPU, no offload (bf16 params, so bf16 moments)
   sync_offload        hf_zenflow.SyncOffloadAdamW (ZeRO-Offload schedule)
   zenflow             hf_zenflow.ZenFlowAdamW (topk_ratio / update_interval from the flags)
+  zenflow_device_acc  the same with accumulate_on="device" (window summed on the GPU, +4 B/offloaded param)
   torchao_offload     torchao.optim.CPUOffloadOptimizer(AdamW, fused=True), if torchao imports
   deepspeed_offload   DeepSpeed ZeRO-2 + offload_optimizer=cpu, if deepspeed imports (one process, world size 1)
   deepspeed_zenflow   DeepSpeed ZeRO-2 + zenflow block, if deepspeed imports and has ZenFlow
@@ -39,7 +40,8 @@ from typing import Any
 import torch
 
 
-ALL = ("adamw_torch_fused", "sync_offload", "zenflow", "torchao_offload", "deepspeed_offload", "deepspeed_zenflow")
+ALL = ("adamw_torch_fused", "sync_offload", "zenflow", "zenflow_device_acc", "torchao_offload", "deepspeed_offload",
+       "deepspeed_zenflow")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -161,12 +163,13 @@ def make_runner(name: str, model: torch.nn.Module, args: argparse.Namespace) -> 
         from hf_zenflow import SyncOffloadAdamW
 
         return _Plain(model, SyncOffloadAdamW(model.parameters(), cpu_threads=args.cpu_threads, **common), name)
-    if name == "zenflow":
+    if name in ("zenflow", "zenflow_device_acc"):
         from hf_zenflow import ZenFlowAdamW
 
         opt = ZenFlowAdamW(model.parameters(), topk_ratio=args.topk_ratio, update_interval=args.update_interval,
                            overlap_step=True, cpu_threads=args.cpu_threads, select_strategy="step",
-                           select_interval=100, **common)
+                           select_interval=100, accumulate_on="device" if name == "zenflow_device_acc" else "host",
+                           **common)
         return _Plain(model, opt, name)
     if name == "torchao_offload":
         from torchao.optim import CPUOffloadOptimizer
