@@ -26,22 +26,19 @@ class DeviceColumns:
     exp_avg_sq: torch.Tensor
     step: torch.Tensor
     grad: torch.Tensor  # reused gather buffer
-    mask: torch.Tensor  # [in] bool, True on the selected columns
 
     @classmethod
     def from_columns(
         cls, index: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-        step: torch.Tensor, device: torch.device, columns: int,
+        step: torch.Tensor, device: torch.device,
     ) -> DeviceColumns:
         to = {"device": device, "dtype": torch.float32}
         master = master.to(**to).contiguous()
         index = index.to(device)
-        mask = torch.zeros(columns, dtype=torch.bool, device=device)
-        mask[index] = True
         return cls(
             index=index, master=master, exp_avg=exp_avg.to(**to).contiguous(),
             exp_avg_sq=exp_avg_sq.to(**to).contiguous(), step=step.to(**to).clone(),
-            grad=torch.empty_like(master), mask=mask,
+            grad=torch.empty_like(master),
         )
 
     @property

@@ -247,7 +247,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 else:
                     self._select_new_matrices(entries, grads)
             with timer.phase("device_update"):
-                self._device_update(entries, grads, coef, gathered)
+                self._device_update(entries, grads, coef, gathered, rewritten=self._boundary_writes_back())
             with timer.phase("handoff"):
                 self._hand_off(entries, grads, coef)
             schedule.window_steps += 1
@@ -414,11 +414,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     gathered.add(entries[i][1])
         return norms  # type: ignore[return-value]
 
+    def _boundary_writes_back(self) -> bool:
+        """Whether this step closes a fixed-length window with a write-back. That write-back rewrites every column
+        of each offloaded matrix (host values, the device columns on top, from the device masters), so the step's
+        own scatter of the device columns into those matrices can be skipped: on a CPU device it is a
+        read-modify-write of nearly every cache line of the matrix (Zen-auto windows are decided after the device
+        update, so they always scatter)."""
+        schedule = self._schedule
+        if schedule.update_interval is None or schedule.window_steps + 1 < schedule.update_interval:
+            return False
+        return not self.config.overlap_step or self._writeback_pending
+
     def _device_update(
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
-        gathered: set[torch.Tensor],
+        gathered: set[torch.Tensor], rewritten: bool = False,
     ) -> None:
-        """Fused AdamW on the selected columns and the dense parameters, one kernel launch per group and device."""
+        """Fused AdamW on the selected columns and the dense parameters, one kernel launch per group and device.
+        `rewritten`: a write-back follows in this step, so matrices with host columns are not scattered now."""
         batches: dict[tuple[int, torch.device], tuple[dict, list[list[torch.Tensor]]]] = {}
         scatters: list[tuple[DeviceColumns, torch.Tensor]] = []
         dense_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -433,7 +445,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if coef is not None:
                     cols.grad.mul_(coef)
                 tensors = (cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.step)
-                scatters.append((cols, as_matrix(p)))
+                if not (rewritten and self._split[p].host is not None):
+                    scatters.append((cols, as_matrix(p)))
             else:
                 state = self._dense[p]
                 tensors = (state.master, scaled_fp32(g, coef), state.exp_avg, state.exp_avg_sq, state.step)
@@ -609,9 +622,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 p2d.copy_(split.host.writeback, non_blocking=True)
                 if split.device is not None:
                     split.device.scatter_into(p2d)
-            elif split.device is not None and p2d.dtype == torch.float32:
-                # One contiguous pass that keeps the device columns (a full copy plus a strided scatter costs ~1.5x)
-                torch.where(split.device.mask, p2d, split.host.master, out=p2d)
             else:
                 p2d.copy_(split.host.master)
                 if split.device is not None:
@@ -695,7 +705,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         else:
             master = as_matrix(p).detach().index_select(1, index).float()
             cols = [master, torch.zeros_like(master), torch.zeros_like(master)]
-        split.device = DeviceColumns.from_columns(index, *cols, step=step, device=p.device, columns=split.columns)
+        split.device = DeviceColumns.from_columns(index, *cols, step=step, device=p.device)
         if not split.offloaded:
             split.detach_host()  # every column on the device (topk_ratio=1): the host keeps nothing
         split.auto.reset()
@@ -811,6 +821,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if "device_master" in entry:
                 split.device = DeviceColumns.from_columns(
                     entry["device_index"].long(), entry["device_master"], entry["device_exp_avg"],
-                    entry["device_exp_avg_sq"], step=entry["device_step"], device=p.device, columns=split.columns,
+                    entry["device_exp_avg_sq"], step=entry["device_step"], device=p.device,
                 )
             self._split[p] = split
