@@ -187,60 +187,27 @@ def test_device_accumulation_equals_host_accumulation_bit_for_bit(settings, dtyp
         assert dev_stats["total_bytes_to_host"] < host_stats["total_bytes_to_host"]
 
 
-@pytest.mark.parametrize("save_on, load_on", [("host", "device"), ("device", "host"), ("device", "device")])
-def test_checkpoint_moves_between_accumulation_places(save_on, load_on):
-    total, split_at = 26, 6
+def assert_resume_continues_identically(split_at: int, total: int, settings: dict, save: dict | None = None,
+                                        load: dict | None = None) -> dict:
+    """Train `total` steps in one go; train `split_at` steps with `settings | save`, checkpoint (weights_only
+    round trip), load into a fresh optimizer with `settings | load` over a differently initialised model, train the
+    rest: losses and weights must be identical. Returns the checkpoint."""
     data = batches(total)
-    settings = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings)
     full_losses = train(model, opt, data, linear_schedule(opt, total), clip=1.0)
     opt.close()
 
     model_a = make_model()
-    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, accumulate_on=save_on, **settings)
+    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, **{**settings, **(save or {})})
     sched_a = linear_schedule(opt_a, total)
     first = train(model_a, opt_a, data[:split_at], sched_a, clip=1.0)
     checkpoint = roundtrip({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "sched": sched_a.state_dict()})
-    opt_a.close()
-    model_b = make_model(seed=123)
-    model_b.load_state_dict(checkpoint["model"])
-    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, accumulate_on=load_on, **settings)
-    sched_b = linear_schedule(opt_b, total)
-    opt_b.load_state_dict(checkpoint["opt"])
-    sched_b.load_state_dict(checkpoint["sched"])
-    rest = train(model_b, opt_b, data[split_at:], sched_b, clip=1.0)
-    opt_b.close()
-    assert first + rest == full_losses
-    for p, q in zip(model_b.parameters(), model.parameters()):
-        assert torch.equal(p, q)
-
-
-@pytest.mark.parametrize("executor", ["thread", "inline"])
-@pytest.mark.parametrize("split_at", [6, 13])  # mid-window with a host step in flight / right after a boundary
-def test_checkpoint_mid_window_continues_identically(executor, split_at):
-    total = split_at + 20
-    data = batches(total)
-    settings = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8,
-                    host_executor=executor)
-
-    model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings)
-    sched = linear_schedule(opt, total)
-    full_losses = train(model, opt, data, sched, clip=1.0)
-    opt.close()
-
-    model_a = make_model()
-    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, **settings)
-    sched_a = linear_schedule(opt_a, total)
-    first = train(model_a, opt_a, data[:split_at], sched_a, clip=1.0)
-    checkpoint = roundtrip({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "sched": sched_a.state_dict()})
-    assert checkpoint["opt"]["zenflow"]["window_steps"] == split_at % 4
     opt_a.close()
 
     model_b = make_model(seed=123)  # fresh copy, different init: everything must come from the checkpoint
     model_b.load_state_dict(checkpoint["model"])
-    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, **settings)
+    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, **{**settings, **(load or {})})
     sched_b = linear_schedule(opt_b, total)  # built before loading, as the HF Trainer does
     opt_b.load_state_dict(checkpoint["opt"])
     sched_b.load_state_dict(checkpoint["sched"])
@@ -249,6 +216,24 @@ def test_checkpoint_mid_window_continues_identically(executor, split_at):
     assert first + rest == full_losses
     for p, q in zip(model_b.parameters(), model.parameters()):
         assert torch.equal(p, q)
+    return checkpoint
+
+
+@pytest.mark.parametrize("save_on, load_on", [("host", "device"), ("device", "host"), ("device", "device")])
+def test_checkpoint_moves_between_accumulation_places(save_on, load_on):
+    assert_resume_continues_identically(
+        6, 26, dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8),
+        save={"accumulate_on": save_on}, load={"accumulate_on": load_on},
+    )
+
+
+@pytest.mark.parametrize("executor", ["thread", "inline"])
+@pytest.mark.parametrize("split_at", [6, 13])  # mid-window with a host step in flight / right after a boundary
+def test_checkpoint_mid_window_continues_identically(executor, split_at):
+    settings = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8,
+                    host_executor=executor)
+    checkpoint = assert_resume_continues_identically(split_at, split_at + 20, settings)
+    assert checkpoint["opt"]["zenflow"]["window_steps"] == split_at % 4
 
 
 def test_state_dict_is_weights_only_safe_and_accepts_any_device_tensors():
