@@ -6,7 +6,8 @@ none with ``accumulate_on="device"``) and a pinned write-back buffer in the para
 keeps two, zenflow.md §3.12).
 
 The host state keeps the parameter's own row-major [out, in] layout. Every step the whole gradient is added into
-the accumulator (a contiguous streaming add on the worker) and every window the host AdamW updates the whole matrix
+the accumulator (a contiguous streaming add on the worker; with ``accumulate_on="device"`` the device sums the window
+and it lands here once) and every window the host AdamW updates the whole matrix
 with one fused call; the columns currently on the device are carried along and simply ignored (their host values
 are refreshed from the device at re-selection). That keeps every per-step and per-window host operation contiguous;
 the only strided column moves are the selected columns (device side, every step) and the migration at re-selection.

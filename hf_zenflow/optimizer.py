@@ -616,17 +616,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             live = [s for s in live if s not in native]
         for split in live:
             p2d = as_matrix(split.param)
-            if split.host.writeback is not None:
-                # Asynchronous host->device copy from pinned memory on the compute stream: the next forward pass
-                # is ordered after it; the host thread does not wait.
-                p2d.copy_(split.host.writeback, non_blocking=True)
-                if split.device is not None:
-                    split.device.scatter_into(p2d)
-            else:
-                p2d.copy_(split.host.master)
-                if split.device is not None:
-                    split.device.scatter_into(p2d)
-            if split.host.writeback is not None:
+            pinned = split.host.writeback
+            # CUDA: an asynchronous host->device copy from pinned memory on the compute stream; the next forward
+            # pass (and the scatter below) is ordered after it, the host thread does not wait.
+            p2d.copy_(pinned if pinned is not None else split.host.master, non_blocking=pinned is not None)
+            if split.device is not None:
+                split.device.scatter_into(p2d)
+            if pinned is not None:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(split.param.device))
                 split.host.writeback_free = event
