@@ -4,7 +4,8 @@ Where things live:
 
 - the optimizer engine: `optimizer.py` (`ZenFlowAdamW`, orchestration and checkpoints), with the device path in
   `device_step.py`, the host path (host state, accumulation, the worker thread) in `host.py`, column selection and
-  windows in `selection.py`, telemetry in `telemetry.py`, settings in `config.py`;
+  windows in `selection.py`, telemetry in `telemetry.py`, settings in `config.py`, the column-major weight layout
+  for CPU devices in `layout.py` (`column_major_`);
 - the synchronous offload baseline: `baselines.py` (`SyncOffloadAdamW`);
 - the Hugging Face glue: `hf/` (`ZenFlowTrainer`, `ZenFlowTrainingArguments`, `ZenFlowPlugin`, model cards);
 - the side-by-side comparison and the emulated accelerator: `compare/`, driven by `cli.py` (`hf-zenflow`).
@@ -15,6 +16,7 @@ from typing import Any
 from .baselines import SyncOffloadAdamW
 from .config import ZenFlowConfig
 from .host import HostWorkerError
+from .layout import column_major_
 from .optimizer import ZenFlowAdamW
 
 
@@ -41,4 +43,5 @@ __all__ = [
     "ZenFlowTrainer",
     "ZenFlowTrainingArguments",
     "__version__",
+    "column_major_",
 ]

@@ -41,6 +41,12 @@ def fused_adamw_(
     """
     if not params:
         return
+    params, grads, exp_avgs, exp_avg_sqs = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
+    for i, quad in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        if quad[0].ndim == 2 and not quad[0].is_contiguous() and all(t.t().is_contiguous() for t in quad):
+            # column-major matrices (`column_major_`): AdamW is elementwise, so their contiguous transposes give
+            # the same bits, and torch's fused kernel runs ~4x slower on the strided tensors
+            params[i], grads[i], exp_avgs[i], exp_avg_sqs[i] = (t.t() for t in quad)
     beta1, beta2 = group["betas"]
     _functional_adam(
         params, grads, exp_avgs, exp_avg_sqs, [], steps,
@@ -49,8 +55,12 @@ def fused_adamw_(
     )
 
 
-def host_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host buffer; pinned when a CUDA device will copy from/to it asynchronously."""
+def host_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, pin: bool,
+               stride: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A host buffer (with the given strides, e.g. a parameter's own); pinned when a CUDA device will copy from/to
+    it asynchronously."""
+    if stride is not None:
+        return torch.empty_strided(shape, stride, dtype=dtype, device="cpu", pin_memory=pin)
     return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
 
 

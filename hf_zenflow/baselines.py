@@ -22,6 +22,7 @@ from ._base import (
     torch_threads,
 )
 from .config import available_cpu_count
+from .selection import selection_axis
 from .telemetry import StepTimer, ZenFlowStats
 
 
@@ -30,11 +31,13 @@ class _HostParam:
 
     def __init__(self, param: torch.Tensor) -> None:
         pin = param.is_cuda
-        self.master = host_empty(param.shape, torch.float32, pin)
+        # the parameter's own layout (row- or column-major), so every copy each way is a contiguous stream
+        stride = param.stride() if selection_axis(param) is not None else None
+        self.master = host_empty(param.shape, torch.float32, pin, stride)
         self.master.copy_(param.detach())
-        self.grad = host_empty(param.shape, torch.float32, pin)
-        self.exp_avg = torch.zeros(param.shape, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(param.shape, dtype=torch.float32)
+        self.grad = host_empty(param.shape, torch.float32, pin, stride)
+        self.exp_avg = torch.zeros_like(self.master, pin_memory=False)
+        self.exp_avg_sq = torch.zeros_like(self.master, pin_memory=False)
         self.step = torch.zeros((), dtype=torch.float32)
 
     def nbytes(self) -> int:

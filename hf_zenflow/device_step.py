@@ -17,7 +17,9 @@ from . import _native
 class DeviceColumns:
     """fp32 master values and moments of the selected columns of one matrix, on the parameter's device.
 
-    `index` holds the selected input columns, sorted; every tensor here is [out, k].
+    `index` holds the selected input columns, sorted. `axis` is the dimension of the matrix's `storage_matrix`
+    that indexes input columns: every tensor here is [out, k] (axis 1, row-major parameter) or [k, out] (axis 0,
+    column-major parameter, where each selected column is a contiguous row).
     """
 
     index: torch.Tensor
@@ -26,11 +28,12 @@ class DeviceColumns:
     exp_avg_sq: torch.Tensor
     step: torch.Tensor
     grad: torch.Tensor  # reused gather buffer
+    axis: int = 1
 
     @classmethod
     def from_columns(
         cls, index: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-        step: torch.Tensor, device: torch.device,
+        step: torch.Tensor, device: torch.device, axis: int = 1,
     ) -> DeviceColumns:
         to = {"device": device, "dtype": torch.float32}
         master = master.to(**to).contiguous()
@@ -38,7 +41,7 @@ class DeviceColumns:
         return cls(
             index=index, master=master, exp_avg=exp_avg.to(**to).contiguous(),
             exp_avg_sq=exp_avg_sq.to(**to).contiguous(), step=step.to(**to).clone(),
-            grad=torch.empty_like(master),
+            grad=torch.empty_like(master), axis=axis,
         )
 
     @property
@@ -46,17 +49,18 @@ class DeviceColumns:
         return self.index.numel()
 
     def gather_grad(self, grad2d: torch.Tensor) -> torch.Tensor:
-        """Copy the selected gradient columns into the fp32 buffer (one strided read of the gradient)."""
+        """Copy the selected gradient columns of the gradient's `storage_matrix` into the fp32 buffer (one strided
+        read of the gradient with axis 1; contiguous row copies with axis 0)."""
         if grad2d.dtype == torch.float32:
-            torch.index_select(grad2d, 1, self.index, out=self.grad)
+            torch.index_select(grad2d, self.axis, self.index, out=self.grad)
         else:
-            self.grad.copy_(torch.index_select(grad2d, 1, self.index))
+            self.grad.copy_(torch.index_select(grad2d, self.axis, self.index))
         return self.grad
 
     def scatter_into(self, param2d: torch.Tensor) -> None:
-        """Write the (rounded) master columns into the parameter."""
+        """Write the (rounded) master columns into the parameter's `storage_matrix`."""
         source = self.master if param2d.dtype == torch.float32 else self.master.to(param2d.dtype)
-        param2d.index_copy_(1, self.index, source)
+        param2d.index_copy_(self.axis, self.index, source)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
@@ -90,11 +94,13 @@ class DenseDeviceState:
 
 
 def _native_split(items: list[tuple[DeviceColumns, torch.Tensor]]) -> tuple[list, list]:
-    """(items the CPU kernels take, the rest). The kernels are built only when a CPU tensor needs them."""
-    native = [(c, t) for c, t in items if _native.supports(t)]
+    """(items the CPU kernels take, the rest). The kernels are built only when a CPU tensor needs them. They
+    handle the strided columns of row-major matrices; a column-major matrix's columns are contiguous rows, which
+    torch's own row gather/scatter moves as fast."""
+    native = [(c, t) for c, t in items if c.axis == 1 and _native.supports(t)]
     if native and _native.library() is None:
         return [], items
-    return native, [(c, t) for c, t in items if not _native.supports(t)]
+    return native, [(c, t) for c, t in items if not (c.axis == 1 and _native.supports(t))]
 
 
 def gather_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:

@@ -39,7 +39,15 @@ from ._base import (
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, gather_columns, scaled_fp32, scatter_columns
 from .host import HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
-from .selection import WindowSchedule, ZenAutoStats, as_matrix, column_scores, num_selected, top_columns
+from .selection import (
+    WindowSchedule,
+    ZenAutoStats,
+    column_scores,
+    num_selected,
+    selection_axis,
+    storage_matrix,
+    top_columns,
+)
 from .telemetry import StepTimer, ZenFlowStats
 
 
@@ -55,11 +63,14 @@ def _close_all() -> None:  # the host threads are daemons; this just lets in-fli
 class _SplitParam:
     """One matrix: its device columns and its host state (either may be absent)."""
 
-    __slots__ = ("param", "k", "columns", "device", "host", "auto", "window_sum", "window_count", "window_sum_free")
+    __slots__ = ("param", "axis", "k", "columns", "device", "host", "auto", "window_sum", "window_count",
+                 "window_sum_free")
 
     def __init__(self, param: torch.Tensor, k: int) -> None:
         self.param = param
-        self.columns = as_matrix(param).shape[1]
+        self.axis = selection_axis(param)
+        assert self.axis is not None
+        self.columns = self.matrix(param).shape[self.axis]
         self.k = k
         self.device: DeviceColumns | None = None
         self.host: HostMatrix | None = None
@@ -70,9 +81,13 @@ class _SplitParam:
         self.window_count = 0
         self.window_sum_free: Any = None
 
+    def matrix(self, t: torch.Tensor) -> torch.Tensor:
+        """The parameter, or its gradient, as this matrix's contiguous `storage_matrix` (host state has its shape)."""
+        return storage_matrix(t, self.axis)
+
     def attach_host(self, accumulate_on: str) -> None:
         """Create the host state (and, accumulating on the device, the device-side window sum)."""
-        p2d = as_matrix(self.param)
+        p2d = self.matrix(self.param)
         self.host = HostMatrix.create(p2d, self.param.dtype if self.param.grad is None else self.param.grad.dtype,
                                       accumulate_on)
         if accumulate_on == "device":
@@ -99,8 +114,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         host_executor: ``"thread"`` (default) runs the host work on a background thread; ``"inline"`` runs the same
             jobs in the calling thread, in the same order (the sequential reference of the overlapped schedule).
 
-    Matrices (parameters with ``ndim >= 2``, viewed as ``[out, in]``) are split by input column; 1-D and
-    non-contiguous parameters are updated entirely on the device. `step()` takes ownership of the gradients of
+    Matrices (parameters with ``ndim >= 2``, viewed as ``[out, in]``) are split by input column, whether stored
+    row-major or column-major (`column_major_`, where each input column is contiguous); 1-D parameters and other
+    layouts are updated entirely on the device. `step()` takes ownership of the gradients of
     split matrices (it sets their ``.grad`` to None) so that the host worker can read them after `step()` returns.
 
     Example:
@@ -334,10 +350,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         split = self._split.get(param)
         if split is None:
             return param.detach().float().cpu().clone()
-        full = split.host.master.clone() if split.host is not None else as_matrix(param).detach().float().cpu()
+        full = split.host.master.clone() if split.host is not None else split.matrix(param).detach().float().cpu()
         if split.device is not None:
-            full.index_copy_(1, split.device.index.cpu(), split.device.master.cpu())
-        return full.view(param.shape)
+            full.index_copy_(split.axis, split.device.index.cpu(), split.device.master.cpu())
+        return full.view(param.shape) if split.axis == 1 else full.t()
 
     # ------------------------------------------------------------------------------------------------------------
     # Step internals
@@ -366,8 +382,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for _, p in entries:
             if p in self._split or p in self._dense:
                 continue
-            if p.ndim >= 2 and p.is_contiguous() and p.numel() >= self.config.min_offload_numel:
-                split = _SplitParam(p, num_selected(self.config.topk_ratio, as_matrix(p).shape[1]))
+            if p.ndim >= 2 and selection_axis(p) is not None and p.numel() >= self.config.min_offload_numel:
+                split = _SplitParam(p, num_selected(self.config.topk_ratio, p.numel() // p.shape[0]))
                 if split.offloaded or self._schedule.in_warm_up():
                     split.attach_host(self.config.accumulate_on)
                 self._split[p] = split
@@ -391,27 +407,30 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """
         norms: list[torch.Tensor | None] = [None] * len(grads)
         want = [
-            (i, split.device) if gather_now and (split := self._split.get(p)) is not None and split.device is not None
+            (i, split) if gather_now and (split := self._split.get(p)) is not None and split.device is not None
             else (i, None)
             for i, (_, p) in enumerate(entries)
         ]
-        native = [(i, cols) for i, cols in want if _native.supports(grads[i])]
+        # the kernels gather the strided columns of row-major matrices; they read any contiguous gradient
+        reads = [(i, grads[i] if split is None else split.matrix(grads[i]),
+                  split if split is not None and split.axis == 1 else None) for i, split in want]
+        native = [(i, matrix, split) for i, matrix, split in reads if _native.supports(matrix)]
         if native and _native.library() is not None:
             sums = _native.norms_and_gather(
-                [as_matrix(grads[i]) if cols is not None else grads[i] for i, cols in native],
-                [cols.grad if cols is not None else None for _, cols in native],
-                [cols.index if cols is not None else None for _, cols in native],
+                [matrix for _, matrix, _ in native],
+                [split.device.grad if split is not None else None for _, _, split in native],
+                [split.device.index if split is not None else None for _, _, split in native],
             )
-            for (i, cols), total in zip(native, sums):
+            for (i, _, split), total in zip(native, sums):
                 norms[i] = torch.tensor(math.sqrt(total), dtype=torch.float32)
-                if cols is not None:
+                if split is not None:
                     gathered.add(entries[i][1])
-        for i, cols in want:
+        for i, split in want:
             if norms[i] is None:
                 norms[i] = l2_norm(grads[i])
-                if cols is not None:
-                    cols.gather_grad(as_matrix(grads[i]))
-                    gathered.add(entries[i][1])
+            if split is not None and entries[i][1] not in gathered:
+                split.device.gather_grad(split.matrix(grads[i]))  # a column-major matrix: contiguous rows
+                gathered.add(entries[i][1])
         return norms  # type: ignore[return-value]
 
     def _boundary_writes_back(self) -> bool:
@@ -434,7 +453,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         batches: dict[tuple[int, torch.device], tuple[dict, list[list[torch.Tensor]]]] = {}
         scatters: list[tuple[DeviceColumns, torch.Tensor]] = []
         dense_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        gather_columns([(self._split[p].device, as_matrix(g)) for (_, p), g in zip(entries, grads)
+        gather_columns([(self._split[p].device, self._split[p].matrix(g)) for (_, p), g in zip(entries, grads)
                         if p in self._split and self._split[p].device is not None and p not in gathered])
         for (group, p), g in zip(entries, grads):
             lists = batches.setdefault((id(group), p.device), (group, [[], [], [], [], []]))[1]
@@ -446,7 +465,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     cols.grad.mul_(coef)
                 tensors = (cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.step)
                 if not (rewritten and self._split[p].host is not None):
-                    scatters.append((cols, as_matrix(p)))
+                    scatters.append((cols, self._split[p].matrix(p)))
             else:
                 state = self._dense[p]
                 tensors = (state.master, scaled_fp32(g, coef), state.exp_avg, state.exp_avg_sq, state.step)
@@ -486,13 +505,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             stream.wait_stream(torch.cuda.current_stream(work[0][0].param.device))
             with torch.cuda.stream(stream):
                 for split, g in work:
-                    split.host.staging[slot].view(g.shape).copy_(g, non_blocking=True)
+                    split.host.staging[slot].copy_(split.matrix(g), non_blocking=True)
                     g.record_stream(stream)  # keep the gradient's memory alive until the copy has read it
                 event = torch.cuda.Event()
                 event.record(stream)
             sources = [(split.host, split.host.staging[slot]) for split, _ in work]
         else:
-            sources = [(split.host, as_matrix(g)) for split, g in work]
+            sources = [(split.host, split.matrix(g)) for split, g in work]
         for split, _ in work:
             split.param.grad = None  # the worker owns this gradient now
         self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in work)
@@ -517,7 +536,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 # copy has read the sum before overwriting it; the host thread does not wait.
                 torch.cuda.current_stream(split.param.device).wait_event(split.window_sum_free)
                 split.window_sum_free = None
-            accumulate_into(split.window_sum, as_matrix(g), coef, first=split.window_count == 0)
+            accumulate_into(split.window_sum, split.matrix(g), coef, first=split.window_count == 0)
             split.window_count += 1
 
     def _ship_window_sums(self, splits: list[_SplitParam]) -> Any:
@@ -604,18 +623,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Copy the host masters into the device weights, then put the device columns back on top."""
         moved = 0
         live = [split for split in self._split.values() if split.host is not None]
-        native = [s for s in live if s.host.writeback is None and _native.supports(s.param)]
+        native = [s for s in live if s.host.writeback is None and s.axis == 1 and _native.supports(s.param)]
         if native and _native.library() is not None:
             # CPU device: one sweep per row copies the host row and puts the device columns back on top
             _native.copy_keep(
-                [as_matrix(s.param) for s in native], [s.host.master for s in native],
+                [s.matrix(s.param) for s in native], [s.host.master for s in native],
                 [s.device.master if s.device is not None else None for s in native],
                 [s.device.index if s.device is not None else None for s in native],
             )
             moved += sum(s.param.numel() * s.param.element_size() for s in native)
             live = [s for s in live if s not in native]
         for split in live:
-            p2d = as_matrix(split.param)
+            p2d = split.matrix(split.param)
             pinned = split.host.writeback
             # CUDA: an asynchronous host->device copy from pinned memory on the compute stream; the next forward
             # pass (and the scatter below) is ordered after it, the host thread does not wait.
@@ -678,15 +697,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         p, host = split.param, split.host
         # Sync point (re-selection only, every `select_period` steps): the outgoing device columns are copied to the
         # host and the incoming ones up with blocking copies; the worker was drained by the caller first.
+        axis = split.axis
         if split.device is not None and host is not None:
             idx = split.device.index.cpu()
-            host.master.index_copy_(1, idx, split.device.master.cpu())
-            host.exp_avg.index_copy_(1, idx, split.device.exp_avg.cpu())
-            host.exp_avg_sq.index_copy_(1, idx, split.device.exp_avg_sq.cpu())
+            host.master.index_copy_(axis, idx, split.device.master.cpu())
+            host.exp_avg.index_copy_(axis, idx, split.device.exp_avg.cpu())
+            host.exp_avg_sq.index_copy_(axis, idx, split.device.exp_avg_sq.cpu())
         if split.k == 0 or (split.device is not None and not split.offloaded):
             return  # nothing on the device, or every column already there
         if split.offloaded:
-            index = top_columns(column_scores(as_matrix(grad)), split.k)
+            index = top_columns(column_scores(split.matrix(grad), axis), split.k)
         else:
             index = torch.arange(split.k, device=p.device)
         if split.device is not None:
@@ -697,11 +717,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             step = torch.zeros(())
         if host is not None:
             cpu_idx = index.cpu()
-            cols = [t.index_select(1, cpu_idx) for t in (host.master, host.exp_avg, host.exp_avg_sq)]
+            cols = [t.index_select(axis, cpu_idx) for t in (host.master, host.exp_avg, host.exp_avg_sq)]
         else:
-            master = as_matrix(p).detach().index_select(1, index).float()
+            master = split.matrix(p).detach().index_select(axis, index).float()
             cols = [master, torch.zeros_like(master), torch.zeros_like(master)]
-        split.device = DeviceColumns.from_columns(index, *cols, step=step, device=p.device)
+        split.device = DeviceColumns.from_columns(index, *cols, step=step, device=p.device, axis=axis)
         if not split.offloaded:
             split.detach_host()  # every column on the device (topk_ratio=1): the host keeps nothing
         split.auto.reset()
@@ -729,7 +749,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             groups.append(packed)
         state: dict[int, dict[str, Any]] = {}
         for p, split in self._split.items():
-            entry: dict[str, Any] = {"kind": "split", "k": split.k, "auto": split.auto.to_list()}
+            entry: dict[str, Any] = {"kind": "split", "k": split.k, "auto": split.auto.to_list(), "axis": split.axis}
             if split.device is not None:
                 d = split.device
                 entry.update(device_index=d.index, device_master=d.master, device_exp_avg=d.exp_avg,
@@ -798,11 +818,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 continue
             split = _SplitParam(p, int(entry["k"]))
             split.auto = ZenAutoStats.from_list(entry["auto"])
+            # saved from a parameter in the other layout (see `column_major_`): every matrix here is transposed
+            flip = int(entry.get("axis", 1)) != split.axis
+
+            def fit(t: torch.Tensor, flip: bool = flip) -> torch.Tensor:
+                return t.t() if flip and t.ndim == 2 else t
+
             if "host_master" in entry:
                 split.attach_host(self.config.accumulate_on)
                 host = split.host
                 for name in ("master", "exp_avg", "exp_avg_sq", "step"):
-                    getattr(host, name).copy_(entry[f"host_{name}"])
+                    getattr(host, name).copy_(fit(entry[f"host_{name}"]))
                 # the open window's sum goes wherever this optimizer keeps it (either setting can load either)
                 target = split.window_sum if split.window_sum is not None else host.accum
                 if split.window_sum is not None:
@@ -810,13 +836,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 else:
                     host.accum_count = int(entry["accum_count"])
                 if entry["accum"] is not None:
-                    target.copy_(entry["accum"])
+                    target.copy_(fit(entry["accum"]))
                 if host.writeback is not None:
                     host.writeback.copy_(host.master)  # the pending write-back reads this buffer
                 split.host = host
             if "device_master" in entry:
                 split.device = DeviceColumns.from_columns(
-                    entry["device_index"].long(), entry["device_master"], entry["device_exp_avg"],
-                    entry["device_exp_avg_sq"], step=entry["device_step"], device=p.device,
+                    entry["device_index"].long(), fit(entry["device_master"]), fit(entry["device_exp_avg"]),
+                    fit(entry["device_exp_avg_sq"]), step=entry["device_step"], device=p.device, axis=split.axis,
                 )
             self._split[p] = split

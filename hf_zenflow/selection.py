@@ -18,9 +18,26 @@ import torch
 SCORE_CHUNK_ROWS = 256
 
 
-def as_matrix(t: torch.Tensor) -> torch.Tensor:
-    """View a parameter (or its gradient) as [out, in]: dim 0 is the output, every other dim is an input column."""
-    return t.view(t.shape[0], -1)
+def selection_axis(t: torch.Tensor) -> int | None:
+    """Where a matrix's input columns lie in memory. 1: `t` is row-major, its ``[out, in]`` view's columns are
+    strided. 0: `t` is a column-major 2-D matrix, stored as the contiguous ``[in, out]`` transpose (DeepSpeed
+    ZenFlow's transposed layout, see `column_major_`), so an input column is a contiguous row. None: any other
+    layout (such a tensor is updated densely on the device)."""
+    if t.is_contiguous():
+        return 1
+    if t.ndim == 2 and t.t().is_contiguous():
+        return 0
+    return None
+
+
+def storage_matrix(t: torch.Tensor, axis: int) -> torch.Tensor:
+    """`t` as a contiguous matrix whose dimension `axis` indexes the input columns: the ``[out, in]`` view
+    (axis 1) or the ``[in, out]`` transpose (axis 0). A view when `t` has the parameter's layout (autograd gives
+    gradients the parameter's strides); a copy otherwise."""
+    if axis == 1:
+        return (t if t.is_contiguous() else t.contiguous()).view(t.shape[0], -1)
+    m = t.t()
+    return m if m.is_contiguous() else m.contiguous()
 
 
 def num_selected(topk_ratio: float, columns: int) -> int:
@@ -30,12 +47,15 @@ def num_selected(topk_ratio: float, columns: int) -> int:
     return min(columns, max(1, math.floor(topk_ratio * columns + 1e-9)))
 
 
-def column_scores(grad2d: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm of each column, in fp32, computed in row chunks."""
-    scores = torch.zeros(grad2d.shape[1], dtype=torch.float32, device=grad2d.device)
-    for start in range(0, grad2d.shape[0], SCORE_CHUNK_ROWS):
-        chunk = grad2d[start:start + SCORE_CHUNK_ROWS].float()
-        scores.add_(chunk.square().sum(0))
+def column_scores(matrix: torch.Tensor, axis: int = 1) -> torch.Tensor:
+    """Squared L2 norm of each input column (dimension `axis` of a `storage_matrix`), in fp32, in row chunks."""
+    scores = torch.zeros(matrix.shape[axis], dtype=torch.float32, device=matrix.device)
+    for start in range(0, matrix.shape[0], SCORE_CHUNK_ROWS):
+        chunk = matrix[start:start + SCORE_CHUNK_ROWS].float().square()
+        if axis == 1:
+            scores.add_(chunk.sum(0))
+        else:
+            scores[start:start + SCORE_CHUNK_ROWS] = chunk.sum(1)
     return scores
 
 

@@ -1,0 +1,174 @@
+"""Column-major weights (`column_major_`, DeepSpeed's transposed layout): the optimizer gives the same results in
+either layout, the reference equivalences hold, and checkpoints move between layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW, column_major_
+from tests.conftest import batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
+
+
+LR = 1e-2
+STEPS = 30
+
+
+def column_major_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    model = make_model(seed, dtype)
+    assert column_major_(model) == ["up.weight", "down.weight"]
+    return model
+
+
+def test_column_major_keeps_values_and_skips_tied_embeddings():
+    model = make_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    column_major_(model)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+    assert model.up.weight.t().is_contiguous() and not model.up.weight.is_contiguous()
+    assert model.embed.weight.is_contiguous()  # an embedding reads rows: left alone
+
+    tied = torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 6), "head": torch.nn.Linear(6, 10, bias=False),
+                                "proj": torch.nn.Linear(6, 6)})
+    tied["head"].weight = tied["embed"].weight
+    assert column_major_(tied) == ["proj.weight"]
+    assert tied["head"].weight.is_contiguous()
+
+
+def test_gradients_keep_the_parameter_layout():
+    """What the optimizer relies on: autograd gives a column-major weight a column-major gradient."""
+    model = column_major_model()
+    x, y = batches(1)[0]
+    torch.nn.functional.cross_entropy(model(x).view(-1, 24), y.view(-1)).backward()
+    assert model.up.weight.grad.stride() == model.up.weight.stride()
+
+
+@pytest.mark.parametrize(
+    "settings, clip",
+    [
+        (dict(topk_ratio=1.0), None),
+        (dict(topk_ratio=0.1, update_interval=1, overlap_step=False, select_strategy="step", select_interval=3), 0.5),
+        (dict(topk_ratio=0.5, update_interval=1, overlap_step=False, select_strategy="step", select_interval=3), None),
+    ],
+)
+def test_column_major_degenerate_settings_are_adamw(settings, clip):
+    ref = column_major_model()  # same layout: forward and backward are the same arithmetic
+    ref_opt = torch.optim.AdamW(param_groups(ref), lr=LR)
+    ref_losses = train(ref, ref_opt, batches(STEPS), linear_schedule(ref_opt, STEPS), clip=clip)
+    model = column_major_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings)
+    losses = train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=clip)
+    opt.close()
+    assert max_rel_diff(model, ref) < 1e-5
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert not model.up.weight.is_contiguous()  # the layout survives training
+
+
+def test_column_major_sync_offload_is_adamw_and_keeps_the_layout_on_the_host():
+    ref = column_major_model()
+    ref_opt = torch.optim.AdamW(param_groups(ref), lr=LR)
+    train(ref, ref_opt, batches(10), clip=1.0)
+    model = column_major_model()
+    opt = SyncOffloadAdamW(param_groups(model), lr=LR)
+    train(model, opt, batches(10), clip=1.0)
+    assert max_rel_diff(model, ref) < 1e-5
+    assert opt._host[model.up.weight].master.stride() == model.up.weight.stride()
+
+
+def test_column_major_overlapped_equals_sequential_bit_for_bit():
+    settings = dict(topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=7)
+    results = []
+    for executor in ("thread", "inline"):
+        model = column_major_model()
+        opt = ZenFlowAdamW(param_groups(model), lr=LR, host_executor=executor, **settings)
+        losses = train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=1.0)
+        opt.flush()
+        opt.close()
+        results.append((losses, model))
+    (losses_t, model_t), (losses_i, model_i) = results
+    assert losses_t == losses_i
+    for p, q in zip(model_t.parameters(), model_i.parameters()):
+        assert torch.equal(p, q)
+
+
+SHAPES = [(48, 40), (24, 64), (64,)]
+
+
+def layout_params(column_major: bool, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(5)
+    params = []
+    for shape in SHAPES:
+        t = (torch.randn(shape, generator=gen) * 0.1).to(dtype)
+        if column_major and t.ndim == 2:
+            t = t.t().contiguous().t()
+        params.append(torch.nn.Parameter(t))
+    return params
+
+
+def step_with(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, grads: list[list[torch.Tensor]]) -> None:
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = torch.empty_like(p).copy_(g)  # the parameter's own layout, as autograd would give it
+        opt.step()
+        opt.zero_grad()
+
+
+def layout_grads(steps: int, dtype: torch.dtype, seed: int = 9) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    # a few loud input columns per matrix, as real gradients have, so that selections are well separated
+    return [[(torch.randn(s, generator=gen) * (1 + 20 * (torch.rand(s[-1], generator=gen) > 0.85))).to(dtype)
+             for s in SHAPES] for _ in range(steps)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("accumulate_on", ["host", "device"])
+def test_layouts_give_identical_bits_on_identical_gradients(dtype, accumulate_on):
+    """Row- and column-major weights go through different gather/scatter code (strided columns vs contiguous
+    rows) but the same arithmetic: every weight bit must agree."""
+    grads = layout_grads(24, dtype)
+    settings = dict(lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=5,
+                    min_offload_numel=16, accumulate_on=accumulate_on)
+    finals = []
+    for column_major in (False, True):
+        params = layout_params(column_major, dtype)
+        opt = ZenFlowAdamW(params, **settings)
+        step_with(params, opt, grads)
+        assert opt._split[params[0]].axis == (0 if column_major else 1)
+        opt.flush()
+        finals.append([(p.detach().clone(), opt.master_weight(p)) for p in params])
+        opt.close()
+        assert opt.stats()["reselections"] >= 4
+    for (p_row, m_row), (p_col, m_col) in zip(*finals):
+        assert torch.equal(p_row, p_col)
+        assert torch.equal(m_row, m_col)
+
+
+@pytest.mark.parametrize("save_column_major", [False, True])
+def test_checkpoint_moves_between_layouts(save_column_major):
+    grads = layout_grads(22, torch.float32, seed=3)
+    settings = dict(lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8,
+                    min_offload_numel=16)
+    params = layout_params(False, torch.float32)
+    opt = ZenFlowAdamW(params, **settings)
+    step_with(params, opt, grads)
+    opt.flush()
+    opt.close()
+
+    params_a = layout_params(save_column_major, torch.float32)
+    opt_a = ZenFlowAdamW(params_a, **settings)
+    step_with(params_a, opt_a, grads[:6])  # mid-window, a host step in flight
+    checkpoint = roundtrip({"opt": opt_a.state_dict(), "params": [p.detach() for p in params_a]})
+    opt_a.close()
+
+    params_b = layout_params(not save_column_major, torch.float32)
+    with torch.no_grad():
+        for p, saved in zip(params_b, checkpoint["params"]):
+            p.copy_(saved)
+    opt_b = ZenFlowAdamW(params_b, **settings)
+    opt_b.load_state_dict(checkpoint["opt"])
+    step_with(params_b, opt_b, grads[6:])
+    opt_b.flush()
+    opt_b.close()
+    for p, q in zip(params_b, params):
+        assert torch.equal(p, q)
