@@ -1,9 +1,10 @@
 """The host path: per-matrix host state, gradient accumulation, and the worker that runs the host AdamW.
 
 Host memory per offloaded parameter element: fp32 master (4 B) + fp32 exp_avg and exp_avg_sq (8 B) + fp32 window
-accumulator (4 B) = 16 B, plus on CUDA a pinned copy of the gradient per in-flight step (2 slots x the gradient dtype;
-none with ``accumulate_on="device"``) and a pinned write-back buffer in the parameter dtype. One moment set (DeepSpeed
-keeps two, zenflow.md §3.12).
+accumulator (4 B) = 16 B, plus a write-back buffer in the parameter dtype (pinned on CUDA; on a CPU device it is a
+spare storage of the weight, swapped in at each write-back instead of a copy) and on CUDA a pinned copy of the
+gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``). One moment set
+(DeepSpeed keeps two, zenflow.md §3.12).
 
 The host state keeps the parameter's own row-major [out, in] layout. Every step the whole gradient is added into
 the accumulator (a contiguous streaming add on the worker; with ``accumulate_on="device"`` the device sums the window
@@ -83,11 +84,15 @@ class HostMatrix:
     step: torch.Tensor
     accum: torch.Tensor
     accum_count: int = 0
-    # CUDA only: pinned landing buffers for the device->host gradient copy (one per slot), the pinned write-back
-    # buffer in the parameter dtype, and the event after which the last host->device copy of it has finished.
+    # CUDA only: pinned landing buffers for the device->host gradient copy (one per slot).
     staging: list[torch.Tensor] = field(default_factory=list)
+    # The host result in the parameter dtype, filled by the worker after each host step: on CUDA a pinned buffer
+    # the write-back copies from (and the event after which that copy has read it); on a CPU device a spare
+    # storage for the weight that the write-back swaps in, instead of copying (the weight's old storage becomes
+    # the spare). `writeback_fresh`: filled since the last write-back.
     writeback: torch.Tensor | None = None
     writeback_free: object | None = None
+    writeback_fresh: bool = False
 
     @classmethod
     def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host") -> HostMatrix:
@@ -104,10 +109,9 @@ class HostMatrix:
             step=torch.zeros((), dtype=torch.float32),
             accum=host_empty(param2d.shape, torch.float32, pin and on_device).zero_(),
         )
-        if pin:
-            if not on_device:
-                state.staging = [host_empty(param2d.shape, grad_dtype, True) for _ in range(GRAD_SLOTS)]
-            state.writeback = host_empty(param2d.shape, param2d.dtype, True)
+        if pin and not on_device:
+            state.staging = [host_empty(param2d.shape, grad_dtype, True) for _ in range(GRAD_SLOTS)]
+        state.writeback = host_empty(param2d.shape, param2d.dtype, pin)
         return state
 
     def accumulate(self, grad2d: torch.Tensor, coef: float | None) -> None:
@@ -145,6 +149,7 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]]) -> None:
                 if m.writeback_free is not None:
                     m.writeback_free.synchronize()  # type: ignore[attr-defined]
                 m.writeback.copy_(m.master)
+                m.writeback_fresh = True
 
 
 class HostAdamWorker:

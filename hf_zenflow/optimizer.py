@@ -620,32 +620,43 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._write_back()
 
     def _write_back(self) -> None:
-        """Copy the host masters into the device weights, then put the device columns back on top."""
+        """Put the host result into the device weights, then the device columns back on top.
+
+        CUDA: an asynchronous copy from the pinned buffer the worker filled. CPU device: the weight takes the
+        worker's buffer as its storage (nothing is copied on the critical path) and its old storage becomes the
+        next spare; only the device columns are written.
+        """
         moved = 0
-        live = [split for split in self._split.values() if split.host is not None]
-        native = [s for s in live if s.host.writeback is None and s.axis == 1 and _native.supports(s.param)]
-        if native and _native.library() is not None:
-            # CPU device: one sweep per row copies the host row and puts the device columns back on top
-            _native.copy_keep(
-                [s.matrix(s.param) for s in native], [s.host.master for s in native],
-                [s.device.master if s.device is not None else None for s in native],
-                [s.device.index if s.device is not None else None for s in native],
-            )
-            moved += sum(s.param.numel() * s.param.element_size() for s in native)
-            live = [s for s in live if s not in native]
-        for split in live:
-            p2d = split.matrix(split.param)
-            pinned = split.host.writeback
-            # CUDA: an asynchronous host->device copy from pinned memory on the compute stream; the next forward
-            # pass (and the scatter below) is ordered after it, the host thread does not wait.
-            p2d.copy_(pinned if pinned is not None else split.host.master, non_blocking=pinned is not None)
-            if split.device is not None:
-                split.device.scatter_into(p2d)
-            if pinned is not None:
+        columns_back: list[tuple[DeviceColumns, torch.Tensor]] = []
+        for split in self._split.values():
+            host = split.host
+            if host is None:
+                continue
+            if split.param.is_cuda:
+                p2d = split.matrix(split.param)
+                # An asynchronous host->device copy from pinned memory on the compute stream; the next forward
+                # pass (and the scatter below) is ordered after it, the host thread does not wait.
+                p2d.copy_(host.writeback, non_blocking=True)
+                if split.device is not None:
+                    split.device.scatter_into(p2d)
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(split.param.device))
-                split.host.writeback_free = event
+                host.writeback_free = event
+            else:
+                if host.writeback_fresh:
+                    # The worker is done with the buffer (the caller waited for the host step); the weight keeps
+                    # its Parameter object, shape and strides, only its storage changes.
+                    # `.data`, not `.detach()`: the worker writes the spare, which must not bump the version
+                    # counter of the weight that autograd checks
+                    spare = split.matrix(split.param.data)
+                    fresh = host.writeback
+                    split.param.data = fresh.view(split.param.shape) if split.axis == 1 else fresh.t()
+                    host.writeback = spare
+                if split.device is not None:
+                    columns_back.append((split.device, split.matrix(split.param)))
+            host.writeback_fresh = False
             moved += split.param.numel() * split.param.element_size()
+        scatter_columns(columns_back)
         self._stats.bytes_to_device += moved
         self._writeback_pending = False
         self._pending = None
@@ -837,8 +848,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     host.accum_count = int(entry["accum_count"])
                 if entry["accum"] is not None:
                     target.copy_(fit(entry["accum"]))
-                if host.writeback is not None:
+                if self._writeback_pending:
                     host.writeback.copy_(host.master)  # the pending write-back reads this buffer
+                    host.writeback_fresh = True
                 split.host = host
             if "device_master" in entry:
                 split.device = DeviceColumns.from_columns(

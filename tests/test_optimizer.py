@@ -430,13 +430,15 @@ def test_auto_interval_is_adaptive_and_bounded():
     opt.close()
 
 
-def test_host_memory_is_sixteen_bytes_per_offloaded_element():
+def test_host_memory_is_sixteen_bytes_per_offloaded_element_plus_the_write_back_buffer():
     lin = torch.nn.Linear(64, 32, bias=False)
     opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.25, update_interval=2)
     lin.weight.grad = torch.randn_like(lin.weight)
     opt.step()
     stats = opt.stats()
-    assert stats["host_state_bytes"] == 16 * lin.weight.numel()
+    # 16 B of AdamW state and window sum + the write-back buffer in the parameter dtype (on a CPU device, the
+    # weight's spare storage that the write-back swaps in)
+    assert stats["host_state_bytes"] == (16 + 4) * lin.weight.numel()
     # device: fp32 master, two moments and the gather buffer for 16 of 64 columns
     assert stats["device_state_bytes"] == 4 * 4 * 32 * 16
     opt.close()
@@ -482,4 +484,24 @@ def test_small_matrices_stay_on_the_device():
     train(model, opt, batches(2))
     split = {name for name, p in model.named_parameters() if p in opt._split}
     assert split == {"up.weight", "down.weight"}  # the 24x40 embedding (960 elements) is below the threshold
+    opt.close()
+
+
+def test_cpu_write_back_swaps_in_the_workers_buffer():
+    """On a CPU device the write-back gives the weight the worker's buffer as storage (no copy on the critical
+    path): same Parameter object, shape and strides, new storage, the host result plus the device columns, and
+    autograd keeps working across it (the worker writes the old storage next, which autograd must not see)."""
+    if DEVICE.type != "cpu":
+        pytest.skip("the swap is the CPU-device write-back")
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=False)
+    weight, stride = model.up.weight, model.up.weight.stride()
+    data = batches(6)
+    train(model, opt, data[:1], clip=1.0)
+    before = weight.data_ptr()
+    train(model, opt, data[1:2], clip=1.0)  # closes the window: host step, then the write-back
+    assert weight is model.up.weight and weight.data_ptr() != before and weight.stride() == stride
+    opt.synchronize()
+    torch.testing.assert_close(weight.detach(), opt.master_weight(weight), rtol=0, atol=0)
+    train(model, opt, data[2:], clip=1.0)  # forward/backward across further swaps
     opt.close()
