@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=100e6, help="approximate parameter count (default 1e8)")
     ap.add_argument("--steps", type=int, default=16, help="timed steps per optimizer (default 16)")
-    ap.add_argument("--warmup", type=int, default=4, help="untimed steps first (default 4)")
+    ap.add_argument("--warmup", type=int, default=8,
+                    help="untimed steps first (default 8: two windows, so first-touch page faults of the host "
+                         "buffers stay out of the timed steps)")
     ap.add_argument("--compute-ms", type=float, default=100.0,
                     help="emulated device forward/backward between steps, a sleep (default 100)")
     ap.add_argument("--topk-ratio", type=float, default=0.1)
