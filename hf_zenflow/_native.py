@@ -1,10 +1,11 @@
 """Optional C kernels for the device path when the device is the CPU (`csrc/zenflow_cpu.c`).
 
 On a CPU device the selected-column gather and scatter are strided sweeps over whole matrices (10% of the columns
-touch ~80% of the cache lines). The kernels fold them into the row sweeps that happen anyway (the gradient-norm pass,
-the write-back copy) and run them on the caller's intra-op thread count. Every result is exact (copies; bf16 rounds
-to nearest even as torch does), except the norms, which are summed in fp64 and serve the non-finite check and
-Zen-auto only (clipping always uses torch's own norms).
+touch ~80% of the cache lines). The kernels fold the gather into the gradient-norm pass that happens anyway, batch
+the scatter, read bf16 gradients directly in the host accumulation, and run on the caller's intra-op thread count.
+(With column-major weights, `hf_zenflow.layout`, columns are contiguous rows and torch moves them as fast.) Every
+result is exact (copies; bf16 rounds to nearest even as torch does), except the norms, which are summed in fp64
+and serve the non-finite check and Zen-auto only (clipping always uses torch's own norms).
 
 The source is compiled with the system C compiler on first use and cached under ``$HF_ZENFLOW_CACHE`` (default
 ``~/.cache/hf_zenflow``), keyed by source, flags and CPU. Without a compiler, or with ``HF_ZENFLOW_NATIVE=0``, the
@@ -28,7 +29,7 @@ import torch
 
 _SOURCE = Path(__file__).with_name("csrc") / "zenflow_cpu.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
-_NORM_GATHER, _SCATTER, _COPY_KEEP, _ACCUMULATE = 0, 1, 2, 3
+_NORM_GATHER, _SCATTER, _ACCUMULATE = 0, 1, 3
 _KINDS = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
@@ -170,11 +171,3 @@ def accumulate(accum: torch.Tensor, grad: torch.Tensor, coef: float | None, firs
     assert supports(grad)
     _run(_ACCUMULATE, [grad], [accum], [None], [None], want_sums=False,
          coef=1.0 if coef is None else float(coef), first=first)
-
-
-def copy_keep(params: list[torch.Tensor], hosts: list[torch.Tensor], sources: list[torch.Tensor | None],
-              index: list[torch.Tensor | None]) -> None:
-    """``param = host`` (rounded), then ``param[:, index] = source`` for each matrix, in one sweep."""
-    for p, h in zip(params, hosts):
-        assert h.dtype == torch.float32 and h.is_contiguous() and h.numel() == p.numel()
-    _run(_COPY_KEEP, params, list(sources), list(hosts), list(index), want_sums=False)

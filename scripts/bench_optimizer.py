@@ -61,9 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not wait (untimed) for the ZenFlow worker after each step")
     ap.add_argument("--floor", action="store_true",
                     help="also time the memory passes any column-split step must make on a CPU device with row-major "
-                         "weights (one read of "
-                         "every gradient, AdamW on the selected columns, writing them into the weights, the "
-                         "write-back per window) with the same kernels, and print their sum against sync offload")
+                         "weights (one read of every gradient, AdamW on the selected columns, writing them into the "
+                         "weights) with the same kernels, and print their sum against sync offload")
     args = ap.parse_args(argv)
 
     shapes = transformer_shapes(args.params)
@@ -155,7 +154,6 @@ def print_floor(shapes: list[tuple[int, ...]], grads: list[torch.Tensor], args: 
     mats = [(g, s) for g, s in zip(grads, shapes) if len(s) == 2]
     index = [torch.randperm(s[1], generator=gen)[: num_selected(args.topk_ratio, s[1])].sort().values for _, s in mats]
     params = [torch.randn(s, generator=gen) for _, s in mats]
-    hosts = [torch.randn(s, generator=gen) for _, s in mats]
     cols = [torch.randn(s[0], i.numel(), generator=gen) for (_, s), i in zip(mats, index)]
     state = [[torch.zeros_like(c) for c in cols] for _ in range(3)]
     steps = [torch.zeros(()) for _ in cols]
@@ -165,10 +163,8 @@ def print_floor(shapes: list[tuple[int, ...]], grads: list[torch.Tensor], args: 
                                                                                      [None] * len(grads)),
         "AdamW on the selected columns (contiguous [out, k])": lambda: fused_adamw_(
             state[0], cols, state[1], state[2], steps, hyper),
-        f"write the selected columns into the weights, {args.update_interval - 1} steps in {args.update_interval} "
-        "(the write-back rewrites them at the boundary)": lambda: _native.scatter(params, cols, index),
-        f"write-back of the host result, per step (1/{args.update_interval} of a copy)": lambda: _native.copy_keep(
-            params, hosts, cols, index),
+        "write the selected columns into the weights (every step: the write-back swaps in the worker's buffer, "
+        "then writes them)": lambda: _native.scatter(params, cols, index),
     }
     print("\nFloor on this CPU device with row-major weights: the passes a column-split step cannot avoid, timed "
           "alone (median of 7):")
@@ -183,10 +179,6 @@ def print_floor(shapes: list[tuple[int, ...]], grads: list[torch.Tensor], args: 
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
         ms = statistics.median(samples)
-        if name.startswith("write-back"):
-            ms /= args.update_interval
-        elif name.startswith("write the selected"):
-            ms *= (args.update_interval - 1) / args.update_interval
         total += ms
         print(f"| {name} | {ms:.1f} |")
     print(f"| **sum** | **{total:.1f}** |")

@@ -7,7 +7,6 @@
  *   - zf_norm_gather: sum of squares of the whole gradient row (the non-finite check and the norms) and the gather
  *     of its selected columns into a contiguous fp32 [rows, k] buffer;
  *   - zf_scatter: write the (rounded) fp32 master columns into the parameter;
- *   - zf_copy_keep: the host result into the parameter (row copy), then the device columns on top;
  *   - zf_accumulate: the host window sum, acc = g * coef (first step) or acc = fma(g, coef, acc), reading a bf16
  *     gradient directly (torch needs a conversion pass first); fma is what torch's vectorised add with alpha does.
  * Copies are exact; bf16 results round to nearest even exactly as torch does. Every call takes a batch of tensors
@@ -20,17 +19,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { ZF_NORM_GATHER = 0, ZF_SCATTER = 1, ZF_COPY_KEEP = 2, ZF_ACCUMULATE = 3 };
+enum { ZF_NORM_GATHER = 0, ZF_SCATTER = 1, ZF_ACCUMULATE = 3 };
 #define ZF_CHUNK_ELEMS 32768
 #define ZF_MAX_THREADS 64
 
 typedef struct {
   int kind;
   int64_t n;                 /* tensors in the batch */
-  void *const *big;          /* the [rows, cols] tensor: gradient (norm_gather) or parameter (scatter, copy_keep) */
+  void *const *big;          /* the [rows, cols] tensor: gradient (norm_gather, accumulate) or parameter (scatter) */
   const int32_t *big_bf16;   /* 1 when that tensor is bf16, 0 when fp32 */
   float *const *small;       /* the fp32 [rows, k] buffer: gather output, or the master columns to write */
-  const float *const *host;  /* copy_keep: the fp32 [rows, cols] host master */
+  const float *const *host;  /* unused (kept for the ABI of zf_run) */
   const int64_t *const *idx; /* sorted selected columns, k of them (may be NULL when k == 0) */
   const int64_t *rows, *cols, *k;
   int64_t *item_tensor, *item_row0, *item_row1;
@@ -93,19 +92,6 @@ static void row_scatter(const zf_job *job, int64_t t, int64_t r) {
   }
 }
 
-static void row_copy_keep(const zf_job *job, int64_t t, int64_t r) {
-  const int64_t cols = job->cols[t];
-  const float *host = job->host[t] + r * cols;
-  if (job->big_bf16[t]) {
-    uint16_t *row = (uint16_t *)job->big[t] + r * cols;
-#pragma omp simd
-    for (int64_t c = 0; c < cols; ++c) row[c] = f32_to_bf16(host[c]);
-  } else {
-    memcpy((float *)job->big[t] + r * cols, host, (size_t)cols * sizeof(float));
-  }
-  if (job->k[t] > 0) row_scatter(job, t, r);
-}
-
 static void row_accumulate(const zf_job *job, int64_t t, int64_t r) {
   const int64_t cols = job->cols[t];
   float *acc = job->small[t] + r * cols;
@@ -141,7 +127,6 @@ static void *worker(void *arg) {
     for (int64_t r = job->item_row0[i]; r < job->item_row1[i]; ++r) {
       if (job->kind == ZF_NORM_GATHER) s += row_norm_gather(job, t, r);
       else if (job->kind == ZF_SCATTER) row_scatter(job, t, r);
-      else if (job->kind == ZF_COPY_KEEP) row_copy_keep(job, t, r);
       else row_accumulate(job, t, r);
     }
     job->item_sum[i] = s;
