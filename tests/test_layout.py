@@ -172,3 +172,17 @@ def test_checkpoint_moves_between_layouts(save_column_major):
     opt_b.close()
     for p, q in zip(params_b, params):
         assert torch.equal(p, q)
+
+
+def test_exported_weights_are_row_major(tmp_path):
+    """The layout never leaks into exports (a DeepSpeed ZeRO-3 hazard): `save_pretrained` writes ordinary
+    tensors and loading gives a row-major model with the same values."""
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                 vocab_size=50))
+    assert "encoder.layer.0.attention.self.query.weight" in column_major_(model)
+    model.save_pretrained(tmp_path)
+    loaded = BertModel.from_pretrained(tmp_path)
+    query, loaded_query = (m.encoder.layer[0].attention.self.query.weight for m in (model, loaded))
+    assert torch.equal(query, loaded_query) and loaded_query.is_contiguous() and not query.is_contiguous()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from ..layout import column_major_
 from ..optimizer import ZenFlowAdamW
 from .model_card import format_bytes, render_zenflow_model_card
 from .training_args import SUPPORTED_OPTIMS, ZenFlowTrainingArguments
@@ -212,6 +213,13 @@ class ZenFlowTrainer(Trainer):
         return values
 
     def create_optimizer(self, model=None):
+        target = self.model if model is None else model
+        layout = getattr(self.args, "zenflow_layout", "row")
+        if getattr(self.args, "zenflow", False) and self.optimizer is None and (
+            layout == "column" or (layout == "auto" and next(target.parameters()).device.type == "cpu")
+        ):
+            # before the optimizer exists: its state is laid out like each weight when first created
+            column_major_(target)
         optimizer = super().create_optimizer(model)
         opt = unwrap_zenflow_optimizer(optimizer)
         # Fill the epoch length in unless the user's own optimizer (`optimizers=(ZenFlowAdamW(...), None)`) has one.

@@ -73,6 +73,10 @@ class ZenFlowTrainingArguments(TrainingArguments):
     zenflow_accumulate_on (`str`, *optional*, defaults to `"host"`):
         Where the unselected gradient is summed over a window: `"host"` (no device memory) or `"device"` (+4 bytes
         per offloaded parameter on the device; one transfer per window instead of one per step).
+    zenflow_layout (`str`, *optional*, defaults to `"auto"`):
+        Memory layout of the `nn.Linear` weights: `"column"` applies `hf_zenflow.column_major_` (DeepSpeed's
+        transposed layout: each input column contiguous, so the selected columns move as rows), `"row"` leaves the
+        model alone, `"auto"` = column when the model is on the CPU. Exported checkpoints stay ordinary row-major.
     zenflow_cpu_threads (`int` or `None`, *optional*, defaults to `None`):
         Threads of the host worker; `None` = half the cores in this process's CPU affinity. Independent of
         `OMP_NUM_THREADS` (which `accelerate launch` sets to 1).
@@ -155,6 +159,11 @@ class ZenFlowTrainingArguments(TrainingArguments):
         metadata={"help": 'Where the unselected gradient is summed over a window: "host" or "device" (+4 bytes per '
                   "offloaded parameter of device memory, one link transfer per window)."},
     )
+    zenflow_layout: str = field(
+        default="auto",
+        metadata={"help": 'Memory layout of the Linear weights: "column" (hf_zenflow.column_major_: each input column '
+                  'contiguous), "row" (unchanged) or "auto" (column when the model is on the CPU).'},
+    )
     zenflow_cpu_threads: int | None = field(
         default=None,
         metadata={
@@ -173,6 +182,9 @@ class ZenFlowTrainingArguments(TrainingArguments):
             self._check_conflicts_after_init()
         # Validate (and normalise: "4" -> 4, "AUTO" -> "auto") through ZenFlowConfig so that the rules live in one
         # place; its messages name `ZenFlowConfig.<field>`, which we rewrite into the command-line flag.
+        if self.zenflow_layout not in ("auto", "column", "row"):
+            raise ValueError(f"--zenflow_layout={self.zenflow_layout!r} is invalid: allowed are 'auto', 'column' and "
+                             "'row'.")
         config = self.zenflow_config()
         self.zenflow_update_interval = config.update_interval
         self.zenflow_host_lr_scale = config.host_lr_scale

@@ -277,3 +277,13 @@ def test_tags_added_to_model(tmp_path, train_dataset):
                              train_dataset=train_dataset)
     assert "hf_zenflow" in trainer.model.model_tags
     assert os.fspath(tmp_path / "o") == trainer.args.output_dir
+
+
+@pytest.mark.parametrize("layout", ["auto", "row"])
+def test_layout_of_linear_weights(tmp_path, train_dataset, layout):
+    """`--zenflow_layout auto` (the default) gives a model on the CPU column-major Linear weights before the
+    optimizer is built (every other test here trains that way); "row" leaves the model alone."""
+    zen = zenflow_run(tmp_path, train_dataset, name=layout, zenflow_layout=layout, max_steps=4)
+    q_proj = zen.model.model.layers[0].self_attn.q_proj.weight
+    assert q_proj.t().is_contiguous() == (layout == "auto") == (not q_proj.is_contiguous())
+    assert zen.model.model.embed_tokens.weight.is_contiguous()  # embeddings stay row-major

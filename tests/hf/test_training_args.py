@@ -88,17 +88,23 @@ def test_bad_select_strategy_is_rejected_by_argparse():
 def test_to_dict_and_json_round_trip():
     args = make(zenflow_topk_ratio=0.2, zenflow_update_interval="auto", zenflow_overlap_step=False,
                 zenflow_cpu_threads=3, zenflow_select_strategy="step", zenflow_select_interval="7",
-                zenflow_host_lr_scale="interval", zenflow_min_offload_numel=4096, zenflow_accumulate_on="device")
+                zenflow_host_lr_scale="interval", zenflow_min_offload_numel=4096, zenflow_accumulate_on="device",
+                zenflow_layout="row")
     as_dict = args.to_dict()
     assert {k: v for k, v in as_dict.items() if k.startswith("zenflow")} == {
         "zenflow": True, "zenflow_topk_ratio": 0.2, "zenflow_update_interval": "auto",
         "zenflow_select_strategy": "step", "zenflow_select_interval": 7, "zenflow_full_warm_up_rounds": 0,
         "zenflow_overlap_step": False, "zenflow_cpu_threads": 3, "zenflow_host_lr_scale": "interval",
-        "zenflow_min_offload_numel": 4096, "zenflow_accumulate_on": "device",
+        "zenflow_min_offload_numel": 4096, "zenflow_accumulate_on": "device", "zenflow_layout": "row",
     }
     restored = ZenFlowTrainingArguments(**{**json.loads(args.to_json_string()), "hub_token": None})
     assert restored.zenflow_config() == args.zenflow_config()
     assert restored.to_dict() == as_dict
+
+
+def test_layout_is_validated():
+    with pytest.raises(ValueError, match=r"--zenflow_layout='columns' is invalid: allowed are 'auto', 'column'"):
+        make(zenflow_layout="columns")
 
 
 def test_zenflow_config_overrides():
