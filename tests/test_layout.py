@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW, column_major_
-from tests.conftest import batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
+from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
 
 
 LR = 1e-2
@@ -39,7 +39,7 @@ def test_column_major_keeps_values_and_skips_tied_embeddings():
 def test_gradients_keep_the_parameter_layout():
     """What the optimizer relies on: autograd gives a column-major weight a column-major gradient."""
     model = column_major_model()
-    x, y = batches(1)[0]
+    x, y = (t.to(DEVICE) for t in batches(1)[0])
     torch.nn.functional.cross_entropy(model(x).view(-1, 24), y.view(-1)).backward()
     assert model.up.weight.grad.stride() == model.up.weight.stride()
 
