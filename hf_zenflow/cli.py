@@ -71,6 +71,9 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-threads", type=int, default=None, help="host-optimizer threads (default: the engine's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for forward/backward")
     p.add_argument("--device", default=d.device, help="'auto', 'cpu' or 'cuda[:N]'")
+    p.add_argument("--embedding-select", default=d.embedding_select, choices=["auto", "rows", "columns"],
+                   help="what ZenFlow selects in embedding tables: rows (tokens, their input channels; contiguous) or "
+                        "columns (hidden features, like any matrix); auto = rows on a CPU device, columns on CUDA")
     p.add_argument("--layout", default=d.layout, choices=["auto", "column", "row"],
                    help="weights of the offloading runs: column-major Linear weights (DeepSpeed's transposed layout, "
                         "each input column contiguous) or row-major; auto = column on a CPU device, row on CUDA")

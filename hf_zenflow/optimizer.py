@@ -63,12 +63,14 @@ def _close_all() -> None:  # the host threads are daemons; this just lets in-fli
 class _SplitParam:
     """One matrix: its device columns and its host state (either may be absent)."""
 
-    __slots__ = ("param", "axis", "k", "columns", "device", "host", "auto", "window_sum", "window_count",
+    __slots__ = ("param", "rows", "axis", "k", "columns", "device", "host", "auto", "window_sum", "window_count",
                  "window_sum_free")
 
-    def __init__(self, param: torch.Tensor, k: int) -> None:
+    def __init__(self, param: torch.Tensor, k: int, rows: bool = False) -> None:
         self.param = param
-        self.axis = selection_axis(param)
+        # rows: the param group's `select_rows` (an embedding table, whose input channels are its rows: tokens)
+        self.rows = rows
+        self.axis = 0 if rows else selection_axis(param)
         assert self.axis is not None
         self.columns = self.matrix(param).shape[self.axis]
         self.k = k
@@ -82,8 +84,13 @@ class _SplitParam:
         self.window_sum_free: Any = None
 
     def matrix(self, t: torch.Tensor) -> torch.Tensor:
-        """The parameter, or its gradient, as this matrix's contiguous `storage_matrix` (host state has its shape)."""
-        return storage_matrix(t, self.axis)
+        """The parameter, or its gradient, as this matrix's contiguous `storage_matrix` (host state has its shape):
+        dimension `axis` indexes the selectable units."""
+        return storage_matrix(t, 1) if self.rows else storage_matrix(t, self.axis)
+
+    def unmatrix(self, m: torch.Tensor) -> torch.Tensor:
+        """Inverse of `matrix`: a storage matrix viewed in the parameter's shape and layout."""
+        return m.view(self.param.shape) if self.rows or self.axis == 1 else m.t()
 
     def attach_host(self, accumulate_on: str) -> None:
         """Create the host state (and, accumulating on the device, the device-side window sum)."""
@@ -116,8 +123,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     Matrices (parameters with ``ndim >= 2``, viewed as ``[out, in]``) are split by input column, whether stored
     row-major or column-major (`column_major_`, where each input column is contiguous); 1-D parameters and other
-    layouts are updated entirely on the device. `step()` takes ownership of the gradients of
-    split matrices (it sets their ``.grad`` to None) so that the host worker can read them after `step()` returns.
+    layouts are updated entirely on the device. A param group with ``select_rows=True`` splits its matrices by row
+    instead: for an embedding table ``[vocab, hidden]`` the input channels are the rows (tokens), contiguous in
+    memory (``hf-zenflow compare`` uses it for the word embeddings on a CPU device). `step()` takes ownership of the
+    gradients of split matrices (it sets their ``.grad`` to None) so that the host worker can read them after
+    `step()` returns.
 
     Example:
         >>> import torch
@@ -174,6 +184,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # Public API
     # ------------------------------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group.get("select_rows", False), bool):
+            raise ValueError(f"ZenFlowAdamW param group select_rows={param_group['select_rows']!r} is invalid: "
+                             "allowed are True and False.")
         for key in ("lr", "betas", "eps", "weight_decay"):
             if key in param_group:
                 check_hyperparameters(
@@ -353,7 +366,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         full = split.host.master.clone() if split.host is not None else split.matrix(param).detach().float().cpu()
         if split.device is not None:
             full.index_copy_(split.axis, split.device.index.cpu(), split.device.master.cpu())
-        return full.view(param.shape) if split.axis == 1 else full.t()
+        return split.unmatrix(full)
 
     # ------------------------------------------------------------------------------------------------------------
     # Step internals
@@ -379,11 +392,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return self._schedule
 
     def _ensure_state(self, entries: list[tuple[dict, torch.Tensor]]) -> None:
-        for _, p in entries:
+        for group, p in entries:
             if p in self._split or p in self._dense:
                 continue
+            rows = bool(group.get("select_rows", False))
+            if rows and not p.is_contiguous():
+                raise ValueError(f"ZenFlowAdamW param group select_rows=True needs row-major (contiguous) parameters; "
+                                 f"got one of shape {tuple(p.shape)} with strides {p.stride()} (do not combine it "
+                                 "with column_major_ on the same weight).")
             if p.ndim >= 2 and selection_axis(p) is not None and p.numel() >= self.config.min_offload_numel:
-                split = _SplitParam(p, num_selected(self.config.topk_ratio, p.numel() // p.shape[0]))
+                units = p.shape[0] if rows else p.numel() // p.shape[0]
+                split = _SplitParam(p, num_selected(self.config.topk_ratio, units), rows=rows)
                 if split.offloaded or self._schedule.in_warm_up():
                     split.attach_host(self.config.accumulate_on)
                 self._split[p] = split
@@ -650,7 +669,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     # counter of the weight that autograd checks
                     spare = split.matrix(split.param.data)
                     fresh = host.writeback
-                    split.param.data = fresh.view(split.param.shape) if split.axis == 1 else fresh.t()
+                    split.param.data = split.unmatrix(fresh)
                     host.writeback = spare
                 if split.device is not None:
                     columns_back.append((split.device, split.matrix(split.param)))
@@ -760,7 +779,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             groups.append(packed)
         state: dict[int, dict[str, Any]] = {}
         for p, split in self._split.items():
-            entry: dict[str, Any] = {"kind": "split", "k": split.k, "auto": split.auto.to_list(), "axis": split.axis}
+            entry: dict[str, Any] = {"kind": "split", "k": split.k, "auto": split.auto.to_list(), "axis": split.axis,
+                                     "rows": split.rows}
             if split.device is not None:
                 d = split.device
                 entry.update(device_index=d.index, device_master=d.master, device_exp_avg=d.exp_avg,
@@ -827,10 +847,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     dense.master.copy_(entry["master"])
                 self._dense[p] = dense
                 continue
-            split = _SplitParam(p, int(entry["k"]))
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            split = _SplitParam(p, int(entry["k"]), rows=bool(group.get("select_rows", False)))
+            if bool(entry.get("rows", False)) != split.rows:
+                raise ValueError(
+                    f"ZenFlowAdamW.load_state_dict: parameter {int(index)} was saved with select_rows="
+                    f"{bool(entry.get('rows', False))} but its param group now has select_rows={split.rows}: the "
+                    "saved selection indexes different units (rows vs columns). Use the same setting to resume."
+                )
             split.auto = ZenAutoStats.from_list(entry["auto"])
             # saved from a parameter in the other layout (see `column_major_`): every matrix here is transposed
-            flip = int(entry.get("axis", 1)) != split.axis
+            flip = not split.rows and int(entry.get("axis", 1)) != split.axis
 
             def fit(t: torch.Tensor, flip: bool = flip) -> torch.Tensor:
                 return t.t() if flip and t.ndim == 2 else t

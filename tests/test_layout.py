@@ -186,3 +186,52 @@ def test_exported_weights_are_row_major(tmp_path):
     loaded = BertModel.from_pretrained(tmp_path)
     query, loaded_query = (m.encoder.layer[0].attention.self.query.weight for m in (model, loaded))
     assert torch.equal(query, loaded_query) and loaded_query.is_contiguous() and not query.is_contiguous()
+
+
+def embedding_row_groups(model: torch.nn.Module) -> list[dict]:
+    """`param_groups` with the embedding table in its own group that selects rows (tokens)."""
+    groups = param_groups(model)
+    embed = model.embed.weight
+    groups[0]["params"] = [p for p in groups[0]["params"] if p is not embed]
+    return groups + [{"params": [embed], "weight_decay": 0.1, "select_rows": True}]
+
+
+@pytest.mark.parametrize("topk_ratio", [0.1, 0.5])
+def test_embedding_rows_interval_one_is_adamw(topk_ratio):
+    """Selecting an embedding's rows is still AdamW when the split is invisible (U=1, sequential, re-selection)."""
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(embedding_row_groups(ref), lr=LR)
+    ref_losses = train(ref, ref_opt, batches(STEPS), linear_schedule(ref_opt, STEPS), clip=0.5)
+    model = make_model()
+    opt = ZenFlowAdamW(embedding_row_groups(model), lr=LR, topk_ratio=topk_ratio, update_interval=1,
+                       overlap_step=False, select_strategy="step", select_interval=3)
+    losses = train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=0.5)
+    split = opt._split[model.embed.weight]
+    assert split.rows and split.device.master.shape == (split.k, 40) and split.k == int(topk_ratio * 24)
+    opt.close()
+    assert max_rel_diff(model, ref) < 1e-5
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_embedding_rows_overlapped_equals_sequential_and_the_setting_is_checkpointed():
+    settings = dict(topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=7)
+    runs = []
+    for executor in ("thread", "inline"):
+        model = make_model()
+        opt = ZenFlowAdamW(embedding_row_groups(model), lr=LR, host_executor=executor, **settings)
+        runs.append((train(model, opt, batches(STEPS), clip=1.0), model, opt))
+        opt.flush()
+        opt.close()
+    assert runs[0][0] == runs[1][0]
+    for p, q in zip(runs[0][1].parameters(), runs[1][1].parameters()):
+        assert torch.equal(p, q)
+    # like every group hyper-parameter, the setting comes back from the checkpoint
+    saved = roundtrip(runs[0][2].state_dict())
+    groups = embedding_row_groups(make_model())
+    groups[-1]["select_rows"] = False
+    other = ZenFlowAdamW(groups, lr=LR, **settings)
+    other.load_state_dict(saved)
+    assert other.param_groups[-1]["select_rows"] is True
+    assert other._split[groups[-1]["params"][0]].rows
+    with pytest.raises(ValueError, match="select_rows='yes' is invalid"):
+        ZenFlowAdamW([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "select_rows": "yes"}])

@@ -111,6 +111,7 @@ class CompareConfig:
     threads: int | None = None  # torch intra-op threads for forward/backward (None = torch's default)
     device: str = "auto"
     layout: str = "auto"  # weights of the offloading runs: "column" (column_major_), "row"; auto = column on CPU
+    embedding_select: str = "auto"  # ZenFlow on embedding tables: "rows" (tokens), "columns"; auto = rows on CPU
     optimizers: tuple[str, ...] = OPTIMIZERS
     output_dir: str = "zenflow_compare"
     log_every: int = 10
@@ -129,6 +130,17 @@ class CompareConfig:
         if self.layout == "auto":
             return "column" if self.resolved_device().type == "cpu" else "row"
         return self.layout
+
+    def resolved_embedding_select(self) -> str:
+        """What ZenFlow selects in embedding tables: their rows (the tokens: an embedding's input channels,
+        contiguous) or, like any matrix, their columns (hidden features, strided in a row-major table). Rows on a
+        CPU device, where strided columns sweep the whole table."""
+        if self.embedding_select not in ("auto", "rows", "columns"):
+            raise ValueError(f"CompareConfig.embedding_select={self.embedding_select!r} is invalid: allowed are "
+                             "'auto', 'rows', 'columns'.")
+        if self.embedding_select == "auto":
+            return "rows" if self.resolved_device().type == "cpu" else "columns"
+        return self.embedding_select
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -174,6 +186,11 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
             steps_per_epoch=_steps_per_epoch(cfg), host_lr_scale=cfg.host_lr_scale,
             min_offload_numel=cfg.min_offload_numel,
         )
+        if cfg.resolved_embedding_select() == "rows":
+            tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+            rows = [p for p in groups[0]["params"] if id(p) in tables]
+            groups[0]["params"] = [p for p in groups[0]["params"] if id(p) not in tables]
+            groups.append({"params": rows, "weight_decay": cfg.weight_decay, "select_rows": True})
         return engine.ZenFlowAdamW(groups, config=zcfg, **common)
     raise ValueError(f"optimizer {name!r} is unknown: allowed are {OPTIMIZERS}.")
 
@@ -666,7 +683,7 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
           f"lr {cfg.lr}, seed {cfg.seed}; ZenFlow topk_ratio {cfg.topk_ratio}, update_interval {cfg.update_interval}, "
           f"overlap_step {cfg.overlap_step}, select_strategy {cfg.select_strategy}, select_interval "
           f"{cfg.select_interval}, full_warm_up_rounds {cfg.full_warm_up_rounds}; weights of the offloading runs "
-          f"{cfg.resolved_layout()}-major."), "",
+          f"{cfg.resolved_layout()}-major; ZenFlow selects embedding {cfg.resolved_embedding_select()}."), "",
           table, "", rtable, "",
           (f"Per-step means leave out the first {TIMING_SKIP} steps. adamw_torch is `torch.optim.AdamW(fused=True)`; "
           "its optimizer state is counted as device state. \"optimizer.step ms\" is measured by the runner around "
