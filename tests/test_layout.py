@@ -76,20 +76,29 @@ def test_column_major_sync_offload_is_adamw_and_keeps_the_layout_on_the_host():
     assert opt._host[model.up.weight].master.stride() == model.up.weight.stride()
 
 
-def test_column_major_overlapped_equals_sequential_bit_for_bit():
-    settings = dict(topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=7)
-    results = []
+OVERLAP_SETTINGS = dict(topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=7)
+
+
+def assert_overlapped_equals_sequential(make, groups) -> ZenFlowAdamW:
+    """Train `make()` with the threaded and the inline worker: losses and weights must agree bit for bit. Returns
+    the threaded run's optimizer (closed)."""
+    runs = []
     for executor in ("thread", "inline"):
-        model = column_major_model()
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, host_executor=executor, **settings)
+        model = make()
+        opt = ZenFlowAdamW(groups(model), lr=LR, host_executor=executor, **OVERLAP_SETTINGS)
         losses = train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=1.0)
         opt.flush()
         opt.close()
-        results.append((losses, model))
-    (losses_t, model_t), (losses_i, model_i) = results
+        runs.append((losses, model, opt))
+    (losses_t, model_t, opt_t), (losses_i, model_i, _) = runs
     assert losses_t == losses_i
     for p, q in zip(model_t.parameters(), model_i.parameters()):
         assert torch.equal(p, q)
+    return opt_t
+
+
+def test_column_major_overlapped_equals_sequential_bit_for_bit():
+    assert_overlapped_equals_sequential(column_major_model, param_groups)
 
 
 SHAPES = [(48, 40), (24, 64), (64,)]
@@ -214,22 +223,12 @@ def test_embedding_rows_interval_one_is_adamw(topk_ratio):
 
 
 def test_embedding_rows_overlapped_equals_sequential_and_the_setting_is_checkpointed():
-    settings = dict(topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=7)
-    runs = []
-    for executor in ("thread", "inline"):
-        model = make_model()
-        opt = ZenFlowAdamW(embedding_row_groups(model), lr=LR, host_executor=executor, **settings)
-        runs.append((train(model, opt, batches(STEPS), clip=1.0), model, opt))
-        opt.flush()
-        opt.close()
-    assert runs[0][0] == runs[1][0]
-    for p, q in zip(runs[0][1].parameters(), runs[1][1].parameters()):
-        assert torch.equal(p, q)
+    opt = assert_overlapped_equals_sequential(make_model, embedding_row_groups)
     # like every group hyper-parameter, the setting comes back from the checkpoint
-    saved = roundtrip(runs[0][2].state_dict())
+    saved = roundtrip(opt.state_dict())
     groups = embedding_row_groups(make_model())
     groups[-1]["select_rows"] = False
-    other = ZenFlowAdamW(groups, lr=LR, **settings)
+    other = ZenFlowAdamW(groups, lr=LR, **OVERLAP_SETTINGS)
     other.load_state_dict(saved)
     assert other.param_groups[-1]["select_rows"] is True
     assert other._split[groups[-1]["params"][0]].rows
