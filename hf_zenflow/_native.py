@@ -29,7 +29,7 @@ import torch
 
 _SOURCE = Path(__file__).with_name("csrc") / "zenflow_cpu.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
-_NORM_GATHER, _SCATTER, _ACCUMULATE, _GATHER_ROWS, _SCATTER_ROWS = 0, 1, 3, 4, 5
+_NORM_GATHER, _SCATTER, _ACCUMULATE = 0, 1, 3
 _KINDS = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
@@ -125,18 +125,16 @@ def _shape(t: torch.Tensor) -> tuple[int, int]:
 
 def _run(kind: int, big: list[torch.Tensor], small: list[torch.Tensor | None], host: list[torch.Tensor | None],
          index: list[torch.Tensor | None], want_sums: bool, coef: float = 1.0, first: bool = False,
-         by_rows: bool = False) -> list[float] | None:
-    """`by_rows`: the selected units are whole rows (the kernel iterates over the k selected rows)."""
+         ) -> list[float] | None:
     lib = library()
     assert lib is not None, "call library() first"
     n = len(big)
     rows, cols = zip(*(_shape(t) for t in big)) if n else ((), ())
     ks = [0 if i is None else i.numel() for i in index]
-    for t, s, i, k, r, c in zip(big, small, index, ks, rows, cols):
+    for t, s, i, k, r in zip(big, small, index, ks, rows):
         assert supports(t)
         if k:
-            assert s is not None and s.dtype == torch.float32 and s.is_contiguous()
-            assert s.numel() == (k * c if by_rows else r * k)
+            assert s is not None and s.dtype == torch.float32 and s.is_contiguous() and s.numel() == r * k
             assert i is not None and i.dtype == torch.int64 and i.is_contiguous() and i.device.type == "cpu"
     sums = (ctypes.c_double * max(1, n))() if want_sums else None
     rc = lib.zf_run(
@@ -146,8 +144,7 @@ def _run(kind: int, big: list[torch.Tensor], small: list[torch.Tensor | None], h
         _array(ctypes.c_void_p, [0 if s is None else s.data_ptr() for s in small]),
         _array(ctypes.c_void_p, [0 if h is None else h.data_ptr() for h in host]),
         _array(ctypes.c_void_p, [0 if i is None else i.data_ptr() for i in index]),
-        _array(ctypes.c_int64, ks if by_rows else list(rows)), _array(ctypes.c_int64, list(cols)),
-        _array(ctypes.c_int64, ks),
+        _array(ctypes.c_int64, list(rows)), _array(ctypes.c_int64, list(cols)), _array(ctypes.c_int64, ks),
         torch.get_num_threads(), sums, coef, int(first),
     )
     if rc != 0:
@@ -165,16 +162,6 @@ def norms_and_gather(grads: list[torch.Tensor], outs: list[torch.Tensor | None],
 def scatter(params: list[torch.Tensor], sources: list[torch.Tensor], index: list[torch.Tensor]) -> None:
     """``param[:, index] = source`` (rounded to the parameter dtype) for each matrix."""
     _run(_SCATTER, params, list(sources), [None] * len(params), list(index), want_sums=False)
-
-
-def gather_rows(mats: list[torch.Tensor], outs: list[torch.Tensor], index: list[torch.Tensor]) -> None:
-    """``out = mat[index]`` (fp32 [k, cols]) for each matrix whose selected units are rows."""
-    _run(_GATHER_ROWS, mats, list(outs), [None] * len(mats), list(index), want_sums=False, by_rows=True)
-
-
-def scatter_rows(mats: list[torch.Tensor], sources: list[torch.Tensor], index: list[torch.Tensor]) -> None:
-    """``mat[index] = source`` (rounded to the matrix dtype) for each matrix whose selected units are rows."""
-    _run(_SCATTER_ROWS, mats, list(sources), [None] * len(mats), list(index), want_sums=False, by_rows=True)
 
 
 def accumulate(accum: torch.Tensor, grad: torch.Tensor, coef: float | None, first: bool) -> None:

@@ -93,35 +93,30 @@ class DenseDeviceState:
         return sum(t.numel() * t.element_size() for t in own)
 
 
-def _native_split(items: list[tuple[DeviceColumns, torch.Tensor]]) -> tuple[list, list, list]:
-    """(strided-column items, whole-row items, the rest): the first two go to the CPU kernels, which are built only
-    when a CPU tensor needs them."""
-    native = [(c, t) for c, t in items if _native.supports(t)]
+def _native_split(items: list[tuple[DeviceColumns, torch.Tensor]]) -> tuple[list, list]:
+    """(items the CPU kernels take, the rest). The kernels are built only when a CPU tensor needs them. They
+    handle the strided columns of row-major matrices; a column-major matrix's columns are contiguous rows, which
+    torch's own row gather/scatter moves as fast."""
+    native = [(c, t) for c, t in items if c.axis == 1 and _native.supports(t)]
     if native and _native.library() is None:
-        return [], [], items
-    return ([(c, t) for c, t in native if c.axis == 1], [(c, t) for c, t in native if c.axis == 0],
-            [(c, t) for c, t in items if not _native.supports(t)])
+        return [], items
+    return native, [(c, t) for c, t in items if not (c.axis == 1 and _native.supports(t))]
 
 
 def gather_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
-    """Gather the selected units of each (columns, gradient `storage_matrix`) pair into `columns.grad`."""
-    strided, rows, rest = _native_split(items)
-    if strided:
-        _native.norms_and_gather([g for _, g in strided], [c.grad for c, _ in strided],
-                                 [c.index for c, _ in strided])
-    if rows:
-        _native.gather_rows([g for _, g in rows], [c.grad for c, _ in rows], [c.index for c, _ in rows])
+    """Gather the selected gradient columns of each (columns, gradient [out, in]) pair into `columns.grad`."""
+    native, rest = _native_split(items)
+    if native:
+        _native.norms_and_gather([g for _, g in native], [c.grad for c, _ in native], [c.index for c, _ in native])
     for cols, g in rest:
         cols.gather_grad(g)
 
 
 def scatter_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
-    """Write each matrix's (rounded) master units into its parameter's `storage_matrix`."""
-    strided, rows, rest = _native_split(items)
-    if strided:
-        _native.scatter([p for _, p in strided], [c.master for c, _ in strided], [c.index for c, _ in strided])
-    if rows:
-        _native.scatter_rows([p for _, p in rows], [c.master for c, _ in rows], [c.index for c, _ in rows])
+    """Write each matrix's (rounded) master columns into its parameter [out, in]."""
+    native, rest = _native_split(items)
+    if native:
+        _native.scatter([p for _, p in native], [c.master for c, _ in native], [c.index for c, _ in native])
     for cols, p in rest:
         cols.scatter_into(p)
 

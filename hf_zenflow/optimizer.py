@@ -444,14 +444,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 norms[i] = torch.tensor(math.sqrt(total), dtype=torch.float32)
                 if split is not None:
                     gathered.add(entries[i][1])
-        rows: list[tuple[DeviceColumns, torch.Tensor]] = []
         for i, split in want:
             if norms[i] is None:
                 norms[i] = l2_norm(grads[i])
             if split is not None and entries[i][1] not in gathered:
-                rows.append((split.device, split.matrix(grads[i])))  # whole rows (or no kernels): contiguous copies
+                split.device.gather_grad(split.matrix(grads[i]))  # a column-major matrix: contiguous rows
                 gathered.add(entries[i][1])
-        gather_columns(rows)
         return norms  # type: ignore[return-value]
 
     def _boundary_writes_back(self) -> bool:

@@ -127,19 +127,3 @@ def test_accumulate_matches_torch(monkeypatch, dtype, coef):
             accumulate_into(accum, g, coef, first=i == 0)
         results.append(accum)
     assert torch.equal(results[0], results[1])
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_gather_and_scatter_match_torch(dtype):
-    """The whole-row moves (column-major weights, embedding rows): exact copies, bf16 rounded as torch rounds."""
-    mat = (torch.randn(300, 37) * 1.0001).to(dtype)
-    index = torch.randperm(300)[:31].sort().values
-    out = torch.empty(31, 37)
-    _native.gather_rows([mat], [out], [index])
-    assert torch.equal(out, mat[index].float())
-    source = torch.randn(31, 37) * 1.0001  # values between bf16 neighbours: exercises the rounding
-    expected = mat.clone()
-    expected[index] = source.to(dtype)
-    _native.scatter_rows([mat], [source], [index])
-    assert torch.equal(mat, expected)

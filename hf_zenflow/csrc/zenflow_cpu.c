@@ -7,8 +7,6 @@
  *   - zf_norm_gather: sum of squares of the whole gradient row (the non-finite check and the norms) and the gather
  *     of its selected columns into a contiguous fp32 [rows, k] buffer;
  *   - zf_scatter: write the (rounded) fp32 master columns into the parameter;
- *   - zf_gather_rows / zf_scatter_rows: the same moves for a matrix whose selected units are whole rows (a
- *     column-major weight's input columns, an embedding table's tokens): one contiguous copy per selected row;
  *   - zf_accumulate: the host window sum, acc = g * coef (first step) or acc = fma(g, coef, acc), reading a bf16
  *     gradient directly (torch needs a conversion pass first); fma is what torch's vectorised add with alpha does.
  * Copies are exact; bf16 results round to nearest even exactly as torch does. Every call takes a batch of tensors
@@ -21,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { ZF_NORM_GATHER = 0, ZF_SCATTER = 1, ZF_ACCUMULATE = 3, ZF_GATHER_ROWS = 4, ZF_SCATTER_ROWS = 5 };
+enum { ZF_NORM_GATHER = 0, ZF_SCATTER = 1, ZF_ACCUMULATE = 3 };
 #define ZF_CHUNK_ELEMS 32768
 #define ZF_MAX_THREADS 64
 
@@ -119,26 +117,6 @@ static void row_accumulate(const zf_job *job, int64_t t, int64_t r) {
   }
 }
 
-/* Row kinds: `r` runs over the k selected rows; big is [*, cols], small is [k, cols]. */
-static void row_move(const zf_job *job, int64_t t, int64_t r) {
-  const int64_t cols = job->cols[t], dst_row = job->idx[t][r];
-  float *buf = job->small[t] + r * cols;
-  if (job->big_bf16[t]) {
-    uint16_t *row = (uint16_t *)job->big[t] + dst_row * cols;
-    if (job->kind == ZF_GATHER_ROWS) {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) buf[c] = bf16_to_f32(row[c]);
-    } else {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) row[c] = f32_to_bf16(buf[c]);
-    }
-  } else {
-    float *row = (float *)job->big[t] + dst_row * cols;
-    if (job->kind == ZF_GATHER_ROWS) memcpy(buf, row, (size_t)cols * sizeof(float));
-    else memcpy(row, buf, (size_t)cols * sizeof(float));
-  }
-}
-
 static void *worker(void *arg) {
   zf_job *job = (zf_job *)arg;
   for (;;) {
@@ -149,7 +127,6 @@ static void *worker(void *arg) {
     for (int64_t r = job->item_row0[i]; r < job->item_row1[i]; ++r) {
       if (job->kind == ZF_NORM_GATHER) s += row_norm_gather(job, t, r);
       else if (job->kind == ZF_SCATTER) row_scatter(job, t, r);
-      else if (job->kind == ZF_GATHER_ROWS || job->kind == ZF_SCATTER_ROWS) row_move(job, t, r);
       else row_accumulate(job, t, r);
     }
     job->item_sum[i] = s;
