@@ -104,7 +104,7 @@ def _native_split(items: list[tuple[DeviceColumns, torch.Tensor]]) -> tuple[list
 
 
 def gather_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
-    """Gather the selected gradient columns of each (columns, gradient [out, in]) pair into `columns.grad`."""
+    """Gather the selected units of each (columns, gradient `storage_matrix`) pair into `columns.grad`."""
     native, rest = _native_split(items)
     if native:
         _native.norms_and_gather([g for _, g in native], [c.grad for c, _ in native], [c.index for c, _ in native])
@@ -113,7 +113,7 @@ def gather_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
 
 
 def scatter_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
-    """Write each matrix's (rounded) master columns into its parameter [out, in]."""
+    """Write each matrix's (rounded) master units into its parameter's `storage_matrix`."""
     native, rest = _native_split(items)
     if native:
         _native.scatter([p for _, p in native], [c.master for c, _ in native], [c.index for c, _ in native])
