@@ -111,7 +111,8 @@ class HostMatrix:
         )
         if pin and not on_device:
             state.staging = [host_empty(param2d.shape, grad_dtype, True) for _ in range(GRAD_SLOTS)]
-        state.writeback = host_empty(param2d.shape, param2d.dtype, pin)
+        # initialised: a matrix that gets no gradient in a window is written back from it unchanged (CUDA copy)
+        state.writeback = host_empty(param2d.shape, param2d.dtype, pin).copy_(param2d.detach())
         return state
 
     def accumulate(self, grad2d: torch.Tensor, coef: float | None) -> None:

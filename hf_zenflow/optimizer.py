@@ -875,9 +875,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     host.accum_count = int(entry["accum_count"])
                 if entry["accum"] is not None:
                     target.copy_(fit(entry["accum"]))
-                if self._writeback_pending:
-                    host.writeback.copy_(host.master)  # the pending write-back reads this buffer
-                    host.writeback_fresh = True
+                host.writeback.copy_(host.master)  # a pending write-back reads this buffer
+                host.writeback_fresh = self._writeback_pending
                 split.host = host
             if "device_master" in entry:
                 split.device = DeviceColumns.from_columns(
