@@ -6,12 +6,14 @@ spare storage of the weight, swapped in at each write-back instead of a copy) an
 gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``). One moment set
 (DeepSpeed keeps two, zenflow.md §3.12).
 
-The host state keeps the parameter's own row-major [out, in] layout. Every step the whole gradient is added into
-the accumulator (a contiguous streaming add on the worker; with ``accumulate_on="device"`` the device sums the window
-and it lands here once) and every window the host AdamW updates the whole matrix
-with one fused call; the columns currently on the device are carried along and simply ignored (their host values
-are refreshed from the device at re-selection). That keeps every per-step and per-window host operation contiguous;
-the only strided column moves are the selected columns (device side, every step) and the migration at re-selection.
+The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
+[in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
+step the whole gradient is added into the accumulator (a contiguous streaming add on the worker; with
+``accumulate_on="device"`` the device sums the window and it lands here once) and every window the host AdamW
+updates the whole matrix with one fused call; the columns currently on the device are carried along and simply
+ignored (their host values are refreshed from the device at re-selection). That keeps every per-step and per-window
+host operation contiguous; the only column moves are the selected columns (device side, every step) and the
+migration at re-selection, strided for row-major weights and whole rows for column-major ones.
 """
 
 from __future__ import annotations

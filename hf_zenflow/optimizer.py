@@ -448,7 +448,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if norms[i] is None:
                 norms[i] = l2_norm(grads[i])
             if split is not None and entries[i][1] not in gathered:
-                split.device.gather_grad(split.matrix(grads[i]))  # a column-major matrix: contiguous rows
+                # whole rows (column-major weights, `select_rows`), or no kernels: torch's own gather
+                split.device.gather_grad(split.matrix(grads[i]))
                 gathered.add(entries[i][1])
         return norms  # type: ignore[return-value]
 

@@ -58,7 +58,10 @@ def column_scores(matrix: torch.Tensor, axis: int = 1) -> torch.Tensor:
     for start in range(0, matrix.shape[0], rows):
         chunk = matrix[start:start + rows]
         squares = scratch[: chunk.numel()].view(chunk.shape)
-        torch.mul(chunk, chunk, out=squares) if chunk.dtype == torch.float32 else squares.copy_(chunk).square_()
+        if chunk.dtype == torch.float32:
+            torch.mul(chunk, chunk, out=squares)
+        else:
+            squares.copy_(chunk).square_()
         if axis == 1:
             scores.add_(squares.sum(0))
         else:
