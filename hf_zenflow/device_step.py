@@ -119,11 +119,3 @@ def scatter_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
         _native.scatter([p for _, p in native], [c.master for c, _ in native], [c.index for c, _ in native])
     for cols, p in rest:
         cols.scatter_into(p)
-
-
-def scaled_fp32(grad: torch.Tensor, coef: float | None) -> torch.Tensor:
-    """The gradient as fp32, times the clip coefficient, never modifying the caller's tensor."""
-    g = grad if grad.dtype == torch.float32 else grad.float()
-    if coef is None:
-        return g
-    return g * coef

@@ -37,7 +37,7 @@ from ._base import (
     l2_norm,
 )
 from .config import ZenFlowConfig
-from .device_step import DenseDeviceState, DeviceColumns, gather_columns, scaled_fp32, scatter_columns
+from .device_step import DenseDeviceState, DeviceColumns, gather_columns, scatter_columns
 from .host import HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
 from .selection import (
     WindowSchedule,
@@ -275,8 +275,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     self._reselect(entries, grads)
                 else:
                     self._select_new_matrices(entries, grads)
+            rewritten = self._boundary_writes_back()
             with timer.phase("device_update"):
-                self._device_update(entries, grads, coef, gathered, rewritten=self._boundary_writes_back())
+                self._device_update(entries, grads, coef, gathered, rewritten=rewritten)
+            if rewritten and self.config.overlap_step:
+                # The previous window's result goes into the weights before this step's gradients are handed to
+                # the worker: the write-back does not depend on them, and this way its scatter does not compete
+                # with the worker's accumulation for cores and memory bandwidth (`_close_window` then finds no
+                # write-back pending).
+                self._apply_previous_window(timer)
             with timer.phase("handoff"):
                 self._hand_off(entries, grads, coef)
             schedule.window_steps += 1
@@ -473,22 +480,38 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         batches: dict[tuple[int, torch.device], tuple[dict, list[list[torch.Tensor]]]] = {}
         scatters: list[tuple[DeviceColumns, torch.Tensor]] = []
         dense_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        gather_columns([(self._split[p].device, self._split[p].matrix(g)) for (_, p), g in zip(entries, grads)
-                        if p in self._split and self._split[p].device is not None and p not in gathered])
+        to_gather: list[tuple[DeviceColumns, torch.Tensor]] = []
+        updates: list[tuple[dict, torch.Tensor, _SplitParam | None, torch.Tensor]] = []
         for (group, p), g in zip(entries, grads):
-            lists = batches.setdefault((id(group), p.device), (group, [[], [], [], [], []]))[1]
-            if p in self._split:
-                cols = self._split[p].device
-                if cols is None:
+            split = self._split.get(p)
+            if split is not None:
+                if split.device is None:
                     continue
-                if coef is not None:
-                    cols.grad.mul_(coef)
+                if p not in gathered:
+                    to_gather.append((split.device, split.matrix(g)))
+            updates.append((group, p, split, g))
+        gather_columns(to_gather)
+        dense = [(p, self._dense[p], g if g.dtype == torch.float32 else g.float())
+                 for _, p, split, g in updates if split is None]
+        dense_grads = [g for _, _, g in dense]
+        if coef is not None:
+            # one batched multiply per kind: the selected columns' own buffers in place; the dense parameters'
+            # gradients into new tensors (the caller's gradients are never modified)
+            selected = [split.device.grad for _, _, split, _ in updates if split is not None]
+            if selected:
+                torch._foreach_mul_(selected, coef)
+            dense_grads = torch._foreach_mul(dense_grads, coef) if dense_grads else []
+        dense_grad = {id(p): g for (p, _, _), g in zip(dense, dense_grads)}
+        for group, p, split, _ in updates:
+            lists = batches.setdefault((id(group), p.device), (group, [[], [], [], [], []]))[1]
+            if split is not None:
+                cols = split.device
                 tensors = (cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.step)
-                if not (rewritten and self._split[p].host is not None):
-                    scatters.append((cols, self._split[p].matrix(p)))
+                if not (rewritten and split.host is not None):
+                    scatters.append((cols, split.matrix(p)))
             else:
                 state = self._dense[p]
-                tensors = (state.master, scaled_fp32(g, coef), state.exp_avg, state.exp_avg_sq, state.step)
+                tensors = (state.master, dense_grad[id(p)], state.exp_avg, state.exp_avg_sq, state.step)
                 if state.master is not p.data:
                     dense_copies.append((p, state.master))
             for bucket, t in zip(lists, tensors):
@@ -608,13 +631,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         worker = self._worker
         if not work:
             return  # every column lives on the device: no host step, nothing stale
-        if not sequential and self._writeback_pending:
-            with timer.phase("wait"):
-                # Sync point: the previous window's host step must be done before its result is written back.
-                if self._pending is not None:
-                    worker.wait(self._pending)
-            with timer.phase("writeback"):
-                self._write_back()
+        if not sequential:
+            self._apply_previous_window(timer)
         landed = None
         if self.config.accumulate_on == "device":
             with timer.phase("handoff"):
@@ -638,6 +656,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 worker.wait(future)
             with timer.phase("writeback"):
                 self._write_back()
+
+    def _apply_previous_window(self, timer: StepTimer) -> None:
+        """Overlapped schedule: write the previous window's host result back, if one is pending."""
+        if not self._writeback_pending:
+            return
+        with timer.phase("wait"):
+            # Sync point: the previous window's host step must be done before its result is written back.
+            if self._pending is not None:
+                self._worker.wait(self._pending)
+        with timer.phase("writeback"):
+            self._write_back()
 
     def _write_back(self) -> None:
         """Put the host result into the device weights, then the device columns back on top.
