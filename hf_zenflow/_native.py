@@ -123,7 +123,7 @@ def _shape(t: torch.Tensor) -> tuple[int, int]:
     return (t.shape[0], t.numel() // t.shape[0]) if t.ndim >= 2 and t.shape[0] > 0 else (1, t.numel())
 
 
-def _run(kind: int, big: list[torch.Tensor], small: list[torch.Tensor | None], host: list[torch.Tensor | None],
+def _run(kind: int, big: list[torch.Tensor], small: list[torch.Tensor | None], row_sums: list[torch.Tensor | None],
          index: list[torch.Tensor | None], want_sums: bool, coef: float = 1.0, first: bool = False,
          ) -> list[float] | None:
     lib = library()
@@ -142,7 +142,7 @@ def _run(kind: int, big: list[torch.Tensor], small: list[torch.Tensor | None], h
         _array(ctypes.c_void_p, [t.data_ptr() for t in big]),
         _array(ctypes.c_int32, [int(t.dtype == torch.bfloat16) for t in big]),
         _array(ctypes.c_void_p, [0 if s is None else s.data_ptr() for s in small]),
-        _array(ctypes.c_void_p, [0 if h is None else h.data_ptr() for h in host]),
+        _array(ctypes.c_void_p, [0 if h is None else h.data_ptr() for h in row_sums]),
         _array(ctypes.c_void_p, [0 if i is None else i.data_ptr() for i in index]),
         _array(ctypes.c_int64, list(rows)), _array(ctypes.c_int64, list(cols)), _array(ctypes.c_int64, ks),
         torch.get_num_threads(), sums, coef, int(first),
@@ -159,15 +159,25 @@ def norms_and_gather(grads: list[torch.Tensor], outs: list[torch.Tensor | None],
     return _run(_NORM_GATHER, grads, outs, [None] * len(grads), index, want_sums=True)  # type: ignore[return-value]
 
 
+def row_scores(mats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each row's sum of squares (summed in fp64, returned as fp32 [rows]): the selection scores of matrices whose
+    selectable units are rows, for a whole batch in one threaded pass."""
+    scores = [torch.empty(_shape(m)[0], dtype=torch.float32) for m in mats]
+    _run(_NORM_GATHER, mats, [None] * len(mats), list(scores), [None] * len(mats), want_sums=True)
+    return scores
+
+
 def scatter(params: list[torch.Tensor], sources: list[torch.Tensor], index: list[torch.Tensor]) -> None:
     """``param[:, index] = source`` (rounded to the parameter dtype) for each matrix."""
     _run(_SCATTER, params, list(sources), [None] * len(params), list(index), want_sums=False)
 
 
-def accumulate(accum: torch.Tensor, grad: torch.Tensor, coef: float | None, first: bool) -> None:
-    """``accum = grad * coef`` (first step of a window) or ``accum += grad * coef`` (fma, as torch's vectorised
-    ``add_(grad, alpha=coef)``), fp32 `accum`, fp32 or bf16 `grad` read directly."""
-    assert accum.dtype == torch.float32 and accum.is_contiguous() and accum.shape == grad.shape
-    assert supports(grad)
-    _run(_ACCUMULATE, [grad], [accum], [None], [None], want_sums=False,
+def accumulate(accums: list[torch.Tensor], grads: list[torch.Tensor], coef: float | None, first: bool) -> None:
+    """For each pair: ``accum = grad * coef`` (first step of a window) or ``accum += grad * coef`` (fma, as torch's
+    vectorised ``add_(grad, alpha=coef)``), fp32 `accum`, fp32 or bf16 `grad` read directly. One call for the batch:
+    ctypes releases the GIL for all of it."""
+    for accum, grad in zip(accums, grads):
+        assert accum.dtype == torch.float32 and accum.is_contiguous() and accum.shape == grad.shape
+        assert supports(grad)
+    _run(_ACCUMULATE, list(grads), list(accums), [None] * len(grads), [None] * len(grads), want_sums=False,
          coef=1.0 if coef is None else float(coef), first=first)

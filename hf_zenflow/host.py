@@ -19,6 +19,7 @@ migration at re-selection, strided for row-major weights and whole rows for colu
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,37 @@ GRAD_SLOTS = 2
 #: How often a waiting caller wakes to check that the worker thread is still alive.
 _POLL_S = 0.5
 
+#: The interpreter's GIL switch interval while a background worker runs (Python's default is 5 ms). The worker is a
+#: Python thread: between its kernels it holds the GIL for short stretches, and the training thread, which needs the
+#: GIL back after every torch operation, can otherwise wait up to a full default interval for it (measured in
+#: `hf-zenflow compare` on a CPU device: up to ~5 ms lost per step() at the end of a step, gone at 0.2-0.5 ms).
+#: Set while at least one background worker is alive, and restored when the last one closes, unless the program
+#: changed it meanwhile.
+WORKER_SWITCH_INTERVAL_S = 0.0005
+
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_saved: float | None = None
+
+
+def _worker_started() -> None:
+    global _switch_users, _switch_saved
+    with _switch_lock:
+        _switch_users += 1
+        if _switch_users == 1 and sys.getswitchinterval() > WORKER_SWITCH_INTERVAL_S:
+            _switch_saved = sys.getswitchinterval()
+            sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
+
+
+def _worker_stopped() -> None:
+    global _switch_users, _switch_saved
+    with _switch_lock:
+        _switch_users -= 1
+        if _switch_users == 0 and _switch_saved is not None:
+            if abs(sys.getswitchinterval() - WORKER_SWITCH_INTERVAL_S) < 1e-9:
+                sys.setswitchinterval(_switch_saved)
+            _switch_saved = None
+
 _scratch = threading.local()
 
 
@@ -61,7 +93,7 @@ def accumulate_into(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | Non
     the same bits."""
     if _native.supports(grad2d) and accum.device.type == "cpu" and _native.library() is not None:
         # one pass that reads a bf16 gradient directly (torch needs a conversion pass first); same arithmetic
-        _native.accumulate(accum, grad2d, coef, first)
+        _native.accumulate([accum], [grad2d], coef, first)
         return
     if first:
         accum.copy_(grad2d)
@@ -121,6 +153,24 @@ class HostMatrix:
         """Fold one step's gradient (times the clip coefficient) into the window sum, in fp32."""
         accumulate_into(self.accum, grad2d, coef, first=self.accum_count == 0)
         self.accum_count += 1
+
+    @staticmethod
+    def accumulate_all(pairs: list[tuple[HostMatrix, torch.Tensor]], coef: float | None) -> None:
+        """`accumulate` for one step's batch of (matrix, gradient) pairs. CPU tensors go through the kernels in one
+        call per window position (first step or not): the worker thread then holds the GIL only briefly, where a
+        Python loop over the matrices would keep delaying the training thread, which needs the GIL back after
+        every torch operation."""
+        native: dict[bool, list[tuple[HostMatrix, torch.Tensor]]] = {True: [], False: []}
+        for host, g2d in pairs:
+            if _native.supports(g2d) and host.accum.device.type == "cpu" and _native.library() is not None:
+                native[host.accum_count == 0].append((host, g2d))
+            else:
+                host.accumulate(g2d, coef)
+        for first, batch in native.items():
+            if batch:
+                _native.accumulate([h.accum for h, _ in batch], [g for _, g in batch], coef, first)
+                for host, _ in batch:
+                    host.accum_count += 1
 
     def nbytes(self) -> int:
         tensors = [self.master, self.exp_avg, self.exp_avg_sq, self.accum, *self.staging]
@@ -182,6 +232,7 @@ class HostAdamWorker:
             # A daemon thread: an interpreter that exits (Ctrl-C included) is never held up by a host step.
             self._thread = threading.Thread(target=self._run, name="hf_zenflow-host", daemon=True)
             self._thread.start()
+            _worker_started()
 
     # -- worker side -------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -262,7 +313,9 @@ class HostAdamWorker:
         self._slots.put(slot)
 
     def close(self, timeout: float = 10.0) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join(timeout)
+        if self._thread is not None:
+            if self._thread.is_alive():
+                self._jobs.put(None)
+                self._thread.join(timeout)
+            _worker_stopped()
         self._thread = None

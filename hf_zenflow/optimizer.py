@@ -526,6 +526,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
     ) -> None:
         """Give this step's gradients of the offloaded matrices to the host worker, which adds them to the window.
+        Consumes `grads`: the list is emptied (nothing after the hand-off reads it).
 
         On CUDA the device->host copy is enqueued on a side stream into pinned memory and the worker waits for it;
         on a CPU device the worker reads the gradient tensors themselves. Either way the caller does not wait,
@@ -555,18 +556,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             sources = [(split.host, split.host.staging[slot]) for split, _ in work]
         else:
             sources = [(split.host, split.matrix(g)) for split, g in work]
-        for split, _ in work:
+        for split in [split for split, _ in work]:
             split.param.grad = None  # the worker owns this gradient now
         self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in work)
+        # No reference to the handed-off gradients stays on this thread (the caller's list included): the worker
+        # drops the last ones, so on a CPU device their memory (~a weight's worth) is returned there, off the
+        # critical path, instead of when the caller's step() returns.
+        work.clear()
+        grads.clear()
 
         def accumulate() -> None:
             try:
                 if event is not None:
                     event.synchronize()  # Sync point (worker waits on the device): the gradient has landed on the host
-                for host, g2d in sources:
-                    host.accumulate(g2d, coef)
+                HostMatrix.accumulate_all(sources, coef)
             finally:
                 worker.release_slot(slot)
+                sources.clear()
 
         worker.submit("accumulate", accumulate)
 
@@ -740,10 +746,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if schedule.window_steps > 0:
             self._close_window(StepTimer(), sequential=True)
         self._drain_and_apply()
-        for (_, p), g in zip(entries, grads):
-            if p in self._split:
-                self._select(self._split[p], g)
+        pairs = [(self._split[p], g) for (_, p), g in zip(entries, grads) if p in self._split]
+        scores = self._row_scores([(split, split.matrix(g)) for split, g in pairs if split.offloaded])
+        for split, g in pairs:
+            self._select(split, g, scores.get(id(split)))
         schedule.reselections += 1
+
+    @staticmethod
+    def _row_scores(items: list[tuple[_SplitParam, torch.Tensor]]) -> dict[int, torch.Tensor]:
+        """Selection scores of the matrices whose selectable units are contiguous rows (column-major weights,
+        `select_rows`), on a CPU device: one threaded kernel pass over all of them instead of a chunked torch sweep
+        per matrix. Others are left to `column_scores` in `_select`."""
+        rows = [(split, m) for split, m in items if split.axis == 0 and _native.supports(m) and m.ndim == 2]
+        if not rows or _native.library() is None:
+            return {}
+        return {id(split): s for (split, _), s in zip(rows, _native.row_scores([m for _, m in rows]))}
 
     def _select_new_matrices(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]) -> None:
         """A matrix seen for the first time after warm-up (its first gradient came late) gets its columns now; it
@@ -753,7 +770,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if split is not None and split.device is None and split.k > 0:
                 self._select(split, g)
 
-    def _select(self, split: _SplitParam, grad: torch.Tensor) -> None:
+    def _select(self, split: _SplitParam, grad: torch.Tensor, scores: torch.Tensor | None = None) -> None:
         p, host = split.param, split.host
         # Sync point (re-selection only, every `select_period` steps): the outgoing device columns are copied to the
         # host and the incoming ones up with blocking copies; the worker was drained by the caller first.
@@ -766,7 +783,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if split.k == 0 or (split.device is not None and not split.offloaded):
             return  # nothing on the device, or every column already there
         if split.offloaded:
-            index = top_columns(column_scores(split.matrix(grad), axis), split.k)
+            index = top_columns(column_scores(split.matrix(grad), axis) if scores is None else scores, split.k)
         else:
             index = torch.arange(split.k, device=p.device)
         if split.device is not None:

@@ -101,3 +101,42 @@ def test_accumulation_is_the_clipped_window_sum():
     assert host.accum_count == 2
     # 16 B of state + the write-back buffer in the parameter dtype (on a CPU device, the weight's spare storage)
     assert host.nbytes() == (16 + 4) * param.numel()
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_batched_accumulation_equals_one_matrix_at_a_time(monkeypatch, native):
+    """`accumulate_all` (one kernel call per window position) gives the bits of `accumulate` per matrix, also when
+    the matrices of a batch are at different positions of their window."""
+    monkeypatch.setenv("HF_ZENFLOW_NATIVE", native)
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(7, 5), (64, 33), (3, 128)]
+    steps = [[torch.randn(s, generator=gen).to(dt) for s, dt in zip(shapes, (torch.float32, torch.bfloat16,
+                                                                              torch.float32))] for _ in range(3)]
+    one = [HostMatrix.create(torch.zeros(s), torch.float32) for s in shapes]
+    batched = [HostMatrix.create(torch.zeros(s), torch.float32) for s in shapes]
+    for t, grads in enumerate(steps):
+        live = range(len(shapes)) if t else [1]  # matrices 0 and 2 start their window one step late
+        for i in live:
+            one[i].accumulate(grads[i], 0.75)
+        HostMatrix.accumulate_all([(batched[i], grads[i]) for i in live], 0.75)
+    for a, b in zip(one, batched):
+        assert torch.equal(a.accum, b.accum)
+        assert a.accum_count == b.accum_count
+
+
+def test_background_worker_shortens_the_gil_switch_interval_while_alive():
+    import sys
+
+    from hf_zenflow.host import WORKER_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    first = HostAdamWorker(threads=1, background=True)
+    second = HostAdamWorker(threads=1, background=True)
+    assert sys.getswitchinterval() == pytest.approx(min(before, WORKER_SWITCH_INTERVAL_S))
+    first.close()
+    assert sys.getswitchinterval() == pytest.approx(min(before, WORKER_SWITCH_INTERVAL_S))  # second still runs
+    second.close()
+    assert sys.getswitchinterval() == pytest.approx(before)
+    inline = HostAdamWorker(threads=1, background=False)
+    assert sys.getswitchinterval() == pytest.approx(before)
+    inline.close()

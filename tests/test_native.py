@@ -127,3 +127,20 @@ def test_accumulate_matches_torch(monkeypatch, dtype, coef):
             accumulate_into(accum, g, coef, first=i == 0)
         results.append(accum)
     assert torch.equal(results[0], results[1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_scores_match_column_scores(dtype):
+    """The batched row scores (re-selection of column-major weights and embedding rows) are torch's
+    `column_scores` up to summation order, and pick the same top rows."""
+    from hf_zenflow.selection import column_scores, top_columns
+
+    gen = torch.Generator().manual_seed(11)
+    mats = [(torch.randn(r, c, generator=gen) * 2).to(dtype) for r, c in [(301, 17), (64, 1536), (5, 3)]]
+    for m, scores in zip(mats, _native.row_scores(mats)):
+        reference = column_scores(m, 0)
+        assert scores.dtype == torch.float32 and scores.shape == reference.shape
+        torch.testing.assert_close(scores, reference, rtol=1e-5, atol=0)
+        k = max(1, m.shape[0] // 10)
+        assert torch.equal(top_columns(scores, k), top_columns(reference, k))

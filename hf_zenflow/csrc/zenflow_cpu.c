@@ -5,7 +5,8 @@
  * nearly a pass over the whole matrix. These kernels therefore do the column work in the same row sweep as the
  * work that streams the row anyway, and run the sweep on several threads:
  *   - zf_norm_gather: sum of squares of the whole gradient row (the non-finite check and the norms) and the gather
- *     of its selected columns into a contiguous fp32 [rows, k] buffer;
+ *     of its selected columns into a contiguous fp32 [rows, k] buffer; optionally each row's sum of squares as fp32
+ *     (the selection scores of a matrix whose selectable units are its rows);
  *   - zf_scatter: write the (rounded) fp32 master columns into the parameter;
  *   - zf_accumulate: the host window sum, acc = g * coef (first step) or acc = fma(g, coef, acc), reading a bf16
  *     gradient directly (torch needs a conversion pass first); fma is what torch's vectorised add with alpha does.
@@ -29,7 +30,7 @@ typedef struct {
   void *const *big;          /* the [rows, cols] tensor: gradient (norm_gather, accumulate) or parameter (scatter) */
   const int32_t *big_bf16;   /* 1 when that tensor is bf16, 0 when fp32 */
   float *const *small;       /* the fp32 [rows, k] buffer: gather output, or the master columns to write */
-  const float *const *host;  /* unused (kept for the ABI of zf_run) */
+  float *const *row_sums;    /* norm_gather: per tensor, NULL or an fp32 [rows] output of row sums of squares */
   const int64_t *const *idx; /* sorted selected columns, k of them (may be NULL when k == 0) */
   const int64_t *rows, *cols, *k;
   int64_t *item_tensor, *item_row0, *item_row1;
@@ -76,6 +77,7 @@ static double row_norm_gather(const zf_job *job, int64_t t, int64_t r) {
     }
     for (int64_t j = 0; j < k; ++j) out[j] = row[idx[j]];
   }
+  if (job->row_sums && job->row_sums[t]) job->row_sums[t][r] = (float)s;
   return s;
 }
 
@@ -137,9 +139,9 @@ static void *worker(void *arg) {
 /* Runs one batch; `sums` (n doubles, may be NULL) receives each tensor's sum of squares (norm_gather).
  * Returns 0, or -1 when memory for the work list could not be allocated. */
 int zf_run(int kind, int64_t n, void *const *big, const int32_t *big_bf16, float *const *small,
-           const float *const *host, const int64_t *const *idx, const int64_t *rows, const int64_t *cols,
+           float *const *row_sums, const int64_t *const *idx, const int64_t *rows, const int64_t *cols,
            const int64_t *k, int threads, double *sums, float coef, int first) {
-  zf_job job = {.kind = kind, .n = n, .big = big, .big_bf16 = big_bf16, .small = small, .host = host, .idx = idx,
+  zf_job job = {.kind = kind, .n = n, .big = big, .big_bf16 = big_bf16, .small = small, .row_sums = row_sums, .idx = idx,
                 .rows = rows, .cols = cols, .k = k, .coef = coef, .first = first};
   int64_t n_items = 0;
   for (int64_t t = 0; t < n; ++t) {
