@@ -19,7 +19,6 @@ migration at re-selection, strided for row-major weights and whole rows for colu
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -42,37 +41,6 @@ GRAD_SLOTS = 2
 
 #: How often a waiting caller wakes to check that the worker thread is still alive.
 _POLL_S = 0.5
-
-#: The interpreter's GIL switch interval while a background worker runs (Python's default is 5 ms). The worker is a
-#: Python thread: between its kernels it holds the GIL for short stretches, and the training thread, which needs the
-#: GIL back after every torch operation, can otherwise wait up to a full default interval for it (measured in
-#: `hf-zenflow compare` on a CPU device: up to ~5 ms lost per step() at the end of a step, gone at 0.2-0.5 ms).
-#: Set while at least one background worker is alive, and restored when the last one closes, unless the program
-#: changed it meanwhile.
-WORKER_SWITCH_INTERVAL_S = 0.0005
-
-_switch_lock = threading.Lock()
-_switch_users = 0
-_switch_saved: float | None = None
-
-
-def _worker_started() -> None:
-    global _switch_users, _switch_saved
-    with _switch_lock:
-        _switch_users += 1
-        if _switch_users == 1 and sys.getswitchinterval() > WORKER_SWITCH_INTERVAL_S:
-            _switch_saved = sys.getswitchinterval()
-            sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
-
-
-def _worker_stopped() -> None:
-    global _switch_users, _switch_saved
-    with _switch_lock:
-        _switch_users -= 1
-        if _switch_users == 0 and _switch_saved is not None:
-            if abs(sys.getswitchinterval() - WORKER_SWITCH_INTERVAL_S) < 1e-9:
-                sys.setswitchinterval(_switch_saved)
-            _switch_saved = None
 
 _scratch = threading.local()
 
@@ -226,13 +194,13 @@ class HostAdamWorker:
         for slot in range(GRAD_SLOTS):
             self._slots.put(slot)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._gate: threading.Event | None = None
         self._thread: threading.Thread | None = None
         self.last_job_ms: dict[str, float] = {}
         if background:
             # A daemon thread: an interpreter that exits (Ctrl-C included) is never held up by a host step.
             self._thread = threading.Thread(target=self._run, name="hf_zenflow-host", daemon=True)
             self._thread.start()
-            _worker_started()
 
     # -- worker side -------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -241,7 +209,11 @@ class HostAdamWorker:
             item = self._jobs.get()
             if item is None:
                 return
-            what, fn, future = item
+            what, fn, future, gate = item
+            if gate is not None:
+                # Sync point (worker waits on the caller): a job submitted inside the caller's step() starts once
+                # that step() has returned (`hold`/`release`)
+                gate.wait()
             self._execute(what, fn, future)
 
     def _execute(self, what: str, fn: Callable[[], None], future: Future) -> None:
@@ -269,8 +241,22 @@ class HostAdamWorker:
         else:
             self._outstanding = [f for f in self._outstanding if not f.done()]
             self._outstanding.append(future)
-            self._jobs.put((what, fn, future))
+            self._jobs.put((what, fn, future, self._gate))
         return future
+
+    def hold(self) -> None:
+        """Jobs submitted from now on wait to start until `release()`. The optimizer holds the worker for the
+        length of its step(): host work then overlaps the caller's next forward/backward instead of competing with
+        the rest of the step for cores, memory bandwidth and the GIL (on a CPU device that made step() up to ~5 ms
+        longer). Any wait on the worker releases it first, so a hold never deadlocks."""
+        if self._thread is not None and self._gate is None:
+            self._gate = threading.Event()
+
+    def release(self) -> None:
+        """Let the held jobs start."""
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.set()
 
     def check(self) -> None:
         if self._error is not None:
@@ -281,6 +267,7 @@ class HostAdamWorker:
 
     def wait(self, future: Future) -> None:
         """Block until `future` is done; raise the worker's failure; never hang on a dead worker."""
+        self.release()
         while True:
             try:
                 future.result(timeout=_POLL_S)
@@ -294,6 +281,7 @@ class HostAdamWorker:
 
     def synchronize(self) -> None:
         """Wait until every submitted job has run."""
+        self.release()
         for future in list(self._outstanding):
             self.wait(future)
         self._outstanding = []
@@ -301,6 +289,8 @@ class HostAdamWorker:
 
     def acquire_slot(self) -> int:
         """A free gradient hand-off slot; blocks (a stall) while the worker is two steps behind."""
+        if self._slots.empty():
+            self.release()  # the jobs that free a slot may be held
         while True:
             try:
                 return self._slots.get(timeout=_POLL_S)
@@ -313,9 +303,9 @@ class HostAdamWorker:
         self._slots.put(slot)
 
     def close(self, timeout: float = 10.0) -> None:
+        self.release()
         if self._thread is not None:
             if self._thread.is_alive():
                 self._jobs.put(None)
                 self._thread.join(timeout)
-            _worker_stopped()
         self._thread = None

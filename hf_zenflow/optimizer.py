@@ -228,6 +228,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 loss = closure()
         worker = self._ensure_worker()
         worker.check()
+        worker.hold()
+        try:
+            return self._step(loss)
+        finally:
+            # The host jobs this step submitted (accumulation, the window's host AdamW) start now, overlapping the
+            # caller's next forward/backward.
+            worker.release()
+
+    def _step(self, loss: float | None) -> float | None:
         timer = StepTimer()
         entries = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not entries:
