@@ -42,6 +42,9 @@ GRAD_SLOTS = 2
 #: How often a waiting caller wakes to check that the worker thread is still alive.
 _POLL_S = 0.5
 
+#: How long a held job waits after its release before it starts (see `HostAdamWorker._run`).
+_AFTER_RELEASE_S = 0.002
+
 _scratch = threading.local()
 
 
@@ -194,7 +197,8 @@ class HostAdamWorker:
         for slot in range(GRAD_SLOTS):
             self._slots.put(slot)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._gate: threading.Event | None = None
+        self._gate: threading.Event | None = None  # what held jobs wait for (see `hold`)
+        self._holding = False
         self._thread: threading.Thread | None = None
         self.last_job_ms: dict[str, float] = {}
         if background:
@@ -214,6 +218,11 @@ class HostAdamWorker:
                 # Sync point (worker waits on the caller): a job submitted inside the caller's step() starts once
                 # that step() has returned (`hold`/`release`)
                 gate.wait()
+                # ... plus a moment, so that the caller's return path runs first: the job's Python would take the
+                # GIL whenever that path releases it (torch's step wrappers call torch ops) and keep it for up to a
+                # switch interval (5 ms); measured on a CPU device, 1-5 ms added to about half the steps
+                # (a wait for a held job opens the gate without that pause: the caller is waiting then)
+                time.sleep(getattr(gate, "hf_zenflow_pause", 0.0))
             self._execute(what, fn, future)
 
     def _execute(self, what: str, fn: Callable[[], None], future: Future) -> None:
@@ -241,6 +250,7 @@ class HostAdamWorker:
         else:
             self._outstanding = [f for f in self._outstanding if not f.done()]
             self._outstanding.append(future)
+            future.hf_zenflow_gate = self._gate  # type: ignore[attr-defined]
             self._jobs.put((what, fn, future, self._gate))
         return future
 
@@ -248,15 +258,25 @@ class HostAdamWorker:
         """Jobs submitted from now on wait to start until `release()`. The optimizer holds the worker for the
         length of its step(): host work then overlaps the caller's next forward/backward instead of competing with
         the rest of the step for cores, memory bandwidth and the GIL (on a CPU device that made step() up to ~5 ms
-        longer). Any wait on the worker releases it first, so a hold never deadlocks."""
-        if self._thread is not None and self._gate is None:
-            self._gate = threading.Event()
+        longer). A wait for a held job lets the held jobs go first (and keeps holding later ones), so a hold
+        never deadlocks."""
+        if self._thread is not None:
+            self._holding = True
+            if self._gate is None:
+                self._gate = threading.Event()
 
     def release(self) -> None:
-        """Let the held jobs start."""
+        """Let the held jobs start; stop holding."""
+        self._holding = False
+        self._open_gate(pause=_AFTER_RELEASE_S)
+
+    def _open_gate(self, pause: float = 0.0) -> None:
         gate, self._gate = self._gate, None
         if gate is not None:
+            gate.hf_zenflow_pause = pause  # type: ignore[attr-defined]
             gate.set()
+        if self._holding:
+            self._gate = threading.Event()
 
     def check(self) -> None:
         if self._error is not None:
@@ -267,7 +287,9 @@ class HostAdamWorker:
 
     def wait(self, future: Future) -> None:
         """Block until `future` is done; raise the worker's failure; never hang on a dead worker."""
-        self.release()
+        gate = getattr(future, "hf_zenflow_gate", None)
+        if gate is not None and not gate.is_set():
+            self._open_gate()  # the job (or one before it) is held
         while True:
             try:
                 future.result(timeout=_POLL_S)
@@ -281,7 +303,7 @@ class HostAdamWorker:
 
     def synchronize(self) -> None:
         """Wait until every submitted job has run."""
-        self.release()
+        self._open_gate()
         for future in list(self._outstanding):
             self.wait(future)
         self._outstanding = []
@@ -290,7 +312,7 @@ class HostAdamWorker:
     def acquire_slot(self) -> int:
         """A free gradient hand-off slot; blocks (a stall) while the worker is two steps behind."""
         if self._slots.empty():
-            self.release()  # the jobs that free a slot may be held
+            self._open_gate()  # the jobs that free a slot may be held
         while True:
             try:
                 return self._slots.get(timeout=_POLL_S)

@@ -134,11 +134,23 @@ def test_held_jobs_start_on_release_and_waits_never_deadlock():
     worker.release()
     worker.wait(first)
     assert ran == ["a"]
-    # a wait while held releases the hold first (the optimizer's sequential paths wait inside step())
+    # a wait for a held job lets the held jobs go (the optimizer's sequential paths wait inside step()) and keeps
+    # holding the ones submitted later; a wait for a job submitted before the hold lets nothing go
+    early = worker.submit("early", lambda: ran.append("early"))
     worker.hold()
+    worker.wait(early)
     second = worker.submit("b", lambda: ran.append("b"))
+    time.sleep(0.05)
+    assert ran == ["a", "early"]
     worker.wait(second)
-    assert ran == ["a", "b"]
+    assert ran == ["a", "early", "b"]
+    later = worker.submit("later", lambda: ran.append("later"))
+    time.sleep(0.05)
+    assert ran == ["a", "early", "b"] and not later.done()
+    worker.release()
+    worker.wait(later)
+    ran.remove("early")
+    ran.remove("later")
     worker.hold()
     worker.submit("c", lambda: ran.append("c"))
     worker.synchronize()
