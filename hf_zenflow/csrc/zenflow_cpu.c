@@ -141,8 +141,8 @@ static void *worker(void *arg) {
 int zf_run(int kind, int64_t n, void *const *big, const int32_t *big_bf16, float *const *small,
            float *const *row_sums, const int64_t *const *idx, const int64_t *rows, const int64_t *cols,
            const int64_t *k, int threads, double *sums, float coef, int first) {
-  zf_job job = {.kind = kind, .n = n, .big = big, .big_bf16 = big_bf16, .small = small, .row_sums = row_sums, .idx = idx,
-                .rows = rows, .cols = cols, .k = k, .coef = coef, .first = first};
+  zf_job job = {.kind = kind, .n = n, .big = big, .big_bf16 = big_bf16, .small = small, .row_sums = row_sums,
+                .idx = idx, .rows = rows, .cols = cols, .k = k, .coef = coef, .first = first};
   int64_t n_items = 0;
   for (int64_t t = 0; t < n; ++t) {
     int64_t per = cols[t] > 0 ? ZF_CHUNK_ELEMS / cols[t] : rows[t];
