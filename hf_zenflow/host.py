@@ -128,9 +128,8 @@ class HostMatrix:
     @staticmethod
     def accumulate_all(pairs: list[tuple[HostMatrix, torch.Tensor]], coef: float | None) -> None:
         """`accumulate` for one step's batch of (matrix, gradient) pairs. CPU tensors go through the kernels in one
-        call per window position (first step or not): the worker thread then holds the GIL only briefly, where a
-        Python loop over the matrices would keep delaying the training thread, which needs the GIL back after
-        every torch operation."""
+        call per window position (first step or not) instead of one per matrix: fewer Python steps on the worker
+        thread, which shares the GIL with the training thread."""
         native: dict[bool, list[tuple[HostMatrix, torch.Tensor]]] = {True: [], False: []}
         for host, g2d in pairs:
             if _native.supports(g2d) and host.accum.device.type == "cpu" and _native.library() is not None:

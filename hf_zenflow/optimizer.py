@@ -500,9 +500,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     to_gather.append((split.device, split.matrix(g)))
             updates.append((group, p, split, g))
         gather_columns(to_gather)
-        dense = [(p, self._dense[p], g if g.dtype == torch.float32 else g.float())
-                 for _, p, split, g in updates if split is None]
-        dense_grads = [g for _, _, g in dense]
+        dense = [(p, g if g.dtype == torch.float32 else g.float()) for _, p, split, g in updates if split is None]
+        dense_grads = [g for _, g in dense]
         if coef is not None:
             # one batched multiply per kind: the selected columns' own buffers in place; the dense parameters'
             # gradients into new tensors (the caller's gradients are never modified)
@@ -510,7 +509,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if selected:
                 torch._foreach_mul_(selected, coef)
             dense_grads = torch._foreach_mul(dense_grads, coef) if dense_grads else []
-        dense_grad = {id(p): g for (p, _, _), g in zip(dense, dense_grads)}
+        dense_grad = {id(p): g for (p, _), g in zip(dense, dense_grads)}
         for group, p, split, _ in updates:
             lists = batches.setdefault((id(group), p.device), (group, [[], [], [], [], []]))[1]
             if split is not None:
@@ -535,7 +534,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
     ) -> None:
         """Give this step's gradients of the offloaded matrices to the host worker, which adds them to the window.
-        Consumes `grads`: the list is emptied (nothing after the hand-off reads it).
 
         On CUDA the device->host copy is enqueued on a side stream into pinned memory and the worker waits for it;
         on a CPU device the worker reads the gradient tensors themselves. Either way the caller does not wait,
@@ -565,14 +563,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             sources = [(split.host, split.host.staging[slot]) for split, _ in work]
         else:
             sources = [(split.host, split.matrix(g)) for split, g in work]
-        for split in [split for split, _ in work]:
+        for split, _ in work:
             split.param.grad = None  # the worker owns this gradient now
         self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in work)
-        # No reference to the handed-off gradients stays on this thread (the caller's list included): the worker
-        # drops the last ones, so on a CPU device their memory (~a weight's worth) is returned there, off the
-        # critical path, instead of when the caller's step() returns.
-        work.clear()
-        grads.clear()
 
         def accumulate() -> None:
             try:
@@ -581,7 +574,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 HostMatrix.accumulate_all(sources, coef)
             finally:
                 worker.release_slot(slot)
-                sources.clear()
+                sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
 
         worker.submit("accumulate", accumulate)
 
