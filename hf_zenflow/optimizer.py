@@ -547,36 +547,36 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._accumulate_on_device(work, coef)
             return
         worker = self._worker
-        slot = worker.acquire_slot()
-        event = None
-        if work[0][0].param.is_cuda:
-            stream = self._copy_stream
-            # Sync point (device streams only): the copy stream waits for the compute stream that produced the
-            # gradients; the host thread does not wait.
-            stream.wait_stream(torch.cuda.current_stream(work[0][0].param.device))
-            with torch.cuda.stream(stream):
-                for split, g in work:
-                    split.host.staging[slot].copy_(split.matrix(g), non_blocking=True)
-                    g.record_stream(stream)  # keep the gradient's memory alive until the copy has read it
-                event = torch.cuda.Event()
-                event.record(stream)
-            sources = [(split.host, split.host.staging[slot]) for split, _ in work]
-        else:
-            sources = [(split.host, split.matrix(g)) for split, g in work]
-        for split, _ in work:
-            split.param.grad = None  # the worker owns this gradient now
-        self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in work)
+        with worker.grad_slot() as handoff:  # the slot goes back if the hand-off is interrupted
+            slot = handoff.slot
+            event = None
+            if work[0][0].param.is_cuda:
+                stream = self._copy_stream
+                # Sync point (device streams only): the copy stream waits for the compute stream that produced the
+                # gradients; the host thread does not wait.
+                stream.wait_stream(torch.cuda.current_stream(work[0][0].param.device))
+                with torch.cuda.stream(stream):
+                    for split, g in work:
+                        split.host.staging[slot].copy_(split.matrix(g), non_blocking=True)
+                        g.record_stream(stream)  # keep the gradient's memory alive until the copy has read it
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                sources = [(split.host, split.host.staging[slot]) for split, _ in work]
+            else:
+                sources = [(split.host, split.matrix(g)) for split, g in work]
+            for split, _ in work:
+                split.param.grad = None  # the worker owns this gradient now
+            self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in work)
 
-        def accumulate() -> None:
-            try:
-                if event is not None:
-                    event.synchronize()  # Sync point (worker waits on the device): the gradient has landed on the host
-                HostMatrix.accumulate_all(sources, coef)
-            finally:
-                worker.release_slot(slot)
-                sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
+            def accumulate() -> None:
+                try:
+                    if event is not None:
+                        event.synchronize()  # Sync point (worker waits on the device): the gradient is on the host
+                    HostMatrix.accumulate_all(sources, coef)
+                finally:
+                    sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
 
-        worker.submit("accumulate", accumulate)
+            handoff.submit("accumulate", accumulate)  # the worker returns the slot after the job
 
     def _accumulate_on_device(self, work: list[tuple[_SplitParam, torch.Tensor]], coef: float | None) -> None:
         """``accumulate_on="device"``: add this step's gradients into the device-side window sums (the caller's
