@@ -54,9 +54,10 @@ _closing: list[threading.Thread] = []
 _closing_lock = threading.Lock()
 
 
-def _wait_for_closed_workers() -> None:
-    """Wait until no closed worker still runs a job, so that two workers never run host jobs at the same time (a
-    new worker of the same optimizer works on the same host state)."""
+def wait_for_closed_workers() -> None:
+    """Wait until no closed worker still runs a job (`HostAdamWorker.close` may return before): two workers never
+    run host jobs at the same time (a new worker of the same optimizer works on the same host state), and nothing
+    reads host state a job still writes."""
     me = threading.current_thread()
     with _closing_lock:
         pending = [t for t in _closing if t is not me]
@@ -239,7 +240,7 @@ class HostAdamWorker:
     # -- worker side -------------------------------------------------------------------------------------------
     def _run(self) -> None:
         torch.set_num_threads(self.threads)  # per OS thread in torch: the training thread keeps its own setting
-        _wait_for_closed_workers()
+        wait_for_closed_workers()
         while True:
             item = self._jobs.get()
             if item is None:
@@ -275,7 +276,7 @@ class HostAdamWorker:
         self.check()
         future: Future = Future()
         if self._thread is None:
-            _wait_for_closed_workers()
+            wait_for_closed_workers()
             with torch_threads(self.threads):
                 self._execute(what, fn, future)
             self.check()
@@ -339,7 +340,7 @@ class HostAdamWorker:
         for future in list(self._outstanding):
             self.wait(future)
         self._outstanding = []
-        _wait_for_closed_workers()
+        wait_for_closed_workers()
         self.check()
 
     def acquire_slot(self) -> int:

@@ -46,7 +46,7 @@ class ZenFlowStats:
     - ``staleness``: optimizer steps whose host-path gradients are not yet in the weights after the last step;
     - ``steps``, ``windows``, ``reselections``, ``skipped_steps`` (non-finite gradients);
     - ``host_state_bytes`` / ``device_state_bytes``: optimizer state held on each side;
-    - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says).
+    - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says; README, Threads).
     """
 
     def __init__(self) -> None:

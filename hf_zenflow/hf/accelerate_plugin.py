@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from ..config import ZenFlowConfig, available_cpu_count
+from ..host import wait_for_closed_workers
 from ..optimizer import ZenFlowAdamW
 
 
@@ -269,6 +270,7 @@ class ZenFlowPlugin:
             opt = ref()
             if opt is not None:
                 opt.synchronize()  # also re-raises a worker failure before a checkpoint is written
+            wait_for_closed_workers()  # a worker closed during a Ctrl-C may still finish its last job
 
         accelerator.register_save_state_pre_hook(drain)
         accelerator.register_load_state_pre_hook(drain)

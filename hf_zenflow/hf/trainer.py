@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from ..host import wait_for_closed_workers
 from ..layout import column_major_
 from ..optimizer import ZenFlowAdamW
 from .model_card import format_bytes, render_zenflow_model_card
@@ -236,6 +237,7 @@ class ZenFlowTrainer(Trainer):
         opt = self.zenflow_optimizer
         if opt is not None:
             opt.synchronize()
+            wait_for_closed_workers()  # a worker closed during a Ctrl-C may still finish its last job
 
     # -- clipping: the optimizer owns the gradients ----------------------------------------------------------------
     def _clip_grad_norm(self, model):

@@ -78,8 +78,8 @@ class ZenFlowTrainingArguments(TrainingArguments):
         transposed layout: each input column contiguous, so the selected columns move as rows), `"row"` leaves the
         model alone, `"auto"` = column when the model is on the CPU. Exported checkpoints stay ordinary row-major.
     zenflow_cpu_threads (`int` or `None`, *optional*, defaults to `None`):
-        Threads of the host worker; `None` = half the cores in this process's CPU affinity. Independent of
-        `OMP_NUM_THREADS` (which `accelerate launch` sets to 1).
+        Threads of the host worker; `None` = half the cores in this process's CPU affinity (README, Threads).
+        Independent of `OMP_NUM_THREADS` (which `accelerate launch` sets to 1).
 
     Not supported together with `zenflow=True` (a `ValueError` names the conflict): `deepspeed` (use
     `ZenFlowConfig.from_deepspeed` to move a DeepSpeed ZenFlow config over), `fsdp`, `fp16` (its GradScaler unscales
@@ -168,7 +168,7 @@ class ZenFlowTrainingArguments(TrainingArguments):
         default=None,
         metadata={
             "help": "Threads of the host worker. Default: half the cores in this process's CPU affinity, whatever "
-            "OMP_NUM_THREADS says (`accelerate launch` sets it to 1)."
+            "OMP_NUM_THREADS says (`accelerate launch` sets it to 1); README, Threads."
         },
     )
 
