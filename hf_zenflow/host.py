@@ -389,9 +389,9 @@ class HostAdamWorker:
         KeyboardInterrupt, and at interpreter exit after an uncaught exception (Ctrl-C at the top level included);
         a Ctrl-C during the wait ends it too. A thread not waited for finishes its jobs in the background, and
         every later worker, inline run or `synchronize()` in this process waits for it before going on, so host
-        jobs never overlap; if the process exits first (it is a daemon), its job is abandoned with the process,
-        which loses nothing on disk: host jobs only touch host memory, and checkpoints are written from
-        `state_dict()`, which waits for the worker first.
+        jobs never overlap (as do the Trainer's and the accelerate hooks' checkpoint paths:
+        `wait_for_closed_workers`). If the process exits first (the thread is a daemon), the job is abandoned with
+        it, which loses nothing on disk: host jobs only touch host memory, never a file or the live weights.
         """
         self.release()
         thread, self._thread = self._thread, None
