@@ -21,6 +21,11 @@ SelectStrategy = Literal["auto", "step", "epoch"]
 #: (DeepSpeed #8456); we re-select on this fixed step period instead.
 DEFAULT_SELECT_STEPS = 100
 
+#: Default `min_offload_numel`: matrices under 2**18 elements (1 MiB in fp32, 3 MiB of AdamW state) stay on the device.
+#: LoRA adapters (rank x hidden: 8 x 4096 = 32768, 32 x 4096 = 131072), classification heads and the like are far below
+#: it; the smallest weight matrix of a 1B+ model (2048 x 2048) is 16x above it.
+MIN_OFFLOAD_NUMEL = 1 << 18
+
 _SELECT_STRATEGIES = ("auto", "step", "epoch")
 _ACCUMULATE_ON = ("host", "device")
 
@@ -125,9 +130,12 @@ class ZenFlowConfig:
                   "ZenFlow's (and DeepSpeed's) rule."},
     )
     min_offload_numel: int = field(
-        default=0,
+        default=MIN_OFFLOAD_NUMEL,
         metadata={"help": "Matrices with fewer elements are updated entirely on the device every step, like 1-D "
-                  "parameters (e.g. a classification head: tiny state, and every step matters)."},
+                  f"parameters. The default ({MIN_OFFLOAD_NUMEL} = 2**18 elements, 1 MiB in fp32) keeps LoRA "
+                  "adapters, classification heads and other small matrices on the device, where their AdamW state "
+                  "costs little and every step counts; no weight matrix of a model with 1B+ parameters is that "
+                  "small. 0 offloads every matrix."},
     )
     accumulate_on: str = field(
         default="host",

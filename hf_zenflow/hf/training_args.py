@@ -68,7 +68,7 @@ class ZenFlowTrainingArguments(TrainingArguments):
         Overlap the host AdamW with the next steps (one window of staleness); `False` applies it at once.
     zenflow_host_lr_scale (`str`, *optional*, defaults to `"1.0"`):
         Learning-rate multiplier of the host AdamW step (a number > 0), or `"interval"` (the window length).
-    zenflow_min_offload_numel (`int`, *optional*, defaults to `0`):
+    zenflow_min_offload_numel (`int`, *optional*, defaults to `262144`):
         Weight matrices with fewer elements are updated entirely on the device.
     zenflow_accumulate_on (`str`, *optional*, defaults to `"host"`):
         Where the unselected gradient is summed over a window: `"host"` (no device memory) or `"device"` (+4 bytes
@@ -151,7 +151,7 @@ class ZenFlowTrainingArguments(TrainingArguments):
         },
     )
     zenflow_min_offload_numel: int = field(
-        default=0,
+        default=ZenFlowConfig.min_offload_numel,
         metadata={"help": "Weight matrices with fewer elements are updated entirely on the device every step."},
     )
     zenflow_accumulate_on: str = field(

@@ -153,6 +153,20 @@ def test_auto_interval_adapts_under_the_trainer(tmp_path, train_dataset):
         assert min(intervals[-10:]) < 16, intervals
 
 
+def test_load_best_model_at_end_resyncs_the_masters(tmp_path, train_dataset, eval_dataset):
+    """Regression (issue 10.13): after `load_best_model_at_end` the optimizer's fp32 masters kept the last step's
+    values, so the next write-back (or a saved optimizer) disagreed with the loaded weights."""
+    args = zenflow_args(tmp_path / "best", max_steps=12, eval_strategy="steps", eval_steps=3, save_strategy="steps",
+                        save_steps=3, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                        greater_is_better=True, learning_rate=3e-3)  # "best" = highest loss: an early checkpoint
+    trainer = ZenFlowTrainer(model=tiny_llama(), args=args, train_dataset=train_dataset, eval_dataset=eval_dataset)
+    trainer.train()
+    assert trainer.state.best_global_step not in (None, 12)  # a checkpoint other than the last one was loaded
+    opt = trainer.zenflow_optimizer
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(opt.master_weight(p).view(p.shape), p.detach()), name
+
+
 def test_lora_only_adapters_change(tmp_path, train_dataset):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
