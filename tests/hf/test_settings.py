@@ -33,7 +33,7 @@ CASES = [
     ("auto_max_interval", "5", 5, {}),
     ("host_lr_scale", "Interval", "interval", {}),
     ("host_lr_scale", "2.5", 2.5, {}),
-    ("min_offload_numel", "4096", 4096, {}),
+    ("min_offload_numel", "12345", 12345, {}),
     ("accumulate_on", "Device", "device", {}),
     ("cpu_threads", "2", 2, {}),
     ("steps_per_epoch", "30", 30, {}),
