@@ -6,7 +6,9 @@ Where things live:
   `device_step.py`, the host path (host state, accumulation, the worker thread) in `host.py`, column selection and
   windows in `selection.py`, one matrix's two sides in `split_matrix.py`, the checkpoint format (validation,
   migration, conversion to/from `torch.optim.AdamW`) in `checkpoint.py`, telemetry in `telemetry.py`, settings in
-  `config.py`, the column-major weight layout for CPU devices in `layout.py` (`column_major_`);
+  `config.py` (their flags, plugin arguments, environment variables and docs derived from its fields in
+  `settings.py`; DeepSpeed configs read by `deepspeed_config.py`), the once-per-process multi-process warning in
+  `distributed_check.py`, the column-major weight layout for CPU devices in `layout.py` (`column_major_`);
 - the synchronous offload baseline: `baselines.py` (`SyncOffloadAdamW`);
 - the Hugging Face glue: `hf/` (`ZenFlowTrainer`, `ZenFlowTrainingArguments`, `ZenFlowPlugin`, model cards);
 - the side-by-side comparison and the emulated accelerator: `compare/`, driven by `cli.py` (`hf-zenflow`).

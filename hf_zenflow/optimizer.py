@@ -39,6 +39,7 @@ from ._base import (
 )
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, gather_columns, scatter_columns
+from .distributed_check import warn_if_replicated
 from .host import HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
 from .selection import (
     WindowSchedule,
@@ -422,6 +423,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------------------------
     def _ensure_worker(self) -> HostAdamWorker:
         if self._worker is None:
+            warn_if_replicated()  # several processes each keep a full host copy (once per process)
             self._worker = HostAdamWorker(
                 self.config.resolved_cpu_threads,
                 background=self.config.overlap_step and self.host_executor == "thread",
