@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -527,22 +528,34 @@ def _flushed_split(entry: dict[str, Any], config: ZenFlowConfig, group: dict[str
     return master, m, v, step.reshape(())
 
 
-def load_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """`torch.load` of an optimizer checkpoint with errors that name the file and the problem."""
+_RESUME_ADVICE = "Resume from an earlier checkpoint, or without the optimizer state."
+
+
+def check_file(path: str | Path) -> None:
+    """Cheap checks of an optimizer checkpoint file before `torch.load` (which fails on them with bare errors such
+    as ``EOFError``): it exists, is not empty and is a complete zip archive (torch's format)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such optimizer checkpoint file.")
     size = path.stat().st_size
     if size == 0:
         raise CheckpointError(f"{path}: the optimizer checkpoint is empty (0 bytes): it was not written completely "
-                              "(the process was killed while saving, or the disk was full). Resume from an earlier "
-                              "checkpoint, or without the optimizer state.")
+                              f"(the process was killed while saving, or the disk was full). {_RESUME_ADVICE}")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path}: the optimizer checkpoint ({size} bytes) is not a complete torch.save archive: "
+                              f"it is truncated or damaged. {_RESUME_ADVICE}")
+
+
+def load_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """`torch.load` of an optimizer checkpoint (``weights_only=True``) with errors that name the file and the
+    problem."""
+    check_file(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - every failure of a damaged file gets the same explanation
         raise CheckpointError(
-            f"{path}: the optimizer checkpoint ({size} bytes) cannot be read ({type(exc).__name__}: {exc}): it is "
-            "truncated or damaged. Resume from an earlier checkpoint, or without the optimizer state."
+            f"{path}: the optimizer checkpoint ({Path(path).stat().st_size} bytes) cannot be read "
+            f"({type(exc).__name__}: {exc}): it is truncated or damaged. {_RESUME_ADVICE}"
         ) from exc
 
 
@@ -556,6 +569,6 @@ def config_of(state_dict: dict[str, Any]) -> ZenFlowConfig | None:
     return ZenFlowConfig(**{k: v for k, v in saved.items() if k in known})
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "config_of", "is_torch_adamw_state", "load_file", "migrate", "pack",
-           "tensor_checksum", "to_torch_adamw", "unpack", "validate"]
+__all__ = ["FORMAT_VERSION", "CheckpointError", "check_file", "config_of", "is_torch_adamw_state", "load_file",
+           "migrate", "pack", "tensor_checksum", "to_torch_adamw", "unpack", "validate"]
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from ..checkpoint import CheckpointError, check_file
 from ..distributed_check import warn_if_replicated
 from ..layout import column_major_
 from ..optimizer import ZenFlowAdamW
@@ -228,7 +229,21 @@ class ZenFlowTrainer(Trainer):
             opt.set_steps_per_epoch(self._zenflow_steps_per_epoch)
         if opt is not None:
             warn_if_replicated()
+            opt.name_parameters(target)  # checkpoints carry the names; errors and `convert-checkpoint` use them
         return optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # A damaged optimizer.pt must say which file and what is wrong, not raise a bare EOFError from torch.load;
+        # a ZenFlow state that fails validation says which tensor (ZenFlowAdamW.load_state_dict) and which file.
+        if checkpoint is None or self.zenflow_optimizer is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, "optimizer.pt")
+        if os.path.isfile(path):
+            check_file(path)
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from exc
 
     @property
     def zenflow_optimizer(self) -> ZenFlowAdamW | None:
