@@ -175,7 +175,8 @@ def test_optimizer_step_leaves_the_worker_released():
 
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, config=ZenFlowConfig(topk_ratio=0.25, update_interval=2))
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, config=ZenFlowConfig(topk_ratio=0.25, update_interval=2),
+                       min_offload_numel=0)
     for _ in range(3):
         model(torch.randn(4, 64)).sum().backward()
         opt.step()
@@ -237,7 +238,7 @@ def test_an_interrupted_hand_off_in_step_does_not_leak_its_slot(monkeypatch):
 
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 16)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=4)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=4, min_offload_numel=0)
     submit = HostAdamWorker.submit
     interrupts: list[KeyboardInterrupt] = []
 
@@ -325,7 +326,7 @@ def slow_host_step(groups):
 zenflow_optimizer.host_adamw_window = slow_host_step
 torch.manual_seed(0)
 model = torch.nn.Linear(32, 32)
-opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=1)
+opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=1, min_offload_numel=0)
 while True:  # the second step waits for the first window's (endless) host step
     model(torch.randn(4, 32)).sum().backward()
     opt.step()
@@ -341,8 +342,10 @@ def test_ctrl_c_during_a_long_host_step_exits_promptly(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
+    deadline = threading.Timer(120, proc.kill)  # a child that never starts its host step must not hang the suite
+    deadline.start()
     try:
-        assert proc.stdout.readline().strip() == "host step running"
+        assert proc.stdout.readline().strip() == "host step running", proc.communicate()[1][-3000:]
         time.sleep(0.5)  # the loop reaches its wait for the host step
         proc.send_signal(signal.SIGINT)
         start = time.monotonic()
@@ -353,6 +356,7 @@ def test_ctrl_c_during_a_long_host_step_exits_promptly(tmp_path):
             pytest.fail(f"still running 60 s after Ctrl-C:\n{proc.communicate()[1][-3000:]}")
         elapsed = time.monotonic() - start
     finally:
+        deadline.cancel()
         proc.kill()
     assert "KeyboardInterrupt" in stderr, stderr[-3000:]
     assert elapsed < 7, f"exit took {elapsed:.1f} s after Ctrl-C"

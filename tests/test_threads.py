@@ -16,6 +16,11 @@ from hf_zenflow import ZenFlowAdamW
 TORCH_DEFAULT_THREADS = torch.get_num_threads()
 
 
+def _zenflow(model: torch.nn.Module, **settings) -> ZenFlowAdamW:
+    return ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=2, min_offload_numel=0,
+                        **settings)
+
+
 def _train(opt: ZenFlowAdamW, model: torch.nn.Module, steps: int = 3) -> None:
     for _ in range(steps):
         model(torch.randn(4, 32)).sum().backward()
@@ -48,12 +53,12 @@ def test_worker_and_training_pool_fit_the_cores_and_the_split_is_reported_once(u
     caplog.set_level(logging.WARNING, logger="hf_zenflow")
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 16)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=2)
+    opt = _zenflow(model)
     _train(opt, model)
     worker, training = _worker_threads(opt), torch.get_num_threads()
     assert worker == max(1, cores // 2)
     assert worker + training <= cores
-    second = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=2)
+    second = _zenflow(model)
     _train(second, model)
     second.close()
     opt.close()
@@ -70,14 +75,14 @@ def test_a_pool_the_user_chose_is_left_alone(untouched_default_pool, monkeypatch
     caplog.set_level(logging.WARNING, logger="hf_zenflow")
     model = torch.nn.Linear(32, 16)
     monkeypatch.setenv("OMP_NUM_THREADS", str(cores))
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=2)
+    opt = _zenflow(model)
     _train(opt, model)
     assert torch.get_num_threads() == cores
     opt.close()
     assert any(f"OMP_NUM_THREADS={cores}, left alone" in r.getMessage() for r in caplog.records)
     monkeypatch.delenv("OMP_NUM_THREADS")
     torch.set_num_threads(cores - 1)  # after import hf_zenflow: the user's choice
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=2, cpu_threads=cores)
+    opt = _zenflow(model, cpu_threads=cores)
     _train(opt, model)
     assert torch.get_num_threads() == cores - 1
     opt.close()
@@ -86,7 +91,7 @@ def test_a_pool_the_user_chose_is_left_alone(untouched_default_pool, monkeypatch
 def test_inline_host_steps_leave_the_training_pool_alone(untouched_default_pool):
     cores = untouched_default_pool
     model = torch.nn.Linear(32, 16)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=2, overlap_step=False)
+    opt = _zenflow(model, overlap_step=False)
     _train(opt, model)
     assert torch.get_num_threads() == cores  # no worker runs beside the training thread
     opt.close()

@@ -193,7 +193,7 @@ def test_thread_trap_worker_keeps_its_threads():
 
 def test_flush_at_the_end_of_a_loop_leaves_no_host_thread():
     accelerator = Accelerator(cpu=True)
-    model, optimizer = ZenFlowPlugin(update_interval=2, overlap_step=True, cpu_threads=1).prepare(
+    model, optimizer = ZenFlowPlugin(update_interval=2, overlap_step=True, cpu_threads=1, min_offload_numel=0).prepare(
         accelerator, tiny_llama(), lr=1e-3)
     _loop(accelerator, model, optimizer, _batches(3))
     thread = optimizer.optimizer._worker._thread
