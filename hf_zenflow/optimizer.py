@@ -50,6 +50,7 @@ from .selection import (
 )
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
+from .transport import Landed, Transport, transport_for
 
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._writeback_pending = False
         self._unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
         self._norm_cache = GradNormCache()
-        self._copy_stream: Any = None
+        self._transports: dict[str, Transport] = {}  # by device type (see `transport.py`)
         self._stats = ZenFlowStats()
         # (version counter, storage) of every parameter with an fp32 master of its own, after the optimizer's last
         # write: a difference means the weights were changed from outside (see `_pick_up_outside_changes`)
@@ -344,6 +345,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             host_step_ms=worker_ms.get("host_adamw", 0.0),
             accumulate_ms=worker_ms.get("accumulate", 0.0),
             host_state_bytes=host_bytes,
+            # per element of the matrices with host state: 16 B of state plus the link buffers
+            host_bytes_per_param=host_bytes / hosted if (hosted := sum(
+                s.param.numel() for s in split if s.host is not None)) else 0.0,
+            pinned_host_bytes=sum(getattr(getattr(t, "arena", None), "nbytes", 0) for t in self._transports.values()
+                                  if getattr(getattr(t, "arena", None), "pin", False)),
             device_state_bytes=device_bytes,
         )
 
@@ -443,6 +449,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return self._schedule
 
     def _ensure_state(self, entries: list[tuple[dict, torch.Tensor]]) -> None:
+        needs_host: list[SplitMatrix] = []
         for group, p in entries:
             if p in self._split or p in self._dense:
                 continue
@@ -455,12 +462,30 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 split = SplitMatrix(p, 0, rows=rows)
                 split.k = num_selected(self.config.topk_ratio, split.columns)
                 if split.offloaded or self._schedule.in_warm_up():
-                    split.attach_host(self.config.accumulate_on)
+                    needs_host.append(split)
                 self._split[p] = split
             else:
                 self._dense[p] = DenseDeviceState.fresh(p)
-            if p.is_cuda and self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device=p.device)
+        self._attach_host(needs_host)
+
+    def _transport_of(self, split: SplitMatrix) -> Transport:
+        kind = split.param.device.type
+        if kind not in self._transports:
+            self._transports[kind] = transport_for(split.param.device)
+        return self._transports[kind]
+
+    def _attach_host(self, splits: list[SplitMatrix]) -> None:
+        """Create the host state of `splits`, their link buffers from one reservation per transport."""
+        accumulate_on = self.config.accumulate_on
+        by_transport: dict[int, tuple[Transport, list[SplitMatrix]]] = {}
+        for split in splits:
+            transport = self._transport_of(split)
+            by_transport.setdefault(id(transport), (transport, []))[1].append(split)
+        for transport, group in by_transport.values():
+            transport.reserve(sum(HostMatrix.link_bytes(s.matrix(s.param), s.grad_dtype, accumulate_on, transport)
+                                  for s in group))
+            for split in group:
+                split.attach_host(accumulate_on, transport)
 
     def _splits(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
         """Whether `p` is split between the device and the host (a large enough matrix in a layout we can split),
@@ -588,9 +613,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     ) -> None:
         """Give this step's gradients of the offloaded matrices to the host worker, which adds them to the window.
 
-        On CUDA the device->host copy is enqueued on a side stream into pinned memory and the worker waits for it;
-        on a CPU device the worker reads the gradient tensors themselves. Either way the caller does not wait,
-        unless the worker is `GRAD_SLOTS` steps behind.
+        The transport starts moving them (CUDA: a copy on a side stream into pinned memory, which the worker waits
+        for; CPU device: the worker reads the gradient tensors themselves). The caller does not wait, unless the
+        worker is `GRAD_SLOTS` steps behind.
         """
         work = [(self._split[p], g) for (_, p), g in zip(entries, grads)
                 if p in self._split and self._split[p].host is not None]
@@ -602,71 +627,59 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         worker = self._worker
         with worker.grad_slot() as handoff:  # the slot goes back if the hand-off is interrupted
             slot = handoff.slot
-            event = None
-            if work[0][0].param.is_cuda:
-                stream = self._copy_stream
-                # Sync point (device streams only): the copy stream waits for the compute stream that produced the
-                # gradients; the host thread does not wait.
-                stream.wait_stream(torch.cuda.current_stream(work[0][0].param.device))
-                with torch.cuda.stream(stream):
-                    for split, g in work:
-                        split.host.staging[slot].copy_(split.matrix(g), non_blocking=True)
-                        g.record_stream(stream)  # keep the gradient's memory alive until the copy has read it
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                sources = [(split.host, split.host.staging[slot]) for split, _ in work]
-            else:
-                sources = [(split.host, split.matrix(g)) for split, g in work]
+            sources, landed = self._hand_off_sources(work, slot)
             for split, _ in work:
                 split.param.grad = None  # the worker owns this gradient now
             self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in work)
 
             def accumulate() -> None:
                 try:
-                    if event is not None:
-                        event.synchronize()  # Sync point (worker waits on the device): the gradient is on the host
+                    landed.wait()  # Sync point (worker waits on the device): the gradients have landed on the host
                     HostMatrix.accumulate_all(sources, coef)
                 finally:
                     sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
 
             handoff.submit("accumulate", accumulate)  # the worker returns the slot after the job
 
+    def _hand_off_sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
+                          ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
+        sources: list[tuple[HostMatrix, torch.Tensor]] = []
+        landed = Landed()
+        for transport, group in self._by_transport([split for split, _ in work]):
+            mine = {id(split) for split in group}
+            part, arrived = transport.hand_off([(s, g) for s, g in work if id(s) in mine], slot)
+            sources += part
+            landed.events += arrived.events
+        return sources, landed
+
     def _accumulate_on_device(self, work: list[tuple[SplitMatrix, torch.Tensor]], coef: float | None) -> None:
         """``accumulate_on="device"``: add this step's gradients into the device-side window sums (the caller's
         stream, like the rest of the device update); nothing crosses the link until the window closes."""
         for split, g in work:
-            if split.window_sum_free is not None:
-                # Sync point (device streams only): the compute stream waits until the last window's device->host
-                # copy has read the sum before overwriting it; the host thread does not wait.
-                torch.cuda.current_stream(split.param.device).wait_event(split.window_sum_free)
-                split.window_sum_free = None
+            if split.window_count == 0:
+                self._transport_of(split).before_window_add(split)  # (CUDA: the last window's copy has read it)
             accumulate_into(split.window_sum, split.matrix(g), coef, first=split.window_count == 0)
             split.window_count += 1
 
-    def _ship_window_sums(self, splits: list[SplitMatrix]) -> Any:
-        """``accumulate_on="device"``: move each closed window's device sum into the host accumulator, once per
-        window. Returns the CUDA event the host step must wait for (None on a CPU device, where the two buffers are
-        simply swapped). The caller has made sure no host step still reads the accumulators."""
-        event, moved = None, 0
+    def _ship_window_sums(self, splits: list[SplitMatrix]) -> Landed:
+        """``accumulate_on="device"``: move each closed window's device sum into its host accumulator, once per
+        window; returns what the host step must wait for. The caller has made sure no host step still reads the
+        accumulators."""
+        shipped = [s for s in splits if s.window_sum is not None and s.window_count]
+        landed = Landed()
+        for transport, group in self._by_transport(shipped):
+            landed.events += transport.ship_window_sums(group).events
+        for split in shipped:
+            split.host.accum_count, split.window_count = split.window_count, 0
+            self._stats.bytes_to_host += split.host.accum.numel() * split.host.accum.element_size()
+        return landed
+
+    def _by_transport(self, splits: list[SplitMatrix]) -> list[tuple[Transport, list[SplitMatrix]]]:
+        groups: dict[int, tuple[Transport, list[SplitMatrix]]] = {}
         for split in splits:
-            if split.window_sum is None or split.window_count == 0:
-                continue
-            host = split.host
-            if split.param.is_cuda:
-                stream = self._copy_stream
-                # Sync point (device streams only): the copy stream waits for the compute stream's last add.
-                stream.wait_stream(torch.cuda.current_stream(split.param.device))
-                with torch.cuda.stream(stream):
-                    host.accum.copy_(split.window_sum, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                split.window_sum_free = event
-            else:
-                host.accum, split.window_sum = split.window_sum, host.accum
-            host.accum_count, split.window_count = split.window_count, 0
-            moved += host.accum.numel() * host.accum.element_size()
-        self._stats.bytes_to_host += moved
-        return event
+            transport = self._transport_of(split)
+            groups.setdefault(id(transport), (transport, []))[1].append(split)
+        return list(groups.values())
 
     def _close_window(self, timer: StepTimer, sequential: bool) -> None:
         """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
@@ -706,7 +719,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
         def host_step() -> None:
             if landed is not None:
-                landed.synchronize()  # Sync point (worker waits on the device): the window's sums are on the host
+                landed.wait()  # Sync point (worker waits on the device): the window's sums are on the host
             host_adamw_window(work)
 
         future = worker.submit("host_adamw", host_step)
@@ -730,44 +743,29 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._write_back()
 
     def _write_back(self) -> None:
-        """Put the host result into the device weights, then the device columns back on top.
+        """Put each fresh host result into the weights, then the device columns back on top.
 
-        CUDA: an asynchronous copy from the pinned buffer the worker filled. CPU device: the weight takes the
-        worker's buffer as its storage (nothing is copied on the critical path) and its old storage becomes the
-        next spare; only the device columns are written.
+        Only matrices whose host step ran since the last write-back are written (`writeback_fresh`): a matrix that
+        got no gradient in the window keeps its weights, including columns that left the device at a re-selection
+        since. How a result gets into the weights is the transport's (CUDA: an asynchronous copy from pinned
+        memory; CPU device: a storage swap).
         """
-        moved = 0
         columns_back: list[tuple[DeviceColumns, torch.Tensor]] = []
+        written: list[SplitMatrix] = []
         for split in self._split.values():
             host = split.host
             if host is None:
                 continue
-            if split.param.is_cuda:
-                p2d = split.matrix(split.param)
-                # An asynchronous host->device copy from pinned memory on the compute stream; the next forward
-                # pass (and the scatter below) is ordered after it, the host thread does not wait.
-                p2d.copy_(host.writeback, non_blocking=True)
-                if split.device is not None:
-                    split.device.scatter_into(p2d)
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(split.param.device))
-                host.writeback_free = event
-            else:
-                if host.writeback_fresh:
-                    # The worker is done with the buffer (the caller waited for the host step); the weight keeps
-                    # its Parameter object, shape and strides, only its storage changes.
-                    # `.data`, not `.detach()`: the worker writes the spare, which must not bump the version
-                    # counter of the weight that autograd checks
-                    spare = split.matrix(split.param.data)
-                    fresh = host.writeback
-                    split.param.data = split.unmatrix(fresh)
-                    host.writeback = spare
-                if split.device is not None:
-                    columns_back.append((split.device, split.matrix(split.param)))
+            if host.writeback_fresh:
+                self._transport_of(split).put_weights(split)
+                written.append(split)
+                self._stats.bytes_to_device += split.param.numel() * split.param.element_size()
+            if split.device is not None:
+                columns_back.append((split.device, split.matrix(split.param)))
             host.writeback_fresh = False
-            moved += split.param.numel() * split.param.element_size()
         scatter_columns(columns_back)
-        self._stats.bytes_to_device += moved
+        for transport, group in self._by_transport(written):
+            transport.after_write_back(group)
         self._writeback_pending = False
         self._pending = None
         self._unapplied_steps.clear()
@@ -842,7 +840,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if split.host is None and split.offloaded:
             # every column was on the device (a resumed run with a lower topk_ratio): the host state starts from the
             # weights and takes every device column below
-            split.attach_host(self.config.accumulate_on)
+            self._attach_host([split])
         host = split.host
         # Sync point (re-selection only, every `select_period` steps): the outgoing device columns are copied to the
         # host and the incoming ones up with blocking copies; the worker was drained by the caller first.
