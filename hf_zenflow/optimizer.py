@@ -74,6 +74,7 @@ class HandOff:
     work: list[tuple[SplitMatrix, torch.Tensor]]
     sources: list[tuple[HostMatrix, torch.Tensor]]
     landed: Landed
+    done: bool = False  # submitted or abandoned: the slot is accounted for
 
 
 def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -267,64 +268,71 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # and matrices waiting for columns decide on host numbers first: they take the sync-first path.)
         early = gather_now and not waiting
         started: HandOff | None = None
-        rewritten = False
-        if early:
-            bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
-            rewritten = self._boundary_writes_back()
-            with timer.phase("device_update"):
-                self._device_update(entries, grads, clip, gathered, rewritten=rewritten, found_inf=bad.float())
-            with timer.phase("handoff"):
-                started = self._start_hand_off(entries, grads)
-
-        # ---- 3. the one device->host sync of the step ---------------------------------------------------------
-        with timer.phase("norms"):
-            # Sync point, the only one of an ordinary step: the caller waits for the backward pass (and the norms)
-            # to finish and reads a few scalars: whether the step is skipped, Zen-auto's masses, the clip
-            # coefficient for the host accumulation, which waiting matrices have a gradient.
-            values = torch.stack([v.float().to(probe[0].device) for v in probe]).tolist()
-        coef = values[1] if clip is not None else None
-        waiting_norms = [0.0] * len(entries)
-        for i, value in zip(waiting, values[len(values) - len(waiting):]):
-            waiting_norms[i] = value
-        if not math.isfinite(values[0]) or (coef is not None and not math.isfinite(coef)):
-            if started is not None:
-                self._abandon_hand_off(started)
-            self._stats.skipped_steps += 1
-            self._stats.finish_step(timer, skipped=True)
-            return loss
-        if coef == 1.0:
-            coef = None  # multiplying by exactly 1 changes nothing; skip the pass
-
-        if warm_up:
-            self._warm_up_step(entries, grads, coef, timer)
-        else:
-            if not early:
-                with timer.phase("select"):
-                    if selecting:
-                        self._reselect(entries, grads)
-                    else:
-                        self._select_new_matrices(entries, grads, waiting_norms)
+        try:
+            rewritten = False
+            if early:
+                bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
                 rewritten = self._boundary_writes_back()
                 with timer.phase("device_update"):
-                    self._device_update(entries, grads, coef, gathered, rewritten=rewritten)
-            if rewritten and self.config.overlap_step:
-                # The previous window's result goes into the weights before this step's gradients are handed to
-                # the worker: the write-back does not depend on them, and this way its scatter does not compete
-                # with the worker's accumulation for cores and memory bandwidth (`_close_window` then finds no
-                # write-back pending).
-                self._apply_previous_window(timer)
-            with timer.phase("handoff"):
+                    self._device_update(entries, grads, clip, gathered, rewritten=rewritten, found_inf=bad.float())
+                with timer.phase("handoff"):
+                    started = self._start_hand_off(entries, grads)
+
+            # ---- 3. the one device->host sync of the step ---------------------------------------------------------
+            with timer.phase("norms"):
+                # Sync point, the only one of an ordinary step: the caller waits for the backward pass (and the norms)
+                # to finish and reads a few scalars: whether the step is skipped, Zen-auto's masses, the clip
+                # coefficient for the host accumulation, which waiting matrices have a gradient.
+                values = torch.stack([v.float().to(probe[0].device) for v in probe]).tolist()
+            coef = values[1] if clip is not None else None
+            waiting_norms = [0.0] * len(entries)
+            for i, value in zip(waiting, values[len(values) - len(waiting):]):
+                waiting_norms[i] = value
+            if not math.isfinite(values[0]) or (coef is not None and not math.isfinite(coef)):
                 if started is not None:
-                    self._finish_hand_off(started, coef)
-                else:
-                    self._hand_off(entries, grads, coef)
-            schedule.window_steps += 1
-            votes: list[bool] = []
-            n = len(auto_split)
-            for j, (_, split) in enumerate(auto_split):
-                votes.append(split.auto.update(values[2 + n + j], values[2 + j], split.k, split.columns))
-            if schedule.window_closes(votes):
-                self._close_window(timer, sequential=not self.config.overlap_step)
+                    self._abandon_hand_off(started)
+                self._stats.skipped_steps += 1
+                self._stats.finish_step(timer, skipped=True)
+                return loss
+            if coef == 1.0:
+                coef = None  # multiplying by exactly 1 changes nothing; skip the pass
+
+            if warm_up:
+                self._warm_up_step(entries, grads, coef, timer)
+            else:
+                if not early:
+                    with timer.phase("select"):
+                        if selecting:
+                            self._reselect(entries, grads)
+                        else:
+                            self._select_new_matrices(entries, grads, waiting_norms)
+                    rewritten = self._boundary_writes_back()
+                    with timer.phase("device_update"):
+                        self._device_update(entries, grads, coef, gathered, rewritten=rewritten)
+                if rewritten and self.config.overlap_step:
+                    # The previous window's result goes into the weights before this step's gradients are handed to
+                    # the worker: the write-back does not depend on them, and this way its scatter does not compete
+                    # with the worker's accumulation for cores and memory bandwidth (`_close_window` then finds no
+                    # write-back pending).
+                    self._apply_previous_window(timer)
+                with timer.phase("handoff"):
+                    if started is not None:
+                        self._finish_hand_off(started, coef)
+                    else:
+                        self._hand_off(entries, grads, coef)
+                schedule.window_steps += 1
+                votes: list[bool] = []
+                n = len(auto_split)
+                for j, (_, split) in enumerate(auto_split):
+                    votes.append(split.auto.update(values[2 + n + j], values[2 + j], split.k, split.columns))
+                if schedule.window_closes(votes):
+                    self._close_window(timer, sequential=not self.config.overlap_step)
+        except BaseException:
+            # an interrupt (Ctrl-C) or a failure between taking a hand-off slot and submitting its job must not leak
+            # the slot: the next step would wait for it forever
+            if started is not None and not started.done:
+                self._abandon_hand_off(started)
+            raise
         schedule.steps += 1
         self._mark_weights()
         self._stats.finish_step(timer, staleness=sum(self._unapplied_steps) + schedule.window_steps)
@@ -669,7 +677,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         (`_start_hand_off` then `_finish_hand_off`)."""
         started = self._start_hand_off(entries, grads)
         if started is not None:
-            self._finish_hand_off(started, coef)
+            try:
+                self._finish_hand_off(started, coef)
+            except BaseException:
+                if not started.done:
+                    self._abandon_hand_off(started)
+                raise
         elif self.config.accumulate_on == "device":
             work = self._offloaded(entries, grads)
             if work:
@@ -702,6 +715,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _abandon_hand_off(self, started: HandOff) -> None:
         """The step was skipped: no job, the slot goes back (a copy already enqueued into its buffers runs on the
         side stream before any later copy into them)."""
+        started.done = True
         self._worker.release_slot(started.slot)
 
     def _finish_hand_off(self, started: HandOff, coef: float | None) -> None:
@@ -720,6 +734,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 worker.release_slot(slot)
                 sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
 
+        started.done = True  # from here the job owns the slot (and returns it when it has run or was dropped)
         worker.submit("accumulate", accumulate)
 
     def _hand_off_sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
