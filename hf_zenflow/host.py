@@ -18,12 +18,11 @@ migration at re-selection, strided for row-major weights and whole rows for colu
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
@@ -373,28 +372,26 @@ class HostAdamWorker:
     def release_slot(self, slot: int) -> None:
         self._slots.put(slot)
 
-    @contextlib.contextmanager
-    def grad_slot(self) -> Iterator[GradSlot]:
-        """A gradient hand-off slot (`acquire_slot`) for one job, returned exactly once whatever happens: by the
-        job when it has run, or here when the block is left without a job, or by an exception (a KeyboardInterrupt
-        included) before the job started, which then never runs. So an interrupted hand-off never leaks a slot.
+    def take_slot(self) -> GradSlot:
+        """A gradient hand-off slot (`acquire_slot`) for one job, returned to the pool exactly once: by the job when
+        it has run (`GradSlot.submit`), or by `GradSlot.give_back`, which every way out that may not have
+        submitted calls (an exception, a KeyboardInterrupt): it returns the slot at once unless the job has
+        started, and a job that has not started then never runs. So an interrupted hand-off never leaks a slot,
+        wherever the interrupt lands.
 
         Example:
             >>> worker = HostAdamWorker(threads=1, background=False)
-            >>> with worker.grad_slot() as handoff:
-            ...     buffers = ["slot 0 data", "slot 1 data"][handoff.slot]
-            ...     future = handoff.submit("accumulate", lambda: None)
+            >>> grant = worker.take_slot()
+            >>> try:
+            ...     buffers = ["slot 0 data", "slot 1 data"][grant.slot]
+            ...     future = grant.submit("accumulate", lambda: None)
+            ... except BaseException:
+            ...     grant.give_back()
+            ...     raise
             >>> future.done()
             True
         """
-        grant = GradSlot(self, self.acquire_slot())
-        try:
-            yield grant
-        except BaseException:
-            grant.give_back()  # a job still queued finds its slot gone and skips: its buffers may be reused
-            raise
-        if grant.future is None:
-            grant.give_back()
+        return GradSlot(self, self.acquire_slot())
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread once the jobs already submitted have run; a later job of this worker runs inline (the
@@ -426,7 +423,7 @@ class HostAdamWorker:
 
 
 class GradSlot:
-    """One gradient hand-off slot from `HostAdamWorker.grad_slot`: `slot` indexes per-slot buffers (the pinned
+    """One gradient hand-off slot from `HostAdamWorker.take_slot`: `slot` indexes per-slot buffers (the pinned
     landing buffers on CUDA), `submit` queues the one job that uses them; the worker returns the slot after it."""
 
     def __init__(self, worker: HostAdamWorker, slot: int) -> None:

@@ -24,6 +24,7 @@ import logging
 import math
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from ._base import (
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, gather_columns, scatter_columns
 from .distributed_check import warn_if_replicated
-from .host import HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
+from .host import GradSlot, HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
 from .selection import (
     WindowSchedule,
     column_scores,
@@ -62,6 +63,30 @@ _LIVE_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 def _close_all() -> None:  # the host threads are daemons; this just lets in-flight jobs end cleanly
     for opt in list(_LIVE_OPTIMIZERS):
         opt.close()
+
+
+@dataclass
+class HandOff:
+    """One step's gradients on their way to the host worker: the slot they hold, the (matrix, gradient) pairs,
+    what the host job reads and what it waits for."""
+
+    grant: GradSlot
+    work: list[tuple[SplitMatrix, torch.Tensor]]
+    sources: list[tuple[HostMatrix, torch.Tensor]]
+    landed: Landed
+    done: bool = False  # submitted or abandoned: the slot is accounted for
+
+
+def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return list(groups.values())
+
+
+def _to(value: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
+    """A number as it is; a tensor on `device` (a non-blocking copy when it lives elsewhere)."""
+    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
 class ZenFlowAdamW(torch.optim.Optimizer):
@@ -211,9 +236,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._pick_up_outside_changes()
         self._ensure_state(entries)
 
-        # ---- 1. one read of every gradient, and the one device->host sync of the step ---------------------------
+        # ---- 1. one read of every gradient ------------------------------------------------------------------------
         warm_up, selecting = schedule.in_warm_up(), schedule.selection_due()
         gather_now = not warm_up and not selecting
+        # matrices still waiting for their first columns (`_select_new_matrices`): is their gradient non-zero?
+        waiting = [i for i, (_, p) in enumerate(entries)
+                   if gather_now and (split := self._split.get(p)) is not None and split.device is None
+                   and split.k > 0]
         gathered: set[torch.Tensor] = set()
         with timer.phase("norms"):
             if cached_norms:
@@ -223,59 +252,87 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     self._gather_selected(entries, grads, gathered)
             else:
                 norms = self._norms_and_gather(entries, grads, gather_now, gathered)
-            total = cached_total if cached_norms else torch.linalg.vector_norm(torch.stack(norms))
+                first = norms[0].device
+                total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
+            total = cached_total if cached_norms else total
             auto_split = [
                 (i, self._split[p]) for i, (_, p) in enumerate(entries) if p in gathered and self._split[p].offloaded
             ] if self.config.is_auto_interval else []
             critical = [split.device.grad.square().sum() for _, split in auto_split]
-            # matrices still waiting for their first selection (`_select_new_matrices`): is their gradient non-zero?
-            waiting = [i for i, (_, p) in enumerate(entries)
-                       if gather_now and (split := self._split.get(p)) is not None and split.device is None
-                       and split.k > 0]
             probe = [total, total if clip is None else clip] + [norms[i].square() for i, _ in auto_split] + critical
             probe += [norms[i] for i in waiting]
-            # Sync point, the only one of an ordinary step: the caller waits for the backward pass to finish and
-            # reads a few scalars. Skipping a non-finite step must be decided before any state changes, and
-            # Zen-auto's window decision, the clip coefficient and which waiting matrices have a gradient are
-            # needed as numbers on the host; bundling them keeps it to one sync per step.
-            values = torch.stack([v.float().to(probe[0].device) for v in probe]).tolist()
+
+        # ---- 2. an ordinary step launches its device work before it waits -------------------------------------
+        # The fused AdamW takes the non-finite flag as a device tensor and changes nothing when it is set, so the
+        # update need not wait for the check: the device computes while the host waits below. (Warm-up, selection
+        # and matrices waiting for columns decide on host numbers first: they take the sync-first path.)
+        early = gather_now and not waiting
+        started: HandOff | None = None
+        try:
+            rewritten = False
+            if early:
+                bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
+                rewritten = self._boundary_writes_back()
+                with timer.phase("device_update"):
+                    self._device_update(entries, grads, clip, gathered, rewritten=rewritten, found_inf=bad.float())
+                with timer.phase("handoff"):
+                    started = self._start_hand_off(entries, grads)
+
+            # ---- 3. the one device->host sync of the step ---------------------------------------------------------
+            with timer.phase("norms"):
+                # Sync point, the only one of an ordinary step: the caller waits for the backward pass (and the norms)
+                # to finish and reads a few scalars: whether the step is skipped, Zen-auto's masses, the clip
+                # coefficient for the host accumulation, which waiting matrices have a gradient.
+                values = torch.stack([v.float().to(probe[0].device) for v in probe]).tolist()
             coef = values[1] if clip is not None else None
             waiting_norms = [0.0] * len(entries)
             for i, value in zip(waiting, values[len(values) - len(waiting):]):
                 waiting_norms[i] = value
-        if not math.isfinite(values[0]) or (coef is not None and not math.isfinite(coef)):
-            self._stats.skipped_steps += 1
-            self._stats.finish_step(timer, skipped=True)
-            return loss
-        if coef == 1.0:
-            coef = None  # multiplying by exactly 1 changes nothing; skip the pass
+            if not math.isfinite(values[0]) or (coef is not None and not math.isfinite(coef)):
+                if started is not None:
+                    self._abandon_hand_off(started)
+                self._stats.skipped_steps += 1
+                self._stats.finish_step(timer, skipped=True)
+                return loss
+            if coef == 1.0:
+                coef = None  # multiplying by exactly 1 changes nothing; skip the pass
 
-        if warm_up:
-            self._warm_up_step(entries, grads, coef, timer)
-        else:
-            with timer.phase("select"):
-                if selecting:
-                    self._reselect(entries, grads)
-                else:
-                    self._select_new_matrices(entries, grads, waiting_norms)
-            rewritten = self._boundary_writes_back()
-            with timer.phase("device_update"):
-                self._device_update(entries, grads, coef, gathered, rewritten=rewritten)
-            if rewritten and self.config.overlap_step:
-                # The previous window's result goes into the weights before this step's gradients are handed to
-                # the worker: the write-back does not depend on them, and this way its scatter does not compete
-                # with the worker's accumulation for cores and memory bandwidth (`_close_window` then finds no
-                # write-back pending).
-                self._apply_previous_window(timer)
-            with timer.phase("handoff"):
-                self._hand_off(entries, grads, coef)
-            schedule.window_steps += 1
-            votes: list[bool] = []
-            n = len(auto_split)
-            for j, (_, split) in enumerate(auto_split):
-                votes.append(split.auto.update(values[2 + n + j], values[2 + j], split.k, split.columns))
-            if schedule.window_closes(votes):
-                self._close_window(timer, sequential=not self.config.overlap_step)
+            if warm_up:
+                self._warm_up_step(entries, grads, coef, timer)
+            else:
+                if not early:
+                    with timer.phase("select"):
+                        if selecting:
+                            self._reselect(entries, grads)
+                        else:
+                            self._select_new_matrices(entries, grads, waiting_norms)
+                    rewritten = self._boundary_writes_back()
+                    with timer.phase("device_update"):
+                        self._device_update(entries, grads, coef, gathered, rewritten=rewritten)
+                if rewritten and self.config.overlap_step:
+                    # The previous window's result goes into the weights before this step's gradients are handed to
+                    # the worker: the write-back does not depend on them, and this way its scatter does not compete
+                    # with the worker's accumulation for cores and memory bandwidth (`_close_window` then finds no
+                    # write-back pending).
+                    self._apply_previous_window(timer)
+                with timer.phase("handoff"):
+                    if started is not None:
+                        self._finish_hand_off(started, coef)
+                    else:
+                        self._hand_off(entries, grads, coef)
+                schedule.window_steps += 1
+                votes: list[bool] = []
+                n = len(auto_split)
+                for j, (_, split) in enumerate(auto_split):
+                    votes.append(split.auto.update(values[2 + n + j], values[2 + j], split.k, split.columns))
+                if schedule.window_closes(votes):
+                    self._close_window(timer, sequential=not self.config.overlap_step)
+        except BaseException:
+            # an interrupt (Ctrl-C) or a failure between taking a hand-off slot and submitting its job must not leak
+            # the slot: the next step would wait for it forever
+            if started is not None and not started.done:
+                self._abandon_hand_off(started)
+            raise
         schedule.steps += 1
         self._mark_weights()
         self._stats.finish_step(timer, staleness=sum(self._unapplied_steps) + schedule.window_steps)
@@ -559,11 +616,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return not self.config.overlap_step or self._writeback_pending
 
     def _device_update(
-        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
-        gathered: set[torch.Tensor], rewritten: bool = False,
+        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | torch.Tensor | None,
+        gathered: set[torch.Tensor], rewritten: bool = False, found_inf: torch.Tensor | None = None,
     ) -> None:
         """Fused AdamW on the selected columns and the dense parameters, one kernel launch per group and device.
-        `rewritten`: a write-back follows in this step, so matrices with host columns are not scattered now."""
+        `coef`: the clip coefficient, a number or a device tensor; `found_inf`: a device tensor that, when set,
+        makes the update change nothing. `rewritten`: a write-back follows in this step, so matrices with host
+        columns are not scattered now."""
         batches: dict[tuple[int, torch.device], tuple[dict, list[list[torch.Tensor]]]] = {}
         scatters: list[tuple[DeviceColumns, torch.Tensor]] = []
         dense_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -581,12 +640,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         dense = [(p, g if g.dtype == torch.float32 else g.float()) for _, p, split, g in updates if split is None]
         dense_grads = [g for _, g in dense]
         if coef is not None:
-            # one batched multiply per kind: the selected columns' own buffers in place; the dense parameters'
-            # gradients into new tensors (the caller's gradients are never modified)
+            # one batched multiply per kind and device: the selected columns' own buffers in place; the dense
+            # parameters' gradients into new tensors (the caller's gradients are never modified)
             selected = [split.device.grad for _, _, split, _ in updates if split is not None]
-            if selected:
-                torch._foreach_mul_(selected, coef)
-            dense_grads = torch._foreach_mul(dense_grads, coef) if dense_grads else []
+            for group in _by_device(selected):
+                torch._foreach_mul_(group, _to(coef, group[0].device))
+            scaled = {id(g): h for group in _by_device(dense_grads)
+                      for g, h in zip(group, torch._foreach_mul(group, _to(coef, group[0].device)))}
+            dense_grads = [scaled[id(g)] for g in dense_grads]
         dense_grad = {id(p): g for (p, _), g in zip(dense, dense_grads)}
         for group, p, split, _ in updates:
             lists = batches.setdefault((id(group), p.device), (group, [[], [], [], [], []]))[1]
@@ -602,8 +663,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     dense_copies.append((p, state.master))  # the parameter receives the rounded fp32 master
             for bucket, t in zip(lists, tensors):
                 bucket.append(t)
-        for group, (params, gs, m, v, steps) in batches.values():
-            fused_adamw_(params, gs, m, v, steps, group)
+        for (_, device), (group, (params, gs, m, v, steps)) in batches.items():
+            flag = None if found_inf is None else _to(found_inf, device)
+            fused_adamw_(params, gs, m, v, steps, group, found_inf=flag)
         scatter_columns(scatters)
         for p, master in dense_copies:
             p.copy_(master)
@@ -611,35 +673,68 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _hand_off(
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
     ) -> None:
-        """Give this step's gradients of the offloaded matrices to the host worker, which adds them to the window.
+        """Give this step's gradients of the offloaded matrices to the host worker, which adds them to the window
+        (`_start_hand_off` then `_finish_hand_off`)."""
+        started = self._start_hand_off(entries, grads)
+        if started is not None:
+            try:
+                self._finish_hand_off(started, coef)
+            except BaseException:
+                if not started.done:
+                    self._abandon_hand_off(started)
+                raise
+        elif self.config.accumulate_on == "device":
+            work = self._offloaded(entries, grads)
+            if work:
+                self._accumulate_on_device(work, coef)
 
-        The transport starts moving them (CUDA: a copy on a side stream into pinned memory, which the worker waits
-        for; CPU device: the worker reads the gradient tensors themselves). The caller does not wait, unless the
-        worker is `GRAD_SLOTS` steps behind.
-        """
-        work = [(self._split[p], g) for (_, p), g in zip(entries, grads)
+    def _offloaded(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]
+                   ) -> list[tuple[SplitMatrix, torch.Tensor]]:
+        return [(self._split[p], g) for (_, p), g in zip(entries, grads)
                 if p in self._split and self._split[p].host is not None]
-        if not work:
-            return
+
+    def _start_hand_off(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]
+                        ) -> HandOff | None:
+        """Take a hand-off slot and start moving the offloaded matrices' gradients to the host (CUDA: a copy on a
+        side stream into pinned memory, which the worker will wait for; CPU device: nothing to move, the worker
+        reads the gradient tensors). Blocks (a stall) only while the worker is `GRAD_SLOTS` steps behind. None when
+        nothing goes to the host worker this step (``accumulate_on="device"`` sums on the device instead)."""
         if self.config.accumulate_on == "device":
-            self._accumulate_on_device(work, coef)
-            return
-        worker = self._worker
-        with worker.grad_slot() as handoff:  # the slot goes back if the hand-off is interrupted
-            slot = handoff.slot
-            sources, landed = self._hand_off_sources(work, slot)
-            for split, _ in work:
-                split.param.grad = None  # the worker owns this gradient now
-            self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in work)
+            return None
+        work = self._offloaded(entries, grads)
+        if not work:
+            return None
+        grant = self._worker.take_slot()
+        try:
+            sources, landed = self._hand_off_sources(work, grant.slot)
+        except BaseException:
+            grant.give_back()
+            raise
+        return HandOff(grant, work, sources, landed)
 
-            def accumulate() -> None:
-                try:
-                    landed.wait()  # Sync point (worker waits on the device): the gradients have landed on the host
-                    HostMatrix.accumulate_all(sources, coef)
-                finally:
-                    sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
+    def _abandon_hand_off(self, started: HandOff) -> None:
+        """The step was skipped: no job, the slot goes back (a copy already enqueued into its buffers runs on the
+        side stream before any later copy into them)."""
+        started.done = True
+        started.grant.give_back()
 
-            handoff.submit("accumulate", accumulate)  # the worker returns the slot after the job
+    def _finish_hand_off(self, started: HandOff, coef: float | None) -> None:
+        """Submit the host job that adds the handed-off gradients (times `coef`) into the window sums."""
+        sources, landed = started.sources, started.landed
+        for split, _ in started.work:
+            split.param.grad = None  # the worker owns this gradient now
+        self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in started.work)
+        started.work.clear()
+
+        def accumulate() -> None:
+            try:
+                landed.wait()  # Sync point (worker waits on the device): the gradients have landed on the host
+                HostMatrix.accumulate_all(sources, coef)
+            finally:
+                sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
+
+        started.grant.submit("accumulate", accumulate)  # the job returns the slot when it has run
+        started.done = True  # (interrupted before this line, `_abandon_hand_off` returns it and the job skips)
 
     def _hand_off_sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
                           ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:

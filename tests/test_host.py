@@ -204,30 +204,44 @@ def _slot_count(worker: HostAdamWorker) -> int:
     return worker._slots.qsize()
 
 
-def test_grad_slot_comes_back_exactly_once_whatever_interrupts_the_hand_off():
+def _hand_off(worker: HostAdamWorker, job=None, interrupt: bool = False):
+    """A caller's hand-off as the optimizer does it: take a slot, maybe submit, give the slot back on the way out
+    by an exception."""
+    grant = worker.take_slot()
+    try:
+        if job is not None:
+            grant.submit("job", job)
+        if interrupt:
+            raise KeyboardInterrupt
+    except BaseException:
+        grant.give_back()
+        raise
+    return grant
+
+
+def test_a_slot_comes_back_exactly_once_whatever_interrupts_the_hand_off():
     worker = HostAdamWorker(threads=1, background=True)
     for _ in range(GRAD_SLOTS + 1):  # before the job exists: more interrupted hand-offs than there are slots
-        with pytest.raises(KeyboardInterrupt), worker.grad_slot():
-            raise KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            _hand_off(worker, interrupt=True)
     assert _slot_count(worker) == GRAD_SLOTS
     # after the submission, while the job is still held: the slot comes back now and the job never runs (the
     # caller may reuse the slot's buffers at once)
     ran: list[str] = []
     worker.hold()
-    with pytest.raises(KeyboardInterrupt), worker.grad_slot() as handoff:
-        handoff.submit("held", lambda: ran.append("held"))
-        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        _hand_off(worker, lambda: ran.append("held"), interrupt=True)
     worker.release()
     worker.synchronize()
     assert ran == [] and _slot_count(worker) == GRAD_SLOTS
-    # left without a job: returned; normal hand-offs: returned by their job, once each
-    with worker.grad_slot():
-        pass
-    for i in range(5):
-        with worker.grad_slot() as handoff:
-            handoff.submit("job", lambda i=i: ran.append(f"job{i}"))
+    # a give_back after the job has run changes nothing; normal hand-offs: returned by their job, once each
+    late = _hand_off(worker, lambda: ran.append("late"))
     worker.synchronize()
-    assert ran == [f"job{i}" for i in range(5)] and _slot_count(worker) == GRAD_SLOTS
+    late.give_back()
+    for i in range(5):
+        _hand_off(worker, lambda i=i: ran.append(f"job{i}"))
+    worker.synchronize()
+    assert ran == ["late"] + [f"job{i}" for i in range(5)] and _slot_count(worker) == GRAD_SLOTS
     worker.close()
 
 
