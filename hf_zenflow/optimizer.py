@@ -41,7 +41,7 @@ from ._base import (
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, gather_columns, scatter_columns
 from .distributed_check import warn_if_replicated
-from .host import HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
+from .host import GradSlot, HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
 from .selection import (
     WindowSchedule,
     column_scores,
@@ -70,7 +70,7 @@ class HandOff:
     """One step's gradients on their way to the host worker: the slot they hold, the (matrix, gradient) pairs,
     what the host job reads and what it waits for."""
 
-    slot: int
+    grant: GradSlot
     work: list[tuple[SplitMatrix, torch.Tensor]]
     sources: list[tuple[HostMatrix, torch.Tensor]]
     landed: Landed
@@ -704,23 +704,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         work = self._offloaded(entries, grads)
         if not work:
             return None
-        slot = self._worker.acquire_slot()
+        grant = self._worker.take_slot()
         try:
-            sources, landed = self._hand_off_sources(work, slot)
+            sources, landed = self._hand_off_sources(work, grant.slot)
         except BaseException:
-            self._worker.release_slot(slot)
+            grant.give_back()
             raise
-        return HandOff(slot, work, sources, landed)
+        return HandOff(grant, work, sources, landed)
 
     def _abandon_hand_off(self, started: HandOff) -> None:
         """The step was skipped: no job, the slot goes back (a copy already enqueued into its buffers runs on the
         side stream before any later copy into them)."""
         started.done = True
-        self._worker.release_slot(started.slot)
+        started.grant.give_back()
 
     def _finish_hand_off(self, started: HandOff, coef: float | None) -> None:
         """Submit the host job that adds the handed-off gradients (times `coef`) into the window sums."""
-        worker, sources, landed, slot = self._worker, started.sources, started.landed, started.slot
+        sources, landed = started.sources, started.landed
         for split, _ in started.work:
             split.param.grad = None  # the worker owns this gradient now
         self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in started.work)
@@ -731,11 +731,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 landed.wait()  # Sync point (worker waits on the device): the gradients have landed on the host
                 HostMatrix.accumulate_all(sources, coef)
             finally:
-                worker.release_slot(slot)
                 sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
 
-        started.done = True  # from here the job owns the slot (and returns it when it has run or was dropped)
-        worker.submit("accumulate", accumulate)
+        started.grant.submit("accumulate", accumulate)  # the job returns the slot when it has run
+        started.done = True  # (interrupted before this line, `_abandon_hand_off` returns it and the job skips)
 
     def _hand_off_sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
                           ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
