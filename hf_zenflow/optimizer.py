@@ -41,7 +41,7 @@ from ._base import (
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, gather_columns, scatter_columns
 from .distributed_check import warn_if_replicated
-from .host import GradSlot, HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
+from .host import GradSlot, HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window, wait_for_closed_workers
 from .selection import (
     WindowSchedule,
     column_scores,
@@ -343,6 +343,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         host result still waiting for its window boundary stays pending (and is part of `state_dict()`)."""
         if self._worker is not None:
             self._worker.synchronize()
+        else:
+            wait_for_closed_workers()  # a worker closed without waiting (Ctrl-C) may still run its last job
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -797,7 +799,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     by_group[id(group)] = (hyper, [])
                 by_group[id(group)][1].append(split.host)
         work = list(by_group.values())
-        worker = self._worker
+        worker = self._ensure_worker()  # (closed after training: `flush()` may still close a window)
         if not work:
             return  # every column lives on the device: no host step, nothing stale
         if not sequential:
@@ -833,7 +835,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         with timer.phase("wait"):
             # Sync point: the previous window's host step must be done before its result is written back.
             if self._pending is not None:
-                self._worker.wait(self._pending)
+                self._ensure_worker().wait(self._pending)
         with timer.phase("writeback"):
             self._write_back()
 
