@@ -42,13 +42,8 @@ from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, gather_columns, scatter_columns
 from .distributed_check import warn_if_replicated
 from .host import GradSlot, HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window, wait_for_closed_workers
-from .selection import (
-    WindowSchedule,
-    column_scores,
-    num_selected,
-    selection_axis,
-    top_columns,
-)
+from .schedule import StepKind, WindowSchedule, host_lr_scale
+from .selection import column_scores, num_selected, selection_axis, top_columns
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
 from .transport import Landed, Transport, transport_for
@@ -237,8 +232,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._ensure_state(entries)
 
         # ---- 1. one read of every gradient ------------------------------------------------------------------------
-        warm_up, selecting = schedule.in_warm_up(), schedule.selection_due()
-        gather_now = not warm_up and not selecting
+        kind = schedule.kind()
+        warm_up, selecting = kind is StepKind.WARM_UP, kind is StepKind.SELECT
+        gather_now = kind is StepKind.ORDINARY
         # matrices still waiting for their first columns (`_select_new_matrices`): is their gradient non-zero?
         waiting = [i for i, (_, p) in enumerate(entries)
                    if gather_now and (split := self._split.get(p)) is not None and split.device is None
@@ -266,13 +262,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # The fused AdamW takes the non-finite flag as a device tensor and changes nothing when it is set, so the
         # update need not wait for the check: the device computes while the host waits below. (Warm-up, selection
         # and matrices waiting for columns decide on host numbers first: they take the sync-first path.)
-        early = gather_now and not waiting
+        early = schedule.launches_before_sync(waiting_for_columns=bool(waiting))
         started: HandOff | None = None
         try:
             rewritten = False
             if early:
                 bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
-                rewritten = self._boundary_writes_back()
+                rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._writeback_pending)
                 with timer.phase("device_update"):
                     self._device_update(entries, grads, clip, gathered, rewritten=rewritten, found_inf=bad.float())
                 with timer.phase("handoff"):
@@ -306,7 +302,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             self._reselect(entries, grads)
                         else:
                             self._select_new_matrices(entries, grads, waiting_norms)
-                    rewritten = self._boundary_writes_back()
+                    rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._writeback_pending)
                     with timer.phase("device_update"):
                         self._device_update(entries, grads, coef, gathered, rewritten=rewritten)
                 if rewritten and self.config.overlap_step:
@@ -606,17 +602,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 gathered.add(p)
         gather_columns(items)
 
-    def _boundary_writes_back(self) -> bool:
-        """Whether this step closes a fixed-length window with a write-back. That write-back rewrites every column
-        of each offloaded matrix (host values, the device columns on top, from the device masters), so the step's
-        own scatter of the device columns into those matrices can be skipped: on a CPU device it is a
-        read-modify-write of nearly every cache line of the matrix (Zen-auto windows are decided after the device
-        update, so they always scatter)."""
-        schedule = self._schedule
-        if schedule.update_interval is None or schedule.window_steps + 1 < schedule.update_interval:
-            return False
-        return not self.config.overlap_step or self._writeback_pending
-
     def _device_update(
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | torch.Tensor | None,
         gathered: set[torch.Tensor], rewritten: bool = False, found_inf: torch.Tensor | None = None,
@@ -781,12 +766,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _close_window(self, timer: StepTimer, sequential: bool) -> None:
         """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
         schedule = self._schedule
-        steps, schedule.window_steps = schedule.window_steps, 0
-        schedule.windows += 1
-        schedule.last_interval = steps
+        steps = schedule.close_window()
         for split in self._split.values():
             split.auto.reset()
-        scale = float(steps) if self.config.host_lr_scale == "interval" else float(self.config.host_lr_scale)
+        scale = host_lr_scale(self.config.host_lr_scale, steps)
         group_of = self._group_of()
         by_group: dict[int, tuple[dict, list[HostMatrix]]] = {}
         for p, split in self._split.items():
