@@ -112,7 +112,7 @@ def pack(opt: ZenFlowAdamW) -> dict[str, Any]:
             "steps": schedule.steps, "window_steps": schedule.window_steps, "windows": schedule.windows,
             "reselections": schedule.reselections, "last_interval": schedule.last_interval,
             "force_select": schedule.force_select,
-            "writeback_pending": opt._writeback_pending, "unapplied_steps": list(opt._unapplied_steps),
+            "writeback_pending": opt._host.writeback_pending, "unapplied_steps": list(opt._host.unapplied_steps),
             "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
         }
     return {"state": state, "param_groups": groups, "zenflow": zenflow}
@@ -245,8 +245,8 @@ def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     for key in ("steps", "window_steps", "windows", "reselections", "last_interval"):
         setattr(schedule, key, int(zenflow[key]))
     schedule.force_select = bool(zenflow.get("force_select", False))
-    opt._writeback_pending = bool(zenflow["writeback_pending"])
-    opt._unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
+    opt._host.writeback_pending = bool(zenflow["writeback_pending"])
+    opt._host.unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
     opt._stats.skipped_steps = int(zenflow["skipped_steps"])
     for index, entry in state_dict["state"].items():
         p = params[int(index)]
@@ -286,7 +286,7 @@ def _restore_split(opt: ZenFlowAdamW, p: torch.Tensor, index: int, entry: dict[s
         return t.t() if flip and t.ndim == 2 else t
 
     if "host_master" in entry:
-        opt._attach_host([split])
+        opt._host.attach_host([split])
         host = split.host
         for name in ("master", "exp_avg", "exp_avg_sq", "step"):
             getattr(host, name).copy_(fit(entry[f"host_{name}"]))
@@ -299,7 +299,7 @@ def _restore_split(opt: ZenFlowAdamW, p: torch.Tensor, index: int, entry: dict[s
         if entry["accum"] is not None:
             target.copy_(fit(entry["accum"]))
         host.writeback.copy_(host.master)  # a pending write-back reads this buffer
-        host.writeback_fresh = opt._writeback_pending
+        host.writeback_fresh = opt._host.writeback_pending
     if "device_master" in entry:
         split.device = DeviceColumns.from_columns(
             entry["device_index"].long(), fit(entry["device_master"]), fit(entry["device_exp_avg"]),
@@ -377,7 +377,7 @@ def _dense_to_split(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -
     rows = bool(group.get("select_rows", False))
     split = SplitMatrix(p, 0, rows=rows)
     split.k = num_selected(opt.config.topk_ratio, split.columns)
-    opt._attach_host([split])
+    opt._host.attach_host([split])
     host = split.host
     host.master.copy_(split.matrix(dense.master_of(p)))
     host.exp_avg.copy_(split.matrix(dense.exp_avg))

@@ -24,7 +24,6 @@ import logging
 import math
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,13 +39,12 @@ from ._base import (
 )
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, gather_columns, scatter_columns
-from .distributed_check import warn_if_replicated
-from .host import GradSlot, HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window, wait_for_closed_workers
-from .schedule import StepKind, WindowSchedule, host_lr_scale
+from .host import wait_for_closed_workers
+from .schedule import StepKind, WindowSchedule
 from .selection import column_scores, num_selected, selection_axis, top_columns
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
-from .transport import Landed, Transport, transport_for
+from .windows import HandOff, HostWindows
 
 
 logger = logging.getLogger(__name__)
@@ -58,18 +56,6 @@ _LIVE_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 def _close_all() -> None:  # the host threads are daemons; this just lets in-flight jobs end cleanly
     for opt in list(_LIVE_OPTIMIZERS):
         opt.close()
-
-
-@dataclass
-class HandOff:
-    """One step's gradients on their way to the host worker: the slot they hold, the (matrix, gradient) pairs,
-    what the host job reads and what it waits for."""
-
-    grant: GradSlot
-    work: list[tuple[SplitMatrix, torch.Tensor]]
-    sources: list[tuple[HostMatrix, torch.Tensor]]
-    landed: Landed
-    done: bool = False  # submitted or abandoned: the slot is accounted for
 
 
 def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -140,18 +126,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if host_executor not in ("thread", "inline"):
             raise ValueError(f'ZenFlowAdamW host_executor={host_executor!r} is invalid: allowed is "thread" or '
                              '"inline".')
-        self.config = config
         self.host_executor = host_executor
-        self._worker: HostAdamWorker | None = None
         self._split: dict[torch.Tensor, SplitMatrix] = {}
         self._dense: dict[torch.Tensor, DenseDeviceState] = {}
         self._schedule: WindowSchedule | None = None
-        self._pending = None  # Future of the host step whose result awaits write-back (overlap mode)
-        self._writeback_pending = False
-        self._unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
         self._norm_cache = GradNormCache()
-        self._transports: dict[str, Transport] = {}  # by device type (see `transport.py`)
         self._stats = ZenFlowStats()
+        self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor)
+        self.config = config
         # (version counter, storage) of every parameter with an fp32 master of its own, after the optimizer's last
         # write: a difference means the weights were changed from outside (see `_pick_up_outside_changes`)
         self._weight_marks: dict[torch.Tensor, tuple[int, int]] = {}
@@ -207,7 +189,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        worker = self._ensure_worker()
+        worker = self._host.ensure_worker()
         worker.check()
         worker.hold()
         try:
@@ -268,11 +250,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             rewritten = False
             if early:
                 bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
-                rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._writeback_pending)
+                rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
                 with timer.phase("device_update"):
                     self._device_update(entries, grads, clip, gathered, rewritten=rewritten, found_inf=bad.float())
                 with timer.phase("handoff"):
-                    started = self._start_hand_off(entries, grads)
+                    started = self._host.start_hand_off(entries, grads)
 
             # ---- 3. the one device->host sync of the step ---------------------------------------------------------
             with timer.phase("norms"):
@@ -286,7 +268,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 waiting_norms[i] = value
             if not math.isfinite(values[0]) or (coef is not None and not math.isfinite(coef)):
                 if started is not None:
-                    self._abandon_hand_off(started)
+                    self._host.abandon_hand_off(started)
                 self._stats.skipped_steps += 1
                 self._stats.finish_step(timer, skipped=True)
                 return loss
@@ -302,7 +284,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             self._reselect(entries, grads)
                         else:
                             self._select_new_matrices(entries, grads, waiting_norms)
-                    rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._writeback_pending)
+                    rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
                     with timer.phase("device_update"):
                         self._device_update(entries, grads, coef, gathered, rewritten=rewritten)
                 if rewritten and self.config.overlap_step:
@@ -310,35 +292,35 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     # the worker: the write-back does not depend on them, and this way its scatter does not compete
                     # with the worker's accumulation for cores and memory bandwidth (`_close_window` then finds no
                     # write-back pending).
-                    self._apply_previous_window(timer)
+                    self._host.apply_previous_window(timer)
                 with timer.phase("handoff"):
                     if started is not None:
-                        self._finish_hand_off(started, coef)
+                        self._host.finish_hand_off(started, coef)
                     else:
-                        self._hand_off(entries, grads, coef)
+                        self._host.hand_off(entries, grads, coef)
                 schedule.window_steps += 1
                 votes: list[bool] = []
                 n = len(auto_split)
                 for j, (_, split) in enumerate(auto_split):
                     votes.append(split.auto.update(values[2 + n + j], values[2 + j], split.k, split.columns))
                 if schedule.window_closes(votes):
-                    self._close_window(timer, sequential=not self.config.overlap_step)
+                    self._host.close_window(self._schedule, timer, sequential=not self.config.overlap_step)
         except BaseException:
             # an interrupt (Ctrl-C) or a failure between taking a hand-off slot and submitting its job must not leak
             # the slot: the next step would wait for it forever
             if started is not None and not started.done:
-                self._abandon_hand_off(started)
+                self._host.abandon_hand_off(started)
             raise
         schedule.steps += 1
         self._mark_weights()
-        self._stats.finish_step(timer, staleness=sum(self._unapplied_steps) + schedule.window_steps)
+        self._stats.finish_step(timer, staleness=sum(self._host.unapplied_steps) + schedule.window_steps)
         return loss
 
     def synchronize(self) -> None:
         """Wait until the host worker is idle and re-raise its failure, if any. Does not change the schedule: a
         host result still waiting for its window boundary stays pending (and is part of `state_dict()`)."""
-        if self._worker is not None:
-            self._worker.synchronize()
+        if self._host.worker is not None:
+            self._host.worker.synchronize()
         else:
             wait_for_closed_workers()  # a worker closed without waiting (Ctrl-C) may still run its last job
 
@@ -350,15 +332,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return
         self._pick_up_outside_changes()
         if self._schedule.window_steps > 0:
-            self._close_window(StepTimer(), sequential=True)
-        self._drain_and_apply()
+            self._host.close_window(self._schedule, StepTimer(), sequential=True)
+        self._host.drain_and_apply()
         self._mark_weights()
 
     def train(self) -> None:
         """HF calls this before every training step: only surface a worker failure. (Waiting here would serialise
         the host step with every training step.)"""
-        if self._worker is not None:
-            self._worker.check()
+        if self._host.worker is not None:
+            self._host.worker.check()
 
     def eval(self) -> None:
         """HF calls this before evaluation: wait for the host worker."""
@@ -366,9 +348,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Stop the host worker thread (a later `step()` starts a new one)."""
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.close()
+        self._host.close()
+
+    @property
+    def config(self) -> ZenFlowConfig:
+        """The settings in force (`ZenFlowConfig`)."""
+        return self._config
+
+    @config.setter
+    def config(self, value: ZenFlowConfig) -> None:
+        self._config = value
+        self._host.config = value
 
     def __del__(self) -> None:  # noqa: D105
         try:
@@ -386,7 +376,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         device_bytes = sum(s.device.nbytes() for s in split if s.device is not None) + sum(
             d.nbytes() for d in self._dense.values()
         ) + sum(s.window_sum.numel() * 4 for s in split if s.window_sum is not None)
-        worker_ms = self._worker.last_job_ms if self._worker is not None else {}
+        worker_ms = self._host.worker.last_job_ms if self._host.worker is not None else {}
         return self._stats.as_dict(
             selected_fraction=(on_device / total) if total else 1.0,
             # the last closed window; before the first one, the configured interval (auto: the open window so far)
@@ -403,8 +393,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # per element of the matrices with host state: 16 B of state plus the link buffers
             host_bytes_per_param=host_bytes / hosted if (hosted := sum(
                 s.param.numel() for s in split if s.host is not None)) else 0.0,
-            pinned_host_bytes=sum(getattr(getattr(t, "arena", None), "nbytes", 0) for t in self._transports.values()
-                                  if getattr(getattr(t, "arena", None), "pin", False)),
+            pinned_host_bytes=sum(t.pinned_bytes for t in self._host.transports.values()),
             device_state_bytes=device_bytes,
         )
 
@@ -436,8 +425,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._mark_weights()
 
     def _reread_masters(self, params: list[torch.Tensor]) -> None:
-        if self._worker is not None:
-            self._worker.synchronize()  # Sync point: the worker must not be writing the host masters we replace
+        if self._host.worker is not None:
+            self._host.worker.synchronize()  # Sync point: the worker must not be writing the host masters we replace
         for p in params:
             dense = self._dense.get(p)
             if dense is not None:
@@ -482,15 +471,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------------------------
     # Step internals
     # ------------------------------------------------------------------------------------------------------------
-    def _ensure_worker(self) -> HostAdamWorker:
-        if self._worker is None:
-            warn_if_replicated()  # several processes each keep a full host copy (once per process)
-            self._worker = HostAdamWorker(
-                self.config.resolved_cpu_threads,
-                background=self.config.overlap_step and self.host_executor == "thread",
-            )
-        return self._worker
-
     def _ensure_schedule(self) -> WindowSchedule:
         if self._schedule is None:
             cfg = self.config
@@ -521,26 +501,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._split[p] = split
             else:
                 self._dense[p] = DenseDeviceState.fresh(p)
-        self._attach_host(needs_host)
-
-    def _transport_of(self, split: SplitMatrix) -> Transport:
-        kind = split.param.device.type
-        if kind not in self._transports:
-            self._transports[kind] = transport_for(split.param.device)
-        return self._transports[kind]
-
-    def _attach_host(self, splits: list[SplitMatrix]) -> None:
-        """Create the host state of `splits`, their link buffers from one reservation per transport."""
-        accumulate_on = self.config.accumulate_on
-        by_transport: dict[int, tuple[Transport, list[SplitMatrix]]] = {}
-        for split in splits:
-            transport = self._transport_of(split)
-            by_transport.setdefault(id(transport), (transport, []))[1].append(split)
-        for transport, group in by_transport.values():
-            transport.reserve(sum(HostMatrix.link_bytes(s.matrix(s.param), s.grad_dtype, accumulate_on, transport)
-                                  for s in group))
-            for split in group:
-                split.attach_host(accumulate_on, transport)
+        self._host.attach_host(needs_host)
 
     def _splits(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
         """Whether `p` is split between the device and the host (a large enough matrix in a layout we can split),
@@ -657,205 +618,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for p, master in dense_copies:
             p.copy_(master)
 
-    def _hand_off(
-        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
-    ) -> None:
-        """Give this step's gradients of the offloaded matrices to the host worker, which adds them to the window
-        (`_start_hand_off` then `_finish_hand_off`)."""
-        started = self._start_hand_off(entries, grads)
-        if started is not None:
-            try:
-                self._finish_hand_off(started, coef)
-            except BaseException:
-                if not started.done:
-                    self._abandon_hand_off(started)
-                raise
-        elif self.config.accumulate_on == "device":
-            work = self._offloaded(entries, grads)
-            if work:
-                self._accumulate_on_device(work, coef)
-
-    def _offloaded(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]
-                   ) -> list[tuple[SplitMatrix, torch.Tensor]]:
-        return [(self._split[p], g) for (_, p), g in zip(entries, grads)
-                if p in self._split and self._split[p].host is not None]
-
-    def _start_hand_off(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]
-                        ) -> HandOff | None:
-        """Take a hand-off slot and start moving the offloaded matrices' gradients to the host (CUDA: a copy on a
-        side stream into pinned memory, which the worker will wait for; CPU device: nothing to move, the worker
-        reads the gradient tensors). Blocks (a stall) only while the worker is `GRAD_SLOTS` steps behind. None when
-        nothing goes to the host worker this step (``accumulate_on="device"`` sums on the device instead)."""
-        if self.config.accumulate_on == "device":
-            return None
-        work = self._offloaded(entries, grads)
-        if not work:
-            return None
-        grant = self._worker.take_slot()
-        try:
-            sources, landed = self._hand_off_sources(work, grant.slot)
-        except BaseException:
-            grant.give_back()
-            raise
-        return HandOff(grant, work, sources, landed)
-
-    def _abandon_hand_off(self, started: HandOff) -> None:
-        """The step was skipped: no job, the slot goes back (a copy already enqueued into its buffers runs on the
-        side stream before any later copy into them)."""
-        started.done = True
-        started.grant.give_back()
-
-    def _finish_hand_off(self, started: HandOff, coef: float | None) -> None:
-        """Submit the host job that adds the handed-off gradients (times `coef`) into the window sums."""
-        sources, landed = started.sources, started.landed
-        for split, _ in started.work:
-            split.param.grad = None  # the worker owns this gradient now
-        self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in started.work)
-        started.work.clear()
-
-        def accumulate() -> None:
-            try:
-                landed.wait()  # Sync point (worker waits on the device): the gradients have landed on the host
-                HostMatrix.accumulate_all(sources, coef)
-            finally:
-                sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
-
-        started.grant.submit("accumulate", accumulate)  # the job returns the slot when it has run
-        started.done = True  # (interrupted before this line, `_abandon_hand_off` returns it and the job skips)
-
-    def _hand_off_sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
-                          ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
-        sources: list[tuple[HostMatrix, torch.Tensor]] = []
-        landed = Landed()
-        for transport, group in self._by_transport([split for split, _ in work]):
-            mine = {id(split) for split in group}
-            part, arrived = transport.hand_off([(s, g) for s, g in work if id(s) in mine], slot)
-            sources += part
-            landed.events += arrived.events
-        return sources, landed
-
-    def _accumulate_on_device(self, work: list[tuple[SplitMatrix, torch.Tensor]], coef: float | None) -> None:
-        """``accumulate_on="device"``: add this step's gradients into the device-side window sums (the caller's
-        stream, like the rest of the device update); nothing crosses the link until the window closes."""
-        for split, g in work:
-            if split.window_count == 0:
-                self._transport_of(split).before_window_add(split)  # (CUDA: the last window's copy has read it)
-            accumulate_into(split.window_sum, split.matrix(g), coef, first=split.window_count == 0)
-            split.window_count += 1
-
-    def _ship_window_sums(self, splits: list[SplitMatrix]) -> Landed:
-        """``accumulate_on="device"``: move each closed window's device sum into its host accumulator, once per
-        window; returns what the host step must wait for. The caller has made sure no host step still reads the
-        accumulators."""
-        shipped = [s for s in splits if s.window_sum is not None and s.window_count]
-        landed = Landed()
-        for transport, group in self._by_transport(shipped):
-            landed.events += transport.ship_window_sums(group).events
-        for split in shipped:
-            split.host.accum_count, split.window_count = split.window_count, 0
-            self._stats.bytes_to_host += split.host.accum.numel() * split.host.accum.element_size()
-        return landed
-
-    def _by_transport(self, splits: list[SplitMatrix]) -> list[tuple[Transport, list[SplitMatrix]]]:
-        groups: dict[int, tuple[Transport, list[SplitMatrix]]] = {}
-        for split in splits:
-            transport = self._transport_of(split)
-            groups.setdefault(id(transport), (transport, []))[1].append(split)
-        return list(groups.values())
-
-    def _close_window(self, timer: StepTimer, sequential: bool) -> None:
-        """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
-        schedule = self._schedule
-        steps = schedule.close_window()
-        for split in self._split.values():
-            split.auto.reset()
-        scale = host_lr_scale(self.config.host_lr_scale, steps)
-        group_of = self._group_of()
-        by_group: dict[int, tuple[dict, list[HostMatrix]]] = {}
-        for p, split in self._split.items():
-            if split.host is not None:
-                group = group_of[p]
-                if id(group) not in by_group:
-                    # hyper-parameters are copied now: the lr in force when the window closed
-                    hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
-                    hyper["lr"] = hyper["lr"] * scale
-                    by_group[id(group)] = (hyper, [])
-                by_group[id(group)][1].append(split.host)
-        work = list(by_group.values())
-        worker = self._ensure_worker()  # (closed after training: `flush()` may still close a window)
-        if not work:
-            return  # every column lives on the device: no host step, nothing stale
-        if not sequential:
-            self._apply_previous_window(timer)
-        landed = None
-        if self.config.accumulate_on == "device":
-            with timer.phase("handoff"):
-                if self._pending is not None:
-                    # Sync point: the previous window's host step reads the host accumulators; it must be done
-                    # before this window's sums land there (only reached in sequential closes: an overlapped close
-                    # waited above).
-                    worker.wait(self._pending)
-                landed = self._ship_window_sums([s for s in self._split.values() if s.host is not None])
-
-        def host_step() -> None:
-            if landed is not None:
-                landed.wait()  # Sync point (worker waits on the device): the window's sums are on the host
-            host_adamw_window(work)
-
-        future = worker.submit("host_adamw", host_step)
-        self._unapplied_steps.append(steps)
-        self._pending, self._writeback_pending = future, True
-        if sequential:
-            with timer.phase("wait"):
-                worker.wait(future)
-            with timer.phase("writeback"):
-                self._write_back()
-
-    def _apply_previous_window(self, timer: StepTimer) -> None:
-        """Overlapped schedule: write the previous window's host result back, if one is pending."""
-        if not self._writeback_pending:
-            return
-        with timer.phase("wait"):
-            # Sync point: the previous window's host step must be done before its result is written back.
-            if self._pending is not None:
-                self._ensure_worker().wait(self._pending)
-        with timer.phase("writeback"):
-            self._write_back()
-
-    def _write_back(self) -> None:
-        """Put each fresh host result into the weights, then the device columns back on top.
-
-        Only matrices whose host step ran since the last write-back are written (`writeback_fresh`): a matrix that
-        got no gradient in the window keeps its weights, including columns that left the device at a re-selection
-        since. How a result gets into the weights is the transport's (CUDA: an asynchronous copy from pinned
-        memory; CPU device: a storage swap).
-        """
-        columns_back: list[tuple[DeviceColumns, torch.Tensor]] = []
-        written: list[SplitMatrix] = []
-        for split in self._split.values():
-            host = split.host
-            if host is None:
-                continue
-            if host.writeback_fresh:
-                self._transport_of(split).put_weights(split)
-                written.append(split)
-                self._stats.bytes_to_device += split.param.numel() * split.param.element_size()
-            if split.device is not None:
-                columns_back.append((split.device, split.matrix(split.param)))
-            host.writeback_fresh = False
-        scatter_columns(columns_back)
-        for transport, group in self._by_transport(written):
-            transport.after_write_back(group)
-        self._writeback_pending = False
-        self._pending = None
-        self._unapplied_steps.clear()
-
-    def _drain_and_apply(self) -> None:
-        worker = self._ensure_worker()
-        worker.synchronize()
-        if self._writeback_pending:
-            self._write_back()
-
     def _warm_up_step(
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
         timer: StepTimer,
@@ -864,9 +626,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         with timer.phase("device_update"):
             self._device_update(entries, grads, coef, set())
         with timer.phase("handoff"):
-            self._hand_off(entries, grads, coef)
+            self._host.hand_off(entries, grads, coef)
         self._schedule.window_steps += 1
-        self._close_window(timer, sequential=True)
+        self._host.close_window(self._schedule, timer, sequential=True)
 
     def _reselect(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]) -> None:
         """Choose new device columns from this step's gradient and migrate state to match.
@@ -877,8 +639,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """
         schedule = self._schedule
         if schedule.window_steps > 0:
-            self._close_window(StepTimer(), sequential=True)
-        self._drain_and_apply()
+            self._host.close_window(self._schedule, StepTimer(), sequential=True)
+        self._host.drain_and_apply()
         schedule.force_select = False
         for split in self._split.values():  # (a resumed run may have a new topk_ratio)
             split.k = num_selected(self.config.topk_ratio, split.columns)
@@ -911,7 +673,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if any(split.host is not None for split, _ in todo):
             # Sync point: the worker may still be updating these matrices' host master and moments, from which the
             # new device columns are read.
-            self._worker.synchronize()
+            self._host.worker.synchronize()
         for split, g in todo:
             self._select(split, g)
 
@@ -920,7 +682,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if split.host is None and split.offloaded:
             # every column was on the device (a resumed run with a lower topk_ratio): the host state starts from the
             # weights and takes every device column below
-            self._attach_host([split])
+            self._host.attach_host([split])
         host = split.host
         # Sync point (re-selection only, every `select_period` steps): the outgoing device columns are copied to the
         # host and the incoming ones up with blocking copies; the worker was drained by the caller first.
@@ -989,7 +751,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.synchronize()
         before = (self.config.resolved_cpu_threads, self.config.overlap_step)
         checkpoint.unpack(self, state_dict)
-        if self._worker is not None and (self._worker.threads, self._worker.background) != (
+        if self._host.worker is not None and (self._host.worker.threads, self._host.worker.background) != (
             before[0], before[1] and self.host_executor == "thread"
         ):
             self.close()  # restarted lazily with the current settings
@@ -1005,5 +767,5 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _reset_state(self) -> None:
         self._split.clear()
         self._dense.clear()
-        self._pending, self._writeback_pending, self._unapplied_steps = None, False, []
+        self._host.reset()
         self._schedule = None

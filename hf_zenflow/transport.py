@@ -143,6 +143,11 @@ class Transport:
     def after_write_back(self, splits: list[SplitMatrix]) -> None:
         """Called once the write-back of `splits` is enqueued."""
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory held (for `stats()`)."""
+        return 0
+
     def close(self) -> None:
         """Release what the transport holds (pinned memory)."""
 
@@ -202,6 +207,10 @@ class CopyTransport(Transport):
                 for split, _ in items:
                     split.window_sum_free = event  # the next window's first add waits for this copy on the device
         return landed
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.arena.nbytes if self.arena.pin else 0
 
     def put_weights(self, split: SplitMatrix) -> None:
         # An asynchronous host->device copy from pinned memory on the compute stream (CUDA): the next forward pass

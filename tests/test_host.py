@@ -180,7 +180,7 @@ def test_optimizer_step_leaves_the_worker_released():
     for _ in range(3):
         model(torch.randn(4, 64)).sum().backward()
         opt.step()
-        assert opt._worker._gate is None
+        assert opt._host.worker._gate is None
         opt.zero_grad()
     opt.close()
 
@@ -289,7 +289,7 @@ def test_an_interrupted_hand_off_in_step_does_not_leak_its_slot(monkeypatch):
     runner.start()
     runner.join(timeout=30)
     assert outcome == ["done"], "the step after two interrupted hand-offs did not complete (leaked slots)"
-    assert _slot_count(opt._worker) == GRAD_SLOTS
+    assert _slot_count(opt._host.worker) == GRAD_SLOTS
     assert all(torch.isfinite(p).all() for p in model.parameters())
     opt.close()
 
@@ -330,14 +330,14 @@ import time
 # non-interactive shell, as CI may be, inherits SIGINT ignored)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch
-import hf_zenflow.optimizer as zenflow_optimizer
+import hf_zenflow.windows as zenflow_windows
 from hf_zenflow import ZenFlowAdamW
 
 def slow_host_step(groups):
     print("host step running", flush=True)
     time.sleep(60)
 
-zenflow_optimizer.host_adamw_window = slow_host_step
+zenflow_windows.host_adamw_window = slow_host_step
 torch.manual_seed(0)
 model = torch.nn.Linear(32, 32)
 opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=1, min_offload_numel=0)

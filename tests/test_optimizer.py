@@ -343,9 +343,9 @@ def test_worker_failure_is_raised_in_the_caller(monkeypatch):
         raise MemoryError("injected host failure")
 
     monkeypatch.setattr(host_module, "host_adamw_window", broken)
-    import hf_zenflow.optimizer as optimizer_module
+    import hf_zenflow.windows as windows_module
 
-    monkeypatch.setattr(optimizer_module, "host_adamw_window", broken)
+    monkeypatch.setattr(windows_module, "host_adamw_window", broken)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
     start = time.monotonic()
@@ -359,9 +359,9 @@ def test_worker_failure_is_raised_in_the_caller(monkeypatch):
 
 
 def test_inline_failure_raises_at_once(monkeypatch):
-    import hf_zenflow.optimizer as optimizer_module
+    import hf_zenflow.windows as windows_module
 
-    monkeypatch.setattr(optimizer_module, "host_adamw_window", lambda groups: 1 / 0)
+    monkeypatch.setattr(windows_module, "host_adamw_window", lambda groups: 1 / 0)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
                        min_offload_numel=0)
@@ -374,7 +374,7 @@ def test_eval_drains_and_close_stops_the_worker():
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
     train(model, opt, batches(4))
     opt.eval()
-    worker = opt._worker
+    worker = opt._host.worker
     assert all(f.done() for f in worker._outstanding)
     thread = worker._thread
     opt.close()

@@ -30,7 +30,7 @@ def _train(opt: ZenFlowAdamW, model: torch.nn.Module, steps: int = 3) -> None:
 
 def _worker_threads(opt: ZenFlowAdamW) -> int:
     seen: list[int] = []
-    opt._worker.wait(opt._worker.submit("probe", lambda: seen.append(torch.get_num_threads())))
+    opt._host.worker.wait(opt._host.worker.submit("probe", lambda: seen.append(torch.get_num_threads())))
     return seen[0]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_zenflow.optimizer as optimizer_module
+import hf_zenflow.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.transport import ARENA_ALIGN, CopyTransport, CpuDeviceTransport, PinnedArena
 from tests.conftest import DEVICE, batches, linear_schedule, make_model, param_groups, train
@@ -20,18 +20,18 @@ if DEVICE.type != "cpu":
 
 def run(transport_cls, steps, settings, make=make_model):
     """Train with every parameter's transport replaced by `transport_cls`."""
-    original = optimizer_module.transport_for
-    optimizer_module.transport_for = lambda device: transport_cls()
+    original = windows_module.transport_for
+    windows_module.transport_for = lambda device: transport_cls()
     try:
         model = make()
         opt = ZenFlowAdamW(param_groups(model), lr=LR, min_offload_numel=0, **settings)
         losses = steps(model, opt)
-        assert opt._transports and all(isinstance(t, transport_cls) for t in opt._transports.values())
+        assert opt._host.transports and all(isinstance(t, transport_cls) for t in opt._host.transports.values())
         opt.flush()
         stats = opt.stats()
         opt.close()
     finally:
-        optimizer_module.transport_for = original
+        windows_module.transport_for = original
     return model, losses, stats
 
 
@@ -91,8 +91,8 @@ def test_only_fresh_host_results_cross_the_link_at_the_write_back():
     settings = dict(topk_ratio=0.1, update_interval=2, select_strategy="step", select_interval=4)
     results = []
     for transport_cls in (CpuDeviceTransport, CopyTransport):
-        original = optimizer_module.transport_for
-        optimizer_module.transport_for = lambda device, cls=transport_cls: cls()
+        original = windows_module.transport_for
+        windows_module.transport_for = lambda device, cls=transport_cls: cls()
         try:
             params = make()
             opt = ZenFlowAdamW(groups(params), lr=LR, min_offload_numel=0, **settings)
@@ -102,7 +102,7 @@ def test_only_fresh_host_results_cross_the_link_at_the_write_back():
             results.append((before_flush, [p.detach().clone() for p in params], opt.master_weight(params[1])))
             opt.close()
         finally:
-            optimizer_module.transport_for = original
+            windows_module.transport_for = original
     (cpu_before, cpu_after, cpu_master), (copy_before, copy_after, copy_master) = results
     for p, q in zip(copy_before + copy_after, cpu_before + cpu_after):
         assert torch.equal(p, q)

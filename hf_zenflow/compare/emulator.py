@@ -332,7 +332,7 @@ def _run_zenflow(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn
     engine = CopyEngine(link_down)
     grad_bytes_bf16 = _offloaded_grad_bytes(params)
     offloaded = sum(p.numel() for p in params if p.ndim >= 2)
-    worker_gate = hasattr(opt, "_ensure_worker")
+    worker_gate = hasattr(opt, "_host")
     dense_fraction = sum(p.numel() for p in params if p.ndim < 2) / sum(p.numel() for p in params)
     # device-side window sum: read the bf16 gradient, read and write the fp32 sum (10 B per offloaded parameter)
     device_accumulate_ms = (sc.params * offloaded / sum(p.numel() for p in params) * 10
@@ -353,7 +353,7 @@ def _run_zenflow(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn
             # must not use it before it has landed (the CUDA path waits on a copy event the same way).
             landed, link_wait = engine.start(grad_bytes_bf16 if not on_device else offloaded * 4)
             if worker_gate:
-                opt._ensure_worker().submit("emulated_link_d2h", landed.wait)
+                opt._host.ensure_worker().submit("emulated_link_d2h", landed.wait)
         opt.step()
         st = opt.stats()
         device_phases = ("norms", "select", "device_update") + (("handoff",) if on_device else ())

@@ -1,0 +1,287 @@
+"""The host side of a ZenFlow step: hand-offs, windows and write-backs, and the worker that runs the host jobs.
+
+`HostWindows` gives each step's gradients of the offloaded matrices to the host (or, with
+``accumulate_on="device"``, adds them into device-side window sums), closes windows by submitting the host AdamW,
+and writes host results back into the weights at the boundary the schedule says: at once (``overlap_step=False``) or
+one window later, while the device trains on. What crosses the link goes through a `Transport` per device type; the
+host jobs run in order on one `HostAdamWorker`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import ZenFlowConfig
+from .device_step import DeviceColumns, scatter_columns
+from .distributed_check import warn_if_replicated
+from .host import GradSlot, HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
+from .schedule import WindowSchedule, host_lr_scale
+from .split_matrix import SplitMatrix
+from .telemetry import StepTimer, ZenFlowStats
+from .transport import Landed, Transport, transport_for
+
+
+@dataclass
+class HandOff:
+    """One step's gradients on their way to the host worker: the slot they hold, the (matrix, gradient) pairs,
+    what the host job reads and what it waits for."""
+
+    grant: GradSlot
+    work: list[tuple[SplitMatrix, torch.Tensor]]
+    sources: list[tuple[HostMatrix, torch.Tensor]]
+    landed: Landed
+    done: bool = False  # submitted or abandoned: the slot is accounted for
+
+
+class HostWindows:
+    """The host side of one `ZenFlowAdamW` (see the module docstring). `splits` and `groups` are the optimizer's
+    own (live) collections; `config` is kept current by the optimizer."""
+
+    def __init__(self, splits: dict[torch.Tensor, SplitMatrix], groups: list[dict[str, Any]], config: ZenFlowConfig,
+                 stats: ZenFlowStats, host_executor: str) -> None:
+        self.splits, self.groups, self.config, self.stats = splits, groups, config, stats
+        self.host_executor = host_executor
+        self.worker: HostAdamWorker | None = None
+        self.transports: dict[str, Transport] = {}  # by device type
+        self.pending: Any = None  # Future of the host step whose result awaits write-back (overlap mode)
+        self.writeback_pending = False
+        self.unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
+
+    def reset(self) -> None:
+        """Forget every window in flight (the optimizer's state is being replaced; the worker is idle)."""
+        self.pending, self.writeback_pending, self.unapplied_steps = None, False, []
+
+    def close(self) -> None:
+        """Stop the worker thread (a later step starts a new one)."""
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            worker.close()
+
+    def ensure_worker(self) -> HostAdamWorker:
+        if self.worker is None:
+            warn_if_replicated()  # several processes each keep a full host copy (once per process)
+            self.worker = HostAdamWorker(
+                self.config.resolved_cpu_threads,
+                background=self.config.overlap_step and self.host_executor == "thread",
+            )
+        return self.worker
+
+    def transport_of(self, split: SplitMatrix) -> Transport:
+        kind = split.param.device.type
+        if kind not in self.transports:
+            self.transports[kind] = transport_for(split.param.device)
+        return self.transports[kind]
+
+    def attach_host(self, splits: list[SplitMatrix]) -> None:
+        """Create the host state of `splits`, their link buffers from one reservation per transport."""
+        accumulate_on = self.config.accumulate_on
+        by_transport: dict[int, tuple[Transport, list[SplitMatrix]]] = {}
+        for split in splits:
+            transport = self.transport_of(split)
+            by_transport.setdefault(id(transport), (transport, []))[1].append(split)
+        for transport, group in by_transport.values():
+            transport.reserve(sum(HostMatrix.link_bytes(s.matrix(s.param), s.grad_dtype, accumulate_on, transport)
+                                  for s in group))
+            for split in group:
+                split.attach_host(accumulate_on, transport)
+
+    def hand_off(
+        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
+    ) -> None:
+        """Give this step's gradients of the offloaded matrices to the host worker, which adds them to the window
+        (`start_hand_off` then `finish_hand_off`)."""
+        started = self.start_hand_off(entries, grads)
+        if started is not None:
+            try:
+                self.finish_hand_off(started, coef)
+            except BaseException:
+                if not started.done:
+                    self.abandon_hand_off(started)
+                raise
+        elif self.config.accumulate_on == "device":
+            work = self.offloaded(entries, grads)
+            if work:
+                self.accumulate_on_device(work, coef)
+
+    def offloaded(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]
+                   ) -> list[tuple[SplitMatrix, torch.Tensor]]:
+        return [(self.splits[p], g) for (_, p), g in zip(entries, grads)
+                if p in self.splits and self.splits[p].host is not None]
+
+    def start_hand_off(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]
+                        ) -> HandOff | None:
+        """Take a hand-off slot and start moving the offloaded matrices' gradients to the host (CUDA: a copy on a
+        side stream into pinned memory, which the worker will wait for; CPU device: nothing to move, the worker
+        reads the gradient tensors). Blocks (a stall) only while the worker is `GRAD_SLOTS` steps behind. None when
+        nothing goes to the host worker this step (``accumulate_on="device"`` sums on the device instead)."""
+        if self.config.accumulate_on == "device":
+            return None
+        work = self.offloaded(entries, grads)
+        if not work:
+            return None
+        grant = self.worker.take_slot()
+        try:
+            sources, landed = self._sources(work, grant.slot)
+        except BaseException:
+            grant.give_back()
+            raise
+        return HandOff(grant, work, sources, landed)
+
+    def abandon_hand_off(self, started: HandOff) -> None:
+        """The step was skipped: no job, the slot goes back (a copy already enqueued into its buffers runs on the
+        side stream before any later copy into them)."""
+        started.done = True
+        started.grant.give_back()
+
+    def finish_hand_off(self, started: HandOff, coef: float | None) -> None:
+        """Submit the host job that adds the handed-off gradients (times `coef`) into the window sums."""
+        sources, landed = started.sources, started.landed
+        for split, _ in started.work:
+            split.param.grad = None  # the worker owns this gradient now
+        self.stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in started.work)
+        started.work.clear()
+
+        def accumulate() -> None:
+            try:
+                landed.wait()  # Sync point (worker waits on the device): the gradients have landed on the host
+                HostMatrix.accumulate_all(sources, coef)
+            finally:
+                sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
+
+        started.grant.submit("accumulate", accumulate)  # the job returns the slot when it has run
+        started.done = True  # (interrupted before this line, `abandon_hand_off` returns it and the job skips)
+
+    def _sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
+                          ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
+        sources: list[tuple[HostMatrix, torch.Tensor]] = []
+        landed = Landed()
+        for transport, group in self.by_transport([split for split, _ in work]):
+            mine = {id(split) for split in group}
+            part, arrived = transport.hand_off([(s, g) for s, g in work if id(s) in mine], slot)
+            sources += part
+            landed.events += arrived.events
+        return sources, landed
+
+    def accumulate_on_device(self, work: list[tuple[SplitMatrix, torch.Tensor]], coef: float | None) -> None:
+        """``accumulate_on="device"``: add this step's gradients into the device-side window sums (the caller's
+        stream, like the rest of the device update); nothing crosses the link until the window closes."""
+        for split, g in work:
+            if split.window_count == 0:
+                self.transport_of(split).before_window_add(split)  # (CUDA: the last window's copy has read it)
+            accumulate_into(split.window_sum, split.matrix(g), coef, first=split.window_count == 0)
+            split.window_count += 1
+
+    def _ship_window_sums(self, splits: list[SplitMatrix]) -> Landed:
+        """``accumulate_on="device"``: move each closed window's device sum into its host accumulator, once per
+        window; returns what the host step must wait for. The caller has made sure no host step still reads the
+        accumulators."""
+        shipped = [s for s in splits if s.window_sum is not None and s.window_count]
+        landed = Landed()
+        for transport, group in self.by_transport(shipped):
+            landed.events += transport.ship_window_sums(group).events
+        for split in shipped:
+            split.host.accum_count, split.window_count = split.window_count, 0
+            self.stats.bytes_to_host += split.host.accum.numel() * split.host.accum.element_size()
+        return landed
+
+    def by_transport(self, splits: list[SplitMatrix]) -> list[tuple[Transport, list[SplitMatrix]]]:
+        groups: dict[int, tuple[Transport, list[SplitMatrix]]] = {}
+        for split in splits:
+            transport = self.transport_of(split)
+            groups.setdefault(id(transport), (transport, []))[1].append(split)
+        return list(groups.values())
+
+    def close_window(self, schedule: WindowSchedule, timer: StepTimer, sequential: bool) -> None:
+        """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
+        steps = schedule.close_window()
+        for split in self.splits.values():
+            split.auto.reset()
+        scale = host_lr_scale(self.config.host_lr_scale, steps)
+        group_of = {p: g for g in self.groups for p in g["params"]}
+        by_group: dict[int, tuple[dict, list[HostMatrix]]] = {}
+        for p, split in self.splits.items():
+            if split.host is not None:
+                group = group_of[p]
+                if id(group) not in by_group:
+                    # hyper-parameters are copied now: the lr in force when the window closed
+                    hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+                    hyper["lr"] = hyper["lr"] * scale
+                    by_group[id(group)] = (hyper, [])
+                by_group[id(group)][1].append(split.host)
+        work = list(by_group.values())
+        worker = self.ensure_worker()  # (closed after training: `flush()` may still close a window)
+        if not work:
+            return  # every column lives on the device: no host step, nothing stale
+        if not sequential:
+            self.apply_previous_window(timer)
+        landed = None
+        if self.config.accumulate_on == "device":
+            with timer.phase("handoff"):
+                if self.pending is not None:
+                    # Sync point: the previous window's host step reads the host accumulators; it must be done
+                    # before this window's sums land there (only reached in sequential closes: an overlapped close
+                    # waited above).
+                    worker.wait(self.pending)
+                landed = self._ship_window_sums([s for s in self.splits.values() if s.host is not None])
+
+        def host_step() -> None:
+            if landed is not None:
+                landed.wait()  # Sync point (worker waits on the device): the window's sums are on the host
+            host_adamw_window(work)
+
+        future = worker.submit("host_adamw", host_step)
+        self.unapplied_steps.append(steps)
+        self.pending, self.writeback_pending = future, True
+        if sequential:
+            with timer.phase("wait"):
+                worker.wait(future)
+            with timer.phase("writeback"):
+                self.write_back()
+
+    def apply_previous_window(self, timer: StepTimer) -> None:
+        """Overlapped schedule: write the previous window's host result back, if one is pending."""
+        if not self.writeback_pending:
+            return
+        with timer.phase("wait"):
+            # Sync point: the previous window's host step must be done before its result is written back.
+            if self.pending is not None:
+                self.ensure_worker().wait(self.pending)
+        with timer.phase("writeback"):
+            self.write_back()
+
+    def write_back(self) -> None:
+        """Put each fresh host result into the weights, then the device columns back on top.
+
+        Only matrices whose host step ran since the last write-back are written (`writeback_fresh`): a matrix that
+        got no gradient in the window keeps its weights, including columns that left the device at a re-selection
+        since. How a result gets into the weights is the transport's (CUDA: an asynchronous copy from pinned
+        memory; CPU device: a storage swap).
+        """
+        columns_back: list[tuple[DeviceColumns, torch.Tensor]] = []
+        written: list[SplitMatrix] = []
+        for split in self.splits.values():
+            host = split.host
+            if host is None:
+                continue
+            if host.writeback_fresh:
+                self.transport_of(split).put_weights(split)
+                written.append(split)
+                self.stats.bytes_to_device += split.param.numel() * split.param.element_size()
+            if split.device is not None:
+                columns_back.append((split.device, split.matrix(split.param)))
+            host.writeback_fresh = False
+        scatter_columns(columns_back)
+        for transport, group in self.by_transport(written):
+            transport.after_write_back(group)
+        self.writeback_pending = False
+        self.pending = None
+        self.unapplied_steps.clear()
+
+    def drain_and_apply(self) -> None:
+        worker = self.ensure_worker()
+        worker.synchronize()
+        if self.writeback_pending:
+            self.write_back()
