@@ -170,7 +170,9 @@ def _every_step(ax: Any, results: dict[str, dict[str, Any]], names: list[str]) -
     _legend_below(ax, 3)
 
 
-def plot_time_breakdown(results: dict[str, dict[str, Any]], path: Path, title: str, skip: int) -> None:
+def plot_time_breakdown(results: dict[str, dict[str, Any]], path: Path, title: str, skip: int,
+                        banner: str | None = None) -> None:
+    """The four panels; `banner` (the busy-machine line, or None) goes under the title in red."""
     plt = _pyplot()
     names = list(results)
     fig, axes = plt.subplots(2, 2, figsize=(15, 9))
@@ -178,7 +180,12 @@ def plot_time_breakdown(results: dict[str, dict[str, Any]], path: Path, title: s
     _step_parts(axes[0][1], results, names, skip)
     _engine_phases(axes[1][0], results, names, skip)
     _every_step(axes[1][1], results, names)
-    fig.suptitle(textwrap.fill(title, 150), fontsize=10)
-    fig.tight_layout()
+    fig.suptitle(textwrap.fill(title, 150), fontsize=10, y=0.995)
+    top = 0.965
+    if banner:
+        fig.text(0.5, 0.965, textwrap.fill(banner, 150), color="#b00020", fontsize=10, fontweight="bold",
+                 ha="center", va="top")
+        top = 0.945 - 0.02 * textwrap.fill(banner, 150).count("\n")
+    fig.tight_layout(rect=(0, 0, 1, top))
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -214,8 +214,11 @@ def busy_warning(reasons: list[str], per_run: dict[str, dict[str, Any]]) -> str 
             "compare times.")
 
 
-def busy_banner(load: dict[str, Any]) -> str | None:
-    """One line for the plot titles; None on a quiet machine."""
-    if not load.get("busy"):
+def busy_banner(whole: dict[str, Any], per_run: dict[str, dict[str, Any]]) -> str | None:
+    """The busy-machine line for time_breakdown.png; None when `busy_warning` has nothing to say."""
+    if busy_warning(whole.get("busy_reasons") or [], per_run) is None:
         return None
-    return f"BUSY MACHINE ({'; '.join(load['busy_reasons'])}): timings disturbed, see results.md"
+    cores = ", ".join(f"{SHORT_NAMES[n]} {load['others_cores']:.2f}" for n, load in per_run.items()
+                      if load.get("others_cores") is not None)
+    return (f"BUSY MACHINE: other processes used these mean cores of {whole.get('cores')} during the runs: {cores}. "
+            "Timings are disturbed: see the warning in results.md")

@@ -26,7 +26,9 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import platform
+import shutil
 import statistics
 import sys
 import textwrap
@@ -241,8 +243,20 @@ def progress_bar(cfg: CompareConfig, total: int) -> Any:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr,
-                mininterval=0.5 if sys.stderr.isatty() else 30.0)
+    return tqdm(total=total, unit="step", file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 30.0,
+                **_bar_width())
+
+
+def _bar_width() -> dict[str, Any]:
+    """Follow the terminal's size when it has one. A pseudo-terminal without a size (`script`, some CI runners)
+    reports 0 x 0, and tqdm then draws nothing at all: give it $COLUMNS (or 120) x 24 there, as for a pipe."""
+    try:
+        size = os.get_terminal_size(sys.stderr.fileno())
+        if size.columns > 0 and size.lines > 0:
+            return {"dynamic_ncols": True}
+    except (OSError, ValueError):  # not a terminal
+        pass
+    return {"ncols": shutil.get_terminal_size((120, 24)).columns, "nrows": 24}
 
 
 @torch.no_grad()
@@ -327,8 +341,9 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
         rss_peak = max(rss_peak, _rss())
         if bar is not None:
             window = cfg.log_every
-            bar.set_postfix_str(f"last {window}: loss {statistics.fmean(rec['loss'][-window:]):.3f} mean, "
-                                f"opt.step {statistics.median(rec['opt_ms'][-window:]):.1f} ms median", refresh=False)
+            bar.set_postfix_str(f"last {window}: loss {statistics.fmean(rec['loss'][-window:]):.3f} (mean), "
+                                f"opt.step {statistics.median(rec['opt_ms'][-window:]):.1f} ms (median)",
+                                refresh=False)
             bar.update(1)
     train_s = time.perf_counter() - start
     flush_ms = 0.0
@@ -504,7 +519,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
         for i, name in enumerate(cfg.optimizers):
             stage = f"[{i + 1}/{len(cfg.optimizers)}] {LABELS[name]}"
             if bar is not None:
-                bar.set_description(stage, refresh=False)
+                bar.set_description(f"[{i + 1}/{len(cfg.optimizers)}] {report.SHORT_NAMES[name]}", refresh=False)
                 bar.set_postfix_str("", refresh=False)  # the previous run's figures
             else:
                 _log(cfg, f"{stage} ...")
@@ -527,14 +542,14 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
     headline = report.comparison_table(results, rat, task.metric_name, cuda, headline=True)
     full = report.comparison_table(results, rat, task.metric_name, cuda, headline=False)
     note = report.statistics_note(len(task.train_batches), TIMING_SKIP)
-    warning = report.busy_warning(whole["busy_reasons"], {n: r["machine_load"] for n, r in results.items()})
+    per_run_load = {n: r["machine_load"] for n, r in results.items()}
+    warning = report.busy_warning(whole["busy_reasons"], per_run_load)
     notes = report.disagreement_notes(rat)
     title = (f"{task.model_name} on {task.dataset_name.split(' (')[0]}: {cfg.steps} steps x batch {cfg.batch_size}, "
              f"seed {cfg.seed}")
-    banner = report.busy_banner(whole) if warning else None
-    title += f"\n{banner}" if banner else ""
     plot_loss_curves(results, out_dir / "loss_curves.png", title)
-    plot_time_breakdown(results, out_dir / "time_breakdown.png", title, TIMING_SKIP)
+    plot_time_breakdown(results, out_dir / "time_breakdown.png", title, TIMING_SKIP,
+                        report.busy_banner(whole, per_run_load))
     model_dir = _save_model(out_dir, task, cfg, results, rat, device)
     info = machine_info(device)
     payload = {

@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,8 +81,12 @@ def test_compare_tiny_run_writes_all_outputs(tmp_path: Path, monkeypatch: pytest
     assert rat["step_ms_ratio"] == pytest.approx(zen["step_ms"] / sync["step_ms"])  # a time ratio, like the rest
     assert rat["opt_step_ms_median_ratio"] == pytest.approx(zen["opt_step_ms_median"] / sync["opt_step_ms_median"])
 
-    # terminal: the short headline table, every statistic named, the ratios with "×", bytes with units
-    printed = capsys.readouterr().out
+    # terminal: a progress bar over the 3 x 4 steps with its ETA, the short headline table, every statistic named,
+    # the ratios with "×", bytes with units
+    captured = capsys.readouterr()
+    assert re.search(r"\[3/3\] ZenFlow: +100%\|.*\| 12/12 \[\d\d:\d\d<00:00", captured.err), captured.err[-500:]
+    assert "loss" in captured.err and "(median)" in captured.err
+    printed = captured.out
     table = [line for line in printed.splitlines() if line.startswith("|")]
     assert table and max(len(line) for line in table) <= MAX_TABLE_WIDTH, max(map(len, table))
     assert "| ÷ sync offload" in table[0]
@@ -133,6 +138,35 @@ def test_compare_refuses_to_overwrite_a_run(tmp_path: Path, capsys: pytest.Captu
     assert (out / "results.json").read_bytes() == first
     assert main([*args, "--overwrite"]) == 0
     assert json.loads((out / "results.json").read_text())["config"]["overwrite"] is True
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_progress_bar_draws_on_a_terminal_without_a_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`script` and some CI runners give the process a 0 x 0 pseudo-terminal; tqdm then drew nothing at all."""
+    import os
+    import pty
+    import select
+
+    from hf_zenflow.compare.runner import CompareConfig, progress_bar
+
+    master, slave = pty.openpty()  # a fresh pseudo-terminal has no size: 0 x 0
+    with os.fdopen(slave, "w") as tty:
+        monkeypatch.setattr(sys, "stderr", tty)
+        bar = progress_bar(CompareConfig(), total=3)
+        bar.set_description("[1/1] ZenFlow")
+        bar.update(3)
+        bar.close()
+    drawn = b""
+    while select.select([master], [], [], 1.0)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the terminal's other end is closed
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(master)
+    assert b"[1/1] ZenFlow: 100%" in drawn and b"3/3" in drawn, drawn
 
 
 def test_default_output_is_a_new_folder_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -61,6 +61,10 @@ def test_busy_reasons_and_warning() -> None:
     assert warning.startswith("WARNING: the machine was busy") and "sync offload 0.05; ZenFlow 1.50" in warning
     # one disturbed run is enough: the ratios compare runs
     assert report.busy_warning([], {"sync_offload": quiet.to_dict(), "zenflow": busy.to_dict()}) is not None
+    per_run = {"sync_offload": quiet.to_dict(), "zenflow": busy.to_dict()}
+    banner = report.busy_banner({"busy_reasons": [], "cores": 2}, per_run)
+    assert banner.startswith("BUSY MACHINE") and "sync offload 0.05, ZenFlow 1.50" in banner
+    assert report.busy_banner({"busy_reasons": [], "cores": 2}, {"zenflow": quiet.to_dict()}) is None
 
 
 def test_load_between_subtracts_this_process() -> None:
