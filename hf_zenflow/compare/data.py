@@ -233,6 +233,7 @@ def prepare_task(
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # the "classifier.* newly initialised" load report is expected, not news
+    hf_logging.disable_progress_bar()  # a sub-second "Loading weights" bar is noise before the run's own bar
     torch.manual_seed(seed)  # the new classification head is initialised from the run seed
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:

@@ -12,7 +12,11 @@ Timing: the runner measures each phase of every step with `time.perf_counter`, s
 stream at phase boundaries when the device is CUDA (side-stream copies that ZenFlow overlaps are not waited for, as a
 training loop would not wait for them either). "optimizer step ms" is the caller's time inside ``optimizer.step()``,
 the critical path the optimizer adds to a training step. The first `TIMING_SKIP` steps (state allocation, first
-selection) are left out of the per-step means and reported separately.
+selection) are left out of the per-step statistics (median, p10-p90, mean) and reported separately.
+
+Output: a new run folder per run (`hf_zenflow.compare.output`), a short headline table on the terminal and the full
+table in results.md (`hf_zenflow.compare.report`), the plots (`hf_zenflow.compare.plots`), a busy-machine check
+(`hf_zenflow.compare.machine_load`) and, with ``save_model``, the model with its card (`hf_zenflow.compare.card`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import platform
+import shutil
 import statistics
+import sys
 import textwrap
 import time
 from dataclasses import dataclass
@@ -32,25 +39,17 @@ from typing import Any
 
 import torch
 
+from hf_zenflow.compare import report
 from hf_zenflow.compare.data import PreparedTask, prepare_task
+from hf_zenflow.compare.machine_load import LoadMonitor
+from hf_zenflow.compare.output import prepare_output_dir
+from hf_zenflow.compare.plots import ENGINE_PHASES, LABELS, plot_loss_curves, plot_time_breakdown
+from hf_zenflow.compare.report import OPTIMIZERS
 from hf_zenflow.layout import column_major_
 
 
-OPTIMIZERS = ("adamw_torch", "sync_offload", "zenflow")
-LABELS = {
-    "adamw_torch": "adamw_torch (no offload)",
-    "sync_offload": "SyncOffloadAdamW",
-    "zenflow": "ZenFlowAdamW",
-}
-COLORS = {"adamw_torch": "#4c72b0", "sync_offload": "#dd8452", "zenflow": "#55a868"}
-
-#: Phases of the engines' step() as their telemetry names them (`hf_zenflow.telemetry.PHASES`).
-ENGINE_PHASES = ("norms", "select", "device_update", "handoff", "wait", "writeback", "host_update")
-
-#: Steps left out of the timing means: the first step allocates optimizer state and makes the first selection.
+#: Steps left out of the timing statistics: the first step allocates optimizer state and makes the first selection.
 TIMING_SKIP = 2
-
-MIB = 1024 * 1024
 
 #: ZenFlow's column re-selection period (steps) in `compare`: 150-step runs are one epoch, so the engine's "auto"
 #: (once per epoch) would select only once, at the first step. See `CompareConfig` for the measurements.
@@ -113,8 +112,9 @@ class CompareConfig:
     layout: str = "auto"  # weights of the offloading runs: "column" (column_major_), "row"; auto = column on CPU
     embedding_select: str = "auto"  # ZenFlow on embedding tables: "rows" (tokens), "columns"; auto = rows on CPU
     optimizers: tuple[str, ...] = OPTIMIZERS
-    output_dir: str = "zenflow_compare"
-    log_every: int = 10
+    output_dir: str | None = None  # None: a new folder zenflow_compare/<UTC time>_<model>/ (see compare.output)
+    overwrite: bool = False  # replace the results of an earlier run in output_dir
+    log_every: int = 10  # the progress bar's loss and optimizer.step figures cover the last N steps; 0: no bar
     save_model: bool = False
     quiet: bool = False
 
@@ -148,8 +148,13 @@ class CompareConfig:
         return torch.device(self.device)
 
 
-def _log(cfg: CompareConfig, msg: str) -> None:
-    if not cfg.quiet:
+def _log(cfg: CompareConfig, msg: str, bar: Any = None) -> None:
+    """A `[compare]` line; above the progress bar while one is drawn."""
+    if cfg.quiet:
+        return
+    if bar is not None:
+        bar.write(f"[compare] {msg}")
+    else:
         print(f"[compare] {msg}", flush=True)
 
 
@@ -223,6 +228,37 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _p10_p90(values: list[float]) -> tuple[float | None, float | None]:
+    """10th and 90th percentiles (inclusive method: within the observed range even for a handful of steps)."""
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (None, None)
+    deciles = statistics.quantiles(values, n=10, method="inclusive")
+    return deciles[0], deciles[-1]
+
+
+def progress_bar(cfg: CompareConfig, total: int) -> Any:
+    """One bar over every step of every run, with ETA (tqdm, as the Trainer uses); None with --quiet or
+    --log-every 0. Redrawn at most every 0.5 s on a terminal, every 30 s into a log file."""
+    if cfg.quiet or not cfg.log_every:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="step", file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 30.0,
+                **_bar_width())
+
+
+def _bar_width() -> dict[str, Any]:
+    """Follow the terminal's size when it has one. A pseudo-terminal without a size (`script`, some CI runners)
+    reports 0 x 0, and tqdm then draws nothing at all: give it $COLUMNS (or 120) x 24 there, as for a pipe."""
+    try:
+        size = os.get_terminal_size(sys.stderr.fileno())
+        if size.columns > 0 and size.lines > 0:
+            return {"dynamic_ncols": True}
+    except (OSError, ValueError):  # not a terminal
+        pass
+    return {"ncols": shutil.get_terminal_size((120, 24)).columns, "nrows": 24}
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, task: PreparedTask, device: torch.device) -> dict[str, float]:
     """Held-out loss (mean per label / per predicted token) and accuracy."""
@@ -243,8 +279,10 @@ def evaluate(model: torch.nn.Module, task: PreparedTask, device: torch.device) -
     return {"eval_loss": loss_sum / max(1, count), "eval_accuracy": correct / max(1, count)}
 
 
-def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.device) -> dict[str, Any]:
-    """Fine-tune a fresh copy of the model with optimizer `name`; return its measured figures."""
+def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.device,
+              bar: Any = None) -> dict[str, Any]:
+    """Fine-tune a fresh copy of the model with optimizer `name`; return its measured figures. `bar` (a tqdm bar
+    or None) advances one step per optimizer step."""
     from transformers import get_linear_schedule_with_warmup
 
     torch.manual_seed(cfg.seed)  # dropout masks identical across the three runs
@@ -266,7 +304,7 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
     rss_peak = rss_start
     last_stats: dict[str, Any] = {}
     start = time.perf_counter()
-    for t, batch in enumerate(task.train_batches):
+    for batch in task.train_batches:
         b = batch.to(device)
         t0 = time.perf_counter()
         loss = model(**b.inputs).loss
@@ -301,12 +339,12 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
             for phase in ENGINE_PHASES:
                 rec.setdefault(f"cp_{phase}_ms", []).append(float(last_stats.get(f"cp_{phase}_ms") or 0.0))
         rss_peak = max(rss_peak, _rss())
-        if cfg.log_every and ((t + 1) % cfg.log_every == 0 or t + 1 == steps):
-            window = rec["loss"][-cfg.log_every:]
-            elapsed = time.perf_counter() - start
-            _log(cfg, f"{name:>12s} step {t + 1:4d}/{steps}  loss {statistics.fmean(window):.4f}  "
-                      f"opt.step {statistics.fmean(rec['opt_ms'][-cfg.log_every:]):7.2f} ms  "
-                      f"{(t + 1) / elapsed:5.2f} steps/s")
+        if bar is not None:
+            window = cfg.log_every
+            bar.set_postfix_str(f"last {window}: loss {statistics.fmean(rec['loss'][-window:]):.3f} (mean), "
+                                f"opt.step {statistics.median(rec['opt_ms'][-window:]):.1f} ms (median)",
+                                refresh=False)
+            bar.update(1)
     train_s = time.perf_counter() - start
     flush_ms = 0.0
     if is_engine:
@@ -327,6 +365,7 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
     timed = slice(min(TIMING_SKIP, max(0, steps - 1)), None)
     tail = max(1, steps // 10)
     host_ms = [v for v in rec["host_step_ms"][timed] if v > 0]
+    opt_p10, opt_p90 = _p10_p90(rec["opt_ms"][timed])
     result: dict[str, Any] = {
         "optimizer": name,
         "label": LABELS[name],
@@ -335,8 +374,11 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
         "train_loss": statistics.fmean(rec["loss"][-tail:]),
         "train_seconds": train_s,
         "steps_per_s": steps / train_s,
+        "step_ms": 1e3 * train_s / steps,  # whole run: wall time of the training loop per step
         "opt_step_ms_mean": _mean(rec["opt_ms"][timed]),
         "opt_step_ms_median": _median(rec["opt_ms"][timed]),
+        "opt_step_ms_p10": opt_p10,
+        "opt_step_ms_p90": opt_p90,
         "opt_step_ms_first": rec["opt_ms"][:TIMING_SKIP],
         "clip_ms_mean": _mean(rec["clip_ms"][timed]),
         "forward_backward_ms_mean": _mean(rec["fb_ms"][timed]),
@@ -369,231 +411,6 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
     return result
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
-def ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """ZenFlow relative to each baseline that ran (x < 1 means ZenFlow needs less)."""
-    out: dict[str, dict[str, float | None]] = {}
-    z = results.get("zenflow")
-    if z is None:
-        return out
-    for base in ("adamw_torch", "sync_offload"):
-        r = results.get(base)
-        if r is None:
-            continue
-        out[f"zenflow_vs_{base}"] = {
-            "eval_accuracy_delta_points": 100 * (z["eval_accuracy"] - r["eval_accuracy"]),
-            "eval_loss_ratio": _ratio(z["eval_loss"], r["eval_loss"]),
-            "steps_per_s_ratio": _ratio(z["steps_per_s"], r["steps_per_s"]),
-            "opt_step_ms_ratio": _ratio(z["opt_step_ms_mean"], r["opt_step_ms_mean"]),
-            "opt_step_ms_median_ratio": _ratio(z["opt_step_ms_median"], r["opt_step_ms_median"]),
-            "bytes_to_host_ratio": _ratio(z["bytes_to_host_per_step"], r["bytes_to_host_per_step"]),
-            "bytes_to_device_ratio": _ratio(z["bytes_to_device_per_step"], r["bytes_to_device_per_step"]),
-            "optimizer_state_device_ratio": _ratio(z["optimizer_state_device_bytes"],
-                                                   r["optimizer_state_device_bytes"]),
-        }
-    return out
-
-
-def _fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def _mib(value: float | None) -> str:
-    return "n/a" if value is None else f"{value / MIB:.1f}"
-
-
-def results_table(results: dict[str, dict[str, Any]], device: torch.device, metric_name: str) -> str:
-    """The markdown table printed at the end and written to results.md."""
-    dev_mem_note = "" if device.type == "cuda" else " (device = CPU: n/a)"
-    head = (f"| optimizer | held-out {metric_name} | held-out loss | train loss | steps/s | optimizer.step ms/step "
-            "(median) | engine critical path ms | host step ms (per host step) | MiB to host/step | "
-            f"MiB to device/step | peak device mem MiB{dev_mem_note} | host RSS peak MiB | opt. state on device MiB | "
-            "opt. state on host MiB |")
-    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
-    for r in results.values():
-        lines.append(
-            f"| {r['label']} | {r['eval_accuracy']:.4f} | {r['eval_loss']:.4f} | {r['train_loss']:.4f} | "
-            f"{r['steps_per_s']:.2f} | {_fmt(r['opt_step_ms_mean'])} ({_fmt(r['opt_step_ms_median'])}) | "
-            f"{_fmt(r['engine_critical_path_ms_mean'])} | {_fmt(r['host_step_ms_mean'])} | "
-            f"{_mib(r['bytes_to_host_per_step'])} | {_mib(r['bytes_to_device_per_step'])} | "
-            f"{_mib(r['peak_device_memory_bytes'])} | {_mib(r['host_rss_peak_bytes'])} | "
-            f"{_mib(r['optimizer_state_device_bytes'])} | {_mib(r['optimizer_state_host_bytes'])} |"
-        )
-    return "\n".join(lines)
-
-
-def ratio_table(rat: dict[str, dict[str, float | None]]) -> str:
-    if not rat:
-        return ""
-    rows = [("held-out accuracy, difference in points", "eval_accuracy_delta_points", "{:+.2f}"),
-            ("held-out loss ratio", "eval_loss_ratio", "{:.3f}x"),
-            ("steps/s ratio (>1 = ZenFlow faster)", "steps_per_s_ratio", "{:.2f}x"),
-            ("optimizer.step ms ratio, mean (<1 = ZenFlow shorter)", "opt_step_ms_ratio", "{:.3f}x"),
-            ("optimizer.step ms ratio, median", "opt_step_ms_median_ratio", "{:.3f}x"),
-            ("bytes to host per step ratio", "bytes_to_host_ratio", "{:.3f}x"),
-            ("bytes to device per step ratio", "bytes_to_device_ratio", "{:.3f}x"),
-            ("optimizer state on device ratio", "optimizer_state_device_ratio", "{:.3f}x")]
-    cols = list(rat)
-    lines = ["| ZenFlow vs | " + " | ".join(c.replace("zenflow_vs_", "") for c in cols) + " |",
-             "|---|" + "---|" * len(cols)]
-    for label, key, fmt in rows:
-        cells = []
-        for c in cols:
-            v = rat[c].get(key)
-            cells.append("n/a" if v is None else fmt.format(v))
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def plot_loss_curves(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, r in results.items():
-        loss = r["curves"]["loss"]
-        ema, smooth = None, []
-        for v in loss:  # exponential moving average: the raw per-batch loss is too noisy to compare by eye
-            ema = v if ema is None else 0.9 * ema + 0.1 * v
-            smooth.append(ema)
-        steps = range(1, len(loss) + 1)
-        ax.plot(steps, loss, color=COLORS[name], alpha=0.2, linewidth=0.8)
-        # SyncOffloadAdamW runs the same AdamW arithmetic as adamw_torch, so their curves coincide: dash one.
-        ax.plot(steps, smooth, color=COLORS[name], linewidth=2, linestyle="--" if name == "sync_offload" else "-",
-                label=f"{r['label']} (train, EMA 0.9)")
-        ax.scatter([len(loss)], [r["eval_loss"]], color=COLORS[name], marker="*", s=120, zorder=5,
-                   edgecolors="black", label=f"{r['label']} held-out loss {r['eval_loss']:.3f}")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.set_title(textwrap.fill(title, 90), fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_time_breakdown(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw={"width_ratios": [1, 1, 1.4]})
-    names = list(results)
-    parts = [("forward_backward_ms_mean", "forward + backward", "#8c8c8c"),
-             ("clip_ms_mean", "grad-norm clip", "#c44e52"),
-             ("opt_step_ms_mean", "optimizer.step (critical path)", "#8172b3"),
-             ("other_ms_mean", "scheduler + zero_grad", "#ccb974")]
-    bottom = [0.0] * len(names)
-    for key, label, color in parts:
-        vals = [results[n][key] or 0.0 for n in names]
-        left.bar([LABELS[n] for n in names], vals, bottom=bottom, label=label, color=color)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for i, total in enumerate(bottom):
-        left.text(i, total, f"{total:.0f} ms", ha="center", va="bottom", fontsize=8)
-    left.set_ylabel(f"mean ms per training step (steps > {TIMING_SKIP})")
-    left.set_title("where a training step's time goes")
-    left.legend(fontsize=8)
-    left.tick_params(axis="x", labelsize=8)
-    # The engines time each phase of their step() themselves: what the optimizer's critical path is made of.
-    engines = [n for n in names if results[n].get("engine_phases_ms_mean")]
-    bottom = [0.0] * len(engines)
-    cmap = plt.get_cmap("tab10")
-    for j, phase in enumerate(ENGINE_PHASES):
-        vals = [results[n]["engine_phases_ms_mean"].get(phase) or 0.0 for n in engines]
-        if not any(vals):
-            continue
-        mid.bar([LABELS[n] for n in engines], vals, bottom=bottom, label=phase, color=cmap(j))
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for i, total in enumerate(bottom):
-        mid.text(i, total, f"{total:.1f} ms", ha="center", va="bottom", fontsize=8)
-    mid.set_ylabel("mean ms per step, engine's own phase timers")
-    mid.set_title("inside optimizer.step (engine phases)")
-    if engines:
-        mid.legend(fontsize=8)
-    mid.tick_params(axis="x", labelsize=8)
-    for name in names:
-        opt_ms = results[name]["curves"]["opt_ms"]
-        right.plot(range(1, len(opt_ms) + 1), opt_ms, color=COLORS[name], linewidth=1, label=LABELS[name])
-    right.set_yscale("log")
-    right.set_xlabel("optimizer step")
-    right.set_ylabel("optimizer.step ms (log)")
-    right.set_title("optimizer critical path, every step")
-    right.grid(alpha=0.3, which="both")
-    right.legend(fontsize=8)
-    fig.suptitle(textwrap.fill(title, 140), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _card_settings(cfg: CompareConfig) -> dict[str, Any]:
-    return {"topk_ratio": cfg.topk_ratio, "update_interval": cfg.update_interval, "overlap_step": cfg.overlap_step,
-            "host_lr_scale": cfg.host_lr_scale, "min_offload_numel": cfg.min_offload_numel,
-            "select_strategy": cfg.select_strategy, "select_interval": cfg.select_interval,
-            "full_warm_up_rounds": cfg.full_warm_up_rounds, "cpu_threads": cfg.cpu_threads or "engine default"}
-
-
-def write_model_card(path: Path, task: PreparedTask, cfg: CompareConfig, zen: dict[str, Any],
-                     rat: dict[str, dict[str, float | None]]) -> str:
-    """Render the ZenFlow run's card with the project's template; return which renderer was used."""
-    measured = {
-        "optimizer.step ms per step (mean)": zen["opt_step_ms_mean"],
-        "engine critical path ms per step (mean)": zen["engine_critical_path_ms_mean"],
-        "host step ms (per host step)": zen["host_step_ms_mean"],
-        "bytes to host per step": zen["bytes_to_host_per_step"],
-        "bytes to device per step": zen["bytes_to_device_per_step"],
-        "optimizer state on device (bytes)": zen["optimizer_state_device_bytes"],
-        "optimizer state on host (bytes)": zen["optimizer_state_host_bytes"],
-        "steps/s": zen["steps_per_s"],
-    }
-    for key, r in rat.items():
-        measured[f"optimizer.step time vs {key.replace('zenflow_vs_', '')}"] = r["opt_step_ms_ratio"]
-        measured[f"held-out accuracy vs {key.replace('zenflow_vs_', '')} (points)"] = r["eval_accuracy_delta_points"]
-    hyper = {"learning_rate": cfg.lr, "train_batch_size": cfg.batch_size, "seed": cfg.seed, "max_steps": cfg.steps,
-             "lr_scheduler_type": "linear", "warmup_ratio": cfg.warmup_ratio, "weight_decay": cfg.weight_decay,
-             "max_grad_norm": cfg.max_grad_norm, "max_length": cfg.max_length, "training data": task.dataset_name,
-             "train / held-out examples": f"{task.train_examples} / {task.eval_examples}",
-             "training loop": "hf-zenflow compare (plain PyTorch loop, not the Trainer)"}
-    results = {f"held-out {task.metric_name}": zen["eval_accuracy"], "held-out loss": zen["eval_loss"],
-               "train loss (last 10% of steps)": zen["train_loss"]}
-    try:
-        from hf_zenflow.hf import model_card as mc
-    except ImportError:
-        mc = None
-    render = getattr(mc, "render_zenflow_model_card", None) or getattr(mc, "render_model_card", None)
-    if render is not None:
-        card = render(model_name=f"{task.model_name.split('/')[-1]}-zenflow-compare",
-                      zenflow_settings=_card_settings(cfg),
-                      zenflow_measured=measured, hyperparameters=hyper, results=results,
-                      # The data is described, not a Hub dataset id: the template would turn a name into a link.
-                      base_model=task.model_name, dataset_name=None,
-                      tags=["hf-zenflow-compare", task.task])
-        path.write_text(str(card), encoding="utf-8")
-        return f"hf_zenflow.hf.model_card.{render.__name__}"
-    # Fallback: a minimal card, used only when the template module is not importable.
-    lines = [f"# {task.model_name} fine-tuned with ZenFlow", "", (f"Base model: `{task.model_name}`; data: "
-             f"{task.dataset_name}."), "", "## ZenFlow", ""]
-    lines += [f"- {k}: {v}" for k, v in _card_settings(cfg).items()]
-    lines += ["", "### Measured", ""] + [f"- {k}: {_fmt(v, 4)}" for k, v in measured.items()]
-    lines += ["", "## Results", ""] + [f"- {k}: {_fmt(v, 4)}" for k, v in results.items()]
-    lines += ["", "## Hyperparameters", ""] + [f"- {k}: {v}" for k, v in hyper.items()]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return "runner fallback (hf_zenflow.hf.model_card not importable)"
-
-
 def machine_info(device: torch.device) -> dict[str, Any]:
     from hf_zenflow.config import available_cpu_count
 
@@ -618,16 +435,76 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def _device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} ({device})"
+    return f"{device.type} ({torch.get_num_threads()} training threads)"
+
+
+def _settings_line(task: PreparedTask, cfg: CompareConfig, device: torch.device) -> str:
+    return (f"{task.num_parameters / 1e6:.1f}M params; {task.dataset_name}; {task.train_examples} train / "
+            f"{task.eval_examples} held-out; {cfg.steps} steps x batch {cfg.batch_size}, lr {cfg.lr}, "
+            f"seed {cfg.seed}; "
+            f"device {device}; ZenFlow topk_ratio {cfg.topk_ratio}, update_interval {cfg.update_interval}, "
+            f"overlap_step {cfg.overlap_step}, select_strategy {cfg.select_strategy}, select_interval "
+            f"{cfg.select_interval}, full_warm_up_rounds {cfg.full_warm_up_rounds}; weights of the offloading runs "
+            f"{cfg.resolved_layout()}-major; ZenFlow selects embedding {cfg.resolved_embedding_select()}.")
+
+
+def _machine_line(info: dict[str, Any], load: dict[str, Any]) -> str:
+    """The machine and how busy it was over the whole comparison."""
+    text = (f"{info['date_utc']} UTC; {info['processor']}, {info['cpu_affinity_cores']} cores; torch {info['torch']}")
+    if load.get("others_cores") is not None:
+        text += (f"; over the whole comparison other processes used {load['others_cores']:.2f} of the "
+                 f"{load['cores']} cores on average, CPU steal {100 * (load.get('steal_fraction') or 0):.1f} %")
+    if load.get("loadavg_before") is not None:
+        text += (f"; 1-minute load average {load['loadavg_before']:.2f} before the run, max "
+                 f"{load['loadavg_max']:.2f} during it (this run's own threads included)")
+    return text + "."
+
+
+def _save_model(out_dir: Path, task: PreparedTask, cfg: CompareConfig, results: dict[str, dict[str, Any]],
+                rat: dict[str, dict[str, float | None]], device: torch.device) -> Path | None:
+    """With --save-model: the ZenFlow-trained model, its tokenizer and its card (README.md) in
+    out_dir/zenflow_model."""
+    model = results.get("zenflow", {}).pop("_model", None)
+    if model is None:
+        return None
+    from hf_zenflow.compare.card import render_compare_card
+
+    model_dir = out_dir / "zenflow_model"
+    model.save_pretrained(str(model_dir))
+    task.tokenizer.save_pretrained(str(model_dir))
+    card = render_compare_card(task, cfg, results, rat, _device_description(device))
+    (model_dir / "README.md").write_text(card, encoding="utf-8")
+    return model_dir
+
+
 def run_compare(cfg: CompareConfig) -> dict[str, Any]:
-    """Run the comparison; write results.json, results.md, loss_curves.png, time_breakdown.png, model_card.md."""
+    """Run the comparison into a new run folder (`hf_zenflow.compare.output`): results.json, results.md,
+    loss_curves.png, time_breakdown.png and, with `save_model`, zenflow_model/ with its card (README.md). Returns
+    what results.json holds; ``payload["output_dir"]`` is the folder."""
     unknown = [o for o in cfg.optimizers if o not in OPTIMIZERS]
     if unknown:
         raise ValueError(f"unknown optimizer(s) {unknown}: allowed are {OPTIMIZERS}.")
-    out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = prepare_output_dir(cfg.output_dir, cfg.model, cfg.overwrite)  # refuses before any work
+    monitor = LoadMonitor()
+    monitor.start()  # first: its load average before the run counts only other processes
+    try:
+        return _run(cfg, out_dir, monitor)
+    except BaseException:
+        if cfg.output_dir is None and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # a failed run leaves no empty run folder behind
+        raise
+    finally:
+        monitor.stop()
+
+
+def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = cfg.resolved_device()
+    cuda = device.type == "cuda"
     wall = time.perf_counter()
     _log(cfg, f"loading model and data (model={cfg.model or 'minilm'}, device={device}) ...")
     task = prepare_task(model=cfg.model, task=cfg.task, steps=cfg.steps, train_size=cfg.train_size,
@@ -635,65 +512,86 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
                         eval_batch_size=cfg.eval_batch_size)
     _log(cfg, f"{task.model_name}: {task.num_parameters / 1e6:.1f}M params; {task.task}; "
               f"{task.train_examples} train / {task.eval_examples} held-out examples; {cfg.steps} steps x "
-              f"batch {cfg.batch_size}; load {time.perf_counter() - wall:.1f} s")
+              f"batch {cfg.batch_size}; load {time.perf_counter() - wall:.1f} s; writing to {out_dir}/")
     results: dict[str, dict[str, Any]] = {}
-    for i, name in enumerate(cfg.optimizers):
-        _log(cfg, f"[{i + 1}/{len(cfg.optimizers)}] training with {LABELS[name]} ...")
-        gc.collect()
-        r = train_one(name, task, cfg, device)
-        results[name] = r
-        _log(cfg, f"{name}: held-out {task.metric_name} {r['eval_accuracy']:.4f}, loss {r['eval_loss']:.4f}, "
-                  f"{r['steps_per_s']:.2f} steps/s, optimizer.step {r['opt_step_ms_mean']:.2f} ms/step")
-        gc.collect()
-    rat = ratios(results)
-    table = results_table(results, device, task.metric_name)
-    rtable = ratio_table(rat)
+    bar = progress_bar(cfg, len(task.train_batches) * len(cfg.optimizers))
+    try:
+        for i, name in enumerate(cfg.optimizers):
+            stage = f"[{i + 1}/{len(cfg.optimizers)}] {LABELS[name]}"
+            if bar is not None:
+                bar.set_description(f"[{i + 1}/{len(cfg.optimizers)}] {report.SHORT_NAMES[name]}", refresh=False)
+                bar.set_postfix_str("", refresh=False)  # the previous run's figures
+            else:
+                _log(cfg, f"{stage} ...")
+            gc.collect()
+            since = monitor.reading()
+            r = train_one(name, task, cfg, device, bar)
+            load = monitor.report(since)
+            r["machine_load"] = load.to_dict()
+            results[name] = r
+            _log(cfg, f"{stage}: held-out {task.metric_name} {r['eval_accuracy']:.4f}, loss {r['eval_loss']:.4f}; "
+                      f"{r['steps_per_s']:.2f} steps/s (whole run); optimizer.step "
+                      f"{report.format_ms(r['opt_step_ms_median'])} ms median, p10–p90 {report.format_spread(r)}; "
+                      f"other processes' CPU {load.short()}", bar)
+            gc.collect()
+    finally:
+        if bar is not None:
+            bar.close()
+    whole = monitor.whole_run().to_dict()
+    rat = report.ratios(results, task.metric_name, cuda)
+    headline = report.comparison_table(results, rat, task.metric_name, cuda, headline=True)
+    full = report.comparison_table(results, rat, task.metric_name, cuda, headline=False)
+    note = report.statistics_note(len(task.train_batches), TIMING_SKIP)
+    per_run_load = {n: r["machine_load"] for n, r in results.items()}
+    warning = report.busy_warning(whole["busy_reasons"], per_run_load)
+    notes = report.disagreement_notes(rat)
     title = (f"{task.model_name} on {task.dataset_name.split(' (')[0]}: {cfg.steps} steps x batch {cfg.batch_size}, "
              f"seed {cfg.seed}")
     plot_loss_curves(results, out_dir / "loss_curves.png", title)
-    plot_time_breakdown(results, out_dir / "time_breakdown.png", title)
-    card_renderer = None
-    if "zenflow" in results:
-        card_renderer = write_model_card(out_dir / "model_card.md", task, cfg, results["zenflow"], rat)
-        model = results["zenflow"].pop("_model", None)
-        if model is not None:
-            model_dir = out_dir / "zenflow_model"
-            model.save_pretrained(str(model_dir))
-            task.tokenizer.save_pretrained(str(model_dir))
-            (model_dir / "README.md").write_text((out_dir / "model_card.md").read_text(encoding="utf-8"))
+    plot_time_breakdown(results, out_dir / "time_breakdown.png", title, TIMING_SKIP,
+                        report.busy_banner(whole, per_run_load))
+    model_dir = _save_model(out_dir, task, cfg, results, rat, device)
     info = machine_info(device)
     payload = {
+        "output_dir": str(out_dir),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
         "task": {"task": task.task, "model": task.model_name, "model_path": task.model_path,
                  "dataset": task.dataset_name, "num_parameters": task.num_parameters,
                  "train_examples": task.train_examples, "eval_examples": task.eval_examples,
                  "metric": task.metric_name, **task.extra},
         "machine": info,
+        "machine_load": whole,
+        "warnings": [w for w in (warning, *notes) if w],
         "timing_skip_steps": TIMING_SKIP,
         "results": results,
         "ratios": rat,
-        "model_card_renderer": card_renderer,
+        "saved_model": str(model_dir) if model_dir else None,
         "total_seconds": time.perf_counter() - wall,
     }
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
-    md = [f"# hf-zenflow compare: {task.model_name}", "",
-          (f"{info['date_utc']} UTC; {info['processor']}, {info['cpu_affinity_cores']} cores; device {device}; "
-          f"torch {info['torch']}; {task.num_parameters / 1e6:.1f}M params; {task.dataset_name}; "
-          f"{task.train_examples} train / {task.eval_examples} held-out; {cfg.steps} steps x batch {cfg.batch_size}, "
-          f"lr {cfg.lr}, seed {cfg.seed}; ZenFlow topk_ratio {cfg.topk_ratio}, update_interval {cfg.update_interval}, "
-          f"overlap_step {cfg.overlap_step}, select_strategy {cfg.select_strategy}, select_interval "
-          f"{cfg.select_interval}, full_warm_up_rounds {cfg.full_warm_up_rounds}; weights of the offloading runs "
-          f"{cfg.resolved_layout()}-major; ZenFlow selects embedding {cfg.resolved_embedding_select()}."), "",
-          table, "", rtable, "",
-          (f"Per-step means leave out the first {TIMING_SKIP} steps. adamw_torch is `torch.optim.AdamW(fused=True)`; "
-          "its optimizer state is counted as device state. \"optimizer.step ms\" is measured by the runner around "
-          "`optimizer.step()`; the gradient-norm clip is timed separately (time_breakdown.png). Host RSS is the "
-          "whole process (the three runs share it), sampled after every step."), "",
-          f"Total wall time {payload['total_seconds']:.0f} s."]
+    machine = _machine_line(info, whole)
+    md = [f"# hf-zenflow compare: {task.model_name}", "", _settings_line(task, cfg, device), "", f"Machine: {machine}",
+          ""]
+    md += [f"> **{warning}**", ""] if warning else []
+    md += ["## Headline", "", report.TABLE_CAPTION, "", headline, "", note, ""]
+    md += [f"- {n}" for n in notes] + ([""] if notes else [])
+    md += ["## All figures", "", full, "",
+           ("adamw_torch is `torch.optim.AdamW(fused=True)`, its state counted as device state. \"optimizer.step\" "
+            "is the time the runner measures around `optimizer.step()` (the optimizer's critical path); the "
+            "gradient-norm clip is timed separately. Host RSS is the whole process (the runs share it, one after "
+            "the other), sampled after every step. Plots: loss_curves.png, time_breakdown.png."), "",
+           f"Total wall time {payload['total_seconds']:.0f} s."]
     (out_dir / "results.md").write_text("\n".join(md) + "\n", encoding="utf-8")
-    _log(cfg, "results:\n" + table + ("\n\n" + rtable if rtable else ""))
-    _log(cfg, f"wrote {out_dir}/results.json, results.md, loss_curves.png, time_breakdown.png"
-              + (", model_card.md" if card_renderer else "") + f" in {payload['total_seconds']:.0f} s")
+    if not cfg.quiet:
+        wrap = lambda text: textwrap.fill(text, 118)
+        print("\n" + wrap(report.TABLE_CAPTION) + "\n" + headline + "\n\n" + wrap(note) + "\n\n"
+              + wrap(f"Machine: {machine}"), flush=True)
+        for text in [*notes, *([warning] if warning else [])]:
+            print("\n" + wrap(text), flush=True)
+        print(flush=True)
+    _log(cfg, f"wrote {out_dir}/: results.md (every figure), results.json, loss_curves.png, time_breakdown.png"
+              + (f", {model_dir.name}/ (model + README.md card)" if model_dir else "")
+              + f" in {payload['total_seconds']:.0f} s")
     return payload
 
 

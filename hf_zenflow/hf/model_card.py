@@ -85,8 +85,12 @@ def render_zenflow_model_card(
     library_name: str = "transformers",
     license: str | None = None,
     language: str | list[str] | None = None,
+    training_procedure: str | None = None,
 ) -> ModelCard:
     """Render the ZenFlow model card.
+
+    `training_procedure` replaces the sentence that says how the model was trained (default: by `ZenFlowTrainer`);
+    `hf-zenflow compare --save-model` passes its own plain training loop.
 
     Example:
         >>> card = render_zenflow_model_card(model_name="tiny", zenflow_settings={"topk_ratio": 0.1})
@@ -114,6 +118,7 @@ def render_zenflow_model_card(
         zenflow_settings={k: v if isinstance(v, bool) else format_value(v) for k, v in zenflow_settings.items()},
         zenflow_measured={k: format_value(v) for k, v in (zenflow_measured or {}).items()},
         framework_versions=framework_versions(),
+        training_procedure=training_procedure,
     )
     # Jinja's block tags leave runs of blank lines around the tables; one is enough.
     return ModelCard(re.sub(r"\n{3,}", "\n\n", str(card)))

