@@ -28,22 +28,22 @@ from typing import Any
 
 import torch
 
-from . import _native, checkpoint
+from . import checkpoint
 from ._base import (
     GradNormCache,
     check_hyperparameters,
     clip_coefficient,
-    fused_adamw_,
     grad_norms,
-    l2_norm,
 )
 from .config import ZenFlowConfig
-from .device_step import DenseDeviceState, DeviceColumns, gather_columns, scatter_columns
+from .device_step import DenseDeviceState, device_update, gather_selected, norms_and_gather
+from .gradients import GradientReads
 from .host import wait_for_closed_workers
 from .schedule import StepKind, WindowSchedule
-from .selection import column_scores, num_selected, selection_axis, top_columns
+from .selection import num_selected, row_scores, selection_axis
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
+from .weight_marks import WeightMarks, reread_masters
 from .windows import HandOff, HostWindows
 
 
@@ -56,18 +56,6 @@ _LIVE_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 def _close_all() -> None:  # the host threads are daemons; this just lets in-flight jobs end cleanly
     for opt in list(_LIVE_OPTIMIZERS):
         opt.close()
-
-
-def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.device, []).append(t)
-    return list(groups.values())
-
-
-def _to(value: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
-    """A number as it is; a tensor on `device` (a non-blocking copy when it lives elsewhere)."""
-    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
 class ZenFlowAdamW(torch.optim.Optimizer):
@@ -134,10 +122,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._stats = ZenFlowStats()
         self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor)
         self.config = config
-        # (version counter, storage) of every parameter with an fp32 master of its own, after the optimizer's last
-        # write: a difference means the weights were changed from outside (see `_pick_up_outside_changes`)
-        self._weight_marks: dict[torch.Tensor, tuple[int, int]] = {}
-        self._told_outside_change = False
+        # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
+        self._reads = GradientReads(p for g in self.param_groups for p in g["params"])
+        self._reads.on_ready = self._host.grad_ready
+        self._weights = WeightMarks()  # notices weights changed from outside the optimizer
         self._param_names: dict[torch.Tensor, str] = {
             p: name for g in self.param_groups for name, p in zip(g.get("param_names", ()), g["params"])
         }
@@ -159,6 +147,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 )
                 break
         super().add_param_group(param_group)
+        if hasattr(self, "_reads"):  # a group added after construction: its gradients are read in backward too
+            self._reads.watch(self.param_groups[-1]["params"])
 
     def set_steps_per_epoch(self, steps: int) -> None:
         """Epoch length in optimizer steps, for ``select_strategy="epoch"`` or ``"auto"``."""
@@ -174,8 +164,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         The gradients themselves are not rewritten: the coefficient is folded into the gather of the selected
         columns and into the host accumulation, which read the gradient anyway.
         """
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norms, total = grad_norms(grads, norm_type)
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        known = [self._reads.norm(p) for p in params] if norm_type == 2.0 else None
+        norms, total = grad_norms(grads, norm_type, known)
         coef = clip_coefficient(total, float(max_norm)) if max_norm != float("inf") else None
         if norm_type == 2.0:
             self._norm_cache.store(grads, norms, total, coef)
@@ -195,6 +187,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         try:
             return self._step(loss)
         finally:
+            self._reads.clear()  # this backward's reads are used up
+            self._host.release_early()  # copies started in backward that this step did not take (skipped step)
             # The host jobs this step submitted (accumulation, the window's host AdamW) start now, overlapping the
             # caller's next forward/backward.
             worker.release()
@@ -227,9 +221,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 norms = cached_norms
                 if gather_now:
                     # the selected columns are needed before the sync either way: Zen-auto votes on their mass
-                    self._gather_selected(entries, grads, gathered)
+                    gather_selected(self._split, entries, grads, gathered)
             else:
-                norms = self._norms_and_gather(entries, grads, gather_now, gathered)
+                # the norms the backward hooks took (`GradientReads`); the others are read now, with the gather
+                norms = [self._reads.norm(p) for _, p in entries]
+                todo = [i for i, n in enumerate(norms) if n is None]
+                if todo:
+                    read = norms_and_gather(self._split, [entries[i] for i in todo], [grads[i] for i in todo],
+                                            gather_now, gathered)
+                    for i, n in zip(todo, read):
+                        norms[i] = n
+                if gather_now:
+                    gather_selected(self._split, entries, grads, gathered)
                 first = norms[0].device
                 total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
             total = cached_total if cached_norms else total
@@ -252,7 +255,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
                 rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
                 with timer.phase("device_update"):
-                    self._device_update(entries, grads, clip, gathered, rewritten=rewritten, found_inf=bad.float())
+                    device_update(self._split, self._dense, entries, grads, clip, gathered, rewritten=rewritten,
+                                  found_inf=bad.float())
                 with timer.phase("handoff"):
                     started = self._host.start_hand_off(entries, grads)
 
@@ -286,7 +290,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             self._select_new_matrices(entries, grads, waiting_norms)
                     rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
                     with timer.phase("device_update"):
-                        self._device_update(entries, grads, coef, gathered, rewritten=rewritten)
+                        device_update(self._split, self._dense, entries, grads, coef, gathered, rewritten=rewritten)
                 if rewritten and self.config.overlap_step:
                     # The previous window's result goes into the weights before this step's gradients are handed to
                     # the worker: the write-back does not depend on them, and this way its scatter does not compete
@@ -363,6 +367,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def __del__(self) -> None:  # noqa: D105
         try:
             self.close()
+            self._reads.remove()  # the parameters outlive the optimizer: take the hooks off them
+            for transport in self._host.transports.values():
+                transport.close()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
 
@@ -407,54 +414,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         kept (as `torch.optim.AdamW` keeps them when weights are loaded); what was computed from the old weights and
         is not in them yet (a pending host result, the open window's gradient sum) is dropped for these parameters.
         """
-        self._reread_masters(list(self._split) + list(self._dense) if params is None else list(params))
+        params = list(self._split) + list(self._dense) if params is None else list(params)
+        reread_masters(params, self._split, self._dense, self._host.worker)
         self._mark_weights()
 
     def _pick_up_outside_changes(self) -> None:
-        changed = [p for p, mark in self._weight_marks.items() if (p._version, p.data_ptr()) != mark]
-        if not changed:
-            return
-        if not self._told_outside_change:
-            self._told_outside_change = True
-            logger.warning(
-                "ZenFlowAdamW: %d parameter(s) were changed outside the optimizer (model.load_state_dict, "
-                "load_best_model_at_end, an in-place edit...): their fp32 masters are re-read from the weights; "
-                "host results and window gradients still pending for them are dropped.", len(changed),
-            )
-        self._reread_masters(changed)
-        self._mark_weights()
-
-    def _reread_masters(self, params: list[torch.Tensor]) -> None:
-        if self._host.worker is not None:
-            self._host.worker.synchronize()  # Sync point: the worker must not be writing the host masters we replace
-        for p in params:
-            dense = self._dense.get(p)
-            if dense is not None:
-                if dense.master is not None:
-                    dense.master.copy_(p.detach())
-                continue
-            split = self._split.get(p)
-            if split is None:
-                continue
-            current = split.matrix(p.detach())
-            if split.host is not None:
-                host = split.host
-                host.master.copy_(current)
-                if host.writeback_free is not None:
-                    host.writeback_free.synchronize()  # type: ignore[attr-defined]  # a write-back copy still reads it
-                host.writeback.copy_(current)  # a pending write-back now rewrites these very values
-                host.writeback_fresh = False
-                # the open window's gradients were taken at the old weights: dropped, as the pending result is
-                host.accum_count, split.window_count = 0, 0
-            if split.device is not None:
-                cols = split.device
-                cols.master.copy_(current.index_select(cols.axis, cols.index))
+        changed = self._weights.changed()
+        if changed:
+            self._weights.tell_once(len(changed))
+            reread_masters(changed, self._split, self._dense, self._host.worker)
+            self._mark_weights()
 
     def _mark_weights(self) -> None:
-        """Remember the version and storage of every parameter with a master of its own, after our own writes."""
-        marks = {p: (p._version, p.data_ptr()) for p in self._split}
-        marks.update({p: (p._version, p.data_ptr()) for p, d in self._dense.items() if d.master is not None})
-        self._weight_marks = marks
+        self._weights.mark(self._split, self._dense)
 
     def master_weight(self, param: torch.Tensor) -> torch.Tensor:
         """The fp32 master value of `param` (host columns from the host master, device columns from the device),
@@ -512,119 +484,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _group_of(self) -> dict[torch.Tensor, dict]:
         return {p: g for g in self.param_groups for p in g["params"]}
 
-    def _norms_and_gather(
-        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], gather_now: bool,
-        gathered: set[torch.Tensor],
-    ) -> list[torch.Tensor]:
-        """Per-gradient L2 norms, and the selected columns gathered in the same sweep (added to `gathered`).
-
-        On a CPU device one C kernel does both row by row (the strided gather then costs almost nothing on top of
-        the streaming read); elsewhere each gradient's norm is followed right away by its gather, so the gather
-        finds the gradient in cache where it fits.
-        """
-        norms: list[torch.Tensor | None] = [None] * len(grads)
-        want = [
-            (i, split) if gather_now and (split := self._split.get(p)) is not None and split.device is not None
-            else (i, None)
-            for i, (_, p) in enumerate(entries)
-        ]
-        # the kernels gather the strided columns of row-major matrices; they read any contiguous gradient
-        reads = [(i, grads[i] if split is None else split.matrix(grads[i]),
-                  split if split is not None and split.axis == 1 else None) for i, split in want]
-        native = [(i, matrix, split) for i, matrix, split in reads if _native.supports(matrix)]
-        if native and _native.library() is not None:
-            sums = _native.norms_and_gather(
-                [matrix for _, matrix, _ in native],
-                [split.device.grad if split is not None else None for _, _, split in native],
-                [split.device.index if split is not None else None for _, _, split in native],
-            )
-            for (i, _, split), total in zip(native, sums):
-                norms[i] = torch.tensor(math.sqrt(total), dtype=torch.float32)
-                if split is not None:
-                    gathered.add(entries[i][1])
-        for i, split in want:
-            if norms[i] is None:
-                norms[i] = l2_norm(grads[i])
-            if split is not None and entries[i][1] not in gathered:
-                # whole rows (column-major weights, `select_rows`), or no kernels: torch's own gather
-                split.device.gather_grad(split.matrix(grads[i]))
-                gathered.add(entries[i][1])
-        return norms  # type: ignore[return-value]
-
-    def _gather_selected(
-        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], gathered: set[torch.Tensor],
-    ) -> None:
-        """Gather the selected columns of every split matrix with device columns (added to `gathered`)."""
-        items = []
-        for (_, p), g in zip(entries, grads):
-            split = self._split.get(p)
-            if split is not None and split.device is not None and p not in gathered:
-                items.append((split.device, split.matrix(g)))
-                gathered.add(p)
-        gather_columns(items)
-
-    def _device_update(
-        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | torch.Tensor | None,
-        gathered: set[torch.Tensor], rewritten: bool = False, found_inf: torch.Tensor | None = None,
-    ) -> None:
-        """Fused AdamW on the selected columns and the dense parameters, one kernel launch per group and device.
-        `coef`: the clip coefficient, a number or a device tensor; `found_inf`: a device tensor that, when set,
-        makes the update change nothing. `rewritten`: a write-back follows in this step, so matrices with host
-        columns are not scattered now."""
-        batches: dict[tuple[int, torch.device], tuple[dict, list[list[torch.Tensor]]]] = {}
-        scatters: list[tuple[DeviceColumns, torch.Tensor]] = []
-        dense_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        to_gather: list[tuple[DeviceColumns, torch.Tensor]] = []
-        updates: list[tuple[dict, torch.Tensor, SplitMatrix | None, torch.Tensor]] = []
-        for (group, p), g in zip(entries, grads):
-            split = self._split.get(p)
-            if split is not None:
-                if split.device is None:
-                    continue
-                if p not in gathered:
-                    to_gather.append((split.device, split.matrix(g)))
-            updates.append((group, p, split, g))
-        gather_columns(to_gather)
-        dense = [(p, g if g.dtype == torch.float32 else g.float()) for _, p, split, g in updates if split is None]
-        dense_grads = [g for _, g in dense]
-        if coef is not None:
-            # one batched multiply per kind and device: the selected columns' own buffers in place; the dense
-            # parameters' gradients into new tensors (the caller's gradients are never modified)
-            selected = [split.device.grad for _, _, split, _ in updates if split is not None]
-            for group in _by_device(selected):
-                torch._foreach_mul_(group, _to(coef, group[0].device))
-            scaled = {id(g): h for group in _by_device(dense_grads)
-                      for g, h in zip(group, torch._foreach_mul(group, _to(coef, group[0].device)))}
-            dense_grads = [scaled[id(g)] for g in dense_grads]
-        dense_grad = {id(p): g for (p, _), g in zip(dense, dense_grads)}
-        for group, p, split, _ in updates:
-            lists = batches.setdefault((id(group), p.device), (group, [[], [], [], [], []]))[1]
-            if split is not None:
-                cols = split.device
-                tensors = (cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.step)
-                if not (rewritten and split.host is not None):
-                    scatters.append((cols, split.matrix(p)))
-            else:
-                state = self._dense[p]
-                tensors = (state.master_of(p), dense_grad[id(p)], state.exp_avg, state.exp_avg_sq, state.step)
-                if state.master is not None:
-                    dense_copies.append((p, state.master))  # the parameter receives the rounded fp32 master
-            for bucket, t in zip(lists, tensors):
-                bucket.append(t)
-        for (_, device), (group, (params, gs, m, v, steps)) in batches.items():
-            flag = None if found_inf is None else _to(found_inf, device)
-            fused_adamw_(params, gs, m, v, steps, group, found_inf=flag)
-        scatter_columns(scatters)
-        for p, master in dense_copies:
-            p.copy_(master)
-
     def _warm_up_step(
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
         timer: StepTimer,
     ) -> None:
         """Plain dense AdamW: every matrix column by the host, synchronously; 1-D parameters on the device."""
         with timer.phase("device_update"):
-            self._device_update(entries, grads, coef, set())
+            device_update(self._split, self._dense, entries, grads, coef, set())
         with timer.phase("handoff"):
             self._host.hand_off(entries, grads, coef)
         self._schedule.window_steps += 1
@@ -645,20 +511,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for split in self._split.values():  # (a resumed run may have a new topk_ratio)
             split.k = num_selected(self.config.topk_ratio, split.columns)
         pairs = [(self._split[p], g) for (_, p), g in zip(entries, grads) if p in self._split]
-        scores = self._row_scores([(split, split.matrix(g)) for split, g in pairs if split.offloaded])
+        scores = row_scores([(split, split.matrix(g)) for split, g in pairs if split.offloaded])
         for split, g in pairs:
-            self._select(split, g, scores.get(id(split)))
+            split.select(g, scores.get(id(split)), self._host.attach_host)
         schedule.reselections += 1
-
-    @staticmethod
-    def _row_scores(items: list[tuple[SplitMatrix, torch.Tensor]]) -> dict[int, torch.Tensor]:
-        """Selection scores of the matrices whose selectable units are contiguous rows (column-major weights,
-        `select_rows`), on a CPU device: one threaded kernel pass over all of them instead of a chunked torch sweep
-        per matrix. Others are left to `column_scores` in `_select`."""
-        rows = [(split, m) for split, m in items if split.axis == 0 and _native.supports(m) and m.ndim == 2]
-        if not rows or _native.library() is None:
-            return {}
-        return {id(split): s for (split, _), s in zip(rows, _native.row_scores([m for _, m in rows]))}
 
     def _select_new_matrices(
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], norms: list[float],
@@ -675,53 +531,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # new device columns are read.
             self._host.worker.synchronize()
         for split, g in todo:
-            self._select(split, g)
-
-    def _select(self, split: SplitMatrix, grad: torch.Tensor, scores: torch.Tensor | None = None) -> None:
-        p = split.param
-        if split.host is None and split.offloaded:
-            # every column was on the device (a resumed run with a lower topk_ratio): the host state starts from the
-            # weights and takes every device column below
-            self._host.attach_host([split])
-        host = split.host
-        # Sync point (re-selection only, every `select_period` steps): the outgoing device columns are copied to the
-        # host and the incoming ones up with blocking copies; the worker was drained by the caller first.
-        axis = split.axis
-        if split.device is not None and host is not None:
-            idx = split.device.index.cpu()
-            host.master.index_copy_(axis, idx, split.device.master.cpu())
-            host.exp_avg.index_copy_(axis, idx, split.device.exp_avg.cpu())
-            host.exp_avg_sq.index_copy_(axis, idx, split.device.exp_avg_sq.cpu())
-            if split.k == 0:
-                split.device = None  # (topk_ratio now 0) every column lives on the host
-        if split.k == 0 or (split.device is not None and split.device.k == split.k == split.columns):
-            return  # nothing on the device, or every column already there
-        if split.offloaded:
-            scores = column_scores(split.matrix(grad), axis) if scores is None else scores
-            # Sync point (selection only): an all-zero gradient ranks nothing (LoRA's lora_A at its first step, while
-            # lora_B is still zero). Keep the current columns, or none yet: `_select_new_matrices` retries at the
-            # next step whose gradient of this matrix is not zero.
-            if not bool(scores.any()):
-                return
-            index = top_columns(scores, split.k)
-        else:
-            index = torch.arange(split.k, device=p.device)
-        if split.device is not None:
-            step = split.device.step  # most device columns stay: keep the device path's count
-        elif host is not None:
-            step = host.step
-        else:
-            step = torch.zeros(())
-        if host is not None:
-            cpu_idx = index.cpu()
-            cols = [t.index_select(axis, cpu_idx) for t in (host.master, host.exp_avg, host.exp_avg_sq)]
-        else:
-            master = split.matrix(p).detach().index_select(axis, index).float()
-            cols = [master, torch.zeros_like(master), torch.zeros_like(master)]
-        split.device = DeviceColumns.from_columns(index, *cols, step=step, device=p.device, axis=axis)
-        if not split.offloaded:
-            split.detach_host()  # every column on the device (topk_ratio=1): the host keeps nothing
-        split.auto.reset()
+            split.select(g, None, self._host.attach_host)
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpointing

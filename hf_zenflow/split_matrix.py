@@ -6,6 +6,7 @@ when every column lives on the device (``topk_ratio=1``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from .device_step import DeviceColumns
 from .host import HostMatrix
 from .schedule import ZenAutoStats
-from .selection import selection_axis, storage_matrix
+from .selection import column_scores, selection_axis, storage_matrix, top_columns
 from .transport import Transport
 
 
@@ -85,3 +86,55 @@ class SplitMatrix:
             for full, part in ((master, cols.master), (m, cols.exp_avg), (v, cols.exp_avg_sq)):
                 full.index_copy_(self.axis, index, part.cpu())
         return master, m, v
+
+    def select(self, grad: torch.Tensor, scores: torch.Tensor | None,
+               attach_host: Callable[[list[SplitMatrix]], None]) -> None:
+        """Choose this matrix's device columns from `grad` (or precomputed `scores`) and migrate the state to match:
+        the outgoing device columns' master values and moments go to the host state, the incoming columns' come
+        from it (no reset). The caller has drained the host worker. `attach_host` creates the host state when all
+        columns were on the device so far."""
+        split = self
+        p = split.param
+        if split.host is None and split.offloaded:
+            # every column was on the device (a resumed run with a lower topk_ratio): the host state starts from the
+            # weights and takes every device column below
+            attach_host([split])
+        host = split.host
+        # Sync point (re-selection only, every `select_period` steps): the outgoing device columns are copied to the
+        # host and the incoming ones up with blocking copies; the worker was drained by the caller first.
+        axis = split.axis
+        if split.device is not None and host is not None:
+            idx = split.device.index.cpu()
+            host.master.index_copy_(axis, idx, split.device.master.cpu())
+            host.exp_avg.index_copy_(axis, idx, split.device.exp_avg.cpu())
+            host.exp_avg_sq.index_copy_(axis, idx, split.device.exp_avg_sq.cpu())
+            if split.k == 0:
+                split.device = None  # (topk_ratio now 0) every column lives on the host
+        if split.k == 0 or (split.device is not None and split.device.k == split.k == split.columns):
+            return  # nothing on the device, or every column already there
+        if split.offloaded:
+            scores = column_scores(split.matrix(grad), axis) if scores is None else scores
+            # Sync point (selection only): an all-zero gradient ranks nothing (LoRA's lora_A at its first step, while
+            # lora_B is still zero). Keep the current columns, or none yet: `_select_new_matrices` retries at the
+            # next step whose gradient of this matrix is not zero.
+            if not bool(scores.any()):
+                return
+            index = top_columns(scores, split.k)
+        else:
+            index = torch.arange(split.k, device=p.device)
+        if split.device is not None:
+            step = split.device.step  # most device columns stay: keep the device path's count
+        elif host is not None:
+            step = host.step
+        else:
+            step = torch.zeros(())
+        if host is not None:
+            cpu_idx = index.cpu()
+            cols = [t.index_select(axis, cpu_idx) for t in (host.master, host.exp_avg, host.exp_avg_sq)]
+        else:
+            master = split.matrix(p).detach().index_select(axis, index).float()
+            cols = [master, torch.zeros_like(master), torch.zeros_like(master)]
+        split.device = DeviceColumns.from_columns(index, *cols, step=step, device=p.device, axis=axis)
+        if not split.offloaded:
+            split.detach_host()  # every column on the device (topk_ratio=1): the host keeps nothing
+        split.auto.reset()

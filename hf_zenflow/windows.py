@@ -9,7 +9,8 @@ host jobs run in order on one `HostAdamWorker`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +37,16 @@ class HandOff:
     done: bool = False  # submitted or abandoned: the slot is accounted for
 
 
+@dataclass
+class EarlyCopies:
+    """Gradients whose copy to the host the backward hooks started before `step()` (on a transport that copies):
+    the hand-off slot whose buffers they land in, and per parameter the gradient copied (a weak reference), its
+    version then, the host buffer and what the host job must wait for."""
+
+    grant: GradSlot
+    copies: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor, Landed]] = field(default_factory=dict)
+
+
 class HostWindows:
     """The host side of one `ZenFlowAdamW` (see the module docstring). `splits` and `groups` are the optimizer's
     own (live) collections; `config` is kept current by the optimizer."""
@@ -49,13 +60,16 @@ class HostWindows:
         self.pending: Any = None  # Future of the host step whose result awaits write-back (overlap mode)
         self.writeback_pending = False
         self.unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
+        self.early: EarlyCopies | None = None
 
     def reset(self) -> None:
         """Forget every window in flight (the optimizer's state is being replaced; the worker is idle)."""
         self.pending, self.writeback_pending, self.unapplied_steps = None, False, []
+        self.release_early()
 
     def close(self) -> None:
         """Stop the worker thread (a later step starts a new one)."""
+        self.release_early()
         worker, self.worker = self.worker, None
         if worker is not None:
             worker.close()
@@ -122,13 +136,50 @@ class HostWindows:
         work = self.offloaded(entries, grads)
         if not work:
             return None
-        grant = self.worker.take_slot()
+        early, self.early = self.early, None
+        grant = early.grant if early is not None else self.worker.take_slot()
         try:
-            sources, landed = self._sources(work, grant.slot)
+            sources: list[tuple[HostMatrix, torch.Tensor]] = []
+            landed, todo = Landed(), []
+            for split, g in work:
+                seen = early.copies.get(split.param) if early is not None else None
+                if seen is not None and seen[0]() is g and seen[1] == g._version:
+                    sources.append((split.host, seen[2]))  # copied in backward, and unchanged since
+                    landed.events += seen[3].events
+                else:
+                    todo.append((split, g))
+            if todo:
+                more, arrived = self._sources(todo, grant.slot)
+                sources += more
+                landed.events += arrived.events
         except BaseException:
             grant.give_back()
             raise
         return HandOff(grant, work, sources, landed)
+
+    def grad_ready(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        """Backward has finished `p`'s gradient (a `GradientReads` hook): on a transport that copies (CUDA), start
+        its copy to the host now, so that it overlaps the rest of backward instead of following `step()`'s sync.
+        The first such gradient of a step takes the hand-off slot (a stall only while the worker is two steps
+        behind); `start_hand_off` keeps the copies whose gradient has not changed since, and copies the rest."""
+        if self.config.accumulate_on == "device":
+            return
+        split = self.splits.get(p)
+        if split is None or split.host is None:
+            return
+        transport = self.transport_of(split)
+        if not transport.stages_gradients:
+            return
+        if self.early is None:
+            self.early = EarlyCopies(self.ensure_worker().take_slot())
+        ((_, source),), landed = transport.hand_off([(split, g)], self.early.grant.slot)
+        self.early.copies[p] = (weakref.ref(g), g._version, source, landed)
+
+    def release_early(self) -> None:
+        """Give back the slot of copies started in backward that no `step()` used (skipped step, reset, close)."""
+        early, self.early = self.early, None
+        if early is not None:
+            early.grant.give_back()
 
     def abandon_hand_off(self, started: HandOff) -> None:
         """The step was skipped: no job, the slot goes back (a copy already enqueued into its buffers runs on the

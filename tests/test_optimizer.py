@@ -631,14 +631,14 @@ def test_an_ordinary_step_syncs_once_after_launching_the_device_update(monkeypat
     """Regression (issue 10.9): `float(clip)` added a second device->host sync per step, and the one `.tolist()`
     sync came before any device kernel was launched, so the device idled while the host waited. Counted here
     through the tensor methods that wait for the device; the order through the fused AdamW call."""
-    import hf_zenflow.optimizer as optimizer_module
+    import hf_zenflow.device_step as device_module
 
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
                        select_interval=100, min_offload_numel=0)
     train(model, opt, batches(3), clip=1.0)  # past the first selection
     events: list[str] = []
-    real_adamw = optimizer_module.fused_adamw_
+    real_adamw = device_module.fused_adamw_
 
     def adamw(*args, **kwargs):
         events.append("device update")
@@ -652,7 +652,7 @@ def test_an_ordinary_step_syncs_once_after_launching_the_device_update(monkeypat
             return real(self, *args, **kwargs)
         return counted
 
-    monkeypatch.setattr(optimizer_module, "fused_adamw_", adamw)
+    monkeypatch.setattr(device_module, "fused_adamw_", adamw)
     for name in ("tolist", "item", "__float__", "__bool__", "__int__"):
         monkeypatch.setattr(torch.Tensor, name, sync(name))
     x, y = (t.to(DEVICE) for t in batches(1, seed=5)[0])

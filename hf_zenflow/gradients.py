@@ -1,0 +1,98 @@
+"""Reading each gradient as backward produces it: its norm, and (on CUDA) the start of its copy to the host.
+
+`GradientReads` registers a post-accumulate-grad hook on every parameter. When backward has finished a parameter's
+gradient, the hook computes its L2 norm (exactly as `torch.nn.utils.clip_grad_norm_` would, so clipping can reuse
+it) while the gradient is hot and the rest of backward still runs, and hands it to a callback (the host side starts
+the device-to-host copy there when its transport copies). Results are keyed by the gradient tensor's identity and
+version counter: anything that changes the gradient afterwards (another micro-batch accumulating into it, an in-place
+clip, zeroing) invalidates them, and `step()` reads that gradient itself.
+
+Gradient accumulation: under accelerate (the Trainer) the hooks skip the micro-batches that do not end an optimizer
+step (``GradientState.sync_gradients``); in a plain loop every micro-batch is read and the last one counts.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+
+
+def torch_norm(g: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of `g` computed the way `torch.nn.utils.clip_grad_norm_` computes it per tensor (foreach where
+    supported), so that a total built from such norms is bit-identical to torch's."""
+    if torch.utils._foreach_utils._has_foreach_support([g], g.device):  # type: ignore[attr-defined]
+        return torch._foreach_norm([g], 2.0)[0]
+    return torch.linalg.vector_norm(g, 2.0)
+
+
+def _between_micro_batches() -> bool:
+    """True while accelerate accumulates gradients over micro-batches and this backward does not end a step."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
+    return bool(shared) and not shared.get("sync_gradients", True)
+
+
+class GradientReads:
+    """Per-gradient norms taken in post-accumulate-grad hooks (see the module docstring).
+
+    Example:
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> reads = GradientReads(lin.parameters())
+        >>> lin(torch.randn(2, 4)).sum().backward()
+        >>> reads.norm(lin.weight) is not None
+        True
+        >>> lin.weight.grad.mul_(2.0)  # changed afterwards: the hook's norm no longer holds
+        ... # doctest: +ELLIPSIS
+        tensor(...)
+        >>> reads.norm(lin.weight) is None
+        True
+        >>> reads.remove()
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        # parameter -> (its gradient then, that gradient's version then, norm); a weak reference, so that a new
+        # gradient at a recycled address is never taken for the one that was read
+        self._norms: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor]] = {}
+        #: called with (parameter, gradient) after the norm, e.g. to start the gradient's copy to the host
+        self.on_ready: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        self._handles: list = []
+        self.watch(params)
+
+    def watch(self, params: Iterable[torch.Tensor]) -> None:
+        """Read the gradients of `params` too."""
+        ref = weakref.ref(self)  # the hooks live as long as the parameters; they must not keep the optimizer alive
+
+        def hook(p: torch.Tensor) -> None:
+            reads = ref()
+            if reads is not None:
+                reads._read(p)
+
+        self._handles += [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+
+    @torch.no_grad()
+    def _read(self, p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None or g.is_sparse or _between_micro_batches():
+            return
+        self._norms[p] = (weakref.ref(g), g._version, torch_norm(g))
+        if self.on_ready is not None:
+            self.on_ready(p, g)
+
+    def norm(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The hook's norm of `p.grad`, if it still describes the gradient `p` holds now."""
+        seen, g = self._norms.get(p), p.grad
+        if seen is None or g is None or seen[0]() is not g or seen[1] != g._version:
+            return None
+        return seen[2]
+
+    def clear(self) -> None:
+        self._norms.clear()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._norms.clear()
