@@ -8,7 +8,8 @@ Where things live:
   for CPU devices in `layout.py` (`column_major_`);
 - the synchronous offload baseline: `baselines.py` (`SyncOffloadAdamW`);
 - the Hugging Face glue: `hf/` (`ZenFlowTrainer`, `ZenFlowTrainingArguments`, `ZenFlowPlugin`, model cards);
-- the side-by-side comparison and the emulated accelerator: `compare/`, driven by `cli.py` (`hf-zenflow`).
+- the side-by-side comparison, the emulated accelerator, the hardware bound model and the settings tuner
+  (`hf_zenflow.tune`): `compare/`, driven by `cli.py` (`hf-zenflow`).
 """
 
 from typing import Any
@@ -31,6 +32,10 @@ def __getattr__(name: str) -> Any:
         from . import hf
 
         return getattr(hf, name)
+    if name == "tune":  # trials import transformers and the compare runner: load them only when asked for
+        from .compare.tune import tune
+
+        return tune
     raise AttributeError(f"module 'hf_zenflow' has no attribute {name!r}")
 
 
@@ -44,4 +49,5 @@ __all__ = [
     "ZenFlowTrainingArguments",
     "__version__",
     "column_major_",
+    "tune",
 ]

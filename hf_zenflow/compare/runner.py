@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from hf_zenflow.compare.data import PreparedTask, prepare_task
+from hf_zenflow.config import ZenFlowConfig
 from hf_zenflow.layout import column_major_
 
 
@@ -55,6 +56,8 @@ MIB = 1024 * 1024
 #: ZenFlow's column re-selection period (steps) in `compare`: 150-step runs are one epoch, so the engine's "auto"
 #: (once per epoch) would select only once, at the first step. See `CompareConfig` for the measurements.
 COMPARE_SELECT_STEPS = 10
+
+_LIBRARY = ZenFlowConfig()
 
 
 @dataclass
@@ -99,14 +102,15 @@ class CompareConfig:
     warmup_ratio: float = 0.1
     max_grad_norm: float = 1.0
     seed: int = 0
-    topk_ratio: float = 0.1
-    update_interval: int | str = 2
-    overlap_step: bool = True
-    host_lr_scale: float | str = 1.0
-    min_offload_numel: int = 1024
-    select_strategy: str = "step"
+    # ZenFlow settings: the library's defaults (`ZenFlowConfig`), so that compare shows what a user gets
+    topk_ratio: float = _LIBRARY.topk_ratio
+    update_interval: int | str = _LIBRARY.update_interval
+    overlap_step: bool = _LIBRARY.overlap_step
+    host_lr_scale: float | str = _LIBRARY.host_lr_scale
+    min_offload_numel: int = _LIBRARY.min_offload_numel
+    select_strategy: str = _LIBRARY.select_strategy
     select_interval: int | str | None = None  # None: COMPARE_SELECT_STEPS with "step", "auto" otherwise
-    full_warm_up_rounds: int = 0
+    full_warm_up_rounds: int = _LIBRARY.full_warm_up_rounds
     cpu_threads: int | None = None  # host-optimizer threads of the offloading engines (None = engine default)
     threads: int | None = None  # torch intra-op threads for forward/backward (None = torch's default)
     device: str = "auto"
