@@ -256,6 +256,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         with timer.phase("norms"):
             if cached_norms:
                 norms = cached_norms
+                if gather_now:
+                    # the selected columns are needed before the sync either way: Zen-auto votes on their mass
+                    self._gather_selected(entries, grads, gathered)
             else:
                 norms = self._norms_and_gather(entries, grads, gather_now, gathered)
             total = cached_total if cached_norms else torch.linalg.vector_norm(torch.stack(norms))
@@ -263,12 +266,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 (i, self._split[p]) for i, (_, p) in enumerate(entries) if p in gathered and self._split[p].offloaded
             ] if self.config.is_auto_interval else []
             critical = [split.device.grad.square().sum() for _, split in auto_split]
-            probe = [total] + [norms[i].square() for i, _ in auto_split] + critical
-            # Sync point: the caller waits for the backward pass to finish and reads a few scalars. Skipping a
-            # non-finite step must be decided before any state changes, and Zen-auto's window decision and the
-            # clip coefficient are needed as numbers on the host; bundling them keeps it to one sync per step.
+            # matrices still waiting for their first selection (`_select_new_matrices`): is their gradient non-zero?
+            waiting = [i for i, (_, p) in enumerate(entries)
+                       if gather_now and (split := self._split.get(p)) is not None and split.device is None
+                       and split.k > 0]
+            probe = [total, total if clip is None else clip] + [norms[i].square() for i, _ in auto_split] + critical
+            probe += [norms[i] for i in waiting]
+            # Sync point, the only one of an ordinary step: the caller waits for the backward pass to finish and
+            # reads a few scalars. Skipping a non-finite step must be decided before any state changes, and
+            # Zen-auto's window decision, the clip coefficient and which waiting matrices have a gradient are
+            # needed as numbers on the host; bundling them keeps it to one sync per step.
             values = torch.stack([v.float().to(probe[0].device) for v in probe]).tolist()
-            coef = float(clip) if clip is not None else None
+            coef = values[1] if clip is not None else None
+            waiting_norms = [0.0] * len(entries)
+            for i, value in zip(waiting, values[len(values) - len(waiting):]):
+                waiting_norms[i] = value
         if not math.isfinite(values[0]) or (coef is not None and not math.isfinite(coef)):
             self._stats.skipped_steps += 1
             self._stats.finish_step(timer, skipped=True)
@@ -283,7 +295,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if selecting:
                     self._reselect(entries, grads)
                 else:
-                    self._select_new_matrices(entries, grads)
+                    self._select_new_matrices(entries, grads, waiting_norms)
             rewritten = self._boundary_writes_back()
             with timer.phase("device_update"):
                 self._device_update(entries, grads, coef, gathered, rewritten=rewritten)
@@ -299,7 +311,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             votes: list[bool] = []
             n = len(auto_split)
             for j, (_, split) in enumerate(auto_split):
-                votes.append(split.auto.update(values[1 + n + j], values[1 + j], split.k, split.columns))
+                votes.append(split.auto.update(values[2 + n + j], values[2 + j], split.k, split.columns))
             if schedule.window_closes(votes):
                 self._close_window(timer, sequential=not self.config.overlap_step)
         schedule.steps += 1
@@ -468,6 +480,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 split.device.gather_grad(split.matrix(grads[i]))
                 gathered.add(entries[i][1])
         return norms  # type: ignore[return-value]
+
+    def _gather_selected(
+        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], gathered: set[torch.Tensor],
+    ) -> None:
+        """Gather the selected columns of every split matrix with device columns (added to `gathered`)."""
+        items = []
+        for (_, p), g in zip(entries, grads):
+            split = self._split.get(p)
+            if split is not None and split.device is not None and p not in gathered:
+                items.append((split.device, split.matrix(g)))
+                gathered.add(p)
+        gather_columns(items)
 
     def _boundary_writes_back(self) -> bool:
         """Whether this step closes a fixed-length window with a write-back. That write-back rewrites every column
@@ -764,13 +788,22 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return {}
         return {id(split): s for (split, _), s in zip(rows, _native.row_scores([m for _, m in rows]))}
 
-    def _select_new_matrices(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]) -> None:
-        """A matrix seen for the first time after warm-up (its first gradient came late) gets its columns now; it
-        has no host update in flight, so nothing needs draining."""
-        for (_, p), g in zip(entries, grads):
-            split = self._split.get(p)
-            if split is not None and split.device is None and split.k > 0:
-                self._select(split, g)
+    def _select_new_matrices(
+        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], norms: list[float],
+    ) -> None:
+        """Matrices without device columns get them now: seen for the first time after warm-up (their first
+        gradient came late), or every gradient of theirs at selection time was zero (`_select`). Only matrices whose
+        gradient is not zero now are tried (`norms`: this step's gradient norms, already on the host)."""
+        todo = [(split, g) for i, ((_, p), g) in enumerate(zip(entries, grads))
+                if (split := self._split.get(p)) is not None and split.device is None and split.k > 0 and norms[i] > 0]
+        if not todo:
+            return
+        if any(split.host is not None for split, _ in todo):
+            # Sync point: the worker may still be updating these matrices' host master and moments, from which the
+            # new device columns are read.
+            self._worker.synchronize()
+        for split, g in todo:
+            self._select(split, g)
 
     def _select(self, split: _SplitParam, grad: torch.Tensor, scores: torch.Tensor | None = None) -> None:
         p, host = split.param, split.host
@@ -785,7 +818,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if split.k == 0 or (split.device is not None and not split.offloaded):
             return  # nothing on the device, or every column already there
         if split.offloaded:
-            index = top_columns(column_scores(split.matrix(grad), axis) if scores is None else scores, split.k)
+            scores = column_scores(split.matrix(grad), axis) if scores is None else scores
+            # Sync point (selection only): an all-zero gradient ranks nothing (LoRA's lora_A at its first step, while
+            # lora_B is still zero). Keep the current columns, or none yet: `_select_new_matrices` retries at the
+            # next step whose gradient of this matrix is not zero.
+            if not bool(scores.any()):
+                return
+            index = top_columns(scores, split.k)
         else:
             index = torch.arange(split.k, device=p.device)
         if split.device is not None:

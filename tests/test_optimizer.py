@@ -505,3 +505,58 @@ def test_cpu_write_back_swaps_in_the_workers_buffer():
     torch.testing.assert_close(weight.detach(), opt.master_weight(weight), rtol=0, atol=0)
     train(model, opt, data[2:], clip=1.0)  # forward/backward across further swaps
     opt.close()
+
+
+def _auto_windows(clip: float | None) -> tuple[list[int], list[torch.Tensor]]:
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval="auto", select_strategy="step",
+                       select_interval=1000, host_executor="inline", min_offload_numel=0)
+    intervals: list[int] = []
+
+    def record(_: int) -> None:
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+
+    windows = 0
+    for batch in batches(40):
+        train(model, opt, [batch], hook=record)
+        if opt.stats()["windows"] > windows:
+            windows = int(opt.stats()["windows"])
+            intervals.append(int(opt.stats()["update_interval"]))
+    opt.close()
+    return intervals, [p.detach().clone() for p in model.parameters()]
+
+
+def test_auto_interval_adapts_the_same_when_the_norm_was_measured_first():
+    """Regression (issue 10.1): with the norms measured by `clip_grad_norm_` (as the Trainer does every step), no
+    matrix voted and every window ran to `auto_max_interval`."""
+    free, free_weights = _auto_windows(None)
+    measured, measured_weights = _auto_windows(float("inf"))
+    clipped, _ = _auto_windows(1.0)
+    assert max(free) < 16  # the task closes windows before the bound
+    assert measured == free  # measuring the norm changes nothing...
+    for p, q in zip(measured_weights, free_weights):
+        assert torch.equal(p, q)  # ...bit for bit
+    assert max(clipped) < 16 and len(clipped) > 40 // 16 + 1
+
+
+def test_no_selection_from_an_all_zero_gradient():
+    """Regression (issue 10.3): a matrix whose first gradient is exactly zero (LoRA's lora_A while lora_B is zero)
+    had its device columns chosen from that gradient (arbitrarily) and kept them until the next re-selection."""
+    lin = torch.nn.Linear(20, 4, bias=False)
+    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                       select_interval=1000, min_offload_numel=0)
+    hot = [7, 13]
+    for t in range(6):
+        lin.weight.grad = torch.zeros_like(lin.weight)
+        if t > 0:
+            lin.weight.grad[:, hot] = 1.0
+            lin.weight.grad[:, 2] = 0.01
+        opt.step()
+        split = opt._split[lin.weight]
+        if t == 0:
+            assert split.device is None  # nothing to rank yet
+        else:
+            assert split.device.index.tolist() == hot  # chosen at the first step with signal, and kept
+    assert opt.stats()["reselections"] == 1
+    opt.close()

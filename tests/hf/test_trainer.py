@@ -141,6 +141,18 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path, train_dataset):
     assert_close_rel(logged(accumulated), logged(big_batch), 1e-4)
 
 
+def test_auto_interval_adapts_under_the_trainer(tmp_path, train_dataset):
+    """Regression (issue 10.1): the Trainer measures the gradient norm before every step (`_clip_grad_norm` /
+    `_get_grad_norm`), which left Zen-auto without votes: every window ran to `auto_max_interval` (16)."""
+    for max_grad_norm in (1.0, 0.0):  # clipping, and measuring only
+        trainer = zenflow_run(tmp_path, train_dataset, f"auto{max_grad_norm}", zenflow_update_interval="auto",
+                              max_grad_norm=max_grad_norm, learning_rate=1e-3)
+        stats = trainer.zenflow_optimizer.stats()
+        intervals = logged(trainer, "zenflow/update_interval")
+        assert stats["windows"] > 30 // 16 + 1, intervals
+        assert min(intervals[-10:]) < 16, intervals
+
+
 def test_lora_only_adapters_change(tmp_path, train_dataset):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
