@@ -10,7 +10,8 @@ same training data).
     python scripts/first_finetune.py --seeds 0 1 2 3 4 --out runs/quality/first_finetune.jsonl
     python scripts/first_finetune.py --summary runs/quality/first_finetune.jsonl
 
-Extra ZenFlow settings for a variant: ``--zenflow KEY=VALUE ...`` (e.g. ``update_interval=1``).
+ZenFlow variants: ``--variants defaults "update_interval=1 overlap_step=False" ...`` (each a space-separated list of
+ZenFlowConfig ``KEY=VALUE`` settings; ``defaults`` = none). Per seed, adamw_torch runs first, then every variant.
 """
 
 from __future__ import annotations
@@ -133,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", default="runs/quality/first_finetune.jsonl")
-    p.add_argument("--zenflow", nargs="*", default=[], help="ZenFlow settings KEY=VALUE of a variant")
-    p.add_argument("--skip-reference", action="store_true", help="reuse adamw_torch runs already in --out")
+    p.add_argument("--variants", nargs="+", default=["defaults"],
+                   help='ZenFlow variants, each "KEY=VALUE KEY=VALUE" or "defaults"')
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--summary", default=None, help="print the paired table of a results file and exit")
     args = p.parse_args(argv)
@@ -142,21 +143,21 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(args.summary))
         return 0
     torch.set_num_threads(args.threads)
-    extra = dict(kv.split("=", 1) for kv in args.zenflow)
+    variants = [{} if v == "defaults" else dict(kv.split("=", 1) for kv in v.split()) for v in args.variants]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     have = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     for seed in args.seeds:
-        for zenflow in (False, True):
-            key = (seed, "zenflow" if zenflow else "adamw_torch", json.dumps(extra if zenflow else {}, sort_keys=True))
+        for zenflow, extra in [(False, {})] + [(True, v) for v in variants]:
+            key = (seed, "zenflow" if zenflow else "adamw_torch", json.dumps(extra, sort_keys=True))
             if any((r["seed"], r["optimizer"], json.dumps(r["extra"], sort_keys=True)) == key for r in have):
                 continue
-            rec = run_one(seed, zenflow, f"/tmp/first_finetune_{os.getpid()}", extra if zenflow else {})
+            rec = run_one(seed, zenflow, f"/tmp/first_finetune_{os.getpid()}", extra)
             rec["utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
             have.append(rec)
             with out.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
-            print(f"[first-finetune] seed {seed} {rec['optimizer']} {extra if zenflow else ''}: accuracy "
+            print(f"[first-finetune] seed {seed} {rec['optimizer']} {extra or ''}: accuracy "
                   f"{rec['accuracy']:.4f} (first 1000: {rec['accuracy_1000']:.4f}), loss {rec['loss']:.4f}, "
                   f"{rec['steps_per_s']:.2f} steps/s", flush=True)
     return 0
