@@ -53,6 +53,9 @@ DEVICE_BYTES_ADAM_STATE = 12
 #: write the fp32 sum).
 DEVICE_ACCUMULATOR_BYTES = 4
 DEVICE_ACCUMULATE_TRAFFIC = 10
+#: Fraction of the device memory counted as usable for weights, gradients and optimizer state (the rest is left for
+#: activations, the allocator and the runtime, which the model does not count).
+DEVICE_MEMORY_HEADROOM = 0.9
 
 
 @dataclass
@@ -164,7 +167,7 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                      "device_memory_gb": weights_grads + n * (topk_ratio * DEVICE_BYTES_ADAM_STATE
                                                               + (DEVICE_ACCUMULATOR_BYTES if on_device else 0)) / 1e9}
     for r in rows.values():
-        r["fits_device_memory"] = r["device_memory_gb"] <= mem_gb
+        r["fits_device_memory"] = r["device_memory_gb"] <= DEVICE_MEMORY_HEADROOM * mem_gb
         r["compute_ms"] = compute
     return rows
 
@@ -189,11 +192,12 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
     out = []
     if base["fits_device_memory"]:
         out.append(f"No offload needed: weights, gradients and AdamW state ({base['device_memory_gb']:.1f} GB, "
-                   f"activations not counted) fit the device's {profile.device_mem_gb:.0f} GB; plain AdamW on the "
-                   f"device is the fastest schedule ({base['step_ms']:.0f} ms/step).")
+                   f"activations not counted) fit {DEVICE_MEMORY_HEADROOM:.0%} of the device's "
+                   f"{profile.device_mem_gb:.0f} GB; plain AdamW on the device is the fastest schedule "
+                   f"({base['step_ms']:.0f} ms/step).")
     else:
         out.append(f"Offload needed: weights, gradients and AdamW state take {base['device_memory_gb']:.1f} GB, "
-                   f"more than the device's {profile.device_mem_gb:.0f} GB.")
+                   f"more than {DEVICE_MEMORY_HEADROOM:.0%} of the device's {profile.device_mem_gb:.0f} GB.")
     out.append(f"ZenFlow (window summed on the host, U={update_interval:g}): {zen['step_ms']:.0f} ms/step, "
                f"{zen['bound']}-bound, {sync['step_ms'] / zen['step_ms']:.2f}x faster than synchronous offload "
                f"({sync['step_ms']:.0f} ms/step), {zen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")

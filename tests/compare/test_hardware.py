@@ -122,3 +122,15 @@ def test_estimate_table_columns_mean_what_their_headers_say() -> None:
     assert cells["host work ms per step"] == "640"
     assert cells[next(c for c in cols if c.startswith("step ms (the larger"))].startswith("**640**")
     assert cells["vs sync offload"] == "0.78x faster"
+
+
+def test_emulator_scenario_from_a_profile_carries_its_times() -> None:
+    from hf_zenflow.compare.emulator import scenario_from_profile
+
+    sc = scenario_from_profile(PROFILE, 1e9, 1000)
+    rows = schedule_model(PROFILE, 1e9, 1000)
+    assert sc.params == 1e9 and sc.device_compute_ms == pytest.approx(120.0)
+    assert sc.grad_offload_ms == pytest.approx(100.0) and sc.param_upload_ms == pytest.approx(100.0)
+    assert sc.cpu_update_ms == pytest.approx(rows["sync_offload"]["host_ms"])
+    assert sc.device_mem_gbps == PROFILE.device_mem_gbps and sc.host_cores == PROFILE.host_cores
+    assert sc.resolved_device_optimizer_ms() == pytest.approx(28.0)  # the same 28 B/param as the bound model
