@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(args.summary))
         return 0
     torch.set_num_threads(args.threads)
-    variants = [{} if v == "defaults" else dict(kv.split("=", 1) for kv in v.split()) for v in args.variants]
+    from hf_zenflow.compare.tune import parse_settings
+
+    variants = [parse_settings(v) for v in args.variants]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     have = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []

@@ -37,7 +37,14 @@ from typing import Any
 import torch
 
 from hf_zenflow.compare.runner import CompareConfig, machine_info
-from hf_zenflow.compare.tune import TrialSetting, default_grid, library_default_setting, paired_interval, run_trial
+from hf_zenflow.compare.tune import (
+    TrialSetting,
+    default_grid,
+    library_default_setting,
+    paired_interval,
+    parse_settings,
+    run_trial,
+)
 
 
 TASKS: dict[str, dict[str, Any]] = {
@@ -107,8 +114,7 @@ def run(args: argparse.Namespace) -> int:
             r = json.loads(line)
             done.add((r["task"], r["seed"], r["label"]))
     settings = grid(args.grid)
-    overrides = dict(kv.split("=", 1) for kv in args.zenflow)
-    overrides = {k: int(v) if v.isdigit() else v for k, v in overrides.items()}
+    overrides = parse_settings(" ".join(args.zenflow))
     suffix = "".join(f" {k}={v}" for k, v in sorted(overrides.items()))
 
     def label(s: TrialSetting | None) -> str:

@@ -112,6 +112,30 @@ class TrialSetting:
                 f"--zenflow_host_lr_scale {self.host_lr_scale}")
 
 
+def parse_value(text: str) -> Any:
+    """A command-line value as `ZenFlowConfig` takes it: bool, int, float, else the string ("auto", "interval").
+
+    Example:
+        >>> [parse_value(v) for v in ("262144", "0.5", "False", "auto")]
+        [262144, 0.5, False, 'auto']
+    """
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_settings(text: str) -> dict[str, Any]:
+    """``"KEY=VALUE KEY=VALUE"`` -> a dict of `parse_value` values ("defaults" or "" -> {})."""
+    if text.strip() in ("", "defaults"):
+        return {}
+    return {k: parse_value(v) for k, v in (kv.split("=", 1) for kv in text.split())}
+
+
 def library_default_setting() -> TrialSetting:
     d = ZenFlowConfig()
     return TrialSetting(d.topk_ratio, d.update_interval, d.host_lr_scale)
