@@ -75,9 +75,12 @@ def grid(name: str) -> list[TrialSetting]:
     if name == "lm3":  # the library default, the same with host_lr_scale="interval", Zen-auto
         d = library_default_setting()
         return [d, dataclasses.replace(d, host_lr_scale="interval"), dataclasses.replace(d, update_interval="auto")]
+    if name == "lm2":  # the library default and the same with host_lr_scale="interval"
+        d = library_default_setting()
+        return [d, dataclasses.replace(d, host_lr_scale="interval")]
     if name == "default":
         return [library_default_setting()]
-    raise ValueError(f"unknown grid {name!r}: allowed are full, minilm, lm, lm-small, lm3, default.")
+    raise ValueError(f"unknown grid {name!r}: allowed are full, minilm, lm, lm-small, lm3, lm2, default.")
 
 
 def prepare(task_name: str, seed: int) -> tuple[Any, CompareConfig]:

@@ -391,13 +391,13 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
             progress.update(len(records), len(records) + len(skipped), "done" if not interrupted else "interrupted")
             progress.close()
     payload = summarize(cfg, task, records, profile, params, tokens, skipped, interrupted,
-                        time.perf_counter() - wall)
+                        time.perf_counter() - wall, device)
     write_outputs(payload, out_dir)
     return payload
 
 
 def summarize(cfg: TuneConfig, task: Any, records: list[dict[str, Any]], profile: Any, params: float, tokens: float,
-              skipped: list[TrialSetting], interrupted: bool, seconds: float) -> dict[str, Any]:
+              skipped: list[TrialSetting], interrupted: bool, seconds: float, device: Any) -> dict[str, Any]:
     from hf_zenflow.compare.runner import machine_info
 
     rows = score(records, profile, params, tokens) if records else []
@@ -413,8 +413,6 @@ def summarize(cfg: TuneConfig, task: Any, records: list[dict[str, Any]], profile
         rec = {"setting": dataclasses.asdict(s), "label": s.label, "within_tolerance": within,
                "config": s.config().to_dict(), "training_arguments": s.training_arguments_code(),
                "cli_flags": s.cli_flags()}
-    import torch
-
     return {
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
         "task": {"model": task.model_name, "task": task.task, "dataset": task.dataset_name,
@@ -423,8 +421,7 @@ def summarize(cfg: TuneConfig, task: Any, records: list[dict[str, Any]], profile
         "hardware": dataclasses.asdict(profile),
         "modelled_params": params,
         "modelled_tokens_per_step": tokens,
-        "machine": machine_info(torch.device("cpu") if cfg.device == "auto" and not torch.cuda.is_available()
-                                else torch.device("cuda" if cfg.device == "auto" else cfg.device)),
+        "machine": machine_info(device),
         "reference": next((r for r in records if r["optimizer"] == "adamw_torch"), None),
         "trials": rows,
         "skipped": [s.label for s in skipped],
