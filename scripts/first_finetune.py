@@ -113,27 +113,35 @@ def summary(path: str) -> str:
     groups: dict[str, dict[int, dict[str, Any]]] = {}
     ref = {r["seed"]: r for r in recs if r["optimizer"] == "adamw_torch"}
     for r in recs:
-        if r["optimizer"] == "zenflow":
-            groups.setdefault(json.dumps(r["extra"], sort_keys=True), {})[r["seed"]] = r
+        if r["optimizer"] == "zenflow":  # labelled by the configuration that ran, whatever the defaults were then
+            c = r["zenflow_config"]
+            label = (f"r={c['topk_ratio']:g} U={c['update_interval']} host_lr_scale={c['host_lr_scale']} "
+                     f"min_offload_numel={c['min_offload_numel']}")
+            groups.setdefault(label, {})[r["seed"]] = r
     lines = ["| ZenFlow settings | seeds | held-out | adamw_torch accuracy (mean) | ZenFlow accuracy (mean) | "
-             "difference, points (mean ± 95 % CI) | per seed | steps/s ZenFlow / adamw_torch |",
-             "|---|---|---|---|---|---|---|---|"]
+             "accuracy difference, points (mean ± 95 % CI) | per seed | held-out loss difference, % (mean ± 95 % "
+             "CI) | per seed | steps/s ZenFlow / adamw_torch |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for key, by_seed in groups.items():
         seeds = sorted(s for s in by_seed if s in ref)
         if not seeds:
             continue
-        for field, n in (("accuracy", EVAL), ("accuracy_1000", EVAL_TWIN)):
+        for field, loss_field, n in (("accuracy", "loss", EVAL), ("accuracy_1000", "loss_1000", EVAL_TWIN)):
             diffs = [100 * (by_seed[s][field] - ref[s][field]) for s in seeds]
-            m, h = paired_interval(diffs)
+            loss = [100 * (by_seed[s][loss_field] / ref[s][loss_field] - 1) for s in seeds]
             lines.append(
-                f"| {'library defaults' if key == '{}' else key} | {len(seeds)} | {n} | "
+                f"| {key} | {len(seeds)} | {n} | "
                 f"{statistics.fmean(ref[s][field] for s in seeds):.4f} | "
                 f"{statistics.fmean(by_seed[s][field] for s in seeds):.4f} | "
-                f"{m:+.2f}" + ("" if h is None else f" ± {h:.2f}") + " | "
-                f"{' / '.join(f'{d:+.1f}' for d in diffs)} | "
+                f"{_pm(*paired_interval(diffs))} | {' / '.join(f'{d:+.1f}' for d in diffs)} | "
+                f"{_pm(*paired_interval(loss))} | {' / '.join(f'{d:+.1f}' for d in loss)} | "
                 f"{statistics.fmean(by_seed[s]['steps_per_s'] for s in seeds):.2f} / "
                 f"{statistics.fmean(ref[s]['steps_per_s'] for s in seeds):.2f} |")
     return "\n".join(lines)
+
+
+def _pm(mean: float, half: float | None) -> str:
+    return f"{mean:+.2f}" if half is None else f"{mean:+.2f} ± {half:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:

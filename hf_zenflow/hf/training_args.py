@@ -66,7 +66,7 @@ class ZenFlowTrainingArguments(TrainingArguments):
         The first N optimizer steps are dense AdamW steps.
     zenflow_overlap_step (`bool`, *optional*, defaults to `True`):
         Overlap the host AdamW with the next steps (one window of staleness); `False` applies it at once.
-    zenflow_host_lr_scale (`str`, *optional*, defaults to `"1.0"`):
+    zenflow_host_lr_scale (`str`, *optional*, defaults to `"interval"`):
         Learning-rate multiplier of the host AdamW step (a number > 0), or `"interval"` (the window length).
     zenflow_min_offload_numel (`int`, *optional*, defaults to `0`):
         Weight matrices with fewer elements are updated entirely on the device.
@@ -144,10 +144,10 @@ class ZenFlowTrainingArguments(TrainingArguments):
     )
     # `str` for the same reason as the update interval: a number or "interval".
     zenflow_host_lr_scale: str = field(
-        default="1.0",
+        default=str(ZenFlowConfig.host_lr_scale),
         metadata={
-            "help": 'Learning-rate multiplier of the host AdamW step, or "interval" to multiply by the window length '
-            "(the unselected columns take one step per window). 1.0 is ZenFlow's rule."
+            "help": 'Learning-rate multiplier of the host AdamW step, or "interval" (the default) to multiply by the '
+            "window length (the unselected columns take one step per window). 1.0 is ZenFlow's rule."
         },
     )
     zenflow_min_offload_numel: int = field(
