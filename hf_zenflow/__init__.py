@@ -4,8 +4,11 @@ Where things live:
 
 - the optimizer engine: `optimizer.py` (`ZenFlowAdamW`, orchestration and checkpoints), with the device path in
   `device_step.py`, the host path (host state, accumulation, the worker thread) in `host.py`, column selection and
-  windows in `selection.py`, telemetry in `telemetry.py`, settings in `config.py`, the column-major weight layout
-  for CPU devices in `layout.py` (`column_major_`);
+  windows in `selection.py`, one matrix's two sides in `split_matrix.py`, the checkpoint format (validation,
+  migration, conversion to/from `torch.optim.AdamW`) in `checkpoint.py`, telemetry in `telemetry.py`, settings in
+  `config.py` (their flags, plugin arguments, environment variables and docs derived from its fields in
+  `settings.py`; DeepSpeed configs read by `deepspeed_config.py`), the once-per-process multi-process warning in
+  `distributed_check.py`, the column-major weight layout for CPU devices in `layout.py` (`column_major_`);
 - the synchronous offload baseline: `baselines.py` (`SyncOffloadAdamW`);
 - the Hugging Face glue: `hf/` (`ZenFlowTrainer`, `ZenFlowTrainingArguments`, `ZenFlowPlugin`, model cards);
 - the side-by-side comparison, the emulated accelerator, the hardware bound model and the settings tuner
@@ -15,6 +18,7 @@ Where things live:
 from typing import Any
 
 from .baselines import SyncOffloadAdamW
+from .checkpoint import CheckpointError, to_torch_adamw
 from .config import ZenFlowConfig
 from .host import HostWorkerError
 from .layout import column_major_
@@ -40,6 +44,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CheckpointError",
     "HostWorkerError",
     "SyncOffloadAdamW",
     "ZenFlowAdamW",
@@ -49,5 +54,6 @@ __all__ = [
     "ZenFlowTrainingArguments",
     "__version__",
     "column_major_",
+    "to_torch_adamw",
     "tune",
 ]

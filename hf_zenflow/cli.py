@@ -5,6 +5,8 @@
                          size, device step time, link bandwidth and host cores (honestly labelled emulation);
                          --hardware PROFILE: where each schedule is bound and which setting moves the bound
     hf-zenflow tune      short paired trials on your model and data that choose ZenFlow's settings
+    hf-zenflow convert-checkpoint  turn a ZenFlowTrainer checkpoint folder into one a plain Trainer (adamw_torch)
+                         resumes
 
 Run ``hf-zenflow <command> --help`` for the flags. Without the console script: ``python -m hf_zenflow.cli``.
 """
@@ -189,12 +191,43 @@ def _run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert-checkpoint",
+        help="rewrite a ZenFlowTrainer checkpoint folder for torch.optim.AdamW (a plain Trainer resumes it)",
+        description="Rewrite CHECKPOINT's optimizer.pt as a torch.optim.AdamW state dict (moments, step counts) and "
+        "its safetensors weights as ZenFlow's fp32 masters (what ZenFlow had not yet written into the weights is "
+        "applied, as flush() would). The original optimizer file is kept as optimizer.zenflow.pt. The other "
+        "direction needs no conversion: ZenFlowTrainer resumes a plain Trainer's checkpoint as it is.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("checkpoint", help="a checkpoint folder (optimizer.pt + model.safetensors or adapter weights)")
+    p.add_argument("--output-dir", default=None, help="write a converted copy here instead of converting in place")
+    p.set_defaults(func=_run_convert)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from hf_zenflow.checkpoint import CheckpointError
+    from hf_zenflow.hf.convert import convert_checkpoint
+
+    try:
+        summary = convert_checkpoint(args.checkpoint, args.output_dir)
+    except CheckpointError as exc:
+        print(f"hf-zenflow convert-checkpoint: {exc}", file=sys.stderr)
+        return 2
+    print(f"converted {summary['folder']}: {summary['parameters']} parameters' AdamW state, "
+          f"{summary['weights_rewritten']} weights set to their fp32 masters; the ZenFlow state is kept in "
+          f"{summary['backup']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-zenflow", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_compare(sub)
     _add_estimate(sub)
     _add_tune(sub)
+    _add_convert(sub)
     return parser
 
 

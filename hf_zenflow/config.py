@@ -2,14 +2,14 @@
 
 Field names follow DeepSpeed's `zero_optimization.zenflow` block so that a DeepSpeed config moves over unchanged
 (`ZenFlowConfig.from_deepspeed`). Every invalid value fails here, at construction, with a `ValueError` that names the
-field, the value and what is allowed.
+field, the value and what is allowed. Each field's metadata (``help``, and ``choices`` for string choices) is the one
+source of the settings' command-line flags, plugin arguments, environment variables and docs (`settings.py`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -20,6 +20,11 @@ SelectStrategy = Literal["auto", "step", "epoch"]
 #: unknown (a plain training loop over an iterable dataset, say). DeepSpeed silently never re-selects in that case
 #: (DeepSpeed #8456); we re-select on this fixed step period instead.
 DEFAULT_SELECT_STEPS = 100
+
+#: Default `min_offload_numel`: matrices under 2**18 elements (1 MiB in fp32, 3 MiB of AdamW state) stay on the device.
+#: LoRA adapters (rank x hidden: 8 x 4096 = 32768, 32 x 4096 = 131072), classification heads and the like are far below
+#: it; the smallest weight matrix of a 1B+ model (2048 x 2048) is 16x above it.
+MIN_OFFLOAD_NUMEL = 1 << 18
 
 _SELECT_STRATEGIES = ("auto", "step", "epoch")
 _ACCUMULATE_ON = ("host", "device")
@@ -72,8 +77,8 @@ class ZenFlowConfig:
         default=0.1,
         metadata={
             "help": "Fraction of the input columns of every weight matrix updated on the device each step (the "
-            "columns with the largest gradient norm). 1.0 = every column on the device (plain AdamW); 0.0 = none "
-            "(every matrix updated by the host AdamW only)."
+            "columns with the largest gradient norm), e.g. 0.1 = 10% of the columns. 1.0 = every column on the "
+            "device (plain AdamW); 0.0 = none (every matrix updated by the host AdamW only)."
         },
     )
     update_interval: int | str = field(
@@ -89,7 +94,8 @@ class ZenFlowConfig:
         metadata={
             "help": 'When to re-select the device columns: "step" every `select_interval` steps, "epoch" every '
             '`select_interval` epochs, "auto" = every epoch when the epoch length is known, else every '
-            f"{DEFAULT_SELECT_STEPS} steps."
+            f"{DEFAULT_SELECT_STEPS} steps.",
+            "choices": _SELECT_STRATEGIES,
         },
     )
     select_interval: int | str = field(
@@ -126,9 +132,12 @@ class ZenFlowConfig:
                   "(BENCHMARKS.md §4). 1.0 is ZenFlow's (and DeepSpeed's) rule."},
     )
     min_offload_numel: int = field(
-        default=0,
+        default=MIN_OFFLOAD_NUMEL,
         metadata={"help": "Matrices with fewer elements are updated entirely on the device every step, like 1-D "
-                  "parameters (e.g. a classification head: tiny state, and every step matters)."},
+                  f"parameters. The default ({MIN_OFFLOAD_NUMEL} = 2**18 elements, 1 MiB in fp32) keeps LoRA "
+                  "adapters, classification heads and other small matrices on the device, where their AdamW state "
+                  "costs little and every step counts; no weight matrix of a model with 1B+ parameters is that "
+                  "small. 0 offloads every matrix."},
     )
     accumulate_on: str = field(
         default="host",
@@ -136,7 +145,8 @@ class ZenFlowConfig:
                   "matrix gradient goes to the host and the worker adds it into an fp32 accumulator (no device "
                   'memory). "device": an fp32 accumulator per offloaded matrix stays on the device (+4 bytes per '
                   "offloaded parameter of device memory) and crosses the link once per window; the host then only "
-                  "runs the AdamW. Use it when the host cannot keep up with one accumulation per step."},
+                  "runs the AdamW. Use it when the host cannot keep up with one accumulation per step.",
+                  "choices": _ACCUMULATE_ON},
     )
     cpu_threads: int | None = field(
         default=None,
@@ -156,8 +166,15 @@ class ZenFlowConfig:
             _fail("topk_ratio", self.topk_ratio, "a float in [0, 1] (0.1 is typical)")
         self.topk_ratio = float(self.topk_ratio)
         self.update_interval = parse_int_or_auto("update_interval", self.update_interval)
-        if self.select_strategy not in _SELECT_STRATEGIES:
-            _fail("select_strategy", self.select_strategy, " | ".join(f'"{s}"' for s in _SELECT_STRATEGIES))
+        for f in fields(self):  # the string choices (select_strategy, accumulate_on), in any case
+            choices = f.metadata.get("choices")
+            given = getattr(self, f.name)
+            if not choices:
+                continue
+            value = given.strip().lower() if isinstance(given, str) else given
+            if value not in choices:
+                _fail(f.name, given, " | ".join(f'"{c}"' for c in choices))
+            setattr(self, f.name, value)
         self.select_interval = parse_int_or_auto("select_interval", self.select_interval)
         if self.select_strategy == "auto" and self.select_interval != "auto":
             raise ValueError(
@@ -187,8 +204,6 @@ class ZenFlowConfig:
             self.host_lr_scale = scale
         if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
             _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")
-        if self.accumulate_on not in _ACCUMULATE_ON:
-            _fail("accumulate_on", self.accumulate_on, " | ".join(f'"{s}"' for s in _ACCUMULATE_ON))
         if self.cpu_threads is not None and (not _is_int(self.cpu_threads) or self.cpu_threads < 1):
             _fail("cpu_threads", self.cpu_threads, "None (derive from CPU affinity) or an integer >= 1")
         if self.steps_per_epoch is not None and (not _is_int(self.steps_per_epoch) or self.steps_per_epoch < 1):
@@ -238,63 +253,24 @@ class ZenFlowConfig:
         return cls(**values)
 
     @classmethod
-    def from_deepspeed(cls, config: dict[str, Any]) -> ZenFlowConfig:
-        """Build from a DeepSpeed config: a whole config (``{"zero_optimization": {"zenflow": {...}}}``) or the
-        ``zenflow`` block alone. Missing keys take DeepSpeed's defaults (``update_interval="auto"``,
-        ``overlap_step=False``), so a moved-over run behaves as it did under DeepSpeed.
+    def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike) -> ZenFlowConfig:
+        """Build from a DeepSpeed config: a dict, a JSON file path or JSON text, holding a whole config
+        (``{"zero_optimization": {"zenflow": {...}}}``) or the ``zenflow`` block alone. Missing keys take
+        DeepSpeed's defaults (``update_interval="auto"``, ``overlap_step=False``), so a moved-over run behaves as it
+        did under DeepSpeed.
 
         ``pt_reserved_cores_perc`` becomes ``cpu_threads`` (the cores not reserved for the training process);
-        ``offload`` (GPU moments in pinned host memory) is not supported and is ignored with a warning.
+        ``offload`` (GPU moments in pinned host memory) is not supported and is ignored with a warning. The rest of
+        a DeepSpeed config (optimizer, clipping, bf16, batch sizes) moves over with
+        `ZenFlowTrainingArguments.from_deepspeed`.
 
         Example:
             >>> ZenFlowConfig.from_deepspeed({"zero_optimization": {"zenflow": {"topk_ratio": 0.05,
             ...     "update_interval": 4, "overlap_step": True}}}).topk_ratio
             0.05
+            >>> ZenFlowConfig.from_deepspeed("zf_config.json").update_interval  # doctest: +SKIP
+            4
         """
-        if not isinstance(config, dict):
-            raise ValueError(f"ZenFlowConfig.from_deepspeed needs a dict, got {type(config).__name__}.")
-        block = config
-        if "zero_optimization" in config:
-            block = config["zero_optimization"].get("zenflow")
-            if block is None:
-                raise ValueError("ZenFlowConfig.from_deepspeed: the config has no zero_optimization.zenflow block.")
-        if not isinstance(block, dict):
-            raise ValueError(f"ZenFlowConfig.from_deepspeed: the zenflow block must be a dict, got {block!r}.")
-        block = dict(block)
-        values: dict[str, Any] = {
-            "topk_ratio": 0.1,
-            "select_strategy": "auto",
-            "select_interval": "auto",
-            "update_interval": "auto",
-            "overlap_step": False,
-            "auto_ratio": 0.99,
-            "full_warm_up_rounds": 0,
-            "host_lr_scale": 1.0,  # DeepSpeed applies no compensation to the host step
-        }
-        if block.pop("offload", False):
-            warnings.warn(
-                "ZenFlowConfig.from_deepspeed: 'offload' (device-side moments kept in pinned host memory) is not "
-                "supported by hf_zenflow and is ignored: the selected columns' moments stay on the device.",
-                stacklevel=2,
-            )
-        block.pop("steps_per_epoch", None)  # internal in DeepSpeed, filled by the trainer here
-        perc = block.pop("pt_reserved_cores_perc", None)
-        if perc is not None:
-            if isinstance(perc, bool) or not isinstance(perc, (int, float)) or not 0.0 <= perc <= 1.0:
-                raise ValueError(
-                    f"ZenFlowConfig.from_deepspeed: pt_reserved_cores_perc={perc!r} is invalid: allowed is a float "
-                    "in [0, 1]."
-                )
-            n = available_cpu_count()
-            reserved = math.ceil(perc * n)
-            values["cpu_threads"] = n if reserved in (0, n) else n - reserved
-        allowed = {"topk_ratio", "select_strategy", "select_interval", "update_interval", "overlap_step",
-                   "auto_ratio", "full_warm_up_rounds"}
-        unknown = sorted(set(block) - allowed)
-        if unknown:
-            raise ValueError(
-                f"ZenFlowConfig.from_deepspeed: unknown zenflow key(s) {unknown}: allowed are "
-                f"{sorted(allowed | {'offload', 'pt_reserved_cores_perc', 'steps_per_epoch'})}."
-            )
-        values.update(block)
-        return cls(**values)
+        from .deepspeed_config import load, zenflow_values
+
+        return cls(**zenflow_values(load(config)))

@@ -68,28 +68,34 @@ class DeviceColumns:
 
 @dataclass
 class DenseDeviceState:
-    """AdamW state of a parameter updated entirely on the device (1-D parameters, non-contiguous tensors).
+    """AdamW state of a parameter updated entirely on the device (1-D parameters, small matrices, other layouts).
 
-    `master` is the parameter itself when it is fp32, else an fp32 copy.
+    `master` is an fp32 copy for a parameter of another dtype, and None for an fp32 parameter, which is its own
+    master: `master_of` resolves it at every step, so whatever storage the parameter has then is what gets updated.
     """
 
-    master: torch.Tensor
+    master: torch.Tensor | None
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: torch.Tensor
 
     @classmethod
     def fresh(cls, param: torch.Tensor) -> DenseDeviceState:
-        master = param.data if param.dtype == torch.float32 else param.detach().float().clone()
+        master = None if param.dtype == torch.float32 else param.detach().float().clone()
+        like = param.detach() if master is None else master
         return cls(
             master=master,
-            exp_avg=torch.zeros_like(master),
-            exp_avg_sq=torch.zeros_like(master),
+            exp_avg=torch.zeros_like(like),
+            exp_avg_sq=torch.zeros_like(like),
             step=torch.zeros((), dtype=torch.float32, device=param.device),
         )
 
-    def nbytes(self, param: torch.Tensor) -> int:
-        own = [self.exp_avg, self.exp_avg_sq] + ([self.master] if self.master is not param.data else [])
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 tensor the update is applied to: the own master, or the fp32 parameter itself."""
+        return param.detach() if self.master is None else self.master
+
+    def nbytes(self) -> int:
+        own = [self.exp_avg, self.exp_avg_sq] + ([self.master] if self.master is not None else [])
         return sum(t.numel() * t.element_size() for t in own)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import math
 import weakref
 from collections.abc import Callable, Iterable
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import _native
+from . import _native, checkpoint
 from ._base import (
     GradNormCache,
     check_hyperparameters,
@@ -38,18 +39,20 @@ from ._base import (
 )
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, gather_columns, scatter_columns
+from .distributed_check import warn_if_replicated
 from .host import HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
 from .selection import (
     WindowSchedule,
-    ZenAutoStats,
     column_scores,
     num_selected,
     selection_axis,
-    storage_matrix,
     top_columns,
 )
+from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
 
+
+logger = logging.getLogger(__name__)
 
 _LIVE_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 
@@ -58,56 +61,6 @@ _LIVE_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 def _close_all() -> None:  # the host threads are daemons; this just lets in-flight jobs end cleanly
     for opt in list(_LIVE_OPTIMIZERS):
         opt.close()
-
-
-class _SplitParam:
-    """One matrix: its device columns and its host state (either may be absent)."""
-
-    __slots__ = ("param", "rows", "axis", "k", "columns", "device", "host", "auto", "window_sum", "window_count",
-                 "window_sum_free")
-
-    def __init__(self, param: torch.Tensor, k: int, rows: bool = False) -> None:
-        self.param = param
-        # rows: the param group's `select_rows` (an embedding table, whose input channels are its rows: tokens)
-        self.rows = rows
-        self.axis = 0 if rows else selection_axis(param)
-        assert self.axis is not None
-        self.columns = self.matrix(param).shape[self.axis]
-        self.k = k
-        self.device: DeviceColumns | None = None
-        self.host: HostMatrix | None = None
-        self.auto = ZenAutoStats()
-        # accumulate_on="device": the open window's fp32 gradient sum on the parameter's device, the steps in it,
-        # and (CUDA) the event after which its last device->host copy has read it
-        self.window_sum: torch.Tensor | None = None
-        self.window_count = 0
-        self.window_sum_free: Any = None
-
-    def matrix(self, t: torch.Tensor) -> torch.Tensor:
-        """The parameter, or its gradient, as this matrix's contiguous `storage_matrix` (host state has its shape):
-        dimension `axis` indexes the selectable units."""
-        return storage_matrix(t, 1) if self.rows else storage_matrix(t, self.axis)
-
-    def unmatrix(self, m: torch.Tensor) -> torch.Tensor:
-        """Inverse of `matrix`: a storage matrix viewed in the parameter's shape and layout."""
-        return m.view(self.param.shape) if self.rows or self.axis == 1 else m.t()
-
-    def attach_host(self, accumulate_on: str) -> None:
-        """Create the host state (and, accumulating on the device, the device-side window sum)."""
-        p2d = self.matrix(self.param)
-        self.host = HostMatrix.create(p2d, self.param.dtype if self.param.grad is None else self.param.grad.dtype,
-                                      accumulate_on)
-        if accumulate_on == "device":
-            self.window_sum = torch.zeros(p2d.shape, dtype=torch.float32, device=self.param.device)
-            self.window_count = 0
-
-    def detach_host(self) -> None:
-        self.host, self.window_sum, self.window_count, self.window_sum_free = None, None, 0, None
-
-    @property
-    def offloaded(self) -> bool:
-        """True when some columns live on the host (k < in)."""
-        return self.k < self.columns
 
 
 class ZenFlowAdamW(torch.optim.Optimizer):
@@ -169,7 +122,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.config = config
         self.host_executor = host_executor
         self._worker: HostAdamWorker | None = None
-        self._split: dict[torch.Tensor, _SplitParam] = {}
+        self._split: dict[torch.Tensor, SplitMatrix] = {}
         self._dense: dict[torch.Tensor, DenseDeviceState] = {}
         self._schedule: WindowSchedule | None = None
         self._pending = None  # Future of the host step whose result awaits write-back (overlap mode)
@@ -178,6 +131,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._norm_cache = GradNormCache()
         self._copy_stream: Any = None
         self._stats = ZenFlowStats()
+        # (version counter, storage) of every parameter with an fp32 master of its own, after the optimizer's last
+        # write: a difference means the weights were changed from outside (see `_pick_up_outside_changes`)
+        self._weight_marks: dict[torch.Tensor, tuple[int, int]] = {}
+        self._told_outside_change = False
+        self._param_names: dict[torch.Tensor, str] = {
+            p: name for g in self.param_groups for name, p in zip(g.get("param_names", ()), g["params"])
+        }
         _LIVE_OPTIMIZERS.add(self)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -247,6 +207,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         grads = [p.grad for _, p in entries]
         cached_norms, cached_total, clip = self._norm_cache.take(grads)
         schedule = self._ensure_schedule()
+        self._pick_up_outside_changes()
         self._ensure_state(entries)
 
         # ---- 1. one read of every gradient, and the one device->host sync of the step ---------------------------
@@ -315,6 +276,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if schedule.window_closes(votes):
                 self._close_window(timer, sequential=not self.config.overlap_step)
         schedule.steps += 1
+        self._mark_weights()
         self._stats.finish_step(timer, staleness=sum(self._unapplied_steps) + schedule.window_steps)
         return loss
 
@@ -330,9 +292,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         every gradient seen. Call it at the end of training; mid-training it shortens the current window."""
         if self._schedule is None:
             return
+        self._pick_up_outside_changes()
         if self._schedule.window_steps > 0:
             self._close_window(StepTimer(), sequential=True)
         self._drain_and_apply()
+        self._mark_weights()
 
     def train(self) -> None:
         """HF calls this before every training step: only surface a worker failure. (Waiting here would serialise
@@ -364,7 +328,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         schedule = self._schedule
         host_bytes = sum(s.host.nbytes() for s in split if s.host is not None)
         device_bytes = sum(s.device.nbytes() for s in split if s.device is not None) + sum(
-            d.nbytes(p) for p, d in self._dense.items()
+            d.nbytes() for d in self._dense.values()
         ) + sum(s.window_sum.numel() * 4 for s in split if s.window_sum is not None)
         worker_ms = self._worker.last_job_ms if self._worker is not None else {}
         return self._stats.as_dict(
@@ -383,17 +347,75 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             device_state_bytes=device_bytes,
         )
 
+    @torch.no_grad()
+    def sync_from_weights(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Re-read the fp32 master values from the weights, for `params` (default: every parameter).
+
+        Changes made through the parameters themselves (``model.load_state_dict``, ``param.copy_``, the Trainer's
+        ``load_best_model_at_end``, a storage swap) are picked up automatically at the next `step()`, `flush()` or
+        `state_dict()`; call this after writing through ``param.data``, which torch does not track. The moments are
+        kept (as `torch.optim.AdamW` keeps them when weights are loaded); what was computed from the old weights and
+        is not in them yet (a pending host result, the open window's gradient sum) is dropped for these parameters.
+        """
+        self._reread_masters(list(self._split) + list(self._dense) if params is None else list(params))
+        self._mark_weights()
+
+    def _pick_up_outside_changes(self) -> None:
+        changed = [p for p, mark in self._weight_marks.items() if (p._version, p.data_ptr()) != mark]
+        if not changed:
+            return
+        if not self._told_outside_change:
+            self._told_outside_change = True
+            logger.warning(
+                "ZenFlowAdamW: %d parameter(s) were changed outside the optimizer (model.load_state_dict, "
+                "load_best_model_at_end, an in-place edit...): their fp32 masters are re-read from the weights; "
+                "host results and window gradients still pending for them are dropped.", len(changed),
+            )
+        self._reread_masters(changed)
+        self._mark_weights()
+
+    def _reread_masters(self, params: list[torch.Tensor]) -> None:
+        if self._worker is not None:
+            self._worker.synchronize()  # Sync point: the worker must not be writing the host masters we replace
+        for p in params:
+            dense = self._dense.get(p)
+            if dense is not None:
+                if dense.master is not None:
+                    dense.master.copy_(p.detach())
+                continue
+            split = self._split.get(p)
+            if split is None:
+                continue
+            current = split.matrix(p.detach())
+            if split.host is not None:
+                host = split.host
+                host.master.copy_(current)
+                if host.writeback_free is not None:
+                    host.writeback_free.synchronize()  # type: ignore[attr-defined]  # a write-back copy still reads it
+                host.writeback.copy_(current)  # a pending write-back now rewrites these very values
+                host.writeback_fresh = False
+                # the open window's gradients were taken at the old weights: dropped, as the pending result is
+                host.accum_count, split.window_count = 0, 0
+            if split.device is not None:
+                cols = split.device
+                cols.master.copy_(current.index_select(cols.axis, cols.index))
+
+    def _mark_weights(self) -> None:
+        """Remember the version and storage of every parameter with a master of its own, after our own writes."""
+        marks = {p: (p._version, p.data_ptr()) for p in self._split}
+        marks.update({p: (p._version, p.data_ptr()) for p, d in self._dense.items() if d.master is not None})
+        self._weight_marks = marks
+
     def master_weight(self, param: torch.Tensor) -> torch.Tensor:
         """The fp32 master value of `param` (host columns from the host master, device columns from the device),
         on the host. Call `synchronize()` first in overlap mode."""
+        self._pick_up_outside_changes()
         if param in self._dense:
-            return self._dense[param].master.detach().float().cpu().clone()
+            return self._dense[param].master_of(param).detach().float().cpu().clone()
         split = self._split.get(param)
         if split is None:
             return param.detach().float().cpu().clone()
-        full = split.host.master.clone() if split.host is not None else split.matrix(param).detach().float().cpu()
-        if split.device is not None:
-            full.index_copy_(split.axis, split.device.index.cpu(), split.device.master.cpu())
+        full = split.full_state()[0]
         return split.unmatrix(full)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -401,6 +423,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------------------------
     def _ensure_worker(self) -> HostAdamWorker:
         if self._worker is None:
+            warn_if_replicated()  # several processes each keep a full host copy (once per process)
             self._worker = HostAdamWorker(
                 self.config.resolved_cpu_threads,
                 background=self.config.overlap_step and self.host_executor == "thread",
@@ -428,9 +451,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 raise ValueError(f"ZenFlowAdamW param group select_rows=True needs row-major (contiguous) parameters; "
                                  f"got one of shape {tuple(p.shape)} with strides {p.stride()} (do not combine it "
                                  "with column_major_ on the same weight).")
-            if p.ndim >= 2 and selection_axis(p) is not None and p.numel() >= self.config.min_offload_numel:
-                units = p.shape[0] if rows else p.numel() // p.shape[0]
-                split = _SplitParam(p, num_selected(self.config.topk_ratio, units), rows=rows)
+            if self._splits(p, group):
+                split = SplitMatrix(p, 0, rows=rows)
+                split.k = num_selected(self.config.topk_ratio, split.columns)
                 if split.offloaded or self._schedule.in_warm_up():
                     split.attach_host(self.config.accumulate_on)
                 self._split[p] = split
@@ -438,6 +461,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._dense[p] = DenseDeviceState.fresh(p)
             if p.is_cuda and self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(device=p.device)
+
+    def _splits(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
+        """Whether `p` is split between the device and the host (a large enough matrix in a layout we can split),
+        or updated wholly on the device."""
+        return (p.ndim >= 2 and (bool(group.get("select_rows", False)) or selection_axis(p) is not None)
+                and p.numel() >= self.config.min_offload_numel)
 
     def _group_of(self) -> dict[torch.Tensor, dict]:
         return {p: g for g in self.param_groups for p in g["params"]}
@@ -514,7 +543,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         scatters: list[tuple[DeviceColumns, torch.Tensor]] = []
         dense_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         to_gather: list[tuple[DeviceColumns, torch.Tensor]] = []
-        updates: list[tuple[dict, torch.Tensor, _SplitParam | None, torch.Tensor]] = []
+        updates: list[tuple[dict, torch.Tensor, SplitMatrix | None, torch.Tensor]] = []
         for (group, p), g in zip(entries, grads):
             split = self._split.get(p)
             if split is not None:
@@ -543,9 +572,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     scatters.append((cols, split.matrix(p)))
             else:
                 state = self._dense[p]
-                tensors = (state.master, dense_grad[id(p)], state.exp_avg, state.exp_avg_sq, state.step)
-                if state.master is not p.data:
-                    dense_copies.append((p, state.master))
+                tensors = (state.master_of(p), dense_grad[id(p)], state.exp_avg, state.exp_avg_sq, state.step)
+                if state.master is not None:
+                    dense_copies.append((p, state.master))  # the parameter receives the rounded fp32 master
             for bucket, t in zip(lists, tensors):
                 bucket.append(t)
         for group, (params, gs, m, v, steps) in batches.values():
@@ -602,7 +631,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
         worker.submit("accumulate", accumulate)
 
-    def _accumulate_on_device(self, work: list[tuple[_SplitParam, torch.Tensor]], coef: float | None) -> None:
+    def _accumulate_on_device(self, work: list[tuple[SplitMatrix, torch.Tensor]], coef: float | None) -> None:
         """``accumulate_on="device"``: add this step's gradients into the device-side window sums (the caller's
         stream, like the rest of the device update); nothing crosses the link until the window closes."""
         for split, g in work:
@@ -614,7 +643,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             accumulate_into(split.window_sum, split.matrix(g), coef, first=split.window_count == 0)
             split.window_count += 1
 
-    def _ship_window_sums(self, splits: list[_SplitParam]) -> Any:
+    def _ship_window_sums(self, splits: list[SplitMatrix]) -> Any:
         """``accumulate_on="device"``: move each closed window's device sum into the host accumulator, once per
         window. Returns the CUDA event the host step must wait for (None on a CPU device, where the two buffers are
         simply swapped). The caller has made sure no host step still reads the accumulators."""
@@ -772,6 +801,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if schedule.window_steps > 0:
             self._close_window(StepTimer(), sequential=True)
         self._drain_and_apply()
+        schedule.force_select = False
+        for split in self._split.values():  # (a resumed run may have a new topk_ratio)
+            split.k = num_selected(self.config.topk_ratio, split.columns)
         pairs = [(self._split[p], g) for (_, p), g in zip(entries, grads) if p in self._split]
         scores = self._row_scores([(split, split.matrix(g)) for split, g in pairs if split.offloaded])
         for split, g in pairs:
@@ -779,7 +811,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         schedule.reselections += 1
 
     @staticmethod
-    def _row_scores(items: list[tuple[_SplitParam, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    def _row_scores(items: list[tuple[SplitMatrix, torch.Tensor]]) -> dict[int, torch.Tensor]:
         """Selection scores of the matrices whose selectable units are contiguous rows (column-major weights,
         `select_rows`), on a CPU device: one threaded kernel pass over all of them instead of a chunked torch sweep
         per matrix. Others are left to `column_scores` in `_select`."""
@@ -805,8 +837,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for split, g in todo:
             self._select(split, g)
 
-    def _select(self, split: _SplitParam, grad: torch.Tensor, scores: torch.Tensor | None = None) -> None:
-        p, host = split.param, split.host
+    def _select(self, split: SplitMatrix, grad: torch.Tensor, scores: torch.Tensor | None = None) -> None:
+        p = split.param
+        if split.host is None and split.offloaded:
+            # every column was on the device (a resumed run with a lower topk_ratio): the host state starts from the
+            # weights and takes every device column below
+            split.attach_host(self.config.accumulate_on)
+        host = split.host
         # Sync point (re-selection only, every `select_period` steps): the outgoing device columns are copied to the
         # host and the incoming ones up with blocking copies; the worker was drained by the caller first.
         axis = split.axis
@@ -815,7 +852,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             host.master.index_copy_(axis, idx, split.device.master.cpu())
             host.exp_avg.index_copy_(axis, idx, split.device.exp_avg.cpu())
             host.exp_avg_sq.index_copy_(axis, idx, split.device.exp_avg_sq.cpu())
-        if split.k == 0 or (split.device is not None and not split.offloaded):
+            if split.k == 0:
+                split.device = None  # (topk_ratio now 0) every column lives on the host
+        if split.k == 0 or (split.device is not None and split.device.k == split.k == split.columns):
             return  # nothing on the device, or every column already there
         if split.offloaded:
             scores = column_scores(split.matrix(grad), axis) if scores is None else scores
@@ -850,125 +889,43 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: per-matrix selection, device and host masters and moments, the
         open window's accumulated gradient, a host result still waiting to be written back, counters and Zen-auto
-        statistics. Only tensors, numbers, strings, lists and dicts: loadable with ``torch.load(weights_only=True)``.
+        statistics, with shapes and checksums (`hf_zenflow.checkpoint`). Only tensors, numbers, strings, lists and
+        dicts: loadable with ``torch.load(weights_only=True)``.
 
         Waits for the host worker first (`synchronize`), which does not change the schedule. Like torch's
         optimizers, the returned tensors are the live state: serialise it before stepping again.
         """
         self.synchronize()
-        index_of: dict[torch.Tensor, int] = {}
-        groups = []
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = []
-            for p in group["params"]:
-                index_of[p] = len(index_of)
-                packed["params"].append(index_of[p])
-            groups.append(packed)
-        state: dict[int, dict[str, Any]] = {}
-        for p, split in self._split.items():
-            entry: dict[str, Any] = {"kind": "split", "k": split.k, "auto": split.auto.to_list(), "axis": split.axis,
-                                     "rows": split.rows}
-            if split.device is not None:
-                d = split.device
-                entry.update(device_index=d.index, device_master=d.master, device_exp_avg=d.exp_avg,
-                             device_exp_avg_sq=d.exp_avg_sq, device_step=d.step)
-            if split.host is not None:
-                h = split.host
-                # the open window's sum, wherever it is kept (the host worker is idle: closed windows are applied)
-                accum, count = (split.window_sum, split.window_count) if split.window_sum is not None else (
-                    h.accum, h.accum_count)
-                entry.update(host_master=h.master, host_exp_avg=h.exp_avg, host_exp_avg_sq=h.exp_avg_sq,
-                             host_step=h.step, accum=accum if count else None, accum_count=count)
-            state[index_of[p]] = entry
-        for p, dense in self._dense.items():
-            state[index_of[p]] = {
-                "kind": "dense", "step": dense.step, "exp_avg": dense.exp_avg, "exp_avg_sq": dense.exp_avg_sq,
-                "master": None if dense.master is p.data else dense.master,
-            }
-        schedule = self._schedule
-        zenflow = None
-        if schedule is not None:
-            zenflow = {
-                "steps": schedule.steps, "window_steps": schedule.window_steps, "windows": schedule.windows,
-                "reselections": schedule.reselections, "last_interval": schedule.last_interval,
-                "writeback_pending": self._writeback_pending, "unapplied_steps": list(self._unapplied_steps),
-                "skipped_steps": self._stats.skipped_steps, "config": self.config.to_dict(),
-            }
-        return {"state": state, "param_groups": groups, "zenflow": zenflow}
+        self._pick_up_outside_changes()
+        return checkpoint.pack(self)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a `state_dict()`; tensors may be on any device (they are copied where each piece lives)."""
+        """Restore a `state_dict()` of this or an earlier hf_zenflow, or continue a `torch.optim.AdamW` state dict
+        (moments and step counts carried over). Tensors may be on any device.
+
+        The state is checked first (shapes, dtypes, finite values, checksums): a damaged or foreign one raises
+        `hf_zenflow.CheckpointError` naming the tensor, and nothing is changed. Settings of this optimizer that
+        differ from the checkpoint's take effect (see `hf_zenflow.checkpoint`), with a logged note.
+        """
         self.synchronize()
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        before = (self.config.resolved_cpu_threads, self.config.overlap_step)
+        checkpoint.unpack(self, state_dict)
+        if self._worker is not None and (self._worker.threads, self._worker.background) != (
+            before[0], before[1] and self.host_executor == "thread"
         ):
-            raise ValueError("ZenFlowAdamW.load_state_dict: the saved param groups do not match this optimizer's "
-                             "(different number of groups or of parameters per group).")
-        params = [p for g in self.param_groups for p in g["params"]]
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            group["betas"] = tuple(group["betas"])
+            self.close()  # restarted lazily with the current settings
+        self._mark_weights()
+
+    def name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module) -> None:
+        """Record parameter names (e.g. ``model.named_parameters()``, or the model): checkpoints then carry them and
+        error messages name the parameter. Parameters passed as ``(name, param)`` pairs are named already."""
+        pairs = named.named_parameters() if isinstance(named, torch.nn.Module) else named
+        mine = {p for g in self.param_groups for p in g["params"]}
+        self._param_names.update({p: name for name, p in pairs if p in mine})
+
+    def _reset_state(self) -> None:
         self._split.clear()
         self._dense.clear()
         self._pending, self._writeback_pending, self._unapplied_steps = None, False, []
         self._schedule = None
-        zenflow = state_dict.get("zenflow")
-        if zenflow is None:
-            return
-        schedule = self._ensure_schedule()
-        for key in ("steps", "window_steps", "windows", "reselections", "last_interval"):
-            setattr(schedule, key, int(zenflow[key]))
-        self._writeback_pending = bool(zenflow["writeback_pending"])
-        self._unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
-        self._stats.skipped_steps = int(zenflow["skipped_steps"])
-
-        for index, entry in state_dict["state"].items():
-            p = params[int(index)]
-            if entry["kind"] == "dense":
-                dense = DenseDeviceState.fresh(p)
-                for name in ("step", "exp_avg", "exp_avg_sq"):
-                    getattr(dense, name).copy_(entry[name])
-                if entry["master"] is not None:
-                    dense.master.copy_(entry["master"])
-                self._dense[p] = dense
-                continue
-            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-            split = _SplitParam(p, int(entry["k"]), rows=bool(group.get("select_rows", False)))
-            if bool(entry.get("rows", False)) != split.rows:
-                raise ValueError(
-                    f"ZenFlowAdamW.load_state_dict: parameter {int(index)} was saved with select_rows="
-                    f"{bool(entry.get('rows', False))} but its param group now has select_rows={split.rows}: the "
-                    "saved selection indexes different units (rows vs columns). Use the same setting to resume."
-                )
-            split.auto = ZenAutoStats.from_list(entry["auto"])
-            # saved from a parameter in the other layout (see `column_major_`): every matrix here is transposed
-            flip = not split.rows and int(entry.get("axis", 1)) != split.axis
-
-            def fit(t: torch.Tensor, flip: bool = flip) -> torch.Tensor:
-                return t.t() if flip and t.ndim == 2 else t
-
-            if "host_master" in entry:
-                split.attach_host(self.config.accumulate_on)
-                host = split.host
-                for name in ("master", "exp_avg", "exp_avg_sq", "step"):
-                    getattr(host, name).copy_(fit(entry[f"host_{name}"]))
-                # the open window's sum goes wherever this optimizer keeps it (either setting can load either)
-                target = split.window_sum if split.window_sum is not None else host.accum
-                if split.window_sum is not None:
-                    split.window_count = int(entry["accum_count"])
-                else:
-                    host.accum_count = int(entry["accum_count"])
-                if entry["accum"] is not None:
-                    target.copy_(fit(entry["accum"]))
-                host.writeback.copy_(host.master)  # a pending write-back reads this buffer
-                host.writeback_fresh = self._writeback_pending
-                split.host = host
-            if "device_master" in entry:
-                split.device = DeviceColumns.from_columns(
-                    entry["device_index"].long(), fit(entry["device_master"]), fit(entry["device_exp_avg"]),
-                    fit(entry["device_exp_avg_sq"]), step=entry["device_step"], device=p.device, axis=split.axis,
-                )
-            self._split[p] = split

@@ -127,6 +127,8 @@ class WindowSchedule:
     windows: int = 0
     reselections: int = 0
     last_interval: int = 0
+    #: select at the next step whatever the period says (a resumed run whose `topk_ratio` changed)
+    force_select: bool = False
 
     def in_warm_up(self) -> bool:
         return self.steps < self.warm_up
@@ -134,7 +136,7 @@ class WindowSchedule:
     def selection_due(self) -> bool:
         if self.steps < self.warm_up:
             return False
-        return (self.steps - self.warm_up) % self.select_period == 0
+        return self.force_select or (self.steps - self.warm_up) % self.select_period == 0
 
     def window_closes(self, auto_votes: list[bool]) -> bool:
         """Called after the current step was added to the window (window_steps already counts it)."""

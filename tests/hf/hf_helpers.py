@@ -73,6 +73,7 @@ def zenflow_args(output_dir: Path | str, **overrides: Any):
         lr_scheduler_type="linear", warmup_steps=0, logging_steps=1, save_strategy="no", report_to="none",
         use_cpu=True, dataloader_num_workers=0, seed=0, data_seed=0, disable_tqdm=True, optim="adamw_torch",
         zenflow_cpu_threads=1,
+        zenflow_min_offload_numel=0,  # the tiny model's matrices are all below the default: split them all
     )
     values.update(overrides)
     return ZenFlowTrainingArguments(**values)

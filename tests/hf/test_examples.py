@@ -1,10 +1,12 @@
 """The examples run end to end: the Trainer script (subprocess), the accelerate loop under `accelerate launch`
-(subprocess), and the quick-start notebook (nbclient)."""
+(subprocess), and the quick-start notebook (the README's `jupyter execute` command)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -44,14 +46,18 @@ def run(cmd: list[str], env: dict[str, str], cwd) -> subprocess.CompletedProcess
 
 def test_train_trainer_script_with_auto_interval(tmp_path):
     out = tmp_path / "run"
-    run([sys.executable, str(SCRIPTS / "train_trainer.py"), "--output_dir", str(out), "--max_steps", "8",
-         "--use_cpu", "--report_to", "none", "--logging_steps", "4", "--learning_rate", "3e-3",
-         "--per_device_train_batch_size", "4", "--num_train_samples", "64", "--num_eval_samples", "8",
-         "--seq_len", "32", "--hidden_size", "32", "--save_strategy", "no", "--disable_tqdm", "True",
-         "--zenflow_update_interval", "auto", "--zenflow_topk_ratio", "0.2", "--zenflow_cpu_threads", "1"],
-        example_env(OMP_NUM_THREADS="1"), cwd=tmp_path)
+    proc = run([sys.executable, str(SCRIPTS / "train_trainer.py"), "--output_dir", str(out), "--max_steps", "10",
+                "--use_cpu", "--report_to", "none", "--learning_rate", "3e-3",
+                "--per_device_train_batch_size", "4", "--num_train_samples", "64", "--num_eval_samples", "8",
+                "--seq_len", "32", "--hidden_size", "32", "--save_strategy", "no", "--disable_tqdm", "True",
+                "--zenflow_update_interval", "auto", "--zenflow_topk_ratio", "0.2", "--zenflow_cpu_threads", "1"],
+               example_env(OMP_NUM_THREADS="1"), cwd=tmp_path)
+    # the loss is logged during training without --logging_steps, the metrics are printed once, the output named
+    assert "{'loss':" in proc.stdout
+    assert proc.stdout.count("train_loss") == 1
+    assert proc.stdout.strip().splitlines()[-1].endswith(f"all_results.json to {out.resolve()}")
     results = json.loads((out / "all_results.json").read_text())
-    assert results["zenflow/steps"] == 8 and "eval_loss" in results
+    assert results["zenflow/steps"] == 10 and "eval_loss" in results
     assert results["train_loss"] < 5.6  # from ln(256) ~ 5.55 down
     args = torch.load(out / "training_args.bin", weights_only=False)
     assert args.zenflow_update_interval == "auto" and args.zenflow_topk_ratio == 0.2
@@ -71,7 +77,8 @@ def test_train_accelerate_under_accelerate_launch(tmp_path):
               "--log_every", "4"]
     env = example_env(HF_ZENFLOW_CPU_THREADS="2", HF_ZENFLOW_UPDATE_INTERVAL="4", HF_ZENFLOW_OVERLAP_STEP="true")
     full = tmp_path / "full"
-    run([*launch, *common, "--output_dir", str(full), "--save_state_steps", "6"], env, cwd=tmp_path)
+    proc = run([*launch, *common, "--output_dir", str(full), "--save_state_steps", "6"], env, cwd=tmp_path)
+    assert f"wrote the model and train_log.json to {full.resolve()}" in proc.stdout
     log = json.loads((full / "train_log.json").read_text())
     assert log["config"]["cpu_threads"] == 2 and log["config"]["update_interval"] == 4
     assert log["threads"]["OMP_NUM_THREADS"] == "1"
@@ -89,20 +96,37 @@ def test_train_accelerate_under_accelerate_launch(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_quickstart_notebook_runs(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("ipykernel")
-    for name, value in example_env(OMP_NUM_THREADS="1").items():
-        monkeypatch.setenv(name, value)  # the kernel inherits this process's environment
-    nb = nbformat.read(SCRIPTS / "zenflow_quickstart.ipynb", as_version=4)
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+def readme_command(start: str) -> list[str]:
+    """The README's command line that starts with `start` (one line, no shell syntax)."""
+    for line in (REPO_ROOT / "README.md").read_text().splitlines():
+        if line.startswith(start):
+            return shlex.split(line.split("#")[0])
+    raise AssertionError(f"README.md has no command starting with {start!r}")
+
+
+def test_quickstart_notebook_runs_from_the_readme_command(tmp_path):
+    """The README's `jupyter execute ...` line, in a copy of scripts/: the notebook runs top to bottom, warns about
+    no missing widget support, and writes what the README says."""
+    for name in ("nbclient", "ipykernel", "ipywidgets"):
+        pytest.importorskip(name)
+    command = readme_command("jupyter execute ")
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPTS / "zenflow_quickstart.ipynb", tmp_path / "scripts")
+    run([sys.executable, "-m", *command], example_env(OMP_NUM_THREADS="1"), cwd=tmp_path)  # `jupyter` of this venv
+    executed = json.loads((tmp_path / "scripts" / "zenflow_quickstart_run.ipynb").read_text())
     outputs = "\n".join(
-        out.get("text", "") or out.get("data", {}).get("text/plain", "")
-        for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
+        "".join(out.get("text", "")) or "".join(out.get("data", {}).get("text/plain", ""))
+        for cell in executed["cells"] if cell["cell_type"] == "code" for out in cell["outputs"]
     )
     assert "critical path" in outputs and "eval loss" in outputs
     assert "### ZenFlow settings" in outputs
-    card = (tmp_path / "zenflow_quickstart_output" / "README.md").read_text()
+    assert "IProgress not found" not in outputs
+    card = (tmp_path / "scripts" / "zenflow_quickstart_output" / "README.md").read_text()
     assert "hf_zenflow" in card
+
+
+def test_notebook_outputs_are_git_ignored():
+    if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("scripts/zenflow_quickstart_output/README.md", "scripts/zenflow_quickstart_run.ipynb"):
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO_ROOT).returncode == 0, path

@@ -1,0 +1,574 @@
+"""The checkpoint format of `ZenFlowAdamW`: what `state_dict()` writes, how `load_state_dict()` checks and restores
+it, and the conversion to and from `torch.optim.AdamW` checkpoints.
+
+Format version 2 (``state_dict()["zenflow"]["format_version"]``): per parameter index an entry of kind ``"split"``
+(a matrix: selection, device columns, host state, the open window's gradient sum) or ``"dense"`` (updated wholly on
+the device), each with the parameter's ``shape`` and ``dtype``, its name when known, and a ``checksums`` dict (a
+64-bit sum of each tensor's bits) so that a damaged file is refused instead of training on garbage (torch's own
+loader does not check its zip CRCs). Version 1 (no ``format_version``: hf_zenflow before 2026-12-01) is read by
+migration: the same entries without shapes and checksums. A newer version is refused with a message.
+
+Loading compares the saved settings with the optimizer's own and lets the current ones take effect (a new
+``topk_ratio`` re-selects every matrix at the next step, moments kept; a new ``min_offload_numel`` moves matrices
+between the split and the dense path; the rest apply as they are), logging what changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .config import ZenFlowConfig
+from .device_step import DenseDeviceState, DeviceColumns
+from .host import host_adamw_window
+from .selection import ZenAutoStats, num_selected
+from .split_matrix import SplitMatrix
+
+
+if TYPE_CHECKING:
+    from .optimizer import ZenFlowAdamW
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2
+
+#: Group keys of `torch.optim.AdamW` that ZenFlowAdamW has no use for (its behaviour is fixed: fused, decoupled).
+_TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                          "decoupled_weight_decay", "param_names")
+
+#: Settings that are not the user's to change on resume (filled in by the Trainer or the plugin).
+_DERIVED_SETTINGS = ("steps_per_epoch",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is: damaged, from another model, or from an incompatible version.
+    The message names the file or tensor and what to do."""
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """A 64-bit wrap-around sum of the tensor's bits (read as integers of its element size): any change of a value
+    changes it with overwhelming probability, at the cost of one read."""
+    t = t.detach().contiguous()
+    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
+    return int(t.view(as_int).sum(dtype=torch.int64).item())
+
+
+def _tensors(entry: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in entry.items() if isinstance(v, torch.Tensor)}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------------------------
+def pack(opt: ZenFlowAdamW) -> dict[str, Any]:
+    """The state dict of `opt` (its worker idle): see the module docstring."""
+    index_of: dict[torch.Tensor, int] = {}
+    groups = []
+    for group in opt.param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = []
+        for p in group["params"]:
+            index_of[p] = len(index_of)
+            packed["params"].append(index_of[p])
+        groups.append(packed)
+    state: dict[int, dict[str, Any]] = {}
+    for p, split in opt._split.items():
+        entry: dict[str, Any] = {"kind": "split", "k": split.k, "auto": split.auto.to_list(), "axis": split.axis,
+                                 "rows": split.rows}
+        if split.device is not None:
+            d = split.device
+            entry.update(device_index=d.index, device_master=d.master, device_exp_avg=d.exp_avg,
+                         device_exp_avg_sq=d.exp_avg_sq, device_step=d.step)
+        if split.host is not None:
+            h = split.host
+            # the open window's sum, wherever it is kept (the host worker is idle: closed windows are applied)
+            accum, count = (split.window_sum, split.window_count) if split.window_sum is not None else (
+                h.accum, h.accum_count)
+            entry.update(host_master=h.master, host_exp_avg=h.exp_avg, host_exp_avg_sq=h.exp_avg_sq,
+                         host_step=h.step, accum=accum if count else None, accum_count=count)
+        state[index_of[p]] = entry
+    for p, dense in opt._dense.items():
+        state[index_of[p]] = {
+            "kind": "dense", "step": dense.step, "exp_avg": dense.exp_avg, "exp_avg_sq": dense.exp_avg_sq,
+            "master": dense.master,  # None: the fp32 parameter is its own master (saved with the model)
+        }
+    for p, entry in state.items():
+        param = next(q for q, i in index_of.items() if i == p)
+        entry.update(shape=list(param.shape), dtype=str(param.dtype).removeprefix("torch."))
+        if param in opt._param_names:
+            entry["name"] = opt._param_names[param]
+        entry["checksums"] = {key: tensor_checksum(t) for key, t in _tensors(entry).items()}
+    schedule = opt._schedule
+    zenflow = None
+    if schedule is not None:
+        zenflow = {
+            "format_version": FORMAT_VERSION,
+            "steps": schedule.steps, "window_steps": schedule.window_steps, "windows": schedule.windows,
+            "reselections": schedule.reselections, "last_interval": schedule.last_interval,
+            "force_select": schedule.force_select,
+            "writeback_pending": opt._writeback_pending, "unapplied_steps": list(opt._unapplied_steps),
+            "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
+        }
+    return {"state": state, "param_groups": groups, "zenflow": zenflow}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------------------------------
+def is_torch_adamw_state(state_dict: dict[str, Any]) -> bool:
+    """A `torch.optim.AdamW` (or `Adam`) state dict: no ZenFlow block, per-parameter ``exp_avg``/``step``."""
+    if "zenflow" in state_dict or "param_groups" not in state_dict:
+        return False
+    entries = list(state_dict.get("state", {}).values())
+    return all(isinstance(e, dict) and {"step", "exp_avg", "exp_avg_sq"} <= set(e) for e in entries)
+
+
+def migrate(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state dict in the current format version; refuses versions this hf_zenflow does not know."""
+    zenflow = state_dict.get("zenflow")
+    if zenflow is None:
+        return state_dict
+    version = zenflow.get("format_version", 1)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"ZenFlowAdamW.load_state_dict: the checkpoint has format_version={version!r}, written by a newer "
+            f"hf_zenflow; this one reads versions 1 to {FORMAT_VERSION}. Upgrade hf_zenflow to resume from it."
+        )
+    if version == 1:  # same entries; no shapes, checksums or forced re-selection yet
+        zenflow = {**zenflow, "format_version": FORMAT_VERSION, "force_select": False}
+        state_dict = {**state_dict, "zenflow": zenflow}
+    return state_dict
+
+
+def _label(index: int, entry: dict[str, Any], param: torch.Tensor) -> str:
+    name = entry.get("name")
+    return f"parameter {index}" + (f" ({name})" if name else "") + f" of shape {list(param.shape)}"
+
+
+def _fail(index: int, entry: dict[str, Any], param: torch.Tensor, problem: str) -> None:
+    raise CheckpointError(
+        f"ZenFlowAdamW.load_state_dict: {_label(index, entry, param)}: {problem}. The optimizer checkpoint is damaged "
+        "or belongs to another model; restore it from a copy, or resume without it (fresh optimizer state)."
+    )
+
+
+_FP32_KEYS = ("device_master", "device_exp_avg", "device_exp_avg_sq", "host_master", "host_exp_avg",
+              "host_exp_avg_sq", "accum", "exp_avg", "exp_avg_sq", "master")
+
+
+def validate(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
+    """Refuse a state dict that does not fit `opt`'s parameters or holds damaged values, naming the tensor."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    saved_groups = state_dict.get("param_groups")
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(opt.param_groups) or any(
+        len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, opt.param_groups)
+    ):
+        raise CheckpointError(
+            "ZenFlowAdamW.load_state_dict: the saved param groups do not match this optimizer's (different number "
+            f"of groups or of parameters per group: saved {[len(s['params']) for s in saved_groups or []]}, here "
+            f"{[len(g['params']) for g in opt.param_groups]})."
+        )
+    for index, entry in state_dict["state"].items():
+        if not 0 <= int(index) < len(params):
+            raise CheckpointError(f"ZenFlowAdamW.load_state_dict: state for parameter {index}, but this optimizer "
+                                  f"has {len(params)} parameters.")
+        p = params[int(index)]
+        if entry.get("kind") not in ("split", "dense"):
+            _fail(index, entry, p, f"unknown entry kind {entry.get('kind')!r}")
+        if "shape" in entry and list(entry["shape"]) != list(p.shape):
+            _fail(index, entry, p, f"saved for a parameter of shape {list(entry['shape'])}")
+        tensors = _tensors(entry)
+        numel_ok = {"host_master", "host_exp_avg", "host_exp_avg_sq", "accum", "exp_avg", "exp_avg_sq", "master"}
+        for key, t in tensors.items():
+            if key in numel_ok and t.numel() != p.numel():
+                _fail(index, entry, p, f"{key} has {t.numel()} elements, the parameter {p.numel()}")
+            if key in _FP32_KEYS and t.dtype != torch.float32:
+                _fail(index, entry, p, f"{key} is {t.dtype}, expected torch.float32")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                _fail(index, entry, p, f"{key} holds {bad} non-finite value(s)")
+            if key.endswith("exp_avg_sq") and bool((t < 0).any()):
+                _fail(index, entry, p, f"{key} holds negative values (a second moment cannot be negative)")
+            if key.endswith("step") and (t.numel() != 1 or float(t) < 0):
+                _fail(index, entry, p, f"{key} is {t.tolist()}, expected a count >= 0")
+        checksums = entry.get("checksums")
+        if checksums is not None:
+            for key, t in tensors.items():
+                if key in checksums and tensor_checksum(t) != checksums[key]:
+                    _fail(index, entry, p, f"{key} does not match its checksum (its bytes were altered)")
+            missing = sorted(set(checksums) - set(tensors))
+            if missing:
+                _fail(index, entry, p, f"tensors {missing} are missing")
+        if entry["kind"] == "split":
+            _validate_split(index, entry, p)
+
+
+def _validate_split(index: int, entry: dict[str, Any], p: torch.Tensor) -> None:
+    units = p.shape[0] if entry.get("rows", False) else p.numel() // max(1, p.shape[0])
+    if not 0 <= int(entry["k"]) <= units:
+        _fail(index, entry, p, f"k={entry['k']} is not in [0, {units}]")
+    if "device_index" not in entry:
+        return
+    idx = entry["device_index"]
+    if idx.dtype not in (torch.int64, torch.int32) or idx.ndim != 1:
+        _fail(index, entry, p, f"device_index is {idx.dtype} of shape {list(idx.shape)}, expected 1-D integers")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= units or bool((idx[1:] <= idx[:-1]).any())):
+        _fail(index, entry, p, f"device_index is not a sorted set of distinct indices in [0, {units})")
+    if int(entry["k"]) != idx.numel() or entry["device_master"].shape[int(entry.get("axis", 1))] != idx.numel():
+        _fail(index, entry, p, f"k={entry['k']} does not match the {idx.numel()} saved device columns")
+
+
+@torch.no_grad()
+def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
+    """Restore `opt` (its worker idle) from a ZenFlow or a `torch.optim.AdamW` state dict."""
+    if is_torch_adamw_state(state_dict):
+        _unpack_torch_adamw(opt, state_dict)
+        return
+    if "param_groups" not in state_dict or "state" not in state_dict:
+        raise CheckpointError("ZenFlowAdamW.load_state_dict: not an optimizer state dict (needs 'state' and "
+                              f"'param_groups'; got keys {sorted(state_dict)[:8]}).")
+    state_dict = migrate(state_dict)
+    validate(opt, state_dict)
+    _restore_groups(opt, state_dict["param_groups"])
+    opt._reset_state()
+    zenflow = state_dict.get("zenflow")
+    if zenflow is None:
+        return
+    params = [p for g in opt.param_groups for p in g["params"]]
+    schedule = opt._ensure_schedule()
+    for key in ("steps", "window_steps", "windows", "reselections", "last_interval"):
+        setattr(schedule, key, int(zenflow[key]))
+    schedule.force_select = bool(zenflow.get("force_select", False))
+    opt._writeback_pending = bool(zenflow["writeback_pending"])
+    opt._unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
+    opt._stats.skipped_steps = int(zenflow["skipped_steps"])
+    for index, entry in state_dict["state"].items():
+        p = params[int(index)]
+        if entry["kind"] == "dense":
+            dense = DenseDeviceState.fresh(p)
+            for name in ("step", "exp_avg", "exp_avg_sq"):
+                getattr(dense, name).copy_(entry[name].view_as(getattr(dense, name)))
+            if entry["master"] is not None and dense.master is not None:
+                # (an fp32 parameter is its own master: format 1 saved a copy of it, the same values as the weights)
+                dense.master.copy_(entry["master"].view_as(dense.master))
+            opt._dense[p] = dense
+            continue
+        opt._split[p] = _restore_split(opt, p, int(index), entry)
+    _apply_changed_settings(opt, zenflow.get("config") or {})
+
+
+def _restore_groups(opt: ZenFlowAdamW, saved_groups: list[dict[str, Any]]) -> None:
+    for group, saved in zip(opt.param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k != "params" and k not in _TORCH_ONLY_GROUP_KEYS})
+        group["betas"] = tuple(group["betas"])
+
+
+def _restore_split(opt: ZenFlowAdamW, p: torch.Tensor, index: int, entry: dict[str, Any]) -> SplitMatrix:
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    split = SplitMatrix(p, int(entry["k"]), rows=bool(group.get("select_rows", False)))
+    if bool(entry.get("rows", False)) != split.rows:
+        raise CheckpointError(
+            f"ZenFlowAdamW.load_state_dict: {_label(index, entry, p)} was saved with select_rows="
+            f"{bool(entry.get('rows', False))} but its param group now has select_rows={split.rows}: the saved "
+            "selection indexes different units (rows vs columns). Use the same setting to resume."
+        )
+    split.auto = ZenAutoStats.from_list(entry["auto"])
+    # saved from a parameter in the other layout (see `column_major_`): every matrix here is transposed
+    flip = not split.rows and int(entry.get("axis", 1)) != split.axis
+
+    def fit(t: torch.Tensor) -> torch.Tensor:
+        return t.t() if flip and t.ndim == 2 else t
+
+    if "host_master" in entry:
+        split.attach_host(opt.config.accumulate_on)
+        host = split.host
+        for name in ("master", "exp_avg", "exp_avg_sq", "step"):
+            getattr(host, name).copy_(fit(entry[f"host_{name}"]))
+        # the open window's sum goes wherever this optimizer keeps it (either setting can load either)
+        target = split.window_sum if split.window_sum is not None else host.accum
+        if split.window_sum is not None:
+            split.window_count = int(entry["accum_count"])
+        else:
+            host.accum_count = int(entry["accum_count"])
+        if entry["accum"] is not None:
+            target.copy_(fit(entry["accum"]))
+        host.writeback.copy_(host.master)  # a pending write-back reads this buffer
+        host.writeback_fresh = opt._writeback_pending
+    if "device_master" in entry:
+        split.device = DeviceColumns.from_columns(
+            entry["device_index"].long(), fit(entry["device_master"]), fit(entry["device_exp_avg"]),
+            fit(entry["device_exp_avg_sq"]), step=entry["device_step"], device=p.device, axis=split.axis,
+        )
+    return split
+
+
+def _apply_changed_settings(opt: ZenFlowAdamW, saved: dict[str, Any]) -> None:
+    """Let the optimizer's current settings take effect where they differ from the checkpoint's."""
+    current = opt.config.to_dict()
+    changed = {name: (saved[name], current[name]) for name in current
+               if name in saved and name not in _DERIVED_SETTINGS and saved[name] != current[name]}
+    if not changed:
+        return
+    schedule = opt._schedule
+    notes = []
+    for name, (before, now) in changed.items():
+        note = f"{name} {before!r} -> {now!r}"
+        if name == "topk_ratio":
+            schedule.force_select = True
+            note += " (every matrix is re-selected at the next step; master values and moments are kept)"
+        elif name == "full_warm_up_rounds" and schedule.steps < int(now) and schedule.steps >= int(before):
+            raise CheckpointError(
+                f"ZenFlowAdamW.load_state_dict: full_warm_up_rounds={now} cannot take effect: the checkpoint is "
+                f"{schedule.steps} steps in, past its own warm-up of {before} steps, and the columns were selected "
+                f"already. Resume with full_warm_up_rounds <= {schedule.steps}."
+            )
+        notes.append(note)
+    if "min_offload_numel" in changed:
+        notes.append(_apply_min_offload_numel(opt))
+    logger.warning("ZenFlowAdamW.load_state_dict: settings differ from the checkpoint's; the current ones take "
+                   "effect: %s.", "; ".join(n for n in notes if n))
+
+
+def _apply_min_offload_numel(opt: ZenFlowAdamW) -> str:
+    """Move matrices between the split path and the dense path to match the current `min_offload_numel`."""
+    group_of = opt._group_of()
+    to_dense = [p for p in opt._split if not opt._splits(p, group_of[p])]
+    to_split = [p for p in opt._dense if opt._splits(p, group_of[p])]
+    for p in to_dense:
+        _split_to_dense(opt, p, group_of[p])
+    for p in to_split:
+        _dense_to_split(opt, p, group_of[p])
+    return f"{len(to_dense)} matrices now updated wholly on the device, {len(to_split)} now split"
+
+
+def _split_to_dense(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -> None:
+    split = opt._split.pop(p)
+    if split.host is not None:
+        host = split.host
+        if split.window_sum is not None and split.window_count:
+            host.accum.copy_(split.window_sum)
+            host.accum_count = split.window_count
+        if host.accum_count:
+            # the open window's gradients are applied now, as `flush()` would, so none is lost
+            scale = float(host.accum_count) if opt.config.host_lr_scale == "interval" else float(
+                opt.config.host_lr_scale)
+            hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+            hyper["lr"] *= scale
+            host_adamw_window([(hyper, [host])])
+    master, m, v = split.full_state()
+    step = (split.device.step if split.device is not None else split.host.step).clone()
+    dense = DenseDeviceState.fresh(p)
+    dense.exp_avg.copy_(split.unmatrix(m.to(p.device)))
+    dense.exp_avg_sq.copy_(split.unmatrix(v.to(p.device)))
+    dense.step.copy_(step)
+    if dense.master is not None:
+        dense.master.copy_(split.unmatrix(master.to(p.device)))
+    p.copy_(split.unmatrix(master.to(p.device)))
+    opt._dense[p] = dense
+
+
+def _dense_to_split(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -> None:
+    dense = opt._dense.pop(p)
+    rows = bool(group.get("select_rows", False))
+    split = SplitMatrix(p, 0, rows=rows)
+    split.k = num_selected(opt.config.topk_ratio, split.columns)
+    split.attach_host(opt.config.accumulate_on)
+    host = split.host
+    host.master.copy_(split.matrix(dense.master_of(p)))
+    host.exp_avg.copy_(split.matrix(dense.exp_avg))
+    host.exp_avg_sq.copy_(split.matrix(dense.exp_avg_sq))
+    host.step.copy_(dense.step)
+    host.writeback.copy_(split.matrix(p.detach()))
+    opt._split[p] = split  # device columns are chosen at the next step with a gradient
+
+
+def _unpack_torch_adamw(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
+    """Continue from a `torch.optim.AdamW` checkpoint: moments and step counts carried over; each matrix's columns
+    are selected at the next step (until then its whole state is on the host)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups) or any(
+        len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, opt.param_groups)
+    ):
+        raise CheckpointError(
+            "ZenFlowAdamW.load_state_dict: this torch.optim.AdamW checkpoint's param groups do not match this "
+            f"optimizer's (saved {[len(s['params']) for s in saved_groups]}, here "
+            f"{[len(g['params']) for g in opt.param_groups]}). Build ZenFlowAdamW over the same parameter groups."
+        )
+    for saved in saved_groups:
+        for key, bad in (("amsgrad", True), ("maximize", True)):
+            if saved.get(key, False) == bad:
+                raise CheckpointError(f"ZenFlowAdamW.load_state_dict: the torch optimizer ran with {key}=True, "
+                                      "which ZenFlowAdamW does not implement; its state cannot be continued.")
+        if not saved.get("decoupled_weight_decay", True) and saved.get("weight_decay", 0.0) > 0:
+            raise CheckpointError("ZenFlowAdamW.load_state_dict: the checkpoint is torch.optim.Adam with L2 weight "
+                                  "decay (not decoupled); ZenFlowAdamW implements AdamW's decoupled decay.")
+    for index, entry in state_dict["state"].items():
+        p = params[int(index)]
+        for key in ("exp_avg", "exp_avg_sq"):
+            if entry[key].numel() != p.numel():
+                raise CheckpointError(f"ZenFlowAdamW.load_state_dict: {key} of parameter {index} has "
+                                      f"{entry[key].numel()} elements, the parameter {p.numel()}.")
+            if not bool(torch.isfinite(entry[key]).all()):
+                raise CheckpointError(f"ZenFlowAdamW.load_state_dict: {key} of parameter {index} holds non-finite "
+                                      "values; the checkpoint is damaged.")
+    _restore_groups(opt, saved_groups)
+    opt._reset_state()
+    opt._ensure_schedule()
+    group_of = opt._group_of()
+    for index, entry in state_dict["state"].items():
+        p = params[int(index)]
+        step = torch.as_tensor(entry["step"], dtype=torch.float32).reshape(())
+        exp_avg, exp_avg_sq = (entry[k].to(p.device, torch.float32).view(p.shape) for k in ("exp_avg", "exp_avg_sq"))
+        dense = DenseDeviceState.fresh(p)
+        dense.exp_avg.copy_(exp_avg)
+        dense.exp_avg_sq.copy_(exp_avg_sq)
+        dense.step.copy_(step)
+        opt._dense[p] = dense
+        if opt._splits(p, group_of[p]):
+            _dense_to_split(opt, p, group_of[p])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# To torch.optim.AdamW
+# ---------------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def to_torch_adamw(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int, torch.Tensor]]:
+    """Turn a ZenFlowAdamW state dict into one `torch.optim.AdamW` loads, and the fp32 master weight per parameter
+    index that the weights must be set to for the two to continue together.
+
+    Whatever ZenFlow had not yet put into the weights is applied first, as `flush()` would: a pending host result
+    (already in the host master) and the open window's gradient sum (one host AdamW step with the group's learning
+    rate). Step counts are the device path's (one per optimizer step). Requires format 2 (parameter shapes) for
+    parameters with more than two dimensions.
+
+    Example:
+        >>> import torch
+        >>> from hf_zenflow import ZenFlowAdamW, to_torch_adamw
+        >>> model = torch.nn.Linear(16, 16)
+        >>> opt = ZenFlowAdamW(model.parameters(), lr=1e-3, min_offload_numel=0)
+        >>> model(torch.randn(4, 16)).sum().backward(); opt.step()
+        >>> adamw_state, masters = to_torch_adamw(opt.state_dict())
+        >>> with torch.no_grad():
+        ...     for i, p in enumerate(model.parameters()):
+        ...         p.copy_(masters[i])
+        >>> adamw = torch.optim.AdamW(model.parameters(), lr=1e-3); adamw.load_state_dict(adamw_state)
+        >>> opt.close()
+    """
+    state_dict = migrate(state_dict)
+    zenflow = state_dict.get("zenflow") or {}
+    config = ZenFlowConfig.from_dict(zenflow["config"]) if zenflow.get("config") else ZenFlowConfig()
+    group_of = {i: g for g in state_dict["param_groups"] for i in g["params"]}
+    out_state: dict[int, dict[str, torch.Tensor]] = {}
+    masters: dict[int, torch.Tensor] = {}
+    for index, entry in state_dict["state"].items():
+        index = int(index)
+        if entry["kind"] == "dense":
+            shape = entry.get("shape") or list(entry["exp_avg"].shape)
+            out_state[index] = {"step": entry["step"].float().cpu().clone(),
+                                "exp_avg": entry["exp_avg"].float().cpu().reshape(shape).clone(),
+                                "exp_avg_sq": entry["exp_avg_sq"].float().cpu().reshape(shape).clone()}
+            if entry["master"] is not None:
+                masters[index] = entry["master"].float().cpu().reshape(shape).clone()
+            continue
+        master, m, v, step = _flushed_split(entry, config, group_of[index], zenflow)
+        axis, rows = int(entry.get("axis", 1)), bool(entry.get("rows", False))
+        shape = entry.get("shape")
+        if shape is None:
+            shape = list(master.shape) if axis == 1 or rows else list(master.t().shape)
+        out_state[index] = {"step": step, "exp_avg": _unstorage(m, axis, rows, shape),
+                            "exp_avg_sq": _unstorage(v, axis, rows, shape)}
+        masters[index] = _unstorage(master, axis, rows, shape)
+    groups = []
+    for group in state_dict["param_groups"]:
+        packed = {k: v for k, v in group.items() if k not in ("select_rows",)}
+        packed.update(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                      fused=None, decoupled_weight_decay=True)
+        groups.append(packed)
+    return {"state": out_state, "param_groups": groups}, masters
+
+
+def _unstorage(m: torch.Tensor, axis: int, rows: bool, shape: list[int]) -> torch.Tensor:
+    """A storage matrix back into a contiguous tensor of the parameter's shape."""
+    return (m if axis == 1 or rows else m.t()).contiguous().reshape(shape).clone()
+
+
+def _flushed_split(entry: dict[str, Any], config: ZenFlowConfig, group: dict[str, Any],
+                   zenflow: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full fp32 (master, exp_avg, exp_avg_sq) storage matrices of a split entry and its AdamW step count, with the
+    open window applied."""
+    axis = int(entry.get("axis", 1))
+    if "host_master" in entry:
+        master, m, v = (entry[k].float().cpu().clone() for k in ("host_master", "host_exp_avg", "host_exp_avg_sq"))
+        count = int(entry.get("accum_count", 0))
+        if count and entry.get("accum") is not None:
+            from ._base import fused_adamw_
+
+            scale = float(count) if config.host_lr_scale == "interval" else float(config.host_lr_scale)
+            hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+            hyper["lr"] *= scale
+            host_step = entry["host_step"].float().cpu().clone()
+            fused_adamw_([master], [entry["accum"].float().cpu() / count], [m], [v], [host_step], hyper)
+    else:
+        master = entry["device_master"].float().cpu().clone()
+        m, v = (entry[k].float().cpu().clone() for k in ("device_exp_avg", "device_exp_avg_sq"))
+    if "device_master" in entry and "host_master" in entry:
+        index = entry["device_index"].long().cpu()
+        for full, key in ((master, "device_master"), (m, "device_exp_avg"), (v, "device_exp_avg_sq")):
+            full.index_copy_(axis, index, entry[key].float().cpu())
+    if "device_step" in entry:
+        step = entry["device_step"].float().cpu().clone()
+    else:
+        step = torch.tensor(float(zenflow.get("steps", 0)))
+    return master, m, v, step.reshape(())
+
+
+_RESUME_ADVICE = "Resume from an earlier checkpoint, or without the optimizer state."
+
+
+def check_file(path: str | Path) -> None:
+    """Cheap checks of an optimizer checkpoint file before `torch.load` (which fails on them with bare errors such
+    as ``EOFError``): it exists, is not empty and is a complete zip archive (torch's format)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such optimizer checkpoint file.")
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{path}: the optimizer checkpoint is empty (0 bytes): it was not written completely "
+                              f"(the process was killed while saving, or the disk was full). {_RESUME_ADVICE}")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path}: the optimizer checkpoint ({size} bytes) is not a complete torch.save archive: "
+                              f"it is truncated or damaged. {_RESUME_ADVICE}")
+
+
+def load_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """`torch.load` of an optimizer checkpoint (``weights_only=True``) with errors that name the file and the
+    problem."""
+    check_file(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - every failure of a damaged file gets the same explanation
+        raise CheckpointError(
+            f"{path}: the optimizer checkpoint ({Path(path).stat().st_size} bytes) cannot be read "
+            f"({type(exc).__name__}: {exc}): it is truncated or damaged. {_RESUME_ADVICE}"
+        ) from exc
+
+
+def config_of(state_dict: dict[str, Any]) -> ZenFlowConfig | None:
+    """The `ZenFlowConfig` a ZenFlow checkpoint was written with (None for other checkpoints)."""
+    zenflow = state_dict.get("zenflow") or {}
+    saved = zenflow.get("config")
+    if not saved:
+        return None
+    known = {f.name for f in dataclasses.fields(ZenFlowConfig)}
+    return ZenFlowConfig(**{k: v for k, v in saved.items() if k in known})
+
+
+__all__ = ["FORMAT_VERSION", "CheckpointError", "check_file", "config_of", "is_torch_adamw_state", "load_file",
+           "migrate", "pack", "tensor_checksum", "to_torch_adamw", "unpack", "validate"]
+

@@ -1,0 +1,88 @@
+"""Switching optimizers across a resume under the Trainer (issue 10.5) and a damaged optimizer file (10.6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_helpers import logged, tiny_llama, zenflow_args
+from safetensors.torch import load_file as load_weights
+from transformers import Trainer
+
+from hf_zenflow import CheckpointError, ZenFlowTrainer, to_torch_adamw
+from hf_zenflow.cli import main
+
+
+#: ZenFlow settings under which it is exactly AdamW, so that a switch can be compared with an uninterrupted run
+EXACT = dict(zenflow_topk_ratio=0.1, zenflow_update_interval=1, zenflow_overlap_step=False)
+COMMON = dict(max_steps=10, save_strategy="steps", save_steps=6, weight_decay=0.01)
+
+
+def plain(tmp_path, train_dataset, name: str, resume=None) -> Trainer:
+    trainer = Trainer(model=tiny_llama(), args=zenflow_args(tmp_path / name, zenflow=False, **COMMON),
+                      train_dataset=train_dataset)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def zenflow(tmp_path, train_dataset, name: str, resume=None, **settings) -> ZenFlowTrainer:
+    trainer = ZenFlowTrainer(model=tiny_llama(), args=zenflow_args(tmp_path / name, **{**COMMON, **settings}),
+                             train_dataset=train_dataset)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def assert_same_run(resumed, reference) -> None:
+    # (the first 6 logged steps come from the checkpoint's trainer state)
+    assert logged(resumed)[6:] == pytest.approx(logged(reference)[6:], rel=1e-5)
+    for (name, p), q in zip(resumed.model.named_parameters(), reference.model.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_plain_trainer_checkpoint_resumes_under_zenflow_trainer(tmp_path, train_dataset):
+    """Regression (issue 10.5): ZenFlowTrainer resumed a plain Trainer (adamw_torch) checkpoint by silently dropping
+    the AdamW moments and restarting the step count."""
+    reference = plain(tmp_path, train_dataset, "plain")
+    resumed = zenflow(tmp_path, train_dataset, "switched", resume=str(tmp_path / "plain" / "checkpoint-6"), **EXACT)
+    assert resumed.zenflow_optimizer.stats()["selected_fraction"] < 0.5  # the host path really is in use
+    assert_same_run(resumed, reference)
+
+
+def test_converted_zenflow_checkpoint_resumes_under_plain_trainer(tmp_path, train_dataset, capsys):
+    """Regression (issue 10.5): a plain Trainer resuming a ZenFlow checkpoint failed with a bare `KeyError: 'step'`
+    inside torch; `hf-zenflow convert-checkpoint` turns the folder into one it resumes exactly."""
+    reference = plain(tmp_path, train_dataset, "plain")
+    zenflow(tmp_path, train_dataset, "zen", **EXACT)
+    checkpoint = tmp_path / "zen" / "checkpoint-6"
+    assert main(["convert-checkpoint", str(checkpoint)]) == 0
+    assert "optimizer.zenflow.pt" in capsys.readouterr().out
+    resumed = plain(tmp_path, train_dataset, "resumed", resume=str(checkpoint))
+    assert_same_run(resumed, reference)
+    assert main(["convert-checkpoint", str(checkpoint)]) == 2  # already converted: says so, changes nothing
+
+
+def test_conversion_writes_the_masters_into_the_weights(tmp_path, train_dataset):
+    """With overlap the saved weights lag the masters (a pending host result, the open window): the converted
+    folder's weights are the masters."""
+    zenflow(tmp_path, train_dataset, "zen", max_steps=6, save_steps=6)  # library defaults: U=4, overlap
+    checkpoint = tmp_path / "zen" / "checkpoint-6"
+    state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    _, masters = to_torch_adamw(state)
+    out = tmp_path / "converted"
+    assert main(["convert-checkpoint", str(checkpoint), "--output-dir", str(out)]) == 0
+    weights = load_weights(str(out / "model.safetensors"))
+    before = load_weights(str(checkpoint / "model.safetensors"))
+    differed = 0
+    for index, master in masters.items():
+        name = state["state"][index]["name"]
+        assert torch.equal(weights[name], master.view(weights[name].shape)), name
+        differed += not torch.equal(before[name], weights[name])
+    assert differed > 0  # the saved weights really lagged
+
+
+def test_an_empty_optimizer_file_names_the_file(tmp_path, train_dataset):
+    """Regression (issue 10.6): resuming with an empty optimizer.pt raised a bare `EOFError`."""
+    zenflow(tmp_path, train_dataset, "zen", max_steps=6, save_steps=6)
+    checkpoint = tmp_path / "zen" / "checkpoint-6"
+    (checkpoint / "optimizer.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"checkpoint-6/optimizer\.pt: the optimizer checkpoint is empty"):
+        zenflow(tmp_path, train_dataset, "again", max_steps=8, resume=str(checkpoint))

@@ -1,0 +1,88 @@
+"""More than one process: each process is told once that every rank keeps a full host copy of the optimizer state.
+
+A real 2-process gloo group checks the once-per-process rule itself; the calls from `ZenFlowPlugin` and
+`ZenFlowTrainer` are checked in this process under torch's fake 2-rank process group (building optimizers and
+importing transformers in two fresh processes takes many seconds on a small machine)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hf_zenflow import distributed_check
+from hf_zenflow.distributed_check import ReplicatedHostStateWarning, warn_if_replicated
+
+
+def _replication_warnings(build, times: int) -> list[str]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(times):
+            build().close()
+    return [str(w.message) for w in seen if issubclass(w.category, ReplicatedHostStateWarning)]
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            said = [warn_if_replicated() for _ in range(3)]
+        messages = [str(w.message) for w in seen if issubclass(w.category, ReplicatedHostStateWarning)]
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(f"{said} {len(messages)}\n{messages[0] if messages else ''}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_two_gloo_processes_warn_once_each(tmp_path):
+    mp.spawn(_worker, args=(str(tmp_path / "pg_init"), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        counts, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert counts == "[True, False, False] 1"  # three calls, one warning, in each process
+        assert f"under 2 processes (rank {rank})" in message and "2x the host memory" in message
+
+
+@pytest.fixture
+def two_rank_group(monkeypatch):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    monkeypatch.setattr(distributed_check, "_warned", False)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+def test_plugin_warns_once_under_two_ranks(two_rank_group):
+    from hf_zenflow.hf.accelerate_plugin import ZenFlowPlugin
+
+    seen = _replication_warnings(
+        lambda: ZenFlowPlugin(cpu_threads=1).create_optimizer(torch.nn.Linear(8, 8).parameters()), times=3)
+    assert len(seen) == 1 and "under 2 processes (rank 0)" in seen[0]
+
+
+def test_trainer_warns_once_under_two_ranks(two_rank_group, tmp_path):
+    from transformers import TrainingArguments
+
+    from hf_zenflow.hf.trainer import ZenFlowTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+
+    def build():
+        trainer = ZenFlowTrainer(model=torch.nn.Linear(8, 8), args=args)
+        trainer.create_optimizer()
+        return trainer.zenflow_optimizer
+
+    seen = _replication_warnings(build, times=2)
+    assert len(seen) == 1 and "under 2 processes (rank 0)" in seen[0]
+
+
+def test_no_warning_without_a_process_group():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_if_replicated() is False
