@@ -132,7 +132,6 @@ def zenflow_values(config: dict[str, Any]) -> dict[str, Any]:
             f"{sorted(set(DEEPSPEED_ZENFLOW_DEFAULTS) | set(_ZENFLOW_OTHER_KEYS))}."
         )
     values.update(block)
-    values["host_lr_scale"] = 1.0  # DeepSpeed's host step takes the plain learning rate (no compensation)
     return values
 
 

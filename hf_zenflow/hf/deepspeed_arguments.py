@@ -32,9 +32,7 @@ def apply_deepspeed_config(args: Any, source: dict[str, Any] | str | os.PathLike
         raise ValueError(rename_fields(str(err), lambda name: f"DeepSpeed zenflow.{name}")) from None
     mine, default = args.zenflow_config(), ZenFlowConfig()
     for name in zenflow:
-        key = {"cpu_threads": "zenflow.pt_reserved_cores_perc",
-               "host_lr_scale": "(no key: DeepSpeed's host step takes the plain lr) host_lr_scale"}.get(
-            name, f"zenflow.{name}")
+        key = "zenflow.pt_reserved_cores_perc" if name == "cpu_threads" else f"zenflow.{name}"
         _put(args, f"zenflow_{name}", key, getattr(theirs, name), current=getattr(mine, name),
              default=getattr(default, name))
     warn_dropped(dropped, "ZenFlowTrainingArguments.from_deepspeed", stacklevel=5)
