@@ -183,9 +183,11 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
-def recommend(points: Sequence[tuple[float, float]], max_quality_loss: float) -> tuple[int | None, bool]:
+def recommend(points: Sequence[tuple[float, float]], max_quality_loss: float,
+              min_speedup: float = 1.0) -> tuple[int | None, bool]:
     """(index, within tolerance): the fastest point of the Pareto front whose quality loss is at most
-    `max_quality_loss`; when none is, the front's point with the least quality loss and False.
+    `max_quality_loss`; when none is, the front's point with the least quality loss and False. Points slower than
+    `min_speedup` (1.0: synchronous offload's speed) are passed over while a faster front point exists.
 
     Example:
         >>> recommend([(0.2, 1.5), (0.8, 3.0), (3.0, 4.0)], max_quality_loss=1.0)
@@ -194,10 +196,11 @@ def recommend(points: Sequence[tuple[float, float]], max_quality_loss: float) ->
     front = pareto_front(points)
     if not front:
         return None, False
-    within = [i for i in front if points[i][0] <= max_quality_loss]
+    useful = [i for i in front if points[i][1] >= min_speedup] or front
+    within = [i for i in useful if points[i][0] <= max_quality_loss]
     if within:
         return max(within, key=lambda i: points[i][1]), True
-    return min(front, key=lambda i: points[i][0]), False
+    return min(useful, key=lambda i: points[i][0]), False
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -240,12 +243,14 @@ def run_trial(name: str, task: Any, cfg: Any, device: Any, setting: TrialSetting
 
 
 class Progress:
-    """One status line: trials done, elapsed, the estimated time left (from the mean trial so far), a bar."""
+    """One status line: trials done, elapsed, the estimated time left (the mean trial so far times the trials left,
+    capped by the budget's end), a bar."""
 
-    def __init__(self, total: int, stream: Any = None, width: int = 24) -> None:
+    def __init__(self, total: int, stream: Any = None, width: int = 24, deadline: float | None = None) -> None:
         self.total, self.done, self.width = total, 0, width
         self.stream = stream if stream is not None else sys.stderr
         self.start = time.perf_counter()
+        self.deadline = deadline  # perf_counter time at which the budget ends: the time left never exceeds it
         self.trial_s: list[float] = []
 
     def update(self, done: int, total: int, note: str, trial_s: float | None = None) -> None:
@@ -254,6 +259,9 @@ class Progress:
             self.trial_s.append(trial_s)
         elapsed = time.perf_counter() - self.start
         left = statistics.fmean(self.trial_s) * (self.total - self.done) if self.trial_s else math.nan
+        if self.deadline is not None and self.done < self.total:
+            budget_left = max(0.0, self.deadline - time.perf_counter())
+            left = budget_left if math.isnan(left) else min(left, budget_left)
         filled = int(self.width * self.done / max(1, self.total))
         bar = "#" * filled + "-" * (self.width - filled)
         left_txt = "?" if math.isnan(left) else _mmss(left)
@@ -363,7 +371,7 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
     params = cfg.target_params or float(task.num_parameters)
     tokens = cfg.target_tokens_per_step or _tokens_per_step(task)
     records: list[dict[str, Any]] = []
-    progress = Progress(len(grid) + 1) if cfg.progress else None
+    progress = Progress(len(grid) + 1, deadline=deadline) if cfg.progress else None
     interrupted, skipped = False, []
     try:
         if progress:
@@ -455,8 +463,8 @@ def format_recommendation(payload: dict[str, Any]) -> str:
     tol = payload["config"]["max_quality_loss_pct"]
     head = (f"Recommended: **{rec['label']}** (the fastest Pareto point within {tol:g} % of adamw_torch's held-out "
             "loss)." if rec["within_tolerance"] else
-            f"No setting tried came within {tol:g} % of adamw_torch's held-out loss; the closest Pareto point is "
-            f"**{rec['label']}**: the trade-off curve is in pareto.png.")
+            f"No setting tried came within {tol:g} % of adamw_torch's held-out loss; the closest Pareto point that is "
+            f"faster than synchronous offload is **{rec['label']}**: the trade-off curve is in pareto.png.")
     return "\n".join([head, "", "```python", "from hf_zenflow import ZenFlowTrainingArguments", "",
                       f"args = {rec['training_arguments']}", "```", "", "Command-line flags (HfArgumentParser):",
                       "", f"```\n{rec['cli_flags']}\n```"])
@@ -516,7 +524,8 @@ def plot_pareto(payload: dict[str, Any], path: Path) -> None:
         ax.axhline(tol, color="#8c8c8c", linestyle="--", linewidth=1, label=f"tolerance {tol:g} %")
         ax.axhline(0, color="black", linewidth=0.6)
         for ratio, color in colors.items():
-            ax.scatter([], [], color=color, label=f"topk_ratio {ratio:g}")
+            if any(r["setting"]["topk_ratio"] == ratio for r in rows):
+                ax.scatter([], [], color=color, label=f"topk_ratio {ratio:g}")
         ax.scatter([], [], marker="o", color="white", edgecolors="black", label="host_lr_scale 1")
         ax.scatter([], [], marker="s", color="white", edgecolors="black", label="host_lr_scale interval")
     hw = payload["hardware"]["name"]

