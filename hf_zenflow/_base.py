@@ -33,11 +33,14 @@ def fused_adamw_(
     exp_avg_sqs: list[torch.Tensor],
     steps: list[torch.Tensor],
     group: dict[str, Any],
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step (decoupled weight decay) with torch's fused kernel, in place; increments `steps`.
 
     The same kernel serves the device path, the host path and the baseline, so a column's update is the same
-    arithmetic wherever it runs (the degenerate-setting tests rely on that).
+    arithmetic wherever it runs (the degenerate-setting tests rely on that). `found_inf`: a tensor on the
+    parameters' device; when it is non-zero the kernel changes nothing (parameters, moments, step counts), so the
+    update can be launched before the host knows whether the step is skipped.
     """
     if not params:
         return
@@ -52,6 +55,7 @@ def fused_adamw_(
         params, grads, exp_avgs, exp_avg_sqs, [], steps,
         foreach=False, fused=True, decoupled_weight_decay=True, amsgrad=False, maximize=False,
         beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+        found_inf=found_inf,
     )
 
 

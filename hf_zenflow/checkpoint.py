@@ -285,7 +285,7 @@ def _restore_split(opt: ZenFlowAdamW, p: torch.Tensor, index: int, entry: dict[s
         return t.t() if flip and t.ndim == 2 else t
 
     if "host_master" in entry:
-        split.attach_host(opt.config.accumulate_on)
+        opt._attach_host([split])
         host = split.host
         for name in ("master", "exp_avg", "exp_avg_sq", "step"):
             getattr(host, name).copy_(fit(entry[f"host_{name}"]))
@@ -377,7 +377,7 @@ def _dense_to_split(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -
     rows = bool(group.get("select_rows", False))
     split = SplitMatrix(p, 0, rows=rows)
     split.k = num_selected(opt.config.topk_ratio, split.columns)
-    split.attach_host(opt.config.accumulate_on)
+    opt._attach_host([split])
     host = split.host
     host.master.copy_(split.matrix(dense.master_of(p)))
     host.exp_avg.copy_(split.matrix(dense.exp_avg))

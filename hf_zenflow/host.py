@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _native
-from ._base import fused_adamw_, host_empty, torch_threads
+from ._base import fused_adamw_, torch_threads
+from .transport import CpuDeviceTransport, PinnedArena, Transport
 
 
 class HostWorkerError(RuntimeError):
@@ -100,25 +101,39 @@ class HostMatrix:
     writeback_fresh: bool = False
 
     @classmethod
-    def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host") -> HostMatrix:
-        """Host state for `param2d`. With ``accumulate_on="device"`` the window is summed on the device and lands
-        in `accum` once per window (pinned on CUDA), so no per-step staging buffers are needed."""
-        pin = param2d.is_cuda
-        master = host_empty(param2d.shape, torch.float32, pin)
-        master.copy_(param2d.detach())
+    def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host",
+               transport: Transport | None = None) -> HostMatrix:
+        """Host state for `param2d`. The buffers that cross the link come from `transport` (pinned from one arena
+        on CUDA): the write-back buffer, the gradient landing buffers when the transport copies each step's
+        gradient (one per hand-off slot), and the accumulator when the window is summed on the device
+        (``accumulate_on="device"``: it lands there once per window, and no landing buffers are needed). The master
+        and the moments never cross the link and are ordinary host memory."""
+        transport = transport if transport is not None else CpuDeviceTransport()
         on_device = accumulate_on == "device"
+        shape = param2d.shape
         state = cls(
-            master=master,
-            exp_avg=torch.zeros(param2d.shape, dtype=torch.float32),
-            exp_avg_sq=torch.zeros(param2d.shape, dtype=torch.float32),
+            master=torch.empty(shape, dtype=torch.float32).copy_(param2d.detach()),
+            exp_avg=torch.zeros(shape, dtype=torch.float32),
+            exp_avg_sq=torch.zeros(shape, dtype=torch.float32),
             step=torch.zeros((), dtype=torch.float32),
-            accum=host_empty(param2d.shape, torch.float32, pin and on_device).zero_(),
+            accum=(transport.host_buffer(shape, torch.float32) if on_device else torch.empty(shape)).zero_(),
         )
-        if pin and not on_device:
-            state.staging = [host_empty(param2d.shape, grad_dtype, True) for _ in range(GRAD_SLOTS)]
-        # initialised: a matrix that gets no gradient in a window is written back from it unchanged (CUDA copy)
-        state.writeback = host_empty(param2d.shape, param2d.dtype, pin).copy_(param2d.detach())
+        if transport.stages_gradients and not on_device:
+            state.staging = [transport.host_buffer(shape, grad_dtype) for _ in range(GRAD_SLOTS)]
+        # initialised: a matrix that gets no gradient in a window is written back from it unchanged
+        state.writeback = transport.host_buffer(shape, param2d.dtype).copy_(param2d.detach())
         return state
+
+    @staticmethod
+    def link_bytes(param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str, transport: Transport) -> int:
+        """Bytes of `transport.host_buffer` that `create` asks for (each rounded as a pinned arena rounds it)."""
+        numel = param2d.numel()
+        sizes = [numel * param2d.element_size()]
+        if accumulate_on == "device":
+            sizes.append(numel * 4)
+        elif transport.stages_gradients:
+            sizes += [numel * torch.empty((), dtype=grad_dtype).element_size()] * GRAD_SLOTS
+        return sum(PinnedArena.aligned(n) for n in sizes)
 
     def accumulate(self, grad2d: torch.Tensor, coef: float | None) -> None:
         """Fold one step's gradient (times the clip coefficient) into the window sum, in fp32."""

@@ -24,6 +24,7 @@ import logging
 import math
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from .selection import (
 )
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
+from .transport import Landed, Transport, transport_for
 
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,30 @@ _LIVE_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 def _close_all() -> None:  # the host threads are daemons; this just lets in-flight jobs end cleanly
     for opt in list(_LIVE_OPTIMIZERS):
         opt.close()
+
+
+@dataclass
+class HandOff:
+    """One step's gradients on their way to the host worker: the slot they hold, the (matrix, gradient) pairs,
+    what the host job reads and what it waits for."""
+
+    slot: int
+    work: list[tuple[SplitMatrix, torch.Tensor]]
+    sources: list[tuple[HostMatrix, torch.Tensor]]
+    landed: Landed
+    done: bool = False  # submitted or abandoned: the slot is accounted for
+
+
+def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return list(groups.values())
+
+
+def _to(value: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
+    """A number as it is; a tensor on `device` (a non-blocking copy when it lives elsewhere)."""
+    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
 class ZenFlowAdamW(torch.optim.Optimizer):
@@ -129,7 +155,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._writeback_pending = False
         self._unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
         self._norm_cache = GradNormCache()
-        self._copy_stream: Any = None
+        self._transports: dict[str, Transport] = {}  # by device type (see `transport.py`)
         self._stats = ZenFlowStats()
         # (version counter, storage) of every parameter with an fp32 master of its own, after the optimizer's last
         # write: a difference means the weights were changed from outside (see `_pick_up_outside_changes`)
@@ -210,9 +236,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._pick_up_outside_changes()
         self._ensure_state(entries)
 
-        # ---- 1. one read of every gradient, and the one device->host sync of the step ---------------------------
+        # ---- 1. one read of every gradient ------------------------------------------------------------------------
         warm_up, selecting = schedule.in_warm_up(), schedule.selection_due()
         gather_now = not warm_up and not selecting
+        # matrices still waiting for their first columns (`_select_new_matrices`): is their gradient non-zero?
+        waiting = [i for i, (_, p) in enumerate(entries)
+                   if gather_now and (split := self._split.get(p)) is not None and split.device is None
+                   and split.k > 0]
         gathered: set[torch.Tensor] = set()
         with timer.phase("norms"):
             if cached_norms:
@@ -222,59 +252,87 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     self._gather_selected(entries, grads, gathered)
             else:
                 norms = self._norms_and_gather(entries, grads, gather_now, gathered)
-            total = cached_total if cached_norms else torch.linalg.vector_norm(torch.stack(norms))
+                first = norms[0].device
+                total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
+            total = cached_total if cached_norms else total
             auto_split = [
                 (i, self._split[p]) for i, (_, p) in enumerate(entries) if p in gathered and self._split[p].offloaded
             ] if self.config.is_auto_interval else []
             critical = [split.device.grad.square().sum() for _, split in auto_split]
-            # matrices still waiting for their first selection (`_select_new_matrices`): is their gradient non-zero?
-            waiting = [i for i, (_, p) in enumerate(entries)
-                       if gather_now and (split := self._split.get(p)) is not None and split.device is None
-                       and split.k > 0]
             probe = [total, total if clip is None else clip] + [norms[i].square() for i, _ in auto_split] + critical
             probe += [norms[i] for i in waiting]
-            # Sync point, the only one of an ordinary step: the caller waits for the backward pass to finish and
-            # reads a few scalars. Skipping a non-finite step must be decided before any state changes, and
-            # Zen-auto's window decision, the clip coefficient and which waiting matrices have a gradient are
-            # needed as numbers on the host; bundling them keeps it to one sync per step.
-            values = torch.stack([v.float().to(probe[0].device) for v in probe]).tolist()
+
+        # ---- 2. an ordinary step launches its device work before it waits -------------------------------------
+        # The fused AdamW takes the non-finite flag as a device tensor and changes nothing when it is set, so the
+        # update need not wait for the check: the device computes while the host waits below. (Warm-up, selection
+        # and matrices waiting for columns decide on host numbers first: they take the sync-first path.)
+        early = gather_now and not waiting
+        started: HandOff | None = None
+        try:
+            rewritten = False
+            if early:
+                bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
+                rewritten = self._boundary_writes_back()
+                with timer.phase("device_update"):
+                    self._device_update(entries, grads, clip, gathered, rewritten=rewritten, found_inf=bad.float())
+                with timer.phase("handoff"):
+                    started = self._start_hand_off(entries, grads)
+
+            # ---- 3. the one device->host sync of the step ---------------------------------------------------------
+            with timer.phase("norms"):
+                # Sync point, the only one of an ordinary step: the caller waits for the backward pass (and the norms)
+                # to finish and reads a few scalars: whether the step is skipped, Zen-auto's masses, the clip
+                # coefficient for the host accumulation, which waiting matrices have a gradient.
+                values = torch.stack([v.float().to(probe[0].device) for v in probe]).tolist()
             coef = values[1] if clip is not None else None
             waiting_norms = [0.0] * len(entries)
             for i, value in zip(waiting, values[len(values) - len(waiting):]):
                 waiting_norms[i] = value
-        if not math.isfinite(values[0]) or (coef is not None and not math.isfinite(coef)):
-            self._stats.skipped_steps += 1
-            self._stats.finish_step(timer, skipped=True)
-            return loss
-        if coef == 1.0:
-            coef = None  # multiplying by exactly 1 changes nothing; skip the pass
+            if not math.isfinite(values[0]) or (coef is not None and not math.isfinite(coef)):
+                if started is not None:
+                    self._abandon_hand_off(started)
+                self._stats.skipped_steps += 1
+                self._stats.finish_step(timer, skipped=True)
+                return loss
+            if coef == 1.0:
+                coef = None  # multiplying by exactly 1 changes nothing; skip the pass
 
-        if warm_up:
-            self._warm_up_step(entries, grads, coef, timer)
-        else:
-            with timer.phase("select"):
-                if selecting:
-                    self._reselect(entries, grads)
-                else:
-                    self._select_new_matrices(entries, grads, waiting_norms)
-            rewritten = self._boundary_writes_back()
-            with timer.phase("device_update"):
-                self._device_update(entries, grads, coef, gathered, rewritten=rewritten)
-            if rewritten and self.config.overlap_step:
-                # The previous window's result goes into the weights before this step's gradients are handed to
-                # the worker: the write-back does not depend on them, and this way its scatter does not compete
-                # with the worker's accumulation for cores and memory bandwidth (`_close_window` then finds no
-                # write-back pending).
-                self._apply_previous_window(timer)
-            with timer.phase("handoff"):
-                self._hand_off(entries, grads, coef)
-            schedule.window_steps += 1
-            votes: list[bool] = []
-            n = len(auto_split)
-            for j, (_, split) in enumerate(auto_split):
-                votes.append(split.auto.update(values[2 + n + j], values[2 + j], split.k, split.columns))
-            if schedule.window_closes(votes):
-                self._close_window(timer, sequential=not self.config.overlap_step)
+            if warm_up:
+                self._warm_up_step(entries, grads, coef, timer)
+            else:
+                if not early:
+                    with timer.phase("select"):
+                        if selecting:
+                            self._reselect(entries, grads)
+                        else:
+                            self._select_new_matrices(entries, grads, waiting_norms)
+                    rewritten = self._boundary_writes_back()
+                    with timer.phase("device_update"):
+                        self._device_update(entries, grads, coef, gathered, rewritten=rewritten)
+                if rewritten and self.config.overlap_step:
+                    # The previous window's result goes into the weights before this step's gradients are handed to
+                    # the worker: the write-back does not depend on them, and this way its scatter does not compete
+                    # with the worker's accumulation for cores and memory bandwidth (`_close_window` then finds no
+                    # write-back pending).
+                    self._apply_previous_window(timer)
+                with timer.phase("handoff"):
+                    if started is not None:
+                        self._finish_hand_off(started, coef)
+                    else:
+                        self._hand_off(entries, grads, coef)
+                schedule.window_steps += 1
+                votes: list[bool] = []
+                n = len(auto_split)
+                for j, (_, split) in enumerate(auto_split):
+                    votes.append(split.auto.update(values[2 + n + j], values[2 + j], split.k, split.columns))
+                if schedule.window_closes(votes):
+                    self._close_window(timer, sequential=not self.config.overlap_step)
+        except BaseException:
+            # an interrupt (Ctrl-C) or a failure between taking a hand-off slot and submitting its job must not leak
+            # the slot: the next step would wait for it forever
+            if started is not None and not started.done:
+                self._abandon_hand_off(started)
+            raise
         schedule.steps += 1
         self._mark_weights()
         self._stats.finish_step(timer, staleness=sum(self._unapplied_steps) + schedule.window_steps)
@@ -344,6 +402,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             host_step_ms=worker_ms.get("host_adamw", 0.0),
             accumulate_ms=worker_ms.get("accumulate", 0.0),
             host_state_bytes=host_bytes,
+            # per element of the matrices with host state: 16 B of state plus the link buffers
+            host_bytes_per_param=host_bytes / hosted if (hosted := sum(
+                s.param.numel() for s in split if s.host is not None)) else 0.0,
+            pinned_host_bytes=sum(getattr(getattr(t, "arena", None), "nbytes", 0) for t in self._transports.values()
+                                  if getattr(getattr(t, "arena", None), "pin", False)),
             device_state_bytes=device_bytes,
         )
 
@@ -443,6 +506,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return self._schedule
 
     def _ensure_state(self, entries: list[tuple[dict, torch.Tensor]]) -> None:
+        needs_host: list[SplitMatrix] = []
         for group, p in entries:
             if p in self._split or p in self._dense:
                 continue
@@ -455,12 +519,30 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 split = SplitMatrix(p, 0, rows=rows)
                 split.k = num_selected(self.config.topk_ratio, split.columns)
                 if split.offloaded or self._schedule.in_warm_up():
-                    split.attach_host(self.config.accumulate_on)
+                    needs_host.append(split)
                 self._split[p] = split
             else:
                 self._dense[p] = DenseDeviceState.fresh(p)
-            if p.is_cuda and self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device=p.device)
+        self._attach_host(needs_host)
+
+    def _transport_of(self, split: SplitMatrix) -> Transport:
+        kind = split.param.device.type
+        if kind not in self._transports:
+            self._transports[kind] = transport_for(split.param.device)
+        return self._transports[kind]
+
+    def _attach_host(self, splits: list[SplitMatrix]) -> None:
+        """Create the host state of `splits`, their link buffers from one reservation per transport."""
+        accumulate_on = self.config.accumulate_on
+        by_transport: dict[int, tuple[Transport, list[SplitMatrix]]] = {}
+        for split in splits:
+            transport = self._transport_of(split)
+            by_transport.setdefault(id(transport), (transport, []))[1].append(split)
+        for transport, group in by_transport.values():
+            transport.reserve(sum(HostMatrix.link_bytes(s.matrix(s.param), s.grad_dtype, accumulate_on, transport)
+                                  for s in group))
+            for split in group:
+                split.attach_host(accumulate_on, transport)
 
     def _splits(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
         """Whether `p` is split between the device and the host (a large enough matrix in a layout we can split),
@@ -534,11 +616,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return not self.config.overlap_step or self._writeback_pending
 
     def _device_update(
-        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
-        gathered: set[torch.Tensor], rewritten: bool = False,
+        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | torch.Tensor | None,
+        gathered: set[torch.Tensor], rewritten: bool = False, found_inf: torch.Tensor | None = None,
     ) -> None:
         """Fused AdamW on the selected columns and the dense parameters, one kernel launch per group and device.
-        `rewritten`: a write-back follows in this step, so matrices with host columns are not scattered now."""
+        `coef`: the clip coefficient, a number or a device tensor; `found_inf`: a device tensor that, when set,
+        makes the update change nothing. `rewritten`: a write-back follows in this step, so matrices with host
+        columns are not scattered now."""
         batches: dict[tuple[int, torch.device], tuple[dict, list[list[torch.Tensor]]]] = {}
         scatters: list[tuple[DeviceColumns, torch.Tensor]] = []
         dense_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -556,12 +640,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         dense = [(p, g if g.dtype == torch.float32 else g.float()) for _, p, split, g in updates if split is None]
         dense_grads = [g for _, g in dense]
         if coef is not None:
-            # one batched multiply per kind: the selected columns' own buffers in place; the dense parameters'
-            # gradients into new tensors (the caller's gradients are never modified)
+            # one batched multiply per kind and device: the selected columns' own buffers in place; the dense
+            # parameters' gradients into new tensors (the caller's gradients are never modified)
             selected = [split.device.grad for _, _, split, _ in updates if split is not None]
-            if selected:
-                torch._foreach_mul_(selected, coef)
-            dense_grads = torch._foreach_mul(dense_grads, coef) if dense_grads else []
+            for group in _by_device(selected):
+                torch._foreach_mul_(group, _to(coef, group[0].device))
+            scaled = {id(g): h for group in _by_device(dense_grads)
+                      for g, h in zip(group, torch._foreach_mul(group, _to(coef, group[0].device)))}
+            dense_grads = [scaled[id(g)] for g in dense_grads]
         dense_grad = {id(p): g for (p, _), g in zip(dense, dense_grads)}
         for group, p, split, _ in updates:
             lists = batches.setdefault((id(group), p.device), (group, [[], [], [], [], []]))[1]
@@ -577,8 +663,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     dense_copies.append((p, state.master))  # the parameter receives the rounded fp32 master
             for bucket, t in zip(lists, tensors):
                 bucket.append(t)
-        for group, (params, gs, m, v, steps) in batches.values():
-            fused_adamw_(params, gs, m, v, steps, group)
+        for (_, device), (group, (params, gs, m, v, steps)) in batches.items():
+            flag = None if found_inf is None else _to(found_inf, device)
+            fused_adamw_(params, gs, m, v, steps, group, found_inf=flag)
         scatter_columns(scatters)
         for p, master in dense_copies:
             p.copy_(master)
@@ -586,87 +673,109 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _hand_off(
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
     ) -> None:
-        """Give this step's gradients of the offloaded matrices to the host worker, which adds them to the window.
+        """Give this step's gradients of the offloaded matrices to the host worker, which adds them to the window
+        (`_start_hand_off` then `_finish_hand_off`)."""
+        started = self._start_hand_off(entries, grads)
+        if started is not None:
+            try:
+                self._finish_hand_off(started, coef)
+            except BaseException:
+                if not started.done:
+                    self._abandon_hand_off(started)
+                raise
+        elif self.config.accumulate_on == "device":
+            work = self._offloaded(entries, grads)
+            if work:
+                self._accumulate_on_device(work, coef)
 
-        On CUDA the device->host copy is enqueued on a side stream into pinned memory and the worker waits for it;
-        on a CPU device the worker reads the gradient tensors themselves. Either way the caller does not wait,
-        unless the worker is `GRAD_SLOTS` steps behind.
-        """
-        work = [(self._split[p], g) for (_, p), g in zip(entries, grads)
+    def _offloaded(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]
+                   ) -> list[tuple[SplitMatrix, torch.Tensor]]:
+        return [(self._split[p], g) for (_, p), g in zip(entries, grads)
                 if p in self._split and self._split[p].host is not None]
-        if not work:
-            return
+
+    def _start_hand_off(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]
+                        ) -> HandOff | None:
+        """Take a hand-off slot and start moving the offloaded matrices' gradients to the host (CUDA: a copy on a
+        side stream into pinned memory, which the worker will wait for; CPU device: nothing to move, the worker
+        reads the gradient tensors). Blocks (a stall) only while the worker is `GRAD_SLOTS` steps behind. None when
+        nothing goes to the host worker this step (``accumulate_on="device"`` sums on the device instead)."""
         if self.config.accumulate_on == "device":
-            self._accumulate_on_device(work, coef)
-            return
-        worker = self._worker
-        slot = worker.acquire_slot()
-        event = None
-        if work[0][0].param.is_cuda:
-            stream = self._copy_stream
-            # Sync point (device streams only): the copy stream waits for the compute stream that produced the
-            # gradients; the host thread does not wait.
-            stream.wait_stream(torch.cuda.current_stream(work[0][0].param.device))
-            with torch.cuda.stream(stream):
-                for split, g in work:
-                    split.host.staging[slot].copy_(split.matrix(g), non_blocking=True)
-                    g.record_stream(stream)  # keep the gradient's memory alive until the copy has read it
-                event = torch.cuda.Event()
-                event.record(stream)
-            sources = [(split.host, split.host.staging[slot]) for split, _ in work]
-        else:
-            sources = [(split.host, split.matrix(g)) for split, g in work]
-        for split, _ in work:
+            return None
+        work = self._offloaded(entries, grads)
+        if not work:
+            return None
+        slot = self._worker.acquire_slot()
+        try:
+            sources, landed = self._hand_off_sources(work, slot)
+        except BaseException:
+            self._worker.release_slot(slot)
+            raise
+        return HandOff(slot, work, sources, landed)
+
+    def _abandon_hand_off(self, started: HandOff) -> None:
+        """The step was skipped: no job, the slot goes back (a copy already enqueued into its buffers runs on the
+        side stream before any later copy into them)."""
+        started.done = True
+        self._worker.release_slot(started.slot)
+
+    def _finish_hand_off(self, started: HandOff, coef: float | None) -> None:
+        """Submit the host job that adds the handed-off gradients (times `coef`) into the window sums."""
+        worker, sources, landed, slot = self._worker, started.sources, started.landed, started.slot
+        for split, _ in started.work:
             split.param.grad = None  # the worker owns this gradient now
-        self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in work)
+        self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in started.work)
+        started.work.clear()
 
         def accumulate() -> None:
             try:
-                if event is not None:
-                    event.synchronize()  # Sync point (worker waits on the device): the gradient has landed on the host
+                landed.wait()  # Sync point (worker waits on the device): the gradients have landed on the host
                 HostMatrix.accumulate_all(sources, coef)
             finally:
                 worker.release_slot(slot)
                 sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
 
+        started.done = True  # from here the job owns the slot (and returns it when it has run or was dropped)
         worker.submit("accumulate", accumulate)
+
+    def _hand_off_sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
+                          ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
+        sources: list[tuple[HostMatrix, torch.Tensor]] = []
+        landed = Landed()
+        for transport, group in self._by_transport([split for split, _ in work]):
+            mine = {id(split) for split in group}
+            part, arrived = transport.hand_off([(s, g) for s, g in work if id(s) in mine], slot)
+            sources += part
+            landed.events += arrived.events
+        return sources, landed
 
     def _accumulate_on_device(self, work: list[tuple[SplitMatrix, torch.Tensor]], coef: float | None) -> None:
         """``accumulate_on="device"``: add this step's gradients into the device-side window sums (the caller's
         stream, like the rest of the device update); nothing crosses the link until the window closes."""
         for split, g in work:
-            if split.window_sum_free is not None:
-                # Sync point (device streams only): the compute stream waits until the last window's device->host
-                # copy has read the sum before overwriting it; the host thread does not wait.
-                torch.cuda.current_stream(split.param.device).wait_event(split.window_sum_free)
-                split.window_sum_free = None
+            if split.window_count == 0:
+                self._transport_of(split).before_window_add(split)  # (CUDA: the last window's copy has read it)
             accumulate_into(split.window_sum, split.matrix(g), coef, first=split.window_count == 0)
             split.window_count += 1
 
-    def _ship_window_sums(self, splits: list[SplitMatrix]) -> Any:
-        """``accumulate_on="device"``: move each closed window's device sum into the host accumulator, once per
-        window. Returns the CUDA event the host step must wait for (None on a CPU device, where the two buffers are
-        simply swapped). The caller has made sure no host step still reads the accumulators."""
-        event, moved = None, 0
+    def _ship_window_sums(self, splits: list[SplitMatrix]) -> Landed:
+        """``accumulate_on="device"``: move each closed window's device sum into its host accumulator, once per
+        window; returns what the host step must wait for. The caller has made sure no host step still reads the
+        accumulators."""
+        shipped = [s for s in splits if s.window_sum is not None and s.window_count]
+        landed = Landed()
+        for transport, group in self._by_transport(shipped):
+            landed.events += transport.ship_window_sums(group).events
+        for split in shipped:
+            split.host.accum_count, split.window_count = split.window_count, 0
+            self._stats.bytes_to_host += split.host.accum.numel() * split.host.accum.element_size()
+        return landed
+
+    def _by_transport(self, splits: list[SplitMatrix]) -> list[tuple[Transport, list[SplitMatrix]]]:
+        groups: dict[int, tuple[Transport, list[SplitMatrix]]] = {}
         for split in splits:
-            if split.window_sum is None or split.window_count == 0:
-                continue
-            host = split.host
-            if split.param.is_cuda:
-                stream = self._copy_stream
-                # Sync point (device streams only): the copy stream waits for the compute stream's last add.
-                stream.wait_stream(torch.cuda.current_stream(split.param.device))
-                with torch.cuda.stream(stream):
-                    host.accum.copy_(split.window_sum, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                split.window_sum_free = event
-            else:
-                host.accum, split.window_sum = split.window_sum, host.accum
-            host.accum_count, split.window_count = split.window_count, 0
-            moved += host.accum.numel() * host.accum.element_size()
-        self._stats.bytes_to_host += moved
-        return event
+            transport = self._transport_of(split)
+            groups.setdefault(id(transport), (transport, []))[1].append(split)
+        return list(groups.values())
 
     def _close_window(self, timer: StepTimer, sequential: bool) -> None:
         """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
@@ -706,7 +815,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
         def host_step() -> None:
             if landed is not None:
-                landed.synchronize()  # Sync point (worker waits on the device): the window's sums are on the host
+                landed.wait()  # Sync point (worker waits on the device): the window's sums are on the host
             host_adamw_window(work)
 
         future = worker.submit("host_adamw", host_step)
@@ -730,44 +839,29 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._write_back()
 
     def _write_back(self) -> None:
-        """Put the host result into the device weights, then the device columns back on top.
+        """Put each fresh host result into the weights, then the device columns back on top.
 
-        CUDA: an asynchronous copy from the pinned buffer the worker filled. CPU device: the weight takes the
-        worker's buffer as its storage (nothing is copied on the critical path) and its old storage becomes the
-        next spare; only the device columns are written.
+        Only matrices whose host step ran since the last write-back are written (`writeback_fresh`): a matrix that
+        got no gradient in the window keeps its weights, including columns that left the device at a re-selection
+        since. How a result gets into the weights is the transport's (CUDA: an asynchronous copy from pinned
+        memory; CPU device: a storage swap).
         """
-        moved = 0
         columns_back: list[tuple[DeviceColumns, torch.Tensor]] = []
+        written: list[SplitMatrix] = []
         for split in self._split.values():
             host = split.host
             if host is None:
                 continue
-            if split.param.is_cuda:
-                p2d = split.matrix(split.param)
-                # An asynchronous host->device copy from pinned memory on the compute stream; the next forward
-                # pass (and the scatter below) is ordered after it, the host thread does not wait.
-                p2d.copy_(host.writeback, non_blocking=True)
-                if split.device is not None:
-                    split.device.scatter_into(p2d)
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(split.param.device))
-                host.writeback_free = event
-            else:
-                if host.writeback_fresh:
-                    # The worker is done with the buffer (the caller waited for the host step); the weight keeps
-                    # its Parameter object, shape and strides, only its storage changes.
-                    # `.data`, not `.detach()`: the worker writes the spare, which must not bump the version
-                    # counter of the weight that autograd checks
-                    spare = split.matrix(split.param.data)
-                    fresh = host.writeback
-                    split.param.data = split.unmatrix(fresh)
-                    host.writeback = spare
-                if split.device is not None:
-                    columns_back.append((split.device, split.matrix(split.param)))
+            if host.writeback_fresh:
+                self._transport_of(split).put_weights(split)
+                written.append(split)
+                self._stats.bytes_to_device += split.param.numel() * split.param.element_size()
+            if split.device is not None:
+                columns_back.append((split.device, split.matrix(split.param)))
             host.writeback_fresh = False
-            moved += split.param.numel() * split.param.element_size()
         scatter_columns(columns_back)
-        self._stats.bytes_to_device += moved
+        for transport, group in self._by_transport(written):
+            transport.after_write_back(group)
         self._writeback_pending = False
         self._pending = None
         self._unapplied_steps.clear()
@@ -842,7 +936,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if split.host is None and split.offloaded:
             # every column was on the device (a resumed run with a lower topk_ratio): the host state starts from the
             # weights and takes every device column below
-            split.attach_host(self.config.accumulate_on)
+            self._attach_host([split])
         host = split.host
         # Sync point (re-selection only, every `select_period` steps): the outgoing device columns are copied to the
         # host and the incoming ones up with blocking copies; the worker was drained by the caller first.

@@ -13,6 +13,7 @@ import torch
 from .device_step import DeviceColumns
 from .host import HostMatrix
 from .selection import ZenAutoStats, selection_axis, storage_matrix
+from .transport import Transport
 
 
 class SplitMatrix:
@@ -47,14 +48,18 @@ class SplitMatrix:
         """Inverse of `matrix`: a storage matrix viewed in the parameter's shape and layout."""
         return m.view(self.param.shape) if self.rows or self.axis == 1 else m.t()
 
-    def attach_host(self, accumulate_on: str) -> None:
-        """Create the host state (and, accumulating on the device, the device-side window sum)."""
+    def attach_host(self, accumulate_on: str, transport: Transport | None = None) -> None:
+        """Create the host state, its link buffers from `transport` (and, accumulating on the device, the
+        device-side window sum)."""
         p2d = self.matrix(self.param)
-        self.host = HostMatrix.create(p2d, self.param.dtype if self.param.grad is None else self.param.grad.dtype,
-                                      accumulate_on)
+        self.host = HostMatrix.create(p2d, self.grad_dtype, accumulate_on, transport)
         if accumulate_on == "device":
             self.window_sum = torch.zeros(p2d.shape, dtype=torch.float32, device=self.param.device)
             self.window_count = 0
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return self.param.dtype if self.param.grad is None else self.param.grad.dtype
 
     def detach_host(self) -> None:
         self.host, self.window_sum, self.window_count, self.window_sum_free = None, None, 0, None

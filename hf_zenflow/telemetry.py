@@ -45,7 +45,10 @@ class ZenFlowStats:
     - ``update_interval``: length of the last closed window, in steps;
     - ``staleness``: optimizer steps whose host-path gradients are not yet in the weights after the last step;
     - ``steps``, ``windows``, ``reselections``, ``skipped_steps`` (non-finite gradients);
-    - ``host_state_bytes`` / ``device_state_bytes``: optimizer state held on each side;
+    - ``host_state_bytes`` / ``device_state_bytes``: optimizer state held on each side; ``host_bytes_per_param``:
+      host bytes per element of the matrices with host state (16 B of AdamW state and window sum, plus the link
+      buffers: write-back, CUDA gradient landing slots); ``pinned_host_bytes``: page-locked host memory (CUDA: one
+      arena, exactly sized, for the buffers that cross the link; the master and moments are never pinned);
     - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says).
     """
 

@@ -7,6 +7,8 @@ importing transformers in two fresh processes takes many seconds on a small mach
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import warnings
 
 import pytest
@@ -41,7 +43,12 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_two_gloo_processes_warn_once_each(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "pg_init"), str(tmp_path)), nprocs=2, join=True)
+    # the rendezvous file lives outside pytest's numbered temp folders, which a concurrent pytest session may prune
+    rendezvous = tempfile.mkdtemp(prefix="hf_zenflow_pg_")
+    try:
+        mp.spawn(_worker, args=(os.path.join(rendezvous, "pg_init"), str(tmp_path)), nprocs=2, join=True)
+    finally:
+        shutil.rmtree(rendezvous, ignore_errors=True)
     for rank in (0, 1):
         counts, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
         assert counts == "[True, False, False] 1"  # three calls, one warning, in each process

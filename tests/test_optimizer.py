@@ -625,3 +625,43 @@ def test_training_through_an_outside_weight_change_is_adamw_at_interval_one():
     (ref, ref_losses), (model, losses) = runs
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert max_rel_diff(model, ref) < 1e-5
+
+
+def test_an_ordinary_step_syncs_once_after_launching_the_device_update(monkeypatch):
+    """Regression (issue 10.9): `float(clip)` added a second device->host sync per step, and the one `.tolist()`
+    sync came before any device kernel was launched, so the device idled while the host waited. Counted here
+    through the tensor methods that wait for the device; the order through the fused AdamW call."""
+    import hf_zenflow.optimizer as optimizer_module
+
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
+                       select_interval=100, min_offload_numel=0)
+    train(model, opt, batches(3), clip=1.0)  # past the first selection
+    events: list[str] = []
+    real_adamw = optimizer_module.fused_adamw_
+
+    def adamw(*args, **kwargs):
+        events.append("device update")
+        return real_adamw(*args, **kwargs)
+
+    def sync(name):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, **kwargs):
+            events.append("sync")
+            return real(self, *args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(optimizer_module, "fused_adamw_", adamw)
+    for name in ("tolist", "item", "__float__", "__bool__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, sync(name))
+    x, y = (t.to(DEVICE) for t in batches(1, seed=5)[0])
+    logits = model(x)
+    torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
+    opt.clip_grad_norm_(1.0)
+    events.clear()
+    opt.step()
+    monkeypatch.undo()
+    assert events.count("sync") == 1, events
+    assert events.index("device update") < events.index("sync"), events
+    opt.close()

@@ -11,7 +11,7 @@ import torch
 from hf_helpers import SEQ_LEN, ByteLMDataset, logged, tiny_llama, zenflow_args
 from transformers import Trainer, TrainingArguments
 
-from hf_zenflow import ZenFlowAdamW, ZenFlowTrainer, ZenFlowTrainingArguments
+from hf_zenflow import ZenFlowAdamW, ZenFlowConfig, ZenFlowTrainer, ZenFlowTrainingArguments
 
 
 TELEMETRY_KEYS = ("zenflow/critical_path_ms", "zenflow/cp_wait_ms", "zenflow/host_step_ms",
@@ -165,6 +165,30 @@ def test_load_best_model_at_end_resyncs_the_masters(tmp_path, train_dataset, eva
     opt = trainer.zenflow_optimizer
     for name, p in trainer.model.named_parameters():
         assert torch.equal(opt.master_weight(p).view(p.shape), p.detach()), name
+
+
+# peft's get_peft_model reads transformers' deprecated `is_gradient_checkpointing` itself (peft_model.py), not our code
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_lora_with_the_default_settings_is_adamw_torch(tmp_path, train_dataset):
+    """Regression (issue 10.3): with `min_offload_numel=0` (the old default) every LoRA matrix went through the host
+    path (`lora_B` [out, 8]: one device column) and the LoRA run learned about half as fast as adamw_torch. With the
+    default threshold the adapters stay on the device: the run is adamw_torch's."""
+    peft = pytest.importorskip("peft")
+
+    def lora_model():
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        return peft.get_peft_model(tiny_llama(), config)
+
+    common = dict(max_steps=20, learning_rate=1e-2, weight_decay=0.01)
+    ref = Trainer(model=lora_model(), args=zenflow_args(tmp_path / "ref", zenflow=False, **common),
+                  train_dataset=train_dataset)
+    ref.train()
+    default = ZenFlowConfig().min_offload_numel  # (the helper splits every matrix of the tiny model)
+    zen = ZenFlowTrainer(model=lora_model(), args=zenflow_args(tmp_path / "zen", zenflow_min_offload_numel=default,
+                                                               **common), train_dataset=train_dataset)
+    zen.train()
+    assert zen.zenflow_optimizer.stats()["selected_fraction"] == 1.0  # nothing offloaded
+    assert_close_rel(logged(zen), logged(ref), 1e-5)
 
 
 # peft's get_peft_model reads transformers' deprecated `is_gradient_checkpointing` itself (peft_model.py), not our code
