@@ -400,6 +400,8 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
             progress.close()
     payload = summarize(cfg, task, records, profile, params, tokens, skipped, interrupted,
                         time.perf_counter() - wall, device)
+    # the reference trial always runs: on a slow or busy machine it alone can overrun the budget
+    payload["over_budget_s"] = max(0.0, payload["seconds"] - cfg.budget_minutes * 60.0)
     write_outputs(payload, out_dir)
     return payload
 
@@ -485,6 +487,10 @@ def write_outputs(payload: dict[str, Any], out_dir: Path) -> None:
           "", format_table(payload), ""]
     if payload["skipped"]:
         md += [f"Not run (budget): {', '.join(payload['skipped'])}.", ""]
+    if payload.get("over_budget_s"):
+        md += [f"The run took {payload['over_budget_s']:.0f} s longer than the budget: the adamw_torch reference "
+               "always runs, and no trial starts once the budget cannot hold it; shorten --steps / --eval-size for a "
+               "tighter budget.", ""]
     md += [format_recommendation(payload), "",
            "Quality is one seed per trial: differences below the seed-to-seed noise of a short fine-tune are ties."]
     (out_dir / "tune.md").write_text("\n".join(md) + "\n", encoding="utf-8")
