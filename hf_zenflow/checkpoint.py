@@ -26,7 +26,8 @@ import torch
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns
 from .host import host_adamw_window
-from .selection import ZenAutoStats, num_selected
+from .schedule import ZenAutoStats, host_lr_scale
+from .selection import num_selected
 from .split_matrix import SplitMatrix
 
 
@@ -355,8 +356,7 @@ def _split_to_dense(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -
             host.accum_count = split.window_count
         if host.accum_count:
             # the open window's gradients are applied now, as `flush()` would, so none is lost
-            scale = float(host.accum_count) if opt.config.host_lr_scale == "interval" else float(
-                opt.config.host_lr_scale)
+            scale = host_lr_scale(opt.config.host_lr_scale, host.accum_count)
             hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
             hyper["lr"] *= scale
             host_adamw_window([(hyper, [host])])
@@ -509,7 +509,7 @@ def _flushed_split(entry: dict[str, Any], config: ZenFlowConfig, group: dict[str
         if count and entry.get("accum") is not None:
             from ._base import fused_adamw_
 
-            scale = float(count) if config.host_lr_scale == "interval" else float(config.host_lr_scale)
+            scale = host_lr_scale(config.host_lr_scale, count)
             hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
             hyper["lr"] *= scale
             host_step = entry["host_step"].float().cpu().clone()

@@ -13,6 +13,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+from .threads import available_cpu_count, worker_threads  # noqa: F401 - available_cpu_count: imported from here
+
 
 SelectStrategy = Literal["auto", "step", "epoch"]
 
@@ -28,14 +30,6 @@ MIN_OFFLOAD_NUMEL = 1 << 18
 
 _SELECT_STRATEGIES = ("auto", "step", "epoch")
 _ACCUMULATE_ON = ("host", "device")
-
-
-def available_cpu_count() -> int:
-    """Cores this process may run on: its CPU affinity, not `os.cpu_count()` (which ignores taskset/cgroups)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # macOS/Windows have no sched_getaffinity
-        return max(1, os.cpu_count() or 1)
 
 
 def _is_int(value: Any) -> bool:
@@ -149,8 +143,9 @@ class ZenFlowConfig:
     )
     cpu_threads: int | None = field(
         default=None,
-        metadata={"help": "Threads of the host AdamW and of the host accumulation. None = the number of cores in "
-                  "this process's CPU affinity (not os.cpu_count()). Independent of OMP_NUM_THREADS."},
+        metadata={"help": "Threads of the host worker (host AdamW and accumulation). None = half the cores in this "
+                  "process's CPU affinity; more than those cores is clamped to them. While the worker runs, the "
+                  "training thread keeps the remaining cores (README, Threads)."},
     )
     steps_per_epoch: int | None = field(
         default=None,
@@ -219,12 +214,9 @@ class ZenFlowConfig:
 
     @property
     def resolved_cpu_threads(self) -> int:
-        """`cpu_threads`, or half the cores of this process's CPU affinity (at least 1): the other half stays with
-        the training thread. Sharing every core oversubscribes them (both sides' OpenMP threads spin-wait), which
-        was measured to make a host step >100x slower on a busy 2-core machine."""
-        if self.cpu_threads is not None:
-            return self.cpu_threads
-        return max(1, available_cpu_count() // 2)
+        """The host worker's threads: `cpu_threads` (clamped to the cores of this process's CPU affinity, with a
+        warning), or half those cores (at least 1). The rule and why: `hf_zenflow.threads`, README *Threads*."""
+        return worker_threads(self.cpu_threads)
 
     def select_period(self) -> int:
         """Optimizer steps between re-selections, as resolved from the strategy and the epoch length."""

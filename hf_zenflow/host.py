@@ -19,16 +19,19 @@ migration at re-selection, strided for row-major weights and whole rows for colu
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 
 import torch
 
 from . import _native
 from ._base import fused_adamw_, torch_threads
+from .threads import worker_started, worker_stopped
 from .transport import CpuDeviceTransport, PinnedArena, Transport
 
 
@@ -45,6 +48,33 @@ _POLL_S = 0.5
 
 #: How long a held job waits after its release before it starts (see `HostAdamWorker._run`).
 _AFTER_RELEASE_S = 0.002
+
+#: Worker threads closed without waiting for their last jobs (`HostAdamWorker.close`); they may still run them.
+_closing: list[threading.Thread] = []
+_closing_lock = threading.Lock()
+
+
+def wait_for_closed_workers() -> None:
+    """Wait until no closed worker still runs a job (`HostAdamWorker.close` may return before): two workers never
+    run host jobs at the same time (a new worker of the same optimizer works on the same host state), and nothing
+    reads host state a job still writes."""
+    me = threading.current_thread()
+    with _closing_lock:
+        pending = [t for t in _closing if t is not me]
+    for thread in pending:
+        thread.join()
+    with _closing_lock:
+        _closing[:] = [t for t in _closing if t.is_alive()]
+
+
+def _nobody_waits() -> bool:
+    """Whether waiting for a closing worker's last jobs serves nobody: the caller is handling a KeyboardInterrupt
+    (Ctrl-C: it wants out), or the interpreter is exiting after an uncaught exception (``sys.last_type``; atexit
+    hooks run once the main thread counts as finished), so nothing will read the host state again."""
+    if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        return True
+    return not threading.main_thread().is_alive() and getattr(sys, "last_type", None) is not None
+
 
 _scratch = threading.local()
 
@@ -218,11 +248,13 @@ class HostAdamWorker:
         if background:
             # A daemon thread: an interpreter that exits (Ctrl-C included) is never held up by a host step.
             self._thread = threading.Thread(target=self._run, name="hf_zenflow-host", daemon=True)
+            worker_started(self, self.threads)  # the training thread leaves the worker its cores
             self._thread.start()
 
     # -- worker side -------------------------------------------------------------------------------------------
     def _run(self) -> None:
         torch.set_num_threads(self.threads)  # per OS thread in torch: the training thread keeps its own setting
+        wait_for_closed_workers()
         while True:
             item = self._jobs.get()
             if item is None:
@@ -258,6 +290,7 @@ class HostAdamWorker:
         self.check()
         future: Future = Future()
         if self._thread is None:
+            wait_for_closed_workers()
             with torch_threads(self.threads):
                 self._execute(what, fn, future)
             self.check()
@@ -308,7 +341,7 @@ class HostAdamWorker:
             try:
                 future.result(timeout=_POLL_S)
                 return
-            except TimeoutError:
+            except FutureTimeoutError:  # not the built-in TimeoutError before Python 3.11
                 if self._thread is not None and not self._thread.is_alive():
                     raise HostWorkerError("the hf_zenflow host worker thread died") from None
             except BaseException:
@@ -316,11 +349,12 @@ class HostAdamWorker:
                 raise
 
     def synchronize(self) -> None:
-        """Wait until every submitted job has run."""
+        """Wait until every submitted job has run (a closed worker's last jobs included)."""
         self._open_gate()
         for future in list(self._outstanding):
             self.wait(future)
         self._outstanding = []
+        wait_for_closed_workers()
         self.check()
 
     def acquire_slot(self) -> int:
@@ -338,10 +372,90 @@ class HostAdamWorker:
     def release_slot(self, slot: int) -> None:
         self._slots.put(slot)
 
+    def take_slot(self) -> GradSlot:
+        """A gradient hand-off slot (`acquire_slot`) for one job, returned to the pool exactly once: by the job when
+        it has run (`GradSlot.submit`), or by `GradSlot.give_back`, which every way out that may not have
+        submitted calls (an exception, a KeyboardInterrupt): it returns the slot at once unless the job has
+        started, and a job that has not started then never runs. So an interrupted hand-off never leaks a slot,
+        wherever the interrupt lands.
+
+        Example:
+            >>> worker = HostAdamWorker(threads=1, background=False)
+            >>> grant = worker.take_slot()
+            >>> try:
+            ...     buffers = ["slot 0 data", "slot 1 data"][grant.slot]
+            ...     future = grant.submit("accumulate", lambda: None)
+            ... except BaseException:
+            ...     grant.give_back()
+            ...     raise
+            >>> future.done()
+            True
+        """
+        return GradSlot(self, self.acquire_slot())
+
     def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread once the jobs already submitted have run; a later job of this worker runs inline (the
+        optimizer starts a new worker instead).
+
+        Waits at most `timeout` seconds, and not at all where waiting serves nobody: while the caller handles a
+        KeyboardInterrupt, and at interpreter exit after an uncaught exception (Ctrl-C at the top level included);
+        a Ctrl-C during the wait ends it too. A thread not waited for finishes its jobs in the background, and
+        every later worker, inline run or `synchronize()` in this process waits for it before going on, so host
+        jobs never overlap (as do the Trainer's and the accelerate hooks' checkpoint paths:
+        `wait_for_closed_workers`). If the process exits first (the thread is a daemon), the job is abandoned with
+        it, which loses nothing on disk: host jobs only touch host memory, never a file or the live weights.
+        """
         self.release()
-        if self._thread is not None:
-            if self._thread.is_alive():
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        try:
+            if thread.is_alive():
                 self._jobs.put(None)
-                self._thread.join(timeout)
-        self._thread = None
+                if _nobody_waits():
+                    return
+                thread.join(timeout)
+        finally:
+            if thread.is_alive():
+                with _closing_lock:
+                    _closing.append(thread)
+            worker_stopped(self)
+
+
+class GradSlot:
+    """One gradient hand-off slot from `HostAdamWorker.take_slot`: `slot` indexes per-slot buffers (the pinned
+    landing buffers on CUDA), `submit` queues the one job that uses them; the worker returns the slot after it."""
+
+    def __init__(self, worker: HostAdamWorker, slot: int) -> None:
+        self.worker = worker
+        self.slot = slot
+        self.future: Future | None = None
+        # Whoever pops the slot returns it: the job as it starts, or `give_back`. list.pop is atomic under the
+        # GIL, so the slot is returned exactly once even when an interrupt lands right after the submission.
+        self._owner = [slot]
+
+    def submit(self, what: str, fn: Callable[[], None]) -> Future:
+        if self.future is not None:
+            raise RuntimeError(f"GradSlot {self.slot}: one job per slot, and '{what}' is the second")
+        owner, worker = self._owner, self.worker
+
+        def job() -> None:
+            try:
+                slot = owner.pop()
+            except IndexError:
+                return  # the caller gave the slot up before the job started
+            try:
+                fn()
+            finally:
+                worker.release_slot(slot)
+
+        self.future = worker.submit(what, job)
+        return self.future
+
+    def give_back(self) -> None:
+        """Return the slot unless the job has taken it; a job not yet started will then skip."""
+        try:
+            slot = self._owner.pop()
+        except IndexError:
+            return
+        self.worker.release_slot(slot)

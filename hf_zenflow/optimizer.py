@@ -41,14 +41,9 @@ from ._base import (
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, gather_columns, scatter_columns
 from .distributed_check import warn_if_replicated
-from .host import HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
-from .selection import (
-    WindowSchedule,
-    column_scores,
-    num_selected,
-    selection_axis,
-    top_columns,
-)
+from .host import GradSlot, HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window, wait_for_closed_workers
+from .schedule import StepKind, WindowSchedule, host_lr_scale
+from .selection import column_scores, num_selected, selection_axis, top_columns
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
 from .transport import Landed, Transport, transport_for
@@ -70,7 +65,7 @@ class HandOff:
     """One step's gradients on their way to the host worker: the slot they hold, the (matrix, gradient) pairs,
     what the host job reads and what it waits for."""
 
-    slot: int
+    grant: GradSlot
     work: list[tuple[SplitMatrix, torch.Tensor]]
     sources: list[tuple[HostMatrix, torch.Tensor]]
     landed: Landed
@@ -237,8 +232,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._ensure_state(entries)
 
         # ---- 1. one read of every gradient ------------------------------------------------------------------------
-        warm_up, selecting = schedule.in_warm_up(), schedule.selection_due()
-        gather_now = not warm_up and not selecting
+        kind = schedule.kind()
+        warm_up, selecting = kind is StepKind.WARM_UP, kind is StepKind.SELECT
+        gather_now = kind is StepKind.ORDINARY
         # matrices still waiting for their first columns (`_select_new_matrices`): is their gradient non-zero?
         waiting = [i for i, (_, p) in enumerate(entries)
                    if gather_now and (split := self._split.get(p)) is not None and split.device is None
@@ -266,13 +262,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # The fused AdamW takes the non-finite flag as a device tensor and changes nothing when it is set, so the
         # update need not wait for the check: the device computes while the host waits below. (Warm-up, selection
         # and matrices waiting for columns decide on host numbers first: they take the sync-first path.)
-        early = gather_now and not waiting
+        early = schedule.launches_before_sync(waiting_for_columns=bool(waiting))
         started: HandOff | None = None
         try:
             rewritten = False
             if early:
                 bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
-                rewritten = self._boundary_writes_back()
+                rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._writeback_pending)
                 with timer.phase("device_update"):
                     self._device_update(entries, grads, clip, gathered, rewritten=rewritten, found_inf=bad.float())
                 with timer.phase("handoff"):
@@ -306,7 +302,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             self._reselect(entries, grads)
                         else:
                             self._select_new_matrices(entries, grads, waiting_norms)
-                    rewritten = self._boundary_writes_back()
+                    rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._writeback_pending)
                     with timer.phase("device_update"):
                         self._device_update(entries, grads, coef, gathered, rewritten=rewritten)
                 if rewritten and self.config.overlap_step:
@@ -343,6 +339,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         host result still waiting for its window boundary stays pending (and is part of `state_dict()`)."""
         if self._worker is not None:
             self._worker.synchronize()
+        else:
+            wait_for_closed_workers()  # a worker closed without waiting (Ctrl-C) may still run its last job
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -604,17 +602,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 gathered.add(p)
         gather_columns(items)
 
-    def _boundary_writes_back(self) -> bool:
-        """Whether this step closes a fixed-length window with a write-back. That write-back rewrites every column
-        of each offloaded matrix (host values, the device columns on top, from the device masters), so the step's
-        own scatter of the device columns into those matrices can be skipped: on a CPU device it is a
-        read-modify-write of nearly every cache line of the matrix (Zen-auto windows are decided after the device
-        update, so they always scatter)."""
-        schedule = self._schedule
-        if schedule.update_interval is None or schedule.window_steps + 1 < schedule.update_interval:
-            return False
-        return not self.config.overlap_step or self._writeback_pending
-
     def _device_update(
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | torch.Tensor | None,
         gathered: set[torch.Tensor], rewritten: bool = False, found_inf: torch.Tensor | None = None,
@@ -704,23 +691,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         work = self._offloaded(entries, grads)
         if not work:
             return None
-        slot = self._worker.acquire_slot()
+        grant = self._worker.take_slot()
         try:
-            sources, landed = self._hand_off_sources(work, slot)
+            sources, landed = self._hand_off_sources(work, grant.slot)
         except BaseException:
-            self._worker.release_slot(slot)
+            grant.give_back()
             raise
-        return HandOff(slot, work, sources, landed)
+        return HandOff(grant, work, sources, landed)
 
     def _abandon_hand_off(self, started: HandOff) -> None:
         """The step was skipped: no job, the slot goes back (a copy already enqueued into its buffers runs on the
         side stream before any later copy into them)."""
         started.done = True
-        self._worker.release_slot(started.slot)
+        started.grant.give_back()
 
     def _finish_hand_off(self, started: HandOff, coef: float | None) -> None:
         """Submit the host job that adds the handed-off gradients (times `coef`) into the window sums."""
-        worker, sources, landed, slot = self._worker, started.sources, started.landed, started.slot
+        sources, landed = started.sources, started.landed
         for split, _ in started.work:
             split.param.grad = None  # the worker owns this gradient now
         self._stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in started.work)
@@ -731,11 +718,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 landed.wait()  # Sync point (worker waits on the device): the gradients have landed on the host
                 HostMatrix.accumulate_all(sources, coef)
             finally:
-                worker.release_slot(slot)
                 sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
 
-        started.done = True  # from here the job owns the slot (and returns it when it has run or was dropped)
-        worker.submit("accumulate", accumulate)
+        started.grant.submit("accumulate", accumulate)  # the job returns the slot when it has run
+        started.done = True  # (interrupted before this line, `_abandon_hand_off` returns it and the job skips)
 
     def _hand_off_sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
                           ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
@@ -780,12 +766,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _close_window(self, timer: StepTimer, sequential: bool) -> None:
         """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
         schedule = self._schedule
-        steps, schedule.window_steps = schedule.window_steps, 0
-        schedule.windows += 1
-        schedule.last_interval = steps
+        steps = schedule.close_window()
         for split in self._split.values():
             split.auto.reset()
-        scale = float(steps) if self.config.host_lr_scale == "interval" else float(self.config.host_lr_scale)
+        scale = host_lr_scale(self.config.host_lr_scale, steps)
         group_of = self._group_of()
         by_group: dict[int, tuple[dict, list[HostMatrix]]] = {}
         for p, split in self._split.items():
@@ -798,7 +782,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     by_group[id(group)] = (hyper, [])
                 by_group[id(group)][1].append(split.host)
         work = list(by_group.values())
-        worker = self._worker
+        worker = self._ensure_worker()  # (closed after training: `flush()` may still close a window)
         if not work:
             return  # every column lives on the device: no host step, nothing stale
         if not sequential:
@@ -834,7 +818,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         with timer.phase("wait"):
             # Sync point: the previous window's host step must be done before its result is written back.
             if self._pending is not None:
-                self._worker.wait(self._pending)
+                self._ensure_worker().wait(self._pending)
         with timer.phase("writeback"):
             self._write_back()
 

@@ -1,4 +1,4 @@
-"""Which columns go to the device, when to re-select, and when an automatic window closes.
+"""Which columns go to the device: the selectable units of a matrix (its layout), their scores and the top k.
 
 Column importance is the squared L2 norm of each input column of the gradient viewed as ``[out, in]``: the
 gradient's energy is concentrated on a few input channels, and those channels are stable over many steps
@@ -8,7 +8,6 @@ gradient's energy is concentrated on a few input channels, and those channels ar
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -74,78 +73,3 @@ def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     if k >= scores.numel():
         return torch.arange(scores.numel(), device=scores.device)
     return torch.topk(scores, k, sorted=False).indices.sort().values
-
-
-@dataclass
-class ZenAutoStats:
-    """Zen-auto bookkeeping for one matrix over the open window.
-
-    The window may close once the unselected gradient mass accumulated since the last host update has caught up
-    with the mean selected mass of one step, per column: ``sum_u noncrit_u / (in - k) >= mean_u crit_u / k``.
-    DeepSpeed normalises "per 10% of columns" and re-applies that factor on every update, which compounds for
-    ratios other than 0.1 (zenflow.md §3.7); per-column means are the same rule without that defect.
-    """
-
-    mean_critical: float = 0.0
-    accumulated_noncritical: float = 0.0
-    steps: int = 0
-
-    def update(self, critical_sq: float, total_sq: float, k: int, columns: int) -> bool:
-        self.steps += 1
-        critical = critical_sq / k
-        noncritical = max(total_sq - critical_sq, 0.0) / (columns - k)
-        self.mean_critical += (critical - self.mean_critical) / self.steps
-        self.accumulated_noncritical += noncritical
-        return self.accumulated_noncritical >= self.mean_critical
-
-    def reset(self) -> None:
-        self.mean_critical, self.accumulated_noncritical, self.steps = 0.0, 0.0, 0
-
-    def to_list(self) -> list[float]:
-        return [self.mean_critical, self.accumulated_noncritical, float(self.steps)]
-
-    @classmethod
-    def from_list(cls, values: list[float]) -> ZenAutoStats:
-        return cls(float(values[0]), float(values[1]), int(values[2]))
-
-
-@dataclass
-class WindowSchedule:
-    """Step bookkeeping: warm-up, fixed or automatic windows, re-selection period.
-
-    `steps` counts optimizer steps taken (skipped non-finite steps do not count). A step t (0-based) is a warm-up
-    step when t < warm_up; the first selection happens at t == warm_up, and again every `select_period` steps.
-    """
-
-    warm_up: int
-    update_interval: int | None  # None = automatic
-    auto_ratio: float
-    auto_max_interval: int
-    select_period: int
-    steps: int = 0
-    window_steps: int = 0
-    windows: int = 0
-    reselections: int = 0
-    last_interval: int = 0
-    #: select at the next step whatever the period says (a resumed run whose `topk_ratio` changed)
-    force_select: bool = False
-
-    def in_warm_up(self) -> bool:
-        return self.steps < self.warm_up
-
-    def selection_due(self) -> bool:
-        if self.steps < self.warm_up:
-            return False
-        return self.force_select or (self.steps - self.warm_up) % self.select_period == 0
-
-    def window_closes(self, auto_votes: list[bool]) -> bool:
-        """Called after the current step was added to the window (window_steps already counts it)."""
-        if self.update_interval is not None:
-            return self.window_steps >= self.update_interval
-        if self.window_steps >= self.auto_max_interval:
-            return True
-        if not auto_votes:  # a selection step (no masses measured) or no offloaded matrix: wait for the bound
-            return False
-        # At least `auto_ratio` of the matrices (DeepSpeed floors this count, so 0.99 of 10 matrices means 9).
-        needed = max(1, math.ceil(self.auto_ratio * len(auto_votes) - 1e-9))
-        return sum(auto_votes) >= needed

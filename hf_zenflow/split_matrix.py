@@ -12,7 +12,8 @@ import torch
 
 from .device_step import DeviceColumns
 from .host import HostMatrix
-from .selection import ZenAutoStats, selection_axis, storage_matrix
+from .schedule import ZenAutoStats
+from .selection import selection_axis, storage_matrix
 from .transport import Transport
 
 

@@ -49,7 +49,7 @@ class ZenFlowStats:
       host bytes per element of the matrices with host state (16 B of AdamW state and window sum, plus the link
       buffers: write-back, CUDA gradient landing slots); ``pinned_host_bytes``: page-locked host memory (CUDA: one
       arena, exactly sized, for the buffers that cross the link; the master and moments are never pinned);
-    - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says).
+    - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says; README, Threads).
     """
 
     def __init__(self) -> None:

@@ -19,13 +19,14 @@ Commands (from the repository root):
     accelerate launch --cpu --num_processes 1 scripts/train_accelerate.py --output_dir runs/acc2 \\
         --resume_from_state runs/acc/state-20
 
-    # on a GPU machine: give the training process threads for its CPU work (see the thread trap below)
+    # on a GPU machine: give the training process threads for its CPU work (see threads below)
     accelerate launch --num_processes 1 --num_cpu_threads_per_process 8 scripts/train_accelerate.py
 
-The thread trap: `accelerate launch` exports OMP_NUM_THREADS=1 unless `--num_cpu_threads_per_process` is given (on a
-CPU-only machine with `--cpu` it picks the physical core count instead), so torch in the training process runs one
-thread. ZenFlow's host worker is not affected: it sets its own thread count (`cpu_threads`, default: the cores in the
-process's CPU affinity) inside its thread. The script prints both (`thread_report`) at the end.
+Threads (the rule and the busy-machine trap: README, Threads): `accelerate launch` exports OMP_NUM_THREADS=1 unless
+`--num_cpu_threads_per_process` is given (on a CPU-only machine with `--cpu` it picks the physical core count
+instead), so torch in the training process runs one thread. ZenFlow's host worker is not affected: it runs
+`cpu_threads` threads (default: half the cores in the process's CPU affinity) inside its own thread. The script
+prints both (`thread_report`) at the end.
 
 Output, in `--output_dir` (default `runs/zenflow_accelerate`; the last line printed says where): the model
 (`save_pretrained`), `train_log.json` (per-step loss and grad norm, ZenFlow telemetry, threads) and the
@@ -142,9 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
             if step >= args.max_steps:
                 break
 
-    ZenFlowPlugin.flush(optimizer)  # the last window and pending host results into the weights
-    log["threads"] = ZenFlowPlugin.thread_report(optimizer)
+    log["threads"] = ZenFlowPlugin.thread_report(optimizer)  # while the worker runs: the split training used
     accelerator.print(f"threads: {json.dumps(log['threads'])}")
+    ZenFlowPlugin.flush(optimizer)  # the last window and pending host results into the weights; worker stopped
     if accelerator.is_main_process:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ Commands (from the repository root; `pip install -e .` first, or the script find
         --use_cpu --report_to none --no_zenflow --optim adamw_torch
 
     # through accelerate (give the training process its threads: accelerate launch sets OMP_NUM_THREADS=1 on GPU
-    # machines; ZenFlow's host worker uses --zenflow_cpu_threads whatever OMP_NUM_THREADS says)
+    # machines; ZenFlow's host worker uses --zenflow_cpu_threads whatever OMP_NUM_THREADS says; README, Threads)
     accelerate launch --num_processes 1 --num_cpu_threads_per_process 8 scripts/train_trainer.py \\
         --output_dir runs/zenflow_tiny --max_steps 60 --learning_rate 3e-3 --report_to none
 

@@ -95,7 +95,14 @@ def test_select_period(strategy, interval, steps_per_epoch, period):
 
 def test_cpu_threads_default_follows_affinity():
     assert ZenFlowConfig().resolved_cpu_threads == max(1, available_cpu_count() // 2)
-    assert ZenFlowConfig(cpu_threads=3).resolved_cpu_threads == 3
+    assert ZenFlowConfig(cpu_threads=1).resolved_cpu_threads == 1
+
+
+def test_cpu_threads_above_the_affinity_cores_warn_and_clamp():
+    cores = available_cpu_count()
+    config = ZenFlowConfig(cpu_threads=cores + 5)  # valid: the same settings may run on a bigger machine
+    with pytest.warns(UserWarning, match=rf"cpu_threads={cores + 5} is more than the {cores} core"):
+        assert config.resolved_cpu_threads == cores
 
 
 def test_from_deepspeed_whole_config_and_block():

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from hf_zenflow import host
 from hf_zenflow.host import GRAD_SLOTS, HostAdamWorker, HostMatrix, HostWorkerError
 
 
@@ -177,3 +183,194 @@ def test_optimizer_step_leaves_the_worker_released():
         assert opt._worker._gate is None
         opt.zero_grad()
     opt.close()
+
+
+def test_a_wait_longer_than_the_poll_interval_keeps_waiting(monkeypatch):
+    """`Future.result(timeout)` raises `concurrent.futures.TimeoutError`, which is not the built-in `TimeoutError`
+    before Python 3.11: every wait longer than the poll interval escaped `step()` there (.ci/run runs this file
+    under the oldest supported Python too)."""
+    monkeypatch.setattr(host, "_POLL_S", 0.005)
+    worker = HostAdamWorker(threads=1, background=True)
+    done = []
+    future = worker.submit("slow", lambda: (time.sleep(0.2), done.append(1)))
+    worker.wait(future)  # about 40 poll timeouts
+    assert done == [1]
+    worker.submit("slow again", lambda: time.sleep(0.1))
+    worker.synchronize()
+    worker.close()
+
+
+def _slot_count(worker: HostAdamWorker) -> int:
+    return worker._slots.qsize()
+
+
+def _hand_off(worker: HostAdamWorker, job=None, interrupt: bool = False):
+    """A caller's hand-off as the optimizer does it: take a slot, maybe submit, give the slot back on the way out
+    by an exception."""
+    grant = worker.take_slot()
+    try:
+        if job is not None:
+            grant.submit("job", job)
+        if interrupt:
+            raise KeyboardInterrupt
+    except BaseException:
+        grant.give_back()
+        raise
+    return grant
+
+
+def test_a_slot_comes_back_exactly_once_whatever_interrupts_the_hand_off():
+    worker = HostAdamWorker(threads=1, background=True)
+    for _ in range(GRAD_SLOTS + 1):  # before the job exists: more interrupted hand-offs than there are slots
+        with pytest.raises(KeyboardInterrupt):
+            _hand_off(worker, interrupt=True)
+    assert _slot_count(worker) == GRAD_SLOTS
+    # after the submission, while the job is still held: the slot comes back now and the job never runs (the
+    # caller may reuse the slot's buffers at once)
+    ran: list[str] = []
+    worker.hold()
+    with pytest.raises(KeyboardInterrupt):
+        _hand_off(worker, lambda: ran.append("held"), interrupt=True)
+    worker.release()
+    worker.synchronize()
+    assert ran == [] and _slot_count(worker) == GRAD_SLOTS
+    # a give_back after the job has run changes nothing; normal hand-offs: returned by their job, once each
+    late = _hand_off(worker, lambda: ran.append("late"))
+    worker.synchronize()
+    late.give_back()
+    for i in range(5):
+        _hand_off(worker, lambda i=i: ran.append(f"job{i}"))
+    worker.synchronize()
+    assert ran == ["late"] + [f"job{i}" for i in range(5)] and _slot_count(worker) == GRAD_SLOTS
+    worker.close()
+
+
+def test_an_interrupted_hand_off_in_step_does_not_leak_its_slot(monkeypatch):
+    """A KeyboardInterrupt between taking the gradient slot and queueing the job, in two steps in a row, used to
+    leak both slots: the next step() blocked forever in `acquire_slot`."""
+    from hf_zenflow import ZenFlowAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 16)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=4, min_offload_numel=0)
+    submit = HostAdamWorker.submit
+    interrupts: list[KeyboardInterrupt] = []
+
+    def interrupted_submit(self, what, fn):
+        if what == "accumulate" and interrupts:
+            raise interrupts.pop()  # Ctrl-C lands right before the job is queued
+        return submit(self, what, fn)
+
+    monkeypatch.setattr(HostAdamWorker, "submit", interrupted_submit)
+
+    def train_step() -> None:
+        model(torch.randn(4, 32)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    train_step()
+    for _ in range(2):
+        interrupts.append(KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            train_step()
+        assert not interrupts  # it was the hand-off that got interrupted
+    outcome: list[object] = []
+
+    def later_steps() -> None:
+        try:
+            for _ in range(3):
+                train_step()
+            opt.synchronize()
+            outcome.append("done")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcome.append(exc)
+
+    runner = threading.Thread(target=later_steps, daemon=True)
+    runner.start()
+    runner.join(timeout=30)
+    assert outcome == ["done"], "the step after two interrupted hand-offs did not complete (leaked slots)"
+    assert _slot_count(opt._worker) == GRAD_SLOTS
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    opt.close()
+
+
+def test_close_while_handling_ctrl_c_does_not_wait_and_later_workers_do():
+    """close() from code handling a KeyboardInterrupt returns at once instead of joining a long host job; that
+    job still finishes, and no later worker runs a job before it has (they work on the same host state)."""
+    order: list[str] = []
+    go = threading.Event()
+    worker = HostAdamWorker(threads=1, background=True)
+    worker.submit("long", lambda: (go.wait(30), order.append("old")))
+    returned = threading.Event()
+
+    def close_on_ctrl_c() -> None:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            worker.close()
+            returned.set()
+
+    closer = threading.Thread(target=close_on_ctrl_c, daemon=True)
+    closer.start()
+    assert returned.wait(5), "close() waited for the running host job"
+    successor = HostAdamWorker(threads=1, background=True)
+    successor.submit("new", lambda: order.append("new"))
+    time.sleep(0.1)
+    assert order == []  # the new worker waits for the old one's job
+    go.set()
+    successor.synchronize()
+    assert order == ["old", "new"]
+    successor.close()
+
+
+_SLOW_HOST_STEP_SCRIPT = """
+import signal
+import time
+# What a terminal's Ctrl-C meets: Python's KeyboardInterrupt handler (a process started in the background by a
+# non-interactive shell, as CI may be, inherits SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+import torch
+import hf_zenflow.optimizer as zenflow_optimizer
+from hf_zenflow import ZenFlowAdamW
+
+def slow_host_step(groups):
+    print("host step running", flush=True)
+    time.sleep(60)
+
+zenflow_optimizer.host_adamw_window = slow_host_step
+torch.manual_seed(0)
+model = torch.nn.Linear(32, 32)
+opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=1, min_offload_numel=0)
+while True:  # the second step waits for the first window's (endless) host step
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_ctrl_c_during_a_long_host_step_exits_promptly(tmp_path):
+    """Ctrl-C while the training loop waits for a long host step: the process exits at once instead of after
+    the 10 s join at exit."""
+    script = tmp_path / "slow_host_step.py"
+    script.write_text(_SLOW_HOST_STEP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    deadline = threading.Timer(120, proc.kill)  # a child that never starts its host step must not hang the suite
+    deadline.start()
+    try:
+        assert proc.stdout.readline().strip() == "host step running", proc.communicate()[1][-3000:]
+        time.sleep(0.5)  # the loop reaches its wait for the host step
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        try:
+            _, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"still running 60 s after Ctrl-C:\n{proc.communicate()[1][-3000:]}")
+        elapsed = time.monotonic() - start
+    finally:
+        deadline.cancel()
+        proc.kill()
+    assert "KeyboardInterrupt" in stderr, stderr[-3000:]
+    assert elapsed < 7, f"exit took {elapsed:.1f} s after Ctrl-C"

@@ -665,3 +665,24 @@ def test_an_ordinary_step_syncs_once_after_launching_the_device_update(monkeypat
     assert events.count("sync") == 1, events
     assert events.index("device update") < events.index("sync"), events
     opt.close()
+
+
+def test_flush_and_checkpoint_after_close_work():
+    """`close()` (the Trainer's end of training) and then `flush()` with an open window, or `state_dict()`: the
+    worker restarts for the flush instead of failing (`AttributeError` before), and the result is the same as
+    without the close."""
+    results = []
+    for close_first in (False, True):
+        model = make_model()
+        opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
+        train(model, opt, batches(6))  # mid-window, a write-back pending
+        if close_first:
+            opt.close()
+        state = roundtrip(opt.state_dict())
+        opt.flush()
+        results.append((state["zenflow"], [p.detach().clone() for p in model.parameters()]))
+        opt.close()
+    (zen_a, weights_a), (zen_b, weights_b) = results
+    assert zen_a == zen_b
+    for p, q in zip(weights_a, weights_b):
+        assert torch.equal(p, q)

@@ -629,7 +629,8 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
                         "the default) [1e8]")
     p.add_argument("--steps", type=int, default=None, help="steps per schedule [14]")
     p.add_argument("--host-threads", type=int, default=None,
-                   help="host worker threads here (default: the cores in this process's affinity minus one)")
+                   help="host worker threads here (cpu_threads; default: the cores in this process's affinity "
+                        "minus one, as the training thread runs one thread: README, Threads)")
     p.add_argument("--output", default=None, help="write the result as JSON to this file")
 
 

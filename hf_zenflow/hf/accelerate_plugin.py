@@ -5,12 +5,11 @@ stand-alone dataclass in accelerate's style: every setting can come from the con
 environment variable under one prefix, ``HF_ZENFLOW_`` (``HF_ZENFLOW_TOPK_RATIO``, ``HF_ZENFLOW_UPDATE_INTERVAL``,
 ...). Explicit arguments win over the environment.
 
-The thread trap: ``accelerate launch`` exports ``OMP_NUM_THREADS=1`` unless ``--num_cpu_threads_per_process N`` is
-given (on CPU-only machines it may pick the number of physical cores instead), which makes torch single-threaded in
-the training process. ZenFlow's host worker does not inherit this: it calls ``torch.set_num_threads(cpu_threads)``
-inside its own thread (the setting is per OS thread in torch), with ``cpu_threads`` defaulting to the cores in the
-process's CPU affinity. The forward/backward of the training thread still runs on ``OMP_NUM_THREADS`` threads, so
-pass ``--num_cpu_threads_per_process`` for those. `ZenFlowPlugin.thread_report` shows both.
+Threads (the rule: README, *Threads*; `hf_zenflow.threads`): ``accelerate launch`` exports ``OMP_NUM_THREADS=1``
+unless ``--num_cpu_threads_per_process N`` is given (on CPU-only machines it may pick the number of physical cores
+instead), which makes torch single-threaded in the training process. ZenFlow's host worker does not inherit this: it
+runs ``cpu_threads`` threads (default: half the cores in the process's CPU affinity) inside its own thread, and with
+``OMP_NUM_THREADS`` set the training thread's pool is left as it is. `ZenFlowPlugin.thread_report` shows both.
 
 Example (``accelerate launch --cpu --num_processes 1 train.py``)::
 
@@ -28,7 +27,7 @@ Example (``accelerate launch --cpu --num_processes 1 train.py``)::
             optimizer.step()
             optimizer.zero_grad()
     accelerator.save_state("ckpt")                    # the plugin's pre-hook drains the host worker first
-    plugin.flush(optimizer)                           # end of training: every gradient seen is in the weights
+    plugin.flush(optimizer)                           # end of training: every gradient in the weights, worker stopped
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ import torch
 
 from ..config import ZenFlowConfig, available_cpu_count
 from ..distributed_check import warn_if_replicated
+from ..host import wait_for_closed_workers
 from ..optimizer import ZenFlowAdamW
 from ..settings import SETTINGS, optional_fields, parse_text, rename_fields, render_help, wrap
 
@@ -240,16 +240,19 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
             opt = ref()
             if opt is not None:
                 opt.synchronize()  # also re-raises a worker failure before a checkpoint is written
+            wait_for_closed_workers()  # a worker closed during a Ctrl-C may still finish its last job
 
         accelerator.register_save_state_pre_hook(drain)
         accelerator.register_load_state_pre_hook(drain)
 
     @staticmethod
     def flush(optimizer: Any) -> None:
-        """End of training: write every pending host result into the weights (before saving the final model)."""
+        """End of training: write every pending host result into the weights (before saving the final model) and
+        stop the host worker, so that no thread outlives the loop (a later `step()` starts a new one)."""
         opt = _unwrap(optimizer)
         if opt is not None:
             opt.flush()
+            opt.close()
 
     def _warn_thread_trap(self) -> None:
         omp = os.environ.get("OMP_NUM_THREADS")

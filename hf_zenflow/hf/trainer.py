@@ -7,7 +7,7 @@ Only the seams the 5.x Trainer exposes are used (see `shared/reference/hf-integr
 - `_clip_grad_norm` / `_get_grad_norm` go through `ZenFlowAdamW.clip_grad_norm_`, so clipping covers every gradient
   and the logged `grad_norm` is the true global norm;
 - `_save_checkpoint`, `save_model` and evaluation wait for the host worker first, `_finalize_training` flushes the
-  last window into the weights;
+  last window into the weights and stops the host worker (no thread outlives `train()`);
 - `log` merges the optimizer's telemetry under `zenflow/...`; `create_model_card` renders the ZenFlow card.
 
 Gradient accumulation needs nothing special: the Trainer calls `optimizer.step()` once per optimizer step, so the
@@ -27,6 +27,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..checkpoint import CheckpointError, check_file
 from ..distributed_check import warn_if_replicated
+from ..host import wait_for_closed_workers
 from ..layout import column_major_
 from ..optimizer import ZenFlowAdamW
 from .model_card import format_bytes, render_zenflow_model_card
@@ -254,6 +255,7 @@ class ZenFlowTrainer(Trainer):
         opt = self.zenflow_optimizer
         if opt is not None:
             opt.synchronize()
+            wait_for_closed_workers()  # a worker closed during a Ctrl-C may still finish its last job
 
     # -- clipping: the optimizer owns the gradients ----------------------------------------------------------------
     def _clip_grad_norm(self, model):
@@ -295,10 +297,13 @@ class ZenFlowTrainer(Trainer):
 
     def _finalize_training(self, trial, num_train_samples, start_time):
         # Close the open window and write every pending host result into the weights, so that the weights after
-        # train() (save_model, push_to_hub, load_best_model_at_end comparisons) contain every gradient seen.
+        # train() (save_model, push_to_hub, load_best_model_at_end comparisons) contain every gradient seen; then
+        # stop the host worker, so that no thread outlives train() (a later train() starts a new one).
         opt = self.zenflow_optimizer
         if opt is not None:
             opt.flush()
+            self._zenflow_training_threads = torch.get_num_threads()  # the split in use, for the model card
+            opt.close()
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     # -- telemetry ---------------------------------------------------------------------------------------------------
@@ -347,7 +352,8 @@ class ZenFlowTrainer(Trainer):
         device = self.args.device
         if device.type == "cuda" and torch.cuda.is_available():
             return f"{torch.cuda.get_device_name(device)} ({device})"
-        return f"{device.type} ({torch.get_num_threads()} training threads)"
+        threads = getattr(self, "_zenflow_training_threads", None) or torch.get_num_threads()
+        return f"{device.type} ({threads} training threads)"
 
     def _render_model_card(self, model_name: str | None = None, **kwargs: Any):
         model = self.accelerator.unwrap_model(self.model) if self.model is not None else None

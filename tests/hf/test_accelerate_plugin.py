@@ -189,3 +189,18 @@ def test_thread_trap_worker_keeps_its_threads():
     assert report["host_worker_threads"] == 2
     assert torch.get_num_threads() == 1  # and the worker's setting did not leak into the training thread
     optimizer.optimizer.close()
+
+
+def test_flush_at_the_end_of_a_loop_leaves_no_host_thread():
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = ZenFlowPlugin(update_interval=2, overlap_step=True, cpu_threads=1, min_offload_numel=0).prepare(
+        accelerator, tiny_llama(), lr=1e-3)
+    _loop(accelerator, model, optimizer, _batches(3))
+    thread = optimizer.optimizer._worker._thread
+    assert thread.is_alive()
+    ZenFlowPlugin.flush(optimizer)
+    assert not thread.is_alive()
+    _loop(accelerator, model, optimizer, _batches(1, start=3))  # training on starts a new worker
+    assert optimizer.optimizer._worker._thread.is_alive()
+    ZenFlowPlugin.flush(optimizer)
+    assert optimizer.optimizer._worker is None

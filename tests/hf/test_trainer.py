@@ -5,13 +5,15 @@ from __future__ import annotations
 import copy
 import math
 import os
+import threading
 
 import pytest
 import torch
 from hf_helpers import SEQ_LEN, ByteLMDataset, logged, tiny_llama, zenflow_args
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_zenflow import ZenFlowAdamW, ZenFlowConfig, ZenFlowTrainer, ZenFlowTrainingArguments
+from hf_zenflow.hf.trainer import unwrap_zenflow_optimizer
 
 
 TELEMETRY_KEYS = ("zenflow/critical_path_ms", "zenflow/cp_wait_ms", "zenflow/host_step_ms",
@@ -339,3 +341,33 @@ def test_layout_of_linear_weights(tmp_path, train_dataset, layout):
     q_proj = zen.model.model.layers[0].self_attn.q_proj.weight
     assert q_proj.t().is_contiguous() == (layout == "auto") == (not q_proj.is_contiguous())
     assert zen.model.model.embed_tokens.weight.is_contiguous()  # embeddings stay row-major
+
+
+class _WorkerThreads(TrainerCallback):
+    """The host worker threads seen during training."""
+
+    def __init__(self) -> None:
+        self.seen: list[threading.Thread] = []
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        worker = unwrap_zenflow_optimizer(optimizer)._worker
+        if worker is not None and worker._thread is not None and worker._thread not in self.seen:
+            self.seen.append(worker._thread)
+
+
+def _host_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "hf_zenflow-host"}
+
+
+def test_no_host_thread_outlives_train_and_a_second_train_restarts_it(tmp_path, train_dataset):
+    before = _host_threads()
+    workers = _WorkerThreads()
+    trainer = ZenFlowTrainer(model=tiny_llama(), args=zenflow_args(tmp_path, max_steps=6), train_dataset=train_dataset,
+                             callbacks=[workers])
+    trainer.train()
+    assert len(workers.seen) == 1 and not workers.seen[0].is_alive()
+    assert _host_threads() <= before  # no thread of this run is left
+    trainer.train()  # trains on: a new worker
+    assert len(workers.seen) == 2 and not workers.seen[1].is_alive()
+    assert trainer.state.global_step == 6 and trainer.zenflow_optimizer.stats()["steps"] == 12
+    assert _host_threads() <= before

@@ -1,0 +1,126 @@
+"""The schedule: pure decisions about steps, windows and selections, with no tensors.
+
+Which kind of step this is (dense warm-up, a re-selection, or an ordinary step that may launch its device work before
+the host reads the step's scalars), when a window closes (a fixed `update_interval`, or Zen-auto's votes within
+`auto_max_interval`), whether a boundary writes a host result back, and the learning-rate scale of a host step.
+`ZenFlowAdamW` asks; it decides nothing of this itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+
+class StepKind(Enum):
+    WARM_UP = "warm-up"  # dense AdamW, every column by the host, synchronously
+    SELECT = "select"  # re-selection: close the window, drain the worker, migrate state
+    ORDINARY = "ordinary"
+
+
+@dataclass
+class ZenAutoStats:
+    """Zen-auto bookkeeping for one matrix over the open window.
+
+    The window may close once the unselected gradient mass accumulated since the last host update has caught up
+    with the mean selected mass of one step, per column: ``sum_u noncrit_u / (in - k) >= mean_u crit_u / k``.
+    DeepSpeed normalises "per 10% of columns" and re-applies that factor on every update, which compounds for
+    ratios other than 0.1 (zenflow.md §3.7); per-column means are the same rule without that defect.
+    """
+
+    mean_critical: float = 0.0
+    accumulated_noncritical: float = 0.0
+    steps: int = 0
+
+    def update(self, critical_sq: float, total_sq: float, k: int, columns: int) -> bool:
+        self.steps += 1
+        critical = critical_sq / k
+        noncritical = max(total_sq - critical_sq, 0.0) / (columns - k)
+        self.mean_critical += (critical - self.mean_critical) / self.steps
+        self.accumulated_noncritical += noncritical
+        return self.accumulated_noncritical >= self.mean_critical
+
+    def reset(self) -> None:
+        self.mean_critical, self.accumulated_noncritical, self.steps = 0.0, 0.0, 0
+
+    def to_list(self) -> list[float]:
+        return [self.mean_critical, self.accumulated_noncritical, float(self.steps)]
+
+    @classmethod
+    def from_list(cls, values: list[float]) -> ZenAutoStats:
+        return cls(float(values[0]), float(values[1]), int(values[2]))
+
+
+@dataclass
+class WindowSchedule:
+    """Step bookkeeping: warm-up, fixed or automatic windows, re-selection period.
+
+    `steps` counts optimizer steps taken (skipped non-finite steps do not count). A step t (0-based) is a warm-up
+    step when t < warm_up; the first selection happens at t == warm_up, and again every `select_period` steps.
+    """
+
+    warm_up: int
+    update_interval: int | None  # None = automatic
+    auto_ratio: float
+    auto_max_interval: int
+    select_period: int
+    steps: int = 0
+    window_steps: int = 0
+    windows: int = 0
+    reselections: int = 0
+    last_interval: int = 0
+    #: select at the next step whatever the period says (a resumed run whose `topk_ratio` changed)
+    force_select: bool = False
+
+    def in_warm_up(self) -> bool:
+        return self.steps < self.warm_up
+
+    def selection_due(self) -> bool:
+        if self.steps < self.warm_up:
+            return False
+        return self.force_select or (self.steps - self.warm_up) % self.select_period == 0
+
+    def window_closes(self, auto_votes: list[bool]) -> bool:
+        """Called after the current step was added to the window (window_steps already counts it)."""
+        if self.update_interval is not None:
+            return self.window_steps >= self.update_interval
+        if self.window_steps >= self.auto_max_interval:
+            return True
+        if not auto_votes:  # a selection step (no masses measured) or no offloaded matrix: wait for the bound
+            return False
+        # At least `auto_ratio` of the matrices (DeepSpeed floors this count, so 0.99 of 10 matrices means 9).
+        needed = max(1, math.ceil(self.auto_ratio * len(auto_votes) - 1e-9))
+        return sum(auto_votes) >= needed
+
+    def kind(self) -> StepKind:
+        """The kind of the next step."""
+        if self.in_warm_up():
+            return StepKind.WARM_UP
+        return StepKind.SELECT if self.selection_due() else StepKind.ORDINARY
+
+    def launches_before_sync(self, waiting_for_columns: bool) -> bool:
+        """Whether the next step may launch its device update before the host reads the step's scalars: only an
+        ordinary step with no matrix waiting for its first columns (those decisions need host numbers first)."""
+        return self.kind() is StepKind.ORDINARY and not waiting_for_columns
+
+    def boundary_writes_back(self, overlap: bool, writeback_pending: bool) -> bool:
+        """Whether the next step closes a fixed-length window with a write-back (a result pending from the previous
+        window when overlapped, this window's own when not). Zen-auto windows are decided after the device update,
+        so they never count here."""
+        if self.update_interval is None or self.window_steps + 1 < self.update_interval:
+            return False
+        return not overlap or writeback_pending
+
+    def close_window(self) -> int:
+        """Account for a closed window; returns its length in steps."""
+        steps, self.window_steps = self.window_steps, 0
+        self.windows += 1
+        self.last_interval = steps
+        return steps
+
+
+def host_lr_scale(setting: float | str, window_steps: int) -> float:
+    """The host AdamW's learning-rate multiplier for a window of `window_steps` steps (`ZenFlowConfig.host_lr_scale`:
+    a number, or "interval" for the window's length)."""
+    return float(window_steps) if setting == "interval" else float(setting)
