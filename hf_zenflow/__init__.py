@@ -11,7 +11,8 @@ Where things live:
   `distributed_check.py`, the column-major weight layout for CPU devices in `layout.py` (`column_major_`);
 - the synchronous offload baseline: `baselines.py` (`SyncOffloadAdamW`);
 - the Hugging Face glue: `hf/` (`ZenFlowTrainer`, `ZenFlowTrainingArguments`, `ZenFlowPlugin`, model cards);
-- the side-by-side comparison and the emulated accelerator: `compare/`, driven by `cli.py` (`hf-zenflow`).
+- the side-by-side comparison, the emulated accelerator, the hardware bound model and the settings tuner
+  (`hf_zenflow.tune`): `compare/`, driven by `cli.py` (`hf-zenflow`).
 """
 
 from typing import Any
@@ -35,6 +36,10 @@ def __getattr__(name: str) -> Any:
         from . import hf
 
         return getattr(hf, name)
+    if name == "tune":  # trials import transformers and the compare runner: load them only when asked for
+        from .compare.tune import tune
+
+        return tune
     raise AttributeError(f"module 'hf_zenflow' has no attribute {name!r}")
 
 
@@ -50,4 +55,5 @@ __all__ = [
     "__version__",
     "column_major_",
     "to_torch_adamw",
+    "tune",
 ]

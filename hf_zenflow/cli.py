@@ -2,7 +2,9 @@
 
     hf-zenflow compare   fine-tune a real model three ways (adamw_torch, SyncOffloadAdamW, ZenFlow) and compare
     hf-zenflow estimate  emulated accelerator: step time of no-offload, synchronous offload and ZenFlow for a model
-                         size, device step time, link bandwidth and host cores (honestly labelled emulation)
+                         size, device step time, link bandwidth and host cores (honestly labelled emulation);
+                         --hardware PROFILE: where each schedule is bound and which setting moves the bound
+    hf-zenflow tune      short paired trials on your model and data that choose ZenFlow's settings
     hf-zenflow convert-checkpoint  turn a ZenFlowTrainer checkpoint folder into one a plain Trainer (adamw_torch)
                          resumes
 
@@ -157,6 +159,70 @@ def _run_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_tune(sub: argparse._SubParsersAction) -> None:
+    from hf_zenflow.compare.hardware import PROFILES
+    from hf_zenflow.compare.tune import TuneConfig
+
+    d = TuneConfig()
+    p = sub.add_parser(
+        "tune",
+        help="short paired trials on your model and data that choose ZenFlow's settings (quality vs speed)",
+        description="Fine-tune the same model from the same start with adamw_torch and with ZenFlow settings from a "
+        "grid (topk_ratio x update_interval x host_lr_scale, the library default first) until the budget is spent; "
+        "score each by held-out loss relative to adamw_torch, measured steps/s and critical path here, and the "
+        "modelled speed-up over synchronous offload on --hardware. Writes tune.md (table and recommendation), "
+        "tune.json, pareto.png and recommended.py. Ctrl-C keeps what finished.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default=None, help="'minilm' (default), 'smollm2' or a local Hugging Face model folder")
+    p.add_argument("--task", default=d.task, choices=["auto", "sequence-classification", "causal-lm"])
+    p.add_argument("--budget-minutes", type=float, default=d.budget_minutes,
+                   help="wall-time budget; a trial starts only if the trials so far say it fits")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per trial")
+    p.add_argument("--train-size", type=int, default=d.train_size)
+    p.add_argument("--eval-size", type=int, default=d.eval_size)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
+    p.add_argument("--max-length", type=int, default=d.max_length)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--topk", type=float, nargs="+", default=list(d.topk), help="topk_ratio values of the grid")
+    p.add_argument("--intervals", type=_interval, nargs="+", default=list(d.intervals),
+                   help='update_interval values of the grid (integers or "auto")')
+    p.add_argument("--scales", type=_scale, nargs="+", default=list(d.scales),
+                   help='host_lr_scale values of the grid (numbers or "interval")')
+    p.add_argument("--max-quality-loss", dest="max_quality_loss_pct", type=float, default=d.max_quality_loss_pct,
+                   help="tolerance: held-out loss at most this many percent above adamw_torch's")
+    p.add_argument("--hardware", default=d.hardware,
+                   help=f"profile for the modelled speed-up: a preset ({', '.join(sorted(PROFILES))}) or a JSON file")
+    p.add_argument("--target-params", type=float, default=None,
+                   help="model size the speed-up is modelled for (default: this model's)")
+    p.add_argument("--target-tokens-per-step", type=float, default=None,
+                   help="tokens per optimizer step at scale (default: this task's)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for forward/backward")
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--output-dir", default=d.output_dir)
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=_run_tune)
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from hf_zenflow.compare.data import AssetMissingError
+    from hf_zenflow.compare.tune import TuneConfig, format_recommendation, format_table, run_tune
+
+    fields = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    for key in ("topk", "intervals", "scales"):
+        fields[key] = tuple(fields[key])
+    try:
+        payload = run_tune(TuneConfig(**fields))
+    except (AssetMissingError, ValueError) as exc:
+        print(f"hf-zenflow tune: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(payload) + "\n\n" + format_recommendation(payload))
+    print(f"wrote {args.output_dir}/tune.md, tune.json, pareto.png, recommended.py in {payload['seconds']:.0f} s")
+    return 0
+
+
 def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert-checkpoint",
@@ -192,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_compare(sub)
     _add_estimate(sub)
+    _add_tune(sub)
     _add_convert(sub)
     return parser
 

@@ -45,15 +45,17 @@ from hf_zenflow.compare.machine_load import LoadMonitor
 from hf_zenflow.compare.output import prepare_output_dir
 from hf_zenflow.compare.plots import ENGINE_PHASES, LABELS, plot_loss_curves, plot_time_breakdown
 from hf_zenflow.compare.report import OPTIMIZERS
+from hf_zenflow.config import ZenFlowConfig
 from hf_zenflow.layout import column_major_
 
 
 #: Steps left out of the timing statistics: the first step allocates optimizer state and makes the first selection.
 TIMING_SKIP = 2
 
-#: ZenFlow's column re-selection period (steps) in `compare`: 150-step runs are one epoch, so the engine's "auto"
-#: (once per epoch) would select only once, at the first step. See `CompareConfig` for the measurements.
+#: ZenFlow's re-selection period (steps) when `compare` is given ``--select-strategy step`` without an interval.
 COMPARE_SELECT_STEPS = 10
+
+_LIBRARY = ZenFlowConfig()
 
 
 @dataclass
@@ -61,28 +63,10 @@ class CompareConfig:
     """Settings of one `hf-zenflow compare` run (the CLI flags map 1:1 onto these fields).
 
     The defaults are sized for a 2-core CPU: 150 steps of 16 sentences (one pass over 2400), evaluated on 1000
-    held-out sentences. The run is short, so ZenFlow's unselected columns (90%) get only steps/update_interval host
-    updates. Measured on this task, 150 steps, ZenFlow minus adamw_torch in held-out accuracy points (seeds 1 / 2):
-    ``update_interval=4``, lr 1e-4: -6.2 / -3.2; ``update_interval=2``, lr 2e-4: -3.6 / -4.5; the same with
-    ``host_lr_scale="interval"`` and the head on the device: -5.3 / -9.0; ``update_interval=2``, lr 2e-4, head on the
-    device (``min_offload_numel=1024``), ``select_strategy="auto"``: -2.4 / -4.0, and -1.4 on seed 0.
-
-    With ``select_strategy="auto"`` the 150 steps are one epoch, so the columns are chosen once, at the first step
-    (one gradient, untrained classifier head), and never again. Re-selecting on a step period fixes most of the gap;
-    held-out accuracy difference in points, seeds 0 / 1 / 2 (mean), everything else as above, adamw_torch held-out
-    accuracy 0.787 / 0.784 / 0.766:
-
-    * ``select_strategy="step"``, ``select_interval=10`` (the defaults here): -0.9 / -2.1 / -1.1 (-1.37); held-out
-      loss 0.468 / 0.487 / 0.523 against adamw_torch's 0.481 / 0.467 / 0.478, the lowest of the settings tried on
-      every seed;
-    * ``select_interval=25``: +0.5 / -1.7 / -2.4 (-1.2), held-out loss 0.522 / 0.499 / 0.546;
-    * ``select_interval=50``: -0.6 / -2.8 / -3.6 (-2.33), held-out loss 0.491 / 0.495 / 0.557;
-    * ``select_interval=10`` with ``full_warm_up_rounds=15`` (dense AdamW over the lr warm-up): -0.1 / -2.2 / -2.3
-      (-1.53); with ``full_warm_up_rounds=5``: -1.4 on seed 0.
-
-    Seed 0 is within 1 point with every step period; seeds 1 and 2 are not yet with any setting tried.
-    ``select_interval=None`` resolves to 10 with ``select_strategy="step"`` and to ``"auto"`` otherwise (one epoch
-    with ``"epoch"``/``"auto"``).
+    held-out sentences. The ZenFlow settings default to the library's (`ZenFlowConfig()`), so the table shows what a
+    user gets; the settings sweeps that chose those defaults are in BENCHMARKS.md §4 (paired runs over seeds; the
+    earlier single-seed sweeps of this runner are in §2c/§2d). ``select_interval=None`` resolves to
+    `COMPARE_SELECT_STEPS` with ``select_strategy="step"`` and to ``"auto"`` otherwise.
     """
 
     model: str | None = None  # "minilm" (default), "smollm2", or a local HF model folder
@@ -98,14 +82,15 @@ class CompareConfig:
     warmup_ratio: float = 0.1
     max_grad_norm: float = 1.0
     seed: int = 0
-    topk_ratio: float = 0.1
-    update_interval: int | str = 2
-    overlap_step: bool = True
-    host_lr_scale: float | str = 1.0
-    min_offload_numel: int = 1024
-    select_strategy: str = "step"
+    # ZenFlow settings: the library's defaults (`ZenFlowConfig`), so that compare shows what a user gets
+    topk_ratio: float = _LIBRARY.topk_ratio
+    update_interval: int | str = _LIBRARY.update_interval
+    overlap_step: bool = _LIBRARY.overlap_step
+    host_lr_scale: float | str = _LIBRARY.host_lr_scale
+    min_offload_numel: int = _LIBRARY.min_offload_numel
+    select_strategy: str = _LIBRARY.select_strategy
     select_interval: int | str | None = None  # None: COMPARE_SELECT_STEPS with "step", "auto" otherwise
-    full_warm_up_rounds: int = 0
+    full_warm_up_rounds: int = _LIBRARY.full_warm_up_rounds
     cpu_threads: int | None = None  # host-optimizer threads of the offloading engines (None = engine default)
     threads: int | None = None  # torch intra-op threads for forward/backward (None = torch's default)
     device: str = "auto"

@@ -1,0 +1,254 @@
+"""Hardware profiles and the bound model of the three offload schedules: "will ZenFlow help on my box?".
+
+A `HardwareProfile` holds the figures of one machine (device FLOP/s and memory, link bandwidth, host cores and memory
+bandwidth). `schedule_model` turns a profile, a model size and a ZenFlow setting into per-step times of each side
+(device, link, host) for no-offload AdamW, synchronous offload (ZeRO-Offload's schedule) and ZenFlow, and names what
+bounds each schedule. It is a model, not a measurement: `hf-zenflow estimate --hardware` also runs the emulator
+(`emulator.run_estimate`) on the same figures, which executes the real host code.
+
+The model's constants:
+
+* device compute: ``6 * params * tokens / (device FLOP/s * mfu)`` (forward + backward of a dense transformer);
+* device AdamW: 28 bytes per parameter over the device memory bandwidth (`emulator.DEVICE_ADAMW_BYTES_PER_PARAM`);
+  ZenFlow's device step also reads every bf16 gradient once (norms and selection);
+* link: bf16 gradients and parameters, 2 bytes per parameter per direction;
+* host AdamW: the published CPUAdam rate (7e9 parameters in 4.6 s on 128 threads, `emulator.PUBLISHED_*`) per core,
+  capped by host memory bandwidth at 30 bytes per parameter (fp32 grad, master, moments read and written, bf16
+  parameter written);
+* host accumulation of one step's gradient (ZenFlow, ``accumulate_on="host"``): `ACCUMULATE_VS_ADAMW` of a host
+  AdamW, the ratio the emulator measured (BENCHMARKS.md §3a: 3 624 ms of host work per step at U=4 with a 4 600 ms
+  AdamW, so 2 474 ms of accumulation per step).
+
+Example:
+    >>> from hf_zenflow.compare.hardware import PROFILES, schedule_model
+    >>> rows = schedule_model(PROFILES["a100-40gb-pcie4"], params=7e9, tokens_per_step=8 * 512)
+    >>> rows["sync_offload"]["bound"]
+    'host'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from hf_zenflow.compare.emulator import (
+    DEVICE_ADAMW_BYTES_PER_PARAM,
+    LINK_BYTES_PER_PARAM,
+    PUBLISHED_HOST_CORES,
+    PUBLISHED_HOST_PARAMS_PER_S,
+)
+
+
+#: Host AdamW bytes per parameter (fp32 grad read, fp32 master/exp_avg/exp_avg_sq read and written, bf16 param out).
+HOST_ADAMW_BYTES_PER_PARAM = 30
+#: One step's host accumulation, as a fraction of one host AdamW over the same parameters (measured, see docstring).
+ACCUMULATE_VS_ADAMW = 0.54
+#: Device bytes per parameter: bf16 weight and gradient (4) + fp32 master and moments (12) where AdamW runs there.
+DEVICE_BYTES_WEIGHT_GRAD = 4
+DEVICE_BYTES_ADAM_STATE = 12
+#: ZenFlow's device-side window sum (accumulate_on="device"): fp32, and its per-step cost (read bf16 grad, read and
+#: write the fp32 sum).
+DEVICE_ACCUMULATOR_BYTES = 4
+DEVICE_ACCUMULATE_TRAFFIC = 10
+#: Fraction of the device memory counted as usable for weights, gradients and optimizer state (the rest is left for
+#: activations, the allocator and the runtime, which the model does not count).
+DEVICE_MEMORY_HEADROOM = 0.9
+
+
+@dataclass
+class HardwareProfile:
+    """One machine's figures. Presets in `PROFILES` are nominal datasheet values (dense bf16 tensor-core TFLOP/s,
+    HBM bandwidth, a PCIe x16 link's practical bandwidth); measure your own and pass a JSON file for real decisions.
+
+    Example:
+        >>> HardwareProfile(name="mine", device_tflops=100, device_mem_gb=24, device_mem_gbps=900, link_gbps=25,
+        ...                 host_cores=16, host_mem_gbps=60).host_adamw_params_per_s() > 0
+        True
+    """
+
+    name: str = "custom"
+    device_tflops: float = 312.0  # dense bf16 FLOP/s of the device, in TFLOP/s
+    device_mem_gb: float = 40.0
+    device_mem_gbps: float = 1555.0
+    link_gbps: float = 25.0  # host<->device, per direction
+    host_cores: int = 64
+    host_mem_gbps: float = 200.0
+    mfu: float = 0.4  # fraction of the peak FLOP/s a training step reaches
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name == "name":
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+                raise ValueError(f"HardwareProfile.{f.name}={value!r} is invalid: allowed is a finite number > 0.")
+        if self.mfu > 1:
+            raise ValueError(f"HardwareProfile.mfu={self.mfu!r} is invalid: allowed is a fraction in (0, 1].")
+
+    def host_adamw_params_per_s(self) -> float:
+        """Host AdamW rate: the published per-core CPUAdam rate times the cores, capped by memory bandwidth."""
+        per_core = PUBLISHED_HOST_PARAMS_PER_S / PUBLISHED_HOST_CORES
+        return min(per_core * self.host_cores, self.host_mem_gbps * 1e9 / HOST_ADAMW_BYTES_PER_PARAM)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> HardwareProfile:
+        values = json.loads(Path(path).read_text(encoding="utf-8"))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"hardware profile {path}: unknown key(s) {unknown}: allowed are {sorted(known)}.")
+        values.setdefault("name", Path(path).stem)
+        return cls(**values)
+
+
+PROFILES: dict[str, HardwareProfile] = {
+    "a100-40gb-pcie4": HardwareProfile("a100-40gb-pcie4", 312.0, 40.0, 1555.0, 25.0, 64, 200.0),
+    "a100-80gb-pcie4": HardwareProfile("a100-80gb-pcie4", 312.0, 80.0, 1935.0, 25.0, 64, 200.0),
+    "h100-80gb-pcie5": HardwareProfile("h100-80gb-pcie5", 756.0, 80.0, 2000.0, 50.0, 96, 300.0),
+    "rtx4090-pcie4": HardwareProfile("rtx4090-pcie4", 165.0, 24.0, 1008.0, 25.0, 16, 80.0),
+    "l4-pcie4": HardwareProfile("l4-pcie4", 121.0, 24.0, 300.0, 25.0, 16, 80.0),
+}
+
+
+def load_profile(spec: str) -> HardwareProfile:
+    """A preset name from `PROFILES` or the path of a JSON file with `HardwareProfile`'s fields."""
+    if spec in PROFILES:
+        return PROFILES[spec]
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return HardwareProfile.from_json(path)
+    raise ValueError(f"--hardware {spec!r} is neither a preset ({', '.join(sorted(PROFILES))}) nor a JSON file.")
+
+
+def _bound(parts: dict[str, float]) -> tuple[float, str]:
+    side = max(parts, key=lambda k: parts[k])
+    return parts[side], side
+
+
+def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
+                   update_interval: float = 4, device_step_ms: float | None = None) -> dict[str, dict[str, Any]]:
+    """Per-step ms of each side and the step time of every schedule (the slowest side of an overlapped schedule,
+    the sum of a synchronous one); `bound` names the side that sets the step.
+
+    `device_step_ms` replaces the FLOP-based forward+backward time when you have measured it.
+    """
+    n = float(params)
+    compute = device_step_ms if device_step_ms is not None else (
+        6.0 * n * tokens_per_step / (profile.device_tflops * 1e12 * profile.mfu) * 1e3)
+    device_adamw = n * DEVICE_ADAMW_BYTES_PER_PARAM / (profile.device_mem_gbps * 1e9) * 1e3
+    grad_read = n * LINK_BYTES_PER_PARAM / (profile.device_mem_gbps * 1e9) * 1e3
+    link = n * LINK_BYTES_PER_PARAM / (profile.link_gbps * 1e9) * 1e3  # one direction, bf16
+    host_adamw = n / profile.host_adamw_params_per_s() * 1e3
+    accumulate = ACCUMULATE_VS_ADAMW * host_adamw
+    u = max(1.0, float(update_interval))
+    mem_gb = profile.device_mem_gb
+    weights_grads = n * DEVICE_BYTES_WEIGHT_GRAD / 1e9
+    rows: dict[str, dict[str, Any]] = {}
+    rows["no_offload"] = {"step_ms": compute + device_adamw, "bound": "device",
+                          "device_ms": compute + device_adamw, "link_ms": 0.0, "host_ms": 0.0,
+                          "device_memory_gb": weights_grads + n * DEVICE_BYTES_ADAM_STATE / 1e9}
+    sync_parts = {"device": compute, "link": 2 * link, "host": host_adamw}
+    rows["sync_offload"] = {"step_ms": sum(sync_parts.values()), "bound": _bound(sync_parts)[1],
+                            "device_ms": compute, "link_ms": 2 * link, "host_ms": host_adamw,
+                            "device_memory_gb": weights_grads}
+    selected = topk_ratio * device_adamw + grad_read
+    for key, on_device in (("zenflow", False), ("zenflow_device_accumulation", True)):
+        # the write-back of a window's result runs on the device's stream: on the device timeline
+        device = compute + selected + link / u + (n * DEVICE_ACCUMULATE_TRAFFIC / (profile.device_mem_gbps * 1e9)
+                                                   * 1e3 if on_device else 0.0)
+        link_down = 2 * link / u if on_device else link  # one fp32 sum per window, or every bf16 gradient
+        host = host_adamw / u + (0.0 if on_device else accumulate)
+        parts = {"device": device, "link": link_down, "host": host}
+        step, side = _bound(parts)
+        rows[key] = {"step_ms": step, "bound": side, "device_ms": device, "link_ms": link_down, "host_ms": host,
+                     "device_memory_gb": weights_grads + n * (topk_ratio * DEVICE_BYTES_ADAM_STATE
+                                                              + (DEVICE_ACCUMULATOR_BYTES if on_device else 0)) / 1e9}
+    for r in rows.values():
+        r["fits_device_memory"] = r["device_memory_gb"] <= DEVICE_MEMORY_HEADROOM * mem_gb
+        r["compute_ms"] = compute
+    return rows
+
+
+def interval_to_unbind(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float,
+                       accumulate_on: str, device_step_ms: float | None = None,
+                       candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> int | None:
+    """The smallest update_interval at which ZenFlow's step is device-bound (None: none of `candidates`)."""
+    key = "zenflow_device_accumulation" if accumulate_on == "device" else "zenflow"
+    for u in candidates:
+        row = schedule_model(profile, params, tokens_per_step, topk_ratio, u, device_step_ms)[key]
+        if row["bound"] == "device":
+            return u
+    return None
+
+
+def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
+           update_interval: float = 4, device_step_ms: float | None = None) -> list[str]:
+    """Plain sentences: does offloading help here, where is ZenFlow bound, and which setting moves the bound."""
+    rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms)
+    base, sync, zen, dev = (rows[k] for k in ("no_offload", "sync_offload", "zenflow", "zenflow_device_accumulation"))
+    out = []
+    if base["fits_device_memory"]:
+        out.append(f"No offload needed: weights, gradients and AdamW state ({base['device_memory_gb']:.1f} GB, "
+                   f"activations not counted) fit {DEVICE_MEMORY_HEADROOM:.0%} of the device's "
+                   f"{profile.device_mem_gb:.0f} GB; plain AdamW on the device is the fastest schedule "
+                   f"({base['step_ms']:.0f} ms/step).")
+    else:
+        out.append(f"Offload needed: weights, gradients and AdamW state take {base['device_memory_gb']:.1f} GB, "
+                   f"more than {DEVICE_MEMORY_HEADROOM:.0%} of the device's {profile.device_mem_gb:.0f} GB.")
+    out.append(f"ZenFlow (window summed on the host, U={update_interval:g}): {zen['step_ms']:.0f} ms/step, "
+               f"{zen['bound']}-bound, {sync['step_ms'] / zen['step_ms']:.2f}x faster than synchronous offload "
+               f"({sync['step_ms']:.0f} ms/step), {zen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
+    if zen["bound"] == "host":
+        u_host = interval_to_unbind(profile, params, tokens_per_step, topk_ratio, "host", device_step_ms)
+        u_dev = interval_to_unbind(profile, params, tokens_per_step, topk_ratio, "device", device_step_ms)
+        move = (f'accumulate_on="device" moves the bound: {dev["step_ms"]:.0f} ms/step ({dev["bound"]}-bound; '
+                f'+{params * DEVICE_ACCUMULATOR_BYTES / 1e9:.1f} GB of device memory'
+                + ("" if dev["fits_device_memory"] else ", which does NOT fit") + ")")
+        move += f"; device-bound from update_interval={u_dev}" if u_dev else "; still not device-bound at U=32"
+        if u_host:
+            move += f"; with host accumulation from update_interval={u_host}"
+        out.append("Host-bound: the host accumulates every step's gradient and runs one AdamW per window. " + move
+                   + ".")
+    elif zen["bound"] == "link":
+        out.append('Link-bound: every step\'s gradient crosses the link. accumulate_on="device" sends one fp32 sum '
+                   f"per window instead: {dev['step_ms']:.0f} ms/step ({dev['bound']}-bound).")
+    else:
+        out.append("Device-bound: the offload is hidden behind forward/backward; a smaller topk_ratio only trims the "
+                   f"selected-column AdamW ({topk_ratio * (base['step_ms'] - zen['compute_ms']):.1f} ms per step).")
+    return out
+
+
+def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
+                          update_interval: float = 4, device_step_ms: float | None = None) -> str:
+    """Markdown: the profile, one row per schedule (each side's ms, the step, the bound), then `advice`."""
+    rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms)
+    names = {"no_offload": "no offload (AdamW on device)", "sync_offload": "synchronous offload (ZeRO-Offload)",
+             "zenflow": f"ZenFlow, U={update_interval:g}, topk_ratio={topk_ratio:g} (window summed on the host)",
+             "zenflow_device_accumulation": 'ZenFlow, same, accumulate_on="device"'}
+    p = asdict(profile)
+    lines = [f"## Bound model (not a measurement): `{profile.name}`", "",
+             "Profile: " + ", ".join(f"{k} {v}" for k, v in p.items() if k != "name")
+             + f"; model {params / 1e9:.2f}B params, {tokens_per_step:.0f} tokens/step"
+             + (f", forward+backward {device_step_ms:.0f} ms (given)" if device_step_ms is not None else "") + ".",
+             "",
+             "| schedule | device ms/step | link ms/step | host ms/step | step ms | bound | vs sync offload | "
+             "device memory GB (no activations) |",
+             "|---|---|---|---|---|---|---|---|"]
+    sync = rows["sync_offload"]["step_ms"]
+    for key, label in names.items():
+        r = rows[key]
+        fits = "" if r["fits_device_memory"] else " (does not fit)"
+        bound = "sum (synchronous)" if key == "sync_offload" else r["bound"]
+        lines.append(f"| {label} | {r['device_ms']:.0f} | {r['link_ms']:.0f} | {r['host_ms']:.0f} | "
+                     f"{r['step_ms']:.0f} | {bound} | {sync / r['step_ms']:.2f}x | "
+                     f"{r['device_memory_gb']:.1f}{fits} |")
+    lines += [""] + [f"- {s}" for s in advice(profile, params, tokens_per_step, topk_ratio, update_interval,
+                                              device_step_ms)]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["PROFILES", "HardwareProfile", "advice", "format_schedule_model", "interval_to_unbind", "load_profile",
+           "schedule_model"]

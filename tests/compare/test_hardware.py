@@ -1,0 +1,136 @@
+"""The hardware bound model behind `hf-zenflow estimate --hardware` and `tune`'s modelled speed-up: hand-computed
+per-side times, the named bound, the setting that moves it, profile validation, and the estimate table's columns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hf_zenflow.cli import main
+from hf_zenflow.compare.emulator import format_estimate
+from hf_zenflow.compare.hardware import (
+    ACCUMULATE_VS_ADAMW,
+    PROFILES,
+    HardwareProfile,
+    advice,
+    interval_to_unbind,
+    load_profile,
+    schedule_model,
+)
+
+
+# Round numbers: 1e9 params, 1000 tokens -> 6e12 FLOPs at 100 TFLOP/s x 0.5 = 120 ms of compute; link 2 GB / 20 GB/s
+# = 100 ms per direction; host AdamW 1e9 / min(128 x 7e9/4.6/128, 100e9/30) params/s = 657 ms.
+PROFILE = HardwareProfile("t", device_tflops=100.0, device_mem_gb=80.0, device_mem_gbps=1000.0, link_gbps=20.0,
+                          host_cores=128, host_mem_gbps=100.0, mfu=0.5)
+
+
+def test_schedule_model_matches_hand_computed_times() -> None:
+    rows = schedule_model(PROFILE, params=1e9, tokens_per_step=1000, topk_ratio=0.1, update_interval=4)
+    host_adamw = 1e9 / (7e9 / 4.6) * 1e3
+    assert rows["no_offload"]["step_ms"] == pytest.approx(120 + 28.0)  # + 28 B/param at 1 TB/s
+    assert rows["sync_offload"]["step_ms"] == pytest.approx(120 + 200 + host_adamw)
+    zen = rows["zenflow"]
+    assert zen["host_ms"] == pytest.approx(host_adamw / 4 + ACCUMULATE_VS_ADAMW * host_adamw)
+    assert zen["link_ms"] == pytest.approx(100)
+    assert zen["device_ms"] == pytest.approx(120 + 0.1 * 28 + 2 + 100 / 4)  # + grad read + write-back per window
+    assert zen["step_ms"] == max(zen["device_ms"], zen["link_ms"], zen["host_ms"]) and zen["bound"] == "host"
+    dev = rows["zenflow_device_accumulation"]
+    assert dev["host_ms"] == pytest.approx(host_adamw / 4) and dev["link_ms"] == pytest.approx(2 * 100 / 4)
+    assert dev["device_memory_gb"] == pytest.approx(zen["device_memory_gb"] + 4.0)
+    assert rows["no_offload"]["device_memory_gb"] == pytest.approx(16.0) and rows["no_offload"]["fits_device_memory"]
+
+
+def test_bound_moves_to_the_device_with_a_longer_window() -> None:
+    u = interval_to_unbind(PROFILE, 1e9, 1000, 0.1, "device")
+    assert u is not None
+    assert schedule_model(PROFILE, 1e9, 1000, 0.1, u)["zenflow_device_accumulation"]["bound"] == "device"
+    if u > 1:
+        assert schedule_model(PROFILE, 1e9, 1000, 0.1, u // 2)["zenflow_device_accumulation"]["bound"] != "device"
+    assert u == 8  # host 657/8 = 82 ms < device 160 ms; at U=4 the host's 164 ms exceeds the device's 160 ms
+    # host accumulation costs 0.54 AdamW every step whatever the window: 355 ms here, never device-bound
+    assert interval_to_unbind(PROFILE, 1e9, 1000, 0.1, "host") is None
+
+
+def test_advice_names_the_bound_and_the_setting_that_moves_it() -> None:
+    text = " ".join(advice(PROFILE, 1e9, 1000))
+    assert "host-bound" in text and 'accumulate_on="device"' in text
+    small = " ".join(advice(PROFILES["a100-80gb-pcie4"], 1e8, 4096))
+    assert small.startswith("No offload needed")  # 1.6 GB of state fits 80 GB
+
+
+def test_profiles_validate_and_load_from_json(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"HardwareProfile\.link_gbps=0 is invalid"):
+        HardwareProfile(link_gbps=0)
+    with pytest.raises(ValueError, match=r"HardwareProfile\.mfu=1\.5"):
+        HardwareProfile(mfu=1.5)
+    path = tmp_path / "box.json"
+    path.write_text(json.dumps({"device_tflops": 50, "device_mem_gb": 16, "device_mem_gbps": 500, "link_gbps": 12,
+                                "host_cores": 8, "host_mem_gbps": 40}))
+    prof = load_profile(str(path))
+    assert prof.name == "box" and prof.link_gbps == 12
+    path.write_text(json.dumps({"device_tflop": 50}))
+    with pytest.raises(ValueError, match="unknown key"):
+        load_profile(str(path))
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_profile("no-such-box")
+
+
+def test_estimate_hardware_model_only(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["estimate", "--hardware", "a100-40gb-pcie4", "--model-params", "7e9", "--model-only"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Bound model (not a measurement)" in out and "| ZenFlow, U=4" in out
+    assert "Offload needed" in out and "bound" in out
+
+
+def _row(step_mean: float, host_work: float | None = None, bound: bool = False, step: float | None = None) -> dict:
+    r = {"step_ms": step if step is not None else step_mean, "step_ms_mean": step_mean, "step_ms_median": step_mean,
+         "step_ms_min": step_mean - 10, "step_ms_max": step_mean + 10, "optimizer_critical_path_ms": 1.0,
+         "device_idle_fraction": 0.0, "link_down_ms_per_copy": None, "link_up_ms_per_copy": None,
+         "extra": {}}
+    if host_work is not None:
+        r.update(host_work_per_step_ms=host_work, host_bound=bound)
+    return r
+
+
+def test_estimate_table_columns_mean_what_their_headers_say() -> None:
+    """Issue 14 item 4: a host-bound row's measured mean must stay the measured mean (within min..max); the host
+    work per step that bounds it goes into its own column."""
+    res = {"label": "EMULATED", "scenario": {"name": "t", "params": 1e9, "forward_ms": 0.0, "backward_ms": 100.0,
+                                             "grad_offload_ms": 1.0, "param_upload_ms": 1.0, "topk_ratio": 0.1,
+                                             "update_interval": 4, "notes": ""},
+           "cpu_update_ms": 1.0, "cpu_update_source": "given", "device_optimizer_ms": 1.0, "emulated_params": 1e6,
+           "host_threads": 1, "host_adamw_real_ms": 1.0, "time_compression": 1.0,
+           "link_real_gbps": {"down": 1.0, "up": 1.0},
+           "results": {"no_offload": _row(100), "sync_offload": _row(500),
+                       "zenflow": _row(200, host_work=640, bound=True, step=640),
+                       "zenflow_device_accumulation": _row(210, host_work=50, bound=False)},
+           "summary": {"zenflow_speedup_vs_sync": 500 / 640, "zenflow_critical_path_vs_sync": 1.0,
+                       "zenflow_step_vs_no_offload": 6.4, "zenflow_device_accumulation_speedup_vs_sync": 500 / 210,
+                       "zenflow_device_accumulation_critical_path_vs_sync": 1.0,
+                       "zenflow_device_accumulation_step_vs_no_offload": 2.1}}
+    text = format_estimate(res)
+    header = next(line for line in text.splitlines() if line.startswith("| schedule"))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    row = next(line for line in text.splitlines() if line.startswith("| ZenFlowAdamW (window summed on the host)"))
+    cells = dict(zip(cols, (c.strip() for c in row.strip("|").split("|"))))
+    mean, lo, hi = (float(cells[k]) for k in ("measured step ms: mean", "min", "max"))
+    assert lo <= mean <= hi and mean == 200
+    assert cells["host work ms per step"] == "640"
+    assert cells[next(c for c in cols if c.startswith("step ms (the larger"))].startswith("**640**")
+    assert cells["vs sync offload"] == "0.78x faster"
+
+
+def test_emulator_scenario_from_a_profile_carries_its_times() -> None:
+    from hf_zenflow.compare.emulator import scenario_from_profile
+
+    sc = scenario_from_profile(PROFILE, 1e9, 1000)
+    rows = schedule_model(PROFILE, 1e9, 1000)
+    assert sc.params == 1e9 and sc.device_compute_ms == pytest.approx(120.0)
+    assert sc.grad_offload_ms == pytest.approx(100.0) and sc.param_upload_ms == pytest.approx(100.0)
+    assert sc.cpu_update_ms == pytest.approx(rows["sync_offload"]["host_ms"])
+    assert sc.device_mem_gbps == PROFILE.device_mem_gbps and sc.host_cores == PROFILE.host_cores
+    assert sc.resolved_device_optimizer_ms() == pytest.approx(28.0)  # the same 28 B/param as the bound model
