@@ -20,9 +20,9 @@ from typing import Any
 from .baselines import SyncOffloadAdamW
 from .checkpoint import CheckpointError, to_torch_adamw
 from .config import ZenFlowConfig
-from .host import HostWorkerError
 from .layout import column_major_
 from .optimizer import ZenFlowAdamW
+from .worker import HostWorkerError
 
 
 __version__ = "0.1.0"

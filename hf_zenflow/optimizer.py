@@ -38,13 +38,13 @@ from ._base import (
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, device_update, gather_selected, norms_and_gather
 from .gradients import GradientReads
-from .host import wait_for_closed_workers
 from .schedule import StepKind, WindowSchedule
 from .selection import num_selected, row_scores, selection_axis
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
 from .weight_marks import WeightMarks, reread_masters
 from .windows import HandOff, HostWindows
+from .worker import wait_for_closed_workers
 
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ import torch
 
 if TYPE_CHECKING:
     from .device_step import DenseDeviceState
-    from .host import HostAdamWorker
     from .split_matrix import SplitMatrix
+    from .worker import HostAdamWorker
 
 logger = logging.getLogger("hf_zenflow.optimizer")
 

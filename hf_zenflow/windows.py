@@ -18,11 +18,12 @@ import torch
 from .config import ZenFlowConfig
 from .device_step import DeviceColumns, scatter_columns
 from .distributed_check import warn_if_replicated
-from .host import GradSlot, HostAdamWorker, HostMatrix, accumulate_into, host_adamw_window
+from .host import HostMatrix, accumulate_into, host_adamw_window
 from .schedule import WindowSchedule, host_lr_scale
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
 from .transport import Landed, Transport, transport_for
+from .worker import GradSlot, HostAdamWorker
 
 
 @dataclass

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_zenflow import host
-from hf_zenflow.host import GRAD_SLOTS, HostAdamWorker, HostMatrix, HostWorkerError
+from hf_zenflow import worker as worker_module
+from hf_zenflow.host import GRAD_SLOTS, HostMatrix
+from hf_zenflow.worker import HostAdamWorker, HostWorkerError
 
 
 def test_jobs_run_in_submission_order_off_the_calling_thread():
@@ -189,7 +190,7 @@ def test_a_wait_longer_than_the_poll_interval_keeps_waiting(monkeypatch):
     """`Future.result(timeout)` raises `concurrent.futures.TimeoutError`, which is not the built-in `TimeoutError`
     before Python 3.11: every wait longer than the poll interval escaped `step()` there (.ci/run runs this file
     under the oldest supported Python too)."""
-    monkeypatch.setattr(host, "_POLL_S", 0.005)
+    monkeypatch.setattr(worker_module, "_POLL_S", 0.005)
     worker = HostAdamWorker(threads=1, background=True)
     done = []
     future = worker.submit("slow", lambda: (time.sleep(0.2), done.append(1)))

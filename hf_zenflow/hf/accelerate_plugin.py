@@ -45,9 +45,9 @@ import torch
 
 from ..config import ZenFlowConfig, available_cpu_count
 from ..distributed_check import warn_if_replicated
-from ..host import wait_for_closed_workers
 from ..optimizer import ZenFlowAdamW
 from ..settings import SETTINGS, optional_fields, parse_text, rename_fields, render_help, wrap
+from ..worker import wait_for_closed_workers
 
 
 logger = logging.getLogger(__name__)

@@ -27,9 +27,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..checkpoint import CheckpointError, check_file
 from ..distributed_check import warn_if_replicated
-from ..host import wait_for_closed_workers
 from ..layout import column_major_
 from ..optimizer import ZenFlowAdamW
+from ..worker import wait_for_closed_workers
 from .model_card import format_bytes, render_zenflow_model_card
 from .training_args import SUPPORTED_OPTIMS, ZenFlowTrainingArguments
 
