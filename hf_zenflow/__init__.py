@@ -18,7 +18,8 @@ Where things live:
 from typing import Any
 
 from .baselines import SyncOffloadAdamW
-from .checkpoint import CheckpointError, to_torch_adamw
+from .checkpoint import CheckpointError
+from .checkpoint_convert import to_torch_adamw
 from .config import ZenFlowConfig
 from .layout import column_major_
 from .optimizer import ZenFlowAdamW

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError, is_torch_adamw_state, load_file, to_torch_adamw
+from ..checkpoint import CheckpointError, load_file
+from ..checkpoint_convert import is_torch_adamw_state, to_torch_adamw
 
 
 OPTIMIZER_FILE = "optimizer.pt"
