@@ -16,8 +16,16 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+from .device_step import gather_selected, norms_and_gather
+
+
+if TYPE_CHECKING:
+    from .split_matrix import SplitMatrix
 
 
 def torch_norm(g: torch.Tensor) -> torch.Tensor:
@@ -96,3 +104,55 @@ class GradientReads:
             handle.remove()
         self._handles.clear()
         self._norms.clear()
+
+
+@dataclass
+class StepReads:
+    """What one `step()` reads of its gradients before the one sync: per-gradient norms and their total, the split
+    matrices whose selected columns were gathered, Zen-auto's (index, matrix) pairs, the matrices waiting for their
+    first columns, and `probe`: the scalars the sync reads (total, clip coefficient, Zen-auto's masses, waiting
+    norms, in that order)."""
+
+    norms: list[torch.Tensor]
+    total: torch.Tensor
+    gathered: set[torch.Tensor] = field(default_factory=set)
+    auto_split: list[tuple[int, SplitMatrix]] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    probe: list[torch.Tensor] = field(default_factory=list)
+
+
+def read_gradients(
+    splits: dict[torch.Tensor, SplitMatrix], reads: GradientReads, entries: list[tuple[dict, torch.Tensor]],
+    grads: list[torch.Tensor], measured: tuple[list[torch.Tensor] | None, torch.Tensor | None, torch.Tensor | None],
+    gather_now: bool, auto: bool,
+) -> StepReads:
+    """Norms from `clip_grad_norm_` (`measured`: norms, total, clip coefficient) or from the backward hooks, the
+    rest read now; the selected columns gathered (an ordinary step); Zen-auto's masses (`auto`)."""
+    cached_norms, cached_total, clip = measured
+    gathered: set[torch.Tensor] = set()
+    if cached_norms:
+        norms = list(cached_norms)
+    else:
+        norms = [reads.norm(p) for _, p in entries]
+        todo = [i for i, n in enumerate(norms) if n is None]
+        if todo:  # read now, with the gather in the same sweep where the kernels allow
+            read = norms_and_gather(splits, [entries[i] for i in todo], [grads[i] for i in todo], gather_now, gathered)
+            for i, n in zip(todo, read):
+                norms[i] = n
+    if gather_now:
+        # the selected columns are needed before the sync either way: Zen-auto votes on their mass
+        gather_selected(splits, entries, grads, gathered)
+    if cached_total is not None:
+        total = cached_total
+    else:
+        first = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
+    auto_split = [(i, splits[p]) for i, (_, p) in enumerate(entries)
+                  if p in gathered and splits[p].offloaded] if auto else []
+    critical = [split.device.grad.square().sum() for _, split in auto_split]
+    # matrices still waiting for their first columns (`_select_new_matrices`): is their gradient non-zero?
+    waiting = [i for i, (_, p) in enumerate(entries)
+               if gather_now and (split := splits.get(p)) is not None and split.device is None and split.k > 0]
+    probe = [total, total if clip is None else clip] + [norms[i].square() for i, _ in auto_split] + critical
+    probe += [norms[i] for i in waiting]
+    return StepReads(norms, total, gathered, auto_split, waiting, probe)

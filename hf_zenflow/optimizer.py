@@ -36,8 +36,8 @@ from ._base import (
     grad_norms,
 )
 from .config import ZenFlowConfig
-from .device_step import DenseDeviceState, device_update, gather_selected, norms_and_gather
-from .gradients import GradientReads
+from .device_step import DenseDeviceState, device_update
+from .gradients import GradientReads, read_gradients
 from .schedule import StepKind, WindowSchedule
 from .selection import num_selected, row_scores, selection_axis
 from .split_matrix import SplitMatrix
@@ -211,37 +211,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         kind = schedule.kind()
         warm_up, selecting = kind is StepKind.WARM_UP, kind is StepKind.SELECT
         gather_now = kind is StepKind.ORDINARY
-        # matrices still waiting for their first columns (`_select_new_matrices`): is their gradient non-zero?
-        waiting = [i for i, (_, p) in enumerate(entries)
-                   if gather_now and (split := self._split.get(p)) is not None and split.device is None
-                   and split.k > 0]
-        gathered: set[torch.Tensor] = set()
         with timer.phase("norms"):
-            if cached_norms:
-                norms = cached_norms
-                if gather_now:
-                    # the selected columns are needed before the sync either way: Zen-auto votes on their mass
-                    gather_selected(self._split, entries, grads, gathered)
-            else:
-                # the norms the backward hooks took (`GradientReads`); the others are read now, with the gather
-                norms = [self._reads.norm(p) for _, p in entries]
-                todo = [i for i, n in enumerate(norms) if n is None]
-                if todo:
-                    read = norms_and_gather(self._split, [entries[i] for i in todo], [grads[i] for i in todo],
-                                            gather_now, gathered)
-                    for i, n in zip(todo, read):
-                        norms[i] = n
-                if gather_now:
-                    gather_selected(self._split, entries, grads, gathered)
-                first = norms[0].device
-                total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
-            total = cached_total if cached_norms else total
-            auto_split = [
-                (i, self._split[p]) for i, (_, p) in enumerate(entries) if p in gathered and self._split[p].offloaded
-            ] if self.config.is_auto_interval else []
-            critical = [split.device.grad.square().sum() for _, split in auto_split]
-            probe = [total, total if clip is None else clip] + [norms[i].square() for i, _ in auto_split] + critical
-            probe += [norms[i] for i in waiting]
+            reads = read_gradients(self._split, self._reads, entries, grads, (cached_norms, cached_total, clip),
+                                   gather_now, auto=self.config.is_auto_interval)
+        total, gathered, auto_split, waiting, probe = (reads.total, reads.gathered, reads.auto_split, reads.waiting,
+                                                       reads.probe)
 
         # ---- 2. an ordinary step launches its device work before it waits -------------------------------------
         # The fused AdamW takes the non-finite flag as a device tensor and changes nothing when it is set, so the

@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-import hf_zenflow.optimizer as optimizer_module
+import hf_zenflow.gradients as gradients_module
 import hf_zenflow.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.gradients import GradientReads, torch_norm
@@ -73,13 +73,13 @@ def test_step_uses_the_norms_taken_in_backward(monkeypatch):
     opt.step()  # the first step selects columns
     opt.zero_grad()
     read_in_step: list[int] = []
-    real = optimizer_module.norms_and_gather
+    real = gradients_module.norms_and_gather
 
     def counting(splits, entries, grads, *args, **kwargs):
         read_in_step.append(len(grads))
         return real(splits, entries, grads, *args, **kwargs)
 
-    monkeypatch.setattr(optimizer_module, "norms_and_gather", counting)
+    monkeypatch.setattr(gradients_module, "norms_and_gather", counting)
     loss_of(model, x, y).backward()
     opt.step()
     opt.zero_grad()
