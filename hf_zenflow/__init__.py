@@ -2,15 +2,23 @@
 
 Where things live:
 
-- the optimizer engine: `optimizer.py` (`ZenFlowAdamW`, orchestration and checkpoints), with the device path in
-  `device_step.py`, the host path (host state, accumulation, the worker thread) in `host.py`, column selection and
-  windows in `selection.py`, one matrix's two sides in `split_matrix.py`, the checkpoint format (validation,
-  migration, conversion to/from `torch.optim.AdamW`) in `checkpoint.py`, telemetry in `telemetry.py`, settings in
-  `config.py` (their flags, plugin arguments, environment variables and docs derived from its fields in
-  `settings.py`; DeepSpeed configs read by `deepspeed_config.py`), the once-per-process multi-process warning in
-  `distributed_check.py`, the column-major weight layout for CPU devices in `layout.py` (`column_major_`);
+- `ZenFlowAdamW` (`optimizer.py`) orchestrates a step and holds the public API; it decides nothing itself:
+  - the schedule, pure decisions with no tensors: `schedule.py` (step kinds, windows, Zen-auto votes);
+  - reading each gradient as backward produces it: `gradients.py` (hooks: norms, early copies to the host);
+  - the device path: `device_step.py` (selected-column and dense AdamW state, gather, fused update);
+  - the host side of a step: `windows.py` (hand-offs, window closes, write-backs), over the host path in `host.py`
+    (host state, accumulation, the window's AdamW) and `worker.py` (`HostAdamWorker`);
+  - what crosses the link: `transport.py` (one interface; CUDA streams, events, pinned arena);
+  - one matrix's two sides and its selection: `split_matrix.py`, `selection.py`;
+  - checkpoints: `checkpoint.py` (format, validation, migration), `checkpoint_convert.py` (settings changed on resume,
+    to/from `torch.optim.AdamW`); weights changed from outside: `weight_marks.py`;
+  - the CPU as the device: `cpu_device/` (C kernels, `column_major_`, the reference-and-swap transport);
+- settings: `config.py` (`ZenFlowConfig`), their flags/plugin arguments/env vars/docs in `settings.py`, DeepSpeed
+  configs in `deepspeed_config.py`, the thread rule in `threads.py`, the multi-process warning in
+  `distributed_check.py`, telemetry in `telemetry.py`;
 - the synchronous offload baseline: `baselines.py` (`SyncOffloadAdamW`);
-- the Hugging Face glue: `hf/` (`ZenFlowTrainer`, `ZenFlowTrainingArguments`, `ZenFlowPlugin`, model cards);
+- the Hugging Face glue: `hf/` (`ZenFlowTrainer`, `ZenFlowTrainingArguments`, `ZenFlowPlugin`, model cards,
+  `convert-checkpoint`);
 - the side-by-side comparison, the emulated accelerator, the hardware bound model and the settings tuner
   (`hf_zenflow.tune`): `compare/`, driven by `cli.py` (`hf-zenflow`).
 """
@@ -21,7 +29,7 @@ from .baselines import SyncOffloadAdamW
 from .checkpoint import CheckpointError
 from .checkpoint_convert import to_torch_adamw
 from .config import ZenFlowConfig
-from .layout import column_major_
+from .cpu_device.layout import column_major_
 from .optimizer import ZenFlowAdamW
 from .worker import HostWorkerError
 

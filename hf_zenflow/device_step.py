@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import _native
 from ._base import fused_adamw_, l2_norm
+from .cpu_device import kernels
 
 
 if TYPE_CHECKING:
@@ -107,30 +107,30 @@ class DenseDeviceState:
         return sum(t.numel() * t.element_size() for t in own)
 
 
-def _native_split(items: list[tuple[DeviceColumns, torch.Tensor]]) -> tuple[list, list]:
+def _kernel_split(items: list[tuple[DeviceColumns, torch.Tensor]]) -> tuple[list, list]:
     """(items the CPU kernels take, the rest). The kernels are built only when a CPU tensor needs them. They
     handle the strided columns of row-major matrices; a column-major matrix's columns are contiguous rows, which
     torch's own row gather/scatter moves as fast."""
-    native = [(c, t) for c, t in items if c.axis == 1 and _native.supports(t)]
-    if native and _native.library() is None:
+    native = [(c, t) for c, t in items if c.axis == 1 and kernels.supports(t)]
+    if native and kernels.library() is None:
         return [], items
-    return native, [(c, t) for c, t in items if not (c.axis == 1 and _native.supports(t))]
+    return native, [(c, t) for c, t in items if not (c.axis == 1 and kernels.supports(t))]
 
 
 def gather_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
     """Gather the selected units of each (columns, gradient `storage_matrix`) pair into `columns.grad`."""
-    native, rest = _native_split(items)
+    native, rest = _kernel_split(items)
     if native:
-        _native.norms_and_gather([g for _, g in native], [c.grad for c, _ in native], [c.index for c, _ in native])
+        kernels.norms_and_gather([g for _, g in native], [c.grad for c, _ in native], [c.index for c, _ in native])
     for cols, g in rest:
         cols.gather_grad(g)
 
 
 def scatter_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
     """Write each matrix's (rounded) master units into its parameter's `storage_matrix`."""
-    native, rest = _native_split(items)
+    native, rest = _kernel_split(items)
     if native:
-        _native.scatter([p for _, p in native], [c.master for c, _ in native], [c.index for c, _ in native])
+        kernels.scatter([p for _, p in native], [c.master for c, _ in native], [c.index for c, _ in native])
     for cols, p in rest:
         cols.scatter_into(p)
 
@@ -166,9 +166,9 @@ def norms_and_gather(
     # the kernels gather the strided columns of row-major matrices; they read any contiguous gradient
     reads = [(i, grads[i] if split is None else split.matrix(grads[i]),
               split if split is not None and split.axis == 1 else None) for i, split in want]
-    native = [(i, matrix, split) for i, matrix, split in reads if _native.supports(matrix)]
-    if native and _native.library() is not None:
-        sums = _native.norms_and_gather(
+    native = [(i, matrix, split) for i, matrix, split in reads if kernels.supports(matrix)]
+    if native and kernels.library() is not None:
+        sums = kernels.norms_and_gather(
             [matrix for _, matrix, _ in native],
             [split.device.grad if split is not None else None for _, _, split in native],
             [split.device.index if split is not None else None for _, _, split in native],

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _native
 from ._base import fused_adamw_
-from .transport import CpuDeviceTransport, PinnedArena, Transport
+from .cpu_device import kernels
+from .transport import PinnedArena, Transport
 
 
 #: In-flight gradient hand-offs between the caller and the worker. Two lets the caller hand over step t+1 while the
@@ -50,9 +50,9 @@ def accumulate_into(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | Non
     """``accum = grad * coef`` (first step of a window) or ``accum += grad * coef``, in fp32. The one rule for both
     places a window is summed (the host worker, or the device with ``accumulate_on="device"``), so the two give
     the same bits."""
-    if _native.supports(grad2d) and accum.device.type == "cpu" and _native.library() is not None:
+    if kernels.supports(grad2d) and accum.device.type == "cpu" and kernels.library() is not None:
         # one pass that reads a bf16 gradient directly (torch needs a conversion pass first); same arithmetic
-        _native.accumulate([accum], [grad2d], coef, first)
+        kernels.accumulate([accum], [grad2d], coef, first)
         return
     if first:
         accum.copy_(grad2d)
@@ -95,7 +95,7 @@ class HostMatrix:
         gradient (one per hand-off slot), and the accumulator when the window is summed on the device
         (``accumulate_on="device"``: it lands there once per window, and no landing buffers are needed). The master
         and the moments never cross the link and are ordinary host memory."""
-        transport = transport if transport is not None else CpuDeviceTransport()
+        transport = transport if transport is not None else Transport()  # (references, no pinning)
         on_device = accumulate_on == "device"
         shape = param2d.shape
         state = cls(
@@ -134,13 +134,13 @@ class HostMatrix:
         thread, which shares the GIL with the training thread."""
         native: dict[bool, list[tuple[HostMatrix, torch.Tensor]]] = {True: [], False: []}
         for host, g2d in pairs:
-            if _native.supports(g2d) and host.accum.device.type == "cpu" and _native.library() is not None:
+            if kernels.supports(g2d) and host.accum.device.type == "cpu" and kernels.library() is not None:
                 native[host.accum_count == 0].append((host, g2d))
             else:
                 host.accumulate(g2d, coef)
         for first, batch in native.items():
             if batch:
-                _native.accumulate([h.accum for h, _ in batch], [g for _, g in batch], coef, first)
+                kernels.accumulate([h.accum for h, _ in batch], [g for _, g in batch], coef, first)
                 for host, _ in batch:
                     host.accum_count += 1
 

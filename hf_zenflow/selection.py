@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import _native
+from .cpu_device import kernels
 
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ def row_scores(items: list[tuple[SplitMatrix, torch.Tensor]]) -> dict[int, torch
     """Selection scores of the matrices whose selectable units are contiguous rows (column-major weights,
     `select_rows`), on a CPU device: one threaded kernel pass over all of them instead of a chunked torch sweep
     per matrix. Others are left to `column_scores` in `_select`."""
-    rows = [(split, m) for split, m in items if split.axis == 0 and _native.supports(m) and m.ndim == 2]
-    if not rows or _native.library() is None:
+    rows = [(split, m) for split, m in items if split.axis == 0 and kernels.supports(m) and m.ndim == 2]
+    if not rows or kernels.library() is None:
         return {}
-    return {id(split): s for (split, _), s in zip(rows, _native.row_scores([m for _, m in rows]))}
+    return {id(split): s for (split, _), s in zip(rows, kernels.row_scores([m for _, m in rows]))}

@@ -9,9 +9,10 @@ asks what the device is.
   a buffer has been read (its next writer waits on them).
 - `CopyTransport`: the same schedule with ordinary synchronous copies and unpinned buffers: what `CudaTransport` does,
   minus streams and events. The CPU test suite runs the optimizer with it to check the copying logic.
-- `CpuDeviceTransport`: the device is the CPU (tests, CI, `hf-zenflow compare` here). Nothing is copied where a
-  reference will do: the worker reads the gradient tensors themselves, a window's device-side sum becomes the host
-  accumulator by a buffer swap, and the write-back gives the weight the buffer the worker filled as its storage.
+- `cpu_device.transport.CpuDeviceTransport`: the device is the CPU (tests, CI, `hf-zenflow compare` here). Nothing
+  is copied where a reference will do: the worker reads the gradient tensors themselves, a window's device-side sum
+  becomes the host accumulator by a buffer swap, and the write-back gives the weight the buffer the worker filled as
+  its storage. (That is the `Transport` base behaviour.)
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class PinnedArena:
 
 
 class Transport:
-    """The interface (`CpuDeviceTransport` implements it for a CPU device)."""
+    """The interface, and the reference-and-swap behaviour of a CPU device (`CpuDeviceTransport`)."""
 
     #: whether each step's gradient is copied into host staging buffers (one per hand-off slot)
     stages_gradients = False
@@ -150,10 +151,6 @@ class Transport:
 
     def close(self) -> None:
         """Release what the transport holds (pinned memory)."""
-
-
-class CpuDeviceTransport(Transport):
-    """The device is the CPU: references and buffer swaps instead of copies (see the module docstring)."""
 
 
 class CopyTransport(Transport):
@@ -281,5 +278,7 @@ def transport_for(device: torch.device) -> Transport:
     if device.type == "cuda":
         return CudaTransport()
     if device.type == "cpu":
+        from .cpu_device.transport import CpuDeviceTransport
+
         return CpuDeviceTransport()
     return CopyTransport()

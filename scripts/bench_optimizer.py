@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 def print_floor(shapes: list[tuple[int, ...]], grads: list[torch.Tensor], args: argparse.Namespace,
                 sync_ms: float) -> None:
     """Median time of each unavoidable pass, measured here, and their sum as a fraction of sync offload's step."""
-    from hf_zenflow import _native
     from hf_zenflow._base import fused_adamw_
+    from hf_zenflow.cpu_device import kernels as _native
     from hf_zenflow.selection import num_selected
 
     if _native.library() is None:

@@ -12,8 +12,9 @@ import torch
 import hf_zenflow.gradients as gradients_module
 import hf_zenflow.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
+from hf_zenflow.cpu_device.transport import CpuDeviceTransport
 from hf_zenflow.gradients import GradientReads, torch_norm
-from hf_zenflow.transport import CopyTransport, CpuDeviceTransport
+from hf_zenflow.transport import CopyTransport
 from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups
 
 

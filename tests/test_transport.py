@@ -8,7 +8,8 @@ import torch
 
 import hf_zenflow.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.transport import ARENA_ALIGN, CopyTransport, CpuDeviceTransport, PinnedArena
+from hf_zenflow.cpu_device.transport import CpuDeviceTransport
+from hf_zenflow.transport import ARENA_ALIGN, CopyTransport, PinnedArena
 from tests.conftest import DEVICE, batches, linear_schedule, make_model, param_groups, train
 
 

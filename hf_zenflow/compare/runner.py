@@ -46,7 +46,7 @@ from hf_zenflow.compare.output import prepare_output_dir
 from hf_zenflow.compare.plots import ENGINE_PHASES, LABELS, plot_loss_curves, plot_time_breakdown
 from hf_zenflow.compare.report import OPTIMIZERS
 from hf_zenflow.config import ZenFlowConfig
-from hf_zenflow.layout import column_major_
+from hf_zenflow.cpu_device.layout import column_major_
 
 
 #: Steps left out of the timing statistics: the first step allocates optimizer state and makes the first selection.
@@ -109,7 +109,8 @@ class CompareConfig:
 
     def resolved_layout(self) -> str:
         """On a CPU device the offloading engines get column-major Linear weights (DeepSpeed's transposed layout:
-        each input column contiguous, see `hf_zenflow.layout`); on CUDA the gather/scatter is cheap either way."""
+        each input column contiguous, see `hf_zenflow.cpu_device.layout`); on CUDA the gather/scatter is cheap
+        either way."""
         if self.layout not in ("auto", "column", "row"):
             raise ValueError(f"CompareConfig.layout={self.layout!r} is invalid: allowed are 'auto', 'column', 'row'.")
         if self.layout == "auto":

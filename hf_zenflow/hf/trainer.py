@@ -26,8 +26,8 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..checkpoint import CheckpointError, check_file
+from ..cpu_device.layout import column_major_
 from ..distributed_check import warn_if_replicated
-from ..layout import column_major_
 from ..optimizer import ZenFlowAdamW
 from ..worker import wait_for_closed_workers
 from .model_card import format_bytes, render_zenflow_model_card

@@ -1,4 +1,4 @@
-"""The CPU kernels (`hf_zenflow/_native.py`) against torch: exact copies, bf16 rounding, fp64 norms, and the
+"""The CPU kernels (`hf_zenflow/cpu_device/kernels.py`) against torch: exact copies, bf16 rounding, fp64 norms, and the
 optimizer giving the same bits with and without them."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from hf_zenflow import ZenFlowAdamW, _native
+from hf_zenflow import ZenFlowAdamW
+from hf_zenflow.cpu_device import kernels as _native
 from tests.conftest import batches, linear_schedule, make_model, param_groups, train
 
 
