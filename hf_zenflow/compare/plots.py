@@ -13,6 +13,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from hf_zenflow._extras import require
+
 
 LABELS = {
     "adamw_torch": "adamw_torch (no offload)",
@@ -29,6 +31,7 @@ ROLLING_STEPS = 10
 
 
 def _pyplot() -> Any:
+    require("compare", "plotting (hf_zenflow.compare.plots)", modules=["matplotlib"])
     import matplotlib
 
     matplotlib.use("Agg")
