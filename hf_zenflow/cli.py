@@ -213,6 +213,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     from hf_zenflow.compare.data import AssetMissingError
     from hf_zenflow.compare.tune import TuneConfig, format_recommendation, format_table, run_tune
 
+    require("compare", "hf-zenflow tune")
     fields = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     for key in ("topk", "intervals", "scales"):
         fields[key] = tuple(fields[key])

@@ -1,6 +1,6 @@
-"""Optional dependencies (`hf_zenflow._extras`): a missing module of the ``compare`` extra stops `hf-zenflow compare`
-and the plots with a message naming the extra; `--help` needs none of them; pyproject's extras agree with
-`EXTRAS`, and the README's install command still brings the compare extra.
+"""Optional dependencies (`hf_zenflow._extras`): a missing module of the ``compare`` extra stops `hf-zenflow compare`,
+`hf-zenflow tune`, `hf_zenflow.tune` and the plots with a message naming the extra; `--help` needs none of them;
+pyproject's extras agree with `EXTRAS`, and the README's install command still brings the compare extra.
 
 A module is made missing by a ``None`` entry in `sys.modules`, which makes ``import`` raise `ModuleNotFoundError`
 exactly as for an uninstalled package.
@@ -44,22 +44,40 @@ def test_require_rejects_an_unknown_extra() -> None:
         require("plots", "plotting")
 
 
-def test_compare_without_the_extra_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    import hf_zenflow.compare.runner as runner
+@pytest.mark.parametrize(("command", "module", "entry"), [("compare", "hf_zenflow.compare.runner", "run_compare"),
+                                                       ("tune", "hf_zenflow.compare.tune", "run_tune")])
+def test_cli_without_the_extra_says_which_extra_to_install(command: str, module: str, entry: str,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+
     from hf_zenflow.cli import main
 
-    def must_not_run(config: object) -> None:
-        raise AssertionError("run_compare started although the compare extra is missing")
+    def must_not_run(*args: object) -> None:
+        raise AssertionError(f"{entry} started although the compare extra is missing")
 
-    monkeypatch.setattr(runner, "run_compare", must_not_run)
+    monkeypatch.setattr(importlib.import_module(module), entry, must_not_run)
     block(monkeypatch, "pandas")
-    assert main(["compare", "--steps", "1"]) == 2
-    assert capsys.readouterr().err.strip() == f"hf-zenflow compare needs pandas: {EXTRA_MESSAGE}"
+    assert main([command, "--steps", "1"]) == 2
+    assert capsys.readouterr().err.strip() == f"hf-zenflow {command} needs pandas: {EXTRA_MESSAGE}"
+
+
+def test_tune_api_without_the_extra_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_zenflow
+    import hf_zenflow.compare.tune as tune_module
+
+    def must_not_run(*args: object) -> None:
+        raise AssertionError("run_tune started although the compare extra is missing")
+
+    monkeypatch.setattr(tune_module, "run_tune", must_not_run)
+    block(monkeypatch, "psutil")
+    with pytest.raises(MissingExtraError, match=re.escape(f"hf_zenflow.tune needs psutil: {EXTRA_MESSAGE}")):
+        hf_zenflow.tune(budget_minutes=1)
 
 
 def test_plots_without_matplotlib_name_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from hf_zenflow.compare.plots import plot_loss_curves, plot_time_breakdown
+    from hf_zenflow.compare.tune import plot_pareto
 
     block(monkeypatch, "matplotlib", "matplotlib.pyplot")
     needs = re.escape(f"plotting (hf_zenflow.compare.plots) needs matplotlib: {EXTRA_MESSAGE}")
@@ -67,11 +85,14 @@ def test_plots_without_matplotlib_name_the_extra(monkeypatch: pytest.MonkeyPatch
         plot_loss_curves({}, tmp_path / "plot.png", "title")
     with pytest.raises(MissingExtraError, match=needs):
         plot_time_breakdown({}, tmp_path / "plot.png", "title", skip=0)
+    with pytest.raises(MissingExtraError, match=needs):
+        plot_pareto({"trials": []}, tmp_path / "plot.png")
     assert not (tmp_path / "plot.png").exists()
 
 
-def test_compare_help_needs_no_optional_module(monkeypatch: pytest.MonkeyPatch,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("command", ["compare", "tune", "estimate"])
+def test_help_needs_no_optional_module(command: str, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI and the compare modules it loads to build its parser import afresh with the extra missing."""
     for name in [m for m in sys.modules if m == "hf_zenflow.cli" or m.startswith("hf_zenflow.compare")]:
         monkeypatch.delitem(sys.modules, name)  # restored after the test
@@ -79,9 +100,9 @@ def test_compare_help_needs_no_optional_module(monkeypatch: pytest.MonkeyPatch,
     from hf_zenflow.cli import main
 
     with pytest.raises(SystemExit) as info:
-        main(["compare", "--help"])
+        main([command, "--help"])
     assert info.value.code == 0
-    assert "--save-model" in capsys.readouterr().out
+    assert f"usage: hf-zenflow {command}" in capsys.readouterr().out
 
 
 def test_pyproject_extras_match_the_module_table() -> None:
