@@ -17,6 +17,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from hf_zenflow._extras import MissingExtraError, require
+
 
 def _interval(value: str) -> int | str:
     return value if value.strip().lower() == "auto" else int(value)
@@ -126,6 +128,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     from hf_zenflow.compare.output import OutputExistsError
     from hf_zenflow.compare.runner import CompareConfig, run_compare
 
+    require("compare", "hf-zenflow compare")
     fields = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     fields["optimizers"] = tuple(o.strip() for o in fields["optimizers"].split(",") if o.strip())
     try:
@@ -210,6 +213,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     from hf_zenflow.compare.data import AssetMissingError
     from hf_zenflow.compare.tune import TuneConfig, format_recommendation, format_table, run_tune
 
+    require("compare", "hf-zenflow tune")
     fields = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     for key in ("topk", "intervals", "scales"):
         fields[key] = tuple(fields[key])
@@ -265,7 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except MissingExtraError as exc:  # an optional dependency: the message names the extra to install
+        print(exc, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

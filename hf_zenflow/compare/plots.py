@@ -13,6 +13,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from hf_zenflow._extras import require
+
 
 LABELS = {
     "adamw_torch": "adamw_torch (no offload)",
@@ -28,7 +30,9 @@ ENGINE_PHASES = ("norms", "select", "device_update", "handoff", "wait", "writeba
 ROLLING_STEPS = 10
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display), or `MissingExtraError` naming the extra."""
+    require("compare", "plotting (hf_zenflow.compare.plots)", modules=["matplotlib"])
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,7 +52,7 @@ def rolling_median(values: list[float], window: int) -> list[float]:
 
 
 def plot_loss_curves(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
     for name, r in results.items():
         loss = r["curves"]["loss"]
@@ -142,7 +146,7 @@ def _engine_phases(ax: Any, results: dict[str, dict[str, Any]], names: list[str]
     if not engines:
         ax.axis("off")
         return
-    cmap = _pyplot().get_cmap("tab10")
+    cmap = pyplot().get_cmap("tab10")
     segments = []
     for j, phase in enumerate(ENGINE_PHASES):
         vals = [results[n]["engine_phases_ms_mean"].get(phase) or 0.0 for n in engines]
@@ -173,7 +177,7 @@ def _every_step(ax: Any, results: dict[str, dict[str, Any]], names: list[str]) -
 def plot_time_breakdown(results: dict[str, dict[str, Any]], path: Path, title: str, skip: int,
                         banner: str | None = None) -> None:
     """The four panels; `banner` (the busy-machine line, or None) goes under the title in red."""
-    plt = _pyplot()
+    plt = pyplot()
     names = list(results)
     fig, axes = plt.subplots(2, 2, figsize=(15, 9))
     _critical_path(axes[0][0], results, names, skip)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hf_zenflow._extras import require
 from hf_zenflow.config import ZenFlowConfig
 
 
@@ -503,10 +504,9 @@ def write_outputs(payload: dict[str, Any], out_dir: Path) -> None:
 
 
 def plot_pareto(payload: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from hf_zenflow.compare.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = payload["trials"]
     fig, ax = plt.subplots(figsize=(8.5, 5.5))
@@ -559,6 +559,7 @@ def tune(model: str | None = None, **kwargs: Any) -> dict[str, Any]:
         >>> result = hf_zenflow.tune(budget_minutes=10)  # doctest: +SKIP
         >>> result["recommendation"]["training_arguments"]  # doctest: +SKIP
     """
+    require("compare", "hf_zenflow.tune")
     return run_tune(TuneConfig(model=model, **kwargs))
 
 

@@ -48,6 +48,7 @@ from ..distributed_check import warn_if_replicated
 from ..optimizer import ZenFlowAdamW
 from ..settings import SETTINGS, optional_fields, parse_text, rename_fields, render_help, wrap
 from ..worker import wait_for_closed_workers
+from .unwrap import unwrap_zenflow_optimizer
 
 
 logger = logging.getLogger(__name__)
@@ -59,14 +60,6 @@ ENV_PREFIX = "HF_ZENFLOW_"
 def env_name(setting: str) -> str:
     """The environment variable of a setting: ``HF_ZENFLOW_<SETTING>``."""
     return ENV_PREFIX + setting.upper()
-
-
-def _unwrap(optimizer: Any) -> ZenFlowAdamW | None:
-    for _ in range(8):
-        if optimizer is None or isinstance(optimizer, ZenFlowAdamW):
-            break
-        optimizer = getattr(optimizer, "optimizer", None)
-    return optimizer if isinstance(optimizer, ZenFlowAdamW) else None
 
 
 def decay_parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -234,7 +227,7 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
     @staticmethod
     def register_hooks(accelerator: Any, optimizer: Any) -> None:
         """Make `accelerator.save_state` / `load_state` wait for `optimizer`'s host worker first."""
-        ref = weakref.ref(_unwrap(optimizer))
+        ref = weakref.ref(unwrap_zenflow_optimizer(optimizer))
 
         def drain(*_: Any) -> None:
             opt = ref()
@@ -249,7 +242,7 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
     def flush(optimizer: Any) -> None:
         """End of training: write every pending host result into the weights (before saving the final model) and
         stop the host worker, so that no thread outlives the loop (a later `step()` starts a new one)."""
-        opt = _unwrap(optimizer)
+        opt = unwrap_zenflow_optimizer(optimizer)
         if opt is not None:
             opt.flush()
             opt.close()
@@ -274,7 +267,7 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
             >>> sorted(ZenFlowPlugin.thread_report())
             ['OMP_NUM_THREADS', 'available_cpus', 'host_worker_threads', 'training_threads', 'zenflow_cpu_threads']
         """
-        opt = _unwrap(optimizer)
+        opt = unwrap_zenflow_optimizer(optimizer)
         report: dict[str, Any] = {
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
             "available_cpus": available_cpu_count(),

@@ -32,6 +32,7 @@ from ..optimizer import ZenFlowAdamW
 from ..worker import wait_for_closed_workers
 from .model_card import format_bytes, render_zenflow_model_card
 from .training_args import SUPPORTED_OPTIMS, ZenFlowTrainingArguments
+from .unwrap import unwrap_zenflow_optimizer
 
 
 logger = logging.getLogger(__name__)
@@ -43,15 +44,6 @@ MEAN_STATS = ("critical_path_ms", "cp_wait_ms", "host_step_ms", "bytes_to_host",
 #: `opt.stats()` keys reported as their latest value (the current interval, or counters).
 LAST_STATS = ("update_interval", "steps", "windows", "reselections", "skipped_steps")
 TELEMETRY_PREFIX = "zenflow/"
-
-
-def unwrap_zenflow_optimizer(optimizer: Any) -> ZenFlowAdamW | None:
-    """The `ZenFlowAdamW` behind `optimizer` (an `AcceleratedOptimizer` wraps it as `.optimizer`), or None."""
-    seen = 0
-    while optimizer is not None and not isinstance(optimizer, ZenFlowAdamW) and seen < 8:
-        optimizer = getattr(optimizer, "optimizer", None)
-        seen += 1
-    return optimizer if isinstance(optimizer, ZenFlowAdamW) else None
 
 
 def _number(value: Any) -> float | None:

@@ -13,7 +13,7 @@ from hf_helpers import SEQ_LEN, ByteLMDataset, logged, tiny_llama, zenflow_args
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_zenflow import ZenFlowAdamW, ZenFlowConfig, ZenFlowTrainer, ZenFlowTrainingArguments
-from hf_zenflow.hf.trainer import unwrap_zenflow_optimizer
+from hf_zenflow.hf.unwrap import unwrap_zenflow_optimizer
 
 
 TELEMETRY_KEYS = ("zenflow/critical_path_ms", "zenflow/cp_wait_ms", "zenflow/host_step_ms",
