@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="emulated device forward/backward between steps, a sleep (default 100)")
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="training thread's torch threads, set explicitly (default: what torch and hf_zenflow's "
+                         "thread rule give, README 'Threads': lowered while a ZenFlow worker runs)")
     ap.add_argument("--worker-threads", type=int, default=None,
                     help="ZenFlow host worker threads (default: half the cores)")
     ap.add_argument("--layout", choices=("column", "row"), default="column",
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                          "weights (one read of every gradient, AdamW on the selected columns, writing them into the "
                          "weights) with the same kernels, and print their sum against sync offload")
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)  # an explicit choice: the thread rule leaves it alone
 
     shapes = transformer_shapes(args.params)
     n = sum(torch.Size(s).numel() for s in shapes)
