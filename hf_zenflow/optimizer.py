@@ -38,10 +38,11 @@ from ._base import (
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, device_update
 from .gradients import GradientReads, read_gradients
+from .reselection import reselect, select_waiting
 from .schedule import StepKind, WindowSchedule
-from .selection import num_selected, row_scores, selection_axis
+from .selection import num_selected, selection_axis
 from .split_matrix import SplitMatrix
-from .telemetry import StepTimer, ZenFlowStats
+from .telemetry import StepTimer, ZenFlowStats, state_sizes
 from .weight_marks import WeightMarks, reread_masters
 from .windows import HandOff, HostWindows
 from .worker import wait_for_closed_workers
@@ -259,9 +260,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if not early:
                     with timer.phase("select"):
                         if selecting:
-                            self._reselect(entries, grads)
+                            reselect(self._host, self._schedule, entries, grads)
                         else:
-                            self._select_new_matrices(entries, grads, waiting_norms)
+                            select_waiting(self._host, entries, grads, waiting_norms)
                     rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
                     with timer.phase("device_update"):
                         device_update(self._split, self._dense, entries, grads, coef, gathered, rewritten=rewritten)
@@ -349,33 +350,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def stats(self) -> dict[str, float]:
         """Telemetry of the last step (see `telemetry.ZenFlowStats`)."""
-        split = [s for s in self._split.values()]
-        total = sum(s.param.numel() for s in split)
-        on_device = sum(s.param.numel() * (s.k / s.columns) for s in split if s.device is not None)
-        schedule = self._schedule
-        host_bytes = sum(s.host.nbytes() for s in split if s.host is not None)
-        device_bytes = sum(s.device.nbytes() for s in split if s.device is not None) + sum(
-            d.nbytes() for d in self._dense.values()
-        ) + sum(s.window_sum.numel() * 4 for s in split if s.window_sum is not None)
+        schedule, config = self._schedule, self.config
         worker_ms = self._host.worker.last_job_ms if self._host.worker is not None else {}
+        # the last closed window; before the first one, the configured interval (auto: the open window so far)
+        interval = (schedule.last_interval if schedule and schedule.last_interval else
+                    (schedule.window_steps if schedule else 0) if config.is_auto_interval else config.update_interval)
         return self._stats.as_dict(
-            selected_fraction=(on_device / total) if total else 1.0,
-            # the last closed window; before the first one, the configured interval (auto: the open window so far)
-            update_interval=float(schedule.last_interval if schedule and schedule.last_interval else (
-                schedule.window_steps if self.config.is_auto_interval and schedule else
-                (0 if self.config.is_auto_interval else self.config.update_interval))),
-            host_threads=self.config.resolved_cpu_threads,
-            steps=schedule.steps if schedule else 0,
-            windows=schedule.windows if schedule else 0,
-            reselections=schedule.reselections if schedule else 0,
-            host_step_ms=worker_ms.get("host_adamw", 0.0),
-            accumulate_ms=worker_ms.get("accumulate", 0.0),
-            host_state_bytes=host_bytes,
-            # per element of the matrices with host state: 16 B of state plus the link buffers
-            host_bytes_per_param=host_bytes / hosted if (hosted := sum(
-                s.param.numel() for s in split if s.host is not None)) else 0.0,
+            **state_sizes(self._split, self._dense), update_interval=float(interval),
+            host_threads=config.resolved_cpu_threads, steps=schedule.steps if schedule else 0,
+            windows=schedule.windows if schedule else 0, reselections=schedule.reselections if schedule else 0,
+            host_step_ms=worker_ms.get("host_adamw", 0.0), accumulate_ms=worker_ms.get("accumulate", 0.0),
             pinned_host_bytes=sum(t.pinned_bytes for t in self._host.transports.values()),
-            device_state_bytes=device_bytes,
         )
 
     @torch.no_grad()
@@ -469,43 +454,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._host.hand_off(entries, grads, coef)
         self._schedule.window_steps += 1
         self._host.close_window(self._schedule, timer, sequential=True)
-
-    def _reselect(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]) -> None:
-        """Choose new device columns from this step's gradient and migrate state to match.
-
-        The open window is closed first and every host result applied, so the host master is current for all
-        columns it owns; then the outgoing device columns are copied into the host state and the incoming ones
-        gathered from it (master values, moments, no reset).
-        """
-        schedule = self._schedule
-        if schedule.window_steps > 0:
-            self._host.close_window(self._schedule, StepTimer(), sequential=True)
-        self._host.drain_and_apply()
-        schedule.force_select = False
-        for split in self._split.values():  # (a resumed run may have a new topk_ratio)
-            split.k = num_selected(self.config.topk_ratio, split.columns)
-        pairs = [(self._split[p], g) for (_, p), g in zip(entries, grads) if p in self._split]
-        scores = row_scores([(split, split.matrix(g)) for split, g in pairs if split.offloaded])
-        for split, g in pairs:
-            split.select(g, scores.get(id(split)), self._host.attach_host)
-        schedule.reselections += 1
-
-    def _select_new_matrices(
-        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], norms: list[float],
-    ) -> None:
-        """Matrices without device columns get them now: seen for the first time after warm-up (their first
-        gradient came late), or every gradient of theirs at selection time was zero (`_select`). Only matrices whose
-        gradient is not zero now are tried (`norms`: this step's gradient norms, already on the host)."""
-        todo = [(split, g) for i, ((_, p), g) in enumerate(zip(entries, grads))
-                if (split := self._split.get(p)) is not None and split.device is None and split.k > 0 and norms[i] > 0]
-        if not todo:
-            return
-        if any(split.host is not None for split, _ in todo):
-            # Sync point: the worker may still be updating these matrices' host master and moments, from which the
-            # new device columns are read.
-            self._host.worker.synchronize()
-        for split, g in todo:
-            split.select(g, None, self._host.attach_host)
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpointing

@@ -87,3 +87,19 @@ class ZenFlowStats:
             out[f"cp_{phase}_ms"] = self.last_phases.get(phase, 0.0)
         out.update({k: float(v) for k, v in extra.items()})
         return out
+
+
+def state_sizes(splits: dict, dense: dict) -> dict[str, float]:
+    """The `stats()` figures about where the state lives: the fraction of matrix elements updated on the device each
+    step, the bytes held on each side, and host bytes per element of the matrices with host state (16 B of AdamW
+    state and window sum, plus the link buffers)."""
+    matrices = list(splits.values())
+    total = sum(s.param.numel() for s in matrices)
+    on_device = sum(s.param.numel() * (s.k / s.columns) for s in matrices if s.device is not None)
+    hosted = sum(s.param.numel() for s in matrices if s.host is not None)
+    host_bytes = sum(s.host.nbytes() for s in matrices if s.host is not None)
+    device_bytes = (sum(s.device.nbytes() for s in matrices if s.device is not None)
+                    + sum(d.nbytes() for d in dense.values())
+                    + sum(s.window_sum.numel() * 4 for s in matrices if s.window_sum is not None))
+    return {"selected_fraction": on_device / total if total else 1.0, "host_state_bytes": host_bytes,
+            "device_state_bytes": device_bytes, "host_bytes_per_param": host_bytes / hosted if hosted else 0.0}
