@@ -64,17 +64,24 @@ def train(
         loss.backward()
         if hook is not None:
             hook(i)
-        if clip is not None:
-            if hasattr(opt, "clip_grad_norm_"):
-                opt.clip_grad_norm_(clip)
-            else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        if sched is not None:
-            sched.step()
+        finish_step(model, opt, clip, sched)
         losses.append(loss.item())
     return losses
+
+
+def finish_step(model: torch.nn.Module, opt: torch.optim.Optimizer, clip: float | None,
+                sched: torch.optim.lr_scheduler.LRScheduler | None = None) -> None:
+    """After backward: clip (the optimizer's own `clip_grad_norm_` where it has one), step, zero the gradients and
+    step the scheduler."""
+    if clip is not None:
+        if hasattr(opt, "clip_grad_norm_"):
+            opt.clip_grad_norm_(clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad()
+    if sched is not None:
+        sched.step()
 
 
 def linear_schedule(opt: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LambdaLR:

@@ -233,12 +233,17 @@ def test_inconsistent_values_are_refused_naming_the_tensor(damage, message):
         ZenFlowAdamW(param_groups(make_model()), lr=LR, min_offload_numel=0).load_state_dict(state)
 
 
-def test_state_of_another_model_is_refused():
+def _two_steps_state() -> dict:
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, min_offload_numel=0)
     train(model, opt, batches(2))
     state = roundtrip(opt.state_dict())
     opt.close()
+    return state
+
+
+def test_state_of_another_model_is_refused():
+    state = _two_steps_state()
     other = torch.nn.Sequential(torch.nn.Embedding(24, 40), torch.nn.Linear(40, 80), torch.nn.LayerNorm(80),
                                 torch.nn.Linear(80, 30, bias=False))
     with pytest.raises(CheckpointError, match="saved for a parameter of shape"):
@@ -289,11 +294,7 @@ def test_format_1_checkpoints_migrate_and_continue_identically():
 
 
 def test_a_newer_format_is_refused_with_a_message():
-    model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, min_offload_numel=0)
-    train(model, opt, batches(2))
-    state = roundtrip(opt.state_dict())
-    opt.close()
+    state = _two_steps_state()
     state["zenflow"]["format_version"] = FORMAT_VERSION + 1
     with pytest.raises(CheckpointError, match="written by a newer hf_zenflow"):
         ZenFlowAdamW(param_groups(make_model()), lr=LR).load_state_dict(state)

@@ -15,7 +15,7 @@ from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.cpu_device.transport import CpuDeviceTransport
 from hf_zenflow.gradients import GradientReads, torch_norm
 from hf_zenflow.transport import CopyTransport
-from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups
+from tests.conftest import DEVICE, batches, finish_step, linear_schedule, make_model, max_rel_diff, param_groups
 
 
 LR = 1e-2
@@ -37,15 +37,7 @@ def train_accumulating(model, opt, data, micro: int, clip: float | None, sched=N
             loss = loss_of(model, x, y) / micro
             loss.backward()
             total += loss.item()
-        if clip is not None:
-            if hasattr(opt, "clip_grad_norm_"):
-                opt.clip_grad_norm_(clip)
-            else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        if sched is not None:
-            sched.step()
+        finish_step(model, opt, clip, sched)
         losses.append(total)
     return losses
 

@@ -440,6 +440,8 @@ def test_host_memory_is_sixteen_bytes_per_offloaded_element_plus_the_write_back_
     # 16 B of AdamW state and window sum + the write-back buffer in the parameter dtype (on a CPU device, the
     # weight's spare storage that the write-back swaps in)
     assert stats["host_state_bytes"] == (16 + 4) * lin.weight.numel()
+    assert stats["host_bytes_per_param"] == 16 + 4
+    assert stats["pinned_host_bytes"] == 0  # nothing is pinned for a CPU device
     # device: fp32 master, two moments and the gather buffer for 16 of 64 columns
     assert stats["device_state_bytes"] == 4 * 4 * 32 * 16
     opt.close()
