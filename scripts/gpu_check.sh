@@ -13,7 +13,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_ZENFLO
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$out/gpu.txt"
-timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_optimizer.py tests/test_baselines.py 2>&1 \
+timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_optimizer.py tests/test_baselines.py \
+  tests/test_checkpoint.py tests/test_gradients.py tests/cpu_device/test_layout.py 2>&1 \
   | tee "$out/tests_cuda.log"
 tests_rc=${PIPESTATUS[0]}
 timeout 420 python3 scripts/bench_gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench_gpu.log"
