@@ -4,7 +4,7 @@ the fused AdamW kernel call, host buffer allocation and the worker-thread count.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -57,6 +57,15 @@ def fused_adamw_(
         beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
         found_inf=found_inf,
     )
+
+
+def by_device(items: list[Any], device_of: Callable[[Any], torch.device] = lambda t: t.device,
+              ) -> list[tuple[torch.device, list[Any]]]:
+    """`items` grouped by device (first-seen order), for one kernel launch or one copy stream per device."""
+    groups: dict[torch.device, list[Any]] = {}
+    for item in items:
+        groups.setdefault(device_of(item), []).append(item)
+    return list(groups.items())
 
 
 def host_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, pin: bool,

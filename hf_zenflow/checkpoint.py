@@ -15,7 +15,6 @@ between the split and the dense path; the rest apply as they are), logging what 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import zipfile
 from pathlib import Path
@@ -23,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns
 from .schedule import ZenAutoStats
 from .split_matrix import SplitMatrix
@@ -331,16 +329,6 @@ def load_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
         ) from exc
 
 
-def config_of(state_dict: dict[str, Any]) -> ZenFlowConfig | None:
-    """The `ZenFlowConfig` a ZenFlow checkpoint was written with (None for other checkpoints)."""
-    zenflow = state_dict.get("zenflow") or {}
-    saved = zenflow.get("config")
-    if not saved:
-        return None
-    known = {f.name for f in dataclasses.fields(ZenFlowConfig)}
-    return ZenFlowConfig(**{k: v for k, v in saved.items() if k in known})
-
-
-__all__ = ["FORMAT_VERSION", "CheckpointError", "check_file", "config_of", "load_file", "migrate", "pack",
+__all__ = ["FORMAT_VERSION", "CheckpointError", "check_file", "load_file", "migrate", "pack",
            "tensor_checksum", "unpack", "validate"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._base import fused_adamw_, l2_norm
+from ._base import by_device, fused_adamw_, l2_norm
 from .cpu_device import kernels
 
 
@@ -135,13 +135,6 @@ def scatter_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
         cols.scatter_into(p)
 
 
-def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.device, []).append(t)
-    return list(groups.values())
-
-
 def _to(value: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
     """A number as it is; a tensor on `device` (a non-blocking copy when it lives elsewhere)."""
     return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
@@ -230,9 +223,9 @@ def device_update(
         # one batched multiply per kind and device: the selected columns' own buffers in place; the dense
         # parameters' gradients into new tensors (the caller's gradients are never modified)
         selected = [split.device.grad for _, _, split, _ in updates if split is not None]
-        for group in _by_device(selected):
+        for _, group in by_device(selected):
             torch._foreach_mul_(group, _to(coef, group[0].device))
-        scaled = {id(g): h for group in _by_device(dense_grads)
+        scaled = {id(g): h for _, group in by_device(dense_grads)
                   for g, h in zip(group, torch._foreach_mul(group, _to(coef, group[0].device)))}
         dense_grads = [scaled[id(g)] for g in dense_grads]
     dense_grad = {id(p): g for (p, _), g in zip(dense_pairs, dense_grads)}

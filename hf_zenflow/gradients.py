@@ -108,12 +108,11 @@ class GradientReads:
 
 @dataclass
 class StepReads:
-    """What one `step()` reads of its gradients before the one sync: per-gradient norms and their total, the split
-    matrices whose selected columns were gathered, Zen-auto's (index, matrix) pairs, the matrices waiting for their
+    """What one `step()` reads of its gradients before the one sync: the total norm, the split matrices whose
+    selected columns were gathered, Zen-auto's (index, matrix) pairs, the matrices waiting for their
     first columns, and `probe`: the scalars the sync reads (total, clip coefficient, Zen-auto's masses, waiting
     norms, in that order)."""
 
-    norms: list[torch.Tensor]
     total: torch.Tensor
     gathered: set[torch.Tensor] = field(default_factory=set)
     auto_split: list[tuple[int, SplitMatrix]] = field(default_factory=list)
@@ -155,4 +154,4 @@ def read_gradients(
                if gather_now and (split := splits.get(p)) is not None and split.device is None and split.k > 0]
     probe = [total, total if clip is None else clip] + [norms[i].square() for i, _ in auto_split] + critical
     probe += [norms[i] for i in waiting]
-    return StepReads(norms, total, gathered, auto_split, waiting, probe)
+    return StepReads(total, gathered, auto_split, waiting, probe)

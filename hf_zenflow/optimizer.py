@@ -2,7 +2,8 @@
 
 Each optimizer step:
 
-1. one pass over the gradients gives per-tensor norms: the non-finite check, the clip norm and Zen-auto's masses;
+1. each gradient's norm is read as backward produces it (`gradients.py`: hooks; the clip norm reuses it) and the
+   host reads a few scalars in the step's one sync: the non-finite check, the clip coefficient, Zen-auto's masses;
 2. **device path** (`device_step.py`): the top-k input columns of every matrix (by gradient norm) and every 1-D
    parameter get a fused AdamW update on the device, on fp32 master values and moments;
 3. **host path** (`host.py`): the whole matrix gradient is handed to the host worker, which adds it to a window

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._base import by_device
+
 
 if TYPE_CHECKING:
     from .host import HostMatrix
@@ -179,7 +181,7 @@ class CopyTransport(Transport):
     def hand_off(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
                  ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
         landed = Landed()
-        for device, items in _by_device(work):
+        for device, items in by_device(work, lambda item: item[1].device):
             with self._copying(device):
                 for split, g in items:
                     split.host.staging[slot].copy_(split.matrix(g), non_blocking=True)
@@ -194,7 +196,7 @@ class CopyTransport(Transport):
 
     def ship_window_sums(self, splits: list[SplitMatrix]) -> Landed:
         landed = Landed()
-        for device, items in _by_device([(s, s.window_sum) for s in splits]):
+        for device, items in by_device([(s, s.window_sum) for s in splits], lambda item: item[1].device):
             with self._copying(device):
                 for split, total in items:
                     split.host.accum.copy_(total, non_blocking=True)
@@ -264,13 +266,6 @@ class CudaTransport(CopyTransport):
                 events[device] = torch.cuda.Event()
                 events[device].record(torch.cuda.current_stream(device))
             split.host.writeback_free = events[device]
-
-
-def _by_device(items: list[tuple[Any, torch.Tensor]]) -> list[tuple[torch.device, list[tuple[Any, torch.Tensor]]]]:
-    groups: dict[torch.device, list[tuple[Any, torch.Tensor]]] = {}
-    for item in items:
-        groups.setdefault(item[1].device, []).append(item)
-    return list(groups.items())
 
 
 def transport_for(device: torch.device) -> Transport:

@@ -93,11 +93,7 @@ class HostWindows:
     def attach_host(self, splits: list[SplitMatrix]) -> None:
         """Create the host state of `splits`, their link buffers from one reservation per transport."""
         accumulate_on = self.config.accumulate_on
-        by_transport: dict[int, tuple[Transport, list[SplitMatrix]]] = {}
-        for split in splits:
-            transport = self.transport_of(split)
-            by_transport.setdefault(id(transport), (transport, []))[1].append(split)
-        for transport, group in by_transport.values():
+        for transport, group in self.by_transport(splits):
             transport.reserve(sum(HostMatrix.link_bytes(s.matrix(s.param), s.grad_dtype, accumulate_on, transport)
                                   for s in group))
             for split in group:
