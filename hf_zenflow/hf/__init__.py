@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .accelerate_plugin import ZenFlowPlugin
     from .model_card import render_zenflow_model_card
-    from .trainer import ZenFlowTelemetry, ZenFlowTrainer
+    from .trainer import ZenFlowTrainer
+    from .trainer_telemetry import ZenFlowTelemetry
     from .training_args import ZenFlowTrainingArguments
 
 _EXPORTS = {
     "ZenFlowTrainer": ".trainer",
-    "ZenFlowTelemetry": ".trainer",
+    "ZenFlowTelemetry": ".trainer_telemetry",
     "ZenFlowTrainingArguments": ".training_args",
     "ZenFlowPlugin": ".accelerate_plugin",
     "render_zenflow_model_card": ".model_card",

@@ -8,7 +8,8 @@ Only the seams the 5.x Trainer exposes are used (see `shared/reference/hf-integr
   and the logged `grad_norm` is the true global norm;
 - `_save_checkpoint`, `save_model` and evaluation wait for the host worker first, `_finalize_training` flushes the
   last window into the weights and stops the host worker (no thread outlives `train()`);
-- `log` merges the optimizer's telemetry under `zenflow/...`; `create_model_card` renders the ZenFlow card.
+- `log` merges the optimizer's telemetry under `zenflow/...` (`trainer_telemetry`); `create_model_card` renders the
+  ZenFlow card (`trainer_card`).
 
 Gradient accumulation needs nothing special: the Trainer calls `optimizer.step()` once per optimizer step, so the
 ZenFlow window (`update_interval`) counts optimizer steps, not micro-batches.
@@ -17,102 +18,25 @@ ZenFlow window (`update_interval`) counts optimizer steps, not micro-batches.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import fields
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from ..checkpoint import CheckpointError, check_file
 from ..cpu_device.layout import column_major_
 from ..distributed_check import warn_if_replicated
 from ..optimizer import ZenFlowAdamW
 from ..worker import wait_for_closed_workers
-from .model_card import format_bytes, render_zenflow_model_card
+from .trainer_card import render_trainer_card
+from .trainer_telemetry import ZenFlowTelemetry, ZenFlowTelemetryCallback
 from .training_args import SUPPORTED_OPTIMS, ZenFlowTrainingArguments
 from .unwrap import unwrap_zenflow_optimizer
 
 
 logger = logging.getLogger(__name__)
-
-#: `opt.stats()` keys averaged over the optimizer steps between two logs (and over the whole run for the card).
-#: `cp_wait_ms` is the part of the critical path spent waiting for the host worker: the stall that overlap removes.
-MEAN_STATS = ("critical_path_ms", "cp_wait_ms", "host_step_ms", "bytes_to_host", "bytes_to_device",
-              "selected_fraction", "staleness")
-#: `opt.stats()` keys reported as their latest value (the current interval, or counters).
-LAST_STATS = ("update_interval", "steps", "windows", "reselections", "skipped_steps")
-TELEMETRY_PREFIX = "zenflow/"
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, torch.Tensor):
-        value = value.item()
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
-
-
-class ZenFlowTelemetry:
-    """Aggregates `ZenFlowAdamW.stats()` over optimizer steps.
-
-    `record()` after every optimizer step; `pop_interval()` returns the `zenflow/...` metrics of the steps since the
-    previous call (means of the per-step figures, latest value of the counters); `run_summary()` the same over the
-    whole run.
-
-    Example:
-        >>> t = ZenFlowTelemetry()
-        >>> t.record({"critical_path_ms": 2.0, "steps": 1}); t.record({"critical_path_ms": 4.0, "steps": 2})
-        >>> t.pop_interval()
-        {'zenflow/critical_path_ms': 3.0, 'zenflow/steps': 2.0}
-    """
-
-    def __init__(self) -> None:
-        self._interval_sum: dict[str, float] = {}
-        self._interval_count: dict[str, int] = {}
-        self._run_sum: dict[str, float] = {}
-        self._run_count: dict[str, int] = {}
-        self.last: dict[str, float] = {}
-
-    def record(self, stats: dict[str, Any]) -> None:
-        for key, value in stats.items():
-            number = _number(value)
-            if number is None or math.isnan(number):
-                continue
-            self.last[key] = number
-            if key in MEAN_STATS:
-                for sums, counts in ((self._interval_sum, self._interval_count), (self._run_sum, self._run_count)):
-                    sums[key] = sums.get(key, 0.0) + number
-                    counts[key] = counts.get(key, 0) + 1
-
-    def _metrics(self, sums: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
-        metrics = {f"{TELEMETRY_PREFIX}{key}": sums[key] / counts[key] for key in MEAN_STATS if counts.get(key)}
-        metrics.update({f"{TELEMETRY_PREFIX}{key}": self.last[key] for key in LAST_STATS if key in self.last})
-        return metrics
-
-    def pop_interval(self) -> dict[str, float]:
-        metrics = self._metrics(self._interval_sum, self._interval_count)
-        self._interval_sum, self._interval_count = {}, {}
-        return metrics
-
-    def run_summary(self) -> dict[str, float]:
-        return self._metrics(self._run_sum, self._run_count)
-
-    def reset(self) -> None:
-        self.__init__()
-
-
-class _ZenFlowTelemetryCallback(TrainerCallback):
-    """Reads `opt.stats()` right after each optimizer step (the figures are per last step)."""
-
-    def __init__(self, telemetry: ZenFlowTelemetry) -> None:
-        self.telemetry = telemetry
-
-    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        opt = unwrap_zenflow_optimizer(optimizer)
-        if opt is not None:
-            self.telemetry.record(opt.stats())
 
 
 class ZenFlowTrainer(Trainer):
@@ -143,7 +67,7 @@ class ZenFlowTrainer(Trainer):
         self._zenflow_telemetry = ZenFlowTelemetry()
         self._zenflow_steps_per_epoch: int | None = None
         super().__init__(model, args, *pargs, **kwargs)
-        self.add_callback(_ZenFlowTelemetryCallback(self._zenflow_telemetry))
+        self.add_callback(ZenFlowTelemetryCallback(self._zenflow_telemetry))
         if self.args.zenflow and (self.optimizer is not None or self.optimizer_cls_and_kwargs is not None):
             if unwrap_zenflow_optimizer(self.optimizer) is None and (
                 self.optimizer_cls_and_kwargs is None or self.optimizer_cls_and_kwargs[0] is not ZenFlowAdamW
@@ -308,102 +232,8 @@ class ZenFlowTrainer(Trainer):
         super().log(logs, start_time)
 
     # -- model card --------------------------------------------------------------------------------------------------
-    def _zenflow_card_inputs(self) -> dict[str, Any]:
-        args = self.args
-        opt = self.zenflow_optimizer
-        config = opt.config if opt is not None else args.zenflow_config()
-        settings = {f.name: getattr(config, f.name) for f in fields(config)}  # every setting, in field order
-        settings["cpu_threads"] = f"{config.resolved_cpu_threads}" + (" (auto)" if config.cpu_threads is None else "")
-        run = self._zenflow_telemetry.run_summary()
-        measured: dict[str, Any] = {}
-        labels = {
-            "steps": "optimizer steps",
-            "windows": "host windows",
-            "reselections": "column re-selections",
-            "skipped_steps": "skipped steps",
-            "update_interval": "update interval (last)",
-            "critical_path_ms": "critical path per step (mean, ms)",
-            "cp_wait_ms": "of which waiting for the host worker (mean, ms)",
-            "host_step_ms": "host AdamW step per window (mean, ms)",
-            "selected_fraction": "selected fraction (mean)",
-            "staleness": "staleness (mean, steps)",
-        }
-        for key, label in labels.items():
-            value = run.get(TELEMETRY_PREFIX + key)
-            if value is not None:
-                measured[label] = int(value) if key in LAST_STATS and key != "update_interval" else value
-        for key, label in (("bytes_to_host", "to host"), ("bytes_to_device", "to device")):
-            value = run.get(TELEMETRY_PREFIX + key)
-            if value is not None:
-                measured[f"bytes {label} per step (mean)"] = format_bytes(value)
-        if measured:
-            measured = {"training device": self._device_description(), **measured}
-        return {"settings": settings, "measured": measured}
-
-    def _device_description(self) -> str:
-        device = self.args.device
-        if device.type == "cuda" and torch.cuda.is_available():
-            return f"{torch.cuda.get_device_name(device)} ({device})"
-        threads = getattr(self, "_zenflow_training_threads", None) or torch.get_num_threads()
-        return f"{device.type} ({threads} training threads)"
-
     def _render_model_card(self, model_name: str | None = None, **kwargs: Any):
-        model = self.accelerator.unwrap_model(self.model) if self.model is not None else None
-        library_name = "transformers"
-        base_model = None
-        peft_config = getattr(model, "peft_config", None)
-        if isinstance(peft_config, dict) and peft_config:
-            library_name = "peft"
-            base_model = next(iter(peft_config.values())).base_model_name_or_path
-        config = getattr(model, "config", None)
-        if base_model is None and config is not None:
-            name = getattr(config, "_name_or_path", "") or ""
-            # A local path is no Hub id: a card should not link to it.
-            base_model = name if name and not os.path.isdir(name) else None
-        tags = kwargs.pop("tags", None)
-        tags = [tags] if isinstance(tags, str) else list(tags or [])
-        tags += list(getattr(model, "model_tags", None) or [])
-        tags = ["generated_from_trainer", *tags, *self._tag_names]
-        args = self.args
-        hyperparameters = {
-            "learning_rate": args.learning_rate,
-            "train_batch_size": args.per_device_train_batch_size,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "total_train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
-            * max(1, args.world_size),
-            "seed": args.seed,
-            "optimizer": f"ZenFlowAdamW (betas=({args.adam_beta1}, {args.adam_beta2}), eps={args.adam_epsilon}, "
-            f"weight_decay={args.weight_decay})",
-            "lr_scheduler_type": getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type),
-            "max_grad_norm": args.max_grad_norm,
-            "training_steps": self.state.max_steps or args.max_steps,
-            "mixed_precision": "bf16" if args.bf16 else "no",
-        }
-        results: dict[str, Any] = {}
-        for entry in reversed(self.state.log_history):
-            if "train_loss" in entry and "train_loss" not in results:
-                results["train_loss"] = entry["train_loss"]
-            if "loss" in entry and "last logged loss" not in results:
-                results["last logged loss"] = entry["loss"]
-            if "eval_loss" in entry and "eval_loss" not in results:
-                results["eval_loss"] = entry["eval_loss"]
-        inputs = self._zenflow_card_inputs()
-        dataset = kwargs.pop("dataset", None) or kwargs.pop("dataset_tags", None)
-        if isinstance(dataset, list):
-            dataset = dataset[0] if dataset else None
-        return render_zenflow_model_card(
-            model_name=model_name or os.path.basename(os.path.abspath(args.output_dir)),
-            base_model=kwargs.pop("finetuned_from", None) or base_model,
-            dataset_name=dataset,
-            tags=tags,
-            library_name=library_name,
-            license=kwargs.pop("license", None),
-            language=kwargs.pop("language", None),
-            hyperparameters=hyperparameters,
-            results=results,
-            zenflow_settings=inputs["settings"],
-            zenflow_measured=inputs["measured"],
-        )
+        return render_trainer_card(self, model_name, **kwargs)
 
     def _write_model_card(self, output_dir: str, **kwargs: Any) -> None:
         if not self.is_world_process_zero():
@@ -425,3 +255,6 @@ class ZenFlowTrainer(Trainer):
         self._write_model_card(self.args.output_dir, language=language, license=license, tags=tags,
                                model_name=model_name, finetuned_from=finetuned_from,
                                dataset=dataset or dataset_tags)
+
+
+__all__ = ["ZenFlowTelemetry", "ZenFlowTrainer"]  # ZenFlowTelemetry lives in trainer_telemetry

@@ -11,6 +11,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 
 import hf_zenflow.hf.accelerate_plugin as accelerate_plugin
 import hf_zenflow.hf.trainer as trainer
+import hf_zenflow.hf.trainer_telemetry as trainer_telemetry
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.hf.unwrap import MAX_WRAPPERS, unwrap_zenflow_optimizer
 
@@ -46,3 +47,4 @@ def test_gives_up_on_long_chains_and_cycles() -> None:
 
 def test_trainer_and_plugin_share_the_helper() -> None:
     assert trainer.unwrap_zenflow_optimizer is accelerate_plugin.unwrap_zenflow_optimizer is unwrap_zenflow_optimizer
+    assert trainer_telemetry.unwrap_zenflow_optimizer is unwrap_zenflow_optimizer  # the telemetry callback's

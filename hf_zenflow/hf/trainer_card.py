@@ -1,0 +1,122 @@
+"""The `ZenFlowTrainer`'s model card: the run's hyperparameters, results, ZenFlow settings and measured figures,
+gathered from the trainer and rendered by `model_card.render_zenflow_model_card`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+from huggingface_hub import ModelCard
+
+from .model_card import format_bytes, render_zenflow_model_card
+from .trainer_telemetry import LAST_STATS, TELEMETRY_PREFIX
+
+
+if TYPE_CHECKING:
+    from .trainer import ZenFlowTrainer
+
+
+def card_inputs(trainer: ZenFlowTrainer) -> dict[str, Any]:
+    """The card's ZenFlow section: every setting of the optimizer in use and the run's measured figures."""
+    args = trainer.args
+    opt = trainer.zenflow_optimizer
+    config = opt.config if opt is not None else args.zenflow_config()
+    settings = {f.name: getattr(config, f.name) for f in fields(config)}  # every setting, in field order
+    settings["cpu_threads"] = f"{config.resolved_cpu_threads}" + (" (auto)" if config.cpu_threads is None else "")
+    run = trainer._zenflow_telemetry.run_summary()
+    measured: dict[str, Any] = {}
+    labels = {
+        "steps": "optimizer steps",
+        "windows": "host windows",
+        "reselections": "column re-selections",
+        "skipped_steps": "skipped steps",
+        "update_interval": "update interval (last)",
+        "critical_path_ms": "critical path per step (mean, ms)",
+        "cp_wait_ms": "of which waiting for the host worker (mean, ms)",
+        "host_step_ms": "host AdamW step per window (mean, ms)",
+        "selected_fraction": "selected fraction (mean)",
+        "staleness": "staleness (mean, steps)",
+    }
+    for key, label in labels.items():
+        value = run.get(TELEMETRY_PREFIX + key)
+        if value is not None:
+            measured[label] = int(value) if key in LAST_STATS and key != "update_interval" else value
+    for key, label in (("bytes_to_host", "to host"), ("bytes_to_device", "to device")):
+        value = run.get(TELEMETRY_PREFIX + key)
+        if value is not None:
+            measured[f"bytes {label} per step (mean)"] = format_bytes(value)
+    if measured:
+        measured = {"training device": training_device_description(trainer), **measured}
+    return {"settings": settings, "measured": measured}
+
+
+def training_device_description(trainer: ZenFlowTrainer) -> str:
+    """The device the run trained on, and on a CPU the threads the forward/backward had."""
+    device = trainer.args.device
+    if device.type == "cuda" and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(device)} ({device})"
+    threads = getattr(trainer, "_zenflow_training_threads", None) or torch.get_num_threads()
+    return f"{device.type} ({threads} training threads)"
+
+
+def render_trainer_card(trainer: ZenFlowTrainer, model_name: str | None = None, **kwargs: Any) -> ModelCard:
+    """The Hub card of `trainer`'s run; `kwargs` are `Trainer.create_model_card`'s (tags, license, language,
+    finetuned_from, dataset)."""
+    model = trainer.accelerator.unwrap_model(trainer.model) if trainer.model is not None else None
+    library_name = "transformers"
+    base_model = None
+    peft_config = getattr(model, "peft_config", None)
+    if isinstance(peft_config, dict) and peft_config:
+        library_name = "peft"
+        base_model = next(iter(peft_config.values())).base_model_name_or_path
+    config = getattr(model, "config", None)
+    if base_model is None and config is not None:
+        name = getattr(config, "_name_or_path", "") or ""
+        # A local path is no Hub id: a card should not link to it.
+        base_model = name if name and not os.path.isdir(name) else None
+    tags = kwargs.pop("tags", None)
+    tags = [tags] if isinstance(tags, str) else list(tags or [])
+    tags += list(getattr(model, "model_tags", None) or [])
+    tags = ["generated_from_trainer", *tags, *trainer._tag_names]
+    args = trainer.args
+    hyperparameters = {
+        "learning_rate": args.learning_rate,
+        "train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "total_train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+        * max(1, args.world_size),
+        "seed": args.seed,
+        "optimizer": f"ZenFlowAdamW (betas=({args.adam_beta1}, {args.adam_beta2}), eps={args.adam_epsilon}, "
+        f"weight_decay={args.weight_decay})",
+        "lr_scheduler_type": getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type),
+        "max_grad_norm": args.max_grad_norm,
+        "training_steps": trainer.state.max_steps or args.max_steps,
+        "mixed_precision": "bf16" if args.bf16 else "no",
+    }
+    results: dict[str, Any] = {}
+    for entry in reversed(trainer.state.log_history):
+        if "train_loss" in entry and "train_loss" not in results:
+            results["train_loss"] = entry["train_loss"]
+        if "loss" in entry and "last logged loss" not in results:
+            results["last logged loss"] = entry["loss"]
+        if "eval_loss" in entry and "eval_loss" not in results:
+            results["eval_loss"] = entry["eval_loss"]
+    inputs = card_inputs(trainer)
+    dataset = kwargs.pop("dataset", None) or kwargs.pop("dataset_tags", None)
+    if isinstance(dataset, list):
+        dataset = dataset[0] if dataset else None
+    return render_zenflow_model_card(
+        model_name=model_name or os.path.basename(os.path.abspath(args.output_dir)),
+        base_model=kwargs.pop("finetuned_from", None) or base_model,
+        dataset_name=dataset,
+        tags=tags,
+        library_name=library_name,
+        license=kwargs.pop("license", None),
+        language=kwargs.pop("language", None),
+        hyperparameters=hyperparameters,
+        results=results,
+        zenflow_settings=inputs["settings"],
+        zenflow_measured=inputs["measured"],
+    )

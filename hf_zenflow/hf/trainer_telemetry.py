@@ -1,0 +1,90 @@
+"""The Trainer's ZenFlow telemetry: `ZenFlowAdamW.stats()` read after every optimizer step and averaged into the
+`zenflow/...` metrics of each training log and of the end-of-training summary."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from .unwrap import unwrap_zenflow_optimizer
+
+
+#: `opt.stats()` keys averaged over the optimizer steps between two logs (and over the whole run for the card).
+#: `cp_wait_ms` is the part of the critical path spent waiting for the host worker: the stall that overlap removes.
+MEAN_STATS = ("critical_path_ms", "cp_wait_ms", "host_step_ms", "bytes_to_host", "bytes_to_device",
+              "selected_fraction", "staleness")
+#: `opt.stats()` keys reported as their latest value (the current interval, or counters).
+LAST_STATS = ("update_interval", "steps", "windows", "reselections", "skipped_steps")
+TELEMETRY_PREFIX = "zenflow/"
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+class ZenFlowTelemetry:
+    """Aggregates `ZenFlowAdamW.stats()` over optimizer steps.
+
+    `record()` after every optimizer step; `pop_interval()` returns the `zenflow/...` metrics of the steps since the
+    previous call (means of the per-step figures, latest value of the counters); `run_summary()` the same over the
+    whole run.
+
+    Example:
+        >>> t = ZenFlowTelemetry()
+        >>> t.record({"critical_path_ms": 2.0, "steps": 1}); t.record({"critical_path_ms": 4.0, "steps": 2})
+        >>> t.pop_interval()
+        {'zenflow/critical_path_ms': 3.0, 'zenflow/steps': 2.0}
+    """
+
+    def __init__(self) -> None:
+        self._interval_sum: dict[str, float] = {}
+        self._interval_count: dict[str, int] = {}
+        self._run_sum: dict[str, float] = {}
+        self._run_count: dict[str, int] = {}
+        self.last: dict[str, float] = {}
+
+    def record(self, stats: dict[str, Any]) -> None:
+        for key, value in stats.items():
+            number = _number(value)
+            if number is None or math.isnan(number):
+                continue
+            self.last[key] = number
+            if key in MEAN_STATS:
+                for sums, counts in ((self._interval_sum, self._interval_count), (self._run_sum, self._run_count)):
+                    sums[key] = sums.get(key, 0.0) + number
+                    counts[key] = counts.get(key, 0) + 1
+
+    def _metrics(self, sums: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
+        metrics = {f"{TELEMETRY_PREFIX}{key}": sums[key] / counts[key] for key in MEAN_STATS if counts.get(key)}
+        metrics.update({f"{TELEMETRY_PREFIX}{key}": self.last[key] for key in LAST_STATS if key in self.last})
+        return metrics
+
+    def pop_interval(self) -> dict[str, float]:
+        metrics = self._metrics(self._interval_sum, self._interval_count)
+        self._interval_sum, self._interval_count = {}, {}
+        return metrics
+
+    def run_summary(self) -> dict[str, float]:
+        return self._metrics(self._run_sum, self._run_count)
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+class ZenFlowTelemetryCallback(TrainerCallback):
+    """Reads `opt.stats()` right after each optimizer step (the figures are per last step)."""
+
+    def __init__(self, telemetry: ZenFlowTelemetry) -> None:
+        self.telemetry = telemetry
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        opt = unwrap_zenflow_optimizer(optimizer)
+        if opt is not None:
+            self.telemetry.record(opt.stats())
