@@ -1,0 +1,93 @@
+"""The settings of one `hf-zenflow compare` run (`CompareConfig`): the CLI flags map 1:1 onto its fields, and its
+ZenFlow settings default to the library's, so that the comparison shows what a user gets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_zenflow.compare.report import OPTIMIZERS
+from hf_zenflow.config import ZenFlowConfig
+
+
+#: ZenFlow's re-selection period (steps) when `compare` is given ``--select-strategy step`` without an interval.
+COMPARE_SELECT_STEPS = 10
+
+_LIBRARY = ZenFlowConfig()
+
+
+@dataclass
+class CompareConfig:
+    """Settings of one `hf-zenflow compare` run (the CLI flags map 1:1 onto these fields).
+
+    The defaults are sized for a 2-core CPU: 150 steps of 16 sentences (one pass over 2400), evaluated on 1000
+    held-out sentences. The ZenFlow settings default to the library's (`ZenFlowConfig()`), so the table shows what a
+    user gets; the settings sweeps that chose those defaults are in BENCHMARKS.md §4 (paired runs over seeds; the
+    earlier single-seed sweeps of this runner are in its history, see the §2 history line). ``select_interval=None``
+    resolves to `COMPARE_SELECT_STEPS` with ``select_strategy="step"`` and to ``"auto"`` otherwise.
+    """
+
+    model: str | None = None  # "minilm" (default), "smollm2", or a local HF model folder
+    task: str = "auto"
+    steps: int = 150
+    train_size: int = 2400
+    eval_size: int = 1000
+    batch_size: int = 16
+    eval_batch_size: int = 64
+    max_length: int = 64
+    lr: float = 2e-4
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    # ZenFlow settings: the library's defaults (`ZenFlowConfig`), so that compare shows what a user gets
+    topk_ratio: float = _LIBRARY.topk_ratio
+    update_interval: int | str = _LIBRARY.update_interval
+    overlap_step: bool = _LIBRARY.overlap_step
+    host_lr_scale: float | str = _LIBRARY.host_lr_scale
+    min_offload_numel: int = _LIBRARY.min_offload_numel
+    select_strategy: str = _LIBRARY.select_strategy
+    select_interval: int | str | None = None  # None: COMPARE_SELECT_STEPS with "step", "auto" otherwise
+    full_warm_up_rounds: int = _LIBRARY.full_warm_up_rounds
+    cpu_threads: int | None = None  # host-optimizer threads of the offloading engines (None = engine default)
+    threads: int | None = None  # torch intra-op threads for forward/backward (None = torch's default)
+    device: str = "auto"
+    layout: str = "auto"  # weights of the offloading runs: "column" (column_major_), "row"; auto = column on CPU
+    embedding_select: str = "auto"  # ZenFlow on embedding tables: "rows" (tokens), "columns"; auto = rows on CPU
+    optimizers: tuple[str, ...] = OPTIMIZERS
+    output_dir: str | None = None  # None: a new folder zenflow_compare/<UTC time>_<model>/ (see compare.output)
+    overwrite: bool = False  # replace the results of an earlier run in output_dir
+    log_every: int = 10  # the progress bar's loss and optimizer.step figures cover the last N steps; 0: no bar
+    save_model: bool = False
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.select_interval is None:
+            self.select_interval = COMPARE_SELECT_STEPS if self.select_strategy == "step" else "auto"
+
+    def resolved_layout(self) -> str:
+        """On a CPU device the offloading engines get column-major Linear weights (DeepSpeed's transposed layout:
+        each input column contiguous, see `hf_zenflow.cpu_device.layout`); on CUDA the gather/scatter is cheap
+        either way."""
+        if self.layout not in ("auto", "column", "row"):
+            raise ValueError(f"CompareConfig.layout={self.layout!r} is invalid: allowed are 'auto', 'column', 'row'.")
+        if self.layout == "auto":
+            return "column" if self.resolved_device().type == "cpu" else "row"
+        return self.layout
+
+    def resolved_embedding_select(self) -> str:
+        """What ZenFlow selects in embedding tables: their rows (the tokens: an embedding's input channels,
+        contiguous) or, like any matrix, their columns (hidden features, strided in a row-major table). Rows on a
+        CPU device, where strided columns sweep the whole table."""
+        if self.embedding_select not in ("auto", "rows", "columns"):
+            raise ValueError(f"CompareConfig.embedding_select={self.embedding_select!r} is invalid: allowed are "
+                             "'auto', 'rows', 'columns'.")
+        if self.embedding_select == "auto":
+            return "rows" if self.resolved_device().type == "cpu" else "columns"
+        return self.embedding_select
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

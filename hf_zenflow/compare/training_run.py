@@ -1,0 +1,259 @@
+"""One fine-tune of the comparison: a fresh copy of the model trained with one optimizer, every step timed phase by
+phase, then evaluated on the held-out set (`train_one`).
+
+Timing: each phase of every step is measured with `time.perf_counter`, synchronising the device's current stream at
+phase boundaries when the device is CUDA (side-stream copies that ZenFlow overlaps are not waited for, as a training
+loop would not wait for them either). "optimizer step ms" is the caller's time inside ``optimizer.step()``, the
+critical path the optimizer adds to a training step. The first `TIMING_SKIP` steps (state allocation, first
+selection) are left out of the per-step statistics (median, p10-p90, mean) and reported separately.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from hf_zenflow.compare.compare_config import CompareConfig
+from hf_zenflow.compare.data import PreparedTask
+from hf_zenflow.compare.plots import ENGINE_PHASES, LABELS
+from hf_zenflow.compare.report import OPTIMIZERS
+from hf_zenflow.cpu_device.layout import column_major_
+
+
+#: Steps left out of the timing statistics: the first step allocates optimizer state and makes the first selection.
+TIMING_SKIP = 2
+
+
+def _engine() -> Any:
+    """The hf_zenflow engine module (imported lazily: this file must import even while the engine is absent)."""
+    import hf_zenflow
+
+    return hf_zenflow
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only, as the HF Trainer does (no decay on biases and norm weights)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    common = {"lr": cfg.lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": cfg.weight_decay}
+    if name == "adamw_torch":
+        return torch.optim.AdamW(groups, fused=True, **common)
+    engine = _engine()
+    if name == "sync_offload":
+        return engine.SyncOffloadAdamW(groups, cpu_threads=cfg.cpu_threads, **common)
+    if name == "zenflow":
+        zcfg = engine.ZenFlowConfig(
+            topk_ratio=cfg.topk_ratio, update_interval=cfg.update_interval, overlap_step=cfg.overlap_step,
+            select_strategy=cfg.select_strategy, select_interval=cfg.select_interval,
+            full_warm_up_rounds=cfg.full_warm_up_rounds, cpu_threads=cfg.cpu_threads,
+            steps_per_epoch=_steps_per_epoch(cfg), host_lr_scale=cfg.host_lr_scale,
+            min_offload_numel=cfg.min_offload_numel,
+        )
+        if cfg.resolved_embedding_select() == "rows":
+            tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+            rows = [p for p in groups[0]["params"] if id(p) in tables]
+            groups[0]["params"] = [p for p in groups[0]["params"] if id(p) not in tables]
+            groups.append({"params": rows, "weight_decay": cfg.weight_decay, "select_rows": True})
+        return engine.ZenFlowAdamW(groups, config=zcfg, **common)
+    raise ValueError(f"optimizer {name!r} is unknown: allowed are {OPTIMIZERS}.")
+
+
+def _steps_per_epoch(cfg: CompareConfig) -> int:
+    return max(1, math.ceil(cfg.train_size / cfg.batch_size))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def torch_adamw_state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _p10_p90(values: list[float]) -> tuple[float | None, float | None]:
+    """10th and 90th percentiles (inclusive method: within the observed range even for a handful of steps)."""
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (None, None)
+    deciles = statistics.quantiles(values, n=10, method="inclusive")
+    return deciles[0], deciles[-1]
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, task: PreparedTask, device: torch.device) -> dict[str, float]:
+    """Held-out loss (mean per label / per predicted token) and accuracy."""
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for batch in task.eval_batches:
+        b = batch.to(device)
+        out = model(**b.inputs)
+        labels = b.inputs["labels"]
+        if task.task == "causal-lm":
+            pred = out.logits[:, :-1].argmax(-1)
+            correct += int((pred == labels[:, 1:]).sum())
+        else:
+            correct += int((out.logits.argmax(-1) == labels).sum())
+        loss_sum += float(out.loss) * b.n_items
+        count += b.n_items
+    model.train()
+    return {"eval_loss": loss_sum / max(1, count), "eval_accuracy": correct / max(1, count)}
+
+
+def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.device,
+              bar: Any = None) -> dict[str, Any]:
+    """Fine-tune a fresh copy of the model with optimizer `name`; return its measured figures. `bar` (a tqdm bar
+    or None) advances one step per optimizer step."""
+    from transformers import get_linear_schedule_with_warmup
+
+    torch.manual_seed(cfg.seed)  # dropout masks identical across the three runs
+    model = copy.deepcopy(task.base_model).to(device)
+    if name != "adamw_torch" and cfg.resolved_layout() == "column":
+        # the no-offload reference keeps row-major weights: torch's fused AdamW runs ~4x slower on strided tensors
+        column_major_(model)
+    model.train()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_start = _rss()
+    opt = make_optimizer(name, model, cfg)
+    is_engine = name != "adamw_torch"
+    steps = len(task.train_batches)
+    sched = get_linear_schedule_with_warmup(opt, int(cfg.warmup_ratio * steps), steps)
+    rec: dict[str, list[float]] = {k: [] for k in ("loss", "fb_ms", "clip_ms", "opt_ms", "other_ms", "step_ms",
+                                                   "engine_critical_ms", "host_step_ms", "bytes_to_host",
+                                                   "bytes_to_device", "staleness", "selected_fraction")}
+    rss_peak = rss_start
+    last_stats: dict[str, Any] = {}
+    start = time.perf_counter()
+    for batch in task.train_batches:
+        b = batch.to(device)
+        t0 = time.perf_counter()
+        loss = model(**b.inputs).loss
+        loss.backward()
+        loss_value = loss.detach().item()  # the scalar read waits for the backward on the device
+        _sync(device)
+        t1 = time.perf_counter()
+        if cfg.max_grad_norm and cfg.max_grad_norm > 0:
+            if is_engine:
+                opt.clip_grad_norm_(cfg.max_grad_norm)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        _sync(device)
+        t2 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        t3 = time.perf_counter()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        for key, value in (("loss", loss_value), ("fb_ms", (t1 - t0) * 1e3), ("clip_ms", (t2 - t1) * 1e3),
+                           ("opt_ms", (t3 - t2) * 1e3), ("other_ms", (t4 - t3) * 1e3), ("step_ms", (t4 - t0) * 1e3)):
+            rec[key].append(value)
+        if is_engine:
+            last_stats = dict(opt.stats())
+            rec["engine_critical_ms"].append(float(last_stats.get("critical_path_ms") or 0.0))
+            rec["host_step_ms"].append(float(last_stats.get("host_step_ms") or 0.0))
+            rec["bytes_to_host"].append(float(last_stats.get("bytes_to_host") or 0))
+            rec["bytes_to_device"].append(float(last_stats.get("bytes_to_device") or 0))
+            rec["staleness"].append(float(last_stats.get("staleness") or 0))
+            rec["selected_fraction"].append(float(last_stats.get("selected_fraction") or 0.0))
+            for phase in ENGINE_PHASES:
+                rec.setdefault(f"cp_{phase}_ms", []).append(float(last_stats.get(f"cp_{phase}_ms") or 0.0))
+        rss_peak = max(rss_peak, _rss())
+        if bar is not None:
+            window = cfg.log_every
+            bar.set_postfix_str(f"last {window}: loss {statistics.fmean(rec['loss'][-window:]):.3f} (mean), "
+                                f"opt.step {statistics.median(rec['opt_ms'][-window:]):.1f} ms (median)",
+                                refresh=False)
+            bar.update(1)
+    train_s = time.perf_counter() - start
+    flush_ms = 0.0
+    if is_engine:
+        t0 = time.perf_counter()
+        if hasattr(opt, "flush"):
+            opt.flush()  # ZenFlow: apply pending host work before the weights are evaluated
+        else:
+            opt.synchronize()
+        flush_ms = (time.perf_counter() - t0) * 1e3
+        last_stats = dict(opt.stats())
+        rss_peak = max(rss_peak, _rss())
+    ev = evaluate(model, task, device)
+    if is_engine:
+        device_state = int(last_stats.get("device_state_bytes") or 0)
+        host_state = int(last_stats.get("host_state_bytes") or 0)
+    else:
+        device_state, host_state = torch_adamw_state_bytes(opt), 0
+    timed = slice(min(TIMING_SKIP, max(0, steps - 1)), None)
+    tail = max(1, steps // 10)
+    host_ms = [v for v in rec["host_step_ms"][timed] if v > 0]
+    opt_p10, opt_p90 = _p10_p90(rec["opt_ms"][timed])
+    result: dict[str, Any] = {
+        "optimizer": name,
+        "label": LABELS[name],
+        "steps": steps,
+        **ev,
+        "train_loss": statistics.fmean(rec["loss"][-tail:]),
+        "train_seconds": train_s,
+        "steps_per_s": steps / train_s,
+        "step_ms": 1e3 * train_s / steps,  # whole run: wall time of the training loop per step
+        "opt_step_ms_mean": _mean(rec["opt_ms"][timed]),
+        "opt_step_ms_median": _median(rec["opt_ms"][timed]),
+        "opt_step_ms_p10": opt_p10,
+        "opt_step_ms_p90": opt_p90,
+        "opt_step_ms_first": rec["opt_ms"][:TIMING_SKIP],
+        "clip_ms_mean": _mean(rec["clip_ms"][timed]),
+        "forward_backward_ms_mean": _mean(rec["fb_ms"][timed]),
+        "other_ms_mean": _mean(rec["other_ms"][timed]),
+        "step_ms_mean": _mean(rec["step_ms"][timed]),
+        "engine_critical_path_ms_mean": _mean(rec["engine_critical_ms"][timed]) if is_engine else None,
+        # host_step_ms is the engine's report of its last host step, repeated until the next one: the mean over
+        # the distinct nonzero reports is the cost of one host step, not a per-training-step figure.
+        "host_step_ms_mean": _mean(host_ms) if is_engine else None,
+        "bytes_to_host_per_step": _mean(rec["bytes_to_host"][timed]) if is_engine else 0.0,
+        "bytes_to_device_per_step": _mean(rec["bytes_to_device"][timed]) if is_engine else 0.0,
+        "flush_ms": flush_ms,
+        "peak_device_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "host_rss_peak_bytes": rss_peak,
+        "host_rss_start_bytes": rss_start,
+        "optimizer_state_device_bytes": device_state,
+        "optimizer_state_host_bytes": host_state,
+        "engine_stats": {k: v for k, v in last_stats.items() if isinstance(v, (int, float, str, bool)) or v is None},
+        # the engine's own split of its critical path (mean ms per step over the timed steps)
+        "engine_phases_ms_mean": {p: _mean(rec[f"cp_{p}_ms"][timed]) for p in ENGINE_PHASES
+                                  if f"cp_{p}_ms" in rec} if is_engine else {},
+        "curves": {k: rec[k] for k in ("loss", "fb_ms", "clip_ms", "opt_ms", "other_ms", "engine_critical_ms",
+                                       "bytes_to_host", "bytes_to_device", "staleness")},
+    }
+    if cfg.save_model and name == "zenflow":
+        result["_model"] = model  # kept for saving next to the card; dropped before results.json is written
+    if hasattr(opt, "close"):
+        opt.close()
+    del opt
+    return result
