@@ -9,12 +9,13 @@ bounds each schedule. It is a model, not a measurement: `hf-zenflow estimate --h
 The model's constants:
 
 * device compute: ``6 * params * tokens / (device FLOP/s * mfu)`` (forward + backward of a dense transformer);
-* device AdamW: 28 bytes per parameter over the device memory bandwidth (`emulator.DEVICE_ADAMW_BYTES_PER_PARAM`);
-  ZenFlow's device step also reads every bf16 gradient once (norms and selection);
+* device AdamW: 28 bytes per parameter over the device memory bandwidth
+  (`emulator_scenario.DEVICE_ADAMW_BYTES_PER_PARAM`); ZenFlow's device step also reads every bf16 gradient once (norms
+  and selection);
 * link: bf16 gradients and parameters, 2 bytes per parameter per direction;
-* host AdamW: the published CPUAdam rate (7e9 parameters in 4.6 s on 128 threads, `emulator.PUBLISHED_*`) per core,
-  capped by host memory bandwidth at 30 bytes per parameter (fp32 grad, master, moments read and written, bf16
-  parameter written);
+* host AdamW: the published CPUAdam rate (7e9 parameters in 4.6 s on 128 threads, `emulator_scenario.PUBLISHED_*`)
+  per core, capped by host memory bandwidth at 30 bytes per parameter (fp32 grad, master, moments read and written,
+  bf16 parameter written);
 * host accumulation of one step's gradient (ZenFlow, ``accumulate_on="host"``): `ACCUMULATE_VS_ADAMW` of a host
   AdamW, the ratio the emulator measured (BENCHMARKS.md §3a: 3 624 ms of host work per step at U=4 with a 4 600 ms
   AdamW, so 2 474 ms of accumulation per step).
@@ -34,7 +35,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from hf_zenflow.compare.emulator import (
+from hf_zenflow.compare.emulator_scenario import (
     DEVICE_ADAMW_BYTES_PER_PARAM,
     LINK_BYTES_PER_PARAM,
     PUBLISHED_HOST_CORES,
