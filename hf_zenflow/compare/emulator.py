@@ -35,10 +35,17 @@ per-step Python overhead became ~100 ms "full scale"). The copy pacing needs rea
 the scaled link. When one is slower (this host is small and shared), the step is accounted with the scenario's link
 time instead of the real copy time, for every schedule alike, and the table reports the real per-copy time next to
 the target.
+Several ranks
+-------------
+With ``ranks`` > 1 (``estimate --ranks N``) the process emulates ONE of N data-parallel ranks on the node (module
+`ranks`): the real host code stands for 1/N of the offloaded parameters, on 1/N of the node's host cores and memory
+bandwidth (so the scaled host AdamW keeps the whole-node time), each paced link carries 1/N of the bytes, and under
+DDP every write-back is followed by a timed wait for the all-gather of the updated rows on the modelled interconnect.
+
 Where the code lives: `emulator_scenario` (the figures of one set-up and the shared byte counts), `emulator_device`
 (the device clock, the paced link, the copy engine, the scaled-down model), `emulator_schedules` (the three schedules
-and `run_estimate`), `emulator_report` (`format_estimate`), `emulator_cli` (the `estimate` flags and the run). This
-module keeps every public name importable from one place.
+and `run_estimate`), `emulator_report` (`format_estimate`), `emulator_cli` (the `estimate` flags and the run), `ranks`
+(the split among ranks). This module keeps every public name importable from one place.
 """
 
 from __future__ import annotations

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from hf_zenflow.compare.emulator_report import format_estimate
 from hf_zenflow.compare.emulator_scenario import LINK_BYTES_PER_PARAM, SCENARIOS, EmulatorScenario
 from hf_zenflow.compare.emulator_schedules import run_estimate
+from hf_zenflow.compare.ranks import PARALLEL_MODES, check_ranks
 
 
 def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +43,29 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-threads", type=int, default=None,
                    help="host worker threads here (cpu_threads; default: the cores in this process's affinity "
                         "minus one, as the training thread runs one thread: README, Threads)")
+    p.add_argument("--ranks", type=rank_count, default=None,
+                   help="data-parallel ranks (one GPU each) on the node: every figure becomes one rank's, with 1/N "
+                        "of the offloaded host work, host memory and link bytes on 1/N of the host cores and memory "
+                        "bandwidth, and for DDP an all-gather of the updated rows at each write-back [1]")
+    p.add_argument("--parallel", choices=PARALLEL_MODES, default=None,
+                   help="with --ranks: how the ranks split the offloaded part: ddp (1/N of every matrix's rows, "
+                        "all-gather at write-back) or fsdp2 (each rank's shard, no weight collective) [ddp]")
+    p.add_argument("--interconnect-gbps", type=float, default=None,
+                   help="GPU<->GPU bandwidth per GPU and direction, GB/s, for DDP's all-gather [the profile's; "
+                        "else 25, a PCIe Gen4 node]")
     p.add_argument("--output", default=None, help="write the result as JSON to this file")
+
+
+def rank_count(text: str) -> int:
+    """argparse type of --ranks: an integer >= 1, else an error naming the flag, the value and what is allowed."""
+    try:
+        value: Any = int(text)
+    except ValueError:
+        value = text
+    try:
+        return check_ranks(value, "--ranks")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,7 +74,8 @@ def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default=None,
                    help=f"a hardware profile: a preset ({', '.join(sorted(PROFILES))}) or a JSON file with the fields "
                         "of hf_zenflow.compare.hardware.HardwareProfile (device_tflops, device_mem_gb, "
-                        "device_mem_gbps, link_gbps, host_cores, host_mem_gbps, mfu). Prints the bound model (where "
+                        "device_mem_gbps, link_gbps, host_cores, host_mem_gbps, mfu, interconnect_gbps). Prints "
+                        "the bound model (where "
                         "each schedule is bound and which setting moves the bound), then runs the emulator on the "
                         "profile's figures; explicit flags override them")
     p.add_argument("--tokens-per-step", type=float, default=4096,
@@ -60,8 +84,10 @@ def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --hardware: print the bound model only, do not run the emulator")
 
 
-def scenario_from_profile(profile: Any, params: float, tokens_per_step: float) -> EmulatorScenario:
-    """The emulator scenario of a `hardware.HardwareProfile`: its forward+backward, link and host AdamW times."""
+def scenario_from_profile(profile: Any, params: float, tokens_per_step: float, ranks: int = 1,
+                          parallel: str = "ddp") -> EmulatorScenario:
+    """The emulator scenario of a `hardware.HardwareProfile`: its forward+backward, link and host AdamW times (of the
+    whole model: the emulator takes one rank's share of them), for `ranks` data-parallel ranks on its node."""
     from hf_zenflow.compare.hardware import schedule_model
 
     rows = schedule_model(profile, params, tokens_per_step)
@@ -69,21 +95,32 @@ def scenario_from_profile(profile: Any, params: float, tokens_per_step: float) -
     return EmulatorScenario(
         name=f"hardware:{profile.name}", params=params, forward_ms=0.0, backward_ms=rows["no_offload"]["compute_ms"],
         grad_offload_ms=link_ms, param_upload_ms=link_ms, cpu_update_ms=rows["sync_offload"]["host_ms"],
-        device_mem_gbps=profile.device_mem_gbps, host_cores=profile.host_cores,
+        device_mem_gbps=profile.device_mem_gbps, host_cores=profile.host_cores, ranks=ranks, parallel=parallel,
+        interconnect_gbps=profile.interconnect_gbps,
         notes=f"hardware profile {profile.name}: forward+backward = 6 x params x {tokens_per_step:.0f} tokens at "
               f"{profile.mfu:g} of {profile.device_tflops:g} TFLOP/s; host AdamW at the published per-core CPUAdam "
               f"rate x {profile.host_cores} cores (capped by {profile.host_mem_gbps:g} GB/s)")
 
 
+def _profile(args: argparse.Namespace) -> Any:
+    from hf_zenflow.compare.hardware import load_profile
+
+    profile = load_profile(args.hardware)
+    if args.interconnect_gbps is not None:
+        profile = replace(profile, interconnect_gbps=args.interconnect_gbps)
+    return profile
+
+
+#: Flags that set the scenario field of the same name when given, in both paths.
+_RANK_FIELDS = ("ranks", "parallel", "interconnect_gbps")
+
+
 def scenario_from_args(args: argparse.Namespace) -> EmulatorScenario:
     hardware = getattr(args, "hardware", None)
     if hardware:
-        from hf_zenflow.compare.hardware import load_profile
-
-        sc = scenario_from_profile(load_profile(hardware), args.params or EmulatorScenario.params,
-                                   args.tokens_per_step)
+        sc = scenario_from_profile(_profile(args), args.params or EmulatorScenario.params, args.tokens_per_step)
         for attr in ("topk_ratio", "update_interval", "emulated_params", "steps", "host_threads", "cpu_update_ms",
-                     "device_optimizer_ms", "device_mem_gbps", "host_cores"):
+                     "device_optimizer_ms", "device_mem_gbps", "host_cores") + _RANK_FIELDS:
             if getattr(args, attr) is not None:
                 setattr(sc, attr, getattr(args, attr))
         if args.device_step_ms is not None:
@@ -102,7 +139,7 @@ def scenario_from_args(args: argparse.Namespace) -> EmulatorScenario:
         ms = sc.params * LINK_BYTES_PER_PARAM / (args.link_gbps * 1e9) * 1e3
         sc.grad_offload_ms = sc.param_upload_ms = ms
     for attr in ("host_cores", "cpu_update_ms", "device_optimizer_ms", "device_mem_gbps", "topk_ratio",
-                 "update_interval", "emulated_params", "steps", "host_threads"):
+                 "update_interval", "emulated_params", "steps", "host_threads") + _RANK_FIELDS:
         value = getattr(args, attr)
         if value is not None:
             setattr(sc, attr, value)
@@ -117,10 +154,11 @@ def scenario_from_args(args: argparse.Namespace) -> EmulatorScenario:
 def estimate_from_args(args: argparse.Namespace) -> dict[str, Any]:
     sc = scenario_from_args(args)
     if getattr(args, "hardware", None):
-        from hf_zenflow.compare.hardware import format_schedule_model, load_profile
+        from hf_zenflow.compare.hardware import format_schedule_model
 
-        print(format_schedule_model(load_profile(args.hardware), sc.params, args.tokens_per_step, sc.topk_ratio,
-                                    sc.update_interval, device_step_ms=args.device_step_ms), flush=True)
+        print(format_schedule_model(_profile(args), sc.params, args.tokens_per_step, sc.topk_ratio,
+                                    sc.update_interval, device_step_ms=args.device_step_ms, ranks=sc.ranks,
+                                    parallel=sc.parallel), flush=True)
         if args.model_only:
             return {"scenario": asdict(sc)}
     res = run_estimate(sc)

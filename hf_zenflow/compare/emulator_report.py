@@ -7,6 +7,7 @@ import statistics
 from typing import Any
 
 from hf_zenflow.compare.emulator_scenario import EXEC_KEY, ZENFLOW_ROWS
+from hf_zenflow.compare.ranks import RankSplit
 
 
 def format_estimate(res: dict[str, Any]) -> str:
@@ -18,7 +19,7 @@ def format_estimate(res: dict[str, Any]) -> str:
              f"gradient offload {sc['grad_offload_ms']:.0f} ms; parameter upload {sc['param_upload_ms']:.0f} ms; "
              f"host AdamW {res['cpu_update_ms']:.0f} ms ({res['cpu_update_source']}); device AdamW "
              f"{res['device_optimizer_ms']:.1f} ms; ZenFlow topk_ratio {sc['topk_ratio']}, update_interval "
-             f"{sc['update_interval']}.", "",
+             f"{sc['update_interval']}.", "", *_rank_lines(res),
              "| schedule | measured step ms: mean | median | min | max | host work ms per step | step ms (the larger "
              "of measured mean and host work) | optimizer critical path ms (step - fwd/bwd) | device idle | "
              "vs no-offload | vs sync offload |",
@@ -73,9 +74,31 @@ def format_estimate(res: dict[str, Any]) -> str:
                      + ("the schedule is HOST-BOUND: the \"step ms\" column and the ratios use the host work "
                         "per step, the measured columns stay measured;"
                         if r["host_bound"] else "the device, not the host, bounds the step;"))
-    lines += ["- one training process, one device timeline: data-parallel communication is not modelled.",
+    several = res.get("ranks", {}).get("ranks", 1) > 1
+    lines += ["- one rank of several, one device timeline: its share as above; the data-parallel gradient all-reduce "
+              "and FSDP's own collectives (there without offload too) are not modelled." if several else
+              "- one training process, one device timeline: data-parallel communication is not modelled.",
               f"- {sc['notes']}" if sc["notes"] else ""]
     return "\n".join(line for line in lines if line is not None).rstrip() + "\n"
+
+
+def _rank_lines(res: dict[str, Any]) -> list[str]:
+    """With several ranks: what the emulated rank owns, and its full-scale figures (none with one rank)."""
+    rank = res.get("ranks") or {}
+    n = rank.get("ranks", 1)
+    if n <= 1:
+        return []
+    cores = rank["host_cores_per_rank"]
+    gather = rank["allgather_ms_per_write_back"]
+    return [f"Ranks: {RankSplit(n, rank['parallel']).describe()}. The emulated process is ONE rank: "
+            f"{rank['params_per_rank'] / 1e9:.2f}B parameters of host work"
+            + (f" on {cores:g} host cores (1/{n} of the node's cores and memory bandwidth)" if cores else "")
+            + f": host AdamW {rank['cpu_update_ms']:.0f} ms, ZenFlow's host memory "
+            f"{rank['zenflow_host_memory_gb']:.1f} GB; its GPU's link: gradient offload "
+            f"{rank['grad_offload_ms']:.0f} ms, upload {rank['param_upload_ms']:.0f} ms; device AdamW "
+            f"{rank['device_optimizer_ms']:.1f} ms; "
+            + (f"all-gather of the updated rows {gather:.0f} ms per write-back at {rank['interconnect_gbps']:g} "
+               "GB/s (a timed wait on the device timeline)." if gather else "no weight collective."), ""]
 
 
 def _mean_or_nan(values: list[float] | None) -> float:

@@ -50,17 +50,17 @@ def _calibrate(params: list[torch.nn.Parameter], grads: list[torch.Tensor], thre
     return statistics.median(samples[1:])
 
 
-def _run_no_offload(sc: EmulatorScenario, clock: DeviceClock) -> _Run:
+def _run_no_offload(sc: EmulatorScenario, clock: DeviceClock, rank: dict[str, Any]) -> _Run:
     steps = []
     for _ in range(sc.steps):
         t0 = time.perf_counter()
-        clock.compute(sc.device_compute_ms + sc.resolved_device_optimizer_ms())
+        clock.compute(sc.device_compute_ms + rank["device_optimizer_ms"])
         steps.append(time.perf_counter() - t0)
     return _Run(steps, {})
 
 
 def _run_sync(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn.Parameter], grads: list[torch.Tensor],
-              link_down: PacedLink, link_up: PacedLink, threads: int) -> _Run:
+              link_down: PacedLink, link_up: PacedLink, threads: int, rank: dict[str, Any]) -> _Run:
     from hf_zenflow import SyncOffloadAdamW
 
     opt = SyncOffloadAdamW(params, lr=1e-5, cpu_threads=threads)
@@ -74,6 +74,7 @@ def _run_sync(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn.Pa
         # The optimizer's own host copies are the link transfers here: pace them to the link bandwidth.
         down = link_down.copy(int(st["bytes_to_host"]), already_spent_s=st["cp_handoff_ms"] / 1e3)
         up = link_up.copy(int(st["bytes_to_device"]), already_spent_s=st["cp_writeback_ms"] / 1e3)
+        clock.compute(rank["allgather_ms_per_write_back"])  # several DDP ranks: every rank needs every row
         # A transfer costs the link time of the scenario: a real copy slower than that (this small host, busy) is
         # accounted at the link time, for every schedule alike.
         excess = max(0.0, down - link_down.target_s(int(st["bytes_to_host"]))) + max(
@@ -87,7 +88,7 @@ def _run_sync(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn.Pa
 
 def _run_zenflow(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn.Parameter],
                  grads: list[torch.Tensor], link_down: PacedLink, link_up: PacedLink, threads: int,
-                 accumulate_on: str = "host") -> _Run:
+                 rank: dict[str, Any], accumulate_on: str = "host") -> _Run:
     """ZenFlow's schedule. ``accumulate_on="host"``: every step's bf16 gradient crosses the link and the host worker
     adds it up. ``"device"``: the window is summed on the device (modelled device time) and its fp32 sum crosses
     the link once per window; the host worker only runs the AdamW."""
@@ -103,8 +104,9 @@ def _run_zenflow(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn
     offloaded = sum(p.numel() for p in params if p.ndim >= 2)
     worker_gate = hasattr(opt, "_host")
     dense_fraction = sum(p.numel() for p in params if p.ndim < 2) / sum(p.numel() for p in params)
-    # device-side window sum: read the bf16 gradient, read and write the fp32 sum (10 B per offloaded parameter)
-    device_accumulate_ms = (sc.params * offloaded / sum(p.numel() for p in params) * 10
+    # device-side window sum of the rank's rows: read the bf16 gradient, read and write the fp32 sum (10 B per
+    # offloaded parameter)
+    device_accumulate_ms = (sc.params * rank["host_share"] * offloaded / sum(p.numel() for p in params) * 10
                             / (sc.device_mem_gbps * 1e9) * 1e3) if on_device else 0.0
     steps, raw, stalls, device_exec, waits, link_waits = [], [], [], [], [], []
     host_jobs: list[float] = []
@@ -128,14 +130,16 @@ def _run_zenflow(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn
         device_phases = ("norms", "select", "device_update") + (("handoff",) if on_device else ())
         executed = sum(st[f"cp_{phase}_ms"] for phase in device_phases) / 1e3
         selected = st.get("selected_fraction", sc.topk_ratio)
-        modelled = sc.resolved_device_optimizer_ms() * (selected + dense_fraction) + (
-            # the gradient-norm pass reads every bf16 gradient once on the device
-            sc.params * LINK_BYTES_PER_PARAM / (sc.device_mem_gbps * 1e9) * 1e3) + device_accumulate_ms
+        modelled = rank["device_optimizer_ms"] * (selected + dense_fraction) + (
+            # the gradient-norm pass reads every bf16 gradient (of its shard, under FSDP2) once on the device
+            sc.params * rank["device_share"] * LINK_BYTES_PER_PARAM / (sc.device_mem_gbps * 1e9) * 1e3
+        ) + device_accumulate_ms
         if st["bytes_to_device"] > 0:
             # Write-back of the host result: host->device on the compute stream, so on the device timeline.
             nbytes = int(st["bytes_to_device"])
             took = link_up.copy(nbytes, already_spent_s=st["cp_writeback_ms"] / 1e3)
             executed += max(0.0, took - link_up.target_s(nbytes))  # accounted at the link time, as for sync
+            clock.compute(rank["allgather_ms_per_write_back"])  # several DDP ranks: every rank needs every row
         wall = time.perf_counter() - t0
         # Device work executed on the host is accounted at its modelled device time (see the module docstring).
         raw.append(wall)
@@ -163,9 +167,11 @@ def _run_zenflow(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn
 
 
 def run_estimate(sc: EmulatorScenario, progress: bool = True) -> dict[str, Any]:
-    """Run the three schedules in one process and return the measured step times, scaled to the full model."""
+    """Run the three schedules in one process and return the measured step times, scaled to the full model. With
+    ``sc.ranks`` > 1 the process is one of the ranks: the real host code stands for its share (`rank_figures`)."""
     from hf_zenflow.config import available_cpu_count
 
+    sc.rank_split()  # a bad rank count fails before the model is built
     # The training thread keeps one core, the host worker gets the rest (as DeepSpeed reserves cores). The training
     # thread is busy here (it executes the device phases), so a worker on every core would oversubscribe them; the
     # calibration uses the same thread count, so the full-scale host AdamW time does not depend on it.
@@ -190,26 +196,28 @@ def run_estimate(sc: EmulatorScenario, progress: bool = True) -> dict[str, Any]:
                         f"on {PUBLISHED_HOST_CORES} threads, Llama-2-7B) x {cores}/{PUBLISHED_HOST_CORES} cores, "
                         f"linear in cores (optimistic for a memory-bound step); this machine: {here / 1e9:.2f} "
                         f"Gparam/s on {threads} threads")
-        scale = cpu_update_ms / (host_real_s * 1e3)
-        ratio = sc.params / n_emu
-        # Link bandwidth in real time: the full model's bf16 bytes in grad_offload_ms, compressed by `scale`, for the
-        # emulated model's bytes.
+        rank = sc.rank_figures(cpu_update_ms)
+        scale = rank["cpu_update_ms"] / (host_real_s * 1e3)
+        ratio = rank["params_per_rank"] / n_emu
+        # Link bandwidth in real time: the rank's bf16 bytes in its share of grad_offload_ms, compressed by `scale`,
+        # for the emulated model's bytes.
         emu_link_bytes = n_emu * LINK_BYTES_PER_PARAM
-        down_bps = emu_link_bytes / (sc.grad_offload_ms / scale / 1e3) if sc.grad_offload_ms > 0 else 0.0
-        up_bps = emu_link_bytes / (sc.param_upload_ms / scale / 1e3) if sc.param_upload_ms > 0 else 0.0
+        down_bps = emu_link_bytes / (rank["grad_offload_ms"] / scale / 1e3) if sc.grad_offload_ms > 0 else 0.0
+        up_bps = emu_link_bytes / (rank["param_upload_ms"] / scale / 1e3) if sc.param_upload_ms > 0 else 0.0
         cap = 64 * 1024 * 1024
         links: dict[str, tuple[PacedLink, PacedLink]] = {}
         if progress:
             print(f"[estimate] {HEADER}", flush=True)
-            print(f"[estimate] scenario {sc.name}: {sc.params / 1e9:.2f}B params emulated by {n_emu / 1e6:.1f}M real "
-                  f"bf16 params; host AdamW measured {host_real_s * 1e3:.2f} ms -> time compression x{scale:.1f}",
-                  flush=True)
+            share = f", one rank's {rank['params_per_rank'] / 1e9:.2f}B of {sc.ranks}" if sc.ranks > 1 else ""
+            print(f"[estimate] scenario {sc.name}: {sc.params / 1e9:.2f}B params{share} emulated by "
+                  f"{n_emu / 1e6:.1f}M real bf16 params; host AdamW measured {host_real_s * 1e3:.2f} ms -> time "
+                  f"compression x{scale:.1f}", flush=True)
         runs: dict[str, _Run] = {}
-        for name, fn in (("no_offload", lambda c, d, u: _run_no_offload(sc, c)),
-                         ("sync_offload", lambda c, d, u: _run_sync(sc, c, params, grads, d, u, threads)),
-                         ("zenflow", lambda c, d, u: _run_zenflow(sc, c, params, grads, d, u, threads)),
+        for name, fn in (("no_offload", lambda c, d, u: _run_no_offload(sc, c, rank)),
+                         ("sync_offload", lambda c, d, u: _run_sync(sc, c, params, grads, d, u, threads, rank)),
+                         ("zenflow", lambda c, d, u: _run_zenflow(sc, c, params, grads, d, u, threads, rank)),
                          ("zenflow_device_accumulation",
-                          lambda c, d, u: _run_zenflow(sc, c, params, grads, d, u, threads, "device"))):
+                          lambda c, d, u: _run_zenflow(sc, c, params, grads, d, u, threads, rank, "device"))):
             if progress:
                 print(f"[estimate] running {name} for {sc.steps} steps ...", flush=True)
             for p in params:
@@ -237,7 +245,7 @@ def run_estimate(sc: EmulatorScenario, progress: bool = True) -> dict[str, Any]:
             "step_ms_max": max(timed),
             # what the optimizer adds on top of forward+backward: the critical path of the optimizer step
             "optimizer_critical_path_ms": mean - compute,
-            "device_idle_fraction": max(0.0, 1.0 - (compute + (sc.resolved_device_optimizer_ms()
+            "device_idle_fraction": max(0.0, 1.0 - (compute + (rank["device_optimizer_ms"]
                                                                 if name == "no_offload" else 0.0)) / mean),
             "steps_timed": len(timed),
             # mean time per link transfer, full scale (None: the schedule moved nothing that way)
@@ -281,10 +289,11 @@ def run_estimate(sc: EmulatorScenario, progress: bool = True) -> dict[str, Any]:
         "cpu_update_ms": cpu_update_ms,
         "cpu_update_source": cpu_note,
         "time_compression": scale,
-        "device_optimizer_ms": sc.resolved_device_optimizer_ms(),
+        "device_optimizer_ms": rank["device_optimizer_ms"],
         "link_real_gbps": {"down": down_bps / 1e9, "up": up_bps / 1e9},
         "results": out_rows,
         "summary": summary,
+        "ranks": rank,
     }
 
 
