@@ -44,6 +44,7 @@ def format_estimate(res: dict[str, Any]) -> str:
                      f"optimizer critical path ratio **{s[f'{key}_critical_path_vs_sync']:.3f}x**; step = "
                      f"{s[f'{key}_step_vs_no_offload']:.2f}x the no-offload step.")
     zen, dev = rows["zenflow"], rows["zenflow_device_accumulation"]
+    link = res.get("ranks") or sc  # one rank's link carries its share
     lines += ["",
               "Assumptions (emulation):",
               "- real: host AdamW / accumulation / ZenFlow worker of hf_zenflow on "
@@ -58,8 +59,8 @@ def format_estimate(res: dict[str, Any]) -> str:
               f"{_f(rows['sync_offload']['link_up_ms_per_copy'])} ms, ZenFlow down "
               f"{_f(zen['link_down_ms_per_copy'])} / up {_f(zen['link_up_ms_per_copy'])} ms, device accumulation "
               f"down {_f(dev['link_down_ms_per_copy'])} (one fp32 sum per window) / up "
-              f"{_f(dev['link_up_ms_per_copy'])} ms (targets {sc['grad_offload_ms']:.0f} / "
-              f"{sc['param_upload_ms']:.0f} ms for bf16; a longer real copy is accounted at the target);",
+              f"{_f(dev['link_up_ms_per_copy'])} ms (targets {link['grad_offload_ms']:.0f} / "
+              f"{link['param_upload_ms']:.0f} ms for bf16; a longer real copy is accounted at the target);",
               "- ZenFlow's device phases (norms, selection, selected-column AdamW; with accumulate_on=\"device\" also "
               "the window sum) execute on this CPU; their measured time (mean "
               f"{_mean_or_nan(zen['extra'].get(EXEC_KEY)):.0f} / {_mean_or_nan(dev['extra'].get(EXEC_KEY)):.0f} "

@@ -244,3 +244,4 @@ def test_estimate_report_states_the_emulated_ranks_share() -> None:
     assert "host AdamW 4600 ms, ZenFlow's host memory 4.5 GB" in text
     assert "all-gather of the updated rows 30 ms per write-back at 50 GB/s" in text  # 3/4 x 2 GB / 50 GB/s
     assert "one rank of several" in text
+    assert "(targets 125 / 125 ms for bf16" in text  # a quarter of the 500 ms links per rank
