@@ -9,15 +9,20 @@ bounds each schedule. It is a model, not a measurement: `hf-zenflow estimate --h
 The model's constants:
 
 * device compute: ``6 * params * tokens / (device FLOP/s * mfu)`` (forward + backward of a dense transformer);
-* device AdamW: 28 bytes per parameter over the device memory bandwidth (`emulator.DEVICE_ADAMW_BYTES_PER_PARAM`);
-  ZenFlow's device step also reads every bf16 gradient once (norms and selection);
+* device AdamW: 28 bytes per parameter over the device memory bandwidth
+  (`emulator_scenario.DEVICE_ADAMW_BYTES_PER_PARAM`); ZenFlow's device step also reads every bf16 gradient once (norms
+  and selection);
 * link: bf16 gradients and parameters, 2 bytes per parameter per direction;
-* host AdamW: the published CPUAdam rate (7e9 parameters in 4.6 s on 128 threads, `emulator.PUBLISHED_*`) per core,
-  capped by host memory bandwidth at 30 bytes per parameter (fp32 grad, master, moments read and written, bf16
-  parameter written);
+* host AdamW: the published CPUAdam rate (7e9 parameters in 4.6 s on 128 threads, `emulator_scenario.PUBLISHED_*`)
+  per core, capped by host memory bandwidth at 30 bytes per parameter (fp32 grad, master, moments read and written,
+  bf16 parameter written);
 * host accumulation of one step's gradient (ZenFlow, ``accumulate_on="host"``): `ACCUMULATE_VS_ADAMW` of a host
   AdamW, the ratio the emulator measured (BENCHMARKS.md §3a: 3 624 ms of host work per step at U=4 with a 4 600 ms
-  AdamW, so 2 474 ms of accumulation per step).
+  AdamW, so 2 474 ms of accumulation per step);
+* host memory: `HOST_BYTES_PER_PARAM` per offloaded parameter, as the engines hold it on a bf16 model;
+* N data-parallel ranks on the profile's node (``ranks``, ``parallel``): every figure is per rank, split as module
+  `ranks` describes (host work, host memory and link bytes 1/N on 1/N of the host cores and memory bandwidth; DDP adds
+  an all-gather of the updated rows per write-back at ``interconnect_gbps``); ``tokens_per_step`` is per rank.
 
 Example:
     >>> from hf_zenflow.compare.hardware import PROFILES, schedule_model
@@ -34,12 +39,14 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from hf_zenflow.compare.emulator import (
+from hf_zenflow.compare.emulator_scenario import (
     DEVICE_ADAMW_BYTES_PER_PARAM,
+    HOST_BYTES_PER_PARAM,
     LINK_BYTES_PER_PARAM,
     PUBLISHED_HOST_CORES,
     PUBLISHED_HOST_PARAMS_PER_S,
 )
+from hf_zenflow.compare.ranks import RankSplit
 
 
 #: Host AdamW bytes per parameter (fp32 grad read, fp32 master/exp_avg/exp_avg_sq read and written, bf16 param out).
@@ -60,8 +67,15 @@ DEVICE_MEMORY_HEADROOM = 0.9
 
 @dataclass
 class HardwareProfile:
-    """One machine's figures. Presets in `PROFILES` are nominal datasheet values (dense bf16 tensor-core TFLOP/s,
-    HBM bandwidth, a PCIe x16 link's practical bandwidth); measure your own and pass a JSON file for real decisions.
+    """One node's figures, per GPU for the device, link and interconnect, for the whole node for the host. Presets in
+    `PROFILES` are nominal datasheet values (dense bf16 tensor-core TFLOP/s, HBM bandwidth, a PCIe x16 link's
+    practical bandwidth); measure your own and pass a JSON file for real decisions.
+
+    `interconnect_gbps` is the GPU-to-GPU bandwidth per GPU and direction that an all-gather reaches (nccl-tests'
+    "bus bandwidth"). Defaults: on a PCIe node the peer traffic crosses the same x16 links, so it is the link figure
+    (25 GB/s Gen4, 50 GB/s Gen5; cards without peer-to-peer, such as the RTX 4090, stage through host memory and get
+    less); on an NVLink node half the datasheet's bidirectional NVLink figure (A100 SXM4 600 GB/s -> 300, H100 SXM5
+    900 GB/s -> 450). A JSON profile may set it; without it, 25.
 
     Example:
         >>> HardwareProfile(name="mine", device_tflops=100, device_mem_gb=24, device_mem_gbps=900, link_gbps=25,
@@ -77,6 +91,7 @@ class HardwareProfile:
     host_cores: int = 64
     host_mem_gbps: float = 200.0
     mfu: float = 0.4  # fraction of the peak FLOP/s a training step reaches
+    interconnect_gbps: float = 25.0  # GPU<->GPU per GPU and direction, for the all-gather of several ranks
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -88,10 +103,12 @@ class HardwareProfile:
         if self.mfu > 1:
             raise ValueError(f"HardwareProfile.mfu={self.mfu!r} is invalid: allowed is a fraction in (0, 1].")
 
-    def host_adamw_params_per_s(self) -> float:
-        """Host AdamW rate: the published per-core CPUAdam rate times the cores, capped by memory bandwidth."""
+    def host_adamw_params_per_s(self, core_share: float = 1.0) -> float:
+        """Host AdamW rate: the published per-core CPUAdam rate times the cores, capped by memory bandwidth; on
+        `core_share` of the node's cores and memory bandwidth (one of several ranks on the node)."""
         per_core = PUBLISHED_HOST_PARAMS_PER_S / PUBLISHED_HOST_CORES
-        return min(per_core * self.host_cores, self.host_mem_gbps * 1e9 / HOST_ADAMW_BYTES_PER_PARAM)
+        return min(per_core * self.host_cores * core_share,
+                   self.host_mem_gbps * core_share * 1e9 / HOST_ADAMW_BYTES_PER_PARAM)
 
     @classmethod
     def from_json(cls, path: str | Path) -> HardwareProfile:
@@ -105,11 +122,20 @@ class HardwareProfile:
 
 
 PROFILES: dict[str, HardwareProfile] = {
-    "a100-40gb-pcie4": HardwareProfile("a100-40gb-pcie4", 312.0, 40.0, 1555.0, 25.0, 64, 200.0),
-    "a100-80gb-pcie4": HardwareProfile("a100-80gb-pcie4", 312.0, 80.0, 1935.0, 25.0, 64, 200.0),
-    "h100-80gb-pcie5": HardwareProfile("h100-80gb-pcie5", 756.0, 80.0, 2000.0, 50.0, 96, 300.0),
-    "rtx4090-pcie4": HardwareProfile("rtx4090-pcie4", 165.0, 24.0, 1008.0, 25.0, 16, 80.0),
-    "l4-pcie4": HardwareProfile("l4-pcie4", 121.0, 24.0, 300.0, 25.0, 16, 80.0),
+    "a100-40gb-pcie4": HardwareProfile("a100-40gb-pcie4", 312.0, 40.0, 1555.0, 25.0, 64, 200.0,
+                                       interconnect_gbps=25.0),
+    "a100-80gb-pcie4": HardwareProfile("a100-80gb-pcie4", 312.0, 80.0, 1935.0, 25.0, 64, 200.0,
+                                       interconnect_gbps=25.0),
+    "h100-80gb-pcie5": HardwareProfile("h100-80gb-pcie5", 756.0, 80.0, 2000.0, 50.0, 96, 300.0,
+                                       interconnect_gbps=50.0),
+    "rtx4090-pcie4": HardwareProfile("rtx4090-pcie4", 165.0, 24.0, 1008.0, 25.0, 16, 80.0, interconnect_gbps=25.0),
+    "l4-pcie4": HardwareProfile("l4-pcie4", 121.0, 24.0, 300.0, 25.0, 16, 80.0, interconnect_gbps=25.0),
+    # NVLink nodes, DGX-like: 2 x 64 cores / 8 channels DDR4-3200 per socket (A100), 2 x 56 cores / 8 channels
+    # DDR5-4800 per socket (H100)
+    "a100-80gb-sxm4-nvlink": HardwareProfile("a100-80gb-sxm4-nvlink", 312.0, 80.0, 2039.0, 25.0, 128, 409.6,
+                                             interconnect_gbps=300.0),
+    "h100-80gb-sxm5-nvlink": HardwareProfile("h100-80gb-sxm5-nvlink", 989.0, 80.0, 3350.0, 50.0, 112, 614.4,
+                                             interconnect_gbps=450.0),
 }
 
 
@@ -129,65 +155,81 @@ def _bound(parts: dict[str, float]) -> tuple[float, str]:
 
 
 def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
-                   update_interval: float = 4, device_step_ms: float | None = None) -> dict[str, dict[str, Any]]:
+                   update_interval: float = 4, device_step_ms: float | None = None, ranks: int = 1,
+                   parallel: str = "ddp") -> dict[str, dict[str, Any]]:
     """Per-step ms of each side and the step time of every schedule (the slowest side of an overlapped schedule,
     the sum of a synchronous one); `bound` names the side that sets the step.
 
-    `device_step_ms` replaces the FLOP-based forward+backward time when you have measured it.
+    `device_step_ms` replaces the FLOP-based forward+backward time when you have measured it. With `ranks` > 1 every
+    figure is one rank's (`ranks.RankSplit`): ``link_ms`` is one GPU's link, ``host_ms`` one rank's host work on its
+    share of the node, ``host_memory_gb`` one rank's host memory, ``allgather_ms`` the per-step share of the
+    write-back all-gather (DDP), which is part of ``device_ms``.
     """
+    split = RankSplit(ranks, parallel)
     n = float(params)
+    dev, share = split.device_share, split.host_share
     compute = device_step_ms if device_step_ms is not None else (
         6.0 * n * tokens_per_step / (profile.device_tflops * 1e12 * profile.mfu) * 1e3)
-    device_adamw = n * DEVICE_ADAMW_BYTES_PER_PARAM / (profile.device_mem_gbps * 1e9) * 1e3
-    grad_read = n * LINK_BYTES_PER_PARAM / (profile.device_mem_gbps * 1e9) * 1e3
-    link = n * LINK_BYTES_PER_PARAM / (profile.link_gbps * 1e9) * 1e3  # one direction, bf16
-    host_adamw = n / profile.host_adamw_params_per_s() * 1e3
+    device_adamw = n * dev * DEVICE_ADAMW_BYTES_PER_PARAM / (profile.device_mem_gbps * 1e9) * 1e3
+    grad_read = n * dev * LINK_BYTES_PER_PARAM / (profile.device_mem_gbps * 1e9) * 1e3
+    link = n * share * LINK_BYTES_PER_PARAM / (profile.link_gbps * 1e9) * 1e3  # one direction, bf16, one GPU
+    host_adamw = n * share / profile.host_adamw_params_per_s(split.core_share) * 1e3
     accumulate = ACCUMULATE_VS_ADAMW * host_adamw
+    allgather = split.allgather_ms(n * LINK_BYTES_PER_PARAM, profile.interconnect_gbps)
     u = max(1.0, float(update_interval))
     mem_gb = profile.device_mem_gb
-    weights_grads = n * DEVICE_BYTES_WEIGHT_GRAD / 1e9
+    weights_grads = n * dev * DEVICE_BYTES_WEIGHT_GRAD / 1e9
     rows: dict[str, dict[str, Any]] = {}
     rows["no_offload"] = {"step_ms": compute + device_adamw, "bound": "device",
-                          "device_ms": compute + device_adamw, "link_ms": 0.0, "host_ms": 0.0,
-                          "device_memory_gb": weights_grads + n * DEVICE_BYTES_ADAM_STATE / 1e9}
-    sync_parts = {"device": compute, "link": 2 * link, "host": host_adamw}
+                          "device_ms": compute + device_adamw, "link_ms": 0.0, "host_ms": 0.0, "allgather_ms": 0.0,
+                          "device_memory_gb": weights_grads + n * dev * DEVICE_BYTES_ADAM_STATE / 1e9}
+    # ZeRO-Offload partitions the same way: its all-gather of the updated weights follows every step
+    sync_parts = {"device": compute + allgather, "link": 2 * link, "host": host_adamw}
     rows["sync_offload"] = {"step_ms": sum(sync_parts.values()), "bound": _bound(sync_parts)[1],
-                            "device_ms": compute, "link_ms": 2 * link, "host_ms": host_adamw,
-                            "device_memory_gb": weights_grads}
+                            "device_ms": compute + allgather, "link_ms": 2 * link, "host_ms": host_adamw,
+                            "allgather_ms": allgather, "device_memory_gb": weights_grads}
     selected = topk_ratio * device_adamw + grad_read
     for key, on_device in (("zenflow", False), ("zenflow_device_accumulation", True)):
-        # the write-back of a window's result runs on the device's stream: on the device timeline
-        device = compute + selected + link / u + (n * DEVICE_ACCUMULATE_TRAFFIC / (profile.device_mem_gbps * 1e9)
-                                                   * 1e3 if on_device else 0.0)
+        # the write-back of a window's result (and under DDP its all-gather) runs on the device's stream: on the
+        # device timeline
+        device = compute + selected + link / u + allgather / u + (
+            n * share * DEVICE_ACCUMULATE_TRAFFIC / (profile.device_mem_gbps * 1e9) * 1e3 if on_device else 0.0)
         link_down = 2 * link / u if on_device else link  # one fp32 sum per window, or every bf16 gradient
         host = host_adamw / u + (0.0 if on_device else accumulate)
         parts = {"device": device, "link": link_down, "host": host}
         step, side = _bound(parts)
         rows[key] = {"step_ms": step, "bound": side, "device_ms": device, "link_ms": link_down, "host_ms": host,
-                     "device_memory_gb": weights_grads + n * (topk_ratio * DEVICE_BYTES_ADAM_STATE
-                                                              + (DEVICE_ACCUMULATOR_BYTES if on_device else 0)) / 1e9}
-    for r in rows.values():
+                     "allgather_ms": allgather / u,
+                     "device_memory_gb": weights_grads + n * (topk_ratio * DEVICE_BYTES_ADAM_STATE * dev
+                                                              + (DEVICE_ACCUMULATOR_BYTES * share if on_device
+                                                                 else 0)) / 1e9}
+    for key, r in rows.items():
         r["fits_device_memory"] = r["device_memory_gb"] <= DEVICE_MEMORY_HEADROOM * mem_gb
         r["compute_ms"] = compute
+        r["host_memory_gb"] = n * share * HOST_BYTES_PER_PARAM[key] / 1e9
     return rows
 
 
 def interval_to_unbind(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float,
                        accumulate_on: str, device_step_ms: float | None = None,
-                       candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> int | None:
+                       candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32), ranks: int = 1,
+                       parallel: str = "ddp") -> int | None:
     """The smallest update_interval at which ZenFlow's step is device-bound (None: none of `candidates`)."""
     key = "zenflow_device_accumulation" if accumulate_on == "device" else "zenflow"
     for u in candidates:
-        row = schedule_model(profile, params, tokens_per_step, topk_ratio, u, device_step_ms)[key]
+        row = schedule_model(profile, params, tokens_per_step, topk_ratio, u, device_step_ms, ranks, parallel)[key]
         if row["bound"] == "device":
             return u
     return None
 
 
 def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
-           update_interval: float = 4, device_step_ms: float | None = None) -> list[str]:
-    """Plain sentences: does offloading help here, where is ZenFlow bound, and which setting moves the bound."""
-    rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms)
+           update_interval: float = 4, device_step_ms: float | None = None, ranks: int = 1,
+           parallel: str = "ddp") -> list[str]:
+    """Plain sentences: does offloading help here, where is ZenFlow bound, and which setting moves the bound; with
+    several ranks, what each rank gets and what the all-gather costs."""
+    rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms, ranks,
+                          parallel)
     base, sync, zen, dev = (rows[k] for k in ("no_offload", "sync_offload", "zenflow", "zenflow_device_accumulation"))
     out = []
     if base["fits_device_memory"]:
@@ -198,14 +240,17 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
     else:
         out.append(f"Offload needed: weights, gradients and AdamW state take {base['device_memory_gb']:.1f} GB, "
                    f"more than {DEVICE_MEMORY_HEADROOM:.0%} of the device's {profile.device_mem_gb:.0f} GB.")
+    if ranks > 1:
+        out.append(_per_rank_sentence(profile, params, update_interval, rows, RankSplit(ranks, parallel)))
     out.append(f"ZenFlow (window summed on the host, U={update_interval:g}): {zen['step_ms']:.0f} ms/step, "
                f"{zen['bound']}-bound, {sync['step_ms'] / zen['step_ms']:.2f}x faster than synchronous offload "
                f"({sync['step_ms']:.0f} ms/step), {zen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
     if zen["bound"] == "host":
-        u_host = interval_to_unbind(profile, params, tokens_per_step, topk_ratio, "host", device_step_ms)
-        u_dev = interval_to_unbind(profile, params, tokens_per_step, topk_ratio, "device", device_step_ms)
+        unbind = {"device_step_ms": device_step_ms, "ranks": ranks, "parallel": parallel}
+        u_host = interval_to_unbind(profile, params, tokens_per_step, topk_ratio, "host", **unbind)
+        u_dev = interval_to_unbind(profile, params, tokens_per_step, topk_ratio, "device", **unbind)
         move = (f'accumulate_on="device" moves the bound: {dev["step_ms"]:.0f} ms/step ({dev["bound"]}-bound; '
-                f'+{params * DEVICE_ACCUMULATOR_BYTES / 1e9:.1f} GB of device memory'
+                f'+{params * DEVICE_ACCUMULATOR_BYTES / ranks / 1e9:.1f} GB of device memory'
                 + ("" if dev["fits_device_memory"] else ", which does NOT fit") + ")")
         move += f"; device-bound from update_interval={u_dev}" if u_dev else "; still not device-bound at U=32"
         if u_host:
@@ -217,14 +262,39 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
                    f"per window instead: {dev['step_ms']:.0f} ms/step ({dev['bound']}-bound).")
     else:
         out.append("Device-bound: the offload is hidden behind forward/backward; a smaller topk_ratio only trims the "
-                   f"selected-column AdamW ({topk_ratio * (base['step_ms'] - zen['compute_ms']):.1f} ms per step).")
+                   f"selected-column AdamW ({topk_ratio * (base['step_ms'] - zen['compute_ms']):.1f} ms per step)"
+                   + (f" and the all-gather adds {zen['allgather_ms']:.1f} ms per step." if zen["allgather_ms"]
+                      else "."))
     return out
 
 
+def _per_rank_sentence(profile: HardwareProfile, params: float, update_interval: float, rows: dict[str, Any],
+                       split: RankSplit) -> str:
+    n, zen = split.ranks, rows["zenflow"]
+    host_adamw = rows["sync_offload"]["host_ms"]
+    u = max(1.0, float(update_interval))
+    cores, mem = split.cores_per_rank(profile.host_cores), profile.host_mem_gbps * split.core_share
+    text = (f"Per rank: {cores:g} of the node's {profile.host_cores} host cores and {mem:g} of its "
+            f"{profile.host_mem_gbps:g} GB/s. A host AdamW over the rank's {params * split.host_share / 1e9:.2f}B "
+            f"parameters takes {host_adamw:.0f} ms, as long as one process's over the whole model on the whole node: "
+            f"1/{n} of the work on 1/{n} of the host (without the split each rank would take {n * host_adamw:.0f} ms "
+            f"and hold {n * zen['host_memory_gb']:.1f} GB). ZenFlow's host memory: {zen['host_memory_gb']:.1f} GB "
+            f"per rank, {n * zen['host_memory_gb']:.1f} GB on the node. Each GPU's link carries 1/{n} of the "
+            "offloaded bytes")
+    if zen["allgather_ms"]:
+        text += (f"; the all-gather of the updated rows takes {zen['allgather_ms'] * u:.0f} ms per write-back at "
+                 f"{profile.interconnect_gbps:g} GB/s ({zen['allgather_ms']:.0f} ms per step on the device timeline)")
+    return text + "."
+
+
 def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
-                          update_interval: float = 4, device_step_ms: float | None = None) -> str:
-    """Markdown: the profile, one row per schedule (each side's ms, the step, the bound), then `advice`."""
-    rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms)
+                          update_interval: float = 4, device_step_ms: float | None = None, ranks: int = 1,
+                          parallel: str = "ddp") -> str:
+    """Markdown: the profile, one row per schedule (each side's ms, the step, the bound), then `advice`; with several
+    ranks the figures are one rank's and two columns (all-gather, host memory per rank) are added."""
+    rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms, ranks,
+                          parallel)
+    several = ranks > 1
     names = {"no_offload": "no offload (AdamW on device)", "sync_offload": "synchronous offload (ZeRO-Offload)",
              "zenflow": f"ZenFlow, U={update_interval:g}, topk_ratio={topk_ratio:g} (window summed on the host)",
              "zenflow_device_accumulation": 'ZenFlow, same, accumulate_on="device"'}
@@ -233,10 +303,14 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
              "Profile: " + ", ".join(f"{k} {v}" for k, v in p.items() if k != "name")
              + f"; model {params / 1e9:.2f}B params, {tokens_per_step:.0f} tokens/step"
              + (f", forward+backward {device_step_ms:.0f} ms (given)" if device_step_ms is not None else "") + ".",
-             "",
-             "| schedule | device ms/step | link ms/step | host ms/step | step ms | bound | vs sync offload | "
-             "device memory GB (no activations) |",
-             "|---|---|---|---|---|---|---|---|"]
+             ""]
+    if several:
+        lines += [f"Ranks: {RankSplit(ranks, parallel).describe()}. Every figure below is ONE rank's: its GPU's "
+                  "device and link, its share of the node's host; tokens/step per rank.", ""]
+    extra = " all-gather ms/step (in device) | host memory GB per rank |" if several else ""
+    lines += ["| schedule | device ms/step | link ms/step | host ms/step | step ms | bound | vs sync offload | "
+              "device memory GB (no activations) |" + extra,
+              "|---|---|---|---|---|---|---|---|" + ("---|---|" if several else "")]
     sync = rows["sync_offload"]["step_ms"]
     for key, label in names.items():
         r = rows[key]
@@ -244,11 +318,12 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
         bound = "sum (synchronous)" if key == "sync_offload" else r["bound"]
         lines.append(f"| {label} | {r['device_ms']:.0f} | {r['link_ms']:.0f} | {r['host_ms']:.0f} | "
                      f"{r['step_ms']:.0f} | {bound} | {sync / r['step_ms']:.2f}x | "
-                     f"{r['device_memory_gb']:.1f}{fits} |")
+                     f"{r['device_memory_gb']:.1f}{fits} |"
+                     + (f" {r['allgather_ms']:.0f} | {r['host_memory_gb']:.1f} |" if several else ""))
     lines += [""] + [f"- {s}" for s in advice(profile, params, tokens_per_step, topk_ratio, update_interval,
-                                              device_step_ms)]
+                                              device_step_ms, ranks, parallel)]
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["PROFILES", "HardwareProfile", "advice", "format_schedule_model", "interval_to_unbind", "load_profile",
-           "schedule_model"]
+__all__ = ["HOST_BYTES_PER_PARAM", "PROFILES", "HardwareProfile", "advice", "format_schedule_model",
+           "interval_to_unbind", "load_profile", "schedule_model"]

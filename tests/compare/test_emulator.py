@@ -108,3 +108,56 @@ def test_estimate_cli_writes_json(tmp_path: Path) -> None:
     assert "extrapolated" in res["cpu_update_source"]
     assert res["scenario"]["grad_offload_ms"] == pytest.approx(1e8 * 2 / 10e9 * 1e3)
     assert {"no_offload", "sync_offload", "zenflow", "zenflow_device_accumulation"} == set(res["results"])
+
+
+def test_one_rank_figures_are_the_scenarios_own() -> None:
+    sc = EmulatorScenario(params=7e9, grad_offload_ms=500.0, param_upload_ms=420.0, device_mem_gbps=2039.0)
+    fig = sc.rank_figures(4600.0)
+    assert fig["cpu_update_ms"] == 4600.0 and fig["params_per_rank"] == sc.params
+    assert fig["grad_offload_ms"] == sc.grad_offload_ms and fig["param_upload_ms"] == sc.param_upload_ms
+    assert fig["device_optimizer_ms"] == sc.resolved_device_optimizer_ms()
+    assert fig["allgather_ms_per_write_back"] == 0.0 and fig["host_cores_per_rank"] == sc.host_cores
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_emulated_rank_takes_the_bound_models_share(parallel: str) -> None:
+    """The emulator and the bound model split N ranks the same way: one rank's host AdamW, link times, device AdamW
+    and all-gather per write-back agree."""
+    from hf_zenflow.compare.emulator import scenario_from_profile
+    from hf_zenflow.compare.hardware import HardwareProfile, schedule_model
+
+    profile = HardwareProfile("t", device_tflops=100.0, device_mem_gb=80.0, device_mem_gbps=1000.0, link_gbps=20.0,
+                              host_cores=128, host_mem_gbps=30.0, mfu=0.5, interconnect_gbps=50.0)
+    sc = scenario_from_profile(profile, 1e9, 1000, ranks=4, parallel=parallel)
+    fig = sc.rank_figures(sc.cpu_update_ms)
+    rows = schedule_model(profile, 1e9, 1000, ranks=4, parallel=parallel)
+    assert fig["cpu_update_ms"] == pytest.approx(rows["sync_offload"]["host_ms"])
+    assert fig["grad_offload_ms"] + fig["param_upload_ms"] == pytest.approx(rows["sync_offload"]["link_ms"])
+    assert fig["device_optimizer_ms"] == pytest.approx(rows["no_offload"]["device_ms"] - sc.device_compute_ms)
+    assert fig["allgather_ms_per_write_back"] == pytest.approx(rows["sync_offload"]["allgather_ms"])
+    assert fig["host_cores_per_rank"] == 32 and fig["params_per_rank"] == 2.5e8
+    assert fig["zenflow_host_memory_gb"] == pytest.approx(rows["zenflow"]["host_memory_gb"])
+
+
+def test_bad_rank_count_fails_before_the_run() -> None:
+    with pytest.raises(ValueError, match=r"EmulatorScenario\.ranks=0 is invalid: allowed is an integer >= 1"):
+        run_estimate(EmulatorScenario(ranks=0, emulated_params=1e6), progress=False)
+    with pytest.raises(ValueError, match=r"EmulatorScenario\.parallel='zero3' is invalid"):
+        EmulatorScenario(parallel="zero3").rank_figures(1.0)
+    with pytest.raises(ValueError, match=r"EmulatorScenario\.interconnect_gbps=0 is invalid"):
+        EmulatorScenario(ranks=2, interconnect_gbps=0).rank_figures(1.0)
+
+
+def test_estimate_flags_set_the_rank_split() -> None:
+    import argparse
+
+    from hf_zenflow.compare.emulator import add_estimate_arguments, scenario_from_args
+
+    parser = argparse.ArgumentParser()
+    add_estimate_arguments(parser)
+    sc = scenario_from_args(parser.parse_args(["--params", "1e9"]))
+    assert (sc.ranks, sc.parallel, sc.interconnect_gbps) == (1, "ddp", 25.0)
+    sc = scenario_from_args(parser.parse_args(["--ranks", "4", "--parallel", "fsdp2", "--interconnect-gbps", "300"]))
+    assert (sc.ranks, sc.parallel, sc.interconnect_gbps) == (4, "fsdp2", 300.0)
+    sc = scenario_from_args(parser.parse_args(["--hardware", "h100-80gb-sxm5-nvlink", "--ranks", "8"]))
+    assert (sc.ranks, sc.interconnect_gbps) == (8, 450.0)

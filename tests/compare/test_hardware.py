@@ -15,6 +15,7 @@ from hf_zenflow.compare.hardware import (
     PROFILES,
     HardwareProfile,
     advice,
+    format_schedule_model,
     interval_to_unbind,
     load_profile,
     schedule_model,
@@ -96,23 +97,27 @@ def _row(step_mean: float, host_work: float | None = None, bound: bool = False, 
     return r
 
 
+def _result() -> dict:
+    """A `run_estimate` result with round figures (no run)."""
+    return {"label": "EMULATED", "scenario": {"name": "t", "params": 1e9, "forward_ms": 0.0, "backward_ms": 100.0,
+                                              "grad_offload_ms": 1.0, "param_upload_ms": 1.0, "topk_ratio": 0.1,
+                                              "update_interval": 4, "notes": ""},
+            "cpu_update_ms": 1.0, "cpu_update_source": "given", "device_optimizer_ms": 1.0, "emulated_params": 1e6,
+            "host_threads": 1, "host_adamw_real_ms": 1.0, "time_compression": 1.0,
+            "link_real_gbps": {"down": 1.0, "up": 1.0},
+            "results": {"no_offload": _row(100), "sync_offload": _row(500),
+                        "zenflow": _row(200, host_work=640, bound=True, step=640),
+                        "zenflow_device_accumulation": _row(210, host_work=50, bound=False)},
+            "summary": {"zenflow_speedup_vs_sync": 500 / 640, "zenflow_critical_path_vs_sync": 1.0,
+                        "zenflow_step_vs_no_offload": 6.4, "zenflow_device_accumulation_speedup_vs_sync": 500 / 210,
+                        "zenflow_device_accumulation_critical_path_vs_sync": 1.0,
+                        "zenflow_device_accumulation_step_vs_no_offload": 2.1}}
+
+
 def test_estimate_table_columns_mean_what_their_headers_say() -> None:
     """Issue 14 item 4: a host-bound row's measured mean must stay the measured mean (within min..max); the host
     work per step that bounds it goes into its own column."""
-    res = {"label": "EMULATED", "scenario": {"name": "t", "params": 1e9, "forward_ms": 0.0, "backward_ms": 100.0,
-                                             "grad_offload_ms": 1.0, "param_upload_ms": 1.0, "topk_ratio": 0.1,
-                                             "update_interval": 4, "notes": ""},
-           "cpu_update_ms": 1.0, "cpu_update_source": "given", "device_optimizer_ms": 1.0, "emulated_params": 1e6,
-           "host_threads": 1, "host_adamw_real_ms": 1.0, "time_compression": 1.0,
-           "link_real_gbps": {"down": 1.0, "up": 1.0},
-           "results": {"no_offload": _row(100), "sync_offload": _row(500),
-                       "zenflow": _row(200, host_work=640, bound=True, step=640),
-                       "zenflow_device_accumulation": _row(210, host_work=50, bound=False)},
-           "summary": {"zenflow_speedup_vs_sync": 500 / 640, "zenflow_critical_path_vs_sync": 1.0,
-                       "zenflow_step_vs_no_offload": 6.4, "zenflow_device_accumulation_speedup_vs_sync": 500 / 210,
-                       "zenflow_device_accumulation_critical_path_vs_sync": 1.0,
-                       "zenflow_device_accumulation_step_vs_no_offload": 2.1}}
-    text = format_estimate(res)
+    text = format_estimate(_result())
     header = next(line for line in text.splitlines() if line.startswith("| schedule"))
     cols = [c.strip() for c in header.strip("|").split("|")]
     row = next(line for line in text.splitlines() if line.startswith("| ZenFlowAdamW (window summed on the host)"))
@@ -134,3 +139,109 @@ def test_emulator_scenario_from_a_profile_carries_its_times() -> None:
     assert sc.cpu_update_ms == pytest.approx(rows["sync_offload"]["host_ms"])
     assert sc.device_mem_gbps == PROFILE.device_mem_gbps and sc.host_cores == PROFILE.host_cores
     assert sc.resolved_device_optimizer_ms() == pytest.approx(28.0)  # the same 28 B/param as the bound model
+
+
+# The same round profile with a 50 GB/s interconnect: an all-gather of the 2 GB of bf16 weights takes (N-1)/N x 40 ms.
+# Host AdamW 1e9 / 1.522e9 params/s = 657 ms is core-bound; at 30 GB/s of host memory it is bandwidth-bound:
+# 1e9 / (30e9 / 30) = 1000 ms.
+RANK_PROFILE = HardwareProfile("t", device_tflops=100.0, device_mem_gb=80.0, device_mem_gbps=1000.0, link_gbps=20.0,
+                               host_cores=128, host_mem_gbps=100.0, mfu=0.5, interconnect_gbps=50.0)
+HOST_ADAMW_MS = 1e9 / (7e9 / 4.6) * 1e3
+
+
+@pytest.mark.parametrize(("ranks", "host_ms", "link_ms", "allgather_ms", "host_gb"), [
+    (1, HOST_ADAMW_MS, 100.0, 0.0, 18.0),
+    (2, HOST_ADAMW_MS, 50.0, 20.0, 9.0),
+    (4, HOST_ADAMW_MS, 25.0, 30.0, 4.5),
+    (8, HOST_ADAMW_MS, 12.5, 35.0, 2.25),
+])
+@pytest.mark.parametrize("host_mem_gbps", [100.0, 30.0])
+def test_per_rank_figures_scale_as_documented(ranks: int, host_ms: float, link_ms: float, allgather_ms: float,
+                                              host_gb: float, host_mem_gbps: float) -> None:
+    """Issue 13 item 6: one rank's host work and memory are 1/N, on 1/N of the node's cores and memory bandwidth, so
+    its host time stays the whole-node figure (core- or bandwidth-bound alike); its link carries 1/N; DDP adds an
+    all-gather per write-back on the device timeline, FSDP2 none and a 1/N device-side update."""
+    from dataclasses import replace
+
+    profile = replace(RANK_PROFILE, host_mem_gbps=host_mem_gbps)
+    host_ms = host_ms if host_mem_gbps == 100.0 else 1000.0
+    u = 4
+    ddp = schedule_model(profile, 1e9, 1000, 0.1, u, ranks=ranks)
+    sync, zen, dev = ddp["sync_offload"], ddp["zenflow"], ddp["zenflow_device_accumulation"]
+    assert sync["host_ms"] == pytest.approx(host_ms)  # not 1/N faster: the ranks share the node's host
+    assert zen["host_ms"] == pytest.approx(host_ms / u + ACCUMULATE_VS_ADAMW * host_ms)
+    assert sync["link_ms"] == pytest.approx(2 * link_ms) and zen["link_ms"] == pytest.approx(link_ms)
+    assert dev["link_ms"] == pytest.approx(2 * link_ms / u)
+    assert sync["allgather_ms"] == pytest.approx(allgather_ms)
+    assert zen["allgather_ms"] == pytest.approx(allgather_ms / u)
+    # device: compute 120 + replicated selected-column AdamW 2.8 + gradient read 2 + write-back and all-gather once
+    # per window
+    assert zen["device_ms"] == pytest.approx(120 + 2.8 + 2 + (link_ms + allgather_ms) / u)
+    assert sync["device_ms"] == pytest.approx(120 + allgather_ms)
+    assert zen["host_memory_gb"] == pytest.approx(host_gb) and sync["host_memory_gb"] == pytest.approx(16 / ranks)
+    assert zen["device_memory_gb"] == pytest.approx(4.0 + 1.2)  # DDP replicates weights, grads, selected state
+    fsdp = schedule_model(profile, 1e9, 1000, 0.1, u, ranks=ranks, parallel="fsdp2")
+    assert fsdp["zenflow"]["allgather_ms"] == 0.0 and fsdp["sync_offload"]["host_ms"] == pytest.approx(host_ms)
+    assert fsdp["zenflow"]["device_ms"] == pytest.approx(120 + (2.8 + 2) / ranks + link_ms / u)  # all sharded
+    assert fsdp["no_offload"]["device_memory_gb"] == pytest.approx(16.0 / ranks)
+
+
+def test_one_rank_is_todays_model_and_table() -> None:
+    rows = schedule_model(RANK_PROFILE, 1e9, 1000, 0.1, 4)
+    assert schedule_model(RANK_PROFILE, 1e9, 1000, 0.1, 4, ranks=1, parallel="fsdp2") == rows  # no split at N=1
+    assert all(r["allgather_ms"] == 0.0 for r in rows.values())
+    text = format_schedule_model(RANK_PROFILE, 1e9, 1000)
+    assert "Ranks:" not in text and "Per rank" not in text
+    assert ("| schedule | device ms/step | link ms/step | host ms/step | step ms | bound | vs sync offload | "
+            "device memory GB (no activations) |\n") in text
+
+
+def test_several_ranks_table_and_advice() -> None:
+    text = format_schedule_model(RANK_PROFILE, 1e9, 1000, ranks=8)
+    assert "Ranks: 8 DDP ranks" in text and "all-gather ms/step (in device) | host memory GB per rank |" in text
+    assert "Per rank: 16 of the node's 128 host cores" in text and f"takes {HOST_ADAMW_MS:.0f} ms" in text
+    assert f"each rank would take {8 * HOST_ADAMW_MS:.0f} ms" in text
+    assert "35 ms per write-back at 50 GB/s" in text
+    with pytest.raises(ValueError, match=r"ranks=0 is invalid: allowed is an integer >= 1"):
+        schedule_model(RANK_PROFILE, 1e9, 1000, ranks=0)
+
+
+def test_interconnect_defaults_and_json(tmp_path: Path) -> None:
+    assert HardwareProfile().interconnect_gbps == 25.0
+    assert PROFILES["a100-40gb-pcie4"].interconnect_gbps == PROFILES["a100-40gb-pcie4"].link_gbps
+    assert PROFILES["h100-80gb-sxm5-nvlink"].interconnect_gbps > 5 * PROFILES["h100-80gb-pcie5"].interconnect_gbps
+    path = tmp_path / "nvl.json"
+    path.write_text(json.dumps({"interconnect_gbps": 300}))
+    assert load_profile(str(path)).interconnect_gbps == 300
+    with pytest.raises(ValueError, match=r"HardwareProfile\.interconnect_gbps=0 is invalid"):
+        HardwareProfile(interconnect_gbps=0)
+
+
+def test_estimate_cli_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["estimate", "--hardware", "a100-80gb-sxm4-nvlink", "--model-params", "7e9", "--ranks", "8",
+               "--model-only"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Ranks: 8 DDP ranks" in out and "Per rank: 16 of the node's 128 host cores" in out
+    for bad in ("0", "-2", "1.5", "two"):
+        with pytest.raises(SystemExit) as exc:
+            main(["estimate", "--hardware", "a100-40gb-pcie4", "--ranks", bad, "--model-only"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --ranks" in err and "is invalid: allowed is an integer >= 1" in err and bad in err
+
+
+def test_estimate_report_states_the_emulated_ranks_share() -> None:
+    from hf_zenflow.compare.emulator import EmulatorScenario
+
+    res = _result()
+    res["ranks"] = EmulatorScenario(ranks=1).rank_figures(4600.0)
+    one = format_estimate(res)
+    assert "Ranks:" not in one and "data-parallel communication is not modelled" in one
+    res["ranks"] = EmulatorScenario(params=1e9, ranks=4, host_cores=64, interconnect_gbps=50.0).rank_figures(4600.0)
+    text = format_estimate(res)
+    assert "Ranks: 4 DDP ranks" in text and "ONE rank: 0.25B parameters of host work on 16 host cores" in text
+    assert "host AdamW 4600 ms, ZenFlow's host memory 4.5 GB" in text
+    assert "all-gather of the updated rows 30 ms per write-back at 50 GB/s" in text  # 3/4 x 2 GB / 50 GB/s
+    assert "one rank of several" in text
+    assert "(targets 125 / 125 ms for bf16" in text  # a quarter of the 500 ms links per rank

@@ -1,0 +1,169 @@
+"""`hf-zenflow estimate` on the command line: its flags, the scenario they describe (a preset, explicit figures or a
+hardware profile), and the run that prints the bound model and the emulator's report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from hf_zenflow.compare.emulator_report import format_estimate
+from hf_zenflow.compare.emulator_scenario import LINK_BYTES_PER_PARAM, SCENARIOS, EmulatorScenario
+from hf_zenflow.compare.emulator_schedules import run_estimate
+from hf_zenflow.compare.ranks import PARALLEL_MODES, check_ranks
+
+
+def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
+                   help="a calibrated preset; other flags given explicitly override its values")
+    p.add_argument("--params", "--model-params", dest="params", type=float, default=None,
+                   help="model parameters (e.g. 7e9) [7e9]")
+    add_hardware_arguments(p)
+    p.add_argument("--device-step-ms", type=float, default=None,
+                   help="forward+backward time of one step on the device [2045]")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="host<->device bandwidth per direction, GB/s; sets the offload/upload times for bf16 "
+                        "gradients/parameters [28, i.e. 500 ms for 7B]")
+    p.add_argument("--host-cores", type=int, default=None,
+                   help="host cores of the target machine: without --cpu-update-ms the host AdamW time is the "
+                        "published rate (7e9 params in 4.6 s on 128 threads) scaled linearly to these cores [128]")
+    p.add_argument("--cpu-update-ms", type=float, default=None,
+                   help="host AdamW time for the whole model on the target machine (else extrapolated)")
+    p.add_argument("--device-optimizer-ms", type=float, default=None,
+                   help="AdamW over the whole model on the device (else params x 28 B / --device-mem-gbps)")
+    p.add_argument("--device-mem-gbps", type=float, default=None, help="device memory bandwidth, GB/s [8000]")
+    p.add_argument("--topk-ratio", type=float, default=None, help="[0.1]")
+    p.add_argument("--update-interval", type=int, default=None, help="[4]")
+    p.add_argument("--emulated-params", type=float, default=None,
+                   help="real parameters the host code runs on (the scaled-down model; ~4 GB of host memory at "
+                        "the default) [1e8]")
+    p.add_argument("--steps", type=int, default=None, help="steps per schedule [14]")
+    p.add_argument("--host-threads", type=int, default=None,
+                   help="host worker threads here (cpu_threads; default: the cores in this process's affinity "
+                        "minus one, as the training thread runs one thread: README, Threads)")
+    p.add_argument("--ranks", type=rank_count, default=None,
+                   help="data-parallel ranks (one GPU each) on the node: every figure becomes one rank's, with 1/N "
+                        "of the offloaded host work, host memory and link bytes on 1/N of the host cores and memory "
+                        "bandwidth, and for DDP an all-gather of the updated rows at each write-back [1]")
+    p.add_argument("--parallel", choices=PARALLEL_MODES, default=None,
+                   help="with --ranks: how the ranks split the offloaded part: ddp (1/N of every matrix's rows, "
+                        "all-gather at write-back) or fsdp2 (each rank's shard, no weight collective) [ddp]")
+    p.add_argument("--interconnect-gbps", type=float, default=None,
+                   help="GPU<->GPU bandwidth per GPU and direction, GB/s, for DDP's all-gather [the profile's; "
+                        "else 25, a PCIe Gen4 node]")
+    p.add_argument("--output", default=None, help="write the result as JSON to this file")
+
+
+def rank_count(text: str) -> int:
+    """argparse type of --ranks: an integer >= 1, else an error naming the flag, the value and what is allowed."""
+    try:
+        value: Any = int(text)
+    except ValueError:
+        value = text
+    try:
+        return check_ranks(value, "--ranks")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
+    from hf_zenflow.compare.hardware import PROFILES
+
+    p.add_argument("--hardware", default=None,
+                   help=f"a hardware profile: a preset ({', '.join(sorted(PROFILES))}) or a JSON file with the fields "
+                        "of hf_zenflow.compare.hardware.HardwareProfile (device_tflops, device_mem_gb, "
+                        "device_mem_gbps, link_gbps, host_cores, host_mem_gbps, mfu, interconnect_gbps). Prints "
+                        "the bound model (where "
+                        "each schedule is bound and which setting moves the bound), then runs the emulator on the "
+                        "profile's figures; explicit flags override them")
+    p.add_argument("--tokens-per-step", type=float, default=4096,
+                   help="with --hardware: tokens per optimizer step (forward+backward = 6 x params x tokens FLOPs)")
+    p.add_argument("--model-only", action="store_true",
+                   help="with --hardware: print the bound model only, do not run the emulator")
+
+
+def scenario_from_profile(profile: Any, params: float, tokens_per_step: float, ranks: int = 1,
+                          parallel: str = "ddp") -> EmulatorScenario:
+    """The emulator scenario of a `hardware.HardwareProfile`: its forward+backward, link and host AdamW times (of the
+    whole model: the emulator takes one rank's share of them), for `ranks` data-parallel ranks on its node."""
+    from hf_zenflow.compare.hardware import schedule_model
+
+    rows = schedule_model(profile, params, tokens_per_step)
+    link_ms = rows["sync_offload"]["link_ms"] / 2
+    return EmulatorScenario(
+        name=f"hardware:{profile.name}", params=params, forward_ms=0.0, backward_ms=rows["no_offload"]["compute_ms"],
+        grad_offload_ms=link_ms, param_upload_ms=link_ms, cpu_update_ms=rows["sync_offload"]["host_ms"],
+        device_mem_gbps=profile.device_mem_gbps, host_cores=profile.host_cores, ranks=ranks, parallel=parallel,
+        interconnect_gbps=profile.interconnect_gbps,
+        notes=f"hardware profile {profile.name}: forward+backward = 6 x params x {tokens_per_step:.0f} tokens at "
+              f"{profile.mfu:g} of {profile.device_tflops:g} TFLOP/s; host AdamW at the published per-core CPUAdam "
+              f"rate x {profile.host_cores} cores (capped by {profile.host_mem_gbps:g} GB/s)")
+
+
+def _profile(args: argparse.Namespace) -> Any:
+    from hf_zenflow.compare.hardware import load_profile
+
+    profile = load_profile(args.hardware)
+    if args.interconnect_gbps is not None:
+        profile = replace(profile, interconnect_gbps=args.interconnect_gbps)
+    return profile
+
+
+#: Flags that set the scenario field of the same name when given, in both paths.
+_RANK_FIELDS = ("ranks", "parallel", "interconnect_gbps")
+
+
+def scenario_from_args(args: argparse.Namespace) -> EmulatorScenario:
+    hardware = getattr(args, "hardware", None)
+    if hardware:
+        sc = scenario_from_profile(_profile(args), args.params or EmulatorScenario.params, args.tokens_per_step)
+        for attr in ("topk_ratio", "update_interval", "emulated_params", "steps", "host_threads", "cpu_update_ms",
+                     "device_optimizer_ms", "device_mem_gbps", "host_cores") + _RANK_FIELDS:
+            if getattr(args, attr) is not None:
+                setattr(sc, attr, getattr(args, attr))
+        if args.device_step_ms is not None:
+            sc.backward_ms = args.device_step_ms
+        if args.link_gbps is not None:
+            sc.grad_offload_ms = sc.param_upload_ms = sc.params * LINK_BYTES_PER_PARAM / (args.link_gbps * 1e9) * 1e3
+        return sc
+    sc = SCENARIOS[args.scenario]() if args.scenario else EmulatorScenario(cpu_update_ms=None)
+    if args.params is not None:
+        sc.params = args.params
+        if args.scenario and args.cpu_update_ms is None:
+            sc.cpu_update_ms = None  # a different model size: the calibrated CPU time no longer applies
+    if args.device_step_ms is not None:
+        sc.forward_ms, sc.backward_ms = 0.0, args.device_step_ms
+    if args.link_gbps is not None:
+        ms = sc.params * LINK_BYTES_PER_PARAM / (args.link_gbps * 1e9) * 1e3
+        sc.grad_offload_ms = sc.param_upload_ms = ms
+    for attr in ("host_cores", "cpu_update_ms", "device_optimizer_ms", "device_mem_gbps", "topk_ratio",
+                 "update_interval", "emulated_params", "steps", "host_threads") + _RANK_FIELDS:
+        value = getattr(args, attr)
+        if value is not None:
+            setattr(sc, attr, value)
+    if not args.scenario:
+        sc.name = "custom"
+        if args.link_gbps is None:
+            # default link: 28 GB/s per direction (the published 500 ms for 7B bf16 gradients)
+            sc.grad_offload_ms = sc.param_upload_ms = sc.params * LINK_BYTES_PER_PARAM / 28e9 * 1e3
+    return sc
+
+
+def estimate_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    sc = scenario_from_args(args)
+    if getattr(args, "hardware", None):
+        from hf_zenflow.compare.hardware import format_schedule_model
+
+        print(format_schedule_model(_profile(args), sc.params, args.tokens_per_step, sc.topk_ratio,
+                                    sc.update_interval, device_step_ms=args.device_step_ms, ranks=sc.ranks,
+                                    parallel=sc.parallel), flush=True)
+        if args.model_only:
+            return {"scenario": asdict(sc)}
+    res = run_estimate(sc)
+    print(format_estimate(res), flush=True)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(res, indent=2, default=str), encoding="utf-8")
+    return res
