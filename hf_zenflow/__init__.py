@@ -3,6 +3,7 @@
 Where things live:
 
 - `ZenFlowAdamW` (`optimizer.py`) orchestrates a step and holds the public API; it decides nothing itself:
+  - its arguments made into state (settings, param-group checks, split or dense per parameter): `params.py`;
   - the schedule, pure decisions with no tensors: `schedule.py` (step kinds, windows, Zen-auto votes);
   - reading each gradient as backward produces it: `gradients.py` (hooks: norms, early copies to the host);
   - the device path: `device_step.py` (selected-column and dense AdamW state, gather, fused update);

@@ -253,6 +253,19 @@ def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     apply_changed_settings(opt, zenflow.get("config") or {})
 
 
+def load(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
+    """`ZenFlowAdamW.load_state_dict` (its worker idle): `unpack`, then a host worker whose thread count or mode no
+    longer matches the settings in force is closed (the next step starts one with the current settings)."""
+    before = (opt.config.resolved_cpu_threads, opt.config.overlap_step)
+    unpack(opt, state_dict)
+    worker = opt._host.worker
+    if worker is not None and (worker.threads, worker.background) != (
+        before[0], before[1] and opt.host_executor == "thread"
+    ):
+        opt.close()
+    opt._mark_weights()
+
+
 def _restore_groups(opt: ZenFlowAdamW, saved_groups: list[dict[str, Any]]) -> None:
     for group, saved in zip(opt.param_groups, saved_groups):
         group.update({k: v for k, v in saved.items() if k != "params" and k not in _TORCH_ONLY_GROUP_KEYS})
@@ -329,6 +342,6 @@ def load_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
         ) from exc
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "check_file", "load_file", "migrate", "pack",
+__all__ = ["FORMAT_VERSION", "CheckpointError", "check_file", "load", "load_file", "migrate", "pack",
            "tensor_checksum", "unpack", "validate"]
 

@@ -14,6 +14,7 @@ from .checkpoint import _DERIVED_SETTINGS, CheckpointError, _restore_groups, mig
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState
 from .host import host_adamw_window
+from .params import is_split
 from .schedule import host_lr_scale
 from .selection import num_selected
 from .split_matrix import SplitMatrix
@@ -63,8 +64,8 @@ def apply_changed_settings(opt: ZenFlowAdamW, saved: dict[str, Any]) -> None:
 def _apply_min_offload_numel(opt: ZenFlowAdamW) -> str:
     """Move matrices between the split path and the dense path to match the current `min_offload_numel`."""
     group_of = opt._group_of()
-    to_dense = [p for p in opt._split if not opt._splits(p, group_of[p])]
-    to_split = [p for p in opt._dense if opt._splits(p, group_of[p])]
+    to_dense = [p for p in opt._split if not is_split(p, group_of[p], opt.config)]
+    to_split = [p for p in opt._dense if is_split(p, group_of[p], opt.config)]
     for p in to_dense:
         _split_to_dense(opt, p, group_of[p])
     for p in to_split:
@@ -155,7 +156,7 @@ def unpack_torch_adamw(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
         dense.exp_avg_sq.copy_(exp_avg_sq)
         dense.step.copy_(step)
         opt._dense[p] = dense
-        if opt._splits(p, group_of[p]):
+        if is_split(p, group_of[p], opt.config):
             _dense_to_split(opt, p, group_of[p])
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .device_step import DeviceColumns
+from .device_step import DenseDeviceState, DeviceColumns
 from .host import HostMatrix
 from .schedule import ZenAutoStats
 from .selection import column_scores, selection_axis, storage_matrix, top_columns
@@ -138,3 +138,15 @@ class SplitMatrix:
         if not split.offloaded:
             split.detach_host()  # every column on the device (topk_ratio=1): the host keeps nothing
         split.auto.reset()
+
+
+def master_value(param: torch.Tensor, splits: dict[torch.Tensor, SplitMatrix],
+                 dense: dict[torch.Tensor, DenseDeviceState]) -> torch.Tensor:
+    """The fp32 master value of `param` on the host, in its shape: host columns from the host master, device columns
+    from the device, a parameter without optimizer state from its weights."""
+    if param in dense:
+        return dense[param].master_of(param).detach().float().cpu().clone()
+    split = splits.get(param)
+    if split is None:
+        return param.detach().float().cpu().clone()
+    return split.unmatrix(split.full_state()[0])

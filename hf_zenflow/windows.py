@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .config import ZenFlowConfig
-from .device_step import DeviceColumns, scatter_columns
+from .device_step import DenseDeviceState, DeviceColumns, device_update, scatter_columns
 from .distributed_check import warn_if_replicated
 from .host import HostMatrix, accumulate_into, host_adamw_window
 from .schedule import WindowSchedule, host_lr_scale
@@ -241,6 +241,17 @@ class HostWindows:
             transport = self.transport_of(split)
             groups.setdefault(id(transport), (transport, []))[1].append(split)
         return list(groups.values())
+
+    def warm_up_step(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
+                     timer: StepTimer, schedule: WindowSchedule, dense: dict[torch.Tensor, DenseDeviceState]) -> None:
+        """A warm-up step, plain dense AdamW: every matrix column by the host, synchronously (a one-step window);
+        1-D parameters on the device."""
+        with timer.phase("device_update"):
+            device_update(self.splits, dense, entries, grads, coef, set())
+        with timer.phase("handoff"):
+            self.hand_off(entries, grads, coef)
+        schedule.window_steps += 1
+        self.close_window(schedule, timer, sequential=True)
 
     def close_window(self, schedule: WindowSchedule, timer: StepTimer, sequential: bool) -> None:
         """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
