@@ -86,7 +86,7 @@ def _split_to_dense(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -
             hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
             hyper["lr"] *= scale
             host_adamw_window([(hyper, [host])])
-    master, m, v = split.full_state()
+    master, m, v = split.full_state(opt._host.shards)
     step = (split.device.step if split.device is not None else split.host.step).clone()
     dense = DenseDeviceState.fresh(p)
     dense.exp_avg.copy_(split.unmatrix(m.to(p.device)))
@@ -105,11 +105,11 @@ def _dense_to_split(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -
     split.k = num_selected(opt.config.topk_ratio, split.columns)
     opt._host.attach_host([split])
     host = split.host
-    host.master.copy_(split.matrix(dense.master_of(p)))
-    host.exp_avg.copy_(split.matrix(dense.exp_avg))
-    host.exp_avg_sq.copy_(split.matrix(dense.exp_avg_sq))
+    host.master.copy_(split.host_part(dense.master_of(p)))
+    host.exp_avg.copy_(split.host_part(dense.exp_avg))
+    host.exp_avg_sq.copy_(split.host_part(dense.exp_avg_sq))
     host.step.copy_(dense.step)
-    host.writeback.copy_(split.matrix(p.detach()))
+    host.writeback.copy_(split.host_part(p.detach()))
     opt._split[p] = split  # device columns are chosen at the next step with a gradient
 
 
@@ -188,6 +188,11 @@ def to_torch_adamw(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int
     """
     state_dict = migrate(state_dict)
     zenflow = state_dict.get("zenflow") or {}
+    if int(zenflow.get("ranks", 1)) > 1:
+        raise CheckpointError(
+            f"to_torch_adamw: this state dict holds rank {zenflow.get('rank')}'s share of a host state split across "
+            f"{zenflow['ranks']} ranks; torch.optim.AdamW needs every element. Call ZenFlowAdamW.flush() on every "
+            "rank and save the optimizer state from a one-process run, or start AdamW from the weights.")
     config = ZenFlowConfig.from_dict(zenflow["config"]) if zenflow.get("config") else ZenFlowConfig()
     group_of = {i: g for g in state_dict["param_groups"] for i in g["params"]}
     out_state: dict[int, dict[str, torch.Tensor]] = {}

@@ -64,6 +64,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         config: a `ZenFlowConfig`; keyword arguments named like its fields override it.
         host_executor: ``"thread"`` (default) runs the host work on a background thread; ``"inline"`` runs the same
             jobs in the calling thread, in the same order (the sequential reference of the overlapped schedule).
+        process_group: the data-parallel ranks that share the host work (default: torch's default process group,
+            when one of several ranks is initialised; DDP). Each rank then holds host state for, and runs the host
+            AdamW on, 1/N of every offloaded matrix, and `step()`, `flush()`, `load_state_dict()` and
+            `master_weight()` are collectives: call them on every rank (`hf_zenflow.sharding`).
 
     Matrices (parameters with ``ndim >= 2``, viewed as ``[out, in]``) are split by input column, whether stored
     row-major or column-major (`column_major_`, where each input column is contiguous); 1-D parameters and other
@@ -95,6 +99,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         *,
         config: ZenFlowConfig | None = None,
         host_executor: str = "thread",
+        process_group: Any = None,
         **config_overrides: Any,
     ) -> None:
         check_hyperparameters(lr, betas, eps, weight_decay)
@@ -106,7 +111,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._schedule: WindowSchedule | None = None
         self._norm_cache = GradNormCache()
         self._stats = ZenFlowStats()
-        self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor)
+        self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor, process_group)
         self.config = config
         # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
         self._reads = GradientReads(p for g in self.param_groups for p in g["params"])
@@ -344,7 +349,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """The fp32 master value of `param` (host columns from the host master, device columns from the device),
         on the host. Call `synchronize()` first in overlap mode."""
         self._pick_up_outside_changes()
-        return master_value(param, self._split, self._dense)
+        return master_value(param, self._split, self._dense, self._host.shards)
 
     # ------------------------------------------------------------------------------------------------------------
     # Step internals

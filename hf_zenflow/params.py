@@ -14,6 +14,7 @@ from .config import ZenFlowConfig
 from .device_step import DenseDeviceState
 from .schedule import WindowSchedule
 from .selection import num_selected, selection_axis
+from .sharding import is_dtensor
 from .split_matrix import SplitMatrix
 
 
@@ -74,6 +75,11 @@ def create_state(entries: list[tuple[dict, torch.Tensor]], splits: dict[torch.Te
     for group, p in entries:
         if p in splits or p in dense:
             continue
+        if is_dtensor(p):
+            raise NotImplementedError(
+                f"ZenFlowAdamW got a DTensor parameter of shape {tuple(p.shape)} (FSDP2's fully_shard): sharded "
+                "parameters are not supported yet. Use DDP, where ZenFlowAdamW splits the host work across the "
+                "ranks itself.")
         rows = bool(group.get("select_rows", False))
         if rows and not p.is_contiguous():
             raise ValueError(f"ZenFlowAdamW param group select_rows=True needs row-major (contiguous) parameters; "

@@ -52,10 +52,13 @@ class ZenFlowStats:
     - ``update_interval``: length of the last closed window, in steps;
     - ``staleness``: optimizer steps whose host-path gradients are not yet in the weights after the last step;
     - ``steps``, ``windows``, ``reselections``, ``skipped_steps`` (non-finite gradients);
-    - ``host_state_bytes`` / ``device_state_bytes``: optimizer state held on each side; ``host_bytes_per_param``:
-      host bytes per element of the matrices with host state (16 B of AdamW state and window sum, plus the link
-      buffers: write-back, CUDA gradient landing slots); ``pinned_host_bytes``: page-locked host memory (CUDA: one
-      arena, exactly sized, for the buffers that cross the link; the master and moments are never pinned);
+    - ``host_state_bytes`` / ``device_state_bytes``: optimizer state held on each side by this process (rank);
+      ``host_bytes_per_param``: host bytes per element of host state (16 B of AdamW state and window sum, plus the
+      link buffers: write-back, CUDA gradient landing slots); ``pinned_host_bytes``: page-locked host memory (CUDA:
+      one arena, exactly sized, for the buffers that cross the link; the master and moments are never pinned);
+    - ``ranks``: data-parallel ranks sharing the host work (each rank's host state covers 1/``ranks`` of every
+      offloaded matrix, `sharding.py`); ``gather_buffer_bytes``: the write-back's all-gather buffer (on the device
+      with NCCL, on the host with gloo), 0 with one rank;
     - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says; README, Threads).
     """
 
@@ -103,7 +106,7 @@ def state_sizes(splits: dict, dense: dict) -> dict[str, float]:
     matrices = list(splits.values())
     total = sum(s.param.numel() for s in matrices)
     on_device = sum(s.param.numel() * (s.k / s.columns) for s in matrices if s.device is not None)
-    hosted = sum(s.param.numel() for s in matrices if s.host is not None)
+    hosted = sum(s.host.master.numel() for s in matrices if s.host is not None)
     host_bytes = sum(s.host.nbytes() for s in matrices if s.host is not None)
     device_bytes = (sum(s.device.nbytes() for s in matrices if s.device is not None)
                     + sum(d.nbytes() for d in dense.values())
@@ -126,4 +129,5 @@ def optimizer_stats(stats: ZenFlowStats, schedule: WindowSchedule | None, config
         windows=schedule.windows if schedule else 0, reselections=schedule.reselections if schedule else 0,
         host_step_ms=worker_ms.get("host_adamw", 0.0), accumulate_ms=worker_ms.get("accumulate", 0.0),
         pinned_host_bytes=sum(t.pinned_bytes for t in host.transports.values()),
+        ranks=host.shards.ranks, gather_buffer_bytes=host.shards.buffer_bytes,
     )
