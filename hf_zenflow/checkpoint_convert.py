@@ -63,7 +63,7 @@ def apply_changed_settings(opt: ZenFlowAdamW, saved: dict[str, Any]) -> None:
 
 def _apply_min_offload_numel(opt: ZenFlowAdamW) -> str:
     """Move matrices between the split path and the dense path to match the current `min_offload_numel`."""
-    group_of = opt._group_of()
+    group_of = {p: g for g in opt.param_groups for p in g["params"]}
     to_dense = [p for p in opt._split if not is_split(p, group_of[p], opt.config)]
     to_split = [p for p in opt._dense if is_split(p, group_of[p], opt.config)]
     for p in to_dense:
@@ -146,7 +146,7 @@ def unpack_torch_adamw(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     _restore_groups(opt, saved_groups)
     opt._reset_state()
     opt._ensure_schedule()
-    group_of = opt._group_of()
+    group_of = {p: g for g in opt.param_groups for p in g["params"]}
     for index, entry in state_dict["state"].items():
         p = params[int(index)]
         step = torch.as_tensor(entry["step"], dtype=torch.float32).reshape(())

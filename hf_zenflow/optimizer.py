@@ -186,7 +186,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         cached_norms, cached_total, clip = self._norm_cache.take(grads)
         schedule = self._ensure_schedule()
         self._pick_up_outside_changes()
-        self._ensure_state(entries)
+        create_state(entries, self._split, self._dense, self.config, schedule, self._host)
 
         # ---- 1. one read of every gradient ------------------------------------------------------------------------
         kind = schedule.kind()
@@ -358,12 +358,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._schedule is None:
             self._schedule = new_schedule(self.config)
         return self._schedule
-
-    def _ensure_state(self, entries: list[tuple[dict, torch.Tensor]]) -> None:
-        create_state(entries, self._split, self._dense, self.config, self._schedule, self._host)
-
-    def _group_of(self) -> dict[torch.Tensor, dict]:
-        return {p: g for g in self.param_groups for p in g["params"]}
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpointing

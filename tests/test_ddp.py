@@ -248,3 +248,58 @@ def test_one_rank_without_a_process_group():
     assert group.share(0, 2).local(t) is t
     group.all_reduce_sum([t])  # nothing to sum with
     assert torch.equal(t, torch.arange(6.0).view(2, 3))
+
+
+# A second run: a one-process checkpoint resumed under two ranks (each takes its share), windows summed on the device,
+# an embedding split by rows (its share is a range of hidden columns), sequential write-backs.
+OTHER = dict(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=1, select_strategy="step", select_interval=4,
+             min_offload_numel=0, cpu_threads=1, overlap_step=False, accumulate_on="device")
+HALF = STEPS // 2
+
+
+def _other(model: Net) -> ZenFlowAdamW:
+    rest = [p for n, p in model.named_parameters() if n != "embed.weight"]
+    return ZenFlowAdamW([{"params": [model.embed.weight], "select_rows": True}, {"params": rest}], lr=1e-2, **OTHER)
+
+
+def _rank_resume_one_process_state(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        saved = torch.load(os.path.join(out_dir, "single.pt"), weights_only=True)
+        model = _model()
+        model.load_state_dict(saved["model"])
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        opt = _other(model)
+        opt.load_state_dict(saved["optimizer"])
+        windows: list = []
+        _train(rank, range(HALF, STEPS), wrapped, opt, windows)
+        host_bytes = opt.stats()["host_state_bytes"]
+        torch.save({"windows": windows, "final": _weights(model), "host_bytes": host_bytes},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_a_one_process_state_resumes_under_two_ranks(tmp_path):
+    model = _model()
+    opt = _other(model)
+    try:
+        _train(0, range(HALF), model, opt)
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "single.pt")
+        assert opt.state_dict()["zenflow"]["window_steps"] > 0  # saved mid-window: its sum is re-sharded too
+        _train(0, range(HALF, STEPS), model, opt)
+        single_bytes = opt.stats()["host_state_bytes"]
+    finally:
+        opt.close()
+    _spawn(_rank_resume_one_process_state, str(tmp_path))
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(RANKS))
+    for mine, ref in zip(rank0["final"], model.parameters()):
+        assert ((mine - ref.detach()).norm() / ref.detach().norm()).item() < 1e-5
+    assert len(rank0["windows"]) == len(rank1["windows"]) > 0
+    for w0, w1 in zip(rank0["windows"], rank1["windows"]):
+        assert all(torch.equal(a, b) for a, b in zip(w0, w1))
+    assert rank0["host_bytes"] <= 0.6 * single_bytes and rank1["host_bytes"] <= 0.6 * single_bytes
