@@ -3,18 +3,20 @@
 Where things live:
 
 - `ZenFlowAdamW` (`optimizer.py`) orchestrates a step and holds the public API; it decides nothing itself:
+  - its arguments made into state (settings, param-group checks, split or dense per parameter): `params.py`;
   - the schedule, pure decisions with no tensors: `schedule.py` (step kinds, windows, Zen-auto votes);
   - reading each gradient as backward produces it: `gradients.py` (hooks: norms, early copies to the host);
   - the device path: `device_step.py` (selected-column and dense AdamW state, gather, fused update);
   - the host side of a step: `windows.py` (hand-offs, window closes, write-backs), over the host path in `host.py`
     (host state, accumulation, the window's AdamW) and `worker.py` (`HostAdamWorker`);
   - what crosses the link: `transport.py` (one interface; CUDA streams, events, pinned arena);
+  - the host work split across data-parallel ranks (DDP): `sharding.py` (shares, the batched collectives);
   - one matrix's two sides and its selection: `split_matrix.py`, `selection.py`;
   - checkpoints: `checkpoint.py` (format, validation, migration), `checkpoint_convert.py` (settings changed on resume,
     to/from `torch.optim.AdamW`); weights changed from outside: `weight_marks.py`;
   - the CPU as the device: `cpu_device/` (C kernels, `column_major_`, the reference-and-swap transport);
 - settings: `config.py` (`ZenFlowConfig`), their flags/plugin arguments/env vars/docs in `settings.py`, DeepSpeed
-  configs in `deepspeed_config.py`, the thread rule in `threads.py`, the multi-process warning in
+  configs in `deepspeed_config.py`, the thread rule in `threads.py`, the multi-process notice in
   `distributed_check.py`, telemetry in `telemetry.py`;
 - the synchronous offload baseline: `baselines.py` (`SyncOffloadAdamW`);
 - the Hugging Face glue: `hf/` (`ZenFlowTrainer` in `trainer.py` with its telemetry `trainer_telemetry.py` and its

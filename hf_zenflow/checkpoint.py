@@ -8,6 +8,11 @@ the device), each with the parameter's ``shape`` and ``dtype``, its name when kn
 loader does not check its zip CRCs). Version 1 (no ``format_version``: hf_zenflow before 2026-12-01) is read by
 migration: the same entries without shapes and checksums. A newer version is refused with a message.
 
+Under several data-parallel ranks (`sharding.py`) each rank's state dict holds its share of the host state: the
+``zenflow`` block says ``ranks`` and ``rank``, each split entry its ``share`` (start, length, size of the shared
+dimension). It loads on the same rank of the same number of ranks; a one-process state dict loads on any number of
+ranks (each rank takes its share); other combinations are refused, naming both rank counts.
+
 Loading compares the saved settings with the optimizer's own and lets the current ones take effect (a new
 ``topk_ratio`` re-selects every matrix at the next step, moments kept; a new ``min_offload_numel`` moves matrices
 between the split and the dense path; the rest apply as they are), logging what changed.
@@ -88,6 +93,8 @@ def pack(opt: ZenFlowAdamW) -> dict[str, Any]:
                 h.accum, h.accum_count)
             entry.update(host_master=h.master, host_exp_avg=h.exp_avg, host_exp_avg_sq=h.exp_avg_sq,
                          host_step=h.step, accum=accum if count else None, accum_count=count)
+            if split.share.ranks > 1:
+                entry["share"] = [split.share.start, split.share.length, split.share.size]
         state[index_of[p]] = entry
     for p, dense in opt._dense.items():
         state[index_of[p]] = {
@@ -111,6 +118,8 @@ def pack(opt: ZenFlowAdamW) -> dict[str, Any]:
             "writeback_pending": opt._host.writeback_pending, "unapplied_steps": list(opt._host.unapplied_steps),
             "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
         }
+        if opt._host.shards.ranks > 1:
+            zenflow.update(ranks=opt._host.shards.ranks, rank=opt._host.shards.rank)
     return {"state": state, "param_groups": groups, "zenflow": zenflow}
 
 
@@ -146,6 +155,9 @@ def _fail(index: int, entry: dict[str, Any], param: torch.Tensor, problem: str) 
     )
 
 
+#: The tensors of a split entry that hold only this rank's share under several ranks.
+_SHARED_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "accum")
+
 _FP32_KEYS = ("device_master", "device_exp_avg", "device_exp_avg_sq", "host_master", "host_exp_avg",
               "host_exp_avg_sq", "accum", "exp_avg", "exp_avg_sq", "master")
 
@@ -173,9 +185,11 @@ def validate(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
             _fail(index, entry, p, f"saved for a parameter of shape {list(entry['shape'])}")
         tensors = _tensors(entry)
         numel_ok = {"host_master", "host_exp_avg", "host_exp_avg_sq", "accum", "exp_avg", "exp_avg_sq", "master"}
+        share = entry.get("share")
         for key, t in tensors.items():
-            if key in numel_ok and t.numel() != p.numel():
-                _fail(index, entry, p, f"{key} has {t.numel()} elements, the parameter {p.numel()}")
+            expected = p.numel() // share[2] * share[1] if share and key in _SHARED_KEYS else p.numel()
+            if key in numel_ok and t.numel() != expected:
+                _fail(index, entry, p, f"{key} has {t.numel()} elements, expected {expected}")
             if key in _FP32_KEYS and t.dtype != torch.float32:
                 _fail(index, entry, p, f"{key} is {t.dtype}, expected torch.float32")
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -224,6 +238,7 @@ def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
         raise CheckpointError("ZenFlowAdamW.load_state_dict: not an optimizer state dict (needs 'state' and "
                               f"'param_groups'; got keys {sorted(state_dict)[:8]}).")
     state_dict = migrate(state_dict)
+    check_ranks(state_dict.get("zenflow") or {}, opt._host.shards.ranks, opt._host.shards.rank)
     validate(opt, state_dict)
     _restore_groups(opt, state_dict["param_groups"])
     opt._reset_state()
@@ -253,6 +268,36 @@ def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     apply_changed_settings(opt, zenflow.get("config") or {})
 
 
+def load(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
+    """`ZenFlowAdamW.load_state_dict` (its worker idle): `unpack`, then a host worker whose thread count or mode no
+    longer matches the settings in force is closed (the next step starts one with the current settings)."""
+    before = (opt.config.resolved_cpu_threads, opt.config.overlap_step)
+    unpack(opt, state_dict)
+    worker = opt._host.worker
+    if worker is not None and (worker.threads, worker.background) != (
+        before[0], before[1] and opt.host_executor == "thread"
+    ):
+        opt.close()
+    opt._mark_weights()
+
+
+def check_ranks(zenflow: dict[str, Any], ranks: int, rank: int) -> None:
+    """Refuse a state dict saved with its host state shared by another number of ranks, or by another rank."""
+    saved, saved_rank = int(zenflow.get("ranks", 1)), int(zenflow.get("rank", 0))
+    if saved == 1 or (saved, saved_rank) == (ranks, rank):
+        return
+    if saved != ranks:
+        raise CheckpointError(
+            f"ZenFlowAdamW.load_state_dict: this optimizer state was saved with the host state split across "
+            f"{saved} ranks (world size {saved}, this file is rank {saved_rank}'s share), and this run has "
+            f"{ranks} rank(s) (world size {ranks}). Resume with world size {saved}, or without the optimizer state."
+        )
+    raise CheckpointError(
+        f"ZenFlowAdamW.load_state_dict: this is rank {saved_rank}'s share of the host state (of {saved} ranks), "
+        f"loaded on rank {rank}: every rank must load its own file."
+    )
+
+
 def _restore_groups(opt: ZenFlowAdamW, saved_groups: list[dict[str, Any]]) -> None:
     for group, saved in zip(opt.param_groups, saved_groups):
         group.update({k: v for k, v in saved.items() if k != "params" and k not in _TORCH_ONLY_GROUP_KEYS})
@@ -278,8 +323,11 @@ def _restore_split(opt: ZenFlowAdamW, p: torch.Tensor, index: int, entry: dict[s
     if "host_master" in entry:
         opt._host.attach_host([split])
         host = split.host
-        for name in ("master", "exp_avg", "exp_avg_sq", "step"):
-            getattr(host, name).copy_(fit(entry[f"host_{name}"]))
+        # a one-process state dict loaded under several ranks: each takes its share
+        mine = (lambda t: split.share.local(fit(t))) if "share" not in entry else fit
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(host, name).copy_(mine(entry[f"host_{name}"]))
+        host.step.copy_(entry["host_step"])
         # the open window's sum goes wherever this optimizer keeps it (either setting can load either)
         target = split.window_sum if split.window_sum is not None else host.accum
         if split.window_sum is not None:
@@ -287,7 +335,7 @@ def _restore_split(opt: ZenFlowAdamW, p: torch.Tensor, index: int, entry: dict[s
         else:
             host.accum_count = int(entry["accum_count"])
         if entry["accum"] is not None:
-            target.copy_(fit(entry["accum"]))
+            target.copy_(mine(entry["accum"]))
         host.writeback.copy_(host.master)  # a pending write-back reads this buffer
         host.writeback_fresh = opt._host.writeback_pending
     if "device_master" in entry:
@@ -329,6 +377,6 @@ def load_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
         ) from exc
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "check_file", "load_file", "migrate", "pack",
+__all__ = ["FORMAT_VERSION", "CheckpointError", "check_file", "check_ranks", "load", "load_file", "migrate", "pack",
            "tensor_checksum", "unpack", "validate"]
 

@@ -14,6 +14,7 @@ from .checkpoint import _DERIVED_SETTINGS, CheckpointError, _restore_groups, mig
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState
 from .host import host_adamw_window
+from .params import is_split
 from .schedule import host_lr_scale
 from .selection import num_selected
 from .split_matrix import SplitMatrix
@@ -62,9 +63,9 @@ def apply_changed_settings(opt: ZenFlowAdamW, saved: dict[str, Any]) -> None:
 
 def _apply_min_offload_numel(opt: ZenFlowAdamW) -> str:
     """Move matrices between the split path and the dense path to match the current `min_offload_numel`."""
-    group_of = opt._group_of()
-    to_dense = [p for p in opt._split if not opt._splits(p, group_of[p])]
-    to_split = [p for p in opt._dense if opt._splits(p, group_of[p])]
+    group_of = {p: g for g in opt.param_groups for p in g["params"]}
+    to_dense = [p for p in opt._split if not is_split(p, group_of[p], opt.config)]
+    to_split = [p for p in opt._dense if is_split(p, group_of[p], opt.config)]
     for p in to_dense:
         _split_to_dense(opt, p, group_of[p])
     for p in to_split:
@@ -85,7 +86,7 @@ def _split_to_dense(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -
             hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
             hyper["lr"] *= scale
             host_adamw_window([(hyper, [host])])
-    master, m, v = split.full_state()
+    master, m, v = split.full_state(opt._host.shards)
     step = (split.device.step if split.device is not None else split.host.step).clone()
     dense = DenseDeviceState.fresh(p)
     dense.exp_avg.copy_(split.unmatrix(m.to(p.device)))
@@ -104,11 +105,11 @@ def _dense_to_split(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -
     split.k = num_selected(opt.config.topk_ratio, split.columns)
     opt._host.attach_host([split])
     host = split.host
-    host.master.copy_(split.matrix(dense.master_of(p)))
-    host.exp_avg.copy_(split.matrix(dense.exp_avg))
-    host.exp_avg_sq.copy_(split.matrix(dense.exp_avg_sq))
+    host.master.copy_(split.host_part(dense.master_of(p)))
+    host.exp_avg.copy_(split.host_part(dense.exp_avg))
+    host.exp_avg_sq.copy_(split.host_part(dense.exp_avg_sq))
     host.step.copy_(dense.step)
-    host.writeback.copy_(split.matrix(p.detach()))
+    host.writeback.copy_(split.host_part(p.detach()))
     opt._split[p] = split  # device columns are chosen at the next step with a gradient
 
 
@@ -145,7 +146,7 @@ def unpack_torch_adamw(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     _restore_groups(opt, saved_groups)
     opt._reset_state()
     opt._ensure_schedule()
-    group_of = opt._group_of()
+    group_of = {p: g for g in opt.param_groups for p in g["params"]}
     for index, entry in state_dict["state"].items():
         p = params[int(index)]
         step = torch.as_tensor(entry["step"], dtype=torch.float32).reshape(())
@@ -155,7 +156,7 @@ def unpack_torch_adamw(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
         dense.exp_avg_sq.copy_(exp_avg_sq)
         dense.step.copy_(step)
         opt._dense[p] = dense
-        if opt._splits(p, group_of[p]):
+        if is_split(p, group_of[p], opt.config):
             _dense_to_split(opt, p, group_of[p])
 
 
@@ -187,6 +188,11 @@ def to_torch_adamw(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int
     """
     state_dict = migrate(state_dict)
     zenflow = state_dict.get("zenflow") or {}
+    if int(zenflow.get("ranks", 1)) > 1:
+        raise CheckpointError(
+            f"to_torch_adamw: this state dict holds rank {zenflow.get('rank')}'s share of a host state split across "
+            f"{zenflow['ranks']} ranks; torch.optim.AdamW needs every element. Call ZenFlowAdamW.flush() on every "
+            "rank and save the optimizer state from a one-process run, or start AdamW from the weights.")
     config = ZenFlowConfig.from_dict(zenflow["config"]) if zenflow.get("config") else ZenFlowConfig()
     group_of = {i: g for g in state_dict["param_groups"] for i in g["params"]}
     out_state: dict[int, dict[str, torch.Tensor]] = {}

@@ -1,10 +1,11 @@
-"""What ZenFlow does under more than one process today, said once per process at run time.
+"""What ZenFlow does under more than one process, said once per process at run time.
 
-Under DDP (any initialised `torch.distributed` process group of more than one rank) `ZenFlowAdamW` runs and the
-weights match one process trained on the global batch, but nothing is sharded: every rank keeps the full host copy
-of the optimizer state (fp32 master, moments, window accumulator) and runs the full host AdamW. N ranks on one node
-use N x the host memory and host work of one process. `warn_if_replicated` says so, once per process, where a ZenFlow
-optimizer is built for training (`ZenFlowTrainer`, `ZenFlowPlugin`).
+Under DDP (an initialised `torch.distributed` process group of N > 1 ranks) `ZenFlowAdamW` splits the host work
+across the ranks by default (`sharding.py`): each rank keeps host state for 1/N of every offloaded matrix and runs
+the host AdamW on it. `note_host_split` says so once per process, when the host worker starts. An optimizer given a
+process group of one rank (``process_group=`` a group holding only this rank) keeps the full host state in every
+process: N ranks on one node then use N x the host memory and host work of one process, and it warns
+(`ReplicatedHostStateWarning`).
 
 Example:
     >>> from hf_zenflow.distributed_check import warn_if_replicated
@@ -14,9 +15,14 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import warnings
+from typing import Any
 
 import torch
+
+
+logger = logging.getLogger(__name__)
 
 
 class ReplicatedHostStateWarning(UserWarning):
@@ -34,22 +40,33 @@ def replica_count() -> int:
     return dist.get_world_size()
 
 
-def warn_if_replicated() -> bool:
-    """Warn (`ReplicatedHostStateWarning`) the first time it is called under a process group of more than one rank.
-
-    Returns True when it warned on this call. Cheap: call it wherever a ZenFlow optimizer starts training.
-    """
+def note_host_split(sharing: int, process_group: Any = None) -> bool:
+    """Say once per process how the host work is shared under several processes: split across `sharing` ranks
+    (a log line), or, with more than one process but a group of one rank, replicated in every process (a
+    `ReplicatedHostStateWarning`). Returns True when it said something on this call."""
     global _warned
     world_size = replica_count() if not _warned else 1
     if world_size <= 1:
         return False
     _warned = True
+    rank = torch.distributed.get_rank()
+    if sharing > 1:
+        logger.info("hf_zenflow under %d processes (rank %d): the host optimizer state and the host AdamW are split "
+                    "across %d ranks; each holds 1/%d of every offloaded matrix.", world_size, rank, sharing, sharing)
+        return True
     warnings.warn(
-        f"hf_zenflow under {world_size} processes (rank {torch.distributed.get_rank()}): the ZenFlow host state is "
-        "not sharded across ranks. Each rank keeps a full host copy of the optimizer state and runs the full host "
-        f"AdamW, so {world_size} ranks on one node use {world_size}x the host memory and host work of one process "
-        "(under DDP the weights still match one process trained on the global batch). See README 'Limitations'.",
+        f"hf_zenflow under {world_size} processes (rank {rank}) with a process group of one rank: the ZenFlow host "
+        "state is not split across ranks. Each rank keeps a full host copy of the optimizer state and runs the full "
+        f"host AdamW, so {world_size} ranks on one node use {world_size}x the host memory and host work of one "
+        "process. Leave process_group unset to split it across the data-parallel ranks (README 'Limitations').",
         ReplicatedHostStateWarning,
         stacklevel=2,
     )
     return True
+
+
+def warn_if_replicated() -> bool:
+    """Kept for the HF glue, which calls it where it builds an optimizer over the default process group: that
+    optimizer splits the host state across the group's ranks, so there is nothing to warn about any more (the
+    optimizer itself says how the work is shared, `note_host_split`). Always False."""
+    return False

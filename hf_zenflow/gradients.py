@@ -13,6 +13,7 @@ step (``GradientState.sync_gradients``); in a plain loop every micro-batch is re
 
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 from collections.abc import Callable, Iterable
@@ -107,6 +108,18 @@ class GradientReads:
 
 
 @dataclass
+class Synced:
+    """The scalars of a step's one sync as numbers: whether the step goes ahead (total norm and clip coefficient
+    finite), the clip coefficient for the host accumulation (None: no clipping, or exactly 1), each entry's gradient
+    norm where a matrix waits for its first columns (0.0 elsewhere), and Zen-auto's (total, critical) masses."""
+
+    finite: bool
+    coef: float | None
+    waiting_norms: list[float]
+    masses: list[tuple[float, float]]
+
+
+@dataclass
 class StepReads:
     """What one `step()` reads of its gradients before the one sync: the total norm, the split matrices whose
     selected columns were gathered, Zen-auto's (index, matrix) pairs, the matrices waiting for their
@@ -118,6 +131,25 @@ class StepReads:
     auto_split: list[tuple[int, SplitMatrix]] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
     probe: list[torch.Tensor] = field(default_factory=list)
+
+    def sync(self, clipped: bool, entries: int) -> Synced:
+        """Read `probe` on the host (Sync point: waits for backward and the norms). `clipped`: a clip coefficient
+        was measured; `entries`: the step's number of parameters with a gradient."""
+        values = torch.stack([v.float().to(self.probe[0].device) for v in self.probe]).tolist()
+        coef = values[1] if clipped else None
+        finite = math.isfinite(values[0]) and (coef is None or math.isfinite(coef))
+        waiting_norms = [0.0] * entries
+        for i, value in zip(self.waiting, values[len(values) - len(self.waiting):]):
+            waiting_norms[i] = value
+        n = len(self.auto_split)
+        masses = [(values[2 + j], values[2 + n + j]) for j in range(n)]
+        # multiplying by exactly 1 changes nothing: no pass for it
+        return Synced(finite, None if coef == 1.0 else coef, waiting_norms, masses)
+
+    def votes(self, synced: Synced) -> list[bool]:
+        """Zen-auto's votes of this step (one per matrix it watches), from the synced masses."""
+        return [split.auto.update(critical, total, split.k, split.columns)
+                for (_, split), (total, critical) in zip(self.auto_split, synced.masses)]
 
 
 def read_gradients(

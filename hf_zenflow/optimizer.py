@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import math
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -30,20 +29,15 @@ from typing import Any
 import torch
 
 from . import checkpoint
-from ._base import (
-    GradNormCache,
-    check_hyperparameters,
-    clip_coefficient,
-    grad_norms,
-)
+from ._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, device_update
 from .gradients import GradientReads, read_gradients
+from .params import check_param_group, create_state, new_schedule, resolve_config
 from .reselection import reselect, select_waiting
 from .schedule import StepKind, WindowSchedule
-from .selection import num_selected, selection_axis
-from .split_matrix import SplitMatrix
-from .telemetry import StepTimer, ZenFlowStats, state_sizes
+from .split_matrix import SplitMatrix, master_value
+from .telemetry import StepTimer, ZenFlowStats, optimizer_stats
 from .weight_marks import WeightMarks, reread_masters
 from .windows import HandOff, HostWindows
 from .worker import wait_for_closed_workers
@@ -70,6 +64,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         config: a `ZenFlowConfig`; keyword arguments named like its fields override it.
         host_executor: ``"thread"`` (default) runs the host work on a background thread; ``"inline"`` runs the same
             jobs in the calling thread, in the same order (the sequential reference of the overlapped schedule).
+        process_group: the data-parallel ranks that share the host work (default: torch's default process group,
+            when one of several ranks is initialised; DDP). Each rank then holds host state for, and runs the host
+            AdamW on, 1/N of every offloaded matrix, and `step()`, `flush()`, `load_state_dict()` and
+            `master_weight()` are collectives: call them on every rank (`hf_zenflow.sharding`).
 
     Matrices (parameters with ``ndim >= 2``, viewed as ``[out, in]``) are split by input column, whether stored
     row-major or column-major (`column_major_`, where each input column is contiguous); 1-D parameters and other
@@ -101,28 +99,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         *,
         config: ZenFlowConfig | None = None,
         host_executor: str = "thread",
+        process_group: Any = None,
         **config_overrides: Any,
     ) -> None:
         check_hyperparameters(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        config = config if config is not None else ZenFlowConfig()
-        if config_overrides:
-            known = {f.name for f in dataclasses.fields(ZenFlowConfig)}
-            unknown = sorted(set(config_overrides) - known)
-            if unknown:
-                raise ValueError(f"ZenFlowAdamW got unknown argument(s) {unknown}: ZenFlowConfig fields are "
-                                 f"{sorted(known)}.")
-            config = dataclasses.replace(config, **config_overrides)
-        if host_executor not in ("thread", "inline"):
-            raise ValueError(f'ZenFlowAdamW host_executor={host_executor!r} is invalid: allowed is "thread" or '
-                             '"inline".')
+        config = resolve_config(config, config_overrides, host_executor)
         self.host_executor = host_executor
         self._split: dict[torch.Tensor, SplitMatrix] = {}
         self._dense: dict[torch.Tensor, DenseDeviceState] = {}
         self._schedule: WindowSchedule | None = None
         self._norm_cache = GradNormCache()
         self._stats = ZenFlowStats()
-        self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor)
+        self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor, process_group)
         self.config = config
         # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
         self._reads = GradientReads(p for g in self.param_groups for p in g["params"])
@@ -137,17 +126,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # Public API
     # ------------------------------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if not isinstance(param_group.get("select_rows", False), bool):
-            raise ValueError(f"ZenFlowAdamW param group select_rows={param_group['select_rows']!r} is invalid: "
-                             "allowed are True and False.")
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            if key in param_group:
-                check_hyperparameters(
-                    param_group.get("lr", self.defaults["lr"]), param_group.get("betas", self.defaults["betas"]),
-                    param_group.get("eps", self.defaults["eps"]),
-                    param_group.get("weight_decay", self.defaults["weight_decay"]),
-                )
-                break
+        check_param_group(param_group, self.defaults)
         super().add_param_group(param_group)
         if hasattr(self, "_reads"):  # a group added after construction: its gradients are read in backward too
             self._reads.watch(self.param_groups[-1]["params"])
@@ -207,7 +186,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         cached_norms, cached_total, clip = self._norm_cache.take(grads)
         schedule = self._ensure_schedule()
         self._pick_up_outside_changes()
-        self._ensure_state(entries)
+        create_state(entries, self._split, self._dense, self.config, schedule, self._host)
 
         # ---- 1. one read of every gradient ------------------------------------------------------------------------
         kind = schedule.kind()
@@ -216,14 +195,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         with timer.phase("norms"):
             reads = read_gradients(self._split, self._reads, entries, grads, (cached_norms, cached_total, clip),
                                    gather_now, auto=self.config.is_auto_interval)
-        total, gathered, auto_split, waiting, probe = (reads.total, reads.gathered, reads.auto_split, reads.waiting,
-                                                       reads.probe)
+        total, gathered = reads.total, reads.gathered
 
         # ---- 2. an ordinary step launches its device work before it waits -------------------------------------
         # The fused AdamW takes the non-finite flag as a device tensor and changes nothing when it is set, so the
         # update need not wait for the check: the device computes while the host waits below. (Warm-up, selection
         # and matrices waiting for columns decide on host numbers first: they take the sync-first path.)
-        early = schedule.launches_before_sync(waiting_for_columns=bool(waiting))
+        early = schedule.launches_before_sync(waiting_for_columns=bool(reads.waiting))
         started: HandOff | None = None
         try:
             rewritten = False
@@ -239,31 +217,25 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # ---- 3. the one device->host sync of the step ---------------------------------------------------------
             with timer.phase("norms"):
                 # Sync point, the only one of an ordinary step: the caller waits for the backward pass (and the norms)
-                # to finish and reads a few scalars: whether the step is skipped, Zen-auto's masses, the clip
-                # coefficient for the host accumulation, which waiting matrices have a gradient.
-                values = torch.stack([v.float().to(probe[0].device) for v in probe]).tolist()
-            coef = values[1] if clip is not None else None
-            waiting_norms = [0.0] * len(entries)
-            for i, value in zip(waiting, values[len(values) - len(waiting):]):
-                waiting_norms[i] = value
-            if not math.isfinite(values[0]) or (coef is not None and not math.isfinite(coef)):
+                # to finish and reads a few scalars (`StepReads.sync`).
+                synced = reads.sync(clipped=clip is not None, entries=len(entries))
+            if not synced.finite:
                 if started is not None:
                     self._host.abandon_hand_off(started)
                 self._stats.skipped_steps += 1
                 self._stats.finish_step(timer, skipped=True)
                 return loss
-            if coef == 1.0:
-                coef = None  # multiplying by exactly 1 changes nothing; skip the pass
+            coef = synced.coef
 
             if warm_up:
-                self._warm_up_step(entries, grads, coef, timer)
+                self._host.warm_up_step(entries, grads, coef, timer, schedule, self._dense)
             else:
                 if not early:
                     with timer.phase("select"):
                         if selecting:
                             reselect(self._host, self._schedule, entries, grads)
                         else:
-                            select_waiting(self._host, entries, grads, waiting_norms)
+                            select_waiting(self._host, entries, grads, synced.waiting_norms)
                     rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
                     with timer.phase("device_update"):
                         device_update(self._split, self._dense, entries, grads, coef, gathered, rewritten=rewritten)
@@ -279,11 +251,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     else:
                         self._host.hand_off(entries, grads, coef)
                 schedule.window_steps += 1
-                votes: list[bool] = []
-                n = len(auto_split)
-                for j, (_, split) in enumerate(auto_split):
-                    votes.append(split.auto.update(values[2 + n + j], values[2 + j], split.k, split.columns))
-                if schedule.window_closes(votes):
+                if schedule.window_closes(reads.votes(synced)):
                     self._host.close_window(self._schedule, timer, sequential=not self.config.overlap_step)
         except BaseException:
             # an interrupt (Ctrl-C) or a failure between taking a hand-off slot and submitting its job must not leak
@@ -351,18 +319,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def stats(self) -> dict[str, float]:
         """Telemetry of the last step (see `telemetry.ZenFlowStats`)."""
-        schedule, config = self._schedule, self.config
-        worker_ms = self._host.worker.last_job_ms if self._host.worker is not None else {}
-        # the last closed window; before the first one, the configured interval (auto: the open window so far)
-        interval = (schedule.last_interval if schedule and schedule.last_interval else
-                    (schedule.window_steps if schedule else 0) if config.is_auto_interval else config.update_interval)
-        return self._stats.as_dict(
-            **state_sizes(self._split, self._dense), update_interval=float(interval),
-            host_threads=config.resolved_cpu_threads, steps=schedule.steps if schedule else 0,
-            windows=schedule.windows if schedule else 0, reselections=schedule.reselections if schedule else 0,
-            host_step_ms=worker_ms.get("host_adamw", 0.0), accumulate_ms=worker_ms.get("accumulate", 0.0),
-            pinned_host_bytes=sum(t.pinned_bytes for t in self._host.transports.values()),
-        )
+        return optimizer_stats(self._stats, self._schedule, self.config, self._split, self._dense, self._host)
 
     @torch.no_grad()
     def sync_from_weights(self, params: Iterable[torch.Tensor] | None = None) -> None:
@@ -392,69 +349,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """The fp32 master value of `param` (host columns from the host master, device columns from the device),
         on the host. Call `synchronize()` first in overlap mode."""
         self._pick_up_outside_changes()
-        if param in self._dense:
-            return self._dense[param].master_of(param).detach().float().cpu().clone()
-        split = self._split.get(param)
-        if split is None:
-            return param.detach().float().cpu().clone()
-        full = split.full_state()[0]
-        return split.unmatrix(full)
+        return master_value(param, self._split, self._dense, self._host.shards)
 
     # ------------------------------------------------------------------------------------------------------------
     # Step internals
     # ------------------------------------------------------------------------------------------------------------
     def _ensure_schedule(self) -> WindowSchedule:
         if self._schedule is None:
-            cfg = self.config
-            self._schedule = WindowSchedule(
-                warm_up=cfg.full_warm_up_rounds,
-                update_interval=None if cfg.is_auto_interval else int(cfg.update_interval),
-                auto_ratio=cfg.auto_ratio,
-                auto_max_interval=cfg.auto_max_interval,
-                select_period=cfg.select_period(),
-            )
+            self._schedule = new_schedule(self.config)
         return self._schedule
-
-    def _ensure_state(self, entries: list[tuple[dict, torch.Tensor]]) -> None:
-        needs_host: list[SplitMatrix] = []
-        for group, p in entries:
-            if p in self._split or p in self._dense:
-                continue
-            rows = bool(group.get("select_rows", False))
-            if rows and not p.is_contiguous():
-                raise ValueError(f"ZenFlowAdamW param group select_rows=True needs row-major (contiguous) parameters; "
-                                 f"got one of shape {tuple(p.shape)} with strides {p.stride()} (do not combine it "
-                                 "with column_major_ on the same weight).")
-            if self._splits(p, group):
-                split = SplitMatrix(p, 0, rows=rows)
-                split.k = num_selected(self.config.topk_ratio, split.columns)
-                if split.offloaded or self._schedule.in_warm_up():
-                    needs_host.append(split)
-                self._split[p] = split
-            else:
-                self._dense[p] = DenseDeviceState.fresh(p)
-        self._host.attach_host(needs_host)
-
-    def _splits(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
-        """Whether `p` is split between the device and the host (a large enough matrix in a layout we can split),
-        or updated wholly on the device."""
-        return (p.ndim >= 2 and (bool(group.get("select_rows", False)) or selection_axis(p) is not None)
-                and p.numel() >= self.config.min_offload_numel)
-
-    def _group_of(self) -> dict[torch.Tensor, dict]:
-        return {p: g for g in self.param_groups for p in g["params"]}
-
-    def _warm_up_step(
-        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
-        timer: StepTimer,
-    ) -> None:
-        """Plain dense AdamW: every matrix column by the host, synchronously; 1-D parameters on the device."""
-        with timer.phase("device_update"):
-            device_update(self._split, self._dense, entries, grads, coef, set())
-        with timer.phase("handoff"):
-            self._host.hand_off(entries, grads, coef)
-        self._schedule.window_steps += 1
-        self._host.close_window(self._schedule, timer, sequential=True)
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpointing
@@ -482,13 +385,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         differ from the checkpoint's take effect (see `hf_zenflow.checkpoint`), with a logged note.
         """
         self.synchronize()
-        before = (self.config.resolved_cpu_threads, self.config.overlap_step)
-        checkpoint.unpack(self, state_dict)
-        if self._host.worker is not None and (self._host.worker.threads, self._host.worker.background) != (
-            before[0], before[1] and self.host_executor == "thread"
-        ):
-            self.close()  # restarted lazily with the current settings
-        self._mark_weights()
+        checkpoint.load(self, state_dict)
 
     def name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module) -> None:
         """Record parameter names (e.g. ``model.named_parameters()``, or the model): checkpoints then carry them and

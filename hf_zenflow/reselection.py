@@ -1,12 +1,15 @@
 """Choosing device columns during training: the scheduled re-selection of every matrix, and matrices that get their
-first columns late (first gradient after warm-up, or every gradient so far exactly zero)."""
+first columns late (first gradient after warm-up, or every gradient so far exactly zero). With the host state
+shared by several ranks, one all-reduce of the scores and one all-gather of the incoming columns' state per
+selection, for all matrices at once (`sharding.py`)."""
 
 from __future__ import annotations
 
 import torch
 
 from .schedule import WindowSchedule
-from .selection import num_selected, row_scores
+from .selection import num_selected, row_scores, top_columns
+from .split_matrix import SplitMatrix
 from .telemetry import StepTimer
 from .windows import HostWindows
 
@@ -26,9 +29,7 @@ def reselect(host: HostWindows, schedule: WindowSchedule, entries: list[tuple[di
     for split in host.splits.values():  # (a resumed run may have a new topk_ratio)
         split.k = num_selected(host.config.topk_ratio, split.columns)
     pairs = [(host.splits[p], g) for (_, p), g in zip(entries, grads) if p in host.splits]
-    scores = row_scores([(split, split.matrix(g)) for split, g in pairs if split.offloaded])
-    for split, g in pairs:
-        split.select(g, scores.get(id(split)), host.attach_host)
+    select_columns(host, pairs)
     schedule.reselections += 1
 
 
@@ -45,5 +46,31 @@ def select_waiting(host: HostWindows, entries: list[tuple[dict, torch.Tensor]], 
         # Sync point: the worker may still be updating these matrices' host master and moments, from which the new
         # device columns are read.
         host.ensure_worker().synchronize()
-    for split, g in todo:
-        split.select(g, None, host.attach_host)
+    select_columns(host, todo)
+
+
+def select_columns(host: HostWindows, pairs: list[tuple[SplitMatrix, torch.Tensor]]) -> None:
+    """Choose each matrix's device columns from its gradient and migrate the state to match: the outgoing device
+    columns' master values and moments go to the host state, the incoming columns' come from it (no reset). The
+    caller has drained the host worker.
+
+    Sync point (selection only): the scores are read on the host (an all-zero gradient ranks nothing, e.g. LoRA's
+    lora_A while lora_B is still zero: the matrix keeps its columns, or waits for a later step), and the state
+    moves with blocking copies.
+    """
+    ranks = host.shards
+    todo = [(split, g) for split, g in pairs if split.release_columns(host.attach_host)]
+    scored = [(split, g) for split, g in todo if split.offloaded]
+    # one threaded kernel pass for the contiguous row-scored matrices of a CPU device (one rank: whole matrices)
+    fast = row_scores([(split, split.matrix(g)) for split, g in scored]) if ranks.ranks == 1 else {}
+    scores = [fast[id(split)] if id(split) in fast else split.local_scores(g) for split, g in scored]
+    ranks.all_reduce_sum(scores)
+    chosen = [(split, top_columns(s, split.k)) for (split, _), s in zip(scored, scores) if bool(s.any())]
+    chosen += [(split, torch.arange(split.k, device=split.param.device)) for split, _ in todo if not split.offloaded]
+    hosted = [(split, index) for split, index in chosen if split.host is not None]
+    parts = [(split.share, t.index_select(split.axis, index.cpu())) for split, index in hosted
+             for t in (split.host.master, split.host.exp_avg, split.host.exp_avg_sq)]
+    whole = ranks.gather(parts, "device-column all-gather")
+    cols = {id(split): whole[3 * i:3 * i + 3] for i, (split, _) in enumerate(hosted)}
+    for split, index in chosen:
+        split.install_columns(index, cols.get(id(split)))

@@ -1,7 +1,8 @@
 """`SplitMatrix`: one weight matrix under ZenFlow, its selected columns on the device and its host state.
 
 Either side may be absent: no device columns before the first selection (or with ``topk_ratio=0``), no host state
-when every column lives on the device (``topk_ratio=1``).
+when every column lives on the device (``topk_ratio=1``). The device columns are whole (every row); the host state
+covers this rank's `Share` of the matrix (all of it with one rank, `sharding.py`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from typing import Any
 
 import torch
 
-from .device_step import DeviceColumns
+from .device_step import DenseDeviceState, DeviceColumns
 from .host import HostMatrix
 from .schedule import ZenAutoStats
-from .selection import column_scores, selection_axis, storage_matrix, top_columns
+from .selection import column_scores, selection_axis, storage_matrix
+from .sharding import RankGroup, Share
 from .transport import Transport
 
 
@@ -22,7 +24,7 @@ class SplitMatrix:
     """One matrix: its device columns and its host state (either may be absent)."""
 
     __slots__ = ("param", "rows", "axis", "k", "columns", "device", "host", "auto", "window_sum", "window_count",
-                 "window_sum_free")
+                 "window_sum_free", "share")
 
     def __init__(self, param: torch.Tensor, k: int, rows: bool = False) -> None:
         self.param = param
@@ -30,7 +32,11 @@ class SplitMatrix:
         self.rows = rows
         self.axis = 0 if rows else selection_axis(param)
         assert self.axis is not None
-        self.columns = self.matrix(param).shape[self.axis]
+        shape = self.matrix(param).shape
+        self.columns = shape[self.axis]
+        # the host state's part of the matrix: a range of the dimension that does not index columns (all of it
+        # until `attach_host` is given this rank's share)
+        self.share = Share(1 - self.axis, shape[1 - self.axis])
         self.k = k
         self.device: DeviceColumns | None = None
         self.host: HostMatrix | None = None
@@ -50,13 +56,18 @@ class SplitMatrix:
         """Inverse of `matrix`: a storage matrix viewed in the parameter's shape and layout."""
         return m.view(self.param.shape) if self.rows or self.axis == 1 else m.t()
 
-    def attach_host(self, accumulate_on: str, transport: Transport | None = None) -> None:
-        """Create the host state, its link buffers from `transport` (and, accumulating on the device, the
-        device-side window sum)."""
-        p2d = self.matrix(self.param)
-        self.host = HostMatrix.create(p2d, self.grad_dtype, accumulate_on, transport)
+    def host_part(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the parameter or its gradient as a storage matrix: what the host state covers."""
+        return self.share.local(self.matrix(t))
+
+    def attach_host(self, accumulate_on: str, transport: Transport | None = None, share: Share | None = None) -> None:
+        """Create the host state of `share` (default: the whole matrix), its link buffers from `transport` (and,
+        accumulating on the device, the device-side window sum of that share)."""
+        self.share = share if share is not None else Share(1 - self.axis, self.matrix(self.param).shape[1 - self.axis])
+        part = self.host_part(self.param)
+        self.host = HostMatrix.create(part, self.grad_dtype, accumulate_on, transport)
         if accumulate_on == "device":
-            self.window_sum = torch.zeros(p2d.shape, dtype=torch.float32, device=self.param.device)
+            self.window_sum = torch.zeros(part.shape, dtype=torch.float32, device=self.param.device)
             self.window_count = 0
 
     @property
@@ -72,11 +83,14 @@ class SplitMatrix:
         return self.k < self.columns
 
     @torch.no_grad()
-    def full_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def full_state(self, ranks: RankGroup | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 master, exp_avg and exp_avg_sq of every column, as host `storage_matrix` tensors (new tensors): the
-        host state with the device columns on top. Before any state exists: the weights and zero moments."""
+        host state with the device columns on top. Before any state exists: the weights and zero moments. With a
+        host state shared by several ranks (`ranks`), a collective: every rank must call it."""
         if self.host is not None:
-            master, m, v = (t.clone() for t in (self.host.master, self.host.exp_avg, self.host.exp_avg_sq))
+            host = self.host
+            parts = [(self.share, t) for t in (host.master, host.exp_avg, host.exp_avg_sq)]
+            master, m, v = (t.cpu() for t in (ranks or RankGroup()).gather(parts, "full-state all-gather"))
         else:
             master = self.matrix(self.param.detach()).float().cpu().clone()
             m, v = torch.zeros_like(master), torch.zeros_like(master)
@@ -87,54 +101,54 @@ class SplitMatrix:
                 full.index_copy_(self.axis, index, part.cpu())
         return master, m, v
 
-    def select(self, grad: torch.Tensor, scores: torch.Tensor | None,
-               attach_host: Callable[[list[SplitMatrix]], None]) -> None:
-        """Choose this matrix's device columns from `grad` (or precomputed `scores`) and migrate the state to match:
-        the outgoing device columns' master values and moments go to the host state, the incoming columns' come
-        from it (no reset). The caller has drained the host worker. `attach_host` creates the host state when all
-        columns were on the device so far."""
-        split = self
-        p = split.param
-        if split.host is None and split.offloaded:
-            # every column was on the device (a resumed run with a lower topk_ratio): the host state starts from the
-            # weights and takes every device column below
-            attach_host([split])
-        host = split.host
+    def release_columns(self, attach_host: Callable[[list[SplitMatrix]], None]) -> bool:
+        """The first half of a (re-)selection: the device columns' master values and moments go into this rank's
+        host share (creating the host state from the weights when every column was on the device so far: a resumed
+        run with a lower topk_ratio). False when no columns are to be chosen: none live on the device (k=0) or all
+        of them already do. The caller has drained the host worker."""
+        if self.host is None and self.offloaded:
+            attach_host([self])
+        host = self.host
         # Sync point (re-selection only, every `select_period` steps): the outgoing device columns are copied to the
-        # host and the incoming ones up with blocking copies; the worker was drained by the caller first.
-        axis = split.axis
-        if split.device is not None and host is not None:
-            idx = split.device.index.cpu()
-            host.master.index_copy_(axis, idx, split.device.master.cpu())
-            host.exp_avg.index_copy_(axis, idx, split.device.exp_avg.cpu())
-            host.exp_avg_sq.index_copy_(axis, idx, split.device.exp_avg_sq.cpu())
-            if split.k == 0:
-                split.device = None  # (topk_ratio now 0) every column lives on the host
-        if split.k == 0 or (split.device is not None and split.device.k == split.k == split.columns):
-            return  # nothing on the device, or every column already there
-        if split.offloaded:
-            scores = column_scores(split.matrix(grad), axis) if scores is None else scores
-            # Sync point (selection only): an all-zero gradient ranks nothing (LoRA's lora_A at its first step, while
-            # lora_B is still zero). Keep the current columns, or none yet: `_select_new_matrices` retries at the
-            # next step whose gradient of this matrix is not zero.
-            if not bool(scores.any()):
-                return
-            index = top_columns(scores, split.k)
-        else:
-            index = torch.arange(split.k, device=p.device)
-        if split.device is not None:
-            step = split.device.step  # most device columns stay: keep the device path's count
-        elif host is not None:
-            step = host.step
+        # host with blocking copies.
+        if self.device is not None and host is not None:
+            idx = self.device.index.cpu()
+            for full, part in ((host.master, self.device.master), (host.exp_avg, self.device.exp_avg),
+                               (host.exp_avg_sq, self.device.exp_avg_sq)):
+                full.index_copy_(self.axis, idx, self.share.local(part).cpu())
+            if self.k == 0:
+                self.device = None  # (topk_ratio now 0) every column lives on the host
+        return not (self.k == 0 or (self.device is not None and self.device.k == self.k == self.columns))
+
+    def local_scores(self, grad: torch.Tensor) -> torch.Tensor:
+        """Each column's squared L2 norm over this rank's share of `grad` (summed across ranks by the caller)."""
+        return column_scores(self.host_part(grad), self.axis)
+
+    def install_columns(self, index: torch.Tensor, cols: list[torch.Tensor] | None) -> None:
+        """The second half: the columns `index` move to the device with their whole master values and moments
+        `cols` (gathered from the host shares; None: no host state, from the weights with zero moments)."""
+        if self.device is not None:
+            step = self.device.step  # most device columns stay: keep the device path's count
+        elif self.host is not None:
+            step = self.host.step
         else:
             step = torch.zeros(())
-        if host is not None:
-            cpu_idx = index.cpu()
-            cols = [t.index_select(axis, cpu_idx) for t in (host.master, host.exp_avg, host.exp_avg_sq)]
-        else:
-            master = split.matrix(p).detach().index_select(axis, index).float()
+        if cols is None:
+            master = self.matrix(self.param).detach().index_select(self.axis, index).float()
             cols = [master, torch.zeros_like(master), torch.zeros_like(master)]
-        split.device = DeviceColumns.from_columns(index, *cols, step=step, device=p.device, axis=axis)
-        if not split.offloaded:
-            split.detach_host()  # every column on the device (topk_ratio=1): the host keeps nothing
-        split.auto.reset()
+        self.device = DeviceColumns.from_columns(index, *cols, step=step, device=self.param.device, axis=self.axis)
+        if not self.offloaded:
+            self.detach_host()  # every column on the device (topk_ratio=1): the host keeps nothing
+        self.auto.reset()
+
+def master_value(param: torch.Tensor, splits: dict[torch.Tensor, SplitMatrix],
+                 dense: dict[torch.Tensor, DenseDeviceState], ranks: RankGroup | None = None) -> torch.Tensor:
+    """The fp32 master value of `param` on the host, in its shape: host columns from the host master, device columns
+    from the device, a parameter without optimizer state from its weights. With the host state shared by several
+    `ranks`, a collective for a split matrix (`SplitMatrix.full_state`)."""
+    if param in dense:
+        return dense[param].master_of(param).detach().float().cpu().clone()
+    split = splits.get(param)
+    if split is None:
+        return param.detach().float().cpu().clone()
+    return split.unmatrix(split.full_state(ranks)[0])

@@ -5,6 +5,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+
+if TYPE_CHECKING:
+    from .config import ZenFlowConfig
+    from .schedule import WindowSchedule
+    from .windows import HostWindows
 
 
 #: Phases of the caller's time inside `step()`, in the order they happen.
@@ -45,10 +52,13 @@ class ZenFlowStats:
     - ``update_interval``: length of the last closed window, in steps;
     - ``staleness``: optimizer steps whose host-path gradients are not yet in the weights after the last step;
     - ``steps``, ``windows``, ``reselections``, ``skipped_steps`` (non-finite gradients);
-    - ``host_state_bytes`` / ``device_state_bytes``: optimizer state held on each side; ``host_bytes_per_param``:
-      host bytes per element of the matrices with host state (16 B of AdamW state and window sum, plus the link
-      buffers: write-back, CUDA gradient landing slots); ``pinned_host_bytes``: page-locked host memory (CUDA: one
-      arena, exactly sized, for the buffers that cross the link; the master and moments are never pinned);
+    - ``host_state_bytes`` / ``device_state_bytes``: optimizer state held on each side by this process (rank);
+      ``host_bytes_per_param``: host bytes per element of host state (16 B of AdamW state and window sum, plus the
+      link buffers: write-back, CUDA gradient landing slots); ``pinned_host_bytes``: page-locked host memory (CUDA:
+      one arena, exactly sized, for the buffers that cross the link; the master and moments are never pinned);
+    - ``ranks``: data-parallel ranks sharing the host work (each rank's host state covers 1/``ranks`` of every
+      offloaded matrix, `sharding.py`); ``gather_buffer_bytes``: the write-back's all-gather buffer (on the device
+      with NCCL, on the host with gloo), 0 with one rank;
     - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says; README, Threads).
     """
 
@@ -96,10 +106,28 @@ def state_sizes(splits: dict, dense: dict) -> dict[str, float]:
     matrices = list(splits.values())
     total = sum(s.param.numel() for s in matrices)
     on_device = sum(s.param.numel() * (s.k / s.columns) for s in matrices if s.device is not None)
-    hosted = sum(s.param.numel() for s in matrices if s.host is not None)
+    hosted = sum(s.host.master.numel() for s in matrices if s.host is not None)
     host_bytes = sum(s.host.nbytes() for s in matrices if s.host is not None)
     device_bytes = (sum(s.device.nbytes() for s in matrices if s.device is not None)
                     + sum(d.nbytes() for d in dense.values())
                     + sum(s.window_sum.numel() * 4 for s in matrices if s.window_sum is not None))
     return {"selected_fraction": on_device / total if total else 1.0, "host_state_bytes": host_bytes,
             "device_state_bytes": device_bytes, "host_bytes_per_param": host_bytes / hosted if hosted else 0.0}
+
+
+def optimizer_stats(stats: ZenFlowStats, schedule: WindowSchedule | None, config: ZenFlowConfig, splits: dict,
+                    dense: dict, host: HostWindows) -> dict[str, float]:
+    """`ZenFlowAdamW.stats()`: the step counters of `stats` with the schedule's counts, the state sizes and the host
+    worker's last job times."""
+    worker_ms: dict[str, Any] = host.worker.last_job_ms if host.worker is not None else {}
+    # the last closed window; before the first one, the configured interval (auto: the open window so far)
+    interval = (schedule.last_interval if schedule and schedule.last_interval else
+                (schedule.window_steps if schedule else 0) if config.is_auto_interval else config.update_interval)
+    return stats.as_dict(
+        **state_sizes(splits, dense), update_interval=float(interval),
+        host_threads=config.resolved_cpu_threads, steps=schedule.steps if schedule else 0,
+        windows=schedule.windows if schedule else 0, reselections=schedule.reselections if schedule else 0,
+        host_step_ms=worker_ms.get("host_adamw", 0.0), accumulate_ms=worker_ms.get("accumulate", 0.0),
+        pinned_host_bytes=sum(t.pinned_bytes for t in host.transports.values()),
+        ranks=host.shards.ranks, gather_buffer_bytes=host.shards.buffer_bytes,
+    )

@@ -3,7 +3,9 @@
 The rule, in one place:
 
 - **cores** = the CPUs in this process's affinity (`available_cpu_count`; taskset and cgroup cpusets count,
-  `os.cpu_count()` does not);
+  `os.cpu_count()` does not); with several ranks on one node (``LOCAL_WORLD_SIZE``, set by torchrun and accelerate)
+  whose affinity is the whole machine, this rank's 1/N of them (`rank_cpu_count`; a launcher that pins each rank to
+  its own cores has split them already);
 - the **host worker** runs ``cpu_threads`` intra-op threads: by default half the cores, at least 1; a value above
   the cores is clamped to them, with a warning (`worker_threads`);
 - while a **background** worker exists (``overlap_step=True``), the **training thread**'s intra-op pool is lowered
@@ -43,6 +45,19 @@ def available_cpu_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def rank_cpu_count() -> int:
+    """The cores this process may use for itself: its affinity, divided among the ranks on this node when every
+    rank's affinity is the whole machine (see the module docstring)."""
+    cores = available_cpu_count()
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    if local > 1 and cores >= (os.cpu_count() or cores):
+        return max(1, cores // local)
+    return cores
+
+
 _clamp_warned: set[tuple[int, int]] = set()
 
 
@@ -56,7 +71,7 @@ def worker_threads(cpu_threads: int | None) -> int:
         >>> worker_threads(1)
         1
     """
-    cores = available_cpu_count()
+    cores = rank_cpu_count()
     if cpu_threads is None:
         return max(1, cores // 2)
     if cpu_threads > cores:
@@ -64,7 +79,8 @@ def worker_threads(cpu_threads: int | None) -> int:
             _clamp_warned.add((cpu_threads, cores))
             warnings.warn(
                 f"hf_zenflow: cpu_threads={cpu_threads} is more than the {cores} core(s) in this process's CPU "
-                f"affinity; the host worker uses {cores} (README, Threads).",
+                f"affinity (its share of them with several ranks per node); the host worker uses {cores} (README, "
+                "Threads).",
                 stacklevel=3,
             )
         return cores
@@ -92,7 +108,7 @@ class _TrainingPool:
         if self.applied and current != self.applied:
             return  # changed by the user since: theirs stands
         taken = sum(self.workers.values())
-        target = min(self.before, max(1, available_cpu_count() - taken)) if self.workers else self.before
+        target = min(self.before, max(1, rank_cpu_count() - taken)) if self.workers else self.before
         if current != target:
             torch.set_num_threads(target)
         self.applied = target if self.workers else 0
@@ -115,7 +131,7 @@ class _TrainingPool:
                 self.thread = None
 
     def _announce(self, threads: int) -> None:
-        cores, training = available_cpu_count(), torch.get_num_threads()
+        cores, training = rank_cpu_count(), torch.get_num_threads()
         omp = os.environ.get("OMP_NUM_THREADS")
         if omp is not None:
             why = f"OMP_NUM_THREADS={omp}, left alone"

@@ -119,9 +119,9 @@ class Transport:
 
     def hand_off(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
                  ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
-        """Start moving this step's gradients (storage matrices) to the host; returns what the host job reads and
-        what it must wait for. The caller then drops its references to the gradients."""
-        return [(split.host, split.matrix(g)) for split, g in work], Landed()
+        """Start moving this step's gradients (this rank's share of each storage matrix) to the host; returns what
+        the host job reads and what it must wait for. The caller then drops its references to the gradients."""
+        return [(split.host, split.host_part(g)) for split, g in work], Landed()
 
     def before_window_add(self, split: SplitMatrix) -> None:
         """Called before the first add of a window into `split.window_sum` (``accumulate_on="device"``)."""
@@ -184,7 +184,7 @@ class CopyTransport(Transport):
         for device, items in by_device(work, lambda item: item[1].device):
             with self._copying(device):
                 for split, g in items:
-                    split.host.staging[slot].copy_(split.matrix(g), non_blocking=True)
+                    split.host.staging[slot].copy_(split.host_part(g), non_blocking=True)
                     self._keep_alive(g, device)
                 event = self._landed_event(device)
             if event is not None:

@@ -63,11 +63,11 @@ def reread_masters(params: list[torch.Tensor], splits: dict[torch.Tensor, SplitM
             continue
         current = split.matrix(p.detach())
         if split.host is not None:
-            host = split.host
-            host.master.copy_(current)
+            host, part = split.host, split.share.local(current)
+            host.master.copy_(part)
             if host.writeback_free is not None:
                 host.writeback_free.synchronize()  # type: ignore[attr-defined]  # a write-back copy still reads it
-            host.writeback.copy_(current)  # a pending write-back now rewrites these very values
+            host.writeback.copy_(part)  # a pending write-back now rewrites these very values
             host.writeback_fresh = False
             # the open window's gradients were taken at the old weights: dropped, as the pending result is
             host.accum_count, split.window_count = 0, 0

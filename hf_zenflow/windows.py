@@ -4,7 +4,8 @@
 ``accumulate_on="device"``, adds them into device-side window sums), closes windows by submitting the host AdamW,
 and writes host results back into the weights at the boundary the schedule says: at once (``overlap_step=False``) or
 one window later, while the device trains on. What crosses the link goes through a `Transport` per device type; the
-host jobs run in order on one `HostAdamWorker`.
+host jobs run in order on one `HostAdamWorker`. With several data-parallel ranks each rank's host side covers its
+share of every matrix, and the write-back all-gathers the shares (`sharding.py`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Any
 
 import torch
 
+from ._base import by_device
 from .config import ZenFlowConfig
-from .device_step import DeviceColumns, scatter_columns
-from .distributed_check import warn_if_replicated
+from .device_step import DenseDeviceState, DeviceColumns, device_update, scatter_columns
+from .distributed_check import note_host_split
 from .host import HostMatrix, accumulate_into, host_adamw_window
 from .schedule import WindowSchedule, host_lr_scale
+from .sharding import RankGroup
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
 from .transport import Landed, Transport, transport_for
@@ -53,9 +56,11 @@ class HostWindows:
     own (live) collections; `config` is kept current by the optimizer."""
 
     def __init__(self, splits: dict[torch.Tensor, SplitMatrix], groups: list[dict[str, Any]], config: ZenFlowConfig,
-                 stats: ZenFlowStats, host_executor: str) -> None:
+                 stats: ZenFlowStats, host_executor: str, process_group: Any = None) -> None:
         self.splits, self.groups, self.config, self.stats = splits, groups, config, stats
         self.host_executor = host_executor
+        self.process_group = process_group
+        self._shards: RankGroup | None = None
         self.worker: HostAdamWorker | None = None
         self.transports: dict[str, Transport] = {}  # by device type
         self.pending: Any = None  # Future of the host step whose result awaits write-back (overlap mode)
@@ -75,9 +80,16 @@ class HostWindows:
         if worker is not None:
             worker.close()
 
+    @property
+    def shards(self) -> RankGroup:
+        """The ranks sharing the host work, found at first use (the process group may start after the optimizer)."""
+        if self._shards is None:
+            self._shards = RankGroup.of(self.process_group)
+        return self._shards
+
     def ensure_worker(self) -> HostAdamWorker:
         if self.worker is None:
-            warn_if_replicated()  # several processes each keep a full host copy (once per process)
+            note_host_split(self.shards.ranks, self.process_group)  # (once per process)
             self.worker = HostAdamWorker(
                 self.config.resolved_cpu_threads,
                 background=self.config.overlap_step and self.host_executor == "thread",
@@ -93,11 +105,12 @@ class HostWindows:
     def attach_host(self, splits: list[SplitMatrix]) -> None:
         """Create the host state of `splits`, their link buffers from one reservation per transport."""
         accumulate_on = self.config.accumulate_on
+        shares = {id(s): self.shards.share(1 - s.axis, s.matrix(s.param).shape[1 - s.axis]) for s in splits}
         for transport, group in self.by_transport(splits):
-            transport.reserve(sum(HostMatrix.link_bytes(s.matrix(s.param), s.grad_dtype, accumulate_on, transport)
-                                  for s in group))
+            transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), s.grad_dtype,
+                                                        accumulate_on, transport) for s in group))
             for split in group:
-                split.attach_host(accumulate_on, transport)
+                split.attach_host(accumulate_on, transport, shares[id(split)])
 
     def hand_off(
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
@@ -189,7 +202,7 @@ class HostWindows:
         sources, landed = started.sources, started.landed
         for split, _ in started.work:
             split.param.grad = None  # the worker owns this gradient now
-        self.stats.bytes_to_host += sum(g.numel() * g.element_size() for _, g in started.work)
+        self.stats.bytes_to_host += sum(s.host_part(g).numel() * g.element_size() for s, g in started.work)
         started.work.clear()
 
         def accumulate() -> None:
@@ -219,7 +232,7 @@ class HostWindows:
         for split, g in work:
             if split.window_count == 0:
                 self.transport_of(split).before_window_add(split)  # (CUDA: the last window's copy has read it)
-            accumulate_into(split.window_sum, split.matrix(g), coef, first=split.window_count == 0)
+            accumulate_into(split.window_sum, split.host_part(g), coef, first=split.window_count == 0)
             split.window_count += 1
 
     def _ship_window_sums(self, splits: list[SplitMatrix]) -> Landed:
@@ -241,6 +254,17 @@ class HostWindows:
             transport = self.transport_of(split)
             groups.setdefault(id(transport), (transport, []))[1].append(split)
         return list(groups.values())
+
+    def warm_up_step(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
+                     timer: StepTimer, schedule: WindowSchedule, dense: dict[torch.Tensor, DenseDeviceState]) -> None:
+        """A warm-up step, plain dense AdamW: every matrix column by the host, synchronously (a one-step window);
+        1-D parameters on the device."""
+        with timer.phase("device_update"):
+            device_update(self.splits, dense, entries, grads, coef, set())
+        with timer.phase("handoff"):
+            self.hand_off(entries, grads, coef)
+        schedule.window_steps += 1
+        self.close_window(schedule, timer, sequential=True)
 
     def close_window(self, schedule: WindowSchedule, timer: StepTimer, sequential: bool) -> None:
         """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
@@ -306,27 +330,37 @@ class HostWindows:
         Only matrices whose host step ran since the last write-back are written (`writeback_fresh`): a matrix that
         got no gradient in the window keeps its weights, including columns that left the device at a re-selection
         since. How a result gets into the weights is the transport's (CUDA: an asynchronous copy from pinned
-        memory; CPU device: a storage swap).
+        memory; CPU device: a storage swap); with several ranks, one all-gather of every rank's share of every
+        hosted matrix per device and dtype (`sharding.py`), whose result is copied into the weights.
         """
         columns_back: list[tuple[DeviceColumns, torch.Tensor]] = []
         written: list[SplitMatrix] = []
-        for split in self.splits.values():
-            host = split.host
-            if host is None:
-                continue
-            if host.writeback_fresh:
-                self.transport_of(split).put_weights(split)
+        hosted = [split for split in self.splits.values() if split.host is not None]
+        for split in hosted:
+            if split.host.writeback_fresh:
+                if self.shards.ranks == 1:
+                    self.transport_of(split).put_weights(split)
                 written.append(split)
-                self.stats.bytes_to_device += split.param.numel() * split.param.element_size()
+                self.stats.bytes_to_device += split.host.writeback.numel() * split.param.element_size()
             if split.device is not None:
                 columns_back.append((split.device, split.matrix(split.param)))
-            host.writeback_fresh = False
+        if self.shards.ranks > 1:
+            self._gather_weights(hosted, {id(split) for split in written})
+        for split in hosted:
+            split.host.writeback_fresh = False
         scatter_columns(columns_back)
         for transport, group in self.by_transport(written):
             transport.after_write_back(group)
         self.writeback_pending = False
         self.pending = None
         self.unapplied_steps.clear()
+
+    def _gather_weights(self, hosted: list[SplitMatrix], fresh: set[int]) -> None:
+        """Every rank's share of the hosted matrices into the weights (the `fresh` ones): one all-gather per device
+        and dtype over all of them, the same on every rank whichever are fresh."""
+        for (device, _), group in by_device(hosted, lambda s: (s.param.device, s.param.dtype)):
+            items = [(s.share, s.host.writeback, s.matrix(s.param) if id(s) in fresh else None) for s in group]
+            self.shards.gather_into(items, self.shards.device_for(device), "write-back all-gather", keep=True)
 
     def drain_and_apply(self) -> None:
         worker = self.ensure_worker()

@@ -1,4 +1,5 @@
-"""More than one process: each process is told once that every rank keeps a full host copy of the optimizer state.
+"""More than one process: each process is told once how the host work is shared: split across the ranks (the
+default), or replicated in every process (a process group of one rank), with a warning.
 
 A real 2-process gloo group checks the once-per-process rule itself; the calls from `ZenFlowPlugin` and
 `ZenFlowTrainer` are checked in this process under torch's fake 2-rank process group (building optimizers and
@@ -17,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_zenflow import distributed_check
-from hf_zenflow.distributed_check import ReplicatedHostStateWarning, warn_if_replicated
+from hf_zenflow.distributed_check import ReplicatedHostStateWarning, note_host_split, warn_if_replicated
 
 
 def _replication_warnings(build, times: int) -> list[str]:
@@ -33,10 +34,12 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            said = [warn_if_replicated() for _ in range(3)]
+            split = [note_host_split(2) for _ in range(3)]  # the default: shared by both ranks, nothing to warn
+            distributed_check._warned = False
+            said = [note_host_split(1) for _ in range(3)]  # a group of one rank: replicated
         messages = [str(w.message) for w in seen if issubclass(w.category, ReplicatedHostStateWarning)]
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(f"{said} {len(messages)}\n{messages[0] if messages else ''}")
+            f.write(f"{split} {said} {len(messages)}\n{messages[0] if messages else ''}")
     finally:
         dist.destroy_process_group()
 
@@ -51,7 +54,8 @@ def test_two_gloo_processes_warn_once_each(tmp_path):
         shutil.rmtree(rendezvous, ignore_errors=True)
     for rank in (0, 1):
         counts, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
-        assert counts == "[True, False, False] 1"  # three calls, one warning, in each process
+        # three calls each, said once; one warning, for the replicated case, in each process
+        assert counts == "[True, False, False] [True, False, False] 1"
         assert f"under 2 processes (rank {rank})" in message and "2x the host memory" in message
 
 
@@ -65,15 +69,16 @@ def two_rank_group(monkeypatch):
     dist.destroy_process_group()
 
 
-def test_plugin_warns_once_under_two_ranks(two_rank_group):
+def test_plugin_does_not_warn_under_two_ranks(two_rank_group):
+    # its optimizer shares the host work across the default group's ranks: nothing is replicated
     from hf_zenflow.hf.accelerate_plugin import ZenFlowPlugin
 
     seen = _replication_warnings(
         lambda: ZenFlowPlugin(cpu_threads=1).create_optimizer(torch.nn.Linear(8, 8).parameters()), times=3)
-    assert len(seen) == 1 and "under 2 processes (rank 0)" in seen[0]
+    assert seen == []
 
 
-def test_trainer_warns_once_under_two_ranks(two_rank_group, tmp_path):
+def test_trainer_does_not_warn_under_two_ranks(two_rank_group, tmp_path):
     from transformers import TrainingArguments
 
     from hf_zenflow.hf.trainer import ZenFlowTrainer
@@ -85,8 +90,7 @@ def test_trainer_warns_once_under_two_ranks(two_rank_group, tmp_path):
         trainer.create_optimizer()
         return trainer.zenflow_optimizer
 
-    seen = _replication_warnings(build, times=2)
-    assert len(seen) == 1 and "under 2 processes (rank 0)" in seen[0]
+    assert _replication_warnings(build, times=2) == []
 
 
 def test_no_warning_without_a_process_group():

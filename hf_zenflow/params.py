@@ -1,0 +1,96 @@
+"""How `ZenFlowAdamW`'s arguments become its state: the settings (a `ZenFlowConfig` and keyword overrides), checked
+param groups, the window schedule, and for each parameter whether it is split between the device and the host
+(`SplitMatrix`) or updated wholly on the device (`DenseDeviceState`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._base import check_hyperparameters
+from .config import ZenFlowConfig
+from .device_step import DenseDeviceState
+from .schedule import WindowSchedule
+from .selection import num_selected, selection_axis
+from .sharding import is_dtensor
+from .split_matrix import SplitMatrix
+
+
+if TYPE_CHECKING:
+    from .windows import HostWindows
+
+
+def resolve_config(config: ZenFlowConfig | None, overrides: dict[str, Any], host_executor: str) -> ZenFlowConfig:
+    """`config` (default: `ZenFlowConfig()`) with the keyword arguments named like its fields applied; unknown
+    keywords and an unknown `host_executor` fail, naming what is allowed."""
+    config = config if config is not None else ZenFlowConfig()
+    if overrides:
+        known = {f.name for f in dataclasses.fields(ZenFlowConfig)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"ZenFlowAdamW got unknown argument(s) {unknown}: ZenFlowConfig fields are "
+                             f"{sorted(known)}.")
+        config = dataclasses.replace(config, **overrides)
+    if host_executor not in ("thread", "inline"):
+        raise ValueError(f'ZenFlowAdamW host_executor={host_executor!r} is invalid: allowed is "thread" or '
+                         '"inline".')
+    return config
+
+
+def check_param_group(group: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Refuse a param group whose ``select_rows`` or AdamW hyper-parameters are invalid, naming the value."""
+    if not isinstance(group.get("select_rows", False), bool):
+        raise ValueError(f"ZenFlowAdamW param group select_rows={group['select_rows']!r} is invalid: "
+                         "allowed are True and False.")
+    if any(key in group for key in ("lr", "betas", "eps", "weight_decay")):
+        check_hyperparameters(group.get("lr", defaults["lr"]), group.get("betas", defaults["betas"]),
+                              group.get("eps", defaults["eps"]), group.get("weight_decay", defaults["weight_decay"]))
+
+
+def new_schedule(config: ZenFlowConfig) -> WindowSchedule:
+    return WindowSchedule(
+        warm_up=config.full_warm_up_rounds,
+        update_interval=None if config.is_auto_interval else int(config.update_interval),
+        auto_ratio=config.auto_ratio,
+        auto_max_interval=config.auto_max_interval,
+        select_period=config.select_period(),
+    )
+
+
+def is_split(p: torch.Tensor, group: dict[str, Any], config: ZenFlowConfig) -> bool:
+    """Whether `p` is split between the device and the host (a large enough matrix in a layout we can split), or
+    updated wholly on the device."""
+    return (p.ndim >= 2 and (bool(group.get("select_rows", False)) or selection_axis(p) is not None)
+            and p.numel() >= config.min_offload_numel)
+
+
+def create_state(entries: list[tuple[dict, torch.Tensor]], splits: dict[torch.Tensor, SplitMatrix],
+                 dense: dict[torch.Tensor, DenseDeviceState], config: ZenFlowConfig, schedule: WindowSchedule,
+                 host: HostWindows) -> None:
+    """State for the parameters of `entries` that have none yet: a `SplitMatrix` (host state now when some
+    columns live on the host, or during warm-up, when the host updates every column) or a `DenseDeviceState`."""
+    needs_host: list[SplitMatrix] = []
+    for group, p in entries:
+        if p in splits or p in dense:
+            continue
+        if is_dtensor(p):
+            raise NotImplementedError(
+                f"ZenFlowAdamW got a DTensor parameter of shape {tuple(p.shape)} (FSDP2's fully_shard): sharded "
+                "parameters are not supported yet. Use DDP, where ZenFlowAdamW splits the host work across the "
+                "ranks itself.")
+        rows = bool(group.get("select_rows", False))
+        if rows and not p.is_contiguous():
+            raise ValueError(f"ZenFlowAdamW param group select_rows=True needs row-major (contiguous) parameters; "
+                             f"got one of shape {tuple(p.shape)} with strides {p.stride()} (do not combine it "
+                             "with column_major_ on the same weight).")
+        if is_split(p, group, config):
+            split = SplitMatrix(p, 0, rows=rows)
+            split.k = num_selected(config.topk_ratio, split.columns)
+            if split.offloaded or schedule.in_warm_up():
+                needs_host.append(split)
+            splits[p] = split
+        else:
+            dense[p] = DenseDeviceState.fresh(p)
+    host.attach_host(needs_host)
