@@ -107,6 +107,14 @@ class ZenFlowConfig:
         metadata={"help": "Run the host AdamW in a background worker that overlaps the next steps (its result is "
                   "written back one window later). False: run it inline and write it back at once."},
     )
+    writeback_lag: int | None = field(
+        default=None,
+        metadata={"help": "With overlap_step: after how many steps of the next window a window's host result is "
+                  "written back. None = at the next window boundary (ZenFlow's schedule: the host step may take a "
+                  "whole window). Smaller lags keep the unselected columns fresher, closer to AdamW (1 step: "
+                  "BENCHMARKS, quality), but give the host step less time: the device waits for it when it is not "
+                  "done by then. An integer from 1 to update_interval."},
+    )
     auto_ratio: float = field(
         default=0.99,
         metadata={"help": 'With update_interval="auto": fraction of weight matrices that must meet the Zen-auto '
@@ -186,6 +194,12 @@ class ZenFlowConfig:
         self.auto_ratio = float(self.auto_ratio)
         if not _is_int(self.auto_max_interval) or self.auto_max_interval < 1:
             _fail("auto_max_interval", self.auto_max_interval, "an integer >= 1")
+        if self.writeback_lag is not None:
+            top = self.update_interval if _is_int(self.update_interval) else self.auto_max_interval
+            if not _is_int(self.writeback_lag) or not 1 <= self.writeback_lag <= top:
+                bound = "update_interval" if _is_int(self.update_interval) else "auto_max_interval"
+                _fail("writeback_lag", self.writeback_lag,
+                      f"None (the next window boundary) or an integer from 1 to {bound} ({top})")
         if isinstance(self.host_lr_scale, str) and self.host_lr_scale.strip().lower() == "interval":
             self.host_lr_scale = "interval"
         else:

@@ -56,6 +56,7 @@ def new_schedule(config: ZenFlowConfig) -> WindowSchedule:
         auto_ratio=config.auto_ratio,
         auto_max_interval=config.auto_max_interval,
         select_period=config.select_period(),
+        writeback_lag=config.writeback_lag,
     )
 
 

@@ -2,7 +2,7 @@
 
 Which kind of step this is (dense warm-up, a re-selection, or an ordinary step that may launch its device work before
 the host reads the step's scalars), when a window closes (a fixed `update_interval`, or Zen-auto's votes within
-`auto_max_interval`), whether a boundary writes a host result back, and the learning-rate scale of a host step.
+`auto_max_interval`), which step writes a host result back, and the learning-rate scale of a host step.
 `ZenFlowAdamW` asks; it decides nothing of this itself.
 """
 
@@ -65,6 +65,9 @@ class WindowSchedule:
     auto_ratio: float
     auto_max_interval: int
     select_period: int
+    #: overlapped schedule: the previous window's result is written back in this step of the next window (None: in
+    #: the step that closes it)
+    writeback_lag: int | None = None
     steps: int = 0
     window_steps: int = 0
     windows: int = 0
@@ -105,9 +108,13 @@ class WindowSchedule:
         return self.kind() is StepKind.ORDINARY and not waiting_for_columns
 
     def boundary_writes_back(self, overlap: bool, writeback_pending: bool) -> bool:
-        """Whether the next step closes a fixed-length window with a write-back (a result pending from the previous
-        window when overlapped, this window's own when not). Zen-auto windows are decided after the device update,
-        so they never count here."""
+        """Whether the next step writes a host result back: the previous window's, pending, when overlapped (in the
+        `writeback_lag`-th step of this window, or in the step that closes a fixed-length window), this window's
+        own when not (in the step that closes it). Zen-auto windows are decided after the device update, so their
+        closing step never counts here (the close writes back itself)."""
+        if overlap and writeback_pending and self.writeback_lag is not None \
+                and self.window_steps + 1 >= self.writeback_lag:
+            return True
         if self.update_interval is None or self.window_steps + 1 < self.update_interval:
             return False
         return not overlap or writeback_pending

@@ -34,6 +34,9 @@ from hf_zenflow.config import DEFAULT_SELECT_STEPS, available_cpu_count
         ("accumulate_on", "gpu"),
         ("cpu_threads", 0),
         ("steps_per_epoch", 0),
+        ("writeback_lag", 0),
+        ("writeback_lag", 5),  # beyond update_interval=4: the next window has closed by then
+        ("writeback_lag", 1.5),
     ],
 )
 def test_invalid_values_name_the_field_and_the_value(field, value):
@@ -162,3 +165,10 @@ def test_from_deepspeed_bad_sources_are_named(tmp_path):
         ZenFlowConfig.from_deepspeed(tmp_path / "broken.json")
     with pytest.raises(ValueError, match="dict, a JSON file path or JSON text"):
         ZenFlowConfig.from_deepspeed(42)
+
+
+def test_writeback_lag_is_bounded_by_the_window():
+    assert ZenFlowConfig(update_interval=4, writeback_lag=4).writeback_lag == 4
+    assert ZenFlowConfig(update_interval="auto", auto_max_interval=8, writeback_lag=8).writeback_lag == 8
+    with pytest.raises(ValueError, match=r"writeback_lag=9 .*auto_max_interval \(8\)"):
+        ZenFlowConfig(update_interval="auto", auto_max_interval=8, writeback_lag=9)

@@ -89,6 +89,8 @@ def test_warm_up_rounds_are_dense_adamw():
         dict(topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=7),  # partial windows
         dict(topk_ratio=0.1, update_interval="auto", select_strategy="step", select_interval=10),
         dict(topk_ratio=0.1, update_interval=2, full_warm_up_rounds=5),
+        dict(topk_ratio=0.1, update_interval=4, writeback_lag=1),
+        dict(topk_ratio=0.1, update_interval="auto", select_strategy="step", select_interval=10, writeback_lag=2),
     ],
 )
 def test_overlapped_equals_sequential_schedule_bit_for_bit(settings):
@@ -100,18 +102,20 @@ def test_overlapped_equals_sequential_schedule_bit_for_bit(settings):
     assert opt_t.stats()["windows"] == opt_i.stats()["windows"] > 0
 
 
-@pytest.mark.parametrize("host_lr_scale", [1.0, "interval"])
-def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale):
+@pytest.mark.parametrize("host_lr_scale, writeback_lag", [(1.0, None), ("interval", None), (1.0, 1), (1.0, 3)])
+def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, writeback_lag):
     """A from-scratch model of the claimed schedule: selected columns by AdamW every step; the rest by a host AdamW
     on the mean gradient of each U-step window, written back one window later (lr at window close, times U with
-    host_lr_scale="interval")."""
+    host_lr_scale="interval"), or `writeback_lag` steps into the next window."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(32, 16, bias=False)
     ref_w = lin.weight.detach().clone()
     data = [torch.randn(4, 32) for _ in range(24)]
     U, k = 4, 8
     opt = ZenFlowAdamW([lin.weight], lr=LR, weight_decay=0.05, topk_ratio=k / 32, update_interval=U,
-                       select_strategy="step", select_interval=1000, host_lr_scale=host_lr_scale, min_offload_numel=0)
+                       select_strategy="step", select_interval=1000, host_lr_scale=host_lr_scale, min_offload_numel=0,
+                       writeback_lag=writeback_lag)
+    lag = U if writeback_lag is None else writeback_lag
     host_scale = U if host_lr_scale == "interval" else 1.0
     sched = linear_schedule(opt, 24)
     group = dict(lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
@@ -135,10 +139,11 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale):
         ref_w[:, sel] = dev["master"]
         host["acc"] += g
         host["n"] += 1
+        if host["n"] == lag and pending is not None:
+            ref_w.copy_(pending)
+            ref_w[:, sel] = dev["master"]
+            pending = None
         if host["n"] == U:
-            if pending is not None:
-                ref_w.copy_(pending)
-                ref_w[:, sel] = dev["master"]
             fused_adamw_([host["master"]], [host["acc"] / U], [host["m"]], [host["v"]], [host["step"]],
                          {**group, "lr": lr * host_scale})
             pending = host["master"].clone()

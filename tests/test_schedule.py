@@ -75,6 +75,19 @@ def test_boundary_write_back():
     assert not schedule(update_interval=None).boundary_writes_back(overlap=False, writeback_pending=True)
 
 
+@pytest.mark.parametrize("update_interval", [4, None])
+def test_a_writeback_lag_writes_the_pending_result_back_in_that_step_of_the_next_window(update_interval):
+    s = schedule(update_interval=update_interval, writeback_lag=2)
+    s.window_steps = 0
+    assert not s.boundary_writes_back(overlap=True, writeback_pending=True)  # 1st step of the window
+    s.window_steps = 1
+    assert s.boundary_writes_back(overlap=True, writeback_pending=True)  # 2nd step
+    assert not s.boundary_writes_back(overlap=True, writeback_pending=False)  # written back already
+    s.window_steps = 2  # a skipped 2nd step leaves the result pending: the next step writes it back
+    assert s.boundary_writes_back(overlap=True, writeback_pending=True)
+    assert not s.boundary_writes_back(overlap=False, writeback_pending=True)  # the lag is the overlapped one's
+
+
 def test_closing_a_window_counts_it():
     s = schedule()
     s.window_steps = 3
