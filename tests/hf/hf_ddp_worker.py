@@ -25,6 +25,17 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def device_args(opts: argparse.Namespace) -> dict:
+    """CPU ranks talk over gloo; GPU ranks (scripts/gpu_check.sh) over NCCL, one GPU each."""
+    if opts.device == "cpu":
+        return {"use_cpu": True, "ddp_backend": "gloo"}
+    return {"use_cpu": False, "ddp_backend": "nccl"}
+
+
+def on_host(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
 def run_trainer(opts: argparse.Namespace) -> dict:
     from transformers import TrainerCallback
 
@@ -42,13 +53,13 @@ def run_trainer(opts: argparse.Namespace) -> dict:
                 time.sleep(3600)
 
     save = dict(save_strategy="steps", save_steps=opts.save_steps) if opts.save_steps else {}
-    args = zenflow_args(Path(opts.out) / "run", max_steps=opts.max_steps, ddp_backend="gloo",
-                        ddp_timeout=opts.ddp_timeout, ddp_find_unused_parameters=False, **save, **ZENFLOW)
+    args = zenflow_args(Path(opts.out) / "run", max_steps=opts.max_steps, ddp_timeout=opts.ddp_timeout,
+                        ddp_find_unused_parameters=False, **device_args(opts), **save, **ZENFLOW)
     trainer = ZenFlowTrainer(model=tiny_llama(), args=args, train_dataset=ByteLMDataset(corpus_text(),
                                                                                          num_samples=256),
                              callbacks=[DieAt()] if opts.die_at_step else None)
     trainer.train(resume_from_checkpoint=opts.resume)
-    return {"weights": trainer.model.state_dict(), "losses": logged(trainer), "world_size": args.world_size}
+    return {"weights": on_host(trainer.model), "losses": logged(trainer), "world_size": args.world_size}
 
 
 def run_plugin(opts: argparse.Namespace) -> dict:
@@ -56,7 +67,7 @@ def run_plugin(opts: argparse.Namespace) -> dict:
 
     from hf_zenflow import ZenFlowPlugin
 
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=opts.device == "cpu")
     model = tiny_llama()
     loader = torch.utils.data.DataLoader(ByteLMDataset(corpus_text(), num_samples=256), batch_size=4)
     plugin = ZenFlowPlugin(topk_ratio=0.1, update_interval=4, cpu_threads=1, min_offload_numel=0)
@@ -73,7 +84,7 @@ def run_plugin(opts: argparse.Namespace) -> dict:
         optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), "mean").item())
     plugin.flush(optimizer)
-    return {"weights": accelerator.unwrap_model(model).state_dict(), "losses": losses,
+    return {"weights": on_host(accelerator.unwrap_model(model)), "losses": losses,
             "world_size": accelerator.num_processes, "first_batch": first_batch}
 
 
@@ -96,6 +107,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("mode", choices=["trainer", "plugin", "fsdp2"])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--max-steps", type=int, default=12)
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume", default=None)

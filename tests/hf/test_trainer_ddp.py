@@ -26,6 +26,11 @@ from hf_zenflow.hf.rank_checkpoint import (
 
 
 WORKER = Path(__file__).with_name("hf_ddp_worker.py")
+#: "cpu" in CI (gloo, 2 ranks); `scripts/gpu_check.sh` sets "cuda": NCCL, one rank per GPU of the machine (one GPU:
+#: world size 1 through the same torchrun launch and Trainer code).
+DEVICE = os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu")
+RANKS = 2 if DEVICE == "cpu" else torch.cuda.device_count()
+several_ranks = pytest.mark.skipif(RANKS < 2, reason=f"needs 2 ranks; {DEVICE} has {RANKS}")
 #: A hard limit on each torchrun launch, far above its normal 15-35 s: reaching it means a hang.
 LAUNCH_LIMIT_S = 240
 
@@ -36,17 +41,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(out: Path, *worker_args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+def torchrun(out: Path, *worker_args: str, nproc: int = RANKS, device: str = DEVICE) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])))
+    if device == "cuda":
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the same cuBLAS reductions in every run: bitwise
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(WORKER), *worker_args, "--out", str(out)]
+           "127.0.0.1", "--master_port", str(free_port()), str(WORKER), *worker_args, "--out", str(out),
+           "--device", device]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_LIMIT_S)
 
 
-def results(out: Path, proc: subprocess.CompletedProcess, nproc: int = 2) -> list[dict]:
+def results(out: Path, proc: subprocess.CompletedProcess, nproc: int = RANKS) -> list[dict]:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
 
@@ -59,17 +67,19 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """12 steps on 2 ranks (windows of 4 steps), checkpointing at step 6: mid-window."""
+    """12 steps on `RANKS` ranks (windows of 4 steps), checkpointing at step 6: mid-window."""
     out = tmp_path_factory.mktemp("ddp_full")
     return out, results(out, torchrun(out, "trainer", "--max-steps", "12", "--save-steps", "6"))
 
 
 @pytest.mark.slow
 def test_trainer_ddp_trains_and_ranks_agree_bitwise(full_run):
-    _, (rank0, rank1) = full_run
-    assert rank0["world_size"] == rank1["world_size"] == 2
-    assert_same_weights(rank0["weights"], rank1["weights"])
-    assert rank0["losses"] == rank1["losses"] and len(rank0["losses"]) == 12
+    _, (rank0, *others) = full_run
+    for other in others:
+        assert other["world_size"] == RANKS
+        assert_same_weights(rank0["weights"], other["weights"])
+        assert other["losses"] == rank0["losses"]
+    assert rank0["world_size"] == RANKS and len(rank0["losses"]) == 12
     assert rank0["losses"][-1] < rank0["losses"][0] - 0.1
     # trained: far from the initial weights
     init = tiny_llama().state_dict()
@@ -81,12 +91,15 @@ def test_trainer_ddp_trains_and_ranks_agree_bitwise(full_run):
 def test_trainer_ddp_checkpoint_has_one_optimizer_file_per_rank(full_run):
     out, _ = full_run
     checkpoint = out / "run" / "checkpoint-6"
-    assert not (checkpoint / "optimizer.pt").exists()  # the one-process file would hold one rank's state only
     assert (checkpoint / "scheduler.pt").is_file()
-    assert saved_world_sizes(str(checkpoint)) == {2}
-    for rank in range(2):
-        payload = torch.load(checkpoint / rank_file_name(rank, 2), weights_only=True)
-        assert (payload["rank"], payload["world_size"]) == (rank, 2)
+    if RANKS == 1:  # one GPU: the Trainer's own optimizer.pt, as without torchrun
+        assert (checkpoint / "optimizer.pt").is_file() and not saved_world_sizes(str(checkpoint))
+        return
+    assert not (checkpoint / "optimizer.pt").exists()  # the one-process file would hold one rank's state only
+    assert saved_world_sizes(str(checkpoint)) == {RANKS}
+    for rank in range(RANKS):
+        payload = torch.load(checkpoint / rank_file_name(rank, RANKS), weights_only=True)
+        assert (payload["rank"], payload["world_size"]) == (rank, RANKS)
         assert payload["optimizer"]["state"]  # a real ZenFlow state, not an empty shell
 
 
@@ -94,19 +107,20 @@ def test_trainer_ddp_checkpoint_has_one_optimizer_file_per_rank(full_run):
 def test_trainer_ddp_resume_mid_window_equals_the_uninterrupted_run(full_run, tmp_path):
     out, (full0, _) = full_run
     proc = torchrun(tmp_path, "trainer", "--max-steps", "12", "--resume", str(out / "run" / "checkpoint-6"))
-    resumed0, resumed1 = results(tmp_path, proc)
-    assert_same_weights(resumed0["weights"], full0["weights"])
-    assert_same_weights(resumed1["weights"], full0["weights"])
+    resumed = results(tmp_path, proc)
+    for rank in resumed:
+        assert_same_weights(rank["weights"], full0["weights"])
     # log_history of steps 1-6 comes from the checkpoint; steps 7-12 were trained again
-    assert resumed0["losses"] == full0["losses"]
+    assert resumed[0]["losses"] == full0["losses"]
 
 
 @pytest.mark.slow
+@several_ranks
 def test_two_rank_checkpoint_is_refused_in_one_process(full_run, tmp_path, train_dataset):
     out, _ = full_run
     trainer = ZenFlowTrainer(model=tiny_llama(), args=zenflow_args(tmp_path, max_steps=12),
                              train_dataset=train_dataset)
-    with pytest.raises(CheckpointError, match=r"saved by 2 processes \(world size 2\).*world size 1"):
+    with pytest.raises(CheckpointError, match=rf"saved by {RANKS} processes \(world size {RANKS}\).*world size 1"):
         trainer.train(resume_from_checkpoint=str(out / "run" / "checkpoint-6"))
 
 
@@ -117,7 +131,7 @@ def test_a_dead_rank_ends_the_other_with_an_error(tmp_path, how):
     # process group's timeout (--ddp_timeout 15, which transformers does not pass on under --use_cpu:
     # ZenFlowTrainingArguments does) can end rank 0's wait.
     proc = torchrun(tmp_path, "trainer", "--max-steps", "12", "--die-at-step", "3", "--die-how", how,
-                    "--ddp-timeout", "15")
+                    "--ddp-timeout", "15", nproc=2, device="cpu")
     assert proc.returncode != 0
     error = (tmp_path / "error_rank0.txt").read_text()
     assert "RuntimeError" in error
@@ -128,7 +142,7 @@ def test_a_dead_rank_ends_the_other_with_an_error(tmp_path, how):
 
 @pytest.mark.slow
 def test_fsdp2_model_is_refused_naming_fsdp2_and_the_issue(tmp_path):
-    proc = torchrun(tmp_path, "fsdp2", nproc=1)
+    proc = torchrun(tmp_path, "fsdp2", nproc=1, device="cpu")
     assert proc.returncode != 0
     error = (tmp_path / "error_rank0.txt").read_text()
     assert "ValueError: ZenFlowTrainer: parameter" in error and "FSDP2" in error and "issue 13" in error
@@ -136,11 +150,13 @@ def test_fsdp2_model_is_refused_naming_fsdp2_and_the_issue(tmp_path):
 
 @pytest.mark.slow
 def test_plugin_under_ddp_ranks_agree_bitwise(tmp_path):
-    rank0, rank1 = results(tmp_path, torchrun(tmp_path, "plugin", "--max-steps", "12"))
-    assert rank0["world_size"] == 2
-    assert rank0["first_batch"] != rank1["first_batch"]  # each rank saw its own data: agreement comes from DDP
-    assert_same_weights(rank0["weights"], rank1["weights"])
-    assert rank0["losses"] == rank1["losses"] and rank0["losses"][-1] < rank0["losses"][0] - 0.1
+    rank0, *others = results(tmp_path, torchrun(tmp_path, "plugin", "--max-steps", "12"))
+    assert rank0["world_size"] == RANKS
+    for other in others:
+        assert other["first_batch"] != rank0["first_batch"]  # each rank saw its own data: agreement comes from DDP
+        assert_same_weights(rank0["weights"], other["weights"])
+        assert other["losses"] == rank0["losses"]
+    assert rank0["losses"][-1] < rank0["losses"][0] - 0.1
 
 
 # -- the per-rank files without processes -------------------------------------------------------------------------
