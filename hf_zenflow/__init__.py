@@ -19,8 +19,9 @@ Where things live:
   configs in `deepspeed_config.py`, the thread rule in `threads.py`, the multi-process notice in
   `distributed_check.py`, telemetry in `telemetry.py`;
 - the synchronous offload baseline: `baselines.py` (`SyncOffloadAdamW`);
-- the Hugging Face glue: `hf/` (`ZenFlowTrainer` in `trainer.py` with its telemetry `trainer_telemetry.py` and its
-  card `trainer_card.py`, `ZenFlowTrainingArguments`, `ZenFlowPlugin`, model cards, `convert-checkpoint`);
+- the Hugging Face glue: `hf/` (`ZenFlowTrainer` in `trainer.py` with its telemetry `trainer_telemetry.py`, its
+  card `trainer_card.py` and its per-rank optimizer files `rank_checkpoint.py`, `ZenFlowTrainingArguments`,
+  `ZenFlowPlugin`, model cards, `convert-checkpoint`);
 - the side-by-side comparison (`compare/runner.py`: its settings `compare_config.py`, one timed run
   `training_run.py`), the emulated accelerator, the hardware bound model and the settings tuner (`hf_zenflow.tune`:
   `compare/tune.py`, over `tune_grid.py`, `pareto.py`, `tune_report.py`; `paired_stats.py`): `compare/`, driven by

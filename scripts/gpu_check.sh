@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The prepared GPU check, for a lent GPU machine (one call): the reference tests on CUDA (bf16 weights, pinned
-# buffers, the side copy stream, events), then the GPU benchmark. Writes logs under ${OUT:-gpu_out}.
+# buffers, the side copy stream, events), the DDP tests on NCCL with one rank per GPU, then the GPU benchmark.
+# Writes logs under ${OUT:-gpu_out}.
 #
 #   bash scripts/gpu_check.sh            # uses the machine's python3 (its torch/transformers; no installs)
 #
-# Budget: about 2 minutes of tests + the benchmark's own limit (see scripts/bench_gpu.py --help).
+# Budget: about 2 minutes of tests, about 1 of DDP tests + the benchmark's own limit (see scripts/bench_gpu.py --help).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_out}"
@@ -17,7 +18,13 @@ timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_optimizer.py 
   tests/test_checkpoint.py tests/test_gradients.py tests/cpu_device/test_layout.py 2>&1 \
   | tee "$out/tests_cuda.log"
 tests_rc=${PIPESTATUS[0]}
+# DDP on NCCL through torchrun, one rank per GPU of this machine (one GPU: world size 1 through the same launch and
+# Trainer code): ranks agree bitwise, per-rank optimizer files, mid-window resume bitwise, ZenFlowPlugin under DDP.
+timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/hf/test_trainer_ddp.py -k "trains_and_ranks_agree or \
+  one_optimizer_file or resume_mid_window or refused_in_one_process or plugin_under_ddp" 2>&1 \
+  | tee "$out/tests_ddp_nccl.log"
+ddp_rc=${PIPESTATUS[0]}
 timeout 420 python3 scripts/bench_gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench_gpu.log"
 bench_rc=${PIPESTATUS[0]}
-echo "cuda tests rc=$tests_rc bench rc=$bench_rc"
-exit $(( tests_rc || bench_rc ))
+echo "cuda tests rc=$tests_rc ddp (nccl) rc=$ddp_rc bench rc=$bench_rc"
+exit $(( tests_rc || ddp_rc || bench_rc ))

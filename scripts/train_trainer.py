@@ -25,6 +25,11 @@ Commands (from the repository root; `pip install -e .` first, or the script find
     accelerate launch --num_processes 1 --num_cpu_threads_per_process 8 scripts/train_trainer.py \\
         --output_dir runs/zenflow_tiny --max_steps 60 --learning_rate 3e-3 --report_to none
 
+    # two processes (DDP): on GPUs `torchrun --nproc_per_node N`; on CPU with gloo (each rank writes its own
+    # zenflow_optimizer_rank{r}_of_2.pt in every checkpoint; README, Several GPUs and nodes)
+    torchrun --nproc_per_node 2 scripts/train_trainer.py --output_dir runs/zenflow_ddp --max_steps 60 \\
+        --learning_rate 3e-3 --use_cpu --ddp_backend gloo --report_to none --zenflow_cpu_threads 1
+
 All flags: `python scripts/train_trainer.py --help` (`--logging_steps` defaults to 10 here). The output folder gets the
 model, `README.md` (a model card with the ZenFlow settings and measured figures), `all_results.json` and checkpoints
 (`--save_steps`); the last line printed says where it is.

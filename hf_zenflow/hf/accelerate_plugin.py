@@ -23,7 +23,7 @@ Example (``accelerate launch --cpu --num_processes 1 train.py``)::
         with accelerator.accumulate(model):
             accelerator.backward(model(**batch).loss)
             if accelerator.sync_gradients:
-                optimizer.clip_grad_norm_(1.0)        # the true global norm; applied inside step()
+                optimizer.optimizer.clip_grad_norm_(1.0)  # the ZenFlowAdamW inside: the true global norm
             optimizer.step()
             optimizer.zero_grad()
     accelerator.save_state("ckpt")                    # the plugin's pre-hook drains the host worker first
@@ -173,9 +173,9 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
             raise ValueError("ZenFlowPlugin cannot be combined with DeepSpeed: ZenFlowAdamW replaces DeepSpeed's "
                              "optimizer. Launch without a DeepSpeed config.")
         if dtype == DistributedType.FSDP:
-            raise ValueError("ZenFlowPlugin cannot be combined with FSDP: column selection needs whole weight "
-                             "matrices. Train on a single device (DDP runs, but every rank keeps a full host copy "
-                             "of the optimizer state: README 'Limitations').")
+            raise ValueError("ZenFlowPlugin cannot be combined with FSDP (FSDP1 or FSDP2): ZenFlowAdamW works on "
+                             "whole weight matrices on each rank (FSDP2 support: issue 13). Use DDP "
+                             "(accelerate launch --multi_gpu) or a single device.")
         if accelerator.mixed_precision == "fp16":
             raise ValueError("ZenFlowPlugin cannot be combined with fp16 mixed precision: its GradScaler unscales "
                              "p.grad after ZenFlow has taken the gradients over. Use bf16 or fp32.")

@@ -8,6 +8,8 @@ Only the seams the 5.x Trainer exposes are used (see `shared/reference/hf-integr
   and the logged `grad_norm` is the true global norm;
 - `_save_checkpoint`, `save_model` and evaluation wait for the host worker first, `_finalize_training` flushes the
   last window into the weights and stops the host worker (no thread outlives `train()`);
+- under several processes (DDP), `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler` write and read
+  one optimizer file per rank (`rank_checkpoint`), since the stock path saves only the main process's state;
 - `log` merges the optimizer's telemetry under `zenflow/...` (`trainer_telemetry`); `create_model_card` renders the
   ZenFlow card (`trainer_card`).
 
@@ -19,17 +21,21 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import fields
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainingArguments
+from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
 
 from ..checkpoint import CheckpointError, check_file
 from ..cpu_device.layout import column_major_
 from ..distributed_check import warn_if_replicated
 from ..optimizer import ZenFlowAdamW
 from ..worker import wait_for_closed_workers
+from .rank_checkpoint import OPTIMIZER_NAME, check_one_process_resume, load_rank_state, save_rank_state
 from .trainer_card import render_trainer_card
 from .trainer_telemetry import ZenFlowTelemetry, ZenFlowTelemetryCallback
 from .training_args import SUPPORTED_OPTIMS, ZenFlowTrainingArguments
@@ -37,6 +43,18 @@ from .unwrap import unwrap_zenflow_optimizer
 
 
 logger = logging.getLogger(__name__)
+
+
+def refuse_fsdp2(model: torch.nn.Module) -> None:
+    """Raise a `ValueError` naming FSDP2 when `model` has DTensor parameters (`fully_shard` applied): ZenFlowAdamW
+    works on whole matrices on each rank, and would otherwise fail at its first copy with a DTensor/Tensor mix-up."""
+    for name, param in model.named_parameters():
+        if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor":
+            raise ValueError(
+                f"ZenFlowTrainer: parameter {name!r} is a DTensor: the model is sharded with FSDP2 (fully_shard), "
+                "which ZenFlow does not support yet (issue 13). Train with DDP (torchrun / accelerate launch "
+                "--multi_gpu without FSDP) or pass --zenflow False."
+            )
 
 
 class ZenFlowTrainer(Trainer):
@@ -133,6 +151,8 @@ class ZenFlowTrainer(Trainer):
 
     def create_optimizer(self, model=None):
         target = self.model if model is None else model
+        if getattr(self.args, "zenflow", False) and self.optimizer is None:
+            refuse_fsdp2(target)
         layout = getattr(self.args, "zenflow_layout", "row")
         if getattr(self.args, "zenflow", False) and self.optimizer is None and (
             layout == "column" or (layout == "auto" and next(target.parameters()).device.type == "cpu")
@@ -149,18 +169,51 @@ class ZenFlowTrainer(Trainer):
             opt.name_parameters(target)  # checkpoints carry the names; errors and `convert-checkpoint` use them
         return optimizer
 
+    # -- checkpoints: one optimizer file per rank under several processes (rank_checkpoint) --------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.zenflow_optimizer is None or self.args.world_size <= 1:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # Every rank writes its own state (the stock path writes optimizer.pt from the main process only, and a
+        # state_dict() that needs collectives would hang there); the main process also writes the scheduler.
+        save_rank_state(self.optimizer, output_dir, self.args.process_index, self.args.world_size)
+        if self.args.should_save:
+            with warnings.catch_warnings(record=True) as caught:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            reissue_pt_warnings(caught)
+        # trainer_state.json, written next by the main process, marks the checkpoint complete: only once every rank's
+        # file is on disk.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # A damaged optimizer.pt must say which file and what is wrong, not raise a bare EOFError from torch.load;
         # a ZenFlow state that fails validation says which tensor (ZenFlowAdamW.load_state_dict) and which file.
         if checkpoint is None or self.zenflow_optimizer is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, "optimizer.pt")
+        if self.args.world_size > 1:
+            return self._load_rank_optimizer_and_scheduler(checkpoint)
+        check_one_process_resume(checkpoint)
+        path = os.path.join(checkpoint, OPTIMIZER_NAME)
         if os.path.isfile(path):
             check_file(path)
         try:
             super()._load_optimizer_and_scheduler(checkpoint)
         except CheckpointError as exc:
             raise CheckpointError(f"{path}: {exc}") from exc
+
+    def _load_rank_optimizer_and_scheduler(self, checkpoint: str) -> None:
+        state = load_rank_state(checkpoint, self.args.process_index, self.args.world_size)
+        if state is None:
+            return  # no optimizer state in the checkpoint: start afresh, as the stock Trainer does
+        try:
+            self.optimizer.load_state_dict(state)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{checkpoint} (rank {self.args.process_index}): {exc}") from exc
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            with warnings.catch_warnings(record=True) as caught:
+                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            reissue_pt_warnings(caught)
 
     @property
     def zenflow_optimizer(self) -> ZenFlowAdamW | None:

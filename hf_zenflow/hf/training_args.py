@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields, make_dataclass
+from functools import cached_property
 from typing import Any
 
+import torch
 from transformers import TrainingArguments
 
 from ..config import ZenFlowConfig
@@ -138,6 +140,17 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
         for arg, name in ZENFLOW_FIELDS.items():
             setattr(self, arg, getattr(config, name))
 
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        # transformers 5.24 passes --ddp_timeout to the process group only without --use_cpu: on CPU ranks (gloo)
+        # a rank whose peer died silently would wait torch's default 30 minutes. Create the group first, with the
+        # timeout; PartialState keeps a group that is already initialised.
+        if self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ:
+            dist = torch.distributed
+            if dist.is_available() and not dist.is_initialized():
+                dist.init_process_group(backend=self.ddp_backend or "gloo", timeout=self.ddp_timeout_delta)
+        return super()._setup_devices
+
     @classmethod
     def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike, **kwargs: Any) -> ZenFlowTrainingArguments:
         """Move a DeepSpeed ZenFlow config over in one step: its zenflow block, optimizer (lr, betas, eps, weight
@@ -177,9 +190,10 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
             )
         if self.fsdp or _truthy_env("ACCELERATE_USE_FSDP"):
             raise ValueError(
-                "ZenFlowTrainingArguments: --zenflow cannot be combined with FSDP (--fsdp or ACCELERATE_USE_FSDP): "
-                "column selection needs whole weight matrices, FSDP shards them. Train on a single device, or "
-                "pass --zenflow False."
+                "ZenFlowTrainingArguments: --zenflow cannot be combined with FSDP (--fsdp or ACCELERATE_USE_FSDP; "
+                "FSDP1 and FSDP2 alike): ZenFlowAdamW works on whole weight matrices on each rank, FSDP shards them "
+                "(FSDP2 support: issue 13). Train with DDP (torchrun / accelerate launch --multi_gpu) or on one "
+                "device, or pass --zenflow False."
             )
         if self.fp16:
             raise ValueError(

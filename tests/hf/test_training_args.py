@@ -125,7 +125,7 @@ def test_deepspeed_from_accelerate_env(monkeypatch):
 
 
 def test_fsdp_conflict():
-    with pytest.raises(ValueError, match="FSDP"):
+    with pytest.raises(ValueError, match=r"FSDP \(--fsdp.*FSDP1 and FSDP2.*issue 13"):
         make(fsdp="full_shard")
 
 

@@ -1,0 +1,113 @@
+"""One optimizer file per rank in a Trainer checkpoint, for ZenFlow under several processes (DDP).
+
+The Trainer writes ``optimizer.pt`` from the main process only. Under several ranks a ZenFlow optimizer's state dict
+holds that rank's share of the host state (or, before the host state is sharded, a full copy), and taking it may
+involve collectives, so every rank saves its own ``zenflow_optimizer_rank{r}_of_{N}.pt`` next to where
+``optimizer.pt`` would be, with the world size recorded in the name and in the file, and loads its own file on
+resume. Only the public ``state_dict()`` / ``load_state_dict()`` of the optimizer are used.
+
+What loads where:
+
+- the same world size: each rank its own file;
+- a one-process checkpoint (``optimizer.pt``) under N ranks: every rank loads it (the optimizer takes its share);
+- rank files of N ranks under another world size (one process included): refused with `CheckpointError`, naming
+  both world sizes (re-sharding between rank counts does not exist yet, issue 13).
+
+Example:
+    >>> rank_file_name(1, 2)
+    'zenflow_optimizer_rank1_of_2.pt'
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+
+from ..checkpoint import CheckpointError, load_file
+
+
+#: The Trainer's one-process optimizer file (transformers.trainer.OPTIMIZER_NAME).
+OPTIMIZER_NAME = "optimizer.pt"
+_RANK_FILE = re.compile(r"zenflow_optimizer_rank(\d+)_of_(\d+)\.pt")
+#: The format of a rank file: ``{"format": 1, "rank": r, "world_size": N, "optimizer": state_dict}``.
+RANK_FILE_FORMAT = 1
+
+
+def rank_file_name(rank: int, world_size: int) -> str:
+    return f"zenflow_optimizer_rank{rank}_of_{world_size}.pt"
+
+
+def saved_world_sizes(checkpoint: str) -> set[int]:
+    """The world sizes of the rank files in `checkpoint` (empty when there are none)."""
+    if not os.path.isdir(checkpoint):
+        return set()
+    matches = (_RANK_FILE.fullmatch(name) for name in os.listdir(checkpoint))
+    return {int(m.group(2)) for m in matches if m is not None}
+
+
+def save_rank_state(optimizer: Any, output_dir: str, rank: int, world_size: int) -> str:
+    """Write this rank's `optimizer.state_dict()` to its rank file in `output_dir`; returns the path.
+
+    Every rank must call it (the state dict may need collectives). Written to a temporary name and renamed, so that
+    a process killed while saving leaves no half-written rank file under the real name.
+    """
+    os.makedirs(output_dir, exist_ok=True)  # a rank may get here before the main process has saved the model
+    path = os.path.join(output_dir, rank_file_name(rank, world_size))
+    payload = {"format": RANK_FILE_FORMAT, "rank": rank, "world_size": world_size,
+               "optimizer": optimizer.state_dict()}
+    torch.save(payload, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _world_size_error(checkpoint: str, saved: str, world_size: int) -> CheckpointError:
+    return CheckpointError(
+        f"{checkpoint}: the ZenFlow optimizer state was saved by {saved}, and this run has world size {world_size}. "
+        f"Resume with the world size of the checkpoint (re-sharding the optimizer state to another number of ranks "
+        f"is not supported yet, issue 13), or resume without the optimizer state."
+    )
+
+
+def _describe(sizes: set[int]) -> str:
+    listed = " and ".join(str(s) for s in sorted(sizes))
+    return f"{listed} processes (world size {listed})"
+
+
+def check_one_process_resume(checkpoint: str) -> None:
+    """Under one process: refuse a checkpoint that has only rank files (the stock Trainer would silently start
+    with a fresh optimizer)."""
+    sizes = saved_world_sizes(checkpoint) - {1}
+    if sizes and not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
+        raise _world_size_error(checkpoint, _describe(sizes), 1)
+
+
+def load_rank_state(checkpoint: str, rank: int, world_size: int) -> dict[str, Any] | None:
+    """This rank's optimizer state dict from `checkpoint` (on the host: ``map_location="cpu"``; the optimizer's
+    loader places device parts), the one-process ``optimizer.pt`` when there are no rank files, or None when the
+    checkpoint has no optimizer state at all."""
+    path = os.path.join(checkpoint, rank_file_name(rank, world_size))
+    if os.path.isfile(path):
+        payload = load_file(path, map_location="cpu")
+        if (payload.get("rank"), payload.get("world_size")) != (rank, world_size):
+            raise CheckpointError(
+                f"{path}: the file holds rank {payload.get('rank')} of world size {payload.get('world_size')}, not "
+                f"rank {rank} of {world_size} as its name says: it was renamed or copied over. Restore the original."
+            )
+        return payload["optimizer"]
+    sizes = saved_world_sizes(checkpoint)
+    if sizes - {world_size}:
+        raise _world_size_error(checkpoint, _describe(sizes), world_size)
+    if sizes:
+        raise CheckpointError(f"{path}: no such file, but other ranks of world size {world_size} have theirs: the "
+                              "checkpoint is incomplete (a rank died while saving). Resume from an earlier one.")
+    one_process = os.path.join(checkpoint, OPTIMIZER_NAME)
+    if os.path.isfile(one_process):
+        return load_file(one_process, map_location="cpu")
+    return None
+
+
+__all__ = ["OPTIMIZER_NAME", "RANK_FILE_FORMAT", "check_one_process_resume", "load_rank_state", "rank_file_name",
+           "save_rank_state", "saved_world_sizes"]

@@ -1,0 +1,130 @@
+"""One rank of the multi-process tests (`test_trainer_ddp.py`), started by torchrun: trains the tiny Llama with
+`ZenFlowTrainer` (DDP, gloo) or a plain accelerate loop with `ZenFlowPlugin`, or tries `ZenFlowTrainer` on an FSDP2
+model, and leaves what the test compares in ``--out``: ``rank{r}.pt`` (final weights and logged losses) or
+``error_rank{r}.txt`` (the exception that ended the rank).
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/hf/hf_ddp_worker.py trainer --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from hf_helpers import ByteLMDataset, corpus_text, logged, tiny_llama, zenflow_args
+
+
+ZENFLOW = dict(zenflow_topk_ratio=0.1, zenflow_update_interval=4, zenflow_overlap_step=True)
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def device_args(opts: argparse.Namespace) -> dict:
+    """CPU ranks talk over gloo; GPU ranks (scripts/gpu_check.sh) over NCCL, one GPU each."""
+    if opts.device == "cpu":
+        return {"use_cpu": True, "ddp_backend": "gloo"}
+    return {"use_cpu": False, "ddp_backend": "nccl"}
+
+
+def on_host(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def run_trainer(opts: argparse.Namespace) -> dict:
+    from transformers import TrainerCallback
+
+    from hf_zenflow import ZenFlowTrainer
+
+    class DieAt(TrainerCallback):
+        """Rank 1 stops taking part after `--die-at-step` steps: "exit" vanishes without an exception or a goodbye
+        to the process group (exit code 0, so that torchrun leaves the other rank alone and the test sees how that
+        rank itself ends); "hang" stays alive and silent (sleeps), so only the process group's timeout can tell."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == opts.die_at_step and rank() == 1:
+                if opts.die_how == "exit":
+                    os._exit(0)
+                time.sleep(3600)
+
+    save = dict(save_strategy="steps", save_steps=opts.save_steps) if opts.save_steps else {}
+    args = zenflow_args(Path(opts.out) / "run", max_steps=opts.max_steps, ddp_timeout=opts.ddp_timeout,
+                        ddp_find_unused_parameters=False, **device_args(opts), **save, **ZENFLOW)
+    trainer = ZenFlowTrainer(model=tiny_llama(), args=args, train_dataset=ByteLMDataset(corpus_text(),
+                                                                                         num_samples=256),
+                             callbacks=[DieAt()] if opts.die_at_step else None)
+    trainer.train(resume_from_checkpoint=opts.resume)
+    return {"weights": on_host(trainer.model), "losses": logged(trainer), "world_size": args.world_size}
+
+
+def run_plugin(opts: argparse.Namespace) -> dict:
+    from accelerate import Accelerator
+
+    from hf_zenflow import ZenFlowPlugin
+
+    accelerator = Accelerator(cpu=opts.device == "cpu")
+    model = tiny_llama()
+    loader = torch.utils.data.DataLoader(ByteLMDataset(corpus_text(), num_samples=256), batch_size=4)
+    plugin = ZenFlowPlugin(topk_ratio=0.1, update_interval=4, cpu_threads=1, min_offload_numel=0)
+    model, optimizer, loader = plugin.prepare(accelerator, model, loader, lr=3e-3)
+    losses, first_batch = [], None
+    for step, batch in enumerate(loader):
+        first_batch = batch["input_ids"].tolist() if first_batch is None else first_batch
+        if step == opts.max_steps:
+            break
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.optimizer.clip_grad_norm_(1.0)  # the ZenFlowAdamW inside the AcceleratedOptimizer
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+    plugin.flush(optimizer)
+    return {"weights": on_host(accelerator.unwrap_model(model)), "losses": losses,
+            "world_size": accelerator.num_processes, "first_batch": first_batch}
+
+
+def run_fsdp2(opts: argparse.Namespace) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_zenflow import ZenFlowTrainer
+
+    torch.distributed.init_process_group("gloo")
+    model = tiny_llama()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    args = zenflow_args(Path(opts.out) / "run", max_steps=2, ddp_backend="gloo", **ZENFLOW)
+    ZenFlowTrainer(model=model, args=args, train_dataset=ByteLMDataset(corpus_text(), num_samples=16)).train()
+    return {"weights": {}, "losses": [], "world_size": torch.distributed.get_world_size()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("mode", choices=["trainer", "plugin", "fsdp2"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--max-steps", type=int, default=12)
+    parser.add_argument("--save-steps", type=int, default=0)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--die-at-step", type=int, default=0)
+    parser.add_argument("--die-how", choices=["exit", "hang"], default="exit")
+    parser.add_argument("--ddp-timeout", type=int, default=60)
+    opts = parser.parse_args()
+    torch.set_num_threads(1)  # two ranks on a small shared machine: see tests/hf/conftest.py
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        result = {"trainer": run_trainer, "plugin": run_plugin, "fsdp2": run_fsdp2}[opts.mode](opts)
+    except BaseException:
+        (out / f"error_rank{rank()}.txt").write_text(traceback.format_exc())
+        raise
+    torch.save(result, out / f"rank{rank()}.pt")
+
+
+if __name__ == "__main__":
+    main()

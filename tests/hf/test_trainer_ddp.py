@@ -1,0 +1,203 @@
+"""`ZenFlowTrainer` and `ZenFlowPlugin` under `torchrun --nproc_per_node 2` (DDP on gloo, CPU), each rank a real
+process (`hf_ddp_worker.py`): ranks agree bitwise, every rank saves and restores its own optimizer file, a resume
+from a mid-window checkpoint equals the uninterrupted run bitwise, another world size is refused naming both, a
+dead or silent rank ends the other with an error within the process group's timeout, and an FSDP2 model is refused
+clearly. The per-rank file logic itself is also tested without processes (`rank_checkpoint`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hf_helpers import REPO_ROOT, tiny_llama, zenflow_args
+
+from hf_zenflow import CheckpointError, ZenFlowTrainer
+from hf_zenflow.hf.rank_checkpoint import (
+    load_rank_state,
+    rank_file_name,
+    save_rank_state,
+    saved_world_sizes,
+)
+
+
+WORKER = Path(__file__).with_name("hf_ddp_worker.py")
+#: "cpu" in CI (gloo, 2 ranks); `scripts/gpu_check.sh` sets "cuda": NCCL, one rank per GPU of the machine (one GPU:
+#: world size 1 through the same torchrun launch and Trainer code).
+DEVICE = os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu")
+RANKS = 2 if DEVICE == "cpu" else torch.cuda.device_count()
+several_ranks = pytest.mark.skipif(RANKS < 2, reason=f"needs 2 ranks; {DEVICE} has {RANKS}")
+#: A hard limit on each torchrun launch, far above its normal 15-35 s: reaching it means a hang.
+LAUNCH_LIMIT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(out: Path, *worker_args: str, nproc: int = RANKS, device: str = DEVICE) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])))
+    if device == "cuda":
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the same cuBLAS reductions in every run: bitwise
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), str(WORKER), *worker_args, "--out", str(out),
+           "--device", device]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_LIMIT_S)
+
+
+def results(out: Path, proc: subprocess.CompletedProcess, nproc: int = RANKS) -> list[dict]:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """12 steps on `RANKS` ranks (windows of 4 steps), checkpointing at step 6: mid-window."""
+    out = tmp_path_factory.mktemp("ddp_full")
+    return out, results(out, torchrun(out, "trainer", "--max-steps", "12", "--save-steps", "6"))
+
+
+@pytest.mark.slow
+def test_trainer_ddp_trains_and_ranks_agree_bitwise(full_run):
+    _, (rank0, *others) = full_run
+    for other in others:
+        assert other["world_size"] == RANKS
+        assert_same_weights(rank0["weights"], other["weights"])
+        assert other["losses"] == rank0["losses"]
+    assert rank0["world_size"] == RANKS and len(rank0["losses"]) == 12
+    assert rank0["losses"][-1] < rank0["losses"][0] - 0.1
+    # trained: far from the initial weights
+    init = tiny_llama().state_dict()
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(init[name], rank0["weights"][name])
+
+
+@pytest.mark.slow
+def test_trainer_ddp_checkpoint_has_one_optimizer_file_per_rank(full_run):
+    out, _ = full_run
+    checkpoint = out / "run" / "checkpoint-6"
+    assert (checkpoint / "scheduler.pt").is_file()
+    if RANKS == 1:  # one GPU: the Trainer's own optimizer.pt, as without torchrun
+        assert (checkpoint / "optimizer.pt").is_file() and not saved_world_sizes(str(checkpoint))
+        return
+    assert not (checkpoint / "optimizer.pt").exists()  # the one-process file would hold one rank's state only
+    assert saved_world_sizes(str(checkpoint)) == {RANKS}
+    for rank in range(RANKS):
+        payload = torch.load(checkpoint / rank_file_name(rank, RANKS), weights_only=True)
+        assert (payload["rank"], payload["world_size"]) == (rank, RANKS)
+        assert payload["optimizer"]["state"]  # a real ZenFlow state, not an empty shell
+
+
+@pytest.mark.slow
+def test_trainer_ddp_resume_mid_window_equals_the_uninterrupted_run(full_run, tmp_path):
+    out, (full0, _) = full_run
+    proc = torchrun(tmp_path, "trainer", "--max-steps", "12", "--resume", str(out / "run" / "checkpoint-6"))
+    resumed = results(tmp_path, proc)
+    for rank in resumed:
+        assert_same_weights(rank["weights"], full0["weights"])
+    # log_history of steps 1-6 comes from the checkpoint; steps 7-12 were trained again
+    assert resumed[0]["losses"] == full0["losses"]
+
+
+@pytest.mark.slow
+@several_ranks
+def test_two_rank_checkpoint_is_refused_in_one_process(full_run, tmp_path, train_dataset):
+    out, _ = full_run
+    trainer = ZenFlowTrainer(model=tiny_llama(), args=zenflow_args(tmp_path, max_steps=12),
+                             train_dataset=train_dataset)
+    with pytest.raises(CheckpointError, match=rf"saved by {RANKS} processes \(world size {RANKS}\).*world size 1"):
+        trainer.train(resume_from_checkpoint=str(out / "run" / "checkpoint-6"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_dead_rank_ends_the_other_with_an_error(tmp_path, how):
+    # "exit": rank 1 vanishes (gloo sees the connection close); "hang": rank 1 stays alive and silent, so only the
+    # process group's timeout (--ddp_timeout 15, which transformers does not pass on under --use_cpu:
+    # ZenFlowTrainingArguments does) can end rank 0's wait.
+    proc = torchrun(tmp_path, "trainer", "--max-steps", "12", "--die-at-step", "3", "--die-how", how,
+                    "--ddp-timeout", "15", nproc=2, device="cpu")
+    assert proc.returncode != 0
+    error = (tmp_path / "error_rank0.txt").read_text()
+    assert "RuntimeError" in error
+    if how == "hang":
+        assert "Timed out" in error
+    assert not (tmp_path / "rank0.pt").exists()
+
+
+@pytest.mark.slow
+def test_fsdp2_model_is_refused_naming_fsdp2_and_the_issue(tmp_path):
+    proc = torchrun(tmp_path, "fsdp2", nproc=1, device="cpu")
+    assert proc.returncode != 0
+    error = (tmp_path / "error_rank0.txt").read_text()
+    assert "ValueError: ZenFlowTrainer: parameter" in error and "FSDP2" in error and "issue 13" in error
+
+
+@pytest.mark.slow
+def test_plugin_under_ddp_ranks_agree_bitwise(tmp_path):
+    rank0, *others = results(tmp_path, torchrun(tmp_path, "plugin", "--max-steps", "12"))
+    assert rank0["world_size"] == RANKS
+    for other in others:
+        assert other["first_batch"] != rank0["first_batch"]  # each rank saw its own data: agreement comes from DDP
+        assert_same_weights(rank0["weights"], other["weights"])
+        assert other["losses"] == rank0["losses"]
+    assert rank0["losses"][-1] < rank0["losses"][0] - 0.1
+
+
+# -- the per-rank files without processes -------------------------------------------------------------------------
+class FakeOptimizer:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"state": {0: {"x": torch.full((3,), self.value)}}, "param_groups": []}
+
+
+def test_rank_files_round_trip_per_rank(tmp_path):
+    for rank in range(2):
+        save_rank_state(FakeOptimizer(float(rank)), str(tmp_path), rank, 2)
+    assert sorted(os.listdir(tmp_path)) == [rank_file_name(0, 2), rank_file_name(1, 2)]  # no temporary left
+    for rank in range(2):
+        assert torch.equal(load_rank_state(str(tmp_path), rank, 2)["state"][0]["x"], torch.full((3,), float(rank)))
+
+
+def test_rank_files_of_another_world_size_are_refused_naming_both(tmp_path):
+    for rank in range(2):
+        save_rank_state(FakeOptimizer(0.0), str(tmp_path), rank, 2)
+    with pytest.raises(CheckpointError, match=r"saved by 2 processes \(world size 2\).*world size 4"):
+        load_rank_state(str(tmp_path), 3, 4)
+
+
+def test_a_missing_rank_file_says_the_checkpoint_is_incomplete(tmp_path):
+    save_rank_state(FakeOptimizer(0.0), str(tmp_path), 0, 2)
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_rank_state(str(tmp_path), 1, 2)
+
+
+def test_a_renamed_rank_file_is_refused(tmp_path):
+    path = save_rank_state(FakeOptimizer(0.0), str(tmp_path), 0, 2)
+    os.replace(path, tmp_path / rank_file_name(1, 2))
+    with pytest.raises(CheckpointError, match="rank 0 of world size 2, not rank 1 of 2"):
+        load_rank_state(str(tmp_path), 1, 2)
+
+
+def test_a_one_process_checkpoint_loads_on_every_rank(tmp_path):
+    torch.save(FakeOptimizer(7.0).state_dict(), tmp_path / "optimizer.pt")
+    for rank in range(2):
+        assert torch.equal(load_rank_state(str(tmp_path), rank, 2)["state"][0]["x"], torch.full((3,), 7.0))
+    assert load_rank_state(str(tmp_path / "nothing"), 0, 2) is None
