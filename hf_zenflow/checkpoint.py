@@ -114,7 +114,7 @@ def pack(opt: ZenFlowAdamW) -> dict[str, Any]:
             "format_version": FORMAT_VERSION,
             "steps": schedule.steps, "window_steps": schedule.window_steps, "windows": schedule.windows,
             "reselections": schedule.reselections, "last_interval": schedule.last_interval,
-            "force_select": schedule.force_select,
+            "force_select": schedule.force_select, "writeback_lag": schedule.writeback_lag,
             "writeback_pending": opt._host.writeback_pending, "unapplied_steps": list(opt._host.unapplied_steps),
             "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
         }
@@ -250,6 +250,8 @@ def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     for key in ("steps", "window_steps", "windows", "reselections", "last_interval"):
         setattr(schedule, key, int(zenflow[key]))
     schedule.force_select = bool(zenflow.get("force_select", False))
+    if opt.config.writeback_lag == "auto":  # the lag chosen by the saved run (None: not chosen yet); else the setting
+        schedule.writeback_lag = zenflow.get("writeback_lag")
     opt._host.writeback_pending = bool(zenflow["writeback_pending"])
     opt._host.unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
     opt._stats.skipped_steps = int(zenflow["skipped_steps"])

@@ -107,13 +107,15 @@ class ZenFlowConfig:
         metadata={"help": "Run the host AdamW in a background worker that overlaps the next steps (its result is "
                   "written back one window later). False: run it inline and write it back at once."},
     )
-    writeback_lag: int | None = field(
+    writeback_lag: int | str | None = field(
         default=None,
         metadata={"help": "With overlap_step: after how many steps of the next window a window's host result is "
                   "written back. None = at the next window boundary (ZenFlow's schedule: the host step may take a "
-                  "whole window). Smaller lags keep the unselected columns fresher, closer to AdamW (1 step: "
-                  "BENCHMARKS, quality), but give the host step less time: the device waits for it when it is not "
-                  "done by then. An integer from 1 to update_interval."},
+                  "whole window). Smaller lags keep the unselected columns fresher, closer to AdamW, but give the "
+                  "host step less time: the device waits for it when it is not done by then. \"auto\": the first "
+                  "window is written back at the next boundary; then the smallest lag that the first host step's "
+                  "measured time fits in (with 25% to spare) is kept for the run (logged, in stats() and in "
+                  "checkpoints). An integer from 1 to update_interval, \"auto\" or None."},
     )
     auto_ratio: float = field(
         default=0.99,
@@ -196,10 +198,15 @@ class ZenFlowConfig:
             _fail("auto_max_interval", self.auto_max_interval, "an integer >= 1")
         if self.writeback_lag is not None:
             top = self.update_interval if _is_int(self.update_interval) else self.auto_max_interval
-            if not _is_int(self.writeback_lag) or not 1 <= self.writeback_lag <= top:
-                bound = "update_interval" if _is_int(self.update_interval) else "auto_max_interval"
-                _fail("writeback_lag", self.writeback_lag,
-                      f"None (the next window boundary) or an integer from 1 to {bound} ({top})")
+            bound = "update_interval" if _is_int(self.update_interval) else "auto_max_interval"
+            allowed = f'None (the next window boundary), "auto" or an integer from 1 to {bound} ({top})'
+            if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().lower() == "auto":
+                self.writeback_lag = "auto"
+            else:
+                if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().isdigit():
+                    self.writeback_lag = int(self.writeback_lag)
+                if not _is_int(self.writeback_lag) or not 1 <= self.writeback_lag <= top:
+                    _fail("writeback_lag", self.writeback_lag, allowed)
         if isinstance(self.host_lr_scale, str) and self.host_lr_scale.strip().lower() == "interval":
             self.host_lr_scale = "interval"
         else:

@@ -41,6 +41,7 @@ from .telemetry import StepTimer, ZenFlowStats, optimizer_stats
 from .weight_marks import WeightMarks, reread_masters
 from .windows import HandOff, HostWindows
 from .worker import wait_for_closed_workers
+from .writeback_lag import AutoWritebackLag
 
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._schedule: WindowSchedule | None = None
         self._norm_cache = GradNormCache()
         self._stats = ZenFlowStats()
+        self._auto_lag = AutoWritebackLag()
         self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor, process_group)
         self.config = config
         # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
@@ -162,6 +164,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._auto_lag.tick()
         worker = self._host.ensure_worker()
         worker.check()
         worker.hold()
@@ -260,6 +263,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._host.abandon_hand_off(started)
             raise
         schedule.steps += 1
+        self._auto_lag.maybe_choose(self.config, schedule, self._host)
         self._mark_weights()
         self._stats.finish_step(timer, staleness=sum(self._host.unapplied_steps) + schedule.window_steps)
         return loss

@@ -56,7 +56,7 @@ def new_schedule(config: ZenFlowConfig) -> WindowSchedule:
         auto_ratio=config.auto_ratio,
         auto_max_interval=config.auto_max_interval,
         select_period=config.select_period(),
-        writeback_lag=config.writeback_lag,
+        writeback_lag=None if config.writeback_lag == "auto" else config.writeback_lag,
     )
 
 

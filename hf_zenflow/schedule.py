@@ -127,6 +127,23 @@ class WindowSchedule:
         return steps
 
 
+#: `writeback_lag="auto"`: the host step must fit in this fraction of the lag's device time (25% to spare)
+AUTO_LAG_FILL = 0.8
+
+
+def auto_writeback_lag(host_step_ms: float, step_ms: float, longest: int) -> int:
+    """The smallest lag, in steps, whose device time holds a host step of `host_step_ms` with 25% to spare, given
+    steps of `step_ms` (the measured time between optimizer steps), between 1 and `longest` (the window).
+
+    Example:
+        >>> auto_writeback_lag(30.0, 2400.0, 4), auto_writeback_lag(3000.0, 1000.0, 4), auto_writeback_lag(9e3, 1e3, 4)
+        (1, 4, 4)
+    """
+    if not step_ms > 0:
+        return longest
+    return max(1, min(longest, math.ceil(host_step_ms / (AUTO_LAG_FILL * step_ms))))
+
+
 def host_lr_scale(setting: float | str, window_steps: int) -> float:
     """The host AdamW's learning-rate multiplier for a window of `window_steps` steps (`ZenFlowConfig.host_lr_scale`:
     a number, or "interval" for the window's length)."""

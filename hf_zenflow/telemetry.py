@@ -125,6 +125,7 @@ def optimizer_stats(stats: ZenFlowStats, schedule: WindowSchedule | None, config
                 (schedule.window_steps if schedule else 0) if config.is_auto_interval else config.update_interval)
     return stats.as_dict(
         **state_sizes(splits, dense), update_interval=float(interval),
+        writeback_lag=float(schedule.writeback_lag if schedule and schedule.writeback_lag else interval),
         host_threads=config.resolved_cpu_threads, steps=schedule.steps if schedule else 0,
         windows=schedule.windows if schedule else 0, reselections=schedule.reselections if schedule else 0,
         host_step_ms=worker_ms.get("host_adamw", 0.0), accumulate_ms=worker_ms.get("accumulate", 0.0),

@@ -102,11 +102,14 @@ def test_overlapped_equals_sequential_schedule_bit_for_bit(settings):
     assert opt_t.stats()["windows"] == opt_i.stats()["windows"] > 0
 
 
-@pytest.mark.parametrize("host_lr_scale, writeback_lag", [(1.0, None), ("interval", None), (1.0, 1), (1.0, 3)])
-def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, writeback_lag):
+@pytest.mark.parametrize("host_lr_scale, writeback_lag",
+                         [(1.0, None), ("interval", None), (1.0, 1), (1.0, 3), (1.0, "auto")])
+def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, writeback_lag, monkeypatch):
     """A from-scratch model of the claimed schedule: selected columns by AdamW every step; the rest by a host AdamW
     on the mean gradient of each U-step window, written back one window later (lr at window close, times U with
-    host_lr_scale="interval"), or `writeback_lag` steps into the next window."""
+    host_lr_scale="interval"), or `writeback_lag` steps into the next window ("auto": the first window at the next
+    boundary, the later ones at the lag chosen when the second window closes; the timing is stubbed to choose 2)."""
+    monkeypatch.setattr("hf_zenflow.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 2)
     torch.manual_seed(0)
     lin = torch.nn.Linear(32, 16, bias=False)
     ref_w = lin.weight.detach().clone()
@@ -115,7 +118,12 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, w
     opt = ZenFlowAdamW([lin.weight], lr=LR, weight_decay=0.05, topk_ratio=k / 32, update_interval=U,
                        select_strategy="step", select_interval=1000, host_lr_scale=host_lr_scale, min_offload_numel=0,
                        writeback_lag=writeback_lag)
-    lag = U if writeback_lag is None else writeback_lag
+    def lag(window: int) -> int:  # the write-back lag of window `window`'s result (1-based)
+        if writeback_lag == "auto":
+            return U if window == 1 else 2
+        return U if writeback_lag is None else writeback_lag
+
+    closed = 0
     host_scale = U if host_lr_scale == "interval" else 1.0
     sched = linear_schedule(opt, 24)
     group = dict(lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
@@ -139,7 +147,7 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, w
         ref_w[:, sel] = dev["master"]
         host["acc"] += g
         host["n"] += 1
-        if host["n"] == lag and pending is not None:
+        if pending is not None and host["n"] == lag(closed):
             ref_w.copy_(pending)
             ref_w[:, sel] = dev["master"]
             pending = None
@@ -147,6 +155,7 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, w
             fused_adamw_([host["master"]], [host["acc"] / U], [host["m"]], [host["v"]], [host["step"]],
                          {**group, "lr": lr * host_scale})
             pending = host["master"].clone()
+            closed += 1
             host["acc"].zero_()
             host["n"] = 0
         # the optimizer under test, same gradient
@@ -156,6 +165,7 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, w
         sched.step()
         opt.synchronize()
         torch.testing.assert_close(lin.weight.detach(), ref_w, rtol=1e-6, atol=1e-7)
+    assert opt.stats()["writeback_lag"] == (lag(2) if writeback_lag is not None else U)
     opt.close()
 
 
