@@ -108,7 +108,7 @@ class ZenFlowConfig:
                   "written back one window later). False: run it inline and write it back at once."},
     )
     writeback_lag: int | str | None = field(
-        default=None,
+        default="auto",
         metadata={"help": "With overlap_step: after how many steps of the next window a window's host result is "
                   "written back. None = at the next window boundary (ZenFlow's schedule: the host step may take a "
                   "whole window). Smaller lags keep the unselected columns fresher, closer to AdamW, but give the "
@@ -128,11 +128,12 @@ class ZenFlowConfig:
                   "staleness)."},
     )
     host_lr_scale: float | str = field(
-        default=1.0,
+        default="interval",
         metadata={"help": 'Learning-rate multiplier of the host AdamW step. The unselected columns take one AdamW '
                   'step per window, so they move about `update_interval` times less per optimizer step than under '
-                  'AdamW; "interval" multiplies by the length of each window, restoring the per-step rate. 1.0 is '
-                  "ZenFlow's (and DeepSpeed's) rule."},
+                  'AdamW; "interval" (the default) multiplies by the length of each window, restoring the per-step '
+                  "rate (BENCHMARKS §4: better at fine-tuning learning rates). 1.0 is ZenFlow's (and DeepSpeed's) "
+                  "rule, safer at learning rates of 1e-3 and more with long write-back lags."},
     )
     min_offload_numel: int = field(
         default=MIN_OFFLOAD_NUMEL,

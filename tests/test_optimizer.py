@@ -478,7 +478,7 @@ def test_steps_consume_offloaded_gradients_only():
 def test_telemetry_counts_bytes_staleness_and_phases():
     lin = torch.nn.Linear(40, 16, bias=True)
     opt = ZenFlowAdamW(lin.parameters(), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
-                       select_interval=1000, host_executor="inline", min_offload_numel=0)
+                       select_interval=1000, host_executor="inline", min_offload_numel=0, writeback_lag=None)
     matrix_bytes = lin.weight.numel() * 4
     seen = []
     for _ in range(12):

@@ -89,7 +89,7 @@ def test_only_fresh_host_results_cross_the_link_at_the_write_back():
     def groups(params):
         return [{"params": params}]
 
-    settings = dict(topk_ratio=0.1, update_interval=2, select_strategy="step", select_interval=4)
+    settings = dict(topk_ratio=0.1, update_interval=2, select_strategy="step", select_interval=4, writeback_lag=None)
     results = []
     for transport_cls in (CpuDeviceTransport, CopyTransport):
         original = windows_module.transport_for

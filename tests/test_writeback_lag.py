@@ -35,6 +35,7 @@ def _train(opt: ZenFlowAdamW, model: torch.nn.Module, steps: int, pause_s: float
     train(model, opt, batches(steps), linear_schedule(opt, steps), hook=lambda i: time.sleep(pause_s))
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize(("host_delay_s", "expected"), [(0.0, 1), (0.25, 4)])
 def test_auto_chooses_from_the_measured_host_step(host_delay_s, expected, monkeypatch):
     """A fast host step is written back one step into the next window; one slower than the window (slowed on purpose

@@ -18,7 +18,8 @@ import torch
 from hf_helpers import ByteLMDataset, corpus_text, logged, tiny_llama, zenflow_args
 
 
-ZENFLOW = dict(zenflow_topk_ratio=0.1, zenflow_update_interval=4, zenflow_overlap_step=True)
+# writeback_lag fixed: "auto" would choose from each run's own timing (a resumed run against an uninterrupted one)
+ZENFLOW = dict(zenflow_topk_ratio=0.1, zenflow_update_interval=4, zenflow_overlap_step=True, zenflow_writeback_lag=1)
 
 
 def rank() -> int:
@@ -70,7 +71,7 @@ def run_plugin(opts: argparse.Namespace) -> dict:
     accelerator = Accelerator(cpu=opts.device == "cpu")
     model = tiny_llama()
     loader = torch.utils.data.DataLoader(ByteLMDataset(corpus_text(), num_samples=256), batch_size=4)
-    plugin = ZenFlowPlugin(topk_ratio=0.1, update_interval=4, cpu_threads=1, min_offload_numel=0)
+    plugin = ZenFlowPlugin(topk_ratio=0.1, update_interval=4, cpu_threads=1, min_offload_numel=0, writeback_lag=1)
     model, optimizer, loader = plugin.prepare(accelerator, model, loader, lr=3e-3)
     losses, first_batch = [], None
     for step, batch in enumerate(loader):

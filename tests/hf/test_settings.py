@@ -32,7 +32,7 @@ CASES = [
     ("auto_ratio", "0.5", 0.5, {}),
     ("auto_max_interval", "5", 5, {}),
     ("writeback_lag", "2", 2, {}),
-    ("host_lr_scale", "Interval", "interval", {}),
+    ("host_lr_scale", "1", 1.0, {}),
     ("host_lr_scale", "2.5", 2.5, {}),
     ("min_offload_numel", "12345", 12345, {}),
     ("accumulate_on", "Device", "device", {}),

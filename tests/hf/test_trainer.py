@@ -74,23 +74,27 @@ def test_sequential_interval_1_reproduces_adamw_torch_at_topk_0_1(tmp_path, trai
         torch.testing.assert_close(value, weights(ref)[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_defaults_fine_tune_close_to_adamw_torch(tmp_path, text):
-    """Defaults (r=0.1, U=4, overlap) against adamw_torch: 30 fine-tuning steps from the same pretrained model.
-
-    Fine-tuning is ZenFlow's use case. (Trained from scratch, the tiny model's eval loss after 30-200 steps is ~15%
-    above adamw_torch's: the 90% of columns left to the host get one AdamW update per window of U=4 steps.)
-    """
+def _pretrained_tiny_llama(tmp_path, text):
+    """The tiny Llama after 150 pretraining steps, and its fine-tuning and held-out sets."""
     pretrain = ByteLMDataset(text, num_samples=512)
     finetune = ByteLMDataset(text, num_samples=256, offset=512 * SEQ_LEN)
     held_out = ByteLMDataset(text, num_samples=64, offset=768 * SEQ_LEN)
     base = tiny_llama()
     Trainer(model=base, args=zenflow_args(tmp_path / "pretrain", zenflow=False, max_steps=150, logging_steps=50),
             train_dataset=pretrain).train()
+    return base, finetune, held_out
+
+
+def test_a_high_learning_rate_fine_tune_with_the_one_step_per_window_rule(tmp_path, text):
+    """At lr 3e-3, the edge of stability for this model, ``host_lr_scale=1.0`` (ZenFlow's rule; the README's advice
+    from lr ~1e-3 up) stays within 10% of adamw_torch over 30 fine-tuning steps; everything else is the defaults.
+    (`"interval"`, the default, overshoots there: BENCHMARKS §4.)"""
+    base, finetune, held_out = _pretrained_tiny_llama(tmp_path, text)
     ref = Trainer(model=copy.deepcopy(base), args=zenflow_args(tmp_path / "ref", zenflow=False),
                   train_dataset=finetune)
     start_loss = ref.evaluate(held_out)["eval_loss"]
     ref.train()
-    zen = zenflow_run(tmp_path, finetune, model=copy.deepcopy(base))
+    zen = zenflow_run(tmp_path, finetune, model=copy.deepcopy(base), zenflow_host_lr_scale=1.0)
     cfg = zen.zenflow_optimizer.config
     assert (cfg.topk_ratio, cfg.update_interval, cfg.overlap_step) == (0.1, 4, True)
     ref_loss = ref.evaluate(held_out)["eval_loss"]
@@ -100,6 +104,26 @@ def test_defaults_fine_tune_close_to_adamw_torch(tmp_path, text):
     assert abs(zen_loss - ref_loss) <= 0.10 * ref_loss, (zen_loss, ref_loss)
     # The training losses too: mean of the last 5 logged steps.
     assert abs(sum(logged(zen)[-5:]) - sum(logged(ref)[-5:])) <= 0.10 * sum(logged(ref)[-5:])
+
+
+def test_the_defaults_fine_tune_closer_to_adamw_torch_than_one_step_per_window(tmp_path, text):
+    """At a fine-tuning learning rate (3e-4) the defaults (``host_lr_scale="interval"``, ``writeback_lag="auto"``)
+    end within 0.3% of adamw_torch's held-out loss, where ZenFlow's own rule (1.0, written back at the next window
+    boundary) is 0.4-0.5% above it (BENCHMARKS §4: -0.19 and +0.45 %, three seeds)."""
+    base, finetune, held_out = _pretrained_tiny_llama(tmp_path, text)
+    lr = dict(learning_rate=3e-4)
+    ref = Trainer(model=copy.deepcopy(base), args=zenflow_args(tmp_path / "ref", zenflow=False, **lr),
+                  train_dataset=finetune)
+    ref.train()
+    ref_loss = ref.evaluate(held_out)["eval_loss"]
+    defaults = zenflow_run(tmp_path, finetune, "defaults", model=copy.deepcopy(base), **lr)
+    assert (defaults.zenflow_optimizer.config.host_lr_scale, defaults.zenflow_optimizer.config.writeback_lag) == (
+        "interval", "auto")
+    one_step = zenflow_run(tmp_path, finetune, "one_step", model=copy.deepcopy(base), zenflow_host_lr_scale=1.0,
+                           zenflow_writeback_lag=None, **lr)
+    defaults_gap = abs(defaults.evaluate(held_out)["eval_loss"] - ref_loss) / ref_loss
+    one_step_gap = abs(one_step.evaluate(held_out)["eval_loss"] - ref_loss) / ref_loss
+    assert defaults_gap <= 0.003 < 0.004 <= one_step_gap, (defaults_gap, one_step_gap)
 
 
 def test_defaults_train_from_scratch(tmp_path, train_dataset, eval_dataset):
