@@ -115,6 +115,7 @@ def pack(opt: ZenFlowAdamW) -> dict[str, Any]:
             "steps": schedule.steps, "window_steps": schedule.window_steps, "windows": schedule.windows,
             "reselections": schedule.reselections, "last_interval": schedule.last_interval,
             "force_select": schedule.force_select, "writeback_lag": schedule.writeback_lag,
+            "writeback_lag_pending": schedule.writeback_lag_pending,
             "writeback_pending": opt._host.writeback_pending, "unapplied_steps": list(opt._host.unapplied_steps),
             "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
         }
@@ -250,8 +251,10 @@ def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     for key in ("steps", "window_steps", "windows", "reselections", "last_interval"):
         setattr(schedule, key, int(zenflow[key]))
     schedule.force_select = bool(zenflow.get("force_select", False))
-    if opt.config.writeback_lag == "auto":  # the lag chosen by the saved run (None: not chosen yet); else the setting
-        schedule.writeback_lag = zenflow.get("writeback_lag")
+    if opt.config.writeback_lag == "auto" and "writeback_lag_pending" in zenflow:
+        # the saved run's lag, chosen or still provisional; an explicit setting replaces it
+        schedule.writeback_lag = zenflow["writeback_lag"]
+        schedule.writeback_lag_pending = bool(zenflow["writeback_lag_pending"])
     opt._host.writeback_pending = bool(zenflow["writeback_pending"])
     opt._host.unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
     opt._stats.skipped_steps = int(zenflow["skipped_steps"])

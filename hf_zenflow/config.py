@@ -110,12 +110,13 @@ class ZenFlowConfig:
     writeback_lag: int | str | None = field(
         default="auto",
         metadata={"help": "With overlap_step: after how many steps of the next window a window's host result is "
-                  "written back. None = at the next window boundary (ZenFlow's schedule: the host step may take a "
-                  "whole window). Smaller lags keep the unselected columns fresher, closer to AdamW, but give the "
-                  "host step less time: the device waits for it when it is not done by then. \"auto\": the first "
-                  "window is written back at the next boundary; then the smallest lag that the first host step's "
-                  "measured time fits in (with 25% to spare) is kept for the run (logged, in stats() and in "
-                  "checkpoints). An integer from 1 to update_interval, \"auto\" or None."},
+                  "written back: an integer from 1 to update_interval, None (at the next window boundary, ZenFlow's "
+                  "schedule: the host step may take a whole window) or \"auto\". Smaller lags keep the unselected "
+                  "columns fresher, closer to AdamW, but give the host step less time: the device waits for it when "
+                  "it is not done by then. \"auto\": the first window one step into the next (the device waits for "
+                  "it if needed, once), then the smallest lag that the first host step's measured time fits in with "
+                  "25% to spare, kept for the run (logged, in stats() and checkpoints); set an integer for runs that "
+                  "repeat bit for bit on another machine."},
     )
     auto_ratio: float = field(
         default=0.99,

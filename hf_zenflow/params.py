@@ -56,7 +56,9 @@ def new_schedule(config: ZenFlowConfig) -> WindowSchedule:
         auto_ratio=config.auto_ratio,
         auto_max_interval=config.auto_max_interval,
         select_period=config.select_period(),
-        writeback_lag=None if config.writeback_lag == "auto" else config.writeback_lag,
+        # "auto": 1 step until the choice (`writeback_lag.py`)
+        writeback_lag=1 if config.writeback_lag == "auto" else config.writeback_lag,
+        writeback_lag_pending=config.writeback_lag == "auto",
     )
 
 

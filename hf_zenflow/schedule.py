@@ -68,6 +68,8 @@ class WindowSchedule:
     #: overlapped schedule: the previous window's result is written back in this step of the next window (None: in
     #: the step that closes it)
     writeback_lag: int | None = None
+    #: writeback_lag="auto" before its choice (the lag is then 1)
+    writeback_lag_pending: bool = False
     steps: int = 0
     window_steps: int = 0
     windows: int = 0

@@ -1,13 +1,14 @@
 """``writeback_lag="auto"``: how soon a window's host result can go into the weights without the device waiting,
 chosen once per run from measured times.
 
-The first window is written back at the next window boundary (nothing is measured yet). When the second window
-closes, the first window's host step has finished (the close waited for it): its measured time and the median time
-between optimizer steps so far give the smallest lag whose device time holds a host step with 25% to spare
-(`schedule.auto_writeback_lag`). From then on the schedule writes each result back that many steps into the next
-window. The choice is part of the schedule: `stats()` reports it, checkpoints keep it, and a resumed run continues
-with it (an integer `writeback_lag` instead makes runs reproducible across machines). Several ranks take the largest
-of their choices, agreed at the same step on every rank, so their write-back collectives stay in step.
+The first window is written back one step into the second (early training moves fastest, and a stale update costs
+most there); the device waits for that host step if it is not done, once. When the second window closes, the first
+window's host step has been measured: its time and the median time between optimizer steps so far give the smallest
+lag whose device time holds a host step with 25% to spare (`schedule.auto_writeback_lag`). From then on the schedule
+writes each result back that many steps into the next window. The choice is part of the schedule: `stats()` reports
+it, checkpoints keep it, and a resumed run continues with it (an integer `writeback_lag` makes runs reproducible
+across machines). Several ranks take the largest of their choices, agreed at the same step on every rank, so their
+write-back collectives stay in step.
 """
 
 from __future__ import annotations
@@ -46,9 +47,8 @@ class AutoWritebackLag:
         self._last = now
 
     def maybe_choose(self, config: ZenFlowConfig, schedule: WindowSchedule, host: HostWindows) -> None:
-        """Fix the schedule's lag when it is due (``"auto"``, overlapped, not chosen yet, two windows closed)."""
-        if (config.writeback_lag != "auto" or not config.overlap_step or schedule.writeback_lag is not None
-                or schedule.windows < 2):
+        """Fix the schedule's lag when it is due (``"auto"`` not chosen yet, overlapped, two windows closed)."""
+        if not schedule.writeback_lag_pending or not config.overlap_step or schedule.windows < 2:
             return
         longest = schedule.update_interval or schedule.auto_max_interval
         host_ms = host.worker.last_job_ms.get("host_adamw", 0.0) if host.worker is not None else 0.0
@@ -61,6 +61,6 @@ class AutoWritebackLag:
             votes[lag] = 1.0
             host.shards.all_reduce_sum([votes], "writeback_lag agreement")
             lag = int(votes.nonzero().max())
-        schedule.writeback_lag = lag
+        schedule.writeback_lag, schedule.writeback_lag_pending = lag, False
         logger.info("hf_zenflow: writeback_lag=\"auto\" chose %d step(s) of %d (host step %.1f ms, step %.1f ms)",
                     lag, longest, host_ms, step_ms)

@@ -50,10 +50,10 @@ def test_auto_chooses_from_the_measured_host_step(host_delay_s, expected, monkey
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", min_offload_numel=0)
     _train(opt, model, 7, pause_s=0.06)
-    assert opt._schedule.writeback_lag is None  # one window closed: nothing chosen yet
-    assert opt.stats()["writeback_lag"] == 4
+    assert opt._schedule.writeback_lag_pending  # one window closed: nothing chosen yet, 1 step meanwhile
+    assert opt.stats()["writeback_lag"] == 1
     _train(opt, model, 2, pause_s=0.06)  # the second window closes at step 8
-    assert opt._schedule.writeback_lag == expected
+    assert (opt._schedule.writeback_lag, opt._schedule.writeback_lag_pending) == (expected, False)
     assert opt.stats()["writeback_lag"] == expected
     opt.close()
 
@@ -65,7 +65,7 @@ def test_a_checkpoint_keeps_the_chosen_lag_and_a_new_setting_replaces_it(monkeyp
     train(model, opt, batches(10), linear_schedule(opt, 10))
     state = roundtrip(opt.state_dict())
     opt.close()
-    assert state["zenflow"]["writeback_lag"] == 1
+    assert (state["zenflow"]["writeback_lag"], state["zenflow"]["writeback_lag_pending"]) == (1, False)
     # the resumed run would choose 3 from its own timing: it keeps the saved choice instead
     monkeypatch.setattr("hf_zenflow.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 3)
     resumed = ZenFlowAdamW(param_groups(make_model()), lr=1e-2, update_interval=4, writeback_lag="auto",
