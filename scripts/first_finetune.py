@@ -115,8 +115,10 @@ def summary(path: str) -> str:
     for r in recs:
         if r["optimizer"] == "zenflow":  # labelled by the configuration that ran, whatever the defaults were then
             c = r["zenflow_config"]
+            lag = c.get("writeback_lag")  # (absent before writeback_lag existed: the next boundary)
+            schedule = "sequential" if not c["overlap_step"] else f"writeback_lag={lag}"
             label = (f"r={c['topk_ratio']:g} U={c['update_interval']} host_lr_scale={c['host_lr_scale']} "
-                     f"min_offload_numel={c['min_offload_numel']}")
+                     f"{schedule} min_offload_numel={c['min_offload_numel']}")
             groups.setdefault(label, {})[r["seed"]] = r
     lines = ["| ZenFlow settings | seeds | held-out | adamw_torch accuracy (mean) | ZenFlow accuracy (mean) | "
              "accuracy difference, points (mean ± 95 % CI) | per seed | held-out loss difference, % (mean ± 95 % "
