@@ -4,7 +4,8 @@ Where things live:
 
 - `ZenFlowAdamW` (`optimizer.py`) orchestrates a step and holds the public API; it decides nothing itself:
   - its arguments made into state (settings, param-group checks, split or dense per parameter): `params.py`;
-  - the schedule, pure decisions with no tensors: `schedule.py` (step kinds, windows, Zen-auto votes);
+  - the schedule, pure decisions with no tensors: `schedule.py` (step kinds, windows, Zen-auto votes, write-back
+    lags), and the lag `writeback_lag="auto"` chooses from measured times: `writeback_lag.py`;
   - reading each gradient as backward produces it: `gradients.py` (hooks: norms, early copies to the host);
   - the device path: `device_step.py` (selected-column and dense AdamW state, gather, fused update);
   - the host side of a step: `windows.py` (hand-offs, window closes, write-backs), over the host path in `host.py`
