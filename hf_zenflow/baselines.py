@@ -24,13 +24,14 @@ from ._base import (
 from .config import available_cpu_count
 from .selection import selection_axis
 from .telemetry import StepTimer, ZenFlowStats
+from .transport import transport_for
 
 
 class _HostParam:
     __slots__ = ("master", "grad", "exp_avg", "exp_avg_sq", "step")
 
     def __init__(self, param: torch.Tensor) -> None:
-        pin = param.is_cuda
+        pin = transport_for(param.device).pins_host_memory
         # the parameter's own layout (row- or column-major), so every copy each way is a contiguous stream
         stride = param.stride() if selection_axis(param) is not None else None
         self.master = host_empty(param.shape, torch.float32, pin, stride)

@@ -109,6 +109,8 @@ class Transport:
 
     #: whether each step's gradient is copied into host staging buffers (one per hand-off slot)
     stages_gradients = False
+    #: whether host buffers that cross the link are pinned (asynchronous copies)
+    pins_host_memory = False
 
     def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host buffer that crosses the link (pinned where copies are asynchronous)."""
@@ -162,6 +164,7 @@ class CopyTransport(Transport):
 
     def __init__(self, pin: bool = False) -> None:
         self.arena = PinnedArena(pin)
+        self.pins_host_memory = pin
 
     def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.arena.take(shape, dtype)
