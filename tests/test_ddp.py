@@ -304,3 +304,31 @@ def test_a_one_process_state_resumes_under_two_ranks(tmp_path):
     for w0, w1 in zip(rank0["windows"], rank1["windows"]):
         assert all(torch.equal(a, b) for a, b in zip(w0, w1))
     assert rank0["host_bytes"] <= 0.6 * single_bytes and rank1["host_bytes"] <= 0.6 * single_bytes
+
+
+def _auto_lag_run(rank: int, init_file: str, out_dir: str) -> None:
+    """Each rank would choose another lag (stubbed: 1 on rank 0, 3 on rank 1): both must take the largest, 3."""
+    import hf_zenflow.writeback_lag as auto_lag
+
+    auto_lag.auto_writeback_lag = lambda host_ms, step_ms, longest: 1 + 2 * rank
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        model = _model()
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **{**SETTINGS, "update_interval": 4, "writeback_lag": "auto"})
+        _train(rank, range(14), wrapped, opt)
+        lag = opt.stats()["writeback_lag"]
+        torch.save({"lag": lag, "weights": _flushed(opt, model)}, os.path.join(out_dir, f"auto{rank}.pt"))
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_auto_write_back_lag_is_agreed_across_ranks(tmp_path):
+    _spawn(_auto_lag_run, str(tmp_path))
+    a, b = (torch.load(tmp_path / f"auto{r}.pt", weights_only=True) for r in range(RANKS))
+    assert a["lag"] == b["lag"] == 3
+    for p, q in zip(a["weights"], b["weights"]):
+        assert torch.equal(p, q)
