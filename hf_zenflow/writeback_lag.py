@@ -47,8 +47,16 @@ class AutoWritebackLag:
         self._last = now
 
     def maybe_choose(self, config: ZenFlowConfig, schedule: WindowSchedule, host: HostWindows) -> None:
-        """Fix the schedule's lag when it is due (``"auto"`` not chosen yet, overlapped, two windows closed)."""
-        if not schedule.writeback_lag_pending or not config.overlap_step or schedule.windows < 2:
+        """Fix the schedule's lag when it is due (``"auto"`` not chosen yet, overlapped, two windows closed after
+        the warm-up)."""
+        if not schedule.writeback_lag_pending or not config.overlap_step:
+            return
+        if schedule.steps <= schedule.warm_up:
+            # dense warm-up steps close a synchronous window each and wait for the host: neither their windows nor
+            # their step times say anything about the overlapped schedule
+            self.intervals_ms.clear()
+            return
+        if schedule.windows - schedule.warm_up < 2:
             return
         longest = schedule.update_interval or schedule.auto_max_interval
         host_ms = host.worker.last_job_ms.get("host_adamw", 0.0) if host.worker is not None else 0.0

@@ -87,3 +87,18 @@ def test_auto_is_a_setting_everywhere():
     assert ZenFlowConfig(writeback_lag="2").writeback_lag == 2
     with pytest.raises(ValueError, match=r'writeback_lag=.soon.*"auto"'):
         ZenFlowConfig(writeback_lag="soon")
+
+
+def test_the_choice_waits_for_two_windows_after_the_warm_up(monkeypatch):
+    """Warm-up steps close a synchronous window each: the choice comes two overlapped windows after them."""
+    calls: list[int] = []
+    monkeypatch.setattr("hf_zenflow.writeback_lag.auto_writeback_lag",
+                        lambda host_ms, step_ms, longest: calls.append(1) or 2)
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", full_warm_up_rounds=3,
+                       min_offload_numel=0)
+    train(model, opt, batches(3 + 7), linear_schedule(opt, 20))
+    assert calls == [] and opt._schedule.writeback_lag_pending
+    train(model, opt, batches(1, seed=2), linear_schedule(opt, 20))  # the second window after the warm-up closes
+    assert calls == [1] and opt.stats()["writeback_lag"] == 2
+    opt.close()
