@@ -1,5 +1,6 @@
 """`ZenFlowTrainer` and `ZenFlowPlugin` under `torchrun --nproc_per_node 2` (DDP on gloo, CPU), each rank a real
-process (`hf_ddp_worker.py`): ranks agree bitwise, every rank saves and restores its own optimizer file, a resume
+process (`hf_ddp_worker.py`): ranks agree bitwise, every rank saves and restores its own optimizer file (Trainer
+checkpoints and the plugin's ``accelerator.save_state`` / ``load_state``), a resume
 from a mid-window checkpoint equals the uninterrupted run bitwise, another world size is refused naming both, a
 dead or silent rank ends the other with an error within the process group's timeout, and an FSDP2 model is refused
 clearly. The per-rank file logic itself is also tested without processes (`rank_checkpoint`)."""
