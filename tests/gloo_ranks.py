@@ -22,11 +22,14 @@ def spawn_ranks(fn, *args, ranks: int = 2) -> None:
         shutil.rmtree(rendezvous, ignore_errors=True)
 
 
-def init_ranks(rank: int, init_file: str, ranks: int = 2, timeout_s: float = 60) -> None:
-    """Join the gloo group of a `spawn_ranks` run (one compute thread per process: 2 cores are shared)."""
+def init_ranks(rank: int, init_file: str, ranks: int = 2, timeout_s: float = 60, device: str = "cpu") -> None:
+    """Join the group of a `spawn_ranks` run: gloo on CPU (one compute thread per process: 2 cores are shared), or
+    NCCL with one GPU per rank (`scripts/gpu_check.sh`)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=ranks, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def assert_each_rank_holds_at_most(fraction: float, rank_stats: list[dict], single: float) -> None:
