@@ -15,7 +15,8 @@ Where things live:
     sharded parameters, each rank on its own shards: `fsdp.py`;
   - one matrix's two sides and its selection: `split_matrix.py`, `selection.py`;
   - checkpoints: `checkpoint.py` (format, validation, migration), `checkpoint_convert.py` (settings changed on resume,
-    to/from `torch.optim.AdamW`); weights changed from outside: `weight_marks.py`;
+    to/from `torch.optim.AdamW`), `checkpoint_reshard.py` (rank states for another world size); weights changed
+    from outside: `weight_marks.py`;
   - the CPU as the device: `cpu_device/` (C kernels, `column_major_`, the reference-and-swap transport);
 - settings: `config.py` (`ZenFlowConfig`), their flags/plugin arguments/env vars/docs in `settings.py`, DeepSpeed
   configs in `deepspeed_config.py`, the thread rule in `threads.py`, the multi-process notice in

@@ -245,6 +245,11 @@ def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
         raise CheckpointError("ZenFlowAdamW.load_state_dict: not an optimizer state dict (needs 'state' and "
                               f"'param_groups'; got keys {sorted(state_dict)[:8]}).")
     state_dict = migrate(state_dict)
+    mesh = opt._host.param_shards
+    if mesh is not None and state_dict.get("zenflow") and not {"ranks", "fsdp_ranks"} & set(state_dict["zenflow"]):
+        from .checkpoint_reshard import fsdp_rows_of
+
+        state_dict = fsdp_rows_of(state_dict, mesh.ranks, mesh.rank)  # a one-process state: this rank's rows of it
     check_ranks(state_dict.get("zenflow") or {}, opt._host.shards.ranks, opt._host.shards.rank)
     check_fsdp_ranks(state_dict.get("zenflow") or {}, opt._host.param_shards)
     validate(opt, state_dict)
@@ -303,7 +308,9 @@ def check_ranks(zenflow: dict[str, Any], ranks: int, rank: int) -> None:
         raise CheckpointError(
             f"ZenFlowAdamW.load_state_dict: this optimizer state was saved with the host state split across "
             f"{saved} ranks (world size {saved}, this file is rank {saved_rank}'s share), and this run has "
-            f"{ranks} rank(s) (world size {ranks}). Resume with world size {saved}, or without the optimizer state."
+            f"{ranks} rank(s) (world size {ranks}). Resume with world size {saved}, or merge the {saved} ranks' "
+            "files into one (hf_zenflow.checkpoint_reshard.merge_rank_states; ZenFlowTrainer and ZenFlowPlugin "
+            "checkpoints do it on resume), which loads on any number of ranks."
         )
     raise CheckpointError(
         f"ZenFlowAdamW.load_state_dict: this is rank {saved_rank}'s share of the host state (of {saved} ranks), "
@@ -318,6 +325,13 @@ def check_fsdp_ranks(zenflow: dict[str, Any], mesh: Any) -> None:
     here = (mesh.ranks, mesh.rank) if mesh is not None else None
     if saved == here or not zenflow:
         return
+    if saved is not None and saved[0] != (here[0] if here else 1):
+        raise CheckpointError(
+            f"ZenFlowAdamW.load_state_dict: this optimizer state holds FSDP2 rank {saved[1]}'s rows of {saved[0]} "
+            f"(world size {saved[0]}), and this run has world size {here[0] if here else 1}"
+            f"{'' if here else ' without FSDP2'}. Merge the {saved[0]} ranks' files into one "
+            "(hf_zenflow.checkpoint_reshard.merge_rank_states; ZenFlowTrainer and ZenFlowPlugin checkpoints do it "
+            "on resume), which loads on any number of ranks.")
     def say(state: tuple[int, int] | None) -> str:
         return "without FSDP2" if state is None else f"under FSDP2 by rank {state[1]} of {state[0]} (world size " \
             f"{state[0]})"

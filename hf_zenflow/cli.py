@@ -7,6 +7,7 @@
     hf-zenflow tune      short paired trials on your model and data that choose ZenFlow's settings
     hf-zenflow convert-checkpoint  turn a ZenFlowTrainer checkpoint folder into one a plain Trainer (adamw_torch)
                          resumes
+    hf-zenflow reshard-checkpoint  rewrite a checkpoint's ZenFlow optimizer files for another number of ranks
 
 Run ``hf-zenflow <command> --help`` for the flags. Without the console script: ``python -m hf_zenflow.cli``.
 """
@@ -257,6 +258,40 @@ def _run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_reshard(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "reshard-checkpoint",
+        help="rewrite a checkpoint's ZenFlow optimizer files for another number of ranks (DDP or FSDP2)",
+        description="Merge the ZenFlow optimizer files of CHECKPOINT (one per rank: "
+        "zenflow_optimizer_rank{r}_of_{N}.pt, or the one-process optimizer.pt / optimizer.bin) and cut them again "
+        "for --world-size ranks, so that a ZenFlowTrainer or ZenFlowPlugin run resumes on another number of GPUs. "
+        "Each new rank then reads only its own file. "
+        "The replaced files are kept with the suffix .before_reshard. Runs on the host, one process.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("checkpoint", help="a checkpoint folder (Trainer checkpoint-N or accelerate save_state folder)")
+    p.add_argument("--world-size", type=int, required=True, help="the number of ranks that will resume")
+    p.add_argument("--parallel", choices=["ddp", "fsdp2"], default=None,
+                   help="how the new ranks share the state (default: as saved; ddp for a one-process checkpoint)")
+    p.set_defaults(func=_run_reshard)
+
+
+def _run_reshard(args: argparse.Namespace) -> int:
+    from hf_zenflow.checkpoint import CheckpointError
+    from hf_zenflow.hf.rank_checkpoint import reshard_checkpoint
+
+    if args.world_size < 1:
+        print(f"hf-zenflow reshard-checkpoint: --world-size {args.world_size} is invalid: allowed is an integer >= 1.",
+              file=sys.stderr)
+        return 2
+    try:
+        reshard_checkpoint(args.checkpoint, args.world_size, args.parallel)
+    except CheckpointError as exc:
+        print(f"hf-zenflow reshard-checkpoint: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-zenflow", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -264,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_estimate(sub)
     _add_tune(sub)
     _add_convert(sub)
+    _add_reshard(sub)
     return parser
 
 

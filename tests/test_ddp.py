@@ -100,6 +100,8 @@ def _rank_run(rank: int, init_file: str, out_dir: str) -> None:
         path = os.path.join(out_dir, f"optimizer_rank{rank}.pt")
         torch.save(saved_opt, path)
         saved_model = {k: v.clone() for k, v in first.state_dict().items()}
+        if rank == 0:
+            torch.save(saved_model, os.path.join(out_dir, "model_saved.pt"))
         opt_a.close()
         second = _model()
         second.load_state_dict(saved_model)
@@ -188,6 +190,27 @@ def test_a_share_saved_under_two_ranks_does_not_load_in_one_process(ddp_run):
             opt.load_state_dict(state)
     finally:
         opt.close()
+
+
+@pytest.mark.timeout(240)
+def test_the_ranks_shares_merged_resume_in_one_process(ddp_run):
+    from hf_zenflow.checkpoint_reshard import merge_rank_states
+
+    rank0, _, out = ddp_run
+    merged = merge_rank_states([torch.load(os.path.join(out, f"optimizer_rank{r}.pt"), weights_only=True)
+                                for r in range(RANKS)])
+    assert "ranks" not in merged["zenflow"]
+    model = _model()
+    model.load_state_dict(torch.load(os.path.join(out, "model_saved.pt"), weights_only=True))
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **SETTINGS)
+    try:
+        opt.load_state_dict(merged)
+        assert opt.stats()["host_state_bytes"] > 0
+        _train(0, range(10, STEPS), model, opt)
+    finally:
+        opt.close()
+    for mine, ref in zip(_weights(model), rank0["final"]):
+        assert ((mine - ref).norm() / ref.norm()).item() < 1e-5
 
 
 def _rank_timeout(rank: int, init_file: str, out_dir: str) -> None:

@@ -26,6 +26,7 @@ SETTINGS = dict(topk_ratio=0.25, update_interval="auto", auto_max_interval=4, fu
                 select_strategy="step", select_interval=8, min_offload_numel=0, cpu_threads=1, overlap_step=True,
                 writeback_lag=1)  # fixed: "auto" would choose from each process's own timing
 STEPS, PER_RANK = 20, 4
+SAVE = 11  # a step inside a window (checked: window_steps > 0)
 DEVICE = os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu")
 RANKS = 2 if DEVICE == "cpu" else torch.cuda.device_count()
 several_ranks = pytest.mark.skipif(RANKS < 2, reason=f"needs 2 ranks; {DEVICE} has {RANKS}")
@@ -101,19 +102,22 @@ def _rank_run(rank: int, init_file: str, out_dir: str) -> None:
         stats = opt.stats()
         opt.flush()  # each rank writes back its own rows
         final = _full(model)
-        # the same run saved after 10 steps (mid-window) and resumed in a fresh model and optimizer
+        # the same run saved after SAVE steps (mid-window) and resumed in a fresh model and optimizer
         first = _shard(_model())
         opt_a = _zenflow(first)
-        _train(first, opt_a, range(10))
+        _train(first, opt_a, range(SAVE))
         saved_opt = opt_a.state_dict()
         torch.save(saved_opt, os.path.join(out_dir, f"optimizer_rank{rank}.pt"))
         saved_model = {k: v.detach().clone() for k, v in first.state_dict().items()}
+        full_model = {k: v.full_tensor().cpu() for k, v in saved_model.items()}
+        if rank == 0:
+            torch.save(full_model, os.path.join(out_dir, "model_saved.pt"))
         opt_a.close()
         second = _shard(_model())
         second.load_state_dict(saved_model)
         opt_b = _zenflow(second)
         opt_b.load_state_dict(torch.load(os.path.join(out_dir, f"optimizer_rank{rank}.pt"), weights_only=True))
-        _train(second, opt_b, range(10, STEPS))
+        _train(second, opt_b, range(SAVE, STEPS))
         opt_b.flush()
         resumed = _full(second)
         # loading another rank's state is refused (a collective-free check, on every rank)
@@ -124,8 +128,19 @@ def _rank_run(rank: int, init_file: str, out_dir: str) -> None:
             refused = ""
         except CheckpointError as exc:
             refused = str(exc)
-        torch.save({"final": final, "stats": stats, "resumed": resumed, "refused": refused},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        # a one-process state (saved mid-window before the ranks started) resumed on these ranks: each takes its rows
+        single = torch.load(os.path.join(out_dir, "single_saved.pt"), weights_only=True)
+        third = _model()
+        third.load_state_dict(single["model"])
+        _shard(third)
+        opt_c = _zenflow(third)
+        opt_c.load_state_dict(single["optimizer"])
+        _train(third, opt_c, range(SAVE, STEPS))
+        opt_c.flush()
+        from_single = _full(third)
+        opt_c.close()
+        torch.save({"final": final, "stats": stats, "resumed": resumed, "refused": refused,
+                    "from_single": from_single}, os.path.join(out_dir, f"rank{rank}.pt"))
         opt.close()
         opt_b.close()
     finally:
@@ -136,6 +151,13 @@ def _rank_run(rank: int, init_file: str, out_dir: str) -> None:
 def fsdp_run(tmp_path_factory) -> tuple[list[dict], str]:
     """What each rank saw (a list, one per rank) and the folder of its optimizer files."""
     out = tmp_path_factory.mktemp("fsdp")
+    model = _model()
+    opt = _zenflow(model)
+    try:
+        _train(model, opt, range(SAVE))  # what a one-process run saved mid-window
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, out / "single_saved.pt")
+    finally:
+        opt.close()
     spawn_ranks(_rank_run, str(out), ranks=RANKS)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(RANKS)], str(out)
 
@@ -199,7 +221,8 @@ def test_a_rank_state_loads_nowhere_else(fsdp_run):
     state = torch.load(os.path.join(out, "optimizer_rank0.pt"), weights_only=True)
     opt = _zenflow(_model())
     try:
-        with pytest.raises(CheckpointError, match=r"under FSDP2 by rank 0 of 2 \(world size 2\).*without FSDP2"):
+        with pytest.raises(CheckpointError,
+                           match=r"FSDP2 rank 0's rows of 2 \(world size 2\).*world size 1 without FSDP2.*Merge"):
             opt.load_state_dict(state)
     finally:
         opt.close()
@@ -251,3 +274,42 @@ def test_a_two_dimensional_mesh_is_refused_naming_it():
         LocalShards().find([p])
     with pytest.raises(NotImplementedError, match=r"plain parameter of shape \(3,\)"):
         LocalShards().find([p, torch.zeros(3)])
+
+
+def _relative_errors(mine: list[torch.Tensor], ref: torch.nn.Module) -> list[float]:
+    return [((a - b.detach().float().cpu()).norm() / b.detach().float().cpu().norm()).item()
+            for a, b in zip(mine, ref.parameters())]
+
+
+@pytest.mark.timeout(240)
+def test_a_one_process_state_resumes_on_fsdp2_ranks_each_taking_its_rows(fsdp_run, monkeypatch):
+    runs, _ = fsdp_run
+    model, opt, _ = _reference(monkeypatch)
+    opt.close()
+    for run in runs:
+        assert max(_relative_errors(run["from_single"], model)) < 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_rank_states_merged_resume_in_one_process(fsdp_run, monkeypatch):
+    from hf_zenflow.checkpoint_reshard import merge_rank_states
+
+    runs, out = fsdp_run
+    states = [torch.load(os.path.join(out, f"optimizer_rank{r}.pt"), weights_only=True) for r in range(RANKS)]
+    merged = merge_rank_states(states[::-1])  # any order
+    assert "fsdp_ranks" not in merged["zenflow"] and merged["zenflow"]["window_steps"] > 0  # mid-window
+    model = _model()
+    model.load_state_dict(torch.load(os.path.join(out, "model_saved.pt"), weights_only=True))
+    opt = _zenflow(model)
+    try:
+        opt.load_state_dict(merged)
+        _train(model, opt, range(SAVE, STEPS))
+        opt.flush()
+    finally:
+        opt.close()
+    ref, ref_opt, _ = _reference(monkeypatch)
+    ref_opt.close()
+    # the ranks' own continuation and the one-process reference: the same run within the tolerance of the sums
+    assert max(_relative_errors(_full(model), ref)) < 1e-5
+    mine = _full(model)
+    assert max(((a - b).norm() / b.norm()).item() for a, b in zip(mine, runs[0]["final"])) < 1e-5

@@ -13,7 +13,8 @@ What loads where:
 - a one-process checkpoint (``optimizer.pt``; ``optimizer.bin`` for accelerate) under N ranks: every rank loads it
   (the optimizer takes its share);
 - rank files of N ranks under another world size (one process included): refused with `CheckpointError`, naming
-  both world sizes (re-sharding between rank counts does not exist yet, issue 13).
+  both world sizes and the command that re-shards them (`reshard_checkpoint`: ``hf-zenflow reshard-checkpoint
+  CHECKPOINT --world-size M``, offline, so that each new rank reads only its own file).
 
 accelerate writes its ``optimizer.bin`` whatever the optimizer's state dict is, so under several ranks it gets a
 *pointer* instead (`rank_files_pointer`): a few bytes saying which rank files hold the state, so that the file neither
@@ -85,8 +86,8 @@ def is_rank_files_pointer(state: Any) -> bool:
 def _world_size_error(checkpoint: str, saved: str, world_size: int) -> CheckpointError:
     return CheckpointError(
         f"{checkpoint}: the ZenFlow optimizer state was saved by {saved}, and this run has world size {world_size}. "
-        f"Resume with the world size of the checkpoint (re-sharding the optimizer state to another number of ranks "
-        f"is not supported yet, issue 13), or resume without the optimizer state."
+        f"Resume with the world size of the checkpoint, or re-shard the optimizer files first: "
+        f"hf-zenflow reshard-checkpoint {checkpoint} --world-size {world_size}"
     )
 
 
@@ -134,6 +135,66 @@ def load_rank_state(checkpoint: str, rank: int, world_size: int,
     return state
 
 
+def reshard_checkpoint(checkpoint: str, world_size: int, parallel: str | None = None,
+                       log: Any = print) -> list[str]:
+    """Rewrite the ZenFlow optimizer files of `checkpoint` for `world_size` ranks (`hf-zenflow
+    reshard-checkpoint`): the rank files of the N ranks that saved it (or the one-process file) are merged and cut
+    again (`hf_zenflow.checkpoint_reshard.reshard_states`), so that each new rank reads only its own file. One rank:
+    ``optimizer.pt`` (a Trainer checkpoint; ``optimizer.bin`` when the folder is accelerate's); several: one rank file
+    each (``optimizer.bin``, when present, becomes a pointer to them). The files it replaces are kept with the suffix
+    ``.before_reshard``. `parallel`: ``"ddp"`` or ``"fsdp2"`` for the new ranks (default: as saved). Returns the
+    files written."""
+    from ..checkpoint_reshard import reshard_states
+
+    sizes = saved_world_sizes(checkpoint)
+    if len(sizes) > 1:
+        raise CheckpointError(f"{checkpoint}: rank files of several world sizes ({_describe(sizes)}): keep one set.")
+    accelerate = os.path.isfile(os.path.join(checkpoint, ACCELERATE_OPTIMIZER_NAME))
+    one_name = ACCELERATE_OPTIMIZER_NAME if accelerate else OPTIMIZER_NAME
+    if sizes:
+        (saved,) = sizes
+        old = [os.path.join(checkpoint, rank_file_name(r, saved)) for r in range(saved)]
+        missing = [p for p in old if not os.path.isfile(p)]
+        if missing:
+            raise CheckpointError(f"{missing[0]}: no such file: the checkpoint of world size {saved} is incomplete.")
+        log(f"reading {saved} rank files of {checkpoint}")
+        states = [load_rank_state(checkpoint, r, saved, one_name) for r in range(saved)]
+    else:
+        path = os.path.join(checkpoint, one_name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{checkpoint}: no ZenFlow optimizer file ({OPTIMIZER_NAME}, "
+                                  f"{ACCELERATE_OPTIMIZER_NAME} or rank files) to re-shard.")
+        log(f"reading {path}")
+        old, states = [path], [load_file(path, map_location="cpu")]
+    new_states = reshard_states(states, world_size, parallel)
+    for path in old + ([os.path.join(checkpoint, one_name)] if sizes and accelerate else []):
+        os.replace(path, path + ".before_reshard")
+    written = []
+    if world_size == 1:
+        written.append(os.path.join(checkpoint, one_name))
+        torch.save(new_states[0], written[-1])
+    else:
+        for rank, state in enumerate(new_states):
+            written.append(save_rank_state(_Saved(state), checkpoint, rank, world_size))
+        if accelerate:
+            written.append(os.path.join(checkpoint, ACCELERATE_OPTIMIZER_NAME))
+            torch.save(rank_files_pointer(world_size), written[-1])
+    for path in written:
+        log(f"wrote {path}")
+    return written
+
+
+class _Saved:
+    """A state dict standing in for an optimizer (`save_rank_state` asks for its ``state_dict()``)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
+
+
 __all__ = ["ACCELERATE_OPTIMIZER_NAME", "OPTIMIZER_NAME", "RANK_FILE_FORMAT", "check_one_process_resume",
-           "is_rank_files_pointer", "load_rank_state", "rank_file_name", "rank_files_pointer", "save_rank_state",
+           "is_rank_files_pointer", "load_rank_state", "rank_file_name", "rank_files_pointer", "reshard_checkpoint",
+           "save_rank_state",
            "saved_world_sizes"]
