@@ -245,10 +245,10 @@ def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
         raise CheckpointError("ZenFlowAdamW.load_state_dict: not an optimizer state dict (needs 'state' and "
                               f"'param_groups'; got keys {sorted(state_dict)[:8]}).")
     state_dict = migrate(state_dict)
+    from .checkpoint_reshard import check_fsdp_ranks, check_ranks, fsdp_rows_of
+
     mesh = opt._host.param_shards
     if mesh is not None and state_dict.get("zenflow") and not {"ranks", "fsdp_ranks"} & set(state_dict["zenflow"]):
-        from .checkpoint_reshard import fsdp_rows_of
-
         state_dict = fsdp_rows_of(state_dict, mesh.ranks, mesh.rank)  # a one-process state: this rank's rows of it
     check_ranks(state_dict.get("zenflow") or {}, opt._host.shards.ranks, opt._host.shards.rank)
     check_fsdp_ranks(state_dict.get("zenflow") or {}, opt._host.param_shards)
@@ -297,49 +297,6 @@ def load(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     ):
         opt.close()
     opt._mark_weights()
-
-
-def check_ranks(zenflow: dict[str, Any], ranks: int, rank: int) -> None:
-    """Refuse a state dict saved with its host state shared by another number of ranks, or by another rank."""
-    saved, saved_rank = int(zenflow.get("ranks", 1)), int(zenflow.get("rank", 0))
-    if saved == 1 or (saved, saved_rank) == (ranks, rank):
-        return
-    if saved != ranks:
-        raise CheckpointError(
-            f"ZenFlowAdamW.load_state_dict: this optimizer state was saved with the host state split across "
-            f"{saved} ranks (world size {saved}, this file is rank {saved_rank}'s share), and this run has "
-            f"{ranks} rank(s) (world size {ranks}). Resume with world size {saved}, or merge the {saved} ranks' "
-            "files into one (hf_zenflow.checkpoint_reshard.merge_rank_states; ZenFlowTrainer and ZenFlowPlugin "
-            "checkpoints do it on resume), which loads on any number of ranks."
-        )
-    raise CheckpointError(
-        f"ZenFlowAdamW.load_state_dict: this is rank {saved_rank}'s share of the host state (of {saved} ranks), "
-        f"loaded on rank {rank}: every rank must load its own file."
-    )
-
-
-def check_fsdp_ranks(zenflow: dict[str, Any], mesh: Any) -> None:
-    """Refuse a state dict saved under FSDP2 with another number of ranks or by another rank, or saved without
-    FSDP2 and loaded under it (or the other way round): each rank's state holds its own shards' rows."""
-    saved = (int(zenflow["fsdp_ranks"]), int(zenflow["fsdp_rank"])) if "fsdp_ranks" in zenflow else None
-    here = (mesh.ranks, mesh.rank) if mesh is not None else None
-    if saved == here or not zenflow:
-        return
-    if saved is not None and saved[0] != (here[0] if here else 1):
-        raise CheckpointError(
-            f"ZenFlowAdamW.load_state_dict: this optimizer state holds FSDP2 rank {saved[1]}'s rows of {saved[0]} "
-            f"(world size {saved[0]}), and this run has world size {here[0] if here else 1}"
-            f"{'' if here else ' without FSDP2'}. Merge the {saved[0]} ranks' files into one "
-            "(hf_zenflow.checkpoint_reshard.merge_rank_states; ZenFlowTrainer and ZenFlowPlugin checkpoints do it "
-            "on resume), which loads on any number of ranks.")
-    def say(state: tuple[int, int] | None) -> str:
-        return "without FSDP2" if state is None else f"under FSDP2 by rank {state[1]} of {state[0]} (world size " \
-            f"{state[0]})"
-    raise CheckpointError(
-        f"ZenFlowAdamW.load_state_dict: this optimizer state was saved {say(saved)} and is loaded {say(here)}. "
-        "Under FSDP2 each rank's optimizer state holds the state of its own rows of every parameter: resume with "
-        "the same world size, each rank loading its own file (re-sharding to another world size is not "
-        "supported), or without the optimizer state.")
 
 
 def _restore_groups(opt: ZenFlowAdamW, saved_groups: list[dict[str, Any]]) -> None:
@@ -421,6 +378,6 @@ def load_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
         ) from exc
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "check_file", "check_fsdp_ranks", "check_ranks", "load", "load_file",
-           "migrate", "pack", "tensor_checksum", "unpack", "validate"]
+__all__ = ["FORMAT_VERSION", "CheckpointError", "check_file", "load", "load_file", "migrate", "pack",
+           "tensor_checksum", "unpack", "validate"]
 

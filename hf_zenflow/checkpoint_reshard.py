@@ -164,4 +164,53 @@ def reshard_states(states: list[dict[str, Any]], world_size: int, parallel: str 
     return [cut(merged, world_size, r) for r in range(world_size)]
 
 
-__all__ = ["ddp_share_of", "fsdp_rows_of", "merge_rank_states", "reshard_states"]
+# ---------------------------------------------------------------------------------------------------------------------
+# Which rank's state loads where (`checkpoint.unpack` asks)
+# ---------------------------------------------------------------------------------------------------------------------
+_RESHARD_ADVICE = ("re-shard the ranks' files first (`hf-zenflow reshard-checkpoint CHECKPOINT --world-size M`, or "
+                   "`hf_zenflow.checkpoint_reshard.reshard_states`)")
+
+
+def check_ranks(zenflow: dict[str, Any], ranks: int, rank: int) -> None:
+    """Refuse a state dict saved with its host state shared by another number of ranks, or by another rank."""
+    saved, saved_rank = int(zenflow.get("ranks", 1)), int(zenflow.get("rank", 0))
+    if saved == 1 or (saved, saved_rank) == (ranks, rank):
+        return
+    if saved != ranks:
+        raise CheckpointError(
+            f"ZenFlowAdamW.load_state_dict: this optimizer state was saved with the host state split across "
+            f"{saved} ranks (world size {saved}, this file is rank {saved_rank}'s share), and this run has "
+            f"{ranks} rank(s) (world size {ranks}). Resume with world size {saved}, or {_RESHARD_ADVICE}."
+        )
+    raise CheckpointError(
+        f"ZenFlowAdamW.load_state_dict: this is rank {saved_rank}'s share of the host state (of {saved} ranks), "
+        f"loaded on rank {rank}: every rank must load its own file."
+    )
+
+
+def _fsdp_origin(state: tuple[int, int] | None) -> str:
+    if state is None:
+        return "without FSDP2"
+    return f"under FSDP2 by rank {state[1]} of {state[0]} (world size {state[0]})"
+
+
+def check_fsdp_ranks(zenflow: dict[str, Any], mesh: Any) -> None:
+    """Refuse a state dict saved under FSDP2 with another number of ranks or by another rank, or saved under FSDP2
+    and loaded without it: each rank's state holds its own rows of every parameter. (A one-process state loaded
+    under FSDP2 has been cut to this rank's rows already: `fsdp_rows_of`.)"""
+    saved = (int(zenflow["fsdp_ranks"]), int(zenflow["fsdp_rank"])) if "fsdp_ranks" in zenflow else None
+    here = (mesh.ranks, mesh.rank) if mesh is not None else None
+    if saved == here or not zenflow:
+        return
+    if saved is not None and saved[0] != (here[0] if here else 1):
+        raise CheckpointError(
+            f"ZenFlowAdamW.load_state_dict: this optimizer state holds FSDP2 rank {saved[1]}'s rows of {saved[0]} "
+            f"(world size {saved[0]}), and this run has world size {here[0] if here else 1}"
+            f"{'' if here else ' without FSDP2'}. Merge or {_RESHARD_ADVICE}.")
+    raise CheckpointError(
+        f"ZenFlowAdamW.load_state_dict: this optimizer state was saved {_fsdp_origin(saved)} and is loaded "
+        f"{_fsdp_origin(here)}. Under FSDP2 each rank's optimizer state holds the state of its own rows of every "
+        f"parameter: each rank must load its own file (for another layout, {_RESHARD_ADVICE}).")
+
+
+__all__ = ["check_fsdp_ranks", "check_ranks", "ddp_share_of", "fsdp_rows_of", "merge_rank_states", "reshard_states"]

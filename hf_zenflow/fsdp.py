@@ -22,12 +22,16 @@ All run on the training thread at points the schedule fixes, so every rank issue
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .sharding import RankGroup, is_dtensor
 from .split_matrix import SplitMatrix
+
+
+if TYPE_CHECKING:
+    from .windows import HostWindows
 
 
 class LocalShards:
@@ -38,10 +42,20 @@ class LocalShards:
         self.group: RankGroup | None = None
         self._local: dict[torch.Tensor, torch.Tensor] = {}  # DTensor parameter -> its local tensor when first seen
         self._sharded: dict[torch.Tensor, torch.Tensor] = {}  # local tensor -> its DTensor parameter
+        self._checked = False
 
     @property
     def active(self) -> bool:
         return self.group is not None
+
+    def find_once(self, groups: list[dict[str, Any]], host: HostWindows) -> None:
+        """At the first use, before any state exists (accelerate swaps FSDP2's DTensors into the param groups after
+        the optimizer is built): `find`, and tell `host` to keep its host state per rank's own rows."""
+        if not self._checked:
+            group = self.find(p for g in groups for p in g["params"])
+            if group is not None:
+                host.use_param_shards(group)
+            self._checked = True
 
     def find(self, params: Iterable[torch.Tensor]) -> RankGroup | None:
         """Look at the parameters (at the first step: accelerate swaps in FSDP2's DTensors after the optimizer is

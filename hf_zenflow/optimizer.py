@@ -118,7 +118,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._stats = ZenFlowStats()
         self._auto_lag = AutoWritebackLag()
         self._fsdp = LocalShards()  # FSDP2's DTensor parameters, found at the first use (`_find_param_shards`)
-        self._fsdp_checked = False
         self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor, process_group)
         self.config = config
         # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
@@ -377,13 +376,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # Step internals
     # ------------------------------------------------------------------------------------------------------------
     def _find_param_shards(self) -> None:
-        """Once, before any state exists: are the parameters FSDP2 shards (`hf_zenflow.fsdp`)? accelerate swaps
-        them into the param groups after the optimizer is built, so this waits for the first use."""
-        if not self._fsdp_checked:
-            group = self._fsdp.find(p for g in self.param_groups for p in g["params"])
-            if group is not None:
-                self._host.use_param_shards(group)
-            self._fsdp_checked = True
+        self._fsdp.find_once(self.param_groups, self._host)  # (FSDP2: accelerate swaps DTensors in after __init__)
 
     def _engine_params(self) -> list[torch.Tensor]:
         """Every parameter in param-group order as the engine keys its state (its local shard under FSDP2)."""
