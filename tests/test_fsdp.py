@@ -313,3 +313,35 @@ def test_fsdp2_rank_states_merged_resume_in_one_process(fsdp_run, monkeypatch):
     assert max(_relative_errors(_full(model), ref)) < 1e-5
     mine = _full(model)
     assert max(((a - b).norm() / b.norm()).item() for a, b in zip(mine, runs[0]["final"])) < 1e-5
+
+
+def _non_finite_run(rank: int, init_file: str, out_dir: str) -> None:
+    """A NaN in one rank's shard of one gradient: every rank skips the step (the check is global)."""
+    init_ranks(rank, init_file, RANKS, device=DEVICE)
+    try:
+        model = _shard(_model())
+        opt = _zenflow(model)
+        _train(model, opt, range(3))
+        before = _full(model)
+        x, y = (t.to(DEVICE) for t in _data()[3])
+        part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        logits = model(x[part])
+        torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y[part].view(-1)).backward()
+        if rank == RANKS - 1:
+            model.up.weight.grad.to_local()[0, 0] = float("nan")
+        opt.step()  # no clip_grad_norm_: the step's own all-reduce must carry the NaN to every rank
+        opt.zero_grad()
+        skipped = opt.stats()["skipped_steps"]
+        same = all(torch.equal(a, b) for a, b in zip(before, _full(model)))
+        opt.close()
+        torch.save({"skipped": skipped, "unchanged": same}, os.path.join(out_dir, f"nan{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    spawn_ranks(_non_finite_run, str(tmp_path), ranks=RANKS)
+    for rank in range(RANKS):
+        result = torch.load(tmp_path / f"nan{rank}.pt", weights_only=True)
+        assert result == {"skipped": 1, "unchanged": True}, (rank, result)
