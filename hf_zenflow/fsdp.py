@@ -48,14 +48,17 @@ class LocalShards:
     def active(self) -> bool:
         return self.group is not None
 
-    def find_once(self, groups: list[dict[str, Any]], host: HostWindows) -> None:
-        """At the first use, before any state exists (accelerate swaps FSDP2's DTensors into the param groups after
-        the optimizer is built): `find`, and tell `host` to keep its host state per rank's own rows."""
-        if not self._checked:
-            group = self.find(p for g in groups for p in g["params"])
-            if group is not None:
-                host.use_param_shards(group)
-            self._checked = True
+    def find_once(self, groups: list[dict[str, Any]], host: HostWindows, final: bool) -> bool:
+        """`find`, and tell `host` to keep its host state per rank's own rows, until the answer is final: DTensors
+        found, or the first step (`final`). accelerate swaps FSDP2's DTensors into the param groups after the
+        optimizer is built, and takes a `state_dict()` before it does. True on the call that found them."""
+        if self._checked:
+            return False
+        group = self.find(p for g in groups for p in g["params"])
+        if group is not None:
+            host.use_param_shards(group)
+        self._checked = final or group is not None
+        return group is not None
 
     def find(self, params: Iterable[torch.Tensor]) -> RankGroup | None:
         """Look at the parameters (at the first step: accelerate swaps in FSDP2's DTensors after the optimizer is

@@ -174,7 +174,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._auto_lag.tick()
-        self._find_param_shards()
+        self._find_param_shards(final=True)
         worker = self._host.ensure_worker()
         worker.check()
         worker.hold()
@@ -375,8 +375,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------------------------
     # Step internals
     # ------------------------------------------------------------------------------------------------------------
-    def _find_param_shards(self) -> None:
-        self._fsdp.find_once(self.param_groups, self._host)  # (FSDP2: accelerate swaps DTensors in after __init__)
+    def _find_param_shards(self, final: bool = False) -> None:
+        if self._fsdp.find_once(self.param_groups, self._host, final):
+            # accelerate swapped FSDP2's DTensors in after __init__: nothing may keep the whole parameters it
+            # replaced alive (their names, the backward hooks on them)
+            current = [p for g in self.param_groups for p in g["params"]]
+            kept = {id(p) for p in current}
+            self._param_names = {p: n for p, n in self._param_names.items() if id(p) in kept}
+            self._reads.remove()
+            self._reads = GradientReads(current)
+            self._reads.on_ready = self._host.grad_ready
 
     def _engine_params(self) -> list[torch.Tensor]:
         """Every parameter in param-group order as the engine keys its state (its local shard under FSDP2)."""

@@ -10,7 +10,9 @@ per GPU (one GPU: an FSDP2 mesh of one rank through the same code against the pl
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -345,3 +347,35 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path
     for rank in range(RANKS):
         result = torch.load(tmp_path / f"nan{rank}.pt", weights_only=True)
         assert result == {"skipped": 1, "unchanged": True}, (rank, result)
+
+
+def _swapped_run(rank: int, init_file: str, out_dir: str) -> None:
+    """accelerate's order: the optimizer is built over the plain parameters, a state_dict() is taken, then the model
+    is sharded and the DTensors are swapped into the param groups."""
+    init_ranks(rank, init_file, RANKS, device=DEVICE)
+    try:
+        model = _model()
+        opt = _zenflow(model)
+        opt.load_state_dict(opt.state_dict())  # what AcceleratedOptimizer does before the swap
+        whole = weakref.ref(model.up.weight)
+        _shard(model)
+        opt.param_groups[0]["params"] = list(model.parameters())
+        _train(model, opt, range(1))
+        gc.collect()
+        released = whole() is None  # the optimizer keeps no reference to the whole parameter
+        _train(model, opt, range(1, STEPS))
+        opt.flush()
+        torch.save({"final": _full(model), "ranks": opt.stats()["ranks"], "released": released},
+                   os.path.join(out_dir, f"swap{rank}.pt"))
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_dtensors_swapped_in_after_the_optimizer_was_built_train_as_fsdp2(fsdp_run, tmp_path):
+    runs, _ = fsdp_run
+    spawn_ranks(_swapped_run, str(tmp_path), ranks=RANKS)
+    swapped = torch.load(tmp_path / "swap0.pt", weights_only=True)
+    assert swapped["ranks"] == RANKS and swapped["released"]
+    assert all(torch.equal(a, b) for a, b in zip(swapped["final"], runs[0]["final"]))
