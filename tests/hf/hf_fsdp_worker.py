@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hf_ddp_worker import ZENFLOW, device_args, rank
+from hf_ddp_worker import ZENFLOW, common_arguments, device_args, run_rank
 from hf_helpers import ByteLMDataset, corpus_text, logged, tiny_llama, zenflow_args
 
 
@@ -80,23 +80,8 @@ def run(opts: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--max-steps", type=int, default=12)
-    parser.add_argument("--save-steps", type=int, default=0)
-    parser.add_argument("--resume", default=None)
-    opts = parser.parse_args()
-    torch.set_num_threads(1)  # two ranks on a small shared machine: see tests/hf/conftest.py
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        result = run(opts)
-    except BaseException:
-        import traceback
-
-        (out / f"error_rank{rank()}.txt").write_text(traceback.format_exc())
-        raise
-    torch.save(result, out / f"rank{rank()}.pt")
+    common_arguments(parser)
+    run_rank(parser.parse_args(), run)
 
 
 if __name__ == "__main__":
