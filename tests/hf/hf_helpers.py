@@ -125,3 +125,16 @@ def assert_same_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def assert_rank_files(checkpoint: Path, ranks: int) -> None:
+    """`checkpoint` holds one ZenFlow optimizer file per rank of `ranks`, each a real state."""
+    import torch
+
+    from hf_zenflow.hf.rank_checkpoint import rank_file_name, saved_world_sizes
+
+    assert saved_world_sizes(str(checkpoint)) == {ranks}
+    for rank in range(ranks):
+        payload = torch.load(checkpoint / rank_file_name(rank, ranks), weights_only=True)
+        assert (payload["rank"], payload["world_size"]) == (rank, ranks)
+        assert payload["optimizer"]["state"]  # a real ZenFlow state, not an empty shell

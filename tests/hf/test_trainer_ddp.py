@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import assert_same_weights, rank_results, tiny_llama, zenflow_args
+from hf_helpers import assert_rank_files, assert_same_weights, rank_results, tiny_llama, zenflow_args
 from hf_helpers import torchrun as launch
 
 from hf_zenflow import CheckpointError, ZenFlowTrainer
@@ -72,11 +72,7 @@ def test_trainer_ddp_checkpoint_has_one_optimizer_file_per_rank(full_run):
         assert (checkpoint / "optimizer.pt").is_file() and not saved_world_sizes(str(checkpoint))
         return
     assert not (checkpoint / "optimizer.pt").exists()  # the one-process file would hold one rank's state only
-    assert saved_world_sizes(str(checkpoint)) == {RANKS}
-    for rank in range(RANKS):
-        payload = torch.load(checkpoint / rank_file_name(rank, RANKS), weights_only=True)
-        assert (payload["rank"], payload["world_size"]) == (rank, RANKS)
-        assert payload["optimizer"]["state"]  # a real ZenFlow state, not an empty shell
+    assert_rank_files(checkpoint, RANKS)
 
 
 @pytest.mark.slow

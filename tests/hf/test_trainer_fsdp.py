@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import assert_same_weights, rank_results, tiny_llama, torchrun
-
-from hf_zenflow.hf.rank_checkpoint import rank_file_name, saved_world_sizes
+from hf_helpers import assert_rank_files, assert_same_weights, rank_results, tiny_llama, torchrun
 
 
 WORKER = Path(__file__).with_name("hf_fsdp_worker.py")
@@ -68,11 +66,7 @@ def test_trainer_fsdp2_checkpoint_has_one_zenflow_optimizer_file_per_rank(full_r
     assert (checkpoint / "pytorch_model_fsdp.bin").is_file()  # the model's FSDP checkpoint, which resume loads
     # neither the one-process file nor accelerate's FSDP optimizer files (torch DCP's per-parameter format)
     assert not [name for name in os.listdir(checkpoint) if name.startswith("optimizer")]
-    assert saved_world_sizes(str(checkpoint)) == {RANKS}
-    for rank in range(RANKS):
-        payload = torch.load(checkpoint / rank_file_name(rank, RANKS), weights_only=True)
-        assert (payload["rank"], payload["world_size"]) == (rank, RANKS)
-        assert payload["optimizer"]["state"]  # a real ZenFlow state, not an empty shell
+    assert_rank_files(checkpoint, RANKS)
 
 
 @pytest.mark.slow
