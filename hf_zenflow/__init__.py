@@ -11,7 +11,8 @@ Where things live:
   - the host side of a step: `windows.py` (hand-offs, window closes, write-backs), over the host path in `host.py`
     (host state, accumulation, the window's AdamW) and `worker.py` (`HostAdamWorker`);
   - what crosses the link: `transport.py` (one interface; CUDA streams, events, pinned arena);
-  - the host work split across data-parallel ranks (DDP): `sharding.py` (shares, the batched collectives);
+  - the host work split across data-parallel ranks (DDP): `sharding.py` (shares, the batched collectives); FSDP2's
+    sharded parameters, each rank on its own shards: `fsdp.py`;
   - one matrix's two sides and its selection: `split_matrix.py`, `selection.py`;
   - checkpoints: `checkpoint.py` (format, validation, migration), `checkpoint_convert.py` (settings changed on resume,
     to/from `torch.optim.AdamW`); weights changed from outside: `weight_marks.py`;
@@ -22,7 +23,7 @@ Where things live:
 - the synchronous offload baseline: `baselines.py` (`SyncOffloadAdamW`);
 - the Hugging Face glue: `hf/` (`ZenFlowTrainer` in `trainer.py` with its telemetry `trainer_telemetry.py`, its
   card `trainer_card.py` and its per-rank optimizer files `rank_checkpoint.py`, `ZenFlowTrainingArguments`,
-  `ZenFlowPlugin`, model cards, `convert-checkpoint`);
+  `ZenFlowPlugin` with its per-rank `save_state` files `accelerate_checkpoint.py`, model cards, `convert-checkpoint`);
 - the side-by-side comparison (`compare/runner.py`: its settings `compare_config.py`, one timed run
   `training_run.py`), the emulated accelerator, the hardware bound model and the settings tuner (`hf_zenflow.tune`:
   `compare/tune.py`, over `tune_grid.py`, `pareto.py`, `tune_report.py`; `paired_stats.py`): `compare/`, driven by

@@ -11,7 +11,9 @@ migration: the same entries without shapes and checksums. A newer version is ref
 Under several data-parallel ranks (`sharding.py`) each rank's state dict holds its share of the host state: the
 ``zenflow`` block says ``ranks`` and ``rank``, each split entry its ``share`` (start, length, size of the shared
 dimension). It loads on the same rank of the same number of ranks; a one-process state dict loads on any number of
-ranks (each rank takes its share); other combinations are refused, naming both rank counts.
+ranks (each rank takes its share); other combinations are refused, naming both rank counts. Under FSDP2 (`fsdp.py`)
+every entry is of this rank's shard of the parameter (shapes included) and the block says ``fsdp_ranks`` and
+``fsdp_rank``: it loads only on the same rank of the same world size.
 
 Loading compares the saved settings with the optimizer's own and lets the current ones take effect (a new
 ``topk_ratio`` re-selects every matrix at the next step, moments kept; a new ``min_offload_numel`` moves matrices
@@ -21,6 +23,7 @@ between the split and the dense path; the rest apply as they are), logging what 
 from __future__ import annotations
 
 import logging
+import math
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,8 +78,8 @@ def pack(opt: ZenFlowAdamW) -> dict[str, Any]:
         packed = {k: v for k, v in group.items() if k != "params"}
         packed["params"] = []
         for p in group["params"]:
-            index_of[p] = len(index_of)
-            packed["params"].append(index_of[p])
+            packed["params"].append(len(index_of))
+            index_of[opt._fsdp.local(p)] = len(index_of)  # (the engine keys an FSDP2 parameter by its shard)
         groups.append(packed)
     state: dict[int, dict[str, Any]] = {}
     for p, split in opt._split.items():
@@ -104,8 +107,9 @@ def pack(opt: ZenFlowAdamW) -> dict[str, Any]:
     for p, entry in state.items():
         param = next(q for q, i in index_of.items() if i == p)
         entry.update(shape=list(param.shape), dtype=str(param.dtype).removeprefix("torch."))
-        if param in opt._param_names:
-            entry["name"] = opt._param_names[param]
+        name = opt._param_names.get(opt._fsdp.owner(param))
+        if name is not None:
+            entry["name"] = name
         entry["checksums"] = {key: tensor_checksum(t) for key, t in _tensors(entry).items()}
     schedule = opt._schedule
     zenflow = None
@@ -121,6 +125,8 @@ def pack(opt: ZenFlowAdamW) -> dict[str, Any]:
         }
         if opt._host.shards.ranks > 1:
             zenflow.update(ranks=opt._host.shards.ranks, rank=opt._host.shards.rank)
+        if opt._host.param_shards is not None:  # FSDP2: this rank's shards of the parameters
+            zenflow.update(fsdp_ranks=opt._host.param_shards.ranks, fsdp_rank=opt._host.param_shards.rank)
     return {"state": state, "param_groups": groups, "zenflow": zenflow}
 
 
@@ -165,7 +171,7 @@ _FP32_KEYS = ("device_master", "device_exp_avg", "device_exp_avg_sq", "host_mast
 
 def validate(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     """Refuse a state dict that does not fit `opt`'s parameters or holds damaged values, naming the tensor."""
-    params = [p for g in opt.param_groups for p in g["params"]]
+    params = opt._engine_params()
     saved_groups = state_dict.get("param_groups")
     if not isinstance(saved_groups, list) or len(saved_groups) != len(opt.param_groups) or any(
         len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, opt.param_groups)
@@ -213,7 +219,7 @@ def validate(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
 
 
 def _validate_split(index: int, entry: dict[str, Any], p: torch.Tensor) -> None:
-    units = p.shape[0] if entry.get("rows", False) else p.numel() // max(1, p.shape[0])
+    units = p.shape[0] if entry.get("rows", False) else math.prod(p.shape[1:])  # (an FSDP2 shard may have 0 rows)
     if not 0 <= int(entry["k"]) <= units:
         _fail(index, entry, p, f"k={entry['k']} is not in [0, {units}]")
     if "device_index" not in entry:
@@ -240,13 +246,15 @@ def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
                               f"'param_groups'; got keys {sorted(state_dict)[:8]}).")
     state_dict = migrate(state_dict)
     check_ranks(state_dict.get("zenflow") or {}, opt._host.shards.ranks, opt._host.shards.rank)
+    check_fsdp_ranks(state_dict.get("zenflow") or {}, opt._host.param_shards)
     validate(opt, state_dict)
     _restore_groups(opt, state_dict["param_groups"])
     opt._reset_state()
     zenflow = state_dict.get("zenflow")
     if zenflow is None:
         return
-    params = [p for g in opt.param_groups for p in g["params"]]
+    params = opt._engine_params()
+    groups = [g for g in opt.param_groups for _ in g["params"]]
     schedule = opt._ensure_schedule()
     for key in ("steps", "window_steps", "windows", "reselections", "last_interval"):
         setattr(schedule, key, int(zenflow[key]))
@@ -269,7 +277,7 @@ def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
                 dense.master.copy_(entry["master"].view_as(dense.master))
             opt._dense[p] = dense
             continue
-        opt._split[p] = _restore_split(opt, p, int(index), entry)
+        opt._split[p] = _restore_split(opt, p, groups[int(index)], int(index), entry)
     apply_changed_settings(opt, zenflow.get("config") or {})
 
 
@@ -303,15 +311,32 @@ def check_ranks(zenflow: dict[str, Any], ranks: int, rank: int) -> None:
     )
 
 
+def check_fsdp_ranks(zenflow: dict[str, Any], mesh: Any) -> None:
+    """Refuse a state dict saved under FSDP2 with another number of ranks or by another rank, or saved without
+    FSDP2 and loaded under it (or the other way round): each rank's state holds its own shards' rows."""
+    saved = (int(zenflow["fsdp_ranks"]), int(zenflow["fsdp_rank"])) if "fsdp_ranks" in zenflow else None
+    here = (mesh.ranks, mesh.rank) if mesh is not None else None
+    if saved == here or not zenflow:
+        return
+    def say(state: tuple[int, int] | None) -> str:
+        return "without FSDP2" if state is None else f"under FSDP2 by rank {state[1]} of {state[0]} (world size " \
+            f"{state[0]})"
+    raise CheckpointError(
+        f"ZenFlowAdamW.load_state_dict: this optimizer state was saved {say(saved)} and is loaded {say(here)}. "
+        "Under FSDP2 each rank's optimizer state holds the state of its own rows of every parameter: resume with "
+        "the same world size, each rank loading its own file (re-sharding to another world size is not "
+        "supported), or without the optimizer state.")
+
+
 def _restore_groups(opt: ZenFlowAdamW, saved_groups: list[dict[str, Any]]) -> None:
     for group, saved in zip(opt.param_groups, saved_groups):
         group.update({k: v for k, v in saved.items() if k != "params" and k not in _TORCH_ONLY_GROUP_KEYS})
         group["betas"] = tuple(group["betas"])
 
 
-def _restore_split(opt: ZenFlowAdamW, p: torch.Tensor, index: int, entry: dict[str, Any]) -> SplitMatrix:
-    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
-    split = SplitMatrix(p, int(entry["k"]), rows=bool(group.get("select_rows", False)))
+def _restore_split(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any], index: int, entry: dict[str, Any]
+                   ) -> SplitMatrix:
+    split = SplitMatrix(p, int(entry["k"]), rows=bool(group.get("select_rows", False)), owner=opt._fsdp.owner(p))
     if bool(entry.get("rows", False)) != split.rows:
         raise CheckpointError(
             f"ZenFlowAdamW.load_state_dict: {_label(index, entry, p)} was saved with select_rows="
@@ -382,6 +407,6 @@ def load_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
         ) from exc
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "check_file", "check_ranks", "load", "load_file", "migrate", "pack",
-           "tensor_checksum", "unpack", "validate"]
+__all__ = ["FORMAT_VERSION", "CheckpointError", "check_file", "check_fsdp_ranks", "check_ranks", "load", "load_file",
+           "migrate", "pack", "tensor_checksum", "unpack", "validate"]
 

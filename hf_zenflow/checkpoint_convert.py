@@ -63,6 +63,11 @@ def apply_changed_settings(opt: ZenFlowAdamW, saved: dict[str, Any]) -> None:
 
 def _apply_min_offload_numel(opt: ZenFlowAdamW) -> str:
     """Move matrices between the split path and the dense path to match the current `min_offload_numel`."""
+    if opt._host.param_shards is not None:
+        raise CheckpointError(
+            "ZenFlowAdamW.load_state_dict: min_offload_numel differs from the checkpoint's; under FSDP2 matrices "
+            "cannot move between the split and the dense path on resume. Resume with the checkpoint's "
+            "min_offload_numel.")
     group_of = {p: g for g in opt.param_groups for p in g["params"]}
     to_dense = [p for p in opt._split if not is_split(p, group_of[p], opt.config)]
     to_split = [p for p in opt._dense if is_split(p, group_of[p], opt.config)]
@@ -116,6 +121,11 @@ def _dense_to_split(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -
 def unpack_torch_adamw(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     """Continue from a `torch.optim.AdamW` checkpoint: moments and step counts carried over; each matrix's columns
     are selected at the next step (until then its whole state is on the host)."""
+    if opt._host.param_shards is not None:
+        raise CheckpointError(
+            "ZenFlowAdamW.load_state_dict: continuing from a torch.optim.AdamW state dict under FSDP2 is not "
+            "supported (its tensors are DTensors of the whole parameters). Load it in a run without FSDP2 and save "
+            "a ZenFlow state, or start ZenFlow from the weights.")
     params = [p for g in opt.param_groups for p in g["params"]]
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(opt.param_groups) or any(

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .device_step import gather_selected, norms_and_gather
+from .sharding import RankGroup, is_dtensor
 
 
 if TYPE_CHECKING:
@@ -86,13 +87,17 @@ class GradientReads:
         g = p.grad
         if g is None or g.is_sparse or _between_micro_batches():
             return
+        if is_dtensor(g):
+            # FSDP2 calls the hook once the reduce-scatter has produced the rank's shard of the gradient: the norm
+            # and the copy are of the local shard, keyed by the local tensor the engine works on (`fsdp.py`)
+            p, g = p._local_tensor, g._local_tensor
         self._norms[p] = (weakref.ref(g), g._version, torch_norm(g))
         if self.on_ready is not None:
             self.on_ready(p, g)
 
-    def norm(self, p: torch.Tensor) -> torch.Tensor | None:
-        """The hook's norm of `p.grad`, if it still describes the gradient `p` holds now."""
-        seen, g = self._norms.get(p), p.grad
+    def norm(self, p: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The hook's norm of `p`'s gradient `g` (default ``p.grad``), if it still describes that gradient."""
+        seen, g = self._norms.get(p), p.grad if g is None else g
         if seen is None or g is None or seen[0]() is not g or seen[1] != g._version:
             return None
         return seen[2]
@@ -155,16 +160,17 @@ class StepReads:
 def read_gradients(
     splits: dict[torch.Tensor, SplitMatrix], reads: GradientReads, entries: list[tuple[dict, torch.Tensor]],
     grads: list[torch.Tensor], measured: tuple[list[torch.Tensor] | None, torch.Tensor | None, torch.Tensor | None],
-    gather_now: bool, auto: bool,
+    gather_now: bool, auto: bool, ranks: RankGroup | None = None,
 ) -> StepReads:
     """Norms from `clip_grad_norm_` (`measured`: norms, total, clip coefficient) or from the backward hooks, the
-    rest read now; the selected columns gathered (an ordinary step); Zen-auto's masses (`auto`)."""
+    rest read now; the selected columns gathered (an ordinary step); Zen-auto's masses (`auto`). `ranks`: under
+    FSDP2 each rank reads its shards of the gradients, and the sums of squares are summed across these ranks."""
     cached_norms, cached_total, clip = measured
     gathered: set[torch.Tensor] = set()
     if cached_norms:
         norms = list(cached_norms)
     else:
-        norms = [reads.norm(p) for _, p in entries]
+        norms = [reads.norm(p, g) for (_, p), g in zip(entries, grads)]
         todo = [i for i, n in enumerate(norms) if n is None]
         if todo:  # read now, with the gather in the same sweep where the kernels allow
             read = norms_and_gather(splits, [entries[i] for i in todo], [grads[i] for i in todo], gather_now, gathered)
@@ -173,17 +179,28 @@ def read_gradients(
     if gather_now:
         # the selected columns are needed before the sync either way: Zen-auto votes on their mass
         gather_selected(splits, entries, grads, gathered)
-    if cached_total is not None:
-        total = cached_total
-    else:
-        first = norms[0].device
-        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
+    first = norms[0].device
     auto_split = [(i, splits[p]) for i, (_, p) in enumerate(entries)
                   if p in gathered and splits[p].offloaded] if auto else []
-    critical = [split.device.grad.square().sum() for _, split in auto_split]
+    masses = [norms[i].square() for i, _ in auto_split] + [split.device.grad.square().sum() for _, split in auto_split]
     # matrices still waiting for their first columns (`_select_new_matrices`): is their gradient non-zero?
     waiting = [i for i, (_, p) in enumerate(entries)
                if gather_now and (split := splits.get(p)) is not None and split.device is None and split.k > 0]
-    probe = [total, total if clip is None else clip] + [norms[i].square() for i, _ in auto_split] + critical
-    probe += [norms[i] for i in waiting]
+    waiting_norms = [norms[i] for i in waiting]
+    if ranks is not None and ranks.ranks > 1:
+        # Collective (FSDP2, every step): each rank holds some rows of every gradient; one all-reduce of all the
+        # sums of squares makes the total (the non-finite check, clipping), the masses and the waiting matrices'
+        # norms global, so that every rank skips, clips, votes and selects alike. (The total from
+        # `clip_grad_norm_` is global already.)
+        squares = torch.stack([n.to(first).square() for n in norms + waiting_norms] + [m.to(first) for m in masses])
+        ranks.all_reduce_sum([squares], "gradient-norm all-reduce")
+        n = len(norms)
+        norm_sq, waiting_sq, masses = squares[:n], squares[n:n + len(waiting)], list(squares[n + len(waiting):])
+        total = cached_total if cached_total is not None else norm_sq.sum().sqrt()
+        waiting_norms = list(waiting_sq.sqrt())
+    elif cached_total is not None:
+        total = cached_total
+    else:
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
+    probe = [total, total if clip is None else clip] + masses + waiting_norms
     return StepReads(total, gathered, auto_split, waiting, probe)

@@ -32,6 +32,7 @@ from . import checkpoint
 from ._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, device_update
+from .fsdp import LocalShards, global_norm, rekey
 from .gradients import GradientReads, read_gradients
 from .params import check_param_group, create_state, new_schedule, resolve_config
 from .reselection import reselect, select_waiting
@@ -68,7 +69,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         process_group: the data-parallel ranks that share the host work (default: torch's default process group,
             when one of several ranks is initialised; DDP). Each rank then holds host state for, and runs the host
             AdamW on, 1/N of every offloaded matrix, and `step()`, `flush()`, `load_state_dict()` and
-            `master_weight()` are collectives: call them on every rank (`hf_zenflow.sharding`).
+            `master_weight()` are collectives: call them on every rank (`hf_zenflow.sharding`). Under FSDP2
+            (DTensor parameters from ``fully_shard``) each rank works on its own shards instead and this argument
+            is not used: `step()`, `clip_grad_norm_()`, `flush()`, `state_dict()` and `load_state_dict()` are
+            collectives over the mesh (`hf_zenflow.fsdp`).
 
     Matrices (parameters with ``ndim >= 2``, viewed as ``[out, in]``) are split by input column, whether stored
     row-major or column-major (`column_major_`, where each input column is contiguous); 1-D parameters and other
@@ -113,6 +117,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._norm_cache = GradNormCache()
         self._stats = ZenFlowStats()
         self._auto_lag = AutoWritebackLag()
+        self._fsdp = LocalShards()  # FSDP2's DTensor parameters, found at the first use (`_find_param_shards`)
+        self._fsdp_checked = False
         self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor, process_group)
         self.config = config
         # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
@@ -147,10 +153,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         The gradients themselves are not rewritten: the coefficient is folded into the gather of the selected
         columns and into the host accumulation, which read the gradient anyway.
         """
+        self._find_param_shards()
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
-        known = [self._reads.norm(p) for p in params] if norm_type == 2.0 else None
+        grads = [self._fsdp.grad(p) for p in params]
+        known = [self._reads.norm(self._fsdp.local(p), g) for p, g in zip(params, grads)] if norm_type == 2.0 \
+            else None
         norms, total = grad_norms(grads, norm_type, known)
+        if self._fsdp.active:
+            total = global_norm(total, norm_type, self._host.param_shards)  # Collective (FSDP2): every rank's rows
         coef = clip_coefficient(total, float(max_norm)) if max_norm != float("inf") else None
         if norm_type == 2.0:
             self._norm_cache.store(grads, norms, total, coef)
@@ -165,6 +175,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._auto_lag.tick()
+        self._find_param_shards()
         worker = self._host.ensure_worker()
         worker.check()
         worker.hold()
@@ -185,11 +196,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for _, p in entries:
             if p.grad.is_sparse:
                 raise RuntimeError("ZenFlowAdamW does not support sparse gradients")
-        grads = [p.grad for _, p in entries]
+        entries, grads = self._fsdp.entries(entries)  # (FSDP2: this rank's shards; else unchanged)
         cached_norms, cached_total, clip = self._norm_cache.take(grads)
         schedule = self._ensure_schedule()
         self._pick_up_outside_changes()
-        create_state(entries, self._split, self._dense, self.config, schedule, self._host)
+        create_state(entries, self._split, self._dense, self.config, schedule, self._host,
+                     self._fsdp if self._fsdp.active else None)
 
         # ---- 1. one read of every gradient ------------------------------------------------------------------------
         kind = schedule.kind()
@@ -197,7 +209,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         gather_now = kind is StepKind.ORDINARY
         with timer.phase("norms"):
             reads = read_gradients(self._split, self._reads, entries, grads, (cached_norms, cached_total, clip),
-                                   gather_now, auto=self.config.is_auto_interval)
+                                   gather_now, auto=self.config.is_auto_interval, ranks=self._host.param_shards)
         total, gathered = reads.total, reads.gathered
 
         # ---- 2. an ordinary step launches its device work before it waits -------------------------------------
@@ -282,6 +294,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         every gradient seen. Call it at the end of training; mid-training it shortens the current window."""
         if self._schedule is None:
             return
+        self._find_param_shards()
         self._pick_up_outside_changes()
         if self._schedule.window_steps > 0:
             self._host.close_window(self._schedule, StepTimer(), sequential=True)
@@ -335,11 +348,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         kept (as `torch.optim.AdamW` keeps them when weights are loaded); what was computed from the old weights and
         is not in them yet (a pending host result, the open window's gradient sum) is dropped for these parameters.
         """
-        params = list(self._split) + list(self._dense) if params is None else list(params)
+        params = list(self._split) + list(self._dense) if params is None else [self._fsdp.local(p) for p in params]
         reread_masters(params, self._split, self._dense, self._host.worker)
         self._mark_weights()
 
     def _pick_up_outside_changes(self) -> None:
+        moved = self._fsdp.moved() if self._fsdp.active else []
+        if moved:  # FSDP2 re-allocated shards (model.to(), load_state_dict(assign=True)): the state follows them
+            reread_masters(rekey(moved, (self._split, self._dense)), self._split, self._dense,
+                           self._host.worker)
         changed = self._weights.changed()
         if changed:
             self._weights.tell_once(len(changed))
@@ -351,13 +368,28 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def master_weight(self, param: torch.Tensor) -> torch.Tensor:
         """The fp32 master value of `param` (host columns from the host master, device columns from the device),
-        on the host. Call `synchronize()` first in overlap mode."""
+        on the host; under FSDP2, of this rank's shard of `param`. Call `synchronize()` first in overlap mode."""
+        self._find_param_shards()
         self._pick_up_outside_changes()
-        return master_value(param, self._split, self._dense, self._host.shards)
+        return master_value(self._fsdp.local(param), self._split, self._dense, self._host.shards)
 
     # ------------------------------------------------------------------------------------------------------------
     # Step internals
     # ------------------------------------------------------------------------------------------------------------
+    def _find_param_shards(self) -> None:
+        """Once, before any state exists: are the parameters FSDP2 shards (`hf_zenflow.fsdp`)? accelerate swaps
+        them into the param groups after the optimizer is built, so this waits for the first use."""
+        if not self._fsdp_checked:
+            group = self._fsdp.find(p for g in self.param_groups for p in g["params"])
+            if group is not None:
+                self._host.use_param_shards(group)
+            self._fsdp_checked = True
+
+    def _engine_params(self) -> list[torch.Tensor]:
+        """Every parameter in param-group order as the engine keys its state (its local shard under FSDP2)."""
+        self._find_param_shards()
+        return [self._fsdp.local(p) for g in self.param_groups for p in g["params"]]
+
     def _ensure_schedule(self) -> WindowSchedule:
         if self._schedule is None:
             self._schedule = new_schedule(self.config)
@@ -376,6 +408,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         optimizers, the returned tensors are the live state: serialise it before stepping again.
         """
         self.synchronize()
+        self._find_param_shards()
         self._pick_up_outside_changes()
         return checkpoint.pack(self)
 
@@ -389,6 +422,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         differ from the checkpoint's take effect (see `hf_zenflow.checkpoint`), with a logged note.
         """
         self.synchronize()
+        self._find_param_shards()
         checkpoint.load(self, state_dict)
 
     def name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module) -> None:

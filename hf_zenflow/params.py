@@ -14,11 +14,11 @@ from .config import ZenFlowConfig
 from .device_step import DenseDeviceState
 from .schedule import WindowSchedule
 from .selection import num_selected, selection_axis
-from .sharding import is_dtensor
 from .split_matrix import SplitMatrix
 
 
 if TYPE_CHECKING:
+    from .fsdp import LocalShards
     from .windows import HostWindows
 
 
@@ -62,34 +62,39 @@ def new_schedule(config: ZenFlowConfig) -> WindowSchedule:
     )
 
 
-def is_split(p: torch.Tensor, group: dict[str, Any], config: ZenFlowConfig) -> bool:
+def is_split(p: torch.Tensor, group: dict[str, Any], config: ZenFlowConfig,
+             shape: torch.Size | None = None) -> bool:
     """Whether `p` is split between the device and the host (a large enough matrix in a layout we can split), or
-    updated wholly on the device."""
-    return (p.ndim >= 2 and (bool(group.get("select_rows", False)) or selection_axis(p) is not None)
-            and p.numel() >= config.min_offload_numel)
+    updated wholly on the device. `shape`: the whole parameter's, when `p` is an FSDP2 shard (every rank must
+    decide alike, whatever rows it holds)."""
+    shape = p.shape if shape is None else shape
+    return (len(shape) >= 2 and (bool(group.get("select_rows", False)) or selection_axis(p) is not None)
+            and shape.numel() >= config.min_offload_numel)
 
 
 def create_state(entries: list[tuple[dict, torch.Tensor]], splits: dict[torch.Tensor, SplitMatrix],
                  dense: dict[torch.Tensor, DenseDeviceState], config: ZenFlowConfig, schedule: WindowSchedule,
-                 host: HostWindows) -> None:
+                 host: HostWindows, shards: LocalShards | None = None) -> None:
     """State for the parameters of `entries` that have none yet: a `SplitMatrix` (host state now when some
-    columns live on the host, or during warm-up, when the host updates every column) or a `DenseDeviceState`."""
+    columns live on the host, or during warm-up, when the host updates every column) or a `DenseDeviceState`.
+    `shards`: under FSDP2 the entries hold local shards, decided on by their whole parameters' shapes."""
     needs_host: list[SplitMatrix] = []
     for group, p in entries:
         if p in splits or p in dense:
             continue
-        if is_dtensor(p):
-            raise NotImplementedError(
-                f"ZenFlowAdamW got a DTensor parameter of shape {tuple(p.shape)} (FSDP2's fully_shard): sharded "
-                "parameters are not supported yet. Use DDP, where ZenFlowAdamW splits the host work across the "
-                "ranks itself.")
         rows = bool(group.get("select_rows", False))
+        owner = shards.owner(p) if shards is not None else p
+        if owner is not p and (rows or not p.is_contiguous()):
+            raise NotImplementedError(
+                f"ZenFlowAdamW under FSDP2: parameter of shape {tuple(owner.shape)} has select_rows={rows} and "
+                f"local strides {p.stride()}: FSDP2 shards the rows, so only row-major matrices split by input "
+                "column are supported (no select_rows, no column_major_).")
         if rows and not p.is_contiguous():
             raise ValueError(f"ZenFlowAdamW param group select_rows=True needs row-major (contiguous) parameters; "
                              f"got one of shape {tuple(p.shape)} with strides {p.stride()} (do not combine it "
                              "with column_major_ on the same weight).")
-        if is_split(p, group, config):
-            split = SplitMatrix(p, 0, rows=rows)
+        if is_split(p, group, config, owner.shape):
+            split = SplitMatrix(p, 0, rows=rows, owner=owner)
             split.k = num_selected(config.topk_ratio, split.columns)
             if split.offloaded or schedule.in_warm_up():
                 needs_host.append(split)

@@ -1,7 +1,7 @@
 """Choosing device columns during training: the scheduled re-selection of every matrix, and matrices that get their
 first columns late (first gradient after warm-up, or every gradient so far exactly zero). With the host state
 shared by several ranks, one all-reduce of the scores and one all-gather of the incoming columns' state per
-selection, for all matrices at once (`sharding.py`)."""
+selection, for all matrices at once (`sharding.py`); under FSDP2 the all-reduce of the scores only (`fsdp.py`)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,9 @@ def select_columns(host: HostWindows, pairs: list[tuple[SplitMatrix, torch.Tenso
     # one threaded kernel pass for the contiguous row-scored matrices of a CPU device (one rank: whole matrices)
     fast = row_scores([(split, split.matrix(g)) for split, g in scored]) if ranks.ranks == 1 else {}
     scores = [fast[id(split)] if id(split) in fast else split.local_scores(g) for split, g in scored]
-    ranks.all_reduce_sum(scores)
+    # Collective: the ranks' partial sums (their shares of the rows under DDP, their FSDP2 shards) summed, so that
+    # every rank selects the same columns
+    host.reduce_group.all_reduce_sum(scores)
     chosen = [(split, top_columns(s, split.k)) for (split, _), s in zip(scored, scores) if bool(s.any())]
     chosen += [(split, torch.arange(split.k, device=split.param.device)) for split, _ in todo if not split.offloaded]
     hosted = [(split, index) for split, index in chosen if split.host is not None]

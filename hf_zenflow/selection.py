@@ -43,7 +43,7 @@ def storage_matrix(t: torch.Tensor, axis: int) -> torch.Tensor:
     (axis 1) or the ``[in, out]`` transpose (axis 0). A view when `t` has the parameter's layout (autograd gives
     gradients the parameter's strides); a copy otherwise."""
     if axis == 1:
-        return (t if t.is_contiguous() else t.contiguous()).view(t.shape[0], -1)
+        return (t if t.is_contiguous() else t.contiguous()).flatten(1)  # (flatten: an FSDP2 shard may have 0 rows)
     m = t.t()
     return m if m.is_contiguous() else m.contiguous()
 

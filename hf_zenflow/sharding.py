@@ -115,13 +115,16 @@ class RankGroup:
                 "restart from the last checkpoint."
             ) from exc
 
-    def all_reduce_sum(self, tensors: list[torch.Tensor], what: str = "selection-score all-reduce") -> None:
-        """Sum each tensor across the ranks, in place, with one collective for all of them."""
+    def all_reduce_sum(self, tensors: list[torch.Tensor], what: str = "selection-score all-reduce",
+                       op: str = "sum") -> None:
+        """Sum (or, ``op="max"``, the maximum of) each tensor across the ranks, in place, with one collective for
+        all of them."""
         if self.ranks == 1 or not tensors:
             return
         device = self.device_for(tensors[0].device)
         flat = torch.cat([t.reshape(-1).to(device, torch.float32) for t in tensors])
-        self._run(what, lambda: dist.all_reduce(flat, group=self.group))
+        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        self._run(what, lambda: dist.all_reduce(flat, op=reduce_op, group=self.group))
         offset = 0
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view(t.shape))

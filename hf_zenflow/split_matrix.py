@@ -24,10 +24,13 @@ class SplitMatrix:
     """One matrix: its device columns and its host state (either may be absent)."""
 
     __slots__ = ("param", "rows", "axis", "k", "columns", "device", "host", "auto", "window_sum", "window_count",
-                 "window_sum_free", "share")
+                 "window_sum_free", "share", "owner")
 
-    def __init__(self, param: torch.Tensor, k: int, rows: bool = False) -> None:
+    def __init__(self, param: torch.Tensor, k: int, rows: bool = False, owner: torch.Tensor | None = None) -> None:
         self.param = param
+        # the parameter whose `.grad` holds the gradient: `param` itself, or under FSDP2 the DTensor whose local
+        # shard `param` is (`fsdp.py`)
+        self.owner = param if owner is None else owner
         # rows: the param group's `select_rows` (an embedding table, whose input channels are its rows: tokens)
         self.rows = rows
         self.axis = 0 if rows else selection_axis(param)
@@ -72,7 +75,7 @@ class SplitMatrix:
 
     @property
     def grad_dtype(self) -> torch.dtype:
-        return self.param.dtype if self.param.grad is None else self.param.grad.dtype
+        return self.param.dtype if self.owner.grad is None else self.owner.grad.dtype
 
     def detach_host(self) -> None:
         self.host, self.window_sum, self.window_count, self.window_sum_free = None, None, 0, None

@@ -130,5 +130,5 @@ def optimizer_stats(stats: ZenFlowStats, schedule: WindowSchedule | None, config
         windows=schedule.windows if schedule else 0, reselections=schedule.reselections if schedule else 0,
         host_step_ms=worker_ms.get("host_adamw", 0.0), accumulate_ms=worker_ms.get("accumulate", 0.0),
         pinned_host_bytes=sum(t.pinned_bytes for t in host.transports.values()),
-        ranks=host.shards.ranks, gather_buffer_bytes=host.shards.buffer_bytes,
+        ranks=host.reduce_group.ranks, gather_buffer_bytes=host.shards.buffer_bytes,
     )

@@ -25,7 +25,7 @@ from .schedule import WindowSchedule, host_lr_scale
 from .sharding import RankGroup
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
-from .transport import Landed, Transport, transport_for
+from .transport import CopyTransport, Landed, Transport, transport_for
 from .worker import GradSlot, HostAdamWorker
 
 
@@ -61,6 +61,9 @@ class HostWindows:
         self.host_executor = host_executor
         self.process_group = process_group
         self._shards: RankGroup | None = None
+        #: FSDP2's mesh when the parameters are sharded DTensors (`fsdp.py`): each rank's host state holds its local
+        #: rows, nothing is shared across ranks, and per-rank partial sums are summed over this group instead
+        self.param_shards: RankGroup | None = None
         self.worker: HostAdamWorker | None = None
         self.transports: dict[str, Transport] = {}  # by device type
         self.pending: Any = None  # Future of the host step whose result awaits write-back (overlap mode)
@@ -82,14 +85,25 @@ class HostWindows:
 
     @property
     def shards(self) -> RankGroup:
-        """The ranks sharing the host work, found at first use (the process group may start after the optimizer)."""
+        """The ranks sharing the host work, found at first use (the process group may start after the optimizer).
+        One rank under FSDP2, where each rank's parameters are already its own rows."""
         if self._shards is None:
-            self._shards = RankGroup.of(self.process_group)
+            self._shards = RankGroup() if self.param_shards is not None else RankGroup.of(self.process_group)
         return self._shards
+
+    @property
+    def reduce_group(self) -> RankGroup:
+        """The ranks over which per-rank partial sums (selection scores, gradient sums of squares) are summed: the
+        FSDP2 mesh, or the ranks sharing the host work under DDP."""
+        return self.param_shards if self.param_shards is not None else self.shards
+
+    def use_param_shards(self, group: RankGroup) -> None:
+        """The parameters are FSDP2 shards over `group` (before the first step's state exists)."""
+        self.param_shards, self._shards = group, RankGroup()
 
     def ensure_worker(self) -> HostAdamWorker:
         if self.worker is None:
-            note_host_split(self.shards.ranks, self.process_group)  # (once per process)
+            note_host_split(self.reduce_group.ranks, self.process_group)  # (once per process)
             self.worker = HostAdamWorker(
                 self.config.resolved_cpu_threads,
                 background=self.config.overlap_step and self.host_executor == "thread",
@@ -99,7 +113,10 @@ class HostWindows:
     def transport_of(self, split: SplitMatrix) -> Transport:
         kind = split.param.device.type
         if kind not in self.transports:
-            self.transports[kind] = transport_for(split.param.device)
+            # An FSDP2 shard is a view into FSDP2's flat sharded storage, from which it all-gathers the weights:
+            # the write-back must copy into it (the CPU device's storage swap would detach the view).
+            copy = self.param_shards is not None and kind == "cpu"
+            self.transports[kind] = CopyTransport() if copy else transport_for(split.param.device)
         return self.transports[kind]
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:
@@ -201,7 +218,7 @@ class HostWindows:
         """Submit the host job that adds the handed-off gradients (times `coef`) into the window sums."""
         sources, landed = started.sources, started.landed
         for split, _ in started.work:
-            split.param.grad = None  # the worker owns this gradient now
+            split.owner.grad = None  # the worker owns this gradient now (FSDP2: the DTensor's, else it accumulates)
         self.stats.bytes_to_host += sum(s.host_part(g).numel() * g.element_size() for s, g in started.work)
         started.work.clear()
 
@@ -274,9 +291,9 @@ class HostWindows:
         scale = host_lr_scale(self.config.host_lr_scale, steps)
         group_of = {p: g for g in self.groups for p in g["params"]}
         by_group: dict[int, tuple[dict, list[HostMatrix]]] = {}
-        for p, split in self.splits.items():
+        for split in self.splits.values():
             if split.host is not None:
-                group = group_of[p]
+                group = group_of[split.owner]  # (the parameter in the group: a DTensor under FSDP2)
                 if id(group) not in by_group:
                     # hyper-parameters are copied now: the lr in force when the window closed
                     hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}

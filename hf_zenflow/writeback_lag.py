@@ -62,12 +62,12 @@ class AutoWritebackLag:
         host_ms = host.worker.last_job_ms.get("host_adamw", 0.0) if host.worker is not None else 0.0
         step_ms = statistics.median(self.intervals_ms) if self.intervals_ms else 0.0
         lag = auto_writeback_lag(host_ms, step_ms, longest)
-        if host.shards.ranks > 1:
+        if host.reduce_group.ranks > 1:
             # every rank reaches this at the same step; one-hot counts summed, the largest lag chosen by any rank wins
             device = next(iter(host.splits)).device if host.splits else torch.device("cpu")
             votes = torch.zeros(longest + 1, device=device)
             votes[lag] = 1.0
-            host.shards.all_reduce_sum([votes], "writeback_lag agreement")
+            host.reduce_group.all_reduce_sum([votes], "writeback_lag agreement")
             lag = int(votes.nonzero().max())
         schedule.writeback_lag, schedule.writeback_lag_pending = lag, False
         logger.info("hf_zenflow: writeback_lag=\"auto\" chose %d step(s) of %d (host step %.1f ms, step %.1f ms)",

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The prepared GPU check, for a lent GPU machine (one call): the reference tests on CUDA (bf16 weights, pinned
-# buffers, the side copy stream, events), the DDP tests on NCCL with one rank per GPU, then the GPU benchmark.
+# buffers, the side copy stream, events), the DDP and FSDP2 tests on NCCL with one rank per GPU, then the GPU
+# benchmark.
 # Writes logs under ${OUT:-gpu_out}.
 #
 #   bash scripts/gpu_check.sh            # uses the machine's python3 (its torch/transformers; no installs)
 #
-# Budget: about 2 minutes of tests, about 1 of DDP tests + the benchmark's own limit (see scripts/bench_gpu.py --help).
+# Budget: about 2 minutes of tests, about 1 each of DDP and FSDP2 tests, + the benchmark's own limit (see
+# scripts/bench_gpu.py --help).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_out}"
@@ -24,7 +26,12 @@ timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/hf/test_trainer_dd
   one_optimizer_file or resume_mid_window or refused_in_one_process or plugin_under_ddp" 2>&1 \
   | tee "$out/tests_ddp_nccl.log"
 ddp_rc=${PIPESTATUS[0]}
+# FSDP2 on NCCL (tests/test_fsdp.py), one rank per GPU (one GPU: a mesh of one rank against the plain model, through
+# the same code): the ranks train like one process, resume exactly, bf16 mixed precision with every column on the
+# device equals torch's fused AdamW.
+timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_fsdp.py 2>&1 | tee "$out/tests_fsdp_nccl.log"
+fsdp_rc=${PIPESTATUS[0]}
 timeout 420 python3 scripts/bench_gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench_gpu.log"
 bench_rc=${PIPESTATUS[0]}
-echo "cuda tests rc=$tests_rc ddp (nccl) rc=$ddp_rc bench rc=$bench_rc"
-exit $(( tests_rc || ddp_rc || bench_rc ))
+echo "cuda tests rc=$tests_rc ddp (nccl) rc=$ddp_rc fsdp2 (nccl) rc=$fsdp_rc bench rc=$bench_rc"
+exit $(( tests_rc || ddp_rc || fsdp_rc || bench_rc ))

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import shutil
-import tempfile
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import assert_each_rank_holds_at_most, assert_resumed_bitwise, spawn_ranks
 
 from hf_zenflow import CheckpointError, ZenFlowAdamW, column_major_
 from hf_zenflow.sharding import RankGroup, ShardCollectiveError, Share
@@ -123,12 +121,7 @@ def _flushed(opt: ZenFlowAdamW, model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _spawn(fn, *args) -> None:
-    # the rendezvous file lives outside pytest's numbered temp folders, which a concurrent pytest session may prune
-    rendezvous = tempfile.mkdtemp(prefix="hf_zenflow_pg_")
-    try:
-        mp.spawn(fn, args=(os.path.join(rendezvous, "pg_init"), *args), nprocs=RANKS, join=True)
-    finally:
-        shutil.rmtree(rendezvous, ignore_errors=True)
+    spawn_ranks(fn, *args, ranks=RANKS)
 
 
 @pytest.fixture(scope="module")
@@ -175,16 +168,13 @@ def test_each_rank_holds_about_half_the_host_state(ddp_run):
         assert opt.stats()["ranks"] == 1
     finally:
         opt.close()
-    for stats in (rank0["stats"], rank1["stats"]):
-        assert stats["ranks"] == RANKS
-        assert 0 < stats["host_state_bytes"] <= 0.6 * single, (stats["host_state_bytes"], single)
+    assert_each_rank_holds_at_most(0.6, [rank0["stats"], rank1["stats"]], single)
 
 
 @pytest.mark.timeout(240)
 def test_each_rank_resumes_exactly_from_its_own_share(ddp_run):
     rank0, rank1, _ = ddp_run
-    for run in (rank0, rank1):
-        assert all(torch.equal(a, b) for a, b in zip(run["resumed"], run["final"]))
+    assert_resumed_bitwise([rank0, rank1])
 
 
 @pytest.mark.timeout(240)

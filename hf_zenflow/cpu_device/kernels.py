@@ -111,8 +111,9 @@ def status() -> str:
 
 
 def supports(t: torch.Tensor) -> bool:
-    """Whether the kernels can take `t` as the strided [rows, cols] operand."""
-    return t.device.type == "cpu" and t.dtype in _KINDS and t.is_contiguous() and t.ndim >= 1
+    """Whether the kernels can take `t` as the strided [rows, cols] operand (not an empty one: an FSDP2 shard may
+    have no rows; torch's own ops take those)."""
+    return t.device.type == "cpu" and t.dtype in _KINDS and t.is_contiguous() and t.ndim >= 1 and t.numel() > 0
 
 
 def _array(ctype: type, values: list) -> ctypes.Array:

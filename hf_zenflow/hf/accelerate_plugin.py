@@ -26,7 +26,7 @@ Example (``accelerate launch --cpu --num_processes 1 train.py``)::
                 optimizer.optimizer.clip_grad_norm_(1.0)  # the ZenFlowAdamW inside: the true global norm
             optimizer.step()
             optimizer.zero_grad()
-    accelerator.save_state("ckpt")                    # the plugin's pre-hook drains the host worker first
+    accelerator.save_state("ckpt")                    # on every rank; under DDP one optimizer file per rank
     plugin.flush(optimizer)                           # end of training: every gradient in the weights, worker stopped
 """
 
@@ -198,15 +198,22 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
         `steps_per_epoch` is set, and registers save/load-state pre-hooks that wait for the host worker, so that
         `accelerator.save_state` / `load_state` round-trip exactly (the optimizer's state_dict holds the whole
         ZenFlow state). Build the LR scheduler on the returned optimizer afterwards (and prepare it).
+
+        Under DDP (several processes) ``save_state`` must be called on every rank, as accelerate asks anyway: each
+        rank writes its share of the optimizer state to ``zenflow_optimizer_rank{r}_of_{N}.pt`` in the folder, as
+        `ZenFlowTrainer` does, and ``optimizer.bin`` only points at those files; ``load_state`` gives each rank its
+        own file back. Another number of ranks is refused naming both; a one-process folder loads on any number
+        (`hf_zenflow.hf.accelerate_checkpoint`).
         """
+        from .accelerate_checkpoint import prepare_rank_file_optimizer  # imports accelerate: not at module import
+
         self.check_accelerator(accelerator)
         self._warn_thread_trap()
         model = accelerator.prepare_model(model)
         optimizer = self.create_optimizer(accelerator.unwrap_model(model), lr=lr, weight_decay=weight_decay,
                                           betas=betas, eps=eps, **optimizer_kwargs)
-        # device_placement=False: AcceleratedOptimizer would otherwise round-trip the (empty) state through
-        # state_dict/load_state_dict onto the device; ZenFlowAdamW places its own state (host side on the host).
-        prepared_opt = accelerator.prepare_optimizer(optimizer, device_placement=False)
+        self.register_hooks(accelerator, optimizer)  # drain the host worker before the per-rank files are written
+        prepared_opt = prepare_rank_file_optimizer(accelerator, optimizer)
         prepared = accelerator.prepare(*objects) if objects else ()
         if len(objects) == 1:
             prepared = (prepared,)
@@ -221,7 +228,6 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
                     if steps > 0:
                         optimizer.set_steps_per_epoch(steps)
                     break
-        self.register_hooks(accelerator, optimizer)
         return (model, prepared_opt, *prepared)
 
     @staticmethod

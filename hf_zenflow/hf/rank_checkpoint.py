@@ -1,17 +1,23 @@
-"""One optimizer file per rank in a Trainer checkpoint, for ZenFlow under several processes (DDP).
+"""One optimizer file per rank in a checkpoint, for ZenFlow under several processes (DDP).
 
-The Trainer writes ``optimizer.pt`` from the main process only. Under several ranks a ZenFlow optimizer's state dict
-holds that rank's share of the host state (or, before the host state is sharded, a full copy), and taking it may
-involve collectives, so every rank saves its own ``zenflow_optimizer_rank{r}_of_{N}.pt`` next to where
-``optimizer.pt`` would be, with the world size recorded in the name and in the file, and loads its own file on
-resume. Only the public ``state_dict()`` / ``load_state_dict()`` of the optimizer are used.
+The Trainer writes ``optimizer.pt``, and accelerate's ``save_state`` ``optimizer.bin``, from the main process only.
+Under several ranks a ZenFlow optimizer's state dict holds that rank's share of the host state (or, before the host
+state is sharded, a full copy), and taking it may involve collectives, so every rank saves its own
+``zenflow_optimizer_rank{r}_of_{N}.pt`` next to where that file would be, with the world size recorded in the name
+and in the file, and loads its own file on resume. Only the public ``state_dict()`` / ``load_state_dict()`` of the
+optimizer are used.
 
 What loads where:
 
 - the same world size: each rank its own file;
-- a one-process checkpoint (``optimizer.pt``) under N ranks: every rank loads it (the optimizer takes its share);
+- a one-process checkpoint (``optimizer.pt``; ``optimizer.bin`` for accelerate) under N ranks: every rank loads it
+  (the optimizer takes its share);
 - rank files of N ranks under another world size (one process included): refused with `CheckpointError`, naming
   both world sizes (re-sharding between rank counts does not exist yet, issue 13).
+
+accelerate writes its ``optimizer.bin`` whatever the optimizer's state dict is, so under several ranks it gets a
+*pointer* instead (`rank_files_pointer`): a few bytes saying which rank files hold the state, so that the file neither
+repeats rank 0's share nor passes for a one-process checkpoint.
 
 Example:
     >>> rank_file_name(1, 2)
@@ -31,6 +37,9 @@ from ..checkpoint import CheckpointError, load_file
 
 #: The Trainer's one-process optimizer file (transformers.trainer.OPTIMIZER_NAME).
 OPTIMIZER_NAME = "optimizer.pt"
+#: accelerate's optimizer file of `Accelerator.save_state` (accelerate.utils.OPTIMIZER_NAME + ".bin").
+ACCELERATE_OPTIMIZER_NAME = "optimizer.bin"
+_POINTER_KEY = "zenflow_rank_files"
 _RANK_FILE = re.compile(r"zenflow_optimizer_rank(\d+)_of_(\d+)\.pt")
 #: The format of a rank file: ``{"format": 1, "rank": r, "world_size": N, "optimizer": state_dict}``.
 RANK_FILE_FORMAT = 1
@@ -63,6 +72,16 @@ def save_rank_state(optimizer: Any, output_dir: str, rank: int, world_size: int)
     return path
 
 
+def rank_files_pointer(world_size: int) -> dict[str, Any]:
+    """What stands in a one-process optimizer file of a checkpoint whose state is in the rank files of
+    `world_size` ranks."""
+    return {_POINTER_KEY: {"format": RANK_FILE_FORMAT, "world_size": world_size}}
+
+
+def is_rank_files_pointer(state: Any) -> bool:
+    return isinstance(state, dict) and _POINTER_KEY in state
+
+
 def _world_size_error(checkpoint: str, saved: str, world_size: int) -> CheckpointError:
     return CheckpointError(
         f"{checkpoint}: the ZenFlow optimizer state was saved by {saved}, and this run has world size {world_size}. "
@@ -84,10 +103,11 @@ def check_one_process_resume(checkpoint: str) -> None:
         raise _world_size_error(checkpoint, _describe(sizes), 1)
 
 
-def load_rank_state(checkpoint: str, rank: int, world_size: int) -> dict[str, Any] | None:
+def load_rank_state(checkpoint: str, rank: int, world_size: int,
+                    one_process_name: str = OPTIMIZER_NAME) -> dict[str, Any] | None:
     """This rank's optimizer state dict from `checkpoint` (on the host: ``map_location="cpu"``; the optimizer's
-    loader places device parts), the one-process ``optimizer.pt`` when there are no rank files, or None when the
-    checkpoint has no optimizer state at all."""
+    loader places device parts), the one-process file `one_process_name` when there are no rank files, or None when
+    the checkpoint has no optimizer state at all."""
     path = os.path.join(checkpoint, rank_file_name(rank, world_size))
     if os.path.isfile(path):
         payload = load_file(path, map_location="cpu")
@@ -103,11 +123,17 @@ def load_rank_state(checkpoint: str, rank: int, world_size: int) -> dict[str, An
     if sizes:
         raise CheckpointError(f"{path}: no such file, but other ranks of world size {world_size} have theirs: the "
                               "checkpoint is incomplete (a rank died while saving). Resume from an earlier one.")
-    one_process = os.path.join(checkpoint, OPTIMIZER_NAME)
-    if os.path.isfile(one_process):
-        return load_file(one_process, map_location="cpu")
-    return None
+    one_process = os.path.join(checkpoint, one_process_name)
+    if not os.path.isfile(one_process):
+        return None
+    state = load_file(one_process, map_location="cpu")
+    if is_rank_files_pointer(state):
+        raise CheckpointError(f"{one_process}: the optimizer state was saved in rank files of world size "
+                              f"{state[_POINTER_KEY]['world_size']}, and {checkpoint} has none: they were not copied "
+                              "with the checkpoint. Copy them, or resume without the optimizer state.")
+    return state
 
 
-__all__ = ["OPTIMIZER_NAME", "RANK_FILE_FORMAT", "check_one_process_resume", "load_rank_state", "rank_file_name",
-           "save_rank_state", "saved_world_sizes"]
+__all__ = ["ACCELERATE_OPTIMIZER_NAME", "OPTIMIZER_NAME", "RANK_FILE_FORMAT", "check_one_process_resume",
+           "is_rank_files_pointer", "load_rank_state", "rank_file_name", "rank_files_pointer", "save_rank_state",
+           "saved_world_sizes"]

@@ -1,6 +1,7 @@
 """One rank of the multi-process tests (`test_trainer_ddp.py`), started by torchrun: trains the tiny Llama with
-`ZenFlowTrainer` (DDP, gloo) or a plain accelerate loop with `ZenFlowPlugin`, or tries `ZenFlowTrainer` on a model
-sharded with `fully_shard` by hand (the Trainer's FSDP off), and leaves what the test compares in ``--out``:
+`ZenFlowTrainer` (DDP, gloo) or a plain accelerate loop with `ZenFlowPlugin` (``--save-steps N``: ``save_state`` to
+``OUT/state-N``; ``--resume OUT/state-N``: ``load_state``, train on from batch N), or tries `ZenFlowTrainer` on a
+model sharded with `fully_shard` by hand (the Trainer's FSDP off), and leaves what the test compares in ``--out``:
 ``rank{r}.pt`` (final weights and logged losses) or ``error_rank{r}.txt`` (the exception that ended the rank).
 
     python -m torch.distributed.run --nproc_per_node 2 tests/hf/hf_ddp_worker.py trainer --out OUT
@@ -74,11 +75,20 @@ def run_plugin(opts: argparse.Namespace) -> dict:
     loader = torch.utils.data.DataLoader(ByteLMDataset(corpus_text(), num_samples=256), batch_size=4)
     plugin = ZenFlowPlugin(topk_ratio=0.1, update_interval=4, cpu_threads=1, min_offload_numel=0, writeback_lag=1)
     model, optimizer, loader = plugin.prepare(accelerator, model, loader, lr=3e-3)
+    start, loaded = 0, None
+    if opts.resume:  # a checkpoint of --save-steps N is a folder named state-N
+        accelerator.load_state(opts.resume)
+        start = int(Path(opts.resume).name.removeprefix("state-"))
+        loader = accelerator.skip_first_batches(loader, start)
+        zenflow = optimizer.state_dict()["zenflow"]  # every rank: a collective under DDP
+        loaded = {key: zenflow.get(key) for key in ("steps", "ranks", "rank")}
     losses, first_batch = [], None
-    for step, batch in enumerate(loader):
+    for step, batch in enumerate(loader, start):
         first_batch = batch["input_ids"].tolist() if first_batch is None else first_batch
         if step == opts.max_steps:
             break
+        if step and step == opts.save_steps:  # save mid-window, then train on
+            accelerator.save_state(str(Path(opts.out) / f"state-{step}"))
         loss = model(**batch).loss
         accelerator.backward(loss)
         optimizer.optimizer.clip_grad_norm_(1.0)  # the ZenFlowAdamW inside the AcceleratedOptimizer
@@ -87,7 +97,7 @@ def run_plugin(opts: argparse.Namespace) -> dict:
         losses.append(accelerator.reduce(loss.detach(), "mean").item())
     plugin.flush(optimizer)
     return {"weights": on_host(accelerator.unwrap_model(model)), "losses": losses,
-            "world_size": accelerator.num_processes, "first_batch": first_batch}
+            "world_size": accelerator.num_processes, "first_batch": first_batch, "loaded": loaded}
 
 
 def run_fsdp2(opts: argparse.Namespace) -> dict:

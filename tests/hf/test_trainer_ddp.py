@@ -1,5 +1,6 @@
 """`ZenFlowTrainer` and `ZenFlowPlugin` under `torchrun --nproc_per_node 2` (DDP on gloo, CPU), each rank a real
-process (`hf_ddp_worker.py`): ranks agree bitwise, every rank saves and restores its own optimizer file, a resume
+process (`hf_ddp_worker.py`): ranks agree bitwise, every rank saves and restores its own optimizer file (Trainer
+checkpoints and the plugin's ``accelerator.save_state`` / ``load_state``), a resume
 from a mid-window checkpoint equals the uninterrupted run bitwise, another world size is refused naming both, a
 dead or silent rank ends the other with an error within the process group's timeout, and a model sharded with
 `fully_shard` outside the Trainer (whose FSDP is off) is refused clearly (FSDP2 through the Trainer:
@@ -7,19 +8,24 @@ dead or silent rank ends the other with an error within the process group's time
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from accelerate import Accelerator
+from hf_ddp_worker import run_plugin
 from hf_helpers import assert_rank_files, assert_same_weights, rank_results, tiny_llama, zenflow_args
 from hf_helpers import torchrun as launch
 
-from hf_zenflow import CheckpointError, ZenFlowTrainer
+from hf_zenflow import CheckpointError, ZenFlowPlugin, ZenFlowTrainer
 from hf_zenflow.hf.rank_checkpoint import (
+    ACCELERATE_OPTIMIZER_NAME,
     load_rank_state,
     rank_file_name,
+    rank_files_pointer,
     save_rank_state,
     saved_world_sizes,
 )
@@ -121,9 +127,23 @@ def test_a_model_sharded_outside_the_trainer_is_refused_naming_the_fsdp2_flags(t
     assert "sharded (fully_shard) outside the Trainer" in error and "--fsdp_config" in error
 
 
+@pytest.fixture(scope="module")
+def plugin_run(tmp_path_factory) -> list[dict]:
+    """A `ZenFlowPlugin` loop of 12 steps on `RANKS` ranks (windows of 4 steps)."""
+    out = tmp_path_factory.mktemp("plugin")
+    return results(out, torchrun(out, "plugin", "--max-steps", "12"))
+
+
+@pytest.fixture(scope="module")
+def plugin_saved_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The same loop with ``accelerator.save_state`` after step 6 (mid-window) to ``state-6``."""
+    out = tmp_path_factory.mktemp("plugin_saved")
+    return out, results(out, torchrun(out, "plugin", "--max-steps", "12", "--save-steps", "6"))
+
+
 @pytest.mark.slow
-def test_plugin_under_ddp_ranks_agree_bitwise(tmp_path):
-    rank0, *others = results(tmp_path, torchrun(tmp_path, "plugin", "--max-steps", "12"))
+def test_plugin_under_ddp_ranks_agree_bitwise(plugin_run):
+    rank0, *others = plugin_run
     assert rank0["world_size"] == RANKS
     for other in others:
         assert other["first_batch"] != rank0["first_batch"]  # each rank saw its own data: agreement comes from DDP
@@ -169,8 +189,76 @@ def test_a_renamed_rank_file_is_refused(tmp_path):
         load_rank_state(str(tmp_path), 1, 2)
 
 
+def test_an_accelerate_pointer_without_its_rank_files_says_they_were_not_copied(tmp_path):
+    torch.save(rank_files_pointer(2), tmp_path / ACCELERATE_OPTIMIZER_NAME)
+    with pytest.raises(CheckpointError, match="rank files of world size 2.*not copied"):
+        load_rank_state(str(tmp_path), 0, 2, one_process_name=ACCELERATE_OPTIMIZER_NAME)
+
+
+def test_a_pointer_loaded_outside_load_state_is_refused():
+    accelerator = Accelerator(cpu=True)
+    _, optimizer = ZenFlowPlugin(topk_ratio=0.1).prepare(accelerator, tiny_llama())
+    with pytest.raises(CheckpointError, match="pointer to per-rank files.*accelerator.load_state"):
+        optimizer.load_state_dict(rank_files_pointer(2))
+
+
 def test_a_one_process_checkpoint_loads_on_every_rank(tmp_path):
     torch.save(FakeOptimizer(7.0).state_dict(), tmp_path / "optimizer.pt")
     for rank in range(2):
         assert torch.equal(load_rank_state(str(tmp_path), rank, 2)["state"][0]["x"], torch.full((3,), 7.0))
     assert load_rank_state(str(tmp_path / "nothing"), 0, 2) is None
+
+
+@pytest.mark.slow
+def test_plugin_save_state_writes_every_ranks_optimizer_file(plugin_saved_run, plugin_run):
+    out, saved = plugin_saved_run
+    for rank in saved:  # saving mid-window left the run as it was
+        assert_same_weights(rank["weights"], plugin_run[0]["weights"])
+    state = out / "state-6"
+    pointer = torch.load(state / ACCELERATE_OPTIMIZER_NAME, weights_only=True)
+    if RANKS == 1:  # one GPU: accelerate's own optimizer.bin holds the whole state
+        assert pointer["zenflow"] is not None and not saved_world_sizes(str(state))
+        return
+    assert pointer == rank_files_pointer(RANKS)  # not rank 0's share: that one is in its rank file
+    assert saved_world_sizes(str(state)) == {RANKS}
+    for rank in range(RANKS):
+        payload = torch.load(state / rank_file_name(rank, RANKS), weights_only=True)
+        assert (payload["rank"], payload["world_size"]) == (rank, RANKS)
+        zenflow = payload["optimizer"]["zenflow"]
+        assert (zenflow["steps"], zenflow["ranks"], zenflow["rank"]) == (6, RANKS, rank)
+
+
+@pytest.mark.slow
+def test_plugin_load_state_mid_window_equals_the_uninterrupted_run(plugin_saved_run, plugin_run, tmp_path):
+    out, (saved0, *_) = plugin_saved_run
+    resumed = results(tmp_path, torchrun(tmp_path, "plugin", "--max-steps", "12", "--resume", str(out / "state-6")))
+    for rank, result in enumerate(resumed):
+        ranks = (RANKS, rank) if RANKS > 1 else (None, None)
+        assert result["loaded"] == {"steps": 6, "ranks": ranks[0], "rank": ranks[1]}  # its own share
+        assert result["losses"] == saved0["losses"][6:]
+        assert_same_weights(result["weights"], saved0["weights"])
+        assert_same_weights(result["weights"], plugin_run[0]["weights"])
+
+
+@pytest.mark.slow
+@several_ranks
+def test_plugin_checkpoint_of_several_ranks_is_refused_in_one_process(plugin_saved_run):
+    out, _ = plugin_saved_run
+    accelerator = Accelerator(cpu=True)
+    ZenFlowPlugin(topk_ratio=0.1, update_interval=4, cpu_threads=1, min_offload_numel=0).prepare(
+        accelerator, tiny_llama(), lr=3e-3)
+    with pytest.raises(CheckpointError, match=rf"saved by {RANKS} processes \(world size {RANKS}\).*world size 1"):
+        accelerator.load_state(str(out / "state-6"))
+
+
+@pytest.mark.slow
+def test_plugin_one_process_checkpoint_loads_on_two_ranks(tmp_path):
+    one = tmp_path / "one"  # the worker's loop in this process: one process, no torchrun
+    run_plugin(argparse.Namespace(out=str(one), device="cpu", max_steps=4, save_steps=3, resume=None))
+    two = tmp_path / "two"  # steps 4 and 5: across the window boundary after step 4
+    rank0, rank1 = results(two, torchrun(two, "plugin", "--max-steps", "5", "--resume", str(one / "state-3"),
+                                         nproc=2, device="cpu"), nproc=2)
+    # each rank took its share of the one-process state, at the step it was saved
+    assert rank0["loaded"] == {"steps": 3, "ranks": 2, "rank": 0}
+    assert rank1["loaded"] == {"steps": 3, "ranks": 2, "rank": 1}
+    assert_same_weights(rank0["weights"], rank1["weights"])

@@ -1,0 +1,45 @@
+"""Running a function in two (or N) real gloo processes from a test: `spawn_ranks` and `init_ranks`."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def spawn_ranks(fn, *args, ranks: int = 2) -> None:
+    """``fn(rank, init_file, *args)`` in `ranks` processes; a failure in any of them fails the caller."""
+    # the rendezvous file lives outside pytest's numbered temp folders, which a concurrent pytest session may prune
+    rendezvous = tempfile.mkdtemp(prefix="hf_zenflow_pg_")
+    try:
+        mp.spawn(fn, args=(os.path.join(rendezvous, "pg_init"), *args), nprocs=ranks, join=True)
+    finally:
+        shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def init_ranks(rank: int, init_file: str, ranks: int = 2, timeout_s: float = 60, device: str = "cpu") -> None:
+    """Join the group of a `spawn_ranks` run: gloo on CPU (one compute thread per process: 2 cores are shared), or
+    NCCL with one GPU per rank (`scripts/gpu_check.sh`)."""
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=ranks, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def assert_each_rank_holds_at_most(fraction: float, rank_stats: list[dict], single: float) -> None:
+    """Every rank's ``stats()`` reports all ranks and host state bytes of at most `fraction` of one process's."""
+    for stats in rank_stats:
+        assert stats["ranks"] == len(rank_stats)
+        assert 0 < stats["host_state_bytes"] <= fraction * single, (stats["host_state_bytes"], single)
+
+
+def assert_resumed_bitwise(runs: list[dict]) -> None:
+    """Each rank's resumed run ended with exactly the weights of its uninterrupted run."""
+    for run in runs:
+        assert all(torch.equal(a, b) for a, b in zip(run["resumed"], run["final"]))
