@@ -8,8 +8,12 @@ Only the seams the 5.x Trainer exposes are used (see `shared/reference/hf-integr
   and the logged `grad_norm` is the true global norm;
 - `_save_checkpoint`, `save_model` and evaluation wait for the host worker first, `_finalize_training` flushes the
   last window into the weights and stops the host worker (no thread outlives `train()`);
-- under several processes (DDP), `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler` write and read
-  one optimizer file per rank (`rank_checkpoint`), since the stock path saves only the main process's state;
+- under several processes (DDP) and under FSDP2, `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler`
+  write and read one optimizer file per rank (`rank_checkpoint`): the stock path saves only the main process's
+  state, and its FSDP path (torch DCP) expects per-parameter optimizer state, which ZenFlow's is not;
+- under FSDP2 (`--fsdp --fsdp_config '{"version": 2}'`) the Trainer creates the optimizer before `fully_shard`,
+  and accelerate then swaps its parameters for the DTensor shards: `create_scheduler`, which the Trainer calls right
+  after that swap, names the new parameters;
 - `log` merges the optimizer's telemetry under `zenflow/...` (`trainer_telemetry`); `create_model_card` renders the
   ZenFlow card (`trainer_card`).
 
@@ -26,7 +30,9 @@ from dataclasses import fields
 from typing import Any
 
 import torch
+from accelerate.utils import save_fsdp_model
 from transformers import Trainer, TrainingArguments
+from transformers.distributed.fsdp import get_fsdp_ckpt_kwargs
 from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
@@ -45,15 +51,16 @@ from .unwrap import unwrap_zenflow_optimizer
 logger = logging.getLogger(__name__)
 
 
-def refuse_fsdp2(model: torch.nn.Module) -> None:
-    """Raise a `ValueError` naming FSDP2 when `model` has DTensor parameters (`fully_shard` applied): ZenFlowAdamW
-    works on whole matrices on each rank, and would otherwise fail at its first copy with a DTensor/Tensor mix-up."""
+def refuse_unmanaged_dtensors(model: torch.nn.Module) -> None:
+    """Raise a `ValueError` when `model` has DTensor parameters (`fully_shard` applied by hand) but the Trainer's
+    FSDP is off: the Trainer would then wrap the shards in DDP, and neither save nor load them as FSDP."""
     for name, param in model.named_parameters():
         if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor":
             raise ValueError(
-                f"ZenFlowTrainer: parameter {name!r} is a DTensor: the model is sharded with FSDP2 (fully_shard), "
-                "which ZenFlow does not support yet (issue 13). Train with DDP (torchrun / accelerate launch "
-                "--multi_gpu without FSDP) or pass --zenflow False."
+                f"ZenFlowTrainer: parameter {name!r} is a DTensor: the model was sharded (fully_shard) outside the "
+                "Trainer, whose FSDP is off. Pass the unsharded model with --fsdp --fsdp_config '{\"version\": 2}' "
+                "(or an accelerate config with fsdp_version: 2): the Trainer then shards it with FSDP2, and saves "
+                "and resumes it."
             )
 
 
@@ -151,11 +158,15 @@ class ZenFlowTrainer(Trainer):
 
     def create_optimizer(self, model=None):
         target = self.model if model is None else model
-        if getattr(self.args, "zenflow", False) and self.optimizer is None:
-            refuse_fsdp2(target)
+        if (getattr(self.args, "zenflow", False) and self.optimizer is None and not self.is_fsdp_enabled
+                and not self.is_distributed_loading_by_transformers):
+            refuse_unmanaged_dtensors(target)
         layout = getattr(self.args, "zenflow_layout", "row")
+        # Under FSDP2 "auto" is row: fully_shard replaces each weight with row-major Shard(0) pieces, whatever the
+        # layout before ("column" is refused with FSDP at construction, ZenFlowTrainingArguments).
         if getattr(self.args, "zenflow", False) and self.optimizer is None and (
-            layout == "column" or (layout == "auto" and next(target.parameters()).device.type == "cpu")
+            layout == "column"
+            or (layout == "auto" and not self.is_fsdp_enabled and next(target.parameters()).device.type == "cpu")
         ):
             # before the optimizer exists: its state is laid out like each weight when first created
             column_major_(target)
@@ -169,10 +180,26 @@ class ZenFlowTrainer(Trainer):
             opt.name_parameters(target)  # checkpoints carry the names; errors and `convert-checkpoint` use them
         return optimizer
 
-    # -- checkpoints: one optimizer file per rank under several processes (rank_checkpoint) --------------------------
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        # The Trainer calls this right after `accelerator.prepare`, which under FSDP2 has swapped the optimizer's
+        # parameters for the model's DTensor shards: name those (the names are keyed by parameter) before a
+        # checkpoint is loaded or saved.
+        opt = self.zenflow_optimizer
+        if opt is not None and self.is_fsdp_enabled:
+            opt.name_parameters(self.model)
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    # -- checkpoints: one optimizer file per rank under several processes or FSDP2 (rank_checkpoint) -----------------
+    def _per_rank_optimizer_files(self) -> bool:
+        return self.zenflow_optimizer is not None and (self.args.world_size > 1 or self.is_fsdp_enabled)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self.zenflow_optimizer is None or self.args.world_size <= 1:
+        if not self._per_rank_optimizer_files():
             return super()._save_optimizer_and_scheduler(output_dir)
+        if self.is_fsdp_enabled:
+            # The stock FSDP path saves the model's FSDP checkpoint here, with the optimizer: keep the model part.
+            save_fsdp_model(self.accelerator.state.fsdp_plugin, self.accelerator, self.model, output_dir,
+                            **get_fsdp_ckpt_kwargs())
         # Every rank writes its own state (the stock path writes optimizer.pt from the main process only, and a
         # state_dict() that needs collectives would hang there); the main process also writes the scheduler.
         save_rank_state(self.optimizer, output_dir, self.args.process_index, self.args.world_size)
@@ -190,7 +217,7 @@ class ZenFlowTrainer(Trainer):
         # a ZenFlow state that fails validation says which tensor (ZenFlowAdamW.load_state_dict) and which file.
         if checkpoint is None or self.zenflow_optimizer is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if self.args.world_size > 1:
+        if self._per_rank_optimizer_files():
             return self._load_rank_optimizer_and_scheduler(checkpoint)
         check_one_process_resume(checkpoint)
         path = os.path.join(checkpoint, OPTIMIZER_NAME)

@@ -75,7 +75,8 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
     {zenflow_parameters}
 
     Not supported together with `zenflow=True` (a `ValueError` names the conflict): `deepspeed` (move a DeepSpeed
-    ZenFlow config over with `zenflow_from_deepspeed` or `ZenFlowTrainingArguments.from_deepspeed`), `fsdp`, `fp16`
+    ZenFlow config over with `zenflow_from_deepspeed` or `ZenFlowTrainingArguments.from_deepspeed`), FSDP1 (`fsdp`
+    is supported with `fsdp_config={"version": 2}`, FSDP2, the default in transformers 5), `fp16`
     (its GradScaler unscales `p.grad`, which ZenFlow has already consumed; use `bf16`), and `optim` other than the
     AdamW variants above.
 
@@ -134,6 +135,9 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
             raise ValueError(f"--zenflow_layout={self.zenflow_layout!r} is invalid: allowed are 'auto', 'column' and "
                              "'row'.")
         self.zenflow_layout = str(layout)
+        if self.zenflow and layout == "column" and (self.fsdp or _truthy_env("ACCELERATE_USE_FSDP")):
+            raise ValueError("ZenFlowTrainingArguments: --zenflow_layout='column' cannot be combined with FSDP: "
+                             "fully_shard replaces each weight with row-major shards. Use 'auto' or 'row'.")
         # Validate and normalise ("4" -> 4, "AUTO" -> "auto", "Step" -> "step") through ZenFlowConfig, so that the
         # rules live in one place.
         config = self.zenflow_config()
@@ -188,13 +192,6 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
                 "the DeepSpeed config (move a DeepSpeed ZenFlow config over with --zenflow_from_deepspeed PATH) or "
                 "pass --zenflow False."
             )
-        if self.fsdp or _truthy_env("ACCELERATE_USE_FSDP"):
-            raise ValueError(
-                "ZenFlowTrainingArguments: --zenflow cannot be combined with FSDP (--fsdp or ACCELERATE_USE_FSDP; "
-                "FSDP1 and FSDP2 alike): ZenFlowAdamW works on whole weight matrices on each rank, FSDP shards them "
-                "(FSDP2 support: issue 13). Train with DDP (torchrun / accelerate launch --multi_gpu) or on one "
-                "device, or pass --zenflow False."
-            )
         if self.fp16:
             raise ValueError(
                 "ZenFlowTrainingArguments: --zenflow cannot be combined with --fp16: the fp16 GradScaler unscales "
@@ -202,6 +199,8 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
             )
 
     def _check_conflicts_after_init(self) -> None:
+        # After the parent's post-init: it has read --fsdp_config (a dict or a JSON file) into `fsdp_plugin_args`.
+        self._check_fsdp_version()
         # `accelerate launch --mixed_precision fp16` reaches us through the environment, after the parent's post-init.
         if self.mixed_precision == "fp16":
             raise ValueError(
@@ -214,6 +213,26 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
             raise ValueError(
                 f"ZenFlowTrainingArguments: --optim {optim} cannot be combined with --zenflow: ZenFlowAdamW "
                 f"implements AdamW, so --optim must be one of {', '.join(SUPPORTED_OPTIMS)} (or pass --zenflow False)."
+            )
+
+    def _check_fsdp_version(self) -> None:
+        """FSDP2 (`fully_shard`, DTensor shards) is supported; FSDP1 and XLA's FSDP are not."""
+        if self.fsdp:
+            plugin = self.fsdp_plugin_args  # None: XLA's FSDP, which builds no accelerate plugin
+            version = "xla" if plugin is None else str(plugin.get("fsdp_version"))
+            source = "--fsdp with XLA FSDP" if plugin is None else f"--fsdp with fsdp_config version {version}"
+        elif _truthy_env("ACCELERATE_USE_FSDP"):
+            # accelerate's FullyShardedDataParallelPlugin reads FSDP_VERSION, and defaults to 1 without it
+            version = os.environ.get("FSDP_VERSION", "1").strip()
+            source = f"ACCELERATE_USE_FSDP with FSDP_VERSION={version}"
+        else:
+            return
+        if version != "2":
+            kind = {"1": "FSDP1", "xla": "XLA FSDP"}.get(version, f"FSDP version {version}")
+            raise ValueError(
+                f"ZenFlowTrainingArguments: --zenflow cannot be combined with {source} ({kind}): only FSDP2 "
+                "(fully_shard) is supported. Set fsdp_version 2 (--fsdp_config '{\"version\": 2}', or fsdp_version: "
+                "2 in the accelerate config), train with DDP, or pass --zenflow False."
             )
 
 

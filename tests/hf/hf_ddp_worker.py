@@ -1,8 +1,8 @@
 """One rank of the multi-process tests (`test_trainer_ddp.py`), started by torchrun: trains the tiny Llama with
 `ZenFlowTrainer` (DDP, gloo) or a plain accelerate loop with `ZenFlowPlugin` (``--save-steps N``: ``save_state`` to
-``OUT/state-N``; ``--resume OUT/state-N``: ``load_state``, train on from batch N), or tries `ZenFlowTrainer` on an
-FSDP2 model, and leaves what the test compares in ``--out``: ``rank{r}.pt`` (final weights and logged losses) or
-``error_rank{r}.txt`` (the exception that ended the rank).
+``OUT/state-N``; ``--resume OUT/state-N``: ``load_state``, train on from batch N), or tries `ZenFlowTrainer` on a
+model sharded with `fully_shard` by hand (the Trainer's FSDP off), and leaves what the test compares in ``--out``:
+``rank{r}.pt`` (final weights and logged losses) or ``error_rank{r}.txt`` (the exception that ended the rank).
 
     python -m torch.distributed.run --nproc_per_node 2 tests/hf/hf_ddp_worker.py trainer --out OUT
 """
@@ -13,6 +13,7 @@ import argparse
 import os
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -114,27 +115,37 @@ def run_fsdp2(opts: argparse.Namespace) -> dict:
     return {"weights": {}, "losses": [], "world_size": torch.distributed.get_world_size()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("mode", choices=["trainer", "plugin", "fsdp2"])
+def common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every torchrun worker of these tests takes."""
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--max-steps", type=int, default=12)
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume", default=None)
-    parser.add_argument("--die-at-step", type=int, default=0)
-    parser.add_argument("--die-how", choices=["exit", "hang"], default="exit")
-    parser.add_argument("--ddp-timeout", type=int, default=60)
-    opts = parser.parse_args()
+
+
+def run_rank(opts: argparse.Namespace, run: Callable[[argparse.Namespace], dict]) -> None:
+    """Run this rank's part and leave ``rank{r}.pt`` (its result) or ``error_rank{r}.txt`` in ``--out``."""
     torch.set_num_threads(1)  # two ranks on a small shared machine: see tests/hf/conftest.py
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        result = {"trainer": run_trainer, "plugin": run_plugin, "fsdp2": run_fsdp2}[opts.mode](opts)
+        result = run(opts)
     except BaseException:
         (out / f"error_rank{rank()}.txt").write_text(traceback.format_exc())
         raise
     torch.save(result, out / f"rank{rank()}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("mode", choices=["trainer", "plugin", "fsdp2"])
+    common_arguments(parser)
+    parser.add_argument("--die-at-step", type=int, default=0)
+    parser.add_argument("--die-how", choices=["exit", "hang"], default="exit")
+    parser.add_argument("--ddp-timeout", type=int, default=60)
+    opts = parser.parse_args()
+    run_rank(opts, {"trainer": run_trainer, "plugin": run_plugin, "fsdp2": run_fsdp2}[opts.mode])
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +84,57 @@ def zenflow_args(output_dir: Path | str, **overrides: Any):
 
 def logged(trainer, key: str = "loss") -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+#: A hard limit on each torchrun launch, far above its normal 15-35 s: reaching it means a hang.
+LAUNCH_LIMIT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(worker: Path, out: Path, *worker_args: str, nproc: int, device: str) -> subprocess.CompletedProcess:
+    """Run `worker` under ``torchrun --nproc_per_node nproc`` (this checkout first on the path, one thread per
+    rank), with ``--out out --device device`` after `worker_args`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])))
+    if device == "cuda":
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the same cuBLAS reductions in every run: bitwise
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), str(worker), *worker_args, "--out", str(out),
+           "--device", device]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_LIMIT_S)
+
+
+def rank_results(out: Path, proc: subprocess.CompletedProcess, nproc: int) -> list[dict]:
+    """Each rank's ``rank{r}.pt`` of a torchrun launch that must have succeeded."""
+    import torch
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def assert_rank_files(checkpoint: Path, ranks: int) -> None:
+    """`checkpoint` holds one ZenFlow optimizer file per rank of `ranks`, each a real state."""
+    import torch
+
+    from hf_zenflow.hf.rank_checkpoint import rank_file_name, saved_world_sizes
+
+    assert saved_world_sizes(str(checkpoint)) == {ranks}
+    for rank in range(ranks):
+        payload = torch.load(checkpoint / rank_file_name(rank, ranks), weights_only=True)
+        assert (payload["rank"], payload["world_size"]) == (rank, ranks)
+        assert payload["optimizer"]["state"]  # a real ZenFlow state, not an empty shell

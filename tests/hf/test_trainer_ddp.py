@@ -2,23 +2,23 @@
 process (`hf_ddp_worker.py`): ranks agree bitwise, every rank saves and restores its own optimizer file (Trainer
 checkpoints and the plugin's ``accelerator.save_state`` / ``load_state``), a resume
 from a mid-window checkpoint equals the uninterrupted run bitwise, another world size is refused naming both, a
-dead or silent rank ends the other with an error within the process group's timeout, and an FSDP2 model is refused
-clearly. The per-rank file logic itself is also tested without processes (`rank_checkpoint`)."""
+dead or silent rank ends the other with an error within the process group's timeout, and a model sharded with
+`fully_shard` outside the Trainer (whose FSDP is off) is refused clearly (FSDP2 through the Trainer:
+`test_trainer_fsdp.py`). The per-rank file logic itself is also tested without processes (`rank_checkpoint`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
 from hf_ddp_worker import run_plugin
-from hf_helpers import REPO_ROOT, tiny_llama, zenflow_args
+from hf_helpers import assert_rank_files, assert_same_weights, rank_results, tiny_llama, zenflow_args
+from hf_helpers import torchrun as launch
 
 from hf_zenflow import CheckpointError, ZenFlowPlugin, ZenFlowTrainer
 from hf_zenflow.hf.rank_checkpoint import (
@@ -37,38 +37,14 @@ WORKER = Path(__file__).with_name("hf_ddp_worker.py")
 DEVICE = os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu")
 RANKS = 2 if DEVICE == "cpu" else torch.cuda.device_count()
 several_ranks = pytest.mark.skipif(RANKS < 2, reason=f"needs 2 ranks; {DEVICE} has {RANKS}")
-#: A hard limit on each torchrun launch, far above its normal 15-35 s: reaching it means a hang.
-LAUNCH_LIMIT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(out: Path, *worker_args: str, nproc: int = RANKS, device: str = DEVICE) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])))
-    if device == "cuda":
-        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the same cuBLAS reductions in every run: bitwise
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(WORKER), *worker_args, "--out", str(out),
-           "--device", device]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_LIMIT_S)
+    return launch(WORKER, out, *worker_args, nproc=nproc, device=device)
 
 
 def results(out: Path, proc: subprocess.CompletedProcess, nproc: int = RANKS) -> list[dict]:
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    return rank_results(out, proc, nproc)
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +78,7 @@ def test_trainer_ddp_checkpoint_has_one_optimizer_file_per_rank(full_run):
         assert (checkpoint / "optimizer.pt").is_file() and not saved_world_sizes(str(checkpoint))
         return
     assert not (checkpoint / "optimizer.pt").exists()  # the one-process file would hold one rank's state only
-    assert saved_world_sizes(str(checkpoint)) == {RANKS}
-    for rank in range(RANKS):
-        payload = torch.load(checkpoint / rank_file_name(rank, RANKS), weights_only=True)
-        assert (payload["rank"], payload["world_size"]) == (rank, RANKS)
-        assert payload["optimizer"]["state"]  # a real ZenFlow state, not an empty shell
+    assert_rank_files(checkpoint, RANKS)
 
 
 @pytest.mark.slow
@@ -147,11 +119,12 @@ def test_a_dead_rank_ends_the_other_with_an_error(tmp_path, how):
 
 
 @pytest.mark.slow
-def test_fsdp2_model_is_refused_naming_fsdp2_and_the_issue(tmp_path):
+def test_a_model_sharded_outside_the_trainer_is_refused_naming_the_fsdp2_flags(tmp_path):
     proc = torchrun(tmp_path, "fsdp2", nproc=1, device="cpu")
     assert proc.returncode != 0
     error = (tmp_path / "error_rank0.txt").read_text()
-    assert "ValueError: ZenFlowTrainer: parameter" in error and "FSDP2" in error and "issue 13" in error
+    assert "ValueError: ZenFlowTrainer: parameter" in error and "DTensor" in error
+    assert "sharded (fully_shard) outside the Trainer" in error and "--fsdp_config" in error
 
 
 @pytest.fixture(scope="module")

@@ -124,9 +124,37 @@ def test_deepspeed_from_accelerate_env(monkeypatch):
         make()
 
 
-def test_fsdp_conflict():
-    with pytest.raises(ValueError, match=r"FSDP \(--fsdp.*FSDP1 and FSDP2.*issue 13"):
-        make(fsdp="full_shard")
+def test_fsdp2_is_accepted_from_the_arguments_and_from_accelerate(monkeypatch):
+    assert make(fsdp=True, fsdp_config={"version": 2}).fsdp_plugin_args["fsdp_version"] == 2
+    assert make(fsdp=True).fsdp_plugin_args["fsdp_version"] == 2  # transformers 5's default
+    assert make(fsdp=True, fsdp_config={"fsdp_version": 2}).zenflow
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")  # what `accelerate launch` sets from fsdp_version: 2
+    assert make().zenflow
+
+
+@pytest.mark.parametrize("config", [{"version": 1}, {"fsdp_version": 1}])
+def test_fsdp1_is_refused_naming_the_version_and_fsdp2(config):
+    with pytest.raises(ValueError, match=r"--fsdp with fsdp_config version 1 \(FSDP1\): only FSDP2.*fsdp_version 2"):
+        make(fsdp=True, fsdp_config=config)
+
+
+@pytest.mark.parametrize(("version", "shown"), [(None, "FSDP_VERSION=1"), ("1", "FSDP_VERSION=1"),
+                                               ("3", "FSDP_VERSION=3 \\(FSDP version 3\\)")])
+def test_fsdp1_from_accelerate_env_is_refused(monkeypatch, version, shown):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate's plugin takes FSDP_VERSION, 1 when unset
+    if version is None:
+        monkeypatch.delenv("FSDP_VERSION", raising=False)
+    else:
+        monkeypatch.setenv("FSDP_VERSION", version)
+    with pytest.raises(ValueError, match=rf"ACCELERATE_USE_FSDP with {shown}.*only FSDP2"):
+        make()
+
+
+def test_column_layout_is_refused_with_fsdp():
+    with pytest.raises(ValueError, match=r"--zenflow_layout='column' cannot be combined with FSDP.*'auto' or 'row'"):
+        make(fsdp=True, zenflow_layout="column")
+    assert make(fsdp=True, zenflow_layout="auto").zenflow_layout == "auto"
 
 
 def test_fp16_conflict_and_bf16_is_fine():
