@@ -23,19 +23,8 @@ WORKER = Path(__file__).with_name("hf_fsdp_worker.py")
 #: As in test_trainer_ddp.py: gloo with 2 ranks in CI, one rank per GPU under `scripts/gpu_check.sh`.
 DEVICE = os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu")
 RANKS = 2 if DEVICE == "cpu" else torch.cuda.device_count()
-#: How ZenFlowAdamW fails when it has looked at its parameters before accelerate swapped the DTensors in (the
-#: `AcceleratedOptimizer` takes and reloads its state_dict() at construction, before the swap): an open engine issue,
-#: expected to fail until the engine looks again at its first step.
-ENGINE_MISSES_THE_SWAP = "aten.copy_.default got mixed torch.Tensor and DTensor"
-
-
 def run(out: Path, *worker_args: str, worker: Path = WORKER) -> list[dict]:
     proc: subprocess.CompletedProcess = torchrun(worker, out, *worker_args, nproc=RANKS, device=DEVICE)
-    error = out / "error_rank0.txt"
-    if proc.returncode != 0 and error.is_file() and ENGINE_MISSES_THE_SWAP in error.read_text():
-        pytest.xfail("ZenFlowAdamW decided its parameters were not FSDP2 shards in the state_dict() that "
-                     "accelerate's AcceleratedOptimizer takes before swapping the DTensors in (optimizer.py, "
-                     "_find_param_shards)")
     return rank_results(out, proc, RANKS)
 
 
