@@ -71,8 +71,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             AdamW on, 1/N of every offloaded matrix, and `step()`, `flush()`, `load_state_dict()` and
             `master_weight()` are collectives: call them on every rank (`hf_zenflow.sharding`). Under FSDP2
             (DTensor parameters from ``fully_shard``) each rank works on its own shards instead and this argument
-            is not used: `step()`, `clip_grad_norm_()`, `flush()`, `state_dict()` and `load_state_dict()` are
-            collectives over the mesh (`hf_zenflow.fsdp`).
+            is not used: `step()` and `clip_grad_norm_()` are collectives over the mesh, and each rank's
+            `state_dict()` holds its own shards (`hf_zenflow.fsdp`).
 
     Matrices (parameters with ``ndim >= 2``, viewed as ``[out, in]``) are split by input column, whether stored
     row-major or column-major (`column_major_`, where each input column is contiguous); 1-D parameters and other
