@@ -168,3 +168,19 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
             for k, v in model.state_dict().items()}
+
+
+def assert_trained_on_shards(results: list[dict], ranks: int) -> None:
+    """The ``rank{r}.pt`` results of an FSDP2 run (``stats``, ``losses``, full ``weights``): accelerate swapped the
+    optimizer's parameters for the DTensor shards, ZenFlow offloaded part of each matrix, the loss fell and trained
+    the weights, and every rank logged the same losses and gathered the same weights."""
+    rank0, *others = results
+    stats = rank0["stats"]
+    assert stats["dtensor_params"] == len(list(tiny_llama().parameters())) and stats["ranks"] == ranks
+    assert stats["host_state_bytes"] > 0 and 0 < stats["selected_fraction"] < 1
+    assert rank0["losses"][-1] < rank0["losses"][0] - 0.1
+    for other in others:  # the loss is averaged across ranks before logging
+        assert other["losses"] == rank0["losses"]
+        assert_same_weights(rank0["weights"], other["weights"])
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(tiny_llama().state_dict()[name], rank0["weights"][name])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import assert_rank_files, assert_same_weights, rank_results, tiny_llama, torchrun
+from hf_helpers import assert_rank_files, assert_same_weights, assert_trained_on_shards, rank_results, torchrun
 
 from hf_zenflow.hf.rank_checkpoint import rank_file_name
 
@@ -40,20 +40,13 @@ def saved_run(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 @pytest.mark.slow
 def test_plugin_fsdp2_trains_with_zenflow_on_the_shards(saved_run):
-    _, (rank0, *others) = saved_run
-    assert rank0["world_size"] == RANKS
-    stats = rank0["stats"]
-    # accelerate swapped the optimizer's parameters for the DTensor shards; ZenFlow offloaded part of each matrix
-    assert stats["dtensor_params"] == len(list(tiny_llama().parameters())) and stats["ranks"] == RANKS
-    assert stats["host_state_bytes"] > 0 and 0 < stats["selected_fraction"] < 1
-    assert stats["steps"] == 12  # save_state took no step of its own (torch DCP would: see accelerate_checkpoint)
-    assert rank0["losses"][-1] < rank0["losses"][0] - 0.1
-    for other in others:  # each rank its own batches; the weights gathered from the shards
-        assert other["first_batch"] != rank0["first_batch"]
-        assert other["losses"] == rank0["losses"]
-        assert_same_weights(rank0["weights"], other["weights"])
-    name = "model.layers.0.mlp.up_proj.weight"
-    assert not torch.equal(tiny_llama().state_dict()[name], rank0["weights"][name])
+    _, results = saved_run
+    assert results[0]["world_size"] == RANKS
+    assert_trained_on_shards(results, RANKS)
+    # save_state took no ZenFlow step of its own (accelerate's torch DCP optimizer checkpoint would have)
+    assert results[0]["stats"]["steps"] == 12
+    for other in results[1:]:  # each rank trained on its own batches
+        assert other["first_batch"] != results[0]["first_batch"]
 
 
 @pytest.mark.slow
