@@ -26,7 +26,7 @@ Example (``accelerate launch --cpu --num_processes 1 train.py``)::
                 optimizer.optimizer.clip_grad_norm_(1.0)  # the ZenFlowAdamW inside: the true global norm
             optimizer.step()
             optimizer.zero_grad()
-    accelerator.save_state("ckpt")                    # on every rank; under DDP one optimizer file per rank
+    accelerator.save_state("ckpt")                    # on every rank; DDP, FSDP2: one optimizer file per rank
     plugin.flush(optimizer)                           # end of training: every gradient in the weights, worker stopped
 """
 
@@ -165,17 +165,17 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
         return optimizer
 
     def check_accelerator(self, accelerator: Any) -> None:
-        """Fail fast on setups ZenFlowAdamW does not support: DeepSpeed, FSDP, fp16 (its GradScaler)."""
+        """Fail fast on setups ZenFlowAdamW does not support: DeepSpeed, FSDP1, fp16 (its GradScaler)."""
         from accelerate.utils import DistributedType
 
         dtype = accelerator.distributed_type
         if dtype == DistributedType.DEEPSPEED:
             raise ValueError("ZenFlowPlugin cannot be combined with DeepSpeed: ZenFlowAdamW replaces DeepSpeed's "
                              "optimizer. Launch without a DeepSpeed config.")
-        if dtype == DistributedType.FSDP:
-            raise ValueError("ZenFlowPlugin cannot be combined with FSDP (FSDP1 or FSDP2): ZenFlowAdamW works on "
-                             "whole weight matrices on each rank (FSDP2 support: issue 13). Use DDP "
-                             "(accelerate launch --multi_gpu) or a single device.")
+        if dtype == DistributedType.FSDP and not getattr(accelerator, "is_fsdp2", False):
+            raise ValueError("ZenFlowPlugin cannot be combined with FSDP1 (fsdp_version 1, accelerate's default): "
+                             "only FSDP2 (fully_shard, DTensor shards) is supported. Set fsdp_version: 2 in the "
+                             "accelerate config (or FullyShardedDataParallelPlugin(fsdp_version=2)), or use DDP.")
         if accelerator.mixed_precision == "fp16":
             raise ValueError("ZenFlowPlugin cannot be combined with fp16 mixed precision: its GradScaler unscales "
                              "p.grad after ZenFlow has taken the gradients over. Use bf16 or fp32.")
@@ -204,16 +204,24 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
         `ZenFlowTrainer` does, and ``optimizer.bin`` only points at those files; ``load_state`` gives each rank its
         own file back. Another number of ranks is refused naming both; a one-process folder loads on any number
         (`hf_zenflow.hf.accelerate_checkpoint`).
+
+        Under FSDP2 (``fsdp_version: 2``) accelerate shards the model and hands the optimizer the DTensor shards:
+        ZenFlow works on each rank's rows, and ``save_state`` / ``load_state`` keep the same per-rank files (under
+        FSDP2 even for one process) next to accelerate's FSDP model checkpoint; accelerate's own FSDP optimizer
+        checkpoint (torch DCP) is not used for it. FSDP1 is refused.
         """
         from .accelerate_checkpoint import prepare_rank_file_optimizer  # imports accelerate: not at module import
 
         self.check_accelerator(accelerator)
         self._warn_thread_trap()
-        model = accelerator.prepare_model(model)
+        if not getattr(accelerator, "is_fsdp2", False):
+            # FSDP2 shards the model only when it is prepared with its optimizer, then swaps the DTensor shards into
+            # the optimizer's param groups (the engine takes them at its first step): prepare_rank_file_optimizer
+            model = accelerator.prepare_model(model)
         optimizer = self.create_optimizer(accelerator.unwrap_model(model), lr=lr, weight_decay=weight_decay,
                                           betas=betas, eps=eps, **optimizer_kwargs)
         self.register_hooks(accelerator, optimizer)  # drain the host worker before the per-rank files are written
-        prepared_opt = prepare_rank_file_optimizer(accelerator, optimizer)
+        model, prepared_opt = prepare_rank_file_optimizer(accelerator, model, optimizer)
         prepared = accelerator.prepare(*objects) if objects else ()
         if len(objects) == 1:
             prepared = (prepared,)

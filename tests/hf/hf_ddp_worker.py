@@ -1,8 +1,9 @@
 """One rank of the multi-process tests (`test_trainer_ddp.py`), started by torchrun: trains the tiny Llama with
-`ZenFlowTrainer` (DDP, gloo) or a plain accelerate loop with `ZenFlowPlugin` (``--save-steps N``: ``save_state`` to
-``OUT/state-N``; ``--resume OUT/state-N``: ``load_state``, train on from batch N), or tries `ZenFlowTrainer` on a
-model sharded with `fully_shard` by hand (the Trainer's FSDP off), and leaves what the test compares in ``--out``:
-``rank{r}.pt`` (final weights and logged losses) or ``error_rank{r}.txt`` (the exception that ended the rank).
+`ZenFlowTrainer` (DDP, gloo) or a plain accelerate loop with `ZenFlowPlugin` (DDP, or accelerate's FSDP with
+``--fsdp-version``; ``--save-steps N``: ``save_state`` to ``OUT/state-N``; ``--resume OUT/state-N``: ``load_state``,
+train on from batch N), or tries `ZenFlowTrainer` on a model sharded with `fully_shard` by hand (the Trainer's FSDP
+off), and leaves what the test compares in ``--out``: ``rank{r}.pt`` (final weights and logged losses) or
+``error_rank{r}.txt`` (the exception that ended the rank).
 
     python -m torch.distributed.run --nproc_per_node 2 tests/hf/hf_ddp_worker.py trainer --out OUT
 """
@@ -15,9 +16,10 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
-from hf_helpers import ByteLMDataset, corpus_text, logged, tiny_llama, zenflow_args
+from hf_helpers import ByteLMDataset, corpus_text, fsdp_on_cpu, full_weights, logged, tiny_llama, zenflow_args
 
 
 # writeback_lag fixed: "auto" would choose from each run's own timing (a resumed run against an uninterrupted one)
@@ -65,12 +67,22 @@ def run_trainer(opts: argparse.Namespace) -> dict:
     return {"weights": on_host(trainer.model), "losses": logged(trainer), "world_size": args.world_size}
 
 
-def run_plugin(opts: argparse.Namespace) -> dict:
-    from accelerate import Accelerator
+def plugin_accelerator(opts: argparse.Namespace) -> Any:
+    """The Accelerator of the plugin loop: DDP, or FSDP of ``--fsdp-version`` (on CPU through `fsdp_on_cpu`)."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
+    if not opts.fsdp_version:
+        return Accelerator(cpu=opts.device == "cpu")
+    if opts.device == "cpu":
+        fsdp_on_cpu()
+    return Accelerator(cpu=opts.device == "cpu",
+                       fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=opts.fsdp_version))
+
+
+def run_plugin(opts: argparse.Namespace) -> dict:
     from hf_zenflow import ZenFlowPlugin
 
-    accelerator = Accelerator(cpu=opts.device == "cpu")
+    accelerator = plugin_accelerator(opts)
     model = tiny_llama()
     loader = torch.utils.data.DataLoader(ByteLMDataset(corpus_text(), num_samples=256), batch_size=4)
     plugin = ZenFlowPlugin(topk_ratio=0.1, update_interval=4, cpu_threads=1, min_offload_numel=0, writeback_lag=1)
@@ -81,7 +93,8 @@ def run_plugin(opts: argparse.Namespace) -> dict:
         start = int(Path(opts.resume).name.removeprefix("state-"))
         loader = accelerator.skip_first_batches(loader, start)
         zenflow = optimizer.state_dict()["zenflow"]  # every rank: a collective under DDP
-        loaded = {key: zenflow.get(key) for key in ("steps", "ranks", "rank")}
+        keys = ("steps", "fsdp_ranks", "fsdp_rank") if opts.fsdp_version else ("steps", "ranks", "rank")
+        loaded = {key: zenflow.get(key) for key in keys}
     losses, first_batch = [], None
     for step, batch in enumerate(loader, start):
         first_batch = batch["input_ids"].tolist() if first_batch is None else first_batch
@@ -95,9 +108,12 @@ def run_plugin(opts: argparse.Namespace) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), "mean").item())
+    stats = optimizer.optimizer.stats()
+    stats["dtensor_params"] = sum(type(p).__name__ == "DTensor" for g in optimizer.param_groups for p in g["params"])
     plugin.flush(optimizer)
-    return {"weights": on_host(accelerator.unwrap_model(model)), "losses": losses,
-            "world_size": accelerator.num_processes, "first_batch": first_batch, "loaded": loaded}
+    weights = full_weights(model) if opts.fsdp_version else on_host(accelerator.unwrap_model(model))
+    return {"weights": weights, "losses": losses, "world_size": accelerator.num_processes,
+            "first_batch": first_batch, "loaded": loaded, "stats": stats}
 
 
 def run_fsdp2(opts: argparse.Namespace) -> dict:
@@ -143,6 +159,7 @@ def main() -> None:
     common_arguments(parser)
     parser.add_argument("--die-at-step", type=int, default=0)
     parser.add_argument("--die-how", choices=["exit", "hang"], default="exit")
+    parser.add_argument("--fsdp-version", type=int, choices=[0, 1, 2], default=0, help="plugin: 0 = DDP")
     parser.add_argument("--ddp-timeout", type=int, default=60)
     opts = parser.parse_args()
     run_rank(opts, {"trainer": run_trainer, "plugin": run_plugin, "fsdp2": run_fsdp2}[opts.mode])

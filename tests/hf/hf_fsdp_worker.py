@@ -3,10 +3,9 @@
 ``--out`` ``rank{r}.pt`` (the full weights gathered from the shards, the logged losses, the optimizer's stats at the
 last step) or ``error_rank{r}.txt`` (the exception that ended the rank).
 
-On CPU, accelerate 1.15 leaves FSDP off without a word (its state turns FSDP on only for GPU-like device types, and
-a CPU run falls back to DDP, ``MULTI_CPU``). `fsdp_on_cpu` turns it on the way a GPU run gets it; the rest of the
-Trainer's and accelerate's FSDP2 path (optimizer creation before ``fully_shard``, the parameter swap, checkpoints) is
-the one a GPU run takes.
+On CPU, accelerate 1.15 leaves FSDP off without a word; `hf_helpers.fsdp_on_cpu` turns it on the way a GPU run gets
+it, and the rest of the Trainer's and accelerate's FSDP2 path (optimizer creation before ``fully_shard``, the
+parameter swap, checkpoints) is the one a GPU run takes.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/hf/hf_fsdp_worker.py --out OUT --max-steps 12
 """
@@ -15,40 +14,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
-import torch
 from hf_ddp_worker import ZENFLOW, common_arguments, device_args, run_rank
-from hf_helpers import ByteLMDataset, corpus_text, logged, tiny_llama, zenflow_args
+from hf_helpers import ByteLMDataset, corpus_text, fsdp_on_cpu, full_weights, logged, tiny_llama, zenflow_args
 
 
 FSDP2 = dict(fsdp=True, fsdp_config={"version": 2})
-
-
-def fsdp_on_cpu() -> None:
-    """Make accelerate's state honour an FSDP plugin under ``MULTI_CPU`` (gloo), as it does under ``MULTI_GPU``."""
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
-
-    original = AcceleratorState.__init__
-
-    def init(self: AcceleratorState, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
-        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            self.distributed_type = DistributedType.FSDP
-            self.fsdp_plugin = fsdp_plugin
-            # as accelerate does on GPUs: every later AcceleratorState() copies the type from PartialState
-            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-
-    AcceleratorState.__init__ = init
-
-
-def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every weight whole, gathered from the shards (a collective: every rank calls it)."""
-    from torch.distributed.tensor import DTensor
-
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-            for k, v in model.state_dict().items()}
 
 
 def run(opts: argparse.Namespace) -> dict:

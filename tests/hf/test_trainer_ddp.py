@@ -254,7 +254,8 @@ def test_plugin_checkpoint_of_several_ranks_is_refused_in_one_process(plugin_sav
 @pytest.mark.slow
 def test_plugin_one_process_checkpoint_loads_on_two_ranks(tmp_path):
     one = tmp_path / "one"  # the worker's loop in this process: one process, no torchrun
-    run_plugin(argparse.Namespace(out=str(one), device="cpu", max_steps=4, save_steps=3, resume=None))
+    run_plugin(argparse.Namespace(out=str(one), device="cpu", max_steps=4, save_steps=3, resume=None,
+                                  fsdp_version=0))
     two = tmp_path / "two"  # steps 4 and 5: across the window boundary after step 4
     rank0, rank1 = results(two, torchrun(two, "plugin", "--max-steps", "5", "--resume", str(one / "state-3"),
                                          nproc=2, device="cpu"), nproc=2)
