@@ -22,7 +22,8 @@ rounds. Per configuration and rank, over the steps after `--warmup`: median ``ho
 window, on the worker; sampled at each window close, when it is the last finished window's), median
 ``accumulate_ms`` (one step's gradient added into the window sum, on the worker), the CPU time of the worker thread
 per step (``pthread_getcpuclockid``: the host work itself, whatever share of the cores the thread got),
-``host_state_bytes`` at the end, mean ``bytes_to_host`` per step, median ``critical_path_ms`` (the caller's time in
+``host_state_bytes`` at the end, ``gather_buffer_bytes`` (DDP's write-back all-gather buffer: on the host with gloo,
+not part of the host state), mean ``bytes_to_host`` per step, median ``critical_path_ms`` (the caller's time in
 ``step()``) and median wall time of the whole training step (forward, backward with its collectives, ``step()``).
 Ratios are against the ``one`` run of the same round. All ranks share this machine's cores: with fewer cores than
 ranks × 2 threads (training + worker) the per-rank wall times are an upper bound of what a rank with its own cores
@@ -184,8 +185,8 @@ def _ratio(a: float, b: float) -> float:
 
 def table(results: list[dict]) -> list[str]:
     lines = ["| round | config | rank | host AdamW ms (windows) | × one | accumulate ms | worker CPU ms/step | "
-             "× one | host state MiB | × one | to host MiB/step | critical path ms | step ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "× one | host state MiB | × one | gather buffer MiB | to host MiB/step | critical path ms | step ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         one = summarize(next(r for r in results if r["round"] == res["round"] and r["kind"] == "one")["ranks"][0])
         for record in res["ranks"]:
@@ -195,7 +196,7 @@ def table(results: list[dict]) -> list[str]:
                 f"({s['host_windows']}) | {_ratio(s['host_adamw_ms'], one['host_adamw_ms']):.2f} | "
                 f"{s['accumulate_ms']:.1f} | {s['worker_cpu_ms']:.1f} | "
                 f"{_ratio(s['worker_cpu_ms'], one['worker_cpu_ms']):.2f} | {s['host_mib']:.1f} | "
-                f"{_ratio(s['host_mib'], one['host_mib']):.3f} | "
+                f"{_ratio(s['host_mib'], one['host_mib']):.3f} | {record['gather_buffer_bytes'] / MiB:.1f} | "
                 f"{s['to_host_mib']:.1f} | {s['critical_path_ms']:.1f} | {s['step_ms']:.0f} |")
     return lines
 
