@@ -16,19 +16,25 @@ matrices), which stays right when a rank only sees its own rows.
 
 Collectives (`RankGroup`) all run on the training thread, inside `step()`/`flush()`/`load_state_dict()` at points the
 schedule fixes, so every rank issues the same ones in the same order; the host worker never issues one. Each is
-batched over matrices: one all-gather per write-back and (device, dtype), one all-reduce of selection scores and one
+batched over matrices: one all-gather per write-back, (device, dtype) and bucket of ``GATHER_BUCKET_BYTES`` (so that
+its buffer is a bounded slice of device memory), one all-reduce of selection scores and one
 all-gather of the incoming device columns' state per selection. A collective that fails (a rank died) or times out
 (the process group's ``timeout``) raises `ShardCollectiveError` in the training process.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+#: The most bytes the write-back's all-gather buffer takes per bucket (on the device with NCCL, the host with gloo).
+GATHER_BUCKET_BYTES = 128 << 20
 
 
 class ShardCollectiveError(RuntimeError):
@@ -178,9 +184,29 @@ class RankGroup:
         if not keep:
             return torch.empty(numel, dtype=dtype, device=device)
         buf = self._buffers.get((device, dtype))
-        if buf is None or buf.numel() != numel:
+        if buf is None or buf.numel() < numel:
             buf = self._buffers[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
-        return buf
+        return buf[:numel]  # (the write-back's buckets differ in size: the largest one's buffer serves them all)
+
+    def buckets(self, items: list[tuple[Share, torch.Tensor, torch.Tensor | None]]
+                ) -> list[list[tuple[Share, torch.Tensor, torch.Tensor | None]]]:
+        """`items` (share, local, full) in consecutive groups whose all-gather buffer (every rank's padded share)
+        stays within `GATHER_BUCKET_BYTES`, a matrix bigger than that alone in its group: the write-back's buffer is
+        a bounded slice of device memory, not a second copy of every offloaded weight."""
+        out: list[list[tuple[Share, torch.Tensor, torch.Tensor | None]]] = []
+        used = 0
+        for item in items:
+            share, local, _ = item
+            shape = list(local.shape)
+            shape[share.dim] = share.padded
+            size = math.prod(shape) * self.ranks * local.element_size()
+            if out and used + size <= GATHER_BUCKET_BYTES:
+                out[-1].append(item)
+                used += size
+            else:
+                out.append([item])
+                used = size
+        return out
 
     @property
     def buffer_bytes(self) -> int:

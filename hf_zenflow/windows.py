@@ -373,11 +373,13 @@ class HostWindows:
         self.unapplied_steps.clear()
 
     def _gather_weights(self, hosted: list[SplitMatrix], fresh: set[int]) -> None:
-        """Every rank's share of the hosted matrices into the weights (the `fresh` ones): one all-gather per device
-        and dtype over all of them, the same on every rank whichever are fresh."""
+        """Every rank's share of the hosted matrices into the weights (the `fresh` ones): per device and dtype one
+        all-gather per bucket of matrices (`RankGroup.buckets`), the same on every rank whichever are fresh."""
         for (device, _), group in by_device(hosted, lambda s: (s.param.device, s.param.dtype)):
             items = [(s.share, s.host.writeback, s.matrix(s.param) if id(s) in fresh else None) for s in group]
-            self.shards.gather_into(items, self.shards.device_for(device), "write-back all-gather", keep=True)
+            # one all-gather per bucket of `GATHER_BUCKET_BYTES`, in the same order on every rank
+            for bucket in self.shards.buckets(items):
+                self.shards.gather_into(bucket, self.shards.device_for(device), "write-back all-gather", keep=True)
 
     def drain_and_apply(self) -> None:
         worker = self.ensure_worker()

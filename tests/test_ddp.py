@@ -82,7 +82,15 @@ def _ddp(model: torch.nn.Module) -> tuple[torch.nn.Module, ZenFlowAdamW]:
     return wrapped, opt
 
 
+#: A write-back all-gather bucket that holds the embedding's and the up projection's shares together, not the down
+#: projection's too (1920 + 2720 + 3168 bytes): two buckets per write-back.
+BUCKET_BYTES = 6000
+
+
 def _rank_run(rank: int, init_file: str, out_dir: str) -> None:
+    import hf_zenflow.sharding as sharding
+
+    sharding.GATHER_BUCKET_BYTES = BUCKET_BYTES
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS,
                             timeout=datetime.timedelta(seconds=60))
@@ -171,6 +179,8 @@ def test_each_rank_holds_about_half_the_host_state(ddp_run):
     finally:
         opt.close()
     assert_each_rank_holds_at_most(0.6, [rank0["stats"], rank1["stats"]], single)
+    for stats in (rank0["stats"], rank1["stats"]):  # the write-back's all-gather buffer: one bucket's, not all
+        assert 0 < stats["gather_buffer_bytes"] <= BUCKET_BYTES
 
 
 @pytest.mark.timeout(240)
