@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,9 +24,11 @@ from hf_helpers import torchrun as launch
 from hf_zenflow import CheckpointError, ZenFlowPlugin, ZenFlowTrainer
 from hf_zenflow.hf.rank_checkpoint import (
     ACCELERATE_OPTIMIZER_NAME,
+    OPTIMIZER_NAME,
     load_rank_state,
     rank_file_name,
     rank_files_pointer,
+    reshard_checkpoint,
     save_rank_state,
     saved_world_sizes,
 )
@@ -100,6 +103,21 @@ def test_two_rank_checkpoint_is_refused_in_one_process(full_run, tmp_path, train
                              train_dataset=train_dataset)
     with pytest.raises(CheckpointError, match=rf"saved by {RANKS} processes \(world size {RANKS}\).*world size 1"):
         trainer.train(resume_from_checkpoint=str(out / "run" / "checkpoint-6"))
+
+
+@pytest.mark.slow
+@several_ranks
+def test_a_two_rank_checkpoint_resharded_for_one_process_resumes_there(full_run, tmp_path, train_dataset):
+    out, _ = full_run
+    checkpoint = tmp_path / "checkpoint-6"
+    shutil.copytree(out / "run" / "checkpoint-6", checkpoint)
+    reshard_checkpoint(str(checkpoint), 1, log=lambda *_: None)
+    assert (checkpoint / OPTIMIZER_NAME).is_file() and saved_world_sizes(str(checkpoint)) == set()
+    trainer = ZenFlowTrainer(model=tiny_llama(), args=zenflow_args(tmp_path / "run", max_steps=12),
+                             train_dataset=train_dataset)
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    # the optimizer continued the saved schedule: 6 steps from the merged state, 6 trained here
+    assert trainer.state.global_step == 12 and trainer.zenflow_optimizer.stats()["steps"] == 12
 
 
 @pytest.mark.slow
