@@ -379,3 +379,27 @@ def test_dtensors_swapped_in_after_the_optimizer_was_built_train_as_fsdp2(fsdp_r
     swapped = torch.load(tmp_path / "swap0.pt", weights_only=True)
     assert swapped["ranks"] == RANKS and swapped["released"]
     assert all(torch.equal(a, b) for a, b in zip(swapped["final"], runs[0]["final"]))
+
+
+def _auto_lag_run(rank: int, init_file: str, out_dir: str) -> None:
+    """Each rank would choose another lag (stubbed: 1 on rank 0, 3 on rank 1): all must take the largest."""
+    import hf_zenflow.writeback_lag as auto_lag
+
+    auto_lag.auto_writeback_lag = lambda host_ms, step_ms, longest: 1 + 2 * rank
+    init_ranks(rank, init_file, RANKS, device=DEVICE)
+    try:
+        model = _shard(_model())
+        opt = _zenflow(model, update_interval=4, writeback_lag="auto")
+        _train(model, opt, range(14))
+        torch.save({"lag": opt.stats()["writeback_lag"]}, os.path.join(out_dir, f"auto{rank}.pt"))
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@several_ranks
+@pytest.mark.timeout(240)
+def test_the_auto_write_back_lag_is_agreed_across_fsdp2_ranks(tmp_path):
+    spawn_ranks(_auto_lag_run, str(tmp_path), ranks=RANKS)
+    lags = [torch.load(tmp_path / f"auto{r}.pt", weights_only=True)["lag"] for r in range(RANKS)]
+    assert lags == [3] * RANKS
