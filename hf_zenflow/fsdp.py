@@ -124,11 +124,6 @@ class LocalShards:
                 self._sharded[new] = p
         return out
 
-    def global_shape(self, local: torch.Tensor) -> torch.Size:
-        """The whole parameter's shape (what decides whether a matrix is split and how many columns it keeps on
-        the device: the same on every rank, whatever rows a rank holds)."""
-        return self.owner(local).shape
-
     def entries(self, entries: list[tuple[dict, torch.Tensor]]) -> tuple[list[tuple[dict, torch.Tensor]],
                                                                           list[torch.Tensor]]:
         """`entries` (group, parameter with a gradient) as the engine sees them, and their gradients."""
@@ -164,8 +159,4 @@ def global_norm(local_total: torch.Tensor, norm_type: float, ranks: RankGroup | 
     return total[0].pow(1.0 / norm_type)
 
 
-def is_sharded(params: Iterable[torch.Tensor]) -> bool:
-    return any(is_dtensor(p) for p in params)
-
-
-__all__ = ["LocalShards", "global_norm", "is_sharded", "rekey"]
+__all__ = ["LocalShards", "global_norm", "rekey"]

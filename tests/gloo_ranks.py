@@ -1,4 +1,5 @@
-"""Running a function in two (or N) real gloo processes from a test: `spawn_ranks` and `init_ranks`."""
+"""Running a function in two (or N) real gloo processes from a test: `spawn_ranks` and `init_ranks`; the device and
+rank count of the distributed tests (`DEVICE`, `RANKS`, `several_ranks`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,17 @@ import os
 import shutil
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+#: "cpu" in CI (gloo, 2 ranks); `scripts/gpu_check.sh` sets "cuda": NCCL, one rank per GPU of the machine (one GPU:
+#: world size 1 through the same code).
+DEVICE = os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu")
+RANKS = 2 if DEVICE == "cpu" else torch.cuda.device_count()
+several_ranks = pytest.mark.skipif(RANKS < 2, reason=f"needs 2 ranks; {DEVICE} has {RANKS}")
 
 
 def spawn_ranks(fn, *args, ranks: int = 2) -> None:

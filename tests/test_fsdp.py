@@ -17,7 +17,15 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import assert_each_rank_holds_at_most, assert_resumed_bitwise, init_ranks, spawn_ranks
+from gloo_ranks import (
+    DEVICE,
+    RANKS,
+    assert_each_rank_holds_at_most,
+    assert_resumed_bitwise,
+    init_ranks,
+    several_ranks,
+    spawn_ranks,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hf_zenflow import CheckpointError, ZenFlowAdamW
@@ -29,9 +37,6 @@ SETTINGS = dict(topk_ratio=0.25, update_interval="auto", auto_max_interval=4, fu
                 writeback_lag=1)  # fixed: "auto" would choose from each process's own timing
 STEPS, PER_RANK = 20, 4
 SAVE = 11  # a step inside a window (checked: window_steps > 0)
-DEVICE = os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu")
-RANKS = 2 if DEVICE == "cpu" else torch.cuda.device_count()
-several_ranks = pytest.mark.skipif(RANKS < 2, reason=f"needs 2 ranks; {DEVICE} has {RANKS}")
 
 
 class Net(torch.nn.Module):

@@ -14,15 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import DEVICE, RANKS
 from hf_helpers import assert_rank_files, assert_same_weights, assert_trained_on_shards, rank_results, torchrun
 
 from hf_zenflow.hf.rank_checkpoint import rank_file_name
 
 
 WORKER = Path(__file__).with_name("hf_ddp_worker.py")
-#: As in test_trainer_fsdp.py: gloo with 2 ranks in CI, one rank per GPU under `scripts/gpu_check.sh`.
-DEVICE = os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu")
-RANKS = 2 if DEVICE == "cpu" else torch.cuda.device_count()
 
 
 def run(out: Path, *worker_args: str) -> list[dict]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
+from gloo_ranks import DEVICE, RANKS, several_ranks
 from hf_ddp_worker import run_plugin
 from hf_helpers import assert_rank_files, assert_same_weights, rank_results, tiny_llama, zenflow_args
 from hf_helpers import torchrun as launch
@@ -35,11 +36,6 @@ from hf_zenflow.hf.rank_checkpoint import (
 
 
 WORKER = Path(__file__).with_name("hf_ddp_worker.py")
-#: "cpu" in CI (gloo, 2 ranks); `scripts/gpu_check.sh` sets "cuda": NCCL, one rank per GPU of the machine (one GPU:
-#: world size 1 through the same torchrun launch and Trainer code).
-DEVICE = os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu")
-RANKS = 2 if DEVICE == "cpu" else torch.cuda.device_count()
-several_ranks = pytest.mark.skipif(RANKS < 2, reason=f"needs 2 ranks; {DEVICE} has {RANKS}")
 
 
 def torchrun(out: Path, *worker_args: str, nproc: int = RANKS, device: str = DEVICE) -> subprocess.CompletedProcess:

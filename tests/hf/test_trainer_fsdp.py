@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import DEVICE, RANKS
 from hf_helpers import (
     assert_rank_files,
     assert_same_weights,
@@ -27,9 +28,6 @@ from hf_zenflow.hf.rank_checkpoint import rank_file_name
 
 
 WORKER = Path(__file__).with_name("hf_fsdp_worker.py")
-#: As in test_trainer_ddp.py: gloo with 2 ranks in CI, one rank per GPU under `scripts/gpu_check.sh`.
-DEVICE = os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu")
-RANKS = 2 if DEVICE == "cpu" else torch.cuda.device_count()
 def run(out: Path, *worker_args: str, worker: Path = WORKER) -> list[dict]:
     proc: subprocess.CompletedProcess = torchrun(worker, out, *worker_args, nproc=RANKS, device=DEVICE)
     return rank_results(out, proc, RANKS)
