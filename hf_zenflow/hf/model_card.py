@@ -138,6 +138,7 @@ def render_zenflow_model_card(
     card = ModelCard.from_template(
         card_data,
         template_str=template_text(),
+        model_name=model_name,  # card_data moves it into model-index when that is given
         base_model=base_model,
         base_model_on_hub=base_model_on_hub,
         datasets=[{"name": d, "on_hub": is_hub_id(d)} for d in datasets],
