@@ -53,6 +53,13 @@ class ZenFlowCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         # Runs after DefaultFlowCallback (first in the list) has decided this step's save / evaluation, and before
         # the Trainer does them: the state_dict must not be taken, nor the weights read, while the worker writes.
+        return self._drain_before_save_or_evaluation(control, kwargs)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        # save_strategy / eval_strategy "epoch": decided here, done right after
+        return self._drain_before_save_or_evaluation(control, kwargs)
+
+    def _drain_before_save_or_evaluation(self, control, kwargs: dict[str, Any]):
         if control.should_save or control.should_evaluate:
             opt = self._zenflow(kwargs)
             if opt is not None:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from hf_helpers import tiny_llama, zenflow_args
+from hf_helpers import ByteLMDataset, tiny_llama, zenflow_args
 from safetensors.torch import load_file
 from sft_helpers import sft_values, text_dataset, word_tokenizer
 from transformers import Trainer
@@ -71,23 +71,26 @@ def test_plain_trainer_with_the_callback(tmp_path, train_dataset):
         assert torch.equal(ours[name], theirs[name]), name
 
 
-def test_checkpoints_wait_for_the_worker(tmp_path, train_dataset, monkeypatch):
-    calls = []
-    original = ZenFlowAdamW.synchronize
-    monkeypatch.setattr(ZenFlowAdamW, "synchronize", lambda self: (calls.append(1), original(self))[1])
-    seen = []
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_checkpoints_wait_for_the_worker(tmp_path, text, monkeypatch, strategy):
+    events = []
+    for method in ("step", "synchronize"):
+        original = getattr(ZenFlowAdamW, method)
+        monkeypatch.setattr(ZenFlowAdamW, method, lambda self, *a, _o=original, _m=method, **k: (
+            events.append(_m), _o(self, *a, **k))[1])
     original_save = Trainer._save_checkpoint
-
-    def save(self, model, trial):
-        seen.append(len(calls))
-        return original_save(self, model, trial)
-
-    monkeypatch.setattr(Trainer, "_save_checkpoint", save)
+    monkeypatch.setattr(Trainer, "_save_checkpoint",
+                        lambda self, *a: (events.append("save"), original_save(self, *a))[1])
     model = tiny_llama()
-    args = zenflow_args(tmp_path / "ck", zenflow=False, max_steps=6, save_strategy="steps", save_steps=3)
-    Trainer(model=model, args=args, train_dataset=train_dataset, optimizers=(zenflow_optimizer(model), None),
-            callbacks=[ZenFlowCallback()]).train()
-    assert len(seen) == 2 and seen[0] > 0 and seen[1] > seen[0]
+    args = zenflow_args(tmp_path / "ck", zenflow=False, max_steps=-1, num_train_epochs=2, save_strategy=strategy,
+                        save_steps=3)
+    Trainer(model=model, args=args, train_dataset=ByteLMDataset(text, num_samples=12),  # 3 steps per epoch
+            optimizers=(zenflow_optimizer(model), None), callbacks=[ZenFlowCallback()]).train()
+    saves = [i for i, e in enumerate(events) if e == "save"]
+    assert len(saves) == 2
+    for i in saves:  # the host worker was waited for after the last step before each checkpoint
+        last_step = max(j for j in range(i) if events[j] == "step")
+        assert "synchronize" in events[last_step:i], events
 
 
 def test_without_the_callback_the_optimizer_attaches_it(tmp_path, train_dataset, caplog):
