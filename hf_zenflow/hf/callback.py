@@ -71,11 +71,10 @@ class ZenFlowCallback(TrainerCallback):
         opt = self._zenflow(kwargs)
         if opt is None:
             return control
-        # With load_best_model_at_end the weights are the best checkpoint's now: the open window belongs to the
-        # discarded trajectory, so it is not written into them (ZenFlowTrainer flushes before loading, which the
-        # load then overwrites: the same weights).
-        if not (args.load_best_model_at_end and state.best_model_checkpoint is not None):
-            opt.flush()
+        # With load_best_model_at_end the weights are the best checkpoint's by now: flush() notices weights changed
+        # from outside and re-reads its masters from them (weight_marks) instead of writing the discarded
+        # trajectory's open window into them.
+        opt.flush()
         opt.close()  # no thread outlives train()
         return control
 

@@ -125,3 +125,19 @@ def test_sft_trainer_with_the_callback(tmp_path, callback):
     assert not worker_threads()
     assert opt.stats()["windows"] >= 2
     assert_saved_model_is_flushed(trainer, opt, tmp_path / "saved")
+
+
+def test_load_best_model_at_end_keeps_the_best_checkpoint(tmp_path, train_dataset, eval_dataset):
+    # The open window belongs to the discarded trajectory: the loaded best weights stay as saved.
+    model = tiny_llama()
+    opt = zenflow_optimizer(model)
+    args = zenflow_args(tmp_path / "best", zenflow=False, max_steps=6, max_grad_norm=0.0, eval_strategy="steps",
+                        eval_steps=3, save_strategy="steps", save_steps=3, load_best_model_at_end=True, **CONSTANT)
+    trainer = Trainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                      optimizers=(opt, None), callbacks=[ZenFlowCallback()])
+    trainer.train()
+    assert not worker_threads()
+    best = load_file(str(tmp_path / "best" / trainer.state.best_model_checkpoint.split("/")[-1]
+                         / "model.safetensors"))
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), best[name]), name
