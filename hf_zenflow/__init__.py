@@ -44,7 +44,7 @@ from .worker import HostWorkerError
 
 __version__ = "0.1.0"
 
-_HF_EXPORTS = {"ZenFlowTrainer", "ZenFlowTrainingArguments", "ZenFlowPlugin"}
+_HF_EXPORTS = {"ZenFlowCallback", "ZenFlowTrainer", "ZenFlowTrainingArguments", "ZenFlowPlugin"}
 
 
 def __getattr__(name: str) -> Any:
@@ -65,6 +65,7 @@ __all__ = [
     "HostWorkerError",
     "SyncOffloadAdamW",
     "ZenFlowAdamW",
+    "ZenFlowCallback",
     "ZenFlowConfig",
     "ZenFlowPlugin",
     "ZenFlowTrainer",

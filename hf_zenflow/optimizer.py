@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -305,6 +306,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         the host step with every training step.)"""
         if self._host.worker is not None:
             self._host.worker.check()
+        if "transformers" in sys.modules:
+            # Given to a Trainer through `optimizers=(...)`, nothing there would flush the last window or stop the
+            # worker: find that Trainer and give it a ZenFlowCallback unless it has one (a few frame lookups).
+            from .hf.callback import attach_to_calling_trainer
+
+            attach_to_calling_trainer(self)
 
     def eval(self) -> None:
         """HF calls this before evaluation: wait for the host worker."""

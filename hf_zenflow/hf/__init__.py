@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .accelerate_plugin import ZenFlowPlugin
+    from .callback import ZenFlowCallback
     from .model_card import render_zenflow_model_card
     from .trainer import ZenFlowTrainer
     from .trainer_telemetry import ZenFlowTelemetry
     from .training_args import ZenFlowTrainingArguments
 
 _EXPORTS = {
+    "ZenFlowCallback": ".callback",
     "ZenFlowTrainer": ".trainer",
     "ZenFlowTelemetry": ".trainer_telemetry",
     "ZenFlowTrainingArguments": ".training_args",
@@ -30,6 +32,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "ZenFlowCallback",
     "ZenFlowPlugin",
     "ZenFlowTelemetry",
     "ZenFlowTrainer",

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.resources
+import os
 import re
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 
 #: Tags every card carries (the Hub filters on them).
@@ -59,6 +61,18 @@ def format_bytes(num: float) -> str:
     return f"{num:.1f} GiB"  # pragma: no cover
 
 
+def is_hub_id(name: str) -> bool:
+    """Whether `name` names a Hub repository (`org/name`), not a local folder or file: only those get a link and
+    the `base_model` metadata (the Hub rejects a card whose base model is a path)."""
+    if not name or os.path.exists(name) or name.startswith((".", "/", "~")) or os.sep in name.replace("/", ""):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def format_value(value: Any) -> str:
     """Numbers for a Markdown table: ints as is, floats with 4 significant digits, None as a dash."""
     if value is None:
@@ -86,11 +100,20 @@ def render_zenflow_model_card(
     license: str | None = None,
     language: str | list[str] | None = None,
     training_procedure: str | None = None,
+    base_model_on_hub: bool | None = None,
+    datasets: list[str] | None = None,
+    eval_results: dict[str, Any] | None = None,
+    eval_table: str | None = None,
+    card_metadata: dict[str, Any] | None = None,
 ) -> ModelCard:
     """Render the ZenFlow model card.
 
     `training_procedure` replaces the sentence that says how the model was trained (default: by `ZenFlowTrainer`);
-    `hf-zenflow compare --save-model` passes its own plain training loop.
+    `hf-zenflow compare --save-model` passes its own plain training loop. `base_model` is linked (and named in the
+    metadata) only when it is a Hub id (`base_model_on_hub`, by default `is_hub_id`); a local path is named without
+    a link. `datasets` (default: `[dataset_name]`) are the dataset names; `eval_results` the final evaluation
+    figures and `eval_table` the Markdown table of every evaluation, as the plain Trainer card shows them;
+    `card_metadata` more YAML keys (`metrics`, `model-index`, `datasets` tags: `Trainer.create_model_card`'s).
 
     Example:
         >>> card = render_zenflow_model_card(model_name="tiny", zenflow_settings={"topk_ratio": 0.1})
@@ -98,20 +121,29 @@ def render_zenflow_model_card(
         True
     """
     all_tags = list(dict.fromkeys([*(tags or []), *ZENFLOW_TAGS]))
+    if base_model_on_hub is None:
+        base_model_on_hub = bool(base_model) and is_hub_id(base_model)
+    datasets = [d for d in (datasets if datasets is not None else [dataset_name]) if d]
+    extra = dict(card_metadata or {})
     card_data = ModelCardData(
-        base_model=base_model or None,
-        datasets=[dataset_name] if dataset_name else None,
+        base_model=base_model if base_model and base_model_on_hub else None,
+        datasets=extra.pop("datasets", None) or datasets or None,
         library_name=library_name,
         license=license,
         language=language,
         model_name=model_name,
         tags=all_tags,
+        **extra,
     )
     card = ModelCard.from_template(
         card_data,
         template_str=template_text(),
+        model_name=model_name,  # card_data moves it into model-index when that is given
         base_model=base_model,
-        dataset_name=dataset_name,
+        base_model_on_hub=base_model_on_hub,
+        datasets=[{"name": d, "on_hub": is_hub_id(d)} for d in datasets],
+        eval_results={k: format_value(v) for k, v in (eval_results or {}).items()},
+        eval_table=eval_table,
         hyperparameters={k: format_value(v) for k, v in (hyperparameters or {}).items()},
         results={k: format_value(v) for k, v in (results or {}).items()},
         # Booleans stay booleans: the template tests `zenflow_settings.overlap_step`.

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from dataclasses import fields
 from typing import Any
 
 import torch
@@ -41,6 +40,7 @@ from ..cpu_device.layout import column_major_
 from ..distributed_check import warn_if_replicated
 from ..optimizer import ZenFlowAdamW
 from ..worker import wait_for_closed_workers
+from .args_upgrade import upgrade_training_arguments
 from .rank_checkpoint import OPTIMIZER_NAME, check_one_process_resume, load_rank_state, save_rank_state
 from .trainer_card import render_trainer_card
 from .trainer_telemetry import ZenFlowTelemetry, ZenFlowTelemetryCallback
@@ -68,7 +68,14 @@ class ZenFlowTrainer(Trainer):
     """A [`~transformers.Trainer`] that trains with `ZenFlowAdamW` (when `args.zenflow`, the default).
 
     Takes the same arguments as `Trainer`. A plain `TrainingArguments` is upgraded to `ZenFlowTrainingArguments`
-    (ZenFlow on, default settings). Everything else of the Trainer keeps working: LR schedulers, gradient
+    (ZenFlow on, default settings), any subclass of it (trl's `SFTConfig`, `DPOConfig`) to the dataclass
+    `(that class, ZenFlowTrainingArguments)`, which keeps that class's defaults (`args_upgrade`).
+
+    Mixes into any Trainer subclass, first in the bases so that its overrides wrap the other Trainer's:
+    `class MyTrainer(ZenFlowTrainer, DPOTrainer)` (set `zenflow_args_base = DPOConfig` there when that Trainer
+    rebuilds foreign arguments as its own config, as trl's do); `hf_zenflow.trl.ZenFlowSFTTrainer` is the SFT one.
+
+    Everything else of the Trainer keeps working: LR schedulers, gradient
     accumulation, clipping (`max_grad_norm`), `grad_norm` logging, checkpoints and `resume_from_checkpoint`,
     evaluation, peft models, activation (gradient) checkpointing, bf16. Telemetry appears in the logs as
     `zenflow/...`; the model card (`README.md` next to the saved model) carries a ZenFlow section and the
@@ -87,8 +94,15 @@ class ZenFlowTrainer(Trainer):
 
     _tag_names = ["hf_zenflow", "zenflow"]
 
+    #: The arguments class of the Trainer mixed in after this one (trl's `SFTTrainer`: `SFTConfig`), which that
+    #: Trainer would otherwise rebuild the arguments as, dropping the zenflow_* fields; None: any.
+    zenflow_args_base: type[TrainingArguments] | None = None
+
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *pargs: Any, **kwargs: Any) -> None:
         args = self._upgrade_args(args)
+        # Mixed into another Trainer (trl's SFTTrainer: "trl", "sft"), the model and card carry both's tags.
+        self._tag_names = list(dict.fromkeys(
+            tag for cls in reversed(type(self).__mro__) for tag in cls.__dict__.get("_tag_names", ())))
         self._zenflow_telemetry = ZenFlowTelemetry()
         self._zenflow_steps_per_epoch: int | None = None
         super().__init__(model, args, *pargs, **kwargs)
@@ -105,24 +119,10 @@ class ZenFlowTrainer(Trainer):
         if self.model is not None and hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
 
-    @staticmethod
-    def _upgrade_args(args: TrainingArguments | None) -> ZenFlowTrainingArguments:
-        if args is None:
-            return ZenFlowTrainingArguments(output_dir="trainer_output")
-        if isinstance(args, ZenFlowTrainingArguments):
-            return args
-        if type(args) is not TrainingArguments:
-            raise TypeError(
-                f"ZenFlowTrainer got args of type {type(args).__name__}: pass a TrainingArguments (upgraded with the "
-                "default ZenFlow settings) or a ZenFlowTrainingArguments; for your own arguments class, inherit from "
-                "ZenFlowTrainingArguments."
-            )
-        # trl's pattern: rebuild from to_dict(); it masks the *_token fields, so take those from the object.
-        values = args.to_dict()
-        for f in fields(args):
-            if f.init and f.name.endswith("_token"):
-                values[f.name] = getattr(args, f.name)
-        return ZenFlowTrainingArguments(**values)
+    def _upgrade_args(self, args: TrainingArguments | None) -> ZenFlowTrainingArguments:
+        # Any TrainingArguments subclass (an SFTConfig, a DPOConfig) gains the zenflow_* fields, its own defaults
+        # and values kept (args_upgrade); `zenflow_args_base` is what the Trainer mixed in after this one expects.
+        return upgrade_training_arguments(args, self.zenflow_args_base)
 
     # -- optimizer ---------------------------------------------------------------------------------------------------
     @staticmethod
@@ -325,16 +325,15 @@ class ZenFlowTrainer(Trainer):
                           tags: str | list[str] | None = None, model_name: str | None = None,
                           finetuned_from: str | None = None, tasks: str | list[str] | None = None,
                           dataset_tags: str | list[str] | None = None, dataset: str | list[str] | None = None,
-                          dataset_args: str | list[str] | None = None) -> None:
-        """Write `args.output_dir/README.md`: a Hub model card with a ZenFlow section (settings and measured
-        figures) and the `hf_zenflow` tag. Without ZenFlow, the Trainer's own card."""
+                          dataset_args: str | list[str] | None = None, dataset_name: str | None = None) -> None:
+        """Write `args.output_dir/README.md`: a Hub model card with what the Trainer's own card carries (evaluation
+        results, tasks, datasets) plus a ZenFlow section (settings and measured figures) and the `hf_zenflow` tag.
+        Without ZenFlow, the Trainer's own card. `dataset_name` is trl's name for `dataset`."""
+        dataset = dataset if dataset is not None else dataset_name
         if not getattr(self.args, "zenflow", False) and self.zenflow_optimizer is None:
-            return super().create_model_card(language=language, license=license, tags=tags, model_name=model_name,
-                                             finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
-                                             dataset=dataset, dataset_args=dataset_args)
+            return Trainer.create_model_card(self, language=language, license=license, tags=tags,
+                                             model_name=model_name, finetuned_from=finetuned_from, tasks=tasks,
+                                             dataset_tags=dataset_tags, dataset=dataset, dataset_args=dataset_args)
         self._write_model_card(self.args.output_dir, language=language, license=license, tags=tags,
-                               model_name=model_name, finetuned_from=finetuned_from,
-                               dataset=dataset or dataset_tags)
-
-
-__all__ = ["ZenFlowTelemetry", "ZenFlowTrainer"]  # ZenFlowTelemetry lives in trainer_telemetry
+                               model_name=model_name, finetuned_from=finetuned_from, tasks=tasks,
+                               dataset_tags=dataset_tags, dataset=dataset, dataset_args=dataset_args)

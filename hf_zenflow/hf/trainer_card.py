@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from huggingface_hub import ModelCard
+from transformers.modelcard import TrainingSummary, _listify, make_markdown_table
 
-from .model_card import format_bytes, render_zenflow_model_card
+from .model_card import format_bytes, is_hub_id, render_zenflow_model_card
 from .trainer_telemetry import LAST_STATS, TELEMETRY_PREFIX
 
 
@@ -61,26 +62,38 @@ def training_device_description(trainer: ZenFlowTrainer) -> str:
     return f"{device.type} ({threads} training threads)"
 
 
+def plain_card_summary(trainer: ZenFlowTrainer, **kwargs: Any) -> TrainingSummary:
+    """What `Trainer.create_model_card` puts on the plain card for the same run and arguments: every evaluation
+    metric, the `tasks`, the dataset names, tags and arguments, and the `model-index` / `metrics` metadata."""
+    if isinstance(kwargs.get("tags"), list):
+        kwargs["tags"] = list(kwargs["tags"])  # from_trainer appends to the list it is given
+    return TrainingSummary.from_trainer(trainer, **kwargs)
+
+
 def render_trainer_card(trainer: ZenFlowTrainer, model_name: str | None = None, **kwargs: Any) -> ModelCard:
-    """The Hub card of `trainer`'s run; `kwargs` are `Trainer.create_model_card`'s (tags, license, language,
-    finetuned_from, dataset)."""
+    """The Hub card of `trainer`'s run; `kwargs` are `Trainer.create_model_card`'s (language, license, tags,
+    finetuned_from, tasks, dataset_tags, dataset, dataset_args). It carries what the plain card carries (evaluation
+    results, tasks, datasets: `plain_card_summary`) plus the ZenFlow section."""
     model = trainer.accelerator.unwrap_model(trainer.model) if trainer.model is not None else None
     library_name = "transformers"
-    base_model = None
+    base_model = kwargs.pop("finetuned_from", None)
     peft_config = getattr(model, "peft_config", None)
     if isinstance(peft_config, dict) and peft_config:
         library_name = "peft"
-        base_model = next(iter(peft_config.values())).base_model_name_or_path
+        base_model = base_model or next(iter(peft_config.values())).base_model_name_or_path
     config = getattr(model, "config", None)
     if base_model is None and config is not None:
-        name = getattr(config, "_name_or_path", "") or ""
-        # A local path is no Hub id: a card should not link to it.
-        base_model = name if name and not os.path.isdir(name) else None
+        base_model = getattr(config, "_name_or_path", "") or None
     tags = kwargs.pop("tags", None)
     tags = [tags] if isinstance(tags, str) else list(tags or [])
     tags += list(getattr(model, "model_tags", None) or [])
-    tags = ["generated_from_trainer", *tags, *trainer._tag_names]
+    tags = list(dict.fromkeys(["generated_from_trainer", *tags, *trainer._tag_names]))
     args = trainer.args
+    summary = plain_card_summary(
+        trainer, model_name=model_name or os.path.basename(os.path.abspath(args.output_dir)), tags=tags,
+        finetuned_from=base_model or "", **kwargs)
+    hub_model = base_model if base_model and is_hub_id(base_model) else None
+    metadata = summary.create_metadata()
     hyperparameters = {
         "learning_rate": args.learning_rate,
         "train_batch_size": args.per_device_train_batch_size,
@@ -101,22 +114,27 @@ def render_trainer_card(trainer: ZenFlowTrainer, model_name: str | None = None, 
             results["train_loss"] = entry["train_loss"]
         if "loss" in entry and "last logged loss" not in results:
             results["last logged loss"] = entry["loss"]
-        if "eval_loss" in entry and "eval_loss" not in results:
-            results["eval_loss"] = entry["eval_loss"]
     inputs = card_inputs(trainer)
-    dataset = kwargs.pop("dataset", None) or kwargs.pop("dataset_tags", None)
-    if isinstance(dataset, list):
-        dataset = dataset[0] if dataset else None
+    name = trainer.__class__.__name__
+    procedure = None
+    if name != "ZenFlowTrainer":
+        procedure = (f"It was trained with `{name}` (the ZenFlow optimizer of `hf_zenflow` in "
+                     f"{'trl' if 'trl' in trainer._tag_names else 'a Hugging Face'} Trainer).")
     return render_zenflow_model_card(
-        model_name=model_name or os.path.basename(os.path.abspath(args.output_dir)),
-        base_model=kwargs.pop("finetuned_from", None) or base_model,
-        dataset_name=dataset,
-        tags=tags,
+        model_name=summary.model_name,
+        base_model=base_model,
+        base_model_on_hub=hub_model is not None,
+        datasets=[str(d) for d in _listify(summary.dataset)],
+        tags=list(summary.tags),
         library_name=library_name,
-        license=kwargs.pop("license", None),
-        language=kwargs.pop("language", None),
+        license=summary.license,
+        language=summary.language,
         hyperparameters=hyperparameters,
         results=results,
+        eval_results=summary.eval_results,
+        eval_table=make_markdown_table(summary.eval_lines) if summary.eval_lines else None,
+        card_metadata={key: metadata[key] for key in ("datasets", "metrics", "model-index") if key in metadata},
         zenflow_settings=inputs["settings"],
         zenflow_measured=inputs["measured"],
+        training_procedure=procedure,
     )

@@ -127,6 +127,7 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
         # import DeepSpeed and build its plugin first, and fail (or warn) about something unrelated.
         if self.zenflow:
             self._check_conflicts_before_init()
+        self._adopt_class_default_checkpointing()
         super().__post_init__()
         if self.zenflow:
             self._check_conflicts_after_init()
@@ -143,6 +144,15 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
         config = self.zenflow_config()
         for arg, name in ZENFLOW_FIELDS.items():
             setattr(self, arg, getattr(config, name))
+
+    def _adopt_class_default_checkpointing(self) -> None:
+        # trl's configs default the deprecated alias `gradient_checkpointing` to True: the parent would warn about
+        # that default as if the user had passed it. A value that is the class's own default moves to
+        # `activation_checkpointing` here, as the parent would move it; a user's explicit value still warns there.
+        default = next(f.default for f in fields(self) if f.name == "gradient_checkpointing")
+        if (self.activation_checkpointing is None and self.gradient_checkpointing is not None
+                and default is not None and self.gradient_checkpointing == default):
+            self.activation_checkpointing = self.gradient_checkpointing
 
     @cached_property
     def _setup_devices(self) -> torch.device:

@@ -1,0 +1,109 @@
+"""`ZenFlowCallback`: what `ZenFlowTrainer` does around a `ZenFlowAdamW`, for any other Trainer given one through
+`optimizers=(ZenFlowAdamW(...), None)` (a plain `Trainer`, trl's `SFTTrainer`, ...).
+
+Without it nothing would call `synchronize()`, `flush()` or `close()`: after `train()` the last window's host
+updates would be missing from the weights (and from the saved model), and the host worker would outlive `train()`.
+The optimizer attaches one itself when it first finds itself stepping inside a Trainer that has none
+(`attach_to_calling_trainer`), so forgetting it loses nothing; passing it (`callbacks=[ZenFlowCallback()]`) says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..optimizer import ZenFlowAdamW
+from ..worker import wait_for_closed_workers
+from .unwrap import unwrap_zenflow_optimizer
+
+
+logger = logging.getLogger(__name__)
+
+
+class ZenFlowCallback(TrainerCallback):
+    """Drains a `ZenFlowAdamW` at the points `ZenFlowTrainer` does: before a checkpoint and an evaluation it waits
+    for the host worker (the checkpoint then holds a consistent optimizer state, pending host results included, so
+    a resumed run continues exactly); at the end of training it flushes the open window into the weights and stops
+    the worker thread (a later `train()` starts a new one).
+
+    Example:
+        >>> from transformers import Trainer
+        >>> from hf_zenflow import ZenFlowAdamW
+        >>> from hf_zenflow.hf.callback import ZenFlowCallback
+        >>> opt = ZenFlowAdamW(model.parameters(), lr=1e-4)  # doctest: +SKIP
+        >>> trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None),
+        ...                   callbacks=[ZenFlowCallback()])  # doctest: +SKIP
+    """
+
+    def __init__(self, optimizer: ZenFlowAdamW | None = None) -> None:
+        self._optimizer = optimizer
+
+    def _zenflow(self, kwargs: dict[str, Any]) -> ZenFlowAdamW | None:
+        # The Trainer hands every event its optimizer (possibly accelerate's wrapper around ours).
+        return unwrap_zenflow_optimizer(kwargs.get("optimizer")) or self._optimizer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        opt = self._zenflow(kwargs)
+        if opt is not None:
+            self._optimizer = opt
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # Runs after DefaultFlowCallback (first in the list) has decided this step's save / evaluation, and before
+        # the Trainer does them: the state_dict must not be taken, nor the weights read, while the worker writes.
+        return self._drain_before_save_or_evaluation(control, kwargs)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        # save_strategy / eval_strategy "epoch": decided here, done right after
+        return self._drain_before_save_or_evaluation(control, kwargs)
+
+    def _drain_before_save_or_evaluation(self, control, kwargs: dict[str, Any]):
+        if control.should_save or control.should_evaluate:
+            opt = self._zenflow(kwargs)
+            if opt is not None:
+                opt.synchronize()
+                wait_for_closed_workers()
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        opt = self._zenflow(kwargs)
+        if opt is None:
+            return control
+        # With load_best_model_at_end the weights are the best checkpoint's by now: flush() notices weights changed
+        # from outside and re-reads its masters from them (weight_marks) instead of writing the discarded
+        # trajectory's open window into them.
+        opt.flush()
+        opt.close()  # no thread outlives train()
+        return control
+
+
+def attach_to_calling_trainer(optimizer: ZenFlowAdamW, max_depth: int = 6) -> bool:
+    """Called by `ZenFlowAdamW.train()`, which the Trainer calls before each training step: find that Trainer on the
+    call stack and, unless it is a `ZenFlowTrainer` or already has a `ZenFlowCallback`, add one (logged once).
+    Returns whether a Trainer was found."""
+    from transformers import Trainer
+
+    from .trainer import ZenFlowTrainer
+
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            if isinstance(owner, ZenFlowTrainer):
+                return True
+            handler = owner.callback_handler
+            if not any(isinstance(cb, ZenFlowCallback) for cb in handler.callbacks):
+                logger.warning(
+                    "ZenFlowAdamW is training inside %s without ZenFlowCallback: added it, so that checkpoints "
+                    "wait for the host worker and the end of training writes the last window into the weights and "
+                    "stops the worker. Pass callbacks=[ZenFlowCallback()] (hf_zenflow.ZenFlowCallback) to say so, "
+                    "or use ZenFlowTrainer.", type(owner).__name__)
+                callback = ZenFlowCallback(optimizer)
+                handler.add_callback(callback)
+            return True
+        frame = frame.f_back
+    return False
