@@ -20,8 +20,9 @@ batched over matrices: one all-gather per write-back, (device, dtype) and bucket
 its buffer is a bounded slice of device memory), one all-reduce of selection scores and one
 all-gather (per bucket) of the incoming device columns' state per selection. Every collective takes tensors on the
 collective device (`RankGroup.device_for` of the parameters' device: the GPU under NCCL, the host under gloo), never
-host state directly: NCCL refuses host tensors, so host pieces are copied into a device buffer first and back after. A collective that fails (a rank died) or times out
-(the process group's ``timeout``) raises `ShardCollectiveError` in the training process.
+host state directly: NCCL refuses host tensors, so host pieces are copied into a device buffer first and back after.
+A collective that fails (a rank died) or times out (the process group's ``timeout``) raises `ShardCollectiveError`
+in the training process.
 """
 
 from __future__ import annotations
