@@ -11,7 +11,8 @@ DDP: its reducer all-reduces a gradient after these hooks have run and then rewr
 a norm or a copy taken in the hook would describe the unreduced gradient and be thrown away, and the copy made again
 after the sync (twice the device-to-host traffic). With the host work split across data-parallel ranks
 (`reduced_later`, `sharding.py`), the hooks read nothing and `step()` reads each reduced gradient once. (FSDP2 calls
-the hooks after its reduce-scatter: those are read.)
+the hooks after its reduce-scatter: those are read.) A DDP communication hook the user registers (bf16_compress_hook,
+PowerSGD) composes unchanged: `step()` reads whatever the hook's result left in ``p.grad``.
 
 Gradient accumulation: under accelerate (the Trainer) the hooks skip the micro-batches that do not end an optimizer
 step (``GradientState.sync_gradients``); in a plain loop every micro-batch is read and the last one counts.

@@ -17,6 +17,9 @@ apart:
 - **collectives** (``all_reduce``, ``all_gather_into_tensor``, ...) raise `HostTensorRefused` for any host tensor
   (`refusals` lists them), then run on gloo.
 
+``install(roles=False)`` keeps only the refusal of the optimizer's host state itself (for FSDP2, whose own buffers
+are created on ``torch.device(mesh.device_type)``, the host on a CPU mesh, which would read as host tensors).
+
 The roles are tracked by a `TorchFunctionMode` on the training thread (the host worker's threads run without it,
 and their tensors are host state anyway); ops that torch runs in C++ (autograd, DDP's reducer) make device tensors.
 """
@@ -154,13 +157,14 @@ class _Roles(TorchFunctionMode):
         return self.double.is_host(tensors[0])
 
 
-def install(watch: Iterable[Any] = ()) -> NcclDouble:
+def install(watch: Iterable[Any] = (), roles: bool = True) -> NcclDouble:
     """Install the double in this (rank) process: the backend reads "nccl", collectives refuse host tensors, and the
-    training thread tracks roles from here on (`uninstall` ends it). `watch`: optimizers whose host state is host."""
+    training thread tracks roles from here on (`uninstall` ends it). `watch`: optimizers whose host state is host;
+    `roles=False`: only that host state is refused (no role tracking)."""
     double = NcclDouble()
     for opt in watch:
         double.watch(opt)
-    double.mode = _Roles(double)
+    double.mode = _Roles(double) if roles else None
     double.originals = {"get_backend": dist.get_backend}
     dist.get_backend = lambda group=None: "nccl"
     for name in COLLECTIVES:
@@ -174,11 +178,13 @@ def install(watch: Iterable[Any] = ()) -> NcclDouble:
             return _real(*args, **kwargs)
 
         setattr(dist, name, wrapped)
-    double.mode.__enter__()
+    if double.mode is not None:
+        double.mode.__enter__()
     return double
 
 
 def uninstall(double: NcclDouble) -> None:
-    double.mode.__exit__(None, None, None)
+    if double.mode is not None:
+        double.mode.__exit__(None, None, None)
     for name, real in double.originals.items():
         setattr(dist, name, real)
