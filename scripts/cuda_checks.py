@@ -90,11 +90,11 @@ def fp16_grad_scaler(device: torch.device, steps: int = 12) -> dict[str, Any]:
     for use_scaler in (False, True):
         model = _model(device)
         opt = ZenFlowAdamW(model.parameters(), **settings)
-        scaler = torch.amp.GradScaler("cuda", init_scale=4096.0) if use_scaler else None
+        scaler = torch.amp.GradScaler(device.type, init_scale=4096.0) if use_scaler else None
         norms = []
         try:
             for x, y in data:
-                with torch.autocast("cuda", dtype=torch.float16):
+                with torch.autocast(device.type, dtype=torch.float16):
                     loss = _loss(model, x, y)
                 if scaler is None:
                     loss.backward()
@@ -125,10 +125,10 @@ def _overflow_step_changes_nothing(device: torch.device, settings: dict, data: l
 
     model = _model(device)
     opt = ZenFlowAdamW(model.parameters(), **settings)
-    scaler = torch.amp.GradScaler("cuda", init_scale=4096.0)
+    scaler = torch.amp.GradScaler(device.type, init_scale=4096.0)
     try:
         for i, (x, y) in enumerate(data[:8]):
-            with torch.autocast("cuda", dtype=torch.float16):
+            with torch.autocast(device.type, dtype=torch.float16):
                 loss = _loss(model, x, y)
             scaler.scale(loss).backward()
             if i == 5:

@@ -42,20 +42,20 @@ timeout 150 "$py" -m pytest "${pytest_args[@]}" tests/test_optimizer.py tests/te
 tests_rc=${PIPESTATUS[0]}
 
 # 3. host syncs per step, fp16 + GradScaler
-timeout 60 "$py" scripts/cuda_checks.py --out-dir "$out" 2>&1 | tee "$out/cuda_checks.log"
+timeout 50 "$py" scripts/cuda_checks.py --out-dir "$out" 2>&1 | tee "$out/cuda_checks.log"
 checks_rc=${PIPESTATUS[0]}
 
 # 4. DDP (through torchrun and the Trainer) and FSDP2 on NCCL, one rank per GPU of this machine (one GPU: world
 # size 1 through the same code; tests/gloo_ranks.py: RANKS). (tests/test_nccl_double.py is CI's CPU stand-in.)
-timeout 60 "$py" -m pytest "${pytest_args[@]}" tests/hf/test_trainer_ddp.py -k "trains_and_ranks_agree or \
+timeout 70 "$py" -m pytest "${pytest_args[@]}" tests/hf/test_trainer_ddp.py -k "trains_and_ranks_agree or \
   one_optimizer_file or resume_mid_window or refused_in_one_process or plugin_under_ddp" 2>&1 \
   | tee "$out/tests_ddp_nccl.log"
 ddp_rc=${PIPESTATUS[0]}
-timeout 60 "$py" -m pytest "${pytest_args[@]}" tests/test_fsdp.py 2>&1 | tee "$out/tests_fsdp_nccl.log"
+timeout 90 "$py" -m pytest "${pytest_args[@]}" tests/test_fsdp.py 2>&1 | tee "$out/tests_fsdp_nccl.log"
 fsdp_rc=${PIPESTATUS[0]}
 
 # 5. the benchmark: a ~0.5B-parameter Llama, few steps per optimizer, so that every row fits
-timeout 160 "$py" scripts/bench_gpu.py --out-dir "$out" --layers 8 --steps 6 --warmup 3 "$@" 2>&1 \
+timeout 130 "$py" scripts/bench_gpu.py --out-dir "$out" --layers 8 --steps 6 --warmup 3 "$@" 2>&1 \
   | tee "$out/bench_gpu.log"
 bench_rc=${PIPESTATUS[0]}
 
