@@ -7,6 +7,13 @@ the device-to-host copy there when its transport copies). Results are keyed by t
 version counter: anything that changes the gradient afterwards (another micro-batch accumulating into it, an in-place
 clip, zeroing) invalidates them, and `step()` reads that gradient itself.
 
+DDP: its reducer all-reduces a gradient after these hooks have run and then rewrites ``p.grad`` (a version bump), so
+a norm or a copy taken in the hook would describe the unreduced gradient and be thrown away, and the copy made again
+after the sync (twice the device-to-host traffic). With the host work split across data-parallel ranks
+(`reduced_later`, `sharding.py`), the hooks read nothing and `step()` reads each reduced gradient once. (FSDP2 calls
+the hooks after its reduce-scatter: those are read.) A DDP communication hook the user registers (bf16_compress_hook,
+PowerSGD) composes unchanged: `step()` reads whatever the hook's result left in ``p.grad``.
+
 Gradient accumulation: under accelerate (the Trainer) the hooks skip the micro-batches that do not end an optimizer
 step (``GradientState.sync_gradients``); in a plain loop every micro-batch is read and the last one counts.
 """
@@ -68,6 +75,9 @@ class GradientReads:
         self._norms: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor]] = {}
         #: called with (parameter, gradient) after the norm, e.g. to start the gradient's copy to the host
         self.on_ready: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        #: True when each (non-DTensor) gradient is rewritten after its hook by a data-parallel reduction (DDP's
+        #: all-reduce): the hooks then read nothing (see the module docstring)
+        self.reduced_later: Callable[[], bool] = lambda: False
         self._handles: list = []
         self.watch(params)
 
@@ -91,6 +101,8 @@ class GradientReads:
             # FSDP2 calls the hook once the reduce-scatter has produced the rank's shard of the gradient: the norm
             # and the copy are of the local shard, keyed by the local tensor the engine works on (`fsdp.py`)
             p, g = p._local_tensor, g._local_tensor
+        elif self.reduced_later():
+            return
         self._norms[p] = (weakref.ref(g), g._version, torch_norm(g))
         if self.on_ready is not None:
             self.on_ready(p, g)

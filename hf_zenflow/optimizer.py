@@ -124,6 +124,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
         self._reads = GradientReads(p for g in self.param_groups for p in g["params"])
         self._reads.on_ready = self._host.grad_ready
+        self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1  # DDP rewrites them after the hooks
         self._weights = WeightMarks()  # notices weights changed from outside the optimizer
         self._param_names: dict[torch.Tensor, str] = {
             p: name for g in self.param_groups for name, p in zip(g.get("param_names", ()), g["params"])
@@ -392,6 +393,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._reads.remove()
             self._reads = GradientReads(current)
             self._reads.on_ready = self._host.grad_ready
+            self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1
 
     def _engine_params(self) -> list[torch.Tensor]:
         """Every parameter in param-group order as the engine keys its state (its local shard under FSDP2)."""

@@ -72,7 +72,10 @@ def select_columns(host: HostWindows, pairs: list[tuple[SplitMatrix, torch.Tenso
     hosted = [(split, index) for split, index in chosen if split.host is not None]
     parts = [(split.share, t.index_select(split.axis, index.cpu())) for split, index in hosted
              for t in (split.host.master, split.host.exp_avg, split.host.exp_avg_sq)]
-    whole = ranks.gather(parts, "device-column all-gather")
+    # Collective: on the parameters' device (the pieces are host state, which NCCL refuses); the full columns land
+    # there, where `install_columns` wants them
+    device = hosted[0][0].param.device if hosted else torch.device("cpu")
+    whole = ranks.gather(parts, "device-column all-gather", device)
     cols = {id(split): whole[3 * i:3 * i + 3] for i, (split, _) in enumerate(hosted)}
     for split, index in chosen:
         split.install_columns(index, cols.get(id(split)))

@@ -18,8 +18,11 @@ Collectives (`RankGroup`) all run on the training thread, inside `step()`/`flush
 schedule fixes, so every rank issues the same ones in the same order; the host worker never issues one. Each is
 batched over matrices: one all-gather per write-back, (device, dtype) and bucket of ``GATHER_BUCKET_BYTES`` (so that
 its buffer is a bounded slice of device memory), one all-reduce of selection scores and one
-all-gather of the incoming device columns' state per selection. A collective that fails (a rank died) or times out
-(the process group's ``timeout``) raises `ShardCollectiveError` in the training process.
+all-gather (per bucket) of the incoming device columns' state per selection. Every collective takes tensors on the
+collective device (`RankGroup.device_for` of the parameters' device: the GPU under NCCL, the host under gloo), never
+host state directly: NCCL refuses host tensors, so host pieces are copied into a device buffer first and back after.
+A collective that fails (a rank died) or times out (the process group's ``timeout``) raises `ShardCollectiveError`
+in the training process.
 """
 
 from __future__ import annotations
@@ -82,7 +85,14 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
 
 
-_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+def _gather_single(out: torch.Tensor, mine: torch.Tensor, group: Any = None) -> None:
+    # (looked up at each call, so that a wrapper installed after import, e.g. a test's NCCL-like double, sees it)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine, group=group)
+
+
+#: Backends whose collectives take tensors on the device itself (NCCL refuses host tensors); the others (gloo) take
+#: host tensors.
+DEVICE_BACKENDS = ("nccl", "xccl")
 
 
 class RankGroup:
@@ -104,9 +114,9 @@ class RankGroup:
         return Share(dim, size, self.ranks, self.rank)
 
     def device_for(self, device: torch.device) -> torch.device:
-        """Where this group's collectives take tensors that belong to `device`: the device itself for a backend
-        that runs there (NCCL on CUDA), else the host (gloo)."""
-        if device.type == "cuda" and "nccl" in str(dist.get_backend(self.group)):
+        """Where this group's collectives take tensors that belong to `device` (a parameter's device, never a host
+        tensor's): the device itself for a backend that runs there (NCCL), else the host (gloo)."""
+        if any(name in str(dist.get_backend(self.group)) for name in DEVICE_BACKENDS):
             return device
         return torch.device("cpu")
 
@@ -167,17 +177,29 @@ class RankGroup:
                     full.narrow(share.dim, start, length).copy_(piece, non_blocking=True)
                 offset += shape.numel()
 
-    def gather(self, items: list[tuple[Share, torch.Tensor]], what: str) -> list[torch.Tensor]:
-        """Full matrices (new tensors on the collective device, fp32) from every rank's (share, local) pieces."""
+    def gather(self, items: list[tuple[Share, torch.Tensor]], what: str, device: torch.device,
+               out: torch.device | None = None) -> list[torch.Tensor]:
+        """Full fp32 matrices from every rank's (share, local) pieces, as new tensors on `out` (default: `device`).
+
+        `device` is the parameters' device, never taken from the pieces: they are host state here (masters and
+        moments at a re-selection, `SplitMatrix.full_state`), and NCCL refuses host tensors. Each piece is copied
+        into the collective's buffer on `device_for(device)` and every rank's pieces copied out of it, bucket by
+        bucket (`buckets`), so the device holds one bucket's buffer at a time, not every matrix twice."""
+        out = device if out is None else out
         if self.ranks == 1:
-            return [local.float().clone() for _, local in items]
-        device = self.device_for(items[0][1].device) if items else torch.device("cpu")
+            return [local.to(out, torch.float32, copy=True) for _, local in items]
+        on = self.device_for(device)
         fulls = []
         for share, local in items:
             shape = list(local.shape)
             shape[share.dim] = share.size
-            fulls.append(torch.empty(shape, dtype=torch.float32, device=device))
-        self.gather_into([(s, local.float(), full) for (s, local), full in zip(items, fulls)], device, what)
+            fulls.append(torch.empty(shape, dtype=torch.float32, device=out))
+        for bucket in self.buckets([(s, local.float(), full) for (s, local), full in zip(items, fulls)]):
+            self.gather_into(bucket, on, what)
+        if on.type == "cuda" and out.type == "cpu":
+            # Sync point (re-selection and checkpoints only): the device->host copies out of the buffer were queued
+            # on the current stream and the host reads the fulls next
+            torch.cuda.current_stream(on).synchronize()
         return fulls
 
     def _buffer(self, device: torch.device, dtype: torch.dtype, numel: int, keep: bool) -> torch.Tensor:

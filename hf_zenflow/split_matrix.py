@@ -93,7 +93,9 @@ class SplitMatrix:
         if self.host is not None:
             host = self.host
             parts = [(self.share, t) for t in (host.master, host.exp_avg, host.exp_avg_sq)]
-            master, m, v = (t.cpu() for t in (ranks or RankGroup()).gather(parts, "full-state all-gather"))
+            # (a collective on the parameter's device, the full matrices back on the host)
+            master, m, v = (ranks or RankGroup()).gather(parts, "full-state all-gather", self.param.device,
+                                                         torch.device("cpu"))
         else:
             master = self.matrix(self.param.detach()).float().cpu().clone()
             m, v = torch.zeros_like(master), torch.zeros_like(master)

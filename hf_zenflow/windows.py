@@ -176,6 +176,8 @@ class HostWindows:
                 else:
                     todo.append((split, g))
             if todo:
+                # (counted where a copy starts: a copy from backward that the step throws away counted too)
+                self.stats.bytes_to_host += sum(s.host_part(g).numel() * g.element_size() for s, g in todo)
                 more, arrived = self._sources(todo, grant.slot)
                 sources += more
                 landed.events += arrived.events
@@ -200,6 +202,7 @@ class HostWindows:
         if self.early is None:
             self.early = EarlyCopies(self.ensure_worker().take_slot())
         ((_, source),), landed = transport.hand_off([(split, g)], self.early.grant.slot)
+        self.stats.bytes_to_host += split.host_part(g).numel() * g.element_size()
         self.early.copies[p] = (weakref.ref(g), g._version, source, landed)
 
     def release_early(self) -> None:
@@ -219,7 +222,6 @@ class HostWindows:
         sources, landed = started.sources, started.landed
         for split, _ in started.work:
             split.owner.grad = None  # the worker owns this gradient now (FSDP2: the DTensor's, else it accumulates)
-        self.stats.bytes_to_host += sum(s.host_part(g).numel() * g.element_size() for s, g in started.work)
         started.work.clear()
 
         def accumulate() -> None:

@@ -13,8 +13,9 @@ Optimizers (same model init, batch and hyper-parameters):
 
 Per step the script synchronises the current CUDA stream after backward and after the optimizer step, so
 "fwd+bwd ms" and "optimizer ms" split the step as the training loop sees it; "stall ms" is step time minus the
-forward+backward time of the same run: the time the device waits for the optimizer. Unavailable optimizers are
-skipped with the reason in the table.
+forward+backward time of the same run: the time the device waits for the optimizer; "GPU busy" is the CUDA-event
+time of forward+backward over the step's wall time (the fraction of the step the GPU works on the model).
+Unavailable optimizers are skipped with the reason in the table.
 
 One call on a lent H200 (default size ~1.4B params; about 5 minutes):
     python scripts/bench_gpu.py --out-dir $OUT
@@ -187,14 +188,23 @@ def run_one(name: str, args: argparse.Namespace, device: torch.device, batches: 
         torch.cuda.reset_peak_memory_stats(device)
     runner = make_runner(name, model, args)
     fwd = runner.model
-    fb, opt_ms, step_ms, losses, stats = [], [], [], [], []
+    fb, opt_ms, step_ms, losses, stats, busy = [], [], [], [], [], []
     total = args.warmup + args.steps
+    cuda = device.type == "cuda"
     for i in range(total):
         ids = batches[i % len(batches)]
         _sync(device)
         t0 = time.perf_counter()
+        # GPU utilisation: CUDA events around the model's device work (forward and backward on the current stream)
+        # against the step's wall time; the rest of the step the GPU waits for the optimizer
+        start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None,
+                                                                                                               None)
+        if start is not None:
+            start.record()
         loss = fwd(input_ids=ids, labels=ids).loss
         runner.backward(loss)
+        if end is not None:
+            end.record()
         _sync(device)
         t1 = time.perf_counter()
         runner.step()
@@ -206,6 +216,8 @@ def run_one(name: str, args: argparse.Namespace, device: torch.device, batches: 
             opt_ms.append((t2 - t1) * 1e3)
             step_ms.append((t2 - t0) * 1e3)
             stats.append(runner.stats())
+            if start is not None:
+                busy.append(start.elapsed_time(end) / ((t2 - t0) * 1e3))
         print(f"[bench] {name:>18s} step {i + 1}/{total}: fwd+bwd {(t1 - t0) * 1e3:8.1f} ms, optimizer "
               f"{(t2 - t1) * 1e3:8.1f} ms, loss {losses[-1]:.4f}", flush=True)
     runner.finish()
@@ -223,6 +235,7 @@ def run_one(name: str, args: argparse.Namespace, device: torch.device, batches: 
         "tokens_per_s": args.batch * args.seq * 1e3 / statistics.fmean(step_ms),
         "loss_first": losses[0],
         "loss_last": losses[-1],
+        "gpu_busy_fraction": statistics.fmean(busy) if busy else None,
         "peak_device_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "engine_stats_last": {k: v for k, v in (stats[-1] if stats else {}).items() if isinstance(v, (int, float))},
     }
@@ -235,21 +248,23 @@ def run_one(name: str, args: argparse.Namespace, device: torch.device, batches: 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| optimizer | steps/s | step ms (median) | fwd+bwd ms | optimizer ms (median) | stall ms | "
-             "vs adamw_torch_fused | vs sync_offload | peak GPU GiB | loss first -> last |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "vs adamw_torch_fused | vs sync_offload | GPU busy | peak GPU GiB | loss first -> last |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     by = {r["optimizer"]: r for r in rows if "skipped" not in r}
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['optimizer']} | skipped: {r['skipped']} | | | | | | | | |")
+            lines.append(f"| {r['optimizer']} | skipped: {r['skipped']} | | | | | | | | | |")
             continue
         base = by.get("adamw_torch_fused")
         sync = by.get("sync_offload")
         vs_base = f"{r['step_ms_mean'] / base['step_ms_mean']:.2f}x time" if base else "n/a"
         vs_sync = f"{sync['step_ms_mean'] / r['step_ms_mean']:.2f}x faster" if sync else "n/a"
         mem = "n/a" if r["peak_device_memory_gib"] is None else f"{r['peak_device_memory_gib']:.1f}"
+        gpu = "n/a" if r["gpu_busy_fraction"] is None else f"{r['gpu_busy_fraction']:.0%}"
         lines.append(f"| {r['optimizer']} | {r['steps_per_s']:.3f} | {r['step_ms_mean']:.1f} "
                      f"({r['step_ms_median']:.1f}) | {r['fwd_bwd_ms_mean']:.1f} | {r['optimizer_ms_mean']:.1f} "
-                     f"({r['optimizer_ms_median']:.1f}) | {r['stall_ms_mean']:.1f} | {vs_base} | {vs_sync} | {mem} | "
+                     f"({r['optimizer_ms_median']:.1f}) | {r['stall_ms_mean']:.1f} | {vs_base} | {vs_sync} | "
+                     f"{gpu} | {mem} | "
                      f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
     return "\n".join(lines)
 

@@ -29,6 +29,16 @@ class TinyNet(torch.nn.Module):
 DEVICE = torch.device(os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu"))
 
 
+def assert_same_across_devices(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """`ours` (computed by the host's AdamW) equals `theirs` (torch's AdamW on `DEVICE`): bit for bit when the device
+    is the CPU (the same kernel on the same numbers); on CUDA within fp32 rounding, because CUDA's fused AdamW is
+    not bit-identical to the CPU kernel (other instruction order, fused multiply-adds)."""
+    if DEVICE.type == "cpu":
+        assert torch.equal(ours, theirs)
+    else:
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyNet:
     torch.manual_seed(seed)
     return TinyNet(dtype=dtype).to(DEVICE)

@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from hf_zenflow import SyncOffloadAdamW
-from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train
+from tests.conftest import (
+    DEVICE,
+    assert_same_across_devices,
+    batches,
+    linear_schedule,
+    make_model,
+    param_groups,
+    roundtrip,
+    train,
+)
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
@@ -17,10 +26,10 @@ def test_sync_offload_is_fused_adamw(clip):
     model = make_model()
     opt = SyncOffloadAdamW(param_groups(model), lr=1e-2)
     losses = train(model, opt, batches(20), linear_schedule(opt, 20), clip=clip)
-    if clip is None:  # the same fused kernel on the same numbers: bit for bit
-        assert losses == ref_losses
+    if clip is None:  # the same fused kernel on the same numbers: bit for bit (on CUDA: the host's kernel vs CUDA's)
+        assert losses == ref_losses if DEVICE.type == "cpu" else losses == pytest.approx(ref_losses, rel=1e-5)
         for p, q in zip(model.parameters(), ref.parameters()):
-            assert torch.equal(p, q)
+            assert_same_across_devices(p, q)
     else:  # torch scales by a 0-d tensor, we by the same value as a Python float: last-bit differences
         assert losses == pytest.approx(ref_losses, rel=1e-6)
         for p, q in zip(model.parameters(), ref.parameters()):
