@@ -76,9 +76,8 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
 
     Not supported together with `zenflow=True` (a `ValueError` names the conflict): `deepspeed` (move a DeepSpeed
     ZenFlow config over with `zenflow_from_deepspeed` or `ZenFlowTrainingArguments.from_deepspeed`), FSDP1 (`fsdp`
-    is supported with `fsdp_config={"version": 2}`, FSDP2, the default in transformers 5), `fp16`
-    (its GradScaler unscales `p.grad`, which ZenFlow has already consumed; use `bf16`), and `optim` other than the
-    AdamW variants above.
+    is supported with `fsdp_config={"version": 2}`, FSDP2, the default in transformers 5), and `optim` other than
+    the AdamW variants above. `fp16` works (its GradScaler: `hf_zenflow.amp`), as do `bf16` and fp32.
 
     Example:
         >>> from hf_zenflow import ZenFlowTrainingArguments
@@ -192,22 +191,10 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
                 "the DeepSpeed config (move a DeepSpeed ZenFlow config over with --zenflow_from_deepspeed PATH) or "
                 "pass --zenflow False."
             )
-        if self.fp16:
-            raise ValueError(
-                "ZenFlowTrainingArguments: --zenflow cannot be combined with --fp16: the fp16 GradScaler unscales "
-                "p.grad after ZenFlow has taken the gradients over. Use --bf16 (supported) or fp32."
-            )
 
     def _check_conflicts_after_init(self) -> None:
         # After the parent's post-init: it has read --fsdp_config (a dict or a JSON file) into `fsdp_plugin_args`.
         self._check_fsdp_version()
-        # `accelerate launch --mixed_precision fp16` reaches us through the environment, after the parent's post-init.
-        if self.mixed_precision == "fp16":
-            raise ValueError(
-                "ZenFlowTrainingArguments: --zenflow cannot be combined with fp16 mixed precision "
-                "(ACCELERATE_MIXED_PRECISION=fp16): its GradScaler unscales p.grad after ZenFlow has taken the "
-                "gradients over. Use bf16 (supported) or fp32."
-            )
         optim = getattr(self.optim, "value", self.optim)
         if optim not in SUPPORTED_OPTIMS:
             raise ValueError(
