@@ -108,8 +108,8 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
     zenflow_from_deepspeed: str | None = field(
         default=None,
         metadata={"help": "A DeepSpeed ZenFlow config (JSON file path, JSON text or dict) to move over: its zenflow "
-                  "block, optimizer (lr, betas, eps, weight decay), gradient_clipping, bf16 and batch sizes set the "
-                  "matching arguments left at their defaults (an argument given on both sides must agree); what "
+                  "block, optimizer (lr, betas, eps, weight decay), gradient_clipping, bf16, fp16 and batch sizes set "
+                  "the matching arguments left at their defaults (an argument given on both sides must agree); what "
                   "cannot move over is named in a warning."},
     )
 
@@ -157,8 +157,8 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
     @classmethod
     def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike, **kwargs: Any) -> ZenFlowTrainingArguments:
         """Move a DeepSpeed ZenFlow config over in one step: its zenflow block, optimizer (lr, betas, eps, weight
-        decay), ``gradient_clipping``, ``bf16`` and batch sizes become these arguments; `kwargs` are the other
-        arguments (``output_dir``, ...). ``"auto"`` in the DeepSpeed config leaves the argument as given here (or
+        decay), ``gradient_clipping``, ``bf16``, ``fp16`` and batch sizes become these arguments; `kwargs` are the
+        other arguments (``output_dir``, ...). ``"auto"`` in the DeepSpeed config leaves the argument as given here (or
         its default). A setting given both here and in the DeepSpeed config must agree. What cannot move over
         (ZeRO communication settings, a scheduler, ...) is named in one warning.
 
