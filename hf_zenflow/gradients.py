@@ -121,8 +121,9 @@ class GradientReads:
 @dataclass
 class Synced:
     """The scalars of a step's one sync as numbers: whether the step goes ahead (total norm and clip coefficient
-    finite), the clip coefficient for the host accumulation (None: no clipping, or exactly 1), each entry's gradient
-    norm where a matrix waits for its first columns (0.0 elsewhere), and Zen-auto's (total, critical) masses."""
+    finite), the clip coefficient for the host accumulation (times a GradScaler's 1 / scale; None: exactly 1), each
+    entry's gradient norm where a matrix waits for its first columns (0.0 elsewhere), and Zen-auto's (total,
+    critical) masses."""
 
     finite: bool
     coef: float | None

@@ -170,3 +170,22 @@ def test_clip_measures_unscaled_gradients_after_unscale():
     scaler.step(opt)
     scaler.update()
     opt.close()
+
+
+@pytest.mark.parametrize("recipe", ["unscale", "step"])
+def test_window_sums_on_the_device_under_a_scaler(recipe):
+    """``accumulate_on="device"``: the window sums on the device take the same 1 / scale, and an overflow adds
+    nothing to them."""
+    clip = 1.0 if recipe == "unscale" else None
+    overflow_at = frozenset({0, 4, 7})
+    checked: list[int] = []
+
+    def on_overflow(opt, model, before):
+        _assert_unchanged(opt, model, before)
+        checked.append(1)
+
+    ref, ref_norms, _ = _run(12, clip, None, overflow_at=overflow_at, accumulate_on="device")
+    model, norms, _ = _run(12, clip, recipe, overflow_at=overflow_at, on_overflow=on_overflow, accumulate_on="device")
+    assert len(checked) == len(overflow_at)
+    assert norms == ref_norms
+    _assert_same_weights(model, ref)

@@ -1,5 +1,6 @@
-"""`ZenFlowTrainer` with ``--fp16``: the GradScaler the Trainer drives (unscale_, clip, step, update; overflowed
-steps skipped), against a plain `Trainer` under the same scaler, and resumed mid-window.
+"""`ZenFlowTrainer` with ``--fp16`` and `ZenFlowPlugin` with ``mixed_precision="fp16"``: the GradScaler that the
+Trainer or the loop drives (unscale_, clip, step, update; overflowed steps skipped), against torch's optimizer under
+the same scaler, and resumed mid-window.
 
 The reference is ``adamw_torch_fused``: like `ZenFlowAdamW` it takes the scaler's ``grad_scale`` / ``found_inf``
 (``_step_supports_amp_scaling``), so the scaler always calls its ``step()``. accelerate detects a skipped step by
@@ -15,6 +16,7 @@ autocast) and a `torch.amp.GradScaler`, for the CPU.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -93,3 +95,45 @@ def test_fp16_resume_mid_window_continues_exactly(tmp_path, train_dataset):
     full_w, resumed_w = full.model.state_dict(), resumed.model.state_dict()
     for name in full_w:
         assert torch.equal(full_w[name], resumed_w[name]), name
+
+
+def test_plugin_fp16_loop_reproduces_fused_adamw_under_the_same_scaler():
+    """A plain accelerate loop with ``mixed_precision="fp16"`` (the scaler given as on a GPU): ZenFlowPlugin's
+    optimizer at topk_ratio=1.0 against torch's fused AdamW, both unscaled before clipping."""
+    from accelerate import Accelerator
+    from hf_helpers import ByteLMDataset, corpus_text
+
+    from hf_zenflow import ZenFlowPlugin
+    from hf_zenflow.hf.accelerate_plugin import decay_parameter_groups
+
+    data = ByteLMDataset(corpus_text(), num_samples=64)
+    batches = [{k: torch.stack([data[i][k] for i in range(s * 4, s * 4 + 4)]) for k in data[0]} for s in range(16)]
+
+    def loop(prepare) -> tuple[list[float], list[float], float]:
+        accelerator = with_gpu_grad_scaler(SimpleNamespace(accelerator=Accelerator(cpu=True, mixed_precision="fp16"))
+                                           ).accelerator
+        model, optimizer = prepare(accelerator)
+        inner = optimizer.optimizer
+        params = [p for group in inner.param_groups for p in group["params"]]
+        losses, norms = [], []
+        for batch in batches:
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            accelerator.unscale_gradients(optimizer)
+            clip = getattr(inner, "clip_grad_norm_", None)
+            norms.append((clip(1.0) if clip else torch.nn.utils.clip_grad_norm_(params, 1.0)).item())
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, norms, accelerator.scaler.get_scale()
+
+    def fused_adamw(accelerator):
+        model = tiny_llama()
+        groups = decay_parameter_groups(model, 0.0)  # the plugin's groups: the same order of the norm's sum
+        return accelerator.prepare(model, torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.0, fused=True))
+
+    ref = loop(fused_adamw)
+    zen = loop(lambda acc: ZenFlowPlugin(topk_ratio=1.0, cpu_threads=1).prepare(acc, tiny_llama(), lr=3e-3,
+                                                                               weight_decay=0.0))
+    assert not all(map(math.isfinite, ref[1]))  # an overflow was skipped on the way
+    assert zen == ref  # losses, norms and the final scale, bit for bit
