@@ -1,5 +1,5 @@
 """Moving a DeepSpeed ZenFlow config over: its ``zero_optimization.zenflow`` block to `ZenFlowConfig`, and the rest
-of what a DeepSpeed fine-tune sets (optimizer, clipping, bf16, batch sizes) to `ZenFlowTrainingArguments` fields.
+of what a DeepSpeed fine-tune sets (optimizer, clipping, bf16, fp16, batch sizes) to `ZenFlowTrainingArguments` fields.
 
 A config is a dict, a path to a JSON file (what DeepSpeed users hold, and what the Trainer's ``--deepspeed`` takes)
 or JSON text. ``"auto"`` in a DeepSpeed config means "take it from the TrainingArguments" (transformers' DeepSpeed
@@ -183,7 +183,7 @@ def training_values(config: dict[str, Any], world_size: int | None = None
     ``train_batch_size`` into a per-device batch size as DeepSpeed does.
 
     Raises `ValueError` for what would change the training rule: a non-Adam optimizer, Adam with L2 instead of
-    decoupled weight decay (``adam_w_mode: false``), AMSGrad, fp16.
+    decoupled weight decay (``adam_w_mode: false``), AMSGrad.
     """
     world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1") or 1)
     values: dict[str, tuple[str, Any]] = {}
@@ -215,9 +215,11 @@ def training_values(config: dict[str, Any], world_size: int | None = None
     elif _given(config["gradient_clipping"]):
         values["max_grad_norm"] = ("gradient_clipping", config["gradient_clipping"])
 
-    if _given((config.get("fp16") or {}).get("enabled")) and config["fp16"]["enabled"]:
-        raise ValueError("DeepSpeed config: fp16.enabled=true cannot move over: ZenFlow takes the gradients over "
-                         "before an fp16 GradScaler could unscale them. Use bf16 (supported) or fp32.")
+    fp16 = config.get("fp16") or {}
+    if _given(fp16.get("enabled")):
+        values["fp16"] = ("fp16.enabled", bool(fp16["enabled"]))
+    # the loss-scale settings: the Trainer's GradScaler is torch's (dynamic, its own defaults)
+    dropped += [f"fp16.{key}" for key in fp16 if key != "enabled"]
     bf16_key = "bf16" if "bf16" in config else "bfloat16"
     bf16 = (config.get(bf16_key) or {}).get("enabled")
     if _given(bf16):

@@ -114,6 +114,12 @@ class GradientReads:
             return None
         return seen[2]
 
+    def rescale(self, factor: torch.Tensor) -> None:
+        """The gradients were multiplied by `factor` in place without a version bump (`GradScaler.unscale_`,
+        `amp.py`): the norms follow (an L2 norm scales with its tensor; exactly, for the scaler's powers of two)."""
+        for p, (g, version, n) in self._norms.items():
+            self._norms[p] = (g, version, n * factor.to(n.device))
+
     def clear(self) -> None:
         self._norms.clear()
 
@@ -127,8 +133,9 @@ class GradientReads:
 @dataclass
 class Synced:
     """The scalars of a step's one sync as numbers: whether the step goes ahead (total norm and clip coefficient
-    finite), the clip coefficient for the host accumulation (None: no clipping, or exactly 1), each entry's gradient
-    norm where a matrix waits for its first columns (0.0 elsewhere), and Zen-auto's (total, critical) masses."""
+    finite), the clip coefficient for the host accumulation (times a GradScaler's 1 / scale; None: exactly 1), each
+    entry's gradient norm where a matrix waits for its first columns (0.0 elsewhere), and Zen-auto's (total,
+    critical) masses."""
 
     finite: bool
     coef: float | None
@@ -138,12 +145,14 @@ class Synced:
 
 @dataclass
 class StepReads:
-    """What one `step()` reads of its gradients before the one sync: the total norm, the split matrices whose
+    """What one `step()` reads of its gradients before the one sync: the total norm, the multiplier of every
+    gradient (the clip coefficient times a GradScaler's ``1 / scale``; None: 1), the split matrices whose
     selected columns were gathered, Zen-auto's (index, matrix) pairs, the matrices waiting for their
     first columns, and `probe`: the scalars the sync reads (total, clip coefficient, Zen-auto's masses, waiting
     norms, in that order)."""
 
     total: torch.Tensor
+    clip: torch.Tensor | None = None
     gathered: set[torch.Tensor] = field(default_factory=set)
     auto_split: list[tuple[int, SplitMatrix]] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
@@ -173,10 +182,13 @@ def read_gradients(
     splits: dict[torch.Tensor, SplitMatrix], reads: GradientReads, entries: list[tuple[dict, torch.Tensor]],
     grads: list[torch.Tensor], measured: tuple[list[torch.Tensor] | None, torch.Tensor | None, torch.Tensor | None],
     gather_now: bool, auto: bool, ranks: RankGroup | None = None,
+    unscale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
 ) -> StepReads:
     """Norms from `clip_grad_norm_` (`measured`: norms, total, clip coefficient) or from the backward hooks, the
     rest read now; the selected columns gathered (an ordinary step); Zen-auto's masses (`auto`). `ranks`: under
-    FSDP2 each rank reads its shards of the gradients, and the sums of squares are summed across these ranks."""
+    FSDP2 each rank reads its shards of the gradients, and the sums of squares are summed across these ranks.
+    `unscale`: the gradients still carry a GradScaler's scale, and this is 1 / scale (`amp.py`); `found_inf`: the
+    scaler's overflow flag (set: the step is skipped)."""
     cached_norms, cached_total, clip = measured
     gathered: set[torch.Tensor] = set()
     if cached_norms:
@@ -214,5 +226,17 @@ def read_gradients(
         total = cached_total
     else:
         total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
+    if unscale is not None:
+        # Everything above measured the scaled gradients: the factor goes into the norms and masses (Zen-auto adds
+        # masses up across steps, whose scales may differ) and into the multiplier that the device and host paths
+        # apply anyway, so unscaling costs no pass over the gradients.
+        factor = unscale.to(first)
+        total, waiting_norms = total * factor, [n * factor.to(n.device) for n in waiting_norms]
+        masses = [m * factor.to(m.device).square() for m in masses]
+        clip = factor if clip is None else clip * factor.to(clip.device)
+    if found_inf is not None:
+        # the scaler found an overflow: a non-finite total makes the step skip, changing nothing (the device update
+        # launched before the sync takes the same flag)
+        total = torch.where(found_inf.to(total.device) != 0, torch.full_like(total, float("nan")), total)
     probe = [total, total if clip is None else clip] + masses + waiting_norms
-    return StepReads(total, gathered, auto_split, waiting, probe)
+    return StepReads(total, clip, gathered, auto_split, waiting, probe)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint
+from . import amp, checkpoint
 from ._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, device_update
@@ -95,6 +95,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         >>> opt.close()
     """
 
+    #: `torch.amp.GradScaler.step` passes the scale and the overflow flag instead of unscaling (`amp.py`)
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -129,6 +132,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._param_names: dict[torch.Tensor, str] = {
             p: name for g in self.param_groups for name, p in zip(g.get("param_names", ()), g["params"])
         }
+        amp.install()  # scaler.unscale_(opt) tells `_grads_unscaled`
         _LIVE_OPTIMIZERS.add(self)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -169,6 +173,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._norm_cache.store(grads, [], None, coef)
         return total
 
+    def _grads_unscaled(self, inv_scale: torch.Tensor) -> None:
+        """`GradScaler.unscale_` multiplied every gradient by `inv_scale` in place, without a version bump (`amp.py`):
+        what was read of them before must follow or go."""
+        self._reads.rescale(inv_scale)
+        self._norm_cache.take([])  # a clip measured before unscale_ no longer describes the gradients
+        self._host.forget_early_copies()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
@@ -199,6 +210,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 raise RuntimeError("ZenFlowAdamW does not support sparse gradients")
         entries, grads = self._fsdp.entries(entries)  # (FSDP2: this rank's shards; else unchanged)
         cached_norms, cached_total, clip = self._norm_cache.take(grads)
+        unscale, found_inf = amp.scaler_args(self)  # (called by `GradScaler.step`)
+        if self._schedule is None and found_inf is not None and not self._fsdp.active and found_inf.item():
+            # Sync point (first step only, which waits for its scalars before any update anyway): the very first
+            # step overflowed (a GradScaler starting too high does this a few times); it is skipped before any state
+            # exists, so that it changes nothing at all. (Not under FSDP2, where each rank's flag covers its own
+            # shards only: there the step's all-reduced norm makes every rank skip alike, after creating the state.)
+            self._stats.skipped_steps += 1
+            self._stats.finish_step(timer, skipped=True)
+            return loss
         schedule = self._ensure_schedule()
         self._pick_up_outside_changes()
         create_state(entries, self._split, self._dense, self.config, schedule, self._host,
@@ -210,8 +230,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         gather_now = kind is StepKind.ORDINARY
         with timer.phase("norms"):
             reads = read_gradients(self._split, self._reads, entries, grads, (cached_norms, cached_total, clip),
-                                   gather_now, auto=self.config.is_auto_interval, ranks=self._host.param_shards)
-        total, gathered = reads.total, reads.gathered
+                                   gather_now, auto=self.config.is_auto_interval, ranks=self._host.param_shards,
+                                   unscale=unscale, found_inf=found_inf)
+        total, gathered, clip = reads.total, reads.gathered, reads.clip  # (clip: with the scaler's 1 / scale)
 
         # ---- 2. an ordinary step launches its device work before it waits -------------------------------------
         # The fused AdamW takes the non-finite flag as a device tensor and changes nothing when it is set, so the

@@ -205,6 +205,15 @@ class HostWindows:
         self.stats.bytes_to_host += split.host_part(g).numel() * g.element_size()
         self.early.copies[p] = (weakref.ref(g), g._version, source, landed)
 
+    def forget_early_copies(self) -> None:
+        """The gradients were rewritten in place without a version bump (`GradScaler.unscale_`): the copies the
+        hooks started may hold the old values, so `start_hand_off` copies again. It keeps the slot: on CUDA the new
+        copies go on the same side stream into the same buffers, after the old ones (stream order), and after the
+        rewrite (the side stream waits for the compute stream, `CudaTransport._copying`); the old copies may have
+        raced the rewrite, but what they read is never used."""
+        if self.early is not None:
+            self.early.copies.clear()
+
     def release_early(self) -> None:
         """Give back the slot of copies started in backward that no `step()` used (skipped step, reset, close)."""
         early, self.early = self.early, None

@@ -23,9 +23,11 @@ lost) and first "initialises" an optimizer whose torch ``state`` dict is empty, 
 ``step()`` on zero gradients (tried: a run that saved counted 13 ZenFlow steps of 12 and left the unsaved run's
 path). accelerate has no per-optimizer opt-out, so after ``prepare`` the optimizer is removed from
 ``accelerator._optimizers``, the one private attribute touched: the list those checkpoints walk. Elsewhere it is
-read only for fp16 (refused), fp8 and LOMO setups and to match a scheduler to its optimizer (a scheduler built on
-this optimizer never matched it, so it steps the same). Every rank writes its file in the save pre-hook (also under
-one process: the state is in DTensor shards) and loads it in the load pre-hook.
+read only for fp8 and LOMO setups, to match a scheduler to its optimizer (a scheduler built on this optimizer never
+matched it, so it steps the same), and for fp16 by ``unscale_gradients()`` without an argument (pass the optimizer,
+as the example in `accelerate_plugin` does) and ``optimizer_step_was_skipped`` (which never reports a ZenFlow step
+skipped anyway: the GradScaler always calls its ``step()``, `hf_zenflow.amp`). Every rank writes its file in the
+save pre-hook (also under one process: the state is in DTensor shards) and loads it in the load pre-hook.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ Example (``accelerate launch --cpu --num_processes 1 train.py``)::
         with accelerator.accumulate(model):
             accelerator.backward(model(**batch).loss)
             if accelerator.sync_gradients:
+                accelerator.unscale_gradients(optimizer)  # fp16 (a GradScaler): clip unscaled gradients; else no-op
                 optimizer.optimizer.clip_grad_norm_(1.0)  # the ZenFlowAdamW inside: the true global norm
             optimizer.step()
             optimizer.zero_grad()
@@ -165,7 +166,7 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
         return optimizer
 
     def check_accelerator(self, accelerator: Any) -> None:
-        """Fail fast on setups ZenFlowAdamW does not support: DeepSpeed, FSDP1, fp16 (its GradScaler)."""
+        """Fail fast on setups ZenFlowAdamW does not support: DeepSpeed, FSDP1. (fp16 works: `hf_zenflow.amp`.)"""
         from accelerate.utils import DistributedType
 
         dtype = accelerator.distributed_type
@@ -176,9 +177,6 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
             raise ValueError("ZenFlowPlugin cannot be combined with FSDP1 (fsdp_version 1, accelerate's default): "
                              "only FSDP2 (fully_shard, DTensor shards) is supported. Set fsdp_version: 2 in the "
                              "accelerate config (or FullyShardedDataParallelPlugin(fsdp_version=2)), or use DDP.")
-        if accelerator.mixed_precision == "fp16":
-            raise ValueError("ZenFlowPlugin cannot be combined with fp16 mixed precision: its GradScaler unscales "
-                             "p.grad after ZenFlow has taken the gradients over. Use bf16 or fp32.")
 
     def prepare(
         self,

@@ -77,9 +77,9 @@ class ZenFlowTrainer(Trainer):
 
     Everything else of the Trainer keeps working: LR schedulers, gradient
     accumulation, clipping (`max_grad_norm`), `grad_norm` logging, checkpoints and `resume_from_checkpoint`,
-    evaluation, peft models, activation (gradient) checkpointing, bf16. Telemetry appears in the logs as
-    `zenflow/...`; the model card (`README.md` next to the saved model) carries a ZenFlow section and the
-    `hf_zenflow` tag.
+    evaluation, peft models, activation (gradient) checkpointing, bf16, fp16 (its GradScaler). Telemetry appears
+    in the logs as `zenflow/...`; the model card (`README.md` next to the saved model) carries a ZenFlow section
+    and the `hf_zenflow` tag.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -258,6 +258,7 @@ class ZenFlowTrainer(Trainer):
         opt = self.zenflow_optimizer
         if opt is None:
             return super()._clip_grad_norm(model)
+        self.accelerator.unscale_gradients(opt)  # fp16: clip the unscaled gradients (a no-op without a GradScaler)
         return opt.clip_grad_norm_(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
@@ -265,6 +266,7 @@ class ZenFlowTrainer(Trainer):
         if opt is None:
             return super()._get_grad_norm(model, grad_norm)
         if grad_norm is None:
+            self.accelerator.unscale_gradients(opt)  # (as in `_clip_grad_norm`, which did not run)
             grad_norm = opt.clip_grad_norm_(float("inf"))  # measure only
         return grad_norm
 

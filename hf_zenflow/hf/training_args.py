@@ -76,9 +76,8 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
 
     Not supported together with `zenflow=True` (a `ValueError` names the conflict): `deepspeed` (move a DeepSpeed
     ZenFlow config over with `zenflow_from_deepspeed` or `ZenFlowTrainingArguments.from_deepspeed`), FSDP1 (`fsdp`
-    is supported with `fsdp_config={"version": 2}`, FSDP2, the default in transformers 5), `fp16`
-    (its GradScaler unscales `p.grad`, which ZenFlow has already consumed; use `bf16`), and `optim` other than the
-    AdamW variants above.
+    is supported with `fsdp_config={"version": 2}`, FSDP2, the default in transformers 5), and `optim` other than
+    the AdamW variants above. `fp16` works (its GradScaler: `hf_zenflow.amp`), as do `bf16` and fp32.
 
     Example:
         >>> from hf_zenflow import ZenFlowTrainingArguments
@@ -109,8 +108,8 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
     zenflow_from_deepspeed: str | None = field(
         default=None,
         metadata={"help": "A DeepSpeed ZenFlow config (JSON file path, JSON text or dict) to move over: its zenflow "
-                  "block, optimizer (lr, betas, eps, weight decay), gradient_clipping, bf16 and batch sizes set the "
-                  "matching arguments left at their defaults (an argument given on both sides must agree); what "
+                  "block, optimizer (lr, betas, eps, weight decay), gradient_clipping, bf16, fp16 and batch sizes set "
+                  "the matching arguments left at their defaults (an argument given on both sides must agree); what "
                   "cannot move over is named in a warning."},
     )
 
@@ -168,8 +167,8 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
     @classmethod
     def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike, **kwargs: Any) -> ZenFlowTrainingArguments:
         """Move a DeepSpeed ZenFlow config over in one step: its zenflow block, optimizer (lr, betas, eps, weight
-        decay), ``gradient_clipping``, ``bf16`` and batch sizes become these arguments; `kwargs` are the other
-        arguments (``output_dir``, ...). ``"auto"`` in the DeepSpeed config leaves the argument as given here (or
+        decay), ``gradient_clipping``, ``bf16``, ``fp16`` and batch sizes become these arguments; `kwargs` are the
+        other arguments (``output_dir``, ...). ``"auto"`` in the DeepSpeed config leaves the argument as given here (or
         its default). A setting given both here and in the DeepSpeed config must agree. What cannot move over
         (ZeRO communication settings, a scheduler, ...) is named in one warning.
 
@@ -202,22 +201,10 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
                 "the DeepSpeed config (move a DeepSpeed ZenFlow config over with --zenflow_from_deepspeed PATH) or "
                 "pass --zenflow False."
             )
-        if self.fp16:
-            raise ValueError(
-                "ZenFlowTrainingArguments: --zenflow cannot be combined with --fp16: the fp16 GradScaler unscales "
-                "p.grad after ZenFlow has taken the gradients over. Use --bf16 (supported) or fp32."
-            )
 
     def _check_conflicts_after_init(self) -> None:
         # After the parent's post-init: it has read --fsdp_config (a dict or a JSON file) into `fsdp_plugin_args`.
         self._check_fsdp_version()
-        # `accelerate launch --mixed_precision fp16` reaches us through the environment, after the parent's post-init.
-        if self.mixed_precision == "fp16":
-            raise ValueError(
-                "ZenFlowTrainingArguments: --zenflow cannot be combined with fp16 mixed precision "
-                "(ACCELERATE_MIXED_PRECISION=fp16): its GradScaler unscales p.grad after ZenFlow has taken the "
-                "gradients over. Use bf16 (supported) or fp32."
-            )
         optim = getattr(self.optim, "value", self.optim)
         if optim not in SUPPORTED_OPTIMS:
             raise ValueError(

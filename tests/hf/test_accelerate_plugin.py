@@ -93,8 +93,7 @@ def test_fail_fast_on_unsupported_setups():
                                                  mixed_precision="no"))
     plugin.check_accelerator(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True,
                                              mixed_precision="no"))
-    with pytest.raises(ValueError, match="fp16"):
-        plugin.check_accelerator(SimpleNamespace(distributed_type=DistributedType.NO, mixed_precision="fp16"))
+    plugin.check_accelerator(SimpleNamespace(distributed_type=DistributedType.NO, mixed_precision="fp16"))
     plugin.check_accelerator(SimpleNamespace(distributed_type=DistributedType.NO, mixed_precision="bf16"))
 
 

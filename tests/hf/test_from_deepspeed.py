@@ -106,8 +106,6 @@ def test_a_value_given_on_both_sides_must_agree():
 
 def test_what_would_change_the_training_fails():
     config = json.loads(ZF_CONFIG.read_text())
-    with pytest.raises(ValueError, match="fp16.enabled=true"):
-        moved({**config, "fp16": {"enabled": True}})
     with pytest.raises(ValueError, match="optimizer.type='Lamb'"):
         moved({**config, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}})
     with pytest.raises(ValueError, match="train_batch_size=8 is not"):
@@ -141,3 +139,11 @@ def test_round_trip_through_to_dict():
 def test_deepspeed_conflict_points_to_the_flag():
     with pytest.raises(ValueError, match="--zenflow_from_deepspeed"):
         ZenFlowTrainingArguments(output_dir="unused", deepspeed=str(ZF_CONFIG), **COMMON)
+
+
+def test_fp16_moves_over_and_its_loss_scale_settings_are_named():
+    config = {**json.loads(ZF_CONFIG.read_text()), "bf16": {"enabled": False},
+              "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12}}
+    args, dropped = moved(config)
+    assert (args.fp16, args.bf16) == (True, False)
+    assert "fp16.loss_scale" in dropped[0] and "fp16.initial_scale_power" in dropped[0]

@@ -157,16 +157,14 @@ def test_column_layout_is_refused_with_fsdp():
     assert make(fsdp=True, zenflow_layout="auto").zenflow_layout == "auto"
 
 
-def test_fp16_conflict_and_bf16_is_fine():
-    with pytest.raises(ValueError, match="fp16"):
-        make(fp16=True)
+def test_fp16_and_bf16_are_fine():
+    assert make(fp16=True).fp16  # (the GradScaler: tests/test_amp.py, tests/hf/test_trainer_fp16.py)
     assert make(bf16=True).bf16
 
 
 def test_fp16_from_accelerate_env(monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
-    with pytest.raises(ValueError, match="fp16"):
-        make()
+    assert make().mixed_precision == "fp16"
 
 
 def test_unsupported_optim():

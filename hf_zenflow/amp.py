@@ -1,0 +1,60 @@
+"""fp16 training with `torch.amp.GradScaler`: how `ZenFlowAdamW` learns the scale of the gradients it reads.
+
+Two recipes reach the optimizer, and both are supported:
+
+- ``scaler.step(opt)`` alone. `ZenFlowAdamW` sets ``_step_supports_amp_scaling`` like torch's fused optimizers, so
+  the scaler does not unscale ``p.grad``: it sets ``opt.grad_scale`` (the scale) and ``opt.found_inf`` (non-zero
+  when a gradient overflowed) and calls ``opt.step()``. The step folds ``1 / grad_scale`` into the clip coefficient
+  that both the device and the host path multiply by anyway (no extra pass), unscales the norms and Zen-auto's masses,
+  and skips, changing nothing, when ``found_inf`` is set.
+- ``scaler.unscale_(opt)`` (then ``opt.clip_grad_norm_``, then ``scaler.step(opt)``: the Trainer's order). unscale_
+  rewrites ``p.grad`` in place WITHOUT bumping its version counter, so what the backward hooks read before it (the
+  norms, and on CUDA the gradients' early copies to the host) would silently still look current. `install` wraps
+  `GradScaler.unscale_` so that afterwards it tells the optimizer (`ZenFlowAdamW._grads_unscaled`), which multiplies
+  the hooks' norms by the same ``1 / scale`` and drops the early copies. `step()` then gets ``grad_scale=None``
+  and the gradients are taken as they are.
+
+`GradScaler.update()` still sees the scaler's own ``found_inf`` either way, so the scale backs off after an overflow.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+
+_WRAPPED = "_hf_zenflow_notifies"
+
+
+def install() -> None:
+    """Wrap `torch.amp.GradScaler.unscale_` (once per process) so that an optimizer defining
+    ``_grads_unscaled(inv_scale)`` hears of it after its gradients were unscaled. Other optimizers see no change."""
+    original = torch.amp.GradScaler.unscale_
+    if getattr(original, _WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def unscale_(self: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        original(self, optimizer)
+        notify = getattr(optimizer, "_grads_unscaled", None)
+        if notify is not None and self.is_enabled():
+            notify(inverse(self._scale))
+
+    setattr(unscale_, _WRAPPED, True)
+    torch.amp.GradScaler.unscale_ = unscale_  # type: ignore[method-assign]
+
+
+def inverse(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` as `GradScaler.unscale_` computes it (in fp64, then fp32), so the factor is the very one applied
+    to the gradients. A device tensor: no sync."""
+    return scale.double().reciprocal().float()
+
+
+def scaler_args(optimizer: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(1 / the scale still on the gradients, or None; the overflow flag, or None) from what `GradScaler.step` set
+    on `optimizer` for this call (``grad_scale`` is None after ``unscale_``: the gradients are unscaled already)."""
+    grad_scale = getattr(optimizer, "grad_scale", None)
+    found_inf = getattr(optimizer, "found_inf", None)
+    return (None if grad_scale is None else inverse(grad_scale)), found_inf
