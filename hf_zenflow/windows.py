@@ -10,6 +10,7 @@ share of every matrix, and the write-back all-gathers the shares (`sharding.py`)
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,10 @@ class HostWindows:
         self.writeback_pending = False
         self.unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
         self.early: EarlyCopies | None = None
+        # Several devices in one process (``device_map="auto"``) run backward on one autograd thread each, so
+        # `grad_ready` runs in several threads at once: taking the step's hand-off slot (and starting the worker)
+        # is a check-then-act that must happen once, under this lock.
+        self._early_lock = threading.Lock()
 
     def reset(self) -> None:
         """Forget every window in flight (the optimizer's state is being replaced; the worker is idle)."""
@@ -163,7 +168,8 @@ class HostWindows:
         work = self.offloaded(entries, grads)
         if not work:
             return None
-        early, self.early = self.early, None
+        with self._early_lock:  # (backward has returned: no hook still adds to it)
+            early, self.early = self.early, None
         grant = early.grant if early is not None else self.worker.take_slot()
         try:
             sources: list[tuple[HostMatrix, torch.Tensor]] = []
@@ -197,14 +203,17 @@ class HostWindows:
         transport = self.transport_of(split)
         if not transport.stages_gradients:
             return
-        if self.early is None:
-            self.early = EarlyCopies(self.ensure_worker().take_slot())
-        ((_, source),), landed = transport.hand_off([(split, g)], self.early.grant.slot)
-        self.early.copies[p] = (weakref.ref(g), g._version, source, landed)
+        with self._early_lock:
+            if self.early is None:
+                self.early = EarlyCopies(self.ensure_worker().take_slot())
+            early = self.early
+        ((_, source),), landed = transport.hand_off([(split, g)], early.grant.slot)
+        early.copies[p] = (weakref.ref(g), g._version, source, landed)
 
     def release_early(self) -> None:
         """Give back the slot of copies started in backward that no `step()` used (skipped step, reset, close)."""
-        early, self.early = self.early, None
+        with self._early_lock:
+            early, self.early = self.early, None
         if early is not None:
             early.grant.give_back()
 
