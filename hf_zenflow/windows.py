@@ -77,16 +77,26 @@ class HostWindows:
         self._early_lock = threading.Lock()
 
     def reset(self) -> None:
-        """Forget every window in flight (the optimizer's state is being replaced; the worker is idle)."""
+        """Forget every window in flight (the optimizer's state is being replaced; the worker is idle). The
+        transports go too: the new state's link buffers come from new ones, and the old ones' pinned blocks are
+        unlocked now, so a reload never keeps two copies page-locked."""
         self.pending, self.writeback_pending, self.unapplied_steps = None, False, []
         self.release_early()
+        self.close_transports()
+        self.transports.clear()
 
     def close(self) -> None:
-        """Stop the worker thread (a later step starts a new one)."""
+        """Stop the worker thread (a later step starts a new one) and unlock the pinned link buffers (a later step
+        still works: on ordinary memory, with synchronous copies)."""
         self.release_early()
         worker, self.worker = self.worker, None
         if worker is not None:
             worker.close()
+        self.close_transports()
+
+    def close_transports(self) -> None:
+        for transport in self.transports.values():
+            transport.close()
 
     @property
     def shards(self) -> RankGroup:
