@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from typing import Any
 
 import torch
 
@@ -23,12 +24,21 @@ HOST_REGISTER_PORTABLE = 1
 
 
 class HostRegistrar:
-    """Page-locks ordinary host blocks in place (``cudaHostRegister``) and unlocks them again."""
+    """Page-locks ordinary host blocks in place (``cudaHostRegister``) and unlocks them again. `cudart`: the CUDA
+    runtime bindings (default ``torch.cuda.cudart()``, looked up at first use; a CPU test passes a fake)."""
+
+    def __init__(self, cudart: Any = None) -> None:
+        self._cudart = cudart
+
+    def runtime(self) -> Any:
+        if self._cudart is None:
+            self._cudart = torch.cuda.cudart()
+        return self._cudart
 
     def register(self, ptr: int, nbytes: int) -> bool:
         """Pin `nbytes` at `ptr` for every device; False (and CUDA's error state left clean) when the driver
         refuses (``ulimit -l``, a container's locked-memory limit, memory already registered)."""
-        status = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE))
+        status = int(self.runtime().cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE))
         if status != 0:
             # The failure stays recorded as CUDA's "last error", and torch's next kernel-launch check
             # (cudaGetLastError) would raise it from an unrelated op: read it now, which resets it.
@@ -37,13 +47,12 @@ class HostRegistrar:
         return True
 
     def unregister(self, ptr: int) -> None:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        self.runtime().cudaHostUnregister(ptr)
 
-    @staticmethod
-    def clear_error() -> None:
+    def clear_error(self) -> None:
         """Reset CUDA's last error (``cudaGetLastError``): through torch's runtime bindings where they have it,
         else through the runtime library itself."""
-        bound = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+        bound = getattr(self.runtime(), "cudaGetLastError", None)
         if bound is not None:
             bound()
             return

@@ -194,7 +194,8 @@ class AsyncCopies(CudaStreams):
                 finally:
                     self._in_flight.pop(key, None)
 
-            stream.enqueue(read_source, self._delay())
+            # (a host->device copy reads its source only after the device work queued before it: later still)
+            stream.enqueue(read_source, 3 * self._delay())
         else:
             poison(dst)
 
@@ -230,6 +231,7 @@ class CheckedRegistrar(HostRegistrar):
     """Page-locking that only counts, and records an error when a block is unlocked under an in-flight copy."""
 
     def __init__(self, backend: AsyncCopies) -> None:
+        super().__init__(cudart=object())  # (never called: registration is only counted here)
         self.backend = backend
         self.registered: set[int] = set()
 
