@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,35 +20,17 @@ from ._base import by_device
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, device_update, scatter_columns
 from .distributed_check import note_host_split
+from .handoff import EarlyCopies, HandOff
 from .host import HostMatrix, accumulate_into, host_adamw_window
 from .schedule import WindowSchedule, host_lr_scale
 from .sharding import RankGroup
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
 from .transport import CopyTransport, Landed, Transport, transport_for
-from .worker import GradSlot, HostAdamWorker
+from .worker import HostAdamWorker
 
 
-@dataclass
-class HandOff:
-    """One step's gradients on their way to the host worker: the slot they hold, the (matrix, gradient) pairs,
-    what the host job reads and what it waits for."""
-
-    grant: GradSlot
-    work: list[tuple[SplitMatrix, torch.Tensor]]
-    sources: list[tuple[HostMatrix, torch.Tensor]]
-    landed: Landed
-    done: bool = False  # submitted or abandoned: the slot is accounted for
-
-
-@dataclass
-class EarlyCopies:
-    """Gradients whose copy to the host the backward hooks started before `step()` (on a transport that copies):
-    the hand-off slot whose buffers they land in, and per parameter the gradient copied (a weak reference), its
-    version then, the host buffer and what the host job must wait for."""
-
-    grant: GradSlot
-    copies: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor, Landed]] = field(default_factory=dict)
+__all__ = ["EarlyCopies", "HandOff", "HostWindows"]
 
 
 class HostWindows:
@@ -215,7 +196,12 @@ class HostWindows:
             return
         with self._early_lock:
             if self.early is None:
-                self.early = EarlyCopies(self.ensure_worker().take_slot())
+                if self.worker is None:
+                    # No worker yet (after `close()`): the hooks never start one. A worker started here would count
+                    # this thread (an autograd thread on CUDA) as the training thread whose cores it shares
+                    # (`threads.py`); `step()` starts it in the training thread and copies this step's gradients.
+                    return
+                self.early = EarlyCopies(self.worker.take_slot())
             early = self.early
         ((_, source),), landed = transport.hand_off([(split, g)], early.grant.slot)
         early.copies[p] = (weakref.ref(g), g._version, source, landed)

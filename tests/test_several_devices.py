@@ -90,3 +90,26 @@ def test_hooks_of_two_devices_at_once_take_one_hand_off_slot(monkeypatch):
         opt.synchronize()
         assert worker._slots.qsize() == GRAD_SLOTS  # every slot back once the jobs ran
     opt.close()
+
+
+def test_a_worker_is_never_started_from_an_autograd_thread(monkeypatch):
+    """Regression (issue 20, defect 6): after `close()` the next backward's hooks started the host worker, and
+    `worker_started` recorded the thread it ran on (CUDA: an autograd thread) as the training thread, whose intra-op
+    pool it lowers and later restores. The worker is now started by `step()`, in the thread that calls it; the
+    hooks leave the copies of that step to it."""
+    import hf_zenflow.threads as threads_module
+
+    monkeypatch.setattr(threads_module, "_POOL", threads_module._TrainingPool())
+    monkeypatch.setattr(windows_module, "transport_for", lambda device: CopyTransport())
+    model = TwoHalves()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=0)
+    x = torch.randn(8, 32)
+    sum(model.losses(x)).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.close()  # (the Trainer's end of training; a later step starts a new worker)
+    backward_in_two_threads(model.losses(x))  # the hooks run on other threads, as autograd's on CUDA
+    opt.step()
+    assert opt._host.worker is not None and opt._host.worker.background
+    assert threads_module._POOL.thread == threading.get_ident()  # the thread that called step()
+    opt.close()
