@@ -69,6 +69,10 @@ class Transport:
         the host job reads and what it must wait for. The caller then drops its references to the gradients."""
         return [(split.host, split.host_part(g)) for split, g in work], Landed()
 
+    def compute_waits_for(self, landed: Landed) -> None:
+        """Order the compute stream after the copies `landed` waits for (CUDA), so that the step's one sync covers
+        them; nothing where copies are synchronous."""
+
     def before_window_add(self, split: SplitMatrix) -> None:
         """Called before the first add of a window into `split.window_sum` (``accumulate_on="device"``)."""
 
@@ -232,7 +236,16 @@ class CudaTransport(CopyTransport):
     def _landed_event(self, device: torch.device) -> Any:
         event = self.streams.event()
         event.record(self._stream(device))
+        event.hf_zenflow_device = device  # (`compute_waits_for`: whose compute stream may wait for it)
         return event
+
+    def compute_waits_for(self, landed: Landed) -> None:
+        for event in landed.events:
+            device = getattr(event, "hf_zenflow_device", None)
+            if device is not None:
+                # Sync point (device streams only): the compute stream waits for the copies to the host; the host
+                # thread does not wait here, but in the step's sync, which now covers them.
+                self.streams.current_stream(device).wait_event(event)
 
     def _keep_alive(self, t: torch.Tensor, device: torch.device) -> None:
         self.streams.keep_alive(t, self._stream(device))

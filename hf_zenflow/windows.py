@@ -176,6 +176,12 @@ class HostWindows:
                 more, arrived = self._sources(todo, grant.slot)
                 sources += more
                 landed.events += arrived.events
+            if not self.worker.background:
+                # Sequential schedule (``overlap_step=False``, or the inline executor): the job that reads these
+                # gradients runs right after the step's sync, in this thread. Ordering the compute stream after
+                # their copies lets that one sync cover them too, instead of a second host wait in the job.
+                for transport in self.transports.values():
+                    transport.compute_waits_for(landed)
         except BaseException:
             grant.give_back()
             raise

@@ -15,7 +15,7 @@ from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW
 from hf_zenflow.cpu_device.transport import CpuDeviceTransport
 from hf_zenflow.transport import CudaTransport
 from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups, train
-from tests.doubles.async_device import AsyncCopies, async_transport
+from tests.doubles.async_device import AsyncCopies, CheckedRegistrar, async_transport
 from tests.test_gradients import train_accumulating
 from tests.test_optimizer import LR, STEPS, assert_resume_continues_identically, run_reference, run_zenflow
 from tests.test_several_devices import TwoHalves, backward_in_two_threads
@@ -140,3 +140,49 @@ def test_hooks_of_two_devices_at_once_give_the_sequential_bits(async_device, mon
     assert copied(async_device) > 0
     for p, q in zip(*results):
         assert torch.equal(p, q)
+
+
+def test_a_sequential_step_waits_for_the_device_once(monkeypatch):
+    """Regression (issue 20, defect 6): with ``overlap_step=False`` an ordinary step waited for the device twice: in
+    its sync (the step's scalars) and again in the host job, for the gradients' copies. The compute stream now
+    waits for those copies before the sync, which covers both. Counted on a lazy double, where nothing completes
+    until something waits for it, so every host wait the schedule leaves is seen."""
+    backends: list[AsyncCopies] = []
+
+    def make(device):
+        backends.append(AsyncCopies(lazy=True))
+        return CudaTransport(streams=backends[-1], registrar=CheckedRegistrar(backends[-1]))
+
+    monkeypatch.setattr(windows_module, "transport_for", make)
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
+                       select_strategy="step", select_interval=100, min_offload_numel=0)
+    train(model, opt, batches(3), clip=1.0)  # past the first selection: ordinary steps from now on
+    (backend,) = backends
+    reads: list[str] = []
+
+    def counted(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            backend.sync_compute()  # a host read of a device value waits for the compute stream
+            return real(self, *args, **kwargs)
+        return read
+
+    for step in range(3):
+        x, y = batches(1, seed=10 + step)[0]
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
+        opt.clip_grad_norm_(1.0)
+        reads.clear()
+        waits = backend.host_waits
+        with monkeypatch.context() as m:
+            for name in ("tolist", "item", "__float__", "__bool__", "__int__"):
+                m.setattr(torch.Tensor, name, counted(name))
+            opt.step()
+        opt.zero_grad()
+        assert len(reads) + backend.host_waits - waits == 1, (reads, backend.host_waits - waits)
+    assert backend.copies > 0
+    opt.close()
+    backend.check()

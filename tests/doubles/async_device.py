@@ -59,18 +59,25 @@ class FakeEvent:
 
     def __init__(self) -> None:
         self._done = threading.Event()
-        self.recorded = False
+        self._stream: FakeStream | None = None
 
     def record(self, stream: FakeStream) -> None:
-        self.recorded = True
+        self._stream = stream
         stream.enqueue(self._done.set, delay=0.0)
 
     def query(self) -> bool:
         return self._done.is_set()
 
-    def synchronize(self) -> None:
-        if not self.recorded:
-            return  # CUDA: an event never recorded is complete
+    def synchronize(self, host: bool = True) -> None:
+        """Wait until complete. `host`: a host thread waits (counted in `AsyncCopies.host_waits` when the event is
+        not complete yet); False: a stream waits (`wait_event`), which on CUDA blocks no host thread."""
+        stream = self._stream
+        if stream is None or self._done.is_set():
+            return  # (CUDA: an event never recorded is complete)
+        if host:
+            stream.backend.host_waits += 1
+        if stream.backend.lazy:
+            stream.run_until(self._done.is_set)
         if not self._done.wait(WAIT_S):
             raise CopyRaceError(f"an event did not complete within {WAIT_S} s (a stream waits on itself?)")
 
@@ -85,8 +92,27 @@ class FakeStream:
         self._lock = threading.Lock()
         self._last = threading.Event()
         self._last.set()
+        self._pending: list[Callable[[], None]] = []  # (lazy backend) not run yet, in order
+        self._running = threading.RLock()
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        """(Lazy backend) run this stream's pending operations, in order, until `done()` (or none is left)."""
+        with self._running:
+            while not done():
+                with self._lock:
+                    if not self._pending:
+                        return
+                    op = self._pending.pop(0)
+                try:
+                    op()
+                except BaseException as exc:  # noqa: BLE001 - reported to the test through `errors`
+                    self.backend.errors.append(exc)
 
     def enqueue(self, op: Callable[[], None], delay: float) -> None:
+        if self.backend.lazy:
+            with self._lock:
+                self._pending.append(op)
+            return
         with self._lock:
             before, done = self._last, threading.Event()
             self._last = done
@@ -113,21 +139,28 @@ class FakeStream:
 
     def wait_event(self, event: FakeEvent) -> None:
         if self.compute:
-            event.synchronize()
+            event.synchronize(host=False)
         else:
-            self.enqueue(event.synchronize, delay=0.0)
+            self.enqueue(lambda: event.synchronize(host=False), delay=0.0)
 
-    def synchronize(self) -> None:
+    def synchronize(self, host: bool = True) -> None:
         event = FakeEvent()
         event.record(self)
-        event.synchronize()
+        event.synchronize(host)
 
 
 class AsyncCopies(CudaStreams):
     """`CudaStreams` on the CPU with copies that land late (see the module docstring). `seed` fixes the delays;
-    most are under half a millisecond, one in three 1 to `max_delay_s`, so both orders of every race occur."""
+    most are under half a millisecond, one in three 1 to `max_delay_s`, so both orders of every race occur.
 
-    def __init__(self, seed: int = 0, max_delay_s: float = 0.004) -> None:
+    `lazy`: for counting host waits deterministically, nothing runs by itself: a stream's operations run when
+    something waits for them (an event's `synchronize`, a stream's `wait_event`, `sync_compute` for a host read of
+    a device value), so a host wait that the schedule should have made unnecessary is always counted
+    (`host_waits`)."""
+
+    def __init__(self, seed: int = 0, max_delay_s: float = 0.004, lazy: bool = False) -> None:
+        self.lazy = lazy
+        self.host_waits = 0
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()
         self.max_delay_s = max_delay_s
@@ -214,7 +247,12 @@ class AsyncCopies(CudaStreams):
 
     def synchronize(self, device: torch.device) -> None:
         for stream in [*self._compute.values(), *self._side]:
-            stream.synchronize()
+            stream.synchronize(host=False)
+
+    def sync_compute(self) -> None:
+        """A host read of a device value (``.tolist()``, ``.item()``): everything on the compute streams has run."""
+        for stream in list(self._compute.values()):
+            stream.synchronize(host=False)
 
     def in_flight_on(self, ptr: int) -> bool:
         """Whether a copy from or into the block at `ptr` has not run yet."""
