@@ -59,21 +59,24 @@ class HostWindows:
 
     def reset(self) -> None:
         """Forget every window in flight (the optimizer's state is being replaced; the worker is idle). The
-        transports go too: the new state's link buffers come from new ones, and the old ones' pinned blocks are
-        unlocked now, so a reload never keeps two copies page-locked."""
+        transports go too, their pinned blocks unlocked now: a reload never keeps two copies page-locked."""
         self.pending, self.writeback_pending, self.unapplied_steps = None, False, []
         self.release_early()
         self.close_transports()
         self.transports.clear()
 
     def close(self) -> None:
-        """Stop the worker thread (a later step starts a new one) and unlock the pinned link buffers (a later step
-        still works: on ordinary memory, with synchronous copies)."""
+        """Stop the worker thread and unlock the pinned link buffers (a later step starts a new worker, and works on
+        ordinary memory, with synchronous copies)."""
+        self.close_worker()
+        self.close_transports()
+
+    def close_worker(self) -> None:
+        """Stop the worker thread only (a later step starts a new one, e.g. with other settings)."""
         self.release_early()
         worker, self.worker = self.worker, None
         if worker is not None:
             worker.close()
-        self.close_transports()
 
     def close_transports(self) -> None:
         for transport in self.transports.values():
@@ -203,9 +206,8 @@ class HostWindows:
         with self._early_lock:
             if self.early is None:
                 if self.worker is None:
-                    # No worker yet (after `close()`): the hooks never start one. A worker started here would count
-                    # this thread (an autograd thread on CUDA) as the training thread whose cores it shares
-                    # (`threads.py`); `step()` starts it in the training thread and copies this step's gradients.
+                    # (after `close()`) never started here: it would take this autograd thread for the training
+                    # thread whose cores it shares (`threads.py`); `step()` starts it and copies this step's grads.
                     return
                 self.early = EarlyCopies(self.worker.take_slot())
             early = self.early
