@@ -28,21 +28,53 @@ from .transport import transport_for
 
 
 class _HostParam:
-    __slots__ = ("master", "grad", "exp_avg", "exp_avg_sq", "step")
+    """Host state of one parameter. What crosses the link does so once per step in the device tensor's own dtype:
+    a bf16 gradient lands in a bf16 host buffer (`link_grad`) and is widened to fp32 on the host; the fp32 master is
+    rounded on the host into `link_weight`, which is copied into the weight. (Casting on the device instead would
+    send 4 bytes per element each way and time the device's cast: not the baseline ZenFlow is measured against.)
+    For fp32 the fp32 buffers cross directly."""
+
+    __slots__ = ("master", "grad", "exp_avg", "exp_avg_sq", "step", "link_grad", "link_weight", "_pin", "_stride")
 
     def __init__(self, param: torch.Tensor) -> None:
-        pin = transport_for(param.device).pins_host_memory
+        self._pin = transport_for(param.device).pins_host_memory
         # the parameter's own layout (row- or column-major), so every copy each way is a contiguous stream
-        stride = param.stride() if selection_axis(param) is not None else None
-        self.master = host_empty(param.shape, torch.float32, pin, stride)
+        self._stride = param.stride() if selection_axis(param) is not None else None
+        self.master = host_empty(param.shape, torch.float32, self._pin, self._stride)
         self.master.copy_(param.detach())
-        self.grad = host_empty(param.shape, torch.float32, pin, stride)
+        self.grad = host_empty(param.shape, torch.float32, self._pin, self._stride)
         self.exp_avg = torch.zeros_like(self.master, pin_memory=False)
         self.exp_avg_sq = torch.zeros_like(self.master, pin_memory=False)
         self.step = torch.zeros((), dtype=torch.float32)
+        self.link_grad: torch.Tensor | None = None
+        self.link_weight = None if param.dtype == torch.float32 else self._buffer(param.dtype)
+
+    def _buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        return host_empty(self.master.shape, dtype, self._pin, self._stride)
+
+    def receive_grad(self, grad: torch.Tensor, coef: float | None) -> None:
+        """The gradient into the fp32 host buffer (times `coef`): one blocking copy in its own dtype."""
+        if grad.dtype == torch.float32:
+            self.grad.copy_(grad)
+        else:
+            if self.link_grad is None or self.link_grad.dtype != grad.dtype:
+                self.link_grad = self._buffer(grad.dtype)
+            self.link_grad.copy_(grad)
+            self.grad.copy_(self.link_grad)  # widened on the host
+        if coef is not None and coef != 1.0:
+            self.grad.mul_(coef)
+
+    def send_weight(self, param: torch.Tensor) -> None:
+        """The master into the weight: rounded on the host, then one blocking copy in the weight's dtype."""
+        if self.link_weight is None:
+            param.copy_(self.master)
+        else:
+            self.link_weight.copy_(self.master)
+            param.copy_(self.link_weight)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq))
+        tensors = [self.master, self.grad, self.exp_avg, self.exp_avg_sq, self.link_grad, self.link_weight]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class SyncOffloadAdamW(torch.optim.Optimizer):
@@ -110,9 +142,7 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
                     host = self._host.get(p)
                     if host is None:
                         host = self._host[p] = _HostParam(p)
-                    host.grad.copy_(p.grad)
-                    if coef is not None and coef != 1.0:
-                        host.grad.mul_(coef)
+                    host.receive_grad(p.grad, coef)
                     self._stats.bytes_to_host += p.grad.numel() * p.grad.element_size()
         with timer.phase("host_update"), torch_threads(self.cpu_threads):
             for group in self.param_groups:
@@ -123,7 +153,7 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
-                        p.copy_(self._host[p].master)
+                        self._host[p].send_weight(p)
                         self._stats.bytes_to_device += p.numel() * p.element_size()
         self._steps += 1
         self._stats.finish_step(timer, staleness=0)

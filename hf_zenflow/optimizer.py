@@ -340,7 +340,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.synchronize()
 
     def close(self) -> None:
-        """Stop the host worker thread (a later `step()` starts a new one)."""
+        """Stop the host worker thread (a later `step()` starts a new one) and unlock pinned host memory."""
         self._host.close()
 
     @property
@@ -357,8 +357,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         try:
             self.close()
             self._reads.remove()  # the parameters outlive the optimizer: take the hooks off them
-            for transport in self._host.transports.values():
-                transport.close()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
 

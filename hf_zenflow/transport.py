@@ -25,14 +25,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._base import by_device
+from .pinned import ARENA_ALIGN, HostRegistrar, PinnedArena
 
+
+__all__ = ["ARENA_ALIGN", "CopyTransport", "CudaStreams", "CudaTransport", "Landed", "PinnedArena", "Transport",
+           "transport_for"]
 
 if TYPE_CHECKING:
     from .host import HostMatrix
     from .split_matrix import SplitMatrix
-
-#: Every buffer carved from a pinned arena starts on this boundary (DMA-friendly, and any dtype's alignment).
-ARENA_ALIGN = 512
 
 
 @dataclass
@@ -45,63 +46,6 @@ class Landed:
     def wait(self) -> None:
         for event in self.events:
             event.synchronize()  # Sync point (worker waits on the device): the copy has landed on the host
-
-
-class PinnedArena:
-    """Host buffers that cross the link, carved from a few large page-locked allocations.
-
-    `torch.empty(..., pin_memory=True)` goes through torch's caching host allocator, which rounds every allocation up
-    to a power of two (an 86 MiB buffer costs 128 MiB) and pins each separately. Here each `reserve` allocates one
-    ordinary host block of the exact size and page-locks it with ``cudaHostRegister``; `take` hands out aligned
-    slices. (Where registration fails, the block is pinned through torch instead, with its rounding.)
-    """
-
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
-        self._blocks: list[torch.Tensor] = []
-        self._registered: list[int] = []
-        self._block: torch.Tensor | None = None
-        self._offset = 0
-
-    @staticmethod
-    def aligned(nbytes: int) -> int:
-        return (nbytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
-
-    def reserve(self, nbytes: int) -> None:
-        """Make room for `nbytes` (sum of `aligned` sizes) of buffers in one new block."""
-        if nbytes <= 0:
-            return
-        block = torch.empty(nbytes, dtype=torch.uint8)
-        if self.pin:
-            status = torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 0)
-            if int(status) == 0:
-                self._registered.append(block.data_ptr())
-            else:
-                block = block.pin_memory()
-        self._blocks.append(block)
-        self._block, self._offset = block, 0
-
-    def take(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised buffer from the current block (a new block of exactly its size when it is full)."""
-        nbytes = self.aligned(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
-        if self._block is None or self._offset + nbytes > self._block.numel():
-            self.reserve(nbytes)
-        buf = self._block[self._offset:self._offset + nbytes]
-        self._offset += nbytes
-        numel = int(torch.Size(shape).numel())
-        return buf.view(dtype)[:numel].view(shape)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self._blocks)
-
-    def release(self) -> None:
-        """Unpin the registered blocks (their tensors must no longer be in use)."""
-        for ptr in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-        self._registered.clear()
-        self._blocks.clear()
-        self._block = None
 
 
 class Transport:
@@ -124,6 +68,10 @@ class Transport:
         """Start moving this step's gradients (this rank's share of each storage matrix) to the host; returns what
         the host job reads and what it must wait for. The caller then drops its references to the gradients."""
         return [(split.host, split.host_part(g)) for split, g in work], Landed()
+
+    def compute_waits_for(self, landed: Landed) -> None:
+        """Order the compute stream after the copies `landed` waits for (CUDA), so that the step's one sync covers
+        them; nothing where copies are synchronous."""
 
     def before_window_add(self, split: SplitMatrix) -> None:
         """Called before the first add of a window into `split.window_sum` (``accumulate_on="device"``)."""
@@ -162,8 +110,8 @@ class CopyTransport(Transport):
 
     stages_gradients = True
 
-    def __init__(self, pin: bool = False) -> None:
-        self.arena = PinnedArena(pin)
+    def __init__(self, pin: bool = False, registrar: HostRegistrar | None = None) -> None:
+        self.arena = PinnedArena(pin, registrar)
         self.pins_host_memory = pin
 
     def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -177,6 +125,10 @@ class CopyTransport(Transport):
         """Where the copies of one device are enqueued (CUDA: its side stream)."""
         yield
 
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One copy, enqueued where `_copying` says (CUDA: asynchronous, on the current stream)."""
+        dst.copy_(src, non_blocking=True)
+
     def _landed_event(self, device: torch.device) -> Any:
         """An event after the copies just enqueued for `device` (CUDA), or None."""
         return None
@@ -187,7 +139,7 @@ class CopyTransport(Transport):
         for device, items in by_device(work, lambda item: item[1].device):
             with self._copying(device):
                 for split, g in items:
-                    split.host.staging[slot].copy_(split.host_part(g), non_blocking=True)
+                    self._copy(split.host.staging[slot], split.host_part(g))
                     self._keep_alive(g, device)
                 event = self._landed_event(device)
             if event is not None:
@@ -202,7 +154,7 @@ class CopyTransport(Transport):
         for device, items in by_device([(s, s.window_sum) for s in splits], lambda item: item[1].device):
             with self._copying(device):
                 for split, total in items:
-                    split.host.accum.copy_(total, non_blocking=True)
+                    self._copy(split.host.accum, total)
                 event = self._landed_event(device)
             if event is not None:
                 landed.events.append(event)
@@ -212,52 +164,102 @@ class CopyTransport(Transport):
 
     @property
     def pinned_bytes(self) -> int:
-        return self.arena.nbytes if self.arena.pin else 0
+        return self.arena.pinned_bytes
 
     def put_weights(self, split: SplitMatrix) -> None:
         # An asynchronous host->device copy from pinned memory on the compute stream (CUDA): the next forward pass
         # and the scatter of the device columns are ordered after it; the host thread does not wait.
-        split.matrix(split.param).copy_(split.host.writeback, non_blocking=True)
+        self._copy(split.matrix(split.param), split.host.writeback)
 
     def close(self) -> None:
         self.arena.release()
 
 
+class CudaStreams:
+    """Every CUDA stream, event and copy call `CudaTransport` makes, in one object: the CPU test suite stands a
+    double of an asynchronous device in for it (background copies that land late), so a missing wait fails there.
+
+    Events are created with ``blocking=True``: a host thread waiting on one (the worker, before it reads a landed
+    gradient or refills a write-back buffer) sleeps in the driver instead of spinning a core that the host AdamW
+    needs (the default event's `synchronize` busy-waits)."""
+
+    def side_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def event(self) -> Any:
+        return torch.cuda.Event(blocking=True)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)  # on the current stream (`use`)
+
+    def keep_alive(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+
 class CudaTransport(CopyTransport):
-    """Asynchronous copies on one side stream per CUDA device, pinned buffers from one arena, events."""
+    """Asynchronous copies on one side stream per CUDA device, pinned buffers from one arena, events. `streams`
+    and `registrar`: the CUDA calls (`CudaStreams`, `HostRegistrar`); the CPU test suite passes doubles."""
 
-    def __init__(self) -> None:
-        super().__init__(pin=True)
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+    def __init__(self, streams: CudaStreams | None = None, registrar: HostRegistrar | None = None) -> None:
+        super().__init__(pin=True, registrar=registrar)
+        self.streams = streams if streams is not None else CudaStreams()
+        self._streams: dict[torch.device, Any] = {}
+        self._devices: set[torch.device] = set()  # every device a copy was enqueued for (`close` waits for them)
 
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+    def _stream(self, device: torch.device) -> Any:
         if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device=device)
+            self._streams[device] = self.streams.side_stream(device)
         return self._streams[device]
 
     @contextlib.contextmanager
     def _copying(self, device: torch.device) -> Iterator[None]:
         stream = self._stream(device)
+        self._devices.add(device)
         # Sync point (device streams only): the side stream waits for the compute stream that produced the data;
         # the host thread does not wait.
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        stream.wait_stream(self.streams.current_stream(device))
+        with self.streams.use(stream):
             yield
 
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.streams.copy(dst, src)
+
     def _landed_event(self, device: torch.device) -> Any:
-        event = torch.cuda.Event()
+        event = self.streams.event()
         event.record(self._stream(device))
+        event.hf_zenflow_device = device  # (`compute_waits_for`: whose compute stream may wait for it)
         return event
 
+    def compute_waits_for(self, landed: Landed) -> None:
+        for event in landed.events:
+            device = getattr(event, "hf_zenflow_device", None)
+            if device is not None:
+                # Sync point (device streams only): the compute stream waits for the copies to the host; the host
+                # thread does not wait here, but in the step's sync, which now covers them.
+                self.streams.current_stream(device).wait_event(event)
+
     def _keep_alive(self, t: torch.Tensor, device: torch.device) -> None:
-        t.record_stream(self._stream(device))
+        self.streams.keep_alive(t, self._stream(device))
 
     def before_window_add(self, split: SplitMatrix) -> None:
         if split.window_sum_free is not None:
             # Sync point (device streams only): the compute stream waits until the last window's device->host copy
             # has read the sum before it is overwritten; the host thread does not wait.
-            torch.cuda.current_stream(split.param.device).wait_event(split.window_sum_free)
+            self.streams.current_stream(split.param.device).wait_event(split.window_sum_free)
             split.window_sum_free = None
+
+    def put_weights(self, split: SplitMatrix) -> None:
+        self._devices.add(split.param.device)
+        super().put_weights(split)
 
     def after_write_back(self, splits: list[SplitMatrix]) -> None:
         # The worker must not refill a write-back buffer before the copy out of it has run: one event per device,
@@ -266,9 +268,16 @@ class CudaTransport(CopyTransport):
         for split in splits:
             device = split.param.device
             if device not in events:
-                events[device] = torch.cuda.Event()
-                events[device].record(torch.cuda.current_stream(device))
+                events[device] = self.streams.event()
+                events[device].record(self.streams.current_stream(device))
             split.host.writeback_free = events[device]
+
+    def close(self) -> None:
+        # Sync point (close and reload only): no copy may still read or fill a block when it is unlocked.
+        for device in self._devices:
+            self.streams.synchronize(device)
+        self._devices.clear()
+        super().close()
 
 
 def transport_for(device: torch.device) -> Transport:

@@ -10,8 +10,8 @@ share of every matrix, and the write-back all-gathers the shares (`sharding.py`)
 
 from __future__ import annotations
 
+import threading
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,35 +20,17 @@ from ._base import by_device
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, device_update, scatter_columns
 from .distributed_check import note_host_split
+from .handoff import EarlyCopies, HandOff
 from .host import HostMatrix, accumulate_into, host_adamw_window
 from .schedule import WindowSchedule, host_lr_scale
 from .sharding import RankGroup
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
 from .transport import CopyTransport, Landed, Transport, transport_for
-from .worker import GradSlot, HostAdamWorker
+from .worker import HostAdamWorker
 
 
-@dataclass
-class HandOff:
-    """One step's gradients on their way to the host worker: the slot they hold, the (matrix, gradient) pairs,
-    what the host job reads and what it waits for."""
-
-    grant: GradSlot
-    work: list[tuple[SplitMatrix, torch.Tensor]]
-    sources: list[tuple[HostMatrix, torch.Tensor]]
-    landed: Landed
-    done: bool = False  # submitted or abandoned: the slot is accounted for
-
-
-@dataclass
-class EarlyCopies:
-    """Gradients whose copy to the host the backward hooks started before `step()` (on a transport that copies):
-    the hand-off slot whose buffers they land in, and per parameter the gradient copied (a weak reference), its
-    version then, the host buffer and what the host job must wait for."""
-
-    grant: GradSlot
-    copies: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor, Landed]] = field(default_factory=dict)
+__all__ = ["EarlyCopies", "HandOff", "HostWindows"]
 
 
 class HostWindows:
@@ -70,18 +52,35 @@ class HostWindows:
         self.writeback_pending = False
         self.unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
         self.early: EarlyCopies | None = None
+        # Several devices in one process (``device_map="auto"``) run backward on one autograd thread each, so
+        # `grad_ready` runs in several threads at once: taking the step's hand-off slot (and starting the worker)
+        # is a check-then-act that must happen once, under this lock.
+        self._early_lock = threading.Lock()
 
     def reset(self) -> None:
-        """Forget every window in flight (the optimizer's state is being replaced; the worker is idle)."""
+        """Forget every window in flight (the optimizer's state is being replaced; the worker is idle). The
+        transports go too, their pinned blocks unlocked now: a reload never keeps two copies page-locked."""
         self.pending, self.writeback_pending, self.unapplied_steps = None, False, []
         self.release_early()
+        self.close_transports()
+        self.transports.clear()
 
     def close(self) -> None:
-        """Stop the worker thread (a later step starts a new one)."""
+        """Stop the worker thread and unlock the pinned link buffers (a later step starts a new worker, and works on
+        ordinary memory, with synchronous copies)."""
+        self.close_worker()
+        self.close_transports()
+
+    def close_worker(self) -> None:
+        """Stop the worker thread only (a later step starts a new one, e.g. with other settings)."""
         self.release_early()
         worker, self.worker = self.worker, None
         if worker is not None:
             worker.close()
+
+    def close_transports(self) -> None:
+        for transport in self.transports.values():
+            transport.close()
 
     @property
     def shards(self) -> RankGroup:
@@ -163,7 +162,8 @@ class HostWindows:
         work = self.offloaded(entries, grads)
         if not work:
             return None
-        early, self.early = self.early, None
+        with self._early_lock:  # (backward has returned: no hook still adds to it)
+            early, self.early = self.early, None
         grant = early.grant if early is not None else self.worker.take_slot()
         try:
             sources: list[tuple[HostMatrix, torch.Tensor]] = []
@@ -181,6 +181,12 @@ class HostWindows:
                 more, arrived = self._sources(todo, grant.slot)
                 sources += more
                 landed.events += arrived.events
+            if not self.worker.background:
+                # Sequential schedule (``overlap_step=False``, or the inline executor): the job that reads these
+                # gradients runs right after the step's sync, in this thread. Ordering the compute stream after
+                # their copies lets that one sync cover them too, instead of a second host wait in the job.
+                for transport in self.transports.values():
+                    transport.compute_waits_for(landed)
         except BaseException:
             grant.give_back()
             raise
@@ -199,11 +205,18 @@ class HostWindows:
         transport = self.transport_of(split)
         if not transport.stages_gradients:
             return
-        if self.early is None:
-            self.early = EarlyCopies(self.ensure_worker().take_slot())
-        ((_, source),), landed = transport.hand_off([(split, g)], self.early.grant.slot)
-        self.stats.bytes_to_host += split.host_part(g).numel() * g.element_size()
-        self.early.copies[p] = (weakref.ref(g), g._version, source, landed)
+        with self._early_lock:
+            if self.early is None:
+                if self.worker is None:
+                    # (after `close()`) never started here: it would take this autograd thread for the training
+                    # thread whose cores it shares (`threads.py`); `step()` starts it and copies this step's grads.
+                    return
+                self.early = EarlyCopies(self.worker.take_slot())
+            early = self.early
+        ((_, source),), landed = transport.hand_off([(split, g)], early.grant.slot)
+        with self._early_lock:  # two devices' autograd threads may count at once (`+=` is not atomic)
+            self.stats.bytes_to_host += split.host_part(g).numel() * g.element_size()
+        early.copies[p] = (weakref.ref(g), g._version, source, landed)
 
     def forget_early_copies(self) -> None:
         """The gradients were rewritten in place without a version bump (`GradScaler.unscale_`): the copies the
@@ -216,7 +229,8 @@ class HostWindows:
 
     def release_early(self) -> None:
         """Give back the slot of copies started in backward that no `step()` used (skipped step, reset, close)."""
-        early, self.early = self.early, None
+        with self._early_lock:
+            early, self.early = self.early, None
         if early is not None:
             early.grant.give_back()
 

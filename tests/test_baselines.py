@@ -59,3 +59,50 @@ def test_sync_offload_checkpoint_round_trip():
 def test_bad_threads_fail_at_construction():
     with pytest.raises(ValueError, match="cpu_threads=0"):
         SyncOffloadAdamW([torch.nn.Parameter(torch.zeros(1))], cpu_threads=0)
+
+
+def link_copies(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[tuple[str, torch.dtype, torch.dtype, int]]:
+    """The copies one `opt.step()` makes between the device side (a gradient or a weight) and host state: (direction,
+    destination dtype, source dtype, elements), recorded at the dispatcher."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    grads = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default:
+                dst, src = args[0], args[1]
+                if src.untyped_storage().data_ptr() in grads:
+                    seen.append(("to host", dst.dtype, src.dtype, src.numel()))
+                elif dst.untyped_storage().data_ptr() in weights:
+                    seen.append(("to device", dst.dtype, src.dtype, src.numel()))
+            return func(*args, **(kwargs or {}))
+
+    with Copies():
+        opt.step()
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sync_offload_moves_each_gradient_and_weight_once_in_its_own_dtype(dtype):
+    """Regression (issue 20, defect 6): the baseline copied a bf16 gradient into an fp32 host buffer (a cast on the
+    device and 4 bytes per element over the link) and the fp32 master straight into the bf16 weight (4 bytes back,
+    cast on the device), which made "x faster than sync offload" look better than it is. Now one copy each way per
+    parameter, in the parameter's dtype; the casts run on the host."""
+    model = make_model(dtype=dtype)
+    opt = SyncOffloadAdamW(param_groups(model), lr=1e-2)
+    for step in range(2):
+        x, y = batches(1, seed=step)[0]
+        logits = model(x).float()
+        torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
+        copies = link_copies(model, opt)
+        opt.zero_grad()
+        n = len(list(model.parameters()))
+        assert sorted(c[0] for c in copies) == ["to device"] * n + ["to host"] * n  # one each way per parameter
+        assert all(dst == src == dtype for _, dst, src, _ in copies), copies
+        before = opt.stats()
+        size = torch.empty((), dtype=dtype).element_size()
+        elements = sum(p.numel() for p in model.parameters())
+        assert before["bytes_to_host"] == before["bytes_to_device"] == size * elements

@@ -129,3 +129,20 @@ def test_pinned_arena_carves_aligned_buffers_from_one_block():
     assert [int(b.float().mean()) for b in buffers] == [1, 2, 3]
     arena.take((1000,), torch.float32)  # beyond the reservation: a new block of exactly its size
     assert len(arena._blocks) == 2 and arena._blocks[1].numel() == PinnedArena.aligned(4000)
+
+
+def test_cuda_events_are_waited_for_by_sleeping_not_spinning(monkeypatch):
+    """Issue 20, defect 6: `torch.cuda.Event()` defaults to a busy-wait `synchronize()`, so the worker thread waiting
+    for a gradient to land spun a core the host AdamW needs. Every event `CudaTransport` waits on comes from
+    `CudaStreams.event`, which asks for a blocking one (cudaEventBlockingSync). (Checked on the call: no GPU here.)"""
+    from hf_zenflow.transport import CudaStreams
+
+    made: list[dict] = []
+
+    class RecordedEvent:
+        def __init__(self, **kwargs) -> None:
+            made.append(kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Event", RecordedEvent)
+    CudaStreams().event()
+    assert made == [{"blocking": True}]
