@@ -1,0 +1,84 @@
+"""Issue 21's figures of `hf-zenflow compare`: the same core split for every run, the measured device utilisation,
+the timeline picture and the projection table. A tiny in-file model stands in for the real one (no assets)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hf_zenflow.compare.compare_config import CompareConfig
+from hf_zenflow.compare.data import Batch, PreparedTask
+from hf_zenflow.compare.training_run import TIMING_SKIP, train_one
+
+
+class SleepyClassifier(torch.nn.Module):
+    """Two matrices and a head whose forward also sleeps `device_ms`: device work of a known length."""
+
+    def __init__(self, device_ms: float = 0.0) -> None:
+        super().__init__()
+        self.device_ms = device_ms
+        self.up = torch.nn.Linear(32, 64)
+        self.down = torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(32, 2)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor) -> SimpleNamespace:
+        if self.device_ms:
+            time.sleep(self.device_ms / 1e3)
+        logits = self.head(torch.relu(self.down(torch.relu(self.up(features)))))
+        return SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits, labels), logits=logits)
+
+
+def tiny_task(steps: int, device_ms: float = 0.0) -> PreparedTask:
+    gen = torch.Generator().manual_seed(0)
+
+    def batch() -> Batch:
+        x = torch.randn(8, 32, generator=gen)
+        return Batch({"features": x, "labels": (x[:, 0] > 0).long()}, 8)
+
+    return PreparedTask(task="sequence-classification", model_name="tiny", model_path="", dataset_name="random",
+                        base_model=SleepyClassifier(device_ms), tokenizer=None,
+                        train_batches=[batch() for _ in range(steps)], eval_batches=[batch()], train_examples=8 * steps,
+                        eval_examples=8, max_length=32, metric_name="accuracy")
+
+
+def tiny_config(**overrides) -> CompareConfig:
+    values = dict(steps=12, train_size=96, batch_size=8, update_interval=2, min_offload_numel=0, log_every=0,
+                  quiet=True, device="cpu", device_cores=1, host_cores=1)
+    values.update(overrides)
+    return CompareConfig(**values)
+
+
+def test_device_utilization_of_a_known_host_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward sleeps 60 ms (device busy), the synchronous host step sleeps 30 ms per param group more (device
+    waits): the measured utilisation is within 5 points of the truth, 1 - delay per step / step; adamw_torch, with no
+    host step, is ~all busy."""
+    import hf_zenflow.baselines as baselines
+
+    delay_s, calls = 0.03, []
+    real = baselines.fused_adamw_
+
+    def slow_host_adamw(*args, **kwargs):
+        calls.append(1)
+        time.sleep(delay_s)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(baselines, "fused_adamw_", slow_host_adamw)
+    task, cfg = tiny_task(10, device_ms=60.0), tiny_config(steps=10, train_size=80)
+    sync = train_one("sync_offload", task, cfg, torch.device("cpu"))
+    delay_ms = delay_s * 1e3 * len(calls) / 10  # one sleep per param group and step
+    truth = 1.0 - delay_ms / sync["step_ms_mean"]
+    assert 0.3 < truth < 0.7, truth  # the two sleeps dominate the step: a mid-range figure
+    assert abs(sync["device_utilization"] - truth) <= 0.05, (sync["device_utilization"], truth)
+    base = train_one("adamw_torch", task, cfg, torch.device("cpu"))
+    assert base["device_utilization"] >= 0.95
+    for r in (sync, base):
+        assert r["cores"]["device"] == 1 and r["cores"]["host"] == 1 and r["cores"]["training_threads"] == 1
+    # the timeline window holds the device's waits for the host step and the host's busy spans
+    lanes = {(s["lane"], s["kind"]) for s in sync["timeline"]["spans"]}
+    assert {("device", "busy"), ("device", "wait"), ("host", "busy"), ("link", "copy")} <= lanes
+    assert sync["timeline"]["first_step"] == TIMING_SKIP
