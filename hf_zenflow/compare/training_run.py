@@ -151,8 +151,9 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
     steps = len(task.train_batches)
     sched = get_linear_schedule_with_warmup(opt, int(cfg.warmup_ratio * steps), steps)
     rec: dict[str, list[float]] = {k: [] for k in ("loss", "fb_ms", "clip_ms", "opt_ms", "other_ms", "step_ms",
-                                                   "engine_critical_ms", "host_step_ms", "bytes_to_host",
-                                                   "bytes_to_device", "staleness", "selected_fraction")}
+                                                   "engine_critical_ms", "host_step_ms", "accumulate_ms",
+                                                   "bytes_to_host", "bytes_to_device", "staleness",
+                                                   "selected_fraction")}
     rss_peak = rss_start
     last_stats: dict[str, Any] = {}
     timeline = TimelineRecorder(min(TIMING_SKIP, max(0, steps - 1)))
@@ -192,6 +193,7 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
         if is_engine:
             rec["engine_critical_ms"].append(float(last_stats.get("critical_path_ms") or 0.0))
             rec["host_step_ms"].append(float(last_stats.get("host_step_ms") or 0.0))
+            rec["accumulate_ms"].append(float(last_stats.get("accumulate_ms") or 0.0))
             rec["bytes_to_host"].append(float(last_stats.get("bytes_to_host") or 0))
             rec["bytes_to_device"].append(float(last_stats.get("bytes_to_device") or 0))
             rec["staleness"].append(float(last_stats.get("staleness") or 0))
@@ -250,6 +252,8 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
         # host_step_ms is the engine's report of its last host step, repeated until the next one: the mean over
         # the distinct nonzero reports is the cost of one host step, not a per-training-step figure.
         "host_step_ms_mean": _mean(host_ms) if is_engine else None,
+        # the same for ZenFlow's host accumulation jobs (one per step outside the window's last)
+        "accumulate_ms_mean": _mean([v for v in rec["accumulate_ms"][timed] if v > 0]) if is_engine else None,
         "bytes_to_host_per_step": _mean(rec["bytes_to_host"][timed]) if is_engine else 0.0,
         "bytes_to_device_per_step": _mean(rec["bytes_to_device"][timed]) if is_engine else 0.0,
         "flush_ms": flush_ms,

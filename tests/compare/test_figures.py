@@ -82,3 +82,38 @@ def test_device_utilization_of_a_known_host_delay(monkeypatch: pytest.MonkeyPatc
     lanes = {(s["lane"], s["kind"]) for s in sync["timeline"]["spans"]}
     assert {("device", "busy"), ("device", "wait"), ("host", "busy"), ("link", "copy")} <= lanes
     assert sync["timeline"]["first_step"] == TIMING_SKIP
+
+
+def test_compare_run_same_cores_timeline_and_projection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole `compare` on the tiny model: every run has the same core split in results.json, a measured device
+    utilisation, timeline.png is written, and results.md holds the projection table (labelled projected) with its
+    method, for the named model size."""
+    from hf_zenflow.compare import runner
+    from hf_zenflow.compare.host_rates import HostRates
+
+    monkeypatch.setattr(runner, "prepare_task", lambda **kwargs: tiny_task(kwargs["steps"]))
+    monkeypatch.setattr("hf_zenflow.compare.host_rates.measure_host_rates",
+                        lambda: HostRates(cores=2, adamw_params_per_s={1: 1e9, 2: 1.5e9}, mem_gbps=20.0))
+    cfg = tiny_config(output_dir=str(tmp_path / "run"), project_params=7e9,
+                      project_hardware=("h100-80gb-pcie5", "a100-80gb-pcie4"))
+    payload = runner.run_compare(cfg)
+    out = Path(payload["output_dir"])
+    saved = json.loads((out / "results.json").read_text())
+    splits = [r["cores"] for r in saved["results"].values()]
+    assert len(splits) == 3 and all((s["device"], s["host"]) == (1, 1) for s in splits)
+    assert all(s["training_threads"] == 1 for s in splits)
+    assert saved["results"]["sync_offload"]["cores"]["host_threads"] == 1
+    assert saved["results"]["zenflow"]["cores"]["host_threads"] == 1
+    for r in saved["results"].values():
+        assert 0.0 <= r["device_utilization"] <= 1.0
+    assert (out / "timeline.png").stat().st_size > 1000
+    md = (out / "results.md").read_text()
+    assert "Cores: device = 1 core(s)" in md and "| device utilisation" in md
+    assert "## Projected to GPU hardware (not measured)" in md and "7B parameters" in md
+    assert "| step ms (projected)" in md and "| h100-80gb-pcie5 | ZenFlow" in md and "Projected, not measured" in md
+    proj = saved["projection"]["profiles"]["h100-80gb-pcie5"]
+    assert set(proj) == {"adamw_torch", "sync_offload", "zenflow"}
+    # the synchronous schedule is the sum of its sides; ZenFlow's the slowest side
+    sync, zen = proj["sync_offload"], proj["zenflow"]
+    assert sync["step_ms"] == pytest.approx(sync["device_ms"] + sync["link_ms"] + sync["host_ms"])
+    assert zen["step_ms"] == pytest.approx(max(zen["device_ms"], zen["link_ms"], zen["host_ms"]))
