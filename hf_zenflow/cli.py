@@ -215,7 +215,16 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                    help="model size the speed-up is modelled for (default: this model's)")
     p.add_argument("--target-tokens-per-step", type=float, default=None,
                    help="tokens per optimizer step at scale (default: this task's)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for forward/backward")
+    p.add_argument("--threads", type=int, default=None, help="old name of --device-cores")
+    p.add_argument("--device-cores", type=int, default=None,
+                   help="cores standing for the device on a CPU device (the training thread's torch threads); "
+                   "default: half the cores")
+    p.add_argument("--host-cores", type=int, default=None,
+                   help="cores of the host (the host AdamW's threads, and the modelled host's); default: half the "
+                   "cores")
+    p.add_argument("--host-from-profile", action="store_true",
+                   help="model the speed-up with the profile's published host AdamW rate instead of this host's "
+                   "measured one")
     p.add_argument("--device", default=d.device)
     p.add_argument("--output-dir", default=d.output_dir)
     p.add_argument("--no-progress", dest="progress", action="store_false")

@@ -16,8 +16,9 @@ each run's device utilisation is measured and one window of it drawn (`hf_zenflo
 the three schedules are projected to GPU hardware profiles (`hf_zenflow.compare.projection`).
 
 Output: a new run folder per run (`hf_zenflow.compare.output`), a short headline table on the terminal and the full
-table in results.md (`hf_zenflow.compare.report`), the plots (`hf_zenflow.compare.plots`, timeline.png), a busy-machine check
-(`hf_zenflow.compare.machine_load`) and, with ``save_model``, the model with its card (`hf_zenflow.compare.card`).
+table in results.md (`hf_zenflow.compare.report`), the plots (`hf_zenflow.compare.plots`, timeline.png), a
+busy-machine check (`hf_zenflow.compare.machine_load`) and, with ``save_model``, the model with its card
+(`hf_zenflow.compare.card`).
 """
 
 from __future__ import annotations

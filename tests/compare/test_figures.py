@@ -42,8 +42,8 @@ def tiny_task(steps: int, device_ms: float = 0.0) -> PreparedTask:
 
     return PreparedTask(task="sequence-classification", model_name="tiny", model_path="", dataset_name="random",
                         base_model=SleepyClassifier(device_ms), tokenizer=None,
-                        train_batches=[batch() for _ in range(steps)], eval_batches=[batch()], train_examples=8 * steps,
-                        eval_examples=8, max_length=32, metric_name="accuracy")
+                        train_batches=[batch() for _ in range(steps)], eval_batches=[batch()],
+                        train_examples=8 * steps, eval_examples=8, max_length=32, metric_name="accuracy")
 
 
 def tiny_config(**overrides) -> CompareConfig:
