@@ -16,6 +16,14 @@ if TYPE_CHECKING:
 
 #: Phases of the caller's time inside `step()`, in the order they happen.
 PHASES = ("norms", "select", "device_update", "handoff", "wait", "writeback", "host_update")
+#: The phases in which the device waits instead of computing: the gradient copies to the host, the wait for the host
+#: worker, the write-back of parameters, the host AdamW run inline (device utilisation: `device_wait_ms`).
+DEVICE_WAIT_PHASES = ("handoff", "wait", "writeback", "host_update")
+
+
+def device_wait_ms(stats: dict) -> float:
+    """ms of the last `step()` in which the device waited (`DEVICE_WAIT_PHASES`), from a `stats()` dict."""
+    return sum(float(stats.get(f"cp_{p}_ms") or 0.0) for p in DEVICE_WAIT_PHASES)
 
 
 class StepTimer:

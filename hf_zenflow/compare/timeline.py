@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from hf_zenflow.telemetry import DEVICE_WAIT_PHASES as WAIT_PHASES
+from hf_zenflow.telemetry import device_wait_ms
 
-#: Phases of an engine's `optimizer.step()` in which the device waits: the host AdamW when it runs inline, the
-#: wait for the host worker, the gradient copies to the host and the write-back of parameters.
-WAIT_PHASES = ("handoff", "wait", "writeback", "host_update")
+
 #: Phases that use the host<->device link.
 LINK_PHASES = ("handoff", "writeback")
 #: Phases in which the host computes while the caller waits (synchronous offload's host AdamW).
@@ -57,7 +57,7 @@ class StepClock:
 
 def wait_ms(phases: dict[str, float]) -> float:
     """The part of an engine's last `step()` in which the device waited (`WAIT_PHASES`), in ms."""
-    return sum(float(phases.get(f"cp_{p}_ms") or 0.0) for p in WAIT_PHASES)
+    return device_wait_ms(phases)
 
 
 def device_utilization(step_ms: list[float], waits_ms: list[float]) -> float | None:

@@ -117,3 +117,18 @@ def test_compare_run_same_cores_timeline_and_projection(tmp_path: Path, monkeypa
     sync, zen = proj["sync_offload"], proj["zenflow"]
     assert sync["step_ms"] == pytest.approx(sync["device_ms"] + sync["link_ms"] + sync["host_ms"])
     assert zen["step_ms"] == pytest.approx(max(zen["device_ms"], zen["link_ms"], zen["host_ms"]))
+
+
+def test_trainer_telemetry_reports_the_device_utilization() -> None:
+    """The Trainer's zenflow/device_utilization: 1 - the steps' device waits (handoff, wait, writeback, inline host
+    update; not norms or the device update) / their wall time; a step without a wall time is left out."""
+    from hf_zenflow.hf.trainer_telemetry import ZenFlowTelemetry
+
+    t = ZenFlowTelemetry()
+    t.record({"cp_wait_ms": 90.0}, None)  # the first step: no wall time known
+    t.record({"cp_wait_ms": 30.0, "cp_handoff_ms": 10.0, "cp_norms_ms": 5.0, "cp_device_update_ms": 5.0}, 100.0)
+    t.record({"cp_writeback_ms": 20.0, "cp_host_update_ms": 20.0}, 100.0)
+    assert t.pop_interval()["zenflow/device_utilization"] == pytest.approx(1 - 80 / 200)
+    t.record({"cp_wait_ms": 0.0}, 50.0)
+    assert t.pop_interval()["zenflow/device_utilization"] == pytest.approx(1.0)
+    assert t.run_summary()["zenflow/device_utilization"] == pytest.approx(1 - 80 / 250)
