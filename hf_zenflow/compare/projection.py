@@ -9,10 +9,11 @@ that ran, n parameters) and this run's tokens per step T:
   bf16 gradients;
 * link: the bytes this run moved per step, each way (measured, fp32 here), x N / n, as bf16 on the GPU (x 1/2), over
   the profile's link bandwidth; synchronous offload waits for both directions, ZenFlow's two directions overlap;
-* host: this run's measured host work per step (synchronous offload: its host AdamW; ZenFlow: one host AdamW per
-  window over the window's measured length, plus the accumulation of the other steps) x N / n x (this host's AdamW
-  rate on the H host cores / the projected host's rate). The projected host is this host measured on H cores
-  (`host_rates`), or the profile's published figure with ``--host-from-profile``;
+* host: a host AdamW over the parameters whose gradients this run sent to the host per step (measured bytes / 4),
+  x N / n, at the projected host's AdamW rate (this host measured on the H host cores, `host_rates`, or the profile's
+  published figure with ``--host-from-profile``): every step for synchronous offload; for ZenFlow one per window (the
+  measured mean window length) plus the accumulation of every step, at the accumulation/AdamW time ratio this run
+  measured (both on the same worker, so machine load largely cancels);
 * step: no-offload device time; synchronous offload device + link + host (one after the other); ZenFlow the slowest
   of device, link and host (overlapped). GPU utilisation = device time / step time.
 """
@@ -32,11 +33,13 @@ SCHEDULES = (("adamw_torch", "no offload"), ("sync_offload", "sync offload"), ("
 METHOD = ("Projected, not measured: per profile, device = 6 x params x tokens/step over the profile's FLOP/s x mfu, "
           "plus AdamW on the device at 28 B/param over its memory bandwidth (ZenFlow: the measured selected share, "
           "plus one read of the bf16 gradients); link = this run's measured bytes per step each way x (params / "
-          "params run) as bf16, over the profile's link; host = this run's measured host work per step (sync "
-          "offload: its host AdamW; ZenFlow: one host AdamW per measured window length plus the accumulations) x "
-          "(params / params run) x (this host's measured AdamW rate on the H host cores / the projected host's "
-          "rate). Step: no offload = device; sync offload = device + link + host; ZenFlow = the slowest of device, "
-          "link and host. GPU utilisation = device / step.")
+          "params run), as bf16, over the profile's link; host = a host AdamW over the parameters whose gradients "
+          "this run sent to the host each step (its measured bytes), scaled to the params, at the projected host's "
+          "AdamW rate (this host's, measured on the H host cores; --host-from-profile: the profile's published "
+          "figure): every step for sync offload; for ZenFlow one per measured window length plus every step's "
+          "accumulation, at the accumulation/AdamW time ratio this run measured. Step: no offload = device; sync "
+          "offload = device + link + host; ZenFlow = the slowest of device, link and host (overlapped). GPU "
+          "utilisation = device / step.")
 
 
 def _interval(r: dict[str, Any]) -> float:
@@ -45,19 +48,31 @@ def _interval(r: dict[str, Any]) -> float:
     return max(1.0, steps / windows) if windows else max(1.0, float(stats.get("update_interval") or 1.0))
 
 
+def accumulate_ratio(r: dict[str, Any]) -> float:
+    """One host accumulation over one host AdamW, as this run measured them (the same worker, the same conditions,
+    so machine load largely cancels); the emulator's ratio (`hardware.ACCUMULATE_VS_ADAMW`) when not measured."""
+    from hf_zenflow.compare.hardware import ACCUMULATE_VS_ADAMW
+
+    adamw, acc = r.get("host_step_ms_mean"), r.get("accumulate_ms_mean")
+    return acc / adamw if adamw and acc else ACCUMULATE_VS_ADAMW
+
+
 def project(results: dict[str, dict[str, Any]], params_ran: float, params: float, tokens_per_step: float,
-            profile: Any, here_rate: float) -> dict[str, dict[str, float]]:
+            profile: Any) -> dict[str, dict[str, float]]:
     """Projected ms per step of each side, the step and the GPU utilisation of every schedule that ran.
-    `profile` carries the projected host (`host_adamw_params_per_s`); `here_rate` is this host's measured AdamW rate
-    on the H cores the runs used."""
+    `profile` carries the projected host (`host_adamw_params_per_s`: this host measured, or the published figure)."""
     scale = params / params_ran
-    host_scale = scale * here_rate / profile.host_adamw_params_per_s()
+    host_rate = profile.host_adamw_params_per_s()
     compute = 6.0 * params * tokens_per_step / (profile.device_tflops * 1e12 * profile.mfu) * 1e3
     device_adamw = params * DEVICE_ADAMW_BYTES_PER_PARAM / (profile.device_mem_gbps * 1e9) * 1e3
     grad_read = params * LINK_BYTES_PER_PARAM / (profile.device_mem_gbps * 1e9) * 1e3
 
     def link_ms(nbytes: float) -> float:
         return nbytes * scale * LINK_BYTES_PER_PARAM / RUN_LINK_BYTES / (profile.link_gbps * 1e9) * 1e3
+
+    def adamw_ms(r: dict[str, Any]) -> float:
+        """A host AdamW over the parameters whose gradients went to the host each step (measured bytes), scaled."""
+        return (r.get("bytes_to_host_per_step") or 0.0) / RUN_LINK_BYTES * scale / host_rate * 1e3
 
     out: dict[str, dict[str, float]] = {}
     for name, _ in SCHEDULES:
@@ -69,13 +84,12 @@ def project(results: dict[str, dict[str, Any]], params_ran: float, params: float
             device, link, host = compute + device_adamw, 0.0, 0.0
             step = device
         elif name == "sync_offload":
-            device, link, host = compute, down + up, (r.get("host_step_ms_mean") or 0.0) * host_scale
+            device, link, host = compute, down + up, adamw_ms(r)
             step = device + link + host
         else:
             selected = float((r.get("engine_stats") or {}).get("selected_fraction") or 0.0)
-            u = _interval(r)
-            host_work = (r.get("host_step_ms_mean") or 0.0) / u + (r.get("accumulate_ms_mean") or 0.0) * (u - 1) / u
-            device, link, host = compute + selected * device_adamw + grad_read, max(down, up), host_work * host_scale
+            host = adamw_ms(r) * (1.0 / _interval(r) + accumulate_ratio(r))  # one AdamW per window, every step summed
+            device, link = compute + selected * device_adamw + grad_read, max(down, up)
             step = max(device, link, host)
         out[name] = {"device_ms": device, "link_ms": link, "host_ms": host, "step_ms": step,
                      "gpu_utilization": device / step if step > 0 else 0.0}
@@ -103,12 +117,11 @@ def run_projection(results: dict[str, dict[str, Any]], params_ran: float, tokens
 
     params = float(cfg.project_params or params_ran)
     rates = measure_host_rates()
-    here = rates.params_per_s(host_cores)
     projections, hosts = {}, {}
     for spec in cfg.project_hardware:
         profile, line = resolve_host(load_profile(spec), spec, None if cfg.host_from_profile else host_cores,
                                      cfg.host_from_profile)
-        projections[profile.name] = project(results, params_ran, params, tokens_per_step, profile, here)
+        projections[profile.name] = project(results, params_ran, params, tokens_per_step, profile)
         hosts[profile.name] = line
     return {"params": params, "tokens_per_step": tokens_per_step, "host_cores": host_cores,
             "host_from_profile": cfg.host_from_profile, "host_rates": rates.to_dict(), "hosts": hosts,

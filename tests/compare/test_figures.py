@@ -54,24 +54,27 @@ def tiny_config(**overrides) -> CompareConfig:
 
 
 def test_device_utilization_of_a_known_host_delay(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forward sleeps 60 ms (device busy), the synchronous host step sleeps 30 ms per param group more (device
-    waits): the measured utilisation is within 5 points of the truth, 1 - delay per step / step; adamw_torch, with no
-    host step, is ~all busy."""
+    """Forward sleeps 100 ms (device busy), the synchronous host step sleeps 50 ms per param group more (device
+    waits): the measured utilisation is within 5 points of the truth, 1 - the host step's time / step (the host
+    time as the injected function itself measured it: a sleep overshoots on a busy machine); adamw_torch, with no host
+    step, is ~all busy."""
     import hf_zenflow.baselines as baselines
 
-    delay_s, calls = 0.03, []
+    delay_s, host_s = 0.05, []
     real = baselines.fused_adamw_
 
     def slow_host_adamw(*args, **kwargs):
-        calls.append(1)
+        t0 = time.perf_counter()
         time.sleep(delay_s)
-        return real(*args, **kwargs)
+        real(*args, **kwargs)
+        host_s.append(time.perf_counter() - t0)
 
     monkeypatch.setattr(baselines, "fused_adamw_", slow_host_adamw)
-    task, cfg = tiny_task(10, device_ms=60.0), tiny_config(steps=10, train_size=80)
+    steps = 8
+    task, cfg = tiny_task(steps, device_ms=100.0), tiny_config(steps=steps, train_size=8 * steps)
     sync = train_one("sync_offload", task, cfg, torch.device("cpu"))
-    delay_ms = delay_s * 1e3 * len(calls) / 10  # one sleep per param group and step
-    truth = 1.0 - delay_ms / sync["step_ms_mean"]
+    timed = host_s[2 * TIMING_SKIP:]  # one call per param group and step, after the untimed first steps
+    truth = 1.0 - 1e3 * sum(timed) / (steps - TIMING_SKIP) / sync["step_ms_mean"]
     assert 0.3 < truth < 0.7, truth  # the two sleeps dominate the step: a mid-range figure
     assert abs(sync["device_utilization"] - truth) <= 0.05, (sync["device_utilization"], truth)
     base = train_one("adamw_torch", task, cfg, torch.device("cpu"))
