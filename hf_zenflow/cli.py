@@ -96,8 +96,10 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-overlap", dest="overlap_step", action="store_false",
                    help="run ZenFlow's host step inline instead of in the background worker (default: background "
                    "worker, overlapping the next steps)")
-    p.add_argument("--cpu-threads", type=int, default=None, help="old name of --host-cores")
-    p.add_argument("--threads", type=int, default=None, help="old name of --device-cores")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="old name of --host-cores (default: --host-cores' default)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="old name of --device-cores (default: --device-cores' default)")
     p.add_argument("--device-cores", type=int, default=None,
                    help="cores that stand for the device on a CPU device: the training thread's torch threads in "
                    "every run (forward, backward, device-side optimizer work) (default: half the cores this process "
@@ -109,9 +111,11 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    help="after the runs, project the three schedules to a model of this many parameters (e.g. 7e9) "
                    "on --project-hardware (default: the model that ran)")
     p.add_argument("--project-hardware", default=",".join(d.project_hardware),
-                   help="comma-separated hardware profiles of the projection (presets or JSON files)")
+                   help="comma-separated hardware profiles of the projection (presets or JSON files) (default: "
+                   "%(default)s)")
     p.add_argument("--host-from-profile", action="store_true",
-                   help="project with the profiles' published host AdamW rate instead of this host's measured one")
+                   help="project with the profiles' published host AdamW rate instead of this host's measured one "
+                   "(default: measured)")
     p.add_argument("--device", default=d.device, help="'auto', 'cpu' or 'cuda[:N]'")
     p.add_argument("--embedding-select", default=d.embedding_select, choices=["auto", "rows", "columns"],
                    help="what ZenFlow selects in embedding tables: rows (tokens, their input channels; contiguous) or "

@@ -97,7 +97,7 @@ def rows(metric_name: str, cuda: bool) -> list[Row]:
         Row("train loss, mean of the last 10% of steps", _get("train_loss", "{:.4f}".format), "train_loss"),
         Row("ms per step, whole run (steps/s)", _step_time, "step_ms", headline=True),
         # a share, not a cost: no ZenFlow ÷ baseline ratio
-        Row("device utilisation (busy share of the steps)", _get("device_utilization", format_utilization),
+        Row("device utilisation, busy share", _get("device_utilization", format_utilization),
             headline=True),
         Row("optimizer.step ms, median", _get("opt_step_ms_median", format_ms), "opt_step_ms_median", headline=True),
         Row("optimizer.step ms, p10–p90", format_spread, headline=True),
