@@ -9,7 +9,9 @@ with CUDA events on the current stream (`StepClock`), the waits with the engine'
 
 The timeline draws, for each run, the steps of one window after the first `TIMING_SKIP` steps: the device lane
 (busy / waiting), the host lane (the host step: synchronous offload's host AdamW, ZenFlow's worker jobs) and the
-link lane (the copies to and from the host).
+link lane (the copies inside ``optimizer.step()`` to and from the host). On a CPU device ZenFlow's gradient copies
+that its gradient hooks start during backward are done by the training thread there and count as backward (device
+busy); on CUDA they run on a side stream.
 """
 
 from __future__ import annotations
