@@ -7,6 +7,7 @@ parameters come back; the caller waits for all of it. This is what ZenFlow is me
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,9 +20,9 @@ from ._base import (
     fused_adamw_,
     grad_norms,
     host_empty,
-    torch_threads,
 )
 from .config import available_cpu_count
+from .host_thread import HostThread
 from .selection import selection_axis
 from .telemetry import StepTimer, ZenFlowStats
 from .transport import transport_for
@@ -83,7 +84,9 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or param groups.
         lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
-        cpu_threads: threads of the host AdamW; None = the cores in this process's CPU affinity.
+        cpu_threads: threads of the host AdamW; None = the cores in this process's CPU affinity. The host AdamW
+            runs on a dedicated host thread with these intra-op threads (the training thread's own pool is left
+            alone) while the caller waits, as ZenFlow's host worker does without the wait.
 
     Example:
         >>> import torch
@@ -113,6 +116,8 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
         self._norm_cache = GradNormCache()
         self._stats = ZenFlowStats()
         self._steps = 0
+        self._host_thread = HostThread(self.cpu_threads)
+        weakref.finalize(self, self._host_thread.close)  # an optimizer dropped without close() leaves no thread
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -144,11 +149,9 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
                         host = self._host[p] = _HostParam(p)
                     host.receive_grad(p.grad, coef)
                     self._stats.bytes_to_host += p.grad.numel() * p.grad.element_size()
-        with timer.phase("host_update"), torch_threads(self.cpu_threads):
-            for group in self.param_groups:
-                live = [self._host[p] for p in group["params"] if p.grad is not None]
-                fused_adamw_([h.master for h in live], [h.grad for h in live], [h.exp_avg for h in live],
-                             [h.exp_avg_sq for h in live], [h.step for h in live], group)
+        with timer.phase("host_update"):
+            # Sync point: the host AdamW runs on the host thread (cpu_threads cores) and the caller waits for it.
+            self._host_thread.run(self._host_update)
         with timer.phase("writeback"):
             for group in self.param_groups:
                 for p in group["params"]:
@@ -159,6 +162,13 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
         self._stats.finish_step(timer, staleness=0)
         return loss
 
+    @torch.no_grad()
+    def _host_update(self) -> None:
+        for group in self.param_groups:
+            live = [self._host[p] for p in group["params"] if p.grad is not None]
+            fused_adamw_([h.master for h in live], [h.grad for h in live], [h.exp_avg for h in live],
+                         [h.exp_avg_sq for h in live], [h.step for h in live], group)
+
     def synchronize(self) -> None:
         """Nothing runs in the background: present for API parity with `ZenFlowAdamW`."""
 
@@ -166,7 +176,8 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
         """Nothing is ever pending: present for API parity with `ZenFlowAdamW`."""
 
     def close(self) -> None:
-        """No worker to stop: present for API parity with `ZenFlowAdamW`."""
+        """Stop the host thread (a later `step()` starts it again)."""
+        self._host_thread.close()
 
     def stats(self) -> dict[str, float]:
         return self._stats.as_dict(

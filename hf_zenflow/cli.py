@@ -97,10 +97,25 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    help="run ZenFlow's host step inline instead of in the background worker (default: background "
                    "worker, overlapping the next steps)")
     p.add_argument("--cpu-threads", type=int, default=None,
-                   help="host-optimizer threads of the offloading engines (default: the engine's, half the cores "
-                   "this process may use)")
+                   help="old name of --host-cores (default: --host-cores' default)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads for forward/backward (default: torch's own setting)")
+                   help="old name of --device-cores (default: --device-cores' default)")
+    p.add_argument("--device-cores", type=int, default=None,
+                   help="cores that stand for the device on a CPU device: the training thread's torch threads in "
+                   "every run (forward, backward, device-side optimizer work) (default: half the cores this process "
+                   "may use)")
+    p.add_argument("--host-cores", type=int, default=None,
+                   help="cores of the host: the host AdamW threads of synchronous offload and of ZenFlow's worker, "
+                   "and of the projection's host (default: half the cores this process may use)")
+    p.add_argument("--project-params", type=float, default=None,
+                   help="after the runs, project the three schedules to a model of this many parameters (e.g. 7e9) "
+                   "on --project-hardware (default: the model that ran)")
+    p.add_argument("--project-hardware", default=",".join(d.project_hardware),
+                   help="comma-separated hardware profiles of the projection (presets or JSON files) (default: "
+                   "%(default)s)")
+    p.add_argument("--host-from-profile", action="store_true",
+                   help="project with the profiles' published host AdamW rate instead of this host's measured one "
+                   "(default: measured)")
     p.add_argument("--device", default=d.device, help="'auto', 'cpu' or 'cuda[:N]'")
     p.add_argument("--embedding-select", default=d.embedding_select, choices=["auto", "rows", "columns"],
                    help="what ZenFlow selects in embedding tables: rows (tokens, their input channels; contiguous) or "
@@ -132,6 +147,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     require("compare", "hf-zenflow compare")
     fields = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     fields["optimizers"] = tuple(o.strip() for o in fields["optimizers"].split(",") if o.strip())
+    fields["project_hardware"] = tuple(h.strip() for h in fields["project_hardware"].split(",") if h.strip())
     try:
         run_compare(CompareConfig(**fields))
     except (AssetMissingError, OutputExistsError) as exc:
@@ -203,7 +219,16 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                    help="model size the speed-up is modelled for (default: this model's)")
     p.add_argument("--target-tokens-per-step", type=float, default=None,
                    help="tokens per optimizer step at scale (default: this task's)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for forward/backward")
+    p.add_argument("--threads", type=int, default=None, help="old name of --device-cores")
+    p.add_argument("--device-cores", type=int, default=None,
+                   help="cores standing for the device on a CPU device (the training thread's torch threads); "
+                   "default: half the cores")
+    p.add_argument("--host-cores", type=int, default=None,
+                   help="cores of the host (the host AdamW's threads, and the modelled host's); default: half the "
+                   "cores")
+    p.add_argument("--host-from-profile", action="store_true",
+                   help="model the speed-up with the profile's published host AdamW rate instead of this host's "
+                   "measured one")
     p.add_argument("--device", default=d.device)
     p.add_argument("--output-dir", default=d.output_dir)
     p.add_argument("--no-progress", dest="progress", action="store_false")

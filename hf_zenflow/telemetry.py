@@ -16,6 +16,14 @@ if TYPE_CHECKING:
 
 #: Phases of the caller's time inside `step()`, in the order they happen.
 PHASES = ("norms", "select", "device_update", "handoff", "wait", "writeback", "host_update")
+#: The phases in which the device waits instead of computing: the gradient copies to the host, the wait for the host
+#: worker, the write-back of parameters, the host AdamW run inline (device utilisation: `device_wait_ms`).
+DEVICE_WAIT_PHASES = ("handoff", "wait", "writeback", "host_update")
+
+
+def device_wait_ms(stats: dict) -> float:
+    """ms of the last `step()` in which the device waited (`DEVICE_WAIT_PHASES`), from a `stats()` dict."""
+    return sum(float(stats.get(f"cp_{p}_ms") or 0.0) for p in DEVICE_WAIT_PHASES)
 
 
 class StepTimer:
@@ -24,6 +32,7 @@ class StepTimer:
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.phases: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []  # (phase, start, end) in perf_counter seconds: timelines
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -31,7 +40,9 @@ class StepTimer:
         try:
             yield
         finally:
-            self.phases[name] = self.phases.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+            t1 = time.perf_counter()
+            self.phases[name] = self.phases.get(name, 0.0) + (t1 - t0) * 1e3
+            self.spans.append((name, t0, t1))
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.start) * 1e3
@@ -71,11 +82,13 @@ class ZenFlowStats:
         self.staleness = 0
         self.last_ms = 0.0
         self.last_phases: dict[str, float] = {}
+        self.last_spans: list[tuple[str, float, float]] = []  # the last step's phases in time (`StepTimer.spans`)
         self._step_bytes = (0, 0)
 
     def finish_step(self, timer: StepTimer, skipped: bool = False, staleness: int | None = None) -> None:
         self.last_ms = timer.elapsed_ms()
         self.last_phases = dict(timer.phases)
+        self.last_spans = list(timer.spans)
         self._step_bytes = (self.bytes_to_host, self.bytes_to_device)
         self.total_bytes_to_host += self.bytes_to_host
         self.total_bytes_to_device += self.bytes_to_device

@@ -7,6 +7,7 @@ Waits poll the thread, so a dead worker never hangs the caller; a Ctrl-C never w
 
 from __future__ import annotations
 
+import collections
 import queue
 import sys
 import threading
@@ -84,6 +85,8 @@ class HostAdamWorker:
         self._holding = False
         self._thread: threading.Thread | None = None
         self.last_job_ms: dict[str, float] = {}
+        #: (job, start, end) in perf_counter seconds of the latest jobs: when the host was busy (compare's timeline)
+        self.job_spans: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=256)
         if background:
             # A daemon thread: an interpreter that exits (Ctrl-C included) is never held up by a host step.
             self._thread = threading.Thread(target=self._run, name="hf_zenflow-host", daemon=True)
@@ -121,7 +124,9 @@ class HostAdamWorker:
             self._error, self._error_job = exc, what
             future.set_exception(exc)
             return
-        self.last_job_ms[what] = (time.perf_counter() - start) * 1e3
+        end = time.perf_counter()
+        self.last_job_ms[what] = (end - start) * 1e3
+        self.job_spans.append((what, start, end))
         future.set_result(None)
 
     # -- caller side -------------------------------------------------------------------------------------------

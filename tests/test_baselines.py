@@ -106,3 +106,29 @@ def test_sync_offload_moves_each_gradient_and_weight_once_in_its_own_dtype(dtype
         size = torch.empty((), dtype=dtype).element_size()
         elements = sum(p.numel() for p in model.parameters())
         assert before["bytes_to_host"] == before["bytes_to_device"] == size * elements
+
+
+def test_sync_offload_host_step_runs_on_a_host_thread_with_cpu_threads(monkeypatch):
+    """Issue 21: the synchronous host AdamW runs on the H host cores (its own thread with cpu_threads intra-op
+    threads, as ZenFlow's worker), the caller waits, and the training thread's pool is never resized."""
+    import threading
+
+    import hf_zenflow.baselines as baselines
+
+    seen = []
+    real = baselines.fused_adamw_
+
+    def spy(*args, **kwargs):
+        seen.append((threading.get_ident(), torch.get_num_threads(), torch.is_grad_enabled()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(baselines, "fused_adamw_", spy)
+    before = torch.get_num_threads()
+    host = 2 if before != 2 else 3
+    model = make_model()
+    opt = SyncOffloadAdamW(param_groups(model), lr=1e-2, cpu_threads=host)
+    train(model, opt, batches(3))
+    opt.close()
+    assert seen and all(ident != threading.get_ident() for ident, _, _ in seen)
+    assert all(threads == host and not grad for _, threads, grad in seen)
+    assert torch.get_num_threads() == before

@@ -19,7 +19,7 @@ def card_settings(cfg: Any) -> dict[str, Any]:
     return {"topk_ratio": cfg.topk_ratio, "update_interval": cfg.update_interval, "overlap_step": cfg.overlap_step,
             "host_lr_scale": cfg.host_lr_scale, "min_offload_numel": cfg.min_offload_numel,
             "select_strategy": cfg.select_strategy, "select_interval": cfg.select_interval,
-            "full_warm_up_rounds": cfg.full_warm_up_rounds, "cpu_threads": cfg.cpu_threads or "engine default",
+            "full_warm_up_rounds": cfg.full_warm_up_rounds, "cpu_threads": cfg.core_split().host,
             "select in embedding tables": cfg.resolved_embedding_select()}
 
 
@@ -39,6 +39,8 @@ def card_measured(zen: dict[str, Any], rat: dict[str, dict[str, float | None]], 
         "bytes to device per step (mean)": format_size(zen["bytes_to_device_per_step"]),
         "optimizer state on the device": format_size(zen["optimizer_state_device_bytes"]),
         "optimizer state on the host": format_size(zen["optimizer_state_host_bytes"]),
+        "device utilisation (busy share of the training steps)": (
+            f"{100 * zen['device_utilization']:.0f} %" if zen.get("device_utilization") is not None else None),
     }
     for key, r in rat.items():
         base = SHORT_NAMES[key.replace("zenflow_vs_", "")]

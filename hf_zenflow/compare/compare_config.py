@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_zenflow.compare.cores import CoreSplit
 from hf_zenflow.compare.report import OPTIMIZERS
 from hf_zenflow.config import ZenFlowConfig
 
@@ -50,8 +51,14 @@ class CompareConfig:
     select_strategy: str = _LIBRARY.select_strategy
     select_interval: int | str | None = None  # None: COMPARE_SELECT_STEPS with "step", "auto" otherwise
     full_warm_up_rounds: int = _LIBRARY.full_warm_up_rounds
-    cpu_threads: int | None = None  # host-optimizer threads of the offloading engines (None = engine default)
-    threads: int | None = None  # torch intra-op threads for forward/backward (None = torch's default)
+    cpu_threads: int | None = None  # old name of host_cores (used when host_cores is None)
+    threads: int | None = None  # old name of device_cores (used when device_cores is None)
+    # the resource model (`hf_zenflow.compare.cores`) and the projection after the runs (`compare.projection`)
+    device_cores: int | None = None  # D: cores of "the device" on a CPU device (None: half the cores)
+    host_cores: int | None = None  # H: cores of "the host", for every offloading run (None: half the cores)
+    project_params: float | None = None  # model size of the projection (None: the model that ran)
+    project_hardware: tuple[str, ...] = ("a100-80gb-pcie4", "h100-80gb-pcie5", "rtx4090-pcie4")
+    host_from_profile: bool = False  # project with the profiles' published host rate instead of this host's
     device: str = "auto"
     layout: str = "auto"  # weights of the offloading runs: "column" (column_major_), "row"; auto = column on CPU
     embedding_select: str = "auto"  # ZenFlow on embedding tables: "rows" (tokens), "columns"; auto = rows on CPU
@@ -86,6 +93,12 @@ class CompareConfig:
         if self.embedding_select == "auto":
             return "rows" if self.resolved_device().type == "cpu" else "columns"
         return self.embedding_select
+
+    def core_split(self) -> CoreSplit:
+        """D device cores and H host cores, the same for every run (`hf_zenflow.compare.cores`)."""
+        device_cores = self.device_cores if self.device_cores is not None else self.threads
+        host_cores = self.host_cores if self.host_cores is not None else self.cpu_threads
+        return CoreSplit.resolve(device_cores, host_cores, cuda=self.resolved_device().type == "cuda")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -27,8 +27,11 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
                    help="host<->device bandwidth per direction, GB/s; sets the offload/upload times for bf16 "
                         "gradients/parameters [28, i.e. 500 ms for 7B]")
     p.add_argument("--host-cores", type=int, default=None,
-                   help="host cores of the target machine: without --cpu-update-ms the host AdamW time is the "
-                        "published rate (7e9 params in 4.6 s on 128 threads) scaled linearly to these cores [128]")
+                   help="host cores of the target machine: without --cpu-update-ms the host AdamW time is this "
+                        "machine's measured rate on these cores (beyond its own cores: its per-thread rate x cores, "
+                        "capped by its memory bandwidth), or with --host-from-profile the published rate (7e9 params "
+                        "in 4.6 s on 128 threads) scaled linearly to them [this machine's cores; 128 with "
+                        "--host-from-profile]")
     p.add_argument("--cpu-update-ms", type=float, default=None,
                    help="host AdamW time for the whole model on the target machine (else extrapolated)")
     p.add_argument("--device-optimizer-ms", type=float, default=None,
@@ -82,10 +85,13 @@ def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --hardware: tokens per optimizer step (forward+backward = 6 x params x tokens FLOPs)")
     p.add_argument("--model-only", action="store_true",
                    help="with --hardware: print the bound model only, do not run the emulator")
+    p.add_argument("--host-from-profile", action="store_true",
+                   help="take the host AdamW rate from the profile's published figure (DeepSpeed's CPUAdam rate per "
+                        "core) instead of measuring this machine's (default: measured here, a second or two)")
 
 
 def scenario_from_profile(profile: Any, params: float, tokens_per_step: float, ranks: int = 1,
-                          parallel: str = "ddp") -> EmulatorScenario:
+                          parallel: str = "ddp", host_source: str | None = None) -> EmulatorScenario:
     """The emulator scenario of a `hardware.HardwareProfile`: its forward+backward, link and host AdamW times (of the
     whole model: the emulator takes one rank's share of them), for `ranks` data-parallel ranks on its node."""
     from hf_zenflow.compare.hardware import schedule_model
@@ -98,16 +104,25 @@ def scenario_from_profile(profile: Any, params: float, tokens_per_step: float, r
         device_mem_gbps=profile.device_mem_gbps, host_cores=profile.host_cores, ranks=ranks, parallel=parallel,
         interconnect_gbps=profile.interconnect_gbps,
         notes=f"hardware profile {profile.name}: forward+backward = 6 x params x {tokens_per_step:.0f} tokens at "
-              f"{profile.mfu:g} of {profile.device_tflops:g} TFLOP/s; host AdamW at the published per-core CPUAdam "
-              f"rate x {profile.host_cores} cores (capped by {profile.host_mem_gbps:g} GB/s)")
+              f"{profile.mfu:g} of {profile.device_tflops:g} TFLOP/s; "
+              + (host_source or f"host AdamW at the published per-core CPUAdam rate x {profile.host_cores} cores "
+                                f"(capped by {profile.host_mem_gbps:g} GB/s)"))
 
 
 def _profile(args: argparse.Namespace) -> Any:
+    """The --hardware profile with its host resolved (`host_rates.resolve_host`: measured here unless
+    --host-from-profile); the line saying which is its ``host_source``."""
     from hf_zenflow.compare.hardware import load_profile
+    from hf_zenflow.compare.host_rates import resolve_host
 
     profile = load_profile(args.hardware)
     if args.interconnect_gbps is not None:
         profile = replace(profile, interconnect_gbps=args.interconnect_gbps)
+    cached = getattr(args, "_resolved_profile", None)
+    if cached is not None:
+        return cached
+    profile, line = resolve_host(profile, args.hardware, args.host_cores, getattr(args, "host_from_profile", False))
+    args._resolved_profile, args._host_source = profile, line
     return profile
 
 
@@ -118,9 +133,11 @@ _RANK_FIELDS = ("ranks", "parallel", "interconnect_gbps")
 def scenario_from_args(args: argparse.Namespace) -> EmulatorScenario:
     hardware = getattr(args, "hardware", None)
     if hardware:
-        sc = scenario_from_profile(_profile(args), args.params or EmulatorScenario.params, args.tokens_per_step)
+        profile = _profile(args)
+        sc = scenario_from_profile(profile, args.params or EmulatorScenario.params, args.tokens_per_step,
+                                   host_source=args._host_source)
         for attr in ("topk_ratio", "update_interval", "emulated_params", "steps", "host_threads", "cpu_update_ms",
-                     "device_optimizer_ms", "device_mem_gbps", "host_cores") + _RANK_FIELDS:
+                     "device_optimizer_ms", "device_mem_gbps") + _RANK_FIELDS:
             if getattr(args, attr) is not None:
                 setattr(sc, attr, getattr(args, attr))
         if args.device_step_ms is not None:
@@ -143,8 +160,11 @@ def scenario_from_args(args: argparse.Namespace) -> EmulatorScenario:
         value = getattr(args, attr)
         if value is not None:
             setattr(sc, attr, value)
+    sc.host_from_profile = bool(getattr(args, "host_from_profile", False))
     if not args.scenario:
         sc.name = "custom"
+        if args.host_cores is None and not sc.host_from_profile:
+            sc.host_cores = None  # the measured host: this machine's cores
         if args.link_gbps is None:
             # default link: 28 GB/s per direction (the published 500 ms for 7B bf16 gradients)
             sc.grad_offload_ms = sc.param_upload_ms = sc.params * LINK_BYTES_PER_PARAM / 28e9 * 1e3
@@ -159,6 +179,7 @@ def estimate_from_args(args: argparse.Namespace) -> dict[str, Any]:
         print(format_schedule_model(_profile(args), sc.params, args.tokens_per_step, sc.topk_ratio,
                                     sc.update_interval, device_step_ms=args.device_step_ms, ranks=sc.ranks,
                                     parallel=sc.parallel), flush=True)
+        print(args._host_source + "\n", flush=True)
         if args.model_only:
             return {"scenario": asdict(sc)}
     res = run_estimate(sc)

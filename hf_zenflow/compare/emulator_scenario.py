@@ -47,10 +47,11 @@ class EmulatorScenario:
     backward_ms: float = 2000.0
     grad_offload_ms: float = 500.0  # device->host, all bf16 gradients
     param_upload_ms: float = 500.0  # host->device, all bf16 parameters
-    cpu_update_ms: float | None = 4600.0  # host AdamW over the whole model; None = extrapolate from this machine
+    cpu_update_ms: float | None = 4600.0  # host AdamW over the whole model; None = this machine's measured rate
     device_optimizer_ms: float | None = None  # AdamW over the whole model on the device; None = from bandwidth
     device_mem_gbps: float = 8000.0  # aggregate device memory bandwidth used for device optimizer work
-    host_cores: int | None = 128
+    host_cores: int | None = 128  # None: this machine's cores (the measured host)
+    host_from_profile: bool = False  # cpu_update_ms None: the published rate instead of this machine's measured one
     topk_ratio: float = 0.1
     update_interval: int = 4
     emulated_params: float = 100e6

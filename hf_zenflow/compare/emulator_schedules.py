@@ -28,6 +28,7 @@ from hf_zenflow.compare.emulator_scenario import (
     ZENFLOW_ROWS,
     EmulatorScenario,
 )
+from hf_zenflow.compare.hardware import HOST_ADAMW_BYTES_PER_PARAM
 
 
 @dataclass
@@ -185,17 +186,25 @@ def run_estimate(sc: EmulatorScenario, progress: bool = True) -> dict[str, Any]:
         if sc.cpu_update_ms is not None:
             cpu_update_ms = sc.cpu_update_ms
             cpu_note = "given"
-        else:
-            # Anchored on the published host rate, not on this machine: a 2-core VM says little about a 128-core
-            # server, and linear scaling from 2 cores would promise a host AdamW far faster than the one measured.
+        elif sc.host_from_profile:
+            # the published host rate, linear in cores (optimistic for a memory-bound step)
             cores = sc.host_cores or PUBLISHED_HOST_CORES
             rate = PUBLISHED_HOST_PARAMS_PER_S * cores / PUBLISHED_HOST_CORES
             cpu_update_ms = sc.params / rate * 1e3
             here = n_emu / host_real_s
-            cpu_note = (f"extrapolated: the published CPUAdam rate ({PUBLISHED_HOST_PARAMS_PER_S / 1e9:.2f} Gparam/s "
+            cpu_note = (f"published: the CPUAdam rate ({PUBLISHED_HOST_PARAMS_PER_S / 1e9:.2f} Gparam/s "
                         f"on {PUBLISHED_HOST_CORES} threads, Llama-2-7B) x {cores}/{PUBLISHED_HOST_CORES} cores, "
                         f"linear in cores (optimistic for a memory-bound step); this machine: {here / 1e9:.2f} "
                         f"Gparam/s on {threads} threads")
+        else:
+            # this machine's host, measured (`host_rates`): its AdamW rate on the target's cores (default its own)
+            from hf_zenflow.compare.host_rates import measure_host_rates
+
+            rates = measure_host_rates()
+            cores = sc.host_cores or rates.cores
+            rate = min(rates.params_per_s(cores), rates.effective_mem_gbps() * 1e9 / HOST_ADAMW_BYTES_PER_PARAM)
+            cpu_update_ms = sc.params / rate * 1e3
+            cpu_note = f"this machine's host: {rates.describe(cores)} (--host-from-profile: the published rate)"
         rank = sc.rank_figures(cpu_update_ms)
         scale = rank["cpu_update_ms"] / (host_real_s * 1e3)
         ratio = rank["params_per_rank"] / n_emu

@@ -92,6 +92,8 @@ class HardwareProfile:
     host_mem_gbps: float = 200.0
     mfu: float = 0.4  # fraction of the peak FLOP/s a training step reaches
     interconnect_gbps: float = 25.0  # GPU<->GPU per GPU and direction, for the all-gather of several ranks
+    # host AdamW parameters/s per core: the published CPUAdam rate unless measured (`host_rates.host_profile`)
+    host_adamw_per_core: float = PUBLISHED_HOST_PARAMS_PER_S / PUBLISHED_HOST_CORES
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -104,9 +106,10 @@ class HardwareProfile:
             raise ValueError(f"HardwareProfile.mfu={self.mfu!r} is invalid: allowed is a fraction in (0, 1].")
 
     def host_adamw_params_per_s(self, core_share: float = 1.0) -> float:
-        """Host AdamW rate: the published per-core CPUAdam rate times the cores, capped by memory bandwidth; on
-        `core_share` of the node's cores and memory bandwidth (one of several ranks on the node)."""
-        per_core = PUBLISHED_HOST_PARAMS_PER_S / PUBLISHED_HOST_CORES
+        """Host AdamW rate: the per-core rate (published, or this host's measured one) times the cores, capped by
+        memory bandwidth; on `core_share` of the node's cores and memory bandwidth (one of several ranks on the
+        node)."""
+        per_core = self.host_adamw_per_core
         return min(per_core * self.host_cores * core_share,
                    self.host_mem_gbps * core_share * 1e9 / HOST_ADAMW_BYTES_PER_PARAM)
 
@@ -300,7 +303,8 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
              "zenflow_device_accumulation": 'ZenFlow, same, accumulate_on="device"'}
     p = asdict(profile)
     lines = [f"## Bound model (not a measurement): `{profile.name}`", "",
-             "Profile: " + ", ".join(f"{k} {v}" for k, v in p.items() if k != "name")
+             "Profile: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in p.items()
+                                     if k != "name")
              + f"; model {params / 1e9:.2f}B params, {tokens_per_step:.0f} tokens/step"
              + (f", forward+backward {device_step_ms:.0f} ms (given)" if device_step_ms is not None else "") + ".",
              ""]

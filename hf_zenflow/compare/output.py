@@ -24,8 +24,8 @@ from pathlib import Path
 #: Parent of the per-run folders when no --output-dir is given.
 DEFAULT_PARENT = "zenflow_compare"
 #: What a run writes (and what earlier versions wrote: model_card.md); any of them marks a folder as taken.
-OUTPUT_NAMES = ("results.json", "results.md", "loss_curves.png", "time_breakdown.png", "zenflow_model",
-                "model_card.md")
+OUTPUT_NAMES = ("results.json", "results.md", "loss_curves.png", "time_breakdown.png", "timeline.png",
+                "zenflow_model", "model_card.md")
 
 
 class OutputExistsError(FileExistsError):

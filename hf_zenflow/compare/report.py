@@ -40,6 +40,10 @@ def format_size(value: float | None) -> str:
     return "n/a" if value is None else format_bytes(value)
 
 
+def format_utilization(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f} %"
+
+
 def format_ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"
 
@@ -92,6 +96,9 @@ def rows(metric_name: str, cuda: bool) -> list[Row]:
         Row("held-out loss", _get("eval_loss", "{:.4f}".format), "eval_loss", headline=True),
         Row("train loss, mean of the last 10% of steps", _get("train_loss", "{:.4f}".format), "train_loss"),
         Row("ms per step, whole run (steps/s)", _step_time, "step_ms", headline=True),
+        # a share, not a cost: no ZenFlow ÷ baseline ratio
+        Row("device utilisation, busy share", _get("device_utilization", format_utilization),
+            headline=True),
         Row("optimizer.step ms, median", _get("opt_step_ms_median", format_ms), "opt_step_ms_median", headline=True),
         Row("optimizer.step ms, p10–p90", format_spread, headline=True),
         Row("optimizer.step ms, mean", _get("opt_step_ms_mean", format_ms), "opt_step_ms_mean", headline=True),

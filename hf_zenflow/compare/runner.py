@@ -11,9 +11,14 @@ schedule; only the optimizer differs:
 The settings are a `CompareConfig` (`hf_zenflow.compare.compare_config`); each of the three runs is one
 `train_one` (`hf_zenflow.compare.training_run`: the per-phase timing and its statistics).
 
+Every run gets the same cores: D for the device (the training thread), H for the host (`hf_zenflow.compare.cores`);
+each run's device utilisation is measured and one window of it drawn (`hf_zenflow.compare.timeline`); after the runs
+the three schedules are projected to GPU hardware profiles (`hf_zenflow.compare.projection`).
+
 Output: a new run folder per run (`hf_zenflow.compare.output`), a short headline table on the terminal and the full
-table in results.md (`hf_zenflow.compare.report`), the plots (`hf_zenflow.compare.plots`), a busy-machine check
-(`hf_zenflow.compare.machine_load`) and, with ``save_model``, the model with its card (`hf_zenflow.compare.card`).
+table in results.md (`hf_zenflow.compare.report`), the plots (`hf_zenflow.compare.plots`, timeline.png), a
+busy-machine check (`hf_zenflow.compare.machine_load`) and, with ``save_model``, the model with its card
+(`hf_zenflow.compare.card`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from hf_zenflow.compare.data import PreparedTask, prepare_task
 from hf_zenflow.compare.machine_load import LoadMonitor
 from hf_zenflow.compare.output import prepare_output_dir
 from hf_zenflow.compare.plots import LABELS, plot_loss_curves, plot_time_breakdown
+from hf_zenflow.compare.projection import projection_table, run_projection
 from hf_zenflow.compare.report import OPTIMIZERS
+from hf_zenflow.compare.timeline import plot_timeline
 from hf_zenflow.compare.training_run import TIMING_SKIP, evaluate, make_optimizer, train_one
 
 
@@ -144,6 +151,21 @@ def _save_model(out_dir: Path, task: PreparedTask, cfg: CompareConfig, results: 
     return model_dir
 
 
+def _projection_title(projection: dict[str, Any]) -> str:
+    host = ("the profiles' published host figure" if projection["host_from_profile"] else
+            f"this host's measured AdamW rate on {projection['host_cores']} host core(s)")
+    size = projection["params"]
+    size_text = f"{size / 1e9:.3g}B" if size >= 1e9 else f"{size / 1e6:.3g}M"
+    return (f"Projected (not measured) for {size_text} parameters, "
+            f"{projection['tokens_per_step']:.0f} tokens/step, from this run's measured bytes per step and host work, "
+            f"with {host}:")
+
+
+def _projection_md(projection: dict[str, Any], table: str) -> list[str]:
+    return ["## Projected to GPU hardware (not measured)", "", _projection_title(projection), "", table, "",
+            projection["method"], "", *[f"- {name}: {line}" for name, line in projection["hosts"].items()], ""]
+
+
 def run_compare(cfg: CompareConfig) -> dict[str, Any]:
     """Run the comparison into a new run folder (`hf_zenflow.compare.output`): results.json, results.md,
     loss_curves.png, time_breakdown.png and, with `save_model`, zenflow_model/ with its card (README.md). Returns
@@ -164,10 +186,17 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
         monitor.stop()
 
 
+def _tokens_per_step(task: PreparedTask, cfg: CompareConfig) -> float:
+    """Tokens per optimizer step of this run (attention-masked tokens when the batches have a mask)."""
+    masks = [b.inputs["attention_mask"] for b in task.train_batches if "attention_mask" in b.inputs]
+    if masks:
+        return float(sum(int(m.sum()) for m in masks)) / len(masks)
+    return float(cfg.batch_size * cfg.max_length)
+
+
 def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, Any]:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     device = cfg.resolved_device()
+    split = cfg.core_split()  # fails on a bad --device-cores/--host-cores before the model loads
     cuda = device.type == "cuda"
     wall = time.perf_counter()
     _log(cfg, f"loading model and data (model={cfg.model or 'minilm'}, device={device}) ...")
@@ -177,6 +206,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
     _log(cfg, f"{task.model_name}: {task.num_parameters / 1e6:.1f}M params; {task.task}; "
               f"{task.train_examples} train / {task.eval_examples} held-out examples; {cfg.steps} steps x "
               f"batch {cfg.batch_size}; load {time.perf_counter() - wall:.1f} s; writing to {out_dir}/")
+    _log(cfg, f"cores: {split.describe()}")
     results: dict[str, dict[str, Any]] = {}
     bar = progress_bar(cfg, len(task.train_batches) * len(cfg.optimizers))
     try:
@@ -196,6 +226,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
             _log(cfg, f"{stage}: held-out {task.metric_name} {r['eval_accuracy']:.4f}, loss {r['eval_loss']:.4f}; "
                       f"{r['steps_per_s']:.2f} steps/s (whole run); optimizer.step "
                       f"{report.format_ms(r['opt_step_ms_median'])} ms median, p10–p90 {report.format_spread(r)}; "
+                      f"device utilisation {report.format_utilization(r.get('device_utilization'))}; "
                       f"other processes' CPU {load.short()}", bar)
             gc.collect()
     finally:
@@ -214,7 +245,11 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
     plot_loss_curves(results, out_dir / "loss_curves.png", title)
     plot_time_breakdown(results, out_dir / "time_breakdown.png", title, TIMING_SKIP,
                         report.busy_banner(whole, per_run_load))
+    plot_timeline(results, out_dir / "timeline.png", title)
     model_dir = _save_model(out_dir, task, cfg, results, rat, device)
+    _log(cfg, "projecting to the hardware profiles (measuring this host's AdamW rate and memory bandwidth) ...")
+    projection = run_projection(results, task.num_parameters, _tokens_per_step(task, cfg), cfg, split.host)
+    projected = projection_table(projection["profiles"])
     info = machine_info(device)
     payload = {
         "output_dir": str(out_dir),
@@ -224,6 +259,8 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
                  "train_examples": task.train_examples, "eval_examples": task.eval_examples,
                  "metric": task.metric_name, **task.extra},
         "machine": info,
+        "cores": split.to_dict(),
+        "projection": projection,
         "machine_load": whole,
         "warnings": [w for w in (warning, *notes) if w],
         "timing_skip_steps": TIMING_SKIP,
@@ -235,7 +272,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
     machine = _machine_line(info, whole)
     md = [f"# hf-zenflow compare: {task.model_name}", "", _settings_line(task, cfg, device), "", f"Machine: {machine}",
-          ""]
+          "", f"Cores: {split.describe()}.", ""]
     md += [f"> **{warning}**", ""] if warning else []
     md += ["## Headline", "", report.TABLE_CAPTION, "", headline, "", note, ""]
     md += [f"- {n}" for n in notes] + ([""] if notes else [])
@@ -244,16 +281,23 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
             "is the time the runner measures around `optimizer.step()` (the optimizer's critical path); the "
             "gradient-norm clip is timed separately. Host RSS is the whole process (the runs share it, one after "
             "the other), sampled after every step. Plots: loss_curves.png, time_breakdown.png."), "",
+           ("Device utilisation: the share of the timed steps' wall time in which the device computes (forward, "
+            "backward, clip, device-side optimizer work); the rest it waits for the host step, copies and syncs "
+            "(the engines' handoff, wait, writeback and inline host_update phases). timeline.png draws one window "
+            "of each run."), "",
+           *_projection_md(projection, projected),
            f"Total wall time {payload['total_seconds']:.0f} s."]
     (out_dir / "results.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     if not cfg.quiet:
         wrap = lambda text: textwrap.fill(text, 118)
-        print("\n" + wrap(report.TABLE_CAPTION) + "\n" + headline + "\n\n" + wrap(note) + "\n\n"
-              + wrap(f"Machine: {machine}"), flush=True)
+        print("\n" + wrap(f"Cores: {split.describe()}.") + "\n\n" + wrap(report.TABLE_CAPTION) + "\n" + headline
+              + "\n\n" + wrap(note) + "\n\n" + wrap(f"Machine: {machine}"), flush=True)
+        print("\n" + wrap(_projection_title(projection)) + "\n" + projected, flush=True)
         for text in [*notes, *([warning] if warning else [])]:
             print("\n" + wrap(text), flush=True)
         print(flush=True)
-    _log(cfg, f"wrote {out_dir}/: results.md (every figure), results.json, loss_curves.png, time_breakdown.png"
+    _log(cfg, f"wrote {out_dir}/: results.md (every figure), results.json, loss_curves.png, time_breakdown.png, "
+              "timeline.png"
               + (f", {model_dir.name}/ (model + README.md card)" if model_dir else "")
               + f" in {payload['total_seconds']:.0f} s")
     return payload

@@ -22,6 +22,7 @@ from hf_zenflow.compare.compare_config import CompareConfig
 from hf_zenflow.compare.data import PreparedTask
 from hf_zenflow.compare.plots import ENGINE_PHASES, LABELS
 from hf_zenflow.compare.report import OPTIMIZERS
+from hf_zenflow.compare.timeline import StepClock, TimelineRecorder, device_utilization, wait_ms
 from hf_zenflow.cpu_device.layout import column_major_
 
 
@@ -52,13 +53,14 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
     if name == "adamw_torch":
         return torch.optim.AdamW(groups, fused=True, **common)
     engine = _engine()
+    host_cores = cfg.core_split().host  # the same H cores for both offloading runs (`compare.cores`)
     if name == "sync_offload":
-        return engine.SyncOffloadAdamW(groups, cpu_threads=cfg.cpu_threads, **common)
+        return engine.SyncOffloadAdamW(groups, cpu_threads=host_cores, **common)
     if name == "zenflow":
         zcfg = engine.ZenFlowConfig(
             topk_ratio=cfg.topk_ratio, update_interval=cfg.update_interval, overlap_step=cfg.overlap_step,
             select_strategy=cfg.select_strategy, select_interval=cfg.select_interval,
-            full_warm_up_rounds=cfg.full_warm_up_rounds, cpu_threads=cfg.cpu_threads,
+            full_warm_up_rounds=cfg.full_warm_up_rounds, cpu_threads=host_cores,
             steps_per_epoch=_steps_per_epoch(cfg), host_lr_scale=cfg.host_lr_scale,
             min_offload_numel=cfg.min_offload_numel,
         )
@@ -133,6 +135,8 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
     or None) advances one step per optimizer step."""
     from transformers import get_linear_schedule_with_warmup
 
+    split = cfg.core_split()
+    split.apply_device()  # D threads for the training thread, before the first forward: the same in every run
     torch.manual_seed(cfg.seed)  # dropout masks identical across the three runs
     model = copy.deepcopy(task.base_model).to(device)
     if name != "adamw_torch" and cfg.resolved_layout() == "column":
@@ -147,39 +151,49 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
     steps = len(task.train_batches)
     sched = get_linear_schedule_with_warmup(opt, int(cfg.warmup_ratio * steps), steps)
     rec: dict[str, list[float]] = {k: [] for k in ("loss", "fb_ms", "clip_ms", "opt_ms", "other_ms", "step_ms",
-                                                   "engine_critical_ms", "host_step_ms", "bytes_to_host",
-                                                   "bytes_to_device", "staleness", "selected_fraction")}
+                                                   "engine_critical_ms", "host_step_ms", "accumulate_ms",
+                                                   "bytes_to_host", "bytes_to_device", "staleness",
+                                                   "selected_fraction")}
     rss_peak = rss_start
     last_stats: dict[str, Any] = {}
+    timeline = TimelineRecorder(min(TIMING_SKIP, max(0, steps - 1)))
+    waits: list[float] = []
     start = time.perf_counter()
-    for batch in task.train_batches:
+    for index, batch in enumerate(task.train_batches):
         b = batch.to(device)
-        t0 = time.perf_counter()
+        clock = StepClock(device)
+        clock.mark()
         loss = model(**b.inputs).loss
         loss.backward()
         loss_value = loss.detach().item()  # the scalar read waits for the backward on the device
         _sync(device)
-        t1 = time.perf_counter()
+        clock.mark()
         if cfg.max_grad_norm and cfg.max_grad_norm > 0:
             if is_engine:
                 opt.clip_grad_norm_(cfg.max_grad_norm)
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         _sync(device)
-        t2 = time.perf_counter()
+        clock.mark()
         opt.step()
         _sync(device)
-        t3 = time.perf_counter()
+        clock.mark()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        t4 = time.perf_counter()
-        for key, value in (("loss", loss_value), ("fb_ms", (t1 - t0) * 1e3), ("clip_ms", (t2 - t1) * 1e3),
-                           ("opt_ms", (t3 - t2) * 1e3), ("other_ms", (t4 - t3) * 1e3), ("step_ms", (t4 - t0) * 1e3)):
+        clock.mark()
+        fb_ms, clip_ms, opt_ms, other_ms = clock.durations_ms()
+        for key, value in (("loss", loss_value), ("fb_ms", fb_ms), ("clip_ms", clip_ms), ("opt_ms", opt_ms),
+                           ("other_ms", other_ms), ("step_ms", fb_ms + clip_ms + opt_ms + other_ms)):
             rec[key].append(value)
         if is_engine:
             last_stats = dict(opt.stats())
+        # the device waits only inside an engine's step (host AdamW inline, the wait for the worker, the copies)
+        waits.append(min(opt_ms, wait_ms(last_stats)) if is_engine else 0.0)
+        timeline.record_step(index, clock.times[0], clock.times[-1], opt)
+        if is_engine:
             rec["engine_critical_ms"].append(float(last_stats.get("critical_path_ms") or 0.0))
             rec["host_step_ms"].append(float(last_stats.get("host_step_ms") or 0.0))
+            rec["accumulate_ms"].append(float(last_stats.get("accumulate_ms") or 0.0))
             rec["bytes_to_host"].append(float(last_stats.get("bytes_to_host") or 0))
             rec["bytes_to_device"].append(float(last_stats.get("bytes_to_device") or 0))
             rec["staleness"].append(float(last_stats.get("staleness") or 0))
@@ -194,6 +208,8 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
                                 refresh=False)
             bar.update(1)
     train_s = time.perf_counter() - start
+    timeline.collect_host(opt)
+    training_threads = torch.get_num_threads()  # while the engine's worker still runs: what forward/backward had
     flush_ms = 0.0
     if is_engine:
         t0 = time.perf_counter()
@@ -236,9 +252,17 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
         # host_step_ms is the engine's report of its last host step, repeated until the next one: the mean over
         # the distinct nonzero reports is the cost of one host step, not a per-training-step figure.
         "host_step_ms_mean": _mean(host_ms) if is_engine else None,
+        # the same for ZenFlow's host accumulation jobs (one per step outside the window's last)
+        "accumulate_ms_mean": _mean([v for v in rec["accumulate_ms"][timed] if v > 0]) if is_engine else None,
         "bytes_to_host_per_step": _mean(rec["bytes_to_host"][timed]) if is_engine else 0.0,
         "bytes_to_device_per_step": _mean(rec["bytes_to_device"][timed]) if is_engine else 0.0,
         "flush_ms": flush_ms,
+        # the device's busy share of the timed steps' wall time (`compare.timeline`)
+        "device_utilization": device_utilization(rec["step_ms"][timed], waits[timed]),
+        "device_wait_ms_mean": _mean(waits[timed]),
+        "cores": {**split.to_dict(), "training_threads": training_threads,
+                  "host_threads": int(last_stats.get("host_threads") or split.host) if is_engine else None},
+        "timeline": timeline.to_dict(),
         "peak_device_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "host_rss_peak_bytes": rss_peak,
         "host_rss_start_bytes": rss_start,

@@ -152,7 +152,10 @@ class TuneConfig:
     hardware: str = "a100-40gb-pcie4"  # preset name or JSON profile
     target_params: float | None = None  # model size the speed-up is modelled for (None: this model's)
     target_tokens_per_step: float | None = None  # tokens per optimizer step at scale (None: this task's)
-    threads: int | None = None
+    threads: int | None = None  # old name of device_cores
+    device_cores: int | None = None  # D: the training thread's cores on a CPU device (`compare.cores`)
+    host_cores: int | None = None  # H: the host AdamW's cores, and the modelled host's (measured here)
+    host_from_profile: bool = False  # model the speed-up with the profile's published host instead of this host
     device: str = "auto"
     output_dir: str = "zenflow_tune"
     progress: bool = True
@@ -190,26 +193,25 @@ def score(records: list[dict[str, Any]], profile: Any, params: float, tokens: fl
 
 def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the reference and as many grid settings as the budget allows; write and return the results."""
-    import torch
-
     from hf_zenflow.compare.compare_config import CompareConfig
     from hf_zenflow.compare.data import prepare_task
     from hf_zenflow.compare.hardware import load_profile
+    from hf_zenflow.compare.host_rates import resolve_host
 
-    profile = load_profile(cfg.hardware)
+    # the modelled host is this machine, measured (`host_rates`), unless --host-from-profile
+    profile = resolve_host(load_profile(cfg.hardware), cfg.hardware, cfg.host_cores, cfg.host_from_profile)[0]
     grid = default_grid(cfg.topk, cfg.intervals, cfg.scales)
     for s in grid:
         s.config()  # a bad grid value fails here, naming the field
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     wall = time.perf_counter()
     deadline = wall + cfg.budget_minutes * 60.0
     base = CompareConfig(model=cfg.model, task=cfg.task, steps=cfg.steps, train_size=cfg.train_size,
                          eval_size=cfg.eval_size, batch_size=cfg.batch_size, eval_batch_size=cfg.eval_batch_size,
                          max_length=cfg.max_length, lr=cfg.lr, seed=cfg.seed, device=cfg.device, quiet=True,
-                         log_every=0)
+                         log_every=0, device_cores=cfg.device_cores or cfg.threads, host_cores=cfg.host_cores)
+    base.core_split()  # a bad core count fails before the model loads
     device = base.resolved_device()
     task = prepare_task(model=cfg.model, task=cfg.task, steps=cfg.steps, train_size=cfg.train_size,
                         eval_size=cfg.eval_size, batch_size=cfg.batch_size, max_length=cfg.max_length, seed=cfg.seed,

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
+from ..telemetry import device_wait_ms
 from .unwrap import unwrap_zenflow_optimizer
 
 
@@ -19,6 +21,9 @@ MEAN_STATS = ("critical_path_ms", "cp_wait_ms", "host_step_ms", "bytes_to_host",
 #: `opt.stats()` keys reported as their latest value (the current interval, or counters).
 LAST_STATS = ("update_interval", "steps", "windows", "reselections", "skipped_steps")
 TELEMETRY_PREFIX = "zenflow/"
+#: The device's busy share of the training loop's wall time between optimizer steps: 1 - (the steps' device waits,
+#: `telemetry.DEVICE_WAIT_PHASES`) / (their wall time), as `hf-zenflow compare` reports it.
+UTILIZATION = "device_utilization"
 
 
 def _number(value: Any) -> float | None:
@@ -49,8 +54,17 @@ class ZenFlowTelemetry:
         self._run_sum: dict[str, float] = {}
         self._run_count: dict[str, int] = {}
         self.last: dict[str, float] = {}
+        self._interval_busy = [0.0, 0.0]  # device waits, wall ms of the steps with a known wall time
+        self._run_busy = [0.0, 0.0]
 
-    def record(self, stats: dict[str, Any]) -> None:
+    def record(self, stats: dict[str, Any], step_wall_ms: float | None = None) -> None:
+        """One optimizer step's `stats()`; `step_wall_ms`: the loop's wall time of that step (since the previous
+        optimizer step), which the device utilisation divides by."""
+        if step_wall_ms is not None and step_wall_ms > 0:
+            wait = min(step_wall_ms, device_wait_ms(stats))
+            for acc in (self._interval_busy, self._run_busy):
+                acc[0] += wait
+                acc[1] += step_wall_ms
         for key, value in stats.items():
             number = _number(value)
             if number is None or math.isnan(number):
@@ -66,13 +80,17 @@ class ZenFlowTelemetry:
         metrics.update({f"{TELEMETRY_PREFIX}{key}": self.last[key] for key in LAST_STATS if key in self.last})
         return metrics
 
+    @staticmethod
+    def _utilization(acc: list[float]) -> dict[str, float]:
+        return {f"{TELEMETRY_PREFIX}{UTILIZATION}": 1.0 - acc[0] / acc[1]} if acc[1] > 0 else {}
+
     def pop_interval(self) -> dict[str, float]:
-        metrics = self._metrics(self._interval_sum, self._interval_count)
-        self._interval_sum, self._interval_count = {}, {}
+        metrics = {**self._metrics(self._interval_sum, self._interval_count), **self._utilization(self._interval_busy)}
+        self._interval_sum, self._interval_count, self._interval_busy = {}, {}, [0.0, 0.0]
         return metrics
 
     def run_summary(self) -> dict[str, float]:
-        return self._metrics(self._run_sum, self._run_count)
+        return {**self._metrics(self._run_sum, self._run_count), **self._utilization(self._run_busy)}
 
     def reset(self) -> None:
         self.__init__()
@@ -83,8 +101,15 @@ class ZenFlowTelemetryCallback(TrainerCallback):
 
     def __init__(self, telemetry: ZenFlowTelemetry) -> None:
         self.telemetry = telemetry
+        self._previous: float | None = None  # perf_counter of the previous optimizer step
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._previous = None  # the first step's wall time includes the set-up: not counted
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        now = time.perf_counter()
+        wall = (now - self._previous) * 1e3 if self._previous is not None else None
+        self._previous = now
         opt = unwrap_zenflow_optimizer(optimizer)
         if opt is not None:
-            self.telemetry.record(opt.stats())
+            self.telemetry.record(opt.stats(), wall)

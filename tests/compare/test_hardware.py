@@ -218,8 +218,9 @@ def test_interconnect_defaults_and_json(tmp_path: Path) -> None:
 
 
 def test_estimate_cli_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    # the profile's own host (128 cores), split among the ranks
     rc = main(["estimate", "--hardware", "a100-80gb-sxm4-nvlink", "--model-params", "7e9", "--ranks", "8",
-               "--model-only"])
+               "--model-only", "--host-from-profile"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "Ranks: 8 DDP ranks" in out and "Per rank: 16 of the node's 128 host cores" in out

@@ -18,7 +18,7 @@ from hf_zenflow.hf.unwrap import unwrap_zenflow_optimizer
 
 TELEMETRY_KEYS = ("zenflow/critical_path_ms", "zenflow/cp_wait_ms", "zenflow/host_step_ms",
                   "zenflow/selected_fraction", "zenflow/update_interval", "zenflow/bytes_to_host",
-                  "zenflow/bytes_to_device", "zenflow/staleness")
+                  "zenflow/bytes_to_device", "zenflow/staleness", "zenflow/device_utilization")
 
 
 def reference_run(tmp_path, train_dataset, **overrides) -> Trainer:
@@ -258,6 +258,7 @@ def test_telemetry_in_logs_and_model_card(tmp_path, train_dataset):
         assert entry["zenflow/update_interval"] == 4
         assert 0.0 < entry["zenflow/selected_fraction"] < 1.0
         assert entry["zenflow/bytes_to_host"] > 0
+        assert 0.0 <= entry["zenflow/device_utilization"] <= 1.0
     assert step_logs[-1]["zenflow/bytes_to_device"] > 0  # a window was written back
     summary = trainer.state.log_history[-1]
     assert "train_loss" in summary and summary["zenflow/steps"] == 8

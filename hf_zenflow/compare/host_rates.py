@@ -1,0 +1,178 @@
+"""This host's figures, measured: the fused CPU AdamW rate at 1..N threads and the memory bandwidth.
+
+`estimate` and `compare` project with the host they run on, not with a published constant: a user who runs them on
+their own GPU box gets their own host's figures. `measure_host_rates` takes a second or two (an AdamW over
+`ADAMW_PARAMS` fp32 parameters, a few times, at 1, 2, 4, ... and N threads; one large copy for the bandwidth) and is
+cached per process. `host_profile` puts the measured host into a `HardwareProfile`, whose device and link stay the
+profile's; a JSON profile's own host fields and ``--host-cores`` win over the measurement.
+
+Example:
+    >>> rates = HostRates(cores=2, adamw_params_per_s={1: 1.0e9, 2: 1.6e9}, mem_gbps=30.0)
+    >>> rates.params_per_s(2), rates.params_per_s(4)
+    (1600000000.0, 3200000000.0)
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+
+#: fp32 parameters of the timed AdamW (with grad and moments 16 B each: 128 MiB, beyond any cache).
+ADAMW_PARAMS = 8 * 1024 * 1024
+#: Bytes of the timed copy (read once, written once).
+COPY_BYTES = 256 * 1024 * 1024
+REPEATS = 4
+#: Host fields of a `HardwareProfile` that a JSON profile may set for itself.
+HOST_FIELDS = ("host_cores", "host_mem_gbps", "host_adamw_per_core")
+
+
+@dataclass(frozen=True)
+class HostRates:
+    """Measured on this host: fused AdamW parameters/s by thread count, memory bandwidth (copy: bytes read plus
+    written per second), and the cores this process may use."""
+
+    cores: int
+    adamw_params_per_s: dict[int, float]
+    mem_gbps: float
+    seconds: float = 0.0
+
+    def params_per_s(self, cores: int) -> float:
+        """AdamW rate on `cores` threads: measured where measured, linear between measured counts, and beyond this
+        host's cores its best per-thread rate times `cores` (then `host_profile` caps it by memory bandwidth)."""
+        known = sorted(self.adamw_params_per_s)
+        if cores in self.adamw_params_per_s:
+            return self.adamw_params_per_s[cores]
+        if cores > known[-1]:
+            return self.adamw_params_per_s[known[-1]] / known[-1] * cores
+        lo = max(k for k in known if k < cores) if cores > known[0] else known[0]
+        hi = min(k for k in known if k > cores)
+        a, b = self.adamw_params_per_s[lo], self.adamw_params_per_s[hi]
+        return a + (b - a) * (cores - lo) / (hi - lo) if hi != lo else a * cores / lo
+
+    def effective_mem_gbps(self) -> float:
+        """The bandwidth AdamW showed (its bytes per parameter at the best rate) or the copy's, whichever is more:
+        a capacity no measured rate exceeds."""
+        from hf_zenflow.compare.hardware import HOST_ADAMW_BYTES_PER_PARAM
+
+        best = max(self.adamw_params_per_s.values())
+        return max(self.mem_gbps, best * HOST_ADAMW_BYTES_PER_PARAM / 1e9)
+
+    def describe(self, cores: int | None = None) -> str:
+        per = ", ".join(f"{k} thread{'s' if k > 1 else ''} {v / 1e9:.2f}" for k, v in
+                        sorted(self.adamw_params_per_s.items()))
+        text = (f"measured on this machine ({self.cores} cores, {self.seconds:.1f} s): fused CPU AdamW, Gparam/s at "
+                f"{per}; memory copy {self.mem_gbps:.1f} GB/s")
+        if cores is not None:
+            text += f"; projected on {cores} host core(s): {self.params_per_s(cores) / 1e9:.2f} Gparam/s"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cores": self.cores, "adamw_params_per_s": {str(k): v for k, v in self.adamw_params_per_s.items()},
+                "mem_gbps": self.mem_gbps, "seconds": self.seconds}
+
+
+def _thread_counts(cores: int) -> list[int]:
+    counts, n = [], 1
+    while n < cores:
+        counts.append(n)
+        n *= 2
+    return [*counts, cores]
+
+
+def _time_adamw(threads: int) -> float:
+    from hf_zenflow._base import fused_adamw_, torch_threads
+
+    gen = torch.Generator().manual_seed(0)
+    param = torch.randn(ADAMW_PARAMS, generator=gen)
+    grad = torch.randn(ADAMW_PARAMS, generator=gen)
+    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    step = torch.zeros(())
+    group = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    samples = []
+    with torch_threads(threads), torch.no_grad():
+        for _ in range(REPEATS + 1):
+            t0 = time.perf_counter()
+            fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [step], group)
+            samples.append(time.perf_counter() - t0)
+    return ADAMW_PARAMS / statistics.median(samples[1:])  # the first call pages the buffers in
+
+
+def _time_copy(threads: int) -> float:
+    from hf_zenflow._base import torch_threads
+
+    src = torch.ones(COPY_BYTES // 4)
+    dst = torch.empty_like(src)
+    samples = []
+    with torch_threads(threads):
+        for _ in range(REPEATS + 1):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            samples.append(time.perf_counter() - t0)
+    return 2 * COPY_BYTES / statistics.median(samples[1:]) / 1e9
+
+
+@functools.lru_cache(maxsize=1)
+def measure_host_rates() -> HostRates:
+    """Measure this host (once per process; a second or two)."""
+    from hf_zenflow.threads import rank_cpu_count
+
+    t0 = time.perf_counter()
+    cores = rank_cpu_count()
+    rates = {n: _time_adamw(n) for n in _thread_counts(cores)}
+    return HostRates(cores, rates, _time_copy(cores), time.perf_counter() - t0)
+
+
+def host_profile(profile: Any, rates: HostRates, host_cores: int | None = None,
+                 given: tuple[str, ...] = ()) -> Any:
+    """`profile` with this host in place of its host fields: `host_cores` (else this host's cores), the measured
+    AdamW rate on them and the measured memory bandwidth. Fields in `given` (a JSON profile's own) are kept."""
+    cores = host_cores if host_cores is not None else (profile.host_cores if "host_cores" in given else rates.cores)
+    values: dict[str, Any] = {"host_cores": cores}
+    if "host_adamw_per_core" not in given:
+        values["host_adamw_per_core"] = rates.params_per_s(cores) / cores
+    if "host_mem_gbps" not in given:
+        values["host_mem_gbps"] = rates.effective_mem_gbps()
+    return replace(profile, name=profile.name, **values)
+
+
+def json_host_fields(spec: str | None) -> tuple[str, ...]:
+    """The host fields a JSON profile sets itself (a preset sets none: its host is replaced by this one)."""
+    import json
+    from pathlib import Path
+
+    from hf_zenflow.compare.hardware import PROFILES
+
+    if not spec or spec in PROFILES or not Path(spec).expanduser().is_file():
+        return ()
+    keys = json.loads(Path(spec).expanduser().read_text(encoding="utf-8"))
+    return tuple(k for k in HOST_FIELDS if k in keys)
+
+
+def published_host_line(profile: Any) -> str:
+    from hf_zenflow.compare.emulator_scenario import PUBLISHED_HOST_CORES, PUBLISHED_HOST_PARAMS_PER_S
+
+    return (f"Host: the profile's published figure (--host-from-profile): DeepSpeed's CPUAdam rate "
+            f"({PUBLISHED_HOST_PARAMS_PER_S / 1e9:.2f} Gparam/s on {PUBLISHED_HOST_CORES} threads) per core x "
+            f"{profile.host_cores} cores, capped by {profile.host_mem_gbps:g} GB/s: "
+            f"{profile.host_adamw_params_per_s() / 1e9:.2f} Gparam/s.")
+
+
+def resolve_host(profile: Any, spec: str | None, host_cores: int | None, from_profile: bool) -> tuple[Any, str]:
+    """The profile to project with and the line that says where its host figures come from."""
+    if from_profile:
+        if host_cores is not None:
+            profile = replace(profile, host_cores=host_cores)
+        return profile, published_host_line(profile)
+    rates = measure_host_rates()
+    given = json_host_fields(spec)
+    resolved = host_profile(profile, rates, host_cores, given)
+    kept = f"; the profile's own {', '.join(given)} kept" if given else ""
+    return resolved, (f"Host: {rates.describe(resolved.host_cores)}{kept}; with its memory cap, host AdamW "
+                      f"{resolved.host_adamw_params_per_s() / 1e9:.2f} Gparam/s on {resolved.host_cores} core(s) "
+                      "(--host-from-profile: the profile's published figure instead).")
