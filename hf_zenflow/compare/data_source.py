@@ -12,6 +12,7 @@ missing or empty split, a name not cached locally), raised while the data is pre
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,8 @@ def load_file(path: Path, **kwargs: Any) -> Any:
     """One local data file as a `Dataset` (its only split, "train")."""
     loader = _loader(path)
     if loader is None:
-        raise DataError(f"--dataset {str(path)!r}: unknown file type; allowed are {', '.join(sorted(LOADERS))} "
-                        "(optionally .bz2/.gz/.xz compressed).")
+        raise ValueError(f"unknown file type; allowed are {', '.join(sorted(LOADERS))} "
+                         "(optionally .bz2/.gz/.xz compressed).")
     if path.suffix.lower() == ".tsv":
         kwargs.setdefault("delimiter", "\t")
     return _datasets().load_dataset(loader, data_files=str(path), split="train", **kwargs)
@@ -111,15 +112,21 @@ def builtin_source(task: str, data_dir: Path) -> Source:
 def _load_user(name: str) -> tuple[dict[str, Any], str | None]:
     """The splits of --dataset as a dict, and its load_dataset name when it is not a local path."""
     path = Path(name).expanduser()
-    if path.is_file():
-        return {"train": load_file(path)}, None
     datasets = _datasets()
-    if path.is_dir():
+    if path.is_file() or path.is_dir():
         try:
+            if path.is_file():
+                return {"train": load_file(path)}, None
             return dict(datasets.load_dataset(str(path))), None
+        except datasets.exceptions.DatasetGenerationError as exc:  # e.g. split files with different columns
+            raise DataError(f"--dataset {name!r}: the data files do not load together: "
+                            f"{_first_line(exc, 'columns')}") from exc
         except (ValueError, FileNotFoundError) as exc:  # e.g. no data file, or files of different types
-            raise DataError(f"--dataset {name!r}: no usable data files in this folder ({_first_line(exc)}); expected "
-                            "files named by split, e.g. train.csv and validation.csv.") from exc
+            empty = re.search(r'Instruction "(.+?)" corresponds to no data', str(exc))
+            if empty:  # datasets' words for a split file without rows
+                raise DataError(f"split {empty.group(1)!r} of --dataset {name!r} is empty.") from exc
+            raise DataError(f"--dataset {name!r}: no usable data files ({_first_line(exc)}); expected a data file or "
+                            "a folder of files named by split, e.g. train.csv and validation.csv.") from exc
     if name.startswith((".", "/", "~")) or os.sep in name.strip("/").replace("/", "", 1) or _loader(path):
         raise DataError(f"--dataset {name!r}: no such file or folder.")
     try:
@@ -130,8 +137,10 @@ def _load_user(name: str) -> tuple[dict[str, Any], str | None]:
                         f"{name!r}) once with network access, or pass local files.") from exc
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+def _first_line(exc: BaseException, about: str = "") -> str:
+    """The exception's first line, or its first line that mentions `about`."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    return next((line for line in lines if about and about in line), lines[0])
 
 
 def _pick_column(given: str | None, defaults: tuple[str, ...], columns: list[str], flag: str, split: str) -> str:

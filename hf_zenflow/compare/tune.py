@@ -140,6 +140,13 @@ class TuneConfig:
 
     model: str | None = None  # "minilm" (default), "smollm2", or a local HF model folder
     task: str = "auto"
+    # the data and the metric, as in compare (CompareConfig): None = the built-in corpus / the task's default metric
+    dataset: str | None = None
+    text_column: str | None = None
+    label_column: str | None = None
+    train_split: str = "train"
+    eval_split: str | None = None
+    metric: str | None = None
     budget_minutes: float = 20.0
     steps: int = 60
     train_size: int = 960
@@ -214,11 +221,13 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
     base = CompareConfig(model=cfg.model, task=cfg.task, steps=cfg.steps, train_size=cfg.train_size,
                          eval_size=cfg.eval_size, batch_size=cfg.batch_size, eval_batch_size=cfg.eval_batch_size,
                          max_length=cfg.max_length, lr=cfg.lr, seed=cfg.seed, device=cfg.device, quiet=True,
-                         log_every=0)
+                         log_every=0, dataset=cfg.dataset, text_column=cfg.text_column,
+                         label_column=cfg.label_column, train_split=cfg.train_split, eval_split=cfg.eval_split,
+                         metric=cfg.metric)
     device = base.resolved_device()
     task = prepare_task(model=cfg.model, task=cfg.task, steps=cfg.steps, train_size=cfg.train_size,
                         eval_size=cfg.eval_size, batch_size=cfg.batch_size, max_length=cfg.max_length, seed=cfg.seed,
-                        eval_batch_size=cfg.eval_batch_size)
+                        eval_batch_size=cfg.eval_batch_size, data=base.data_spec(), metric=cfg.metric)
     params = cfg.target_params or float(task.num_parameters)
     tokens = cfg.target_tokens_per_step or _tokens_per_step(task)
     records: list[dict[str, Any]] = []

