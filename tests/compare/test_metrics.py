@@ -1,0 +1,87 @@
+"""The held-out metric of compare/tune through `evaluate`: the scripts shipped with hf_zenflow load offline and
+compute what a hand-written reference computes; other names must be cached; local scripts load by path."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from hf_zenflow.compare.metrics import (
+    MetricUnavailableError,
+    is_cost,
+    metric_key,
+    resolve_metric,
+)
+
+
+def _f1_reference(pred: list[int], ref: list[int], label: int) -> float:
+    tp = sum(p == label and r == label for p, r in zip(pred, ref))
+    fp = sum(p == label and r != label for p, r in zip(pred, ref))
+    fn = sum(p != label and r == label for p, r in zip(pred, ref))
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    return 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+
+
+def test_shipped_accuracy_and_f1_match_a_reference_offline() -> None:
+    rng = random.Random(0)
+    accuracy = resolve_metric("accuracy", "sequence-classification", 2)
+    f1 = resolve_metric("f1", "sequence-classification", 2)
+    f1_macro = resolve_metric("f1", "sequence-classification", 3)
+    assert accuracy.source.startswith("shipped script") and accuracy.key == "eval_accuracy"
+    assert f1_macro.compute_kwargs == {"average": "macro"}
+    for _ in range(20):
+        n = rng.randint(1, 40)
+        ref, pred = [rng.randint(0, 1) for _ in range(n)], [rng.randint(0, 1) for _ in range(n)]
+        assert accuracy.compute(pred, ref, 0.0) == pytest.approx(sum(p == r for p, r in zip(pred, ref)) / n)
+        assert f1.compute(pred, ref, 0.0) == pytest.approx(_f1_reference(pred, ref, 1))
+        ref3, pred3 = [rng.randint(0, 2) for _ in range(n)], [rng.randint(0, 2) for _ in range(n)]
+        present = sorted(set(ref3) | set(pred3))
+        macro = sum(_f1_reference(pred3, ref3, c) for c in present) / len(present)
+        assert f1_macro.compute(pred3, ref3, 0.0) == pytest.approx(macro)
+
+
+def test_causal_lm_defaults_to_perplexity_of_the_loss() -> None:
+    metric = resolve_metric(None, "causal-lm")
+    assert metric.name == "perplexity" and is_cost("perplexity") and not metric.needs_predictions
+    assert metric.compute([], [], 2.0) == pytest.approx(math.exp(2.0))
+    assert metric.key == "eval_perplexity"
+    with pytest.raises(MetricUnavailableError, match="perplexity needs a causal-LM task"):
+        resolve_metric("perplexity", "sequence-classification")
+
+
+def test_a_name_not_cached_is_refused_in_one_line(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # evaluate also looks for ./<name>/<name>.py
+    with pytest.raises(MetricUnavailableError, match=r"--metric 'bleu_hf_zenflow_test' is not cached locally") as e:
+        resolve_metric("bleu_hf_zenflow_test", "sequence-classification")
+    assert "\n" not in str(e.value) and "accuracy, f1" in str(e.value)
+
+
+def test_a_local_metric_script_loads_by_path(tmp_path) -> None:
+    folder = tmp_path / "errors"
+    folder.mkdir()
+    (folder / "errors.py").write_text('''
+import datasets
+import evaluate
+
+
+class Errors(evaluate.Metric):
+    def _info(self):
+        return evaluate.MetricInfo(description="wrong predictions", citation="", inputs_description="",
+                                   features=datasets.Features({"predictions": datasets.Value("int64"),
+                                                               "references": datasets.Value("int64")}))
+
+    def _compute(self, predictions, references):
+        return {"errors": sum(p != r for p, r in zip(predictions, references))}
+''')
+    for spec in (str(folder), str(folder / "errors.py")):
+        metric = resolve_metric(spec, "sequence-classification", 2)
+        assert metric.name == "errors" and metric.key == "eval_errors" and metric.source == spec
+        assert metric.compute([0, 1, 1, 0], [0, 0, 1, 1], 0.0) == 2
+
+
+def test_metric_key_follows_the_trainer_convention() -> None:
+    assert [metric_key(n) for n in ("accuracy", "next-token accuracy", "F1")] == [
+        "eval_accuracy", "eval_next_token_accuracy", "eval_f1"]
