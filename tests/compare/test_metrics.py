@@ -85,3 +85,21 @@ class Errors(evaluate.Metric):
 def test_metric_key_follows_the_trainer_convention() -> None:
     assert [metric_key(n) for n in ("accuracy", "next-token accuracy", "F1")] == [
         "eval_accuracy", "eval_next_token_accuracy", "eval_f1"]
+
+
+def test_shipped_scripts_are_package_data() -> None:
+    """A wheel must carry the metric scripts: pyproject's package-data globs cover every file of hf_zenflow/metrics."""
+    import fnmatch
+    from pathlib import Path
+
+    import tomllib
+
+    from hf_zenflow.compare.metrics import METRICS_DIR, SHIPPED
+
+    root = METRICS_DIR.parent
+    globs = tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "hf_zenflow"]
+    files = [p.relative_to(root).as_posix() for p in METRICS_DIR.rglob("*.py")]
+    assert sorted(Path(f).parent.name for f in files) == sorted(SHIPPED)
+    for f in files:
+        assert any(fnmatch.fnmatch(f, g) for g in globs), f
