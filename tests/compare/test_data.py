@@ -264,3 +264,53 @@ def test_causal_lm_on_user_text_blocks_each_split(tmp_path) -> None:
     assert built.train_examples == len(train_tokens) // 16
     for b in built.train:
         assert torch.equal(b.inputs["labels"], b.inputs["input_ids"]) and b.n_items == 2 * 15
+
+
+@needs_assets
+def test_builtin_rotten_tomatoes_sentences_are_the_old_ones() -> None:
+    """`load_rotten_tomatoes` (read through datasets now; scripts/first_finetune.py uses it) = the pandas reading."""
+    assert data.load_rotten_tomatoes() == _legacy_rotten_tomatoes()
+
+
+def _tiny_llama(folder) -> None:
+    """A tiny causal LM from config (random weights) with MiniLM's tokenizer, saved as a local model folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.sep_token_id)
+    LlamaForCausalLM(config).save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+
+
+@needs_assets
+def test_causal_lm_metrics_against_hand_computed_references(tmp_path) -> None:
+    """Default perplexity = exp(held-out token loss); --metric accuracy = next-token accuracy (the old formula)."""
+    import math
+
+    from hf_zenflow.compare.training_run import evaluate
+
+    _tiny_llama(tmp_path / "llama")
+    (tmp_path / "notes.txt").write_text("\n".join(f"note {i}: the cat sat on mat {i % 5}" for i in range(80)))
+    common = dict(model=str(tmp_path / "llama"), steps=2, train_size=20, eval_size=6, batch_size=2, max_length=16,
+                  seed=0, eval_batch_size=4, data=data.DataSpec(dataset=str(tmp_path / "notes.txt")))
+    task = data.prepare_task(**common)
+    assert task.task == "causal-lm" and task.metric_name == "perplexity"
+    model = task.base_model
+    out = evaluate(model, task, torch.device("cpu"))
+    with torch.no_grad():
+        losses = [(float(model(**b.inputs).loss), b.n_items) for b in task.eval_batches]
+    loss = sum(v * n for v, n in losses) / sum(n for _, n in losses)
+    assert out["eval_loss"] == pytest.approx(loss) and out["eval_perplexity"] == pytest.approx(math.exp(loss))
+
+    task = data.prepare_task(**common, metric="accuracy")
+    out = evaluate(task.base_model, task, torch.device("cpu"))
+    correct = count = 0
+    with torch.no_grad():
+        for b in task.eval_batches:
+            pred = task.base_model(**b.inputs).logits[:, :-1].argmax(-1)
+            correct += int((pred == b.inputs["labels"][:, 1:]).sum())
+            count += b.n_items
+    assert out["eval_accuracy"] == pytest.approx(correct / count)
