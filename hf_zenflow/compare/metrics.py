@@ -120,7 +120,7 @@ def resolve_metric(spec: str | None, task: str, num_labels: int | None = None) -
         path, source = local, str(local)
     else:
         try:  # a name: only what evaluate has cached (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE keep it off the network)
-            module = evaluate.load(spec)
+            module = evaluate.load(spec, keep_in_memory=True)
         except Exception as exc:  # evaluate raises FileNotFoundError, ConnectionError or its own errors here
             raise MetricUnavailableError(
                 f"--metric {spec!r} is not cached locally and compare does not download ({type(exc).__name__}): "
@@ -128,7 +128,8 @@ def resolve_metric(spec: str | None, task: str, num_labels: int | None = None) -
                 f"{', perplexity' if task == 'causal-lm' else ''}) or a local evaluate metric script (a .py file or a "
                 "folder holding <folder name>.py).") from exc
         return TaskMetric(module.name, "evaluate cache", module)
-    module = evaluate.load(str(path))
+    # keep_in_memory: the predictions stay in memory instead of an Arrow file under ~/.cache (one process, one compute)
+    module = evaluate.load(str(path), keep_in_memory=True)
     name = spec if spec in SHIPPED else module.name
     return TaskMetric(name, source, module, kwargs)
 
