@@ -301,3 +301,38 @@ def test_tune_takes_the_data_and_metric_flags(tmp_path: Path) -> None:
     assert ref["metric"] == "f1" and 0.0 <= ref["eval_f1"] <= 1.0 and ref["eval_metric"] == ref["eval_f1"]
     assert trial["metric_delta"] == pytest.approx(trial["eval_f1"] - ref["eval_f1"])
     assert "| f1 diff (points) |" in (out / "tune.md").read_text()
+
+
+@pytest.mark.slow
+@needs_assets
+def test_compare_causal_lm_on_a_users_text_reports_perplexity(tmp_path: Path) -> None:
+    """A local causal LM on the user's text file: perplexity by default, in results.json, results.md and the card."""
+    import math
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from hf_zenflow.compare.data import minilm_path
+
+    tok = AutoTokenizer.from_pretrained(str(minilm_path()))
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(str(tmp_path / "llama"))
+    tok.save_pretrained(str(tmp_path / "llama"))
+    (tmp_path / "notes.txt").write_text("\n".join(f"note {i}: the cat sat on mat {i % 5}" for i in range(80)))
+    out = tmp_path / "cmp"
+    assert main(["compare", "--model", str(tmp_path / "llama"), "--dataset", str(tmp_path / "notes.txt"),
+                 "--optimizers", "adamw_torch,zenflow", "--steps", "2", "--train-size", "20", "--eval-size", "6",
+                 "--batch-size", "2", "--max-length", "16", "--update-interval", "2", "--save-model", "--quiet",
+                 "--output-dir", str(out)]) == 0
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["task"]["task"] == "causal-lm" and payload["task"]["metric"] == "perplexity"
+    for r in payload["results"].values():
+        assert r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"]))
+    rat = payload["ratios"]["zenflow_vs_adamw_torch"]
+    zen, ref = payload["results"]["zenflow"], payload["results"]["adamw_torch"]
+    assert rat["eval_perplexity_ratio"] == pytest.approx(zen["eval_perplexity"] / ref["eval_perplexity"])
+    assert "held-out perplexity" in (out / "results.md").read_text()
+    card = (out / "zenflow_model" / "README.md").read_text()
+    assert "- perplexity" in card.split("---")[1]
+    assert _card_row(card, "held-out perplexity, ZenFlow ÷ adamw_torch").endswith("×")

@@ -103,3 +103,23 @@ def test_shipped_scripts_are_package_data() -> None:
     assert sorted(Path(f).parent.name for f in files) == sorted(SHIPPED)
     for f in files:
         assert any(fnmatch.fnmatch(f, g) for g in globs), f
+
+
+def test_report_compares_a_cost_metric_as_a_ratio_and_a_score_as_a_difference() -> None:
+    from hf_zenflow.compare import report
+
+    def result(**metric: float) -> dict:
+        return {"eval_loss": 2.0, "train_loss": 2.0, "step_ms": 100.0, "steps_per_s": 10.0, **metric}
+
+    lm = {"adamw_torch": result(eval_perplexity=8.0), "zenflow": result(eval_perplexity=8.4)}
+    rat = report.ratios(lm, "perplexity")["zenflow_vs_adamw_torch"]
+    assert rat["eval_perplexity_ratio"] == pytest.approx(8.4 / 8.0) and "eval_perplexity_delta" not in rat
+    row = next(line for line in report.comparison_table(lm, report.ratios(lm, "perplexity"), "perplexity", False,
+                                                        headline=True).splitlines() if "held-out perplexity" in line)
+    assert "8.4000" in row and "1.05×" in row
+
+    scored = {"adamw_torch": result(eval_errors=5.0), "zenflow": result(eval_errors=7.0)}
+    rat = report.ratios(scored, "errors")["zenflow_vs_adamw_torch"]
+    assert rat == {**rat, "eval_errors_delta": 2.0} and "eval_errors_delta_points" not in rat
+    table = report.comparison_table(scored, report.ratios(scored, "errors"), "errors", False, headline=True)
+    assert "| +2 " in next(line for line in table.splitlines() if "held-out errors" in line)
