@@ -119,7 +119,11 @@ def resolve_metric(spec: str | None, task: str, num_labels: int | None = None) -
     elif (local := _script_path(spec)) is not None:
         path, source = local, str(local)
     else:
-        try:  # a name: only what evaluate has cached (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE keep it off the network)
+        # A name: only what evaluate has cached. evaluate would try the Hub first (it reads only its own
+        # HF_EVALUATE_OFFLINE, not HF_HUB_OFFLINE): forced offline, it goes straight to its local cache.
+        offline = evaluate.config.HF_EVALUATE_OFFLINE
+        evaluate.config.HF_EVALUATE_OFFLINE = True
+        try:
             module = evaluate.load(spec, keep_in_memory=True)
         except Exception as exc:  # evaluate raises FileNotFoundError, ConnectionError or its own errors here
             raise MetricUnavailableError(
@@ -127,6 +131,8 @@ def resolve_metric(spec: str | None, task: str, num_labels: int | None = None) -
                 f"use one shipped with hf_zenflow ({', '.join(SHIPPED)}"
                 f"{', perplexity' if task == 'causal-lm' else ''}) or a local evaluate metric script (a .py file or a "
                 "folder holding <folder name>.py).") from exc
+        finally:
+            evaluate.config.HF_EVALUATE_OFFLINE = offline
         return TaskMetric(module.name, "evaluate cache", module)
     # keep_in_memory: the predictions stay in memory instead of an Arrow file under ~/.cache (one process, one compute)
     module = evaluate.load(str(path), keep_in_memory=True)

@@ -123,3 +123,24 @@ def test_report_compares_a_cost_metric_as_a_ratio_and_a_score_as_a_difference() 
     assert rat == {**rat, "eval_errors_delta": 2.0} and "eval_errors_delta_points" not in rat
     table = report.comparison_table(scored, report.ratios(scored, "errors"), "errors", False, headline=True)
     assert "| +2 " in next(line for line in table.splitlines() if "held-out errors" in line)
+
+
+def test_a_metric_name_never_reaches_for_the_hub(monkeypatch) -> None:
+    """evaluate reads only HF_EVALUATE_OFFLINE (not HF_HUB_OFFLINE) and tries the Hub before its cache: the name is
+    looked up with evaluate forced offline, and the user's setting is restored afterwards."""
+    import evaluate
+    import evaluate.loading
+
+    monkeypatch.setattr(evaluate.config, "HF_EVALUATE_OFFLINE", False)  # as when the variable is not set
+    hub_attempts: list[bool] = []
+    original = evaluate.loading.HubEvaluationModuleFactory.get_module
+
+    def watched(self):
+        hub_attempts.append(evaluate.config.HF_EVALUATE_OFFLINE)
+        return original(self)
+
+    monkeypatch.setattr(evaluate.loading.HubEvaluationModuleFactory, "get_module", watched)
+    with pytest.raises(MetricUnavailableError, match="not cached locally"):
+        resolve_metric("bleu_hf_zenflow_test", "sequence-classification")
+    assert hub_attempts and all(hub_attempts)  # every Hub lookup saw offline mode: it raised before any request
+    assert evaluate.config.HF_EVALUATE_OFFLINE is False
