@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,11 +132,29 @@ def _load_user(name: str) -> tuple[dict[str, Any], str | None]:
     if name.startswith((".", "/", "~")) or os.sep in name.strip("/").replace("/", "", 1) or _loader(path):
         raise DataError(f"--dataset {name!r}: no such file or folder.")
     try:
-        return dict(datasets.load_dataset(name)), name
+        with _hub_offline(datasets):
+            return dict(datasets.load_dataset(name)), name
     except Exception as exc:  # offline: ConnectionError (OfflineModeIsEnabled), FileNotFoundError, DatasetNotFound
         raise DataError(f"--dataset {name!r} is not a local file or folder and is not cached locally "
                         f"({type(exc).__name__}); compare works offline and does not download: run load_dataset("
                         f"{name!r}) once with network access, or pass local files.") from exc
+
+
+@contextmanager
+def _hub_offline(datasets: Any) -> Iterator[None]:
+    """The Hub offline while a dataset name is looked up, so `datasets` goes to its local cache without a request.
+
+    Setting HF_HUB_OFFLINE in the environment is not enough when huggingface_hub was imported before it was set (it
+    reads the variable once, at import; hf_zenflow's own imports do that before compare's data module sets it).
+    """
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
 def _first_line(exc: BaseException, about: str = "") -> str:

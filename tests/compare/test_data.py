@@ -314,3 +314,17 @@ def test_causal_lm_metrics_against_hand_computed_references(tmp_path) -> None:
             correct += int((pred == b.inputs["labels"][:, 1:]).sum())
             count += b.n_items
     assert out["eval_accuracy"] == pytest.approx(correct / count)
+
+
+def test_a_dataset_name_is_looked_up_with_the_hub_offline(monkeypatch) -> None:
+    """Even when huggingface_hub was imported with the Hub online, a --dataset name never makes a request: the lookup
+    runs offline (and ends in datasets' cache), and the caller's setting is restored."""
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    with pytest.raises(data.DataError, match="is not cached locally") as info:
+        _user({"dataset": "no-such-user/no-such-dataset-hf-zenflow"})
+    assert "OfflineModeIsEnabled" in str(info.value.__cause__)  # refused before any request, not a failed request
+    assert constants.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False
