@@ -6,7 +6,7 @@ Hugging Face glue import. What only `hf-zenflow compare` and its plots import co
 start, so a missing module says what to install instead of failing deep inside a run.
 
 Example:
-    >>> require("compare", "hf-zenflow compare")  # returns quietly when matplotlib, pandas, psutil, tqdm import
+    >>> require("compare", "hf-zenflow compare")  # quiet when datasets, evaluate, matplotlib, psutil, tqdm import
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 #: The modules of each extra, by their import names (here the same as their distribution names).
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "compare": ("matplotlib", "pandas", "psutil", "tqdm"),
+    "compare": ("datasets", "evaluate", "matplotlib", "psutil", "tqdm"),
 }
 
 

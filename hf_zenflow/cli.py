@@ -42,6 +42,26 @@ class TrueDefaultsFormatter(argparse.HelpFormatter):
         return (text + " " if text else "") + "(default: %(default)s)"
 
 
+def _add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """--dataset, --text-column, --label-column, --train-split, --eval-split, --metric (compare and tune)."""
+    p.add_argument("--dataset", default=None,
+                   help="your data: a csv/json/jsonl/parquet/txt file, a folder of them named by split (train.csv, "
+                   "validation.csv, ...) or a load_dataset name cached locally (default: the built-in corpus of the "
+                   "model's task: Rotten Tomatoes sentences, or Hamlet for a causal LM)")
+    p.add_argument("--text-column", default=None,
+                   help="the text to train on (default: the first of text, sentence, content, review)")
+    p.add_argument("--label-column", default=None,
+                   help="the class of each text, ids or names (default: label or labels); a causal LM takes none")
+    p.add_argument("--train-split", default="train", help="the split to train on (default: %(default)s)")
+    p.add_argument("--eval-split", default=None,
+                   help="the held-out split (default: validation when the dataset has one, else a held-out part "
+                   "carved from the training split with a fixed seed)")
+    p.add_argument("--metric", default=None,
+                   help="held-out metric: an evaluate metric name (accuracy and f1 ship with hf_zenflow and work "
+                   "offline; others must be cached locally) or a local evaluate metric script (default: accuracy; "
+                   "perplexity for a causal LM)")
+
+
 def _add_compare(sub: argparse._SubParsersAction) -> None:
     from hf_zenflow.compare.runner import OPTIMIZERS, CompareConfig
 
@@ -61,6 +81,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", default=d.task, choices=["auto", "sequence-classification", "causal-lm"],
                    help="auto: from the model (a *ForCausalLM architecture trains on Hamlet, anything else classifies "
                    "the Rotten Tomatoes sentences)")
+    _add_data_arguments(p)
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per run")
     p.add_argument("--train-size", type=int, default=d.train_size,
                    help="training sentences (causal LM: blocks of --max-length tokens)")
@@ -140,7 +161,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from hf_zenflow.compare.data import AssetMissingError
+    from hf_zenflow.compare.data import AssetMissingError, DataError, MetricUnavailableError
     from hf_zenflow.compare.output import OutputExistsError
     from hf_zenflow.compare.runner import CompareConfig, run_compare
 
@@ -150,7 +171,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     fields["project_hardware"] = tuple(h.strip() for h in fields["project_hardware"].split(",") if h.strip())
     try:
         run_compare(CompareConfig(**fields))
-    except (AssetMissingError, OutputExistsError) as exc:
+    except (AssetMissingError, OutputExistsError, DataError, MetricUnavailableError) as exc:
         print(f"hf-zenflow compare: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -196,6 +217,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default=None, help="'minilm' (default), 'smollm2' or a local Hugging Face model folder")
     p.add_argument("--task", default=d.task, choices=["auto", "sequence-classification", "causal-lm"])
+    _add_data_arguments(p)
     p.add_argument("--budget-minutes", type=float, default=d.budget_minutes,
                    help="wall-time budget; a trial starts only if the trials so far say it fits")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per trial")

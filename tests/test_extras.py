@@ -36,7 +36,7 @@ def test_require_names_the_missing_modules_and_the_extra(monkeypatch: pytest.Mon
         require("compare", "hf-zenflow compare")
     assert str(info.value) == f"hf-zenflow compare needs matplotlib, psutil: {EXTRA_MESSAGE}"
     assert isinstance(info.value, ImportError)  # callers that catch ImportError keep working
-    require("compare", "reading the data", modules=["pandas"])  # only the modules asked for are checked
+    require("compare", "reading the data", modules=["datasets"])  # only the modules asked for are checked
 
 
 def test_require_rejects_an_unknown_extra() -> None:
@@ -57,9 +57,9 @@ def test_cli_without_the_extra_says_which_extra_to_install(command: str, module:
         raise AssertionError(f"{entry} started although the compare extra is missing")
 
     monkeypatch.setattr(importlib.import_module(module), entry, must_not_run)
-    block(monkeypatch, "pandas")
+    block(monkeypatch, "evaluate")
     assert main([command, "--steps", "1"]) == 2
-    assert capsys.readouterr().err.strip() == f"hf-zenflow {command} needs pandas: {EXTRA_MESSAGE}"
+    assert capsys.readouterr().err.strip() == f"hf-zenflow {command} needs evaluate: {EXTRA_MESSAGE}"
 
 
 def test_tune_api_without_the_extra_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

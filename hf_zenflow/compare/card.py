@@ -10,7 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from hf_zenflow.compare.data import PreparedTask
-from hf_zenflow.compare.report import SHORT_NAMES, format_ms, format_points, format_ratio, format_size, format_spread
+from hf_zenflow.compare.report import (
+    SHORT_NAMES,
+    format_delta,
+    format_ms,
+    format_points,
+    format_ratio,
+    format_size,
+    format_spread,
+)
 from hf_zenflow.hf.model_card import render_zenflow_model_card
 
 
@@ -62,28 +70,36 @@ def render_compare_card(task: PreparedTask, cfg: Any, results: dict[str, dict[st
                  if name in results]
     side_by_side = (f", side by side with {' and '.join(baselines)} (same initial weights, seed, batches and "
                     "learning-rate schedule)") if baselines else ""
+    metric_line = (f" Held-out metric: {task.metric_name} ({task.metric.source})." if task.metric.source else "")
     procedure = (f"It was trained with the ZenFlow optimizer of `hf_zenflow` (`ZenFlowAdamW`) in the plain PyTorch "
                  f"training loop of `hf-zenflow compare`, on {task.dataset_name}{side_by_side}. The whole comparison "
-                 "is in `results.md` of the run folder.")
+                 "is in `results.md` of the run folder." + metric_line)
     hyper = {"learning_rate": cfg.lr, "train_batch_size": cfg.batch_size, "seed": cfg.seed,
              "optimizer": f"ZenFlowAdamW (betas=(0.9, 0.999), eps=1e-08, weight_decay={cfg.weight_decay})",
              "lr_scheduler_type": "linear", "warmup_ratio": cfg.warmup_ratio, "max_grad_norm": cfg.max_grad_norm,
              "training_steps": cfg.steps, "max_length": cfg.max_length,
              "train / held-out examples": f"{task.train_examples} / {task.eval_examples}"}
-    metric = task.metric_name
-    summary = {f"held-out {metric}": zen["eval_accuracy"], "held-out loss": zen["eval_loss"],
+    metric, value = task.metric_name, task.metric.key
+    summary = {f"held-out {metric}": zen[value], "held-out loss": zen["eval_loss"],
                "train loss (mean of the last 10% of steps)": zen["train_loss"]}
     for key, r in rat.items():
         base = key.replace("zenflow_vs_", "")
-        summary[f"held-out {metric} of {SHORT_NAMES[base]} (same data and seed)"] = results[base]["eval_accuracy"]
-        summary[f"held-out {metric}, ZenFlow minus {SHORT_NAMES[base]}"] = format_points(
-            r.get("eval_accuracy_delta_points"))
+        summary[f"held-out {metric} of {SHORT_NAMES[base]} (same data and seed)"] = results[base][value]
+        if f"{value}_delta_points" in r:
+            summary[f"held-out {metric}, ZenFlow minus {SHORT_NAMES[base]}"] = format_points(
+                r[f"{value}_delta_points"])
+        elif f"{value}_delta" in r:
+            summary[f"held-out {metric}, ZenFlow minus {SHORT_NAMES[base]}"] = format_delta(r[f"{value}_delta"])
+        else:  # a cost (perplexity): a ratio, like the loss
+            summary[f"held-out {metric}, ZenFlow ÷ {SHORT_NAMES[base]}"] = format_ratio(r.get(f"{value}_ratio"))
     card = render_zenflow_model_card(
         model_name=f"{task.model_name.split('/')[-1]}-zenflow-compare",
         zenflow_settings=card_settings(cfg), zenflow_measured=card_measured(zen, rat, device),
         hyperparameters=hyper, results=summary,
-        # The data is described in the text, not a Hub dataset id: the template would turn a name into a link.
-        base_model=task.model_name if "/" in task.model_name else None, dataset_name=None,
+        # Local and built-in data is described in the text only (the template would turn a name into a Hub link); a
+        # load_dataset name is a Hub id.
+        base_model=task.model_name if "/" in task.model_name else None, dataset_name=task.dataset_id,
         tags=["hf-zenflow-compare", task.task], training_procedure=procedure,
     )
+    card.data.metrics = [metric]  # the metric the held-out figures above are of (model-card metadata)
     return str(card)

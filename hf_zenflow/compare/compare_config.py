@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_zenflow.compare.cores import CoreSplit
+from hf_zenflow.compare.data_source import DataSpec
 from hf_zenflow.compare.report import OPTIMIZERS
 from hf_zenflow.config import ZenFlowConfig
 
@@ -31,6 +32,14 @@ class CompareConfig:
 
     model: str | None = None  # "minilm" (default), "smollm2", or a local HF model folder
     task: str = "auto"
+    # The data and the metric (`hf_zenflow.compare.data_source`, `hf_zenflow.compare.metrics`): dataset None = the
+    # built-in corpus of the model's task; metric None = accuracy (classification) or perplexity (causal LM).
+    dataset: str | None = None  # a csv/json/jsonl/parquet/txt file, a folder of them by split, or a cached name
+    text_column: str | None = None  # None: the first of "text", "sentence", "content", "review"
+    label_column: str | None = None  # None: "label" or "labels" (classification only)
+    train_split: str = "train"
+    eval_split: str | None = None  # None: "validation" when present, else carved from the training split
+    metric: str | None = None  # an evaluate metric name (accuracy, f1 ship with hf_zenflow) or a local script
     steps: int = 150
     train_size: int = 2400
     eval_size: int = 1000
@@ -72,6 +81,9 @@ class CompareConfig:
     def __post_init__(self) -> None:
         if self.select_interval is None:
             self.select_interval = COMPARE_SELECT_STEPS if self.select_strategy == "step" else "auto"
+
+    def data_spec(self) -> DataSpec:
+        return DataSpec(self.dataset, self.text_column, self.label_column, self.train_split, self.eval_split)
 
     def resolved_layout(self) -> str:
         """On a CPU device the offloading engines get column-major Linear weights (DeepSpeed's transposed layout:

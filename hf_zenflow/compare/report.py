@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hf_zenflow.compare.metrics import is_cost, is_fraction, metric_key
 from hf_zenflow.hf.model_card import format_bytes
 
 
@@ -34,6 +35,10 @@ def format_ratio(value: float | None) -> str:
 
 def format_points(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.2f} pts"
+
+
+def format_delta(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.4g}"
 
 
 def format_size(value: float | None) -> str:
@@ -92,7 +97,8 @@ def rows(metric_name: str, cuda: bool) -> list[Row]:
     memory = (Row("peak device memory", _get("peak_device_memory_bytes", format_size), "peak_device_memory_bytes",
                   headline=True) if cuda else None)
     out = [
-        Row(f"held-out {metric_name}", _get("eval_accuracy", "{:.4f}".format), "eval_accuracy", headline=True),
+        Row(f"held-out {metric_name}", _get(metric_key(metric_name), "{:.4f}".format), metric_key(metric_name),
+            headline=True),
         Row("held-out loss", _get("eval_loss", "{:.4f}".format), "eval_loss", headline=True),
         Row("train loss, mean of the last 10% of steps", _get("train_loss", "{:.4f}".format), "train_loss"),
         Row("ms per step, whole run (steps/s)", _step_time, "step_ms", headline=True),
@@ -127,7 +133,9 @@ def rows(metric_name: str, cuda: bool) -> list[Row]:
 def ratios(results: dict[str, dict[str, Any]], metric_name: str = "accuracy",
            cuda: bool = False) -> dict[str, dict[str, float | None]]:
     """ZenFlow relative to each baseline that ran: ``{"zenflow_vs_<baseline>": {"<key>_ratio": ZenFlow ÷ baseline,
-    "eval_accuracy_delta_points": ...}}``; below 1 means ZenFlow needs less."""
+    "eval_accuracy_delta_points": ...}}``; below 1 means ZenFlow needs less. The held-out metric (`metric_name`) is
+    a difference when it is a score (``<key>_delta_points`` for a share such as accuracy, else ``<key>_delta``) and a
+    ratio when it is a cost (perplexity)."""
     out: dict[str, dict[str, float | None]] = {}
     z = results.get("zenflow")
     if z is None:
@@ -138,8 +146,12 @@ def ratios(results: dict[str, dict[str, Any]], metric_name: str = "accuracy",
             continue
         entry: dict[str, float | None] = {}
         for row in rows(metric_name, cuda):
-            if row.ratio_key == "eval_accuracy":
-                entry["eval_accuracy_delta_points"] = 100 * (z["eval_accuracy"] - b["eval_accuracy"])
+            if row.ratio_key == metric_key(metric_name) and not is_cost(metric_name):
+                diff = z[row.ratio_key] - b[row.ratio_key]
+                if is_fraction(metric_name):
+                    entry[f"{row.ratio_key}_delta_points"] = 100 * diff
+                else:
+                    entry[f"{row.ratio_key}_delta"] = diff
             elif row.ratio_key is not None:
                 entry[f"{row.ratio_key}_ratio"] = _ratio(z.get(row.ratio_key), b.get(row.ratio_key))
         out[f"zenflow_vs_{base}"] = entry
@@ -149,8 +161,10 @@ def ratios(results: dict[str, dict[str, Any]], metric_name: str = "accuracy",
 def _ratio_cell(rat: dict[str, float | None], row: Row) -> str:
     if row.ratio_key is None:
         return ""
-    if row.ratio_key == "eval_accuracy":
-        return format_points(rat.get("eval_accuracy_delta_points"))
+    if f"{row.ratio_key}_delta_points" in rat:
+        return format_points(rat[f"{row.ratio_key}_delta_points"])
+    if f"{row.ratio_key}_delta" in rat:
+        return format_delta(rat[f"{row.ratio_key}_delta"])
     return format_ratio(rat.get(f"{row.ratio_key}_ratio"))
 
 
@@ -181,7 +195,7 @@ def comparison_table(results: dict[str, dict[str, Any]], rat: dict[str, dict[str
 
 #: The line above every comparison table.
 TABLE_CAPTION = ("ZenFlow against the baselines. \"÷ X\" columns: ZenFlow ÷ X of a cost, below 1× = ZenFlow needs "
-                 "less; accuracy: ZenFlow minus X in points.")
+                 "less; the held-out metric, if a score: ZenFlow minus X (in points for accuracy).")
 
 
 def statistics_note(steps: int, timing_skip: int) -> str:
@@ -189,8 +203,9 @@ def statistics_note(steps: int, timing_skip: int) -> str:
     return (f"Per-step figures (median, p10–p90, mean) are over steps {first}–{steps}: the first {first - 1} allocate "
             "the optimizer state and make the first selection. \"Whole run\" = wall time of the training loop ÷ "
             "steps. Ratios: ZenFlow ÷ baseline of a cost (time, bytes, memory, loss): below 1× ZenFlow needs less. "
-            "Accuracy: ZenFlow minus baseline, in points. \"Other processes' CPU\": mean cores used by other "
-            "processes on the cores this run may use, and CPU steal, during that optimizer's run.")
+            "Held-out metric: ZenFlow minus baseline (accuracy in points); perplexity, a cost, as a ratio. \"Other "
+            "processes' CPU\": mean cores used by other processes on the cores this run may use, and CPU steal, "
+            "during that optimizer's run.")
 
 
 def disagreement_notes(rat: dict[str, dict[str, float | None]]) -> list[str]:

@@ -202,7 +202,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
     _log(cfg, f"loading model and data (model={cfg.model or 'minilm'}, device={device}) ...")
     task = prepare_task(model=cfg.model, task=cfg.task, steps=cfg.steps, train_size=cfg.train_size,
                         eval_size=cfg.eval_size, batch_size=cfg.batch_size, max_length=cfg.max_length, seed=cfg.seed,
-                        eval_batch_size=cfg.eval_batch_size)
+                        eval_batch_size=cfg.eval_batch_size, data=cfg.data_spec(), metric=cfg.metric)
     _log(cfg, f"{task.model_name}: {task.num_parameters / 1e6:.1f}M params; {task.task}; "
               f"{task.train_examples} train / {task.eval_examples} held-out examples; {cfg.steps} steps x "
               f"batch {cfg.batch_size}; load {time.perf_counter() - wall:.1f} s; writing to {out_dir}/")
@@ -223,7 +223,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
             load = monitor.report(since)
             r["machine_load"] = load.to_dict()
             results[name] = r
-            _log(cfg, f"{stage}: held-out {task.metric_name} {r['eval_accuracy']:.4f}, loss {r['eval_loss']:.4f}; "
+            _log(cfg, f"{stage}: held-out {task.metric_name} {r[task.metric.key]:.4f}, loss {r['eval_loss']:.4f}; "
                       f"{r['steps_per_s']:.2f} steps/s (whole run); optimizer.step "
                       f"{report.format_ms(r['opt_step_ms_median'])} ms median, p10–p90 {report.format_spread(r)}; "
                       f"device utilisation {report.format_utilization(r.get('device_utilization'))}; "

@@ -111,22 +111,29 @@ def _p10_p90(values: list[float]) -> tuple[float | None, float | None]:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, task: PreparedTask, device: torch.device) -> dict[str, float]:
-    """Held-out loss (mean per label / per predicted token) and accuracy."""
+    """Held-out loss (mean per label / per predicted token) and the task's metric (`task.metric`, computed by
+    `evaluate` from the predicted classes, or next tokens of a causal LM; perplexity from the loss), under the
+    metric's result key (``eval_accuracy``, ``eval_perplexity``, ...)."""
     model.eval()
-    loss_sum, correct, count = 0.0, 0, 0
+    loss_sum, count = 0.0, 0
+    predictions: list[int] = []
+    references: list[int] = []
     for batch in task.eval_batches:
         b = batch.to(device)
         out = model(**b.inputs)
         labels = b.inputs["labels"]
-        if task.task == "causal-lm":
-            pred = out.logits[:, :-1].argmax(-1)
-            correct += int((pred == labels[:, 1:]).sum())
-        else:
-            correct += int((out.logits.argmax(-1) == labels).sum())
+        if task.metric.needs_predictions:
+            if task.task == "causal-lm":  # the prediction at position t is of token t + 1
+                predictions += out.logits[:, :-1].argmax(-1).flatten().tolist()
+                references += labels[:, 1:].flatten().tolist()
+            else:
+                predictions += out.logits.argmax(-1).tolist()
+                references += labels.tolist()
         loss_sum += float(out.loss) * b.n_items
         count += b.n_items
     model.train()
-    return {"eval_loss": loss_sum / max(1, count), "eval_accuracy": correct / max(1, count)}
+    loss = loss_sum / max(1, count)
+    return {"eval_loss": loss, task.metric.key: task.metric.compute(predictions, references, loss)}
 
 
 def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.device,

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_zenflow._extras import require
+from hf_zenflow.compare.metrics import metric_key
 from hf_zenflow.compare.paired_stats import paired_interval, t95
 from hf_zenflow.compare.pareto import pareto_front, recommend
 from hf_zenflow.compare.tune_grid import (
@@ -52,8 +53,9 @@ from hf_zenflow.compare.tune_grid import (
 from hf_zenflow.compare.tune_report import format_recommendation, format_table, plot_pareto, write_outputs
 
 
-def trial_record(name: str, result: dict[str, Any], seconds: float, setting: TrialSetting | None) -> dict[str, Any]:
-    """The compact figures of one `train_one` result."""
+def trial_record(name: str, result: dict[str, Any], seconds: float, setting: TrialSetting | None,
+                 metric: str = "accuracy") -> dict[str, Any]:
+    """The compact figures of one `train_one` result; `metric` names its held-out metric."""
     stats = result.get("engine_stats") or {}
     windows = stats.get("windows") or 0
     return {
@@ -61,7 +63,9 @@ def trial_record(name: str, result: dict[str, Any], seconds: float, setting: Tri
         "setting": dataclasses.asdict(setting) if setting else None,
         "label": setting.label if setting else name,
         "eval_loss": result["eval_loss"],
-        "eval_accuracy": result["eval_accuracy"],
+        "metric": metric,
+        "eval_metric": result[metric_key(metric)],
+        **{k: v for k, v in result.items() if k.startswith("eval_")},  # eval_loss and eval_<metric name>
         "train_loss": result["train_loss"],
         "steps_per_s": result["steps_per_s"],
         "critical_path_ms": (result["opt_step_ms_mean"] or 0.0) + (result["clip_ms_mean"] or 0.0),
@@ -82,7 +86,7 @@ def run_trial(name: str, task: Any, cfg: Any, device: Any, setting: TrialSetting
     gc.collect()
     t0 = time.perf_counter()
     result = train_one(name, task, run_cfg, device)
-    record = trial_record(name, result, time.perf_counter() - t0, setting)
+    record = trial_record(name, result, time.perf_counter() - t0, setting, task.metric_name)
     del result
     gc.collect()
     return record
@@ -136,6 +140,13 @@ class TuneConfig:
 
     model: str | None = None  # "minilm" (default), "smollm2", or a local HF model folder
     task: str = "auto"
+    # the data and the metric, as in compare (CompareConfig): None = the built-in corpus / the task's default metric
+    dataset: str | None = None
+    text_column: str | None = None
+    label_column: str | None = None
+    train_split: str = "train"
+    eval_split: str | None = None
+    metric: str | None = None
     budget_minutes: float = 20.0
     steps: int = 60
     train_size: int = 960
@@ -177,7 +188,8 @@ def modelled_speedup(record: dict[str, Any], profile: Any, params: float, tokens
 
 
 def score(records: list[dict[str, Any]], profile: Any, params: float, tokens: float) -> list[dict[str, Any]]:
-    """Add quality_loss_pct, accuracy_delta_points and modelled_speedup to the ZenFlow records."""
+    """Add quality_loss_pct, metric_delta (held-out metric, ZenFlow minus adamw_torch) and modelled_speedup to the
+    ZenFlow records."""
     ref = next(r for r in records if r["optimizer"] == "adamw_torch")
     out = []
     for r in records:
@@ -185,7 +197,7 @@ def score(records: list[dict[str, Any]], profile: Any, params: float, tokens: fl
             continue
         row = dict(r)
         row["quality_loss_pct"] = 100.0 * (r["eval_loss"] / ref["eval_loss"] - 1.0)
-        row["accuracy_delta_points"] = 100.0 * (r["eval_accuracy"] - ref["eval_accuracy"])
+        row["metric_delta"] = r["eval_metric"] - ref["eval_metric"]  # ZenFlow minus adamw_torch
         row["modelled_speedup"] = modelled_speedup(r, profile, params, tokens)
         out.append(row)
     return out
@@ -210,12 +222,15 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
     base = CompareConfig(model=cfg.model, task=cfg.task, steps=cfg.steps, train_size=cfg.train_size,
                          eval_size=cfg.eval_size, batch_size=cfg.batch_size, eval_batch_size=cfg.eval_batch_size,
                          max_length=cfg.max_length, lr=cfg.lr, seed=cfg.seed, device=cfg.device, quiet=True,
-                         log_every=0, device_cores=cfg.device_cores or cfg.threads, host_cores=cfg.host_cores)
+                         log_every=0, device_cores=cfg.device_cores or cfg.threads, host_cores=cfg.host_cores,
+                         dataset=cfg.dataset, text_column=cfg.text_column,
+                         label_column=cfg.label_column, train_split=cfg.train_split, eval_split=cfg.eval_split,
+                         metric=cfg.metric)
     base.core_split()  # a bad core count fails before the model loads
     device = base.resolved_device()
     task = prepare_task(model=cfg.model, task=cfg.task, steps=cfg.steps, train_size=cfg.train_size,
                         eval_size=cfg.eval_size, batch_size=cfg.batch_size, max_length=cfg.max_length, seed=cfg.seed,
-                        eval_batch_size=cfg.eval_batch_size)
+                        eval_batch_size=cfg.eval_batch_size, data=base.data_spec(), metric=cfg.metric)
     params = cfg.target_params or float(task.num_parameters)
     tokens = cfg.target_tokens_per_step or _tokens_per_step(task)
     records: list[dict[str, Any]] = []
@@ -273,7 +288,7 @@ def summarize(cfg: TuneConfig, task: Any, records: list[dict[str, Any]], profile
                "cli_flags": s.cli_flags()}
     return {
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
-        "task": {"model": task.model_name, "task": task.task, "dataset": task.dataset_name,
+        "task": {"model": task.model_name, "task": task.task, "dataset": task.dataset_name, "metric": task.metric_name,
                  "num_parameters": task.num_parameters, "train_examples": task.train_examples,
                  "eval_examples": task.eval_examples},
         "hardware": dataclasses.asdict(profile),

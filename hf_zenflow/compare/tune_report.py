@@ -7,10 +7,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hf_zenflow.compare.metrics import is_fraction
+
+
+def _delta(value: float, points: bool) -> str:
+    return f"{100 * value:+.1f}" if points else f"{value:+.4g}"
+
 
 def format_table(payload: dict[str, Any]) -> str:
     ref = payload["reference"]
-    lines = ["| setting | held-out loss | vs adamw_torch | accuracy diff (points) | steps/s | critical path ms | "
+    metric = payload["task"].get("metric", "accuracy")
+    points = is_fraction(metric)  # a share such as accuracy: its difference in points
+    lines = [f"| setting | held-out loss | vs adamw_torch | {metric} diff{' (points)' if points else ''} | steps/s | "
+             "critical path ms | "
              "mean window | modelled speed-up vs sync offload | Pareto | |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     if ref:
@@ -19,7 +28,7 @@ def format_table(payload: dict[str, Any]) -> str:
     for r in payload["trials"]:
         window = "-" if r["mean_window"] is None else f"{r['mean_window']:.1f}"
         lines.append(f"| {r['label']} | {r['eval_loss']:.4f} | {r['quality_loss_pct']:+.2f} % | "
-                     f"{r['accuracy_delta_points']:+.1f} | {r['steps_per_s']:.2f} | {r['critical_path_ms']:.1f} | "
+                     f"{_delta(r['metric_delta'], points)} | {r['steps_per_s']:.2f} | {r['critical_path_ms']:.1f} | "
                      f"{window} | {r['modelled_speedup']:.2f}x | {'yes' if r['pareto'] else ''} | "
                      f"{'**recommended**' if r['recommended'] else ''} |")
     return "\n".join(lines)

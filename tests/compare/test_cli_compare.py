@@ -215,3 +215,124 @@ def test_compare_rejects_unknown_optimizer(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="unknown optimizer"):
         run_compare(CompareConfig(optimizers=("adamw_torch", "lion"), output_dir=str(tmp_path)))
+
+
+def _user_csv_folder(root: Path) -> Path:
+    """A user's own labelled data: train.csv and validation.csv (sentence, label) in a folder."""
+    import csv
+
+    words = [("a gripping, funny film", 1), ("dull and lifeless", 0), ("a warm, clever story", 1),
+             ("tedious from start to end", 0), ("the cast shines", 1), ("a mess of a plot", 0)]
+    folder = root / "my_reviews"
+    folder.mkdir()
+    for split, n in (("train", 40), ("validation", 12)):
+        with (folder / f"{split}.csv").open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["sentence", "label"])
+            writer.writerows((f"{text} #{split}{i}", label) for i, (text, label) in
+                             zip(range(n), words * 10))
+    return folder
+
+
+@pytest.mark.slow
+@needs_assets
+def test_compare_on_a_users_csv_folder_offline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's acceptance run: --dataset <folder with train.csv/validation.csv> --text-column sentence
+    --label-column label --metric accuracy; the metric's value is checked against the saved model's predictions."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    folder = _user_csv_folder(tmp_path)
+    out = tmp_path / "cmp"
+    rc = main(["compare", "--dataset", str(folder), "--text-column", "sentence", "--label-column", "label",
+               "--metric", "accuracy", "--optimizers", "adamw_torch,zenflow", "--steps", "3", *TINY,
+               "--save-model", "--quiet", "--output-dir", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["task"]["metric"] == "accuracy" and str(folder) in payload["task"]["dataset"]
+    assert "'validation'" in payload["task"]["dataset"]
+    assert (payload["task"]["train_examples"], payload["task"]["eval_examples"]) == (32, 12)
+    assert payload["config"]["dataset"] == str(folder) and payload["config"]["metric"] == "accuracy"
+    zen = payload["results"]["zenflow"]
+    # reference: the saved ZenFlow model's own predictions on validation.csv
+    model_dir = out / "zenflow_model"
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir)).eval()
+    rows = [line.rsplit(",", 1) for line in (folder / "validation.csv").read_text().splitlines()[1:]]
+    with torch.no_grad():
+        enc = tok([r[0].strip('"') for r in rows], truncation=True, max_length=64, padding=True, return_tensors="pt")
+        predicted = model(**enc).logits.argmax(-1)
+    assert zen["eval_accuracy"] == pytest.approx(float((predicted == torch.tensor([int(r[1]) for r in rows])).float()
+                                                       .mean()))
+    md = (out / "results.md").read_text()
+    assert "held-out accuracy" in md and "my_reviews" in md
+    card = (model_dir / "README.md").read_text()
+    assert "- accuracy" in card.split("---")[1]  # metrics: [accuracy] in the card's metadata
+    assert _card_row(card, "held-out accuracy") == f"{zen['eval_accuracy']:.4g}"
+    assert "my_reviews" in card and "shipped script hf_zenflow/metrics/accuracy/accuracy.py" in card
+
+
+@needs_assets
+def test_compare_refuses_a_missing_column_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _user_csv_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    rc = main(["compare", "--dataset", str(folder), "--text-column", "review", "--steps", "2", *TINY, "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err == ("hf-zenflow compare: --text-column 'review' is not a column of split 'train': available are "
+                   "['sentence', 'label'].")
+    assert not any((tmp_path / "zenflow_compare").iterdir())  # no run folder left behind: nothing ran
+
+
+@pytest.mark.slow
+@needs_assets
+def test_tune_takes_the_data_and_metric_flags(tmp_path: Path) -> None:
+    folder = _user_csv_folder(tmp_path)
+    out = tmp_path / "tune"
+    rc = main(["tune", "--dataset", str(folder), "--text-column", "sentence", "--label-column", "label",
+               "--metric", "f1", "--steps", "2", "--train-size", "12", "--eval-size", "8", "--batch-size", "4",
+               "--eval-batch-size", "8", "--topk", "0.1", "--intervals", "2", "--scales", "1",
+               "--budget-minutes", "10", "--no-progress", "--output-dir", str(out)])
+    assert rc == 0
+    payload = json.loads((out / "tune.json").read_text())
+    assert payload["task"]["metric"] == "f1" and str(folder) in payload["task"]["dataset"]
+    ref, trial = payload["reference"], payload["trials"][0]
+    assert ref["metric"] == "f1" and 0.0 <= ref["eval_f1"] <= 1.0 and ref["eval_metric"] == ref["eval_f1"]
+    assert trial["metric_delta"] == pytest.approx(trial["eval_f1"] - ref["eval_f1"])
+    assert "| f1 diff (points) |" in (out / "tune.md").read_text()
+
+
+@pytest.mark.slow
+@needs_assets
+def test_compare_causal_lm_on_a_users_text_reports_perplexity(tmp_path: Path) -> None:
+    """A local causal LM on the user's text file: perplexity by default, in results.json, results.md and the card."""
+    import math
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from hf_zenflow.compare.data import minilm_path
+
+    tok = AutoTokenizer.from_pretrained(str(minilm_path()))
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(str(tmp_path / "llama"))
+    tok.save_pretrained(str(tmp_path / "llama"))
+    (tmp_path / "notes.txt").write_text("\n".join(f"note {i}: the cat sat on mat {i % 5}" for i in range(80)))
+    out = tmp_path / "cmp"
+    assert main(["compare", "--model", str(tmp_path / "llama"), "--dataset", str(tmp_path / "notes.txt"),
+                 "--optimizers", "adamw_torch,zenflow", "--steps", "2", "--train-size", "20", "--eval-size", "6",
+                 "--batch-size", "2", "--max-length", "16", "--update-interval", "2", "--save-model", "--quiet",
+                 "--output-dir", str(out)]) == 0
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["task"]["task"] == "causal-lm" and payload["task"]["metric"] == "perplexity"
+    for r in payload["results"].values():
+        assert r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"]))
+    rat = payload["ratios"]["zenflow_vs_adamw_torch"]
+    zen, ref = payload["results"]["zenflow"], payload["results"]["adamw_torch"]
+    assert rat["eval_perplexity_ratio"] == pytest.approx(zen["eval_perplexity"] / ref["eval_perplexity"])
+    assert "held-out perplexity" in (out / "results.md").read_text()
+    card = (out / "zenflow_model" / "README.md").read_text()
+    assert "- perplexity" in card.split("---")[1]
+    assert _card_row(card, "held-out perplexity, ZenFlow ÷ adamw_torch").endswith("×")
