@@ -13,6 +13,7 @@ import torch
 
 from hf_zenflow.compare.compare_config import CompareConfig
 from hf_zenflow.compare.data import Batch, PreparedTask
+from hf_zenflow.compare.metrics import resolve_metric
 from hf_zenflow.compare.training_run import TIMING_SKIP, train_one
 
 
@@ -43,7 +44,8 @@ def tiny_task(steps: int, device_ms: float = 0.0) -> PreparedTask:
     return PreparedTask(task="sequence-classification", model_name="tiny", model_path="", dataset_name="random",
                         base_model=SleepyClassifier(device_ms), tokenizer=None,
                         train_batches=[batch() for _ in range(steps)], eval_batches=[batch()],
-                        train_examples=8 * steps, eval_examples=8, max_length=32, metric_name="accuracy")
+                        train_examples=8 * steps, eval_examples=8, max_length=32,
+                        metric=resolve_metric("accuracy", "sequence-classification"))
 
 
 def tiny_config(**overrides) -> CompareConfig:
