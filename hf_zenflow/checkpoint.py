@@ -295,7 +295,7 @@ def load(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     if worker is not None and (worker.threads, worker.background) != (
         before[0], before[1] and opt.host_executor == "thread"
     ):
-        opt.close()
+        opt._host.stop_worker()  # (the run goes on: the training thread's cores stay as decided, README Threads)
     opt._mark_weights()
 
 

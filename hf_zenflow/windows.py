@@ -25,6 +25,7 @@ from .schedule import WindowSchedule, host_lr_scale
 from .sharding import RankGroup
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
+from .threads import claim_cores, release_cores
 from .transport import CopyTransport, Landed, Transport, transport_for
 from .worker import GradSlot, HostAdamWorker
 
@@ -70,18 +71,39 @@ class HostWindows:
         self.writeback_pending = False
         self.unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
         self.early: EarlyCopies | None = None
+        #: whether the parameters will give host state (`params.offloads_any`; the optimizer sets it when built):
+        #: only then a background worker starts and the thread rule claims cores for it
+        self.offload_planned = False
+        self._claimed = False
 
     def reset(self) -> None:
         """Forget every window in flight (the optimizer's state is being replaced; the worker is idle)."""
         self.pending, self.writeback_pending, self.unapplied_steps = None, False, []
         self.release_early()
 
-    def close(self) -> None:
-        """Stop the worker thread (a later step starts a new one)."""
+    def stop_worker(self) -> None:
+        """Stop the worker thread (a later step starts a new one); the run goes on: the cores stay claimed."""
         self.release_early()
         worker, self.worker = self.worker, None
         if worker is not None:
             worker.close()
+
+    def close(self) -> None:
+        """The end of a run: stop the worker, give the training thread its cores back (`threads.release_cores`)."""
+        self.stop_worker()
+        if self._claimed:
+            self._claimed = False
+            release_cores(self)
+
+    def claim_cores(self) -> None:
+        """The thread rule's once-per-run decision (`threads.claim_cores`), when a background worker is planned.
+        Idempotent; called when the optimizer is built and before each training step (before any forward)."""
+        if not self._claimed and self.offload_planned and self._background():
+            self._claimed = True
+            claim_cores(self, self.config.resolved_cpu_threads)
+
+    def _background(self) -> bool:
+        return self.config.overlap_step and self.host_executor == "thread"
 
     @property
     def shards(self) -> RankGroup:
@@ -102,12 +124,17 @@ class HostWindows:
         self.param_shards, self._shards = group, RankGroup()
 
     def ensure_worker(self) -> HostAdamWorker:
+        """The host worker: a thread when the schedule overlaps and something is offloaded (planned, or host state
+        exists after all); otherwise inline, which starts no thread (nothing offloaded: no host job)."""
+        hosted = self.offload_planned or any(s.host is not None for s in self.splits.values())
+        if self.worker is not None and not self.worker.background and self.early is None and self._background() \
+                and hosted:
+            self.worker = None  # offloaded after all (an inline worker has nothing in flight)
         if self.worker is None:
+            self.claim_cores()  # (a run continued after `close()`: the same claim again)
+            background = self._background() and hosted
             note_host_split(self.reduce_group.ranks, self.process_group)  # (once per process)
-            self.worker = HostAdamWorker(
-                self.config.resolved_cpu_threads,
-                background=self.config.overlap_step and self.host_executor == "thread",
-            )
+            self.worker = HostAdamWorker(self.config.resolved_cpu_threads, background=background)
         return self.worker
 
     def transport_of(self, split: SplitMatrix) -> Transport:
