@@ -46,10 +46,10 @@ from typing import Any
 import torch
 
 from ..config import ZenFlowConfig, available_cpu_count
-from ..threads import rank_cpu_count
 from ..distributed_check import warn_if_replicated
 from ..optimizer import ZenFlowAdamW
 from ..settings import SETTINGS, optional_fields, parse_text, rename_fields, render_help, wrap
+from ..threads import rank_cpu_count
 from ..worker import wait_for_closed_workers
 from .unwrap import unwrap_zenflow_optimizer
 
