@@ -11,7 +11,6 @@ share of every matrix, and the write-back all-gathers the shares (`sharding.py`)
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from ._base import by_device
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, device_update, scatter_columns
 from .distributed_check import note_host_split
+from .handoff import EarlyCopies, HandOff
 from .host import HostMatrix, accumulate_into, host_adamw_window
 from .schedule import WindowSchedule, host_lr_scale
 from .sharding import RankGroup
@@ -27,29 +27,7 @@ from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
 from .threads import claim_cores, release_cores
 from .transport import CopyTransport, Landed, Transport, transport_for
-from .worker import GradSlot, HostAdamWorker
-
-
-@dataclass
-class HandOff:
-    """One step's gradients on their way to the host worker: the slot they hold, the (matrix, gradient) pairs,
-    what the host job reads and what it waits for."""
-
-    grant: GradSlot
-    work: list[tuple[SplitMatrix, torch.Tensor]]
-    sources: list[tuple[HostMatrix, torch.Tensor]]
-    landed: Landed
-    done: bool = False  # submitted or abandoned: the slot is accounted for
-
-
-@dataclass
-class EarlyCopies:
-    """Gradients whose copy to the host the backward hooks started before `step()` (on a transport that copies):
-    the hand-off slot whose buffers they land in, and per parameter the gradient copied (a weak reference), its
-    version then, the host buffer and what the host job must wait for."""
-
-    grant: GradSlot
-    copies: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor, Landed]] = field(default_factory=dict)
+from .worker import HostAdamWorker
 
 
 class HostWindows:
@@ -71,10 +49,9 @@ class HostWindows:
         self.writeback_pending = False
         self.unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
         self.early: EarlyCopies | None = None
-        #: whether the parameters will give host state (`params.offloads_any`; the optimizer sets it when built):
-        #: only then a background worker starts and the thread rule claims cores for it
-        self.offload_planned = False
-        self._claimed = False
+        #: whether the parameters will have host state (`params.offloads_any`, set by the optimizer): only then a
+        #: background worker starts and the thread rule claims cores for it
+        self.offload_planned, self._claimed = False, False
 
     def reset(self) -> None:
         """Forget every window in flight (the optimizer's state is being replaced; the worker is idle)."""
@@ -125,17 +102,16 @@ class HostWindows:
 
     def ensure_worker(self) -> HostAdamWorker:
         """The host worker: a thread when the schedule overlaps and something is offloaded (planned, or host state
-        exists after all); otherwise inline, which starts no thread (nothing offloaded: no host job)."""
-        hosted = self.offload_planned or any(s.host is not None for s in self.splits.values())
-        if self.worker is not None and not self.worker.background and self.early is None and self._background() \
-                and hosted:
-            self.worker = None  # offloaded after all (an inline worker has nothing in flight)
-        if self.worker is None:
+        exists after all: an inline worker then gives way, it has nothing in flight); otherwise inline, no thread."""
+        worker = self.worker
+        if worker is None or (not worker.background and self.early is None and self._wants_thread()):
             self.claim_cores()  # (a run continued after `close()`: the same claim again)
-            background = self._background() and hosted
             note_host_split(self.reduce_group.ranks, self.process_group)  # (once per process)
-            self.worker = HostAdamWorker(self.config.resolved_cpu_threads, background=background)
+            self.worker = HostAdamWorker(self.config.resolved_cpu_threads, background=self._wants_thread())
         return self.worker
+
+    def _wants_thread(self) -> bool:
+        return self._background() and (self.offload_planned or any(s.host is not None for s in self.splits.values()))
 
     def transport_of(self, split: SplitMatrix) -> Transport:
         kind = split.param.device.type
