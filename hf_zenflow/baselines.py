@@ -21,9 +21,9 @@ from ._base import (
     host_empty,
     torch_threads,
 )
-from .config import available_cpu_count
 from .selection import selection_axis
 from .telemetry import StepTimer, ZenFlowStats
+from .threads import rank_cpu_count
 from .transport import transport_for
 
 
@@ -51,7 +51,8 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or param groups.
         lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
-        cpu_threads: threads of the host AdamW; None = the cores in this process's CPU affinity.
+        cpu_threads: threads of the host AdamW; None = the cores given to this process (its CPU affinity, its share
+            of it with several ranks on a node: `threads.rank_cpu_count`).
 
     Example:
         >>> import torch
@@ -76,7 +77,7 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"SyncOffloadAdamW cpu_threads={cpu_threads!r} is invalid: allowed is None or an "
                              "integer >= 1.")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.cpu_threads = cpu_threads if cpu_threads is not None else available_cpu_count()
+        self.cpu_threads = cpu_threads if cpu_threads is not None else rank_cpu_count()
         self._host: dict[torch.Tensor, _HostParam] = {}
         self._norm_cache = GradNormCache()
         self._stats = ZenFlowStats()
