@@ -110,8 +110,6 @@ def worker_threads(cpu_threads: int | None) -> int:
     return cpu_threads
 
 
-
-
 class _TrainingPool:
     """The training thread's intra-op pool and the claims on the cores (`claim_cores`): lowered at the first claim,
     never changed while a claim remains, restored when the last is released. Only the thread that made the first
