@@ -21,10 +21,10 @@ from ._base import (
     grad_norms,
     host_empty,
 )
-from .config import available_cpu_count
 from .host_thread import HostThread
 from .selection import selection_axis
 from .telemetry import StepTimer, ZenFlowStats
+from .threads import rank_cpu_count
 from .transport import transport_for
 
 
@@ -84,9 +84,10 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or param groups.
         lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay).
-        cpu_threads: threads of the host AdamW; None = the cores in this process's CPU affinity. The host AdamW
-            runs on a dedicated host thread with these intra-op threads (the training thread's own pool is left
-            alone) while the caller waits, as ZenFlow's host worker does without the wait.
+        cpu_threads: threads of the host AdamW; None = the cores given to this process (its CPU affinity, its share
+            of it with several ranks on a node: `threads.rank_cpu_count`). The host AdamW runs on a dedicated host
+            thread with these intra-op threads (the training thread's own pool is left alone) while the caller
+            waits, as ZenFlow's host worker does without the wait.
 
     Example:
         >>> import torch
@@ -111,7 +112,7 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"SyncOffloadAdamW cpu_threads={cpu_threads!r} is invalid: allowed is None or an "
                              "integer >= 1.")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.cpu_threads = cpu_threads if cpu_threads is not None else available_cpu_count()
+        self.cpu_threads = cpu_threads if cpu_threads is not None else rank_cpu_count()
         self._host: dict[torch.Tensor, _HostParam] = {}
         self._norm_cache = GradNormCache()
         self._stats = ZenFlowStats()

@@ -295,7 +295,8 @@ def load(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     if worker is not None and (worker.threads, worker.background) != (
         before[0], before[1] and opt.host_executor == "thread"
     ):
-        opt._host.close_worker()  # (not `opt.close()`: the state just loaded keeps its pinned buffers)
+        opt._host.stop_worker()  # (not `opt.close()`: the run goes on, its cores stay claimed and the state just
+        # loaded keeps its pinned buffers)
     opt._mark_weights()
 
 

@@ -156,8 +156,9 @@ class ZenFlowConfig:
     cpu_threads: int | None = field(
         default=None,
         metadata={"help": "Threads of the host worker (host AdamW and accumulation). None = half the cores in this "
-                  "process's CPU affinity; more than those cores is clamped to them. While the worker runs, the "
-                  "training thread keeps the remaining cores (README, Threads)."},
+                  "process's CPU affinity; more than those cores is clamped to them. When something is offloaded, the "
+                  "training thread keeps the remaining cores from the optimizer's construction to the end of the run "
+                  "(README, Threads)."},
     )
     steps_per_epoch: int | None = field(
         default=None,

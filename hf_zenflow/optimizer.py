@@ -35,7 +35,7 @@ from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, device_update
 from .fsdp import LocalShards, global_norm, rekey
 from .gradients import GradientReads, read_gradients
-from .params import check_param_group, create_state, new_schedule, resolve_config
+from .params import check_param_group, create_state, new_schedule, offloads_any, resolve_config
 from .reselection import reselect, select_waiting
 from .schedule import StepKind, WindowSchedule
 from .split_matrix import SplitMatrix, master_value
@@ -134,6 +134,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         }
         amp.install()  # scaler.unscale_(opt) tells `_grads_unscaled`
         _LIVE_OPTIMIZERS.add(self)
+        # The thread rule's decision for the run, before its first forward (README, Threads)
+        self._host.offload_planned = offloads_any(self.param_groups, config)
+        self._host.claim_cores()
 
     # ------------------------------------------------------------------------------------------------------------
     # Public API
@@ -143,6 +146,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if hasattr(self, "_reads"):  # a group added after construction: its gradients are read in backward too
             self._reads.watch(self.param_groups[-1]["params"])
+            self._host.offload_planned = offloads_any(self.param_groups, self.config)
+            self._host.claim_cores()
 
     def set_steps_per_epoch(self, steps: int) -> None:
         """Epoch length in optimizer steps, for ``select_strategy="epoch"`` or ``"auto"``."""
@@ -324,8 +329,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._mark_weights()
 
     def train(self) -> None:
-        """HF calls this before every training step: only surface a worker failure. (Waiting here would serialise
-        the host step with every training step.)"""
+        """HF calls this before every training step: surface a worker failure (waiting here would serialise the host
+        step with every training step), and claim the cores again if a `close()` ended the last run, before this
+        run's first forward (README, Threads)."""
+        self._host.claim_cores()
         if self._host.worker is not None:
             self._host.worker.check()
         if "transformers" in sys.modules:
@@ -340,7 +347,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.synchronize()
 
     def close(self) -> None:
-        """Stop the host worker thread (a later `step()` starts a new one) and unlock pinned host memory."""
+        """End of a run: stop the host worker thread (a later `step()` starts a new one), unlock pinned host memory
+        and give the training thread its cores back (README, Threads)."""
         self._host.close()
 
     @property

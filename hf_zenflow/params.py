@@ -5,6 +5,7 @@ param groups, the window schedule, and for each parameter whether it is split be
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,6 +71,21 @@ def is_split(p: torch.Tensor, group: dict[str, Any], config: ZenFlowConfig,
     shape = p.shape if shape is None else shape
     return (len(shape) >= 2 and (bool(group.get("select_rows", False)) or selection_axis(p) is not None)
             and shape.numel() >= config.min_offload_numel)
+
+
+def offloads(p: torch.Tensor, group: dict[str, Any], config: ZenFlowConfig) -> bool:
+    """Whether training `p` will give it host state (what needs a host worker, and the thread rule's claim): a
+    trainable (``requires_grad``) split matrix with columns on the host, or any split matrix during warm-up (the host
+    updates every column then). Decided from shapes and settings alone, before any gradient exists."""
+    if not p.requires_grad or not is_split(p, group, config):
+        return False
+    columns = p.shape[0] if group.get("select_rows", False) else math.prod(p.shape[1:])
+    return num_selected(config.topk_ratio, columns) < columns or config.full_warm_up_rounds > 0
+
+
+def offloads_any(groups: list[dict[str, Any]], config: ZenFlowConfig) -> bool:
+    """Whether any parameter of `groups` will be offloaded (`offloads`)."""
+    return any(offloads(p, group, config) for group in groups for p in group["params"])
 
 
 def create_state(entries: list[tuple[dict, torch.Tensor]], splits: dict[torch.Tensor, SplitMatrix],

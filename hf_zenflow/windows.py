@@ -26,6 +26,7 @@ from .schedule import WindowSchedule, host_lr_scale
 from .sharding import RankGroup
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
+from .threads import claim_cores, release_cores
 from .transport import CopyTransport, Landed, Transport, transport_for
 from .worker import HostAdamWorker
 
@@ -56,6 +57,9 @@ class HostWindows:
         # `grad_ready` runs in several threads at once: taking the step's hand-off slot (and starting the worker)
         # is a check-then-act that must happen once, under this lock.
         self._early_lock = threading.Lock()
+        #: whether the parameters will have host state (`params.offloads_any`, set by the optimizer): only then a
+        #: background worker starts and the thread rule claims cores for it
+        self.offload_planned, self._claimed = False, False
 
     def reset(self) -> None:
         """Forget every window in flight (the optimizer's state is being replaced; the worker is idle). The
@@ -65,14 +69,9 @@ class HostWindows:
         self.close_transports()
         self.transports.clear()
 
-    def close(self) -> None:
-        """Stop the worker thread and unlock the pinned link buffers (a later step starts a new worker, and works on
-        ordinary memory, with synchronous copies)."""
-        self.close_worker()
-        self.close_transports()
-
-    def close_worker(self) -> None:
-        """Stop the worker thread only (a later step starts a new one, e.g. with other settings)."""
+    def stop_worker(self) -> None:
+        """Stop the worker thread only (a later step starts a new one, e.g. with other settings); the run goes on:
+        the cores stay claimed and the pinned link buffers stay pinned."""
         self.release_early()
         worker, self.worker = self.worker, None
         if worker is not None:
@@ -81,6 +80,26 @@ class HostWindows:
     def close_transports(self) -> None:
         for transport in self.transports.values():
             transport.close()
+
+    def close(self) -> None:
+        """The end of a run: stop the worker, unlock the pinned link buffers (a later step starts a new worker and
+        works on ordinary memory, with synchronous copies) and give the training thread its cores back
+        (`threads.release_cores`)."""
+        self.stop_worker()
+        self.close_transports()
+        if self._claimed:
+            self._claimed = False
+            release_cores(self)
+
+    def claim_cores(self) -> None:
+        """The thread rule's once-per-run decision (`threads.claim_cores`), when a background worker is planned.
+        Idempotent; called when the optimizer is built and before each training step (before any forward)."""
+        if not self._claimed and self.offload_planned and self._background():
+            self._claimed = True
+            claim_cores(self, self.config.resolved_cpu_threads)
+
+    def _background(self) -> bool:
+        return self.config.overlap_step and self.host_executor == "thread"
 
     @property
     def shards(self) -> RankGroup:
@@ -101,13 +120,17 @@ class HostWindows:
         self.param_shards, self._shards = group, RankGroup()
 
     def ensure_worker(self) -> HostAdamWorker:
-        if self.worker is None:
+        """The host worker: a thread when the schedule overlaps and something is offloaded (planned, or host state
+        exists after all: an inline worker then gives way, it has nothing in flight); otherwise inline, no thread."""
+        worker = self.worker
+        if worker is None or (not worker.background and self.early is None and self._wants_thread()):
+            self.claim_cores()  # (a run continued after `close()`: the same claim again)
             note_host_split(self.reduce_group.ranks, self.process_group)  # (once per process)
-            self.worker = HostAdamWorker(
-                self.config.resolved_cpu_threads,
-                background=self.config.overlap_step and self.host_executor == "thread",
-            )
+            self.worker = HostAdamWorker(self.config.resolved_cpu_threads, background=self._wants_thread())
         return self.worker
+
+    def _wants_thread(self) -> bool:
+        return self._background() and (self.offload_planned or any(s.host is not None for s in self.splits.values()))
 
     def transport_of(self, split: SplitMatrix) -> Transport:
         kind = split.param.device.type

@@ -20,7 +20,7 @@ import torch
 
 from ._base import torch_threads
 from .host import GRAD_SLOTS
-from .threads import worker_started, worker_stopped
+from .threads import worker_started
 
 
 class HostWorkerError(RuntimeError):
@@ -90,7 +90,7 @@ class HostAdamWorker:
         if background:
             # A daemon thread: an interpreter that exits (Ctrl-C included) is never held up by a host step.
             self._thread = threading.Thread(target=self._run, name="hf_zenflow-host", daemon=True)
-            worker_started(self, self.threads)  # the training thread leaves the worker its cores
+            worker_started(self.threads)  # (the training thread's pool was decided before: `threads.claim_cores`)
             self._thread.start()
 
     # -- worker side -------------------------------------------------------------------------------------------
@@ -263,7 +263,6 @@ class HostAdamWorker:
             if thread.is_alive():
                 with _closing_lock:
                     _closing.append(thread)
-            worker_stopped(self)
 
 
 class GradSlot:

@@ -15,15 +15,24 @@ cheap either way; this is for CPU devices (and costs nothing elsewhere).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 
-@torch.no_grad()
-def column_major_(model: torch.nn.Module) -> list[str]:
-    """Store the weight of every `nn.Linear` in `model` column-major, in place; returns the names converted.
+if TYPE_CHECKING:
+    from ..config import ZenFlowConfig
 
-    Weights shared with an `nn.Embedding` (a tied LM head) are left row-major: an embedding lookup reads rows,
-    which this layout would scatter over memory. Call it before creating the optimizer (its state is laid out
+
+@torch.no_grad()
+def column_major_(model: torch.nn.Module, config: ZenFlowConfig | None = None) -> list[str]:
+    """Store the weight of every trainable `nn.Linear` in `model` column-major, in place; returns the names converted.
+
+    Only weights the optimizer will move columns of are re-laid: frozen weights (``requires_grad=False``: a LoRA
+    base model) are left alone, and with a `config` so is every weight it does not offload (below
+    ``min_offload_numel``, or ``topk_ratio=1``: `params.offloads`), so a run that offloads nothing keeps the layout
+    it had. Weights shared with an `nn.Embedding` (a tied LM head) are left row-major: an embedding lookup reads
+    rows, which this layout would scatter over memory. Call it before creating the optimizer (its state is laid out
     like each parameter when first created); checkpoints of `ZenFlowAdamW` load across layouts.
 
     Example:
@@ -36,6 +45,8 @@ def column_major_(model: torch.nn.Module) -> list[str]:
         True
         >>> opt = ZenFlowAdamW(model.parameters(), lr=1e-3)
     """
+    from ..params import offloads  # (imported here: the optimizer's modules import this package)
+
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     converted: list[str] = []
     seen: set[int] = set()
@@ -43,7 +54,9 @@ def column_major_(model: torch.nn.Module) -> list[str]:
         if not isinstance(module, torch.nn.Linear):
             continue
         weight = module.weight
-        if id(weight) in embedded or id(weight) in seen or weight.ndim != 2:
+        if id(weight) in embedded or id(weight) in seen or weight.ndim != 2 or not weight.requires_grad:
+            continue
+        if config is not None and not offloads(weight, {}, config):
             continue
         seen.add(id(weight))
         if weight.is_contiguous() and weight.shape[0] > 1 and weight.shape[1] > 1:

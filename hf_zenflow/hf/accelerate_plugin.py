@@ -7,9 +7,11 @@ environment variable under one prefix, ``HF_ZENFLOW_`` (``HF_ZENFLOW_TOPK_RATIO`
 
 Threads (the rule: README, *Threads*; `hf_zenflow.threads`): ``accelerate launch`` exports ``OMP_NUM_THREADS=1``
 unless ``--num_cpu_threads_per_process N`` is given (on CPU-only machines it may pick the number of physical cores
-instead), which makes torch single-threaded in the training process. ZenFlow's host worker does not inherit this: it
-runs ``cpu_threads`` threads (default: half the cores in the process's CPU affinity) inside its own thread, and with
-``OMP_NUM_THREADS`` set the training thread's pool is left as it is. `ZenFlowPlugin.thread_report` shows both.
+instead). ZenFlow's host worker does not inherit it: it runs ``cpu_threads`` threads (default: half the cores given
+to the process: its CPU affinity, shared with the other ranks on the node) inside its own thread. When something is
+offloaded, `prepare` (which builds the optimizer before the loop's first forward) lowers the training thread's pool
+to the cores the worker leaves, ``OMP_NUM_THREADS`` being a ceiling like torch's default, and `flush` gives them back
+at the end; a run that offloads nothing changes nothing. `ZenFlowPlugin.thread_report` shows the split.
 
 Example (``accelerate launch --cpu --num_processes 1 train.py``)::
 
@@ -48,6 +50,7 @@ from ..config import ZenFlowConfig, available_cpu_count
 from ..distributed_check import warn_if_replicated
 from ..optimizer import ZenFlowAdamW
 from ..settings import SETTINGS, optional_fields, parse_text, rename_fields, render_help, wrap
+from ..threads import rank_cpu_count
 from ..worker import wait_for_closed_workers
 from .unwrap import unwrap_zenflow_optimizer
 
@@ -272,17 +275,20 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
 
     @staticmethod
     def thread_report(optimizer: Any = None) -> dict[str, Any]:
-        """Threads in use: ``OMP_NUM_THREADS``, the training thread's torch threads, the configured ZenFlow
+        """Threads in use: ``OMP_NUM_THREADS``, the cores (the affinity's, and this process's share: the thread
+        rule's), the training thread's torch threads, the configured ZenFlow
         ``cpu_threads`` and (once the optimizer has stepped) the torch threads measured inside its host worker.
 
         Example:
-            >>> sorted(ZenFlowPlugin.thread_report())
-            ['OMP_NUM_THREADS', 'available_cpus', 'host_worker_threads', 'training_threads', 'zenflow_cpu_threads']
+            >>> sorted(ZenFlowPlugin.thread_report())  # doctest: +NORMALIZE_WHITESPACE
+            ['OMP_NUM_THREADS', 'available_cpus', 'host_worker_threads', 'process_cores', 'training_threads',
+             'zenflow_cpu_threads']
         """
         opt = unwrap_zenflow_optimizer(optimizer)
         report: dict[str, Any] = {
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
             "available_cpus": available_cpu_count(),
+            "process_cores": rank_cpu_count(),  # (this rank's share of them with several ranks on the node)
             "training_threads": torch.get_num_threads(),
             "zenflow_cpu_threads": opt.config.resolved_cpu_threads if opt is not None else None,
             "host_worker_threads": None,

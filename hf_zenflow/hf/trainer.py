@@ -168,8 +168,9 @@ class ZenFlowTrainer(Trainer):
             layout == "column"
             or (layout == "auto" and not self.is_fsdp_enabled and next(target.parameters()).device.type == "cpu")
         ):
-            # before the optimizer exists: its state is laid out like each weight when first created
-            column_major_(target)
+            # before the optimizer exists: its state is laid out like each weight when first created. Only the
+            # weights it will offload (a LoRA run's frozen base and small adapters keep their layout)
+            column_major_(target, self.args.zenflow_config())
         optimizer = super().create_optimizer(model)
         opt = unwrap_zenflow_optimizer(optimizer)
         # Fill the epoch length in unless the user's own optimizer (`optimizers=(ZenFlowAdamW(...), None)`) has one.

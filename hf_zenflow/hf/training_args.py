@@ -101,7 +101,8 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
         default="auto",
         metadata={"help": 'Memory layout of the Linear weights: "column" (hf_zenflow.column_major_: each input column '
                   'contiguous, DeepSpeed\'s transposed layout, so the selected columns move as rows), "row" '
-                  '(unchanged) or "auto" (column when the model is on the CPU). Exported checkpoints stay ordinary '
+                  '(unchanged) or "auto" (column when the model is on the CPU). Only trainable weights ZenFlow will '
+                  "offload are re-laid (at least min_offload_numel elements). Exported checkpoints stay ordinary "
                   "row-major.",
                   "choices": list(_LAYOUTS)},
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW, column_major_
+from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW, ZenFlowConfig, column_major_
 from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
 
 
@@ -34,6 +34,21 @@ def test_column_major_keeps_values_and_skips_tied_embeddings():
     tied["head"].weight = tied["embed"].weight
     assert column_major_(tied) == ["proj.weight"]
     assert tied["head"].weight.is_contiguous()
+
+
+def test_column_major_re_lays_only_weights_that_will_be_offloaded():
+    """Frozen weights (a LoRA base) keep their layout; with a config, so do weights it does not offload (below
+    `min_offload_numel`, or every column on the device at topk_ratio=1)."""
+    model = make_model()  # up: 80x40 = 3200 elements, down: 24x80 = 1920
+    model.up.weight.requires_grad_(False)
+    assert column_major_(model) == ["down.weight"]
+    assert model.up.weight.is_contiguous()
+    model = make_model()
+    assert column_major_(model, ZenFlowConfig(min_offload_numel=2000)) == ["up.weight"]
+    assert model.down.weight.is_contiguous()
+    model = make_model()
+    assert column_major_(model, ZenFlowConfig(min_offload_numel=0, topk_ratio=1.0)) == []
+    assert column_major_(model, ZenFlowConfig(min_offload_numel=0)) == ["up.weight", "down.weight"]
 
 
 def test_gradients_keep_the_parameter_layout():

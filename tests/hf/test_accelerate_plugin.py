@@ -185,7 +185,9 @@ def test_thread_trap_worker_keeps_its_threads():
     """The training thread at 1 thread (what OMP_NUM_THREADS=1 gives) does not limit the host worker."""
     assert torch.get_num_threads() == 1  # conftest: the training thread runs single-threaded
     accelerator = Accelerator(cpu=True)
-    model, optimizer = ZenFlowPlugin(cpu_threads=2, overlap_step=True).prepare(accelerator, tiny_llama())
+    # (min_offload_numel=0: the tiny model's matrices are offloaded; with nothing offloaded no worker would start)
+    model, optimizer = ZenFlowPlugin(cpu_threads=2, overlap_step=True, min_offload_numel=0).prepare(accelerator,
+                                                                                                   tiny_llama())
     _loop(accelerator, model, optimizer, _batches(1))
     report = ZenFlowPlugin.thread_report(optimizer)
     assert report["training_threads"] == 1
