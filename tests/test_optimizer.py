@@ -345,6 +345,7 @@ def test_skipped_step_leaves_weights_and_state_untouched():
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before_w[name])
     assert after_s["zenflow"].pop("skipped_steps") == before_s["zenflow"].pop("skipped_steps") + 1
+    after_s["zenflow"].pop("checksum"), before_s["zenflow"].pop("checksum")  # (it covers skipped_steps)
     assert after_s["zenflow"] == before_s["zenflow"]
     for i, entry in before_s["state"].items():
         for key, value in entry.items():
