@@ -153,7 +153,9 @@ def verify(state: dict[str, Any]) -> None:
                           "checksums of every tensor and field)")
         for key, t in entry.items():
             if isinstance(t, torch.Tensor) and sums.get(key) != tensor_digest(t):
-                raise Refusal(f"{where}: {key} does not match its checksum (its bytes were altered)")
+                raise Refusal(f"{where}: {key} does not match its checksum (its bytes were altered: a damaged file, "
+                              "or a state dict serialised after further steps, as state_dict() returns the live "
+                              "tensors)")
         _compare(where, sums[FIELDS], _entry_fields(entry))
     if BLOCK not in zenflow:
         raise Refusal("the 'zenflow' block has no 'checksum' entry (format 3 always writes one: it was removed)")
