@@ -35,7 +35,8 @@ class Refusal(ValueError):
 # ---------------------------------------------------------------------------------------------------------------------
 # Checksums
 # ---------------------------------------------------------------------------------------------------------------------
-_CHUNK = 1 << 20
+#: `tensor_digest` weights blocks of this many elements in large tensors (each element in small ones).
+_BLOCK, _SMALL = 64, 1 << 16
 
 
 def bits_sum(t: torch.Tensor) -> int:
@@ -46,18 +47,19 @@ def bits_sum(t: torch.Tensor) -> int:
 
 
 def tensor_digest(t: torch.Tensor) -> int:
-    """Format 3's checksum: ``sum_i bits_i * (2 i + 1)`` in 64-bit wrap-around arithmetic, over the tensor in
-    logical order. Unlike a plain sum it changes when values move (a flipped stride, a shifted storage offset).
-    Chunked, so that the weights cost at most 8 MiB; the partial sums stay on the tensor's device (one sync)."""
+    """Format 3's checksum: ``sum_b (2 b + 1) * bits_sum(block b)`` in 64-bit wrap-around arithmetic over the
+    tensor in logical order, with blocks of 64 elements (1 in tensors under 65536 elements). Unlike a plain sum it
+    changes when values move between blocks (a flipped stride, a shifted storage offset); at about twice a plain
+    sum's cost, where weighting every element cost three times (measured on the 2-core machine, 4M elements)."""
     t = t.detach().contiguous()
     as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
     flat = t.view(as_int).reshape(-1)
-    total = torch.zeros((), dtype=torch.int64, device=t.device)
-    for start in range(0, flat.numel(), _CHUNK):
-        part = flat[start:start + _CHUNK].to(torch.int64)
-        weights = torch.arange(2 * start + 1, 2 * (start + part.numel()) + 1, 2, dtype=torch.int64, device=t.device)
-        total += (part * weights).sum()
-    return int(total.item())
+    block = 1 if flat.numel() < _SMALL else _BLOCK
+    body = flat.numel() - flat.numel() % block
+    sums = flat[:body].view(-1, block).sum(dim=1, dtype=torch.int64) if block > 1 else flat.to(torch.int64)
+    weights = torch.arange(1, 2 * sums.numel() + 1, 2, dtype=torch.int64, device=t.device)
+    tail = flat[body:].sum(dtype=torch.int64) * (2 * sums.numel() + 1)  # (the last, partial block)
+    return int(((sums * weights).sum() + tail).item())  # one sync, on the tensor's device
 
 
 def _plain(obj: Any) -> Any:

@@ -232,3 +232,16 @@ def test_random_byte_flips_in_data_pkl_never_load_a_different_state(saved, tmp_p
         finally:
             opt.close()
     assert outcomes["refused"] > 0
+
+
+@pytest.mark.parametrize("n", [8, 300])  # one weight per element below 65536 elements, per 64-element block above
+def test_the_tensor_digest_changes_when_values_move(n):
+    """A plain sum of the bits (format 2) keeps its value when a flipped stride transposes a square tensor or a
+    shifted offset rotates it; the format-3 digest does not."""
+    from hf_zenflow.checkpoint_seal import tensor_digest
+
+    x = torch.randn(n, n, generator=torch.Generator().manual_seed(n))
+    assert tensor_checksum(x.t()) == tensor_checksum(x)  # the blind spot of the old checksum
+    assert tensor_digest(x.t()) != tensor_digest(x)
+    assert tensor_digest(x.roll(1)) != tensor_digest(x)
+    assert tensor_digest(x.clone()) == tensor_digest(x)
