@@ -205,10 +205,20 @@ def check_device_columns(where: str, entry: dict[str, Any], p: torch.Tensor, uni
             raise Refusal(f"{where}: {key} has shape {list(entry[key].shape)}, device_master {list(master.shape)}")
 
 
+#: Name segments that wrappers add (DDP, torch.compile, FSDP1, activation checkpointing): the same parameter.
+_WRAPPER_SEGMENTS = {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+
+
+def _bare(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
 def check_name(where: str, saved: Any, here: str | None) -> None:
+    """Refuse a state saved for another parameter (another model of the same shapes, layers swapped), when both
+    names are known."""
     if saved is not None and not isinstance(saved, str):
         raise Refusal(f"{where}: name={saved!r} is invalid, expected a string")
-    if saved is not None and here is not None and saved != here:
+    if saved is not None and here is not None and _bare(saved) != _bare(here):
         raise Refusal(f"{where}: the state was saved for parameter {saved!r}, but this optimizer's parameter at "
                       f"this position is {here!r} (another model, or parameters in another order)")
 

@@ -245,3 +245,25 @@ def test_the_tensor_digest_changes_when_values_move(n):
     assert tensor_digest(x.t()) != tensor_digest(x)
     assert tensor_digest(x.roll(1)) != tensor_digest(x)
     assert tensor_digest(x.clone()) == tensor_digest(x)
+
+
+def test_a_state_of_another_model_with_the_same_shapes_is_refused_and_wrapper_prefixes_are_not(saved):
+    """Regression: a same-shape state of another model loaded silently (saved names were never compared)."""
+
+    class Renamed(torch.nn.Module):  # the same shapes as TinyNet under other names
+        def __init__(self) -> None:
+            super().__init__()
+            tiny = make_model()
+            self.emb, self.w1, self.ln, self.w2 = tiny.embed, tiny.up, tiny.norm, tiny.down
+
+    other = Renamed()
+    opt = ZenFlowAdamW(param_groups(other), lr=LR, **SETTINGS)
+    opt.name_parameters(other)
+    _refused_and_unchanged(opt, saved, r"saved for parameter 'embed.weight'.*'emb.weight'")
+    opt.close()
+    wrapped = torch.nn.Module()
+    wrapped.module = make_model()  # (DDP's "module." prefix: the same parameters)
+    opt = ZenFlowAdamW(param_groups(wrapped.module), lr=LR, **SETTINGS)
+    opt.name_parameters(wrapped)
+    opt.load_state_dict(saved)
+    opt.close()
