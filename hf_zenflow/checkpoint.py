@@ -1,12 +1,18 @@
 """The checkpoint format of `ZenFlowAdamW`: what `state_dict()` writes, how `load_state_dict()` checks and restores
 it, and the conversion to and from `torch.optim.AdamW` checkpoints.
 
-Format version 2 (``state_dict()["zenflow"]["format_version"]``): per parameter index an entry of kind ``"split"``
+Format version 3 (``state_dict()["zenflow"]["format_version"]``): per parameter index an entry of kind ``"split"``
 (a matrix: selection, device columns, host state, the open window's gradient sum) or ``"dense"`` (updated wholly on
-the device), each with the parameter's ``shape`` and ``dtype``, its name when known, and a ``checksums`` dict (a
-64-bit sum of each tensor's bits) so that a damaged file is refused instead of training on garbage (torch's own
-loader does not check its zip CRCs). Version 1 (no ``format_version``: hf_zenflow before 2026-12-01) is read by
-migration: the same entries without shapes and checksums. A newer version is refused with a message.
+the device), each with the parameter's ``shape`` and ``dtype``, its name when known, and a ``checksums`` dict; the
+``zenflow`` block carries a ``checksum`` too. Together they cover every tensor and every non-tensor field (counters,
+settings, hyper-parameters, Zen-auto statistics) and their own presence (`checkpoint_validate`), so that a damaged
+file is refused instead of training on garbage (torch's own loader does not check its zip CRCs). Version 2
+(2026-12-01: checksums of the tensors only) and version 1 (no ``format_version``, no shapes or checksums) are read by
+migration, with a logged note that their other fields are checked by range only. A newer version is refused.
+
+Loading is transactional: every field is parsed and checked (types, ranges, shapes, dtypes, saved parameter names
+against this optimizer's, checksums) before anything is written, and every refusal is a `CheckpointError` naming the
+entry and what was expected; the optimizer is then unchanged.
 
 Under several data-parallel ranks (`sharding.py`) each rank's state dict holds its share of the host state: the
 ``zenflow`` block says ``ranks`` and ``rank``, each split entry its ``share`` (start, length, size of the shared
@@ -30,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import checkpoint_validate as checks
+from .checkpoint_seal import PREFIX, Refusal, bits_sum, migrate_old, seal, verify
 from .device_step import DenseDeviceState, DeviceColumns
 from .schedule import ZenAutoStats
 from .split_matrix import SplitMatrix
@@ -40,7 +48,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 #: Group keys of `torch.optim.AdamW` that ZenFlowAdamW has no use for (its behaviour is fixed: fused, decoupled).
 _TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
@@ -56,11 +64,9 @@ class CheckpointError(ValueError):
 
 
 def tensor_checksum(t: torch.Tensor) -> int:
-    """A 64-bit wrap-around sum of the tensor's bits (read as integers of its element size): any change of a value
-    changes it with overwhelming probability, at the cost of one read."""
-    t = t.detach().contiguous()
-    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
-    return int(t.view(as_int).sum(dtype=torch.int64).item())
+    """Format 2's checksum of a tensor: a 64-bit wrap-around sum of its bits (format 3 uses
+    `checkpoint_validate.tensor_digest`, which also changes when values move)."""
+    return bits_sum(t)
 
 
 def _tensors(entry: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -110,7 +116,6 @@ def pack(opt: ZenFlowAdamW) -> dict[str, Any]:
         name = opt._param_names.get(opt._fsdp.owner(param))
         if name is not None:
             entry["name"] = name
-        entry["checksums"] = {key: tensor_checksum(t) for key, t in _tensors(entry).items()}
     schedule = opt._schedule
     zenflow = None
     if schedule is not None:
@@ -127,110 +132,111 @@ def pack(opt: ZenFlowAdamW) -> dict[str, Any]:
             zenflow.update(ranks=opt._host.shards.ranks, rank=opt._host.shards.rank)
         if opt._host.param_shards is not None:  # FSDP2: this rank's shards of the parameters
             zenflow.update(fsdp_ranks=opt._host.param_shards.ranks, fsdp_rank=opt._host.param_shards.rank)
-    return {"state": state, "param_groups": groups, "zenflow": zenflow}
+    return seal({"state": state, "param_groups": groups, "zenflow": zenflow})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------------------------------
+_DAMAGED = ("The optimizer checkpoint is damaged or belongs to another model; restore it from a copy, or resume "
+            "without it (fresh optimizer state).")
+
+#: What malformed input can raise while it is parsed: every one becomes a `CheckpointError`.
+_PARSE_ERRORS = (Refusal, KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError)
+
+
+def _refused(exc: Exception) -> CheckpointError:
+    if isinstance(exc, CheckpointError):
+        return exc
+    problem = str(exc) if isinstance(exc, Refusal) else f"the state is malformed ({type(exc).__name__}: {exc})"
+    return CheckpointError(f"{PREFIX}: {problem}. {_DAMAGED}")
+
+
 def migrate(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The state dict in the current format version; refuses versions this hf_zenflow does not know."""
+    """The state dict in the current format version, its checksums verified (an older format's are checked and
+    the result sealed anew); refuses versions this hf_zenflow does not know."""
+    try:
+        return _migrate(state_dict)
+    except _PARSE_ERRORS as exc:
+        raise _refused(exc) from None
+
+
+def _migrate(state_dict: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
+        keys = sorted(map(str, state_dict))[:8] if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise Refusal(f"not an optimizer state dict (needs 'state' and 'param_groups'; got {keys})")
+    if not isinstance(state_dict["state"], dict):
+        raise Refusal(f"'state' is {type(state_dict['state']).__name__}, expected a dict of per-parameter entries")
     zenflow = state_dict.get("zenflow")
     if zenflow is None:
+        verify(state_dict)  # (only a never-stepped optimizer's state has no block: it has no entries)
         return state_dict
+    if not isinstance(zenflow, dict):
+        raise Refusal(f"the 'zenflow' block is {type(zenflow).__name__}, expected a dict")
     version = zenflow.get("format_version", 1)
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise Refusal(f"format_version={version!r} is invalid, expected an integer >= 1")
+    if version > FORMAT_VERSION:
         raise CheckpointError(
-            f"ZenFlowAdamW.load_state_dict: the checkpoint has format_version={version!r}, written by a newer "
-            f"hf_zenflow; this one reads versions 1 to {FORMAT_VERSION}. Upgrade hf_zenflow to resume from it."
+            f"{PREFIX}: the checkpoint has format_version={version!r}, written by a newer hf_zenflow; this one reads "
+            f"versions 1 to {FORMAT_VERSION}. Upgrade hf_zenflow to resume from it."
         )
-    if version == 1:  # same entries; no shapes, checksums or forced re-selection yet
-        zenflow = {**zenflow, "format_version": FORMAT_VERSION, "force_select": False}
-        state_dict = {**state_dict, "zenflow": zenflow}
+    if version < FORMAT_VERSION:
+        return migrate_old(state_dict, version, FORMAT_VERSION)
+    verify(state_dict)
     return state_dict
 
 
-def _label(index: int, entry: dict[str, Any], param: torch.Tensor) -> str:
+def _label(index: Any, entry: dict[str, Any], param: torch.Tensor) -> str:
     name = entry.get("name")
-    return f"parameter {index}" + (f" ({name})" if name else "") + f" of shape {list(param.shape)}"
-
-
-def _fail(index: int, entry: dict[str, Any], param: torch.Tensor, problem: str) -> None:
-    raise CheckpointError(
-        f"ZenFlowAdamW.load_state_dict: {_label(index, entry, param)}: {problem}. The optimizer checkpoint is damaged "
-        "or belongs to another model; restore it from a copy, or resume without it (fresh optimizer state)."
-    )
-
-
-#: The tensors of a split entry that hold only this rank's share under several ranks.
-_SHARED_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "accum")
-
-_FP32_KEYS = ("device_master", "device_exp_avg", "device_exp_avg_sq", "host_master", "host_exp_avg",
-              "host_exp_avg_sq", "accum", "exp_avg", "exp_avg_sq", "master")
+    return f"parameter {index}" + (f" ({name})" if isinstance(name, str) else "") + f" of shape {list(param.shape)}"
 
 
 def validate(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
-    """Refuse a state dict that does not fit `opt`'s parameters or holds damaged values, naming the tensor."""
+    """Refuse a (migrated) state dict that does not fit `opt`'s parameters or holds damaged or out-of-range values,
+    naming the entry and what was expected. Everything `unpack` reads is checked here."""
+    try:
+        _validate(opt, state_dict)
+    except _PARSE_ERRORS as exc:
+        raise _refused(exc) from None
+
+
+def _index(index: Any, count: int) -> int:
+    if isinstance(index, str) and index.isdigit():
+        index = int(index)
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
+        raise Refusal(f"state for parameter {index!r}, but this optimizer has parameters 0..{count - 1}")
+    return index
+
+
+def _validate(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     params = opt._engine_params()
-    saved_groups = state_dict.get("param_groups")
-    if not isinstance(saved_groups, list) or len(saved_groups) != len(opt.param_groups) or any(
-        len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, opt.param_groups)
-    ):
-        raise CheckpointError(
-            "ZenFlowAdamW.load_state_dict: the saved param groups do not match this optimizer's (different number "
-            f"of groups or of parameters per group: saved {[len(s['params']) for s in saved_groups or []]}, here "
-            f"{[len(g['params']) for g in opt.param_groups]})."
-        )
+    checks.check_groups(opt, state_dict["param_groups"])
+    zenflow = state_dict.get("zenflow")
+    if zenflow is None:
+        return  # (`migrate` refused entries without a block)
+    checks.check_block(zenflow)
+    groups = [g for g in opt.param_groups for _ in g["params"]]
+    seen: set[int] = set()
     for index, entry in state_dict["state"].items():
-        if not 0 <= int(index) < len(params):
-            raise CheckpointError(f"ZenFlowAdamW.load_state_dict: state for parameter {index}, but this optimizer "
-                                  f"has {len(params)} parameters.")
-        p = params[int(index)]
-        if entry.get("kind") not in ("split", "dense"):
-            _fail(index, entry, p, f"unknown entry kind {entry.get('kind')!r}")
-        if "shape" in entry and list(entry["shape"]) != list(p.shape):
-            _fail(index, entry, p, f"saved for a parameter of shape {list(entry['shape'])}")
-        tensors = _tensors(entry)
-        numel_ok = {"host_master", "host_exp_avg", "host_exp_avg_sq", "accum", "exp_avg", "exp_avg_sq", "master"}
-        share = entry.get("share")
-        for key, t in tensors.items():
-            expected = p.numel() // share[2] * share[1] if share and key in _SHARED_KEYS else p.numel()
-            if key in numel_ok and t.numel() != expected:
-                _fail(index, entry, p, f"{key} has {t.numel()} elements, expected {expected}")
-            if key in _FP32_KEYS and t.dtype != torch.float32:
-                _fail(index, entry, p, f"{key} is {t.dtype}, expected torch.float32")
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                bad = int((~torch.isfinite(t)).sum())
-                _fail(index, entry, p, f"{key} holds {bad} non-finite value(s)")
-            if key.endswith("exp_avg_sq") and bool((t < 0).any()):
-                _fail(index, entry, p, f"{key} holds negative values (a second moment cannot be negative)")
-            if key.endswith("step") and (t.numel() != 1 or float(t) < 0):
-                _fail(index, entry, p, f"{key} is {t.tolist()}, expected a count >= 0")
-        checksums = entry.get("checksums")
-        if checksums is not None:
-            for key, t in tensors.items():
-                if key in checksums and tensor_checksum(t) != checksums[key]:
-                    _fail(index, entry, p, f"{key} does not match its checksum (its bytes were altered)")
-            missing = sorted(set(checksums) - set(tensors))
-            if missing:
-                _fail(index, entry, p, f"tensors {missing} are missing")
-        if entry["kind"] == "split":
-            _validate_split(index, entry, p)
-
-
-def _validate_split(index: int, entry: dict[str, Any], p: torch.Tensor) -> None:
-    units = p.shape[0] if entry.get("rows", False) else math.prod(p.shape[1:])  # (an FSDP2 shard may have 0 rows)
-    if not 0 <= int(entry["k"]) <= units:
-        _fail(index, entry, p, f"k={entry['k']} is not in [0, {units}]")
-    if "device_index" not in entry:
-        return
-    idx = entry["device_index"]
-    if idx.dtype not in (torch.int64, torch.int32) or idx.ndim != 1:
-        _fail(index, entry, p, f"device_index is {idx.dtype} of shape {list(idx.shape)}, expected 1-D integers")
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= units or bool((idx[1:] <= idx[:-1]).any())):
-        _fail(index, entry, p, f"device_index is not a sorted set of distinct indices in [0, {units})")
-    if int(entry["k"]) != idx.numel() or entry["device_master"].shape[int(entry.get("axis", 1))] != idx.numel():
-        _fail(index, entry, p, f"k={entry['k']} does not match the {idx.numel()} saved device columns")
+        i = _index(index, len(params))
+        if i in seen:
+            raise Refusal(f"parameter {i} has two state entries")
+        seen.add(i)
+        p = params[i]
+        if not isinstance(entry, dict):
+            raise Refusal(f"parameter {index}: the entry is {type(entry).__name__}, expected a dict")
+        where = _label(index, entry, p)
+        if entry.get("kind") not in ("split", "dense") or (entry["kind"] == "split" and p.ndim < 2):
+            raise Refusal(f"{where}: entry kind {entry.get('kind')!r} is invalid here")
+        checks.check_name(where, entry.get("name"), opt._param_names.get(opt._fsdp.owner(p)))
+        rows = bool(groups[i].get("select_rows", False))
+        units = p.shape[0] if rows else math.prod(p.shape[1:])  # (an FSDP2 shard may have 0 rows)
+        checks.check_entry_fields(where, entry, p, zenflow["steps"], units, rows)
+        checks.check_tensors(where, entry, p)
+        if entry["kind"] == "split" and "device_index" in entry:
+            checks.check_device_columns(where, entry, p, units)
+    checks.check_settings_change(opt, zenflow)
 
 
 @torch.no_grad()
@@ -241,18 +247,11 @@ def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     if is_torch_adamw_state(state_dict):
         unpack_torch_adamw(opt, state_dict)
         return
-    if "param_groups" not in state_dict or "state" not in state_dict:
-        raise CheckpointError("ZenFlowAdamW.load_state_dict: not an optimizer state dict (needs 'state' and "
-                              f"'param_groups'; got keys {sorted(state_dict)[:8]}).")
-    state_dict = migrate(state_dict)
-    from .checkpoint_reshard import check_fsdp_ranks, check_ranks, fsdp_rows_of
-
-    mesh = opt._host.param_shards
-    if mesh is not None and state_dict.get("zenflow") and not {"ranks", "fsdp_ranks"} & set(state_dict["zenflow"]):
-        state_dict = fsdp_rows_of(state_dict, mesh.ranks, mesh.rank)  # a one-process state: this rank's rows of it
-    check_ranks(state_dict.get("zenflow") or {}, opt._host.shards.ranks, opt._host.shards.rank)
-    check_fsdp_ranks(state_dict.get("zenflow") or {}, opt._host.param_shards)
-    validate(opt, state_dict)
+    try:
+        state_dict = _checked(opt, state_dict)
+    except _PARSE_ERRORS as exc:
+        raise _refused(exc) from None
+    # From here on every value read was checked: the optimizer is only written now.
     _restore_groups(opt, state_dict["param_groups"])
     opt._reset_state()
     zenflow = state_dict.get("zenflow")
@@ -286,6 +285,23 @@ def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     apply_changed_settings(opt, zenflow.get("config") or {})
 
 
+def _checked(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` migrated, cut to this rank's part where needed, and checked through and through."""
+    from .checkpoint_reshard import check_fsdp_ranks, check_ranks, fsdp_rows_of
+
+    state_dict = _migrate(state_dict)
+    zenflow = state_dict.get("zenflow")
+    if zenflow is not None:
+        checks.check_block(zenflow)  # (the rank fields are read next)
+    mesh = opt._host.param_shards
+    if mesh is not None and zenflow and not {"ranks", "fsdp_ranks"} & set(zenflow):
+        state_dict = fsdp_rows_of(state_dict, mesh.ranks, mesh.rank)  # a one-process state: this rank's rows of it
+    check_ranks(state_dict.get("zenflow") or {}, opt._host.shards.ranks, opt._host.shards.rank)
+    check_fsdp_ranks(state_dict.get("zenflow") or {}, opt._host.param_shards)
+    _validate(opt, state_dict)
+    return state_dict
+
+
 def load(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     """`ZenFlowAdamW.load_state_dict` (its worker idle): `unpack`, then a host worker whose thread count or mode no
     longer matches the settings in force is closed (the next step starts one with the current settings)."""
@@ -309,12 +325,6 @@ def _restore_groups(opt: ZenFlowAdamW, saved_groups: list[dict[str, Any]]) -> No
 def _restore_split(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any], index: int, entry: dict[str, Any]
                    ) -> SplitMatrix:
     split = SplitMatrix(p, int(entry["k"]), rows=bool(group.get("select_rows", False)), owner=opt._fsdp.owner(p))
-    if bool(entry.get("rows", False)) != split.rows:
-        raise CheckpointError(
-            f"ZenFlowAdamW.load_state_dict: {_label(index, entry, p)} was saved with select_rows="
-            f"{bool(entry.get('rows', False))} but its param group now has select_rows={split.rows}: the saved "
-            "selection indexes different units (rows vs columns). Use the same setting to resume."
-        )
     split.auto = ZenAutoStats.from_list(entry["auto"])
     # saved from a parameter in the other layout (see `column_major_`): every matrix here is transposed
     flip = not split.rows and int(entry.get("axis", 1)) != split.axis

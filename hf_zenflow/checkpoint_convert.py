@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._base import fused_adamw_
-from .checkpoint import _DERIVED_SETTINGS, CheckpointError, _restore_groups, migrate
+from .checkpoint import _DERIVED_SETTINGS, _PARSE_ERRORS, CheckpointError, _refused, _restore_groups, migrate
+from .checkpoint_validate import check_groups
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState
 from .host import host_adamw_window
@@ -30,8 +31,11 @@ def is_torch_adamw_state(state_dict: dict[str, Any]) -> bool:
     """A `torch.optim.AdamW` (or `Adam`) state dict: no ZenFlow block, per-parameter ``exp_avg``/``step``."""
     if "zenflow" in state_dict or "param_groups" not in state_dict:
         return False
-    entries = list(state_dict.get("state", {}).values())
-    return all(isinstance(e, dict) and {"step", "exp_avg", "exp_avg_sq"} <= set(e) for e in entries)
+    entries = state_dict.get("state")
+    # (a ZenFlow entry says its "kind": a ZenFlow state whose "zenflow" key was damaged is not taken for torch's)
+    return isinstance(entries, dict) and all(
+        isinstance(e, dict) and {"step", "exp_avg", "exp_avg_sq"} <= set(e) and "kind" not in e
+        for e in entries.values())
 
 
 def apply_changed_settings(opt: ZenFlowAdamW, saved: dict[str, Any]) -> None:
@@ -118,24 +122,10 @@ def _dense_to_split(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -
     opt._split[p] = split  # device columns are chosen at the next step with a gradient
 
 
-def unpack_torch_adamw(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
-    """Continue from a `torch.optim.AdamW` checkpoint: moments and step counts carried over; each matrix's columns
-    are selected at the next step (until then its whole state is on the host)."""
-    if opt._host.param_shards is not None:
-        raise CheckpointError(
-            "ZenFlowAdamW.load_state_dict: continuing from a torch.optim.AdamW state dict under FSDP2 is not "
-            "supported (its tensors are DTensors of the whole parameters). Load it in a run without FSDP2 and save "
-            "a ZenFlow state, or start ZenFlow from the weights.")
+def _check_torch_adamw(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     params = [p for g in opt.param_groups for p in g["params"]]
     saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(opt.param_groups) or any(
-        len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, opt.param_groups)
-    ):
-        raise CheckpointError(
-            "ZenFlowAdamW.load_state_dict: this torch.optim.AdamW checkpoint's param groups do not match this "
-            f"optimizer's (saved {[len(s['params']) for s in saved_groups]}, here "
-            f"{[len(g['params']) for g in opt.param_groups]}). Build ZenFlowAdamW over the same parameter groups."
-        )
+    check_groups(opt, saved_groups)  # (as many groups and parameters as here, valid hyper-parameters)
     for saved in saved_groups:
         for key, bad in (("amsgrad", True), ("maximize", True)):
             if saved.get(key, False) == bad:
@@ -145,15 +135,39 @@ def unpack_torch_adamw(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
             raise CheckpointError("ZenFlowAdamW.load_state_dict: the checkpoint is torch.optim.Adam with L2 weight "
                                   "decay (not decoupled); ZenFlowAdamW implements AdamW's decoupled decay.")
     for index, entry in state_dict["state"].items():
-        p = params[int(index)]
+        if not isinstance(index, int) or not 0 <= index < len(params):
+            raise CheckpointError(f"ZenFlowAdamW.load_state_dict: state for parameter {index!r}, but this optimizer "
+                                  f"has parameters 0..{len(params) - 1}.")
+        p = params[index]
+        step = entry["step"]
+        if not isinstance(step, (int, float, torch.Tensor)) or torch.as_tensor(step).numel() != 1 \
+                or not float(step) >= 0:
+            raise CheckpointError(f"ZenFlowAdamW.load_state_dict: step of parameter {index} is {step!r}, "
+                                  "expected a count >= 0.")
         for key in ("exp_avg", "exp_avg_sq"):
-            if entry[key].numel() != p.numel():
-                raise CheckpointError(f"ZenFlowAdamW.load_state_dict: {key} of parameter {index} has "
-                                      f"{entry[key].numel()} elements, the parameter {p.numel()}.")
+            if not isinstance(entry[key], torch.Tensor) or entry[key].numel() != p.numel():
+                raise CheckpointError(f"ZenFlowAdamW.load_state_dict: {key} of parameter {index} is not a tensor "
+                                      f"of {p.numel()} elements, as the parameter.")
             if not bool(torch.isfinite(entry[key]).all()):
                 raise CheckpointError(f"ZenFlowAdamW.load_state_dict: {key} of parameter {index} holds non-finite "
                                       "values; the checkpoint is damaged.")
-    _restore_groups(opt, saved_groups)
+
+
+def unpack_torch_adamw(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
+    """Continue from a `torch.optim.AdamW` checkpoint: moments and step counts carried over; each matrix's columns
+    are selected at the next step (until then its whole state is on the host)."""
+    if opt._host.param_shards is not None:
+        raise CheckpointError(
+            "ZenFlowAdamW.load_state_dict: continuing from a torch.optim.AdamW state dict under FSDP2 is not "
+            "supported (its tensors are DTensors of the whole parameters). Load it in a run without FSDP2 and save "
+            "a ZenFlow state, or start ZenFlow from the weights.")
+    try:
+        _check_torch_adamw(opt, state_dict)
+    except _PARSE_ERRORS as exc:
+        raise _refused(exc) from None
+    # every value read below was checked: the optimizer is only written now
+    params = [p for g in opt.param_groups for p in g["params"]]
+    _restore_groups(opt, state_dict["param_groups"])
     opt._reset_state()
     opt._ensure_schedule()
     group_of = {p: g for g in opt.param_groups for p in g["params"]}
@@ -196,7 +210,13 @@ def to_torch_adamw(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int
         >>> adamw = torch.optim.AdamW(model.parameters(), lr=1e-3); adamw.load_state_dict(adamw_state)
         >>> opt.close()
     """
-    state_dict = migrate(state_dict)
+    try:
+        return _to_torch_adamw(migrate(state_dict))
+    except _PARSE_ERRORS as exc:
+        raise _refused(exc) from None
+
+
+def _to_torch_adamw(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int, torch.Tensor]]:
     zenflow = state_dict.get("zenflow") or {}
     if int(zenflow.get("ranks", 1)) > 1:
         raise CheckpointError(

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointError, _tensors, migrate, tensor_checksum
+from .checkpoint import CheckpointError, _tensors, migrate
+from .checkpoint_seal import seal
 from .sharding import Share
 
 
@@ -46,11 +47,6 @@ def _rank_count(zenflow: dict[str, Any] | None) -> tuple[str, int] | None:
     if int(zenflow.get("ranks", 1)) > 1:
         return "ddp", int(zenflow["ranks"])
     return None
-
-
-def _seal(entry: dict[str, Any]) -> dict[str, Any]:
-    entry["checksums"] = {key: tensor_checksum(t) for key, t in _tensors(entry).items() if key != "checksums"}
-    return entry
 
 
 def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
@@ -90,8 +86,8 @@ def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
                 if entry.get(key) is not None:
                     out[key] = torch.cat([p[key] for p in parts], dim=dim)
             del out["share"]
-        merged["state"][index] = _seal(out)
-    return merged
+        merged["state"][index] = out
+    return seal(merged)
 
 
 def _one_process(state: dict[str, Any], caller: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -123,8 +119,8 @@ def fsdp_rows_of(state: dict[str, Any], ranks: int, rank: int) -> dict[str, Any]
             if key != "checksums" and t.ndim >= 1 and t.shape[0] == rows and key not in ("device_index",):
                 mine[key] = t.narrow(0, share.start, share.length).clone()
         mine["shape"] = [share.length, *entry["shape"][1:]]
-        out["state"][index] = _seal(mine)
-    return out
+        out["state"][index] = mine
+    return seal(out)
 
 
 def ddp_share_of(state: dict[str, Any], ranks: int, rank: int) -> dict[str, Any]:
@@ -142,8 +138,8 @@ def ddp_share_of(state: dict[str, Any], ranks: int, rank: int) -> dict[str, Any]
                 if entry.get(key) is not None:
                     mine[key] = share.local(entry[key]).clone()
             mine["share"] = [share.start, share.length, share.size]
-        out["state"][index] = _seal(mine)
-    return out
+        out["state"][index] = mine
+    return seal(out)
 
 
 def reshard_states(states: list[dict[str, Any]], world_size: int, parallel: str | None = None

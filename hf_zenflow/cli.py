@@ -19,14 +19,15 @@ import sys
 from collections.abc import Sequence
 
 from hf_zenflow._extras import MissingExtraError, require
-
-
-def _interval(value: str) -> int | str:
-    return value if value.strip().lower() == "auto" else int(value)
-
-
-def _scale(value: str) -> float | str:
-    return value if value.strip().lower() == "interval" else float(value)
+from hf_zenflow.cli_types import (
+    fraction,
+    interval,
+    lr_scale,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 
 class TrueDefaultsFormatter(argparse.HelpFormatter):
@@ -63,7 +64,7 @@ def _add_data_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
-    from hf_zenflow.compare.runner import OPTIMIZERS, CompareConfig
+    from hf_zenflow.compare.compare_config import OPTIMIZERS, CompareConfig
 
     d = CompareConfig()
     p = sub.add_parser(
@@ -82,53 +83,55 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    help="auto: from the model (a *ForCausalLM architecture trains on Hamlet, anything else classifies "
                    "the Rotten Tomatoes sentences)")
     _add_data_arguments(p)
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per run")
-    p.add_argument("--train-size", type=int, default=d.train_size,
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps per run")
+    p.add_argument("--train-size", type=positive_int, default=d.train_size,
                    help="training sentences (causal LM: blocks of --max-length tokens)")
-    p.add_argument("--eval-size", type=int, default=d.eval_size,
+    p.add_argument("--eval-size", type=positive_int, default=d.eval_size,
                    help="held-out sentences (causal LM: blocks of --max-length tokens)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="training examples per optimizer step")
-    p.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size, help="examples per held-out batch")
-    p.add_argument("--max-length", type=int, default=d.max_length, help="tokens per example (truncation)")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of every optimizer")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
+                   help="training examples per optimizer step")
+    p.add_argument("--eval-batch-size", type=positive_int, default=d.eval_batch_size,
+                   help="examples per held-out batch")
+    p.add_argument("--max-length", type=positive_int, default=d.max_length, help="tokens per example (truncation)")
+    p.add_argument("--lr", type=positive_float, default=d.lr, help="peak learning rate of every optimizer")
+    p.add_argument("--weight-decay", type=non_negative_float, default=d.weight_decay,
                    help="AdamW weight decay of the matrices (none on biases and norm weights)")
-    p.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio,
+    p.add_argument("--warmup-ratio", type=fraction, default=d.warmup_ratio,
                    help="share of the steps with a linear learning-rate warm-up (then linear decay to 0)")
-    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="0 disables clipping")
-    p.add_argument("--seed", type=int, default=d.seed,
+    p.add_argument("--max-grad-norm", type=non_negative_float, default=d.max_grad_norm, help="0 disables clipping")
+    p.add_argument("--seed", type=non_negative_int, default=d.seed,
                    help="classifier-head initialisation, dropout and batch order (the held-out split is fixed)")
-    p.add_argument("--topk-ratio", type=float, default=d.topk_ratio,
+    p.add_argument("--topk-ratio", type=fraction, default=d.topk_ratio,
                    help="ZenFlow: share of each matrix's columns updated on the device every step")
-    p.add_argument("--update-interval", type=_interval, default=d.update_interval, help='an integer or "auto"')
-    p.add_argument("--host-lr-scale", type=_scale, default=d.host_lr_scale,
+    p.add_argument("--update-interval", type=interval, default=d.update_interval, help='an integer or "auto"')
+    p.add_argument("--host-lr-scale", type=lr_scale, default=d.host_lr_scale,
                    help='ZenFlow host-AdamW lr multiplier: a float, or "interval" (x window length)')
-    p.add_argument("--min-offload-numel", type=int, default=d.min_offload_numel,
+    p.add_argument("--min-offload-numel", type=non_negative_int, default=d.min_offload_numel,
                    help="ZenFlow: matrices with fewer elements stay wholly on the device (e.g. the classifier head)")
     p.add_argument("--select-strategy", default=d.select_strategy, choices=["auto", "step", "epoch"],
                    help='ZenFlow column re-selection: "step"/"epoch" every --select-interval steps/epochs, "auto" '
                    "every epoch")
-    p.add_argument("--select-interval", type=_interval, default=None,
+    p.add_argument("--select-interval", type=interval, default=None,
                    help='ZenFlow re-selection period in steps or epochs (see --select-strategy): an integer or "auto" '
                    f'(only "auto" with --select-strategy auto) (default: {d.select_interval} with '
                    '--select-strategy step, "auto" otherwise)')
-    p.add_argument("--full-warm-up-rounds", type=int, default=d.full_warm_up_rounds,
+    p.add_argument("--full-warm-up-rounds", type=non_negative_int, default=d.full_warm_up_rounds,
                    help="ZenFlow: the first N steps are dense AdamW; the first column selection follows them")
     p.add_argument("--no-overlap", dest="overlap_step", action="store_false",
                    help="run ZenFlow's host step inline instead of in the background worker (default: background "
                    "worker, overlapping the next steps)")
-    p.add_argument("--cpu-threads", type=int, default=None,
+    p.add_argument("--cpu-threads", type=positive_int, default=None,
                    help="old name of --host-cores (default: --host-cores' default)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="old name of --device-cores (default: --device-cores' default)")
-    p.add_argument("--device-cores", type=int, default=None,
+    p.add_argument("--device-cores", type=positive_int, default=None,
                    help="cores that stand for the device on a CPU device: the training thread's torch threads in "
                    "every run (forward, backward, device-side optimizer work) (default: half the cores this process "
                    "may use)")
-    p.add_argument("--host-cores", type=int, default=None,
+    p.add_argument("--host-cores", type=positive_int, default=None,
                    help="cores of the host: the host AdamW threads of synchronous offload and of ZenFlow's worker, "
                    "and of the projection's host (default: half the cores this process may use)")
-    p.add_argument("--project-params", type=float, default=None,
+    p.add_argument("--project-params", type=positive_float, default=None,
                    help="after the runs, project the three schedules to a model of this many parameters (e.g. 7e9) "
                    "on --project-hardware (default: the model that ran)")
     p.add_argument("--project-hardware", default=",".join(d.project_hardware),
@@ -151,7 +154,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    "--overwrite (default: a new folder zenflow_compare/<UTC time>_<model>/ per run)")
     p.add_argument("--overwrite", action="store_true",
                    help="let --output-dir replace an earlier run's results (default: refuse)")
-    p.add_argument("--log-every", type=int, default=d.log_every,
+    p.add_argument("--log-every", type=non_negative_int, default=d.log_every,
                    help="the progress bar's loss and optimizer.step figures cover the last N steps; 0: no bar")
     p.add_argument("--save-model", action="store_true",
                    help="also save the ZenFlow-trained model, its tokenizer and its model card (README.md) in "
@@ -173,6 +176,9 @@ def _run_compare(args: argparse.Namespace) -> int:
         run_compare(CompareConfig(**fields))
     except (AssetMissingError, OutputExistsError, DataError, MetricUnavailableError) as exc:
         print(f"hf-zenflow compare: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the file system (a full disk, no permission): one line, not a traceback
+        print(f"hf-zenflow compare: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
         return 2
     return 0
 
@@ -218,34 +224,35 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="'minilm' (default), 'smollm2' or a local Hugging Face model folder")
     p.add_argument("--task", default=d.task, choices=["auto", "sequence-classification", "causal-lm"])
     _add_data_arguments(p)
-    p.add_argument("--budget-minutes", type=float, default=d.budget_minutes,
+    p.add_argument("--budget-minutes", type=positive_float, default=d.budget_minutes,
                    help="wall-time budget; a trial starts only if the trials so far say it fits")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per trial")
-    p.add_argument("--train-size", type=int, default=d.train_size)
-    p.add_argument("--eval-size", type=int, default=d.eval_size)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
-    p.add_argument("--max-length", type=int, default=d.max_length)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--topk", type=float, nargs="+", default=list(d.topk), help="topk_ratio values of the grid")
-    p.add_argument("--intervals", type=_interval, nargs="+", default=list(d.intervals),
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps per trial")
+    p.add_argument("--train-size", type=positive_int, default=d.train_size)
+    p.add_argument("--eval-size", type=positive_int, default=d.eval_size)
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size)
+    p.add_argument("--eval-batch-size", type=positive_int, default=d.eval_batch_size)
+    p.add_argument("--max-length", type=positive_int, default=d.max_length)
+    p.add_argument("--lr", type=positive_float, default=d.lr)
+    p.add_argument("--seed", type=non_negative_int, default=d.seed)
+    p.add_argument("--topk", type=fraction, nargs="+", default=list(d.topk), help="topk_ratio values of the grid")
+    p.add_argument("--intervals", type=interval, nargs="+", default=list(d.intervals),
                    help='update_interval values of the grid (integers or "auto")')
-    p.add_argument("--scales", type=_scale, nargs="+", default=list(d.scales),
+    p.add_argument("--scales", type=lr_scale, nargs="+", default=list(d.scales),
                    help='host_lr_scale values of the grid (numbers or "interval")')
-    p.add_argument("--max-quality-loss", dest="max_quality_loss_pct", type=float, default=d.max_quality_loss_pct,
+    p.add_argument("--max-quality-loss", dest="max_quality_loss_pct", type=non_negative_float,
+                   default=d.max_quality_loss_pct,
                    help="tolerance: held-out loss at most this many percent above adamw_torch's")
     p.add_argument("--hardware", default=d.hardware,
                    help=f"profile for the modelled speed-up: a preset ({', '.join(sorted(PROFILES))}) or a JSON file")
-    p.add_argument("--target-params", type=float, default=None,
+    p.add_argument("--target-params", type=positive_float, default=None,
                    help="model size the speed-up is modelled for (default: this model's)")
-    p.add_argument("--target-tokens-per-step", type=float, default=None,
+    p.add_argument("--target-tokens-per-step", type=positive_float, default=None,
                    help="tokens per optimizer step at scale (default: this task's)")
-    p.add_argument("--threads", type=int, default=None, help="old name of --device-cores")
-    p.add_argument("--device-cores", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None, help="old name of --device-cores")
+    p.add_argument("--device-cores", type=positive_int, default=None,
                    help="cores standing for the device on a CPU device (the training thread's torch threads); "
                    "default: half the cores")
-    p.add_argument("--host-cores", type=int, default=None,
+    p.add_argument("--host-cores", type=positive_int, default=None,
                    help="cores of the host (the host AdamW's threads, and the modelled host's); default: half the "
                    "cores")
     p.add_argument("--host-from-profile", action="store_true",
@@ -269,6 +276,9 @@ def _run_tune(args: argparse.Namespace) -> int:
         payload = run_tune(TuneConfig(**fields))
     except (AssetMissingError, ValueError) as exc:
         print(f"hf-zenflow tune: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the file system (--output-dir a file, a full disk, no permission): one line
+        print(f"hf-zenflow tune: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
         return 2
     print(format_table(payload) + "\n\n" + format_recommendation(payload))
     print(f"wrote {args.output_dir}/tune.md, tune.json, pareto.png, recommended.py in {payload['seconds']:.0f} s")
@@ -313,11 +323,12 @@ def _add_reshard(sub: argparse._SubParsersAction) -> None:
         "zenflow_optimizer_rank{r}_of_{N}.pt, or the one-process optimizer.pt / optimizer.bin) and cut them again "
         "for --world-size ranks, so that a ZenFlowTrainer or ZenFlowPlugin run resumes on another number of GPUs. "
         "Each new rank then reads only its own file. "
-        "The replaced files are kept with the suffix .before_reshard. Runs on the host, one process.",
+        "The replaced files are kept with the suffix .before_reshard (.before_reshard.2, ... on later runs, so no "
+        "earlier backup is overwritten). Runs on the host, one process.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("checkpoint", help="a checkpoint folder (Trainer checkpoint-N or accelerate save_state folder)")
-    p.add_argument("--world-size", type=int, required=True, help="the number of ranks that will resume")
+    p.add_argument("--world-size", type=positive_int, required=True, help="the number of ranks that will resume")
     p.add_argument("--parallel", choices=["ddp", "fsdp2"], default=None,
                    help="how the new ranks share the state (default: as saved; ddp for a one-process checkpoint)")
     p.set_defaults(func=_run_reshard)
@@ -327,10 +338,6 @@ def _run_reshard(args: argparse.Namespace) -> int:
     from hf_zenflow.checkpoint import CheckpointError
     from hf_zenflow.hf.rank_checkpoint import reshard_checkpoint
 
-    if args.world_size < 1:
-        print(f"hf-zenflow reshard-checkpoint: --world-size {args.world_size} is invalid: allowed is an integer >= 1.",
-              file=sys.stderr)
-        return 2
     try:
         reshard_checkpoint(args.checkpoint, args.world_size, args.parallel)
     except CheckpointError as exc:

@@ -194,6 +194,15 @@ def gather_selected(
     gather_columns(items)
 
 
+def _fp32_like(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """`g` in fp32 with `p`'s strides. The fused kernel walks the parameter, its moments and the gradient as flat
+    buffers, so they must share one layout: autograd gives a dense parameter's gradient its strides, but a gradient
+    set by hand (or by a hook) may be contiguous while the parameter is permuted."""
+    if g.stride() == p.stride():
+        return g if g.dtype == torch.float32 else g.float()
+    return torch.empty_like(p, dtype=torch.float32).copy_(g)
+
+
 def device_update(
     splits: dict[torch.Tensor, SplitMatrix], dense: dict[torch.Tensor, DenseDeviceState],
     entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | torch.Tensor | None,
@@ -217,7 +226,7 @@ def device_update(
                 to_gather.append((split.device, split.matrix(g)))
         updates.append((group, p, split, g))
     gather_columns(to_gather)
-    dense_pairs = [(p, g if g.dtype == torch.float32 else g.float()) for _, p, split, g in updates if split is None]
+    dense_pairs = [(p, _fp32_like(p, g)) for _, p, split, g in updates if split is None]
     dense_grads = [g for _, g in dense_pairs]
     if coef is not None:
         # one batched multiply per kind and device: the selected columns' own buffers in place; the dense

@@ -35,7 +35,7 @@ from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, device_update
 from .fsdp import LocalShards, global_norm, rekey
 from .gradients import GradientReads, read_gradients
-from .params import check_param_group, create_state, new_schedule, offloads_any, resolve_config
+from .params import check_group_params, check_param_group, create_state, new_schedule, offloads_any, resolve_config
 from .reselection import reselect, select_waiting
 from .schedule import StepKind, WindowSchedule
 from .split_matrix import SplitMatrix, master_value
@@ -144,6 +144,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         check_param_group(param_group, self.defaults)
         super().add_param_group(param_group)
+        check_group_params(self.param_groups[-1])
         if hasattr(self, "_reads"):  # a group added after construction: its gradients are read in backward too
             self._reads.watch(self.param_groups[-1]["params"])
             self._host.offload_planned = offloads_any(self.param_groups, self.config)
@@ -360,6 +361,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def config(self, value: ZenFlowConfig) -> None:
         self._config = value
         self._host.config = value
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        """Refused: `copy.deepcopy` and pickle. The optimizer owns a host worker thread, backward hooks on its
+        parameters, pinned transfer buffers and state keyed by the parameters themselves; a copy could share none
+        of them correctly (torch's `Optimizer.__getstate__` keeps only the param groups, so the copy failed at its
+        first step). `state_dict()` / `load_state_dict()` on a new optimizer make an exact, checked copy."""
+        raise TypeError("ZenFlowAdamW cannot be copied or pickled (it owns a host worker thread and backward hooks "
+                        "on its parameters): build a new ZenFlowAdamW over the target parameters and "
+                        "load_state_dict(opt.state_dict()) into it.")
 
     def __del__(self) -> None:  # noqa: D105
         try:

@@ -50,6 +50,48 @@ def check_param_group(group: dict[str, Any], defaults: dict[str, Any]) -> None:
                               group.get("eps", defaults["eps"]), group.get("weight_decay", defaults["weight_decay"]))
 
 
+#: Parameter dtypes ZenFlowAdamW updates: its masters and moments are fp32, so an fp64 parameter would silently be
+#: trained at fp32 precision.
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_dense_layout(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill its memory without gaps or overlaps, in any dimension order (row-major,
+    column-major, permuted). A view with gaps (``w[:, ::2]``) is not: its gradient is contiguous, its moments and
+    the in-place update could not be laid over it element for element."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_group_params(group: dict[str, Any]) -> None:
+    """Refuse, at construction, parameters ZenFlowAdamW would update wrongly: the same parameter twice in a group
+    (torch only warns; it would get two updates per step; across groups torch refuses it), a non-dense view, or a
+    dtype it cannot keep at its precision."""
+    names = group.get("param_names") or [None] * len(group["params"])
+    seen: set[int] = set()
+
+    def label(i: int, p: torch.Tensor) -> str:
+        return f"parameter {i}" + (f" ({names[i]})" if names[i] else "") + f" of shape {tuple(p.shape)}"
+
+    for i, p in enumerate(group["params"]):
+        if id(p) in seen:
+            raise ValueError(f"ZenFlowAdamW: {label(i, p)} appears more than once in its param group: each "
+                             "parameter may be listed once (torch.optim.AdamW would update it twice per step).")
+        seen.add(id(p))
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"ZenFlowAdamW: {label(i, p)} is {p.dtype}: its masters and moments are fp32, so it "
+                             f"would be trained at fp32 precision; allowed are {[str(d) for d in SUPPORTED_DTYPES]}. "
+                             "Use torch.optim.AdamW for fp64 training, or cast the model to fp32.")
+        if not hasattr(p, "placements") and not is_dense_layout(p):  # (an FSDP2 DTensor's layout is its shard's)
+            raise ValueError(f"ZenFlowAdamW: {label(i, p)} has strides {p.stride()}: it is a view with gaps in "
+                             "memory, which the fused in-place update cannot follow. Make it a parameter of its "
+                             "own (nn.Parameter(w.contiguous())).")
+
+
 def new_schedule(config: ZenFlowConfig) -> WindowSchedule:
     return WindowSchedule(
         warm_up=config.full_warm_up_rounds,

@@ -13,6 +13,7 @@ import torch
 
 from hf_zenflow import CheckpointError, ZenFlowAdamW, to_torch_adamw
 from hf_zenflow.checkpoint import FORMAT_VERSION, load_file
+from hf_zenflow.checkpoint_seal import seal
 from tests.conftest import batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
 
 
@@ -228,7 +229,7 @@ def test_inconsistent_values_are_refused_naming_the_tensor(damage, message):
     opt.close()
     entry = next(e for e in state["state"].values() if e["kind"] == "split")
     damage(entry)
-    entry.pop("checksums")  # the values themselves must be checked, not only the checksums
+    seal(state)  # checksums that agree: the values themselves must be checked, not only the checksums
     with pytest.raises(CheckpointError, match=message):
         ZenFlowAdamW(param_groups(make_model()), lr=LR, min_offload_numel=0).load_state_dict(state)
 
@@ -277,6 +278,7 @@ def test_format_1_checkpoints_migrate_and_continue_identically():
     zen = old["opt"]["zenflow"]
     zen.pop("format_version")
     zen.pop("force_select")
+    zen.pop("checksum")
     for index, entry in old["opt"]["state"].items():
         for key in ("shape", "dtype", "checksums"):
             entry.pop(key)

@@ -106,3 +106,21 @@ def test_a_two_rank_checkpoint_folder_is_rewritten_for_three_ranks_and_for_one(t
     _same(torch.load(tmp_path / "optimizer.pt", weights_only=True), state)
     assert load_rank_state(str(tmp_path), 0, 1) is not None  # one process resumes it
     assert cli(["reshard-checkpoint", str(tmp_path / "nothing"), "--world-size", "2"]) == 2
+
+
+def test_repeated_reshards_keep_every_earlier_backup(tmp_path):
+    """Regression: a second `reshard-checkpoint` run overwrote the first run's .before_reshard backups (the
+    original files were lost)."""
+    state = _state("row")
+    torch.save(state, tmp_path / "optimizer.pt")
+    original = (tmp_path / "optimizer.pt").read_bytes()
+    reshard_checkpoint(str(tmp_path), 2, log=lambda *_: None)
+    reshard_checkpoint(str(tmp_path), 1, log=lambda *_: None)
+    second_one_process = (tmp_path / "optimizer.pt").read_bytes()
+    reshard_checkpoint(str(tmp_path), 2, log=lambda *_: None)
+    backups = sorted(p.name for p in tmp_path.iterdir() if ".before_reshard" in p.name)
+    assert (tmp_path / "optimizer.pt.before_reshard").read_bytes() == original
+    assert [p for p in backups if p.startswith("optimizer.pt.")] == ["optimizer.pt.before_reshard",
+                                                                      "optimizer.pt.before_reshard.2"]
+    assert (tmp_path / "optimizer.pt.before_reshard.2").read_bytes() == second_one_process
+    assert f"{rank_file_name(0, 2)}.before_reshard" in backups  # the 2-rank files the second run replaced

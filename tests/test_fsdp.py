@@ -29,6 +29,7 @@ from gloo_ranks import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hf_zenflow import CheckpointError, ZenFlowAdamW
+from hf_zenflow.checkpoint_seal import seal
 from hf_zenflow.transport import CopyTransport
 
 
@@ -130,6 +131,7 @@ def _rank_run(rank: int, init_file: str, out_dir: str) -> None:
         # loading another rank's state is refused (a collective-free check, on every rank)
         other = torch.load(os.path.join(out_dir, f"optimizer_rank{rank}.pt"), weights_only=True)
         other["zenflow"]["fsdp_rank"] = (rank + 1) % RANKS
+        seal(other)  # (a consistent state of another rank: the rank check must refuse it, not the checksum)
         try:
             opt_b.load_state_dict(other)
             refused = ""

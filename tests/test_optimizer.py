@@ -345,6 +345,7 @@ def test_skipped_step_leaves_weights_and_state_untouched():
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before_w[name])
     assert after_s["zenflow"].pop("skipped_steps") == before_s["zenflow"].pop("skipped_steps") + 1
+    after_s["zenflow"].pop("checksum"), before_s["zenflow"].pop("checksum")  # (it covers skipped_steps)
     assert after_s["zenflow"] == before_s["zenflow"]
     for i, entry in before_s["state"].items():
         for key, value in entry.items():
@@ -703,3 +704,50 @@ def test_flush_and_checkpoint_after_close_work():
     assert zen_a == zen_b
     for p, q in zip(weights_a, weights_b):
         assert torch.equal(p, q)
+
+
+# ---- construction checks and copies (issue 22) ------------------------------------------------------------------
+@pytest.mark.parametrize("make", [lambda: torch.randn(64, 64)[:, ::2], lambda: torch.randn(64, 40)[:, :32],
+                                  lambda: torch.randn(128, 32)[::2], lambda: torch.randn(128)[::2]])
+def test_non_dense_parameter_is_refused_at_construction_naming_its_strides(make):
+    p = torch.nn.Parameter(make())  # (nn.Parameter keeps the view's strides: a parameter with gaps in memory)
+    with pytest.raises(ValueError, match=r"w.*strides"):
+        ZenFlowAdamW([("w", p)], lr=LR, min_offload_numel=0)
+
+
+def test_dense_permuted_parameter_is_accepted_and_equals_adamw():
+    # a dense but permuted 3-D layout (no gaps): the gradient gets the parameter's strides, the update is exact
+    base = torch.randn(4, 8, 16).permute(2, 0, 1)
+    p, q = torch.nn.Parameter(base.clone()), torch.nn.Parameter(base.clone())
+    opt, ref = ZenFlowAdamW([p], lr=LR, min_offload_numel=0, topk_ratio=0.25), torch.optim.AdamW([q], lr=LR)
+    for step in range(6):
+        g = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+        for t, o in ((p, opt), (q, ref)):
+            t.grad = g.clone()
+            o.step()
+    opt.flush()
+    opt.close()
+    assert (p - q).abs().max() < 1e-6
+
+
+def test_duplicate_parameter_in_one_list_is_refused():
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(ValueError, match="more than once"):
+        ZenFlowAdamW([p, p], lr=LR)
+
+
+def test_float64_parameter_is_refused_naming_the_dtype():
+    p = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="float64"):
+        ZenFlowAdamW([("w", p)], lr=LR)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copy_and_pickle_are_refused_at_copy_time(how):
+    import pickle
+
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, min_offload_numel=0)
+    with pytest.raises(TypeError, match="state_dict"):
+        copy.deepcopy(opt) if how == "deepcopy" else pickle.dumps(opt)
+    opt.close()

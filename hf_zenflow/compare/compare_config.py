@@ -9,8 +9,12 @@ import torch
 
 from hf_zenflow.compare.cores import CoreSplit
 from hf_zenflow.compare.data_source import DataSpec
-from hf_zenflow.compare.report import OPTIMIZERS
 from hf_zenflow.config import ZenFlowConfig
+
+
+#: The optimizers a comparison can run, in report order. (Here, not in `report`, which imports the Hugging Face
+#: stack: the command-line parser reads it and must stay quick, so that a bad flag is refused at once.)
+OPTIMIZERS = ("adamw_torch", "sync_offload", "zenflow")
 
 
 #: ZenFlow's re-selection period (steps) when `compare` is given ``--select-strategy step`` without an interval.

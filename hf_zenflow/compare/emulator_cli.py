@@ -9,6 +9,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from hf_zenflow.cli_types import fraction, positive_float, positive_int
 from hf_zenflow.compare.emulator_report import format_estimate
 from hf_zenflow.compare.emulator_scenario import LINK_BYTES_PER_PARAM, SCENARIOS, EmulatorScenario
 from hf_zenflow.compare.emulator_schedules import run_estimate
@@ -18,32 +19,32 @@ from hf_zenflow.compare.ranks import PARALLEL_MODES, check_ranks
 def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
                    help="a calibrated preset; other flags given explicitly override its values")
-    p.add_argument("--params", "--model-params", dest="params", type=float, default=None,
+    p.add_argument("--params", "--model-params", dest="params", type=positive_float, default=None,
                    help="model parameters (e.g. 7e9) [7e9]")
     add_hardware_arguments(p)
-    p.add_argument("--device-step-ms", type=float, default=None,
+    p.add_argument("--device-step-ms", type=positive_float, default=None,
                    help="forward+backward time of one step on the device [2045]")
-    p.add_argument("--link-gbps", type=float, default=None,
+    p.add_argument("--link-gbps", type=positive_float, default=None,
                    help="host<->device bandwidth per direction, GB/s; sets the offload/upload times for bf16 "
                         "gradients/parameters [28, i.e. 500 ms for 7B]")
-    p.add_argument("--host-cores", type=int, default=None,
+    p.add_argument("--host-cores", type=positive_int, default=None,
                    help="host cores of the target machine: without --cpu-update-ms the host AdamW time is this "
                         "machine's measured rate on these cores (beyond its own cores: its per-thread rate x cores, "
                         "capped by its memory bandwidth), or with --host-from-profile the published rate (7e9 params "
                         "in 4.6 s on 128 threads) scaled linearly to them [this machine's cores; 128 with "
                         "--host-from-profile]")
-    p.add_argument("--cpu-update-ms", type=float, default=None,
+    p.add_argument("--cpu-update-ms", type=positive_float, default=None,
                    help="host AdamW time for the whole model on the target machine (else extrapolated)")
-    p.add_argument("--device-optimizer-ms", type=float, default=None,
+    p.add_argument("--device-optimizer-ms", type=positive_float, default=None,
                    help="AdamW over the whole model on the device (else params x 28 B / --device-mem-gbps)")
-    p.add_argument("--device-mem-gbps", type=float, default=None, help="device memory bandwidth, GB/s [8000]")
-    p.add_argument("--topk-ratio", type=float, default=None, help="[0.1]")
-    p.add_argument("--update-interval", type=int, default=None, help="[4]")
-    p.add_argument("--emulated-params", type=float, default=None,
+    p.add_argument("--device-mem-gbps", type=positive_float, default=None, help="device memory bandwidth, GB/s [8000]")
+    p.add_argument("--topk-ratio", type=fraction, default=None, help="[0.1]")
+    p.add_argument("--update-interval", type=positive_int, default=None, help="[4]")
+    p.add_argument("--emulated-params", type=positive_float, default=None,
                    help="real parameters the host code runs on (the scaled-down model; ~4 GB of host memory at "
                         "the default) [1e8]")
-    p.add_argument("--steps", type=int, default=None, help="steps per schedule [14]")
-    p.add_argument("--host-threads", type=int, default=None,
+    p.add_argument("--steps", type=positive_int, default=None, help="steps per schedule [14]")
+    p.add_argument("--host-threads", type=positive_int, default=None,
                    help="host worker threads here (cpu_threads; default: the cores in this process's affinity "
                         "minus one, as the training thread runs one thread: README, Threads)")
     p.add_argument("--ranks", type=rank_count, default=None,
@@ -53,7 +54,7 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", choices=PARALLEL_MODES, default=None,
                    help="with --ranks: how the ranks split the offloaded part: ddp (1/N of every matrix's rows, "
                         "all-gather at write-back) or fsdp2 (each rank's shard, no weight collective) [ddp]")
-    p.add_argument("--interconnect-gbps", type=float, default=None,
+    p.add_argument("--interconnect-gbps", type=positive_float, default=None,
                    help="GPU<->GPU bandwidth per GPU and direction, GB/s, for DDP's all-gather [the profile's; "
                         "else 25, a PCIe Gen4 node]")
     p.add_argument("--output", default=None, help="write the result as JSON to this file")
@@ -81,7 +82,7 @@ def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
                         "the bound model (where "
                         "each schedule is bound and which setting moves the bound), then runs the emulator on the "
                         "profile's figures; explicit flags override them")
-    p.add_argument("--tokens-per-step", type=float, default=4096,
+    p.add_argument("--tokens-per-step", type=positive_float, default=4096,
                    help="with --hardware: tokens per optimizer step (forward+backward = 6 x params x tokens FLOPs)")
     p.add_argument("--model-only", action="store_true",
                    help="with --hardware: print the bound model only, do not run the emulator")

@@ -57,6 +57,9 @@ def prepare_output_dir(output_dir: str | None, model: str | None, overwrite: boo
     if output_dir is None:
         return new_run_dir(Path(DEFAULT_PARENT), model)
     path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise OutputExistsError(f"--output-dir {path} is a file, not a folder: name a folder (new or a previous "
+                                "compare run's, with --overwrite).")
     taken = [name for name in OUTPUT_NAMES if (path / name).exists()]
     if taken and not overwrite:
         raise OutputExistsError(

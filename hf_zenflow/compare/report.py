@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hf_zenflow.compare.compare_config import OPTIMIZERS
 from hf_zenflow.compare.metrics import is_cost, is_fraction, metric_key
 from hf_zenflow.hf.model_card import format_bytes
 
 
-OPTIMIZERS = ("adamw_torch", "sync_offload", "zenflow")
 BASELINES = ("adamw_torch", "sync_offload")
 #: Column headers: short enough for an ~110-character terminal table.
 SHORT_NAMES = {"adamw_torch": "adamw_torch", "sync_offload": "sync offload", "zenflow": "ZenFlow"}

@@ -63,12 +63,17 @@ def convert_checkpoint(folder: str | Path, output_dir: str | Path | None = None)
         folder = output_dir
     path = folder / OPTIMIZER_FILE
     state = load_file(path)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not an optimizer state dict.")
     if is_torch_adamw_state(state):
         raise CheckpointError(f"{path} is already a torch.optim.AdamW state dict: nothing to convert (ZenFlowTrainer "
                               "resumes it as it is).")
     if state.get("zenflow") is None:
         raise CheckpointError(f"{path} holds no ZenFlowAdamW state (never stepped?): nothing to convert.")
-    adamw, masters = to_torch_adamw(state)
+    try:
+        adamw, masters = to_torch_adamw(state)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
     names = {int(i): e.get("name") for i, e in state["state"].items()}
     from safetensors.torch import load_file as load_weights
     from safetensors.torch import save_file as save_weights

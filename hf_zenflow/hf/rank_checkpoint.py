@@ -142,8 +142,8 @@ def reshard_checkpoint(checkpoint: str, world_size: int, parallel: str | None = 
     again (`hf_zenflow.checkpoint_reshard.reshard_states`), so that each new rank reads only its own file. One rank:
     ``optimizer.pt`` (a Trainer checkpoint; ``optimizer.bin`` when the folder is accelerate's); several: one rank file
     each (``optimizer.bin``, when present, becomes a pointer to them). The files it replaces are kept with the suffix
-    ``.before_reshard``. `parallel`: ``"ddp"`` or ``"fsdp2"`` for the new ranks (default: as saved). Returns the
-    files written."""
+    ``.before_reshard`` (``.before_reshard.2``, ... when an earlier run's backups are there). `parallel`:
+    ``"ddp"`` or ``"fsdp2"`` for the new ranks (default: as saved). Returns the files written."""
     from ..checkpoint_reshard import reshard_states
 
     sizes = saved_world_sizes(checkpoint)
@@ -167,8 +167,10 @@ def reshard_checkpoint(checkpoint: str, world_size: int, parallel: str | None = 
         log(f"reading {path}")
         old, states = [path], [load_file(path, map_location="cpu")]
     new_states = reshard_states(states, world_size, parallel)
-    for path in old + ([os.path.join(checkpoint, one_name)] if sizes and accelerate else []):
-        os.replace(path, path + ".before_reshard")
+    replaced = old + ([os.path.join(checkpoint, one_name)] if sizes and accelerate else [])
+    suffix = _free_backup_suffix(replaced)
+    for path in replaced:
+        os.replace(path, path + suffix)
     written = []
     if world_size == 1:
         written.append(os.path.join(checkpoint, one_name))
@@ -182,6 +184,17 @@ def reshard_checkpoint(checkpoint: str, world_size: int, parallel: str | None = 
     for path in written:
         log(f"wrote {path}")
     return written
+
+
+def _free_backup_suffix(paths: list[str]) -> str:
+    """``.before_reshard``, or ``.before_reshard.N`` with the smallest N >= 2 that none of `paths` has used: an
+    earlier run's backups (perhaps the only original files left) are never overwritten."""
+    n = 1
+    while True:
+        suffix = ".before_reshard" if n == 1 else f".before_reshard.{n}"
+        if not any(os.path.exists(path + suffix) for path in paths):
+            return suffix
+        n += 1
 
 
 class _Saved:

@@ -42,6 +42,7 @@ from ..optimizer import ZenFlowAdamW
 from ..worker import wait_for_closed_workers
 from .args_upgrade import upgrade_training_arguments
 from .rank_checkpoint import OPTIMIZER_NAME, check_one_process_resume, load_rank_state, save_rank_state
+from .resume import newest_complete_checkpoint
 from .trainer_card import render_trainer_card
 from .trainer_telemetry import ZenFlowTelemetry, ZenFlowTelemetryCallback
 from .training_args import SUPPORTED_OPTIMS, ZenFlowTrainingArguments
@@ -213,6 +214,33 @@ class ZenFlowTrainer(Trainer):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        # resume_from_checkpoint=True: the stock Trainer takes the newest checkpoint-N folder even when a process
+        # killed while saving left it partial (and then fails on a missing file); take the newest complete one,
+        # naming those skipped. (When there is none, the stock Trainer's own error stands.)
+        if resume_from_checkpoint is True and getattr(self.args, "zenflow", False):
+            need_optimizer = not getattr(self.args, "zenflow_resume_without_optimizer", False)
+            found = newest_complete_checkpoint(self.args.output_dir, need_optimizer)
+            resume_from_checkpoint = found if found is not None else True
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _without_optimizer_state(self, checkpoint: str, path: str) -> None:
+        """A checkpoint with no optimizer state: refused, unless the user asked to resume without it."""
+        if not getattr(self.args, "zenflow_resume_without_optimizer", False):
+            raise CheckpointError(
+                f"{path}: no such file: checkpoint {checkpoint} has no ZenFlow optimizer state (a partial copy, or "
+                "saved with save_only_model). Resuming would restart the moments and the ZenFlow schedule. Resume "
+                "from a complete checkpoint, or set zenflow_resume_without_optimizer=True to continue with a fresh "
+                "optimizer state.")
+        logger.warning("ZenFlowTrainer: %s has no optimizer state (%s missing): resuming with a fresh optimizer state "
+                       "(zenflow_resume_without_optimizer=True); the learning-rate schedule is restored when its "
+                       "file is there.", checkpoint, os.path.basename(path))
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            with warnings.catch_warnings(record=True) as caught:
+                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            reissue_pt_warnings(caught)
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # A damaged optimizer.pt must say which file and what is wrong, not raise a bare EOFError from torch.load;
         # a ZenFlow state that fails validation says which tensor (ZenFlowAdamW.load_state_dict) and which file.
@@ -222,8 +250,9 @@ class ZenFlowTrainer(Trainer):
             return self._load_rank_optimizer_and_scheduler(checkpoint)
         check_one_process_resume(checkpoint)
         path = os.path.join(checkpoint, OPTIMIZER_NAME)
-        if os.path.isfile(path):
-            check_file(path)
+        if not os.path.isfile(path):
+            return self._without_optimizer_state(checkpoint, path)
+        check_file(path)
         try:
             super()._load_optimizer_and_scheduler(checkpoint)
         except CheckpointError as exc:
@@ -232,7 +261,7 @@ class ZenFlowTrainer(Trainer):
     def _load_rank_optimizer_and_scheduler(self, checkpoint: str) -> None:
         state = load_rank_state(checkpoint, self.args.process_index, self.args.world_size)
         if state is None:
-            return  # no optimizer state in the checkpoint: start afresh, as the stock Trainer does
+            return self._without_optimizer_state(checkpoint, os.path.join(checkpoint, OPTIMIZER_NAME))
         try:
             self.optimizer.load_state_dict(state)
         except CheckpointError as exc:

@@ -106,6 +106,12 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
                   "row-major.",
                   "choices": list(_LAYOUTS)},
     )
+    zenflow_resume_without_optimizer: bool = field(
+        default=False,
+        metadata={"help": "Resume from a checkpoint that has no optimizer state (a partial copy, or saved with "
+                  "save_only_model) with a fresh optimizer state and a warning. Without it such a checkpoint is "
+                  "refused: the moments and the ZenFlow schedule would be lost silently."},
+    )
     zenflow_from_deepspeed: str | None = field(
         default=None,
         metadata={"help": "A DeepSpeed ZenFlow config (JSON file path, JSON text or dict) to move over: its zenflow "

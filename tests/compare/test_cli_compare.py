@@ -336,3 +336,37 @@ def test_compare_causal_lm_on_a_users_text_reports_perplexity(tmp_path: Path) ->
     card = (out / "zenflow_model" / "README.md").read_text()
     assert "- perplexity" in card.split("---")[1]
     assert _card_row(card, "held-out perplexity, ZenFlow ÷ adamw_torch").endswith("×")
+
+
+# ---- bad numbers and file-system problems (issue 22) --------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ["compare", "--steps", "0"], ["compare", "--steps", "-1"], ["compare", "--lr", "-1"],
+    ["compare", "--topk-ratio", "1.5"], ["compare", "--update-interval", "0"], ["compare", "--batch-size", "0"],
+    ["compare", "--warmup-ratio", "2"], ["compare", "--log-every", "-1"], ["compare", "--steps", "nan"],
+    ["tune", "--steps", "0"], ["tune", "--budget-minutes", "0"], ["tune", "--topk", "0.1", "-0.2"],
+    ["estimate", "--steps", "0"], ["estimate", "--link-gbps", "-5"], ["estimate", "--topk-ratio", "2"],
+    ["reshard-checkpoint", "somewhere", "--world-size", "0"],
+])
+def test_bad_numbers_are_refused_at_parse_time_leaving_no_folder(argv, tmp_path, monkeypatch, capsys):
+    """Regression: `compare --steps 0` failed after 13 s of setup with a StatisticsError traceback and left an empty
+    run folder."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    extra = ["--output-dir", str(out)] if argv[0] in ("compare", "tune") else []
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, *extra])
+    assert exit_info.value.code == 2
+    flag = next(a for a in argv if a.startswith("--"))
+    assert flag in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no run folder, no default zenflow_compare/
+
+
+@pytest.mark.parametrize("command", ["compare", "tune"])
+def test_an_output_dir_naming_a_file_is_one_line(command, tmp_path, capsys):
+    """Regression: --output-dir naming a file raised a raw FileExistsError traceback."""
+    taken = tmp_path / "a_file"
+    taken.write_text("not a folder")
+    assert main([command, "--output-dir", str(taken)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hf-zenflow {command}: ") and "\n" not in err and str(taken) in err
+    assert taken.read_text() == "not a folder"

@@ -396,3 +396,45 @@ def test_no_host_thread_outlives_train_and_a_second_train_restarts_it(tmp_path, 
     assert len(workers.seen) == 2 and not workers.seen[1].is_alive()
     assert trainer.state.global_step == 6 and trainer.zenflow_optimizer.stats()["steps"] == 12
     assert _host_threads() <= before
+
+
+# ---- resuming from incomplete checkpoints (issue 22) --------------------------------------------------------------
+RESUME = dict(max_steps=6, zenflow_update_interval=2, save_strategy="steps", save_steps=3)
+
+
+def test_a_checkpoint_without_the_optimizer_state_is_refused_by_name(tmp_path, train_dataset, caplog):
+    """Regression: with optimizer.pt missing (a partial copy, save_only_model) the resume started a fresh optimizer
+    without a word: moments and schedule lost."""
+    from hf_zenflow import CheckpointError
+
+    zenflow_run(tmp_path, train_dataset, "full", **RESUME)
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    (checkpoint / "optimizer.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"checkpoint-3.*optimizer\.pt.*zenflow_resume_without_optimizer"):
+        zenflow_run(tmp_path, train_dataset, "refused", resume=str(checkpoint), **RESUME)
+    # asked for: it resumes with a fresh optimizer state, and says so
+    with caplog.at_level("WARNING", logger="hf_zenflow"):
+        resumed = zenflow_run(tmp_path, train_dataset, "asked", resume=str(checkpoint),
+                              zenflow_resume_without_optimizer=True, **RESUME)
+    assert resumed.state.global_step == 6
+    assert "optimizer.pt" in caplog.text and "fresh optimizer state" in caplog.text
+
+
+@pytest.mark.parametrize("broken", ["trainer_state.json", "optimizer.pt", "model.safetensors"])
+def test_resume_true_skips_an_incomplete_newest_checkpoint(tmp_path, train_dataset, broken, caplog):
+    """Regression: after a kill during a save, resume_from_checkpoint=True picked the partial newest folder and
+    failed (FileNotFoundError ... trainer_state.json) although a complete older checkpoint existed."""
+    full = zenflow_run(tmp_path, train_dataset, "full", **RESUME)
+    run = tmp_path / "run"
+    (run / "checkpoint-3").mkdir(parents=True)
+    for item in (tmp_path / "full" / "checkpoint-3").iterdir():
+        (run / "checkpoint-3" / item.name).write_bytes(item.read_bytes())
+    partial = run / "checkpoint-6"
+    partial.mkdir()
+    for item in (tmp_path / "full" / "checkpoint-6").iterdir():
+        if item.name != broken:
+            (partial / item.name).write_bytes(item.read_bytes())
+    with caplog.at_level("WARNING", logger="hf_zenflow"):
+        resumed = zenflow_run(tmp_path, train_dataset, "run", resume=True, **RESUME)
+    assert "checkpoint-6" in caplog.text and broken in caplog.text and "checkpoint-3" in caplog.text
+    assert logged(resumed)[3:] == logged(full)[3:]  # steps 4-6 trained again from checkpoint-3, as uninterrupted

@@ -1,0 +1,53 @@
+"""argparse types of the `hf-zenflow` numeric flags: a bad number is refused while the command line is parsed
+(argparse prints the flag, the value and what is allowed, and exits with status 2), before any model is loaded or
+any output folder is made."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def _number(kind: type, low: float | None, high: float | None, low_open: bool, allowed: str
+            ) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {allowed}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {allowed}")
+        if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed is {allowed}")
+        return value
+
+    parse.__name__ = allowed  # (argparse names the type in some messages)
+    return parse
+
+
+positive_int = _number(int, 1, None, False, "an integer >= 1")
+non_negative_int = _number(int, 0, None, False, "an integer >= 0")
+positive_float = _number(float, 0.0, None, True, "a number > 0")
+non_negative_float = _number(float, 0.0, None, False, "a number >= 0")
+fraction = _number(float, 0.0, 1.0, False, "a number in [0, 1]")
+
+
+def interval(text: str) -> int | str:
+    """An update/select interval: an integer >= 1 or "auto"."""
+    return "auto" if text.strip().lower() == "auto" else _interval_int(text)
+
+
+_interval_int = _number(int, 1, None, False, 'an integer >= 1 or "auto"')
+
+
+def lr_scale(text: str) -> float | str:
+    """A host learning-rate scale: a number > 0 or "interval"."""
+    return "interval" if text.strip().lower() == "interval" else _scale_float(text)
+
+
+_scale_float = _number(float, 0.0, None, True, 'a number > 0 or "interval"')
+
+
+__all__ = ["fraction", "interval", "lr_scale", "non_negative_float", "non_negative_int", "positive_float",
+           "positive_int"]
