@@ -18,6 +18,7 @@ import torch
 
 from ._base import by_device
 from .config import ZenFlowConfig
+from .cpu_device.transport import CpuShardTransport
 from .device_step import DenseDeviceState, DeviceColumns, device_update, scatter_columns
 from .distributed_check import note_host_split
 from .host import HostMatrix, accumulate_into, host_adamw_window
@@ -25,7 +26,7 @@ from .schedule import WindowSchedule, host_lr_scale
 from .sharding import RankGroup
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
-from .transport import CopyTransport, Landed, Transport, transport_for
+from .transport import Landed, Transport, transport_for
 from .worker import GradSlot, HostAdamWorker
 
 
@@ -114,9 +115,10 @@ class HostWindows:
         kind = split.param.device.type
         if kind not in self.transports:
             # An FSDP2 shard is a view into FSDP2's flat sharded storage, from which it all-gathers the weights:
-            # the write-back must copy into it (the CPU device's storage swap would detach the view).
-            copy = self.param_shards is not None and kind == "cpu"
-            self.transports[kind] = CopyTransport() if copy else transport_for(split.param.device)
+            # the write-back must copy into it (the CPU device's storage swap would detach the view); its gradients
+            # are read in place like any CPU device's
+            shard = self.param_shards is not None and kind == "cpu"
+            self.transports[kind] = CpuShardTransport() if shard else transport_for(split.param.device)
         return self.transports[kind]
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:
