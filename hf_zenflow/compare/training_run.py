@@ -238,6 +238,10 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
         "host_step_ms_mean": _mean(host_ms) if is_engine else None,
         "bytes_to_host_per_step": _mean(rec["bytes_to_host"][timed]) if is_engine else 0.0,
         "bytes_to_device_per_step": _mean(rec["bytes_to_device"][timed]) if is_engine else 0.0,
+        # both directions of the link, and the host state per offloaded parameter (issue 23's two byte figures)
+        "link_bytes_per_step": sum(_mean(rec[k][timed]) or 0.0 for k in ("bytes_to_host", "bytes_to_device"))
+        if is_engine else 0.0,
+        "host_bytes_per_param": last_stats.get("host_bytes_per_param") if is_engine else None,
         "flush_ms": flush_ms,
         "peak_device_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "host_rss_peak_bytes": rss_peak,
