@@ -168,16 +168,31 @@ class HostMatrix:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+#: Elements per piece of a matrix whose moments are stored narrow: bounds the fp32 scratch (two buffers of this
+#: many fp32 per worker thread, 32 MiB) whatever the largest matrix (a 7B model's embedding: 131 M elements).
+NARROW_CHUNK = 1 << 22
+
+
 def _adamw_narrow_moments(m: HostMatrix, hyper: dict) -> None:
     """The host AdamW of a matrix whose moments are stored narrow (bf16): torch's fused kernel wants one dtype per
-    call, so the moments are widened into two per-thread fp32 scratch buffers, updated by the same fp32 kernel as
-    fp32 moments (against the fp32 master and window mean), and rounded back to nearest. One matrix at a time: the
-    scratch is the size of the largest matrix, not of the state."""
-    avg = _fp32_scratch(m.exp_avg, "avg").copy_(m.exp_avg)
-    avg_sq = _fp32_scratch(m.exp_avg_sq, "avg_sq").copy_(m.exp_avg_sq)
-    fused_adamw_([m.master], [m.accum], [avg], [avg_sq], [m.step], hyper)
-    m.exp_avg.copy_(avg)
-    m.exp_avg_sq.copy_(avg_sq)
+    call, so each piece of the moments is widened into two per-thread fp32 scratch buffers, updated by the same
+    fp32 kernel as fp32 moments (against the fp32 master and window mean), and rounded back to nearest. AdamW is
+    elementwise, so pieces give the bits of one call; each piece steps a copy of the step count, which then
+    becomes the matrix's."""
+    tensors = (m.master, m.accum, m.exp_avg, m.exp_avg_sq)
+    if not all(t.is_contiguous() for t in tensors):
+        tensors = tuple(t.t() for t in tensors)  # column-major (`column_major_`): contiguous as transposes
+    flat = [t.view(-1) for t in tensors]  # (raises rather than copy, should a layout ever not be contiguous)
+    step = m.step
+    for start in range(0, flat[0].numel(), NARROW_CHUNK):
+        master, accum, exp_avg, exp_avg_sq = (t[start:start + NARROW_CHUNK] for t in flat)
+        avg = _fp32_scratch(exp_avg, "avg").copy_(exp_avg)
+        avg_sq = _fp32_scratch(exp_avg_sq, "avg_sq").copy_(exp_avg_sq)
+        step = m.step.clone()
+        fused_adamw_([master], [accum], [avg], [avg_sq], [step], hyper)
+        exp_avg.copy_(avg)
+        exp_avg_sq.copy_(avg_sq)
+    m.step.copy_(step)
 
 
 def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]]) -> None:
