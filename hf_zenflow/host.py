@@ -5,7 +5,9 @@ Host memory per offloaded parameter element: fp32 master (4 B) + fp32 exp_avg an
 accumulator (4 B) = 16 B, plus a write-back buffer in the parameter dtype (pinned on CUDA; on a CPU device it is a
 spare storage of the weight, swapped in at each write-back instead of a copy) and on CUDA a pinned copy of the
 gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``). One moment set
-(DeepSpeed keeps two, zenflow.md §3.12).
+(DeepSpeed keeps two, zenflow.md §3.12). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
+updated in fp32 pieces, `_adamw_narrow_moments`), ``host_grad_dtype="bfloat16"`` lands fp32 gradients as bf16 (half
+the landing buffers and the bytes to host).
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
 [in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
