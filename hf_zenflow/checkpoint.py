@@ -100,7 +100,9 @@ def pack(opt: ZenFlowAdamW) -> dict[str, Any]:
             # the open window's sum, wherever it is kept (the host worker is idle: closed windows are applied)
             accum, count = (split.window_sum, split.window_count) if split.window_sum is not None else (
                 h.accum, h.accum_count)
-            entry.update(host_master=h.master, host_exp_avg=h.exp_avg, host_exp_avg_sq=h.exp_avg_sq,
+            # moments stored bf16 (host_moment_dtype) are saved widened, exactly: the file format stays fp32, and a
+            # resume under either setting restores them (the setting itself is in the saved config)
+            entry.update(host_master=h.master, host_exp_avg=h.exp_avg.float(), host_exp_avg_sq=h.exp_avg_sq.float(),
                          host_step=h.step, accum=accum if count else None, accum_count=count)
             if split.share.ranks > 1:
                 entry["share"] = [split.share.start, split.share.length, split.share.size]

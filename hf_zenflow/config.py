@@ -30,6 +30,8 @@ MIN_OFFLOAD_NUMEL = 1 << 18
 
 _SELECT_STRATEGIES = ("auto", "step", "epoch")
 _ACCUMULATE_ON = ("host", "device")
+_HOST_GRAD_DTYPES = ("auto", "bfloat16")
+_HOST_MOMENT_DTYPES = ("float32", "bfloat16")
 
 
 def _is_int(value: Any) -> bool:
@@ -152,6 +154,23 @@ class ZenFlowConfig:
                   "offloaded parameter of device memory) and crosses the link once per window; the host then only "
                   "runs the AdamW. Use it when the host cannot keep up with one accumulation per step.",
                   "choices": _ACCUMULATE_ON},
+    )
+    host_grad_dtype: str = field(
+        default="auto",
+        metadata={"help": 'The dtype of each step\'s gradient on its way to the host. "auto": the gradient\'s own. '
+                  '"bfloat16": an fp32 gradient is rounded to bf16 on the device before it crosses the link (half '
+                  "the device-to-host bytes and half the landing buffers); the host still sums the window in fp32. "
+                  'Other gradients (bf16, fp16) cross as they are. (accumulate_on="device" sums on the device and '
+                  "ships the fp32 sum once per window: unaffected.)",
+                  "choices": _HOST_GRAD_DTYPES},
+    )
+    host_moment_dtype: str = field(
+        default="float32",
+        metadata={"help": 'The dtype of the host AdamW moments (exp_avg, exp_avg_sq). "bfloat16": stored in bf16 '
+                  "(4 bytes less per offloaded parameter of host memory); the host AdamW widens them to fp32, "
+                  "updates in fp32 against the fp32 master, and rounds them back to nearest. The device columns "
+                  "and checkpoints keep fp32 moments.",
+                  "choices": _HOST_MOMENT_DTYPES},
     )
     cpu_threads: int | None = field(
         default=None,

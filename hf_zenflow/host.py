@@ -5,7 +5,9 @@ Host memory per offloaded parameter element: fp32 master (4 B) + fp32 exp_avg an
 accumulator (4 B) = 16 B, plus a write-back buffer in the parameter dtype (pinned on CUDA; on a CPU device it is a
 spare storage of the weight, swapped in at each write-back instead of a copy) and on CUDA a pinned copy of the
 gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``). One moment set
-(DeepSpeed keeps two, zenflow.md §3.12).
+(DeepSpeed keeps two, zenflow.md §3.12). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
+updated in fp32 pieces, `_adamw_narrow_moments`), ``host_grad_dtype="bfloat16"`` lands fp32 gradients as bf16 (half
+the landing buffers and the bytes to host).
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
 [in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
@@ -36,14 +38,26 @@ GRAD_SLOTS = 2
 _scratch = threading.local()
 
 
-def _fp32_scratch(like: torch.Tensor) -> torch.Tensor:
-    """A reused fp32 buffer shaped like `like`, one per thread. Adding a bf16 tensor into an fp32 one directly is
-    ~3.5x slower on CPU than converting into a warm fp32 buffer first and adding that (measured, 25M elements:
-    135 ms against 16 + 21 ms); a fresh conversion each time pays page faults instead."""
-    buf = getattr(_scratch, "buf", None)
+def _fp32_scratch(like: torch.Tensor, name: str = "buf") -> torch.Tensor:
+    """A reused fp32 buffer shaped (and laid out) like `like`, one per thread and `name`. Adding a bf16 tensor into
+    an fp32 one directly is ~3.5x slower on CPU than converting into a warm fp32 buffer first and adding that
+    (measured, 25M elements: 135 ms against 16 + 21 ms); a fresh conversion each time pays page faults instead."""
+    buf = getattr(_scratch, name, None)
     if buf is None or buf.numel() < like.numel():
-        buf = _scratch.buf = torch.empty(like.numel(), dtype=torch.float32)
+        buf = torch.empty(like.numel(), dtype=torch.float32)
+        setattr(_scratch, name, buf)
     return buf[: like.numel()].view(like.shape)
+
+
+def link_grad_dtype(grad_dtype: torch.dtype, setting: str) -> torch.dtype:
+    """The dtype a gradient of `grad_dtype` crosses the link in under ``host_grad_dtype=setting``: bf16 only narrows
+    an fp32 gradient (an fp16 one would lose range, a bf16 one is there already)."""
+    return torch.bfloat16 if setting == "bfloat16" and grad_dtype == torch.float32 else grad_dtype
+
+
+def moment_dtype(setting: str) -> torch.dtype:
+    """The storage dtype of the host moments under ``host_moment_dtype=setting``."""
+    return torch.bfloat16 if setting == "bfloat16" else torch.float32
 
 
 def accumulate_into(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | None, first: bool) -> None:
@@ -77,6 +91,9 @@ class HostMatrix:
     step: torch.Tensor
     accum: torch.Tensor
     accum_count: int = 0
+    # the dtype each step's gradient reaches the host in (`link_grad_dtype`): the staging buffers' on a transport
+    # that copies; a transport that hands over references casts to it
+    grad_dtype: torch.dtype = torch.float32
     # CUDA only: pinned landing buffers for the device->host gradient copy (one per slot).
     staging: list[torch.Tensor] = field(default_factory=list)
     # The host result in the parameter dtype, filled by the worker after each host step: on CUDA a pinned buffer
@@ -89,21 +106,23 @@ class HostMatrix:
 
     @classmethod
     def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host",
-               transport: Transport | None = None) -> HostMatrix:
+               transport: Transport | None = None, moments: torch.dtype = torch.float32) -> HostMatrix:
         """Host state for `param2d`. The buffers that cross the link come from `transport` (pinned from one arena
         on CUDA): the write-back buffer, the gradient landing buffers when the transport copies each step's
         gradient (one per hand-off slot), and the accumulator when the window is summed on the device
         (``accumulate_on="device"``: it lands there once per window, and no landing buffers are needed). The master
-        and the moments never cross the link and are ordinary host memory."""
+        and the moments never cross the link and are ordinary host memory; the moments in `moments` (fp32, or bf16
+        with ``host_moment_dtype="bfloat16"``). `grad_dtype`: the dtype gradients cross the link in."""
         transport = transport if transport is not None else Transport()  # (references, no pinning)
         on_device = accumulate_on == "device"
         shape = param2d.shape
         state = cls(
             master=torch.empty(shape, dtype=torch.float32).copy_(param2d.detach()),
-            exp_avg=torch.zeros(shape, dtype=torch.float32),
-            exp_avg_sq=torch.zeros(shape, dtype=torch.float32),
+            exp_avg=torch.zeros(shape, dtype=moments),
+            exp_avg_sq=torch.zeros(shape, dtype=moments),
             step=torch.zeros((), dtype=torch.float32),
             accum=(transport.host_buffer(shape, torch.float32) if on_device else torch.empty(shape)).zero_(),
+            grad_dtype=grad_dtype,
         )
         if transport.stages_gradients and not on_device:
             state.staging = [transport.host_buffer(shape, grad_dtype) for _ in range(GRAD_SLOTS)]
@@ -151,6 +170,33 @@ class HostMatrix:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+#: Elements per piece of a matrix whose moments are stored narrow: bounds the fp32 scratch (two buffers of this
+#: many fp32 per worker thread, 32 MiB) whatever the largest matrix (a 7B model's embedding: 131 M elements).
+NARROW_CHUNK = 1 << 22
+
+
+def _adamw_narrow_moments(m: HostMatrix, hyper: dict) -> None:
+    """The host AdamW of a matrix whose moments are stored narrow (bf16): torch's fused kernel wants one dtype per
+    call, so each piece of the moments is widened into two per-thread fp32 scratch buffers, updated by the same
+    fp32 kernel as fp32 moments (against the fp32 master and window mean), and rounded back to nearest. AdamW is
+    elementwise, so pieces give the bits of one call; each piece steps a copy of the step count, which then
+    becomes the matrix's."""
+    tensors = (m.master, m.accum, m.exp_avg, m.exp_avg_sq)
+    if not all(t.is_contiguous() for t in tensors):
+        tensors = tuple(t.t() for t in tensors)  # column-major (`column_major_`): contiguous as transposes
+    flat = [t.view(-1) for t in tensors]  # (raises rather than copy, should a layout ever not be contiguous)
+    step = m.step
+    for start in range(0, flat[0].numel(), NARROW_CHUNK):
+        master, accum, exp_avg, exp_avg_sq = (t[start:start + NARROW_CHUNK] for t in flat)
+        avg = _fp32_scratch(exp_avg, "avg").copy_(exp_avg)
+        avg_sq = _fp32_scratch(exp_avg_sq, "avg_sq").copy_(exp_avg_sq)
+        step = m.step.clone()
+        fused_adamw_([master], [accum], [avg], [avg_sq], [step], hyper)
+        exp_avg.copy_(avg)
+        exp_avg_sq.copy_(avg_sq)
+    m.step.copy_(step)
+
+
 def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]]) -> None:
     """The host AdamW step of one window: mean gradient of the window, one fused call per param group.
 
@@ -162,10 +208,14 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]]) -> None:
         for m in live:
             if m.accum_count > 1:
                 m.accum.div_(m.accum_count)
+        wide = [m for m in live if m.exp_avg.dtype == torch.float32]
         fused_adamw_(
-            [m.master for m in live], [m.accum for m in live], [m.exp_avg for m in live],
-            [m.exp_avg_sq for m in live], [m.step for m in live], hyper,
+            [m.master for m in wide], [m.accum for m in wide], [m.exp_avg for m in wide],
+            [m.exp_avg_sq for m in wide], [m.step for m in wide], hyper,
         )
+        for m in live:
+            if m.exp_avg.dtype != torch.float32:
+                _adamw_narrow_moments(m, hyper)
         for m in live:
             m.accum_count = 0
             if m.writeback is not None:

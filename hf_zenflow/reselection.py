@@ -70,7 +70,7 @@ def select_columns(host: HostWindows, pairs: list[tuple[SplitMatrix, torch.Tenso
     chosen = [(split, top_columns(s, split.k)) for (split, _), s in zip(scored, scores) if bool(s.any())]
     chosen += [(split, torch.arange(split.k, device=split.param.device)) for split, _ in todo if not split.offloaded]
     hosted = [(split, index) for split, index in chosen if split.host is not None]
-    parts = [(split.share, t.index_select(split.axis, index.cpu())) for split, index in hosted
+    parts = [(split.share, t.index_select(split.axis, index.cpu()).float()) for split, index in hosted
              for t in (split.host.master, split.host.exp_avg, split.host.exp_avg_sq)]
     # Collective: on the parameters' device (the pieces are host state, which NCCL refuses); the full columns land
     # there, where `install_columns` wants them

@@ -63,12 +63,14 @@ class SplitMatrix:
         """This rank's share of the parameter or its gradient as a storage matrix: what the host state covers."""
         return self.share.local(self.matrix(t))
 
-    def attach_host(self, accumulate_on: str, transport: Transport | None = None, share: Share | None = None) -> None:
+    def attach_host(self, accumulate_on: str, transport: Transport | None = None, share: Share | None = None,
+                    grad_dtype: torch.dtype | None = None, moments: torch.dtype = torch.float32) -> None:
         """Create the host state of `share` (default: the whole matrix), its link buffers from `transport` (and,
-        accumulating on the device, the device-side window sum of that share)."""
+        accumulating on the device, the device-side window sum of that share). `grad_dtype`: the dtype gradients
+        cross the link in (default: the gradient's); `moments`: the host moments' storage dtype."""
         self.share = share if share is not None else Share(1 - self.axis, self.matrix(self.param).shape[1 - self.axis])
         part = self.host_part(self.param)
-        self.host = HostMatrix.create(part, self.grad_dtype, accumulate_on, transport)
+        self.host = HostMatrix.create(part, grad_dtype or self.grad_dtype, accumulate_on, transport, moments)
         if accumulate_on == "device":
             self.window_sum = torch.zeros(part.shape, dtype=torch.float32, device=self.param.device)
             self.window_count = 0
@@ -92,7 +94,7 @@ class SplitMatrix:
         host state shared by several ranks (`ranks`), a collective: every rank must call it."""
         if self.host is not None:
             host = self.host
-            parts = [(self.share, t) for t in (host.master, host.exp_avg, host.exp_avg_sq)]
+            parts = [(self.share, t.float()) for t in (host.master, host.exp_avg, host.exp_avg_sq)]  # (bf16 moments)
             # (a collective on the parameter's device, the full matrices back on the host)
             master, m, v = (ranks or RankGroup()).gather(parts, "full-state all-gather", self.param.device,
                                                          torch.device("cpu"))
@@ -120,7 +122,7 @@ class SplitMatrix:
             idx = self.device.index.cpu()
             for full, part in ((host.master, self.device.master), (host.exp_avg, self.device.exp_avg),
                                (host.exp_avg_sq, self.device.exp_avg_sq)):
-                full.index_copy_(self.axis, idx, self.share.local(part).cpu())
+                full.index_copy_(self.axis, idx, self.share.local(part).cpu().to(full.dtype))  # (bf16 moments)
             if self.k == 0:
                 self.device = None  # (topk_ratio now 0) every column lives on the host
         return not (self.k == 0 or (self.device is not None and self.device.k == self.k == self.columns))

@@ -67,7 +67,8 @@ class Transport:
                  ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
         """Start moving this step's gradients (this rank's share of each storage matrix) to the host; returns what
         the host job reads and what it must wait for. The caller then drops its references to the gradients."""
-        return [(split.host, split.host_part(g)) for split, g in work], Landed()
+        # (host_grad_dtype="bfloat16": the worker reads the gradient rounded as a copy over the link would be)
+        return [(split.host, split.host_part(g).to(split.host.grad_dtype)) for split, g in work], Landed()
 
     def compute_waits_for(self, landed: Landed) -> None:
         """Order the compute stream after the copies `landed` waits for (CUDA), so that the step's one sync covers
@@ -139,6 +140,9 @@ class CopyTransport(Transport):
         for device, items in by_device(work, lambda item: item[1].device):
             with self._copying(device):
                 for split, g in items:
+                    # a staging buffer narrower than the gradient (host_grad_dtype="bfloat16"): copy_ rounds on the
+                    # device, on this side stream (after its wait for the compute stream), into a temporary it
+                    # copies from; only the narrow bytes cross the link
                     self._copy(split.host.staging[slot], split.host_part(g))
                     self._keep_alive(g, device)
                 event = self._landed_event(device)

@@ -18,16 +18,17 @@ import torch
 
 from ._base import by_device
 from .config import ZenFlowConfig
+from .cpu_device.transport import CpuShardTransport
 from .device_step import DenseDeviceState, DeviceColumns, device_update, scatter_columns
 from .distributed_check import note_host_split
 from .handoff import EarlyCopies, HandOff
-from .host import HostMatrix, accumulate_into, host_adamw_window
+from .host import HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype, moment_dtype
 from .schedule import WindowSchedule, host_lr_scale
 from .sharding import RankGroup
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
 from .threads import claim_cores, release_cores
-from .transport import CopyTransport, Landed, Transport, transport_for
+from .transport import Landed, Transport, transport_for
 from .worker import HostAdamWorker
 
 
@@ -136,20 +137,23 @@ class HostWindows:
         kind = split.param.device.type
         if kind not in self.transports:
             # An FSDP2 shard is a view into FSDP2's flat sharded storage, from which it all-gathers the weights:
-            # the write-back must copy into it (the CPU device's storage swap would detach the view).
-            copy = self.param_shards is not None and kind == "cpu"
-            self.transports[kind] = CopyTransport() if copy else transport_for(split.param.device)
+            # the write-back must copy into it (the CPU device's storage swap would detach the view); its gradients
+            # are read in place like any CPU device's
+            shard = self.param_shards is not None and kind == "cpu"
+            self.transports[kind] = CpuShardTransport() if shard else transport_for(split.param.device)
         return self.transports[kind]
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:
         """Create the host state of `splits`, their link buffers from one reservation per transport."""
         accumulate_on = self.config.accumulate_on
         shares = {id(s): self.shards.share(1 - s.axis, s.matrix(s.param).shape[1 - s.axis]) for s in splits}
+        linked = {id(s): link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype) for s in splits}
+        moments = moment_dtype(self.config.host_moment_dtype)
         for transport, group in self.by_transport(splits):
-            transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), s.grad_dtype,
+            transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), linked[id(s)],
                                                         accumulate_on, transport) for s in group))
             for split in group:
-                split.attach_host(accumulate_on, transport, shares[id(split)])
+                split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], moments)
 
     def hand_off(
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
@@ -200,7 +204,7 @@ class HostWindows:
                     todo.append((split, g))
             if todo:
                 # (counted where a copy starts: a copy from backward that the step throws away counted too)
-                self.stats.bytes_to_host += sum(s.host_part(g).numel() * g.element_size() for s, g in todo)
+                self.stats.bytes_to_host += sum(s.host_part(g).numel() * s.host.grad_dtype.itemsize for s, g in todo)
                 more, arrived = self._sources(todo, grant.slot)
                 sources += more
                 landed.events += arrived.events
@@ -238,7 +242,7 @@ class HostWindows:
             early = self.early
         ((_, source),), landed = transport.hand_off([(split, g)], early.grant.slot)
         with self._early_lock:  # two devices' autograd threads may count at once (`+=` is not atomic)
-            self.stats.bytes_to_host += split.host_part(g).numel() * g.element_size()
+            self.stats.bytes_to_host += split.host_part(g).numel() * split.host.grad_dtype.itemsize
         early.copies[p] = (weakref.ref(g), g._version, source, landed)
 
     def forget_early_copies(self) -> None:

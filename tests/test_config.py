@@ -32,6 +32,8 @@ from hf_zenflow.config import DEFAULT_SELECT_STEPS, available_cpu_count
         ("host_lr_scale", "twice"),
         ("min_offload_numel", -1),
         ("accumulate_on", "gpu"),
+        ("host_grad_dtype", "float16"),
+        ("host_moment_dtype", "int8"),
         ("cpu_threads", 0),
         ("steps_per_epoch", 0),
         ("writeback_lag", 0),

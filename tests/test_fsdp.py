@@ -171,10 +171,10 @@ def fsdp_run(tmp_path_factory) -> tuple[list[dict], str]:
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(RANKS)], str(out)
 
 
-def _reference(monkeypatch: pytest.MonkeyPatch) -> tuple[Net, ZenFlowAdamW, dict]:
-    """One plain process on the global batch, moving data between device and host with copies as the FSDP2 ranks
-    do (a CPU device otherwise swaps storages and stages no gradient: its host bytes would not compare)."""
-    if DEVICE == "cpu":
+def _reference(monkeypatch: pytest.MonkeyPatch, copies: bool = True) -> tuple[Net, ZenFlowAdamW, dict]:
+    """One plain process on the global batch; with `copies`, moving data between device and host with copies as the
+    FSDP2 ranks write back (a CPU device otherwise swaps storages)."""
+    if DEVICE == "cpu" and copies:
         monkeypatch.setattr("hf_zenflow.windows.transport_for", lambda device: CopyTransport())
     model = _model()
     opt = _zenflow(model)
@@ -206,13 +206,16 @@ def test_two_fsdp2_ranks_train_like_one_process_on_the_global_batch(fsdp_run, mo
 @several_ranks
 @pytest.mark.timeout(240)
 def test_each_fsdp2_rank_holds_about_half_the_host_state(fsdp_run, monkeypatch):
+    """Against the plain process a user would run instead (on a CPU device: no gradient staging). The ranks stage
+    no gradient either: the shards' gradients are read in place (`CpuShardTransport`; before, two 4-B staging
+    slots per element made a rank 0.70x)."""
     runs, _ = fsdp_run
-    _, opt, stats = _reference(monkeypatch)
+    _, opt, stats = _reference(monkeypatch, copies=False)
     try:
         single = stats["host_state_bytes"]
     finally:
         opt.close()
-    assert_each_rank_holds_at_most(0.6, [run["stats"] for run in runs], single)
+    assert_each_rank_holds_at_most(0.55, [run["stats"] for run in runs], single)
 
 
 @pytest.mark.timeout(240)

@@ -263,6 +263,10 @@ def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.d
         "accumulate_ms_mean": _mean([v for v in rec["accumulate_ms"][timed] if v > 0]) if is_engine else None,
         "bytes_to_host_per_step": _mean(rec["bytes_to_host"][timed]) if is_engine else 0.0,
         "bytes_to_device_per_step": _mean(rec["bytes_to_device"][timed]) if is_engine else 0.0,
+        # both directions of the link, and the host state per offloaded parameter (issue 23's two byte figures)
+        "link_bytes_per_step": sum(_mean(rec[k][timed]) or 0.0 for k in ("bytes_to_host", "bytes_to_device"))
+        if is_engine else 0.0,
+        "host_bytes_per_param": last_stats.get("host_bytes_per_param") if is_engine else None,
         "flush_ms": flush_ms,
         # the device's busy share of the timed steps' wall time (`compare.timeline`)
         "device_utilization": device_utilization(rec["step_ms"][timed], waits[timed]),

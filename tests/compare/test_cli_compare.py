@@ -74,6 +74,8 @@ def test_compare_tiny_run_writes_all_outputs(tmp_path: Path, monkeypatch: pytest
     zen, sync = payload["results"]["zenflow"], payload["results"]["sync_offload"]
     # structure, not timing: the engines report traffic and state where the baseline has none
     assert zen["bytes_to_host_per_step"] > 0 and sync["bytes_to_device_per_step"] > 0
+    assert zen["link_bytes_per_step"] == pytest.approx(zen["bytes_to_host_per_step"] + zen["bytes_to_device_per_step"])
+    assert zen["host_bytes_per_param"] == zen["engine_stats"]["host_bytes_per_param"] > 12  # fp32 state and buffers
     assert zen["optimizer_state_host_bytes"] > 0 and zen["optimizer_state_device_bytes"] > 0
     assert zen["engine_stats"]["windows"] >= 1
     assert set(payload["ratios"]) == {"zenflow_vs_adamw_torch", "zenflow_vs_sync_offload"}

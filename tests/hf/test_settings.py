@@ -36,6 +36,8 @@ CASES = [
     ("host_lr_scale", "2.5", 2.5, {}),
     ("min_offload_numel", "12345", 12345, {}),
     ("accumulate_on", "Device", "device", {}),
+    ("host_grad_dtype", "BFloat16", "bfloat16", {}),
+    ("host_moment_dtype", "bfloat16", "bfloat16", {}),
     ("cpu_threads", "2", 2, {}),
     ("steps_per_epoch", "30", 30, {}),
 ]
