@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import accumulation
 from ._base import by_device
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, device_update, scatter_columns
@@ -70,6 +71,13 @@ class HostWindows:
         self.writeback_pending = False
         self.unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
         self.early: EarlyCopies | None = None
+        #: ``accumulate_on="auto"``'s choice, made when the first host state is created (`accumulation.py`)
+        self.accumulate_chosen: str | None = None
+
+    @property
+    def accumulate_on(self) -> str | None:
+        """Where windows are summed: the explicit setting, or "auto"'s choice (None before it is made)."""
+        return self.accumulate_chosen if self.config.accumulate_on == "auto" else self.config.accumulate_on
 
     def reset(self) -> None:
         """Forget every window in flight (the optimizer's state is being replaced; the worker is idle)."""
@@ -121,8 +129,12 @@ class HostWindows:
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:
         """Create the host state of `splits`, their link buffers from one reservation per transport."""
-        accumulate_on = self.config.accumulate_on
         shares = {id(s): self.shards.share(1 - s.axis, s.matrix(s.param).shape[1 - s.axis]) for s in splits}
+        if self.accumulate_on is None and splits:
+            # "auto" decides at the first host state: the first step's gradients exist (its forward and backward
+            # have run), and every rank creates its first host state at the same step
+            self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group)
+        accumulate_on = self.accumulate_on
         for transport, group in self.by_transport(splits):
             transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), s.grad_dtype,
                                                         accumulate_on, transport) for s in group))
@@ -142,7 +154,7 @@ class HostWindows:
                 if not started.done:
                     self.abandon_hand_off(started)
                 raise
-        elif self.config.accumulate_on == "device":
+        elif self.accumulate_on == "device":
             work = self.offloaded(entries, grads)
             if work:
                 self.accumulate_on_device(work, coef)
@@ -158,7 +170,7 @@ class HostWindows:
         side stream into pinned memory, which the worker will wait for; CPU device: nothing to move, the worker
         reads the gradient tensors). Blocks (a stall) only while the worker is `GRAD_SLOTS` steps behind. None when
         nothing goes to the host worker this step (``accumulate_on="device"`` sums on the device instead)."""
-        if self.config.accumulate_on == "device":
+        if self.accumulate_on == "device":
             return None
         work = self.offloaded(entries, grads)
         if not work:
@@ -189,7 +201,7 @@ class HostWindows:
         its copy to the host now, so that it overlaps the rest of backward instead of following `step()`'s sync.
         The first such gradient of a step takes the hand-off slot (a stall only while the worker is two steps
         behind); `start_hand_off` keeps the copies whose gradient has not changed since, and copies the rest."""
-        if self.config.accumulate_on == "device":
+        if self.accumulate_on == "device":
             return
         split = self.splits.get(p)
         if split is None or split.host is None:
@@ -307,7 +319,7 @@ class HostWindows:
         if not sequential:
             self.apply_previous_window(timer)
         landed = None
-        if self.config.accumulate_on == "device":
+        if self.accumulate_on == "device":
             with timer.phase("handoff"):
                 if self.pending is not None:
                     # Sync point: the previous window's host step reads the host accumulators; it must be done
