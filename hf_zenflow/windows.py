@@ -71,6 +71,8 @@ class HostWindows:
         self.writeback_pending = False
         self.unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
         self.early: EarlyCopies | None = None
+        #: this step's hand-off, not submitted yet: the window's close may fold it into its host AdamW job
+        self.deferred: tuple[HandOff, float | None] | None = None
         #: ``accumulate_on="auto"``'s choice, made when the first host state is created (`accumulation.py`)
         self.accumulate_chosen: str | None = None
 
@@ -227,12 +229,24 @@ class HostWindows:
         started.grant.give_back()
 
     def finish_hand_off(self, started: HandOff, coef: float | None) -> None:
-        """Submit the host job that adds the handed-off gradients (times `coef`) into the window sums."""
-        sources, landed = started.sources, started.landed
+        """The handed-off gradients (times `coef`) go to the worker: held back (`deferred`) until the step knows
+        whether it closes the window. If it does, `close_window` folds them into the window's host AdamW job (one
+        pass over the host state instead of an accumulation pass and an AdamW pass); else `submit_deferred` queues
+        the job that adds them into the window sums. Either way the worker runs the same work in the same order."""
         for split, _ in started.work:
             split.owner.grad = None  # the worker owns this gradient now (FSDP2: the DTensor's, else it accumulates)
         self.stats.bytes_to_host += sum(s.host_part(g).numel() * g.element_size() for s, g in started.work)
         started.work.clear()
+        self.deferred = (started, coef)
+
+    def submit_deferred(self) -> None:
+        """Submit the job that adds the deferred hand-off's gradients into the window sums (none left when the
+        window's close took them)."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is None:
+            return
+        started, coef = deferred
+        sources, landed = started.sources, started.landed
 
         def accumulate() -> None:
             try:
@@ -243,6 +257,12 @@ class HostWindows:
 
         started.grant.submit("accumulate", accumulate)  # the job returns the slot when it has run
         started.done = True  # (interrupted before this line, `abandon_hand_off` returns it and the job skips)
+
+    def abandon_deferred(self) -> None:
+        """The step failed after its hand-off: its gradients are dropped and the slot goes back."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is not None and not deferred[0].done:
+            self.abandon_hand_off(deferred[0])
 
     def _sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
                           ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
@@ -294,6 +314,7 @@ class HostWindows:
             self.hand_off(entries, grads, coef)
         schedule.window_steps += 1
         self.close_window(schedule, timer, sequential=True)
+        self.submit_deferred()  # (only when the close had no host work to fold it into)
 
     def close_window(self, schedule: WindowSchedule, timer: StepTimer, sequential: bool) -> None:
         """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
@@ -328,12 +349,29 @@ class HostWindows:
                     worker.wait(self.pending)
                 landed = self._ship_window_sums([s for s in self.splits.values() if s.host is not None])
 
-        def host_step() -> None:
-            if landed is not None:
-                landed.wait()  # Sync point (worker waits on the device): the window's sums are on the host
-            host_adamw_window(work)
+        # the window's last gradients, when this step handed them off: summed in the host AdamW's own pass
+        deferred = self.deferred
+        last, last_landed, coef = (deferred[0].sources, deferred[0].landed, deferred[1]) if deferred else ([], None,
+                                                                                                            None)
 
-        future = worker.submit("host_adamw", host_step)
+        def host_step() -> None:
+            try:
+                if landed is not None:
+                    landed.wait()  # Sync point (worker waits on the device): the window's sums are on the host
+                if last_landed is not None:
+                    last_landed.wait()  # Sync point (worker waits on the device): the last gradients have landed
+                if last:
+                    host_adamw_window(work, last, coef)
+                else:
+                    host_adamw_window(work)
+            finally:
+                last.clear()  # the gradients' memory goes now
+
+        if deferred is not None:
+            future = deferred[0].grant.submit("host_adamw", host_step)  # (the job returns the hand-off slot)
+            deferred[0].done, self.deferred = True, None
+        else:
+            future = worker.submit("host_adamw", host_step)
         self.unapplied_steps.append(steps)
         self.pending, self.writeback_pending = future, True
         if sequential:

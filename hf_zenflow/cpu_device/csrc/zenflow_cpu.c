@@ -185,3 +185,127 @@ int zf_run(int kind, int64_t n, void *const *big, const int32_t *big_bf16, float
   free(job.item_tensor); free(job.item_row0); free(job.item_row1); free(job.item_sum);
   return 0;
 }
+
+/* ---- zf_window_adamw: the host AdamW of a window in one pass over the state -----------------------------------
+ * Per element: the window's gradient sum, with the last step's gradient folded in (g = grad * coef on a one-step
+ * window, else fma(grad, coef, acc), as zf_accumulate; acc alone when that gradient was summed already), divided by
+ * the window's length (a true division, as torch's div_ by an integer), then AdamW exactly as torch's fused CPU
+ * kernel (ATen FusedAdamKernel.cpp, ADAMW mode, fp32): its vectorised body for every element but the last
+ * numel % `width` of each tensor, which torch runs through its scalar tail (the same operations, with the moment
+ * update written as m + w * (g - m) instead of an fma). `width` is torch's Vectorized<float>::size() (16 with
+ * AVX512, 8 otherwise). Contraction is off here: every multiply and add rounds as torch's do, and the fma calls are
+ * the fmas torch makes. The accumulator is left as it was (the next window overwrites it). */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+typedef struct {
+  int64_t n;
+  float *const *master, *const *acc, *const *exp_avg, *const *exp_avg_sq;
+  const void *const *grad;   /* per tensor: the last step's gradient, or NULL (already summed) */
+  const int32_t *grad_bf16;  /* 1 when that gradient is bf16 */
+  const int32_t *first;      /* 1 when the window's sum is that gradient alone (acc not read) */
+  const int64_t *count, *numel;
+  const double *step;        /* the step count after this update, as torch reads it */
+  double lr, beta1, beta2, eps, weight_decay;
+  float coef;
+  int64_t width;
+  int64_t *item_tensor, *item_begin, *item_end;
+  int64_t n_items;
+  atomic_llong next;
+} zf_adam_job;
+
+static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t end) {
+  const double bc1 = 1 - pow(job->beta1, job->step[t]);
+  const double bc2 = 1 - pow(job->beta2, job->step[t]);
+  const double step_size = job->lr / bc1;
+  const float decay = (float)(1 - job->lr * job->weight_decay);
+  const int apply_decay = job->weight_decay != 0.0;
+  const float w = (float)(1 - job->beta1), b2 = (float)job->beta2, c2 = (float)(1 - job->beta2);
+  const float bc2_sqrt = (float)sqrt(bc2), eps = (float)job->eps;
+  const float neg_step = (float)(-step_size);
+  const int small_w = fabsf(w) < 0.5f;
+  const int64_t tail = job->numel[t] - job->numel[t] % job->width;
+  const int64_t tail_vec = tail + (job->numel[t] - tail) / 8 * 8;
+  float *p = job->master[t], *acc = job->acc[t], *m = job->exp_avg[t], *v = job->exp_avg_sq[t];
+  const void *gp = job->grad[t];
+  const int bf16 = job->grad_bf16[t], first = job->first[t];
+  const float coef = job->coef, count = (float)job->count[t];
+  const int divide = job->count[t] > 1;
+  for (int64_t i = begin; i < end; ++i) {
+    float g;
+    if (gp) {
+      const float x = bf16 ? bf16_to_f32(((const uint16_t *)gp)[i]) : ((const float *)gp)[i];
+      g = first ? x * coef : fmaf(x, coef, acc[i]);
+    } else {
+      g = acc[i];
+    }
+    if (divide) g = g / count;
+    float pv = p[i], mv = m[i], vv = v[i];
+    if (apply_decay) pv = pv * decay;
+    /* torch's vectorised body, and the 8-wide vectorised part of its scalar tail, contract the second moment's
+       update as fma(c2 * g, g, v * b2); the rest of the tail as fma(v, b2, (c2 * g) * g) */
+    mv = small_w ? fmaf(w, g - mv, mv) : fmaf(w - 1.0f, g - mv, g);
+    vv = i < tail_vec ? fmaf(c2 * g, g, vv * b2) : fmaf(vv, b2, (c2 * g) * g);
+    const float denom = sqrtf(vv) / bc2_sqrt + eps;
+    pv = pv + (neg_step * mv) / denom;
+    p[i] = pv; m[i] = mv; v[i] = vv;
+  }
+}
+
+static void *adam_worker(void *arg) {
+  zf_adam_job *job = (zf_adam_job *)arg;
+  for (;;) {
+    int64_t i = atomic_fetch_add(&job->next, 1);
+    if (i >= job->n_items) break;
+    adam_range(job, job->item_tensor[i], job->item_begin[i], job->item_end[i]);
+  }
+  return NULL;
+}
+
+int zf_window_adamw(int64_t n, float *const *master, float *const *acc, float *const *exp_avg,
+                    float *const *exp_avg_sq, const void *const *grad, const int32_t *grad_bf16,
+                    const int32_t *first, const int64_t *count, const int64_t *numel, const double *step,
+                    double lr, double beta1, double beta2, double eps, double weight_decay, float coef,
+                    int64_t width, int threads) {
+  zf_adam_job job = {.n = n, .master = master, .acc = acc, .exp_avg = exp_avg, .exp_avg_sq = exp_avg_sq,
+                     .grad = grad, .grad_bf16 = grad_bf16, .first = first, .count = count, .numel = numel,
+                     .step = step, .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps,
+                     .weight_decay = weight_decay, .coef = coef, .width = width > 0 ? width : 1};
+  int64_t n_items = 0;
+  for (int64_t t = 0; t < n; ++t) n_items += (numel[t] + ZF_CHUNK_ELEMS - 1) / ZF_CHUNK_ELEMS;
+  job.item_tensor = malloc(sizeof(int64_t) * (size_t)(n_items + 1));
+  job.item_begin = malloc(sizeof(int64_t) * (size_t)(n_items + 1));
+  job.item_end = malloc(sizeof(int64_t) * (size_t)(n_items + 1));
+  if (!job.item_tensor || !job.item_begin || !job.item_end) {
+    free(job.item_tensor); free(job.item_begin); free(job.item_end);
+    return -1;
+  }
+  int64_t i = 0;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t b = 0; b < numel[t]; b += ZF_CHUNK_ELEMS, ++i) {
+      job.item_tensor[i] = t;
+      job.item_begin[i] = b;
+      job.item_end[i] = b + ZF_CHUNK_ELEMS < numel[t] ? b + ZF_CHUNK_ELEMS : numel[t];
+    }
+  job.n_items = n_items;
+  atomic_init(&job.next, 0);
+  if (threads < 1) threads = 1;
+  if (threads > ZF_MAX_THREADS) threads = ZF_MAX_THREADS;
+  if (threads > n_items) threads = n_items > 0 ? (int)n_items : 1;
+  pthread_t helpers[ZF_MAX_THREADS];
+  int started = 0;
+  for (int h = 1; h < threads; ++h)
+    if (pthread_create(&helpers[started], NULL, adam_worker, &job) == 0) ++started;
+  adam_worker(&job);
+  for (int h = 0; h < started; ++h) pthread_join(helpers[h], NULL);
+  free(job.item_tensor); free(job.item_begin); free(job.item_end);
+  return 0;
+}
+
+#if !defined(__clang__) && defined(__GNUC__)
+#pragma GCC pop_options
+#endif
