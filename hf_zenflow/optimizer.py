@@ -269,9 +269,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if schedule.window_closes(reads.votes(synced)):
                     # (folds this step's hand-off into the window's host AdamW job: one pass over the host state)
                     self._host.close_window(self._schedule, timer, sequential=not self.config.overlap_step)
-                self._host.submit_deferred()  # a step that does not close the window: its accumulation job
+                self._host.held.submit()  # a step that does not close the window: its accumulation job
         except BaseException:
-            self._host.abandon_deferred()
+            self._host.held.abandon(self._host.abandon_hand_off)
             # an interrupt (Ctrl-C) or a failure between taking a hand-off slot and submitting its job must not leak
             # the slot: the next step would wait for it forever
             if started is not None and not started.done:

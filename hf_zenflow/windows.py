@@ -21,6 +21,7 @@ from ._base import by_device
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState, DeviceColumns, device_update, scatter_columns
 from .distributed_check import note_host_split
+from .held_handoff import HeldHandOff
 from .host import HostMatrix, accumulate_into, host_adamw_window
 from .schedule import WindowSchedule, host_lr_scale
 from .sharding import RankGroup
@@ -71,8 +72,7 @@ class HostWindows:
         self.writeback_pending = False
         self.unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
         self.early: EarlyCopies | None = None
-        #: this step's hand-off, not submitted yet: the window's close may fold it into its host AdamW job
-        self.deferred: tuple[HandOff, float | None] | None = None
+        self.held = HeldHandOff()  # this step's hand-off until the step knows whether it closes the window
         #: ``accumulate_on="auto"``'s choice, made when the first host state is created (`accumulation.py`)
         self.accumulate_chosen: str | None = None
 
@@ -229,40 +229,13 @@ class HostWindows:
         started.grant.give_back()
 
     def finish_hand_off(self, started: HandOff, coef: float | None) -> None:
-        """The handed-off gradients (times `coef`) go to the worker: held back (`deferred`) until the step knows
-        whether it closes the window. If it does, `close_window` folds them into the window's host AdamW job (one
-        pass over the host state instead of an accumulation pass and an AdamW pass); else `submit_deferred` queues
-        the job that adds them into the window sums. Either way the worker runs the same work in the same order."""
+        """The handed-off gradients (times `coef`) go to the worker: held until the step knows whether it closes
+        the window, whose host AdamW job then takes them (`held_handoff.py`)."""
         for split, _ in started.work:
             split.owner.grad = None  # the worker owns this gradient now (FSDP2: the DTensor's, else it accumulates)
         self.stats.bytes_to_host += sum(s.host_part(g).numel() * g.element_size() for s, g in started.work)
         started.work.clear()
-        self.deferred = (started, coef)
-
-    def submit_deferred(self) -> None:
-        """Submit the job that adds the deferred hand-off's gradients into the window sums (none left when the
-        window's close took them)."""
-        deferred, self.deferred = self.deferred, None
-        if deferred is None:
-            return
-        started, coef = deferred
-        sources, landed = started.sources, started.landed
-
-        def accumulate() -> None:
-            try:
-                landed.wait()  # Sync point (worker waits on the device): the gradients have landed on the host
-                HostMatrix.accumulate_all(sources, coef)
-            finally:
-                sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
-
-        started.grant.submit("accumulate", accumulate)  # the job returns the slot when it has run
-        started.done = True  # (interrupted before this line, `abandon_hand_off` returns it and the job skips)
-
-    def abandon_deferred(self) -> None:
-        """The step failed after its hand-off: its gradients are dropped and the slot goes back."""
-        deferred, self.deferred = self.deferred, None
-        if deferred is not None and not deferred[0].done:
-            self.abandon_hand_off(deferred[0])
+        self.held.hold(started, coef)
 
     def _sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
                           ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
@@ -314,7 +287,7 @@ class HostWindows:
             self.hand_off(entries, grads, coef)
         schedule.window_steps += 1
         self.close_window(schedule, timer, sequential=True)
-        self.submit_deferred()  # (only when the close had no host work to fold it into)
+        self.held.submit()  # (only when the close had no host work to fold it into)
 
     def close_window(self, schedule: WindowSchedule, timer: StepTimer, sequential: bool) -> None:
         """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
@@ -349,29 +322,8 @@ class HostWindows:
                     worker.wait(self.pending)
                 landed = self._ship_window_sums([s for s in self.splits.values() if s.host is not None])
 
-        # the window's last gradients, when this step handed them off: summed in the host AdamW's own pass
-        deferred = self.deferred
-        last, last_landed, coef = (deferred[0].sources, deferred[0].landed, deferred[1]) if deferred else ([], None,
-                                                                                                            None)
-
-        def host_step() -> None:
-            try:
-                if landed is not None:
-                    landed.wait()  # Sync point (worker waits on the device): the window's sums are on the host
-                if last_landed is not None:
-                    last_landed.wait()  # Sync point (worker waits on the device): the last gradients have landed
-                if last:
-                    host_adamw_window(work, last, coef)
-                else:
-                    host_adamw_window(work)
-            finally:
-                last.clear()  # the gradients' memory goes now
-
-        if deferred is not None:
-            future = deferred[0].grant.submit("host_adamw", host_step)  # (the job returns the hand-off slot)
-            deferred[0].done, self.deferred = True, None
-        else:
-            future = worker.submit("host_adamw", host_step)
+        # (with this step's gradients folded in)
+        future = self.held.submit_close(worker, work, landed, host_adamw_window)
         self.unapplied_steps.append(steps)
         self.pending, self.writeback_pending = future, True
         if sequential:
