@@ -28,7 +28,9 @@ import torch
 
 
 _SOURCE = Path(__file__).with_name("csrc") / "zenflow_cpu.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
+# no contraction: zf_window_adamw rounds every product as torch's AdamW does (the other kernels' fmas are explicit,
+# and their fp64 sums of fp32 squares are exact products either way); no errno: sqrtf vectorises
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 _NORM_GATHER, _SCATTER, _ACCUMULATE = 0, 1, 3
 _KINDS = (torch.float32, torch.bfloat16)
 

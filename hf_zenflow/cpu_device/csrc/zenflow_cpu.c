@@ -190,18 +190,13 @@ int zf_run(int kind, int64_t n, void *const *big, const int32_t *big_bf16, float
  * Per element: the window's gradient sum, with the last step's gradient folded in (g = grad * coef on a one-step
  * window, else fma(grad, coef, acc), as zf_accumulate; acc alone when that gradient was summed already), divided by
  * the window's length (a true division, as torch's div_ by an integer), then AdamW exactly as torch's fused CPU
- * kernel (ATen FusedAdamKernel.cpp, ADAMW mode, fp32): its vectorised body for every element but the last
- * numel % `width` of each tensor, which torch runs through its scalar tail (the same operations, with the moment
- * update written as m + w * (g - m) instead of an fma). `width` is torch's Vectorized<float>::size() (16 with
- * AVX512, 8 otherwise). Contraction is off here: every multiply and add rounds as torch's do, and the fma calls are
- * the fmas torch makes. The accumulator is left as it was (the next window overwrites it). */
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-#endif
-
+ * kernel (ATen FusedAdamKernel.cpp, ADAMW mode, fp32) as this torch build computes it: its vectorised body for
+ * every element but the last numel % `width` of each tensor, which torch runs through its scalar tail, whose
+ * second-moment update its compiler contracted differently (see adam_range). `width` is torch's
+ * Vectorized<float>::size() (16 with
+ * AVX512, 8 otherwise). The file is compiled without contraction (-ffp-contract=off): every multiply and add
+ * rounds as torch's do, and the fmaf calls are the fmas torch's build makes. The accumulator is left as it was
+ * (the next window overwrites it). */
 typedef struct {
   int64_t n;
   float *const *master, *const *acc, *const *exp_avg, *const *exp_avg_sq;
@@ -218,41 +213,90 @@ typedef struct {
   atomic_llong next;
 } zf_adam_job;
 
+#define ZF_ADAM_BLOCK 1024
+
+typedef struct {
+  float decay, w, b2, c2, bc2_sqrt, eps, neg_step;
+} zf_adam_consts;
+
+/* AdamW on `n` elements whose gradient is in `g` (an L1-resident block). small_w: torch's lerp form for a weight
+ * under 0.5; scalar_v: the second-moment contraction of torch's scalar tail (see above). Both are constants at
+ * every call, so each combination compiles to its own vectorised loop. */
+static inline __attribute__((always_inline)) void adam_block(float *restrict p, float *restrict m,
+                                                             float *restrict v, const float *restrict g, int64_t n,
+                                                             const zf_adam_consts *k, const int small_w,
+                                                             const int scalar_v) {
+  const float decay = k->decay, w = k->w, b2 = k->b2, c2 = k->c2, bc2_sqrt = k->bc2_sqrt, eps = k->eps;
+  const float neg_step = k->neg_step, cw = small_w ? w : w - 1.0f;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i], mi = m[i];
+    const float pv = p[i] * decay; /* (x 1.0f when there is no weight decay: exact) */
+    const float mv = fmaf(cw, gi - mi, small_w ? mi : gi);
+    const float vv = scalar_v ? fmaf(v[i], b2, (c2 * gi) * gi) : fmaf(c2 * gi, gi, v[i] * b2);
+    const float denom = sqrtf(vv) / bc2_sqrt + eps;
+    p[i] = pv + (neg_step * mv) / denom;
+    m[i] = mv;
+    v[i] = vv;
+  }
+}
+
 static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t end) {
   const double bc1 = 1 - pow(job->beta1, job->step[t]);
   const double bc2 = 1 - pow(job->beta2, job->step[t]);
   const double step_size = job->lr / bc1;
-  const float decay = (float)(1 - job->lr * job->weight_decay);
-  const int apply_decay = job->weight_decay != 0.0;
-  const float w = (float)(1 - job->beta1), b2 = (float)job->beta2, c2 = (float)(1 - job->beta2);
-  const float bc2_sqrt = (float)sqrt(bc2), eps = (float)job->eps;
-  const float neg_step = (float)(-step_size);
-  const int small_w = fabsf(w) < 0.5f;
+  const zf_adam_consts k = {.decay = (float)(1 - job->lr * job->weight_decay), .w = (float)(1 - job->beta1),
+                            .b2 = (float)job->beta2, .c2 = (float)(1 - job->beta2), .bc2_sqrt = (float)sqrt(bc2),
+                            .eps = (float)job->eps, .neg_step = (float)(-step_size)};
+  const int small_w = fabsf(k.w) < 0.5f;
+  /* torch's vectorised body, and the 8-wide vectorised part of its scalar tail, contract the second moment's
+     update as fma(c2 * g, g, v * b2); the rest of the tail (from `scalar_from`) as fma(v, b2, (c2 * g) * g) */
   const int64_t tail = job->numel[t] - job->numel[t] % job->width;
-  const int64_t tail_vec = tail + (job->numel[t] - tail) / 8 * 8;
+  const int64_t scalar_from = tail + (job->numel[t] - tail) / 8 * 8;
   float *p = job->master[t], *acc = job->acc[t], *m = job->exp_avg[t], *v = job->exp_avg_sq[t];
   const void *gp = job->grad[t];
   const int bf16 = job->grad_bf16[t], first = job->first[t];
   const float coef = job->coef, count = (float)job->count[t];
-  const int divide = job->count[t] > 1;
-  for (int64_t i = begin; i < end; ++i) {
-    float g;
-    if (gp) {
-      const float x = bf16 ? bf16_to_f32(((const uint16_t *)gp)[i]) : ((const float *)gp)[i];
-      g = first ? x * coef : fmaf(x, coef, acc[i]);
+  float g[ZF_ADAM_BLOCK];
+  for (int64_t b0 = begin; b0 < end; b0 += ZF_ADAM_BLOCK) {
+    const int64_t n = end - b0 < ZF_ADAM_BLOCK ? end - b0 : ZF_ADAM_BLOCK;
+    const float *a = acc + b0;
+    /* the window's gradient sum, as zf_accumulate would leave it, then its mean (a true division, as div_) */
+    if (!gp) {
+      memcpy(g, a, sizeof(float) * (size_t)n);
+    } else if (bf16) {
+      const uint16_t *x = (const uint16_t *)gp + b0;
+      if (first) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) g[i] = bf16_to_f32(x[i]) * coef;
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) g[i] = fmaf(bf16_to_f32(x[i]), coef, a[i]);
+      }
     } else {
-      g = acc[i];
+      const float *x = (const float *)gp + b0;
+      if (first) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) g[i] = x[i] * coef;
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) g[i] = fmaf(x[i], coef, a[i]);
+      }
     }
-    if (divide) g = g / count;
-    float pv = p[i], mv = m[i], vv = v[i];
-    if (apply_decay) pv = pv * decay;
-    /* torch's vectorised body, and the 8-wide vectorised part of its scalar tail, contract the second moment's
-       update as fma(c2 * g, g, v * b2); the rest of the tail as fma(v, b2, (c2 * g) * g) */
-    mv = small_w ? fmaf(w, g - mv, mv) : fmaf(w - 1.0f, g - mv, g);
-    vv = i < tail_vec ? fmaf(c2 * g, g, vv * b2) : fmaf(vv, b2, (c2 * g) * g);
-    const float denom = sqrtf(vv) / bc2_sqrt + eps;
-    pv = pv + (neg_step * mv) / denom;
-    p[i] = pv; m[i] = mv; v[i] = vv;
+    if (job->count[t] > 1) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) g[i] = g[i] / count;
+    }
+    /* [b0, split): the vector form; [split, b0 + n): the scalar tail's */
+    const int64_t split = scalar_from < b0 ? 0 : (scalar_from - b0 < n ? scalar_from - b0 : n);
+    float *pb = p + b0, *mb = m + b0, *vb = v + b0;
+    if (small_w) {
+      adam_block(pb, mb, vb, g, split, &k, 1, 0);
+      adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 1, 1);
+    } else {
+      adam_block(pb, mb, vb, g, split, &k, 0, 0);
+      adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 0, 1);
+    }
   }
 }
 
@@ -305,7 +349,3 @@ int zf_window_adamw(int64_t n, float *const *master, float *const *acc, float *c
   free(job.item_tensor); free(job.item_begin); free(job.item_end);
   return 0;
 }
-
-#if !defined(__clang__) && defined(__GNUC__)
-#pragma GCC pop_options
-#endif
