@@ -9,12 +9,13 @@ gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulat
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
 [in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
-step the whole gradient is added into the accumulator (a contiguous streaming add on the worker; with
-``accumulate_on="device"`` the device sums the window and it lands here once) and every window the host AdamW
-updates the whole matrix with one fused call; the columns currently on the device are carried along and simply
-ignored (their host values are refreshed from the device at re-selection). That keeps every per-step and per-window
-host operation contiguous; the only column moves are the selected columns (device side, every step) and the
-migration at re-selection, strided for row-major weights and whole rows for column-major ones.
+step but the window's last, the whole gradient is added into the accumulator (a contiguous streaming add on the
+worker; the window's first step writes it; with ``accumulate_on="device"`` the device sums the window and it lands
+here once), and every window the host AdamW updates the whole matrix in one pass that also adds the last step's
+gradient and divides by the window's length (`host_adamw_window`); the columns currently on the device are carried
+along and simply ignored (their host values are refreshed from the device at re-selection). That keeps every
+per-step and per-window host operation contiguous; the only column moves are the selected columns (device side,
+every step) and the migration at re-selection, strided for row-major weights and whole rows for column-major ones.
 """
 
 from __future__ import annotations

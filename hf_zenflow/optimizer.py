@@ -344,12 +344,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             pass
 
     def stats(self) -> dict[str, float | str]:
-        """Telemetry of the last step (see `telemetry.ZenFlowStats`), and ``"accumulate_on"``: where windows are
-        summed, "host" or "device" ("auto" until its choice at the first step)."""
-        out: dict[str, float | str] = dict(
-            optimizer_stats(self._stats, self._schedule, self.config, self._split, self._dense, self._host))
-        out["accumulate_on"] = self._host.accumulate_on or "auto"
-        return out
+        """Telemetry of the last step (see `telemetry.ZenFlowStats`; ``"accumulate_on"`` is a string)."""
+        return optimizer_stats(self._stats, self._schedule, self.config, self._split, self._dense, self._host)
 
     @torch.no_grad()
     def sync_from_weights(self, params: Iterable[torch.Tensor] | None = None) -> None:
