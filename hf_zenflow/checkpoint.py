@@ -129,6 +129,8 @@ def pack(opt: ZenFlowAdamW) -> dict[str, Any]:
             "writeback_lag_pending": schedule.writeback_lag_pending,
             "writeback_pending": opt._host.writeback_pending, "unapplied_steps": list(opt._host.unapplied_steps),
             "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
+            # where windows are summed ("auto"'s choice; None before any host state): a resumed run keeps it
+            "accumulate_on": opt._host.accumulate_on,
         }
         if opt._host.shards.ranks > 1:
             zenflow.update(ranks=opt._host.shards.ranks, rank=opt._host.shards.rank)
@@ -269,6 +271,10 @@ def unpack(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
         # the saved run's lag, chosen or still provisional; an explicit setting replaces it
         schedule.writeback_lag = zenflow["writeback_lag"]
         schedule.writeback_lag_pending = bool(zenflow["writeback_lag_pending"])
+    # before any host state is restored: it is created for the accumulation the saved run chose
+    from .accumulation import resumed_choice
+
+    opt._host.accumulate_chosen = resumed_choice(opt.config, zenflow)
     opt._host.writeback_pending = bool(zenflow["writeback_pending"])
     opt._host.unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
     opt._stats.skipped_steps = int(zenflow["skipped_steps"])

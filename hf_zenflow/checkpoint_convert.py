@@ -58,6 +58,8 @@ def apply_changed_settings(opt: ZenFlowAdamW, saved: dict[str, Any]) -> None:
                 f"{schedule.steps} steps in, past its own warm-up of {before} steps, and the columns were selected "
                 f"already. Resume with full_warm_up_rounds <= {schedule.steps}."
             )
+        elif name == "accumulate_on" and now == "auto":
+            note += f" (keeps the checkpoint's {opt._host.accumulate_on!r})" if opt._host.accumulate_on else ""
         notes.append(note)
     if "min_offload_numel" in changed:
         notes.append(_apply_min_offload_numel(opt))

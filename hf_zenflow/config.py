@@ -29,7 +29,7 @@ DEFAULT_SELECT_STEPS = 100
 MIN_OFFLOAD_NUMEL = 1 << 18
 
 _SELECT_STRATEGIES = ("auto", "step", "epoch")
-_ACCUMULATE_ON = ("host", "device")
+_ACCUMULATE_ON = ("auto", "host", "device")
 _HOST_GRAD_DTYPES = ("auto", "bfloat16")
 _HOST_MOMENT_DTYPES = ("float32", "bfloat16")
 
@@ -147,12 +147,15 @@ class ZenFlowConfig:
                   "small. 0 offloads every matrix."},
     )
     accumulate_on: str = field(
-        default="host",
+        default="auto",
         metadata={"help": 'Where the unselected gradient is summed over a window. "host": every step the whole '
                   "matrix gradient goes to the host and the worker adds it into an fp32 accumulator (no device "
                   'memory). "device": an fp32 accumulator per offloaded matrix stays on the device (+4 bytes per '
                   "offloaded parameter of device memory) and crosses the link once per window; the host then only "
-                  "runs the AdamW. Use it when the host cannot keep up with one accumulation per step.",
+                  'runs the AdamW (same results). "auto": "device" when those sums fit in the device memory left '
+                  "after the first forward/backward with a 10% margin (CUDA: measured; a CPU device: "
+                  '`device_memory_budget_bytes`, without it "host"), else "host"; chosen at the first step, logged, '
+                  "in stats() and checkpoints.",
                   "choices": _ACCUMULATE_ON},
     )
     host_grad_dtype: str = field(
@@ -171,6 +174,13 @@ class ZenFlowConfig:
                   "updates in fp32 against the fp32 master, and rounds them back to nearest. The device columns "
                   "and checkpoints keep fp32 moments.",
                   "choices": _HOST_MOMENT_DTYPES},
+    )
+    device_memory_budget_bytes: int | None = field(
+        default=None,
+        metadata={"help": 'Device memory, in bytes, that accumulate_on="auto" may count on for the window sums '
+                  "(and the selected columns' state) beyond the training step's own peak. None: measured on "
+                  'CUDA; unknown on a CPU device, which then accumulates on the host. On CUDA a budget caps the '
+                  "measured figure (a shared GPU)."},
     )
     cpu_threads: int | None = field(
         default=None,
@@ -241,6 +251,10 @@ class ZenFlowConfig:
             self.host_lr_scale = scale
         if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
             _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")
+        if self.device_memory_budget_bytes is not None and (
+            not _is_int(self.device_memory_budget_bytes) or self.device_memory_budget_bytes < 0
+        ):
+            _fail("device_memory_budget_bytes", self.device_memory_budget_bytes, "None or an integer >= 0")
         if self.cpu_threads is not None and (not _is_int(self.cpu_threads) or self.cpu_threads < 1):
             _fail("cpu_threads", self.cpu_threads, "None (derive from CPU affinity) or an integer >= 1")
         if self.steps_per_epoch is not None and (not _is_int(self.steps_per_epoch) or self.steps_per_epoch < 1):

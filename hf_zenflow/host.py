@@ -11,12 +11,13 @@ the landing buffers and the bytes to host).
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
 [in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
-step the whole gradient is added into the accumulator (a contiguous streaming add on the worker; with
-``accumulate_on="device"`` the device sums the window and it lands here once) and every window the host AdamW
-updates the whole matrix with one fused call; the columns currently on the device are carried along and simply
-ignored (their host values are refreshed from the device at re-selection). That keeps every per-step and per-window
-host operation contiguous; the only column moves are the selected columns (device side, every step) and the
-migration at re-selection, strided for row-major weights and whole rows for column-major ones.
+step but the window's last, the whole gradient is added into the accumulator (a contiguous streaming add on the
+worker; the window's first step writes it; with ``accumulate_on="device"`` the device sums the window and it lands
+here once), and every window the host AdamW updates the whole matrix in one pass that also adds the last step's
+gradient and divides by the window's length (`host_adamw_window`); the columns currently on the device are carried
+along and simply ignored (their host values are refreshed from the device at re-selection). That keeps every
+per-step and per-window host operation contiguous; the only column moves are the selected columns (device side,
+every step) and the migration at re-selection, strided for row-major weights and whole rows for column-major ones.
 """
 
 from __future__ import annotations
@@ -197,26 +198,60 @@ def _adamw_narrow_moments(m: HostMatrix, hyper: dict) -> None:
     m.step.copy_(step)
 
 
-def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]]) -> None:
+def _fusable(m: HostMatrix, grad2d: torch.Tensor | None) -> bool:
+    """Whether `m`'s window can run through the one-pass kernel (`kernels.window_adamw`)."""
+    tensors = (m.master, m.accum, m.exp_avg, m.exp_avg_sq)
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            and m.master.numel() > 0
+            and (grad2d is None or (kernels.supports(grad2d) and grad2d.shape == m.accum.shape))
+            and kernels.window_adamw_available())
+
+
+def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
+                      last: list[tuple[HostMatrix, torch.Tensor]] | None = None, coef: float | None = None) -> None:
     """The host AdamW step of one window: mean gradient of the window, one fused call per param group.
+
+    `last`: the window's last step's (matrix, gradient) pairs, not yet summed (times `coef`, the clip coefficient):
+    they are folded into the AdamW pass. With the CPU kernels (`kernels.window_adamw`) that is one pass over the
+    state per matrix (sum, mean and AdamW together), bit-identical to summing, dividing by the window's length and
+    running torch's fused AdamW, which is what the fallback does. A window summed on the device (``last`` empty)
+    gets the division folded in the same way.
 
     Matrices that received no gradient during the window are left alone, as torch's AdamW skips parameters
     without a gradient.
     """
+    pending = {id(m): g for m, g in (last or [])}
     for hyper, matrices in groups:
-        live = [m for m in matrices if m.accum_count > 0]
-        for m in live:
+        fused: list[tuple[HostMatrix, torch.Tensor | None]] = []
+        plain: list[HostMatrix] = []
+        for m in matrices:
+            g = pending.pop(id(m), None)
+            if (g is not None or m.accum_count > 0) and _fusable(m, g):
+                fused.append((m, g))
+                continue
+            if g is not None:
+                m.accumulate(g, coef)
+            if m.accum_count > 0:
+                plain.append(m)
+        if fused:
+            kernels.window_adamw(
+                [m.master for m, _ in fused], [m.accum for m, _ in fused], [g for _, g in fused],
+                [m.accum_count == 0 for m, _ in fused], [m.accum_count + (g is not None) for m, g in fused],
+                [m.exp_avg for m, _ in fused], [m.exp_avg_sq for m, _ in fused], [m.step for m, _ in fused],
+                hyper, coef,
+            )
+        for m in plain:
             if m.accum_count > 1:
                 m.accum.div_(m.accum_count)
-        wide = [m for m in live if m.exp_avg.dtype == torch.float32]
+        wide = [m for m in plain if m.exp_avg.dtype == torch.float32]  # (bf16 moments: piece by piece below)
         fused_adamw_(
             [m.master for m in wide], [m.accum for m in wide], [m.exp_avg for m in wide],
             [m.exp_avg_sq for m in wide], [m.step for m in wide], hyper,
         )
-        for m in live:
+        for m in plain:
             if m.exp_avg.dtype != torch.float32:
                 _adamw_narrow_moments(m, hyper)
-        for m in live:
+        for m in [m for m, _ in fused] + plain:
             m.accum_count = 0
             if m.writeback is not None:
                 # Sync point (worker waits on the device): the previous host->device copy of this buffer, enqueued
@@ -225,3 +260,6 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]]) -> None:
                     m.writeback_free.synchronize()  # type: ignore[attr-defined]
                 m.writeback.copy_(m.master)
                 m.writeback_fresh = True
+    for m, g in (last or []):  # (a matrix in no group: summed, as an accumulate job would)
+        if id(m) in pending:
+            m.accumulate(g, coef)

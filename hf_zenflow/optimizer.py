@@ -295,8 +295,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         self._host.hand_off(entries, grads, coef)
                 schedule.window_steps += 1
                 if schedule.window_closes(reads.votes(synced)):
+                    # (folds this step's hand-off into the window's host AdamW job: one pass over the host state)
                     self._host.close_window(self._schedule, timer, sequential=not self.config.overlap_step)
+                self._host.held.submit()  # a step that does not close the window: its accumulation job
         except BaseException:
+            self._host.held.abandon(self._host.abandon_hand_off)
             # an interrupt (Ctrl-C) or a failure between taking a hand-off slot and submitting its job must not leak
             # the slot: the next step would wait for it forever
             if started is not None and not started.done:
@@ -378,8 +381,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
 
-    def stats(self) -> dict[str, float]:
-        """Telemetry of the last step (see `telemetry.ZenFlowStats`)."""
+    def stats(self) -> dict[str, float | str]:
+        """Telemetry of the last step (see `telemetry.ZenFlowStats`; ``"accumulate_on"`` is a string)."""
         return optimizer_stats(self._stats, self._schedule, self.config, self._split, self._dense, self._host)
 
     @torch.no_grad()

@@ -129,14 +129,16 @@ def state_sizes(splits: dict, dense: dict) -> dict[str, float]:
 
 
 def optimizer_stats(stats: ZenFlowStats, schedule: WindowSchedule | None, config: ZenFlowConfig, splits: dict,
-                    dense: dict, host: HostWindows) -> dict[str, float]:
+                    dense: dict, host: HostWindows) -> dict[str, float | str]:
     """`ZenFlowAdamW.stats()`: the step counters of `stats` with the schedule's counts, the state sizes and the host
-    worker's last job times."""
+    worker's last job times; ``"accumulate_on"``: where windows are summed, "host" or "device" ("auto" until its
+    choice at the first step)."""
     worker_ms: dict[str, Any] = host.worker.last_job_ms if host.worker is not None else {}
     # the last closed window; before the first one, the configured interval (auto: the open window so far)
     interval = (schedule.last_interval if schedule and schedule.last_interval else
                 (schedule.window_steps if schedule else 0) if config.is_auto_interval else config.update_interval)
-    return stats.as_dict(
+    out: dict[str, float | str] = {"accumulate_on": host.accumulate_on or "auto"}
+    return out | stats.as_dict(
         **state_sizes(splits, dense), update_interval=float(interval),
         writeback_lag=float(schedule.writeback_lag if schedule and schedule.writeback_lag else interval),
         host_threads=config.resolved_cpu_threads, steps=schedule.steps if schedule else 0,

@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
+from . import accumulation
 from ._base import by_device
 from .config import ZenFlowConfig
 from .cpu_device.transport import CpuShardTransport
 from .device_step import DenseDeviceState, DeviceColumns, device_update, scatter_columns
 from .distributed_check import note_host_split
 from .handoff import EarlyCopies, HandOff
+from .held_handoff import HeldHandOff
 from .host import HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype, moment_dtype
 from .schedule import WindowSchedule, host_lr_scale
 from .sharding import RankGroup
@@ -61,6 +63,14 @@ class HostWindows:
         #: whether the parameters will have host state (`params.offloads_any`, set by the optimizer): only then a
         #: background worker starts and the thread rule claims cores for it
         self.offload_planned, self._claimed = False, False
+        self.held = HeldHandOff()  # this step's hand-off until the step knows whether it closes the window
+        #: ``accumulate_on="auto"``'s choice, made when the first host state is created (`accumulation.py`)
+        self.accumulate_chosen: str | None = None
+
+    @property
+    def accumulate_on(self) -> str | None:
+        """Where windows are summed: the explicit setting, or "auto"'s choice (None before it is made)."""
+        return self.accumulate_chosen if self.config.accumulate_on == "auto" else self.config.accumulate_on
 
     def reset(self) -> None:
         """Forget every window in flight (the optimizer's state is being replaced; the worker is idle). The
@@ -145,8 +155,12 @@ class HostWindows:
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:
         """Create the host state of `splits`, their link buffers from one reservation per transport."""
-        accumulate_on = self.config.accumulate_on
         shares = {id(s): self.shards.share(1 - s.axis, s.matrix(s.param).shape[1 - s.axis]) for s in splits}
+        if self.accumulate_on is None and splits:
+            # "auto" decides at the first host state: the first step's gradients exist (its forward and backward
+            # have run), and every rank creates its first host state at the same step
+            self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group)
+        accumulate_on = self.accumulate_on
         linked = {id(s): link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype) for s in splits}
         moments = moment_dtype(self.config.host_moment_dtype)
         for transport, group in self.by_transport(splits):
@@ -168,7 +182,7 @@ class HostWindows:
                 if not started.done:
                     self.abandon_hand_off(started)
                 raise
-        elif self.config.accumulate_on == "device":
+        elif self.accumulate_on == "device":
             work = self.offloaded(entries, grads)
             if work:
                 self.accumulate_on_device(work, coef)
@@ -184,7 +198,7 @@ class HostWindows:
         side stream into pinned memory, which the worker will wait for; CPU device: nothing to move, the worker
         reads the gradient tensors). Blocks (a stall) only while the worker is `GRAD_SLOTS` steps behind. None when
         nothing goes to the host worker this step (``accumulate_on="device"`` sums on the device instead)."""
-        if self.config.accumulate_on == "device":
+        if self.accumulate_on == "device":
             return None
         work = self.offloaded(entries, grads)
         if not work:
@@ -224,7 +238,7 @@ class HostWindows:
         its copy to the host now, so that it overlaps the rest of backward instead of following `step()`'s sync.
         The first such gradient of a step takes the hand-off slot (a stall only while the worker is two steps
         behind); `start_hand_off` keeps the copies whose gradient has not changed since, and copies the rest."""
-        if self.config.accumulate_on == "device":
+        if self.accumulate_on == "device":
             return
         split = self.splits.get(p)
         if split is None or split.host is None:
@@ -268,21 +282,12 @@ class HostWindows:
         started.grant.give_back()
 
     def finish_hand_off(self, started: HandOff, coef: float | None) -> None:
-        """Submit the host job that adds the handed-off gradients (times `coef`) into the window sums."""
-        sources, landed = started.sources, started.landed
+        """The handed-off gradients (times `coef`) go to the worker: held until the step knows whether it closes
+        the window, whose host AdamW job then takes them (`held_handoff.py`)."""
         for split, _ in started.work:
             split.owner.grad = None  # the worker owns this gradient now (FSDP2: the DTensor's, else it accumulates)
         started.work.clear()
-
-        def accumulate() -> None:
-            try:
-                landed.wait()  # Sync point (worker waits on the device): the gradients have landed on the host
-                HostMatrix.accumulate_all(sources, coef)
-            finally:
-                sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
-
-        started.grant.submit("accumulate", accumulate)  # the job returns the slot when it has run
-        started.done = True  # (interrupted before this line, `abandon_hand_off` returns it and the job skips)
+        self.held.hold(started, coef)
 
     def _sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
                           ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
@@ -334,6 +339,7 @@ class HostWindows:
             self.hand_off(entries, grads, coef)
         schedule.window_steps += 1
         self.close_window(schedule, timer, sequential=True)
+        self.held.submit()  # (only when the close had no host work to fold it into)
 
     def close_window(self, schedule: WindowSchedule, timer: StepTimer, sequential: bool) -> None:
         """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
@@ -359,7 +365,7 @@ class HostWindows:
         if not sequential:
             self.apply_previous_window(timer)
         landed = None
-        if self.config.accumulate_on == "device":
+        if self.accumulate_on == "device":
             with timer.phase("handoff"):
                 if self.pending is not None:
                     # Sync point: the previous window's host step reads the host accumulators; it must be done
@@ -368,12 +374,8 @@ class HostWindows:
                     worker.wait(self.pending)
                 landed = self._ship_window_sums([s for s in self.splits.values() if s.host is not None])
 
-        def host_step() -> None:
-            if landed is not None:
-                landed.wait()  # Sync point (worker waits on the device): the window's sums are on the host
-            host_adamw_window(work)
-
-        future = worker.submit("host_adamw", host_step)
+        # (with this step's gradients folded in)
+        future = self.held.submit_close(worker, work, landed, host_adamw_window)
         self.unapplied_steps.append(steps)
         self.pending, self.writeback_pending = future, True
         if sequential:

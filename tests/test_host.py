@@ -334,7 +334,7 @@ import torch
 import hf_zenflow.windows as zenflow_windows
 from hf_zenflow import ZenFlowAdamW
 
-def slow_host_step(groups):
+def slow_host_step(groups, *last):
     print("host step running", flush=True)
     time.sleep(60)
 

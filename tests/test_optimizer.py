@@ -355,7 +355,7 @@ def test_skipped_step_leaves_weights_and_state_untouched():
 
 
 def test_worker_failure_is_raised_in_the_caller(monkeypatch):
-    def broken(groups):
+    def broken(groups, *last):
         raise MemoryError("injected host failure")
 
     monkeypatch.setattr(host_module, "host_adamw_window", broken)
@@ -377,7 +377,7 @@ def test_worker_failure_is_raised_in_the_caller(monkeypatch):
 def test_inline_failure_raises_at_once(monkeypatch):
     import hf_zenflow.windows as windows_module
 
-    monkeypatch.setattr(windows_module, "host_adamw_window", lambda groups: 1 / 0)
+    monkeypatch.setattr(windows_module, "host_adamw_window", lambda groups, *last: 1 / 0)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
                        min_offload_numel=0)

@@ -42,9 +42,9 @@ def test_auto_chooses_from_the_measured_host_step(host_delay_s, expected, monkey
     here) keeps the next boundary. Margins are wide (a 60 ms step; a host step of ~0 ms or > 250 ms)."""
     window = host_module.host_adamw_window
 
-    def slow_window(groups):
+    def slow_window(groups, *last):
         time.sleep(host_delay_s)
-        window(groups)
+        window(groups, *last)
 
     monkeypatch.setattr("hf_zenflow.windows.host_adamw_window", slow_window)
     model = make_model()

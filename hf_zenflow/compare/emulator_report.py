@@ -69,7 +69,8 @@ def format_estimate(res: dict[str, Any]) -> str:
               "meanwhile (extra overlap, a bias in ZenFlow's favour of at most that much per step);"]
     for key in ZENFLOW_ROWS:
         r = rows[key]
-        lines.append(f"- {names[key]}: host worker work per step (mean accumulation + host AdamW / update_interval, "
+        lines.append(f"- {names[key]}: host worker work per step ((update_interval - 1) accumulations + one host "
+                     "AdamW with the last gradient folded in, / update_interval; "
                      f"its own job timers) {r['host_work_per_step_ms']:.0f} ms full scale against a measured step of "
                      f"{r['step_ms_mean']:.0f} ms; "
                      + ("the schedule is HOST-BOUND: the \"step ms\" column and the ratios use the host work "

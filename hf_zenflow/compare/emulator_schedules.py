@@ -264,15 +264,17 @@ def run_estimate(sc: EmulatorScenario, progress: bool = True) -> dict[str, Any]:
             "extra": {k: ([x * scale for x in v] if k.endswith("_ms") and isinstance(v, list) else v)
                       for k, v in r.extra.items()},
         }
-    # ZenFlow's host worker must finish one window's work (U accumulations + one AdamW) per U steps, or the device
-    # waits for it: in steady state a step cannot be shorter than the worker's work per step. The emulator measures
-    # that work directly (the worker's own job timers), so the step time is also bounded by it; this also removes
-    # the bias of the extra overlap the worker gets while device phases execute on the host.
+    # ZenFlow's host worker must finish one window's work (U - 1 accumulation jobs + one AdamW job, into which the
+    # window's last gradient is folded) per U steps, or the device waits for it: in steady state a step cannot be
+    # shorter than the worker's work per step. The emulator measures that work directly (the worker's own job
+    # timers), so the step time is also bounded by it; this also removes the bias of the extra overlap the worker
+    # gets while device phases execute on the host.
     interval = max(1, int(sc.update_interval))
     for key in ZENFLOW_ROWS:
         zen = out_rows[key]
         acc, adamw = zen["extra"].get("accumulate_real_ms") or [], zen["extra"].get("host_adamw_real_ms") or []
-        floor = (statistics.fmean(acc) if acc else 0.0) + (statistics.fmean(adamw) / interval if adamw else 0.0)
+        floor = ((statistics.fmean(acc) * (interval - 1) / interval if acc else 0.0)
+                 + (statistics.fmean(adamw) / interval if adamw else 0.0))
         zen["host_work_per_step_ms"] = floor
         zen["host_bound"] = floor > zen["step_ms_mean"]
         if zen["host_bound"]:

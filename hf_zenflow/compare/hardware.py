@@ -18,7 +18,12 @@ The model's constants:
   bf16 parameter written);
 * host accumulation of one step's gradient (ZenFlow, ``accumulate_on="host"``): `ACCUMULATE_VS_ADAMW` of a host
   AdamW, the ratio the emulator measured (BENCHMARKS.md §3a: 3 624 ms of host work per step at U=4 with a 4 600 ms
-  AdamW, so 2 474 ms of accumulation per step);
+  AdamW, so 2 474 ms of accumulation per step); the window's last gradient is folded into the host AdamW's pass, so
+  a window costs U - 1 accumulations and one AdamW (which then reads one more bf16 gradient: 2 of its 32 bytes per
+  parameter, not counted);
+* ``accumulate_on="auto"`` (the default): the device when the ZenFlow row with device accumulation fits the device
+  memory with the engine's margin (`hf_zenflow.accumulation.MARGIN` of it left free) together with the activations
+  of a llama-shaped model with activation checkpointing (`activation_gb`), else the host (`auto_accumulation`);
 * host memory: `HOST_BYTES_PER_PARAM` per offloaded parameter, as the engines hold it on a bf16 model;
 * N data-parallel ranks on the profile's node (``ranks``, ``parallel``): every figure is per rank, split as module
   `ranks` describes (host work, host memory and link bytes 1/N on 1/N of the host cores and memory bandwidth; DDP adds
@@ -198,7 +203,7 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
         device = compute + selected + link / u + allgather / u + (
             n * share * DEVICE_ACCUMULATE_TRAFFIC / (profile.device_mem_gbps * 1e9) * 1e3 if on_device else 0.0)
         link_down = 2 * link / u if on_device else link  # one fp32 sum per window, or every bf16 gradient
-        host = host_adamw / u + (0.0 if on_device else accumulate)
+        host = host_adamw / u + (0.0 if on_device else accumulate * (u - 1) / u)  # (the last step: folded)
         parts = {"device": device, "link": link_down, "host": host}
         step, side = _bound(parts)
         rows[key] = {"step_ms": step, "bound": side, "device_ms": device, "link_ms": link_down, "host_ms": host,
@@ -211,6 +216,30 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
         r["compute_ms"] = compute
         r["host_memory_gb"] = n * share * HOST_BYTES_PER_PARAM[key] / 1e9
     return rows
+
+
+def activation_gb(params: float, tokens_per_step: float) -> float:
+    """Activation memory of a llama-shaped model with activation checkpointing, in GB: one bf16 hidden state per
+    layer and token, plus one layer's full activations (~34 bytes x hidden per token, Korthikanti et al. 2022);
+    shape from the size: params = 12 x layers x hidden^2 with layers = hidden / 128 (7B: hidden 4096, 32 layers)."""
+    hidden = (float(params) * 128 / 12) ** (1 / 3)
+    layers = hidden / 128
+    return tokens_per_step * hidden * (2 * layers + 34) / 1e9
+
+
+def auto_accumulation(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
+                      ranks: int = 1, parallel: str = "ddp") -> dict[str, Any]:
+    """What ``accumulate_on="auto"`` chooses on `profile`: "device" when weights, gradients, the selected columns'
+    state and the fp32 window sums (`schedule_model`'s device-accumulation row) plus `activation_gb` fit the
+    device's memory less the engine's margin, else "host"; with the figures (GB, one rank's)."""
+    from hf_zenflow.accumulation import MARGIN
+
+    row = schedule_model(profile, params, tokens_per_step, topk_ratio, 4, None, ranks, parallel)
+    need = row["zenflow_device_accumulation"]["device_memory_gb"]
+    activations = activation_gb(params * RankSplit(ranks, parallel).device_share, tokens_per_step)
+    limit = (1 - MARGIN) * profile.device_mem_gb
+    choice = "device" if need + activations <= limit else "host"
+    return {"choice": choice, "state_gb": need, "activations_gb": activations, "limit_gb": limit, "margin": MARGIN}
 
 
 def interval_to_unbind(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float,
@@ -245,6 +274,15 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
                    f"more than {DEVICE_MEMORY_HEADROOM:.0%} of the device's {profile.device_mem_gb:.0f} GB.")
     if ranks > 1:
         out.append(_per_rank_sentence(profile, params, update_interval, rows, RankSplit(ranks, parallel)))
+    auto = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel)
+    chosen = dev if auto["choice"] == "device" else zen
+    out.append(f'accumulate_on="auto" (the default) chooses "{auto["choice"]}": weights, gradients, selected '
+               f"columns and fp32 window sums {auto['state_gb']:.1f} GB + activations ~{auto['activations_gb']:.1f} "
+               f"GB (checkpointed, estimated) {'<=' if auto['choice'] == 'device' else '>'} {auto['limit_gb']:.1f} "
+               f"GB (the device's {profile.device_mem_gb:g} GB less a {auto['margin']:.0%} margin); ZenFlow with the "
+               f"defaults: {chosen['step_ms']:.0f} ms/step, {chosen['bound']}-bound, "
+               f"{sync['step_ms'] / chosen['step_ms']:.2f}x faster than synchronous offload, "
+               f"{chosen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
     out.append(f"ZenFlow (window summed on the host, U={update_interval:g}): {zen['step_ms']:.0f} ms/step, "
                f"{zen['bound']}-bound, {sync['step_ms'] / zen['step_ms']:.2f}x faster than synchronous offload "
                f"({sync['step_ms']:.0f} ms/step), {zen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
@@ -258,7 +296,8 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
         move += f"; device-bound from update_interval={u_dev}" if u_dev else "; still not device-bound at U=32"
         if u_host:
             move += f"; with host accumulation from update_interval={u_host}"
-        out.append("Host-bound: the host accumulates every step's gradient and runs one AdamW per window. " + move
+        out.append("Host-bound: the host accumulates U - 1 steps' gradients and runs one AdamW per window (with the "
+                   "last gradient folded in). " + move
                    + ".")
     elif zen["bound"] == "link":
         out.append('Link-bound: every step\'s gradient crosses the link. accumulate_on="device" sends one fp32 sum '
@@ -301,6 +340,8 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
     names = {"no_offload": "no offload (AdamW on device)", "sync_offload": "synchronous offload (ZeRO-Offload)",
              "zenflow": f"ZenFlow, U={update_interval:g}, topk_ratio={topk_ratio:g} (window summed on the host)",
              "zenflow_device_accumulation": 'ZenFlow, same, accumulate_on="device"'}
+    chosen = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel)["choice"]
+    names["zenflow_device_accumulation" if chosen == "device" else "zenflow"] += ' = the default ("auto")'
     p = asdict(profile)
     lines = [f"## Bound model (not a measurement): `{profile.name}`", "",
              "Profile: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in p.items()
@@ -329,5 +370,6 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["HOST_BYTES_PER_PARAM", "PROFILES", "HardwareProfile", "advice", "format_schedule_model",
+__all__ = ["HOST_BYTES_PER_PARAM", "PROFILES", "HardwareProfile", "activation_gb", "advice", "auto_accumulation",
+           "format_schedule_model",
            "interval_to_unbind", "load_profile", "schedule_model"]

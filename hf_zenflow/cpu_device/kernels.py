@@ -28,7 +28,9 @@ import torch
 
 
 _SOURCE = Path(__file__).with_name("csrc") / "zenflow_cpu.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
+# no contraction: zf_window_adamw rounds every product as torch's AdamW does (the other kernels' fmas are explicit,
+# and their fp64 sums of fp32 squares are exact products either way); no errno: sqrtf vectorises
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 _NORM_GATHER, _SCATTER, _ACCUMULATE = 0, 1, 3
 _KINDS = (torch.float32, torch.bfloat16)
 
@@ -70,7 +72,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lpthread"],
+            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lpthread", "-lm"],
                                     capture_output=True, text=True, timeout=120)
             if result.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
@@ -83,6 +85,10 @@ def _build() -> ctypes.CDLL:
     lib.zf_run.argtypes = [ctypes.c_int, ctypes.c_int64, p, p, p, p, p, p, p, p, ctypes.c_int, p, ctypes.c_float,
                            ctypes.c_int]
     lib.zf_run.restype = ctypes.c_int
+    d = ctypes.c_double
+    lib.zf_window_adamw.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, d, d, d, d, d, ctypes.c_float,
+                                    ctypes.c_int64, ctypes.c_int]
+    lib.zf_window_adamw.restype = ctypes.c_int
     return lib
 
 
@@ -182,3 +188,90 @@ def accumulate(accums: list[torch.Tensor], grads: list[torch.Tensor], coef: floa
         assert supports(grad)
     _run(_ACCUMULATE, list(grads), list(accums), [None] * len(grads), [None] * len(grads), want_sums=False,
          coef=1.0 if coef is None else float(coef), first=first)
+
+
+#: torch's `Vectorized<float>::size()` per CPU capability: its fused AdamW runs the last numel % size elements of a
+#: tensor through a scalar tail whose rounding `window_adamw` reproduces. Other capabilities: no fused kernel.
+_TORCH_VECTOR_FLOATS = {"AVX512": 16, "AVX2": 8, "DEFAULT": 8}
+
+
+def torch_vector_width() -> int | None:
+    """Floats per vector of torch's CPU kernels here, or None where `window_adamw` cannot match them."""
+    return _TORCH_VECTOR_FLOATS.get(torch.backends.cpu.get_cpu_capability())
+
+
+_window_adamw_state: bool | None = None
+
+
+def window_adamw_available() -> bool:
+    """Whether `window_adamw` is used: the kernels are loaded and, checked once per process on small tensors with
+    every kind of tail and both moment-update forms, give exactly torch's fused AdamW's bits (its rounding depends
+    on how torch was compiled; where it differs, the host keeps torch's kernel, with a warning)."""
+    global _window_adamw_state
+    if library() is None:
+        return False
+    if _window_adamw_state is None:
+        _window_adamw_state = torch_vector_width() is not None and _matches_torch()
+        if not _window_adamw_state:
+            warnings.warn("hf_zenflow: the fused window AdamW kernel does not reproduce this torch build's fused "
+                          "AdamW bit for bit; the host uses torch's kernel (one more pass per window)",
+                          RuntimeWarning, stacklevel=2)
+    return _window_adamw_state
+
+
+def _matches_torch() -> bool:
+    from .._base import fused_adamw_
+
+    gen = torch.Generator().manual_seed(0)
+    for numel, beta1, weight_decay, count in ((8, 0.9, 0.1, 3), (25, 0.9, 0.0, 1), (37, 0.3, 0.1, 4),
+                                              (1007, 0.9, 0.1, 3), (4099, 0.95, 0.01, 2)):
+        master, accum, grad = (torch.randn(numel, generator=gen) for _ in range(3))
+        exp_avg = torch.randn(numel, generator=gen) * 0.01
+        exp_avg_sq = torch.rand(numel, generator=gen) * 1e-4
+        hyper = {"lr": 1e-3, "betas": (beta1, 0.999), "eps": 1e-8, "weight_decay": weight_decay}
+        ref = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+        mean = accum.clone()
+        accumulate([mean], [grad], 0.5, first=False)  # (checked against torch by its own tests)
+        mean.div_(count)
+        fused_adamw_([ref[0]], [mean], [ref[1]], [ref[2]], [torch.tensor(2.0)], hyper)
+        mine = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+        with torch.no_grad():
+            window_adamw([mine[0]], [accum], [grad], [False], [count], [mine[1]], [mine[2]], [torch.tensor(2.0)],
+                         hyper, 0.5)
+        if not all(torch.equal(a, b) for a, b in zip(ref, mine)):
+            return False
+    return True
+
+
+def window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads: list[torch.Tensor | None],
+                 firsts: list[bool], counts: list[int], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+                 steps: list[torch.Tensor], hyper: dict, coef: float | None) -> None:
+    """The host AdamW of a window in one pass (`csrc/zenflow_cpu.c`, zf_window_adamw): per matrix the window's
+    mean gradient, ``(accum + grad * coef) / count`` with the last step's `grad` folded in (``grad * coef / count``
+    when `first`; ``accum / count`` when `grad` is None), then the AdamW update of torch's fused CPU kernel, bit
+    for bit; each `steps` tensor is incremented first, as torch does. `accums` are read, never written."""
+    width = torch_vector_width()
+    assert width is not None
+    for t in (*masters, *accums, *exp_avgs, *exp_avg_sqs):
+        assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+    for master, grad in zip(masters, grads):
+        assert grad is None or (supports(grad) and grad.shape == master.shape)
+    for step in steps:
+        step.add_(1)
+    beta1, beta2 = hyper["betas"]
+    lib = library()
+    assert lib is not None, "call library() first"
+    n = len(masters)
+    rc = lib.zf_window_adamw(
+        n,
+        *(_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (masters, accums, exp_avgs, exp_avg_sqs)),
+        _array(ctypes.c_void_p, [0 if g is None else g.data_ptr() for g in grads]),
+        _array(ctypes.c_int32, [int(g is not None and g.dtype == torch.bfloat16) for g in grads]),
+        _array(ctypes.c_int32, [int(f) for f in firsts]), _array(ctypes.c_int64, list(counts)),
+        _array(ctypes.c_int64, [m.numel() for m in masters]),
+        _array(ctypes.c_double, [float(s) for s in steps]),
+        float(hyper["lr"]), float(beta1), float(beta2), float(hyper["eps"]), float(hyper["weight_decay"]),
+        1.0 if coef is None else float(coef), width, torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("hf_zenflow CPU kernel: out of memory for its work list")

@@ -14,7 +14,9 @@ from hf_zenflow.compare.hardware import (
     ACCUMULATE_VS_ADAMW,
     PROFILES,
     HardwareProfile,
+    activation_gb,
     advice,
+    auto_accumulation,
     format_schedule_model,
     interval_to_unbind,
     load_profile,
@@ -34,7 +36,8 @@ def test_schedule_model_matches_hand_computed_times() -> None:
     assert rows["no_offload"]["step_ms"] == pytest.approx(120 + 28.0)  # + 28 B/param at 1 TB/s
     assert rows["sync_offload"]["step_ms"] == pytest.approx(120 + 200 + host_adamw)
     zen = rows["zenflow"]
-    assert zen["host_ms"] == pytest.approx(host_adamw / 4 + ACCUMULATE_VS_ADAMW * host_adamw)
+    # U - 1 accumulations per window: the last step's gradient is folded into the host AdamW's pass
+    assert zen["host_ms"] == pytest.approx(host_adamw / 4 + ACCUMULATE_VS_ADAMW * host_adamw * 3 / 4)
     assert zen["link_ms"] == pytest.approx(100)
     assert zen["device_ms"] == pytest.approx(120 + 0.1 * 28 + 2 + 100 / 4)  # + grad read + write-back per window
     assert zen["step_ms"] == max(zen["device_ms"], zen["link_ms"], zen["host_ms"]) and zen["bound"] == "host"
@@ -169,7 +172,7 @@ def test_per_rank_figures_scale_as_documented(ranks: int, host_ms: float, link_m
     ddp = schedule_model(profile, 1e9, 1000, 0.1, u, ranks=ranks)
     sync, zen, dev = ddp["sync_offload"], ddp["zenflow"], ddp["zenflow_device_accumulation"]
     assert sync["host_ms"] == pytest.approx(host_ms)  # not 1/N faster: the ranks share the node's host
-    assert zen["host_ms"] == pytest.approx(host_ms / u + ACCUMULATE_VS_ADAMW * host_ms)
+    assert zen["host_ms"] == pytest.approx(host_ms / u + ACCUMULATE_VS_ADAMW * host_ms * (u - 1) / u)
     assert sync["link_ms"] == pytest.approx(2 * link_ms) and zen["link_ms"] == pytest.approx(link_ms)
     assert dev["link_ms"] == pytest.approx(2 * link_ms / u)
     assert sync["allgather_ms"] == pytest.approx(allgather_ms)
@@ -246,3 +249,21 @@ def test_estimate_report_states_the_emulated_ranks_share() -> None:
     assert "all-gather of the updated rows 30 ms per write-back at 50 GB/s" in text  # 3/4 x 2 GB / 50 GB/s
     assert "one rank of several" in text
     assert "(targets 125 / 125 ms for bf16" in text  # a quarter of the 500 ms links per rank
+
+
+def test_auto_accumulation_takes_the_device_when_the_sums_fit_with_the_margin() -> None:
+    """1e9 params on PROFILE: weights + gradients 4 GB + selected columns 1.2 GB + fp32 sums 4 GB = 9.2 GB, plus
+    activations; 80 GB less 10% fits, 10 GB less 10% (9 GB) does not."""
+    fits = auto_accumulation(PROFILE, 1e9, 1000)
+    assert fits["state_gb"] == pytest.approx(9.2) and fits["limit_gb"] == pytest.approx(72.0)
+    assert fits["activations_gb"] == pytest.approx(activation_gb(1e9, 1000)) and fits["choice"] == "device"
+    small = HardwareProfile("s", device_tflops=100.0, device_mem_gb=10.0, device_mem_gbps=1000.0, link_gbps=20.0,
+                            host_cores=128, host_mem_gbps=100.0, mfu=0.5)
+    assert auto_accumulation(small, 1e9, 1000)["choice"] == "host"
+    # 7B: about hidden 4096 and 32 layers (the size formula gives 4210 and 32.9); 4096 tokens -> 4096 x 4096 x
+    # (64 + 34) bytes, within the formula's 5%
+    assert activation_gb(7e9, 4096) == pytest.approx(4096 * 4096 * 98 / 1e9, rel=0.05)
+    text = format_schedule_model(PROFILE, 1e9, 1000)
+    assert 'accumulate_on="device" = the default ("auto")' in text
+    assert 'accumulate_on="auto" (the default) chooses "device"' in text
+    assert 'accumulate_on="auto" (the default) chooses "host"' in format_schedule_model(small, 1e9, 1000)

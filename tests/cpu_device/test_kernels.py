@@ -145,3 +145,37 @@ def test_row_scores_match_column_scores(dtype):
         torch.testing.assert_close(scores, reference, rtol=1e-5, atol=0)
         k = max(1, m.shape[0] // 10)
         assert torch.equal(top_columns(scores, k), top_columns(reference, k))
+
+
+@needs_kernels
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, None])
+@pytest.mark.parametrize("count", [1, 3, 4])
+def test_window_adamw_is_sum_divide_and_torch_fused_adamw_bit_for_bit(grad_dtype, count):
+    """The one-pass host AdamW of a window (`kernels.window_adamw`) against the two passes it replaces: the last
+    gradient added into the sum (`accumulate`), the division by the window's length, torch's fused AdamW. Sizes with
+    every kind of tail torch's vectorised kernel leaves (none, < 8, 8, > 8 elements), both forms of its moment update
+    (beta1 0.9 and 0.3), with and without weight decay."""
+    from hf_zenflow._base import fused_adamw_
+
+    assert _native.window_adamw_available()
+    for numel, beta1, weight_decay in ((16, 0.9, 0.1), (37, 0.9, 0.0), (40, 0.3, 0.1), (1007, 0.9, 0.1),
+                                       (70001, 0.95, 0.01)):
+        gen = torch.Generator().manual_seed(numel)
+        master, accum = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+        exp_avg, exp_avg_sq = torch.randn(numel, generator=gen) * 0.01, torch.rand(numel, generator=gen) * 1e-4
+        grad = None if grad_dtype is None else torch.randn(numel, generator=gen).to(grad_dtype)
+        first = count == 1 and grad is not None  # a one-step window: the sum is that gradient alone
+        hyper = {"lr": 1e-3, "betas": (beta1, 0.999), "eps": 1e-8, "weight_decay": weight_decay}
+        ref = [master.clone(), exp_avg.clone(), exp_avg_sq.clone(), torch.tensor(4.0)]
+        mean = accum.clone()
+        if grad is not None:
+            _native.accumulate([mean], [grad], 0.7, first)
+        if count > 1:
+            mean.div_(count)
+        fused_adamw_([ref[0]], [mean], [ref[1]], [ref[2]], [ref[3]], hyper)
+        mine = [master.clone(), exp_avg.clone(), exp_avg_sq.clone(), torch.tensor(4.0)]
+        kept = accum.clone()
+        _native.window_adamw([mine[0]], [kept], [grad], [first], [count], [mine[1]], [mine[2]], [mine[3]], hyper, 0.7)
+        for a, b in zip(ref, mine):
+            assert torch.equal(a, b), numel
+        assert torch.equal(kept, accum)  # read, never written

@@ -38,6 +38,7 @@ CASES = [
     ("accumulate_on", "Device", "device", {}),
     ("host_grad_dtype", "BFloat16", "bfloat16", {}),
     ("host_moment_dtype", "bfloat16", "bfloat16", {}),
+    ("device_memory_budget_bytes", "1000000", 1000000, {}),
     ("cpu_threads", "2", 2, {}),
     ("steps_per_epoch", "30", 30, {}),
 ]
@@ -110,7 +111,7 @@ def test_flags_carry_the_help_true_default_and_choices():
         assert " ".join(setting.help.split()[:4]) in action.help, arg  # the config's own text
         assert action.choices == (list(setting.choices) if setting.choices else None), arg
     assert actions["--zenflow_select_strategy"].choices == ["auto", "step", "epoch"]
-    assert actions["--zenflow_accumulate_on"].choices == ["host", "device"]
+    assert actions["--zenflow_accumulate_on"].choices == ["auto", "host", "device"]
 
 
 def test_choices_are_case_insensitive_everywhere():
@@ -130,7 +131,8 @@ def test_choices_are_case_insensitive_everywhere():
 
 
 def test_bad_choice_names_the_flag_and_what_is_allowed():
-    with pytest.raises(ValueError, match=r"--zenflow_accumulate_on='gpu' is invalid: allowed is \"host\" \| \"dev"):
+    with pytest.raises(ValueError,
+                       match=r"--zenflow_accumulate_on='gpu' is invalid: allowed is \"auto\" \| \"host\" \| \"dev"):
         ZenFlowTrainingArguments(output_dir="unused", use_cpu=True, report_to="none", zenflow_accumulate_on="gpu")
 
 

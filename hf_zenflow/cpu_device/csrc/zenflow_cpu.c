@@ -185,3 +185,167 @@ int zf_run(int kind, int64_t n, void *const *big, const int32_t *big_bf16, float
   free(job.item_tensor); free(job.item_row0); free(job.item_row1); free(job.item_sum);
   return 0;
 }
+
+/* ---- zf_window_adamw: the host AdamW of a window in one pass over the state -----------------------------------
+ * Per element: the window's gradient sum, with the last step's gradient folded in (g = grad * coef on a one-step
+ * window, else fma(grad, coef, acc), as zf_accumulate; acc alone when that gradient was summed already), divided by
+ * the window's length (a true division, as torch's div_ by an integer), then AdamW exactly as torch's fused CPU
+ * kernel (ATen FusedAdamKernel.cpp, ADAMW mode, fp32) as this torch build computes it: its vectorised body for
+ * every element but the last numel % `width` of each tensor, which torch runs through its scalar tail, whose
+ * second-moment update its compiler contracted differently (see adam_range). `width` is torch's
+ * Vectorized<float>::size() (16 with
+ * AVX512, 8 otherwise). The file is compiled without contraction (-ffp-contract=off): every multiply and add
+ * rounds as torch's do, and the fmaf calls are the fmas torch's build makes. The accumulator is left as it was
+ * (the next window overwrites it). */
+typedef struct {
+  int64_t n;
+  float *const *master, *const *acc, *const *exp_avg, *const *exp_avg_sq;
+  const void *const *grad;   /* per tensor: the last step's gradient, or NULL (already summed) */
+  const int32_t *grad_bf16;  /* 1 when that gradient is bf16 */
+  const int32_t *first;      /* 1 when the window's sum is that gradient alone (acc not read) */
+  const int64_t *count, *numel;
+  const double *step;        /* the step count after this update, as torch reads it */
+  double lr, beta1, beta2, eps, weight_decay;
+  float coef;
+  int64_t width;
+  int64_t *item_tensor, *item_begin, *item_end;
+  int64_t n_items;
+  atomic_llong next;
+} zf_adam_job;
+
+#define ZF_ADAM_BLOCK 1024
+
+typedef struct {
+  float decay, w, b2, c2, bc2_sqrt, eps, neg_step;
+} zf_adam_consts;
+
+/* AdamW on `n` elements whose gradient is in `g` (an L1-resident block). small_w: torch's lerp form for a weight
+ * under 0.5; scalar_v: the second-moment contraction of torch's scalar tail (see above). Both are constants at
+ * every call, so each combination compiles to its own vectorised loop. */
+static inline __attribute__((always_inline)) void adam_block(float *restrict p, float *restrict m,
+                                                             float *restrict v, const float *restrict g, int64_t n,
+                                                             const zf_adam_consts *k, const int small_w,
+                                                             const int scalar_v) {
+  const float decay = k->decay, w = k->w, b2 = k->b2, c2 = k->c2, bc2_sqrt = k->bc2_sqrt, eps = k->eps;
+  const float neg_step = k->neg_step, cw = small_w ? w : w - 1.0f;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i], mi = m[i];
+    const float pv = p[i] * decay; /* (x 1.0f when there is no weight decay: exact) */
+    const float mv = fmaf(cw, gi - mi, small_w ? mi : gi);
+    const float vv = scalar_v ? fmaf(v[i], b2, (c2 * gi) * gi) : fmaf(c2 * gi, gi, v[i] * b2);
+    const float denom = sqrtf(vv) / bc2_sqrt + eps;
+    p[i] = pv + (neg_step * mv) / denom;
+    m[i] = mv;
+    v[i] = vv;
+  }
+}
+
+static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t end) {
+  const double bc1 = 1 - pow(job->beta1, job->step[t]);
+  const double bc2 = 1 - pow(job->beta2, job->step[t]);
+  const double step_size = job->lr / bc1;
+  const zf_adam_consts k = {.decay = (float)(1 - job->lr * job->weight_decay), .w = (float)(1 - job->beta1),
+                            .b2 = (float)job->beta2, .c2 = (float)(1 - job->beta2), .bc2_sqrt = (float)sqrt(bc2),
+                            .eps = (float)job->eps, .neg_step = (float)(-step_size)};
+  const int small_w = fabsf(k.w) < 0.5f;
+  /* torch's vectorised body, and the 8-wide vectorised part of its scalar tail, contract the second moment's
+     update as fma(c2 * g, g, v * b2); the rest of the tail (from `scalar_from`) as fma(v, b2, (c2 * g) * g) */
+  const int64_t tail = job->numel[t] - job->numel[t] % job->width;
+  const int64_t scalar_from = tail + (job->numel[t] - tail) / 8 * 8;
+  float *p = job->master[t], *acc = job->acc[t], *m = job->exp_avg[t], *v = job->exp_avg_sq[t];
+  const void *gp = job->grad[t];
+  const int bf16 = job->grad_bf16[t], first = job->first[t];
+  const float coef = job->coef, count = (float)job->count[t];
+  float g[ZF_ADAM_BLOCK];
+  for (int64_t b0 = begin; b0 < end; b0 += ZF_ADAM_BLOCK) {
+    const int64_t n = end - b0 < ZF_ADAM_BLOCK ? end - b0 : ZF_ADAM_BLOCK;
+    const float *a = acc + b0;
+    /* the window's gradient sum, as zf_accumulate would leave it, then its mean (a true division, as div_) */
+    if (!gp) {
+      memcpy(g, a, sizeof(float) * (size_t)n);
+    } else if (bf16) {
+      const uint16_t *x = (const uint16_t *)gp + b0;
+      if (first) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) g[i] = bf16_to_f32(x[i]) * coef;
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) g[i] = fmaf(bf16_to_f32(x[i]), coef, a[i]);
+      }
+    } else {
+      const float *x = (const float *)gp + b0;
+      if (first) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) g[i] = x[i] * coef;
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) g[i] = fmaf(x[i], coef, a[i]);
+      }
+    }
+    if (job->count[t] > 1) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) g[i] = g[i] / count;
+    }
+    /* [b0, split): the vector form; [split, b0 + n): the scalar tail's */
+    const int64_t split = scalar_from < b0 ? 0 : (scalar_from - b0 < n ? scalar_from - b0 : n);
+    float *pb = p + b0, *mb = m + b0, *vb = v + b0;
+    if (small_w) {
+      adam_block(pb, mb, vb, g, split, &k, 1, 0);
+      adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 1, 1);
+    } else {
+      adam_block(pb, mb, vb, g, split, &k, 0, 0);
+      adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 0, 1);
+    }
+  }
+}
+
+static void *adam_worker(void *arg) {
+  zf_adam_job *job = (zf_adam_job *)arg;
+  for (;;) {
+    int64_t i = atomic_fetch_add(&job->next, 1);
+    if (i >= job->n_items) break;
+    adam_range(job, job->item_tensor[i], job->item_begin[i], job->item_end[i]);
+  }
+  return NULL;
+}
+
+int zf_window_adamw(int64_t n, float *const *master, float *const *acc, float *const *exp_avg,
+                    float *const *exp_avg_sq, const void *const *grad, const int32_t *grad_bf16,
+                    const int32_t *first, const int64_t *count, const int64_t *numel, const double *step,
+                    double lr, double beta1, double beta2, double eps, double weight_decay, float coef,
+                    int64_t width, int threads) {
+  zf_adam_job job = {.n = n, .master = master, .acc = acc, .exp_avg = exp_avg, .exp_avg_sq = exp_avg_sq,
+                     .grad = grad, .grad_bf16 = grad_bf16, .first = first, .count = count, .numel = numel,
+                     .step = step, .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps,
+                     .weight_decay = weight_decay, .coef = coef, .width = width > 0 ? width : 1};
+  int64_t n_items = 0;
+  for (int64_t t = 0; t < n; ++t) n_items += (numel[t] + ZF_CHUNK_ELEMS - 1) / ZF_CHUNK_ELEMS;
+  job.item_tensor = malloc(sizeof(int64_t) * (size_t)(n_items + 1));
+  job.item_begin = malloc(sizeof(int64_t) * (size_t)(n_items + 1));
+  job.item_end = malloc(sizeof(int64_t) * (size_t)(n_items + 1));
+  if (!job.item_tensor || !job.item_begin || !job.item_end) {
+    free(job.item_tensor); free(job.item_begin); free(job.item_end);
+    return -1;
+  }
+  int64_t i = 0;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t b = 0; b < numel[t]; b += ZF_CHUNK_ELEMS, ++i) {
+      job.item_tensor[i] = t;
+      job.item_begin[i] = b;
+      job.item_end[i] = b + ZF_CHUNK_ELEMS < numel[t] ? b + ZF_CHUNK_ELEMS : numel[t];
+    }
+  job.n_items = n_items;
+  atomic_init(&job.next, 0);
+  if (threads < 1) threads = 1;
+  if (threads > ZF_MAX_THREADS) threads = ZF_MAX_THREADS;
+  if (threads > n_items) threads = n_items > 0 ? (int)n_items : 1;
+  pthread_t helpers[ZF_MAX_THREADS];
+  int started = 0;
+  for (int h = 1; h < threads; ++h)
+    if (pthread_create(&helpers[started], NULL, adam_worker, &job) == 0) ++started;
+  adam_worker(&job);
+  for (int h = 0; h < started; ++h) pthread_join(helpers[h], NULL);
+  free(job.item_tensor); free(job.item_begin); free(job.item_end);
+  return 0;
+}
