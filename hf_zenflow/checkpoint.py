@@ -220,7 +220,10 @@ def _validate(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
     if zenflow is None:
         return  # (`migrate` refused entries without a block)
     checks.check_block(zenflow)
-    groups = [g for g in opt.param_groups for _ in g["params"]]
+    # the group settings in force after the load: `_restore_groups` takes the saved ones (select_rows among them)
+    restored = [{**g, **{k: v for k, v in saved.items() if k != "params"}}
+                for g, saved in zip(opt.param_groups, state_dict["param_groups"])]
+    groups = [r for g, r in zip(opt.param_groups, restored) for _ in g["params"]]
     seen: set[int] = set()
     for index, entry in state_dict["state"].items():
         i = _index(index, len(params))
