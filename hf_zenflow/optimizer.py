@@ -7,11 +7,14 @@ Each optimizer step:
 2. **device path** (`device_step.py`): the top-k input columns of every matrix (by gradient norm) and every 1-D
    parameter get a fused AdamW update on the device, on fp32 master values and moments;
 3. **host path** (`host.py`): the whole matrix gradient is handed to the host worker, which adds it to a window
-   accumulator; every `update_interval` steps the window closes and the host AdamW updates the matrix on the window's
-   mean gradient, with the learning rate in force when the window closed;
-4. the host result is written back into the device weights at the next window boundary (``overlap_step=True``: the
-   host step runs while the device trains on) or at once (``overlap_step=False``); the columns on the device keep
-   their device values.
+   accumulator (or, with ``accumulate_on="device"``, "auto"'s usual choice where device memory allows, the window is
+   summed on the device and crosses once); every `update_interval` steps the window closes and the host AdamW
+   updates the matrix on the window's mean gradient, the closing step's gradient folded into the same pass, with the
+   learning rate in force when the window closed;
+4. the host result is written back into the device weights ``writeback_lag`` steps into the next window
+   (``overlap_step=True``: the host step runs while the device trains on; ``writeback_lag=None`` = at the next
+   window's end, ZenFlow's own schedule; "auto" = the smallest lag the measured host step fits in) or at once
+   (``overlap_step=False``); the columns on the device keep their device values.
 
 The selection is refreshed on schedule; the master values and moments of columns that enter or leave the device
 set migrate with them, so with ``update_interval=1`` the split is invisible (AdamW is elementwise).
