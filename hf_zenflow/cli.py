@@ -26,7 +26,7 @@ def _interval(value: str) -> int | str:
 
 
 def _scale(value: str) -> float | str:
-    return value if value.strip().lower() == "interval" else float(value)
+    return value.strip().lower() if value.strip().lower() in ("interval", "auto") else float(value)
 
 
 class TrueDefaultsFormatter(argparse.HelpFormatter):
@@ -102,7 +102,8 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    help="ZenFlow: share of each matrix's columns updated on the device every step")
     p.add_argument("--update-interval", type=_interval, default=d.update_interval, help='an integer or "auto"')
     p.add_argument("--host-lr-scale", type=_scale, default=d.host_lr_scale,
-                   help='ZenFlow host-AdamW lr multiplier: a float, or "interval" (x window length)')
+                   help='ZenFlow host-AdamW lr multiplier: a float, "interval" (x window length) or "auto" '
+                   "(interval, capped at high learning rates)")
     p.add_argument("--min-offload-numel", type=int, default=d.min_offload_numel,
                    help="ZenFlow: matrices with fewer elements stay wholly on the device (e.g. the classifier head)")
     p.add_argument("--select-strategy", default=d.select_strategy, choices=["auto", "step", "epoch"],

@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+from .schedule import AUTO_HOST_LR_CAP
 from .threads import available_cpu_count, worker_threads  # noqa: F401 - available_cpu_count: imported from here
 
 
@@ -134,7 +135,10 @@ class ZenFlowConfig:
                   'step per window, so they move about `update_interval` times less per optimizer step than under '
                   'AdamW; "interval" (the default) multiplies by the length of each window, restoring the per-step '
                   "rate (BENCHMARKS §4: better at fine-tuning learning rates). 1.0 is ZenFlow's (and DeepSpeed's) "
-                  "rule, safer at learning rates of 1e-3 and more with long write-back lags."},
+                  "rule, safer at learning rates of 1e-3 and more with long write-back lags. \"auto\": \"interval\" "
+                  "while the host step's learning rate (lr x multiplier, by the scheduler's peak lr) stays under "
+                  f"{AUTO_HOST_LR_CAP:g} / write-back lag, the multiplier reaching that cap above it, never below "
+                  '1.0 (logged once; stats()["host_lr_scale"]).'},
     )
     min_offload_numel: int = field(
         default=MIN_OFFLOAD_NUMEL,
@@ -209,15 +213,15 @@ class ZenFlowConfig:
                     self.writeback_lag = int(self.writeback_lag)
                 if not _is_int(self.writeback_lag) or not 1 <= self.writeback_lag <= top:
                     _fail("writeback_lag", self.writeback_lag, allowed)
-        if isinstance(self.host_lr_scale, str) and self.host_lr_scale.strip().lower() == "interval":
-            self.host_lr_scale = "interval"
+        if isinstance(self.host_lr_scale, str) and self.host_lr_scale.strip().lower() in ("interval", "auto"):
+            self.host_lr_scale = self.host_lr_scale.strip().lower()
         else:
             try:
                 scale = float(self.host_lr_scale)
             except (TypeError, ValueError):
                 scale = float("nan")
             if isinstance(self.host_lr_scale, bool) or not scale > 0 or math.isinf(scale):
-                _fail("host_lr_scale", self.host_lr_scale, 'a float > 0 or "interval"')
+                _fail("host_lr_scale", self.host_lr_scale, 'a float > 0, "interval" or "auto"')
             self.host_lr_scale = scale
         if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
             _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")

@@ -73,6 +73,7 @@ def test_strings_from_a_command_line_parse():
 def test_host_lr_scale_parses_numbers_and_interval():
     assert ZenFlowConfig(host_lr_scale="2.5").host_lr_scale == 2.5
     assert ZenFlowConfig(host_lr_scale="Interval").host_lr_scale == "interval"
+    assert ZenFlowConfig(host_lr_scale=" AUTO ").host_lr_scale == "auto"
 
 
 def test_integer_interval_with_auto_strategy_is_rejected():
