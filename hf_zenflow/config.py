@@ -202,6 +202,8 @@ class ZenFlowConfig:
         self.auto_ratio = float(self.auto_ratio)
         if not _is_int(self.auto_max_interval) or self.auto_max_interval < 1:
             _fail("auto_max_interval", self.auto_max_interval, "an integer >= 1")
+        if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().lower() == "none":
+            self.writeback_lag = None  # (a flag or environment variable cannot carry None)
         if self.writeback_lag is not None:
             top = self.update_interval if _is_int(self.update_interval) else self.auto_max_interval
             bound = "update_interval" if _is_int(self.update_interval) else "auto_max_interval"
