@@ -137,8 +137,8 @@ class ZenFlowConfig:
                   "rate (BENCHMARKS §4: better at fine-tuning learning rates). 1.0 is ZenFlow's (and DeepSpeed's) "
                   "rule, safer at learning rates of 1e-3 and more with long write-back lags. \"auto\": \"interval\" "
                   "while the host step's learning rate (lr x multiplier, by the scheduler's peak lr) stays under "
-                  f"{AUTO_HOST_LR_CAP:g} / write-back lag, the multiplier reaching that cap above it, never below "
-                  '1.0 (logged once; stats()["host_lr_scale"]).'},
+                  f"{AUTO_HOST_LR_CAP:g} / sqrt(write-back lag), the multiplier reaching that cap above it, never "
+                  'below 1.0 (logged once; stats()["host_lr_scale"]).'},
     )
     min_offload_numel: int = field(
         default=MIN_OFFLOAD_NUMEL,

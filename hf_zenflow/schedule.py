@@ -147,26 +147,27 @@ def auto_writeback_lag(host_step_ms: float, step_ms: float, longest: int) -> int
 
 
 #: `host_lr_scale="auto"`: the largest learning rate a window's host step takes (lr × multiplier) when its result is
-#: written back 1 step into the next window; a lag of L steps divides it by L. Measured on the tiny Llama (30 steps,
-#: U=4, 1-step lag, 5 paired seeds): "interval" (4) is best up to lr 1e-3; at 3e-3 it costs +3.7 % held-out loss,
-#: multipliers 1.5-2 cost least (+1.9 %), 1.0 +2.1 %; with a window's lag "interval" overshoots from lr 1e-3.
+#: written back 1 step into the next window; a lag of L steps divides it by sqrt(L). Measured on the tiny Llama (30
+#: steps, U=4, 5 paired seeds): at a 1-step lag "interval" (4) is best up to lr 1e-3; at 3e-3 it costs +3.7 %
+#: held-out loss, multipliers 1.5-2 cost least (+1.9 %), 1.0 +2.1 %. At a 4-step lag "interval" is still best at
+#: 5e-4 (2.5 costs +0.23 %), 1.25 and 4 tie at 1e-3, and at 3e-3 "interval" overshoots (+11.8 %, 1.0: +2.9 %).
 AUTO_HOST_LR_CAP = 5e-3
 
 
 def auto_host_lr_scale(lr: float, window_steps: int, lag: int) -> float:
     """`host_lr_scale="auto"`: the window's length ("interval", the unselected columns move at AdamW's per-step
-    rate) while the host step's learning rate stays under `AUTO_HOST_LR_CAP / lag`; above it, the multiplier that
+    rate) while the host step's learning rate stays under `AUTO_HOST_LR_CAP / sqrt(lag)`; above it, the multiplier that
     reaches the cap, and never less than 1.0 (ZenFlow's rule, one AdamW step per window). `lr` is the run's peak
     (the scheduler's ``initial_lr``), `lag` the steps between the window's close and its write-back (1 = one step
     into the next window; the whole window for ZenFlow's schedule).
 
     Example:
         >>> auto_host_lr_scale(1e-3, 4, 1), auto_host_lr_scale(2.5e-3, 4, 1), auto_host_lr_scale(1e-3, 4, 4)
-        (4.0, 2.0, 1.25)
+        (4.0, 2.0, 2.5)
     """
     if window_steps <= 1 or not lr > 0:
         return 1.0
-    return min(float(window_steps), max(1.0, AUTO_HOST_LR_CAP / (max(1, lag) * lr)))
+    return min(float(window_steps), max(1.0, AUTO_HOST_LR_CAP / (math.sqrt(max(1, lag)) * lr)))
 
 
 def host_lr_scale(setting: float | str, window_steps: int, lr: float = 0.0, lag: int = 1) -> float:

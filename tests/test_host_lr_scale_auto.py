@@ -13,7 +13,7 @@ from hf_zenflow.schedule import WindowSchedule, auto_host_lr_scale, host_lr_scal
 from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train
 
 
-#: (peak lr, window steps, write-back lag, multiplier): "interval" while lr x multiplier <= 5e-3 / lag, the cap's
+#: (peak lr, window steps, write-back lag, multiplier): "interval" while lr x multiplier <= 5e-3 / sqrt(lag), the cap's
 #: multiplier above it, never below 1 nor above the window
 RULE = [
     (5e-5, 4, 1, 4.0),
@@ -25,9 +25,12 @@ RULE = [
     (5e-3, 4, 1, 1.0),
     (2e-2, 4, 1, 1.0),
     (5e-4, 4, 2, 4.0),
-    (1e-3, 4, 2, 2.5),
-    (1e-3, 4, 4, 1.25),
-    (5e-4, 4, 4, 2.5),
+    (1e-3, 4, 2, 5 / 2**0.5),
+    (5e-4, 4, 4, 4.0),
+    (1e-3, 4, 4, 2.5),
+    (2e-3, 4, 4, 1.25),
+    (3e-3, 4, 4, 1.0),
+    (1e-3, 4, 9, 5 / 3),
     (1e-3, 8, 1, 5.0),
     (1e-4, 16, 1, 16.0),
     (1e-3, 1, 1, 1.0),
@@ -82,7 +85,7 @@ def _run(host_lr_scale, lr, writeback_lag, steps=TOTAL, checkpoint_at=None):
     return model, scale, saved
 
 
-@pytest.mark.parametrize("lr, writeback_lag, expected", [(3e-3, 1, 5 / 3), (5e-4, None, 2.5), (1e-4, 2, 4.0)])
+@pytest.mark.parametrize("lr, writeback_lag, expected", [(3e-3, 1, 5 / 3), (1e-3, None, 2.5), (1e-4, 2, 4.0)])
 def test_auto_is_bitwise_the_multiplier_it_picks(lr, writeback_lag, expected, caplog):
     with caplog.at_level(logging.INFO, logger="hf_zenflow"):
         auto, scale, _ = _run("auto", lr, writeback_lag)
@@ -135,7 +138,7 @@ def test_a_checkpoint_mid_window_converts_to_adamw_as_its_multiplier_does(writeb
     "interval")."""
     from hf_zenflow import to_torch_adamw
 
-    lr = 3e-3 if writeback_lag == 1 else 1e-3  # 5/3 and 1.25
+    lr = 3e-3 if writeback_lag == 1 else 2e-3  # 5/3 and 1.25
     _, scale, saved = _run("auto", lr, writeback_lag, steps=6, checkpoint_at=6)
     _, _, explicit = _run(scale, lr, writeback_lag, steps=6, checkpoint_at=6)
     _, _, interval = _run("interval", lr, writeback_lag, steps=6, checkpoint_at=6)
