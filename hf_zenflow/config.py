@@ -130,15 +130,15 @@ class ZenFlowConfig:
                   "staleness)."},
     )
     host_lr_scale: float | str = field(
-        default="interval",
-        metadata={"help": 'Learning-rate multiplier of the host AdamW step. The unselected columns take one AdamW '
-                  'step per window, so they move about `update_interval` times less per optimizer step than under '
-                  'AdamW; "interval" (the default) multiplies by the length of each window, restoring the per-step '
-                  "rate (BENCHMARKS §4: better at fine-tuning learning rates). 1.0 is ZenFlow's (and DeepSpeed's) "
-                  "rule, safer at learning rates of 1e-3 and more with long write-back lags. \"auto\": \"interval\" "
-                  "while the host step's learning rate (lr x multiplier, by the scheduler's peak lr) stays under "
+        default="auto",
+        metadata={"help": "Learning-rate multiplier of the host AdamW step. The unselected columns take one AdamW "
+                  "step per window, so they move about `update_interval` times less per optimizer step than under "
+                  'AdamW; "interval" multiplies by the length of each window, restoring the per-step rate; 1.0 is '
+                  "ZenFlow's (and DeepSpeed's) rule. \"auto\" (the default): \"interval\" while the host step's "
+                  "learning rate (lr x multiplier, by the scheduler's peak lr) stays under "
                   f"{AUTO_HOST_LR_CAP:g} / sqrt(write-back lag), the multiplier reaching that cap above it, never "
-                  'below 1.0 (logged once; stats()["host_lr_scale"]).'},
+                  'below 1.0 (logged once; stats()["host_lr_scale"]): "interval" at fine-tuning learning rates, '
+                  "less where it would overshoot (BENCHMARKS §4)."},
     )
     min_offload_numel: int = field(
         default=MIN_OFFLOAD_NUMEL,

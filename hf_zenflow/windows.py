@@ -314,9 +314,13 @@ class HostWindows:
         schedule.window_steps += 1
         self.close_window(schedule, timer, sequential=True)
 
-    def note_lr_scale(self, scale: float, lr: float, lag: int) -> None:
-        """Remember the multiplier for `stats()`; ``"auto"`` logs each value it picks once (it changes at most when
+    def note_lr_scale(self, scale: float, lr: float, lag: int, full: bool) -> None:
+        """Remember the multiplier of a full window for `stats()` (a warm-up step or a window `flush()` closes early
+        takes at most its length); ``"auto"`` logs each value it picks once (it changes at most when
         ``writeback_lag="auto"`` chooses, or with a group's learning rate)."""
+        if not full:
+            self.last_lr_scale = scale if self.last_lr_scale is None else self.last_lr_scale
+            return
         self.last_lr_scale = scale
         if self.config.host_lr_scale == "auto" and scale not in self._logged_lr_scales:
             self._logged_lr_scales.add(scale)
@@ -329,6 +333,7 @@ class HostWindows:
             split.auto.reset()
         # the run's lag, also for a window that `flush()` closes early: "auto" keeps one multiplier per run
         lag = window_lag(schedule, self.config.overlap_step, steps)
+        full = schedule.update_interval is None or steps >= schedule.update_interval
         group_of = {p: g for g in self.groups for p in g["params"]}
         by_group: dict[int, tuple[dict, list[HostMatrix]]] = {}
         for split in self.splits.values():
@@ -338,7 +343,7 @@ class HostWindows:
                     # hyper-parameters are copied now: the lr in force when the window closed
                     hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
                     scale = host_lr_scale(self.config.host_lr_scale, steps, peak_lr(group), lag)
-                    self.note_lr_scale(scale, peak_lr(group), lag)
+                    self.note_lr_scale(scale, peak_lr(group), lag, full)
                     hyper["lr"] = hyper["lr"] * scale
                     by_group[id(group)] = (hyper, [])
                 by_group[id(group)][1].append(split.host)

@@ -66,7 +66,7 @@ def test_the_lag_the_rule_counts(schedule, overlap, window, expected):
     assert window_lag(schedule, overlap, window) == expected
 
 
-TOTAL = 16  # four full windows of 4: "auto" and its value agree on every window
+TOTAL = 16  # four full windows of 4: "auto" and its value agree on every window (see test_a_partial_window...)
 
 
 def _run(host_lr_scale, lr, writeback_lag, steps=TOTAL, checkpoint_at=None):
@@ -148,3 +148,17 @@ def test_a_checkpoint_mid_window_converts_to_adamw_as_its_multiplier_does(writeb
     assert all(torch.equal(masters[i], explicit_masters[i]) for i in masters)
     interval_masters = to_torch_adamw(interval["opt"])[1]
     assert any(not torch.equal(masters[i], interval_masters[i]) for i in masters)
+
+
+def test_a_partial_window_takes_at_most_its_length_and_stats_keep_the_full_windows_multiplier(caplog):
+    """A window `flush()` closes after 2 of 4 steps: "auto" multiplies by at most 2 there, as "interval" does (so
+    it equals "interval", not its full-window value 4); `stats()` and the log still say the run's multiplier, 4."""
+    with caplog.at_level(logging.INFO, logger="hf_zenflow"):
+        auto, scale, _ = _run("auto", 1e-4, 1, steps=14)
+    assert scale == 4.0
+    assert [r.getMessage() for r in caplog.records if "chose" in r.getMessage() and "host_lr_scale" in
+            r.getMessage()] == ['hf_zenflow: host_lr_scale="auto" chose 4 (peak lr 0.0001, write-back lag 1)']
+    interval, _, _ = _run("interval", 1e-4, 1, steps=14)
+    four, _, _ = _run(4.0, 1e-4, 1, steps=14)
+    assert all(torch.equal(p, q) for p, q in zip(auto.parameters(), interval.parameters()))
+    assert any(not torch.equal(p, q) for p, q in zip(auto.parameters(), four.parameters()))

@@ -84,10 +84,11 @@ def test_default_grid_covers_the_issue_grid_default_first() -> None:
     assert len(set(grid)) == len(grid)
     combos = {(r, u, 1.0 if u == 1 else s, default.writeback_lag) for r, u, s in
               itertools.product((0.05, 0.1, 0.2), (1, 2, 4, 8, "auto"), (1.0, "interval"))}
-    # the writeback_lag axis: at the default ratio and host_lr_scale, windows longer than one step
-    lags = {(default.topk_ratio, u, default.host_lr_scale, lag) for u in (2, 4, 8, "auto") for lag in (1, None)}
+    # the writeback_lag axis: at the default ratio and host_lr_scale ("auto"), windows longer than one step
+    lags = {(default.topk_ratio, u, default.host_lr_scale, lag)
+            for u in (2, 4, 8, "auto") for lag in (1, "auto", None)}
     assert {(s.topk_ratio, s.update_interval, s.host_lr_scale, s.writeback_lag) for s in grid} == combos | lags
-    assert len(grid) == 35  # U=1 takes one scale: 3 x (1 + 4 x 2), and 4 windows x 2 lags besides the default
+    assert len(grid) == 39  # U=1 takes one scale: 3 x (1 + 4 x 2), and 4 windows x 3 lags at the default scale
     for s in grid:  # every point is a valid configuration
         assert isinstance(s.config(), ZenFlowConfig)
     # the budget trims from the end: the lag sweep (default window first) comes before the other ratios

@@ -35,7 +35,7 @@ CASES = [
     ("writeback_lag", "None", None, {}),
     ("host_lr_scale", "1", 1.0, {}),
     ("host_lr_scale", "2.5", 2.5, {}),
-    ("host_lr_scale", "Auto", "auto", {}),
+    ("host_lr_scale", "Interval", "interval", {}),
     ("min_offload_numel", "12345", 12345, {}),
     ("accumulate_on", "Device", "device", {}),
     ("cpu_threads", "2", 2, {}),
