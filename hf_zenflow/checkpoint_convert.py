@@ -14,8 +14,8 @@ from .checkpoint import _DERIVED_SETTINGS, CheckpointError, _restore_groups, mig
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState
 from .host import host_adamw_window
+from .host_lr import host_lr_scale, peak_lr, window_lag
 from .params import is_split
-from .schedule import host_lr_scale, peak_lr, window_lag
 from .selection import num_selected
 from .split_matrix import SplitMatrix
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from .schedule import AUTO_HOST_LR_CAP
+from .host_lr import AUTO_HOST_LR_CAP
 from .threads import available_cpu_count, worker_threads  # noqa: F401 - available_cpu_count: imported from here
 
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .schedule import host_lr_scale, peak_lr, window_lag
+from .host_lr import host_lr_scale, peak_lr, window_lag
 
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ def optimizer_stats(stats: ZenFlowStats, schedule: WindowSchedule | None, config
     # the last closed window; before the first one, the configured interval (auto: the open window so far)
     interval = (schedule.last_interval if schedule and schedule.last_interval else
                 (schedule.window_steps if schedule else 0) if config.is_auto_interval else config.update_interval)
-    lr_scale = host.last_lr_scale
+    lr_scale = host.lr_scale.last
     if lr_scale is None:  # before the first window closes: what the next full window will take
         window = int(interval) or config.auto_max_interval
         lr_scale = host_lr_scale(config.host_lr_scale, window, peak_lr(host.groups[0]) if host.groups else 0.0,

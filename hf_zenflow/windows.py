@@ -10,7 +10,6 @@ share of every matrix, and the write-back all-gathers the shares (`sharding.py`)
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from typing import Any
@@ -23,7 +22,8 @@ from .device_step import DenseDeviceState, DeviceColumns, device_update, scatter
 from .distributed_check import note_host_split
 from .handoff import EarlyCopies, HandOff
 from .host import HostMatrix, accumulate_into, host_adamw_window
-from .schedule import WindowSchedule, host_lr_scale, peak_lr, window_lag
+from .host_lr import LrScaleRecord, host_lr_scale, peak_lr, window_lag
+from .schedule import WindowSchedule
 from .sharding import RankGroup
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
@@ -32,8 +32,6 @@ from .worker import HostAdamWorker
 
 
 __all__ = ["EarlyCopies", "HandOff", "HostWindows"]
-
-logger = logging.getLogger("hf_zenflow")
 
 
 class HostWindows:
@@ -59,9 +57,8 @@ class HostWindows:
         # `grad_ready` runs in several threads at once: taking the step's hand-off slot (and starting the worker)
         # is a check-then-act that must happen once, under this lock.
         self._early_lock = threading.Lock()
-        #: the host step's learning-rate multiplier of the last closed window (`stats()["host_lr_scale"]`)
-        self.last_lr_scale: float | None = None
-        self._logged_lr_scales: set[float] = set()
+        #: the host step's learning-rate multiplier of the last full window (`stats()["host_lr_scale"]`)
+        self.lr_scale = LrScaleRecord()
 
     def reset(self) -> None:
         """Forget every window in flight (the optimizer's state is being replaced; the worker is idle). The
@@ -314,18 +311,6 @@ class HostWindows:
         schedule.window_steps += 1
         self.close_window(schedule, timer, sequential=True)
 
-    def note_lr_scale(self, scale: float, lr: float, lag: int, full: bool) -> None:
-        """Remember the multiplier of a full window for `stats()` (a warm-up step or a window `flush()` closes early
-        takes at most its length); ``"auto"`` logs each value it picks once (it changes at most when
-        ``writeback_lag="auto"`` chooses, or with a group's learning rate)."""
-        if not full:
-            self.last_lr_scale = scale if self.last_lr_scale is None else self.last_lr_scale
-            return
-        self.last_lr_scale = scale
-        if self.config.host_lr_scale == "auto" and scale not in self._logged_lr_scales:
-            self._logged_lr_scales.add(scale)
-            logger.info('hf_zenflow: host_lr_scale="auto" chose %.4g (peak lr %g, write-back lag %d)', scale, lr, lag)
-
     def close_window(self, schedule: WindowSchedule, timer: StepTimer, sequential: bool) -> None:
         """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
         steps = schedule.close_window()
@@ -343,7 +328,7 @@ class HostWindows:
                     # hyper-parameters are copied now: the lr in force when the window closed
                     hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
                     scale = host_lr_scale(self.config.host_lr_scale, steps, peak_lr(group), lag)
-                    self.note_lr_scale(scale, peak_lr(group), lag, full)
+                    self.lr_scale.note(self.config.host_lr_scale, scale, peak_lr(group), lag, full)
                     hyper["lr"] = hyper["lr"] * scale
                     by_group[id(group)] = (hyper, [])
                 by_group[id(group)][1].append(split.host)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.schedule import WindowSchedule, auto_host_lr_scale, host_lr_scale, window_lag
+from hf_zenflow.host_lr import auto_host_lr_scale, host_lr_scale, window_lag
+from hf_zenflow.schedule import WindowSchedule
 from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train
 
 
