@@ -15,8 +15,8 @@ from .checkpoint_validate import check_groups
 from .config import ZenFlowConfig
 from .device_step import DenseDeviceState
 from .host import host_adamw_window
+from .host_lr import host_lr_scale, peak_lr, window_lag
 from .params import is_split
-from .schedule import host_lr_scale
 from .selection import num_selected
 from .split_matrix import SplitMatrix
 
@@ -93,7 +93,8 @@ def _split_to_dense(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -
             host.accum_count = split.window_count
         if host.accum_count:
             # the open window's gradients are applied now, as `flush()` would, so none is lost
-            scale = host_lr_scale(opt.config.host_lr_scale, host.accum_count)
+            scale = host_lr_scale(opt.config.host_lr_scale, host.accum_count, peak_lr(group),
+                                  window_lag(opt._schedule, opt.config.overlap_step, host.accum_count))
             hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
             hyper["lr"] *= scale
             host_adamw_window([(hyper, [host])])
@@ -270,7 +271,10 @@ def _flushed_split(entry: dict[str, Any], config: ZenFlowConfig, group: dict[str
         master, m, v = (entry[k].float().cpu().clone() for k in ("host_master", "host_exp_avg", "host_exp_avg_sq"))
         count = int(entry.get("accum_count", 0))
         if count and entry.get("accum") is not None:
-            scale = host_lr_scale(config.host_lr_scale, count)
+            # the saved schedule's lag (None: the next boundary, a whole window), as the optimizer counts it
+            lag = zenflow.get("writeback_lag") or config.update_interval
+            lag = (lag if isinstance(lag, int) else count) if config.overlap_step else 1
+            scale = host_lr_scale(config.host_lr_scale, count, peak_lr(group), lag)
             hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
             hyper["lr"] *= scale
             host_step = entry["host_step"].float().cpu().clone()

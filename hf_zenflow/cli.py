@@ -27,6 +27,7 @@ from hf_zenflow.cli_types import (
     non_negative_int,
     positive_float,
     positive_int,
+    writeback_lag,
 )
 
 
@@ -105,7 +106,11 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    help="ZenFlow: share of each matrix's columns updated on the device every step")
     p.add_argument("--update-interval", type=interval, default=d.update_interval, help='an integer or "auto"')
     p.add_argument("--host-lr-scale", type=lr_scale, default=d.host_lr_scale,
-                   help='ZenFlow host-AdamW lr multiplier: a float, or "interval" (x window length)')
+                   help='ZenFlow host-AdamW lr multiplier: a float, "interval" (x window length) or "auto" '
+                   "(interval, capped at high learning rates)")
+    p.add_argument("--writeback-lag", type=writeback_lag, default=d.writeback_lag,
+                   help='ZenFlow: steps into the next window a host result is written back: an integer, "auto" or '
+                   '"none" (the next window boundary)')
     p.add_argument("--min-offload-numel", type=non_negative_int, default=d.min_offload_numel,
                    help="ZenFlow: matrices with fewer elements stay wholly on the device (e.g. the classifier head)")
     p.add_argument("--select-strategy", default=d.select_strategy, choices=["auto", "step", "epoch"],
@@ -215,7 +220,8 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         "tune",
         help="short paired trials on your model and data that choose ZenFlow's settings (quality vs speed)",
         description="Fine-tune the same model from the same start with adamw_torch and with ZenFlow settings from a "
-        "grid (topk_ratio x update_interval x host_lr_scale, the library default first) until the budget is spent; "
+        "grid (topk_ratio x update_interval x host_lr_scale, and writeback_lag at the default ratio; the library "
+        "default first) until the budget is spent; "
         "score each by held-out loss relative to adamw_torch, measured steps/s and critical path here, and the "
         "modelled speed-up over synchronous offload on --hardware. Writes tune.md (table and recommendation), "
         "tune.json, pareto.png and recommended.py. Ctrl-C keeps what finished.",
@@ -238,7 +244,10 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--intervals", type=interval, nargs="+", default=list(d.intervals),
                    help='update_interval values of the grid (integers or "auto")')
     p.add_argument("--scales", type=lr_scale, nargs="+", default=list(d.scales),
-                   help='host_lr_scale values of the grid (numbers or "interval")')
+                   help='host_lr_scale values of the grid (numbers, "interval" or "auto")')
+    p.add_argument("--lags", type=writeback_lag, nargs="+", default=list(d.lags),
+                   help='writeback_lag values of the grid (integers, "auto" or "none"), tried at the default '
+                   "topk_ratio and host_lr_scale")
     p.add_argument("--max-quality-loss", dest="max_quality_loss_pct", type=non_negative_float,
                    default=d.max_quality_loss_pct,
                    help="tolerance: held-out loss at most this many percent above adamw_torch's")
@@ -270,7 +279,7 @@ def _run_tune(args: argparse.Namespace) -> int:
 
     require("compare", "hf-zenflow tune")
     fields = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    for key in ("topk", "intervals", "scales"):
+    for key in ("topk", "intervals", "scales", "lags"):
         fields[key] = tuple(fields[key])
     try:
         payload = run_tune(TuneConfig(**fields))

@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+from .host_lr import AUTO_HOST_LR_CAP
 from .threads import available_cpu_count, worker_threads  # noqa: F401 - available_cpu_count: imported from here
 
 
@@ -131,12 +132,15 @@ class ZenFlowConfig:
                   "staleness)."},
     )
     host_lr_scale: float | str = field(
-        default="interval",
-        metadata={"help": 'Learning-rate multiplier of the host AdamW step. The unselected columns take one AdamW '
-                  'step per window, so they move about `update_interval` times less per optimizer step than under '
-                  'AdamW; "interval" (the default) multiplies by the length of each window, restoring the per-step '
-                  "rate (BENCHMARKS §4: better at fine-tuning learning rates). 1.0 is ZenFlow's (and DeepSpeed's) "
-                  "rule, safer at learning rates of 1e-3 and more with long write-back lags."},
+        default="auto",
+        metadata={"help": "Learning-rate multiplier of the host AdamW step. The unselected columns take one AdamW "
+                  "step per window, so they move about `update_interval` times less per optimizer step than under "
+                  'AdamW; "interval" multiplies by the length of each window, restoring the per-step rate; 1.0 is '
+                  "ZenFlow's (and DeepSpeed's) rule. \"auto\" (the default): \"interval\" while the host step's "
+                  "learning rate (lr x multiplier, by the scheduler's peak lr) stays under "
+                  f"{AUTO_HOST_LR_CAP:g} / sqrt(write-back lag), the multiplier reaching that cap above it, never "
+                  'below 1.0 (logged once; stats()["host_lr_scale"]): "interval" at fine-tuning learning rates, '
+                  "less where it would overshoot (BENCHMARKS §4)."},
     )
     min_offload_numel: int = field(
         default=MIN_OFFLOAD_NUMEL,
@@ -228,6 +232,8 @@ class ZenFlowConfig:
         self.auto_ratio = float(self.auto_ratio)
         if not _is_int(self.auto_max_interval) or self.auto_max_interval < 1:
             _fail("auto_max_interval", self.auto_max_interval, "an integer >= 1")
+        if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().lower() == "none":
+            self.writeback_lag = None  # (a flag or environment variable cannot carry None)
         if self.writeback_lag is not None:
             top = self.update_interval if _is_int(self.update_interval) else self.auto_max_interval
             bound = "update_interval" if _is_int(self.update_interval) else "auto_max_interval"
@@ -239,15 +245,15 @@ class ZenFlowConfig:
                     self.writeback_lag = int(self.writeback_lag)
                 if not _is_int(self.writeback_lag) or not 1 <= self.writeback_lag <= top:
                     _fail("writeback_lag", self.writeback_lag, allowed)
-        if isinstance(self.host_lr_scale, str) and self.host_lr_scale.strip().lower() == "interval":
-            self.host_lr_scale = "interval"
+        if isinstance(self.host_lr_scale, str) and self.host_lr_scale.strip().lower() in ("interval", "auto"):
+            self.host_lr_scale = self.host_lr_scale.strip().lower()
         else:
             try:
                 scale = float(self.host_lr_scale)
             except (TypeError, ValueError):
                 scale = float("nan")
             if isinstance(self.host_lr_scale, bool) or not scale > 0 or math.isinf(scale):
-                _fail("host_lr_scale", self.host_lr_scale, 'a float > 0 or "interval"')
+                _fail("host_lr_scale", self.host_lr_scale, 'a float > 0, "interval" or "auto"')
             self.host_lr_scale = scale
         if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
             _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")

@@ -144,9 +144,3 @@ def auto_writeback_lag(host_step_ms: float, step_ms: float, longest: int) -> int
     if not step_ms > 0:
         return longest
     return max(1, min(longest, math.ceil(host_step_ms / (AUTO_LAG_FILL * step_ms))))
-
-
-def host_lr_scale(setting: float | str, window_steps: int) -> float:
-    """The host AdamW's learning-rate multiplier for a window of `window_steps` steps (`ZenFlowConfig.host_lr_scale`:
-    a number, or "interval" for the window's length)."""
-    return float(window_steps) if setting == "interval" else float(setting)

@@ -7,6 +7,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from .host_lr import host_lr_scale, peak_lr, window_lag
+
 
 if TYPE_CHECKING:
     from .config import ZenFlowConfig
@@ -137,9 +139,14 @@ def optimizer_stats(stats: ZenFlowStats, schedule: WindowSchedule | None, config
     # the last closed window; before the first one, the configured interval (auto: the open window so far)
     interval = (schedule.last_interval if schedule and schedule.last_interval else
                 (schedule.window_steps if schedule else 0) if config.is_auto_interval else config.update_interval)
+    lr_scale = host.lr_scale.last
+    if lr_scale is None:  # before the first window closes: what the next full window will take
+        window = int(interval) or config.auto_max_interval
+        lr_scale = host_lr_scale(config.host_lr_scale, window, peak_lr(host.groups[0]) if host.groups else 0.0,
+                                 window_lag(schedule, config.overlap_step, window))
     out: dict[str, float | str] = {"accumulate_on": host.accumulate_on or "auto"}
     return out | stats.as_dict(
-        **state_sizes(splits, dense), update_interval=float(interval),
+        **state_sizes(splits, dense), update_interval=float(interval), host_lr_scale=lr_scale,
         writeback_lag=float(schedule.writeback_lag if schedule and schedule.writeback_lag else interval),
         host_threads=config.resolved_cpu_threads, steps=schedule.steps if schedule else 0,
         windows=schedule.windows if schedule else 0, reselections=schedule.reselections if schedule else 0,

@@ -25,7 +25,8 @@ from .distributed_check import note_host_split
 from .handoff import EarlyCopies, HandOff
 from .held_handoff import HeldHandOff
 from .host import HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype, moment_dtype
-from .schedule import WindowSchedule, host_lr_scale
+from .host_lr import LrScaleRecord, host_lr_scale, peak_lr, window_lag
+from .schedule import WindowSchedule
 from .sharding import RankGroup
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
@@ -71,6 +72,8 @@ class HostWindows:
     def accumulate_on(self) -> str | None:
         """Where windows are summed: the explicit setting, or "auto"'s choice (None before it is made)."""
         return self.accumulate_chosen if self.config.accumulate_on == "auto" else self.config.accumulate_on
+        #: the host step's learning-rate multiplier of the last full window (`stats()["host_lr_scale"]`)
+        self.lr_scale = LrScaleRecord()
 
     def reset(self) -> None:
         """Forget every window in flight (the optimizer's state is being replaced; the worker is idle). The
@@ -346,7 +349,9 @@ class HostWindows:
         steps = schedule.close_window()
         for split in self.splits.values():
             split.auto.reset()
-        scale = host_lr_scale(self.config.host_lr_scale, steps)
+        # the run's lag, also for a window that `flush()` closes early: "auto" keeps one multiplier per run
+        lag = window_lag(schedule, self.config.overlap_step, steps)
+        full = schedule.update_interval is None or steps >= schedule.update_interval
         group_of = {p: g for g in self.groups for p in g["params"]}
         by_group: dict[int, tuple[dict, list[HostMatrix]]] = {}
         for split in self.splits.values():
@@ -355,6 +360,8 @@ class HostWindows:
                 if id(group) not in by_group:
                     # hyper-parameters are copied now: the lr in force when the window closed
                     hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+                    scale = host_lr_scale(self.config.host_lr_scale, steps, peak_lr(group), lag)
+                    self.lr_scale.note(self.config.host_lr_scale, scale, peak_lr(group), lag, full)
                     hyper["lr"] = hyper["lr"] * scale
                     by_group[id(group)] = (hyper, [])
                 by_group[id(group)][1].append(split.host)

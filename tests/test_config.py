@@ -72,9 +72,16 @@ def test_strings_from_a_command_line_parse():
     assert ZenFlowConfig(update_interval="auto").is_auto_interval
 
 
+def test_writeback_lag_none_can_be_written_as_text():
+    # a flag or environment variable cannot carry Python's None: "none" (any case) is ZenFlow's schedule
+    assert ZenFlowConfig(writeback_lag="None").writeback_lag is None
+    assert ZenFlowConfig(writeback_lag=" none ").writeback_lag is None
+
+
 def test_host_lr_scale_parses_numbers_and_interval():
     assert ZenFlowConfig(host_lr_scale="2.5").host_lr_scale == 2.5
     assert ZenFlowConfig(host_lr_scale="Interval").host_lr_scale == "interval"
+    assert ZenFlowConfig(host_lr_scale=" AUTO ").host_lr_scale == "auto"
 
 
 def test_integer_interval_with_auto_strategy_is_rejected():

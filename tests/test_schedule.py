@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_zenflow.schedule import StepKind, WindowSchedule, ZenAutoStats, host_lr_scale
+from hf_zenflow.host_lr import host_lr_scale
+from hf_zenflow.schedule import StepKind, WindowSchedule, ZenAutoStats
 
 
 def schedule(**kw) -> WindowSchedule:

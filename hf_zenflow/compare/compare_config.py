@@ -60,6 +60,7 @@ class CompareConfig:
     update_interval: int | str = _LIBRARY.update_interval
     overlap_step: bool = _LIBRARY.overlap_step
     host_lr_scale: float | str = _LIBRARY.host_lr_scale
+    writeback_lag: int | str | None = _LIBRARY.writeback_lag
     min_offload_numel: int = _LIBRARY.min_offload_numel
     select_strategy: str = _LIBRARY.select_strategy
     select_interval: int | str | None = None  # None: COMPARE_SELECT_STEPS with "step", "auto" otherwise

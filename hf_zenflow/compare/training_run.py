@@ -61,7 +61,7 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
             topk_ratio=cfg.topk_ratio, update_interval=cfg.update_interval, overlap_step=cfg.overlap_step,
             select_strategy=cfg.select_strategy, select_interval=cfg.select_interval,
             full_warm_up_rounds=cfg.full_warm_up_rounds, cpu_threads=host_cores,
-            steps_per_epoch=_steps_per_epoch(cfg), host_lr_scale=cfg.host_lr_scale,
+            steps_per_epoch=_steps_per_epoch(cfg), host_lr_scale=cfg.host_lr_scale, writeback_lag=cfg.writeback_lag,
             min_offload_numel=cfg.min_offload_numel,
         )
         if cfg.resolved_embedding_select() == "rows":

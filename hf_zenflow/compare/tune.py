@@ -2,8 +2,8 @@
 
 Every trial fine-tunes a fresh copy of the same model from the same initial weights on the same batches (the
 `compare` runner's `prepare_task` / `train_one`); only the optimizer differs. `adamw_torch` runs first: it is the
-quality reference. Each ZenFlow setting of the grid (`topk_ratio` x `update_interval` x `host_lr_scale`, library
-default first) is then scored by
+quality reference. Each ZenFlow setting of the grid (`topk_ratio` x `update_interval` x `host_lr_scale`, and
+`writeback_lag` at the default ratio; library default first) is then scored by
 
 * quality: held-out loss relative to `adamw_torch`'s (``quality_loss_pct = 100 * (loss / reference - 1)``; also the
   held-out accuracy difference in points);
@@ -43,6 +43,7 @@ from hf_zenflow.compare.paired_stats import paired_interval, t95
 from hf_zenflow.compare.pareto import pareto_front, recommend
 from hf_zenflow.compare.tune_grid import (
     GRID_INTERVAL,
+    GRID_LAG,
     GRID_SCALE,
     GRID_TOPK,
     TrialSetting,
@@ -159,6 +160,7 @@ class TuneConfig:
     topk: tuple[float, ...] = GRID_TOPK
     intervals: tuple[int | str, ...] = GRID_INTERVAL
     scales: tuple[float | str, ...] = GRID_SCALE
+    lags: tuple[int | str | None, ...] = GRID_LAG
     max_quality_loss_pct: float = 1.0  # tolerance on the held-out loss relative to adamw_torch
     hardware: str = "a100-40gb-pcie4"  # preset name or JSON profile
     target_params: float | None = None  # model size the speed-up is modelled for (None: this model's)
@@ -212,7 +214,7 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
 
     # the modelled host is this machine, measured (`host_rates`), unless --host-from-profile
     profile = resolve_host(load_profile(cfg.hardware), cfg.hardware, cfg.host_cores, cfg.host_from_profile)[0]
-    grid = default_grid(cfg.topk, cfg.intervals, cfg.scales)
+    grid = default_grid(cfg.topk, cfg.intervals, cfg.scales, cfg.lags)
     for s in grid:
         s.config()  # a bad grid value fails here, naming the field
     out_dir = Path(cfg.output_dir)
@@ -317,6 +319,6 @@ def tune(model: str | None = None, **kwargs: Any) -> dict[str, Any]:
     return run_tune(TuneConfig(model=model, **kwargs))
 
 
-__all__ = ["GRID_INTERVAL", "GRID_SCALE", "GRID_TOPK", "Progress", "TrialSetting", "TuneConfig", "default_grid",
-           "format_recommendation", "format_table", "library_default_setting", "paired_interval", "parse_settings",
-           "pareto_front", "plot_pareto", "recommend", "run_trial", "run_tune", "t95", "tune"]
+__all__ = ["GRID_INTERVAL", "GRID_LAG", "GRID_SCALE", "GRID_TOPK", "Progress", "TrialSetting", "TuneConfig",
+           "default_grid", "format_recommendation", "format_table", "library_default_setting", "paired_interval",
+           "parse_settings", "pareto_front", "plot_pareto", "recommend", "run_trial", "run_tune", "t95", "tune"]

@@ -79,22 +79,56 @@ def test_recommend_takes_the_fastest_point_within_tolerance() -> None:
 
 def test_default_grid_covers_the_issue_grid_default_first() -> None:
     grid = default_grid()
-    assert grid[0] == library_default_setting()
+    default = library_default_setting()
+    assert grid[0] == default
     assert len(set(grid)) == len(grid)
-    combos = {(r, u, 1.0 if u == 1 else s) for r, u, s in
+    combos = {(r, u, 1.0 if u == 1 else s, default.writeback_lag) for r, u, s in
               itertools.product((0.05, 0.1, 0.2), (1, 2, 4, 8, "auto"), (1.0, "interval"))}
-    assert {(s.topk_ratio, s.update_interval, s.host_lr_scale) for s in grid} == combos
-    assert len(grid) == 27  # U=1 takes one scale: 3 x (1 + 4 x 2)
+    # the writeback_lag axis: at the default ratio and host_lr_scale ("auto"), windows longer than one step
+    lags = {(default.topk_ratio, u, default.host_lr_scale, lag)
+            for u in (2, 4, 8, "auto") for lag in (1, "auto", None)}
+    assert {(s.topk_ratio, s.update_interval, s.host_lr_scale, s.writeback_lag) for s in grid} == combos | lags
+    assert len(grid) == 39  # U=1 takes one scale: 3 x (1 + 4 x 2), and 4 windows x 3 lags at the default scale
     for s in grid:  # every point is a valid configuration
         assert isinstance(s.config(), ZenFlowConfig)
+    # the budget trims from the end: the lag sweep (default window first) comes before the other ratios
+    lag_at = [i for i, s in enumerate(grid) if s.writeback_lag != default.writeback_lag]
+    other_ratios = [i for i, s in enumerate(grid) if s.topk_ratio != default.topk_ratio]
+    assert grid[lag_at[0]].update_interval == default.update_interval and max(lag_at) < min(other_ratios)
+
+
+def test_grid_lags_are_only_tried_where_the_window_is_longer_than_a_step() -> None:
+    grid = default_grid(topk=(0.1,), intervals=(1, 4), scales=(1.0,), lags=(1, None))
+    assert [(s.update_interval, s.host_lr_scale, s.writeback_lag) for s in grid] == [
+        (4, library_default_setting().host_lr_scale, "auto"),  # the library default
+        (1, 1.0, "auto"), (4, 1.0, "auto"),
+        (4, library_default_setting().host_lr_scale, 1), (4, library_default_setting().host_lr_scale, None)]
+
+
+@pytest.mark.parametrize("setting", [TrialSetting(0.2, "auto", "interval"), TrialSetting(0.1, 4, 1.0, None),
+                                     TrialSetting(0.05, 8, "auto", 2)])
+def test_setting_flags_give_its_config_through_the_trainer(setting) -> None:
+    from transformers import HfArgumentParser
+
+    from hf_zenflow.hf.training_args import ZenFlowTrainingArguments
+
+    flags = ["--output_dir", "unused", "--use_cpu", "--report_to", "none", *setting.cli_flags().split()]
+    (args,) = HfArgumentParser(ZenFlowTrainingArguments).parse_args_into_dataclasses(flags)
+    assert args.zenflow_config() == setting.config()
+    code = setting.training_arguments_code().replace("output_dir=...", "output_dir='unused', use_cpu=True")
+    assert eval(code, {"ZenFlowTrainingArguments": ZenFlowTrainingArguments}).zenflow_config() == setting.config()
 
 
 def test_setting_renders_valid_training_arguments_and_flags() -> None:
     s = TrialSetting(0.2, "auto", "interval")
     assert s.training_arguments_code() == ("ZenFlowTrainingArguments(output_dir=..., zenflow_topk_ratio=0.2, "
-                                           "zenflow_update_interval='auto', zenflow_host_lr_scale='interval')")
-    assert s.cli_flags() == "--zenflow_topk_ratio 0.2 --zenflow_update_interval auto --zenflow_host_lr_scale interval"
+                                           "zenflow_update_interval='auto', zenflow_host_lr_scale='interval', "
+                                           "zenflow_writeback_lag='auto')")
+    assert s.cli_flags() == ("--zenflow_topk_ratio 0.2 --zenflow_update_interval auto --zenflow_host_lr_scale "
+                             "interval --zenflow_writeback_lag auto")
     assert s.label == "r=0.2 U=auto lrxU"
+    assert TrialSetting(0.1, 4, 1.0, None).label == "r=0.1 U=4 lrx1 lag=U"
+    assert TrialSetting(0.1, 4, "auto", 1).label == "r=0.1 U=4 lrxauto lag=1"
 
 
 def test_paired_interval_is_the_t_interval() -> None:
@@ -130,12 +164,13 @@ def test_tune_tiny_run_writes_table_plot_and_a_valid_recommendation(tmp_path: Pa
     out = tmp_path / "tune"
     rc = main(["tune", "--steps", "3", "--train-size", "12", "--eval-size", "8", "--batch-size", "4",
                "--eval-batch-size", "8", "--topk", "0.1", "--intervals", "1", "2", "--scales", "1",
-               "--budget-minutes", "10", "--no-progress", "--output-dir", str(out)])
+               "--lags", "none", "--budget-minutes", "10", "--no-progress", "--output-dir", str(out)])
     assert rc == 0
     payload = json.loads((out / "tune.json").read_text())
     assert payload["reference"]["optimizer"] == "adamw_torch"
     labels = [t["label"] for t in payload["trials"]]
-    assert labels == ["r=0.1 U=1 lrx1", "r=0.1 U=2 lrx1"]
+    lag_point = TrialSetting(0.1, 2, library_default_setting().host_lr_scale, None)
+    assert labels == ["r=0.1 U=1 lrx1", "r=0.1 U=2 lrx1", lag_point.label]
     points = [(t["quality_loss_pct"], t["modelled_speedup"]) for t in payload["trials"]]
     assert [i for i, t in enumerate(payload["trials"]) if t["pareto"]] == pareto_front(points)
     rec = payload["recommendation"]

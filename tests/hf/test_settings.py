@@ -32,8 +32,10 @@ CASES = [
     ("auto_ratio", "0.5", 0.5, {}),
     ("auto_max_interval", "5", 5, {}),
     ("writeback_lag", "2", 2, {}),
+    ("writeback_lag", "None", None, {}),
     ("host_lr_scale", "1", 1.0, {}),
     ("host_lr_scale", "2.5", 2.5, {}),
+    ("host_lr_scale", "Interval", "interval", {}),
     ("min_offload_numel", "12345", 12345, {}),
     ("accumulate_on", "Device", "device", {}),
     ("host_grad_dtype", "BFloat16", "bfloat16", {}),
@@ -87,7 +89,8 @@ def _from_script_flags(name, text, needs):
 @pytest.mark.parametrize(("name", "text", "expected", "needs"), CASES, ids=[f"{c[0]}={c[1]}" for c in CASES])
 def test_every_path_gives_the_same_config(monkeypatch, name, text, expected, needs):
     paths = {
-        "plugin arguments": ZenFlowPlugin(**{name: expected, **needs}).to_config(),
+        # (a plugin argument of None means "not given": None itself is spelled as text there, as in a flag)
+        "plugin arguments": ZenFlowPlugin(**{name: text if expected is None else expected, **needs}).to_config(),
         "HF_ZENFLOW_* environment": _from_env(monkeypatch, name, text, needs),
         "example-script flags": _from_script_flags(name, text, needs),
         "ZenFlowConfig from text": ZenFlowConfig(**{name: text, **needs}) if SETTINGS_BY_NAME[name].kind in (
