@@ -67,13 +67,13 @@ class HostWindows:
         self.held = HeldHandOff()  # this step's hand-off until the step knows whether it closes the window
         #: ``accumulate_on="auto"``'s choice, made when the first host state is created (`accumulation.py`)
         self.accumulate_chosen: str | None = None
+        #: the host step's learning-rate multiplier of the last full window (`stats()["host_lr_scale"]`)
+        self.lr_scale = LrScaleRecord()
 
     @property
     def accumulate_on(self) -> str | None:
         """Where windows are summed: the explicit setting, or "auto"'s choice (None before it is made)."""
         return self.accumulate_chosen if self.config.accumulate_on == "auto" else self.config.accumulate_on
-        #: the host step's learning-rate multiplier of the last full window (`stats()["host_lr_scale"]`)
-        self.lr_scale = LrScaleRecord()
 
     def reset(self) -> None:
         """Forget every window in flight (the optimizer's state is being replaced; the worker is idle). The
