@@ -138,6 +138,20 @@ static void *worker(void *arg) {
 
 /* Runs one batch; `sums` (n doubles, may be NULL) receives each tensor's sum of squares (norm_gather).
  * Returns 0, or -1 when memory for the work list could not be allocated. */
+/* Runs `fn(job)` on `threads` threads (at most one per work item) and returns when all are done: the calling thread
+ * works too, and a helper that fails to start only costs speed (the items are taken from a shared counter). */
+static void run_team(int threads, int64_t n_items, void *(*fn)(void *), void *job) {
+  if (threads < 1) threads = 1;
+  if (threads > ZF_MAX_THREADS) threads = ZF_MAX_THREADS;
+  if (threads > n_items) threads = n_items > 0 ? (int)n_items : 1;
+  pthread_t helpers[ZF_MAX_THREADS];
+  int started = 0;
+  for (int h = 1; h < threads; ++h)
+    if (pthread_create(&helpers[started], NULL, fn, job) == 0) ++started;
+  fn(job);
+  for (int h = 0; h < started; ++h) pthread_join(helpers[h], NULL);
+}
+
 int zf_run(int kind, int64_t n, void *const *big, const int32_t *big_bf16, float *const *small,
            float *const *row_sums, const int64_t *const *idx, const int64_t *rows, const int64_t *cols,
            const int64_t *k, int threads, double *sums, float coef, int first) {
@@ -169,15 +183,7 @@ int zf_run(int kind, int64_t n, void *const *big, const int32_t *big_bf16, float
   }
   job.n_items = n_items;
   atomic_init(&job.next, 0);
-  if (threads < 1) threads = 1;
-  if (threads > ZF_MAX_THREADS) threads = ZF_MAX_THREADS;
-  if (threads > n_items) threads = n_items > 0 ? (int)n_items : 1;
-  pthread_t helpers[ZF_MAX_THREADS];
-  int started = 0;
-  for (int h = 1; h < threads; ++h)
-    if (pthread_create(&helpers[started], NULL, worker, &job) == 0) ++started;
-  worker(&job); /* the calling thread works too; a helper that failed to start only costs speed */
-  for (int h = 0; h < started; ++h) pthread_join(helpers[h], NULL);
+  run_team(threads, n_items, worker, &job);
   if (sums) {
     for (int64_t t = 0; t < n; ++t) sums[t] = 0.0;
     for (int64_t j = 0; j < n_items; ++j) sums[job.item_tensor[j]] += job.item_sum[j]; /* fixed order */
@@ -337,15 +343,7 @@ int zf_window_adamw(int64_t n, float *const *master, float *const *acc, float *c
     }
   job.n_items = n_items;
   atomic_init(&job.next, 0);
-  if (threads < 1) threads = 1;
-  if (threads > ZF_MAX_THREADS) threads = ZF_MAX_THREADS;
-  if (threads > n_items) threads = n_items > 0 ? (int)n_items : 1;
-  pthread_t helpers[ZF_MAX_THREADS];
-  int started = 0;
-  for (int h = 1; h < threads; ++h)
-    if (pthread_create(&helpers[started], NULL, adam_worker, &job) == 0) ++started;
-  adam_worker(&job);
-  for (int h = 0; h < started; ++h) pthread_join(helpers[h], NULL);
+  run_team(threads, n_items, adam_worker, &job);
   free(job.item_tensor); free(job.item_begin); free(job.item_end);
   return 0;
 }
