@@ -1,5 +1,5 @@
 """``accumulate_on="auto"`` (the default): the device when the window sums fit the device memory, else the host;
-decided once at the first step, the same on every rank, kept by checkpoints (`hf_zenflow.accumulation`)."""
+decided once at the first step, the same on every rank, kept by checkpoints (`hf_zenflow.engine.accumulation`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import logging
 import pytest
 import torch
 
-from hf_zenflow import ZenFlowAdamW, ZenFlowConfig, accumulation
+from hf_zenflow import ZenFlowAdamW, ZenFlowConfig
+from hf_zenflow.engine import accumulation
 from tests.conftest import DEVICE, batches, linear_schedule, make_model, param_groups, roundtrip, train
 
 

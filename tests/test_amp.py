@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.transport import CopyTransport
+from hf_zenflow.transport.link import CopyTransport
 from tests.conftest import DEVICE, batches, make_model, param_groups
 
 
@@ -115,7 +115,7 @@ def test_unscale_then_clip_equals_the_loop_without_scaler(overlap_step, topk_rat
     too large. `copying`: a transport that copies gradients to the host, as on CUDA, so the hooks start each copy
     in backward, before unscale_: the host must not accumulate those scaled copies."""
     if copying:
-        monkeypatch.setattr("hf_zenflow.windows.transport_for", lambda device: CopyTransport())
+        monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: CopyTransport())
     ref, ref_norms, _ = _run(12, 1.0, None, overlap_step=overlap_step, topk_ratio=topk_ratio)
     model, norms, _ = _run(12, 1.0, "unscale", overlap_step=overlap_step, topk_ratio=topk_ratio)
     assert norms == pytest.approx(ref_norms, rel=1e-4)

@@ -113,7 +113,7 @@ def test_sync_offload_host_step_runs_on_a_host_thread_with_cpu_threads(monkeypat
     threads, as ZenFlow's worker), the caller waits, and the training thread's pool is never resized."""
     import threading
 
-    import hf_zenflow.baselines as baselines
+    import hf_zenflow.optimizer.sync_offload as baselines
 
     seen = []
     real = baselines.fused_adamw_

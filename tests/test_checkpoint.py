@@ -1,4 +1,4 @@
-"""The checkpoint format (`hf_zenflow.checkpoint`): settings changed on resume take effect, checkpoints move between
+"""The checkpoint format (`hf_zenflow.checkpoint.format`): settings changed on resume take effect, checkpoints move between
 ZenFlowAdamW and torch's AdamW exactly, damaged or foreign state is refused naming the tensor, old formats migrate."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hf_zenflow import CheckpointError, ZenFlowAdamW, to_torch_adamw
-from hf_zenflow.checkpoint import FORMAT_VERSION, load_file
-from hf_zenflow.checkpoint_seal import seal
+from hf_zenflow.checkpoint.format import FORMAT_VERSION, load_file
+from hf_zenflow.checkpoint.seal import seal
 from tests.conftest import batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hf_zenflow import CheckpointError, ZenFlowAdamW
-from hf_zenflow.checkpoint import FORMAT_VERSION, load_file, tensor_checksum
-from hf_zenflow.checkpoint_seal import seal
+from hf_zenflow.checkpoint.format import FORMAT_VERSION, load_file, tensor_checksum
+from hf_zenflow.checkpoint.seal import seal
 from tests.conftest import batches, make_model, param_groups, roundtrip, train
 
 
@@ -239,7 +239,7 @@ def test_random_byte_flips_in_data_pkl_never_load_a_different_state(saved, tmp_p
 def test_the_tensor_digest_changes_when_values_move(n):
     """A plain sum of the bits (format 2) keeps its value when a flipped stride transposes a square tensor or a
     shifted offset rotates it; the format-3 digest does not."""
-    from hf_zenflow.checkpoint_seal import tensor_digest
+    from hf_zenflow.checkpoint.seal import tensor_digest
 
     x = torch.randn(n, n, generator=torch.Generator().manual_seed(n))
     assert tensor_checksum(x.t()) == tensor_checksum(x)  # the blind spot of the old checksum

@@ -1,4 +1,4 @@
-"""Re-sharding optimizer states between world sizes (`hf_zenflow.checkpoint_reshard`, `hf-zenflow
+"""Re-sharding optimizer states between world sizes (`hf_zenflow.checkpoint.reshard`, `hf-zenflow
 reshard-checkpoint`), on state dicts of a real one-process run: the cuts of N ranks merge back to the very state, for
 DDP shares (row-major, column-major and row-selected matrices) and FSDP2 rows alike, and a checkpoint folder of 2
 ranks is rewritten for 3 ranks and for one process. (Training across a re-shard: tests/test_ddp.py, test_fsdp.py.)"""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_zenflow import CheckpointError, ZenFlowAdamW, column_major_
-from hf_zenflow.checkpoint_reshard import ddp_share_of, fsdp_rows_of, merge_rank_states, reshard_states
+from hf_zenflow.checkpoint.reshard import ddp_share_of, fsdp_rows_of, merge_rank_states, reshard_states
 from hf_zenflow.cli import main as cli
 from hf_zenflow.hf.rank_checkpoint import load_rank_state, rank_file_name, reshard_checkpoint, save_rank_state
 

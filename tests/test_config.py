@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hf_zenflow import ZenFlowAdamW, ZenFlowConfig
-from hf_zenflow.config import DEFAULT_SELECT_STEPS, available_cpu_count
+from hf_zenflow.settings.config import DEFAULT_SELECT_STEPS, available_cpu_count
 
 
 @pytest.mark.parametrize(

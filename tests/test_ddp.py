@@ -1,4 +1,4 @@
-"""DDP with the host work split across ranks (`hf_zenflow.sharding`), in two real gloo processes.
+"""DDP with the host work split across ranks (`hf_zenflow.distributed.sharding`), in two real gloo processes.
 
 Two ranks with a per-rank batch of B train like one process with a batch of 2B (same ZenFlow settings: overlap on,
 Zen-auto windows, a re-selection inside the run), keep bitwise identical weights after every window, hold about half
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from gloo_ranks import assert_each_rank_holds_at_most, assert_resumed_bitwise, spawn_ranks
 
 from hf_zenflow import CheckpointError, ZenFlowAdamW, column_major_
-from hf_zenflow.sharding import RankGroup, ShardCollectiveError, Share
+from hf_zenflow.distributed.sharding import RankGroup, ShardCollectiveError, Share
 
 
 SETTINGS = dict(topk_ratio=0.25, update_interval="auto", auto_max_interval=4, full_warm_up_rounds=2,
@@ -88,7 +88,7 @@ BUCKET_BYTES = 6000
 
 
 def _rank_run(rank: int, init_file: str, out_dir: str) -> None:
-    import hf_zenflow.sharding as sharding
+    import hf_zenflow.distributed.sharding as sharding
 
     sharding.GATHER_BUCKET_BYTES = BUCKET_BYTES
     torch.set_num_threads(1)
@@ -204,7 +204,7 @@ def test_a_share_saved_under_two_ranks_does_not_load_in_one_process(ddp_run):
 
 @pytest.mark.timeout(240)
 def test_the_ranks_shares_merged_resume_in_one_process(ddp_run):
-    from hf_zenflow.checkpoint_reshard import merge_rank_states
+    from hf_zenflow.checkpoint.reshard import merge_rank_states
 
     rank0, _, out = ddp_run
     merged = merge_rank_states([torch.load(os.path.join(out, f"optimizer_rank{r}.pt"), weights_only=True)
@@ -331,7 +331,7 @@ def test_a_one_process_state_resumes_under_two_ranks(tmp_path):
 
 def _auto_lag_run(rank: int, init_file: str, out_dir: str) -> None:
     """Each rank would choose another lag (stubbed: 1 on rank 0, 3 on rank 1): both must take the largest, 3."""
-    import hf_zenflow.writeback_lag as auto_lag
+    import hf_zenflow.engine.writeback_lag as auto_lag
 
     auto_lag.auto_writeback_lag = lambda host_ms, step_ms, longest: 1 + 2 * rank
     torch.set_num_threads(1)

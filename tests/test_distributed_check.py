@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hf_zenflow import distributed_check
-from hf_zenflow.distributed_check import ReplicatedHostStateWarning, note_host_split, warn_if_replicated
+from hf_zenflow.distributed import replica_check as distributed_check
+from hf_zenflow.distributed.replica_check import ReplicatedHostStateWarning, note_host_split, warn_if_replicated
 
 
 def _replication_warnings(build, times: int) -> list[str]:

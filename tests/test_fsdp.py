@@ -1,4 +1,4 @@
-"""FSDP2 (`hf_zenflow.fsdp`): ZenFlowAdamW on each rank's shards of DTensor parameters, in two real gloo processes.
+"""FSDP2 (`hf_zenflow.distributed.fsdp`): ZenFlowAdamW on each rank's shards of DTensor parameters, in two real gloo processes.
 
 Two ranks of ``fully_shard`` with a per-rank batch of B train like one plain process with a batch of 2B (overlap on,
 Zen-auto windows, re-selections, clipping), with sizes that do not divide by 2 (a matrix of 1 row leaves rank 1 an
@@ -29,8 +29,8 @@ from gloo_ranks import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hf_zenflow import CheckpointError, ZenFlowAdamW
-from hf_zenflow.checkpoint_seal import seal
-from hf_zenflow.transport import CopyTransport
+from hf_zenflow.checkpoint.seal import seal
+from hf_zenflow.transport.link import CopyTransport
 
 
 SETTINGS = dict(topk_ratio=0.25, update_interval="auto", auto_max_interval=4, full_warm_up_rounds=2,
@@ -175,7 +175,7 @@ def _reference(monkeypatch: pytest.MonkeyPatch, copies: bool = True) -> tuple[Ne
     """One plain process on the global batch; with `copies`, moving data between device and host with copies as the
     FSDP2 ranks write back (a CPU device otherwise swaps storages)."""
     if DEVICE == "cpu" and copies:
-        monkeypatch.setattr("hf_zenflow.windows.transport_for", lambda device: CopyTransport())
+        monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: CopyTransport())
     model = _model()
     opt = _zenflow(model)
     _train(model, opt, range(STEPS))
@@ -272,7 +272,7 @@ def test_bf16_mixed_precision_with_every_column_on_the_device_is_adamw(tmp_path)
 
 
 def test_a_two_dimensional_mesh_is_refused_naming_it():
-    from hf_zenflow.fsdp import LocalShards
+    from hf_zenflow.distributed.fsdp import LocalShards
 
     class FakeMesh:
         ndim = 2
@@ -304,7 +304,7 @@ def test_a_one_process_state_resumes_on_fsdp2_ranks_each_taking_its_rows(fsdp_ru
 
 @pytest.mark.timeout(240)
 def test_fsdp2_rank_states_merged_resume_in_one_process(fsdp_run, monkeypatch):
-    from hf_zenflow.checkpoint_reshard import merge_rank_states
+    from hf_zenflow.checkpoint.reshard import merge_rank_states
 
     runs, out = fsdp_run
     states = [torch.load(os.path.join(out, f"optimizer_rank{r}.pt"), weights_only=True) for r in range(RANKS)]
@@ -393,7 +393,7 @@ def test_dtensors_swapped_in_after_the_optimizer_was_built_train_as_fsdp2(fsdp_r
 
 def _auto_lag_run(rank: int, init_file: str, out_dir: str) -> None:
     """Each rank would choose another lag (stubbed: 1 on rank 0, 3 on rank 1): all must take the largest."""
-    import hf_zenflow.writeback_lag as auto_lag
+    import hf_zenflow.engine.writeback_lag as auto_lag
 
     auto_lag.auto_writeback_lag = lambda host_ms, step_ms, longest: 1 + 2 * rank
     init_ranks(rank, init_file, RANKS, device=DEVICE)

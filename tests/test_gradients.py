@@ -1,4 +1,4 @@
-"""Reading gradients as backward produces them (`hf_zenflow.gradients`): exact under gradient accumulation and
+"""Reading gradients as backward produces them (`hf_zenflow.engine.gradients`): exact under gradient accumulation and
 clipping, used by `step()` instead of a second read, never stale, and never keeping the optimizer alive."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import weakref
 import pytest
 import torch
 
-import hf_zenflow.gradients as gradients_module
-import hf_zenflow.windows as windows_module
+import hf_zenflow.engine.gradients as gradients_module
+import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.cpu_device.transport import CpuDeviceTransport
-from hf_zenflow.gradients import GradientReads, torch_norm
-from hf_zenflow.transport import CopyTransport
+from hf_zenflow.engine.gradients import GradientReads, torch_norm
+from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
+from hf_zenflow.transport.link import CopyTransport
 from tests.conftest import DEVICE, batches, finish_step, linear_schedule, make_model, max_rel_diff, param_groups
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_zenflow import worker as worker_module
-from hf_zenflow.host import GRAD_SLOTS, HostMatrix
-from hf_zenflow.worker import HostAdamWorker, HostWorkerError
+from hf_zenflow.engine import worker as worker_module
+from hf_zenflow.engine.host import GRAD_SLOTS, HostMatrix
+from hf_zenflow.engine.worker import HostAdamWorker, HostWorkerError
 
 
 def test_jobs_run_in_submission_order_off_the_calling_thread():
@@ -331,7 +331,7 @@ import time
 # non-interactive shell, as CI may be, inherits SIGINT ignored)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch
-import hf_zenflow.windows as zenflow_windows
+import hf_zenflow.engine.windows as zenflow_windows
 from hf_zenflow import ZenFlowAdamW
 
 def slow_host_step(groups, *last):

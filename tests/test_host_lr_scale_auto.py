@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.host_lr import auto_host_lr_scale, host_lr_scale, window_lag
-from hf_zenflow.schedule import WindowSchedule
+from hf_zenflow.engine.host_lr import auto_host_lr_scale, host_lr_scale, window_lag
+from hf_zenflow.engine.schedule import WindowSchedule
 from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_zenflow.host as host_module
-import hf_zenflow.windows as windows_module
+import hf_zenflow.engine.host as host_module
+import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.transport import CopyTransport
+from hf_zenflow.transport.link import CopyTransport
 from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train
 
 

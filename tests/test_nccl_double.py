@@ -14,7 +14,7 @@ from nccl_double import HostTensorRefused, install, uninstall
 from test_ddp import PER_RANK, RANKS, SETTINGS, STEPS, _data, _ddp, _model, _reference, _step, _train, _weights
 
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.transport import CopyTransport
+from hf_zenflow.transport.link import CopyTransport
 
 
 # the double stands in for NCCL on CPU machines; on a GPU machine the real NCCL runs (scripts/gpu_check.sh)
@@ -88,7 +88,7 @@ def test_the_double_refuses_host_state_and_what_is_computed_from_it():
 def _rank_copying(rank: int, init_file: str, out_dir: str) -> None:
     """DDP on a transport that copies gradients to the host (CUDA's schedule without streams): the backward hooks
     start copies there, as on a GPU."""
-    import hf_zenflow.windows as windows
+    import hf_zenflow.engine.windows as windows
 
     windows.transport_for = lambda device: CopyTransport()
     init_ranks(rank, init_file, RANKS)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-import hf_zenflow.host as host_module
+import hf_zenflow.engine.host as host_module
 from hf_zenflow import HostWorkerError, SyncOffloadAdamW, ZenFlowAdamW
 from hf_zenflow._base import fused_adamw_
 from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
@@ -109,7 +109,7 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, w
     on the mean gradient of each U-step window, written back one window later (lr at window close, times U with
     host_lr_scale="interval"), or `writeback_lag` steps into the next window ("auto": the first window one step into
     the next, the later ones at the lag chosen when the second window closes; the timing is stubbed to choose 2)."""
-    monkeypatch.setattr("hf_zenflow.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 2)
+    monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 2)
     torch.manual_seed(0)
     lin = torch.nn.Linear(32, 16, bias=False)
     ref_w = lin.weight.detach().clone()
@@ -359,7 +359,7 @@ def test_worker_failure_is_raised_in_the_caller(monkeypatch):
         raise MemoryError("injected host failure")
 
     monkeypatch.setattr(host_module, "host_adamw_window", broken)
-    import hf_zenflow.windows as windows_module
+    import hf_zenflow.engine.windows as windows_module
 
     monkeypatch.setattr(windows_module, "host_adamw_window", broken)
     model = make_model()
@@ -375,7 +375,7 @@ def test_worker_failure_is_raised_in_the_caller(monkeypatch):
 
 
 def test_inline_failure_raises_at_once(monkeypatch):
-    import hf_zenflow.windows as windows_module
+    import hf_zenflow.engine.windows as windows_module
 
     monkeypatch.setattr(windows_module, "host_adamw_window", lambda groups, *last: 1 / 0)
     model = make_model()
@@ -649,7 +649,7 @@ def test_an_ordinary_step_syncs_once_after_launching_the_device_update(monkeypat
     """Regression (issue 10.9): `float(clip)` added a second device->host sync per step, and the one `.tolist()`
     sync came before any device kernel was launched, so the device idled while the host waited. Counted here
     through the tensor methods that wait for the device; the order through the fused AdamW call."""
-    import hf_zenflow.device_step as device_module
+    import hf_zenflow.engine.device_step as device_module
 
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",

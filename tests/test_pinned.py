@@ -1,4 +1,4 @@
-"""Page-locked host memory (`hf_zenflow.pinned`), through a fake CUDA runtime: registration is portable to every
+"""Page-locked host memory (`hf_zenflow.transport.pinned`), through a fake CUDA runtime: registration is portable to every
 device, a refused registration leaves CUDA's error state clean and falls back to pageable memory with a warning,
 and the pinned blocks are released on `close()` and when a reloaded state replaces them (issue 20, defect 5)."""
 
@@ -9,10 +9,10 @@ import logging
 import pytest
 import torch
 
-import hf_zenflow.windows as windows_module
+import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.pinned import HOST_REGISTER_PORTABLE, HostRegistrar, PinnedArena
-from hf_zenflow.transport import CudaTransport
+from hf_zenflow.transport.link import CudaTransport
+from hf_zenflow.transport.pinned import HOST_REGISTER_PORTABLE, HostRegistrar, PinnedArena
 from tests.conftest import DEVICE, batches, make_model, param_groups, train
 from tests.doubles.async_device import AsyncCopies
 
@@ -69,7 +69,7 @@ def test_blocks_are_registered_for_every_device():
 def test_a_refused_registration_clears_the_error_and_falls_back_to_pageable_memory(caplog):
     cudart = FakeCudart(refuse=True)
     arena = PinnedArena(pin=True, registrar=HostRegistrar(cudart))
-    with caplog.at_level(logging.WARNING, logger="hf_zenflow.pinned"):
+    with caplog.at_level(logging.WARNING, logger="hf_zenflow.transport.pinned"):
         arena.reserve(4096)
         arena.reserve(1024)
     assert cudart.last_error == 0  # read (and so reset) right after each failure: no later CUDA call reports it

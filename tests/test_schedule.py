@@ -1,11 +1,11 @@
-"""The schedule on its own (`hf_zenflow.schedule`): pure decisions, no tensors."""
+"""The schedule on its own (`hf_zenflow.engine.schedule`): pure decisions, no tensors."""
 
 from __future__ import annotations
 
 import pytest
 
-from hf_zenflow.host_lr import host_lr_scale
-from hf_zenflow.schedule import StepKind, WindowSchedule, ZenAutoStats
+from hf_zenflow.engine.host_lr import host_lr_scale
+from hf_zenflow.engine.schedule import StepKind, WindowSchedule, ZenAutoStats
 
 
 def schedule(**kw) -> WindowSchedule:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_zenflow.selection import column_scores, num_selected, top_columns
+from hf_zenflow.engine.selection import column_scores, num_selected, top_columns
 
 
 @pytest.mark.parametrize(("ratio", "columns", "k"), [(0.0, 10, 0), (0.1, 10, 1), (0.1, 5, 1), (0.3, 10, 3),

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-import hf_zenflow.windows as windows_module
+import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.host import GRAD_SLOTS
-from hf_zenflow.transport import CopyTransport
+from hf_zenflow.engine.host import GRAD_SLOTS
+from hf_zenflow.transport.link import CopyTransport
 from tests.conftest import DEVICE
 
 
@@ -97,7 +97,7 @@ def test_a_worker_is_never_started_from_an_autograd_thread(monkeypatch):
     `worker_started` recorded the thread it ran on (CUDA: an autograd thread) as the training thread, whose intra-op
     pool it lowers and later restores. The worker is now started by `step()`, in the thread that calls it; the
     hooks leave the copies of that step to it."""
-    import hf_zenflow.threads as threads_module
+    import hf_zenflow.settings.threads as threads_module
 
     monkeypatch.setattr(threads_module, "_POOL", threads_module._TrainingPool())
     monkeypatch.setattr(windows_module, "transport_for", lambda device: CopyTransport())

@@ -1,4 +1,4 @@
-"""The thread split between the training thread and the host worker (README, Threads; `hf_zenflow.threads`)."""
+"""The thread split between the training thread and the host worker (README, Threads; `hf_zenflow.settings.threads`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-import hf_zenflow.threads
+import hf_zenflow.settings.threads
 from hf_zenflow import ZenFlowAdamW
 
 
@@ -60,7 +60,7 @@ def untouched_default_pool(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(hf_zenflow.threads, "_POOL", hf_zenflow.threads._TrainingPool())
+    monkeypatch.setattr(hf_zenflow.settings.threads, "_POOL", hf_zenflow.settings.threads._TrainingPool())
     torch.set_num_threads(cores)
     return cores
 
@@ -220,14 +220,14 @@ def test_ranks_on_a_node_share_its_cores_unless_the_launcher_pinned_them(monkeyp
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: affinity[pid])
     monkeypatch.setattr(os, "cpu_count", lambda: 64)  # a container's cpuset: 8 of the host's 64 cores
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert hf_zenflow.threads.rank_cpu_count() == 2  # the launcher's own affinity: 4 ranks share the 8 cores
+    assert hf_zenflow.settings.threads.rank_cpu_count() == 2  # the launcher's own affinity: 4 ranks share the 8 cores
     affinity[0] = {2, 3}  # pinned by the launcher (mpirun --bind-to, numactl per rank): its own cores
-    assert hf_zenflow.threads.rank_cpu_count() == 2
+    assert hf_zenflow.settings.threads.rank_cpu_count() == 2
     affinity[0] = {0, 1, 2, 3}
-    assert hf_zenflow.threads.rank_cpu_count() == 4  # (not divided again)
+    assert hf_zenflow.settings.threads.rank_cpu_count() == 4  # (not divided again)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     affinity[0] = machine
-    assert hf_zenflow.threads.rank_cpu_count() == 8
+    assert hf_zenflow.settings.threads.rank_cpu_count() == 8
 
 
 def test_one_core_per_rank_gives_one_thread_each_and_says_so(untouched_default_pool, monkeypatch, caplog):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_zenflow.host as host_module
+import hf_zenflow.engine.host as host_module
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.worker import HostAdamWorker
+from hf_zenflow.engine.worker import HostAdamWorker
 from tests.conftest import batches, linear_schedule, make_model, param_groups, train
 
 

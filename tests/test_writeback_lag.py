@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-import hf_zenflow.host as host_module
+import hf_zenflow.engine.host as host_module
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.schedule import auto_writeback_lag
+from hf_zenflow.engine.schedule import auto_writeback_lag
 from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train
 
 
@@ -46,7 +46,7 @@ def test_auto_chooses_from_the_measured_host_step(host_delay_s, expected, monkey
         time.sleep(host_delay_s)
         window(groups, *last)
 
-    monkeypatch.setattr("hf_zenflow.windows.host_adamw_window", slow_window)
+    monkeypatch.setattr("hf_zenflow.engine.windows.host_adamw_window", slow_window)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", min_offload_numel=0)
     _train(opt, model, 7, pause_s=0.06)
@@ -59,7 +59,7 @@ def test_auto_chooses_from_the_measured_host_step(host_delay_s, expected, monkey
 
 
 def test_a_checkpoint_keeps_the_chosen_lag_and_a_new_setting_replaces_it(monkeypatch):
-    monkeypatch.setattr("hf_zenflow.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 1)
+    monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 1)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", min_offload_numel=0)
     train(model, opt, batches(10), linear_schedule(opt, 10))
@@ -67,7 +67,7 @@ def test_a_checkpoint_keeps_the_chosen_lag_and_a_new_setting_replaces_it(monkeyp
     opt.close()
     assert (state["zenflow"]["writeback_lag"], state["zenflow"]["writeback_lag_pending"]) == (1, False)
     # the resumed run would choose 3 from its own timing: it keeps the saved choice instead
-    monkeypatch.setattr("hf_zenflow.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 3)
+    monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 3)
     resumed = ZenFlowAdamW(param_groups(make_model()), lr=1e-2, update_interval=4, writeback_lag="auto",
                            min_offload_numel=0)
     resumed.load_state_dict(state)
@@ -92,7 +92,7 @@ def test_auto_is_a_setting_everywhere():
 def test_the_choice_waits_for_two_windows_after_the_warm_up(monkeypatch):
     """Warm-up steps close a synchronous window each: the choice comes two overlapped windows after them."""
     calls: list[int] = []
-    monkeypatch.setattr("hf_zenflow.writeback_lag.auto_writeback_lag",
+    monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_writeback_lag",
                         lambda host_ms, step_ms, longest: calls.append(1) or 2)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", full_warm_up_rounds=3,

@@ -5,24 +5,22 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ._base import fused_adamw_
-from .checkpoint import _DERIVED_SETTINGS, _PARSE_ERRORS, CheckpointError, _refused, _restore_groups, migrate
-from .checkpoint_validate import check_groups
-from .config import ZenFlowConfig
-from .device_step import DenseDeviceState
-from .host import host_adamw_window
-from .host_lr import host_lr_scale, peak_lr, window_lag
-from .params import is_split
-from .selection import num_selected
-from .split_matrix import SplitMatrix
+from .._base import fused_adamw_
+from ..engine.device_step import DenseDeviceState
+from ..engine.host import host_adamw_window
+from ..engine.host_lr import host_lr_scale, peak_lr, window_lag
+from ..engine.params import is_split
+from ..engine.selection import num_selected
+from ..engine.split_matrix import SplitMatrix
+from ..settings.config import ZenFlowConfig
+from .format import _DERIVED_SETTINGS, _PARSE_ERRORS, CheckpointError, _refused, _restore_groups, migrate
+from .state import ZenFlowState
+from .validate import check_groups
 
-
-if TYPE_CHECKING:
-    from .optimizer import ZenFlowAdamW
 
 logger = logging.getLogger("hf_zenflow.checkpoint")
 
@@ -38,7 +36,7 @@ def is_torch_adamw_state(state_dict: dict[str, Any]) -> bool:
         for e in entries.values())
 
 
-def apply_changed_settings(opt: ZenFlowAdamW, saved: dict[str, Any]) -> None:
+def apply_changed_settings(opt: ZenFlowState, saved: dict[str, Any]) -> None:
     """Let the optimizer's current settings take effect where they differ from the checkpoint's."""
     current = opt.config.to_dict()
     changed = {name: (saved[name], current[name]) for name in current
@@ -67,7 +65,7 @@ def apply_changed_settings(opt: ZenFlowAdamW, saved: dict[str, Any]) -> None:
                    "effect: %s.", "; ".join(n for n in notes if n))
 
 
-def _apply_min_offload_numel(opt: ZenFlowAdamW) -> str:
+def _apply_min_offload_numel(opt: ZenFlowState) -> str:
     """Move matrices between the split path and the dense path to match the current `min_offload_numel`."""
     if opt._host.param_shards is not None:
         raise CheckpointError(
@@ -84,7 +82,7 @@ def _apply_min_offload_numel(opt: ZenFlowAdamW) -> str:
     return f"{len(to_dense)} matrices now updated wholly on the device, {len(to_split)} now split"
 
 
-def _split_to_dense(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -> None:
+def _split_to_dense(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any]) -> None:
     split = opt._split.pop(p)
     if split.host is not None:
         host = split.host
@@ -110,7 +108,7 @@ def _split_to_dense(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -
     opt._dense[p] = dense
 
 
-def _dense_to_split(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -> None:
+def _dense_to_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any]) -> None:
     dense = opt._dense.pop(p)
     rows = bool(group.get("select_rows", False))
     split = SplitMatrix(p, 0, rows=rows)
@@ -125,7 +123,7 @@ def _dense_to_split(opt: ZenFlowAdamW, p: torch.Tensor, group: dict[str, Any]) -
     opt._split[p] = split  # device columns are chosen at the next step with a gradient
 
 
-def _check_torch_adamw(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
+def _check_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     params = [p for g in opt.param_groups for p in g["params"]]
     saved_groups = state_dict["param_groups"]
     check_groups(opt, saved_groups)  # (as many groups and parameters as here, valid hyper-parameters)
@@ -156,7 +154,7 @@ def _check_torch_adamw(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
                                       "values; the checkpoint is damaged.")
 
 
-def unpack_torch_adamw(opt: ZenFlowAdamW, state_dict: dict[str, Any]) -> None:
+def unpack_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     """Continue from a `torch.optim.AdamW` checkpoint: moments and step counts carried over; each matrix's columns
     are selected at the next step (until then its whole state is on the host)."""
     if opt._host.param_shards is not None:

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointError, _tensors, migrate
-from .checkpoint_seal import seal
-from .sharding import Share
+from ..distributed.sharding import Share
+from .format import CheckpointError, _tensors, migrate
+from .seal import seal
 
 
 #: The tensors of a split entry that hold only a rank's share under DDP (`checkpoint._SHARED_KEYS`).
@@ -164,7 +164,7 @@ def reshard_states(states: list[dict[str, Any]], world_size: int, parallel: str 
 # Which rank's state loads where (`checkpoint.unpack` asks)
 # ---------------------------------------------------------------------------------------------------------------------
 _RESHARD_ADVICE = ("re-shard the ranks' files first (`hf-zenflow reshard-checkpoint CHECKPOINT --world-size M`, or "
-                   "`hf_zenflow.checkpoint_reshard.reshard_states`)")
+                   "`hf_zenflow.checkpoint.reshard.reshard_states`)")
 
 
 def check_ranks(zenflow: dict[str, Any], ranks: int, rank: int) -> None:

@@ -5,17 +5,15 @@ what was expected (`checkpoint` turns it into a `CheckpointError`). The checksum
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ._base import check_hyperparameters
-from .checkpoint_seal import Refusal
-from .config import ZenFlowConfig
+from .._base import check_hyperparameters
+from ..settings.config import ZenFlowConfig
+from .seal import Refusal
+from .state import ZenFlowState
 
-
-if TYPE_CHECKING:
-    from .optimizer import ZenFlowAdamW
 
 _DEVICE_KEYS = ("device_index", "device_master", "device_exp_avg", "device_exp_avg_sq", "device_step")
 _HOST_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "host_step", "accum", "accum_count")
@@ -58,7 +56,7 @@ def _flag(where: str, holder: dict[str, Any], key: str) -> bool:
     return holder[key]
 
 
-def check_groups(opt: ZenFlowAdamW, saved_groups: Any) -> None:
+def check_groups(opt: ZenFlowState, saved_groups: Any) -> None:
     """The saved param groups: as many as here, as many parameters each, valid hyper-parameters."""
     if not isinstance(saved_groups, list) or not all(isinstance(g, dict) for g in saved_groups):
         raise Refusal("'param_groups' is not a list of dicts")
@@ -226,7 +224,7 @@ def check_name(where: str, saved: Any, here: str | None) -> None:
                       f"this position is {here!r} (another model, or parameters in another order)")
 
 
-def check_settings_change(opt: ZenFlowAdamW, zenflow: dict[str, Any]) -> None:
+def check_settings_change(opt: ZenFlowState, zenflow: dict[str, Any]) -> None:
     """Settings changes `apply_changed_settings` could not carry out, refused before anything is written."""
     saved = zenflow.get("config") or {}
     now = opt.config

@@ -17,7 +17,7 @@ def __getattr__(name: str):  # lazy re-exports: keep `import hf_zenflow.compare`
 
         return getattr(runner, name)
     if name in ("EmulatorScenario", "run_estimate"):
-        from hf_zenflow.compare import emulator
+        from hf_zenflow.estimate import emulator
 
         return getattr(emulator, name)
     raise AttributeError(f"module 'hf_zenflow.compare' has no attribute {name!r}")

@@ -174,7 +174,7 @@ class LoadMonitor:
     """A daemon thread sampling the 1-minute load average; `report(since)` gives the load since a reading."""
 
     def __init__(self, interval_s: float = 2.0) -> None:
-        from hf_zenflow.config import available_cpu_count
+        from hf_zenflow.settings.config import available_cpu_count
 
         self.interval_s = interval_s
         self.cores = available_cpu_count()

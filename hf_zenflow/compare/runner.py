@@ -83,7 +83,7 @@ def _bar_width() -> dict[str, Any]:
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
-    from hf_zenflow.config import available_cpu_count
+    from hf_zenflow.settings.config import available_cpu_count
 
     info: dict[str, Any] = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),

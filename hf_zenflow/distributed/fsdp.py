@@ -21,17 +21,12 @@ All run on the training thread at points the schedule fixes, so every rank issue
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from .sharding import RankGroup, is_dtensor
-from .split_matrix import SplitMatrix
-
-
-if TYPE_CHECKING:
-    from .windows import HostWindows
 
 
 class LocalShards:
@@ -48,15 +43,17 @@ class LocalShards:
     def active(self) -> bool:
         return self.group is not None
 
-    def find_once(self, groups: list[dict[str, Any]], host: HostWindows, final: bool) -> bool:
-        """`find`, and tell `host` to keep its host state per rank's own rows, until the answer is final: DTensors
+    def find_once(self, groups: list[dict[str, Any]], use_param_shards: Callable[[RankGroup], None], final: bool
+                  ) -> bool:
+        """`find`, and tell the host side (`use_param_shards`, the engine's `HostWindows.use_param_shards`) to keep
+        its host state per rank's own rows, until the answer is final: DTensors
         found, or the first step (`final`). accelerate swaps FSDP2's DTensors into the param groups after the
         optimizer is built, and takes a `state_dict()` before it does. True on the call that found them."""
         if self._checked:
             return False
         group = self.find(p for g in groups for p in g["params"])
         if group is not None:
-            host.use_param_shards(group)
+            use_param_shards(group)
         self._checked = final or group is not None
         return group is not None
 
@@ -113,7 +110,7 @@ class LocalShards:
 
     def moved(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(old, new) local tensors of parameters whose shard FSDP2 has re-allocated since they were first seen
-        (``model.to(...)``, ``load_state_dict(assign=True)``): the engine's state follows them (`rekey`)."""
+        (``model.to(...)``, ``load_state_dict(assign=True)``): the engine's state follows them (`engine.weight_marks.rekey`)."""
         out = []
         for p, old in list(self._local.items()):
             new = p._local_tensor
@@ -130,21 +127,6 @@ class LocalShards:
         return [(group, self.local(p)) for group, p in entries], [self.grad(p) for _, p in entries]
 
 
-def rekey(moves: list[tuple[torch.Tensor, torch.Tensor]], tables: Iterable[dict[torch.Tensor, Any]]
-          ) -> list[torch.Tensor]:
-    """Move each state entry of `tables` from an old local tensor to its new one (a `SplitMatrix` also points at
-    it); returns the new tensors, whose masters must be re-read from the weights."""
-    moved = []
-    for old, new in moves:
-        for table in tables:
-            if old in table:
-                state = table[new] = table.pop(old)
-                if isinstance(state, SplitMatrix):
-                    state.param = new
-                moved.append(new)
-    return moved
-
-
 def global_norm(local_total: torch.Tensor, norm_type: float, ranks: RankGroup | None) -> torch.Tensor:
     """The norm of all gradients from this rank's norm of its shards (`clip_grad_norm_` under FSDP2): one
     all-reduce, of the p-th powers (the maximum for the inf-norm)."""
@@ -159,4 +141,4 @@ def global_norm(local_total: torch.Tensor, norm_type: float, ranks: RankGroup | 
     return total[0].pow(1.0 / norm_type)
 
 
-__all__ = ["LocalShards", "global_norm", "rekey"]
+__all__ = ["LocalShards", "global_norm"]

@@ -8,7 +8,7 @@ process: N ranks on one node then use N x the host memory and host work of one p
 (`ReplicatedHostStateWarning`).
 
 Example:
-    >>> from hf_zenflow.distributed_check import warn_if_replicated
+    >>> from hf_zenflow.distributed.replica_check import warn_if_replicated
     >>> warn_if_replicated()  # no process group here: nothing to say
     False
 """

@@ -29,8 +29,8 @@ import torch
 
 
 if TYPE_CHECKING:
-    from .config import ZenFlowConfig
-    from .sharding import RankGroup, Share
+    from ..distributed.sharding import RankGroup, Share
+    from ..settings.config import ZenFlowConfig
     from .split_matrix import SplitMatrix
 
 logger = logging.getLogger("hf_zenflow")

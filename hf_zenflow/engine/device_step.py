@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._base import by_device, fused_adamw_, l2_norm
-from .cpu_device import kernels
+from .._base import by_device, fused_adamw_, l2_norm
+from ..transport.cpu_device import kernels
 
 
 if TYPE_CHECKING:

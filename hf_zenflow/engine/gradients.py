@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..distributed.sharding import RankGroup, is_dtensor
 from .device_step import gather_selected, norms_and_gather
-from .sharding import RankGroup, is_dtensor
 
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .transport import Landed
+from ..transport.link import Landed
 from .worker import GradSlot
 
 

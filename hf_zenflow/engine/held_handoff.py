@@ -14,8 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from ..transport.link import Landed
 from .host import HostMatrix, host_adamw_window
-from .transport import Landed
 
 
 if TYPE_CHECKING:

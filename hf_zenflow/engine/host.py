@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._base import fused_adamw_
-from .cpu_device import kernels
-from .transport import PinnedArena, Transport
+from .._base import fused_adamw_
+from ..transport.cpu_device import kernels
+from ..transport.link import PinnedArena, Transport
 
 
 #: In-flight gradient hand-offs between the caller and the worker. Two lets the caller hand over step t+1 while the

@@ -8,6 +8,8 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
+from ..settings.config import AUTO_HOST_LR_CAP
+
 
 if TYPE_CHECKING:
     from .schedule import WindowSchedule
@@ -15,12 +17,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hf_zenflow")
 
 
-#: `host_lr_scale="auto"`: the largest learning rate a window's host step takes (lr × multiplier) when its result is
-#: written back 1 step into the next window; a lag of L steps divides it by sqrt(L). Measured on the tiny Llama (30
-#: steps, U=4, 5 paired seeds): at a 1-step lag "interval" (4) is best up to lr 1e-3; at 3e-3 it costs +3.7 %
-#: held-out loss, multipliers 1.5-2 cost least (+1.9 %), 1.0 +2.1 %. At a 4-step lag "interval" is still best at
-#: 5e-4 (2.5 costs +0.23 %), 1.25 and 4 tie at 1e-3, and at 3e-3 "interval" overshoots (+11.8 %, 1.0: +2.9 %).
-AUTO_HOST_LR_CAP = 5e-3
 
 
 def auto_host_lr_scale(lr: float, window_steps: int, lag: int) -> float:

@@ -21,7 +21,7 @@ import torch
 
 
 if TYPE_CHECKING:
-    from ..config import ZenFlowConfig
+    from ..settings.config import ZenFlowConfig
 
 
 @torch.no_grad()
@@ -45,7 +45,7 @@ def column_major_(model: torch.nn.Module, config: ZenFlowConfig | None = None) -
         True
         >>> opt = ZenFlowAdamW(model.parameters(), lr=1e-3)
     """
-    from ..params import offloads  # (imported here: the optimizer's modules import this package)
+    from .params import offloads  # (imported here: the optimizer's modules import this package)
 
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     converted: list[str] = []

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._base import check_hyperparameters
-from .config import ZenFlowConfig
+from .._base import check_hyperparameters
+from ..settings.config import ZenFlowConfig
 from .device_step import DenseDeviceState
 from .schedule import WindowSchedule
 from .selection import num_selected, selection_axis
@@ -19,7 +19,7 @@ from .split_matrix import SplitMatrix
 
 
 if TYPE_CHECKING:
-    from .fsdp import LocalShards
+    from ..distributed.fsdp import LocalShards
     from .windows import HostWindows
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cpu_device import kernels
+from ..transport.cpu_device import kernels
 
 
 if TYPE_CHECKING:

@@ -1,19 +1,21 @@
 """Weights changed from outside the optimizer (``model.load_state_dict``, the Trainer's ``load_best_model_at_end``,
 an in-place edit): noticed through each parameter's version counter and storage, and answered by re-reading the fp32
-masters from the weights.
+masters from the weights; and FSDP2 shards re-allocated under the optimizer (`rekey`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .split_matrix import SplitMatrix
 
 
 if TYPE_CHECKING:
     from .device_step import DenseDeviceState
-    from .split_matrix import SplitMatrix
     from .worker import HostAdamWorker
 
 logger = logging.getLogger("hf_zenflow.optimizer")
@@ -74,3 +76,18 @@ def reread_masters(params: list[torch.Tensor], splits: dict[torch.Tensor, SplitM
         if split.device is not None:
             cols = split.device
             cols.master.copy_(current.index_select(cols.axis, cols.index))
+
+
+def rekey(moves: list[tuple[torch.Tensor, torch.Tensor]], tables: Iterable[dict[torch.Tensor, Any]]
+          ) -> list[torch.Tensor]:
+    """Move each state entry of `tables` from an old local tensor to its new one (a `SplitMatrix` also points at
+    it); returns the new tensors, whose masters must be re-read from the weights."""
+    moved = []
+    for old, new in moves:
+        for table in tables:
+            if old in table:
+                state = table[new] = table.pop(old)
+                if isinstance(state, SplitMatrix):
+                    state.param = new
+                moved.append(new)
+    return moved

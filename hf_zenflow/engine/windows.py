@@ -16,22 +16,22 @@ from typing import Any
 
 import torch
 
+from .._base import by_device
+from ..distributed.replica_check import note_host_split
+from ..distributed.sharding import RankGroup
+from ..settings.config import ZenFlowConfig
+from ..settings.threads import claim_cores, release_cores
+from ..transport import Landed, Transport, transport_for
+from ..transport.cpu_device.transport import CpuShardTransport
 from . import accumulation
-from ._base import by_device
-from .config import ZenFlowConfig
-from .cpu_device.transport import CpuShardTransport
 from .device_step import DenseDeviceState, DeviceColumns, device_update, scatter_columns
-from .distributed_check import note_host_split
 from .handoff import EarlyCopies, HandOff
 from .held_handoff import HeldHandOff
 from .host import HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype, moment_dtype
 from .host_lr import LrScaleRecord, host_lr_scale, peak_lr, window_lag
 from .schedule import WindowSchedule
-from .sharding import RankGroup
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
-from .threads import claim_cores, release_cores
-from .transport import Landed, Transport, transport_for
 from .worker import HostAdamWorker
 
 

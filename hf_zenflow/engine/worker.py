@@ -18,9 +18,9 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 
 import torch
 
-from ._base import torch_threads
+from .._base import torch_threads
+from ..settings.threads import worker_started
 from .host import GRAD_SLOTS
-from .threads import worker_started
 
 
 class HostWorkerError(RuntimeError):

@@ -25,7 +25,7 @@ from .schedule import WindowSchedule, auto_writeback_lag
 
 
 if TYPE_CHECKING:
-    from .config import ZenFlowConfig
+    from ..settings.config import ZenFlowConfig
     from .windows import HostWindows
 
 logger = logging.getLogger("hf_zenflow")

@@ -50,16 +50,16 @@ and `run_estimate`), `emulator_report` (`format_estimate`), `emulator_cli` (the 
 
 from __future__ import annotations
 
-from hf_zenflow.compare.emulator_cli import (
+from hf_zenflow.estimate.emulator_cli import (
     add_estimate_arguments,
     add_hardware_arguments,
     estimate_from_args,
     scenario_from_args,
     scenario_from_profile,
 )
-from hf_zenflow.compare.emulator_device import CopyEngine, DeviceClock, PacedLink, emulated_model
-from hf_zenflow.compare.emulator_report import format_estimate
-from hf_zenflow.compare.emulator_scenario import (
+from hf_zenflow.estimate.emulator_device import CopyEngine, DeviceClock, PacedLink, emulated_model
+from hf_zenflow.estimate.emulator_report import format_estimate
+from hf_zenflow.estimate.emulator_scenario import (
     DEVICE_ADAMW_BYTES_PER_PARAM,
     EXEC_KEY,
     HEADER,
@@ -71,7 +71,7 @@ from hf_zenflow.compare.emulator_scenario import (
     EmulatorScenario,
     llama2_7b_4xa100,
 )
-from hf_zenflow.compare.emulator_schedules import run_estimate
+from hf_zenflow.estimate.emulator_schedules import run_estimate
 
 
 __all__ = ["DEVICE_ADAMW_BYTES_PER_PARAM", "EXEC_KEY", "HEADER", "LINK_BYTES_PER_PARAM", "PUBLISHED_HOST_CORES",

@@ -9,11 +9,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from hf_zenflow.cli_types import fraction, positive_float, positive_int
-from hf_zenflow.compare.emulator_report import format_estimate
-from hf_zenflow.compare.emulator_scenario import LINK_BYTES_PER_PARAM, SCENARIOS, EmulatorScenario
-from hf_zenflow.compare.emulator_schedules import run_estimate
-from hf_zenflow.compare.ranks import PARALLEL_MODES, check_ranks
+from hf_zenflow.estimate.emulator_report import format_estimate
+from hf_zenflow.estimate.emulator_scenario import LINK_BYTES_PER_PARAM, SCENARIOS, EmulatorScenario
+from hf_zenflow.estimate.emulator_schedules import run_estimate
+from hf_zenflow.estimate.ranks import PARALLEL_MODES, check_ranks
+from hf_zenflow.settings.cli_types import fraction, positive_float, positive_int
 
 
 def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,11 +73,11 @@ def rank_count(text: str) -> int:
 
 
 def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
-    from hf_zenflow.compare.hardware import PROFILES
+    from hf_zenflow.estimate.hardware import PROFILES
 
     p.add_argument("--hardware", default=None,
                    help=f"a hardware profile: a preset ({', '.join(sorted(PROFILES))}) or a JSON file with the fields "
-                        "of hf_zenflow.compare.hardware.HardwareProfile (device_tflops, device_mem_gb, "
+                        "of hf_zenflow.estimate.hardware.HardwareProfile (device_tflops, device_mem_gb, "
                         "device_mem_gbps, link_gbps, host_cores, host_mem_gbps, mfu, interconnect_gbps). Prints "
                         "the bound model (where "
                         "each schedule is bound and which setting moves the bound), then runs the emulator on the "
@@ -95,7 +95,7 @@ def scenario_from_profile(profile: Any, params: float, tokens_per_step: float, r
                           parallel: str = "ddp", host_source: str | None = None) -> EmulatorScenario:
     """The emulator scenario of a `hardware.HardwareProfile`: its forward+backward, link and host AdamW times (of the
     whole model: the emulator takes one rank's share of them), for `ranks` data-parallel ranks on its node."""
-    from hf_zenflow.compare.hardware import schedule_model
+    from hf_zenflow.estimate.hardware import schedule_model
 
     rows = schedule_model(profile, params, tokens_per_step)
     link_ms = rows["sync_offload"]["link_ms"] / 2
@@ -113,8 +113,8 @@ def scenario_from_profile(profile: Any, params: float, tokens_per_step: float, r
 def _profile(args: argparse.Namespace) -> Any:
     """The --hardware profile with its host resolved (`host_rates.resolve_host`: measured here unless
     --host-from-profile); the line saying which is its ``host_source``."""
-    from hf_zenflow.compare.hardware import load_profile
-    from hf_zenflow.compare.host_rates import resolve_host
+    from hf_zenflow.estimate.hardware import load_profile
+    from hf_zenflow.estimate.host_rates import resolve_host
 
     profile = load_profile(args.hardware)
     if args.interconnect_gbps is not None:
@@ -175,7 +175,7 @@ def scenario_from_args(args: argparse.Namespace) -> EmulatorScenario:
 def estimate_from_args(args: argparse.Namespace) -> dict[str, Any]:
     sc = scenario_from_args(args)
     if getattr(args, "hardware", None):
-        from hf_zenflow.compare.hardware import format_schedule_model
+        from hf_zenflow.estimate.hardware import format_schedule_model
 
         print(format_schedule_model(_profile(args), sc.params, args.tokens_per_step, sc.topk_ratio,
                                     sc.update_interval, device_step_ms=args.device_step_ms, ranks=sc.ranks,
@@ -186,7 +186,7 @@ def estimate_from_args(args: argparse.Namespace) -> dict[str, Any]:
     res = run_estimate(sc)
     print(format_estimate(res), flush=True)
     if getattr(args, "hardware", None):
-        from hf_zenflow.compare.hardware import auto_accumulation
+        from hf_zenflow.estimate.hardware import auto_accumulation
 
         auto = auto_accumulation(_profile(args), sc.params, args.tokens_per_step, sc.topk_ratio, sc.ranks, sc.parallel)
         key = "zenflow_device_accumulation" if auto["choice"] == "device" else "zenflow"

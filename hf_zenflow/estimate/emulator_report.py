@@ -6,8 +6,8 @@ import math
 import statistics
 from typing import Any
 
-from hf_zenflow.compare.emulator_scenario import EXEC_KEY, ZENFLOW_ROWS
-from hf_zenflow.compare.ranks import RankSplit
+from hf_zenflow.estimate.emulator_scenario import EXEC_KEY, ZENFLOW_ROWS
+from hf_zenflow.estimate.ranks import RankSplit
 
 
 def format_estimate(res: dict[str, Any]) -> str:

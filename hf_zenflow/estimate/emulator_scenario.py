@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hf_zenflow.compare.ranks import RankSplit, check_parallel, check_ranks
+from hf_zenflow.estimate.ranks import RankSplit, check_parallel, check_ranks
 
 
 #: AdamW bytes per parameter on the device: read bf16 grad + fp32 master, exp_avg, exp_avg_sq (14 B), write the

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hf_zenflow.compare.emulator_device import (
+from hf_zenflow.estimate.emulator_device import (
     CopyEngine,
     DeviceClock,
     PacedLink,
@@ -20,7 +20,7 @@ from hf_zenflow.compare.emulator_device import (
     offloaded_grad_bytes,
     set_grads,
 )
-from hf_zenflow.compare.emulator_scenario import (
+from hf_zenflow.estimate.emulator_scenario import (
     HEADER,
     LINK_BYTES_PER_PARAM,
     PUBLISHED_HOST_CORES,
@@ -28,7 +28,9 @@ from hf_zenflow.compare.emulator_scenario import (
     ZENFLOW_ROWS,
     EmulatorScenario,
 )
-from hf_zenflow.compare.hardware import HOST_ADAMW_BYTES_PER_PARAM
+from hf_zenflow.estimate.hardware import HOST_ADAMW_BYTES_PER_PARAM
+from hf_zenflow.optimizer import SyncOffloadAdamW, ZenFlowAdamW
+from hf_zenflow.settings.threads import available_cpu_count
 
 
 @dataclass
@@ -39,8 +41,6 @@ class _Run:
 
 def _calibrate(params: list[torch.nn.Parameter], grads: list[torch.Tensor], threads: int) -> float:
     """Median host-AdamW seconds of `SyncOffloadAdamW` on the scaled model (its `host_update` phase)."""
-    from hf_zenflow import SyncOffloadAdamW
-
     opt = SyncOffloadAdamW(params, lr=1e-5, cpu_threads=threads)
     samples = []
     for _ in range(5):
@@ -62,8 +62,6 @@ def _run_no_offload(sc: EmulatorScenario, clock: DeviceClock, rank: dict[str, An
 
 def _run_sync(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn.Parameter], grads: list[torch.Tensor],
               link_down: PacedLink, link_up: PacedLink, threads: int, rank: dict[str, Any]) -> _Run:
-    from hf_zenflow import SyncOffloadAdamW
-
     opt = SyncOffloadAdamW(params, lr=1e-5, cpu_threads=threads)
     steps, host_ms, link_ms = [], [], []
     for _ in range(sc.steps):
@@ -93,8 +91,6 @@ def _run_zenflow(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn
     """ZenFlow's schedule. ``accumulate_on="host"``: every step's bf16 gradient crosses the link and the host worker
     adds it up. ``"device"``: the window is summed on the device (modelled device time) and its fp32 sum crosses
     the link once per window; the host worker only runs the AdamW."""
-    from hf_zenflow import ZenFlowAdamW
-
     on_device = accumulate_on == "device"
     opt = ZenFlowAdamW(params, lr=1e-5, topk_ratio=sc.topk_ratio, update_interval=sc.update_interval,
                        overlap_step=True, cpu_threads=threads, select_strategy="step", select_interval=100,
@@ -170,8 +166,6 @@ def _run_zenflow(sc: EmulatorScenario, clock: DeviceClock, params: list[torch.nn
 def run_estimate(sc: EmulatorScenario, progress: bool = True) -> dict[str, Any]:
     """Run the three schedules in one process and return the measured step times, scaled to the full model. With
     ``sc.ranks`` > 1 the process is one of the ranks: the real host code stands for its share (`rank_figures`)."""
-    from hf_zenflow.config import available_cpu_count
-
     sc.rank_split()  # a bad rank count fails before the model is built
     # The training thread keeps one core, the host worker gets the rest (as DeepSpeed reserves cores). The training
     # thread is busy here (it executes the device phases), so a worker on every core would oversubscribe them; the
@@ -198,7 +192,7 @@ def run_estimate(sc: EmulatorScenario, progress: bool = True) -> dict[str, Any]:
                         f"Gparam/s on {threads} threads")
         else:
             # this machine's host, measured (`host_rates`): its AdamW rate on the target's cores (default its own)
-            from hf_zenflow.compare.host_rates import measure_host_rates
+            from hf_zenflow.estimate.host_rates import measure_host_rates
 
             rates = measure_host_rates()
             cores = sc.host_cores or rates.cores

@@ -22,7 +22,7 @@ The model's constants:
   a window costs U - 1 accumulations and one AdamW (which then reads one more bf16 gradient: 2 of its 32 bytes per
   parameter, not counted);
 * ``accumulate_on="auto"`` (the default): the device when the ZenFlow row with device accumulation fits the device
-  memory with the engine's margin (`hf_zenflow.accumulation.MARGIN` of it left free) together with the activations
+  memory with the engine's margin (`hf_zenflow.engine.accumulation.MARGIN` of it left free) together with the activations
   of a llama-shaped model with activation checkpointing (`activation_gb`), else the host (`auto_accumulation`);
 * host memory: `HOST_BYTES_PER_PARAM` per offloaded parameter, as the engines hold it on a bf16 model;
 * N data-parallel ranks on the profile's node (``ranks``, ``parallel``): every figure is per rank, split as module
@@ -30,7 +30,7 @@ The model's constants:
   an all-gather of the updated rows per write-back at ``interconnect_gbps``); ``tokens_per_step`` is per rank.
 
 Example:
-    >>> from hf_zenflow.compare.hardware import PROFILES, schedule_model
+    >>> from hf_zenflow.estimate.hardware import PROFILES, schedule_model
     >>> rows = schedule_model(PROFILES["a100-40gb-pcie4"], params=7e9, tokens_per_step=8 * 512)
     >>> rows["sync_offload"]["bound"]
     'host'
@@ -44,14 +44,14 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from hf_zenflow.compare.emulator_scenario import (
+from hf_zenflow.estimate.emulator_scenario import (
     DEVICE_ADAMW_BYTES_PER_PARAM,
     HOST_BYTES_PER_PARAM,
     LINK_BYTES_PER_PARAM,
     PUBLISHED_HOST_CORES,
     PUBLISHED_HOST_PARAMS_PER_S,
 )
-from hf_zenflow.compare.ranks import RankSplit
+from hf_zenflow.estimate.ranks import RankSplit
 
 
 #: Host AdamW bytes per parameter (fp32 grad read, fp32 master/exp_avg/exp_avg_sq read and written, bf16 param out).
@@ -232,7 +232,7 @@ def auto_accumulation(profile: HardwareProfile, params: float, tokens_per_step: 
     """What ``accumulate_on="auto"`` chooses on `profile`: "device" when weights, gradients, the selected columns'
     state and the fp32 window sums (`schedule_model`'s device-accumulation row) plus `activation_gb` fit the
     device's memory less the engine's margin, else "host"; with the figures (GB, one rank's)."""
-    from hf_zenflow.accumulation import MARGIN
+    from hf_zenflow.engine.accumulation import MARGIN
 
     row = schedule_model(profile, params, tokens_per_step, topk_ratio, 4, None, ranks, parallel)
     need = row["zenflow_device_accumulation"]["device_memory_gb"]

@@ -58,7 +58,7 @@ class HostRates:
     def effective_mem_gbps(self) -> float:
         """The bandwidth AdamW showed (its bytes per parameter at the best rate) or the copy's, whichever is more:
         a capacity no measured rate exceeds."""
-        from hf_zenflow.compare.hardware import HOST_ADAMW_BYTES_PER_PARAM
+        from hf_zenflow.estimate.hardware import HOST_ADAMW_BYTES_PER_PARAM
 
         best = max(self.adamw_params_per_s.values())
         return max(self.mem_gbps, best * HOST_ADAMW_BYTES_PER_PARAM / 1e9)
@@ -120,7 +120,7 @@ def _time_copy(threads: int) -> float:
 @functools.lru_cache(maxsize=1)
 def measure_host_rates() -> HostRates:
     """Measure this host (once per process; a second or two)."""
-    from hf_zenflow.threads import rank_cpu_count
+    from hf_zenflow.settings.threads import rank_cpu_count
 
     t0 = time.perf_counter()
     cores = rank_cpu_count()
@@ -146,7 +146,7 @@ def json_host_fields(spec: str | None) -> tuple[str, ...]:
     import json
     from pathlib import Path
 
-    from hf_zenflow.compare.hardware import PROFILES
+    from hf_zenflow.estimate.hardware import PROFILES
 
     if not spec or spec in PROFILES or not Path(spec).expanduser().is_file():
         return ()
@@ -155,7 +155,7 @@ def json_host_fields(spec: str | None) -> tuple[str, ...]:
 
 
 def published_host_line(profile: Any) -> str:
-    from hf_zenflow.compare.emulator_scenario import PUBLISHED_HOST_CORES, PUBLISHED_HOST_PARAMS_PER_S
+    from hf_zenflow.estimate.emulator_scenario import PUBLISHED_HOST_CORES, PUBLISHED_HOST_PARAMS_PER_S
 
     return (f"Host: the profile's published figure (--host-from-profile): DeepSpeed's CPUAdam rate "
             f"({PUBLISHED_HOST_PARAMS_PER_S / 1e9:.2f} Gparam/s on {PUBLISHED_HOST_CORES} threads) per core x "

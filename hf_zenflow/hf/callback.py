@@ -15,8 +15,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..optimizer import ZenFlowAdamW
-from ..worker import wait_for_closed_workers
+from ..engine.worker import wait_for_closed_workers
+from ..optimizer.zenflow import ZenFlowAdamW
 from .unwrap import unwrap_zenflow_optimizer
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._base import (
+from .._base import (
     GradNormCache,
     check_hyperparameters,
     clip_coefficient,
@@ -21,11 +21,11 @@ from ._base import (
     grad_norms,
     host_empty,
 )
-from .host_thread import HostThread
-from .selection import selection_axis
-from .telemetry import StepTimer, ZenFlowStats
-from .threads import rank_cpu_count
-from .transport import transport_for
+from ..engine.host_thread import HostThread
+from ..engine.selection import selection_axis
+from ..engine.telemetry import StepTimer, ZenFlowStats
+from ..settings.threads import rank_cpu_count
+from ..transport import transport_for
 
 
 class _HostParam:

@@ -25,33 +25,47 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import sys
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from . import amp, checkpoint
-from ._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
-from .config import ZenFlowConfig
-from .device_step import DenseDeviceState, device_update
-from .fsdp import LocalShards, global_norm, rekey
-from .gradients import GradientReads, read_gradients
-from .params import check_group_params, check_param_group, create_state, new_schedule, offloads_any, resolve_config
-from .reselection import reselect, select_waiting
-from .schedule import StepKind, WindowSchedule
-from .split_matrix import SplitMatrix, master_value
-from .telemetry import StepTimer, ZenFlowStats, optimizer_stats
-from .weight_marks import WeightMarks, reread_masters
-from .windows import HandOff, HostWindows
-from .worker import wait_for_closed_workers
-from .writeback_lag import AutoWritebackLag
+from .. import checkpoint
+from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
+from ..distributed.fsdp import LocalShards, global_norm
+from ..engine import amp
+from ..engine.device_step import DenseDeviceState, device_update
+from ..engine.gradients import GradientReads, read_gradients
+from ..engine.params import (
+    check_group_params,
+    check_param_group,
+    create_state,
+    new_schedule,
+    offloads_any,
+    resolve_config,
+)
+from ..engine.reselection import reselect, select_waiting
+from ..engine.schedule import StepKind, WindowSchedule
+from ..engine.split_matrix import SplitMatrix, master_value
+from ..engine.telemetry import StepTimer, ZenFlowStats
+from ..engine.weight_marks import WeightMarks, rekey, reread_masters
+from ..engine.windows import HandOff, HostWindows
+from ..engine.worker import wait_for_closed_workers
+from ..engine.writeback_lag import AutoWritebackLag
+from ..settings.config import ZenFlowConfig
+from .stats import optimizer_stats
 
 
 logger = logging.getLogger(__name__)
 
 _LIVE_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
+
+#: Called with the optimizer at every `train()` (before each training step under a Trainer). The Hugging Face glue
+#: sits above this layer, so it is wired in from above: `hf_zenflow/__init__.py` adds the hook that, when transformers
+#: is loaded, finds a Trainer given this optimizer through ``optimizers=(...)`` and gives it a `ZenFlowCallback`
+#: (nothing there would otherwise flush the last window or stop the worker).
+TRAIN_HOOKS: list[Callable[[ZenFlowAdamW], None]] = []
 
 
 @atexit.register
@@ -73,10 +87,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         process_group: the data-parallel ranks that share the host work (default: torch's default process group,
             when one of several ranks is initialised; DDP). Each rank then holds host state for, and runs the host
             AdamW on, 1/N of every offloaded matrix, and `step()`, `flush()`, `load_state_dict()` and
-            `master_weight()` are collectives: call them on every rank (`hf_zenflow.sharding`). Under FSDP2
+            `master_weight()` are collectives: call them on every rank (`hf_zenflow.distributed.sharding`). Under FSDP2
             (DTensor parameters from ``fully_shard``) each rank works on its own shards instead and this argument
             is not used: `step()` and `clip_grad_norm_()` are collectives over the mesh, and each rank's
-            `state_dict()` holds its own shards (`hf_zenflow.fsdp`).
+            `state_dict()` holds its own shards (`hf_zenflow.distributed.fsdp`).
 
     Matrices (parameters with ``ndim >= 2``, viewed as ``[out, in]``) are split by input column, whether stored
     row-major or column-major (`column_major_`, where each input column is contiguous); 1-D parameters and other
@@ -342,12 +356,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._host.claim_cores()
         if self._host.worker is not None:
             self._host.worker.check()
-        if "transformers" in sys.modules:
-            # Given to a Trainer through `optimizers=(...)`, nothing there would flush the last window or stop the
-            # worker: find that Trainer and give it a ZenFlowCallback unless it has one (a few frame lookups).
-            from .hf.callback import attach_to_calling_trainer
-
-            attach_to_calling_trainer(self)
+        for hook in TRAIN_HOOKS:
+            hook(self)
 
     def eval(self) -> None:
         """HF calls this before evaluation: wait for the host worker."""
@@ -427,7 +437,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # Step internals
     # ------------------------------------------------------------------------------------------------------------
     def _find_param_shards(self, final: bool = False) -> None:
-        if self._fsdp.find_once(self.param_groups, self._host, final):
+        if self._fsdp.find_once(self.param_groups, self._host.use_param_shards, final):
             # accelerate swapped FSDP2's DTensors in after __init__: nothing may keep the whole parameters it
             # replaced alive (their names, the backward hooks on them)
             current = [p for g in self.param_groups for p in g["params"]]
@@ -454,7 +464,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: per-matrix selection, device and host masters and moments, the
         open window's accumulated gradient, a host result still waiting to be written back, counters and Zen-auto
-        statistics, with shapes and checksums (`hf_zenflow.checkpoint`). Only tensors, numbers, strings, lists and
+        statistics, with shapes and checksums (`hf_zenflow.checkpoint.format`). Only tensors, numbers, strings, lists and
         dicts: loadable with ``torch.load(weights_only=True)``.
 
         Waits for the host worker first (`synchronize`), which does not change the schedule. Like torch's
@@ -472,7 +482,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
         The state is checked first (shapes, dtypes, finite values, checksums): a damaged or foreign one raises
         `hf_zenflow.CheckpointError` naming the tensor, and nothing is changed. Settings of this optimizer that
-        differ from the checkpoint's take effect (see `hf_zenflow.checkpoint`), with a logged note.
+        differ from the checkpoint's take effect (see `hf_zenflow.checkpoint.format`), with a logged note.
         """
         self.synchronize()
         self._find_param_shards()

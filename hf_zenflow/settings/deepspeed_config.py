@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .config import available_cpu_count
+from .threads import available_cpu_count
 
 
 #: DeepSpeed's defaults for the zenflow keys (`deepspeed/runtime/zenflow/zenflow_config.py`).

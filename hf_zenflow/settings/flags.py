@@ -10,7 +10,7 @@ Text (a command line, an environment variable) is read the same way on every pat
 case-insensitive everywhere (``STEP``, ``Auto``, ``HOST``); `ZenFlowConfig` itself lower-cases them.
 
 Example:
-    >>> from hf_zenflow.settings import SETTINGS, parse_text
+    >>> from hf_zenflow.settings.flags import SETTINGS, parse_text
     >>> [s.name for s in SETTINGS][:3]
     ['topk_ratio', 'update_interval', 'select_strategy']
     >>> parse_text(SETTINGS[0], "0.25"), parse_text(SETTINGS[2], " Step ")

@@ -20,20 +20,43 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from ._base import by_device
+from .._base import by_device
 from .pinned import ARENA_ALIGN, HostRegistrar, PinnedArena
 
 
-__all__ = ["ARENA_ALIGN", "CopyTransport", "CudaStreams", "CudaTransport", "Landed", "PinnedArena", "Transport",
-           "transport_for"]
+__all__ = ["ARENA_ALIGN", "CopyTransport", "CudaStreams", "CudaTransport", "HostEnd", "Landed", "LinkedMatrix",
+           "PinnedArena", "Transport"]
 
-if TYPE_CHECKING:
-    from .host import HostMatrix
-    from .split_matrix import SplitMatrix
+
+class HostEnd(Protocol):
+    """The host end of one offloaded matrix, as the link sees it: buffers (the engine's `HostMatrix` is one)."""
+
+    accum: torch.Tensor  # the window's gradient sum
+    writeback: torch.Tensor | None  # the host result, rounded to the weight's dtype, for the write-back
+    writeback_free: object | None  # what the next writer of `writeback` waits for (a CUDA event), or None
+    staging: list[torch.Tensor]  # one landing buffer per hand-off slot (when gradients are staged)
+    grad_dtype: torch.dtype  # the dtype gradients cross the link in
+
+
+class LinkedMatrix(Protocol):
+    """One offloaded matrix, as the link sees it: the weight, its host end, the device-side window sum, and the views
+    between the weight's layout and the host's ``[rows, columns]`` storage (the engine's `SplitMatrix` is one). The
+    link moves these tensors; it knows nothing of column selection or AdamW state."""
+
+    param: torch.Tensor
+    host: HostEnd
+    window_sum: torch.Tensor | None
+    window_sum_free: Any
+
+    def matrix(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def unmatrix(self, m: torch.Tensor) -> torch.Tensor: ...
+
+    def host_part(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -63,8 +86,8 @@ class Transport:
     def reserve(self, nbytes: int) -> None:
         """A hint: `nbytes` of `host_buffer` (each `PinnedArena.aligned`) are about to be asked for."""
 
-    def hand_off(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
-                 ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
+    def hand_off(self, work: list[tuple[LinkedMatrix, torch.Tensor]], slot: int
+                 ) -> tuple[list[tuple[HostEnd, torch.Tensor]], Landed]:
         """Start moving this step's gradients (this rank's share of each storage matrix) to the host; returns what
         the host job reads and what it must wait for. The caller then drops its references to the gradients."""
         # (host_grad_dtype="bfloat16": the worker reads the gradient rounded as a copy over the link would be)
@@ -74,17 +97,17 @@ class Transport:
         """Order the compute stream after the copies `landed` waits for (CUDA), so that the step's one sync covers
         them; nothing where copies are synchronous."""
 
-    def before_window_add(self, split: SplitMatrix) -> None:
+    def before_window_add(self, split: LinkedMatrix) -> None:
         """Called before the first add of a window into `split.window_sum` (``accumulate_on="device"``)."""
 
-    def ship_window_sums(self, splits: list[SplitMatrix]) -> Landed:
+    def ship_window_sums(self, splits: list[LinkedMatrix]) -> Landed:
         """Move each closed window's device-side sum into its host accumulator (the worker is not reading it)."""
         for split in splits:
             host = split.host
             host.accum, split.window_sum = split.window_sum, host.accum
         return Landed()
 
-    def put_weights(self, split: SplitMatrix) -> None:
+    def put_weights(self, split: LinkedMatrix) -> None:
         """Put the host result the worker rounded into `split.host.writeback` into the weight (all columns; the
         caller writes the device columns back on top)."""
         host = split.host
@@ -94,7 +117,7 @@ class Transport:
         split.param.data = split.unmatrix(host.writeback)
         host.writeback = spare
 
-    def after_write_back(self, splits: list[SplitMatrix]) -> None:
+    def after_write_back(self, splits: list[LinkedMatrix]) -> None:
         """Called once the write-back of `splits` is enqueued."""
 
     @property
@@ -134,8 +157,8 @@ class CopyTransport(Transport):
         """An event after the copies just enqueued for `device` (CUDA), or None."""
         return None
 
-    def hand_off(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
-                 ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
+    def hand_off(self, work: list[tuple[LinkedMatrix, torch.Tensor]], slot: int
+                 ) -> tuple[list[tuple[HostEnd, torch.Tensor]], Landed]:
         landed = Landed()
         for device, items in by_device(work, lambda item: item[1].device):
             with self._copying(device):
@@ -153,7 +176,7 @@ class CopyTransport(Transport):
     def _keep_alive(self, t: torch.Tensor, device: torch.device) -> None:
         """Keep `t`'s memory from being reused before the copy enqueued on `device`'s side stream has read it."""
 
-    def ship_window_sums(self, splits: list[SplitMatrix]) -> Landed:
+    def ship_window_sums(self, splits: list[LinkedMatrix]) -> Landed:
         landed = Landed()
         for device, items in by_device([(s, s.window_sum) for s in splits], lambda item: item[1].device):
             with self._copying(device):
@@ -170,7 +193,7 @@ class CopyTransport(Transport):
     def pinned_bytes(self) -> int:
         return self.arena.pinned_bytes
 
-    def put_weights(self, split: SplitMatrix) -> None:
+    def put_weights(self, split: LinkedMatrix) -> None:
         # An asynchronous host->device copy from pinned memory on the compute stream (CUDA): the next forward pass
         # and the scatter of the device columns are ordered after it; the host thread does not wait.
         self._copy(split.matrix(split.param), split.host.writeback)
@@ -254,18 +277,18 @@ class CudaTransport(CopyTransport):
     def _keep_alive(self, t: torch.Tensor, device: torch.device) -> None:
         self.streams.keep_alive(t, self._stream(device))
 
-    def before_window_add(self, split: SplitMatrix) -> None:
+    def before_window_add(self, split: LinkedMatrix) -> None:
         if split.window_sum_free is not None:
             # Sync point (device streams only): the compute stream waits until the last window's device->host copy
             # has read the sum before it is overwritten; the host thread does not wait.
             self.streams.current_stream(split.param.device).wait_event(split.window_sum_free)
             split.window_sum_free = None
 
-    def put_weights(self, split: SplitMatrix) -> None:
+    def put_weights(self, split: LinkedMatrix) -> None:
         self._devices.add(split.param.device)
         super().put_weights(split)
 
-    def after_write_back(self, splits: list[SplitMatrix]) -> None:
+    def after_write_back(self, splits: list[LinkedMatrix]) -> None:
         # The worker must not refill a write-back buffer before the copy out of it has run: one event per device,
         # recorded on the compute stream after the copies, that the worker waits for (`host_adamw_window`).
         events: dict[torch.device, Any] = {}
@@ -282,14 +305,3 @@ class CudaTransport(CopyTransport):
             self.streams.synchronize(device)
         self._devices.clear()
         super().close()
-
-
-def transport_for(device: torch.device) -> Transport:
-    """The transport for parameters on `device`."""
-    if device.type == "cuda":
-        return CudaTransport()
-    if device.type == "cpu":
-        from .cpu_device.transport import CpuDeviceTransport
-
-        return CpuDeviceTransport()
-    return CopyTransport()

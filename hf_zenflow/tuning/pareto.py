@@ -1,7 +1,7 @@
 """Choosing among tuning trials: the Pareto front of (quality loss, speed-up) points and the recommended point on it.
 
 Example:
-    >>> from hf_zenflow.compare.pareto import pareto_front
+    >>> from hf_zenflow.tuning.pareto import pareto_front
     >>> pareto_front([(0.0, 1.0), (1.0, 3.0), (2.0, 2.0), (0.5, 1.0)])
     [0, 1]
 """

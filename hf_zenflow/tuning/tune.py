@@ -39,9 +39,9 @@ from typing import Any
 
 from hf_zenflow._extras import require
 from hf_zenflow.compare.metrics import metric_key
-from hf_zenflow.compare.paired_stats import paired_interval, t95
-from hf_zenflow.compare.pareto import pareto_front, recommend
-from hf_zenflow.compare.tune_grid import (
+from hf_zenflow.tuning.paired_stats import paired_interval, t95
+from hf_zenflow.tuning.pareto import pareto_front, recommend
+from hf_zenflow.tuning.tune_grid import (
     GRID_INTERVAL,
     GRID_LAG,
     GRID_SCALE,
@@ -51,7 +51,7 @@ from hf_zenflow.compare.tune_grid import (
     library_default_setting,
     parse_settings,
 )
-from hf_zenflow.compare.tune_report import format_recommendation, format_table, plot_pareto, write_outputs
+from hf_zenflow.tuning.tune_report import format_recommendation, format_table, plot_pareto, write_outputs
 
 
 def trial_record(name: str, result: dict[str, Any], seconds: float, setting: TrialSetting | None,
@@ -181,7 +181,7 @@ def _tokens_per_step(task: Any) -> float:
 
 def modelled_speedup(record: dict[str, Any], profile: Any, params: float, tokens: float) -> float:
     """ZenFlow's modelled speed-up over synchronous offload on `profile` at this trial's (mean) window length."""
-    from hf_zenflow.compare.hardware import schedule_model
+    from hf_zenflow.estimate.hardware import schedule_model
 
     s = record["setting"]
     u = record.get("mean_window") or (s["update_interval"] if s["update_interval"] != "auto" else 4)
@@ -209,8 +209,8 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
     """Run the reference and as many grid settings as the budget allows; write and return the results."""
     from hf_zenflow.compare.compare_config import CompareConfig
     from hf_zenflow.compare.data import prepare_task
-    from hf_zenflow.compare.hardware import load_profile
-    from hf_zenflow.compare.host_rates import resolve_host
+    from hf_zenflow.estimate.hardware import load_profile
+    from hf_zenflow.estimate.host_rates import resolve_host
 
     # the modelled host is this machine, measured (`host_rates`), unless --host-from-profile
     profile = resolve_host(load_profile(cfg.hardware), cfg.hardware, cfg.host_cores, cfg.host_from_profile)[0]

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hf_zenflow.config import ZenFlowConfig
+from hf_zenflow.settings.config import ZenFlowConfig
 
 
 GRID_TOPK: tuple[float, ...] = (0.05, 0.1, 0.2)

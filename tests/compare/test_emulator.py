@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_zenflow.cli import main
-from hf_zenflow.compare.emulator import (
+from hf_zenflow.estimate.emulator import (
     CopyEngine,
     DeviceClock,
     EmulatorScenario,
@@ -123,8 +123,8 @@ def test_one_rank_figures_are_the_scenarios_own() -> None:
 def test_emulated_rank_takes_the_bound_models_share(parallel: str) -> None:
     """The emulator and the bound model split N ranks the same way: one rank's host AdamW, link times, device AdamW
     and all-gather per write-back agree."""
-    from hf_zenflow.compare.emulator import scenario_from_profile
-    from hf_zenflow.compare.hardware import HardwareProfile, schedule_model
+    from hf_zenflow.estimate.emulator import scenario_from_profile
+    from hf_zenflow.estimate.hardware import HardwareProfile, schedule_model
 
     profile = HardwareProfile("t", device_tflops=100.0, device_mem_gb=80.0, device_mem_gbps=1000.0, link_gbps=20.0,
                               host_cores=128, host_mem_gbps=30.0, mfu=0.5, interconnect_gbps=50.0)
@@ -151,7 +151,7 @@ def test_bad_rank_count_fails_before_the_run() -> None:
 def test_estimate_flags_set_the_rank_split() -> None:
     import argparse
 
-    from hf_zenflow.compare.emulator import add_estimate_arguments, scenario_from_args
+    from hf_zenflow.estimate.emulator import add_estimate_arguments, scenario_from_args
 
     parser = argparse.ArgumentParser()
     add_estimate_arguments(parser)

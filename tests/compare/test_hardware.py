@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from hf_zenflow.cli import main
-from hf_zenflow.compare.emulator import format_estimate
-from hf_zenflow.compare.hardware import (
+from hf_zenflow.estimate.emulator import format_estimate
+from hf_zenflow.estimate.hardware import (
     ACCUMULATE_VS_ADAMW,
     PROFILES,
     HardwareProfile,
@@ -133,7 +133,7 @@ def test_estimate_table_columns_mean_what_their_headers_say() -> None:
 
 
 def test_emulator_scenario_from_a_profile_carries_its_times() -> None:
-    from hf_zenflow.compare.emulator import scenario_from_profile
+    from hf_zenflow.estimate.emulator import scenario_from_profile
 
     sc = scenario_from_profile(PROFILE, 1e9, 1000)
     rows = schedule_model(PROFILE, 1e9, 1000)
@@ -236,7 +236,7 @@ def test_estimate_cli_ranks(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_estimate_report_states_the_emulated_ranks_share() -> None:
-    from hf_zenflow.compare.emulator import EmulatorScenario
+    from hf_zenflow.estimate.emulator import EmulatorScenario
 
     res = _result()
     res["ranks"] = EmulatorScenario(ranks=1).rank_figures(4600.0)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from hf_zenflow.cli import main
-from hf_zenflow.compare import host_rates
-from hf_zenflow.compare.emulator_scenario import PUBLISHED_HOST_CORES, PUBLISHED_HOST_PARAMS_PER_S
-from hf_zenflow.compare.hardware import HOST_ADAMW_BYTES_PER_PARAM, PROFILES, format_schedule_model
-from hf_zenflow.compare.host_rates import HostRates
+from hf_zenflow.estimate import host_rates
+from hf_zenflow.estimate.emulator_scenario import PUBLISHED_HOST_CORES, PUBLISHED_HOST_PARAMS_PER_S
+from hf_zenflow.estimate.hardware import HOST_ADAMW_BYTES_PER_PARAM, PROFILES, format_schedule_model
+from hf_zenflow.estimate.host_rates import HostRates
 
 
 FAKE = HostRates(cores=4, adamw_params_per_s={1: 1.0e9, 2: 1.8e9, 4: 3.0e9}, mem_gbps=40.0, seconds=0.1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_zenflow.compare.ranks import RankSplit, check_parallel, check_ranks
+from hf_zenflow.estimate.ranks import RankSplit, check_parallel, check_ranks
 
 
 @pytest.mark.parametrize(("ranks", "parallel", "host", "device", "allgather_ms"), [

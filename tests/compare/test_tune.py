@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from hf_zenflow.cli import main
-from hf_zenflow.compare.tune import (
+from hf_zenflow.settings.config import ZenFlowConfig
+from hf_zenflow.tuning.tune import (
     Progress,
     TrialSetting,
     default_grid,
@@ -26,7 +27,6 @@ from hf_zenflow.compare.tune import (
     recommend,
     t95,
 )
-from hf_zenflow.config import ZenFlowConfig
 
 
 def _brute_force_front(points: list[tuple[float, float]]) -> list[int]:
@@ -188,7 +188,7 @@ def test_tune_tiny_run_writes_table_plot_and_a_valid_recommendation(tmp_path: Pa
 def test_tune_budget_too_small_still_writes_the_reference(tmp_path: Path) -> None:
     if missing:
         pytest.skip(f"pip install --no-deps {' '.join(missing)}")
-    from hf_zenflow.compare.tune import TuneConfig, run_tune
+    from hf_zenflow.tuning.tune import TuneConfig, run_tune
 
     payload = run_tune(TuneConfig(steps=2, train_size=8, eval_size=8, batch_size=4, eval_batch_size=8,
                                   budget_minutes=0.0, progress=False, output_dir=str(tmp_path)))

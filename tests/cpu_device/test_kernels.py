@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.cpu_device import kernels as _native
+from hf_zenflow.transport.cpu_device import kernels
 from tests.conftest import batches, linear_schedule, make_model, param_groups, train
 
 
@@ -116,7 +116,7 @@ def test_kernels_build_wherever_a_compiler_exists():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("coef", [None, 0.37])
 def test_accumulate_matches_torch(monkeypatch, dtype, coef):
-    from hf_zenflow.host import accumulate_into
+    from hf_zenflow.engine.host import accumulate_into
 
     gen = torch.Generator().manual_seed(3)
     grads = [torch.randn(203, 77, generator=gen).to(dtype) for _ in range(3)]
@@ -135,7 +135,7 @@ def test_accumulate_matches_torch(monkeypatch, dtype, coef):
 def test_row_scores_match_column_scores(dtype):
     """The batched row scores (re-selection of column-major weights and embedding rows) are torch's
     `column_scores` up to summation order, and pick the same top rows."""
-    from hf_zenflow.selection import column_scores, top_columns
+    from hf_zenflow.engine.selection import column_scores, top_columns
 
     gen = torch.Generator().manual_seed(11)
     mats = [(torch.randn(r, c, generator=gen) * 2).to(dtype) for r, c in [(301, 17), (64, 1536), (5, 3)]]

@@ -220,7 +220,7 @@ def window_adamw_available() -> bool:
 
 
 def _matches_torch() -> bool:
-    from .._base import fused_adamw_
+    from ..._base import fused_adamw_
 
     gen = torch.Generator().manual_seed(0)
     for numel, beta1, weight_decay, count in ((8, 0.9, 0.1, 3), (25, 0.9, 0.0, 1), (37, 0.3, 0.1, 4),

@@ -4,16 +4,9 @@ gives the weight the buffer the worker filled as its storage): the `Transport` b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from ..transport import CopyTransport, Landed, Transport
-
-
-if TYPE_CHECKING:
-    from ..host import HostMatrix
-    from ..split_matrix import SplitMatrix
+from ..link import CopyTransport, HostEnd, Landed, LinkedMatrix, Transport
 
 
 class CpuDeviceTransport(Transport):
@@ -30,6 +23,6 @@ class CpuShardTransport(CopyTransport):
 
     stages_gradients = False
 
-    def hand_off(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
-                 ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
+    def hand_off(self, work: list[tuple[LinkedMatrix, torch.Tensor]], slot: int
+                 ) -> tuple[list[tuple[HostEnd, torch.Tensor]], Landed]:
         return Transport.hand_off(self, work, slot)
