@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.transport.cpu_device import kernels
+from hf_zenflow.transport.cpu_device import kernels as _native
 from tests.conftest import batches, linear_schedule, make_model, param_groups, train
 
 

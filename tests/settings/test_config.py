@@ -154,7 +154,7 @@ def test_dict_round_trip():
         ZenFlowConfig.from_dict({"topk": 1})
 
 
-ZF_CONFIG = Path(__file__).parent / "data" / "zf_config.json"  # shaped like DeepSpeedExamples' ZenFlow fine-tune
+ZF_CONFIG = Path(__file__).parents[1] / "data" / "zf_config.json"  # shaped like DeepSpeedExamples' ZenFlow fine-tune
 
 
 def test_from_deepspeed_takes_a_json_file_path():

@@ -354,7 +354,7 @@ def test_ctrl_c_during_a_long_host_step_exits_promptly(tmp_path):
     the 10 s join at exit."""
     script = tmp_path / "slow_host_step.py"
     script.write_text(_SLOW_HOST_STEP_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
     deadline = threading.Timer(120, proc.kill)  # a child that never starts its host step must not hang the suite
