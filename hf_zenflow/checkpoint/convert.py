@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .._base import fused_adamw_
-from ..engine.device_step import DenseDeviceState
+from ..engine.device_state import DenseDeviceState
 from ..engine.host import host_adamw_window
 from ..engine.host_lr import host_lr_scale, peak_lr, window_lag
 from ..engine.params import is_split

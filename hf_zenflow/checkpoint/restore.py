@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..engine.accumulation import resumed_choice
-from ..engine.device_step import DenseDeviceState, DeviceColumns
+from ..engine.device_state import DenseDeviceState, DeviceColumns
 from ..engine.schedule import ZenAutoStats
 from ..engine.split_matrix import SplitMatrix
 from . import validate as checks

@@ -11,7 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..distributed.fsdp import LocalShards
-    from ..engine.device_step import DenseDeviceState
+    from ..engine.device_state import DenseDeviceState
     from ..engine.schedule import WindowSchedule
     from ..engine.split_matrix import SplitMatrix
     from ..engine.telemetry import ZenFlowStats

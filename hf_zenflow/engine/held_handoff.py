@@ -19,7 +19,7 @@ from .host import HostMatrix, host_adamw_window
 
 
 if TYPE_CHECKING:
-    from .windows import HandOff
+    from .handoff import HandOff
     from .worker import HostAdamWorker
 
 

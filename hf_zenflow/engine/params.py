@@ -12,7 +12,7 @@ import torch
 
 from .._base import check_hyperparameters
 from ..settings.config import ZenFlowConfig
-from .device_step import DenseDeviceState
+from .device_state import DenseDeviceState
 from .schedule import WindowSchedule
 from .selection import num_selected, selection_axis
 from .split_matrix import SplitMatrix

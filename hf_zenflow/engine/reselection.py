@@ -7,11 +7,22 @@ from __future__ import annotations
 
 import torch
 
+from ..transport.cpu_device import kernels
 from .schedule import WindowSchedule
-from .selection import num_selected, row_scores, top_columns
+from .selection import num_selected, top_columns
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer
 from .windows import HostWindows
+
+
+def row_scores(items: list[tuple[SplitMatrix, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    """Selection scores of the matrices whose selectable units are contiguous rows (column-major weights,
+    `select_rows`), on a CPU device: one threaded kernel pass over all of them instead of a chunked torch sweep
+    per matrix. Others are left to `column_scores` in `_select`."""
+    rows = [(split, m) for split, m in items if split.axis == 0 and kernels.supports(m) and m.ndim == 2]
+    if not rows or kernels.library() is None:
+        return {}
+    return {id(split): s for (split, _), s in zip(rows, kernels.row_scores([m for _, m in rows]))}
 
 
 def reselect(host: HostWindows, schedule: WindowSchedule, entries: list[tuple[dict, torch.Tensor]],

@@ -8,15 +8,8 @@ gradient's energy is concentrated on a few input channels, and those channels ar
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
-
-from ..transport.cpu_device import kernels
-
-
-if TYPE_CHECKING:
-    from .split_matrix import SplitMatrix
 
 
 #: Elements per chunk when scoring columns: a slice of ~1M elements keeps the squared temporary cache-sized instead of
@@ -80,13 +73,3 @@ def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     if k >= scores.numel():
         return torch.arange(scores.numel(), device=scores.device)
     return torch.topk(scores, k, sorted=False).indices.sort().values
-
-
-def row_scores(items: list[tuple[SplitMatrix, torch.Tensor]]) -> dict[int, torch.Tensor]:
-    """Selection scores of the matrices whose selectable units are contiguous rows (column-major weights,
-    `select_rows`), on a CPU device: one threaded kernel pass over all of them instead of a chunked torch sweep
-    per matrix. Others are left to `column_scores` in `_select`."""
-    rows = [(split, m) for split, m in items if split.axis == 0 and kernels.supports(m) and m.ndim == 2]
-    if not rows or kernels.library() is None:
-        return {}
-    return {id(split): s for (split, _), s in zip(rows, kernels.row_scores([m for _, m in rows]))}

@@ -14,7 +14,7 @@ import torch
 
 from ..distributed.sharding import RankGroup, Share
 from ..transport.link import Transport
-from .device_step import DenseDeviceState, DeviceColumns
+from .device_state import DenseDeviceState, DeviceColumns
 from .host import HostMatrix
 from .schedule import ZenAutoStats
 from .selection import column_scores, selection_axis, storage_matrix

@@ -15,7 +15,7 @@ from .split_matrix import SplitMatrix
 
 
 if TYPE_CHECKING:
-    from .device_step import DenseDeviceState
+    from .device_state import DenseDeviceState
     from .worker import HostAdamWorker
 
 logger = logging.getLogger("hf_zenflow.optimizer")

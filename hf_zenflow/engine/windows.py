@@ -24,7 +24,8 @@ from ..settings.threads import claim_cores, release_cores
 from ..transport import Landed, Transport, transport_for
 from ..transport.cpu_device.transport import CpuShardTransport
 from . import accumulation
-from .device_step import DenseDeviceState, DeviceColumns, device_update, scatter_columns
+from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
+from .device_step import device_update
 from .handoff import EarlyCopies, HandOff
 from .held_handoff import HeldHandOff
 from .host import HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype, moment_dtype

@@ -35,7 +35,8 @@ from .. import checkpoint
 from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
-from ..engine.device_step import DenseDeviceState, device_update
+from ..engine.device_state import DenseDeviceState
+from ..engine.device_step import device_update
 from ..engine.gradients import GradientReads, read_gradients
 from ..engine.params import (
     check_group_params,
