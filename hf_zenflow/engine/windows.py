@@ -2,8 +2,9 @@
 
 `HostWindows` gives each step's gradients of the offloaded matrices to the host (or, with
 ``accumulate_on="device"``, adds them into device-side window sums), closes windows by submitting the host AdamW,
-and writes host results back into the weights at the boundary the schedule says: at once (``overlap_step=False``) or
-one window later, while the device trains on. What crosses the link goes through a `Transport` per device type; the
+and writes host results back into the weights when the schedule says: at once (``overlap_step=False``) or
+``writeback_lag`` steps into the next window, while the device trains on (closing and writing back:
+`window_close.py`). What crosses the link goes through a `Transport` per device type; the
 host jobs run in order on one `HostAdamWorker`. With several data-parallel ranks each rank's host side covers its
 share of every matrix, and the write-back all-gathers the shares (`sharding.py`).
 """
@@ -16,7 +17,6 @@ from typing import Any
 
 import torch
 
-from .._base import by_device
 from ..distributed.replica_check import note_host_split
 from ..distributed.sharding import RankGroup
 from ..settings.config import ZenFlowConfig
@@ -24,22 +24,23 @@ from ..settings.threads import claim_cores, release_cores
 from ..transport import Landed, Transport, transport_for
 from ..transport.cpu_device.transport import CpuShardTransport
 from . import accumulation
-from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
+from .device_state import DenseDeviceState
 from .device_step import device_update
 from .handoff import EarlyCopies, HandOff
 from .held_handoff import HeldHandOff
-from .host import HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype, moment_dtype
-from .host_lr import LrScaleRecord, host_lr_scale, peak_lr, window_lag
+from .host import HostMatrix, accumulate_into, link_grad_dtype, moment_dtype
+from .host_lr import LrScaleRecord
 from .schedule import WindowSchedule
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
+from .window_close import WindowCloses
 from .worker import HostAdamWorker
 
 
 __all__ = ["EarlyCopies", "HandOff", "HostWindows"]
 
 
-class HostWindows:
+class HostWindows(WindowCloses):
     """The host side of one `ZenFlowAdamW` (see the module docstring). `splits` and `groups` are the optimizer's
     own (live) collections; `config` is kept current by the optimizer."""
 
@@ -344,107 +345,3 @@ class HostWindows:
         schedule.window_steps += 1
         self.close_window(schedule, timer, sequential=True)
         self.held.submit()  # (only when the close had no host work to fold it into)
-
-    def close_window(self, schedule: WindowSchedule, timer: StepTimer, sequential: bool) -> None:
-        """End the open window: submit its host AdamW; write back now (sequential) or at the next boundary."""
-        steps = schedule.close_window()
-        for split in self.splits.values():
-            split.auto.reset()
-        # the run's lag, also for a window that `flush()` closes early: "auto" keeps one multiplier per run
-        lag = window_lag(schedule, self.config.overlap_step, steps)
-        full = schedule.update_interval is None or steps >= schedule.update_interval
-        group_of = {p: g for g in self.groups for p in g["params"]}
-        by_group: dict[int, tuple[dict, list[HostMatrix]]] = {}
-        for split in self.splits.values():
-            if split.host is not None:
-                group = group_of[split.owner]  # (the parameter in the group: a DTensor under FSDP2)
-                if id(group) not in by_group:
-                    # hyper-parameters are copied now: the lr in force when the window closed
-                    hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
-                    scale = host_lr_scale(self.config.host_lr_scale, steps, peak_lr(group), lag)
-                    self.lr_scale.note(self.config.host_lr_scale, scale, peak_lr(group), lag, full)
-                    hyper["lr"] = hyper["lr"] * scale
-                    by_group[id(group)] = (hyper, [])
-                by_group[id(group)][1].append(split.host)
-        work = list(by_group.values())
-        worker = self.ensure_worker()  # (closed after training: `flush()` may still close a window)
-        if not work:
-            return  # every column lives on the device: no host step, nothing stale
-        if not sequential:
-            self.apply_previous_window(timer)
-        landed = None
-        if self.accumulate_on == "device":
-            with timer.phase("handoff"):
-                if self.pending is not None:
-                    # Sync point: the previous window's host step reads the host accumulators; it must be done
-                    # before this window's sums land there (only reached in sequential closes: an overlapped close
-                    # waited above).
-                    worker.wait(self.pending)
-                landed = self._ship_window_sums([s for s in self.splits.values() if s.host is not None])
-
-        # (with this step's gradients folded in)
-        future = self.held.submit_close(worker, work, landed, host_adamw_window)
-        self.unapplied_steps.append(steps)
-        self.pending, self.writeback_pending = future, True
-        if sequential:
-            with timer.phase("wait"):
-                worker.wait(future)
-            with timer.phase("writeback"):
-                self.write_back()
-
-    def apply_previous_window(self, timer: StepTimer) -> None:
-        """Overlapped schedule: write the previous window's host result back, if one is pending."""
-        if not self.writeback_pending:
-            return
-        with timer.phase("wait"):
-            # Sync point: the previous window's host step must be done before its result is written back.
-            if self.pending is not None:
-                self.ensure_worker().wait(self.pending)
-        with timer.phase("writeback"):
-            self.write_back()
-
-    def write_back(self) -> None:
-        """Put each fresh host result into the weights, then the device columns back on top.
-
-        Only matrices whose host step ran since the last write-back are written (`writeback_fresh`): a matrix that
-        got no gradient in the window keeps its weights, including columns that left the device at a re-selection
-        since. How a result gets into the weights is the transport's (CUDA: an asynchronous copy from pinned
-        memory; CPU device: a storage swap); with several ranks, one all-gather of every rank's share of every
-        hosted matrix per device and dtype (`sharding.py`), whose result is copied into the weights.
-        """
-        columns_back: list[tuple[DeviceColumns, torch.Tensor]] = []
-        written: list[SplitMatrix] = []
-        hosted = [split for split in self.splits.values() if split.host is not None]
-        for split in hosted:
-            if split.host.writeback_fresh:
-                if self.shards.ranks == 1:
-                    self.transport_of(split).put_weights(split)
-                written.append(split)
-                self.stats.bytes_to_device += split.host.writeback.numel() * split.param.element_size()
-            if split.device is not None:
-                columns_back.append((split.device, split.matrix(split.param)))
-        if self.shards.ranks > 1:
-            self._gather_weights(hosted, {id(split) for split in written})
-        for split in hosted:
-            split.host.writeback_fresh = False
-        scatter_columns(columns_back)
-        for transport, group in self.by_transport(written):
-            transport.after_write_back(group)
-        self.writeback_pending = False
-        self.pending = None
-        self.unapplied_steps.clear()
-
-    def _gather_weights(self, hosted: list[SplitMatrix], fresh: set[int]) -> None:
-        """Every rank's share of the hosted matrices into the weights (the `fresh` ones): per device and dtype one
-        all-gather per bucket of matrices (`RankGroup.buckets`), the same on every rank whichever are fresh."""
-        for (device, _), group in by_device(hosted, lambda s: (s.param.device, s.param.dtype)):
-            items = [(s.share, s.host.writeback, s.matrix(s.param) if id(s) in fresh else None) for s in group]
-            # one all-gather per bucket of `GATHER_BUCKET_BYTES`, in the same order on every rank
-            for bucket in self.shards.buckets(items):
-                self.shards.gather_into(bucket, self.shards.device_for(device), "write-back all-gather", keep=True)
-
-    def drain_and_apply(self) -> None:
-        worker = self.ensure_worker()
-        worker.synchronize()
-        if self.writeback_pending:
-            self.write_back()
