@@ -36,26 +36,24 @@ from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad
 from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
 from ..engine.device_state import DenseDeviceState
-from ..engine.device_step import device_update
-from ..engine.gradients import GradientReads, read_gradients
+from ..engine.gradients import GradientReads
 from ..engine.params import (
     check_group_params,
     check_param_group,
-    create_state,
     new_schedule,
     offloads_any,
     resolve_config,
 )
-from ..engine.reselection import reselect, select_waiting
-from ..engine.schedule import StepKind, WindowSchedule
+from ..engine.schedule import WindowSchedule
 from ..engine.split_matrix import SplitMatrix, master_value
 from ..engine.telemetry import StepTimer, ZenFlowStats
 from ..engine.weight_marks import WeightMarks, rekey, reread_masters
-from ..engine.windows import HandOff, HostWindows
+from ..engine.windows import HostWindows
 from ..engine.worker import wait_for_closed_workers
 from ..engine.writeback_lag import AutoWritebackLag
 from ..settings.config import ZenFlowConfig
 from .stats import optimizer_stats
+from .step import StepSequence
 
 
 logger = logging.getLogger(__name__)
@@ -75,7 +73,7 @@ def _close_all() -> None:  # the host threads are daemons; this just lets in-fli
         opt.close()
 
 
-class ZenFlowAdamW(torch.optim.Optimizer):
+class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
     """AdamW whose important columns are updated on the device every step and the rest by a host AdamW every
     `update_interval` steps, overlapped with training.
 
@@ -224,114 +222,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # caller's next forward/backward.
             worker.release()
 
-    def _step(self, loss: float | None) -> float | None:
-        timer = StepTimer()
-        entries = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not entries:
-            return loss
-        for _, p in entries:
-            if p.grad.is_sparse:
-                raise RuntimeError("ZenFlowAdamW does not support sparse gradients")
-        entries, grads = self._fsdp.entries(entries)  # (FSDP2: this rank's shards; else unchanged)
-        cached_norms, cached_total, clip = self._norm_cache.take(grads)
-        unscale, found_inf = amp.scaler_args(self)  # (called by `GradScaler.step`)
-        if self._schedule is None and found_inf is not None and not self._fsdp.active and found_inf.item():
-            # Sync point (first step only, which waits for its scalars before any update anyway): the very first
-            # step overflowed (a GradScaler starting too high does this a few times); it is skipped before any state
-            # exists, so that it changes nothing at all. (Not under FSDP2, where each rank's flag covers its own
-            # shards only: there the step's all-reduced norm makes every rank skip alike, after creating the state.)
-            self._stats.skipped_steps += 1
-            self._stats.finish_step(timer, skipped=True)
-            return loss
-        schedule = self._ensure_schedule()
-        self._pick_up_outside_changes()
-        create_state(entries, self._split, self._dense, self.config, schedule, self._host,
-                     self._fsdp if self._fsdp.active else None)
-
-        # ---- 1. one read of every gradient ------------------------------------------------------------------------
-        kind = schedule.kind()
-        warm_up, selecting = kind is StepKind.WARM_UP, kind is StepKind.SELECT
-        gather_now = kind is StepKind.ORDINARY
-        with timer.phase("norms"):
-            reads = read_gradients(self._split, self._reads, entries, grads, (cached_norms, cached_total, clip),
-                                   gather_now, auto=self.config.is_auto_interval, ranks=self._host.param_shards,
-                                   unscale=unscale, found_inf=found_inf)
-        total, gathered, clip = reads.total, reads.gathered, reads.clip  # (clip: with the scaler's 1 / scale)
-
-        # ---- 2. an ordinary step launches its device work before it waits -------------------------------------
-        # The fused AdamW takes the non-finite flag as a device tensor and changes nothing when it is set, so the
-        # update need not wait for the check: the device computes while the host waits below. (Warm-up, selection
-        # and matrices waiting for columns decide on host numbers first: they take the sync-first path.)
-        early = schedule.launches_before_sync(waiting_for_columns=bool(reads.waiting))
-        started: HandOff | None = None
-        try:
-            rewritten = False
-            if early:
-                bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
-                rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
-                with timer.phase("device_update"):
-                    device_update(self._split, self._dense, entries, grads, clip, gathered, rewritten=rewritten,
-                                  found_inf=bad.float())
-                with timer.phase("handoff"):
-                    started = self._host.start_hand_off(entries, grads)
-
-            # ---- 3. the one device->host sync of the step ---------------------------------------------------------
-            with timer.phase("norms"):
-                # Sync point, the only one of an ordinary step: the caller waits for the backward pass (and the norms)
-                # to finish and reads a few scalars (`StepReads.sync`).
-                synced = reads.sync(clipped=clip is not None, entries=len(entries))
-            if not synced.finite:
-                if started is not None:
-                    self._host.abandon_hand_off(started)
-                self._stats.skipped_steps += 1
-                self._stats.finish_step(timer, skipped=True)
-                return loss
-            coef = synced.coef
-
-            if warm_up:
-                self._host.warm_up_step(entries, grads, coef, timer, schedule, self._dense)
-            else:
-                if not early:
-                    with timer.phase("select"):
-                        if selecting:
-                            reselect(self._host, self._schedule, entries, grads)
-                        else:
-                            select_waiting(self._host, entries, grads, synced.waiting_norms)
-                    rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
-                    with timer.phase("device_update"):
-                        device_update(self._split, self._dense, entries, grads, coef, gathered, rewritten=rewritten)
-                if rewritten and self.config.overlap_step:
-                    # The previous window's result goes into the weights before this step's gradients are handed to
-                    # the worker: the write-back does not depend on them, and this way its scatter does not compete
-                    # with the worker's accumulation for cores and memory bandwidth (`_close_window` then finds no
-                    # write-back pending).
-                    self._host.apply_previous_window(timer)
-                with timer.phase("handoff"):
-                    if started is not None:
-                        self._host.finish_hand_off(started, coef)
-                    else:
-                        self._host.hand_off(entries, grads, coef)
-                schedule.window_steps += 1
-                if schedule.window_closes(reads.votes(synced)):
-                    # (folds this step's hand-off into the window's host AdamW job: one pass over the host state)
-                    self._host.close_window(self._schedule, timer, sequential=not self.config.overlap_step)
-                self._host.held.submit()  # a step that does not close the window: its accumulation job
-        except BaseException:
-            self._host.held.abandon(self._host.abandon_hand_off)
-            # an interrupt (Ctrl-C) or a failure between taking a hand-off slot and submitting its job must not leak
-            # the slot: the next step would wait for it forever
-            if started is not None and not started.done:
-                self._host.abandon_hand_off(started)
-            raise
-        schedule.steps += 1
-        self._auto_lag.maybe_choose(self.config, schedule, self._host)
-        self._mark_weights()
-        self._stats.finish_step(timer, staleness=sum(self._host.unapplied_steps) + schedule.window_steps)
-        return loss
-
     def synchronize(self) -> None:
         """Wait until the host worker is idle and re-raise its failure, if any. Does not change the schedule: a
-        host result still waiting for its window boundary stays pending (and is part of `state_dict()`)."""
+        host result still waiting for its write-back step (`writeback_lag`) stays pending (and is part of
+        `state_dict()`)."""
         if self._host.worker is not None:
             self._host.worker.synchronize()
         else:
@@ -465,7 +359,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: per-matrix selection, device and host masters and moments, the
         open window's accumulated gradient, a host result still waiting to be written back, counters and Zen-auto
-        statistics, with shapes and checksums (`hf_zenflow.checkpoint.format`). Only tensors, numbers, strings, lists and
+        statistics, with shapes and checksums (`hf_zenflow.checkpoint`). Only tensors, numbers, strings, lists and
         dicts: loadable with ``torch.load(weights_only=True)``.
 
         Waits for the host worker first (`synchronize`), which does not change the schedule. Like torch's
@@ -483,7 +377,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
         The state is checked first (shapes, dtypes, finite values, checksums): a damaged or foreign one raises
         `hf_zenflow.CheckpointError` naming the tensor, and nothing is changed. Settings of this optimizer that
-        differ from the checkpoint's take effect (see `hf_zenflow.checkpoint.format`), with a logged note.
+        differ from the checkpoint's take effect (see `hf_zenflow.checkpoint`), with a logged note.
         """
         self.synchronize()
         self._find_param_shards()
