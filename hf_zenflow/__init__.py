@@ -93,7 +93,7 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports an old module path as its new module (no second copy: `create_module` returns the module itself)."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if not fullname.startswith("hf_zenflow.") or fullname[len("hf_zenflow."):] not in _MOVED:
+        if not fullname.startswith("hf_zenflow.") or fullname[len("hf_zenflow.") :] not in _MOVED:
             return None
         return importlib.util.spec_from_loader(fullname, self)
 
@@ -101,7 +101,7 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self._own_specs: dict[str, importlib.machinery.ModuleSpec] = {}
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        module = importlib.import_module("hf_zenflow." + _MOVED[spec.name[len("hf_zenflow."):]])
+        module = importlib.import_module("hf_zenflow." + _MOVED[spec.name[len("hf_zenflow.") :]])
         self._own_specs[module.__name__] = module.__spec__
         return module
 

@@ -15,5 +15,16 @@ from .restore import load, unpack, validate
 from .state import ZenFlowState
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "ZenFlowState", "check_file", "load", "load_file", "migrate", "pack",
-           "tensor_checksum", "unpack", "validate"]
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "ZenFlowState",
+    "check_file",
+    "load",
+    "load_file",
+    "migrate",
+    "pack",
+    "tensor_checksum",
+    "unpack",
+    "validate",
+]

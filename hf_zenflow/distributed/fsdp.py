@@ -110,7 +110,8 @@ class LocalShards:
 
     def moved(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(old, new) local tensors of parameters whose shard FSDP2 has re-allocated since they were first seen
-        (``model.to(...)``, ``load_state_dict(assign=True)``): the engine's state follows them (`engine.weight_marks.rekey`)."""
+        (``model.to(...)``, ``load_state_dict(assign=True)``): the engine's state follows them
+        (`engine.weight_marks.rekey`)."""
         out = []
         for p, old in list(self._local.items()):
             new = p._local_tensor

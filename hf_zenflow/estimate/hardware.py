@@ -22,8 +22,9 @@ The model's constants:
   a window costs U - 1 accumulations and one AdamW (which then reads one more bf16 gradient: 2 of its 32 bytes per
   parameter, not counted);
 * ``accumulate_on="auto"`` (the default): the device when the ZenFlow row with device accumulation fits the device
-  memory with the engine's margin (`hf_zenflow.engine.accumulation.MARGIN` of it left free) together with the activations
-  of a llama-shaped model with activation checkpointing (`activation_gb`), else the host (`auto_accumulation`);
+  memory with the engine's margin (`hf_zenflow.engine.accumulation.MARGIN` of it left free) together with the
+  activations of a llama-shaped model with activation checkpointing (`activation_gb`), else the host
+  (`auto_accumulation`);
 * host memory: `HOST_BYTES_PER_PARAM` per offloaded parameter, as the engines hold it on a bf16 model;
 * N data-parallel ranks on the profile's node (``ranks``, ``parallel``): every figure is per rank, split as module
   `ranks` describes (host work, host memory and link bytes 1/N on 1/N of the host cores and memory bandwidth; DDP adds

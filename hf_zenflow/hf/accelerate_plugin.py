@@ -5,7 +5,7 @@ stand-alone dataclass in accelerate's style: every setting can come from the con
 environment variable under one prefix, ``HF_ZENFLOW_`` (``HF_ZENFLOW_TOPK_RATIO``, ``HF_ZENFLOW_UPDATE_INTERVAL``,
 ...). Explicit arguments win over the environment.
 
-Threads (the rule: README, *Threads*; `hf_zenflow.settings.threads`): ``accelerate launch`` exports ``OMP_NUM_THREADS=1``
+Threads (the rule: README, *Threads*; `settings.threads`): ``accelerate launch`` exports ``OMP_NUM_THREADS=1``
 unless ``--num_cpu_threads_per_process N`` is given (on CPU-only machines it may pick the number of physical cores
 instead). ZenFlow's host worker does not inherit it: it runs ``cpu_threads`` threads (default: half the cores given
 to the process: its CPU affinity, shared with the other ranks on the node) inside its own thread. When something is
@@ -169,7 +169,7 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
         return optimizer
 
     def check_accelerator(self, accelerator: Any) -> None:
-        """Fail fast on setups ZenFlowAdamW does not support: DeepSpeed, FSDP1. (fp16 works: `hf_zenflow.engine.amp`.)"""
+        """Fail fast on setups ZenFlowAdamW does not support: DeepSpeed, FSDP1. (fp16 works: `engine.amp`.)"""
         from accelerate.utils import DistributedType
 
         dtype = accelerator.distributed_type

@@ -1,6 +1,6 @@
 """`--zenflow_from_deepspeed`: a DeepSpeed ZenFlow config applied onto `ZenFlowTrainingArguments`.
 
-The mapping itself (which DeepSpeed key is which argument) is `hf_zenflow.settings.deepspeed_config`; this module applies it:
+The mapping itself (which DeepSpeed key is which argument) is `settings.deepspeed_config`; this module applies it:
 an argument still at its default takes the DeepSpeed value, an argument given with another value is a conflict
 (`ValueError` naming both), like transformers' own DeepSpeed integration, which refuses mismatching values.
 """

@@ -1,7 +1,7 @@
 """`ZenFlowTrainingArguments`: `TrainingArguments` plus the `--zenflow_*` flags.
 
 Every `ZenFlowConfig` field `<name>` is a field `zenflow_<name>` here, generated from
-`dataclasses.fields(ZenFlowConfig)` (`hf_zenflow.settings.flags`: type, true default, help and choices), except the few in
+`dataclasses.fields(ZenFlowConfig)` (`settings.flags`: type, true default, help and choices), except the few in
 `TRAINER_EXCLUDED_SETTINGS`. Values are validated by `ZenFlowConfig` itself (errors name the flag). Combinations the
 ZenFlow optimizer does not support fail at construction, naming the conflict, instead of training wrongly later.
 """

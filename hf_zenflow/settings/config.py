@@ -286,7 +286,7 @@ class ZenFlowConfig:
     @property
     def resolved_cpu_threads(self) -> int:
         """The host worker's threads: `cpu_threads` (clamped to the cores of this process's CPU affinity, with a
-        warning), or half those cores (at least 1). The rule and why: `hf_zenflow.settings.threads`, README *Threads*."""
+        warning), or half those cores (at least 1). The rule and why: `threads.py`, README *Threads*."""
         return worker_threads(self.cpu_threads)
 
     def select_period(self) -> int:

@@ -17,7 +17,8 @@ The rule, in one place:
   worker and the training thread fit the process's cores. A pool set with ``torch.set_num_threads`` after
   ``import hf_zenflow`` (it differs from the size torch had then) is the user's and is never changed. A run that
   offloads nothing claims nothing: no worker thread, no change;
-- the split is reported once per process (per distinct split) as a warning of the ``hf_zenflow.settings.threads`` logger.
+- the split is reported once per process (per distinct split) as a warning of this module's logger
+  (``hf_zenflow.settings.threads``).
 
 Why once: a CPU forward/backward's rounding depends on its thread count, and a resumed run must repeat the
 uninterrupted one bit for bit; a pool that changed when the worker started (inside the first `step()`) gave the

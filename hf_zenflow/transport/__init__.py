@@ -25,5 +25,17 @@ def transport_for(device: torch.device) -> Transport:
     return CopyTransport()
 
 
-__all__ = ["ARENA_ALIGN", "CopyTransport", "CpuDeviceTransport", "CpuShardTransport", "CudaStreams", "CudaTransport",
-           "HostEnd", "Landed", "LinkedMatrix", "PinnedArena", "Transport", "transport_for"]
+__all__ = [
+    "ARENA_ALIGN",
+    "CopyTransport",
+    "CpuDeviceTransport",
+    "CpuShardTransport",
+    "CudaStreams",
+    "CudaTransport",
+    "HostEnd",
+    "Landed",
+    "LinkedMatrix",
+    "PinnedArena",
+    "Transport",
+    "transport_for",
+]

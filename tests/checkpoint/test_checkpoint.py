@@ -1,4 +1,4 @@
-"""The checkpoint format (`hf_zenflow.checkpoint.format`): settings changed on resume take effect, checkpoints move between
+"""The checkpoint format (`hf_zenflow.checkpoint`): settings changed on resume take effect, checkpoints move between
 ZenFlowAdamW and torch's AdamW exactly, damaged or foreign state is refused naming the tensor, old formats migrate."""
 
 from __future__ import annotations

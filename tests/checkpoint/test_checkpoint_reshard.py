@@ -1,7 +1,8 @@
 """Re-sharding optimizer states between world sizes (`hf_zenflow.checkpoint.reshard`, `hf-zenflow
 reshard-checkpoint`), on state dicts of a real one-process run: the cuts of N ranks merge back to the very state, for
 DDP shares (row-major, column-major and row-selected matrices) and FSDP2 rows alike, and a checkpoint folder of 2
-ranks is rewritten for 3 ranks and for one process. (Training across a re-shard: tests/distributed/test_ddp.py, tests/distributed/test_fsdp.py.)"""
+ranks is rewritten for 3 ranks and for one process. (Training across a re-shard:
+tests/distributed/test_ddp.py, tests/distributed/test_fsdp.py.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""FSDP2 (`hf_zenflow.distributed.fsdp`): ZenFlowAdamW on each rank's shards of DTensor parameters, in two real gloo processes.
+"""FSDP2 (`hf_zenflow.distributed.fsdp`): ZenFlowAdamW on each rank's shards of DTensor parameters, in two real
+gloo processes.
 
 Two ranks of ``fully_shard`` with a per-rank batch of B train like one plain process with a batch of 2B (overlap on,
 Zen-auto windows, re-selections, clipping), with sizes that do not divide by 2 (a matrix of 1 row leaves rank 1 an

@@ -1,4 +1,5 @@
-"""The thread split between the training thread and the host worker (README, Threads; `hf_zenflow.settings.threads`)."""
+"""The thread split between the training thread and the host worker (README, Threads;
+`hf_zenflow.settings.threads`)."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from hf_zenflow.transport.link import CudaTransport
 from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups, train
 from tests.doubles.async_device import AsyncCopies, CheckedRegistrar, async_transport
 from tests.engine.test_gradients import train_accumulating
-from tests.optimizer.test_optimizer import LR, STEPS, assert_resume_continues_identically, run_reference, run_zenflow
 from tests.engine.test_several_devices import TwoHalves, backward_in_two_threads
+from tests.optimizer.test_optimizer import LR, STEPS, assert_resume_continues_identically, run_reference, run_zenflow
 
 
 if DEVICE.type != "cpu":

@@ -1,5 +1,5 @@
-"""Page-locked host memory (`hf_zenflow.transport.pinned`), through a fake CUDA runtime: registration is portable to every
-device, a refused registration leaves CUDA's error state clean and falls back to pageable memory with a warning,
+"""Page-locked host memory (`hf_zenflow.transport.pinned`), through a fake CUDA runtime: registration is portable to
+every device, a refused registration leaves CUDA's error state clean and falls back to pageable memory with a warning,
 and the pinned blocks are released on `close()` and when a reloaded state replaces them (issue 20, defect 5)."""
 
 from __future__ import annotations
