@@ -29,7 +29,8 @@ import torch
 
 from .._base import fused_adamw_
 from ..transport.cpu_device import kernels
-from ..transport.link import PinnedArena, Transport
+from ..transport.link import Transport
+from ..transport.pinned import PinnedArena
 
 
 #: In-flight gradient hand-offs between the caller and the worker. Two lets the caller hand over step t+1 while the

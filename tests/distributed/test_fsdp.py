@@ -31,7 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hf_zenflow import CheckpointError, ZenFlowAdamW
 from hf_zenflow.checkpoint.seal import seal
-from hf_zenflow.transport.link import CopyTransport
+from hf_zenflow.transport import CopyTransport
 
 
 SETTINGS = dict(topk_ratio=0.25, update_interval="auto", auto_max_interval=4, full_warm_up_rounds=2,

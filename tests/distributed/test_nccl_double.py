@@ -14,7 +14,7 @@ from nccl_double import HostTensorRefused, install, uninstall
 from test_ddp import PER_RANK, RANKS, SETTINGS, STEPS, _data, _ddp, _model, _reference, _step, _train, _weights
 
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.transport.link import CopyTransport
+from hf_zenflow.transport import CopyTransport
 
 
 # the double stands in for NCCL on CPU machines; on a GPU machine the real NCCL runs (scripts/gpu_check.sh)

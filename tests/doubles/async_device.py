@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hf_zenflow.transport.link import CudaStreams, CudaTransport
+from hf_zenflow.transport import CudaStreams, CudaTransport
 from hf_zenflow.transport.pinned import HostRegistrar
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.transport.link import CopyTransport
+from hf_zenflow.transport import CopyTransport
 from tests.conftest import DEVICE, batches, make_model, param_groups
 
 

@@ -13,8 +13,8 @@ import hf_zenflow.engine.gradients as gradients_module
 import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.gradients import GradientReads, torch_norm
+from hf_zenflow.transport import CopyTransport
 from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
-from hf_zenflow.transport.link import CopyTransport
 from tests.conftest import DEVICE, batches, finish_step, linear_schedule, make_model, max_rel_diff, param_groups
 
 

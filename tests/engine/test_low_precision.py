@@ -14,7 +14,7 @@ import torch
 import hf_zenflow.engine.host as host_module
 import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.transport.link import CopyTransport
+from hf_zenflow.transport import CopyTransport
 from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train
 
 

@@ -13,7 +13,7 @@ import torch
 import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.host import GRAD_SLOTS
-from hf_zenflow.transport.link import CopyTransport
+from hf_zenflow.transport import CopyTransport
 from tests.conftest import DEVICE
 
 

@@ -12,8 +12,8 @@ import torch
 
 import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW
+from hf_zenflow.transport import CudaTransport
 from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
-from hf_zenflow.transport.link import CudaTransport
 from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups, train
 from tests.doubles.async_device import AsyncCopies, CheckedRegistrar, async_transport
 from tests.engine.test_gradients import train_accumulating

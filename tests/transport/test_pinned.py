@@ -11,7 +11,7 @@ import torch
 
 import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.transport.link import CudaTransport
+from hf_zenflow.transport import CudaTransport
 from hf_zenflow.transport.pinned import HOST_REGISTER_PORTABLE, HostRegistrar, PinnedArena
 from tests.conftest import DEVICE, batches, make_model, param_groups, train
 from tests.doubles.async_device import AsyncCopies

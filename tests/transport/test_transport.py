@@ -1,4 +1,4 @@
-"""The transports (`hf_zenflow.transport.link`): the copying schedule that CUDA uses gives the same bits as the CPU
+"""The transports (`hf_zenflow.transport`): the copying schedule that CUDA uses gives the same bits as the CPU
 device's references and swaps, and the pinned arena carves aligned buffers."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
+from hf_zenflow.transport import ARENA_ALIGN, CopyTransport, PinnedArena
 from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
-from hf_zenflow.transport.link import ARENA_ALIGN, CopyTransport, PinnedArena
 from tests.conftest import DEVICE, batches, linear_schedule, make_model, param_groups, train
 
 
@@ -135,7 +135,7 @@ def test_cuda_events_are_waited_for_by_sleeping_not_spinning(monkeypatch):
     """Issue 20, defect 6: `torch.cuda.Event()` defaults to a busy-wait `synchronize()`, so the worker thread waiting
     for a gradient to land spun a core the host AdamW needs. Every event `CudaTransport` waits on comes from
     `CudaStreams.event`, which asks for a blocking one (cudaEventBlockingSync). (Checked on the call: no GPU here.)"""
-    from hf_zenflow.transport.link import CudaStreams
+    from hf_zenflow.transport import CudaStreams
 
     made: list[dict] = []
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..link import CopyTransport, HostEnd, Landed, LinkedMatrix, Transport
+from ..copying import CopyTransport
+from ..link import HostEnd, Landed, LinkedMatrix, Transport
 
 
 class CpuDeviceTransport(Transport):
