@@ -14,11 +14,12 @@ Loading is transactional: every field is parsed and checked (types, ranges, shap
 against this optimizer's, checksums) before anything is written, and every refusal is a `CheckpointError` naming the
 entry and what was expected; the optimizer is then unchanged.
 
-Under several data-parallel ranks (`sharding.py`) each rank's state dict holds its share of the host state: the
-``zenflow`` block says ``ranks`` and ``rank``, each split entry its ``share`` (start, length, size of the shared
+Under several data-parallel ranks (`distributed/sharding.py`) each rank's state dict holds its share of the host state:
+the ``zenflow`` block says ``ranks`` and ``rank``, each split entry its ``share`` (start, length, size of the shared
 dimension). It loads on the same rank of the same number of ranks; a one-process state dict loads on any number of
-ranks (each rank takes its share); other combinations are refused, naming both rank counts. Under FSDP2 (`fsdp.py`)
-every entry is of this rank's shard of the parameter (shapes included) and the block says ``fsdp_ranks`` and
+ranks (each rank takes its share); other combinations are refused, naming both rank counts. Under FSDP2
+(`distributed/fsdp.py`) every entry is of this rank's shard of the parameter (shapes included) and the block says
+``fsdp_ranks`` and
 ``fsdp_rank``: it loads only on the same rank of the same world size.
 
 Loading compares the saved settings with the optimizer's own and lets the current ones take effect (a new

@@ -14,7 +14,7 @@ What must be the same on every rank is made global over the mesh's process group
 - `clip_grad_norm_`: one all-reduce of the total;
 - each (re-)selection: one all-reduce of the per-column scores, summed over the ranks' rows
   (`reselection.select_columns`), so every rank selects the same columns;
-- ``writeback_lag="auto"``: one all-reduce of the choice (`writeback_lag.py`).
+- ``writeback_lag="auto"``: one all-reduce of the choice (`engine/writeback_lag.py`).
 
 All run on the training thread at points the schedule fixes, so every rank issues them in the same order.
 """

@@ -10,8 +10,9 @@ clip, zeroing) invalidates them, and `step()` reads that gradient itself.
 DDP: its reducer all-reduces a gradient after these hooks have run and then rewrites ``p.grad`` (a version bump), so
 a norm or a copy taken in the hook would describe the unreduced gradient and be thrown away, and the copy made again
 after the sync (twice the device-to-host traffic). With the host work split across data-parallel ranks
-(`reduced_later`, `sharding.py`), the hooks read nothing and `step()` reads each reduced gradient once. (FSDP2 calls
-the hooks after its reduce-scatter: those are read.) A DDP communication hook the user registers (bf16_compress_hook,
+(`reduced_later`, `distributed/sharding.py`), the hooks read nothing and `step()` reads each reduced gradient once.
+(FSDP2 calls the hooks after its reduce-scatter: those are read.) A DDP communication hook the user registers
+(bf16_compress_hook,
 PowerSGD) composes unchanged: `step()` reads whatever the hook's result left in ``p.grad``.
 
 Gradient accumulation: under accelerate (the Trainer) the hooks skip the micro-batches that do not end an optimizer
@@ -99,7 +100,8 @@ class GradientReads:
             return
         if is_dtensor(g):
             # FSDP2 calls the hook once the reduce-scatter has produced the rank's shard of the gradient: the norm
-            # and the copy are of the local shard, keyed by the local tensor the engine works on (`fsdp.py`)
+            # and the copy are of the local shard, keyed by the local tensor the engine works on
+            # (`distributed/fsdp.py`)
             p, g = p._local_tensor, g._local_tensor
         elif self.reduced_later():
             return

@@ -1,7 +1,8 @@
 """Choosing device columns during training: the scheduled re-selection of every matrix, and matrices that get their
 first columns late (first gradient after warm-up, or every gradient so far exactly zero). With the host state
 shared by several ranks, one all-reduce of the scores and one all-gather of the incoming columns' state per
-selection, for all matrices at once (`sharding.py`); under FSDP2 the all-reduce of the scores only (`fsdp.py`)."""
+selection, for all matrices at once (`distributed/sharding.py`); under FSDP2 the all-reduce of the scores only
+(`distributed/fsdp.py`)."""
 
 from __future__ import annotations
 

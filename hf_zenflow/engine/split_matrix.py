@@ -2,7 +2,7 @@
 
 Either side may be absent: no device columns before the first selection (or with ``topk_ratio=0``), no host state
 when every column lives on the device (``topk_ratio=1``). The device columns are whole (every row); the host state
-covers this rank's `Share` of the matrix (all of it with one rank, `sharding.py`).
+covers this rank's `Share` of the matrix (all of it with one rank, `distributed/sharding.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class SplitMatrix:
     def __init__(self, param: torch.Tensor, k: int, rows: bool = False, owner: torch.Tensor | None = None) -> None:
         self.param = param
         # the parameter whose `.grad` holds the gradient: `param` itself, or under FSDP2 the DTensor whose local
-        # shard `param` is (`fsdp.py`)
+        # shard `param` is (`distributed/fsdp.py`)
         self.owner = param if owner is None else owner
         # rows: the param group's `select_rows` (an embedding table, whose input channels are its rows: tokens)
         self.rows = rows

@@ -61,8 +61,8 @@ class ZenFlowStats:
       link buffers: write-back, CUDA gradient landing slots); ``pinned_host_bytes``: page-locked host memory (CUDA:
       one arena, exactly sized, for the buffers that cross the link; the master and moments are never pinned);
     - ``ranks``: data-parallel ranks sharing the host work (each rank's host state covers 1/``ranks`` of every
-      offloaded matrix, `sharding.py`); ``gather_buffer_bytes``: the write-back's all-gather buffer (on the device
-      with NCCL, on the host with gloo), 0 with one rank;
+      offloaded matrix, `distributed/sharding.py`); ``gather_buffer_bytes``: the write-back's all-gather buffer (on the
+      device with NCCL, on the host with gloo), 0 with one rank;
     - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says; README, Threads).
     """
 

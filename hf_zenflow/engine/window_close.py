@@ -89,7 +89,7 @@ class WindowCloses:
         got no gradient in the window keeps its weights, including columns that left the device at a re-selection
         since. How a result gets into the weights is the transport's (CUDA: an asynchronous copy from pinned
         memory; CPU device: a storage swap); with several ranks, one all-gather of every rank's share of every
-        hosted matrix per device and dtype (`sharding.py`), whose result is copied into the weights.
+        hosted matrix per device and dtype (`distributed/sharding.py`), whose result is copied into the weights.
         """
         columns_back: list[tuple[DeviceColumns, torch.Tensor]] = []
         written: list[SplitMatrix] = []

@@ -6,7 +6,7 @@ and writes host results back into the weights when the schedule says: at once (`
 ``writeback_lag`` steps into the next window, while the device trains on (closing and writing back:
 `window_close.py`). What crosses the link goes through a `Transport` per device type; the
 host jobs run in order on one `HostAdamWorker`. With several data-parallel ranks each rank's host side covers its
-share of every matrix, and the write-back all-gathers the shares (`sharding.py`).
+share of every matrix, and the write-back all-gathers the shares (`distributed/sharding.py`).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class HostWindows(WindowCloses):
         self.host_executor = host_executor
         self.process_group = process_group
         self._shards: RankGroup | None = None
-        #: FSDP2's mesh when the parameters are sharded DTensors (`fsdp.py`): each rank's host state holds its local
-        #: rows, nothing is shared across ranks, and per-rank partial sums are summed over this group instead
+        #: FSDP2's mesh when the parameters are sharded DTensors (`distributed/fsdp.py`): each rank's host state holds
+        #: its local rows, nothing is shared across ranks, and per-rank partial sums are summed over this group instead
         self.param_shards: RankGroup | None = None
         self.worker: HostAdamWorker | None = None
         self.transports: dict[str, Transport] = {}  # by device type
@@ -255,7 +255,8 @@ class HostWindows(WindowCloses):
             if self.early is None:
                 if self.worker is None:
                     # (after `close()`) never started here: it would take this autograd thread for the training
-                    # thread whose cores it shares (`threads.py`); `step()` starts it and copies this step's grads.
+                    # thread whose cores it shares (`settings/threads.py`); `step()` starts it and copies this step's
+                    # grads.
                     return
                 self.early = EarlyCopies(self.worker.take_slot())
             early = self.early

@@ -80,7 +80,7 @@ def decay_parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[
     return [g for g in groups if g["params"]]
 
 
-# The plugin's fields: every ZenFlowConfig field under its own name, None = not given (generated, `settings.py`).
+# The plugin's fields: every ZenFlowConfig field under its own name, None = not given (generated, `settings/flags.py`).
 _ZenFlowPluginSettings = make_dataclass(
     "ZenFlowPluginSettings", optional_fields(),
     namespace={"__module__": __name__, "__doc__": "The ZenFlowPlugin settings, generated from ZenFlowConfig."},

@@ -2,11 +2,11 @@
 
 Each optimizer step:
 
-1. each gradient's norm is read as backward produces it (`gradients.py`: hooks; the clip norm reuses it) and the
+1. each gradient's norm is read as backward produces it (`engine/gradients.py`: hooks; the clip norm reuses it) and the
    host reads a few scalars in the step's one sync: the non-finite check, the clip coefficient, Zen-auto's masses;
-2. **device path** (`device_step.py`): the top-k input columns of every matrix (by gradient norm) and every 1-D
+2. **device path** (`engine/device_step.py`): the top-k input columns of every matrix (by gradient norm) and every 1-D
    parameter get a fused AdamW update on the device, on fp32 master values and moments;
-3. **host path** (`host.py`): the whole matrix gradient is handed to the host worker, which adds it to a window
+3. **host path** (`engine/host.py`): the whole matrix gradient is handed to the host worker, which adds it to a window
    accumulator (or, with ``accumulate_on="device"``, "auto"'s usual choice where device memory allows, the window is
    summed on the device and crosses once); every `update_interval` steps the window closes and the host AdamW
    updates the matrix on the window's mean gradient, the closing step's gradient folded into the same pass, with the
@@ -111,7 +111,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         >>> opt.close()
     """
 
-    #: `torch.amp.GradScaler.step` passes the scale and the overflow flag instead of unscaling (`amp.py`)
+    #: `torch.amp.GradScaler.step` passes the scale and the overflow flag instead of unscaling (`engine/amp.py`)
     _step_supports_amp_scaling = True
 
     def __init__(
@@ -196,8 +196,8 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         return total
 
     def _grads_unscaled(self, inv_scale: torch.Tensor) -> None:
-        """`GradScaler.unscale_` multiplied every gradient by `inv_scale` in place, without a version bump (`amp.py`):
-        what was read of them before must follow or go."""
+        """`GradScaler.unscale_` multiplied every gradient by `inv_scale` in place, without a version bump
+        (`engine/amp.py`): what was read of them before must follow or go."""
         self._reads.rescale(inv_scale)
         self._norm_cache.take([])  # a clip measured before unscale_ no longer describes the gradients
         self._host.forget_early_copies()

@@ -1,5 +1,5 @@
-"""The CPU kernels (`hf_zenflow/cpu_device/kernels.py`) against torch: exact copies, bf16 rounding, fp64 norms, and the
-optimizer giving the same bits with and without them."""
+"""The CPU kernels (`hf_zenflow/transport/cpu_device/kernels.py`) against torch: exact copies, bf16 rounding, fp64
+norms, and the optimizer giving the same bits with and without them."""
 
 from __future__ import annotations
 
