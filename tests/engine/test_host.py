@@ -331,7 +331,7 @@ import time
 # non-interactive shell, as CI may be, inherits SIGINT ignored)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch
-import hf_zenflow.engine.windows as zenflow_windows
+import hf_zenflow.engine.window_close as zenflow_windows
 from hf_zenflow import ZenFlowAdamW
 
 def slow_host_step(groups, *last):

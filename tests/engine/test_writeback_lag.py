@@ -46,7 +46,7 @@ def test_auto_chooses_from_the_measured_host_step(host_delay_s, expected, monkey
         time.sleep(host_delay_s)
         window(groups, *last)
 
-    monkeypatch.setattr("hf_zenflow.engine.windows.host_adamw_window", slow_window)
+    monkeypatch.setattr("hf_zenflow.engine.window_close.host_adamw_window", slow_window)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", min_offload_numel=0)
     _train(opt, model, 7, pause_s=0.06)

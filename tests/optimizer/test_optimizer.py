@@ -359,9 +359,9 @@ def test_worker_failure_is_raised_in_the_caller(monkeypatch):
         raise MemoryError("injected host failure")
 
     monkeypatch.setattr(host_module, "host_adamw_window", broken)
-    import hf_zenflow.engine.windows as windows_module
+    import hf_zenflow.engine.window_close as window_close
 
-    monkeypatch.setattr(windows_module, "host_adamw_window", broken)
+    monkeypatch.setattr(window_close, "host_adamw_window", broken)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
     start = time.monotonic()
@@ -375,9 +375,9 @@ def test_worker_failure_is_raised_in_the_caller(monkeypatch):
 
 
 def test_inline_failure_raises_at_once(monkeypatch):
-    import hf_zenflow.engine.windows as windows_module
+    import hf_zenflow.engine.window_close as window_close
 
-    monkeypatch.setattr(windows_module, "host_adamw_window", lambda groups, *last: 1 / 0)
+    monkeypatch.setattr(window_close, "host_adamw_window", lambda groups, *last: 1 / 0)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
                        min_offload_numel=0)
