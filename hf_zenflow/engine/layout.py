@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .params import offloads
+
 
 if TYPE_CHECKING:
     from ..settings.config import ZenFlowConfig
@@ -45,8 +47,6 @@ def column_major_(model: torch.nn.Module, config: ZenFlowConfig | None = None) -
         True
         >>> opt = ZenFlowAdamW(model.parameters(), lr=1e-3)
     """
-    from .params import offloads  # (imported here: the optimizer's modules import this package)
-
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     converted: list[str] = []
     seen: set[int] = set()
