@@ -14,6 +14,7 @@ from .config import ZenFlowConfig
 from .flags import (
     FALSE_WORDS,
     SETTINGS,
+    SETTINGS_BY_NAME,
     TRUE_WORDS,
     LowercaseChoice,
     Setting,
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FALSE_WORDS",
     "SETTINGS",
+    "SETTINGS_BY_NAME",
     "TRUE_WORDS",
     "LowercaseChoice",
     "Setting",
