@@ -1,11 +1,12 @@
-"""The checkpoint format of `ZenFlowAdamW`: what `state_dict()` writes, how `load_state_dict()` checks and restores
-it, and the conversion to and from `torch.optim.AdamW` checkpoints.
+"""The checkpoint format of `ZenFlowAdamW`: what `state_dict()` writes (`pack`), its versions and their migration, and
+the checks of a checkpoint file. Loading (`restore.py`) and the conversions to and from `torch.optim.AdamW`
+(`convert.py`) are beside it.
 
 Format version 3 (``state_dict()["zenflow"]["format_version"]``): per parameter index an entry of kind ``"split"``
 (a matrix: selection, device columns, host state, the open window's gradient sum) or ``"dense"`` (updated wholly on
 the device), each with the parameter's ``shape`` and ``dtype``, its name when known, and a ``checksums`` dict; the
 ``zenflow`` block carries a ``checksum`` too. Together they cover every tensor and every non-tensor field (counters,
-settings, hyper-parameters, Zen-auto statistics) and their own presence (`checkpoint_validate`), so that a damaged
+settings, hyper-parameters, Zen-auto statistics) and their own presence (`validate.py`), so that a damaged
 file is refused instead of training on garbage (torch's own loader does not check its zip CRCs). Version 2
 (2026-12-01: checksums of the tensors only) and version 1 (no ``format_version``, no shapes or checksums) are read by
 migration, with a logged note that their other fields are checked by range only. A newer version is refused.
@@ -60,7 +61,7 @@ class CheckpointError(ValueError):
 
 def tensor_checksum(t: torch.Tensor) -> int:
     """Format 2's checksum of a tensor: a 64-bit wrap-around sum of its bits (format 3 uses
-    `checkpoint_validate.tensor_digest`, which also changes when values move)."""
+    `validate.tensor_digest`, which also changes when values move)."""
     return bits_sum(t)
 
 

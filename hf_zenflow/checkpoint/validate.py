@@ -1,6 +1,6 @@
 """Types and ranges of every field of a `ZenFlowAdamW` state dict, checked before anything is restored from it
 (`checkpoint.unpack`), so that a refusal changes nothing: each problem is a `Refusal` naming the entry, the field and
-what was expected (`checkpoint` turns it into a `CheckpointError`). The checksums are `checkpoint_seal`'s."""
+what was expected (`checkpoint` turns it into a `CheckpointError`). The checksums are `seal.py`'s."""
 
 from __future__ import annotations
 
