@@ -61,7 +61,7 @@ class CheckpointError(ValueError):
 
 def tensor_checksum(t: torch.Tensor) -> int:
     """Format 2's checksum of a tensor: a 64-bit wrap-around sum of its bits (format 3 uses
-    `validate.tensor_digest`, which also changes when values move)."""
+    `seal.tensor_digest`, which also changes when values move)."""
     return bits_sum(t)
 
 
