@@ -26,6 +26,7 @@ from ..settings.flags import (
     render_help,
     trainer_fields,
 )
+from .deepspeed_arguments import apply_deepspeed_config
 
 
 #: `args.optim` values whose update rule is the one ZenFlowAdamW implements (decoupled-weight-decay AdamW).
@@ -123,8 +124,6 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
     def __post_init__(self) -> None:
         if self.zenflow_from_deepspeed is not None:
             # before the parent's post-init, which reads bf16 and the batch settings
-            from .deepspeed_arguments import apply_deepspeed_config
-
             if isinstance(self.zenflow_from_deepspeed, os.PathLike):
                 self.zenflow_from_deepspeed = os.fspath(self.zenflow_from_deepspeed)  # to_json_string() needs a str
 
