@@ -127,15 +127,34 @@ class HostMatrix:
         )
         if transport.stages_gradients and not on_device:
             state.staging = [transport.host_buffer(shape, grad_dtype) for _ in range(GRAD_SLOTS)]
-        # initialised: a matrix that gets no gradient in a window is written back from it unchanged
-        state.writeback = transport.host_buffer(shape, param2d.dtype).copy_(param2d.detach())
+        if HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport):
+            # the window sum is read by the host AdamW pass, after which the buffer is free until the next window's
+            # sum lands at the next close (after the write-back: `HostWindows.close_window`): the rounded master
+            # goes into the same buffer, 4 B per element less
+            state.writeback = state.accum.copy_(param2d.detach())
+        else:
+            # initialised: a matrix that gets no gradient in a window is written back from it unchanged
+            state.writeback = transport.host_buffer(shape, param2d.dtype).copy_(param2d.detach())
         return state
+
+    @staticmethod
+    def shares_writeback(param_dtype: torch.dtype, accumulate_on: str, transport: Transport) -> bool:
+        """Whether the write-back buffer is the accumulator itself: with the window summed on the device, the host
+        accumulator only holds a landed sum from its arrival at a window's close to the end of that window's host
+        AdamW pass, and the write-back buffer only a result from then to the write-back, which comes before the
+        next close. One fp32 buffer serves both when the weights are fp32 (other dtypes keep their own) and the
+        copies are synchronous (a CPU device, CPU FSDP2 shards). With asynchronous copies (CUDA) the next sum's
+        device->host copy would be ordered after the write-back's host->device copy by stream order, but that is
+        not tested against the asynchronous double (whose landing buffers read as NaN from the enqueue on): the
+        two buffers stay separate there."""
+        return accumulate_on == "device" and param_dtype == torch.float32 and not transport.pins_host_memory
 
     @staticmethod
     def link_bytes(param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str, transport: Transport) -> int:
         """Bytes of `transport.host_buffer` that `create` asks for (each rounded as a pinned arena rounds it)."""
         numel = param2d.numel()
-        sizes = [numel * param2d.element_size()]
+        shared = HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport)
+        sizes = [] if shared else [numel * param2d.element_size()]
         if accumulate_on == "device":
             sizes.append(numel * 4)
         elif transport.stages_gradients:
@@ -166,7 +185,7 @@ class HostMatrix:
 
     def nbytes(self) -> int:
         tensors = [self.master, self.exp_avg, self.exp_avg_sq, self.accum, *self.staging]
-        if self.writeback is not None:
+        if self.writeback is not None and self.writeback is not self.accum:  # (one buffer: `shares_writeback`)
             tensors.append(self.writeback)
         return sum(t.numel() * t.element_size() for t in tensors)
 
