@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_zenflow.compare.emulator_scenario import DEVICE_ADAMW_BYTES_PER_PARAM, LINK_BYTES_PER_PARAM
+from hf_zenflow.compare.hardware import DEVICE_ACCUMULATE_TRAFFIC
 from hf_zenflow.compare.report import markdown_table
 
 
@@ -37,7 +38,9 @@ METHOD = ("Projected, not measured: per profile, device = 6 x params x tokens/st
           "this run sent to the host each step (its measured bytes), scaled to the params, at the projected host's "
           "AdamW rate (this host's, measured on the H host cores; --host-from-profile: the profile's published "
           "figure): every step for sync offload; for ZenFlow one per measured window length plus every step's "
-          "accumulation, at the accumulation/AdamW time ratio this run measured. Step: no offload = device; sync "
+          "accumulation, at the accumulation/AdamW time ratio this run measured (window summed on the device, "
+          "accumulate_on's choice where memory allows: one AdamW per window, the fp32 sum not halved, the device "
+          "adds each step's gradient at 10 B/param). Step: no offload = device; sync "
           "offload = device + link + host; ZenFlow = the slowest of device, link and host (overlapped). GPU "
           "utilisation = device / step.")
 
@@ -87,9 +90,22 @@ def project(results: dict[str, dict[str, Any]], params_ran: float, params: float
             device, link, host = compute, down + up, adamw_ms(r)
             step = device + link + host
         else:
-            selected = float((r.get("engine_stats") or {}).get("selected_fraction") or 0.0)
-            host = adamw_ms(r) * (1.0 / _interval(r) + accumulate_ratio(r))  # one AdamW per window, every step summed
-            device, link = compute + selected * device_adamw + grad_read, max(down, up)
+            stats = r.get("engine_stats") or {}
+            selected = float(stats.get("selected_fraction") or 0.0)
+            device = compute + selected * device_adamw + grad_read
+            if stats.get("accumulate_on") == "device":
+                # each window one fp32 sum per hosted element crosses (fp32 on the GPU too: not halved), so the
+                # measured bytes per step are the hosted elements x 4 / window: the host runs one AdamW over them
+                # per window (`adamw_ms` per step) and no accumulation; the device adds every step's gradient into
+                # the sums (`DEVICE_ACCUMULATE_TRAFFIC` bytes per hosted element)
+                down *= RUN_LINK_BYTES / LINK_BYTES_PER_PARAM
+                host = adamw_ms(r)
+                hosted = (r.get("bytes_to_host_per_step") or 0.0) * _interval(r) / RUN_LINK_BYTES * scale
+                device += hosted * DEVICE_ACCUMULATE_TRAFFIC / (profile.device_mem_gbps * 1e9) * 1e3
+            else:
+                # one AdamW per window, every step summed
+                host = adamw_ms(r) * (1.0 / _interval(r) + accumulate_ratio(r))
+            link = max(down, up)
             step = max(device, link, host)
         out[name] = {"device_ms": device, "link_ms": link, "host_ms": host, "step_ms": step,
                      "gpu_utilization": device / step if step > 0 else 0.0}
