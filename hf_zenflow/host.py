@@ -4,8 +4,9 @@ them is `worker.py`).
 Host memory per offloaded parameter element: fp32 master (4 B) + fp32 exp_avg and exp_avg_sq (8 B) + fp32 window
 accumulator (4 B) = 16 B, plus a write-back buffer in the parameter dtype (pinned on CUDA; on a CPU device it is a
 spare storage of the weight, swapped in at each write-back instead of a copy) and on CUDA a pinned copy of the
-gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``). One moment set
-(DeepSpeed keeps two, zenflow.md §3.12). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
+gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``, where on a CPU
+device with fp32 weights the write-back buffer is the accumulator itself: `HostMatrix.shares_writeback`). One moment
+set (DeepSpeed keeps two, zenflow.md §3.12). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
 updated in fp32 pieces, `_adamw_narrow_moments`), ``host_grad_dtype="bfloat16"`` lands fp32 gradients as bf16 (half
 the landing buffers and the bytes to host).
 
