@@ -42,8 +42,11 @@ _closing_lock = threading.Lock()
 _running: dict[threading.Thread, HostAdamWorker] = {}
 #: Set at interpreter exit: a job not started by then is dropped.
 _exiting = False
-#: How long interpreter exit waits for the jobs in flight (one per worker; a host job takes seconds at most).
+#: How long interpreter exit waits for the jobs in flight (one per worker; a host job takes seconds at most) ...
 _EXIT_WAIT_S = 60.0
+#: ... and after Ctrl-C or an uncaught exception (`_nobody_waits`), when a prompt exit matters more: a longer job is
+#: abandoned, which aborts the process if it is inside torch when the interpreter finalizes.
+_EXIT_WAIT_AFTER_FAILURE_S = 2.0
 
 
 @atexit.register
@@ -52,8 +55,8 @@ def _stop_workers_at_exit() -> None:
     from a torch op then (to take the GIL) is ended by Python with pthread_exit, whose unwinding through torch's
     noexcept C++ frames aborts the whole process ("terminate called without an active exception", SIGABRT).
     So at exit the jobs not yet started are dropped (they only touch host memory, which dies with the process)
-    and the job in flight, if any, is waited for; this covers workers never closed, and those whose `close`
-    did not wait (a timeout, an uncaught exception or Ctrl-C at the top level)."""
+    and the job in flight, if any, is waited for (briefly after Ctrl-C or an uncaught exception: a prompt exit);
+    this covers workers never closed, and those whose `close` did not wait."""
     global _exiting
     _exiting = True
     with _closing_lock:
@@ -61,7 +64,7 @@ def _stop_workers_at_exit() -> None:
     for _, worker in running:
         worker._open_gate()  # a held job would wait for a release that never comes
         worker._jobs.put(None)
-    deadline = time.monotonic() + _EXIT_WAIT_S
+    deadline = time.monotonic() + (_EXIT_WAIT_AFTER_FAILURE_S if _nobody_waits() else _EXIT_WAIT_S)
     for thread, _ in running:
         thread.join(max(0.0, deadline - time.monotonic()))
 
