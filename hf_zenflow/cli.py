@@ -207,7 +207,11 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
 def _run_estimate(args: argparse.Namespace) -> int:
     from hf_zenflow.estimate.emulator import estimate_from_args
 
-    estimate_from_args(args)
+    try:
+        estimate_from_args(args)
+    except ValueError as exc:  # a setting that does not apply (named in the message): one line, not a traceback
+        print(f"hf-zenflow estimate: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -11,7 +11,16 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401 - before any rank's init_process_group: see below
 import torch.multiprocessing as mp
+
+
+# torch.distributed.nn.functional binds `group.WORLD` as a default argument when first imported; DDP imports it
+# (through torch.distributed._shard) when built. Imported after init_process_group, it pins the default gloo group
+# so that destroy_process_group frees nothing: gloo's threads live on into interpreter finalization, where one that
+# drops its last completed collective late (a busy CI machine) takes the GIL to free the tensors' Python objects,
+# is ended by Python with pthread_exit inside a C++ destructor, and aborts the rank ("terminate called without an
+# active exception"). Imported here first, its defaults hold no group and destroy_process_group joins the threads.
 
 
 #: "cpu" in CI (gloo, 2 ranks); `scripts/gpu_check.sh` sets "cuda": NCCL, one rank per GPU of the machine (one GPU:
@@ -37,8 +46,25 @@ def init_ranks(rank: int, init_file: str, ranks: int = 2, timeout_s: float = 60,
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=ranks, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=ranks,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def gloo_threads() -> int:
+    """gloo's threads in this process (``pt_gloo_runloop``, ``gloo_tcp_loop``): none once its groups are destroyed."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().startswith(("pt_gloo", "gloo"))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return count
 
 
 def assert_each_rank_holds_at_most(fraction: float, rank_stats: list[dict], single: float) -> None:

@@ -9,6 +9,14 @@ still gets only D, so that all three runs have the same device. Default D = H = 
 On CUDA the device is the GPU: D is not applied (the training thread keeps torch's setting) and H is the host's cores
 given to the host step.
 
+Device memory: a GPU's caching allocator hands freed device memory to the next allocation of that size. The CPU
+stand-in gets the same from glibc (`keep_freed_memory`, once per process, before the first run): without it every
+freed block above glibc's mmap threshold (at most 32 MiB; MiniLM's 47 MB word-embedding gradient, made anew by each
+backward) goes back to the kernel, and the next backward pays ~11.4k page faults for it (~30 ms of CPU time on a
+loaded 2-core machine), in a share of the steps that depended on each run's heap layout (measured 2026-12-02: about
+half of synchronous offload's steps, nearly all of ZenFlow's and adamw_torch's), which made the device's speed
+differ between runs.
+
 Example:
     >>> split = CoreSplit.resolve(device_cores=None, host_cores=None, cuda=False, cores=2)
     >>> (split.device, split.host)
@@ -17,6 +25,8 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+import platform
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -48,8 +58,12 @@ class CoreSplit:
         return cls(device_cores if device_cores is not None else half, host, cores, False)
 
     def apply_device(self) -> None:
-        """Give the training thread D intra-op threads (before a run's first forward; a CPU device only)."""
-        if self.device is not None and torch.get_num_threads() != self.device:
+        """Give the training thread D intra-op threads and the process a caching allocator (`keep_freed_memory`),
+        before a run's first forward; a CPU device only."""
+        if self.device is None:
+            return
+        keep_freed_memory()
+        if torch.get_num_threads() != self.device:
             torch.set_num_threads(self.device)
 
     def describe(self) -> str:
@@ -62,4 +76,35 @@ class CoreSplit:
                 f"{over}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # whether the CPU device reused freed memory (`keep_freed_memory`; None: not applied yet, or the GPU's own)
+        return {**asdict(self), "reuses_freed_memory": None if self.device is None else _kept}
+
+
+#: glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+#: The most heap glibc may keep free at its top before giving memory back (mallopt takes an int).
+_KEEP_BYTES = 2**31 - 1
+_kept: bool | None = None
+
+
+def keep_freed_memory() -> bool:
+    """Make this process's allocator reuse freed memory as a GPU's caching allocator does: glibc serves every
+    allocation from its heap (no mmap per large block: freeing one would unmap it and the next one of that size would
+    fault its pages in anew) and keeps up to 2 GiB free at the heap's top instead of returning it. Changes no value,
+    only where memory comes from; the process keeps its peak heap. Once per process; True where it applies (glibc),
+    False elsewhere (the allocator then stays as it is).
+
+    Example:
+        >>> keep_freed_memory() == (platform.libc_ver()[0] == "glibc")
+        True
+    """
+    global _kept
+    if _kept is None:
+        _kept = False
+        if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+            try:
+                libc = ctypes.CDLL(None)
+                _kept = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
+            except (OSError, AttributeError):  # no mallopt in this process's C library after all
+                _kept = False
+    return _kept

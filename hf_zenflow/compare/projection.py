@@ -13,7 +13,11 @@ that ran, n parameters) and this run's tokens per step T:
   x N / n, at the projected host's AdamW rate (this host measured on the H host cores, `host_rates`, or the profile's
   published figure with ``--host-from-profile``): every step for synchronous offload; for ZenFlow one per window (the
   measured mean window length) plus the accumulation of every step, at the accumulation/AdamW time ratio this run
-  measured (both on the same worker, so machine load largely cancels);
+  measured (both on the same worker, so machine load largely cancels). With ``accumulate_on="device"`` the host gets
+  one fp32 sum per window (the measured bytes per step are 1/U of it, and fp32 on a GPU too) and runs no
+  accumulation; the write-back waits for that sum to land and the AdamW to run, so the host side per step is at
+  least that chain over the window, and the device adds each step's gradient into the sums
+  (`hardware.DEVICE_ACCUMULATE_TRAFFIC` B per element over its memory bandwidth);
 * step: no-offload device time; synchronous offload device + link + host (one after the other); ZenFlow the slowest
   of device, link and host (overlapped). GPU utilisation = device time / step time.
 """
@@ -24,6 +28,7 @@ from typing import Any
 
 from hf_zenflow.compare.report import markdown_table
 from hf_zenflow.estimate.emulator_scenario import DEVICE_ADAMW_BYTES_PER_PARAM, LINK_BYTES_PER_PARAM
+from hf_zenflow.estimate.hardware import DEVICE_ACCUMULATE_TRAFFIC
 
 
 #: The bytes per element the CPU runs move (fp32) and what the GPU run moves (bf16): link bytes scale by their ratio.
@@ -37,7 +42,10 @@ METHOD = ("Projected, not measured: per profile, device = 6 x params x tokens/st
           "this run sent to the host each step (its measured bytes), scaled to the params, at the projected host's "
           "AdamW rate (this host's, measured on the H host cores; --host-from-profile: the profile's published "
           "figure): every step for sync offload; for ZenFlow one per measured window length plus every step's "
-          "accumulation, at the accumulation/AdamW time ratio this run measured. Step: no offload = device; sync "
+          "accumulation, at the accumulation/AdamW time ratio this run measured (window summed on the device, "
+          "accumulate_on's choice where memory allows: one fp32 sum per window, no accumulation, at least the sum's "
+          "landing plus the AdamW over the window on the host, and the device adds each step's gradient at 10 "
+          "B/param). Step: no offload = device; sync "
           "offload = device + link + host; ZenFlow = the slowest of device, link and host (overlapped). GPU "
           "utilisation = device / step.")
 
@@ -87,9 +95,22 @@ def project(results: dict[str, dict[str, Any]], params_ran: float, params: float
             device, link, host = compute, down + up, adamw_ms(r)
             step = device + link + host
         else:
-            selected = float((r.get("engine_stats") or {}).get("selected_fraction") or 0.0)
-            host = adamw_ms(r) * (1.0 / _interval(r) + accumulate_ratio(r))  # one AdamW per window, every step summed
-            device, link = compute + selected * device_adamw + grad_read, max(down, up)
+            stats = r.get("engine_stats") or {}
+            selected = float(stats.get("selected_fraction") or 0.0)
+            u = _interval(r)
+            device = compute + selected * device_adamw + grad_read
+            if stats.get("accumulate_on") == "device":
+                # one fp32 sum per window crosses (fp32 on the GPU too: no bf16 halving); the per-step bytes are 1/U
+                # of it, so the AdamW covers U times their elements; the host step waits for the sum to land
+                down = (r.get("bytes_to_host_per_step") or 0.0) * scale / (profile.link_gbps * 1e9) * 1e3
+                adamw = adamw_ms(r) * u
+                host = (down * u + adamw) / u  # the chain per window (its AdamW alone is less), over the window
+                # the device adds every step's gradient into the sums (`DEVICE_ACCUMULATE_TRAFFIC` B per element)
+                hosted = (r.get("bytes_to_host_per_step") or 0.0) * u / RUN_LINK_BYTES * scale
+                device += hosted * DEVICE_ACCUMULATE_TRAFFIC / (profile.device_mem_gbps * 1e9) * 1e3
+            else:
+                host = adamw_ms(r) * (1.0 / u + accumulate_ratio(r))  # one AdamW per window, every step summed
+            link = max(down, up)
             step = max(device, link, host)
         out[name] = {"device_ms": device, "link_ms": link, "host_ms": host, "step_ms": step,
                      "gpu_utilization": device / step if step > 0 else 0.0}

@@ -4,8 +4,9 @@ them is `worker.py`).
 Host memory per offloaded parameter element: fp32 master (4 B) + fp32 exp_avg and exp_avg_sq (8 B) + fp32 window
 accumulator (4 B) = 16 B, plus a write-back buffer in the parameter dtype (pinned on CUDA; on a CPU device it is a
 spare storage of the weight, swapped in at each write-back instead of a copy) and on CUDA a pinned copy of the
-gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``). One moment set
-(DeepSpeed keeps two, zenflow.md §3.12). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
+gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``, where on a CPU
+device with fp32 weights the write-back buffer is the accumulator itself: `HostMatrix.shares_writeback`). One moment
+set (DeepSpeed keeps two, zenflow.md §3.12). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
 updated in fp32 pieces, `_adamw_narrow_moments`), ``host_grad_dtype="bfloat16"`` lands fp32 gradients as bf16 (half
 the landing buffers and the bytes to host).
 
@@ -128,15 +129,34 @@ class HostMatrix:
         )
         if transport.stages_gradients and not on_device:
             state.staging = [transport.host_buffer(shape, grad_dtype) for _ in range(GRAD_SLOTS)]
-        # initialised: a matrix that gets no gradient in a window is written back from it unchanged
-        state.writeback = transport.host_buffer(shape, param2d.dtype).copy_(param2d.detach())
+        if HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport):
+            # the window sum is read by the host AdamW pass, after which the buffer is free until the next window's
+            # sum lands at the next close (after the write-back: `HostWindows.close_window`): the rounded master
+            # goes into the same buffer, 4 B per element less
+            state.writeback = state.accum.copy_(param2d.detach())
+        else:
+            # initialised: a matrix that gets no gradient in a window is written back from it unchanged
+            state.writeback = transport.host_buffer(shape, param2d.dtype).copy_(param2d.detach())
         return state
+
+    @staticmethod
+    def shares_writeback(param_dtype: torch.dtype, accumulate_on: str, transport: Transport) -> bool:
+        """Whether the write-back buffer is the accumulator itself: with the window summed on the device, the host
+        accumulator only holds a landed sum from its arrival at a window's close to the end of that window's host
+        AdamW pass, and the write-back buffer only a result from then to the write-back, which comes before the
+        next close. One fp32 buffer serves both when the weights are fp32 (other dtypes keep their own) and the
+        copies are synchronous (a CPU device, CPU FSDP2 shards). With asynchronous copies (CUDA) the next sum's
+        device->host copy would be ordered after the write-back's host->device copy by stream order, but that is
+        not tested against the asynchronous double (whose landing buffers read as NaN from the enqueue on): the
+        two buffers stay separate there."""
+        return accumulate_on == "device" and param_dtype == torch.float32 and not transport.pins_host_memory
 
     @staticmethod
     def link_bytes(param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str, transport: Transport) -> int:
         """Bytes of `transport.host_buffer` that `create` asks for (each rounded as a pinned arena rounds it)."""
         numel = param2d.numel()
-        sizes = [numel * param2d.element_size()]
+        shared = HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport)
+        sizes = [] if shared else [numel * param2d.element_size()]
         if accumulate_on == "device":
             sizes.append(numel * 4)
         elif transport.stages_gradients:
@@ -167,7 +187,7 @@ class HostMatrix:
 
     def nbytes(self) -> int:
         tensors = [self.master, self.exp_avg, self.exp_avg_sq, self.accum, *self.staging]
-        if self.writeback is not None:
+        if self.writeback is not None and self.writeback is not self.accum:  # (one buffer: `shares_writeback`)
             tensors.append(self.writeback)
         return sum(t.numel() * t.element_size() for t in tensors)
 

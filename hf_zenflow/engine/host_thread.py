@@ -9,13 +9,26 @@ synchronous and the arithmetic is the same as inline.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 
 T = TypeVar("T")
+
+_started: weakref.WeakSet[HostThread] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Stop every host thread before the interpreter finalizes. A job is in flight at exit only when its caller
+    was interrupted (Ctrl-C) while waiting for it; a daemon thread returning from a torch op during finalization
+    would abort the process ("terminate called without an active exception"), so the job is waited for."""
+    for host_thread in list(_started):
+        host_thread.close()
 
 
 class HostThread:
@@ -51,6 +64,7 @@ class HostThread:
     def run(self, fn: Callable[[], T]) -> T:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, name="hf_zenflow-sync-host", daemon=True)
+            _started.add(self)
             self._thread.start()
         reply: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
         self._jobs.put((fn, reply))

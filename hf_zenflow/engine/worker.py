@@ -7,6 +7,7 @@ Waits poll the thread, so a dead worker never hangs the caller; a Ctrl-C never w
 
 from __future__ import annotations
 
+import atexit
 import collections
 import queue
 import sys
@@ -36,6 +37,36 @@ _AFTER_RELEASE_S = 0.002
 #: Worker threads closed without waiting for their last jobs (`HostAdamWorker.close`); they may still run them.
 _closing: list[threading.Thread] = []
 _closing_lock = threading.Lock()
+
+#: Every worker thread still running, with its worker (`_stop_workers_at_exit`).
+_running: dict[threading.Thread, HostAdamWorker] = {}
+#: Set at interpreter exit: a job not started by then is dropped.
+_exiting = False
+#: How long interpreter exit waits for the jobs in flight (one per worker; a host job takes seconds at most) ...
+_EXIT_WAIT_S = 60.0
+#: ... and after Ctrl-C or an uncaught exception (`_nobody_waits`), when a prompt exit matters more: a longer job is
+#: abandoned, which aborts the process if it is inside torch when the interpreter finalizes.
+_EXIT_WAIT_AFTER_FAILURE_S = 2.0
+
+
+@atexit.register
+def _stop_workers_at_exit() -> None:
+    """No worker thread may still be inside torch when the interpreter finalizes: a daemon thread that returns
+    from a torch op then (to take the GIL) is ended by Python with pthread_exit, whose unwinding through torch's
+    noexcept C++ frames aborts the whole process ("terminate called without an active exception", SIGABRT).
+    So at exit the jobs not yet started are dropped (they only touch host memory, which dies with the process)
+    and the job in flight, if any, is waited for (briefly after Ctrl-C or an uncaught exception: a prompt exit);
+    this covers workers never closed, and those whose `close` did not wait."""
+    global _exiting
+    _exiting = True
+    with _closing_lock:
+        running = list(_running.items())
+    for _, worker in running:
+        worker._open_gate()  # a held job would wait for a release that never comes
+        worker._jobs.put(None)
+    deadline = time.monotonic() + (_EXIT_WAIT_AFTER_FAILURE_S if _nobody_waits() else _EXIT_WAIT_S)
+    for thread, _ in running:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def wait_for_closed_workers() -> None:
@@ -91,10 +122,19 @@ class HostAdamWorker:
             # A daemon thread: an interpreter that exits (Ctrl-C included) is never held up by a host step.
             self._thread = threading.Thread(target=self._run, name="hf_zenflow-host", daemon=True)
             worker_started(self.threads)  # (the training thread's pool was decided before: `threads.claim_cores`)
+            with _closing_lock:
+                _running[self._thread] = self
             self._thread.start()
 
     # -- worker side -------------------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            with _closing_lock:
+                _running.pop(threading.current_thread(), None)
+
+    def _loop(self) -> None:
         torch.set_num_threads(self.threads)  # per OS thread in torch: the training thread keeps its own setting
         wait_for_closed_workers()
         while True:
@@ -111,6 +151,9 @@ class HostAdamWorker:
                 # switch interval (5 ms); measured on a CPU device, 1-5 ms added to about half the steps
                 # (a wait for a held job opens the gate without that pause: the caller is waiting then)
                 time.sleep(getattr(gate, "hf_zenflow_pause", 0.0))
+            if _exiting:  # (`_stop_workers_at_exit`)
+                future.set_exception(HostWorkerError(f"host job '{what}' dropped at interpreter exit"))
+                continue
             self._execute(what, fn, future)
 
     def _execute(self, what: str, fn: Callable[[], None], future: Future) -> None:
@@ -246,8 +289,9 @@ class HostAdamWorker:
         a Ctrl-C during the wait ends it too. A thread not waited for finishes its jobs in the background, and
         every later worker, inline run or `synchronize()` in this process waits for it before going on, so host
         jobs never overlap (as do the Trainer's and the accelerate hooks' checkpoint paths:
-        `wait_for_closed_workers`). If the process exits first (the thread is a daemon), the job is abandoned with
-        it, which loses nothing on disk: host jobs only touch host memory, never a file or the live weights.
+        `wait_for_closed_workers`). If the process exits first, the exit waits for the job in flight and drops the
+        jobs not started (`_stop_workers_at_exit`), which loses nothing on disk: host jobs only touch host memory,
+        never a file or the live weights.
         """
         self.release()
         thread, self._thread = self._thread, None

@@ -13,7 +13,7 @@ from hf_zenflow.estimate.emulator_report import format_estimate
 from hf_zenflow.estimate.emulator_scenario import LINK_BYTES_PER_PARAM, SCENARIOS, EmulatorScenario
 from hf_zenflow.estimate.emulator_schedules import run_estimate
 from hf_zenflow.estimate.ranks import PARALLEL_MODES, check_ranks
-from hf_zenflow.settings.cli_types import fraction, positive_float, positive_int
+from hf_zenflow.settings.cli_types import _number, fraction, positive_float, positive_int
 
 
 def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,10 +29,11 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
                         "gradients/parameters [28, i.e. 500 ms for 7B]")
     p.add_argument("--host-cores", type=positive_int, default=None,
                    help="host cores of the target machine: without --cpu-update-ms the host AdamW time is this "
-                        "machine's measured rate on these cores (beyond its own cores: its per-thread rate x cores, "
-                        "capped by its memory bandwidth), or with --host-from-profile the published rate (7e9 params "
-                        "in 4.6 s on 128 threads) scaled linearly to them [this machine's cores; 128 with "
-                        "--host-from-profile]")
+                        "machine's measured rate on these cores (beyond its own cores: its best per-thread rate x "
+                        "cores, capped by the memory bandwidth: the --hardware profile's, else this machine's), or "
+                        "with --host-from-profile the published rate (7e9 params in 4.6 s on 128 threads) scaled "
+                        "linearly to them [with --hardware: the profile's host cores; else this machine's cores; "
+                        "128 with --host-from-profile]")
     p.add_argument("--cpu-update-ms", type=positive_float, default=None,
                    help="host AdamW time for the whole model on the target machine (else extrapolated)")
     p.add_argument("--device-optimizer-ms", type=positive_float, default=None,
@@ -72,6 +73,16 @@ def rank_count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def host_memory_gbps(text: str) -> float | str:
+    """argparse type of --host-memory-gbps: a number > 0 or "measured"."""
+    if text.strip().lower() == "measured":
+        return "measured"
+    return _memory_number(text)
+
+
+_memory_number = _number(float, 0.0, None, True, 'a number > 0 or "measured"')
+
+
 def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
     from hf_zenflow.estimate.hardware import PROFILES
 
@@ -89,6 +100,11 @@ def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-from-profile", action="store_true",
                    help="take the host AdamW rate from the profile's published figure (DeepSpeed's CPUAdam rate per "
                         "core) instead of measuring this machine's (default: measured here, a second or two)")
+    p.add_argument("--host-memory-gbps", type=host_memory_gbps, default=None,
+                   help="with --hardware: the host's sustained memory bandwidth in GB/s (STREAM-like) that caps the "
+                        'host passes, or "measured" for this machine\'s [a preset: its typical server\'s '
+                        "(hf_zenflow.estimate.hardware.HOST_MEMORY_SOURCES); a JSON profile: its host_mem_gbps, else "
+                        "this machine's]")
 
 
 def scenario_from_profile(profile: Any, params: float, tokens_per_step: float, ranks: int = 1,
@@ -122,7 +138,8 @@ def _profile(args: argparse.Namespace) -> Any:
     cached = getattr(args, "_resolved_profile", None)
     if cached is not None:
         return cached
-    profile, line = resolve_host(profile, args.hardware, args.host_cores, getattr(args, "host_from_profile", False))
+    profile, line = resolve_host(profile, args.hardware, args.host_cores, getattr(args, "host_from_profile", False),
+                                 getattr(args, "host_memory_gbps", None))
     args._resolved_profile, args._host_source = profile, line
     return profile
 
@@ -133,6 +150,11 @@ _RANK_FIELDS = ("ranks", "parallel", "interconnect_gbps")
 
 def scenario_from_args(args: argparse.Namespace) -> EmulatorScenario:
     hardware = getattr(args, "hardware", None)
+    memory = getattr(args, "host_memory_gbps", None)
+    if memory is not None and not hardware:
+        # without a profile the host is this machine, capped by its measured bandwidth: the flag would do nothing
+        raise ValueError(f"--host-memory-gbps={memory!r} is invalid without --hardware: allowed only with a "
+                         "hardware profile, whose host passes it caps.")
     if hardware:
         profile = _profile(args)
         sc = scenario_from_profile(profile, args.params or EmulatorScenario.params, args.tokens_per_step,

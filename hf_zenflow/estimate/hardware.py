@@ -13,14 +13,21 @@ The model's constants:
   (`emulator_scenario.DEVICE_ADAMW_BYTES_PER_PARAM`); ZenFlow's device step also reads every bf16 gradient once (norms
   and selection);
 * link: bf16 gradients and parameters, 2 bytes per parameter per direction;
-* host AdamW: the published CPUAdam rate (7e9 parameters in 4.6 s on 128 threads, `emulator_scenario.PUBLISHED_*`)
-  per core, capped by host memory bandwidth at 30 bytes per parameter (fp32 grad, master, moments read and written,
-  bf16 parameter written);
-* host accumulation of one step's gradient (ZenFlow, ``accumulate_on="host"``): `ACCUMULATE_VS_ADAMW` of a host
-  AdamW, the ratio the emulator measured (BENCHMARKS.md §3a: 3 624 ms of host work per step at U=4 with a 4 600 ms
-  AdamW, so 2 474 ms of accumulation per step); the window's last gradient is folded into the host AdamW's pass, so
-  a window costs U - 1 accumulations and one AdamW (which then reads one more bf16 gradient: 2 of its 32 bytes per
-  parameter, not counted);
+* host: every host pass takes the longer of its core work and its memory traffic (a roofline per pass; the passes
+  run one after another on the host worker). Core work: host AdamWs at the per-core rate (DeepSpeed's published
+  CPUAdam rate, 7e9 parameters in 4.6 s on 128 threads, `emulator_scenario.PUBLISHED_*`, or this machine's measured
+  one, `host_rates`) times the profile's cores; one step's accumulation is `ACCUMULATE_VS_ADAMW` of a host AdamW,
+  the ratio the emulator measured (BENCHMARKS.md §3a: 3 624 ms of host work per step at U=4 with a 4 600 ms AdamW,
+  so 2 474 ms of accumulation per step); a pass that only moves bytes (the write-back rounding) has none. Memory
+  traffic: the bytes per offloaded parameter each pass reads and writes in its dtypes (`zenflow_host_passes`,
+  ``HOST_ADAMW_BYTES_PER_PARAM`` for synchronous offload), over ``host_mem_gbps``, a STREAM-like sustained figure of a
+  typical server of the profile's class (`HOST_MEMORY_SOURCES`; STREAM counts a byte read once and a byte written
+  once, and so do these counts);
+* ZenFlow's window: U - 1 accumulations (host accumulation; the last gradient is folded into the AdamW pass) and one
+  AdamW pass, then the rounding of the master into the bf16 write-back buffer. The write-back waits for that host
+  step, and the host step for its input to land (the window's fp32 sums with ``accumulate_on="device"``, the last
+  step's gradient otherwise): that chain, link then host, must fit in the window's U device steps (the write-back lag
+  is at most U), so ZenFlow's host side per step is the larger of its work and that chain over U;
 * ``accumulate_on="auto"`` (the default): the device when the ZenFlow row with device accumulation fits the device
   memory with the engine's margin (`hf_zenflow.engine.accumulation.MARGIN` of it left free) together with the
   activations of a llama-shaped model with activation checkpointing (`activation_gb`), else the host
@@ -55,10 +62,22 @@ from hf_zenflow.estimate.emulator_scenario import (
 from hf_zenflow.estimate.ranks import RankSplit
 
 
-#: Host AdamW bytes per parameter (fp32 grad read, fp32 master/exp_avg/exp_avg_sq read and written, bf16 param out).
+#: Host memory bytes per parameter of synchronous offload's host step (ZeRO-Offload's CPUAdam: the fp32 gradient
+#: read (4), the fp32 master, exp_avg and exp_avg_sq read and written (24), the bf16 parameter written in the same
+#: pass (2)).
+#: Its gradient lands and its parameter leaves while the host waits (the link phases), so no DMA overlaps the pass.
 HOST_ADAMW_BYTES_PER_PARAM = 30
-#: One step's host accumulation, as a fraction of one host AdamW over the same parameters (measured, see docstring).
+#: One step's host accumulation, as a fraction of one host AdamW's core work (measured, see the module docstring).
 ACCUMULATE_VS_ADAMW = 0.54
+#: ZenFlow's host passes, bytes per offloaded parameter with a bf16 model and fp32 host state (`host.py`): the AdamW
+#: pass of `kernels.window_adamw` reads and writes the fp32 master, exp_avg and exp_avg_sq (24) and reads the window's
+#: fp32 sum (4; not on a one-step window summed on the host, whose sum is its gradient); with host accumulation it
+#: also reads the window's last bf16 gradient, folded in (2).
+HOST_STATE_BYTES = 24
+FP32_BYTES, BF16_BYTES = 4, 2
+#: The rounding of the fp32 master into the bf16 write-back buffer, a pass of its own (``writeback.copy_(master)``):
+#: read 4, write 2.
+HOST_ROUNDING_BYTES = 6
 #: Device bytes per parameter: bf16 weight and gradient (4) + fp32 master and moments (12) where AdamW runs there.
 DEVICE_BYTES_WEIGHT_GRAD = 4
 DEVICE_BYTES_ADAM_STATE = 12
@@ -111,13 +130,22 @@ class HardwareProfile:
         if self.mfu > 1:
             raise ValueError(f"HardwareProfile.mfu={self.mfu!r} is invalid: allowed is a fraction in (0, 1].")
 
-    def host_adamw_params_per_s(self, core_share: float = 1.0) -> float:
+    def host_core_params_per_s(self, core_share: float = 1.0) -> float:
+        """What the cores alone would reach: the per-core AdamW rate times the cores (on `core_share` of them)."""
+        return self.host_adamw_per_core * self.host_cores * core_share
+
+    def host_adamw_params_per_s(self, core_share: float = 1.0,
+                                bytes_per_param: float = HOST_ADAMW_BYTES_PER_PARAM) -> float:
         """Host AdamW rate: the per-core rate (published, or this host's measured one) times the cores, capped by
-        memory bandwidth; on `core_share` of the node's cores and memory bandwidth (one of several ranks on the
-        node)."""
-        per_core = self.host_adamw_per_core
-        return min(per_core * self.host_cores * core_share,
-                   self.host_mem_gbps * core_share * 1e9 / HOST_ADAMW_BYTES_PER_PARAM)
+        the memory bandwidth over the pass's `bytes_per_param` (synchronous offload's by default); on `core_share`
+        of the node's cores and memory bandwidth (one of several ranks on the node)."""
+        return min(self.host_core_params_per_s(core_share),
+                   self.host_mem_gbps * core_share * 1e9 / bytes_per_param)
+
+    def host_limit(self, bytes_per_param: float = HOST_ADAMW_BYTES_PER_PARAM) -> str:
+        """Which bounds a host AdamW pass of `bytes_per_param`: "memory" or "cores"."""
+        memory = self.host_mem_gbps * 1e9 / bytes_per_param
+        return "memory" if memory < self.host_core_params_per_s() else "cores"
 
     @classmethod
     def from_json(cls, path: str | Path) -> HardwareProfile:
@@ -130,21 +158,53 @@ class HardwareProfile:
         return cls(**values)
 
 
+#: Sustained fraction of the memory channels' peak assumed for the presets' hosts (STREAM-triad-like). Two-socket
+#: servers of these generations are commonly measured at 70-85 % of peak; 0.75 is the low end of that, an assumption:
+#: measure yours (STREAM) and pass ``--host-memory-gbps`` or a JSON profile. It also assumes the host state is spread
+#: over both sockets' memory; pages all on one socket (first touch by one thread, no interleaving) get about half.
+SUSTAINED_FRACTION = 0.75
+#: GB/s of one DDR channel at its peak: 8 bytes x the transfer rate.
+DDR4_3200_GBPS, DDR5_4800_GBPS, DDR5_5200_GBPS = 25.6, 38.4, 41.6
+
+
+def _sustained(channels: int, channel_gbps: float) -> float:
+    return round(channels * channel_gbps * SUSTAINED_FRACTION, 1)
+
+
+#: Where each preset's host figures (cores, host_mem_gbps) come from: the typical host of a server of that class.
+HOST_MEMORY_SOURCES: dict[str, str] = {
+    "a100-40gb-pcie4": "a typical A100 PCIe server: 2 x 32-core CPUs (e.g. EPYC 7543), 2 x 8 channels DDR4-3200 "
+                       "= 16 x 25.6 = 409.6 GB/s peak, x 0.75 sustained",
+    "a100-80gb-pcie4": "a typical A100 PCIe server: 2 x 32-core CPUs (e.g. EPYC 7543), 2 x 8 channels DDR4-3200 "
+                       "= 16 x 25.6 = 409.6 GB/s peak, x 0.75 sustained",
+    "h100-80gb-pcie5": "a typical H100 PCIe server: 2 x 48-core Sapphire Rapids (e.g. Xeon Platinum 8468), 2 x 8 "
+                       "channels DDR5-4800 = 16 x 38.4 = 614.4 GB/s peak, x 0.75 sustained",
+    "rtx4090-pcie4": "a 16-core desktop (e.g. Ryzen 9 7950X), 2 channels DDR5-5200 = 2 x 41.6 = 83.2 GB/s peak, "
+                     "x 0.75 sustained",
+    "l4-pcie4": "a 16-core single-socket server (e.g. EPYC 7313P), 8 channels DDR4-3200 = 8 x 25.6 = 204.8 GB/s "
+                "peak, x 0.75 sustained",
+    "a100-80gb-sxm4-nvlink": "DGX A100: 2 x 64-core EPYC 7742, 2 x 8 channels DDR4-3200 = 409.6 GB/s peak, x 0.75 "
+                             "sustained",
+    "h100-80gb-sxm5-nvlink": "DGX H100: 2 x 56-core Xeon Platinum 8480C, 2 x 8 channels DDR5-4800 = 614.4 GB/s "
+                             "peak, x 0.75 sustained",
+}
+
+# Device and link: nominal datasheet figures. Host: `HOST_MEMORY_SOURCES` (cores and sustained memory bandwidth).
 PROFILES: dict[str, HardwareProfile] = {
-    "a100-40gb-pcie4": HardwareProfile("a100-40gb-pcie4", 312.0, 40.0, 1555.0, 25.0, 64, 200.0,
-                                       interconnect_gbps=25.0),
-    "a100-80gb-pcie4": HardwareProfile("a100-80gb-pcie4", 312.0, 80.0, 1935.0, 25.0, 64, 200.0,
-                                       interconnect_gbps=25.0),
-    "h100-80gb-pcie5": HardwareProfile("h100-80gb-pcie5", 756.0, 80.0, 2000.0, 50.0, 96, 300.0,
-                                       interconnect_gbps=50.0),
-    "rtx4090-pcie4": HardwareProfile("rtx4090-pcie4", 165.0, 24.0, 1008.0, 25.0, 16, 80.0, interconnect_gbps=25.0),
-    "l4-pcie4": HardwareProfile("l4-pcie4", 121.0, 24.0, 300.0, 25.0, 16, 80.0, interconnect_gbps=25.0),
-    # NVLink nodes, DGX-like: 2 x 64 cores / 8 channels DDR4-3200 per socket (A100), 2 x 56 cores / 8 channels
-    # DDR5-4800 per socket (H100)
-    "a100-80gb-sxm4-nvlink": HardwareProfile("a100-80gb-sxm4-nvlink", 312.0, 80.0, 2039.0, 25.0, 128, 409.6,
-                                             interconnect_gbps=300.0),
-    "h100-80gb-sxm5-nvlink": HardwareProfile("h100-80gb-sxm5-nvlink", 989.0, 80.0, 3350.0, 50.0, 112, 614.4,
-                                             interconnect_gbps=450.0),
+    "a100-40gb-pcie4": HardwareProfile("a100-40gb-pcie4", 312.0, 40.0, 1555.0, 25.0, 64,
+                                       _sustained(16, DDR4_3200_GBPS), interconnect_gbps=25.0),
+    "a100-80gb-pcie4": HardwareProfile("a100-80gb-pcie4", 312.0, 80.0, 1935.0, 25.0, 64,
+                                       _sustained(16, DDR4_3200_GBPS), interconnect_gbps=25.0),
+    "h100-80gb-pcie5": HardwareProfile("h100-80gb-pcie5", 756.0, 80.0, 2000.0, 50.0, 96,
+                                       _sustained(16, DDR5_4800_GBPS), interconnect_gbps=50.0),
+    "rtx4090-pcie4": HardwareProfile("rtx4090-pcie4", 165.0, 24.0, 1008.0, 25.0, 16, _sustained(2, DDR5_5200_GBPS),
+                                     interconnect_gbps=25.0),
+    "l4-pcie4": HardwareProfile("l4-pcie4", 121.0, 24.0, 300.0, 25.0, 16, _sustained(8, DDR4_3200_GBPS),
+                                interconnect_gbps=25.0),
+    "a100-80gb-sxm4-nvlink": HardwareProfile("a100-80gb-sxm4-nvlink", 312.0, 80.0, 2039.0, 25.0, 128,
+                                             _sustained(16, DDR4_3200_GBPS), interconnect_gbps=300.0),
+    "h100-80gb-sxm5-nvlink": HardwareProfile("h100-80gb-sxm5-nvlink", 989.0, 80.0, 3350.0, 50.0, 112,
+                                             _sustained(16, DDR5_4800_GBPS), interconnect_gbps=450.0),
 }
 
 
@@ -163,16 +223,58 @@ def _bound(parts: dict[str, float]) -> tuple[float, str]:
     return parts[side], side
 
 
+def zenflow_host_passes(update_interval: float, on_device: bool) -> list[tuple[str, float, float, float]]:
+    """ZenFlow's host work in one window, pass by pass: (pass, how many per window, core work in host AdamWs, host
+    memory bytes per offloaded parameter), with a bf16 model and fp32 host state.
+
+    Besides what each pass reads and writes (`HOST_STATE_BYTES`, ...), the DMA that runs beside the passes takes the
+    same memory bandwidth and is counted in the pass it overlaps: with host accumulation each step's bf16 gradient
+    lands (2) while the worker is busy with earlier ones; the write-back copy reads the bf16 buffer (2) while the
+    worker may run the next window. The fp32 window sums' landing (``accumulate_on="device"``) is not counted: the
+    host step waits for it (the chain in `schedule_model`), so it overlaps no pass.
+
+    Example:
+        >>> [(name, n, b) for name, n, _, b in zenflow_host_passes(4, on_device=True)]
+        [('window AdamW', 1.0, 30.0), ('write-back rounding', 1.0, 6.0)]
+    """
+    u = max(1.0, float(update_interval))
+    rounding = ("write-back rounding", 1.0, 0.0, float(HOST_ROUNDING_BYTES))
+    if on_device:
+        return [("window AdamW", 1.0, 1.0, float(FP32_BYTES + HOST_STATE_BYTES + BF16_BYTES)), rounding]
+    landing = BF16_BYTES
+    passes = []
+    if u > 1:
+        # the window's first gradient is written into the sum (read bf16, write fp32), later ones added to it
+        passes.append(("first accumulation", 1.0, ACCUMULATE_VS_ADAMW, float(landing + BF16_BYTES + FP32_BYTES)))
+    if u > 2:
+        passes.append(("accumulation", u - 2, ACCUMULATE_VS_ADAMW,
+                       float(landing + BF16_BYTES + 2 * FP32_BYTES)))
+    # the last gradient folded into the AdamW pass: the sum read unless the window is that gradient alone
+    window = landing + BF16_BYTES + (FP32_BYTES if u > 1 else 0) + HOST_STATE_BYTES + BF16_BYTES
+    return [*passes, ("window AdamW", 1.0, 1.0, float(window)), rounding]
+
+
+def _host_pass_ms(profile: HardwareProfile, params: float, core_share: float, adamws: float,
+                  nbytes: float) -> tuple[float, float]:
+    """(core ms, memory ms) of one host pass over `params` parameters on `core_share` of the node."""
+    core = adamws * params / profile.host_core_params_per_s(core_share) * 1e3
+    memory = nbytes * params / (profile.host_mem_gbps * core_share * 1e9) * 1e3
+    return core, memory
+
+
 def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
                    update_interval: float = 4, device_step_ms: float | None = None, ranks: int = 1,
                    parallel: str = "ddp") -> dict[str, dict[str, Any]]:
     """Per-step ms of each side and the step time of every schedule (the slowest side of an overlapped schedule,
-    the sum of a synchronous one); `bound` names the side that sets the step.
+    the sum of a synchronous one); `bound` names the side that sets the step; `host_limit` says what bounds the
+    host's passes ("memory" or "cores", by the larger share of the host time).
 
     `device_step_ms` replaces the FLOP-based forward+backward time when you have measured it. With `ranks` > 1 every
     figure is one rank's (`ranks.RankSplit`): ``link_ms`` is one GPU's link, ``host_ms`` one rank's host work on its
     share of the node, ``host_memory_gb`` one rank's host memory, ``allgather_ms`` the per-step share of the
-    write-back all-gather (DDP), which is part of ``device_ms``.
+    write-back all-gather (DDP), which is part of ``device_ms``. ZenFlow's rows also carry ``host_work_ms`` (the
+    host's passes per step) and ``host_chain_ms`` (per window: the input's landing, then the AdamW and rounding passes
+    the write-back waits for); their ``host_ms`` is the larger of the work and the chain over the window.
     """
     split = RankSplit(ranks, parallel)
     n = float(params)
@@ -182,8 +284,8 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
     device_adamw = n * dev * DEVICE_ADAMW_BYTES_PER_PARAM / (profile.device_mem_gbps * 1e9) * 1e3
     grad_read = n * dev * LINK_BYTES_PER_PARAM / (profile.device_mem_gbps * 1e9) * 1e3
     link = n * share * LINK_BYTES_PER_PARAM / (profile.link_gbps * 1e9) * 1e3  # one direction, bf16, one GPU
-    host_adamw = n * share / profile.host_adamw_params_per_s(split.core_share) * 1e3
-    accumulate = ACCUMULATE_VS_ADAMW * host_adamw
+    sync_core, sync_memory = _host_pass_ms(profile, n * share, split.core_share, 1.0, HOST_ADAMW_BYTES_PER_PARAM)
+    host_adamw = max(sync_core, sync_memory)
     allgather = split.allgather_ms(n * LINK_BYTES_PER_PARAM, profile.interconnect_gbps)
     u = max(1.0, float(update_interval))
     mem_gb = profile.device_mem_gb
@@ -191,23 +293,40 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
     rows: dict[str, dict[str, Any]] = {}
     rows["no_offload"] = {"step_ms": compute + device_adamw, "bound": "device",
                           "device_ms": compute + device_adamw, "link_ms": 0.0, "host_ms": 0.0, "allgather_ms": 0.0,
+                          "host_limit": None,
                           "device_memory_gb": weights_grads + n * dev * DEVICE_BYTES_ADAM_STATE / 1e9}
     # ZeRO-Offload partitions the same way: its all-gather of the updated weights follows every step
     sync_parts = {"device": compute + allgather, "link": 2 * link, "host": host_adamw}
     rows["sync_offload"] = {"step_ms": sum(sync_parts.values()), "bound": _bound(sync_parts)[1],
                             "device_ms": compute + allgather, "link_ms": 2 * link, "host_ms": host_adamw,
-                            "allgather_ms": allgather, "device_memory_gb": weights_grads}
+                            "allgather_ms": allgather, "device_memory_gb": weights_grads,
+                            "host_limit": "memory" if sync_memory > sync_core else "cores"}
     selected = topk_ratio * device_adamw + grad_read
     for key, on_device in (("zenflow", False), ("zenflow_device_accumulation", True)):
         # the write-back of a window's result (and under DDP its all-gather) runs on the device's stream: on the
         # device timeline
         device = compute + selected + link / u + allgather / u + (
             n * share * DEVICE_ACCUMULATE_TRAFFIC / (profile.device_mem_gbps * 1e9) * 1e3 if on_device else 0.0)
+        if on_device:
+            # the device keeps one sum per matrix: the next window's first add, after its first forward+backward,
+            # waits until the copy of the closed window's sums (2 x the bf16 link time) has read them
+            device += max(0.0, 2 * link - compute) / u
         link_down = 2 * link / u if on_device else link  # one fp32 sum per window, or every bf16 gradient
-        host = host_adamw / u + (0.0 if on_device else accumulate * (u - 1) / u)  # (the last step: folded)
+        work = core_total = memory_total = 0.0
+        chain = 2 * link if on_device else link  # what the host step waits for: the sums, or the last gradient
+        for name, count, adamws, nbytes in zenflow_host_passes(u, on_device):
+            core, memory = _host_pass_ms(profile, n * share, split.core_share, adamws, nbytes)
+            work += count * max(core, memory)
+            core_total += count * core
+            memory_total += count * memory
+            if name in ("window AdamW", "write-back rounding"):
+                chain += max(core, memory)
+        host = max(work, chain) / u
         parts = {"device": device, "link": link_down, "host": host}
         step, side = _bound(parts)
         rows[key] = {"step_ms": step, "bound": side, "device_ms": device, "link_ms": link_down, "host_ms": host,
+                     "host_work_ms": work / u, "host_chain_ms": chain,
+                     "host_limit": "memory" if memory_total > core_total else "cores",
                      "allgather_ms": allgather / u,
                      "device_memory_gb": weights_grads + n * (topk_ratio * DEVICE_BYTES_ADAM_STATE * dev
                                                               + (DEVICE_ACCUMULATOR_BYTES * share if on_device
@@ -284,6 +403,13 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
                f"defaults: {chosen['step_ms']:.0f} ms/step, {chosen['bound']}-bound, "
                f"{sync['step_ms'] / chosen['step_ms']:.2f}x faster than synchronous offload, "
                f"{chosen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
+    u = max(1.0, float(update_interval))
+    landing = chosen["link_ms"] * u if auto["choice"] == "device" else chosen["link_ms"]
+    out.append(f"Its host side per window of {u:g} steps: {chosen['host_work_ms'] * u:.0f} ms of host passes "
+               f"(bound by {'memory bandwidth' if chosen['host_limit'] == 'memory' else 'the cores'}); the write-back "
+               f"waits for the chain of the input landing ({landing:.0f} ms) then the AdamW and rounding passes, "
+               f"{chosen['host_chain_ms']:.0f} ms in all: {chosen['host_ms']:.0f} ms per step, the larger over "
+               f"the window.")
     out.append(f"ZenFlow (window summed on the host, U={update_interval:g}): {zen['step_ms']:.0f} ms/step, "
                f"{zen['bound']}-bound, {sync['step_ms'] / zen['step_ms']:.2f}x faster than synchronous offload "
                f"({sync['step_ms']:.0f} ms/step), {zen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
@@ -355,16 +481,19 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
                   "device and link, its share of the node's host; tokens/step per rank.", ""]
     extra = " all-gather ms/step (in device) | host memory GB per rank |" if several else ""
     lines += ["| schedule | device ms/step | link ms/step | host ms/step | step ms | bound | vs sync offload | "
-              "device memory GB (no activations) |" + extra,
-              "|---|---|---|---|---|---|---|---|" + ("---|---|" if several else "")]
+              "device memory GB (no activations) | host passes limited by |" + extra,
+              "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if several else "")]
     sync = rows["sync_offload"]["step_ms"]
     for key, label in names.items():
         r = rows[key]
         fits = "" if r["fits_device_memory"] else " (does not fit)"
         bound = "sum (synchronous)" if key == "sync_offload" else r["bound"]
+        limit = {"memory": f"memory ({profile.host_mem_gbps:g} GB/s)",
+                 "cores": f"cores ({profile.host_cores} x {profile.host_adamw_per_core / 1e6:.0f} M/s)"}.get(
+                     r["host_limit"], "-")
         lines.append(f"| {label} | {r['device_ms']:.0f} | {r['link_ms']:.0f} | {r['host_ms']:.0f} | "
                      f"{r['step_ms']:.0f} | {bound} | {sync / r['step_ms']:.2f}x | "
-                     f"{r['device_memory_gb']:.1f}{fits} |"
+                     f"{r['device_memory_gb']:.1f}{fits} | {limit} |"
                      + (f" {r['allgather_ms']:.0f} | {r['host_memory_gb']:.1f} |" if several else ""))
     lines += [""] + [f"- {s}" for s in advice(profile, params, tokens_per_step, topk_ratio, update_interval,
                                               device_step_ms, ranks, parallel)]

@@ -3,13 +3,16 @@
 `estimate` and `compare` project with the host they run on, not with a published constant: a user who runs them on
 their own GPU box gets their own host's figures. `measure_host_rates` takes a second or two (an AdamW over
 `ADAMW_PARAMS` fp32 parameters, a few times, at 1, 2, 4, ... and N threads; one large copy for the bandwidth) and is
-cached per process. `host_profile` puts the measured host into a `HardwareProfile`, whose device and link stay the
-profile's; a JSON profile's own host fields and ``--host-cores`` win over the measurement.
+cached per process. `host_profile` puts the measured AdamW rate per core into a `HardwareProfile`, whose device and
+link stay the profile's. A preset also keeps its host's cores and memory bandwidth (`hardware.HOST_MEMORY_SOURCES`:
+a typical server of its class), so the projection is this machine's per-core rate on that server, capped by that
+server's memory; a JSON profile keeps the host fields it sets and takes the others from this machine;
+``--host-cores`` and ``--host-memory-gbps`` win over both.
 
 Example:
     >>> rates = HostRates(cores=2, adamw_params_per_s={1: 1.0e9, 2: 1.6e9}, mem_gbps=30.0)
     >>> rates.params_per_s(2), rates.params_per_s(4)
-    (1600000000.0, 3200000000.0)
+    (1600000000.0, 4000000000.0)
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ COPY_BYTES = 256 * 1024 * 1024
 REPEATS = 4
 #: Host fields of a `HardwareProfile` that a JSON profile may set for itself.
 HOST_FIELDS = ("host_cores", "host_mem_gbps", "host_adamw_per_core")
+#: Host fields a preset keeps: its typical server's cores and memory bandwidth (the AdamW rate is measured here).
+PRESET_HOST_FIELDS = ("host_cores", "host_mem_gbps")
+#: Bytes per parameter of the timed AdamW (`_time_adamw`: fp32 param, grad, exp_avg, exp_avg_sq read; param and
+#: moments written).
+TIMED_ADAMW_BYTES_PER_PARAM = 28
 
 
 @dataclass(frozen=True)
@@ -44,24 +52,30 @@ class HostRates:
 
     def params_per_s(self, cores: int) -> float:
         """AdamW rate on `cores` threads: measured where measured, linear between measured counts, and beyond this
-        host's cores its best per-thread rate times `cores` (then `host_profile` caps it by memory bandwidth)."""
+        host's cores its best per-thread rate (`per_core`) times `cores` (what caps it there is the target's memory
+        bandwidth, `HardwareProfile.host_adamw_params_per_s`, not this machine's)."""
         known = sorted(self.adamw_params_per_s)
         if cores in self.adamw_params_per_s:
             return self.adamw_params_per_s[cores]
         if cores > known[-1]:
-            return self.adamw_params_per_s[known[-1]] / known[-1] * cores
+            return self.per_core() * cores
         lo = max(k for k in known if k < cores) if cores > known[0] else known[0]
         hi = min(k for k in known if k > cores)
         a, b = self.adamw_params_per_s[lo], self.adamw_params_per_s[hi]
         return a + (b - a) * (cores - lo) / (hi - lo) if hi != lo else a * cores / lo
 
+    def per_core(self) -> float:
+        """The best per-thread AdamW rate measured: one core's reach. Rates at more threads per thread are lower
+        here because the threads share this machine's memory bandwidth (and, on a small VM, perhaps a physical
+        core); a projection onto another host's cores caps by that host's bandwidth instead, so this machine's own
+        limit is not counted twice."""
+        return max(v / k for k, v in self.adamw_params_per_s.items())
+
     def effective_mem_gbps(self) -> float:
         """The bandwidth AdamW showed (its bytes per parameter at the best rate) or the copy's, whichever is more:
         a capacity no measured rate exceeds."""
-        from hf_zenflow.estimate.hardware import HOST_ADAMW_BYTES_PER_PARAM
-
         best = max(self.adamw_params_per_s.values())
-        return max(self.mem_gbps, best * HOST_ADAMW_BYTES_PER_PARAM / 1e9)
+        return max(self.mem_gbps, best * TIMED_ADAMW_BYTES_PER_PARAM / 1e9)
 
     def describe(self, cores: int | None = None) -> str:
         per = ", ".join(f"{k} thread{'s' if k > 1 else ''} {v / 1e9:.2f}" for k, v in
@@ -129,50 +143,100 @@ def measure_host_rates() -> HostRates:
 
 
 def host_profile(profile: Any, rates: HostRates, host_cores: int | None = None,
-                 given: tuple[str, ...] = ()) -> Any:
-    """`profile` with this host in place of its host fields: `host_cores` (else this host's cores), the measured
-    AdamW rate on them and the measured memory bandwidth. Fields in `given` (a JSON profile's own) are kept."""
-    cores = host_cores if host_cores is not None else (profile.host_cores if "host_cores" in given else rates.cores)
+                 given: tuple[str, ...] = (), host_mem_gbps: float | None = None) -> Any:
+    """`profile` with this host's measured AdamW rate per core in place of its own. Fields in `given` (a preset's
+    cores and memory bandwidth, or a JSON profile's own host fields) are kept; the others come from this machine
+    (its cores, its measured bandwidth). `host_cores` / `host_mem_gbps` (the flags) win over both."""
+    if host_cores is not None:
+        cores = host_cores
+    else:
+        cores = profile.host_cores if "host_cores" in given else rates.cores
     values: dict[str, Any] = {"host_cores": cores}
     if "host_adamw_per_core" not in given:
         values["host_adamw_per_core"] = rates.params_per_s(cores) / cores
-    if "host_mem_gbps" not in given:
+    if host_mem_gbps is not None:
+        values["host_mem_gbps"] = host_mem_gbps
+    elif "host_mem_gbps" not in given:
         values["host_mem_gbps"] = rates.effective_mem_gbps()
     return replace(profile, name=profile.name, **values)
 
 
 def json_host_fields(spec: str | None) -> tuple[str, ...]:
-    """The host fields a JSON profile sets itself (a preset sets none: its host is replaced by this one)."""
+    """The host fields a profile sets itself: a preset its typical server's cores and memory bandwidth
+    (`PRESET_HOST_FIELDS`), a JSON file the `HOST_FIELDS` it names."""
     import json
     from pathlib import Path
 
     from hf_zenflow.estimate.hardware import PROFILES
 
-    if not spec or spec in PROFILES or not Path(spec).expanduser().is_file():
+    if spec in PROFILES:
+        return PRESET_HOST_FIELDS
+    if not spec or not Path(spec).expanduser().is_file():
         return ()
     keys = json.loads(Path(spec).expanduser().read_text(encoding="utf-8"))
     return tuple(k for k in HOST_FIELDS if k in keys)
 
 
-def published_host_line(profile: Any) -> str:
+def memory_origin(profile: Any, spec: str | None, given: tuple[str, ...], flag: float | str | None) -> str:
+    """Where the host memory bandwidth the projection caps by comes from, in words."""
+    from hf_zenflow.estimate.hardware import HOST_MEMORY_SOURCES, PROFILES
+
+    if flag == "measured":
+        return "this machine's, measured (--host-memory-gbps measured)"
+    if flag is not None:
+        return "--host-memory-gbps"
+    if "host_mem_gbps" in given:
+        if spec in PROFILES:
+            return f"the profile's: {HOST_MEMORY_SOURCES.get(profile.name, 'a preset figure')}"
+        return f"the profile's ({spec})"
+    return "this machine's, measured"
+
+
+def cap_line(profile: Any, origin: str) -> str:
+    """The host AdamW rate the projection uses and which cap applies: the cores, or the memory bandwidth over the
+    bytes of one AdamW pass (synchronous offload's; ZenFlow's passes in the bound model count their own)."""
+    from hf_zenflow.estimate.hardware import HOST_ADAMW_BYTES_PER_PARAM
+
+    cores = profile.host_core_params_per_s()
+    memory = profile.host_mem_gbps * 1e9 / HOST_ADAMW_BYTES_PER_PARAM
+    which = "memory" if memory < cores else "cores"
+    return (f"cores {profile.host_adamw_per_core / 1e9:.3f} Gparam/s x {profile.host_cores} = {cores / 1e9:.2f} "
+            f"Gparam/s; memory {profile.host_mem_gbps:g} GB/s ({origin}) / {HOST_ADAMW_BYTES_PER_PARAM} B per "
+            f"parameter of an AdamW pass = {memory / 1e9:.2f} Gparam/s: the {which} cap applies, host AdamW "
+            f"{min(cores, memory) / 1e9:.2f} Gparam/s")
+
+
+def published_host_line(profile: Any, origin: str = "the profile's") -> str:
     from hf_zenflow.estimate.emulator_scenario import PUBLISHED_HOST_CORES, PUBLISHED_HOST_PARAMS_PER_S
 
     return (f"Host: the profile's published figure (--host-from-profile): DeepSpeed's CPUAdam rate "
-            f"({PUBLISHED_HOST_PARAMS_PER_S / 1e9:.2f} Gparam/s on {PUBLISHED_HOST_CORES} threads) per core x "
-            f"{profile.host_cores} cores, capped by {profile.host_mem_gbps:g} GB/s: "
-            f"{profile.host_adamw_params_per_s() / 1e9:.2f} Gparam/s.")
+            f"({PUBLISHED_HOST_PARAMS_PER_S / 1e9:.2f} Gparam/s on {PUBLISHED_HOST_CORES} threads) per core; "
+            f"{cap_line(profile, origin)}.")
 
 
-def resolve_host(profile: Any, spec: str | None, host_cores: int | None, from_profile: bool) -> tuple[Any, str]:
-    """The profile to project with and the line that says where its host figures come from."""
+def resolve_host(profile: Any, spec: str | None, host_cores: int | None, from_profile: bool,
+                 host_mem_gbps: float | str | None = None) -> tuple[Any, str]:
+    """The profile to project with and the line that says where its host figures come from and which cap applies.
+    `host_mem_gbps`: a number (GB/s) or "measured" (this machine's) in place of the profile's."""
+    given = json_host_fields(spec)
+    origin = memory_origin(profile, spec, given, host_mem_gbps)
     if from_profile:
         if host_cores is not None:
             profile = replace(profile, host_cores=host_cores)
-        return profile, published_host_line(profile)
+        if host_mem_gbps is not None:
+            mem = measure_host_rates().effective_mem_gbps() if host_mem_gbps == "measured" else host_mem_gbps
+            profile = replace(profile, host_mem_gbps=mem)
+        elif "host_mem_gbps" not in given:
+            origin = "HardwareProfile's default: the profile gives none"
+        return profile, published_host_line(profile, origin)
     rates = measure_host_rates()
-    given = json_host_fields(spec)
-    resolved = host_profile(profile, rates, host_cores, given)
-    kept = f"; the profile's own {', '.join(given)} kept" if given else ""
-    return resolved, (f"Host: {rates.describe(resolved.host_cores)}{kept}; with its memory cap, host AdamW "
-                      f"{resolved.host_adamw_params_per_s() / 1e9:.2f} Gparam/s on {resolved.host_cores} core(s) "
-                      "(--host-from-profile: the profile's published figure instead).")
+    mem = rates.effective_mem_gbps() if host_mem_gbps == "measured" else host_mem_gbps
+    resolved = host_profile(profile, rates, host_cores, given, mem)
+    per_core = ("the profile's own host_adamw_per_core" if "host_adamw_per_core" in given else
+                "measured here: its best per-thread rate" if resolved.host_cores > max(rates.adamw_params_per_s)
+                else f"measured here on {resolved.host_cores} thread(s)")
+    cores_from = ("--host-cores" if host_cores is not None else
+                  "the profile's" if "host_cores" in given else "this machine's")
+    return resolved, (f"Host: {rates.describe()}. Projected: per-core rate {per_core}, {cores_from} "
+                      f"{resolved.host_cores} core(s); {cap_line(resolved, origin)} (--host-from-profile: the "
+                      "published per-core rate instead; --host-cores / --host-memory-gbps override).")

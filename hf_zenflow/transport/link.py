@@ -100,7 +100,10 @@ class Transport:
         """Move each closed window's device-side sum into its host accumulator (the worker is not reading it)."""
         for split in splits:
             host = split.host
+            shared = host.writeback is host.accum  # (`HostMatrix.shares_writeback`: written back already)
             host.accum, split.window_sum = split.window_sum, host.accum
+            if shared:
+                host.writeback = host.accum
         return Landed()
 
     def put_weights(self, split: LinkedMatrix) -> None:
@@ -111,6 +114,8 @@ class Transport:
         # autograd checks. The weight keeps its Parameter object, shape and strides; only its storage changes.
         spare = split.matrix(split.param.data)
         split.param.data = split.unmatrix(host.writeback)
+        if host.accum is host.writeback:  # (`HostMatrix.shares_writeback`: the weight's old storage serves both)
+            host.accum = spare
         host.writeback = spare
 
     def after_write_back(self, splits: list[LinkedMatrix]) -> None:

@@ -76,6 +76,8 @@ def test_compare_tiny_run_writes_all_outputs(tmp_path: Path, monkeypatch: pytest
     assert zen["bytes_to_host_per_step"] > 0 and sync["bytes_to_device_per_step"] > 0
     assert zen["link_bytes_per_step"] == pytest.approx(zen["bytes_to_host_per_step"] + zen["bytes_to_device_per_step"])
     assert zen["host_bytes_per_param"] == zen["engine_stats"]["host_bytes_per_param"] > 12  # fp32 state and buffers
+    # the CPU device is given the machine's available memory: the window sums fit, as on a GPU with room to spare
+    assert zen["engine_stats"]["accumulate_on"] == "device"
     assert zen["optimizer_state_host_bytes"] > 0 and zen["optimizer_state_device_bytes"] > 0
     assert zen["engine_stats"]["windows"] >= 1
     assert set(payload["ratios"]) == {"zenflow_vs_adamw_torch", "zenflow_vs_sync_offload"}

@@ -8,6 +8,8 @@ AdamW, so the two must agree bit for bit; and the settings must change the resul
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -129,3 +131,46 @@ def test_bf16_moments_resume_exactly():
     opt.close()
     for p, q in zip(whole.parameters(), second.parameters()):
         assert torch.equal(p, q)
+
+
+def _measured_host_bytes(opt: ZenFlowAdamW) -> tuple[int, int]:
+    """(bytes of every distinct host storage the host state holds, its elements), read off the tensors themselves:
+    every tensor field of each `HostMatrix` (and its lists of tensors), one count per storage however many fields
+    share it. The step counter is one scalar per matrix, not per element: left out, as `stats()` leaves it."""
+    storages: dict[int, int] = {}
+    elements = 0
+    for split in opt._split.values():
+        host = split.host
+        if host is None:
+            continue
+        elements += host.master.numel()
+        for f in dataclasses.fields(host):
+            value = getattr(host, f.name)
+            for t in value if isinstance(value, list) else [value]:
+                if isinstance(t, torch.Tensor) and f.name != "step":
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values()), elements
+
+
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
+def test_host_bytes_per_param_with_bf16_moments_are_the_host_tensors(accumulate_on):
+    """stats()'s host bytes per offloaded element is what the host tensors hold, measured from them after windows
+    and write-backs (the CPU device swaps buffers at both), and with the window summed on the device it is at most
+    12 B (fp32 master 4, bf16 moments 2 + 2, one fp32 buffer for the landed window sum and the write-back)."""
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=3, overlap_step=True,
+                       writeback_lag=1, min_offload_numel=0, cpu_threads=1, host_moment_dtype="bfloat16",
+                       accumulate_on=accumulate_on)
+    train(model, opt, batches(10))  # three windows closed, two written back, one pending
+    opt.flush()
+    stats = opt.stats()
+    assert stats["accumulate_on"] == accumulate_on and stats["windows"] >= 3
+    measured, elements = _measured_host_bytes(opt)
+    assert elements > 0
+    assert stats["host_state_bytes"] == measured
+    assert stats["host_bytes_per_param"] == measured / elements
+    if accumulate_on == "device":
+        assert stats["host_bytes_per_param"] <= 12
+    else:  # the host keeps its own accumulator next to the write-back buffer
+        assert stats["host_bytes_per_param"] > 12
+    opt.close()

@@ -21,30 +21,85 @@ from hf_zenflow.estimate.hardware import (
     interval_to_unbind,
     load_profile,
     schedule_model,
+    zenflow_host_passes,
 )
 
 
 # Round numbers: 1e9 params, 1000 tokens -> 6e12 FLOPs at 100 TFLOP/s x 0.5 = 120 ms of compute; link 2 GB / 20 GB/s
-# = 100 ms per direction; host AdamW 1e9 / min(128 x 7e9/4.6/128, 100e9/30) params/s = 657 ms.
+# = 100 ms per direction; host: 128 cores x 7e9/4.6/128 params/s -> an AdamW's core work 657 ms; 100 GB/s of host
+# memory -> 10 ms per byte per parameter.
 PROFILE = HardwareProfile("t", device_tflops=100.0, device_mem_gb=80.0, device_mem_gbps=1000.0, link_gbps=20.0,
                           host_cores=128, host_mem_gbps=100.0, mfu=0.5)
+ADAMW_CORE_MS = 1e9 / (7e9 / 4.6) * 1e3
+
+
+def _host_acc_window_ms(adamw_ms: float, ms_per_byte: float) -> float:
+    """ZenFlow's host passes of a U=4 window summed on the host, by hand: each pass the longer of its core work and
+    its bytes; bytes per parameter: the first accumulation lands a bf16 gradient (2), reads it (2), writes the fp32
+    sum (4); the next two also read the sum (+4); the AdamW pass lands and reads the last gradient (2 + 2), reads the
+    sum (4), reads and writes master and moments (24), and the write-back copy reads its bf16 buffer (2); the
+    rounding into that buffer reads 4 and writes 2."""
+    acc = ACCUMULATE_VS_ADAMW * adamw_ms
+    return (max(acc, 8 * ms_per_byte) + 2 * max(acc, 12 * ms_per_byte) + max(adamw_ms, 34 * ms_per_byte)
+            + 6 * ms_per_byte)
 
 
 def test_schedule_model_matches_hand_computed_times() -> None:
     rows = schedule_model(PROFILE, params=1e9, tokens_per_step=1000, topk_ratio=0.1, update_interval=4)
-    host_adamw = 1e9 / (7e9 / 4.6) * 1e3
+    host_adamw = ADAMW_CORE_MS  # core-bound: 30 B x 10 ms = 300 ms of memory traffic is less
     assert rows["no_offload"]["step_ms"] == pytest.approx(120 + 28.0)  # + 28 B/param at 1 TB/s
     assert rows["sync_offload"]["step_ms"] == pytest.approx(120 + 200 + host_adamw)
+    assert rows["sync_offload"]["host_limit"] == "cores"
     zen = rows["zenflow"]
-    # U - 1 accumulations per window: the last step's gradient is folded into the host AdamW's pass
-    assert zen["host_ms"] == pytest.approx(host_adamw / 4 + ACCUMULATE_VS_ADAMW * host_adamw * 3 / 4)
+    # U - 1 accumulations per window (the last step's gradient is folded into the host AdamW's pass), the AdamW, the
+    # rounding (60 ms of memory traffic, no core work counted): 3 x 355 + 657 + 60 = 1782 ms per window
+    assert zen["host_ms"] == pytest.approx(_host_acc_window_ms(host_adamw, 10.0) / 4)
+    assert zen["host_ms"] == pytest.approx((3 * 0.54 * host_adamw + host_adamw + 60) / 4)
+    # the chain the write-back waits for: the last gradient lands (100 ms), then the AdamW and the rounding
+    assert zen["host_chain_ms"] == pytest.approx(100 + host_adamw + 60)
     assert zen["link_ms"] == pytest.approx(100)
     assert zen["device_ms"] == pytest.approx(120 + 0.1 * 28 + 2 + 100 / 4)  # + grad read + write-back per window
     assert zen["step_ms"] == max(zen["device_ms"], zen["link_ms"], zen["host_ms"]) and zen["bound"] == "host"
     dev = rows["zenflow_device_accumulation"]
-    assert dev["host_ms"] == pytest.approx(host_adamw / 4) and dev["link_ms"] == pytest.approx(2 * 100 / 4)
+    # device sums: the host step waits for them to land (2 x 100 ms) before its 657 + 60 ms: the chain over the
+    # window is longer than the work (717 ms), so it sets the host side
+    assert dev["host_work_ms"] == pytest.approx((host_adamw + 60) / 4)
+    assert dev["host_chain_ms"] == pytest.approx(200 + host_adamw + 60)
+    assert dev["host_ms"] == pytest.approx((200 + host_adamw + 60) / 4)
+    assert dev["link_ms"] == pytest.approx(2 * 100 / 4)
+    # device: + the window sum (10 B/param at 1 TB/s) each step; the next window's first add waits for the 200 ms copy
+    # of the sums to have read them, 80 ms after the 120 ms forward+backward, once per window
+    assert dev["device_ms"] == pytest.approx(120 + 0.1 * 28 + 2 + 100 / 4 + 10 + 80 / 4)
     assert dev["device_memory_gb"] == pytest.approx(zen["device_memory_gb"] + 4.0)
     assert rows["no_offload"]["device_memory_gb"] == pytest.approx(16.0) and rows["no_offload"]["fits_device_memory"]
+
+
+def test_host_passes_take_the_profiles_memory_bandwidth_when_it_binds() -> None:
+    """At 10 GB/s (100 ms per byte per parameter) every pass is memory-bound: sync offload's AdamW moves 30 B; the
+    default window (device sums) 30 B in the AdamW pass and 6 B in the rounding, after 200 ms of landing."""
+    from dataclasses import replace
+
+    slow = replace(PROFILE, host_mem_gbps=10.0)
+    rows = schedule_model(slow, 1e9, 1000, 0.1, 4)
+    assert rows["sync_offload"]["host_ms"] == pytest.approx(3000.0) and rows["sync_offload"]["host_limit"] == "memory"
+    dev = rows["zenflow_device_accumulation"]
+    assert dev["host_ms"] == pytest.approx((200 + 3000 + 600) / 4) and dev["host_limit"] == "memory"
+    assert rows["zenflow"]["host_ms"] == pytest.approx(_host_acc_window_ms(ADAMW_CORE_MS, 100.0) / 4)
+    assert slow.host_limit() == "memory" and PROFILE.host_limit() == "cores"
+
+
+def test_host_pass_bytes_count_every_read_and_write() -> None:
+    """Bytes per parameter per window: a one-step window on the host reads only its gradient (2 + 2 landed), never
+    a sum; longer ones write the sum first, then add into it."""
+    def total(u: int, on_device: bool) -> float:
+        return sum(n * b for _, n, _, b in zenflow_host_passes(u, on_device))
+
+    assert total(1, False) == 2 + 2 + 24 + 2 + 6
+    assert total(2, False) == 8 + (2 + 2 + 4 + 24 + 2) + 6
+    assert total(4, False) == 8 + 2 * 12 + 34 + 6
+    assert total(4, True) == total(1, True) == 4 + 24 + 2 + 6
+    # core work: U - 1 accumulations and one AdamW per window; the rounding only moves bytes
+    assert sum(n * c for _, n, c, _ in zenflow_host_passes(4, False)) == pytest.approx(3 * ACCUMULATE_VS_ADAMW + 1)
 
 
 def test_bound_moves_to_the_device_with_a_longer_window() -> None:
@@ -53,7 +108,8 @@ def test_bound_moves_to_the_device_with_a_longer_window() -> None:
     assert schedule_model(PROFILE, 1e9, 1000, 0.1, u)["zenflow_device_accumulation"]["bound"] == "device"
     if u > 1:
         assert schedule_model(PROFILE, 1e9, 1000, 0.1, u // 2)["zenflow_device_accumulation"]["bound"] != "device"
-    assert u == 8  # host 657/8 = 82 ms < device 160 ms; at U=4 the host's 164 ms exceeds the device's 160 ms
+    # U=8: the host's chain (200 + 657 + 60 ms) / 8 = 115 ms < the device's 157 ms; at U=4 its 229 ms exceed 180 ms
+    assert u == 8
     # host accumulation costs 0.54 AdamW every step whatever the window: 355 ms here, never device-bound
     assert interval_to_unbind(PROFILE, 1e9, 1000, 0.1, "host") is None
 
@@ -172,7 +228,8 @@ def test_per_rank_figures_scale_as_documented(ranks: int, host_ms: float, link_m
     ddp = schedule_model(profile, 1e9, 1000, 0.1, u, ranks=ranks)
     sync, zen, dev = ddp["sync_offload"], ddp["zenflow"], ddp["zenflow_device_accumulation"]
     assert sync["host_ms"] == pytest.approx(host_ms)  # not 1/N faster: the ranks share the node's host
-    assert zen["host_ms"] == pytest.approx(host_ms / u + ACCUMULATE_VS_ADAMW * host_ms * (u - 1) / u)
+    # the same passes on 1/N of the host: the whole-node figure, core- or bandwidth-bound pass by pass
+    assert zen["host_ms"] == pytest.approx(_host_acc_window_ms(HOST_ADAMW_MS, 1e3 / host_mem_gbps) / u)
     assert sync["link_ms"] == pytest.approx(2 * link_ms) and zen["link_ms"] == pytest.approx(link_ms)
     assert dev["link_ms"] == pytest.approx(2 * link_ms / u)
     assert sync["allgather_ms"] == pytest.approx(allgather_ms)
@@ -196,7 +253,7 @@ def test_one_rank_is_todays_model_and_table() -> None:
     text = format_schedule_model(RANK_PROFILE, 1e9, 1000)
     assert "Ranks:" not in text and "Per rank" not in text
     assert ("| schedule | device ms/step | link ms/step | host ms/step | step ms | bound | vs sync offload | "
-            "device memory GB (no activations) |\n") in text
+            "device memory GB (no activations) | host passes limited by |\n") in text
 
 
 def test_several_ranks_table_and_advice() -> None:
