@@ -216,7 +216,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:
-    from hf_zenflow.estimate.hardware import PROFILES
+    from hf_zenflow.estimate.profiles import PROFILES
     from hf_zenflow.tuning.tune import TuneConfig
 
     d = TuneConfig()

@@ -133,8 +133,8 @@ def projection_table(projections: dict[str, dict[str, dict[str, float]]]) -> str
 def run_projection(results: dict[str, dict[str, Any]], params_ran: float, tokens_per_step: float, cfg: Any,
                    host_cores: int) -> dict[str, Any]:
     """Every profile of ``cfg.project_hardware`` at ``cfg.project_params`` (default: the model that ran)."""
-    from hf_zenflow.estimate.hardware import load_profile
     from hf_zenflow.estimate.host_rates import measure_host_rates, resolve_host
+    from hf_zenflow.estimate.profiles import load_profile
 
     params = float(cfg.project_params or params_ran)
     rates = measure_host_rates()

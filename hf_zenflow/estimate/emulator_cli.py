@@ -84,7 +84,7 @@ _memory_number = _number(float, 0.0, None, True, 'a number > 0 or "measured"')
 
 
 def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
-    from hf_zenflow.estimate.hardware import PROFILES
+    from hf_zenflow.estimate.profiles import PROFILES
 
     p.add_argument("--hardware", default=None,
                    help=f"a hardware profile: a preset ({', '.join(sorted(PROFILES))}) or a JSON file with the fields "
@@ -129,8 +129,8 @@ def scenario_from_profile(profile: Any, params: float, tokens_per_step: float, r
 def _profile(args: argparse.Namespace) -> Any:
     """The --hardware profile with its host resolved (`host_rates.resolve_host`: measured here unless
     --host-from-profile); the line saying which is its ``host_source``."""
-    from hf_zenflow.estimate.hardware import load_profile
     from hf_zenflow.estimate.host_rates import resolve_host
+    from hf_zenflow.estimate.profiles import load_profile
 
     profile = load_profile(args.hardware)
     if args.interconnect_gbps is not None:

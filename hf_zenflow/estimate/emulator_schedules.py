@@ -28,7 +28,7 @@ from hf_zenflow.estimate.emulator_scenario import (
     ZENFLOW_ROWS,
     EmulatorScenario,
 )
-from hf_zenflow.estimate.hardware import HOST_ADAMW_BYTES_PER_PARAM
+from hf_zenflow.estimate.profiles import HOST_ADAMW_BYTES_PER_PARAM
 from hf_zenflow.optimizer import SyncOffloadAdamW, ZenFlowAdamW
 from hf_zenflow.settings.threads import available_cpu_count
 

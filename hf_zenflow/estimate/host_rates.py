@@ -25,6 +25,11 @@ from typing import Any
 
 import torch
 
+from hf_zenflow._base import fused_adamw_, torch_threads
+from hf_zenflow.estimate.emulator_scenario import PUBLISHED_HOST_CORES, PUBLISHED_HOST_PARAMS_PER_S
+from hf_zenflow.estimate.profiles import HOST_ADAMW_BYTES_PER_PARAM, HOST_MEMORY_SOURCES, PROFILES
+from hf_zenflow.settings.threads import rank_cpu_count
+
 
 #: fp32 parameters of the timed AdamW (with grad and moments 16 B each: 128 MiB, beyond any cache).
 ADAMW_PARAMS = 8 * 1024 * 1024
@@ -100,8 +105,6 @@ def _thread_counts(cores: int) -> list[int]:
 
 
 def _time_adamw(threads: int) -> float:
-    from hf_zenflow._base import fused_adamw_, torch_threads
-
     gen = torch.Generator().manual_seed(0)
     param = torch.randn(ADAMW_PARAMS, generator=gen)
     grad = torch.randn(ADAMW_PARAMS, generator=gen)
@@ -118,8 +121,6 @@ def _time_adamw(threads: int) -> float:
 
 
 def _time_copy(threads: int) -> float:
-    from hf_zenflow._base import torch_threads
-
     src = torch.ones(COPY_BYTES // 4)
     dst = torch.empty_like(src)
     samples = []
@@ -134,8 +135,6 @@ def _time_copy(threads: int) -> float:
 @functools.lru_cache(maxsize=1)
 def measure_host_rates() -> HostRates:
     """Measure this host (once per process; a second or two)."""
-    from hf_zenflow.settings.threads import rank_cpu_count
-
     t0 = time.perf_counter()
     cores = rank_cpu_count()
     rates = {n: _time_adamw(n) for n in _thread_counts(cores)}
@@ -167,8 +166,6 @@ def json_host_fields(spec: str | None) -> tuple[str, ...]:
     import json
     from pathlib import Path
 
-    from hf_zenflow.estimate.hardware import PROFILES
-
     if spec in PROFILES:
         return PRESET_HOST_FIELDS
     if not spec or not Path(spec).expanduser().is_file():
@@ -179,8 +176,6 @@ def json_host_fields(spec: str | None) -> tuple[str, ...]:
 
 def memory_origin(profile: Any, spec: str | None, given: tuple[str, ...], flag: float | str | None) -> str:
     """Where the host memory bandwidth the projection caps by comes from, in words."""
-    from hf_zenflow.estimate.hardware import HOST_MEMORY_SOURCES, PROFILES
-
     if flag == "measured":
         return "this machine's, measured (--host-memory-gbps measured)"
     if flag is not None:
@@ -195,8 +190,6 @@ def memory_origin(profile: Any, spec: str | None, given: tuple[str, ...], flag: 
 def cap_line(profile: Any, origin: str) -> str:
     """The host AdamW rate the projection uses and which cap applies: the cores, or the memory bandwidth over the
     bytes of one AdamW pass (synchronous offload's; ZenFlow's passes in the bound model count their own)."""
-    from hf_zenflow.estimate.hardware import HOST_ADAMW_BYTES_PER_PARAM
-
     cores = profile.host_core_params_per_s()
     memory = profile.host_mem_gbps * 1e9 / HOST_ADAMW_BYTES_PER_PARAM
     which = "memory" if memory < cores else "cores"
@@ -207,8 +200,6 @@ def cap_line(profile: Any, origin: str) -> str:
 
 
 def published_host_line(profile: Any, origin: str = "the profile's") -> str:
-    from hf_zenflow.estimate.emulator_scenario import PUBLISHED_HOST_CORES, PUBLISHED_HOST_PARAMS_PER_S
-
     return (f"Host: the profile's published figure (--host-from-profile): DeepSpeed's CPUAdam rate "
             f"({PUBLISHED_HOST_PARAMS_PER_S / 1e9:.2f} Gparam/s on {PUBLISHED_HOST_CORES} threads) per core; "
             f"{cap_line(profile, origin)}.")

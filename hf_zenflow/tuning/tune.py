@@ -209,8 +209,8 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
     """Run the reference and as many grid settings as the budget allows; write and return the results."""
     from hf_zenflow.compare.compare_config import CompareConfig
     from hf_zenflow.compare.data import prepare_task
-    from hf_zenflow.estimate.hardware import load_profile
     from hf_zenflow.estimate.host_rates import resolve_host
+    from hf_zenflow.estimate.profiles import load_profile
 
     # the modelled host is this machine, measured (`host_rates`), unless --host-from-profile
     profile = resolve_host(load_profile(cfg.hardware), cfg.hardware, cfg.host_cores, cfg.host_from_profile)[0]
