@@ -12,8 +12,10 @@ nearest bf16, so the running sum keeps bf16's 8 significant bits (a relative err
 not average out over a window: the sum's error grows with the window's length, see `host.accumulate_into`); no
 stochastic rounding. The bf16 sum crosses the link as it is (half the bytes of an fp32 sum) into a bf16 landing
 buffer on the host, and the host worker widens it exactly into its fp32 accumulator, the AdamW's input. "auto"
-picks it exactly when fp32 sums do not fit and bf16 sums do; quality measured in the final report of
-issue 23 (paired seeds against ``"device"``).
+picks it exactly when fp32 sums do not fit and bf16 sums do. Quality (`scripts/quality_high_lr.py`, tiny Llama
+fine-tune, 5 paired seeds against ``"device"``): held-out loss -0.0005 +- 0.0010 % at lr 1e-3, 0.0000 +- 0.0001 %
+at 5e-5 (95 % t-intervals), i.e. no measurable cost there; a window much longer than the default 4 steps, or sums
+that cancel, lose more.
 
 "Fit" is decided when the first step's gradients exist (forward and backward have run, so their peak is known):
 
