@@ -14,8 +14,8 @@ stochastic rounding. The bf16 sum crosses the link as it is (half the bytes of a
 buffer on the host, and the host worker widens it exactly into its fp32 accumulator, the AdamW's input. "auto"
 picks it exactly when fp32 sums do not fit and bf16 sums do. Quality (`scripts/quality_high_lr.py`, tiny Llama
 fine-tune, 5 paired seeds against ``"device"``): held-out loss -0.0005 +- 0.0010 % at lr 1e-3, 0.0000 +- 0.0001 %
-at 5e-5 (95 % t-intervals), i.e. no measurable cost there; a window much longer than the default 4 steps, or sums
-that cancel, lose more.
+at 5e-5 (95 % t-intervals), no measurable cost there; measured at update_interval=4 only (one rounding per add:
+the error grows with the window's length).
 
 "Fit" is decided when the first step's gradients exist (forward and backward have run, so their peak is known):
 
