@@ -262,3 +262,46 @@ def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, mon
     for losses, weights in others:
         assert losses == cpu_losses
         assert all(torch.equal(p, q) for p, q in zip(weights, cpu_weights))
+
+
+def _ranks_run(rank: int, init_file: str, out_dir: str, budgets: tuple[int, int]) -> None:
+    import torch.distributed as dist
+    from gloo_ranks import init_ranks
+
+    init_ranks(rank, init_file)
+    try:
+        model = make_model().cpu()
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, cpu_threads=1,
+                           device_memory_budget_bytes=budgets[rank])
+        for x, y in batches(10, seed=rank):
+            loss = torch.nn.functional.cross_entropy(wrapped(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        opt.flush()
+        sums = {str(s.window_sum.dtype) for s in opt._split.values() if s.window_sum is not None}
+        torch.save({"chosen": opt.stats()["accumulate_on"], "sums": sorted(sums),
+                    "weights": [p.detach() for p in model.parameters()]}, f"{out_dir}/rank{rank}.pt")
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_bf16_sums_when_one_rank_fits_only_those(tmp_path):
+    """Rank 0 fits fp32 sums, rank 1 (its share of the sums: half) only bf16 ones: both sum in bf16, and their
+    weights agree bit for bit (one spawn of two gloo ranks)."""
+    from gloo_ranks import spawn_ranks
+
+    need32, need16 = sums_needed({})
+    hosted_bytes = (need32 - need16) // 2  # 2 B per hosted element (one process), the rest is the selected state
+    selected = need16 - 2 * hosted_bytes
+    # each rank's share: half the sums; midway between its bf16 and fp32 needs
+    per_rank32, per_rank16 = 2 * hosted_bytes + selected, hosted_bytes + selected
+    only_bf16 = math.ceil((per_rank32 + per_rank16) / 2 / (1 - accumulation.MARGIN))
+    spawn_ranks(_ranks_run, str(tmp_path), (FITS, only_bf16))
+    a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
+    assert a["chosen"] == b["chosen"] == "device_bf16"
+    assert a["sums"] == b["sums"] == ["torch.bfloat16"]
+    assert all(torch.equal(p, q) for p, q in zip(a["weights"], b["weights"]))
