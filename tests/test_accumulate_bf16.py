@@ -305,3 +305,26 @@ def test_ranks_agree_on_bf16_sums_when_one_rank_fits_only_those(tmp_path):
     assert a["chosen"] == b["chosen"] == "device_bf16"
     assert a["sums"] == b["sums"] == ["torch.bfloat16"]
     assert all(torch.equal(p, q) for p, q in zip(a["weights"], b["weights"]))
+
+
+@pytest.mark.parametrize("saved_under", ["host", "device"])
+def test_an_fp32_checkpoint_loads_under_device_bf16_its_open_window_rounded(saved_under):
+    data = batches(10)
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, accumulate_on=saved_under)
+    train(model, opt, data[:6], clip=1.0)
+    state = roundtrip(opt.state_dict())
+    opt.close()
+    fresh = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, accumulate_on="device_bf16")
+    fresh.load_state_dict(state)
+    assert fresh.stats()["accumulate_on"] == "device_bf16"
+    entries = [e for e in state["state"].values() if e.get("kind") == "split" and e["accum_count"]]
+    splits = [s for s in fresh._split.values() if s.host is not None]
+    assert entries and len(entries) == len(splits)
+    for entry, split in zip(entries, splits):
+        assert split.window_count == entry["accum_count"]
+        assert torch.equal(split.window_sum, entry["accum"].bfloat16())
+    train(model, fresh, data[6:], clip=1.0)
+    fresh.flush()
+    assert fresh.stats()["windows"] > 0 and all(torch.isfinite(p).all() for p in model.parameters())
+    fresh.close()
