@@ -90,7 +90,7 @@ def test_a_bf16_add_is_the_fp32_add_rounded_to_nearest():
     torch.manual_seed(0)
     rows, cols = 1100, 4000  # > NARROW_CHUNK elements: three pieces
     for grad_dtype, coef in itertools.product((torch.float32, torch.bfloat16), (None, 0.37)):
-        grads = [torch.randn(rows, cols + 7)[:, 3:cols + 3].to(grad_dtype) for _ in range(4)]
+        grads = [torch.randn(rows, cols + 7)[:, 3 : cols + 3].to(grad_dtype) for _ in range(4)]
         narrow = torch.empty(rows, cols, dtype=torch.bfloat16)
         wide = torch.empty(rows, cols)
         for i, g in enumerate(grads):
@@ -156,8 +156,9 @@ def test_link_bytes_per_window_are_half_and_device_bytes_two_per_element_less():
     assert bf16[-1]["host_bytes_per_param"] == pytest.approx(fp32[-1]["host_bytes_per_param"] + 2)
 
 
-def resume(settings_first: dict, settings_then: dict, total: int = 22, split_at: int = 6
-           ) -> tuple[list[float], list[float], torch.nn.Module, torch.nn.Module, dict, ZenFlowAdamW]:
+def resume(
+    settings_first: dict, settings_then: dict, total: int = 22, split_at: int = 6
+) -> tuple[list[float], list[float], torch.nn.Module, torch.nn.Module, dict, ZenFlowAdamW]:
     """Train `total` steps straight, and again with a checkpoint at `split_at` (mid-window, a host step in
     flight) resumed under `settings_then`."""
     data = batches(total)
@@ -185,11 +186,14 @@ def resume(settings_first: dict, settings_then: dict, total: int = 22, split_at:
     return full, head + tail, model, model_b, {"checkpoint": checkpoint, "chosen": chosen}, opt_b
 
 
-@pytest.mark.parametrize(("first", "then"), [
-    (dict(accumulate_on="device_bf16"), dict(accumulate_on="device_bf16")),
-    # "auto" chose bf16 sums; the resumed run's budget alone would choose fp32 sums: the checkpoint's choice wins
-    (dict(device_memory_budget_bytes="bf16"), dict(device_memory_budget_bytes=FITS)),
-])
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        (dict(accumulate_on="device_bf16"), dict(accumulate_on="device_bf16")),
+        # "auto" chose bf16 sums; the resumed run's budget alone would choose fp32 sums: the checkpoint's choice wins
+        (dict(device_memory_budget_bytes="bf16"), dict(device_memory_budget_bytes=FITS)),
+    ],
+)
 def test_a_resume_mid_window_continues_exactly(first, then):
     if first.get("device_memory_budget_bytes") == "bf16":
         need32, _ = sums_needed({})
@@ -272,8 +276,9 @@ def _ranks_run(rank: int, init_file: str, out_dir: str, budgets: tuple[int, int]
     try:
         model = make_model().cpu()
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, cpu_threads=1,
-                           device_memory_budget_bytes=budgets[rank])
+        opt = ZenFlowAdamW(
+            param_groups(model), lr=LR, **SETTINGS, cpu_threads=1, device_memory_budget_bytes=budgets[rank]
+        )
         for x, y in batches(10, seed=rank):
             loss = torch.nn.functional.cross_entropy(wrapped(x).flatten(0, 1), y.flatten())
             loss.backward()
@@ -282,8 +287,14 @@ def _ranks_run(rank: int, init_file: str, out_dir: str, budgets: tuple[int, int]
             opt.zero_grad()
         opt.flush()
         sums = {str(s.window_sum.dtype) for s in opt._split.values() if s.window_sum is not None}
-        torch.save({"chosen": opt.stats()["accumulate_on"], "sums": sorted(sums),
-                    "weights": [p.detach() for p in model.parameters()]}, f"{out_dir}/rank{rank}.pt")
+        torch.save(
+            {
+                "chosen": opt.stats()["accumulate_on"],
+                "sums": sorted(sums),
+                "weights": [p.detach() for p in model.parameters()],
+            },
+            f"{out_dir}/rank{rank}.pt",
+        )
         opt.close()
     finally:
         dist.destroy_process_group()
