@@ -8,7 +8,8 @@ gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulat
 device with fp32 weights the write-back buffer is the accumulator itself: `HostMatrix.shares_writeback`). One moment
 set (DeepSpeed keeps two, zenflow.md §3.12). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
 updated in fp32 pieces, `_adamw_narrow_moments`), ``host_grad_dtype="bfloat16"`` lands fp32 gradients as bf16 (half
-the landing buffers and the bytes to host).
+the landing buffers and the bytes to host). ``accumulate_on="device_bf16"`` adds a bf16 landing buffer (+2 B) that the
+window's bf16 sum lands in; the worker widens it into the fp32 accumulator (`host_adamw_window`).
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
 [in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
