@@ -30,7 +30,7 @@ DEFAULT_SELECT_STEPS = 100
 MIN_OFFLOAD_NUMEL = 1 << 18
 
 _SELECT_STRATEGIES = ("auto", "step", "epoch")
-_ACCUMULATE_ON = ("auto", "host", "device")
+_ACCUMULATE_ON = ("auto", "host", "device", "device_bf16")
 _HOST_GRAD_DTYPES = ("auto", "bfloat16")
 _HOST_MOMENT_DTYPES = ("float32", "bfloat16")
 
@@ -156,10 +156,13 @@ class ZenFlowConfig:
                   "matrix gradient goes to the host and the worker adds it into an fp32 accumulator (no device "
                   'memory). "device": an fp32 accumulator per offloaded matrix stays on the device (+4 bytes per '
                   "offloaded parameter of device memory) and crosses the link once per window; the host then only "
-                  'runs the AdamW (same results). "auto": "device" when those sums fit in the device memory left '
-                  "after the first forward/backward with a 10% margin (CUDA: measured; a CPU device: "
-                  '`device_memory_budget_bytes`, without it "host"), else "host"; chosen at the first step, logged, '
-                  "in stats() and checkpoints.",
+                  'runs the AdamW (same results). "device_bf16": the same, the sums kept in bf16 on the device '
+                  "(+2 bytes per offloaded parameter; each step adds in fp32 and rounds the running sum to bf16, "
+                  "8 significant bits) and sent as bf16 (half the link bytes), widened into the host's fp32 "
+                  'accumulator. "auto": "device" when fp32 sums fit in the device memory left after the first '
+                  'forward/backward with a 10% margin, else "device_bf16" when bf16 sums fit, else "host" (CUDA: '
+                  'measured; a CPU device: `device_memory_budget_bytes`, without it "host"); chosen at the first '
+                  "step, logged, in stats() and checkpoints.",
                   "choices": _ACCUMULATE_ON},
     )
     host_grad_dtype: str = field(
@@ -167,8 +170,8 @@ class ZenFlowConfig:
         metadata={"help": 'The dtype of each step\'s gradient on its way to the host. "auto": the gradient\'s own. '
                   '"bfloat16": an fp32 gradient is rounded to bf16 on the device before it crosses the link (half '
                   "the device-to-host bytes and half the landing buffers); the host still sums the window in fp32. "
-                  'Other gradients (bf16, fp16) cross as they are. (accumulate_on="device" sums on the device and '
-                  "ships the fp32 sum once per window: unaffected.)",
+                  'Other gradients (bf16, fp16) cross as they are. (accumulate_on="device" / "device_bf16" sum on the '
+                  "device and ship the sum once per window: unaffected.)",
                   "choices": _HOST_GRAD_DTYPES},
     )
     host_moment_dtype: str = field(

@@ -125,7 +125,7 @@ def state_sizes(splits: dict, dense: dict) -> dict[str, float]:
     host_bytes = sum(s.host.nbytes() for s in matrices if s.host is not None)
     device_bytes = (sum(s.device.nbytes() for s in matrices if s.device is not None)
                     + sum(d.nbytes() for d in dense.values())
-                    + sum(s.window_sum.numel() * 4 for s in matrices if s.window_sum is not None))
+                    + sum(s.window_sum.nbytes for s in matrices if s.window_sum is not None))
     return {"selected_fraction": on_device / total if total else 1.0, "host_state_bytes": host_bytes,
             "device_state_bytes": device_bytes, "host_bytes_per_param": host_bytes / hosted if hosted else 0.0}
 
@@ -133,8 +133,8 @@ def state_sizes(splits: dict, dense: dict) -> dict[str, float]:
 def optimizer_stats(stats: ZenFlowStats, schedule: WindowSchedule | None, config: ZenFlowConfig, splits: dict,
                     dense: dict, host: HostWindows) -> dict[str, float | str]:
     """`ZenFlowAdamW.stats()`: the step counters of `stats` with the schedule's counts, the state sizes and the host
-    worker's last job times; ``"accumulate_on"``: where windows are summed, "host" or "device" ("auto" until its
-    choice at the first step)."""
+    worker's last job times; ``"accumulate_on"``: where windows are summed, "host", "device" or "device_bf16"
+    ("auto" until its choice at the first step)."""
     worker_ms: dict[str, Any] = host.worker.last_job_ms if host.worker is not None else {}
     # the last closed window; before the first one, the configured interval (auto: the open window so far)
     interval = (schedule.last_interval if schedule and schedule.last_interval else

@@ -75,12 +75,17 @@ class Transport:
         them; nothing where copies are synchronous."""
 
     def before_window_add(self, split: SplitMatrix) -> None:
-        """Called before the first add of a window into `split.window_sum` (``accumulate_on="device"``)."""
+        """Called before the first add of a window into `split.window_sum` (``accumulate_on="device"`` or
+        ``"device_bf16"``)."""
 
     def ship_window_sums(self, splits: list[SplitMatrix]) -> Landed:
-        """Move each closed window's device-side sum into its host accumulator (the worker is not reading it)."""
+        """Move each closed window's device-side sum into its host accumulator (the worker is not reading it); a
+        bf16 sum (``accumulate_on="device_bf16"``) into its bf16 landing buffer instead, as it is."""
         for split in splits:
             host = split.host
+            if host.landing is not None:  # (bf16 sums: swapped into the landing buffer, the worker widens them)
+                host.landing, split.window_sum = split.window_sum, host.landing
+                continue
             shared = host.writeback is host.accum  # (`HostMatrix.shares_writeback`: written back already)
             host.accum, split.window_sum = split.window_sum, host.accum
             if shared:
@@ -163,7 +168,8 @@ class CopyTransport(Transport):
         for device, items in by_device([(s, s.window_sum) for s in splits], lambda item: item[1].device):
             with self._copying(device):
                 for split, total in items:
-                    self._copy(split.host.accum, total)
+                    host = split.host
+                    self._copy(host.landing if host.landing is not None else host.accum, total)
                 event = self._landed_event(device)
             if event is not None:
                 landed.events.append(event)
