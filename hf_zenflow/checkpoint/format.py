@@ -98,8 +98,10 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
                 h.accum, h.accum_count)
             # moments stored bf16 (host_moment_dtype) are saved widened, exactly: the file format stays fp32, and a
             # resume under either setting restores them (the setting itself is in the saved config)
+            # a bf16 window sum (accumulate_on="device_bf16") too: any setting loads it, and "device_bf16" rounds it
+            # back to the same bits
             entry.update(host_master=h.master, host_exp_avg=h.exp_avg.float(), host_exp_avg_sq=h.exp_avg_sq.float(),
-                         host_step=h.step, accum=accum if count else None, accum_count=count)
+                         host_step=h.step, accum=accum.float() if count else None, accum_count=count)
             if split.share.ranks > 1:
                 entry["share"] = [split.share.start, split.share.length, split.share.size]
         state[index_of[p]] = entry

@@ -102,9 +102,9 @@ def check_block(zenflow: dict[str, Any]) -> None:
         raise Refusal(f"{where}: writeback_lag={lag!r} is invalid, expected an integer >= 1 or None")
     if "writeback_lag_pending" in zenflow:
         _flag(where, zenflow, "writeback_lag_pending")
-    if zenflow.get("accumulate_on") not in (None, "host", "device"):
-        raise Refusal(f"{where}: accumulate_on={zenflow['accumulate_on']!r} is invalid, expected 'host', 'device' "
-                      "or None (not decided yet)")
+    if zenflow.get("accumulate_on") not in (None, "host", "device", "device_bf16"):
+        raise Refusal(f"{where}: accumulate_on={zenflow['accumulate_on']!r} is invalid, expected 'host', 'device', "
+                      "'device_bf16' or None (not decided yet)")
     unapplied = zenflow.get("unapplied_steps")
     if not isinstance(unapplied, list) or not all(_is_int(n) and 0 <= n <= steps for n in unapplied):
         raise Refusal(f"{where}: unapplied_steps={unapplied!r} is invalid, expected a list of step counts "

@@ -99,14 +99,17 @@ def project(results: dict[str, dict[str, Any]], params_ran: float, params: float
             selected = float(stats.get("selected_fraction") or 0.0)
             u = _interval(r)
             device = compute + selected * device_adamw + grad_read
-            if stats.get("accumulate_on") == "device":
-                # one fp32 sum per window crosses (fp32 on the GPU too: no bf16 halving); the per-step bytes are 1/U
-                # of it, so the AdamW covers U times their elements; the host step waits for the sum to land
-                down = (r.get("bytes_to_host_per_step") or 0.0) * scale / (profile.link_gbps * 1e9) * 1e3
-                adamw = adamw_ms(r) * u
+            sum_bytes = {"device": 4, "device_bf16": 2}.get(stats.get("accumulate_on"))
+            if sum_bytes:
+                # one sum per window crosses in its own dtype (fp32, or bf16 with "device_bf16"; the same on a GPU:
+                # no halving); the per-step bytes are 1/U of it, so the AdamW covers U times their elements; the
+                # host step waits for the sum to land
+                sent = (r.get("bytes_to_host_per_step") or 0.0) * scale
+                down = sent / (profile.link_gbps * 1e9) * 1e3
+                hosted = sent * u / sum_bytes
+                adamw = hosted / host_rate * 1e3
                 host = (down * u + adamw) / u  # the chain per window (its AdamW alone is less), over the window
                 # the device adds every step's gradient into the sums (`DEVICE_ACCUMULATE_TRAFFIC` B per element)
-                hosted = (r.get("bytes_to_host_per_step") or 0.0) * u / RUN_LINK_BYTES * scale
                 device += hosted * DEVICE_ACCUMULATE_TRAFFIC / (profile.device_mem_gbps * 1e9) * 1e3
             else:
                 host = adamw_ms(r) * (1.0 / u + accumulate_ratio(r))  # one AdamW per window, every step summed

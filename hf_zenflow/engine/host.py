@@ -8,7 +8,8 @@ gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulat
 device with fp32 weights the write-back buffer is the accumulator itself: `HostMatrix.shares_writeback`). One moment
 set (DeepSpeed keeps two, zenflow.md §3.12). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
 updated in fp32 pieces, `_adamw_narrow_moments`), ``host_grad_dtype="bfloat16"`` lands fp32 gradients as bf16 (half
-the landing buffers and the bytes to host).
+the landing buffers and the bytes to host). ``accumulate_on="device_bf16"`` adds a bf16 landing buffer (+2 B) that the
+window's bf16 sum lands in; the worker widens it into the fp32 accumulator (`host_adamw_window`).
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
 [in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._base import fused_adamw_
+from ..settings.config import sums_on_device
 from ..transport.cpu_device import kernels
 from ..transport.link import Transport
 from ..transport.pinned import PinnedArena
@@ -66,7 +68,13 @@ def moment_dtype(setting: str) -> torch.dtype:
 def accumulate_into(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | None, first: bool) -> None:
     """``accum = grad * coef`` (first step of a window) or ``accum += grad * coef``, in fp32. The one rule for both
     places a window is summed (the host worker, or the device with ``accumulate_on="device"``), so the two give
-    the same bits."""
+    the same bits.
+
+    A bf16 `accum` (``accumulate_on="device_bf16"``): the fp32 rule on the widened sum, rounded to nearest bf16
+    after every add (`_accumulate_bf16`): the running sum keeps bf16's 8 significant bits."""
+    if accum.dtype == torch.bfloat16:
+        _accumulate_bf16(accum, grad2d, coef, first)
+        return
     if kernels.supports(grad2d) and accum.device.type == "cpu" and kernels.library() is not None:
         # one pass that reads a bf16 gradient directly (torch needs a conversion pass first); same arithmetic
         kernels.accumulate([accum], [grad2d], coef, first)
@@ -82,6 +90,26 @@ def accumulate_into(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | Non
         accum.add_(grad2d)
     else:
         accum.add_(grad2d, alpha=coef)
+
+
+def _accumulate_bf16(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | None, first: bool) -> None:
+    """``accum = round_bf16(widen(accum) + grad * coef)`` for a bf16 window sum, by pieces of `NARROW_CHUNK`
+    elements: each piece is widened exactly into an fp32 scratch on the sum's device, gets the fp32 rule of
+    `accumulate_into` (the same arithmetic as an fp32 sum, so a bf16 sum is an fp32 sum rounded after every add, bit
+    for bit) and is rounded back to nearest. Not torch's in-place bf16 add: on CPU it rounds ``alpha`` (the clip
+    coefficient) to bf16 first, a systematic error in the whole step's gradient. The scratch bounds the extra device
+    memory to one piece (16 MiB)."""
+    rows = max(1, NARROW_CHUNK // max(1, accum.shape[-1]))
+    for start in range(0, accum.shape[0], rows):
+        part = accum[start:start + rows]
+        if part.device.type == "cpu":
+            wide = _fp32_scratch(part, "bf16_sum")
+        else:
+            wide = torch.empty(part.shape, dtype=torch.float32, device=part.device)
+        if not first:
+            wide.copy_(part)
+        accumulate_into(wide, grad2d[start:start + rows], coef, first)
+        part.copy_(wide)
 
 
 @dataclass
@@ -106,6 +134,10 @@ class HostMatrix:
     writeback: torch.Tensor | None = None
     writeback_free: object | None = None
     writeback_fresh: bool = False
+    # accumulate_on="device_bf16": the bf16 window sum lands here (a buffer that crosses the link, 2 B/element);
+    # `landing_full` until the worker widens it into `accum` (`host_adamw_window`)
+    landing: torch.Tensor | None = None
+    landing_full: bool = False
 
     @classmethod
     def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host",
@@ -117,16 +149,21 @@ class HostMatrix:
         and the moments never cross the link and are ordinary host memory; the moments in `moments` (fp32, or bf16
         with ``host_moment_dtype="bfloat16"``). `grad_dtype`: the dtype gradients cross the link in."""
         transport = transport if transport is not None else Transport()  # (references, no pinning)
-        on_device = accumulate_on == "device"
+        on_device = sums_on_device(accumulate_on)
+        narrow = accumulate_on == "device_bf16"  # the sum lands in a bf16 buffer, the accumulator stays host-only
         shape = param2d.shape
         state = cls(
             master=torch.empty(shape, dtype=torch.float32).copy_(param2d.detach()),
             exp_avg=torch.zeros(shape, dtype=moments),
             exp_avg_sq=torch.zeros(shape, dtype=moments),
             step=torch.zeros((), dtype=torch.float32),
-            accum=(transport.host_buffer(shape, torch.float32) if on_device else torch.empty(shape)).zero_(),
+            accum=(transport.host_buffer(shape, torch.float32) if on_device and (
+                not narrow or HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport))
+                else torch.empty(shape)).zero_(),
             grad_dtype=grad_dtype,
         )
+        if narrow:
+            state.landing = transport.host_buffer(shape, torch.bfloat16).zero_()
         if transport.stages_gradients and not on_device:
             state.staging = [transport.host_buffer(shape, grad_dtype) for _ in range(GRAD_SLOTS)]
         if HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport):
@@ -149,7 +186,7 @@ class HostMatrix:
         device->host copy would be ordered after the write-back's host->device copy by stream order, but that is
         not tested against the asynchronous double (whose landing buffers read as NaN from the enqueue on): the
         two buffers stay separate there."""
-        return accumulate_on == "device" and param_dtype == torch.float32 and not transport.pins_host_memory
+        return sums_on_device(accumulate_on) and param_dtype == torch.float32 and not transport.pins_host_memory
 
     @staticmethod
     def link_bytes(param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str, transport: Transport) -> int:
@@ -157,9 +194,11 @@ class HostMatrix:
         numel = param2d.numel()
         shared = HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport)
         sizes = [] if shared else [numel * param2d.element_size()]
-        if accumulate_on == "device":
+        if accumulate_on == "device" or shared:  # the fp32 accumulator crosses (or is the write-back buffer)
             sizes.append(numel * 4)
-        elif transport.stages_gradients:
+        if accumulate_on == "device_bf16":  # the bf16 sum lands in its own buffer
+            sizes.append(numel * 2)
+        elif not sums_on_device(accumulate_on) and transport.stages_gradients:
             sizes += [numel * torch.empty((), dtype=grad_dtype).element_size()] * GRAD_SLOTS
         return sum(PinnedArena.aligned(n) for n in sizes)
 
@@ -187,6 +226,8 @@ class HostMatrix:
 
     def nbytes(self) -> int:
         tensors = [self.master, self.exp_avg, self.exp_avg_sq, self.accum, *self.staging]
+        if self.landing is not None:
+            tensors.append(self.landing)
         if self.writeback is not None and self.writeback is not self.accum:  # (one buffer: `shares_writeback`)
             tensors.append(self.writeback)
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -246,6 +287,11 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
         fused: list[tuple[HostMatrix, torch.Tensor | None]] = []
         plain: list[HostMatrix] = []
         for m in matrices:
+            if m.landing_full:
+                # a window summed on the device in bf16 (``accumulate_on="device_bf16"``): widened exactly into the
+                # fp32 accumulator here, on the worker, so the training thread never pays this pass
+                m.accum.copy_(m.landing)
+                m.landing_full = False
             g = pending.pop(id(m), None)
             if (g is not None or m.accum_count > 0) and _fusable(m, g):
                 fused.append((m, g))

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..distributed.sharding import RankGroup, Share
+from ..settings.config import DEVICE_SUM_DTYPES, sums_on_device
 from ..transport.link import Transport
 from .device_state import DenseDeviceState, DeviceColumns
 from .host import HostMatrix
@@ -44,7 +45,8 @@ class SplitMatrix:
         self.device: DeviceColumns | None = None
         self.host: HostMatrix | None = None
         self.auto = ZenAutoStats()
-        # accumulate_on="device": the open window's fp32 gradient sum on the parameter's device, the steps in it,
+        # accumulate_on="device" / "device_bf16": the open window's fp32 / bf16 gradient sum on the parameter's
+        # device, the steps in it,
         # and (CUDA) the event after which its last device->host copy has read it
         self.window_sum: torch.Tensor | None = None
         self.window_count = 0
@@ -71,8 +73,8 @@ class SplitMatrix:
         self.share = share if share is not None else Share(1 - self.axis, self.matrix(self.param).shape[1 - self.axis])
         part = self.host_part(self.param)
         self.host = HostMatrix.create(part, grad_dtype or self.grad_dtype, accumulate_on, transport, moments)
-        if accumulate_on == "device":
-            self.window_sum = torch.zeros(part.shape, dtype=torch.float32, device=self.param.device)
+        if sums_on_device(accumulate_on):
+            self.window_sum = torch.zeros(part.shape, dtype=DEVICE_SUM_DTYPES[accumulate_on], device=self.param.device)
             self.window_count = 0
 
     @property

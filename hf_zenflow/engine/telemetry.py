@@ -116,6 +116,6 @@ def state_sizes(splits: dict, dense: dict) -> dict[str, float]:
     host_bytes = sum(s.host.nbytes() for s in matrices if s.host is not None)
     device_bytes = (sum(s.device.nbytes() for s in matrices if s.device is not None)
                     + sum(d.nbytes() for d in dense.values())
-                    + sum(s.window_sum.numel() * 4 for s in matrices if s.window_sum is not None))
+                    + sum(s.window_sum.nbytes for s in matrices if s.window_sum is not None))
     return {"selected_fraction": on_device / total if total else 1.0, "host_state_bytes": host_bytes,
             "device_state_bytes": device_bytes, "host_bytes_per_param": host_bytes / hosted if hosted else 0.0}

@@ -1,12 +1,12 @@
 """The host side of a ZenFlow step: hand-offs, windows and write-backs, and the worker that runs the host jobs.
 
 `HostWindows` gives each step's gradients of the offloaded matrices to the host (or, with
-``accumulate_on="device"``, adds them into device-side window sums), closes windows by submitting the host AdamW,
-and writes host results back into the weights when the schedule says: at once (``overlap_step=False``) or
-``writeback_lag`` steps into the next window, while the device trains on (closing and writing back:
-`window_close.py`). What crosses the link goes through a `Transport` per device type; the
-host jobs run in order on one `HostAdamWorker`. With several data-parallel ranks each rank's host side covers its
-share of every matrix, and the write-back all-gathers the shares (`distributed/sharding.py`).
+``accumulate_on="device"`` or ``"device_bf16"``, adds them into device-side window sums), closes windows by
+submitting the host AdamW, and writes host results back into the weights when the schedule says: at once
+(``overlap_step=False``) or ``writeback_lag`` steps into the next window, while the device trains on (closing and
+writing back: `window_close.py`). What crosses the link goes through a `Transport` per device type; the host jobs run
+in order on one `HostAdamWorker`. With several data-parallel ranks each rank's host side covers its share of every
+matrix, and the write-back all-gathers the shares (`distributed/sharding.py`).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class HostWindows(WindowCloses):
                 if not started.done:
                     self.abandon_hand_off(started)
                 raise
-        elif self.accumulate_on == "device":
+        elif accumulation.sums_on_device(self.accumulate_on):
             work = self.offloaded(entries, grads)
             if work:
                 self.accumulate_on_device(work, coef)
@@ -203,7 +203,7 @@ class HostWindows(WindowCloses):
         side stream into pinned memory, which the worker will wait for; CPU device: nothing to move, the worker
         reads the gradient tensors). Blocks (a stall) only while the worker is `GRAD_SLOTS` steps behind. None when
         nothing goes to the host worker this step (``accumulate_on="device"`` sums on the device instead)."""
-        if self.accumulate_on == "device":
+        if accumulation.sums_on_device(self.accumulate_on):
             return None
         work = self.offloaded(entries, grads)
         if not work:
@@ -243,7 +243,7 @@ class HostWindows(WindowCloses):
         its copy to the host now, so that it overlaps the rest of backward instead of following `step()`'s sync.
         The first such gradient of a step takes the hand-off slot (a stall only while the worker is two steps
         behind); `start_hand_off` keeps the copies whose gradient has not changed since, and copies the rest."""
-        if self.accumulate_on == "device":
+        if accumulation.sums_on_device(self.accumulate_on):
             return
         split = self.splits.get(p)
         if split is None or split.host is None:
@@ -307,8 +307,9 @@ class HostWindows(WindowCloses):
         return sources, landed
 
     def accumulate_on_device(self, work: list[tuple[SplitMatrix, torch.Tensor]], coef: float | None) -> None:
-        """``accumulate_on="device"``: add this step's gradients into the device-side window sums (the caller's
-        stream, like the rest of the device update); nothing crosses the link until the window closes."""
+        """``accumulate_on="device"`` / ``"device_bf16"``: add this step's gradients into the device-side window
+        sums, fp32 / bf16 (the caller's stream, like the rest of the device update); nothing crosses the link until
+        the window closes."""
         for split, g in work:
             if split.window_count == 0:
                 self.transport_of(split).before_window_add(split)  # (CUDA: the last window's copy has read it)
@@ -316,16 +317,18 @@ class HostWindows(WindowCloses):
             split.window_count += 1
 
     def _ship_window_sums(self, splits: list[SplitMatrix]) -> Landed:
-        """``accumulate_on="device"``: move each closed window's device sum into its host accumulator, once per
+        """``accumulate_on="device"`` / ``"device_bf16"``: move each closed window's device sum to the host, once per
         window; returns what the host step must wait for. The caller has made sure no host step still reads the
         accumulators."""
         shipped = [s for s in splits if s.window_sum is not None and s.window_count]
         landed = Landed()
+        # the sum crosses the link in its own dtype: fp32, or bf16 with "device_bf16" (half the bytes)
+        self.stats.bytes_to_host += sum(s.window_sum.nbytes for s in shipped)
         for transport, group in self.by_transport(shipped):
             landed.events += transport.ship_window_sums(group).events
         for split in shipped:
             split.host.accum_count, split.window_count = split.window_count, 0
-            self.stats.bytes_to_host += split.host.accum.numel() * split.host.accum.element_size()
+            split.host.landing_full = split.host.landing is not None  # (the worker widens it: `host_adamw_window`)
         return landed
 
     def by_transport(self, splits: list[SplitMatrix]) -> list[tuple[Transport, list[SplitMatrix]]]:

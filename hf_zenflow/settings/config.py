@@ -13,6 +13,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+import torch
+
 from .deepspeed_config import load, zenflow_values
 from .threads import available_cpu_count, worker_threads  # noqa: F401 - available_cpu_count: imported from here
 
@@ -38,9 +40,17 @@ DEFAULT_SELECT_STEPS = 100
 MIN_OFFLOAD_NUMEL = 1 << 18
 
 _SELECT_STRATEGIES = ("auto", "step", "epoch")
-_ACCUMULATE_ON = ("auto", "host", "device")
+_ACCUMULATE_ON = ("auto", "host", "device", "device_bf16")
+#: The device-side window sum's dtype of each resolved `accumulate_on` that sums on the device.
+DEVICE_SUM_DTYPES = {"device": torch.float32, "device_bf16": torch.bfloat16}
 _HOST_GRAD_DTYPES = ("auto", "bfloat16")
 _HOST_MOMENT_DTYPES = ("float32", "bfloat16")
+
+
+def sums_on_device(accumulate_on: str | None) -> bool:
+    """Whether a resolved `accumulate_on` ("auto"'s choice, or the setting) sums windows on the device ("device" or
+    "device_bf16")."""
+    return accumulate_on in DEVICE_SUM_DTYPES
 
 
 def _is_int(value: Any) -> bool:
@@ -164,10 +174,13 @@ class ZenFlowConfig:
                   "matrix gradient goes to the host and the worker adds it into an fp32 accumulator (no device "
                   'memory). "device": an fp32 accumulator per offloaded matrix stays on the device (+4 bytes per '
                   "offloaded parameter of device memory) and crosses the link once per window; the host then only "
-                  'runs the AdamW (same results). "auto": "device" when those sums fit in the device memory left '
-                  "after the first forward/backward with a 10% margin (CUDA: measured; a CPU device: "
-                  '`device_memory_budget_bytes`, without it "host"), else "host"; chosen at the first step, logged, '
-                  "in stats() and checkpoints.",
+                  'runs the AdamW (same results). "device_bf16": the same, the sums kept in bf16 on the device '
+                  "(+2 bytes per offloaded parameter; each step adds in fp32 and rounds the running sum to bf16, "
+                  "8 significant bits) and sent as bf16 (half the link bytes), widened into the host's fp32 "
+                  'accumulator. "auto": "device" when fp32 sums fit in the device memory left after the first '
+                  'forward/backward with a 10% margin, else "device_bf16" when bf16 sums fit, else "host" (CUDA: '
+                  'measured; a CPU device: `device_memory_budget_bytes`, without it "host"); chosen at the first '
+                  "step, logged, in stats() and checkpoints.",
                   "choices": _ACCUMULATE_ON},
     )
     host_grad_dtype: str = field(
@@ -175,8 +188,8 @@ class ZenFlowConfig:
         metadata={"help": 'The dtype of each step\'s gradient on its way to the host. "auto": the gradient\'s own. '
                   '"bfloat16": an fp32 gradient is rounded to bf16 on the device before it crosses the link (half '
                   "the device-to-host bytes and half the landing buffers); the host still sums the window in fp32. "
-                  'Other gradients (bf16, fp16) cross as they are. (accumulate_on="device" sums on the device and '
-                  "ships the fp32 sum once per window: unaffected.)",
+                  'Other gradients (bf16, fp16) cross as they are. (accumulate_on="device" / "device_bf16" sum on the '
+                  "device and ship the sum once per window: unaffected.)",
                   "choices": _HOST_GRAD_DTYPES},
     )
     host_moment_dtype: str = field(

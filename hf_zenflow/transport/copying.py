@@ -67,7 +67,8 @@ class CopyTransport(Transport):
         for device, items in by_device([(s, s.window_sum) for s in splits], lambda item: item[1].device):
             with self._copying(device):
                 for split, total in items:
-                    self._copy(split.host.accum, total)
+                    host = split.host
+                    self._copy(host.landing if host.landing is not None else host.accum, total)
                 event = self._landed_event(device)
             if event is not None:
                 landed.events.append(event)

@@ -32,6 +32,7 @@ class HostEnd(Protocol):
     """The host end of one offloaded matrix, as the link sees it: buffers (the engine's `HostMatrix` is one)."""
 
     accum: torch.Tensor  # the window's gradient sum
+    landing: torch.Tensor | None  # where a bf16 device-side window sum lands (``accumulate_on="device_bf16"``)
     writeback: torch.Tensor | None  # the host result, rounded to the weight's dtype, for the write-back
     writeback_free: object | None  # what the next writer of `writeback` waits for (a CUDA event), or None
     staging: list[torch.Tensor]  # one landing buffer per hand-off slot (when gradients are staged)
@@ -94,12 +95,17 @@ class Transport:
         them; nothing where copies are synchronous."""
 
     def before_window_add(self, split: LinkedMatrix) -> None:
-        """Called before the first add of a window into `split.window_sum` (``accumulate_on="device"``)."""
+        """Called before the first add of a window into `split.window_sum` (``accumulate_on="device"`` or
+        ``"device_bf16"``)."""
 
     def ship_window_sums(self, splits: list[LinkedMatrix]) -> Landed:
-        """Move each closed window's device-side sum into its host accumulator (the worker is not reading it)."""
+        """Move each closed window's device-side sum into its host accumulator (the worker is not reading it); a
+        bf16 sum (``accumulate_on="device_bf16"``) into its bf16 landing buffer instead, as it is."""
         for split in splits:
             host = split.host
+            if host.landing is not None:  # (bf16 sums: swapped into the landing buffer, the worker widens them)
+                host.landing, split.window_sum = split.window_sum, host.landing
+                continue
             shared = host.writeback is host.accum  # (`HostMatrix.shares_writeback`: written back already)
             host.accum, split.window_sum = split.window_sum, host.accum
             if shared:

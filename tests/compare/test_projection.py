@@ -35,3 +35,13 @@ def test_projection_of_host_and_device_accumulation() -> None:
     assert dev["host_ms"] == pytest.approx((200 + ADAMW_MS) / 4)
     assert dev["link_ms"] == pytest.approx(max(200 / 4, 1e6 * 1000 * 2 / 4 / 20e9 * 1e3))
     assert dev["step_ms"] == pytest.approx(max(dev["device_ms"], dev["link_ms"], dev["host_ms"]))
+
+
+def test_projection_of_bf16_device_sums() -> None:
+    # "device_bf16": the same 1e6 hosted elements send a bf16 sum per window (half the bytes of the fp32 sum): the
+    # host AdamW covers the same elements, the landing (and the link) takes half as long
+    fp32 = project({"zenflow": _zenflow("device", 1e6)}, 1e6, 1e9, 1000, PROFILE)["zenflow"]
+    bf16 = project({"zenflow": _zenflow("device_bf16", 0.5e6)}, 1e6, 1e9, 1000, PROFILE)["zenflow"]
+    assert bf16["host_ms"] == pytest.approx((100 + ADAMW_MS) / 4)
+    assert fp32["host_ms"] - bf16["host_ms"] == pytest.approx(100 / 4)
+    assert bf16["device_ms"] == pytest.approx(fp32["device_ms"])

@@ -114,7 +114,7 @@ def test_flags_carry_the_help_true_default_and_choices():
         assert " ".join(setting.help.split()[:4]) in action.help, arg  # the config's own text
         assert action.choices == (list(setting.choices) if setting.choices else None), arg
     assert actions["--zenflow_select_strategy"].choices == ["auto", "step", "epoch"]
-    assert actions["--zenflow_accumulate_on"].choices == ["auto", "host", "device"]
+    assert actions["--zenflow_accumulate_on"].choices == ["auto", "host", "device", "device_bf16"]
 
 
 def test_choices_are_case_insensitive_everywhere():
