@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..settings.config import DEVICE_SUM_DTYPES  # (the setting's meaning; `accumulation.` users)
+from ..settings.config import DEVICE_SUM_DTYPES
 
 
 if TYPE_CHECKING:

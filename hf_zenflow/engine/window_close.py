@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._base import by_device
-from . import accumulation
+from ..settings.config import sums_on_device
 from .device_state import DeviceColumns, scatter_columns
 from .host import HostMatrix, host_adamw_window
 from .host_lr import host_lr_scale, peak_lr, window_lag
@@ -53,7 +53,7 @@ class WindowCloses:
         if not sequential:
             self.apply_previous_window(timer)
         landed = None
-        if accumulation.sums_on_device(self.accumulate_on):
+        if sums_on_device(self.accumulate_on):
             with timer.phase("handoff"):
                 if self.pending is not None:
                     # Sync point: the previous window's host step reads the host accumulators; it must be done

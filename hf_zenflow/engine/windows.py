@@ -19,7 +19,7 @@ import torch
 
 from ..distributed.replica_check import note_host_split
 from ..distributed.sharding import RankGroup
-from ..settings.config import ZenFlowConfig
+from ..settings.config import ZenFlowConfig, sums_on_device
 from ..settings.threads import claim_cores, release_cores
 from ..transport import Landed, Transport, transport_for
 from ..transport.cpu_device.transport import CpuShardTransport
@@ -187,7 +187,7 @@ class HostWindows(WindowCloses):
                 if not started.done:
                     self.abandon_hand_off(started)
                 raise
-        elif accumulation.sums_on_device(self.accumulate_on):
+        elif sums_on_device(self.accumulate_on):
             work = self.offloaded(entries, grads)
             if work:
                 self.accumulate_on_device(work, coef)
@@ -203,7 +203,7 @@ class HostWindows(WindowCloses):
         side stream into pinned memory, which the worker will wait for; CPU device: nothing to move, the worker
         reads the gradient tensors). Blocks (a stall) only while the worker is `GRAD_SLOTS` steps behind. None when
         nothing goes to the host worker this step (``accumulate_on="device"`` sums on the device instead)."""
-        if accumulation.sums_on_device(self.accumulate_on):
+        if sums_on_device(self.accumulate_on):
             return None
         work = self.offloaded(entries, grads)
         if not work:
@@ -243,7 +243,7 @@ class HostWindows(WindowCloses):
         its copy to the host now, so that it overlaps the rest of backward instead of following `step()`'s sync.
         The first such gradient of a step takes the hand-off slot (a stall only while the worker is two steps
         behind); `start_hand_off` keeps the copies whose gradient has not changed since, and copies the rest."""
-        if accumulation.sums_on_device(self.accumulate_on):
+        if sums_on_device(self.accumulate_on):
             return
         split = self.splits.get(p)
         if split is None or split.host is None:
