@@ -30,7 +30,9 @@ The model's constants:
   is at most U), so ZenFlow's host side per step is the larger of its work and that chain over U;
 * ``accumulate_on="auto"`` (the default): the device when the ZenFlow row with device accumulation fits the device
   memory with the engine's margin (`hf_zenflow.accumulation.MARGIN` of it left free) together with the activations
-  of a llama-shaped model with activation checkpointing (`activation_gb`), else the host (`auto_accumulation`);
+  of a llama-shaped model with activation checkpointing (`activation_gb`), else the device with bf16 sums when
+  those fit (``"device_bf16"``: half the sums' device memory and link bytes, a widening pass on the host), else the
+  host (`auto_accumulation`);
 * host memory: `HOST_BYTES_PER_PARAM` per offloaded parameter, as the engines hold it on a bf16 model;
 * N data-parallel ranks on the profile's node (``ranks``, ``parallel``): every figure is per rank, split as module
   `ranks` describes (host work, host memory and link bytes 1/N on 1/N of the host cores and memory bandwidth; DDP adds
@@ -84,6 +86,15 @@ DEVICE_BYTES_ADAM_STATE = 12
 #: write the fp32 sum).
 DEVICE_ACCUMULATOR_BYTES = 4
 DEVICE_ACCUMULATE_TRAFFIC = 10
+#: The same in bf16 (accumulate_on="device_bf16"): a 2-B sum, and the engine's add in pieces through an fp32 scratch
+#: (widen the sum: read 2, write 4; add the gradient: read 4 + 2, write 4; round: read 4, write 2).
+DEVICE_BF16_ACCUMULATOR_BYTES = 2
+DEVICE_BF16_ACCUMULATE_TRAFFIC = 22
+#: The host's widening of a landed bf16 sum into its fp32 accumulator before the window's AdamW (read 2, write 4).
+HOST_WIDEN_BYTES = 6
+#: ZenFlow's rows of the bound model: (row, bytes of one device-side window sum element; 0 = summed on the host).
+ZENFLOW_SUM_ROWS = (("zenflow", 0), ("zenflow_device_accumulation", DEVICE_ACCUMULATOR_BYTES),
+                    ("zenflow_device_bf16", DEVICE_BF16_ACCUMULATOR_BYTES))
 #: Fraction of the device memory counted as usable for weights, gradients and optimizer state (the rest is left for
 #: activations, the allocator and the runtime, which the model does not count).
 DEVICE_MEMORY_HEADROOM = 0.9
@@ -222,7 +233,8 @@ def _bound(parts: dict[str, float]) -> tuple[float, str]:
     return parts[side], side
 
 
-def zenflow_host_passes(update_interval: float, on_device: bool) -> list[tuple[str, float, float, float]]:
+def zenflow_host_passes(update_interval: float, on_device: bool,
+                        bf16_sums: bool = False) -> list[tuple[str, float, float, float]]:
     """ZenFlow's host work in one window, pass by pass: (pass, how many per window, core work in host AdamWs, host
     memory bytes per offloaded parameter), with a bf16 model and fp32 host state.
 
@@ -230,7 +242,8 @@ def zenflow_host_passes(update_interval: float, on_device: bool) -> list[tuple[s
     same memory bandwidth and is counted in the pass it overlaps: with host accumulation each step's bf16 gradient
     lands (2) while the worker is busy with earlier ones; the write-back copy reads the bf16 buffer (2) while the
     worker may run the next window. The fp32 window sums' landing (``accumulate_on="device"``) is not counted: the
-    host step waits for it (the chain in `schedule_model`), so it overlaps no pass.
+    host step waits for it (the chain in `schedule_model`), so it overlaps no pass. With `bf16_sums`
+    (``accumulate_on="device_bf16"``) the landed bf16 sum is first widened into the fp32 accumulator.
 
     Example:
         >>> [(name, n, b) for name, n, _, b in zenflow_host_passes(4, on_device=True)]
@@ -239,7 +252,8 @@ def zenflow_host_passes(update_interval: float, on_device: bool) -> list[tuple[s
     u = max(1.0, float(update_interval))
     rounding = ("write-back rounding", 1.0, 0.0, float(HOST_ROUNDING_BYTES))
     if on_device:
-        return [("window AdamW", 1.0, 1.0, float(FP32_BYTES + HOST_STATE_BYTES + BF16_BYTES)), rounding]
+        widen = [("bf16 sum widened", 1.0, 0.0, float(HOST_WIDEN_BYTES))] if bf16_sums else []
+        return [*widen, ("window AdamW", 1.0, 1.0, float(FP32_BYTES + HOST_STATE_BYTES + BF16_BYTES)), rounding]
     landing = BF16_BYTES
     passes = []
     if u > 1:
@@ -301,24 +315,29 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                             "allgather_ms": allgather, "device_memory_gb": weights_grads,
                             "host_limit": "memory" if sync_memory > sync_core else "cores"}
     selected = topk_ratio * device_adamw + grad_read
-    for key, on_device in (("zenflow", False), ("zenflow_device_accumulation", True)):
+    for key, sum_bytes in ZENFLOW_SUM_ROWS:
+        on_device = sum_bytes > 0
+        # the sums cross in their own dtype: `link` is one bf16 element per parameter
+        sums_link = link * sum_bytes / LINK_BYTES_PER_PARAM
+        traffic = (DEVICE_ACCUMULATE_TRAFFIC if sum_bytes == DEVICE_ACCUMULATOR_BYTES
+                   else DEVICE_BF16_ACCUMULATE_TRAFFIC)
         # the write-back of a window's result (and under DDP its all-gather) runs on the device's stream: on the
         # device timeline
         device = compute + selected + link / u + allgather / u + (
-            n * share * DEVICE_ACCUMULATE_TRAFFIC / (profile.device_mem_gbps * 1e9) * 1e3 if on_device else 0.0)
+            n * share * traffic / (profile.device_mem_gbps * 1e9) * 1e3 if on_device else 0.0)
         if on_device:
             # the device keeps one sum per matrix: the next window's first add, after its first forward+backward,
-            # waits until the copy of the closed window's sums (2 x the bf16 link time) has read them
-            device += max(0.0, 2 * link - compute) / u
-        link_down = 2 * link / u if on_device else link  # one fp32 sum per window, or every bf16 gradient
+            # waits until the copy of the closed window's sums has read them
+            device += max(0.0, sums_link - compute) / u
+        link_down = sums_link / u if on_device else link  # one sum per window, or every bf16 gradient
         work = core_total = memory_total = 0.0
-        chain = 2 * link if on_device else link  # what the host step waits for: the sums, or the last gradient
-        for name, count, adamws, nbytes in zenflow_host_passes(u, on_device):
+        chain = sums_link if on_device else link  # what the host step waits for: the sums, or the last gradient
+        for name, count, adamws, nbytes in zenflow_host_passes(u, on_device, sum_bytes == BF16_BYTES):
             core, memory = _host_pass_ms(profile, n * share, split.core_share, adamws, nbytes)
             work += count * max(core, memory)
             core_total += count * core
             memory_total += count * memory
-            if name in ("window AdamW", "write-back rounding"):
+            if name in ("bf16 sum widened", "window AdamW", "write-back rounding"):
                 chain += max(core, memory)
         host = max(work, chain) / u
         parts = {"device": device, "link": link_down, "host": host}
@@ -328,13 +347,16 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                      "host_limit": "memory" if memory_total > core_total else "cores",
                      "allgather_ms": allgather / u,
                      "device_memory_gb": weights_grads + n * (topk_ratio * DEVICE_BYTES_ADAM_STATE * dev
-                                                              + (DEVICE_ACCUMULATOR_BYTES * share if on_device
-                                                                 else 0)) / 1e9}
+                                                              + sum_bytes * share) / 1e9}
     for key, r in rows.items():
         r["fits_device_memory"] = r["device_memory_gb"] <= DEVICE_MEMORY_HEADROOM * mem_gb
         r["compute_ms"] = compute
         r["host_memory_gb"] = n * share * HOST_BYTES_PER_PARAM[key] / 1e9
     return rows
+
+
+#: The bound model's row of each `auto_accumulation` choice.
+AUTO_ROWS = {"host": "zenflow", "device": "zenflow_device_accumulation", "device_bf16": "zenflow_device_bf16"}
 
 
 def activation_gb(params: float, tokens_per_step: float) -> float:
@@ -350,15 +372,18 @@ def auto_accumulation(profile: HardwareProfile, params: float, tokens_per_step: 
                       ranks: int = 1, parallel: str = "ddp") -> dict[str, Any]:
     """What ``accumulate_on="auto"`` chooses on `profile`: "device" when weights, gradients, the selected columns'
     state and the fp32 window sums (`schedule_model`'s device-accumulation row) plus `activation_gb` fit the
-    device's memory less the engine's margin, else "host"; with the figures (GB, one rank's)."""
+    device's memory less the engine's margin, else "device_bf16" when the same with bf16 sums fits, else "host";
+    with the figures (GB, one rank's; ``state_gb`` with the sums of the choice, fp32 sums for "host")."""
     from hf_zenflow.accumulation import MARGIN
 
     row = schedule_model(profile, params, tokens_per_step, topk_ratio, 4, None, ranks, parallel)
-    need = row["zenflow_device_accumulation"]["device_memory_gb"]
+    need, need_bf16 = (row[k]["device_memory_gb"] for k in ("zenflow_device_accumulation", "zenflow_device_bf16"))
     activations = activation_gb(params * RankSplit(ranks, parallel).device_share, tokens_per_step)
     limit = (1 - MARGIN) * profile.device_mem_gb
-    choice = "device" if need + activations <= limit else "host"
-    return {"choice": choice, "state_gb": need, "activations_gb": activations, "limit_gb": limit, "margin": MARGIN}
+    choice = ("device" if need + activations <= limit
+              else "device_bf16" if need_bf16 + activations <= limit else "host")
+    return {"choice": choice, "state_gb": need_bf16 if choice == "device_bf16" else need,
+            "activations_gb": activations, "limit_gb": limit, "margin": MARGIN}
 
 
 def interval_to_unbind(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float,
@@ -394,16 +419,17 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
     if ranks > 1:
         out.append(_per_rank_sentence(profile, params, update_interval, rows, RankSplit(ranks, parallel)))
     auto = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel)
-    chosen = dev if auto["choice"] == "device" else zen
+    chosen = rows[AUTO_ROWS[auto["choice"]]]
+    sums = "bf16" if auto["choice"] == "device_bf16" else "fp32"
     out.append(f'accumulate_on="auto" (the default) chooses "{auto["choice"]}": weights, gradients, selected '
-               f"columns and fp32 window sums {auto['state_gb']:.1f} GB + activations ~{auto['activations_gb']:.1f} "
-               f"GB (checkpointed, estimated) {'<=' if auto['choice'] == 'device' else '>'} {auto['limit_gb']:.1f} "
+               f"columns and {sums} window sums {auto['state_gb']:.1f} GB + activations ~{auto['activations_gb']:.1f} "
+               f"GB (checkpointed, estimated) {'>' if auto['choice'] == 'host' else '<='} {auto['limit_gb']:.1f} "
                f"GB (the device's {profile.device_mem_gb:g} GB less a {auto['margin']:.0%} margin); ZenFlow with the "
                f"defaults: {chosen['step_ms']:.0f} ms/step, {chosen['bound']}-bound, "
                f"{sync['step_ms'] / chosen['step_ms']:.2f}x faster than synchronous offload, "
                f"{chosen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
     u = max(1.0, float(update_interval))
-    landing = chosen["link_ms"] * u if auto["choice"] == "device" else chosen["link_ms"]
+    landing = chosen["link_ms"] * u if auto["choice"] != "host" else chosen["link_ms"]
     out.append(f"Its host side per window of {u:g} steps: {chosen['host_work_ms'] * u:.0f} ms of host passes "
                f"(bound by {'memory bandwidth' if chosen['host_limit'] == 'memory' else 'the cores'}); the write-back "
                f"waits for the chain of the input landing ({landing:.0f} ms) then the AdamW and rounding passes, "
@@ -465,9 +491,10 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
     several = ranks > 1
     names = {"no_offload": "no offload (AdamW on device)", "sync_offload": "synchronous offload (ZeRO-Offload)",
              "zenflow": f"ZenFlow, U={update_interval:g}, topk_ratio={topk_ratio:g} (window summed on the host)",
-             "zenflow_device_accumulation": 'ZenFlow, same, accumulate_on="device"'}
+             "zenflow_device_accumulation": 'ZenFlow, same, accumulate_on="device"',
+             "zenflow_device_bf16": 'ZenFlow, same, accumulate_on="device_bf16"'}
     chosen = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel)["choice"]
-    names["zenflow_device_accumulation" if chosen == "device" else "zenflow"] += ' = the default ("auto")'
+    names[AUTO_ROWS[chosen]] += ' = the default ("auto")'
     p = asdict(profile)
     lines = [f"## Bound model (not a measurement): `{profile.name}`", "",
              "Profile: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in p.items()
