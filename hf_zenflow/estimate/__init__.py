@@ -2,8 +2,8 @@
 
 Owns the emulator (`emulator.py` and its `emulator_*.py` parts: the scenario, the emulated device clock, the three
 schedules run on this machine's cores, the report and the command line), the hardware profiles (`profiles.py`) and
-the bound model (`hardware.py`), the measured host rates (`host_rates.py`) and data-parallel ranks in the model
-(`ranks.py`).
+the bound model (`hardware.py`; in words: `advice.py`), the measured host rates (`host_rates.py`) and data-parallel
+ranks in the model (`ranks.py`).
 
 May import: `optimizer` (the real engines it runs on the host), `engine`, `settings`, `hf_zenflow._base`. Not `hf`,
 `compare` or `tuning` (`compare` and `tuning` use it for their projections).

@@ -197,7 +197,7 @@ def scenario_from_args(args: argparse.Namespace) -> EmulatorScenario:
 def estimate_from_args(args: argparse.Namespace) -> dict[str, Any]:
     sc = scenario_from_args(args)
     if getattr(args, "hardware", None):
-        from hf_zenflow.estimate.hardware import format_schedule_model
+        from hf_zenflow.estimate.advice import format_schedule_model
 
         print(format_schedule_model(_profile(args), sc.params, args.tokens_per_step, sc.topk_ratio,
                                     sc.update_interval, device_step_ms=args.device_step_ms, ranks=sc.ranks,
@@ -211,12 +211,16 @@ def estimate_from_args(args: argparse.Namespace) -> dict[str, Any]:
         from hf_zenflow.estimate.hardware import auto_accumulation
 
         auto = auto_accumulation(_profile(args), sc.params, args.tokens_per_step, sc.topk_ratio, sc.ranks, sc.parallel)
-        key = "zenflow_device_accumulation" if auto["choice"] == "device" else "zenflow"
+        key = {"device": "zenflow_device_accumulation", "host": "zenflow"}.get(auto["choice"])
         s = res["summary"]
         res["auto_accumulation"] = {**auto, "row": key}
-        print(f'ZenFlow with the defaults (accumulate_on="auto" chooses "{auto["choice"]}" on this profile, see '
-              f"the bound model): **{s[f'{key}_speedup_vs_sync']:.2f}x** faster per step than synchronous offload, "
-              f"{s[f'{key}_step_vs_no_offload']:.2f}x the no-offload step (emulated).", flush=True)
+        if key is None:  # the emulator runs fp32 sums only
+            print(f'ZenFlow with the defaults: accumulate_on="auto" chooses "{auto["choice"]}" on this profile, '
+                  "which the emulator does not run (fp32 sums only): see the bound model's row.", flush=True)
+        else:
+            print(f'ZenFlow with the defaults (accumulate_on="auto" chooses "{auto["choice"]}" on this profile, see '
+                  f"the bound model): **{s[f'{key}_speedup_vs_sync']:.2f}x** faster per step than synchronous "
+                  f"offload, {s[f'{key}_step_vs_no_offload']:.2f}x the no-offload step (emulated).", flush=True)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(res, indent=2, default=str), encoding="utf-8")

@@ -17,8 +17,10 @@ LINK_BYTES_PER_PARAM = 2
 
 #: Host bytes per offloaded parameter: synchronous offload keeps fp32 master, gradient and two moments (16 B);
 #: ZenFlow fp32 master, two moments and the window sum (16 B) plus the bf16 write-back buffer (2 B), its
-#: ``stats()["host_bytes_per_param"]`` without the CUDA gradient landing slots.
-HOST_BYTES_PER_PARAM = {"no_offload": 0, "sync_offload": 16, "zenflow": 18, "zenflow_device_accumulation": 18}
+#: ``stats()["host_bytes_per_param"]`` without the CUDA gradient landing slots; with bf16 window sums
+#: (``accumulate_on="device_bf16"``) their bf16 landing buffer too (2 B).
+HOST_BYTES_PER_PARAM = {"no_offload": 0, "sync_offload": 16, "zenflow": 18, "zenflow_device_accumulation": 18,
+                        "zenflow_device_bf16": 20}
 
 #: The published Llama-2-7B host figure: CPUAdam over 7e9 parameters in 4600 ms on 128 threads (zenflow.md §2).
 PUBLISHED_HOST_PARAMS_PER_S = 7e9 / 4.6

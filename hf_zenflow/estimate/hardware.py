@@ -30,8 +30,9 @@ The model's constants:
   is at most U), so ZenFlow's host side per step is the larger of its work and that chain over U;
 * ``accumulate_on="auto"`` (the default): the device when the ZenFlow row with device accumulation fits the device
   memory with the engine's margin (`hf_zenflow.engine.accumulation.MARGIN` of it left free) together with the
-  activations of a llama-shaped model with activation checkpointing (`activation_gb`), else the host
-  (`auto_accumulation`);
+  activations of a llama-shaped model with activation checkpointing (`activation_gb`), else the device with bf16 sums
+  when those fit (``"device_bf16"``: half the sums' device memory and link bytes, a widening pass on the host), else
+  the host (`auto_accumulation`);
 * host memory: `HOST_BYTES_PER_PARAM` per offloaded parameter, as the engines hold it on a bf16 model;
 * N data-parallel ranks on the profile's node (``ranks``, ``parallel``): every figure is per rank, split as module
   `ranks` describes (host work, host memory and link bytes 1/N on 1/N of the host cores and memory bandwidth; DDP adds
@@ -47,9 +48,9 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
+from hf_zenflow.engine.accumulation import MARGIN
 from hf_zenflow.estimate.emulator_scenario import (
     DEVICE_ADAMW_BYTES_PER_PARAM,
     HOST_BYTES_PER_PARAM,
@@ -83,6 +84,15 @@ DEVICE_BYTES_ADAM_STATE = 12
 #: write the fp32 sum).
 DEVICE_ACCUMULATOR_BYTES = 4
 DEVICE_ACCUMULATE_TRAFFIC = 10
+#: The same in bf16 (accumulate_on="device_bf16"): a 2-B sum, and the engine's add in pieces through an fp32 scratch
+#: (widen the sum: read 2, write 4; add the gradient: read 4 + 2, write 4; round: read 4, write 2).
+DEVICE_BF16_ACCUMULATOR_BYTES = 2
+DEVICE_BF16_ACCUMULATE_TRAFFIC = 22
+#: The host's widening of a landed bf16 sum into its fp32 accumulator before the window's AdamW (read 2, write 4).
+HOST_WIDEN_BYTES = 6
+#: ZenFlow's rows of the bound model: (row, bytes of one device-side window sum element; 0 = summed on the host).
+ZENFLOW_SUM_ROWS = (("zenflow", 0), ("zenflow_device_accumulation", DEVICE_ACCUMULATOR_BYTES),
+                    ("zenflow_device_bf16", DEVICE_BF16_ACCUMULATOR_BYTES))
 #: Fraction of the device memory counted as usable for weights, gradients and optimizer state (the rest is left for
 #: activations, the allocator and the runtime, which the model does not count).
 DEVICE_MEMORY_HEADROOM = 0.9
@@ -93,7 +103,8 @@ def _bound(parts: dict[str, float]) -> tuple[float, str]:
     return parts[side], side
 
 
-def zenflow_host_passes(update_interval: float, on_device: bool) -> list[tuple[str, float, float, float]]:
+def zenflow_host_passes(update_interval: float, on_device: bool,
+                        bf16_sums: bool = False) -> list[tuple[str, float, float, float]]:
     """ZenFlow's host work in one window, pass by pass: (pass, how many per window, core work in host AdamWs, host
     memory bytes per offloaded parameter), with a bf16 model and fp32 host state.
 
@@ -101,7 +112,8 @@ def zenflow_host_passes(update_interval: float, on_device: bool) -> list[tuple[s
     same memory bandwidth and is counted in the pass it overlaps: with host accumulation each step's bf16 gradient
     lands (2) while the worker is busy with earlier ones; the write-back copy reads the bf16 buffer (2) while the
     worker may run the next window. The fp32 window sums' landing (``accumulate_on="device"``) is not counted: the
-    host step waits for it (the chain in `schedule_model`), so it overlaps no pass.
+    host step waits for it (the chain in `schedule_model`), so it overlaps no pass. With `bf16_sums`
+    (``accumulate_on="device_bf16"``) the landed bf16 sum is first widened into the fp32 accumulator.
 
     Example:
         >>> [(name, n, b) for name, n, _, b in zenflow_host_passes(4, on_device=True)]
@@ -110,7 +122,8 @@ def zenflow_host_passes(update_interval: float, on_device: bool) -> list[tuple[s
     u = max(1.0, float(update_interval))
     rounding = ("write-back rounding", 1.0, 0.0, float(HOST_ROUNDING_BYTES))
     if on_device:
-        return [("window AdamW", 1.0, 1.0, float(FP32_BYTES + HOST_STATE_BYTES + BF16_BYTES)), rounding]
+        widen = [("bf16 sum widened", 1.0, 0.0, float(HOST_WIDEN_BYTES))] if bf16_sums else []
+        return [*widen, ("window AdamW", 1.0, 1.0, float(FP32_BYTES + HOST_STATE_BYTES + BF16_BYTES)), rounding]
     landing = BF16_BYTES
     passes = []
     if u > 1:
@@ -172,24 +185,29 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                             "allgather_ms": allgather, "device_memory_gb": weights_grads,
                             "host_limit": "memory" if sync_memory > sync_core else "cores"}
     selected = topk_ratio * device_adamw + grad_read
-    for key, on_device in (("zenflow", False), ("zenflow_device_accumulation", True)):
+    for key, sum_bytes in ZENFLOW_SUM_ROWS:
+        on_device = sum_bytes > 0
+        # the sums cross in their own dtype: `link` is one bf16 element per parameter
+        sums_link = link * sum_bytes / LINK_BYTES_PER_PARAM
+        traffic = (DEVICE_ACCUMULATE_TRAFFIC if sum_bytes == DEVICE_ACCUMULATOR_BYTES
+                   else DEVICE_BF16_ACCUMULATE_TRAFFIC)
         # the write-back of a window's result (and under DDP its all-gather) runs on the device's stream: on the
         # device timeline
         device = compute + selected + link / u + allgather / u + (
-            n * share * DEVICE_ACCUMULATE_TRAFFIC / (profile.device_mem_gbps * 1e9) * 1e3 if on_device else 0.0)
+            n * share * traffic / (profile.device_mem_gbps * 1e9) * 1e3 if on_device else 0.0)
         if on_device:
             # the device keeps one sum per matrix: the next window's first add, after its first forward+backward,
-            # waits until the copy of the closed window's sums (2 x the bf16 link time) has read them
-            device += max(0.0, 2 * link - compute) / u
-        link_down = 2 * link / u if on_device else link  # one fp32 sum per window, or every bf16 gradient
+            # waits until the copy of the closed window's sums has read them
+            device += max(0.0, sums_link - compute) / u
+        link_down = sums_link / u if on_device else link  # one sum per window, or every bf16 gradient
         work = core_total = memory_total = 0.0
-        chain = 2 * link if on_device else link  # what the host step waits for: the sums, or the last gradient
-        for name, count, adamws, nbytes in zenflow_host_passes(u, on_device):
+        chain = sums_link if on_device else link  # what the host step waits for: the sums, or the last gradient
+        for name, count, adamws, nbytes in zenflow_host_passes(u, on_device, sum_bytes == BF16_BYTES):
             core, memory = _host_pass_ms(profile, n * share, split.core_share, adamws, nbytes)
             work += count * max(core, memory)
             core_total += count * core
             memory_total += count * memory
-            if name in ("window AdamW", "write-back rounding"):
+            if name in ("bf16 sum widened", "window AdamW", "write-back rounding"):
                 chain += max(core, memory)
         host = max(work, chain) / u
         parts = {"device": device, "link": link_down, "host": host}
@@ -199,13 +217,16 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                      "host_limit": "memory" if memory_total > core_total else "cores",
                      "allgather_ms": allgather / u,
                      "device_memory_gb": weights_grads + n * (topk_ratio * DEVICE_BYTES_ADAM_STATE * dev
-                                                              + (DEVICE_ACCUMULATOR_BYTES * share if on_device
-                                                                 else 0)) / 1e9}
+                                                              + sum_bytes * share) / 1e9}
     for key, r in rows.items():
         r["fits_device_memory"] = r["device_memory_gb"] <= DEVICE_MEMORY_HEADROOM * mem_gb
         r["compute_ms"] = compute
         r["host_memory_gb"] = n * share * HOST_BYTES_PER_PARAM[key] / 1e9
     return rows
+
+
+#: The bound model's row of each `auto_accumulation` choice.
+AUTO_ROWS = {"host": "zenflow", "device": "zenflow_device_accumulation", "device_bf16": "zenflow_device_bf16"}
 
 
 def activation_gb(params: float, tokens_per_step: float) -> float:
@@ -221,15 +242,17 @@ def auto_accumulation(profile: HardwareProfile, params: float, tokens_per_step: 
                       ranks: int = 1, parallel: str = "ddp") -> dict[str, Any]:
     """What ``accumulate_on="auto"`` chooses on `profile`: "device" when weights, gradients, the selected columns'
     state and the fp32 window sums (`schedule_model`'s device-accumulation row) plus `activation_gb` fit the
-    device's memory less the engine's margin, else "host"; with the figures (GB, one rank's)."""
-    from hf_zenflow.engine.accumulation import MARGIN
+    device's memory less the engine's margin, else "device_bf16" when the same with bf16 sums fits, else "host";
+    with the figures (GB, one rank's; ``state_gb`` with the sums of the choice, fp32 sums for "host")."""
 
     row = schedule_model(profile, params, tokens_per_step, topk_ratio, 4, None, ranks, parallel)
-    need = row["zenflow_device_accumulation"]["device_memory_gb"]
+    need, need_bf16 = (row[k]["device_memory_gb"] for k in ("zenflow_device_accumulation", "zenflow_device_bf16"))
     activations = activation_gb(params * RankSplit(ranks, parallel).device_share, tokens_per_step)
     limit = (1 - MARGIN) * profile.device_mem_gb
-    choice = "device" if need + activations <= limit else "host"
-    return {"choice": choice, "state_gb": need, "activations_gb": activations, "limit_gb": limit, "margin": MARGIN}
+    choice = ("device" if need + activations <= limit
+              else "device_bf16" if need_bf16 + activations <= limit else "host")
+    return {"choice": choice, "state_gb": need_bf16 if choice == "device_bf16" else need,
+            "activations_gb": activations, "limit_gb": limit, "margin": MARGIN}
 
 
 def interval_to_unbind(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float,
@@ -245,131 +268,5 @@ def interval_to_unbind(profile: HardwareProfile, params: float, tokens_per_step:
     return None
 
 
-def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
-           update_interval: float = 4, device_step_ms: float | None = None, ranks: int = 1,
-           parallel: str = "ddp") -> list[str]:
-    """Plain sentences: does offloading help here, where is ZenFlow bound, and which setting moves the bound; with
-    several ranks, what each rank gets and what the all-gather costs."""
-    rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms, ranks,
-                          parallel)
-    base, sync, zen, dev = (rows[k] for k in ("no_offload", "sync_offload", "zenflow", "zenflow_device_accumulation"))
-    out = []
-    if base["fits_device_memory"]:
-        out.append(f"No offload needed: weights, gradients and AdamW state ({base['device_memory_gb']:.1f} GB, "
-                   f"activations not counted) fit {DEVICE_MEMORY_HEADROOM:.0%} of the device's "
-                   f"{profile.device_mem_gb:.0f} GB; plain AdamW on the device is the fastest schedule "
-                   f"({base['step_ms']:.0f} ms/step).")
-    else:
-        out.append(f"Offload needed: weights, gradients and AdamW state take {base['device_memory_gb']:.1f} GB, "
-                   f"more than {DEVICE_MEMORY_HEADROOM:.0%} of the device's {profile.device_mem_gb:.0f} GB.")
-    if ranks > 1:
-        out.append(_per_rank_sentence(profile, params, update_interval, rows, RankSplit(ranks, parallel)))
-    auto = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel)
-    chosen = dev if auto["choice"] == "device" else zen
-    out.append(f'accumulate_on="auto" (the default) chooses "{auto["choice"]}": weights, gradients, selected '
-               f"columns and fp32 window sums {auto['state_gb']:.1f} GB + activations ~{auto['activations_gb']:.1f} "
-               f"GB (checkpointed, estimated) {'<=' if auto['choice'] == 'device' else '>'} {auto['limit_gb']:.1f} "
-               f"GB (the device's {profile.device_mem_gb:g} GB less a {auto['margin']:.0%} margin); ZenFlow with the "
-               f"defaults: {chosen['step_ms']:.0f} ms/step, {chosen['bound']}-bound, "
-               f"{sync['step_ms'] / chosen['step_ms']:.2f}x faster than synchronous offload, "
-               f"{chosen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
-    u = max(1.0, float(update_interval))
-    landing = chosen["link_ms"] * u if auto["choice"] == "device" else chosen["link_ms"]
-    out.append(f"Its host side per window of {u:g} steps: {chosen['host_work_ms'] * u:.0f} ms of host passes "
-               f"(bound by {'memory bandwidth' if chosen['host_limit'] == 'memory' else 'the cores'}); the write-back "
-               f"waits for the chain of the input landing ({landing:.0f} ms) then the AdamW and rounding passes, "
-               f"{chosen['host_chain_ms']:.0f} ms in all: {chosen['host_ms']:.0f} ms per step, the larger over "
-               f"the window.")
-    out.append(f"ZenFlow (window summed on the host, U={update_interval:g}): {zen['step_ms']:.0f} ms/step, "
-               f"{zen['bound']}-bound, {sync['step_ms'] / zen['step_ms']:.2f}x faster than synchronous offload "
-               f"({sync['step_ms']:.0f} ms/step), {zen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
-    if zen["bound"] == "host":
-        unbind = {"device_step_ms": device_step_ms, "ranks": ranks, "parallel": parallel}
-        u_host = interval_to_unbind(profile, params, tokens_per_step, topk_ratio, "host", **unbind)
-        u_dev = interval_to_unbind(profile, params, tokens_per_step, topk_ratio, "device", **unbind)
-        move = (f'accumulate_on="device" moves the bound: {dev["step_ms"]:.0f} ms/step ({dev["bound"]}-bound; '
-                f'+{params * DEVICE_ACCUMULATOR_BYTES / ranks / 1e9:.1f} GB of device memory'
-                + ("" if dev["fits_device_memory"] else ", which does NOT fit") + ")")
-        move += f"; device-bound from update_interval={u_dev}" if u_dev else "; still not device-bound at U=32"
-        if u_host:
-            move += f"; with host accumulation from update_interval={u_host}"
-        out.append("Host-bound: the host accumulates U - 1 steps' gradients and runs one AdamW per window (with the "
-                   "last gradient folded in). " + move
-                   + ".")
-    elif zen["bound"] == "link":
-        out.append('Link-bound: every step\'s gradient crosses the link. accumulate_on="device" sends one fp32 sum '
-                   f"per window instead: {dev['step_ms']:.0f} ms/step ({dev['bound']}-bound).")
-    else:
-        out.append("Device-bound: the offload is hidden behind forward/backward; a smaller topk_ratio only trims the "
-                   f"selected-column AdamW ({topk_ratio * (base['step_ms'] - zen['compute_ms']):.1f} ms per step)"
-                   + (f" and the all-gather adds {zen['allgather_ms']:.1f} ms per step." if zen["allgather_ms"]
-                      else "."))
-    return out
-
-
-def _per_rank_sentence(profile: HardwareProfile, params: float, update_interval: float, rows: dict[str, Any],
-                       split: RankSplit) -> str:
-    n, zen = split.ranks, rows["zenflow"]
-    host_adamw = rows["sync_offload"]["host_ms"]
-    u = max(1.0, float(update_interval))
-    cores, mem = split.cores_per_rank(profile.host_cores), profile.host_mem_gbps * split.core_share
-    text = (f"Per rank: {cores:g} of the node's {profile.host_cores} host cores and {mem:g} of its "
-            f"{profile.host_mem_gbps:g} GB/s. A host AdamW over the rank's {params * split.host_share / 1e9:.2f}B "
-            f"parameters takes {host_adamw:.0f} ms, as long as one process's over the whole model on the whole node: "
-            f"1/{n} of the work on 1/{n} of the host (without the split each rank would take {n * host_adamw:.0f} ms "
-            f"and hold {n * zen['host_memory_gb']:.1f} GB). ZenFlow's host memory: {zen['host_memory_gb']:.1f} GB "
-            f"per rank, {n * zen['host_memory_gb']:.1f} GB on the node. Each GPU's link carries 1/{n} of the "
-            "offloaded bytes")
-    if zen["allgather_ms"]:
-        text += (f"; the all-gather of the updated rows takes {zen['allgather_ms'] * u:.0f} ms per write-back at "
-                 f"{profile.interconnect_gbps:g} GB/s ({zen['allgather_ms']:.0f} ms per step on the device timeline)")
-    return text + "."
-
-
-def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
-                          update_interval: float = 4, device_step_ms: float | None = None, ranks: int = 1,
-                          parallel: str = "ddp") -> str:
-    """Markdown: the profile, one row per schedule (each side's ms, the step, the bound), then `advice`; with several
-    ranks the figures are one rank's and two columns (all-gather, host memory per rank) are added."""
-    rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms, ranks,
-                          parallel)
-    several = ranks > 1
-    names = {"no_offload": "no offload (AdamW on device)", "sync_offload": "synchronous offload (ZeRO-Offload)",
-             "zenflow": f"ZenFlow, U={update_interval:g}, topk_ratio={topk_ratio:g} (window summed on the host)",
-             "zenflow_device_accumulation": 'ZenFlow, same, accumulate_on="device"'}
-    chosen = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel)["choice"]
-    names["zenflow_device_accumulation" if chosen == "device" else "zenflow"] += ' = the default ("auto")'
-    p = asdict(profile)
-    lines = [f"## Bound model (not a measurement): `{profile.name}`", "",
-             "Profile: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in p.items()
-                                     if k != "name")
-             + f"; model {params / 1e9:.2f}B params, {tokens_per_step:.0f} tokens/step"
-             + (f", forward+backward {device_step_ms:.0f} ms (given)" if device_step_ms is not None else "") + ".",
-             ""]
-    if several:
-        lines += [f"Ranks: {RankSplit(ranks, parallel).describe()}. Every figure below is ONE rank's: its GPU's "
-                  "device and link, its share of the node's host; tokens/step per rank.", ""]
-    extra = " all-gather ms/step (in device) | host memory GB per rank |" if several else ""
-    lines += ["| schedule | device ms/step | link ms/step | host ms/step | step ms | bound | vs sync offload | "
-              "device memory GB (no activations) | host passes limited by |" + extra,
-              "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if several else "")]
-    sync = rows["sync_offload"]["step_ms"]
-    for key, label in names.items():
-        r = rows[key]
-        fits = "" if r["fits_device_memory"] else " (does not fit)"
-        bound = "sum (synchronous)" if key == "sync_offload" else r["bound"]
-        limit = {"memory": f"memory ({profile.host_mem_gbps:g} GB/s)",
-                 "cores": f"cores ({profile.host_cores} x {profile.host_adamw_per_core / 1e6:.0f} M/s)"}.get(
-                     r["host_limit"], "-")
-        lines.append(f"| {label} | {r['device_ms']:.0f} | {r['link_ms']:.0f} | {r['host_ms']:.0f} | "
-                     f"{r['step_ms']:.0f} | {bound} | {sync / r['step_ms']:.2f}x | "
-                     f"{r['device_memory_gb']:.1f}{fits} | {limit} |"
-                     + (f" {r['allgather_ms']:.0f} | {r['host_memory_gb']:.1f} |" if several else ""))
-    lines += [""] + [f"- {s}" for s in advice(profile, params, tokens_per_step, topk_ratio, update_interval,
-                                              device_step_ms, ranks, parallel)]
-    return "\n".join(lines) + "\n"
-
-
 __all__ = ["HOST_ADAMW_BYTES_PER_PARAM", "HOST_BYTES_PER_PARAM", "HOST_MEMORY_SOURCES", "PROFILES", "HardwareProfile",
-           "activation_gb", "advice", "auto_accumulation", "format_schedule_model", "interval_to_unbind",
-           "load_profile", "schedule_model"]
+           "activation_gb", "auto_accumulation", "interval_to_unbind", "load_profile", "schedule_model"]

@@ -9,20 +9,17 @@ from pathlib import Path
 import pytest
 
 from hf_zenflow.cli import main
+from hf_zenflow.estimate.advice import advice, format_schedule_model
 from hf_zenflow.estimate.emulator import format_estimate
 from hf_zenflow.estimate.hardware import (
     ACCUMULATE_VS_ADAMW,
-    PROFILES,
-    HardwareProfile,
     activation_gb,
-    advice,
     auto_accumulation,
-    format_schedule_model,
     interval_to_unbind,
-    load_profile,
     schedule_model,
     zenflow_host_passes,
 )
+from hf_zenflow.estimate.profiles import PROFILES, HardwareProfile, load_profile
 
 
 # Round numbers: 1e9 params, 1000 tokens -> 6e12 FLOPs at 100 TFLOP/s x 0.5 = 120 ms of compute; link 2 GB / 20 GB/s
@@ -310,11 +307,12 @@ def test_estimate_report_states_the_emulated_ranks_share() -> None:
 
 def test_auto_accumulation_takes_the_device_when_the_sums_fit_with_the_margin() -> None:
     """1e9 params on PROFILE: weights + gradients 4 GB + selected columns 1.2 GB + fp32 sums 4 GB = 9.2 GB, plus
-    activations; 80 GB less 10% fits, 10 GB less 10% (9 GB) does not."""
+    activations; 80 GB less 10% fits, 8 GB less 10% does not (nor with bf16 sums)."""
     fits = auto_accumulation(PROFILE, 1e9, 1000)
     assert fits["state_gb"] == pytest.approx(9.2) and fits["limit_gb"] == pytest.approx(72.0)
     assert fits["activations_gb"] == pytest.approx(activation_gb(1e9, 1000)) and fits["choice"] == "device"
-    small = HardwareProfile("s", device_tflops=100.0, device_mem_gb=10.0, device_mem_gbps=1000.0, link_gbps=20.0,
+    # 8 GB less 10% (7.2 GB) holds neither the fp32 sums nor the bf16 sums (7.2 GB + activations)
+    small = HardwareProfile("s", device_tflops=100.0, device_mem_gb=8.0, device_mem_gbps=1000.0, link_gbps=20.0,
                             host_cores=128, host_mem_gbps=100.0, mfu=0.5)
     assert auto_accumulation(small, 1e9, 1000)["choice"] == "host"
     # 7B: about hidden 4096 and 32 layers (the size formula gives 4210 and 32.9); 4096 tokens -> 4096 x 4096 x
@@ -324,3 +322,24 @@ def test_auto_accumulation_takes_the_device_when_the_sums_fit_with_the_margin() 
     assert 'accumulate_on="device" = the default ("auto")' in text
     assert 'accumulate_on="auto" (the default) chooses "device"' in text
     assert 'accumulate_on="auto" (the default) chooses "host"' in format_schedule_model(small, 1e9, 1000)
+
+
+def test_auto_accumulation_takes_bf16_device_sums_when_only_they_fit() -> None:
+    """Between the two needs (fp32 sums 9.2 GB, bf16 sums 7.2 GB, plus activations) "auto" keeps bf16 sums on the
+    device: the sum crosses in bf16 (half the link time: 100 ms per window), the host widens it (6 B/param: 60 ms)
+    before the AdamW (657 ms) and the rounding (60 ms), and the device holds 2 B/param less."""
+    act = activation_gb(1e9, 1000)
+    mid = HardwareProfile("m", device_tflops=100.0, device_mem_gb=(8.2 + act) / 0.9, device_mem_gbps=1000.0,
+                          link_gbps=20.0, host_cores=128, host_mem_gbps=100.0, mfu=0.5)
+    auto = auto_accumulation(mid, 1e9, 1000)
+    assert auto["choice"] == "device_bf16" and auto["state_gb"] == pytest.approx(7.2)
+    rows = schedule_model(mid, 1e9, 1000)
+    dev, bf16 = rows["zenflow_device_accumulation"], rows["zenflow_device_bf16"]
+    assert bf16["link_ms"] == pytest.approx(dev["link_ms"] / 2) == pytest.approx(100 / 4)
+    assert bf16["host_chain_ms"] == pytest.approx(100 + 60 + ADAMW_CORE_MS + 60)
+    assert dev["device_memory_gb"] - bf16["device_memory_gb"] == pytest.approx(2.0)
+    assert [name for name, *_ in zenflow_host_passes(4, on_device=True, bf16_sums=True)] == [
+        "bf16 sum widened", "window AdamW", "write-back rounding"]
+    text = format_schedule_model(mid, 1e9, 1000)
+    assert 'accumulate_on="device_bf16" = the default ("auto")' in text
+    assert 'chooses "device_bf16": weights, gradients, selected columns and bf16 window sums 7.2 GB' in text

@@ -11,9 +11,10 @@ import pytest
 
 from hf_zenflow.cli import main
 from hf_zenflow.estimate import host_rates
+from hf_zenflow.estimate.advice import format_schedule_model
 from hf_zenflow.estimate.emulator_scenario import PUBLISHED_HOST_CORES, PUBLISHED_HOST_PARAMS_PER_S
-from hf_zenflow.estimate.hardware import HOST_ADAMW_BYTES_PER_PARAM, PROFILES, format_schedule_model
 from hf_zenflow.estimate.host_rates import TIMED_ADAMW_BYTES_PER_PARAM, HostRates
+from hf_zenflow.estimate.profiles import HOST_ADAMW_BYTES_PER_PARAM, PROFILES
 
 
 FAKE = HostRates(cores=4, adamw_params_per_s={1: 1.0e9, 2: 1.8e9, 4: 3.0e9}, mem_gbps=40.0, seconds=0.1)
