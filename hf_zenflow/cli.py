@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from hf_zenflow._extras import MissingExtraError, require
-from hf_zenflow.cli_types import (
+from hf_zenflow.settings.cli_types import (
     fraction,
     interval,
     lr_scale,
@@ -189,7 +189,7 @@ def _run_compare(args: argparse.Namespace) -> int:
 
 
 def _add_estimate(sub: argparse._SubParsersAction) -> None:
-    from hf_zenflow.compare.emulator import add_estimate_arguments
+    from hf_zenflow.estimate.emulator import add_estimate_arguments
 
     p = sub.add_parser(
         "estimate",
@@ -205,7 +205,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
-    from hf_zenflow.compare.emulator import estimate_from_args
+    from hf_zenflow.estimate.emulator import estimate_from_args
 
     try:
         estimate_from_args(args)
@@ -216,8 +216,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:
-    from hf_zenflow.compare.hardware import PROFILES
-    from hf_zenflow.compare.tune import TuneConfig
+    from hf_zenflow.estimate.profiles import PROFILES
+    from hf_zenflow.tuning.tune import TuneConfig
 
     d = TuneConfig()
     p = sub.add_parser(
@@ -279,7 +279,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 
 def _run_tune(args: argparse.Namespace) -> int:
     from hf_zenflow.compare.data import AssetMissingError
-    from hf_zenflow.compare.tune import TuneConfig, format_recommendation, format_table, run_tune
+    from hf_zenflow.tuning.tune import TuneConfig, format_recommendation, format_table, run_tune
 
     require("compare", "hf-zenflow tune")
     fields = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
@@ -314,7 +314,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from hf_zenflow.checkpoint import CheckpointError
+    from hf_zenflow.checkpoint.format import CheckpointError
     from hf_zenflow.hf.convert import convert_checkpoint
 
     try:
@@ -348,7 +348,7 @@ def _add_reshard(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_reshard(args: argparse.Namespace) -> int:
-    from hf_zenflow.checkpoint import CheckpointError
+    from hf_zenflow.checkpoint.format import CheckpointError
     from hf_zenflow.hf.rank_checkpoint import reshard_checkpoint
 
     try:

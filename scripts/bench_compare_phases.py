@@ -29,7 +29,7 @@ import torch
 from hf_zenflow.compare.compare_config import CompareConfig
 from hf_zenflow.compare.data import prepare_task
 from hf_zenflow.compare.training_run import make_optimizer
-from hf_zenflow.cpu_device.layout import column_major_
+from hf_zenflow.engine.layout import column_major_
 
 
 PHASES = ("fwd", "bwd", "clip", "step", "zero")

@@ -149,8 +149,8 @@ def print_floor(shapes: list[tuple[int, ...]], grads: list[torch.Tensor], args: 
                 sync_ms: float) -> None:
     """Median time of each unavoidable pass, measured here, and their sum as a fraction of sync offload's step."""
     from hf_zenflow._base import fused_adamw_
-    from hf_zenflow.cpu_device import kernels as _native
-    from hf_zenflow.selection import num_selected
+    from hf_zenflow.engine.selection import num_selected
+    from hf_zenflow.transport.cpu_device import kernels as _native
 
     if _native.library() is None:
         print(f"\n(floor not measured: CPU kernels {_native.status()})")

@@ -12,10 +12,10 @@ Configurations, each in fresh processes spawned from this one (torch.multiproces
 ``OMP_NUM_THREADS=1`` and 1 torch thread per process):
 
 - ``one``: one process, batch 2B (the global batch of the others);
-- ``ddp``: 2 ranks of ``DistributedDataParallel``, batch B each (`hf_zenflow.sharding`: 1/2 of every offloaded
-  matrix's host state and host AdamW per rank, all-gather at each write-back);
-- ``fsdp2``: 2 ranks of ``fully_shard`` (each block, then the root), batch B each (`hf_zenflow.fsdp`: each rank its
-  own rows).
+- ``ddp``: 2 ranks of ``DistributedDataParallel``, batch B each (`hf_zenflow.distributed.sharding`: 1/2 of every
+  offloaded matrix's host state and host AdamW per rank, all-gather at each write-back);
+- ``fsdp2``: 2 ranks of ``fully_shard`` (each block, then the root), batch B each (`hf_zenflow.distributed.fsdp`: each
+  rank its own rows).
 
 The three run one after another, `--rounds` times, the order rotated every round, so machine drift shows between
 rounds. Per configuration and rank, over the steps after `--warmup`: median ``host_step_ms`` (the host AdamW of one

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from hf_zenflow import host as host_module
-from hf_zenflow.cpu_device import kernels
-from hf_zenflow.host import HostMatrix, host_adamw_window
+from hf_zenflow.engine import host as host_module
+from hf_zenflow.engine.host import HostMatrix, host_adamw_window
+from hf_zenflow.transport.cpu_device import kernels
 
 
 def main() -> None:

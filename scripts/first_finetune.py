@@ -104,7 +104,7 @@ def run_one(seed: int, zenflow: bool, out_dir: str, extra: dict[str, Any]) -> di
 
 
 def summary(path: str) -> str:
-    from hf_zenflow.compare.tune import paired_interval
+    from hf_zenflow.tuning.tune import paired_interval
 
     recs = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     groups: dict[str, dict[int, dict[str, Any]]] = {}
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(args.summary))
         return 0
     torch.set_num_threads(args.threads)
-    from hf_zenflow.compare.tune import parse_settings
+    from hf_zenflow.tuning.tune import parse_settings
 
     variants = [parse_settings(v) for v in args.variants]
     out = Path(args.out)

@@ -37,8 +37,8 @@ timeout 10 "$py" -c "import torch; print('torch', torch.__version__, 'cuda', tor
 torch.cuda.device_count())" 2>&1 | tee -a "$out/gpu.txt"
 
 # 2. the reference tests on CUDA
-timeout 150 "$py" -m pytest "${pytest_args[@]}" tests/test_optimizer.py tests/test_baselines.py \
-  tests/test_checkpoint.py tests/test_gradients.py tests/cpu_device/test_layout.py 2>&1 | tee "$out/tests_cuda.log"
+timeout 150 "$py" -m pytest "${pytest_args[@]}" tests/optimizer/test_optimizer.py tests/optimizer/test_baselines.py \
+  tests/checkpoint/test_checkpoint.py tests/engine/test_gradients.py tests/engine/test_layout.py 2>&1 | tee "$out/tests_cuda.log"
 tests_rc=${PIPESTATUS[0]}
 
 # 3. host syncs per step, fp16 + GradScaler
@@ -46,12 +46,12 @@ timeout 50 "$py" scripts/cuda_checks.py --out-dir "$out" 2>&1 | tee "$out/cuda_c
 checks_rc=${PIPESTATUS[0]}
 
 # 4. DDP (through torchrun and the Trainer) and FSDP2 on NCCL, one rank per GPU of this machine (one GPU: world
-# size 1 through the same code; tests/gloo_ranks.py: RANKS). (tests/test_nccl_double.py is CI's CPU stand-in.)
+# size 1 through the same code; tests/gloo_ranks.py: RANKS). (tests/distributed/test_nccl_double.py is CI's CPU stand-in.)
 timeout 70 "$py" -m pytest "${pytest_args[@]}" tests/hf/test_trainer_ddp.py -k "trains_and_ranks_agree or \
   one_optimizer_file or resume_mid_window or refused_in_one_process or plugin_under_ddp" 2>&1 \
   | tee "$out/tests_ddp_nccl.log"
 ddp_rc=${PIPESTATUS[0]}
-timeout 90 "$py" -m pytest "${pytest_args[@]}" tests/test_fsdp.py 2>&1 | tee "$out/tests_fsdp_nccl.log"
+timeout 90 "$py" -m pytest "${pytest_args[@]}" tests/distributed/test_fsdp.py 2>&1 | tee "$out/tests_fsdp_nccl.log"
 fsdp_rc=${PIPESTATUS[0]}
 
 # 5. the benchmark: a ~0.5B-parameter Llama, few steps per optimizer, so that every row fits

@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import Trainer
     from transformers.utils import logging as hf_logging
 
-    from hf_zenflow.compare.paired_stats import paired_interval
-    from hf_zenflow.compare.tune import parse_settings
     from hf_zenflow.hf.trainer import ZenFlowTrainer
+    from hf_zenflow.tuning.paired_stats import paired_interval
+    from hf_zenflow.tuning.tune import parse_settings
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)

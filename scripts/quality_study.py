@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from hf_zenflow.compare.runner import CompareConfig, machine_info
-from hf_zenflow.compare.tune import (
+from hf_zenflow.tuning.tune import (
     TrialSetting,
     default_grid,
     library_default_setting,

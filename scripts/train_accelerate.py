@@ -57,7 +57,7 @@ from train_trainer import ChunkDataset, corpus_text, tiny_llama  # noqa: E402  (
 from transformers import get_scheduler  # noqa: E402
 
 from hf_zenflow import ZenFlowPlugin  # noqa: E402
-from hf_zenflow.settings import SETTINGS, add_arguments  # noqa: E402
+from hf_zenflow.settings.flags import SETTINGS, add_arguments  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -130,7 +130,7 @@ def _auto_writeback_lag_without_a_clock(request, monkeypatch):
     machine makes for these tiny models (1 step), except those marked `timing`, which test the choice itself.
     (Tests in other processes, `torch.distributed`, set the lag explicitly.)"""
     if "timing" not in request.keywords:
-        monkeypatch.setattr("hf_zenflow.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 1)
+        monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 1)
     yield
 
 

@@ -44,3 +44,22 @@ def test_cross_references_inside_the_readme_exist():
 
 def test_the_packaging_reference_is_found():
     assert any(path == Path("pyproject.toml") for path, _ in REFERENCES)
+
+
+#: Where a path of the package or the tests is named for a reader (BENCHMARKS.md is left out: its raw outputs quote
+#: the paths of their day).
+PATH_DOCS = [ROOT / "README.md", ROOT / "pyproject.toml", ROOT / ".ci" / "run",
+             *(p for p in (ROOT / "scripts").iterdir() if p.is_file()),
+             *(p for p in (ROOT / "model_cards").rglob("*") if p.is_file())]
+PATHS = sorted({(doc.relative_to(ROOT), found) for doc in PATH_DOCS
+                for found in re.findall(r"(?<![\w/.-])((?:hf_zenflow|tests)/[\w/.-]*\w)", doc.read_text())})
+
+
+@pytest.mark.parametrize(("doc", "path"), PATHS, ids=[f"{d}:{p}" for d, p in PATHS])
+def test_paths_named_in_the_docs_exist(doc, path):
+    # (a glob such as "hf_zenflow/metrics/*/*.py" names files that exist when one file matches it)
+    assert (ROOT / path).exists() or any(ROOT.glob(path)), f"{doc} names {path}, which does not exist"
+
+
+def test_the_package_paths_are_found():
+    assert any(path.startswith("hf_zenflow/engine") for _, path in PATHS)

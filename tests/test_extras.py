@@ -45,7 +45,7 @@ def test_require_rejects_an_unknown_extra() -> None:
 
 
 @pytest.mark.parametrize(("command", "module", "entry"), [("compare", "hf_zenflow.compare.runner", "run_compare"),
-                                                       ("tune", "hf_zenflow.compare.tune", "run_tune")])
+                                                       ("tune", "hf_zenflow.tuning.tune", "run_tune")])
 def test_cli_without_the_extra_says_which_extra_to_install(command: str, module: str, entry: str,
                                                            monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
@@ -64,7 +64,7 @@ def test_cli_without_the_extra_says_which_extra_to_install(command: str, module:
 
 def test_tune_api_without_the_extra_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     import hf_zenflow
-    import hf_zenflow.compare.tune as tune_module
+    import hf_zenflow.tuning.tune as tune_module
 
     def must_not_run(*args: object) -> None:
         raise AssertionError("run_tune started although the compare extra is missing")
@@ -77,7 +77,7 @@ def test_tune_api_without_the_extra_says_which_extra_to_install(monkeypatch: pyt
 
 def test_plots_without_matplotlib_name_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from hf_zenflow.compare.plots import plot_loss_curves, plot_time_breakdown
-    from hf_zenflow.compare.tune import plot_pareto
+    from hf_zenflow.tuning.tune import plot_pareto
 
     block(monkeypatch, "matplotlib", "matplotlib.pyplot")
     needs = re.escape(f"plotting (hf_zenflow.compare.plots) needs matplotlib: {EXTRA_MESSAGE}")

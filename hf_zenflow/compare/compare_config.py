@@ -9,7 +9,7 @@ import torch
 
 from hf_zenflow.compare.cores import CoreSplit
 from hf_zenflow.compare.data_source import DataSpec
-from hf_zenflow.config import ZenFlowConfig
+from hf_zenflow.settings.config import ZenFlowConfig
 
 
 #: The optimizers a comparison can run, in report order. (Here, not in `report`, which imports the Hugging Face
@@ -92,7 +92,7 @@ class CompareConfig:
 
     def resolved_layout(self) -> str:
         """On a CPU device the offloading engines get column-major Linear weights (DeepSpeed's transposed layout:
-        each input column contiguous, see `hf_zenflow.cpu_device.layout`); on CUDA the gather/scatter is cheap
+        each input column contiguous, see `hf_zenflow.engine.layout`); on CUDA the gather/scatter is cheap
         either way."""
         if self.layout not in ("auto", "column", "row"):
             raise ValueError(f"CompareConfig.layout={self.layout!r} is invalid: allowed are 'auto', 'column', 'row'.")

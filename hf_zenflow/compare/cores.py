@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from hf_zenflow.settings.threads import rank_cpu_count
+
 
 @dataclass(frozen=True)
 class CoreSplit:
@@ -45,8 +47,6 @@ class CoreSplit:
     @classmethod
     def resolve(cls, device_cores: int | None, host_cores: int | None, cuda: bool, cores: int | None = None,
                 ) -> CoreSplit:
-        from hf_zenflow.threads import rank_cpu_count
-
         cores = cores if cores is not None else rank_cpu_count()
         for name, value in (("device_cores", device_cores), ("host_cores", host_cores)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hf_zenflow.settings.threads import available_cpu_count
+
 
 #: Other processes using at least this share of the available cores make a run "busy".
 BUSY_OTHERS_FRACTION = 0.10
@@ -174,8 +176,6 @@ class LoadMonitor:
     """A daemon thread sampling the 1-minute load average; `report(since)` gives the load since a reading."""
 
     def __init__(self, interval_s: float = 2.0) -> None:
-        from hf_zenflow.config import available_cpu_count
-
         self.interval_s = interval_s
         self.cores = available_cpu_count()
         self._samples: list[tuple[float, float]] = []  # (monotonic time, 1-minute load average)

@@ -23,7 +23,7 @@ LABELS = {
 }
 COLORS = {"adamw_torch": "#4c72b0", "sync_offload": "#dd8452", "zenflow": "#55a868"}
 
-#: Phases of the engines' step() as their telemetry names them (`hf_zenflow.telemetry.PHASES`).
+#: Phases of the engines' step() as their telemetry names them (`hf_zenflow.engine.telemetry.PHASES`).
 ENGINE_PHASES = ("norms", "select", "device_update", "handoff", "wait", "writeback", "host_update")
 
 #: Window of the rolling median in the every-step panel.

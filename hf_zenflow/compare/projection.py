@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_zenflow.compare.emulator_scenario import DEVICE_ADAMW_BYTES_PER_PARAM, LINK_BYTES_PER_PARAM
-from hf_zenflow.compare.hardware import DEVICE_ACCUMULATE_TRAFFIC
 from hf_zenflow.compare.report import markdown_table
+from hf_zenflow.estimate.emulator_scenario import DEVICE_ADAMW_BYTES_PER_PARAM, LINK_BYTES_PER_PARAM
+from hf_zenflow.estimate.hardware import DEVICE_ACCUMULATE_TRAFFIC
 
 
 #: The bytes per element the CPU runs move (fp32) and what the GPU run moves (bf16): link bytes scale by their ratio.
@@ -59,7 +59,7 @@ def _interval(r: dict[str, Any]) -> float:
 def accumulate_ratio(r: dict[str, Any]) -> float:
     """One host accumulation over one host AdamW, as this run measured them (the same worker, the same conditions,
     so machine load largely cancels); the emulator's ratio (`hardware.ACCUMULATE_VS_ADAMW`) when not measured."""
-    from hf_zenflow.compare.hardware import ACCUMULATE_VS_ADAMW
+    from hf_zenflow.estimate.hardware import ACCUMULATE_VS_ADAMW
 
     adamw, acc = r.get("host_step_ms_mean"), r.get("accumulate_ms_mean")
     return acc / adamw if adamw and acc else ACCUMULATE_VS_ADAMW
@@ -136,8 +136,8 @@ def projection_table(projections: dict[str, dict[str, dict[str, float]]]) -> str
 def run_projection(results: dict[str, dict[str, Any]], params_ran: float, tokens_per_step: float, cfg: Any,
                    host_cores: int) -> dict[str, Any]:
     """Every profile of ``cfg.project_hardware`` at ``cfg.project_params`` (default: the model that ran)."""
-    from hf_zenflow.compare.hardware import load_profile
-    from hf_zenflow.compare.host_rates import measure_host_rates, resolve_host
+    from hf_zenflow.estimate.host_rates import measure_host_rates, resolve_host
+    from hf_zenflow.estimate.profiles import load_profile
 
     params = float(cfg.project_params or params_ran)
     rates = measure_host_rates()

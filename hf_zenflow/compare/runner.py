@@ -47,6 +47,7 @@ from hf_zenflow.compare.projection import projection_table, run_projection
 from hf_zenflow.compare.report import OPTIMIZERS
 from hf_zenflow.compare.timeline import plot_timeline
 from hf_zenflow.compare.training_run import TIMING_SKIP, evaluate, make_optimizer, train_one
+from hf_zenflow.settings.threads import available_cpu_count
 
 
 def _log(cfg: CompareConfig, msg: str, bar: Any = None) -> None:
@@ -83,8 +84,6 @@ def _bar_width() -> dict[str, Any]:
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
-    from hf_zenflow.config import available_cpu_count
-
     info: dict[str, Any] = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "python": platform.python_version(),

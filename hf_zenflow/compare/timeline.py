@@ -3,7 +3,7 @@
 Device utilisation is the fraction of the training loop's wall time in which the device computes: forward,
 backward, the gradient clip, the device-side optimizer work, scheduler and zero_grad. The rest is waiting: for the
 host step, for copies, for syncs. It is measured from the training thread's own timers; the engines split their
-``optimizer.step()`` into phases (`hf_zenflow.telemetry.PHASES`), of which `WAIT_PHASES` are the device waiting
+``optimizer.step()`` into phases (`hf_zenflow.engine.telemetry.PHASES`), of which `WAIT_PHASES` are the device waiting
 (the host AdamW run inline, a wait for the host worker, the copies each way). On CUDA the loop's phases are timed
 with CUDA events on the current stream (`StepClock`), the waits with the engine's host-side timers.
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from hf_zenflow.telemetry import DEVICE_WAIT_PHASES as WAIT_PHASES
-from hf_zenflow.telemetry import device_wait_ms
+from hf_zenflow.engine.telemetry import DEVICE_WAIT_PHASES as WAIT_PHASES
+from hf_zenflow.engine.telemetry import device_wait_ms
 
 
 #: Phases that use the host<->device link.

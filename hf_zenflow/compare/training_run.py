@@ -23,18 +23,13 @@ from hf_zenflow.compare.data import PreparedTask
 from hf_zenflow.compare.plots import ENGINE_PHASES, LABELS
 from hf_zenflow.compare.report import OPTIMIZERS
 from hf_zenflow.compare.timeline import StepClock, TimelineRecorder, device_utilization, wait_ms
-from hf_zenflow.cpu_device.layout import column_major_
+from hf_zenflow.engine.layout import column_major_
+from hf_zenflow.optimizer import SyncOffloadAdamW, ZenFlowAdamW
+from hf_zenflow.settings import ZenFlowConfig
 
 
 #: Steps left out of the timing statistics: the first step allocates optimizer state and makes the first selection.
 TIMING_SKIP = 2
-
-
-def _engine() -> Any:
-    """The hf_zenflow engine module (imported lazily: this file must import even while the engine is absent)."""
-    import hf_zenflow
-
-    return hf_zenflow
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -52,12 +47,11 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
     common = {"lr": cfg.lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": cfg.weight_decay}
     if name == "adamw_torch":
         return torch.optim.AdamW(groups, fused=True, **common)
-    engine = _engine()
     host_cores = cfg.core_split().host  # the same H cores for both offloading runs (`compare.cores`)
     if name == "sync_offload":
-        return engine.SyncOffloadAdamW(groups, cpu_threads=host_cores, **common)
+        return SyncOffloadAdamW(groups, cpu_threads=host_cores, **common)
     if name == "zenflow":
-        zcfg = engine.ZenFlowConfig(
+        zcfg = ZenFlowConfig(
             topk_ratio=cfg.topk_ratio, update_interval=cfg.update_interval, overlap_step=cfg.overlap_step,
             select_strategy=cfg.select_strategy, select_interval=cfg.select_interval,
             full_warm_up_rounds=cfg.full_warm_up_rounds, cpu_threads=host_cores,
@@ -69,7 +63,7 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
             rows = [p for p in groups[0]["params"] if id(p) in tables]
             groups[0]["params"] = [p for p in groups[0]["params"] if id(p) not in tables]
             groups.append({"params": rows, "weight_decay": cfg.weight_decay, "select_rows": True})
-        return engine.ZenFlowAdamW(groups, config=zcfg, **common)
+        return ZenFlowAdamW(groups, config=zcfg, **common)
     raise ValueError(f"optimizer {name!r} is unknown: allowed are {OPTIMIZERS}.")
 
 

@@ -26,7 +26,7 @@ path). accelerate has no per-optimizer opt-out, so after ``prepare`` the optimiz
 read only for fp8 and LOMO setups, to match a scheduler to its optimizer (a scheduler built on this optimizer never
 matched it, so it steps the same), and for fp16 by ``unscale_gradients()`` without an argument (pass the optimizer,
 as the example in `accelerate_plugin` does) and ``optimizer_step_was_skipped`` (which never reports a ZenFlow step
-skipped anyway: the GradScaler always calls its ``step()``, `hf_zenflow.amp`). Every rank writes its file in the
+skipped anyway: the GradScaler always calls its ``step()``, `hf_zenflow.engine.amp`). Every rank writes its file in the
 save pre-hook (also under one process: the state is in DTensor shards) and loads it in the load pre-hook.
 """
 
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
-from ..checkpoint import CheckpointError
+from ..checkpoint.format import CheckpointError
 from .rank_checkpoint import (
     ACCELERATE_OPTIMIZER_NAME,
     is_rank_files_pointer,

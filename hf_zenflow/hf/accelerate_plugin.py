@@ -5,7 +5,7 @@ stand-alone dataclass in accelerate's style: every setting can come from the con
 environment variable under one prefix, ``HF_ZENFLOW_`` (``HF_ZENFLOW_TOPK_RATIO``, ``HF_ZENFLOW_UPDATE_INTERVAL``,
 ...). Explicit arguments win over the environment.
 
-Threads (the rule: README, *Threads*; `hf_zenflow.threads`): ``accelerate launch`` exports ``OMP_NUM_THREADS=1``
+Threads (the rule: README, *Threads*; `settings.threads`): ``accelerate launch`` exports ``OMP_NUM_THREADS=1``
 unless ``--num_cpu_threads_per_process N`` is given (on CPU-only machines it may pick the number of physical cores
 instead). ZenFlow's host worker does not inherit it: it runs ``cpu_threads`` threads (default: half the cores given
 to the process: its CPU affinity, shared with the other ranks on the node) inside its own thread. When something is
@@ -46,12 +46,12 @@ from typing import Any
 
 import torch
 
-from ..config import ZenFlowConfig, available_cpu_count
-from ..distributed_check import warn_if_replicated
-from ..optimizer import ZenFlowAdamW
-from ..settings import SETTINGS, optional_fields, parse_text, rename_fields, render_help, wrap
-from ..threads import rank_cpu_count
-from ..worker import wait_for_closed_workers
+from ..distributed.replica_check import warn_if_replicated
+from ..engine.worker import wait_for_closed_workers
+from ..optimizer.zenflow import ZenFlowAdamW
+from ..settings.config import ZenFlowConfig, available_cpu_count
+from ..settings.flags import SETTINGS, optional_fields, parse_text, rename_fields, render_help, wrap
+from ..settings.threads import rank_cpu_count
 from .unwrap import unwrap_zenflow_optimizer
 
 
@@ -80,7 +80,7 @@ def decay_parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[
     return [g for g in groups if g["params"]]
 
 
-# The plugin's fields: every ZenFlowConfig field under its own name, None = not given (generated, `settings.py`).
+# The plugin's fields: every ZenFlowConfig field under its own name, None = not given (generated, `settings/flags.py`).
 _ZenFlowPluginSettings = make_dataclass(
     "ZenFlowPluginSettings", optional_fields(),
     namespace={"__module__": __name__, "__doc__": "The ZenFlowPlugin settings, generated from ZenFlowConfig."},
@@ -169,7 +169,7 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
         return optimizer
 
     def check_accelerator(self, accelerator: Any) -> None:
-        """Fail fast on setups ZenFlowAdamW does not support: DeepSpeed, FSDP1. (fp16 works: `hf_zenflow.amp`.)"""
+        """Fail fast on setups ZenFlowAdamW does not support: DeepSpeed, FSDP1. (fp16 works: `engine.amp`.)"""
         from accelerate.utils import DistributedType
 
         dtype = accelerator.distributed_type

@@ -13,10 +13,11 @@ import logging
 import sys
 from typing import Any
 
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
-from ..optimizer import ZenFlowAdamW
-from ..worker import wait_for_closed_workers
+from ..engine.worker import wait_for_closed_workers
+from ..optimizer.zenflow import ZenFlowAdamW
+from .trainer import ZenFlowTrainer
 from .unwrap import unwrap_zenflow_optimizer
 
 
@@ -83,10 +84,6 @@ def attach_to_calling_trainer(optimizer: ZenFlowAdamW, max_depth: int = 6) -> bo
     """Called by `ZenFlowAdamW.train()`, which the Trainer calls before each training step: find that Trainer on the
     call stack and, unless it is a `ZenFlowTrainer` or already has a `ZenFlowCallback`, add one (logged once).
     Returns whether a Trainer was found."""
-    from transformers import Trainer
-
-    from .trainer import ZenFlowTrainer
-
     frame = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError, load_file
-from ..checkpoint_convert import is_torch_adamw_state, to_torch_adamw
+from ..checkpoint.convert import is_torch_adamw_state, to_torch_adamw
+from ..checkpoint.format import CheckpointError, load_file
 
 
 OPTIMIZER_FILE = "optimizer.pt"

@@ -1,6 +1,6 @@
 """`--zenflow_from_deepspeed`: a DeepSpeed ZenFlow config applied onto `ZenFlowTrainingArguments`.
 
-The mapping itself (which DeepSpeed key is which argument) is `hf_zenflow.deepspeed_config`; this module applies it:
+The mapping itself (which DeepSpeed key is which argument) is `settings.deepspeed_config`; this module applies it:
 an argument still at its default takes the DeepSpeed value, an argument given with another value is a conflict
 (`ValueError` naming both), like transformers' own DeepSpeed integration, which refuses mismatching values.
 """
@@ -11,9 +11,9 @@ import os
 from dataclasses import fields
 from typing import Any
 
-from ..config import ZenFlowConfig
-from ..deepspeed_config import load, training_values, warn_dropped, zenflow_values
-from ..settings import field_default, rename_fields
+from ..settings.config import ZenFlowConfig
+from ..settings.deepspeed_config import load, training_values, warn_dropped, zenflow_values
+from ..settings.flags import field_default, rename_fields
 
 
 def apply_deepspeed_config(args: Any, source: dict[str, Any] | str | os.PathLike) -> None:

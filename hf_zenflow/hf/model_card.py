@@ -16,6 +16,8 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from ..settings import __version__
+
 
 #: Tags every card carries (the Hub filters on them).
 ZENFLOW_TAGS = ("hf_zenflow", "zenflow")
@@ -38,12 +40,7 @@ def _version(distribution: str) -> str | None:
 def framework_versions() -> dict[str, str]:
     """Versions of the libraries a reader needs to reproduce the run (those that are installed)."""
     versions: dict[str, str] = {}
-    try:  # the package may run from a source checkout, without installed metadata
-        import hf_zenflow
-
-        versions["hf_zenflow"] = str(getattr(hf_zenflow, "__version__", None) or _version("hf_zenflow") or "source")
-    except ImportError:  # pragma: no cover - we are inside hf_zenflow
-        versions["hf_zenflow"] = "source"
+    versions["hf_zenflow"] = __version__  # (the package may run from a source checkout, without installed metadata)
     for name, dist in (("Transformers", "transformers"), ("PyTorch", "torch"), ("Accelerate", "accelerate"),
                        ("PEFT", "peft"), ("Datasets", "datasets"), ("Tokenizers", "tokenizers")):
         version = _version(dist)

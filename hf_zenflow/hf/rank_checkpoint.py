@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError, load_file
+from ..checkpoint.format import CheckpointError, load_file
 
 
 #: The Trainer's one-process optimizer file (transformers.trainer.OPTIMIZER_NAME).
@@ -139,12 +139,12 @@ def reshard_checkpoint(checkpoint: str, world_size: int, parallel: str | None = 
                        log: Any = print) -> list[str]:
     """Rewrite the ZenFlow optimizer files of `checkpoint` for `world_size` ranks (`hf-zenflow
     reshard-checkpoint`): the rank files of the N ranks that saved it (or the one-process file) are merged and cut
-    again (`hf_zenflow.checkpoint_reshard.reshard_states`), so that each new rank reads only its own file. One rank:
+    again (`hf_zenflow.checkpoint.reshard.reshard_states`), so that each new rank reads only its own file. One rank:
     ``optimizer.pt`` (a Trainer checkpoint; ``optimizer.bin`` when the folder is accelerate's); several: one rank file
     each (``optimizer.bin``, when present, becomes a pointer to them). The files it replaces are kept with the suffix
     ``.before_reshard`` (``.before_reshard.2``, ... when an earlier run's backups are there). `parallel`:
     ``"ddp"`` or ``"fsdp2"`` for the new ranks (default: as saved). Returns the files written."""
-    from ..checkpoint_reshard import reshard_states
+    from ..checkpoint.reshard import reshard_states
 
     sizes = saved_world_sizes(checkpoint)
     if len(sizes) > 1:

@@ -35,11 +35,11 @@ from transformers.distributed.fsdp import get_fsdp_ckpt_kwargs
 from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
-from ..checkpoint import CheckpointError, check_file
-from ..cpu_device.layout import column_major_
-from ..distributed_check import warn_if_replicated
-from ..optimizer import ZenFlowAdamW
-from ..worker import wait_for_closed_workers
+from ..checkpoint.format import CheckpointError, check_file
+from ..distributed.replica_check import warn_if_replicated
+from ..engine.layout import column_major_
+from ..engine.worker import wait_for_closed_workers
+from ..optimizer.zenflow import ZenFlowAdamW
 from .args_upgrade import upgrade_training_arguments
 from .rank_checkpoint import OPTIMIZER_NAME, check_one_process_resume, load_rank_state, save_rank_state
 from .resume import newest_complete_checkpoint

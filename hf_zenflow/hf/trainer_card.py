@@ -1,25 +1,23 @@
 """The `ZenFlowTrainer`'s model card: the run's hyperparameters, results, ZenFlow settings and measured figures,
-gathered from the trainer and rendered by `model_card.render_zenflow_model_card`."""
+gathered from the trainer and rendered by `model_card.render_zenflow_model_card`. `trainer` is a `ZenFlowTrainer` (or
+a trl subclass of it): typed as the transformers `Trainer` it is, since `trainer.py` imports this module."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from huggingface_hub import ModelCard
+from transformers import Trainer
 from transformers.modelcard import TrainingSummary, _listify, make_markdown_table
 
 from .model_card import format_bytes, is_hub_id, render_zenflow_model_card
 from .trainer_telemetry import LAST_STATS, TELEMETRY_PREFIX
 
 
-if TYPE_CHECKING:
-    from .trainer import ZenFlowTrainer
-
-
-def card_inputs(trainer: ZenFlowTrainer) -> dict[str, Any]:
+def card_inputs(trainer: Trainer) -> dict[str, Any]:
     """The card's ZenFlow section: every setting of the optimizer in use and the run's measured figures."""
     args = trainer.args
     opt = trainer.zenflow_optimizer
@@ -53,7 +51,7 @@ def card_inputs(trainer: ZenFlowTrainer) -> dict[str, Any]:
     return {"settings": settings, "measured": measured}
 
 
-def training_device_description(trainer: ZenFlowTrainer) -> str:
+def training_device_description(trainer: Trainer) -> str:
     """The device the run trained on, and on a CPU the threads the forward/backward had."""
     device = trainer.args.device
     if device.type == "cuda" and torch.cuda.is_available():
@@ -62,7 +60,7 @@ def training_device_description(trainer: ZenFlowTrainer) -> str:
     return f"{device.type} ({threads} training threads)"
 
 
-def plain_card_summary(trainer: ZenFlowTrainer, **kwargs: Any) -> TrainingSummary:
+def plain_card_summary(trainer: Trainer, **kwargs: Any) -> TrainingSummary:
     """What `Trainer.create_model_card` puts on the plain card for the same run and arguments: every evaluation
     metric, the `tasks`, the dataset names, tags and arguments, and the `model-index` / `metrics` metadata."""
     if isinstance(kwargs.get("tags"), list):
@@ -70,7 +68,7 @@ def plain_card_summary(trainer: ZenFlowTrainer, **kwargs: Any) -> TrainingSummar
     return TrainingSummary.from_trainer(trainer, **kwargs)
 
 
-def render_trainer_card(trainer: ZenFlowTrainer, model_name: str | None = None, **kwargs: Any) -> ModelCard:
+def render_trainer_card(trainer: Trainer, model_name: str | None = None, **kwargs: Any) -> ModelCard:
     """The Hub card of `trainer`'s run; `kwargs` are `Trainer.create_model_card`'s (language, license, tags,
     finetuned_from, tasks, dataset_tags, dataset, dataset_args). It carries what the plain card carries (evaluation
     results, tasks, datasets: `plain_card_summary`) plus the ZenFlow section."""

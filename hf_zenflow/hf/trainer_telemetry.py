@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..telemetry import device_wait_ms
+from ..engine.telemetry import device_wait_ms
 from .unwrap import unwrap_zenflow_optimizer
 
 

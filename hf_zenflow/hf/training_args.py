@@ -1,7 +1,7 @@
 """`ZenFlowTrainingArguments`: `TrainingArguments` plus the `--zenflow_*` flags.
 
 Every `ZenFlowConfig` field `<name>` is a field `zenflow_<name>` here, generated from
-`dataclasses.fields(ZenFlowConfig)` (`hf_zenflow.settings`: type, true default, help and choices), except the few in
+`dataclasses.fields(ZenFlowConfig)` (`settings.flags`: type, true default, help and choices), except the few in
 `TRAINER_EXCLUDED_SETTINGS`. Values are validated by `ZenFlowConfig` itself (errors name the flag). Combinations the
 ZenFlow optimizer does not support fail at construction, naming the conflict, instead of training wrongly later.
 """
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from ..config import ZenFlowConfig
-from ..settings import (
+from ..settings.config import ZenFlowConfig
+from ..settings.flags import (
     SETTINGS,
     SETTINGS_BY_NAME,
     LowercaseChoice,
@@ -26,6 +26,7 @@ from ..settings import (
     render_help,
     trainer_fields,
 )
+from .deepspeed_arguments import apply_deepspeed_config
 
 
 #: `args.optim` values whose update rule is the one ZenFlowAdamW implements (decoupled-weight-decay AdamW).
@@ -77,7 +78,7 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
     Not supported together with `zenflow=True` (a `ValueError` names the conflict): `deepspeed` (move a DeepSpeed
     ZenFlow config over with `zenflow_from_deepspeed` or `ZenFlowTrainingArguments.from_deepspeed`), FSDP1 (`fsdp`
     is supported with `fsdp_config={"version": 2}`, FSDP2, the default in transformers 5), and `optim` other than
-    the AdamW variants above. `fp16` works (its GradScaler: `hf_zenflow.amp`), as do `bf16` and fp32.
+    the AdamW variants above. `fp16` works (its GradScaler: `hf_zenflow.engine.amp`), as do `bf16` and fp32.
 
     Example:
         >>> from hf_zenflow import ZenFlowTrainingArguments
@@ -123,8 +124,6 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
     def __post_init__(self) -> None:
         if self.zenflow_from_deepspeed is not None:
             # before the parent's post-init, which reads bf16 and the batch settings
-            from .deepspeed_arguments import apply_deepspeed_config
-
             if isinstance(self.zenflow_from_deepspeed, os.PathLike):
                 self.zenflow_from_deepspeed = os.fspath(self.zenflow_from_deepspeed)  # to_json_string() needs a str
 

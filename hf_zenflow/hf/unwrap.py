@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..optimizer import ZenFlowAdamW
+from ..optimizer.zenflow import ZenFlowAdamW
 
 
 #: How many `.optimizer` links are followed: a wrapper chain longer than this (or a cycle) is not a ZenFlow one.

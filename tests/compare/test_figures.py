@@ -60,7 +60,7 @@ def test_device_utilization_of_a_known_host_delay(monkeypatch: pytest.MonkeyPatc
     waits): the measured utilisation is within 5 points of the truth, 1 - the host step's time / step (the host
     time as the injected function itself measured it: a sleep overshoots on a busy machine); adamw_torch, with no host
     step, is ~all busy."""
-    import hf_zenflow.baselines as baselines
+    import hf_zenflow.optimizer.sync_offload as baselines
 
     delay_s, host_s = 0.05, []
     real = baselines.fused_adamw_
@@ -94,10 +94,10 @@ def test_compare_run_same_cores_timeline_and_projection(tmp_path: Path, monkeypa
     utilisation, timeline.png is written, and results.md holds the projection table (labelled projected) with its
     method, for the named model size."""
     from hf_zenflow.compare import runner
-    from hf_zenflow.compare.host_rates import HostRates
+    from hf_zenflow.estimate.host_rates import HostRates
 
     monkeypatch.setattr(runner, "prepare_task", lambda **kwargs: tiny_task(kwargs["steps"]))
-    monkeypatch.setattr("hf_zenflow.compare.host_rates.measure_host_rates",
+    monkeypatch.setattr("hf_zenflow.estimate.host_rates.measure_host_rates",
                         lambda: HostRates(cores=2, adamw_params_per_s={1: 1e9, 2: 1.5e9}, mem_gbps=20.0))
     cfg = tiny_config(output_dir=str(tmp_path / "run"), project_params=7e9,
                       project_hardware=("h100-80gb-pcie5", "a100-80gb-pcie4"))
@@ -144,8 +144,8 @@ def test_projection_of_a_window_summed_on_the_device() -> None:
     runs an AdamW per window plus an accumulation per step; summed on the device (what compare's "auto" now picks on
     a CPU device), one fp32 sum crosses per window (not halved: it stays fp32 on the GPU) and the host runs one
     AdamW per window (sync offload's per-step host AdamW over the same H divided by U) after the sum has landed."""
-    from hf_zenflow.compare.hardware import load_profile
     from hf_zenflow.compare.projection import project
+    from hf_zenflow.estimate.hardware import load_profile
 
     hosted, window, params = 1e6, 4, 2e6
     profile = load_profile("h100-80gb-pcie5")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_zenflow.compare.hardware import HardwareProfile
 from hf_zenflow.compare.projection import project
+from hf_zenflow.estimate.profiles import HardwareProfile
 
 
 # 1e9 projected parameters from a 1e6-parameter run (x 1000); 1000 tokens -> 120 ms of compute; link 20 GB/s; host

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from hf_zenflow.pinned import HostRegistrar
 from hf_zenflow.transport import CudaStreams, CudaTransport
+from hf_zenflow.transport.pinned import HostRegistrar
 
 
 #: The longest any wait on the double may take before it is reported as a hang.

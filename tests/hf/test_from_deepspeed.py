@@ -11,9 +11,9 @@ import pytest
 from hf_helpers import REPO_ROOT
 from transformers import HfArgumentParser
 
-from hf_zenflow.config import available_cpu_count
-from hf_zenflow.deepspeed_config import training_values
 from hf_zenflow.hf.training_args import ZenFlowTrainingArguments
+from hf_zenflow.settings.config import available_cpu_count
+from hf_zenflow.settings.deepspeed_config import training_values
 
 
 ZF_CONFIG = REPO_ROOT / "tests" / "data" / "zf_config.json"  # shaped like DeepSpeedExamples' ZenFlow fine-tune

@@ -16,7 +16,7 @@ from hf_zenflow import ZenFlowConfig, ZenFlowPlugin
 from hf_zenflow.hf.accelerate_plugin import env_name
 from hf_zenflow.hf.trainer import ZenFlowTrainer
 from hf_zenflow.hf.training_args import TRAINER_EXCLUDED_SETTINGS, ZENFLOW_FIELDS, ZenFlowTrainingArguments
-from hf_zenflow.settings import SETTINGS, SETTINGS_BY_NAME, add_arguments, format_default
+from hf_zenflow.settings.flags import SETTINGS, SETTINGS_BY_NAME, add_arguments, format_default
 
 
 #: (setting, command-line / environment text, the value ZenFlowConfig must end up with, other settings it needs).

@@ -14,18 +14,18 @@ import torch
 from hf_helpers import tiny_llama, zenflow_args
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback
 
-import hf_zenflow.threads
+import hf_zenflow.settings.threads
 from hf_zenflow import ZenFlowConfig, ZenFlowTrainer
 
 
 #: torch's pool when `hf_zenflow` was imported: a pool at this size is "not chosen by the user".
-TORCH_DEFAULT = hf_zenflow.threads._TORCH_THREADS_AT_IMPORT
+TORCH_DEFAULT = hf_zenflow.settings.threads._TORCH_THREADS_AT_IMPORT
 
 
 @pytest.fixture
 def torch_default_pool():
     """The training thread at torch's default pool (the conftest pins 1 thread, which would hide a change)."""
-    if TORCH_DEFAULT < 2 or hf_zenflow.threads.rank_cpu_count() < 2:
+    if TORCH_DEFAULT < 2 or hf_zenflow.settings.threads.rank_cpu_count() < 2:
         pytest.skip("needs 2 cores or more and torch's default pool at 2 threads or more")
     torch.set_num_threads(TORCH_DEFAULT)
     yield TORCH_DEFAULT

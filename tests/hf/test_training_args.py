@@ -160,7 +160,7 @@ def test_column_layout_is_refused_with_fsdp():
 
 
 def test_fp16_and_bf16_are_fine():
-    assert make(fp16=True).fp16  # (the GradScaler: tests/test_amp.py, tests/hf/test_trainer_fp16.py)
+    assert make(fp16=True).fp16  # (the GradScaler: tests/engine/test_amp.py, tests/hf/test_trainer_fp16.py)
     assert make(bf16=True).bf16
 
 

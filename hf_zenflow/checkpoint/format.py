@@ -1,0 +1,231 @@
+"""The checkpoint format of `ZenFlowAdamW`: what `state_dict()` writes (`pack`), its versions and their migration, and
+the checks of a checkpoint file. Loading (`restore.py`) and the conversions to and from `torch.optim.AdamW`
+(`convert.py`) are beside it.
+
+Format version 3 (``state_dict()["zenflow"]["format_version"]``): per parameter index an entry of kind ``"split"``
+(a matrix: selection, device columns, host state, the open window's gradient sum) or ``"dense"`` (updated wholly on
+the device), each with the parameter's ``shape`` and ``dtype``, its name when known, and a ``checksums`` dict; the
+``zenflow`` block carries a ``checksum`` too. Together they cover every tensor and every non-tensor field (counters,
+settings, hyper-parameters, Zen-auto statistics) and their own presence (`validate.py`), so that a damaged
+file is refused instead of training on garbage (torch's own loader does not check its zip CRCs). Version 2
+(2026-12-01: checksums of the tensors only) and version 1 (no ``format_version``, no shapes or checksums) are read by
+migration, with a logged note that their other fields are checked by range only. A newer version is refused.
+
+Loading is transactional: every field is parsed and checked (types, ranges, shapes, dtypes, saved parameter names
+against this optimizer's, checksums) before anything is written, and every refusal is a `CheckpointError` naming the
+entry and what was expected; the optimizer is then unchanged.
+
+Under several data-parallel ranks (`distributed/sharding.py`) each rank's state dict holds its share of the host state:
+the ``zenflow`` block says ``ranks`` and ``rank``, each split entry its ``share`` (start, length, size of the shared
+dimension). It loads on the same rank of the same number of ranks; a one-process state dict loads on any number of
+ranks (each rank takes its share); other combinations are refused, naming both rank counts. Under FSDP2
+(`distributed/fsdp.py`) every entry is of this rank's shard of the parameter (shapes included) and the block says
+``fsdp_ranks`` and
+``fsdp_rank``: it loads only on the same rank of the same world size.
+
+Loading compares the saved settings with the optimizer's own and lets the current ones take effect (a new
+``topk_ratio`` re-selects every matrix at the next step, moments kept; a new ``min_offload_numel`` moves matrices
+between the split and the dense path; the rest apply as they are), logging what changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .seal import PREFIX, Refusal, bits_sum, migrate_old, seal, verify
+from .state import ZenFlowState
+
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 3
+
+#: Group keys of `torch.optim.AdamW` that ZenFlowAdamW has no use for (its behaviour is fixed: fused, decoupled).
+_TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                          "decoupled_weight_decay", "param_names")
+
+#: Settings that are not the user's to change on resume (filled in by the Trainer or the plugin).
+_DERIVED_SETTINGS = ("steps_per_epoch",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as it is: damaged, from another model, or from an incompatible version.
+    The message names the file or tensor and what to do."""
+
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """Format 2's checksum of a tensor: a 64-bit wrap-around sum of its bits (format 3 uses
+    `seal.tensor_digest`, which also changes when values move)."""
+    return bits_sum(t)
+
+
+def _tensors(entry: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in entry.items() if isinstance(v, torch.Tensor)}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------------------------
+def pack(opt: ZenFlowState) -> dict[str, Any]:
+    """The state dict of `opt` (its worker idle): see the module docstring."""
+    index_of: dict[torch.Tensor, int] = {}
+    groups = []
+    for group in opt.param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = []
+        for p in group["params"]:
+            packed["params"].append(len(index_of))
+            index_of[opt._fsdp.local(p)] = len(index_of)  # (the engine keys an FSDP2 parameter by its shard)
+        groups.append(packed)
+    state: dict[int, dict[str, Any]] = {}
+    for p, split in opt._split.items():
+        entry: dict[str, Any] = {"kind": "split", "k": split.k, "auto": split.auto.to_list(), "axis": split.axis,
+                                 "rows": split.rows}
+        if split.device is not None:
+            d = split.device
+            entry.update(device_index=d.index, device_master=d.master, device_exp_avg=d.exp_avg,
+                         device_exp_avg_sq=d.exp_avg_sq, device_step=d.step)
+        if split.host is not None:
+            h = split.host
+            # the open window's sum, wherever it is kept (the host worker is idle: closed windows are applied)
+            accum, count = (split.window_sum, split.window_count) if split.window_sum is not None else (
+                h.accum, h.accum_count)
+            # moments stored bf16 (host_moment_dtype) are saved widened, exactly: the file format stays fp32, and a
+            # resume under either setting restores them (the setting itself is in the saved config)
+            # a bf16 window sum (accumulate_on="device_bf16") too: any setting loads it, and "device_bf16" rounds it
+            # back to the same bits
+            entry.update(host_master=h.master, host_exp_avg=h.exp_avg.float(), host_exp_avg_sq=h.exp_avg_sq.float(),
+                         host_step=h.step, accum=accum.float() if count else None, accum_count=count)
+            if split.share.ranks > 1:
+                entry["share"] = [split.share.start, split.share.length, split.share.size]
+        state[index_of[p]] = entry
+    for p, dense in opt._dense.items():
+        state[index_of[p]] = {
+            "kind": "dense", "step": dense.step, "exp_avg": dense.exp_avg, "exp_avg_sq": dense.exp_avg_sq,
+            "master": dense.master,  # None: the fp32 parameter is its own master (saved with the model)
+        }
+    for p, entry in state.items():
+        param = next(q for q, i in index_of.items() if i == p)
+        entry.update(shape=list(param.shape), dtype=str(param.dtype).removeprefix("torch."))
+        name = opt._param_names.get(opt._fsdp.owner(param))
+        if name is not None:
+            entry["name"] = name
+    schedule = opt._schedule
+    zenflow = None
+    if schedule is not None:
+        zenflow = {
+            "format_version": FORMAT_VERSION,
+            "steps": schedule.steps, "window_steps": schedule.window_steps, "windows": schedule.windows,
+            "reselections": schedule.reselections, "last_interval": schedule.last_interval,
+            "force_select": schedule.force_select, "writeback_lag": schedule.writeback_lag,
+            "writeback_lag_pending": schedule.writeback_lag_pending,
+            "writeback_pending": opt._host.writeback_pending, "unapplied_steps": list(opt._host.unapplied_steps),
+            "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
+            # where windows are summed ("auto"'s choice; None before any host state): a resumed run keeps it
+            "accumulate_on": opt._host.accumulate_on,
+        }
+        if opt._host.shards.ranks > 1:
+            zenflow.update(ranks=opt._host.shards.ranks, rank=opt._host.shards.rank)
+        if opt._host.param_shards is not None:  # FSDP2: this rank's shards of the parameters
+            zenflow.update(fsdp_ranks=opt._host.param_shards.ranks, fsdp_rank=opt._host.param_shards.rank)
+    return seal({"state": state, "param_groups": groups, "zenflow": zenflow})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------------------------------
+_DAMAGED = ("The optimizer checkpoint is damaged or belongs to another model; restore it from a copy, or resume "
+            "without it (fresh optimizer state).")
+
+#: What malformed input can raise while it is parsed: every one becomes a `CheckpointError`.
+_PARSE_ERRORS = (Refusal, KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError)
+
+
+def _refused(exc: Exception) -> CheckpointError:
+    if isinstance(exc, CheckpointError):
+        return exc
+    problem = str(exc) if isinstance(exc, Refusal) else f"the state is malformed ({type(exc).__name__}: {exc})"
+    return CheckpointError(f"{PREFIX}: {problem}. {_DAMAGED}")
+
+
+def migrate(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state dict in the current format version, its checksums verified (an older format's are checked and
+    the result sealed anew); refuses versions this hf_zenflow does not know."""
+    try:
+        return _migrate(state_dict)
+    except _PARSE_ERRORS as exc:
+        raise _refused(exc) from None
+
+
+def _migrate(state_dict: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
+        keys = sorted(map(str, state_dict))[:8] if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise Refusal(f"not an optimizer state dict (needs 'state' and 'param_groups'; got {keys})")
+    if not isinstance(state_dict["state"], dict):
+        raise Refusal(f"'state' is {type(state_dict['state']).__name__}, expected a dict of per-parameter entries")
+    zenflow = state_dict.get("zenflow")
+    if zenflow is None:
+        verify(state_dict)  # (only a never-stepped optimizer's state has no block: it has no entries)
+        return state_dict
+    if not isinstance(zenflow, dict):
+        raise Refusal(f"the 'zenflow' block is {type(zenflow).__name__}, expected a dict")
+    version = zenflow.get("format_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise Refusal(f"format_version={version!r} is invalid, expected an integer >= 1")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{PREFIX}: the checkpoint has format_version={version!r}, written by a newer hf_zenflow; this one reads "
+            f"versions 1 to {FORMAT_VERSION}. Upgrade hf_zenflow to resume from it."
+        )
+    if version < FORMAT_VERSION:
+        return migrate_old(state_dict, version, FORMAT_VERSION)
+    verify(state_dict)
+    return state_dict
+
+
+def _restore_groups(opt: ZenFlowState, saved_groups: list[dict[str, Any]]) -> None:
+    for group, saved in zip(opt.param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k != "params" and k not in _TORCH_ONLY_GROUP_KEYS})
+        group["betas"] = tuple(group["betas"])
+
+
+_RESUME_ADVICE = "Resume from an earlier checkpoint, or without the optimizer state."
+
+
+def check_file(path: str | Path) -> None:
+    """Cheap checks of an optimizer checkpoint file before `torch.load` (which fails on them with bare errors such
+    as ``EOFError``): it exists, is not empty and is a complete zip archive (torch's format)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such optimizer checkpoint file.")
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{path}: the optimizer checkpoint is empty (0 bytes): it was not written completely "
+                              f"(the process was killed while saving, or the disk was full). {_RESUME_ADVICE}")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path}: the optimizer checkpoint ({size} bytes) is not a complete torch.save archive: "
+                              f"it is truncated or damaged. {_RESUME_ADVICE}")
+
+
+def load_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """`torch.load` of an optimizer checkpoint (``weights_only=True``) with errors that name the file and the
+    problem."""
+    check_file(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - every failure of a damaged file gets the same explanation
+        raise CheckpointError(
+            f"{path}: the optimizer checkpoint ({Path(path).stat().st_size} bytes) cannot be read "
+            f"({type(exc).__name__}: {exc}): it is truncated or damaged. {_RESUME_ADVICE}"
+        ) from exc
+
+
+__all__ = ["FORMAT_VERSION", "CheckpointError", "ZenFlowState", "check_file", "load_file", "migrate", "pack",
+           "tensor_checksum"]
+

@@ -1,0 +1,190 @@
+"""Loading a ZenFlowAdamW checkpoint: `load` / `unpack` check everything first (`validate`, the rank checks of
+`reshard.py`, the settings change of `convert.py`) and only then write the optimizer's state, so a refused state
+dict leaves the optimizer unchanged. The format itself (versions, migration, what `pack` writes) is `format.py`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..engine.accumulation import resumed_choice
+from ..engine.device_state import DenseDeviceState, DeviceColumns
+from ..engine.schedule import ZenAutoStats
+from ..engine.split_matrix import SplitMatrix
+from . import validate as checks
+from .convert import apply_changed_settings, is_torch_adamw_state, unpack_torch_adamw
+from .format import _PARSE_ERRORS, _migrate, _refused, _restore_groups
+from .reshard import check_fsdp_ranks, check_ranks, fsdp_rows_of
+from .seal import Refusal
+from .state import ZenFlowState
+
+
+def _label(index: Any, entry: dict[str, Any], param: torch.Tensor) -> str:
+    name = entry.get("name")
+    return f"parameter {index}" + (f" ({name})" if isinstance(name, str) else "") + f" of shape {list(param.shape)}"
+
+
+def validate(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
+    """Refuse a (migrated) state dict that does not fit `opt`'s parameters or holds damaged or out-of-range values,
+    naming the entry and what was expected. Everything `unpack` reads is checked here."""
+    try:
+        _validate(opt, state_dict)
+    except _PARSE_ERRORS as exc:
+        raise _refused(exc) from None
+
+
+def _index(index: Any, count: int) -> int:
+    if isinstance(index, str) and index.isdigit():
+        index = int(index)
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
+        raise Refusal(f"state for parameter {index!r}, but this optimizer has parameters 0..{count - 1}")
+    return index
+
+
+def _validate(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
+    params = opt._engine_params()
+    checks.check_groups(opt, state_dict["param_groups"])
+    zenflow = state_dict.get("zenflow")
+    if zenflow is None:
+        return  # (`migrate` refused entries without a block)
+    checks.check_block(zenflow)
+    # the group settings in force after the load: `_restore_groups` takes the saved ones (select_rows among them)
+    restored = [{**g, **{k: v for k, v in saved.items() if k != "params"}}
+                for g, saved in zip(opt.param_groups, state_dict["param_groups"])]
+    groups = [r for g, r in zip(opt.param_groups, restored) for _ in g["params"]]
+    seen: set[int] = set()
+    for index, entry in state_dict["state"].items():
+        i = _index(index, len(params))
+        if i in seen:
+            raise Refusal(f"parameter {i} has two state entries")
+        seen.add(i)
+        p = params[i]
+        if not isinstance(entry, dict):
+            raise Refusal(f"parameter {index}: the entry is {type(entry).__name__}, expected a dict")
+        where = _label(index, entry, p)
+        if entry.get("kind") not in ("split", "dense") or (entry["kind"] == "split" and p.ndim < 2):
+            raise Refusal(f"{where}: entry kind {entry.get('kind')!r} is invalid here")
+        checks.check_name(where, entry.get("name"), opt._param_names.get(opt._fsdp.owner(p)))
+        rows = bool(groups[i].get("select_rows", False))
+        units = p.shape[0] if rows else math.prod(p.shape[1:])  # (an FSDP2 shard may have 0 rows)
+        checks.check_entry_fields(where, entry, p, zenflow["steps"], units, rows)
+        checks.check_tensors(where, entry, p)
+        if entry["kind"] == "split" and "device_index" in entry:
+            checks.check_device_columns(where, entry, p, units)
+    checks.check_settings_change(opt, zenflow)
+
+
+@torch.no_grad()
+def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
+    """Restore `opt` (its worker idle) from a ZenFlow or a `torch.optim.AdamW` state dict."""
+    if is_torch_adamw_state(state_dict):
+        unpack_torch_adamw(opt, state_dict)
+        return
+    try:
+        state_dict = _checked(opt, state_dict)
+    except _PARSE_ERRORS as exc:
+        raise _refused(exc) from None
+    # From here on every value read was checked: the optimizer is only written now.
+    _restore_groups(opt, state_dict["param_groups"])
+    opt._reset_state()
+    zenflow = state_dict.get("zenflow")
+    if zenflow is None:
+        return
+    params = opt._engine_params()
+    groups = [g for g in opt.param_groups for _ in g["params"]]
+    schedule = opt._ensure_schedule()
+    for key in ("steps", "window_steps", "windows", "reselections", "last_interval"):
+        setattr(schedule, key, int(zenflow[key]))
+    schedule.force_select = bool(zenflow.get("force_select", False))
+    if opt.config.writeback_lag == "auto" and "writeback_lag_pending" in zenflow:
+        # the saved run's lag, chosen or still provisional; an explicit setting replaces it
+        schedule.writeback_lag = zenflow["writeback_lag"]
+        schedule.writeback_lag_pending = bool(zenflow["writeback_lag_pending"])
+    # before any host state is restored: it is created for the accumulation the saved run chose
+    opt._host.accumulate_chosen = resumed_choice(opt.config, zenflow)
+    opt._host.writeback_pending = bool(zenflow["writeback_pending"])
+    opt._host.unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
+    opt._stats.skipped_steps = int(zenflow["skipped_steps"])
+    for index, entry in state_dict["state"].items():
+        p = params[int(index)]
+        if entry["kind"] == "dense":
+            dense = DenseDeviceState.fresh(p)
+            for name in ("step", "exp_avg", "exp_avg_sq"):
+                getattr(dense, name).copy_(entry[name].view_as(getattr(dense, name)))
+            if entry["master"] is not None and dense.master is not None:
+                # (an fp32 parameter is its own master: format 1 saved a copy of it, the same values as the weights)
+                dense.master.copy_(entry["master"].view_as(dense.master))
+            opt._dense[p] = dense
+            continue
+        opt._split[p] = _restore_split(opt, p, groups[int(index)], int(index), entry)
+    apply_changed_settings(opt, zenflow.get("config") or {})
+
+
+def _checked(opt: ZenFlowState, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` migrated, cut to this rank's part where needed, and checked through and through."""
+    state_dict = _migrate(state_dict)
+    zenflow = state_dict.get("zenflow")
+    if zenflow is not None:
+        checks.check_block(zenflow)  # (the rank fields are read next)
+    mesh = opt._host.param_shards
+    if mesh is not None and zenflow and not {"ranks", "fsdp_ranks"} & set(zenflow):
+        state_dict = fsdp_rows_of(state_dict, mesh.ranks, mesh.rank)  # a one-process state: this rank's rows of it
+    check_ranks(state_dict.get("zenflow") or {}, opt._host.shards.ranks, opt._host.shards.rank)
+    check_fsdp_ranks(state_dict.get("zenflow") or {}, opt._host.param_shards)
+    _validate(opt, state_dict)
+    return state_dict
+
+
+def load(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
+    """`ZenFlowAdamW.load_state_dict` (its worker idle): `unpack`, then a host worker whose thread count or mode no
+    longer matches the settings in force is closed (the next step starts one with the current settings)."""
+    before = (opt.config.resolved_cpu_threads, opt.config.overlap_step)
+    unpack(opt, state_dict)
+    worker = opt._host.worker
+    if worker is not None and (worker.threads, worker.background) != (
+        before[0], before[1] and opt.host_executor == "thread"
+    ):
+        opt._host.stop_worker()  # (not `opt.close()`: the run goes on, its cores stay claimed and the state just
+        # loaded keeps its pinned buffers)
+    opt._mark_weights()
+
+
+def _restore_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any], index: int, entry: dict[str, Any]
+                   ) -> SplitMatrix:
+    split = SplitMatrix(p, int(entry["k"]), rows=bool(group.get("select_rows", False)), owner=opt._fsdp.owner(p))
+    split.auto = ZenAutoStats.from_list(entry["auto"])
+    # saved from a parameter in the other layout (see `column_major_`): every matrix here is transposed
+    flip = not split.rows and int(entry.get("axis", 1)) != split.axis
+
+    def fit(t: torch.Tensor) -> torch.Tensor:
+        return t.t() if flip and t.ndim == 2 else t
+
+    if "host_master" in entry:
+        opt._host.attach_host([split])
+        host = split.host
+        # a one-process state dict loaded under several ranks: each takes its share
+        mine = (lambda t: split.share.local(fit(t))) if "share" not in entry else fit
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(host, name).copy_(mine(entry[f"host_{name}"]))
+        host.step.copy_(entry["host_step"])
+        # the open window's sum goes wherever this optimizer keeps it (either setting can load either)
+        target = split.window_sum if split.window_sum is not None else host.accum
+        if split.window_sum is not None:
+            split.window_count = int(entry["accum_count"])
+        else:
+            host.accum_count = int(entry["accum_count"])
+        if entry["accum"] is not None:
+            target.copy_(mine(entry["accum"]))
+        host.writeback.copy_(host.master)  # a pending write-back reads this buffer
+        host.writeback_fresh = opt._host.writeback_pending
+    if "device_master" in entry:
+        split.device = DeviceColumns.from_columns(
+            entry["device_index"].long(), fit(entry["device_master"]), fit(entry["device_exp_avg"]),
+            fit(entry["device_exp_avg_sq"]), step=entry["device_step"], device=p.device, axis=split.axis,
+        )
+    return split
+
+
+__all__ = ["load", "unpack", "validate"]

@@ -1,0 +1,245 @@
+"""Types and ranges of every field of a `ZenFlowAdamW` state dict, checked before anything is restored from it
+(`checkpoint.unpack`), so that a refusal changes nothing: each problem is a `Refusal` naming the entry, the field and
+what was expected (`checkpoint` turns it into a `CheckpointError`). The checksums are `seal.py`'s."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .._base import check_hyperparameters
+from ..settings.config import ZenFlowConfig
+from .seal import Refusal
+from .state import ZenFlowState
+
+
+_DEVICE_KEYS = ("device_index", "device_master", "device_exp_avg", "device_exp_avg_sq", "device_step")
+_HOST_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "host_step", "accum", "accum_count")
+_BLOCK_INTS = ("steps", "window_steps", "windows", "reselections", "last_interval", "skipped_steps")
+_BLOCK_BOOLS = ("force_select", "writeback_pending")
+
+#: The tensors of a split entry that hold only this rank's share under several ranks.
+_SHARED_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "accum")
+
+_FP32_KEYS = ("device_master", "device_exp_avg", "device_exp_avg_sq", "host_master", "host_exp_avg",
+              "host_exp_avg_sq", "accum", "exp_avg", "exp_avg_sq", "master")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Types and ranges
+# ---------------------------------------------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _count(where: str, holder: dict[str, Any], key: str, top: int | None = None, low: int = 0) -> int:
+    if key not in holder:
+        raise Refusal(f"{where}: '{key}' is missing")
+    value = holder[key]
+    if not _is_int(value) or value < low or (top is not None and value > top):
+        allowed = f"an integer >= {low}" + (f" and <= {top}" if top is not None else "")
+        raise Refusal(f"{where}: {key}={value!r} is invalid, expected {allowed}")
+    return value
+
+
+def _flag(where: str, holder: dict[str, Any], key: str) -> bool:
+    if key not in holder:
+        raise Refusal(f"{where}: '{key}' is missing")
+    if not isinstance(holder[key], bool):
+        raise Refusal(f"{where}: {key}={holder[key]!r} is invalid, expected True or False")
+    return holder[key]
+
+
+def check_groups(opt: ZenFlowState, saved_groups: Any) -> None:
+    """The saved param groups: as many as here, as many parameters each, valid hyper-parameters."""
+    if not isinstance(saved_groups, list) or not all(isinstance(g, dict) for g in saved_groups):
+        raise Refusal("'param_groups' is not a list of dicts")
+    counts = [len(s["params"]) if isinstance(s.get("params"), list) else None for s in saved_groups]
+    here = [len(g["params"]) for g in opt.param_groups]
+    if counts != here:
+        raise Refusal(f"the saved param groups do not match this optimizer's (different number of groups or of "
+                      f"parameters per group: saved {counts}, here {here})")
+    indices = [i for s in saved_groups for i in s["params"]]
+    if sorted(indices) != list(range(len(indices))) or not all(_is_int(i) for i in indices):
+        raise Refusal(f"param_groups: the parameter indices {indices[:16]} are not 0..{len(indices) - 1} once each")
+    for n, saved in enumerate(saved_groups):
+        where = f"param group {n}"
+        for key in ("lr", "eps", "weight_decay"):
+            if key not in saved:
+                raise Refusal(f"{where}: '{key}' is missing")
+            if not _is_number(saved[key]) or not math.isfinite(saved[key]):
+                raise Refusal(f"{where}: {key}={saved[key]!r} is invalid, expected a finite number")
+        betas = saved.get("betas")
+        if betas is None:
+            raise Refusal(f"{where}: 'betas' is missing")
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(_is_number(b) for b in betas):
+            raise Refusal(f"{where}: betas={betas!r} is invalid, expected a pair of floats in [0, 1)")
+        try:
+            check_hyperparameters(saved["lr"], tuple(betas), saved["eps"], saved["weight_decay"])
+        except ValueError as exc:
+            raise Refusal(f"{where}: {exc}") from None
+        if "select_rows" in saved and not isinstance(saved["select_rows"], bool):
+            raise Refusal(f"{where}: select_rows={saved['select_rows']!r} is invalid, expected True or False")
+
+
+def check_block(zenflow: dict[str, Any]) -> None:
+    """The zenflow block's counters, flags and settings."""
+    where = "the 'zenflow' block"
+    for key in _BLOCK_INTS:
+        _count(where, zenflow, key)
+    steps = zenflow["steps"]
+    _count(where, zenflow, "window_steps", top=steps)
+    for key in _BLOCK_BOOLS:
+        _flag(where, zenflow, key)
+    lag = zenflow.get("writeback_lag")
+    if lag is not None and (not _is_int(lag) or lag < 1):
+        raise Refusal(f"{where}: writeback_lag={lag!r} is invalid, expected an integer >= 1 or None")
+    if "writeback_lag_pending" in zenflow:
+        _flag(where, zenflow, "writeback_lag_pending")
+    if zenflow.get("accumulate_on") not in (None, "host", "device", "device_bf16"):
+        raise Refusal(f"{where}: accumulate_on={zenflow['accumulate_on']!r} is invalid, expected 'host', 'device', "
+                      "'device_bf16' or None (not decided yet)")
+    unapplied = zenflow.get("unapplied_steps")
+    if not isinstance(unapplied, list) or not all(_is_int(n) and 0 <= n <= steps for n in unapplied):
+        raise Refusal(f"{where}: unapplied_steps={unapplied!r} is invalid, expected a list of step counts "
+                      f"in [0, {steps}]")
+    config = zenflow.get("config")
+    if config is not None:
+        try:
+            ZenFlowConfig.from_dict(config)
+        except (TypeError, ValueError) as exc:
+            raise Refusal(f"{where}: its config is invalid ({exc})") from None
+    for key in ("ranks", "fsdp_ranks"):
+        if key in zenflow:
+            ranks = _count(where, zenflow, key, low=1)
+            _count(where, zenflow, key.removesuffix("s"), top=ranks - 1)
+
+
+def check_entry_fields(where: str, entry: dict[str, Any], p: torch.Tensor, steps: int, units: int,
+                       select_rows: bool) -> None:
+    """The non-tensor fields of one entry and which tensors it must hold."""
+    if "shape" in entry and (not isinstance(entry["shape"], list) or entry["shape"] != list(p.shape)):
+        raise Refusal(f"{where}: saved for a parameter of shape {entry['shape']!r}")
+    if "dtype" in entry and entry["dtype"] != str(p.dtype).removeprefix("torch."):
+        raise Refusal(f"{where}: saved for a parameter of dtype {entry['dtype']!r}, this one is {p.dtype}")
+    if entry["kind"] == "dense":
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            if not isinstance(entry.get(key), torch.Tensor):
+                raise Refusal(f"{where}: '{key}' is missing or not a tensor")
+        if "master" not in entry or not (entry["master"] is None or isinstance(entry["master"], torch.Tensor)):
+            raise Refusal(f"{where}: 'master' is missing (expected a tensor or None)")
+        return
+    _count(where, entry, "k", top=units)
+    auto = entry.get("auto")
+    if not isinstance(auto, list) or len(auto) != 3 or not all(_is_number(v) and math.isfinite(v) and v >= 0
+                                                               for v in auto) or auto[2] != int(auto[2]):
+        raise Refusal(f"{where}: auto={auto!r} is invalid, expected Zen-auto's [mean critical, accumulated "
+                      "non-critical, steps]: three finite numbers >= 0, the last a whole number")
+    if entry.get("axis") not in (0, 1) or isinstance(entry.get("axis"), bool):
+        raise Refusal(f"{where}: axis={entry.get('axis')!r} is invalid, expected 0 or 1")
+    if _flag(where, entry, "rows") != select_rows:
+        raise Refusal(f"{where}: saved with select_rows={entry['rows']} but its param group now has select_rows="
+                      f"{select_rows}: the saved selection indexes different units (rows vs columns). Use the same "
+                      "setting to resume")
+    for keys in (_DEVICE_KEYS, _HOST_KEYS):
+        present = [k for k in keys if k in entry]
+        if present and len(present) != len(keys):
+            raise Refusal(f"{where}: {sorted(set(keys) - set(present))} are missing (the entry has {present})")
+    for key in _DEVICE_KEYS + _HOST_KEYS[:4]:
+        if key in entry and not isinstance(entry[key], torch.Tensor):
+            raise Refusal(f"{where}: {key} is {type(entry[key]).__name__}, expected a tensor")
+    if "host_master" in entry:
+        _count(where, entry, "accum_count", top=steps)
+        if not (entry["accum"] is None or isinstance(entry["accum"], torch.Tensor)):
+            raise Refusal(f"{where}: accum is {type(entry['accum']).__name__}, expected a tensor or None")
+        if (entry["accum"] is None) != (entry["accum_count"] == 0):
+            raise Refusal(f"{where}: accum_count={entry['accum_count']} does not match the saved accumulator "
+                          f"({'none' if entry['accum'] is None else 'present'})")
+    share = entry.get("share")
+    if share is not None and (not isinstance(share, list) or len(share) != 3 or not all(_is_int(v) for v in share)
+                              or not 0 <= share[0] <= share[0] + share[1] <= share[2] or share[2] <= 0):
+        raise Refusal(f"{where}: share={share!r} is invalid, expected [start, length, size] within the matrix")
+
+
+def check_tensors(where: str, entry: dict[str, Any], p: torch.Tensor) -> None:
+    numel_ok = {"host_master", "host_exp_avg", "host_exp_avg_sq", "accum", "exp_avg", "exp_avg_sq", "master"}
+    share = entry.get("share")
+    for key, t in ((k, t) for k, t in entry.items() if isinstance(t, torch.Tensor)):
+        expected = p.numel() // share[2] * share[1] if share and key in _SHARED_KEYS else p.numel()
+        if key in numel_ok and t.numel() != expected:
+            raise Refusal(f"{where}: {key} has {t.numel()} elements, expected {expected}")
+        if key in _FP32_KEYS and t.dtype != torch.float32:
+            raise Refusal(f"{where}: {key} is {t.dtype}, expected torch.float32")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise Refusal(f"{where}: {key} holds {int((~torch.isfinite(t)).sum())} non-finite value(s)")
+        if key.endswith("exp_avg_sq") and bool((t < 0).any()):
+            raise Refusal(f"{where}: {key} holds negative values (a second moment cannot be negative)")
+        if key.endswith("step") and (t.numel() != 1 or not t.is_floating_point() or float(t) < 0):
+            raise Refusal(f"{where}: {key} is {t.tolist()}, expected a count >= 0")
+    if "host_master" in entry:
+        shape = entry["host_master"].shape
+        for key in ("host_exp_avg", "host_exp_avg_sq", "accum"):
+            if entry.get(key) is not None and entry[key].shape != shape:
+                raise Refusal(f"{where}: {key} has shape {list(entry[key].shape)}, host_master {list(shape)}")
+
+
+def check_device_columns(where: str, entry: dict[str, Any], p: torch.Tensor, units: int) -> None:
+    idx = entry["device_index"]
+    if idx.dtype not in (torch.int64, torch.int32) or idx.ndim != 1:
+        raise Refusal(f"{where}: device_index is {idx.dtype} of shape {list(idx.shape)}, expected 1-D integers")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= units or bool((idx[1:] <= idx[:-1]).any())):
+        raise Refusal(f"{where}: device_index is not a sorted set of distinct indices in [0, {units})")
+    master, axis = entry["device_master"], entry["axis"]
+    if master.ndim != 2 or entry["k"] != idx.numel() or master.shape[axis] != idx.numel():
+        raise Refusal(f"{where}: k={entry['k']} does not match the {idx.numel()} saved device columns")
+    other = p.numel() // units if units else 0
+    if master.shape[1 - axis] != other and not entry.get("rows"):
+        raise Refusal(f"{where}: device_master has shape {list(master.shape)}, expected {other} values per column")
+    for key in ("device_exp_avg", "device_exp_avg_sq"):
+        if entry[key].shape != master.shape:
+            raise Refusal(f"{where}: {key} has shape {list(entry[key].shape)}, device_master {list(master.shape)}")
+
+
+#: Name segments that wrappers add (DDP, torch.compile, FSDP1, activation checkpointing): the same parameter.
+_WRAPPER_SEGMENTS = {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+
+
+def _bare(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def check_name(where: str, saved: Any, here: str | None) -> None:
+    """Refuse a state saved for another parameter (another model of the same shapes, layers swapped), when both
+    names are known."""
+    if saved is not None and not isinstance(saved, str):
+        raise Refusal(f"{where}: name={saved!r} is invalid, expected a string")
+    if saved is not None and here is not None and _bare(saved) != _bare(here):
+        raise Refusal(f"{where}: the state was saved for parameter {saved!r}, but this optimizer's parameter at "
+                      f"this position is {here!r} (another model, or parameters in another order)")
+
+
+def check_settings_change(opt: ZenFlowState, zenflow: dict[str, Any]) -> None:
+    """Settings changes `apply_changed_settings` could not carry out, refused before anything is written."""
+    saved = zenflow.get("config") or {}
+    now = opt.config
+    before = saved.get("full_warm_up_rounds", now.full_warm_up_rounds)
+    steps = zenflow["steps"]
+    if before != now.full_warm_up_rounds and steps < int(now.full_warm_up_rounds) and steps >= int(before):
+        raise Refusal(
+            f"full_warm_up_rounds={now.full_warm_up_rounds} cannot take effect: the checkpoint is {steps} steps in, "
+            f"past its own warm-up of {before} steps, and the columns were selected already. Resume with "
+            f"full_warm_up_rounds <= {steps}")
+    if opt._host.param_shards is not None and saved.get("min_offload_numel", now.min_offload_numel) \
+            != now.min_offload_numel:
+        raise Refusal("min_offload_numel differs from the checkpoint's; under FSDP2 matrices cannot move between the "
+                      "split and the dense path on resume. Resume with the checkpoint's min_offload_numel")
+
+
+__all__ = ["check_block", "check_device_columns", "check_entry_fields", "check_groups", "check_name",
+           "check_settings_change", "check_tensors"]

@@ -1,0 +1,132 @@
+"""The device side's state: the selected columns of a matrix (`DeviceColumns`: index, fp32 master values and
+moments) and the whole-parameter state of a 1-D or small parameter (`DenseDeviceState`), and moving columns between
+them and the weights and gradients (`gather_columns`, `scatter_columns`; the CPU kernels where they apply).
+
+All device-side optimizer state is fp32 (master values and both moments), whatever the parameter dtype, so a bf16
+model never has its master truncated: the parameter only ever receives a rounded copy of the fp32 master.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..transport.cpu_device import kernels
+
+
+@dataclass
+class DeviceColumns:
+    """fp32 master values and moments of the selected columns of one matrix, on the parameter's device.
+
+    `index` holds the selected input columns, sorted. `axis` is the dimension of the matrix's `storage_matrix`
+    that indexes input columns: every tensor here is [out, k] (axis 1, row-major parameter) or [k, out] (axis 0,
+    column-major parameter, where each selected column is a contiguous row).
+    """
+
+    index: torch.Tensor
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+    grad: torch.Tensor  # reused gather buffer
+    axis: int = 1
+
+    @classmethod
+    def from_columns(
+        cls, index: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+        step: torch.Tensor, device: torch.device, axis: int = 1,
+    ) -> DeviceColumns:
+        to = {"device": device, "dtype": torch.float32}
+        master = master.to(**to).contiguous()
+        index = index.to(device)
+        return cls(
+            index=index, master=master, exp_avg=exp_avg.to(**to).contiguous(),
+            exp_avg_sq=exp_avg_sq.to(**to).contiguous(), step=step.to(**to).clone(),
+            grad=torch.empty_like(master), axis=axis,
+        )
+
+    @property
+    def k(self) -> int:
+        return self.index.numel()
+
+    def gather_grad(self, grad2d: torch.Tensor) -> torch.Tensor:
+        """Copy the selected gradient columns of the gradient's `storage_matrix` into the fp32 buffer (one strided
+        read of the gradient with axis 1; contiguous row copies with axis 0)."""
+        if grad2d.dtype == torch.float32:
+            torch.index_select(grad2d, self.axis, self.index, out=self.grad)
+        else:
+            self.grad.copy_(torch.index_select(grad2d, self.axis, self.index))
+        return self.grad
+
+    def scatter_into(self, param2d: torch.Tensor) -> None:
+        """Write the (rounded) master columns into the parameter's `storage_matrix`."""
+        source = self.master if param2d.dtype == torch.float32 else self.master.to(param2d.dtype)
+        param2d.index_copy_(self.axis, self.index, source)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
+
+
+@dataclass
+class DenseDeviceState:
+    """AdamW state of a parameter updated entirely on the device (1-D parameters, small matrices, other layouts).
+
+    `master` is an fp32 copy for a parameter of another dtype, and None for an fp32 parameter, which is its own
+    master: `master_of` resolves it at every step, so whatever storage the parameter has then is what gets updated.
+    """
+
+    master: torch.Tensor | None
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+
+    @classmethod
+    def fresh(cls, param: torch.Tensor) -> DenseDeviceState:
+        master = None if param.dtype == torch.float32 else param.detach().float().clone()
+        like = param.detach() if master is None else master
+        return cls(
+            master=master,
+            exp_avg=torch.zeros_like(like),
+            exp_avg_sq=torch.zeros_like(like),
+            step=torch.zeros((), dtype=torch.float32, device=param.device),
+        )
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 tensor the update is applied to: the own master, or the fp32 parameter itself."""
+        return param.detach() if self.master is None else self.master
+
+    def nbytes(self) -> int:
+        own = [self.exp_avg, self.exp_avg_sq] + ([self.master] if self.master is not None else [])
+        return sum(t.numel() * t.element_size() for t in own)
+
+
+def _kernel_split(items: list[tuple[DeviceColumns, torch.Tensor]]) -> tuple[list, list]:
+    """(items the CPU kernels take, the rest). The kernels are built only when a CPU tensor needs them. They
+    handle the strided columns of row-major matrices; a column-major matrix's columns are contiguous rows, which
+    torch's own row gather/scatter moves as fast."""
+    native = [(c, t) for c, t in items if c.axis == 1 and kernels.supports(t)]
+    if native and kernels.library() is None:
+        return [], items
+    return native, [(c, t) for c, t in items if not (c.axis == 1 and kernels.supports(t))]
+
+
+def gather_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
+    """Gather the selected units of each (columns, gradient `storage_matrix`) pair into `columns.grad`."""
+    native, rest = _kernel_split(items)
+    if native:
+        kernels.norms_and_gather([g for _, g in native], [c.grad for c, _ in native], [c.index for c, _ in native])
+    for cols, g in rest:
+        cols.gather_grad(g)
+
+
+def scatter_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
+    """Write each matrix's (rounded) master units into its parameter's `storage_matrix`."""
+    native, rest = _kernel_split(items)
+    if native:
+        kernels.scatter([p for _, p in native], [c.master for c, _ in native], [c.index for c, _ in native])
+    for cols, p in rest:
+        cols.scatter_into(p)
+
+
+__all__ = ["DenseDeviceState", "DeviceColumns", "gather_columns", "scatter_columns"]

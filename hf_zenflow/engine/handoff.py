@@ -1,0 +1,40 @@
+"""What travels with one step's gradients on their way to the host worker: the hand-off slot, the pairs handed off,
+what the host job reads and waits for (`HandOff`), and the copies the backward hooks started early (`EarlyCopies`)."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..transport.link import Landed
+from .worker import GradSlot
+
+
+if TYPE_CHECKING:
+    from .host import HostMatrix
+    from .split_matrix import SplitMatrix
+
+
+@dataclass
+class HandOff:
+    """One step's gradients on their way to the host worker: the slot they hold, the (matrix, gradient) pairs,
+    what the host job reads and what it waits for."""
+
+    grant: GradSlot
+    work: list[tuple[SplitMatrix, torch.Tensor]]
+    sources: list[tuple[HostMatrix, torch.Tensor]]
+    landed: Landed
+    done: bool = False  # submitted or abandoned: the slot is accounted for
+
+
+@dataclass
+class EarlyCopies:
+    """Gradients whose copy to the host the backward hooks started before `step()` (on a transport that copies):
+    the hand-off slot whose buffers they land in, and per parameter the gradient copied (a weak reference), its
+    version then, the host buffer and what the host job must wait for."""
+
+    grant: GradSlot
+    copies: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor, Landed]] = field(default_factory=dict)

@@ -1,0 +1,332 @@
+"""The host path: per-matrix host state, gradient accumulation and the host AdamW of a window (the worker that runs
+them is `worker.py`).
+
+Host memory per offloaded parameter element: fp32 master (4 B) + fp32 exp_avg and exp_avg_sq (8 B) + fp32 window
+accumulator (4 B) = 16 B, plus a write-back buffer in the parameter dtype (pinned on CUDA; on a CPU device it is a
+spare storage of the weight, swapped in at each write-back instead of a copy) and on CUDA a pinned copy of the
+gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``, where on a CPU
+device with fp32 weights the write-back buffer is the accumulator itself: `HostMatrix.shares_writeback`). One moment
+set (DeepSpeed keeps two, zenflow.md §3.12). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
+updated in fp32 pieces, `_adamw_narrow_moments`), ``host_grad_dtype="bfloat16"`` lands fp32 gradients as bf16 (half
+the landing buffers and the bytes to host). ``accumulate_on="device_bf16"`` adds a bf16 landing buffer (+2 B) that the
+window's bf16 sum lands in; the worker widens it into the fp32 accumulator (`host_adamw_window`).
+
+The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
+[in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
+step but the window's last, the whole gradient is added into the accumulator (a contiguous streaming add on the
+worker; the window's first step writes it; with ``accumulate_on="device"`` the device sums the window and it lands
+here once), and every window the host AdamW updates the whole matrix in one pass that also adds the last step's
+gradient and divides by the window's length (`host_adamw_window`); the columns currently on the device are carried
+along and simply ignored (their host values are refreshed from the device at re-selection). That keeps every
+per-step and per-window host operation contiguous; the only column moves are the selected columns (device side,
+every step) and the migration at re-selection, strided for row-major weights and whole rows for column-major ones.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .._base import fused_adamw_
+from ..settings.config import sums_on_device
+from ..transport.cpu_device import kernels
+from ..transport.link import Transport
+from ..transport.pinned import PinnedArena
+
+
+#: In-flight gradient hand-offs between the caller and the worker. Two lets the caller hand over step t+1 while the
+#: worker still folds step t into the accumulator; more would only buy memory (each slot pins one gradient copy).
+GRAD_SLOTS = 2
+
+_scratch = threading.local()
+
+
+def _fp32_scratch(like: torch.Tensor, name: str = "buf") -> torch.Tensor:
+    """A reused fp32 buffer shaped (and laid out) like `like`, one per thread and `name`. Adding a bf16 tensor into
+    an fp32 one directly is ~3.5x slower on CPU than converting into a warm fp32 buffer first and adding that
+    (measured, 25M elements: 135 ms against 16 + 21 ms); a fresh conversion each time pays page faults instead."""
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.numel() < like.numel():
+        buf = torch.empty(like.numel(), dtype=torch.float32)
+        setattr(_scratch, name, buf)
+    return buf[: like.numel()].view(like.shape)
+
+
+def link_grad_dtype(grad_dtype: torch.dtype, setting: str) -> torch.dtype:
+    """The dtype a gradient of `grad_dtype` crosses the link in under ``host_grad_dtype=setting``: bf16 only narrows
+    an fp32 gradient (an fp16 one would lose range, a bf16 one is there already)."""
+    return torch.bfloat16 if setting == "bfloat16" and grad_dtype == torch.float32 else grad_dtype
+
+
+def moment_dtype(setting: str) -> torch.dtype:
+    """The storage dtype of the host moments under ``host_moment_dtype=setting``."""
+    return torch.bfloat16 if setting == "bfloat16" else torch.float32
+
+
+def accumulate_into(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | None, first: bool) -> None:
+    """``accum = grad * coef`` (first step of a window) or ``accum += grad * coef``, in fp32. The one rule for both
+    places a window is summed (the host worker, or the device with ``accumulate_on="device"``), so the two give
+    the same bits.
+
+    A bf16 `accum` (``accumulate_on="device_bf16"``): the fp32 rule on the widened sum, rounded to nearest bf16
+    after every add (`_accumulate_bf16`): the running sum keeps bf16's 8 significant bits."""
+    if accum.dtype == torch.bfloat16:
+        _accumulate_bf16(accum, grad2d, coef, first)
+        return
+    if kernels.supports(grad2d) and accum.device.type == "cpu" and kernels.library() is not None:
+        # one pass that reads a bf16 gradient directly (torch needs a conversion pass first); same arithmetic
+        kernels.accumulate([accum], [grad2d], coef, first)
+        return
+    if first:
+        accum.copy_(grad2d)
+        if coef is not None:
+            accum.mul_(coef)
+        return
+    if grad2d.dtype != torch.float32 and grad2d.device.type == "cpu":
+        grad2d = _fp32_scratch(grad2d).copy_(grad2d)
+    if coef is None:
+        accum.add_(grad2d)
+    else:
+        accum.add_(grad2d, alpha=coef)
+
+
+def _accumulate_bf16(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | None, first: bool) -> None:
+    """``accum = round_bf16(widen(accum) + grad * coef)`` for a bf16 window sum, by pieces of `NARROW_CHUNK`
+    elements: each piece is widened exactly into an fp32 scratch on the sum's device, gets the fp32 rule of
+    `accumulate_into` (the same arithmetic as an fp32 sum, so a bf16 sum is an fp32 sum rounded after every add, bit
+    for bit) and is rounded back to nearest. Not torch's in-place bf16 add: on CPU it rounds ``alpha`` (the clip
+    coefficient) to bf16 first, a systematic error in the whole step's gradient. The scratch bounds the extra device
+    memory to one piece (16 MiB)."""
+    rows = max(1, NARROW_CHUNK // max(1, accum.shape[-1]))
+    for start in range(0, accum.shape[0], rows):
+        part = accum[start:start + rows]
+        if part.device.type == "cpu":
+            wide = _fp32_scratch(part, "bf16_sum")
+        else:
+            wide = torch.empty(part.shape, dtype=torch.float32, device=part.device)
+        if not first:
+            wide.copy_(part)
+        accumulate_into(wide, grad2d[start:start + rows], coef, first)
+        part.copy_(wide)
+
+
+@dataclass
+class HostMatrix:
+    """Host-side AdamW state of one matrix, as [out, in] fp32 tensors."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+    accum: torch.Tensor
+    accum_count: int = 0
+    # the dtype each step's gradient reaches the host in (`link_grad_dtype`): the staging buffers' on a transport
+    # that copies; a transport that hands over references casts to it
+    grad_dtype: torch.dtype = torch.float32
+    # CUDA only: pinned landing buffers for the device->host gradient copy (one per slot).
+    staging: list[torch.Tensor] = field(default_factory=list)
+    # The host result in the parameter dtype, filled by the worker after each host step: on CUDA a pinned buffer
+    # the write-back copies from (and the event after which that copy has read it); on a CPU device a spare
+    # storage for the weight that the write-back swaps in, instead of copying (the weight's old storage becomes
+    # the spare). `writeback_fresh`: filled since the last write-back.
+    writeback: torch.Tensor | None = None
+    writeback_free: object | None = None
+    writeback_fresh: bool = False
+    # accumulate_on="device_bf16": the bf16 window sum lands here (a buffer that crosses the link, 2 B/element);
+    # `landing_full` until the worker widens it into `accum` (`host_adamw_window`)
+    landing: torch.Tensor | None = None
+    landing_full: bool = False
+
+    @classmethod
+    def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host",
+               transport: Transport | None = None, moments: torch.dtype = torch.float32) -> HostMatrix:
+        """Host state for `param2d`. The buffers that cross the link come from `transport` (pinned from one arena
+        on CUDA): the write-back buffer, the gradient landing buffers when the transport copies each step's
+        gradient (one per hand-off slot), and the accumulator when the window is summed on the device
+        (``accumulate_on="device"``: it lands there once per window, and no landing buffers are needed). The master
+        and the moments never cross the link and are ordinary host memory; the moments in `moments` (fp32, or bf16
+        with ``host_moment_dtype="bfloat16"``). `grad_dtype`: the dtype gradients cross the link in."""
+        transport = transport if transport is not None else Transport()  # (references, no pinning)
+        on_device = sums_on_device(accumulate_on)
+        narrow = accumulate_on == "device_bf16"  # the sum lands in a bf16 buffer, the accumulator stays host-only
+        shape = param2d.shape
+        state = cls(
+            master=torch.empty(shape, dtype=torch.float32).copy_(param2d.detach()),
+            exp_avg=torch.zeros(shape, dtype=moments),
+            exp_avg_sq=torch.zeros(shape, dtype=moments),
+            step=torch.zeros((), dtype=torch.float32),
+            accum=(transport.host_buffer(shape, torch.float32) if on_device and (
+                not narrow or HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport))
+                else torch.empty(shape)).zero_(),
+            grad_dtype=grad_dtype,
+        )
+        if narrow:
+            state.landing = transport.host_buffer(shape, torch.bfloat16).zero_()
+        if transport.stages_gradients and not on_device:
+            state.staging = [transport.host_buffer(shape, grad_dtype) for _ in range(GRAD_SLOTS)]
+        if HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport):
+            # the window sum is read by the host AdamW pass, after which the buffer is free until the next window's
+            # sum lands at the next close (after the write-back: `HostWindows.close_window`): the rounded master
+            # goes into the same buffer, 4 B per element less
+            state.writeback = state.accum.copy_(param2d.detach())
+        else:
+            # initialised: a matrix that gets no gradient in a window is written back from it unchanged
+            state.writeback = transport.host_buffer(shape, param2d.dtype).copy_(param2d.detach())
+        return state
+
+    @staticmethod
+    def shares_writeback(param_dtype: torch.dtype, accumulate_on: str, transport: Transport) -> bool:
+        """Whether the write-back buffer is the accumulator itself: with the window summed on the device, the host
+        accumulator only holds a landed sum from its arrival at a window's close to the end of that window's host
+        AdamW pass, and the write-back buffer only a result from then to the write-back, which comes before the
+        next close. One fp32 buffer serves both when the weights are fp32 (other dtypes keep their own) and the
+        copies are synchronous (a CPU device, CPU FSDP2 shards). With asynchronous copies (CUDA) the next sum's
+        device->host copy would be ordered after the write-back's host->device copy by stream order, but that is
+        not tested against the asynchronous double (whose landing buffers read as NaN from the enqueue on): the
+        two buffers stay separate there."""
+        return sums_on_device(accumulate_on) and param_dtype == torch.float32 and not transport.pins_host_memory
+
+    @staticmethod
+    def link_bytes(param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str, transport: Transport) -> int:
+        """Bytes of `transport.host_buffer` that `create` asks for (each rounded as a pinned arena rounds it)."""
+        numel = param2d.numel()
+        shared = HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport)
+        sizes = [] if shared else [numel * param2d.element_size()]
+        if accumulate_on == "device" or shared:  # the fp32 accumulator crosses (or is the write-back buffer)
+            sizes.append(numel * 4)
+        if accumulate_on == "device_bf16":  # the bf16 sum lands in its own buffer
+            sizes.append(numel * 2)
+        elif not sums_on_device(accumulate_on) and transport.stages_gradients:
+            sizes += [numel * torch.empty((), dtype=grad_dtype).element_size()] * GRAD_SLOTS
+        return sum(PinnedArena.aligned(n) for n in sizes)
+
+    def accumulate(self, grad2d: torch.Tensor, coef: float | None) -> None:
+        """Fold one step's gradient (times the clip coefficient) into the window sum, in fp32."""
+        accumulate_into(self.accum, grad2d, coef, first=self.accum_count == 0)
+        self.accum_count += 1
+
+    @staticmethod
+    def accumulate_all(pairs: list[tuple[HostMatrix, torch.Tensor]], coef: float | None) -> None:
+        """`accumulate` for one step's batch of (matrix, gradient) pairs. CPU tensors go through the kernels in one
+        call per window position (first step or not) instead of one per matrix: fewer Python steps on the worker
+        thread, which shares the GIL with the training thread."""
+        native: dict[bool, list[tuple[HostMatrix, torch.Tensor]]] = {True: [], False: []}
+        for host, g2d in pairs:
+            if kernels.supports(g2d) and host.accum.device.type == "cpu" and kernels.library() is not None:
+                native[host.accum_count == 0].append((host, g2d))
+            else:
+                host.accumulate(g2d, coef)
+        for first, batch in native.items():
+            if batch:
+                kernels.accumulate([h.accum for h, _ in batch], [g for _, g in batch], coef, first)
+                for host, _ in batch:
+                    host.accum_count += 1
+
+    def nbytes(self) -> int:
+        tensors = [self.master, self.exp_avg, self.exp_avg_sq, self.accum, *self.staging]
+        if self.landing is not None:
+            tensors.append(self.landing)
+        if self.writeback is not None and self.writeback is not self.accum:  # (one buffer: `shares_writeback`)
+            tensors.append(self.writeback)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+#: Elements per piece of a matrix whose moments are stored narrow: bounds the fp32 scratch (two buffers of this
+#: many fp32 per worker thread, 32 MiB) whatever the largest matrix (a 7B model's embedding: 131 M elements).
+NARROW_CHUNK = 1 << 22
+
+
+def _adamw_narrow_moments(m: HostMatrix, hyper: dict) -> None:
+    """The host AdamW of a matrix whose moments are stored narrow (bf16): torch's fused kernel wants one dtype per
+    call, so each piece of the moments is widened into two per-thread fp32 scratch buffers, updated by the same
+    fp32 kernel as fp32 moments (against the fp32 master and window mean), and rounded back to nearest. AdamW is
+    elementwise, so pieces give the bits of one call; each piece steps a copy of the step count, which then
+    becomes the matrix's."""
+    tensors = (m.master, m.accum, m.exp_avg, m.exp_avg_sq)
+    if not all(t.is_contiguous() for t in tensors):
+        tensors = tuple(t.t() for t in tensors)  # column-major (`column_major_`): contiguous as transposes
+    flat = [t.view(-1) for t in tensors]  # (raises rather than copy, should a layout ever not be contiguous)
+    step = m.step
+    for start in range(0, flat[0].numel(), NARROW_CHUNK):
+        master, accum, exp_avg, exp_avg_sq = (t[start:start + NARROW_CHUNK] for t in flat)
+        avg = _fp32_scratch(exp_avg, "avg").copy_(exp_avg)
+        avg_sq = _fp32_scratch(exp_avg_sq, "avg_sq").copy_(exp_avg_sq)
+        step = m.step.clone()
+        fused_adamw_([master], [accum], [avg], [avg_sq], [step], hyper)
+        exp_avg.copy_(avg)
+        exp_avg_sq.copy_(avg_sq)
+    m.step.copy_(step)
+
+
+def _fusable(m: HostMatrix, grad2d: torch.Tensor | None) -> bool:
+    """Whether `m`'s window can run through the one-pass kernel (`kernels.window_adamw`)."""
+    tensors = (m.master, m.accum, m.exp_avg, m.exp_avg_sq)
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            and m.master.numel() > 0
+            and (grad2d is None or (kernels.supports(grad2d) and grad2d.shape == m.accum.shape))
+            and kernels.window_adamw_available())
+
+
+def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
+                      last: list[tuple[HostMatrix, torch.Tensor]] | None = None, coef: float | None = None) -> None:
+    """The host AdamW step of one window: mean gradient of the window, one fused call per param group.
+
+    `last`: the window's last step's (matrix, gradient) pairs, not yet summed (times `coef`, the clip coefficient):
+    they are folded into the AdamW pass. With the CPU kernels (`kernels.window_adamw`) that is one pass over the
+    state per matrix (sum, mean and AdamW together), bit-identical to summing, dividing by the window's length and
+    running torch's fused AdamW, which is what the fallback does. A window summed on the device (``last`` empty)
+    gets the division folded in the same way.
+
+    Matrices that received no gradient during the window are left alone, as torch's AdamW skips parameters
+    without a gradient.
+    """
+    pending = {id(m): g for m, g in (last or [])}
+    for hyper, matrices in groups:
+        fused: list[tuple[HostMatrix, torch.Tensor | None]] = []
+        plain: list[HostMatrix] = []
+        for m in matrices:
+            if m.landing_full:
+                # a window summed on the device in bf16 (``accumulate_on="device_bf16"``): widened exactly into the
+                # fp32 accumulator here, on the worker, so the training thread never pays this pass
+                m.accum.copy_(m.landing)
+                m.landing_full = False
+            g = pending.pop(id(m), None)
+            if (g is not None or m.accum_count > 0) and _fusable(m, g):
+                fused.append((m, g))
+                continue
+            if g is not None:
+                m.accumulate(g, coef)
+            if m.accum_count > 0:
+                plain.append(m)
+        if fused:
+            kernels.window_adamw(
+                [m.master for m, _ in fused], [m.accum for m, _ in fused], [g for _, g in fused],
+                [m.accum_count == 0 for m, _ in fused], [m.accum_count + (g is not None) for m, g in fused],
+                [m.exp_avg for m, _ in fused], [m.exp_avg_sq for m, _ in fused], [m.step for m, _ in fused],
+                hyper, coef,
+            )
+        for m in plain:
+            if m.accum_count > 1:
+                m.accum.div_(m.accum_count)
+        wide = [m for m in plain if m.exp_avg.dtype == torch.float32]  # (bf16 moments: piece by piece below)
+        fused_adamw_(
+            [m.master for m in wide], [m.accum for m in wide], [m.exp_avg for m in wide],
+            [m.exp_avg_sq for m in wide], [m.step for m in wide], hyper,
+        )
+        for m in plain:
+            if m.exp_avg.dtype != torch.float32:
+                _adamw_narrow_moments(m, hyper)
+        for m in [m for m, _ in fused] + plain:
+            m.accum_count = 0
+            if m.writeback is not None:
+                # Sync point (worker waits on the device): the previous host->device copy of this buffer, enqueued
+                # at the last window boundary, must have finished reading it before we overwrite it.
+                if m.writeback_free is not None:
+                    m.writeback_free.synchronize()  # type: ignore[attr-defined]
+                m.writeback.copy_(m.master)
+                m.writeback_fresh = True
+    for m, g in (last or []):  # (a matrix in no group: summed, as an accumulate job would)
+        if id(m) in pending:
+            m.accumulate(g, coef)

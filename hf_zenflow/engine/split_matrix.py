@@ -1,0 +1,163 @@
+"""`SplitMatrix`: one weight matrix under ZenFlow, its selected columns on the device and its host state.
+
+Either side may be absent: no device columns before the first selection (or with ``topk_ratio=0``), no host state
+when every column lives on the device (``topk_ratio=1``). The device columns are whole (every row); the host state
+covers this rank's `Share` of the matrix (all of it with one rank, `distributed/sharding.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..distributed.sharding import RankGroup, Share
+from ..settings.config import DEVICE_SUM_DTYPES, sums_on_device
+from ..transport.link import Transport
+from .device_state import DenseDeviceState, DeviceColumns
+from .host import HostMatrix
+from .schedule import ZenAutoStats
+from .selection import column_scores, selection_axis, storage_matrix
+
+
+class SplitMatrix:
+    """One matrix: its device columns and its host state (either may be absent)."""
+
+    __slots__ = ("param", "rows", "axis", "k", "columns", "device", "host", "auto", "window_sum", "window_count",
+                 "window_sum_free", "share", "owner")
+
+    def __init__(self, param: torch.Tensor, k: int, rows: bool = False, owner: torch.Tensor | None = None) -> None:
+        self.param = param
+        # the parameter whose `.grad` holds the gradient: `param` itself, or under FSDP2 the DTensor whose local
+        # shard `param` is (`distributed/fsdp.py`)
+        self.owner = param if owner is None else owner
+        # rows: the param group's `select_rows` (an embedding table, whose input channels are its rows: tokens)
+        self.rows = rows
+        self.axis = 0 if rows else selection_axis(param)
+        assert self.axis is not None
+        shape = self.matrix(param).shape
+        self.columns = shape[self.axis]
+        # the host state's part of the matrix: a range of the dimension that does not index columns (all of it
+        # until `attach_host` is given this rank's share)
+        self.share = Share(1 - self.axis, shape[1 - self.axis])
+        self.k = k
+        self.device: DeviceColumns | None = None
+        self.host: HostMatrix | None = None
+        self.auto = ZenAutoStats()
+        # accumulate_on="device" / "device_bf16": the open window's fp32 / bf16 gradient sum on the parameter's
+        # device, the steps in it,
+        # and (CUDA) the event after which its last device->host copy has read it
+        self.window_sum: torch.Tensor | None = None
+        self.window_count = 0
+        self.window_sum_free: Any = None
+
+    def matrix(self, t: torch.Tensor) -> torch.Tensor:
+        """The parameter, or its gradient, as this matrix's contiguous `storage_matrix` (host state has its shape):
+        dimension `axis` indexes the selectable units."""
+        return storage_matrix(t, 1) if self.rows else storage_matrix(t, self.axis)
+
+    def unmatrix(self, m: torch.Tensor) -> torch.Tensor:
+        """Inverse of `matrix`: a storage matrix viewed in the parameter's shape and layout."""
+        return m.view(self.param.shape) if self.rows or self.axis == 1 else m.t()
+
+    def host_part(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the parameter or its gradient as a storage matrix: what the host state covers."""
+        return self.share.local(self.matrix(t))
+
+    def attach_host(self, accumulate_on: str, transport: Transport | None = None, share: Share | None = None,
+                    grad_dtype: torch.dtype | None = None, moments: torch.dtype = torch.float32) -> None:
+        """Create the host state of `share` (default: the whole matrix), its link buffers from `transport` (and,
+        accumulating on the device, the device-side window sum of that share). `grad_dtype`: the dtype gradients
+        cross the link in (default: the gradient's); `moments`: the host moments' storage dtype."""
+        self.share = share if share is not None else Share(1 - self.axis, self.matrix(self.param).shape[1 - self.axis])
+        part = self.host_part(self.param)
+        self.host = HostMatrix.create(part, grad_dtype or self.grad_dtype, accumulate_on, transport, moments)
+        if sums_on_device(accumulate_on):
+            self.window_sum = torch.zeros(part.shape, dtype=DEVICE_SUM_DTYPES[accumulate_on], device=self.param.device)
+            self.window_count = 0
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return self.param.dtype if self.owner.grad is None else self.owner.grad.dtype
+
+    def detach_host(self) -> None:
+        self.host, self.window_sum, self.window_count, self.window_sum_free = None, None, 0, None
+
+    @property
+    def offloaded(self) -> bool:
+        """True when some columns live on the host (k < in)."""
+        return self.k < self.columns
+
+    @torch.no_grad()
+    def full_state(self, ranks: RankGroup | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 master, exp_avg and exp_avg_sq of every column, as host `storage_matrix` tensors (new tensors): the
+        host state with the device columns on top. Before any state exists: the weights and zero moments. With a
+        host state shared by several ranks (`ranks`), a collective: every rank must call it."""
+        if self.host is not None:
+            host = self.host
+            parts = [(self.share, t.float()) for t in (host.master, host.exp_avg, host.exp_avg_sq)]  # (bf16 moments)
+            # (a collective on the parameter's device, the full matrices back on the host)
+            master, m, v = (ranks or RankGroup()).gather(parts, "full-state all-gather", self.param.device,
+                                                         torch.device("cpu"))
+        else:
+            master = self.matrix(self.param.detach()).float().cpu().clone()
+            m, v = torch.zeros_like(master), torch.zeros_like(master)
+        if self.device is not None:
+            cols = self.device
+            index = cols.index.cpu()
+            for full, part in ((master, cols.master), (m, cols.exp_avg), (v, cols.exp_avg_sq)):
+                full.index_copy_(self.axis, index, part.cpu())
+        return master, m, v
+
+    def release_columns(self, attach_host: Callable[[list[SplitMatrix]], None]) -> bool:
+        """The first half of a (re-)selection: the device columns' master values and moments go into this rank's
+        host share (creating the host state from the weights when every column was on the device so far: a resumed
+        run with a lower topk_ratio). False when no columns are to be chosen: none live on the device (k=0) or all
+        of them already do. The caller has drained the host worker."""
+        if self.host is None and self.offloaded:
+            attach_host([self])
+        host = self.host
+        # Sync point (re-selection only, every `select_period` steps): the outgoing device columns are copied to the
+        # host with blocking copies.
+        if self.device is not None and host is not None:
+            idx = self.device.index.cpu()
+            for full, part in ((host.master, self.device.master), (host.exp_avg, self.device.exp_avg),
+                               (host.exp_avg_sq, self.device.exp_avg_sq)):
+                full.index_copy_(self.axis, idx, self.share.local(part).cpu().to(full.dtype))  # (bf16 moments)
+            if self.k == 0:
+                self.device = None  # (topk_ratio now 0) every column lives on the host
+        return not (self.k == 0 or (self.device is not None and self.device.k == self.k == self.columns))
+
+    def local_scores(self, grad: torch.Tensor) -> torch.Tensor:
+        """Each column's squared L2 norm over this rank's share of `grad` (summed across ranks by the caller)."""
+        return column_scores(self.host_part(grad), self.axis)
+
+    def install_columns(self, index: torch.Tensor, cols: list[torch.Tensor] | None) -> None:
+        """The second half: the columns `index` move to the device with their whole master values and moments
+        `cols` (gathered from the host shares; None: no host state, from the weights with zero moments)."""
+        if self.device is not None:
+            step = self.device.step  # most device columns stay: keep the device path's count
+        elif self.host is not None:
+            step = self.host.step
+        else:
+            step = torch.zeros(())
+        if cols is None:
+            master = self.matrix(self.param).detach().index_select(self.axis, index).float()
+            cols = [master, torch.zeros_like(master), torch.zeros_like(master)]
+        self.device = DeviceColumns.from_columns(index, *cols, step=step, device=self.param.device, axis=self.axis)
+        if not self.offloaded:
+            self.detach_host()  # every column on the device (topk_ratio=1): the host keeps nothing
+        self.auto.reset()
+
+def master_value(param: torch.Tensor, splits: dict[torch.Tensor, SplitMatrix],
+                 dense: dict[torch.Tensor, DenseDeviceState], ranks: RankGroup | None = None) -> torch.Tensor:
+    """The fp32 master value of `param` on the host, in its shape: host columns from the host master, device columns
+    from the device, a parameter without optimizer state from its weights. With the host state shared by several
+    `ranks`, a collective for a split matrix (`SplitMatrix.full_state`)."""
+    if param in dense:
+        return dense[param].master_of(param).detach().float().cpu().clone()
+    split = splits.get(param)
+    if split is None:
+        return param.detach().float().cpu().clone()
+    return split.unmatrix(split.full_state(ranks)[0])

@@ -1,0 +1,121 @@
+"""Per-step telemetry of the offloading optimizers: where the caller's time went, what moved, how stale it is."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+
+#: Phases of the caller's time inside `step()`, in the order they happen.
+PHASES = ("norms", "select", "device_update", "handoff", "wait", "writeback", "host_update")
+#: The phases in which the device waits instead of computing: the gradient copies to the host, the wait for the host
+#: worker, the write-back of parameters, the host AdamW run inline (device utilisation: `device_wait_ms`).
+DEVICE_WAIT_PHASES = ("handoff", "wait", "writeback", "host_update")
+
+
+def device_wait_ms(stats: dict) -> float:
+    """ms of the last `step()` in which the device waited (`DEVICE_WAIT_PHASES`), from a `stats()` dict."""
+    return sum(float(stats.get(f"cp_{p}_ms") or 0.0) for p in DEVICE_WAIT_PHASES)
+
+
+class StepTimer:
+    """Wall time of each phase of one `step()` call, as seen by the caller (the critical path)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.phases: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []  # (phase, start, end) in perf_counter seconds: timelines
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            t1 = time.perf_counter()
+            self.phases[name] = self.phases.get(name, 0.0) + (t1 - t0) * 1e3
+            self.spans.append((name, t0, t1))
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1e3
+
+
+class ZenFlowStats:
+    """Counters behind `stats()`.
+
+    Keys of the dict it returns (``*_ms`` in milliseconds, bytes per step unless named ``total_``):
+
+    - ``critical_path_ms``: wall time the caller spent in the last `step()` (what the training loop waits for);
+      ``cp_<phase>_ms`` splits it (norms, select, device_update, handoff, wait, writeback, host_update);
+    - ``host_step_ms``: duration of the last host AdamW window step (on the worker, off the critical path when
+      overlapped); ``accumulate_ms``: the last gradient accumulation job;
+    - ``bytes_to_host`` / ``bytes_to_device``: bytes crossing the host-device link in the last step (on a CPU
+      device: the bytes that would), ``total_bytes_to_host`` / ``total_bytes_to_device`` since construction;
+    - ``selected_fraction``: fraction of matrix elements updated on the device each step;
+    - ``update_interval``: length of the last closed window, in steps;
+    - ``staleness``: optimizer steps whose host-path gradients are not yet in the weights after the last step;
+    - ``steps``, ``windows``, ``reselections``, ``skipped_steps`` (non-finite gradients);
+    - ``host_state_bytes`` / ``device_state_bytes``: optimizer state held on each side by this process (rank);
+      ``host_bytes_per_param``: host bytes per element of host state (16 B of AdamW state and window sum, plus the
+      link buffers: write-back, CUDA gradient landing slots); ``pinned_host_bytes``: page-locked host memory (CUDA:
+      one arena, exactly sized, for the buffers that cross the link; the master and moments are never pinned);
+    - ``ranks``: data-parallel ranks sharing the host work (each rank's host state covers 1/``ranks`` of every
+      offloaded matrix, `distributed/sharding.py`); ``gather_buffer_bytes``: the write-back's all-gather buffer (on the
+      device with NCCL, on the host with gloo), 0 with one rank;
+    - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says; README, Threads).
+    """
+
+    def __init__(self) -> None:
+        self.bytes_to_host = 0
+        self.bytes_to_device = 0
+        self.total_bytes_to_host = 0
+        self.total_bytes_to_device = 0
+        self.skipped_steps = 0
+        self.staleness = 0
+        self.last_ms = 0.0
+        self.last_phases: dict[str, float] = {}
+        self.last_spans: list[tuple[str, float, float]] = []  # the last step's phases in time (`StepTimer.spans`)
+        self._step_bytes = (0, 0)
+
+    def finish_step(self, timer: StepTimer, skipped: bool = False, staleness: int | None = None) -> None:
+        self.last_ms = timer.elapsed_ms()
+        self.last_phases = dict(timer.phases)
+        self.last_spans = list(timer.spans)
+        self._step_bytes = (self.bytes_to_host, self.bytes_to_device)
+        self.total_bytes_to_host += self.bytes_to_host
+        self.total_bytes_to_device += self.bytes_to_device
+        self.bytes_to_host = self.bytes_to_device = 0
+        if staleness is not None:
+            self.staleness = staleness
+
+    def as_dict(self, **extra: float) -> dict[str, float]:
+        out: dict[str, float] = {
+            "critical_path_ms": self.last_ms,
+            "bytes_to_host": float(self._step_bytes[0]),
+            "bytes_to_device": float(self._step_bytes[1]),
+            "total_bytes_to_host": float(self.total_bytes_to_host),
+            "total_bytes_to_device": float(self.total_bytes_to_device),
+            "staleness": float(self.staleness),
+            "skipped_steps": float(self.skipped_steps),
+        }
+        for phase in PHASES:
+            out[f"cp_{phase}_ms"] = self.last_phases.get(phase, 0.0)
+        out.update({k: float(v) for k, v in extra.items()})
+        return out
+
+
+def state_sizes(splits: dict, dense: dict) -> dict[str, float]:
+    """The `stats()` figures about where the state lives: the fraction of matrix elements updated on the device each
+    step, the bytes held on each side, and host bytes per element of the matrices with host state (16 B of AdamW
+    state and window sum, plus the link buffers)."""
+    matrices = list(splits.values())
+    total = sum(s.param.numel() for s in matrices)
+    on_device = sum(s.param.numel() * (s.k / s.columns) for s in matrices if s.device is not None)
+    hosted = sum(s.host.master.numel() for s in matrices if s.host is not None)
+    host_bytes = sum(s.host.nbytes() for s in matrices if s.host is not None)
+    device_bytes = (sum(s.device.nbytes() for s in matrices if s.device is not None)
+                    + sum(d.nbytes() for d in dense.values())
+                    + sum(s.window_sum.nbytes for s in matrices if s.window_sum is not None))
+    return {"selected_fraction": on_device / total if total else 1.0, "host_state_bytes": host_bytes,
+            "device_state_bytes": device_bytes, "host_bytes_per_param": host_bytes / hosted if hosted else 0.0}

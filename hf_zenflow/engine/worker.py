@@ -1,0 +1,348 @@
+"""`HostAdamWorker`: runs the host jobs (gradient accumulation, the host AdamW) in order, on a background thread or
+inline, and carries a failure into the training thread; `GradSlot`, a hand-off slot returned exactly once.
+
+Waits poll the thread, so a dead worker never hangs the caller; a Ctrl-C never waits for a long host job (see
+`HostAdamWorker.close`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+
+import torch
+
+from .._base import torch_threads
+from ..settings.threads import worker_started
+from .host import GRAD_SLOTS
+
+
+class HostWorkerError(RuntimeError):
+    """The host worker failed; raised in the training process at its next `step()`/`synchronize()`."""
+
+
+#: How often a waiting caller wakes to check that the worker thread is still alive.
+_POLL_S = 0.5
+
+#: How long a held job waits after its release before it starts (see `HostAdamWorker._run`).
+_AFTER_RELEASE_S = 0.002
+
+#: Worker threads closed without waiting for their last jobs (`HostAdamWorker.close`); they may still run them.
+_closing: list[threading.Thread] = []
+_closing_lock = threading.Lock()
+
+#: Every worker thread still running, with its worker (`_stop_workers_at_exit`).
+_running: dict[threading.Thread, HostAdamWorker] = {}
+#: Set at interpreter exit: a job not started by then is dropped.
+_exiting = False
+#: How long interpreter exit waits for the jobs in flight (one per worker; a host job takes seconds at most) ...
+_EXIT_WAIT_S = 60.0
+#: ... and after Ctrl-C or an uncaught exception (`_nobody_waits`), when a prompt exit matters more: a longer job is
+#: abandoned, which aborts the process if it is inside torch when the interpreter finalizes.
+_EXIT_WAIT_AFTER_FAILURE_S = 2.0
+
+
+@atexit.register
+def _stop_workers_at_exit() -> None:
+    """No worker thread may still be inside torch when the interpreter finalizes: a daemon thread that returns
+    from a torch op then (to take the GIL) is ended by Python with pthread_exit, whose unwinding through torch's
+    noexcept C++ frames aborts the whole process ("terminate called without an active exception", SIGABRT).
+    So at exit the jobs not yet started are dropped (they only touch host memory, which dies with the process)
+    and the job in flight, if any, is waited for (briefly after Ctrl-C or an uncaught exception: a prompt exit);
+    this covers workers never closed, and those whose `close` did not wait."""
+    global _exiting
+    _exiting = True
+    with _closing_lock:
+        running = list(_running.items())
+    for _, worker in running:
+        worker._open_gate()  # a held job would wait for a release that never comes
+        worker._jobs.put(None)
+    deadline = time.monotonic() + (_EXIT_WAIT_AFTER_FAILURE_S if _nobody_waits() else _EXIT_WAIT_S)
+    for thread, _ in running:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def wait_for_closed_workers() -> None:
+    """Wait until no closed worker still runs a job (`HostAdamWorker.close` may return before): two workers never
+    run host jobs at the same time (a new worker of the same optimizer works on the same host state), and nothing
+    reads host state a job still writes."""
+    me = threading.current_thread()
+    with _closing_lock:
+        pending = [t for t in _closing if t is not me]
+    for thread in pending:
+        thread.join()
+    with _closing_lock:
+        _closing[:] = [t for t in _closing if t.is_alive()]
+
+
+def _nobody_waits() -> bool:
+    """Whether waiting for a closing worker's last jobs serves nobody: the caller is handling a KeyboardInterrupt
+    (Ctrl-C: it wants out), or the interpreter is exiting after an uncaught exception (``sys.last_type``; atexit
+    hooks run once the main thread counts as finished), so nothing will read the host state again."""
+    if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        return True
+    return not threading.main_thread().is_alive() and getattr(sys, "last_type", None) is not None
+
+
+class HostAdamWorker:
+    """Runs host jobs (gradient accumulation, the host AdamW) in order, on a background thread or inline.
+
+    Jobs run strictly in submission order, so a window's host step always sees all of that window's gradients and
+    the next window's accumulation never races it. The inline mode runs the very same jobs at submission time: it
+    is the sequential reference of the overlapped schedule and the engine of ``overlap_step=False``.
+
+    A failed job poisons the worker: its exception is re-raised (as `HostWorkerError`) in the caller at the next
+    `check()` / `wait()`, and every later job is dropped rather than run on inconsistent state.
+    """
+
+    def __init__(self, threads: int, background: bool) -> None:
+        self.threads = threads
+        self.background = background
+        self._error: BaseException | None = None
+        self._error_job = ""
+        self._outstanding: list[Future] = []
+        self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(GRAD_SLOTS):
+            self._slots.put(slot)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._gate: threading.Event | None = None  # what held jobs wait for (see `hold`)
+        self._holding = False
+        self._thread: threading.Thread | None = None
+        self.last_job_ms: dict[str, float] = {}
+        #: (job, start, end) in perf_counter seconds of the latest jobs: when the host was busy (compare's timeline)
+        self.job_spans: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=256)
+        if background:
+            # A daemon thread: an interpreter that exits (Ctrl-C included) is never held up by a host step.
+            self._thread = threading.Thread(target=self._run, name="hf_zenflow-host", daemon=True)
+            worker_started(self.threads)  # (the training thread's pool was decided before: `threads.claim_cores`)
+            with _closing_lock:
+                _running[self._thread] = self
+            self._thread.start()
+
+    # -- worker side -------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            with _closing_lock:
+                _running.pop(threading.current_thread(), None)
+
+    def _loop(self) -> None:
+        torch.set_num_threads(self.threads)  # per OS thread in torch: the training thread keeps its own setting
+        wait_for_closed_workers()
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            what, fn, future, gate = item
+            if gate is not None:
+                # Sync point (worker waits on the caller): a job submitted inside the caller's step() starts once
+                # that step() has returned (`hold`/`release`)
+                gate.wait()
+                # ... plus a moment, so that the caller's return path runs first: the job's Python would take the
+                # GIL whenever that path releases it (torch's step wrappers call torch ops) and keep it for up to a
+                # switch interval (5 ms); measured on a CPU device, 1-5 ms added to about half the steps
+                # (a wait for a held job opens the gate without that pause: the caller is waiting then)
+                time.sleep(getattr(gate, "hf_zenflow_pause", 0.0))
+            if _exiting:  # (`_stop_workers_at_exit`)
+                future.set_exception(HostWorkerError(f"host job '{what}' dropped at interpreter exit"))
+                continue
+            self._execute(what, fn, future)
+
+    def _execute(self, what: str, fn: Callable[[], None], future: Future) -> None:
+        if self._error is not None:
+            future.set_exception(HostWorkerError(f"host job '{what}' dropped after an earlier failure"))
+            return
+        start = time.perf_counter()
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - everything must reach the caller, KeyboardInterrupt too
+            self._error, self._error_job = exc, what
+            future.set_exception(exc)
+            return
+        end = time.perf_counter()
+        self.last_job_ms[what] = (end - start) * 1e3
+        self.job_spans.append((what, start, end))
+        future.set_result(None)
+
+    # -- caller side -------------------------------------------------------------------------------------------
+    def submit(self, what: str, fn: Callable[[], None]) -> Future:
+        self.check()
+        future: Future = Future()
+        if self._thread is None:
+            wait_for_closed_workers()
+            with torch_threads(self.threads):
+                self._execute(what, fn, future)
+            self.check()
+        else:
+            self._outstanding = [f for f in self._outstanding if not f.done()]
+            self._outstanding.append(future)
+            future.hf_zenflow_gate = self._gate  # type: ignore[attr-defined]
+            self._jobs.put((what, fn, future, self._gate))
+        return future
+
+    def hold(self) -> None:
+        """Jobs submitted from now on wait to start until `release()`. The optimizer holds the worker for the
+        length of its step(): host work then overlaps the caller's next forward/backward instead of competing with
+        the rest of the step for cores, memory bandwidth and the GIL (on a CPU device that made step() up to ~5 ms
+        longer). A wait for a held job lets the held jobs go first (and keeps holding later ones), so a hold
+        never deadlocks."""
+        if self._thread is not None:
+            self._holding = True
+            if self._gate is None:
+                self._gate = threading.Event()
+
+    def release(self) -> None:
+        """Let the held jobs start; stop holding."""
+        self._holding = False
+        self._open_gate(pause=_AFTER_RELEASE_S)
+
+    def _open_gate(self, pause: float = 0.0) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.hf_zenflow_pause = pause  # type: ignore[attr-defined]
+            gate.set()
+        if self._holding:
+            self._gate = threading.Event()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise HostWorkerError(
+                f"the hf_zenflow host worker failed in '{self._error_job}': "
+                f"{type(self._error).__name__}: {self._error}"
+            ) from self._error
+
+    def wait(self, future: Future) -> None:
+        """Block until `future` is done; raise the worker's failure; never hang on a dead worker."""
+        gate = getattr(future, "hf_zenflow_gate", None)
+        if gate is not None and not gate.is_set():
+            self._open_gate()  # the job (or one before it) is held
+        while True:
+            try:
+                future.result(timeout=_POLL_S)
+                return
+            except FutureTimeoutError:  # not the built-in TimeoutError before Python 3.11
+                if self._thread is not None and not self._thread.is_alive():
+                    raise HostWorkerError("the hf_zenflow host worker thread died") from None
+            except BaseException:
+                self.check()
+                raise
+
+    def synchronize(self) -> None:
+        """Wait until every submitted job has run (a closed worker's last jobs included)."""
+        self._open_gate()
+        for future in list(self._outstanding):
+            self.wait(future)
+        self._outstanding = []
+        wait_for_closed_workers()
+        self.check()
+
+    def acquire_slot(self) -> int:
+        """A free gradient hand-off slot; blocks (a stall) while the worker is two steps behind."""
+        if self._slots.empty():
+            self._open_gate()  # the jobs that free a slot may be held
+        while True:
+            try:
+                return self._slots.get(timeout=_POLL_S)
+            except queue.Empty:
+                self.check()
+                if self._thread is not None and not self._thread.is_alive():
+                    raise HostWorkerError("the hf_zenflow host worker thread died") from None
+
+    def release_slot(self, slot: int) -> None:
+        self._slots.put(slot)
+
+    def take_slot(self) -> GradSlot:
+        """A gradient hand-off slot (`acquire_slot`) for one job, returned to the pool exactly once: by the job when
+        it has run (`GradSlot.submit`), or by `GradSlot.give_back`, which every way out that may not have
+        submitted calls (an exception, a KeyboardInterrupt): it returns the slot at once unless the job has
+        started, and a job that has not started then never runs. So an interrupted hand-off never leaks a slot,
+        wherever the interrupt lands.
+
+        Example:
+            >>> worker = HostAdamWorker(threads=1, background=False)
+            >>> grant = worker.take_slot()
+            >>> try:
+            ...     buffers = ["slot 0 data", "slot 1 data"][grant.slot]
+            ...     future = grant.submit("accumulate", lambda: None)
+            ... except BaseException:
+            ...     grant.give_back()
+            ...     raise
+            >>> future.done()
+            True
+        """
+        return GradSlot(self, self.acquire_slot())
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread once the jobs already submitted have run; a later job of this worker runs inline (the
+        optimizer starts a new worker instead).
+
+        Waits at most `timeout` seconds, and not at all where waiting serves nobody: while the caller handles a
+        KeyboardInterrupt, and at interpreter exit after an uncaught exception (Ctrl-C at the top level included);
+        a Ctrl-C during the wait ends it too. A thread not waited for finishes its jobs in the background, and
+        every later worker, inline run or `synchronize()` in this process waits for it before going on, so host
+        jobs never overlap (as do the Trainer's and the accelerate hooks' checkpoint paths:
+        `wait_for_closed_workers`). If the process exits first, the exit waits for the job in flight and drops the
+        jobs not started (`_stop_workers_at_exit`), which loses nothing on disk: host jobs only touch host memory,
+        never a file or the live weights.
+        """
+        self.release()
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        try:
+            if thread.is_alive():
+                self._jobs.put(None)
+                if _nobody_waits():
+                    return
+                thread.join(timeout)
+        finally:
+            if thread.is_alive():
+                with _closing_lock:
+                    _closing.append(thread)
+
+
+class GradSlot:
+    """One gradient hand-off slot from `HostAdamWorker.take_slot`: `slot` indexes per-slot buffers (the pinned
+    landing buffers on CUDA), `submit` queues the one job that uses them; the worker returns the slot after it."""
+
+    def __init__(self, worker: HostAdamWorker, slot: int) -> None:
+        self.worker = worker
+        self.slot = slot
+        self.future: Future | None = None
+        # Whoever pops the slot returns it: the job as it starts, or `give_back`. list.pop is atomic under the
+        # GIL, so the slot is returned exactly once even when an interrupt lands right after the submission.
+        self._owner = [slot]
+
+    def submit(self, what: str, fn: Callable[[], None]) -> Future:
+        if self.future is not None:
+            raise RuntimeError(f"GradSlot {self.slot}: one job per slot, and '{what}' is the second")
+        owner, worker = self._owner, self.worker
+
+        def job() -> None:
+            try:
+                slot = owner.pop()
+            except IndexError:
+                return  # the caller gave the slot up before the job started
+            try:
+                fn()
+            finally:
+                worker.release_slot(slot)
+
+        self.future = worker.submit(what, job)
+        return self.future
+
+    def give_back(self) -> None:
+        """Return the slot unless the job has taken it; a job not yet started will then skip."""
+        try:
+            slot = self._owner.pop()
+        except IndexError:
+            return
+        self.worker.release_slot(slot)

@@ -1,0 +1,233 @@
+"""This host's figures, measured: the fused CPU AdamW rate at 1..N threads and the memory bandwidth.
+
+`estimate` and `compare` project with the host they run on, not with a published constant: a user who runs them on
+their own GPU box gets their own host's figures. `measure_host_rates` takes a second or two (an AdamW over
+`ADAMW_PARAMS` fp32 parameters, a few times, at 1, 2, 4, ... and N threads; one large copy for the bandwidth) and is
+cached per process. `host_profile` puts the measured AdamW rate per core into a `HardwareProfile`, whose device and
+link stay the profile's. A preset also keeps its host's cores and memory bandwidth (`hardware.HOST_MEMORY_SOURCES`:
+a typical server of its class), so the projection is this machine's per-core rate on that server, capped by that
+server's memory; a JSON profile keeps the host fields it sets and takes the others from this machine;
+``--host-cores`` and ``--host-memory-gbps`` win over both.
+
+Example:
+    >>> rates = HostRates(cores=2, adamw_params_per_s={1: 1.0e9, 2: 1.6e9}, mem_gbps=30.0)
+    >>> rates.params_per_s(2), rates.params_per_s(4)
+    (1600000000.0, 4000000000.0)
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from hf_zenflow._base import fused_adamw_, torch_threads
+from hf_zenflow.estimate.emulator_scenario import PUBLISHED_HOST_CORES, PUBLISHED_HOST_PARAMS_PER_S
+from hf_zenflow.estimate.profiles import HOST_ADAMW_BYTES_PER_PARAM, HOST_MEMORY_SOURCES, PROFILES
+from hf_zenflow.settings.threads import rank_cpu_count
+
+
+#: fp32 parameters of the timed AdamW (with grad and moments 16 B each: 128 MiB, beyond any cache).
+ADAMW_PARAMS = 8 * 1024 * 1024
+#: Bytes of the timed copy (read once, written once).
+COPY_BYTES = 256 * 1024 * 1024
+REPEATS = 4
+#: Host fields of a `HardwareProfile` that a JSON profile may set for itself.
+HOST_FIELDS = ("host_cores", "host_mem_gbps", "host_adamw_per_core")
+#: Host fields a preset keeps: its typical server's cores and memory bandwidth (the AdamW rate is measured here).
+PRESET_HOST_FIELDS = ("host_cores", "host_mem_gbps")
+#: Bytes per parameter of the timed AdamW (`_time_adamw`: fp32 param, grad, exp_avg, exp_avg_sq read; param and
+#: moments written).
+TIMED_ADAMW_BYTES_PER_PARAM = 28
+
+
+@dataclass(frozen=True)
+class HostRates:
+    """Measured on this host: fused AdamW parameters/s by thread count, memory bandwidth (copy: bytes read plus
+    written per second), and the cores this process may use."""
+
+    cores: int
+    adamw_params_per_s: dict[int, float]
+    mem_gbps: float
+    seconds: float = 0.0
+
+    def params_per_s(self, cores: int) -> float:
+        """AdamW rate on `cores` threads: measured where measured, linear between measured counts, and beyond this
+        host's cores its best per-thread rate (`per_core`) times `cores` (what caps it there is the target's memory
+        bandwidth, `HardwareProfile.host_adamw_params_per_s`, not this machine's)."""
+        known = sorted(self.adamw_params_per_s)
+        if cores in self.adamw_params_per_s:
+            return self.adamw_params_per_s[cores]
+        if cores > known[-1]:
+            return self.per_core() * cores
+        lo = max(k for k in known if k < cores) if cores > known[0] else known[0]
+        hi = min(k for k in known if k > cores)
+        a, b = self.adamw_params_per_s[lo], self.adamw_params_per_s[hi]
+        return a + (b - a) * (cores - lo) / (hi - lo) if hi != lo else a * cores / lo
+
+    def per_core(self) -> float:
+        """The best per-thread AdamW rate measured: one core's reach. Rates at more threads per thread are lower
+        here because the threads share this machine's memory bandwidth (and, on a small VM, perhaps a physical
+        core); a projection onto another host's cores caps by that host's bandwidth instead, so this machine's own
+        limit is not counted twice."""
+        return max(v / k for k, v in self.adamw_params_per_s.items())
+
+    def effective_mem_gbps(self) -> float:
+        """The bandwidth AdamW showed (its bytes per parameter at the best rate) or the copy's, whichever is more:
+        a capacity no measured rate exceeds."""
+        best = max(self.adamw_params_per_s.values())
+        return max(self.mem_gbps, best * TIMED_ADAMW_BYTES_PER_PARAM / 1e9)
+
+    def describe(self, cores: int | None = None) -> str:
+        per = ", ".join(f"{k} thread{'s' if k > 1 else ''} {v / 1e9:.2f}" for k, v in
+                        sorted(self.adamw_params_per_s.items()))
+        text = (f"measured on this machine ({self.cores} cores, {self.seconds:.1f} s): fused CPU AdamW, Gparam/s at "
+                f"{per}; memory copy {self.mem_gbps:.1f} GB/s")
+        if cores is not None:
+            text += f"; projected on {cores} host core(s): {self.params_per_s(cores) / 1e9:.2f} Gparam/s"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cores": self.cores, "adamw_params_per_s": {str(k): v for k, v in self.adamw_params_per_s.items()},
+                "mem_gbps": self.mem_gbps, "seconds": self.seconds}
+
+
+def _thread_counts(cores: int) -> list[int]:
+    counts, n = [], 1
+    while n < cores:
+        counts.append(n)
+        n *= 2
+    return [*counts, cores]
+
+
+def _time_adamw(threads: int) -> float:
+    gen = torch.Generator().manual_seed(0)
+    param = torch.randn(ADAMW_PARAMS, generator=gen)
+    grad = torch.randn(ADAMW_PARAMS, generator=gen)
+    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    step = torch.zeros(())
+    group = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    samples = []
+    with torch_threads(threads), torch.no_grad():
+        for _ in range(REPEATS + 1):
+            t0 = time.perf_counter()
+            fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [step], group)
+            samples.append(time.perf_counter() - t0)
+    return ADAMW_PARAMS / statistics.median(samples[1:])  # the first call pages the buffers in
+
+
+def _time_copy(threads: int) -> float:
+    src = torch.ones(COPY_BYTES // 4)
+    dst = torch.empty_like(src)
+    samples = []
+    with torch_threads(threads):
+        for _ in range(REPEATS + 1):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            samples.append(time.perf_counter() - t0)
+    return 2 * COPY_BYTES / statistics.median(samples[1:]) / 1e9
+
+
+@functools.lru_cache(maxsize=1)
+def measure_host_rates() -> HostRates:
+    """Measure this host (once per process; a second or two)."""
+    t0 = time.perf_counter()
+    cores = rank_cpu_count()
+    rates = {n: _time_adamw(n) for n in _thread_counts(cores)}
+    return HostRates(cores, rates, _time_copy(cores), time.perf_counter() - t0)
+
+
+def host_profile(profile: Any, rates: HostRates, host_cores: int | None = None,
+                 given: tuple[str, ...] = (), host_mem_gbps: float | None = None) -> Any:
+    """`profile` with this host's measured AdamW rate per core in place of its own. Fields in `given` (a preset's
+    cores and memory bandwidth, or a JSON profile's own host fields) are kept; the others come from this machine
+    (its cores, its measured bandwidth). `host_cores` / `host_mem_gbps` (the flags) win over both."""
+    if host_cores is not None:
+        cores = host_cores
+    else:
+        cores = profile.host_cores if "host_cores" in given else rates.cores
+    values: dict[str, Any] = {"host_cores": cores}
+    if "host_adamw_per_core" not in given:
+        values["host_adamw_per_core"] = rates.params_per_s(cores) / cores
+    if host_mem_gbps is not None:
+        values["host_mem_gbps"] = host_mem_gbps
+    elif "host_mem_gbps" not in given:
+        values["host_mem_gbps"] = rates.effective_mem_gbps()
+    return replace(profile, name=profile.name, **values)
+
+
+def json_host_fields(spec: str | None) -> tuple[str, ...]:
+    """The host fields a profile sets itself: a preset its typical server's cores and memory bandwidth
+    (`PRESET_HOST_FIELDS`), a JSON file the `HOST_FIELDS` it names."""
+    import json
+    from pathlib import Path
+
+    if spec in PROFILES:
+        return PRESET_HOST_FIELDS
+    if not spec or not Path(spec).expanduser().is_file():
+        return ()
+    keys = json.loads(Path(spec).expanduser().read_text(encoding="utf-8"))
+    return tuple(k for k in HOST_FIELDS if k in keys)
+
+
+def memory_origin(profile: Any, spec: str | None, given: tuple[str, ...], flag: float | str | None) -> str:
+    """Where the host memory bandwidth the projection caps by comes from, in words."""
+    if flag == "measured":
+        return "this machine's, measured (--host-memory-gbps measured)"
+    if flag is not None:
+        return "--host-memory-gbps"
+    if "host_mem_gbps" in given:
+        if spec in PROFILES:
+            return f"the profile's: {HOST_MEMORY_SOURCES.get(profile.name, 'a preset figure')}"
+        return f"the profile's ({spec})"
+    return "this machine's, measured"
+
+
+def cap_line(profile: Any, origin: str) -> str:
+    """The host AdamW rate the projection uses and which cap applies: the cores, or the memory bandwidth over the
+    bytes of one AdamW pass (synchronous offload's; ZenFlow's passes in the bound model count their own)."""
+    cores = profile.host_core_params_per_s()
+    memory = profile.host_mem_gbps * 1e9 / HOST_ADAMW_BYTES_PER_PARAM
+    which = "memory" if memory < cores else "cores"
+    return (f"cores {profile.host_adamw_per_core / 1e9:.3f} Gparam/s x {profile.host_cores} = {cores / 1e9:.2f} "
+            f"Gparam/s; memory {profile.host_mem_gbps:g} GB/s ({origin}) / {HOST_ADAMW_BYTES_PER_PARAM} B per "
+            f"parameter of an AdamW pass = {memory / 1e9:.2f} Gparam/s: the {which} cap applies, host AdamW "
+            f"{min(cores, memory) / 1e9:.2f} Gparam/s")
+
+
+def published_host_line(profile: Any, origin: str = "the profile's") -> str:
+    return (f"Host: the profile's published figure (--host-from-profile): DeepSpeed's CPUAdam rate "
+            f"({PUBLISHED_HOST_PARAMS_PER_S / 1e9:.2f} Gparam/s on {PUBLISHED_HOST_CORES} threads) per core; "
+            f"{cap_line(profile, origin)}.")
+
+
+def resolve_host(profile: Any, spec: str | None, host_cores: int | None, from_profile: bool,
+                 host_mem_gbps: float | str | None = None) -> tuple[Any, str]:
+    """The profile to project with and the line that says where its host figures come from and which cap applies.
+    `host_mem_gbps`: a number (GB/s) or "measured" (this machine's) in place of the profile's."""
+    given = json_host_fields(spec)
+    origin = memory_origin(profile, spec, given, host_mem_gbps)
+    if from_profile:
+        if host_cores is not None:
+            profile = replace(profile, host_cores=host_cores)
+        if host_mem_gbps is not None:
+            mem = measure_host_rates().effective_mem_gbps() if host_mem_gbps == "measured" else host_mem_gbps
+            profile = replace(profile, host_mem_gbps=mem)
+        elif "host_mem_gbps" not in given:
+            origin = "HardwareProfile's default: the profile gives none"
+        return profile, published_host_line(profile, origin)
+    rates = measure_host_rates()
+    mem = rates.effective_mem_gbps() if host_mem_gbps == "measured" else host_mem_gbps
+    resolved = host_profile(profile, rates, host_cores, given, mem)
+    per_core = ("the profile's own host_adamw_per_core" if "host_adamw_per_core" in given else
+                "measured here: its best per-thread rate" if resolved.host_cores > max(rates.adamw_params_per_s)
+                else f"measured here on {resolved.host_cores} thread(s)")
+    cores_from = ("--host-cores" if host_cores is not None else
+                  "the profile's" if "host_cores" in given else "this machine's")
+    return resolved, (f"Host: {rates.describe()}. Projected: per-core rate {per_core}, {cores_from} "
+                      f"{resolved.host_cores} core(s); {cap_line(resolved, origin)} (--host-from-profile: the "
+                      "published per-core rate instead; --host-cores / --host-memory-gbps override).")

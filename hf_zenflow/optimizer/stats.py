@@ -1,0 +1,62 @@
+"""`ZenFlowAdamW.stats()`: the step counters, the schedule's counts, where the state lives and the host worker's last
+job times, gathered from the engine's parts (the per-step timing itself is `engine.telemetry`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engine.host_lr import host_lr_scale, peak_lr, window_lag
+from ..engine.schedule import WindowSchedule
+from ..engine.telemetry import ZenFlowStats, state_sizes
+from ..engine.windows import HostWindows
+from ..settings.config import ZenFlowConfig
+
+
+def optimizer_stats(
+    stats: ZenFlowStats,
+    schedule: WindowSchedule | None,
+    config: ZenFlowConfig,
+    splits: dict,
+    dense: dict,
+    host: HostWindows,
+) -> dict[str, float | str]:
+    """`ZenFlowAdamW.stats()`: the step counters of `stats` with the schedule's counts, the state sizes and the host
+    worker's last job times; ``"accumulate_on"``: where windows are summed, "host", "device" or "device_bf16"
+    ("auto" until its choice at the first step)."""
+    worker_ms: dict[str, Any] = host.worker.last_job_ms if host.worker is not None else {}
+    # the last closed window; before the first one, the configured interval (auto: the open window so far)
+    interval = (
+        schedule.last_interval
+        if schedule and schedule.last_interval
+        else (schedule.window_steps if schedule else 0)
+        if config.is_auto_interval
+        else config.update_interval
+    )
+    lr_scale = host.lr_scale.last
+    if lr_scale is None:  # before the first window closes: what the next full window will take
+        window = int(interval) or config.auto_max_interval
+        lr_scale = host_lr_scale(
+            config.host_lr_scale,
+            window,
+            peak_lr(host.groups[0]) if host.groups else 0.0,
+            window_lag(schedule, config.overlap_step, window),
+        )
+    out: dict[str, float | str] = {"accumulate_on": host.accumulate_on or "auto"}
+    return out | stats.as_dict(
+        **state_sizes(splits, dense),
+        update_interval=float(interval),
+        host_lr_scale=lr_scale,
+        writeback_lag=float(schedule.writeback_lag if schedule and schedule.writeback_lag else interval),
+        host_threads=config.resolved_cpu_threads,
+        steps=schedule.steps if schedule else 0,
+        windows=schedule.windows if schedule else 0,
+        reselections=schedule.reselections if schedule else 0,
+        host_step_ms=worker_ms.get("host_adamw", 0.0),
+        accumulate_ms=worker_ms.get("accumulate", 0.0),
+        pinned_host_bytes=sum(t.pinned_bytes for t in host.transports.values()),
+        ranks=host.reduce_group.ranks,
+        gather_buffer_bytes=host.shards.buffer_bytes,
+    )
+
+
+__all__ = ["optimizer_stats"]

@@ -1,0 +1,397 @@
+"""`ZenFlowAdamW`: AdamW with ZenFlow's importance-aware device/host split.
+
+Each optimizer step:
+
+1. each gradient's norm is read as backward produces it (`engine/gradients.py`: hooks; the clip norm reuses it) and the
+   host reads a few scalars in the step's one sync: the non-finite check, the clip coefficient, Zen-auto's masses;
+2. **device path** (`engine/device_step.py`): the top-k input columns of every matrix (by gradient norm) and every 1-D
+   parameter get a fused AdamW update on the device, on fp32 master values and moments;
+3. **host path** (`engine/host.py`): the whole matrix gradient is handed to the host worker, which adds it to a window
+   accumulator (or, with ``accumulate_on="device"``, "auto"'s usual choice where device memory allows, the window is
+   summed on the device and crosses once); every `update_interval` steps the window closes and the host AdamW
+   updates the matrix on the window's mean gradient, the closing step's gradient folded into the same pass, with the
+   learning rate in force when the window closed;
+4. the host result is written back into the device weights ``writeback_lag`` steps into the next window
+   (``overlap_step=True``: the host step runs while the device trains on; ``writeback_lag=None`` = at the next
+   window's end, ZenFlow's own schedule; "auto" = the smallest lag the measured host step fits in) or at once
+   (``overlap_step=False``); the columns on the device keep their device values.
+
+The selection is refreshed on schedule; the master values and moments of columns that enter or leave the device
+set migrate with them, so with ``update_interval=1`` the split is invisible (AdamW is elementwise).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .. import checkpoint
+from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
+from ..distributed.fsdp import LocalShards, global_norm
+from ..engine import amp
+from ..engine.device_state import DenseDeviceState
+from ..engine.gradients import GradientReads
+from ..engine.params import (
+    check_group_params,
+    check_param_group,
+    new_schedule,
+    offloads_any,
+    resolve_config,
+)
+from ..engine.schedule import WindowSchedule
+from ..engine.split_matrix import SplitMatrix, master_value
+from ..engine.telemetry import StepTimer, ZenFlowStats
+from ..engine.weight_marks import WeightMarks, rekey, reread_masters
+from ..engine.windows import HostWindows
+from ..engine.worker import wait_for_closed_workers
+from ..engine.writeback_lag import AutoWritebackLag
+from ..settings.config import ZenFlowConfig
+from .stats import optimizer_stats
+from .step import StepSequence
+
+
+logger = logging.getLogger(__name__)
+
+_LIVE_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
+
+#: Called with the optimizer at every `train()` (before each training step under a Trainer). The Hugging Face glue
+#: sits above this layer, so it is wired in from above: `hf_zenflow/__init__.py` adds the hook that, when transformers
+#: is loaded, finds a Trainer given this optimizer through ``optimizers=(...)`` and gives it a `ZenFlowCallback`
+#: (nothing there would otherwise flush the last window or stop the worker).
+TRAIN_HOOKS: list[Callable[[ZenFlowAdamW], None]] = []
+
+
+@atexit.register
+def _close_all() -> None:  # the host threads are daemons; this just lets in-flight jobs end cleanly
+    for opt in list(_LIVE_OPTIMIZERS):
+        opt.close()
+
+
+class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
+    """AdamW whose important columns are updated on the device every step and the rest by a host AdamW every
+    `update_interval` steps, overlapped with training.
+
+    Args:
+        params: parameters or param groups (per-group ``lr``, ``betas``, ``eps``, ``weight_decay``).
+        lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay, as `torch.optim.AdamW`).
+        config: a `ZenFlowConfig`; keyword arguments named like its fields override it.
+        host_executor: ``"thread"`` (default) runs the host work on a background thread; ``"inline"`` runs the same
+            jobs in the calling thread, in the same order (the sequential reference of the overlapped schedule).
+        process_group: the data-parallel ranks that share the host work (default: torch's default process group,
+            when one of several ranks is initialised; DDP). Each rank then holds host state for, and runs the host
+            AdamW on, 1/N of every offloaded matrix, and `step()`, `flush()`, `load_state_dict()` and
+            `master_weight()` are collectives: call them on every rank (`hf_zenflow.distributed.sharding`). Under FSDP2
+            (DTensor parameters from ``fully_shard``) each rank works on its own shards instead and this argument
+            is not used: `step()` and `clip_grad_norm_()` are collectives over the mesh, and each rank's
+            `state_dict()` holds its own shards (`hf_zenflow.distributed.fsdp`).
+
+    Matrices (parameters with ``ndim >= 2``, viewed as ``[out, in]``) are split by input column, whether stored
+    row-major or column-major (`column_major_`, where each input column is contiguous); 1-D parameters and other
+    layouts are updated entirely on the device. A param group with ``select_rows=True`` splits its matrices by row
+    instead: for an embedding table ``[vocab, hidden]`` the input channels are the rows (tokens), contiguous in
+    memory (``hf-zenflow compare`` uses it for the word embeddings on a CPU device). `step()` takes ownership of the
+    gradients of split matrices (it sets their ``.grad`` to None) so that the host worker can read them after
+    `step()` returns.
+
+    Example:
+        >>> import torch
+        >>> from hf_zenflow import ZenFlowAdamW
+        >>> model = torch.nn.Linear(64, 64)
+        >>> opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.1, update_interval=4)
+        >>> model(torch.randn(8, 64)).square().mean().backward()
+        >>> grad_norm = opt.clip_grad_norm_(1.0)
+        >>> opt.step(); opt.zero_grad()
+        >>> opt.flush()  # end of training: every gradient seen is now in the weights
+        >>> opt.close()
+    """
+
+    #: `torch.amp.GradScaler.step` passes the scale and the overflow flag instead of unscaling (`engine/amp.py`)
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        config: ZenFlowConfig | None = None,
+        host_executor: str = "thread",
+        process_group: Any = None,
+        **config_overrides: Any,
+    ) -> None:
+        check_hyperparameters(lr, betas, eps, weight_decay)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        config = resolve_config(config, config_overrides, host_executor)
+        self.host_executor = host_executor
+        self._split: dict[torch.Tensor, SplitMatrix] = {}
+        self._dense: dict[torch.Tensor, DenseDeviceState] = {}
+        self._schedule: WindowSchedule | None = None
+        self._norm_cache = GradNormCache()
+        self._stats = ZenFlowStats()
+        self._auto_lag = AutoWritebackLag()
+        self._fsdp = LocalShards()  # FSDP2's DTensor parameters, found at the first use (`_find_param_shards`)
+        self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor, process_group)
+        self.config = config
+        # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
+        self._reads = GradientReads(p for g in self.param_groups for p in g["params"])
+        self._reads.on_ready = self._host.grad_ready
+        self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1  # DDP rewrites them after the hooks
+        self._weights = WeightMarks()  # notices weights changed from outside the optimizer
+        self._param_names: dict[torch.Tensor, str] = {
+            p: name for g in self.param_groups for name, p in zip(g.get("param_names", ()), g["params"])
+        }
+        amp.install()  # scaler.unscale_(opt) tells `_grads_unscaled`
+        _LIVE_OPTIMIZERS.add(self)
+        # The thread rule's decision for the run, before its first forward (README, Threads)
+        self._host.offload_planned = offloads_any(self.param_groups, config)
+        self._host.claim_cores()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Public API
+    # ------------------------------------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        check_param_group(param_group, self.defaults)
+        super().add_param_group(param_group)
+        check_group_params(self.param_groups[-1])
+        if hasattr(self, "_reads"):  # a group added after construction: its gradients are read in backward too
+            self._reads.watch(self.param_groups[-1]["params"])
+            self._host.offload_planned = offloads_any(self.param_groups, self.config)
+            self._host.claim_cores()
+
+    def set_steps_per_epoch(self, steps: int) -> None:
+        """Epoch length in optimizer steps, for ``select_strategy="epoch"`` or ``"auto"``."""
+        self.config = dataclasses.replace(self.config, steps_per_epoch=int(steps))
+        if self._schedule is not None:
+            self._schedule.select_period = self.config.select_period()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Global norm of ALL gradients (what `torch.nn.utils.clip_grad_norm_` returns) and, when it exceeds
+        `max_norm`, the same scale applied to both the device and the host path inside the next `step()`.
+
+        The gradients themselves are not rewritten: the coefficient is folded into the gather of the selected
+        columns and into the host accumulation, which read the gradient anyway.
+        """
+        self._find_param_shards()
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = [self._fsdp.grad(p) for p in params]
+        known = [self._reads.norm(self._fsdp.local(p), g) for p, g in zip(params, grads)] if norm_type == 2.0 \
+            else None
+        norms, total = grad_norms(grads, norm_type, known)
+        if self._fsdp.active:
+            total = global_norm(total, norm_type, self._host.param_shards)  # Collective (FSDP2): every rank's rows
+        coef = clip_coefficient(total, float(max_norm)) if max_norm != float("inf") else None
+        if norm_type == 2.0:
+            self._norm_cache.store(grads, norms, total, coef)
+        else:
+            self._norm_cache.store(grads, [], None, coef)
+        return total
+
+    def _grads_unscaled(self, inv_scale: torch.Tensor) -> None:
+        """`GradScaler.unscale_` multiplied every gradient by `inv_scale` in place, without a version bump
+        (`engine/amp.py`): what was read of them before must follow or go."""
+        self._reads.rescale(inv_scale)
+        self._norm_cache.take([])  # a clip measured before unscale_ no longer describes the gradients
+        self._host.forget_early_copies()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._auto_lag.tick()
+        self._find_param_shards(final=True)
+        worker = self._host.ensure_worker()
+        worker.check()
+        worker.hold()
+        try:
+            return self._step(loss)
+        finally:
+            self._reads.clear()  # this backward's reads are used up
+            self._host.release_early()  # copies started in backward that this step did not take (skipped step)
+            # The host jobs this step submitted (accumulation, the window's host AdamW) start now, overlapping the
+            # caller's next forward/backward.
+            worker.release()
+
+    def synchronize(self) -> None:
+        """Wait until the host worker is idle and re-raise its failure, if any. Does not change the schedule: a
+        host result still waiting for its write-back step (`writeback_lag`) stays pending (and is part of
+        `state_dict()`)."""
+        if self._host.worker is not None:
+            self._host.worker.synchronize()
+        else:
+            wait_for_closed_workers()  # a worker closed without waiting (Ctrl-C) may still run its last job
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Close the open window and write every host result into the weights now, so that the model reflects
+        every gradient seen. Call it at the end of training; mid-training it shortens the current window."""
+        if self._schedule is None:
+            return
+        self._find_param_shards()
+        self._pick_up_outside_changes()
+        if self._schedule.window_steps > 0:
+            self._host.close_window(self._schedule, StepTimer(), sequential=True)
+        self._host.drain_and_apply()
+        self._mark_weights()
+
+    def train(self) -> None:
+        """HF calls this before every training step: surface a worker failure (waiting here would serialise the host
+        step with every training step), and claim the cores again if a `close()` ended the last run, before this
+        run's first forward (README, Threads)."""
+        self._host.claim_cores()
+        if self._host.worker is not None:
+            self._host.worker.check()
+        for hook in TRAIN_HOOKS:
+            hook(self)
+
+    def eval(self) -> None:
+        """HF calls this before evaluation: wait for the host worker."""
+        self.synchronize()
+
+    def close(self) -> None:
+        """End of a run: stop the host worker thread (a later `step()` starts a new one), unlock pinned host memory
+        and give the training thread its cores back (README, Threads)."""
+        self._host.close()
+
+    @property
+    def config(self) -> ZenFlowConfig:
+        """The settings in force (`ZenFlowConfig`)."""
+        return self._config
+
+    @config.setter
+    def config(self, value: ZenFlowConfig) -> None:
+        self._config = value
+        self._host.config = value
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        """Refused: `copy.deepcopy` and pickle. The optimizer owns a host worker thread, backward hooks on its
+        parameters, pinned transfer buffers and state keyed by the parameters themselves; a copy could share none
+        of them correctly (torch's `Optimizer.__getstate__` keeps only the param groups, so the copy failed at its
+        first step). `state_dict()` / `load_state_dict()` on a new optimizer make an exact, checked copy."""
+        raise TypeError("ZenFlowAdamW cannot be copied or pickled (it owns a host worker thread and backward hooks "
+                        "on its parameters): build a new ZenFlowAdamW over the target parameters and "
+                        "load_state_dict(opt.state_dict()) into it.")
+
+    def __del__(self) -> None:  # noqa: D105
+        try:
+            self.close()
+            self._reads.remove()  # the parameters outlive the optimizer: take the hooks off them
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+    def stats(self) -> dict[str, float | str]:
+        """Telemetry of the last step (see `telemetry.ZenFlowStats`; ``"accumulate_on"`` is a string)."""
+        return optimizer_stats(self._stats, self._schedule, self.config, self._split, self._dense, self._host)
+
+    @torch.no_grad()
+    def sync_from_weights(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Re-read the fp32 master values from the weights, for `params` (default: every parameter).
+
+        Changes made through the parameters themselves (``model.load_state_dict``, ``param.copy_``, the Trainer's
+        ``load_best_model_at_end``, a storage swap) are picked up automatically at the next `step()`, `flush()` or
+        `state_dict()`; call this after writing through ``param.data``, which torch does not track. The moments are
+        kept (as `torch.optim.AdamW` keeps them when weights are loaded); what was computed from the old weights and
+        is not in them yet (a pending host result, the open window's gradient sum) is dropped for these parameters.
+        """
+        params = list(self._split) + list(self._dense) if params is None else [self._fsdp.local(p) for p in params]
+        reread_masters(params, self._split, self._dense, self._host.worker)
+        self._mark_weights()
+
+    def _pick_up_outside_changes(self) -> None:
+        moved = self._fsdp.moved() if self._fsdp.active else []
+        if moved:  # FSDP2 re-allocated shards (model.to(), load_state_dict(assign=True)): the state follows them
+            reread_masters(rekey(moved, (self._split, self._dense)), self._split, self._dense,
+                           self._host.worker)
+        changed = self._weights.changed()
+        if changed:
+            self._weights.tell_once(len(changed))
+            reread_masters(changed, self._split, self._dense, self._host.worker)
+            self._mark_weights()
+
+    def _mark_weights(self) -> None:
+        self._weights.mark(self._split, self._dense)
+
+    def master_weight(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 master value of `param` (host columns from the host master, device columns from the device),
+        on the host; under FSDP2, of this rank's shard of `param`. Call `synchronize()` first in overlap mode."""
+        self._find_param_shards()
+        self._pick_up_outside_changes()
+        return master_value(self._fsdp.local(param), self._split, self._dense, self._host.shards)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Step internals
+    # ------------------------------------------------------------------------------------------------------------
+    def _find_param_shards(self, final: bool = False) -> None:
+        if self._fsdp.find_once(self.param_groups, self._host.use_param_shards, final):
+            # accelerate swapped FSDP2's DTensors in after __init__: nothing may keep the whole parameters it
+            # replaced alive (their names, the backward hooks on them)
+            current = [p for g in self.param_groups for p in g["params"]]
+            kept = {id(p) for p in current}
+            self._param_names = {p: n for p, n in self._param_names.items() if id(p) in kept}
+            self._reads.remove()
+            self._reads = GradientReads(current)
+            self._reads.on_ready = self._host.grad_ready
+            self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1
+
+    def _engine_params(self) -> list[torch.Tensor]:
+        """Every parameter in param-group order as the engine keys its state (its local shard under FSDP2)."""
+        self._find_param_shards()
+        return [self._fsdp.local(p) for g in self.param_groups for p in g["params"]]
+
+    def _ensure_schedule(self) -> WindowSchedule:
+        if self._schedule is None:
+            self._schedule = new_schedule(self.config)
+        return self._schedule
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Checkpointing
+    # ------------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: per-matrix selection, device and host masters and moments, the
+        open window's accumulated gradient, a host result still waiting to be written back, counters and Zen-auto
+        statistics, with shapes and checksums (`hf_zenflow.checkpoint`). Only tensors, numbers, strings, lists and
+        dicts: loadable with ``torch.load(weights_only=True)``.
+
+        Waits for the host worker first (`synchronize`), which does not change the schedule. Like torch's
+        optimizers, the returned tensors are the live state: serialise it before stepping again.
+        """
+        self.synchronize()
+        self._find_param_shards()
+        self._pick_up_outside_changes()
+        return checkpoint.pack(self)
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a `state_dict()` of this or an earlier hf_zenflow, or continue a `torch.optim.AdamW` state dict
+        (moments and step counts carried over). Tensors may be on any device.
+
+        The state is checked first (shapes, dtypes, finite values, checksums): a damaged or foreign one raises
+        `hf_zenflow.CheckpointError` naming the tensor, and nothing is changed. Settings of this optimizer that
+        differ from the checkpoint's take effect (see `hf_zenflow.checkpoint`), with a logged note.
+        """
+        self.synchronize()
+        self._find_param_shards()
+        checkpoint.load(self, state_dict)
+
+    def name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module) -> None:
+        """Record parameter names (e.g. ``model.named_parameters()``, or the model): checkpoints then carry them and
+        error messages name the parameter. Parameters passed as ``(name, param)`` pairs are named already."""
+        pairs = named.named_parameters() if isinstance(named, torch.nn.Module) else named
+        mine = {p for g in self.param_groups for p in g["params"]}
+        self._param_names.update({p: name for name, p in pairs if p in mine})
+
+    def _reset_state(self) -> None:
+        self._split.clear()
+        self._dense.clear()
+        self._host.reset()
+        self._schedule = None

@@ -1,0 +1,349 @@
+"""`ZenFlowConfig`: the validated settings of a ZenFlow optimizer.
+
+Field names follow DeepSpeed's `zero_optimization.zenflow` block so that a DeepSpeed config moves over unchanged
+(`ZenFlowConfig.from_deepspeed`). Every invalid value fails here, at construction, with a `ValueError` that names the
+field, the value and what is allowed. Each field's metadata (``help``, and ``choices`` for string choices) is the one
+source of the settings' command-line flags, plugin arguments, environment variables and docs (`flags.py`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+
+from .deepspeed_config import load, zenflow_values
+from .threads import available_cpu_count, worker_threads  # noqa: F401 - available_cpu_count: imported from here
+
+
+#: `host_lr_scale="auto"`: the largest learning rate a window's host step takes (lr × multiplier) when its result is
+#: written back 1 step into the next window; a lag of L steps divides it by sqrt(L). Measured on the tiny Llama (30
+#: steps, U=4, 5 paired seeds): at a 1-step lag "interval" (4) is best up to lr 1e-3; at 3e-3 it costs +3.7 %
+#: held-out loss, multipliers 1.5-2 cost least (+1.9 %), 1.0 +2.1 %. At a 4-step lag "interval" is still best at
+#: 5e-4 (2.5 costs +0.23 %), 1.25 and 4 tie at 1e-3, and at 3e-3 "interval" overshoots (+11.8 %, 1.0: +2.9 %).
+AUTO_HOST_LR_CAP = 5e-3
+
+
+SelectStrategy = Literal["auto", "step", "epoch"]
+
+#: Re-selection period (in optimizer steps) used by ``select_strategy="auto"`` when the number of steps per epoch is
+#: unknown (a plain training loop over an iterable dataset, say). DeepSpeed silently never re-selects in that case
+#: (DeepSpeed #8456); we re-select on this fixed step period instead.
+DEFAULT_SELECT_STEPS = 100
+
+#: Default `min_offload_numel`: matrices under 2**18 elements (1 MiB in fp32, 3 MiB of AdamW state) stay on the device.
+#: LoRA adapters (rank x hidden: 8 x 4096 = 32768, 32 x 4096 = 131072), classification heads and the like are far below
+#: it; the smallest weight matrix of a 1B+ model (2048 x 2048) is 16x above it.
+MIN_OFFLOAD_NUMEL = 1 << 18
+
+_SELECT_STRATEGIES = ("auto", "step", "epoch")
+_ACCUMULATE_ON = ("auto", "host", "device", "device_bf16")
+#: The device-side window sum's dtype of each resolved `accumulate_on` that sums on the device.
+DEVICE_SUM_DTYPES = {"device": torch.float32, "device_bf16": torch.bfloat16}
+_HOST_GRAD_DTYPES = ("auto", "bfloat16")
+_HOST_MOMENT_DTYPES = ("float32", "bfloat16")
+
+
+def sums_on_device(accumulate_on: str | None) -> bool:
+    """Whether a resolved `accumulate_on` ("auto"'s choice, or the setting) sums windows on the device ("device" or
+    "device_bf16")."""
+    return accumulate_on in DEVICE_SUM_DTYPES
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fail(name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"ZenFlowConfig.{name}={value!r} is invalid: allowed is {allowed}.")
+
+
+def parse_int_or_auto(name: str, value: Any) -> int | str:
+    """Accept an int >= 1, the string "auto", or a string holding an int (what a command line delivers)."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            value = int(text)
+        except ValueError:
+            _fail(name, value, 'an integer >= 1 or "auto"')
+    if not _is_int(value) or value < 1:
+        _fail(name, value, 'an integer >= 1 or "auto"')
+    return value
+
+
+@dataclass
+class ZenFlowConfig:
+    """Settings of `ZenFlowAdamW`.
+
+    Example:
+        >>> from hf_zenflow import ZenFlowConfig
+        >>> ZenFlowConfig(topk_ratio=0.1, update_interval=4).update_interval
+        4
+        >>> ZenFlowConfig(update_interval="auto").is_auto_interval
+        True
+    """
+
+    topk_ratio: float = field(
+        default=0.1,
+        metadata={
+            "help": "Fraction of the input columns of every weight matrix updated on the device each step (the "
+            "columns with the largest gradient norm), e.g. 0.1 = 10% of the columns. 1.0 = every column on the "
+            "device (plain AdamW); 0.0 = none (every matrix updated by the host AdamW only)."
+        },
+    )
+    update_interval: int | str = field(
+        default=4,
+        metadata={
+            "help": 'Optimizer steps per host window: the host AdamW applies the mean unselected gradient once every '
+            '`update_interval` steps. "auto" closes a window when the accumulated unselected gradient mass has '
+            "caught up with the selected mass (Zen-auto)."
+        },
+    )
+    select_strategy: str = field(
+        default="auto",
+        metadata={
+            "help": 'When to re-select the device columns: "step" every `select_interval` steps, "epoch" every '
+            '`select_interval` epochs, "auto" = every epoch when the epoch length is known, else every '
+            f"{DEFAULT_SELECT_STEPS} steps.",
+            "choices": _SELECT_STRATEGIES,
+        },
+    )
+    select_interval: int | str = field(
+        default="auto",
+        metadata={"help": 'Re-selection period, in steps or epochs (see `select_strategy`); "auto" = 1 epoch or '
+                  f"{DEFAULT_SELECT_STEPS} steps."},
+    )
+    full_warm_up_rounds: int = field(
+        default=0,
+        metadata={"help": "The first N optimizer steps are plain dense AdamW (every column updated by the host "
+                  "each step, synchronously); the first selection happens after them."},
+    )
+    overlap_step: bool = field(
+        default=True,
+        metadata={"help": "Run the host AdamW in a background worker that overlaps the next steps (its result is "
+                  "written back one window later). False: run it inline and write it back at once."},
+    )
+    writeback_lag: int | str | None = field(
+        default="auto",
+        metadata={"help": "With overlap_step: after how many steps of the next window a window's host result is "
+                  "written back: an integer from 1 to update_interval, None (at the next window boundary, ZenFlow's "
+                  "schedule: the host step may take a whole window) or \"auto\". Smaller lags keep the unselected "
+                  "columns fresher, closer to AdamW, but give the host step less time: the device waits for it when "
+                  "it is not done by then. \"auto\": the first window one step into the next (the device waits for "
+                  "it if needed, once), then the smallest lag that the first host step's measured time fits in with "
+                  "25% to spare, kept for the run (logged, in stats() and checkpoints); set an integer for runs that "
+                  "repeat bit for bit on another machine."},
+    )
+    auto_ratio: float = field(
+        default=0.99,
+        metadata={"help": 'With update_interval="auto": fraction of weight matrices that must meet the Zen-auto '
+                  "criterion to close the window."},
+    )
+    auto_max_interval: int = field(
+        default=16,
+        metadata={"help": 'With update_interval="auto": a window never spans more than this many steps (bounded '
+                  "staleness)."},
+    )
+    host_lr_scale: float | str = field(
+        default="auto",
+        metadata={"help": "Learning-rate multiplier of the host AdamW step. The unselected columns take one AdamW "
+                  "step per window, so they move about `update_interval` times less per optimizer step than under "
+                  'AdamW; "interval" multiplies by the length of each window, restoring the per-step rate; 1.0 is '
+                  "ZenFlow's (and DeepSpeed's) rule. \"auto\" (the default): \"interval\" while the host step's "
+                  "learning rate (lr x multiplier, by the scheduler's peak lr) stays under "
+                  f"{AUTO_HOST_LR_CAP:g} / sqrt(write-back lag), the multiplier reaching that cap above it, never "
+                  'below 1.0 (logged once; stats()["host_lr_scale"]): "interval" at fine-tuning learning rates, '
+                  "less where it would overshoot (BENCHMARKS §4)."},
+    )
+    min_offload_numel: int = field(
+        default=MIN_OFFLOAD_NUMEL,
+        metadata={"help": "Matrices with fewer elements are updated entirely on the device every step, like 1-D "
+                  f"parameters. The default ({MIN_OFFLOAD_NUMEL} = 2**18 elements, 1 MiB in fp32) keeps LoRA "
+                  "adapters, classification heads and other small matrices on the device, where their AdamW state "
+                  "costs little and every step counts; no weight matrix of a model with 1B+ parameters is that "
+                  "small. 0 offloads every matrix."},
+    )
+    accumulate_on: str = field(
+        default="auto",
+        metadata={"help": 'Where the unselected gradient is summed over a window. "host": every step the whole '
+                  "matrix gradient goes to the host and the worker adds it into an fp32 accumulator (no device "
+                  'memory). "device": an fp32 accumulator per offloaded matrix stays on the device (+4 bytes per '
+                  "offloaded parameter of device memory) and crosses the link once per window; the host then only "
+                  'runs the AdamW (same results). "device_bf16": the same, the sums kept in bf16 on the device '
+                  "(+2 bytes per offloaded parameter; each step adds in fp32 and rounds the running sum to bf16, "
+                  "8 significant bits) and sent as bf16 (half the link bytes), widened into the host's fp32 "
+                  'accumulator. "auto": "device" when fp32 sums fit in the device memory left after the first '
+                  'forward/backward with a 10% margin, else "device_bf16" when bf16 sums fit, else "host" (CUDA: '
+                  'measured; a CPU device: `device_memory_budget_bytes`, without it "host"); chosen at the first '
+                  "step, logged, in stats() and checkpoints.",
+                  "choices": _ACCUMULATE_ON},
+    )
+    host_grad_dtype: str = field(
+        default="auto",
+        metadata={"help": 'The dtype of each step\'s gradient on its way to the host. "auto": the gradient\'s own. '
+                  '"bfloat16": an fp32 gradient is rounded to bf16 on the device before it crosses the link (half '
+                  "the device-to-host bytes and half the landing buffers); the host still sums the window in fp32. "
+                  'Other gradients (bf16, fp16) cross as they are. (accumulate_on="device" / "device_bf16" sum on the '
+                  "device and ship the sum once per window: unaffected.)",
+                  "choices": _HOST_GRAD_DTYPES},
+    )
+    host_moment_dtype: str = field(
+        default="float32",
+        metadata={"help": 'The dtype of the host AdamW moments (exp_avg, exp_avg_sq). "bfloat16": stored in bf16 '
+                  "(4 bytes less per offloaded parameter of host memory); the host AdamW widens them to fp32, "
+                  "updates in fp32 against the fp32 master, and rounds them back to nearest. The device columns "
+                  "and checkpoints keep fp32 moments.",
+                  "choices": _HOST_MOMENT_DTYPES},
+    )
+    device_memory_budget_bytes: int | None = field(
+        default=None,
+        metadata={"help": 'Device memory, in bytes, that accumulate_on="auto" may count on for the window sums '
+                  "(and the selected columns' state) beyond the training step's own peak. None: measured on "
+                  'CUDA; unknown on a CPU device, which then accumulates on the host. On CUDA a budget caps the '
+                  "measured figure (a shared GPU)."},
+    )
+    cpu_threads: int | None = field(
+        default=None,
+        metadata={"help": "Threads of the host worker (host AdamW and accumulation). None = half the cores in this "
+                  "process's CPU affinity; more than those cores is clamped to them. When something is offloaded, the "
+                  "training thread keeps the remaining cores from the optimizer's construction to the end of the run "
+                  "(README, Threads)."},
+    )
+    steps_per_epoch: int | None = field(
+        default=None,
+        metadata={"help": 'Optimizer steps per epoch, used by select_strategy "epoch"/"auto". The Trainer fills '
+                  "it in; a plain loop may pass it."},
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)) or not (
+            0.0 <= float(self.topk_ratio) <= 1.0
+        ) or math.isnan(float(self.topk_ratio)):
+            _fail("topk_ratio", self.topk_ratio, "a float in [0, 1] (0.1 is typical)")
+        self.topk_ratio = float(self.topk_ratio)
+        self.update_interval = parse_int_or_auto("update_interval", self.update_interval)
+        for f in fields(self):  # the string choices (select_strategy, accumulate_on), in any case
+            choices = f.metadata.get("choices")
+            given = getattr(self, f.name)
+            if not choices:
+                continue
+            value = given.strip().lower() if isinstance(given, str) else given
+            if value not in choices:
+                _fail(f.name, given, " | ".join(f'"{c}"' for c in choices))
+            setattr(self, f.name, value)
+        self.select_interval = parse_int_or_auto("select_interval", self.select_interval)
+        if self.select_strategy == "auto" and self.select_interval != "auto":
+            raise ValueError(
+                f'ZenFlowConfig.select_interval={self.select_interval!r} is invalid with select_strategy="auto": '
+                'allowed is "auto"; set select_strategy to "step" or "epoch" to choose the interval yourself.'
+            )
+        if not _is_int(self.full_warm_up_rounds) or self.full_warm_up_rounds < 0:
+            _fail("full_warm_up_rounds", self.full_warm_up_rounds, "an integer >= 0")
+        if not isinstance(self.overlap_step, bool):
+            _fail("overlap_step", self.overlap_step, "True or False")
+        if isinstance(self.auto_ratio, bool) or not isinstance(self.auto_ratio, (int, float)) or not (
+            0.0 < float(self.auto_ratio) <= 1.0
+        ):
+            _fail("auto_ratio", self.auto_ratio, "a float in (0, 1]")
+        self.auto_ratio = float(self.auto_ratio)
+        if not _is_int(self.auto_max_interval) or self.auto_max_interval < 1:
+            _fail("auto_max_interval", self.auto_max_interval, "an integer >= 1")
+        if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().lower() == "none":
+            self.writeback_lag = None  # (a flag or environment variable cannot carry None)
+        if self.writeback_lag is not None:
+            top = self.update_interval if _is_int(self.update_interval) else self.auto_max_interval
+            bound = "update_interval" if _is_int(self.update_interval) else "auto_max_interval"
+            allowed = f'None (the next window boundary), "auto" or an integer from 1 to {bound} ({top})'
+            if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().lower() == "auto":
+                self.writeback_lag = "auto"
+            else:
+                if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().isdigit():
+                    self.writeback_lag = int(self.writeback_lag)
+                if not _is_int(self.writeback_lag) or not 1 <= self.writeback_lag <= top:
+                    _fail("writeback_lag", self.writeback_lag, allowed)
+        if isinstance(self.host_lr_scale, str) and self.host_lr_scale.strip().lower() in ("interval", "auto"):
+            self.host_lr_scale = self.host_lr_scale.strip().lower()
+        else:
+            try:
+                scale = float(self.host_lr_scale)
+            except (TypeError, ValueError):
+                scale = float("nan")
+            if isinstance(self.host_lr_scale, bool) or not scale > 0 or math.isinf(scale):
+                _fail("host_lr_scale", self.host_lr_scale, 'a float > 0, "interval" or "auto"')
+            self.host_lr_scale = scale
+        if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
+            _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")
+        if self.device_memory_budget_bytes is not None and (
+            not _is_int(self.device_memory_budget_bytes) or self.device_memory_budget_bytes < 0
+        ):
+            _fail("device_memory_budget_bytes", self.device_memory_budget_bytes, "None or an integer >= 0")
+        if self.cpu_threads is not None and (not _is_int(self.cpu_threads) or self.cpu_threads < 1):
+            _fail("cpu_threads", self.cpu_threads, "None (derive from CPU affinity) or an integer >= 1")
+        if self.steps_per_epoch is not None and (not _is_int(self.steps_per_epoch) or self.steps_per_epoch < 1):
+            _fail("steps_per_epoch", self.steps_per_epoch, "None or an integer >= 1")
+        if self.select_strategy == "epoch" and self.steps_per_epoch is None:
+            # Not an error: the Trainer fills steps_per_epoch in later. The optimizer raises if it is still unknown
+            # when the first re-selection is due, rather than silently never re-selecting (DeepSpeed #8456).
+            pass
+
+    # ----------------------------------------------------------------------------------------------------------------
+    @property
+    def is_auto_interval(self) -> bool:
+        return self.update_interval == "auto"
+
+    @property
+    def resolved_cpu_threads(self) -> int:
+        """The host worker's threads: `cpu_threads` (clamped to the cores of this process's CPU affinity, with a
+        warning), or half those cores (at least 1). The rule and why: `threads.py`, README *Threads*."""
+        return worker_threads(self.cpu_threads)
+
+    def select_period(self) -> int:
+        """Optimizer steps between re-selections, as resolved from the strategy and the epoch length."""
+        interval = 1 if self.select_interval == "auto" else int(self.select_interval)
+        if self.select_strategy == "step":
+            return DEFAULT_SELECT_STEPS if self.select_interval == "auto" else interval
+        if self.steps_per_epoch is None:
+            if self.select_strategy == "epoch":
+                raise ValueError(
+                    'ZenFlowConfig.select_strategy="epoch" needs steps_per_epoch (an integer >= 1); the Trainer '
+                    'sets it, a plain loop must pass it, or use select_strategy="step".'
+                )
+            return DEFAULT_SELECT_STEPS
+        return interval * self.steps_per_epoch
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ZenFlowConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"ZenFlowConfig got unknown field(s) {unknown}: allowed are {sorted(known)}.")
+        return cls(**values)
+
+    @classmethod
+    def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike) -> ZenFlowConfig:
+        """Build from a DeepSpeed config: a dict, a JSON file path or JSON text, holding a whole config
+        (``{"zero_optimization": {"zenflow": {...}}}``) or the ``zenflow`` block alone. Missing keys take
+        DeepSpeed's defaults (``update_interval="auto"``, ``overlap_step=False``), so a moved-over run behaves as it
+        did under DeepSpeed.
+
+        ``pt_reserved_cores_perc`` becomes ``cpu_threads`` (the cores not reserved for the training process);
+        ``offload`` (GPU moments in pinned host memory) is not supported and is ignored with a warning. The rest of
+        a DeepSpeed config (optimizer, clipping, bf16, batch sizes) moves over with
+        `ZenFlowTrainingArguments.from_deepspeed`.
+
+        Example:
+            >>> ZenFlowConfig.from_deepspeed({"zero_optimization": {"zenflow": {"topk_ratio": 0.05,
+            ...     "update_interval": 4, "overlap_step": True}}}).topk_ratio
+            0.05
+            >>> ZenFlowConfig.from_deepspeed("zf_config.json").update_interval  # doctest: +SKIP
+            4
+        """
+        return cls(**zenflow_values(load(config)))

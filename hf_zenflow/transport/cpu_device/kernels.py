@@ -1,0 +1,277 @@
+"""Optional C kernels for the device path when the device is the CPU (`csrc/zenflow_cpu.c`).
+
+On a CPU device the selected-column gather and scatter are strided sweeps over whole matrices (10% of the columns
+touch ~80% of the cache lines). The kernels fold the gather into the gradient-norm pass that happens anyway, batch
+the scatter, read bf16 gradients directly in the host accumulation, and run on the caller's intra-op thread count.
+(With column-major weights, `hf_zenflow.layout`, columns are contiguous rows and torch moves them as fast.) Every
+result is exact (copies; bf16 rounds to nearest even as torch does), except the norms, which are summed in fp64
+and serve the non-finite check and Zen-auto only (clipping always uses torch's own norms).
+
+The source is compiled with the system C compiler on first use and cached under ``$HF_ZENFLOW_CACHE`` (default
+``~/.cache/hf_zenflow``), keyed by source, flags and CPU. Without a compiler, or with ``HF_ZENFLOW_NATIVE=0``, the
+optimizer uses torch operations instead (same results, slower); `status()` says which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+
+_SOURCE = Path(__file__).with_name("csrc") / "zenflow_cpu.c"
+# no contraction: zf_window_adamw rounds every product as torch's AdamW does (the other kernels' fmas are explicit,
+# and their fp64 sums of fp32 squares are exact products either way); no errno: sqrtf vectorises
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+_NORM_GATHER, _SCATTER, _ACCUMULATE = 0, 1, 3
+_KINDS = (torch.float32, torch.bfloat16)
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_state = "not loaded"
+
+
+def _disabled() -> bool:
+    return os.environ.get("HF_ZENFLOW_NATIVE", "").strip().lower() in ("0", "false", "no", "off")
+
+
+def _cpu_signature() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return os.uname().machine
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("HF_ZENFLOW_CACHE"):
+        return Path(os.environ["HF_ZENFLOW_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hf_zenflow"
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode() + _cpu_signature().encode()).hexdigest()
+    target = _cache_dir() / f"zenflow_cpu_{key[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # compile to a private name, then rename: concurrent processes (accelerate launch) never load a partial file
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lpthread", "-lm"],
+                                    capture_output=True, text=True, timeout=120)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    p = ctypes.c_void_p
+    lib.zf_run.argtypes = [ctypes.c_int, ctypes.c_int64, p, p, p, p, p, p, p, p, ctypes.c_int, p, ctypes.c_float,
+                           ctypes.c_int]
+    lib.zf_run.restype = ctypes.c_int
+    d = ctypes.c_double
+    lib.zf_window_adamw.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, d, d, d, d, d, ctypes.c_float,
+                                    ctypes.c_int64, ctypes.c_int]
+    lib.zf_window_adamw.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, building them on first use; None when disabled or unavailable (warned once)."""
+    global _lib, _state
+    if _disabled():
+        return None
+    if _state != "not loaded":
+        return _lib
+    with _lock:
+        if _state == "not loaded":
+            try:
+                _lib = _build()
+                _state = "loaded"
+            except Exception as exc:  # noqa: BLE001 - any failure means: use the torch fallback
+                _lib, _state = None, f"unavailable ({exc})"
+                warnings.warn(f"hf_zenflow: CPU kernels unavailable, using torch operations instead: {exc}",
+                              RuntimeWarning, stacklevel=3)
+    return _lib
+
+
+def status() -> str:
+    """"loaded", "disabled (HF_ZENFLOW_NATIVE=0)", "not loaded" (not needed yet) or "unavailable (why)"."""
+    return "disabled (HF_ZENFLOW_NATIVE=0)" if _disabled() else _state
+
+
+def supports(t: torch.Tensor) -> bool:
+    """Whether the kernels can take `t` as the strided [rows, cols] operand (not an empty one: an FSDP2 shard may
+    have no rows; torch's own ops take those)."""
+    return t.device.type == "cpu" and t.dtype in _KINDS and t.is_contiguous() and t.ndim >= 1 and t.numel() > 0
+
+
+def _array(ctype: type, values: list) -> ctypes.Array:
+    return (ctype * max(1, len(values)))(*values)
+
+
+def _shape(t: torch.Tensor) -> tuple[int, int]:
+    return (t.shape[0], t.numel() // t.shape[0]) if t.ndim >= 2 and t.shape[0] > 0 else (1, t.numel())
+
+
+def _run(kind: int, big: list[torch.Tensor], small: list[torch.Tensor | None], row_sums: list[torch.Tensor | None],
+         index: list[torch.Tensor | None], want_sums: bool, coef: float = 1.0, first: bool = False,
+         ) -> list[float] | None:
+    lib = library()
+    assert lib is not None, "call library() first"
+    n = len(big)
+    rows, cols = zip(*(_shape(t) for t in big)) if n else ((), ())
+    ks = [0 if i is None else i.numel() for i in index]
+    for t, s, i, k, r in zip(big, small, index, ks, rows):
+        assert supports(t)
+        if k:
+            assert s is not None and s.dtype == torch.float32 and s.is_contiguous() and s.numel() == r * k
+            assert i is not None and i.dtype == torch.int64 and i.is_contiguous() and i.device.type == "cpu"
+    sums = (ctypes.c_double * max(1, n))() if want_sums else None
+    rc = lib.zf_run(
+        kind, n,
+        _array(ctypes.c_void_p, [t.data_ptr() for t in big]),
+        _array(ctypes.c_int32, [int(t.dtype == torch.bfloat16) for t in big]),
+        _array(ctypes.c_void_p, [0 if s is None else s.data_ptr() for s in small]),
+        _array(ctypes.c_void_p, [0 if h is None else h.data_ptr() for h in row_sums]),
+        _array(ctypes.c_void_p, [0 if i is None else i.data_ptr() for i in index]),
+        _array(ctypes.c_int64, list(rows)), _array(ctypes.c_int64, list(cols)), _array(ctypes.c_int64, ks),
+        torch.get_num_threads(), sums, coef, int(first),
+    )
+    if rc != 0:
+        raise MemoryError("hf_zenflow CPU kernel: out of memory for its work list")
+    return list(sums)[:n] if sums is not None else None
+
+
+def norms_and_gather(grads: list[torch.Tensor], outs: list[torch.Tensor | None],
+                     index: list[torch.Tensor | None]) -> list[float]:
+    """Sum of squares of each gradient and, where `index` is given, its selected columns copied into `outs`
+    (fp32 [rows, k]) in the same sweep."""
+    return _run(_NORM_GATHER, grads, outs, [None] * len(grads), index, want_sums=True)  # type: ignore[return-value]
+
+
+def row_scores(mats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each row's sum of squares (summed in fp64, returned as fp32 [rows]): the selection scores of matrices whose
+    selectable units are rows, for a whole batch in one threaded pass."""
+    scores = [torch.empty(_shape(m)[0], dtype=torch.float32) for m in mats]
+    _run(_NORM_GATHER, mats, [None] * len(mats), list(scores), [None] * len(mats), want_sums=True)
+    return scores
+
+
+def scatter(params: list[torch.Tensor], sources: list[torch.Tensor], index: list[torch.Tensor]) -> None:
+    """``param[:, index] = source`` (rounded to the parameter dtype) for each matrix."""
+    _run(_SCATTER, params, list(sources), [None] * len(params), list(index), want_sums=False)
+
+
+def accumulate(accums: list[torch.Tensor], grads: list[torch.Tensor], coef: float | None, first: bool) -> None:
+    """For each pair: ``accum = grad * coef`` (first step of a window) or ``accum += grad * coef`` (fma, as torch's
+    vectorised ``add_(grad, alpha=coef)``), fp32 `accum`, fp32 or bf16 `grad` read directly. One call for the batch:
+    ctypes releases the GIL for all of it."""
+    for accum, grad in zip(accums, grads):
+        assert accum.dtype == torch.float32 and accum.is_contiguous() and accum.shape == grad.shape
+        assert supports(grad)
+    _run(_ACCUMULATE, list(grads), list(accums), [None] * len(grads), [None] * len(grads), want_sums=False,
+         coef=1.0 if coef is None else float(coef), first=first)
+
+
+#: torch's `Vectorized<float>::size()` per CPU capability: its fused AdamW runs the last numel % size elements of a
+#: tensor through a scalar tail whose rounding `window_adamw` reproduces. Other capabilities: no fused kernel.
+_TORCH_VECTOR_FLOATS = {"AVX512": 16, "AVX2": 8, "DEFAULT": 8}
+
+
+def torch_vector_width() -> int | None:
+    """Floats per vector of torch's CPU kernels here, or None where `window_adamw` cannot match them."""
+    return _TORCH_VECTOR_FLOATS.get(torch.backends.cpu.get_cpu_capability())
+
+
+_window_adamw_state: bool | None = None
+
+
+def window_adamw_available() -> bool:
+    """Whether `window_adamw` is used: the kernels are loaded and, checked once per process on small tensors with
+    every kind of tail and both moment-update forms, give exactly torch's fused AdamW's bits (its rounding depends
+    on how torch was compiled; where it differs, the host keeps torch's kernel, with a warning)."""
+    global _window_adamw_state
+    if library() is None:
+        return False
+    if _window_adamw_state is None:
+        _window_adamw_state = torch_vector_width() is not None and _matches_torch()
+        if not _window_adamw_state:
+            warnings.warn("hf_zenflow: the fused window AdamW kernel does not reproduce this torch build's fused "
+                          "AdamW bit for bit; the host uses torch's kernel (one more pass per window)",
+                          RuntimeWarning, stacklevel=2)
+    return _window_adamw_state
+
+
+def _matches_torch() -> bool:
+    from ..._base import fused_adamw_
+
+    gen = torch.Generator().manual_seed(0)
+    for numel, beta1, weight_decay, count in ((8, 0.9, 0.1, 3), (25, 0.9, 0.0, 1), (37, 0.3, 0.1, 4),
+                                              (1007, 0.9, 0.1, 3), (4099, 0.95, 0.01, 2)):
+        master, accum, grad = (torch.randn(numel, generator=gen) for _ in range(3))
+        exp_avg = torch.randn(numel, generator=gen) * 0.01
+        exp_avg_sq = torch.rand(numel, generator=gen) * 1e-4
+        hyper = {"lr": 1e-3, "betas": (beta1, 0.999), "eps": 1e-8, "weight_decay": weight_decay}
+        ref = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+        mean = accum.clone()
+        accumulate([mean], [grad], 0.5, first=False)  # (checked against torch by its own tests)
+        mean.div_(count)
+        fused_adamw_([ref[0]], [mean], [ref[1]], [ref[2]], [torch.tensor(2.0)], hyper)
+        mine = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+        with torch.no_grad():
+            window_adamw([mine[0]], [accum], [grad], [False], [count], [mine[1]], [mine[2]], [torch.tensor(2.0)],
+                         hyper, 0.5)
+        if not all(torch.equal(a, b) for a, b in zip(ref, mine)):
+            return False
+    return True
+
+
+def window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads: list[torch.Tensor | None],
+                 firsts: list[bool], counts: list[int], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+                 steps: list[torch.Tensor], hyper: dict, coef: float | None) -> None:
+    """The host AdamW of a window in one pass (`csrc/zenflow_cpu.c`, zf_window_adamw): per matrix the window's
+    mean gradient, ``(accum + grad * coef) / count`` with the last step's `grad` folded in (``grad * coef / count``
+    when `first`; ``accum / count`` when `grad` is None), then the AdamW update of torch's fused CPU kernel, bit
+    for bit; each `steps` tensor is incremented first, as torch does. `accums` are read, never written."""
+    width = torch_vector_width()
+    assert width is not None
+    for t in (*masters, *accums, *exp_avgs, *exp_avg_sqs):
+        assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+    for master, grad in zip(masters, grads):
+        assert grad is None or (supports(grad) and grad.shape == master.shape)
+    for step in steps:
+        step.add_(1)
+    beta1, beta2 = hyper["betas"]
+    lib = library()
+    assert lib is not None, "call library() first"
+    n = len(masters)
+    rc = lib.zf_window_adamw(
+        n,
+        *(_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (masters, accums, exp_avgs, exp_avg_sqs)),
+        _array(ctypes.c_void_p, [0 if g is None else g.data_ptr() for g in grads]),
+        _array(ctypes.c_int32, [int(g is not None and g.dtype == torch.bfloat16) for g in grads]),
+        _array(ctypes.c_int32, [int(f) for f in firsts]), _array(ctypes.c_int64, list(counts)),
+        _array(ctypes.c_int64, [m.numel() for m in masters]),
+        _array(ctypes.c_double, [float(s) for s in steps]),
+        float(hyper["lr"]), float(beta1), float(beta2), float(hyper["eps"]), float(hyper["weight_decay"]),
+        1.0 if coef is None else float(coef), width, torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("hf_zenflow CPU kernel: out of memory for its work list")

@@ -1,0 +1,124 @@
+"""`CudaTransport`: asynchronous copies on one side stream per CUDA device, into and out of pinned host buffers carved
+from one registered arena (`PinnedArena`); CUDA events say when a copy has landed (host jobs wait on them) and when a
+buffer has been read (its next writer waits on them). `CudaStreams` holds every stream, event and copy call it
+makes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .copying import CopyTransport
+from .link import Landed, LinkedMatrix
+from .pinned import HostRegistrar
+
+
+class CudaStreams:
+    """Every CUDA stream, event and copy call `CudaTransport` makes, in one object: the CPU test suite stands a
+    double of an asynchronous device in for it (background copies that land late), so a missing wait fails there.
+
+    Events are created with ``blocking=True``: a host thread waiting on one (the worker, before it reads a landed
+    gradient or refills a write-back buffer) sleeps in the driver instead of spinning a core that the host AdamW
+    needs (the default event's `synchronize` busy-waits)."""
+
+    def side_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def event(self) -> Any:
+        return torch.cuda.Event(blocking=True)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)  # on the current stream (`use`)
+
+    def keep_alive(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+
+class CudaTransport(CopyTransport):
+    """Asynchronous copies on one side stream per CUDA device, pinned buffers from one arena, events. `streams`
+    and `registrar`: the CUDA calls (`CudaStreams`, `HostRegistrar`); the CPU test suite passes doubles."""
+
+    def __init__(self, streams: CudaStreams | None = None, registrar: HostRegistrar | None = None) -> None:
+        super().__init__(pin=True, registrar=registrar)
+        self.streams = streams if streams is not None else CudaStreams()
+        self._streams: dict[torch.device, Any] = {}
+        self._devices: set[torch.device] = set()  # every device a copy was enqueued for (`close` waits for them)
+
+    def _stream(self, device: torch.device) -> Any:
+        if device not in self._streams:
+            self._streams[device] = self.streams.side_stream(device)
+        return self._streams[device]
+
+    @contextlib.contextmanager
+    def _copying(self, device: torch.device) -> Iterator[None]:
+        stream = self._stream(device)
+        self._devices.add(device)
+        # Sync point (device streams only): the side stream waits for the compute stream that produced the data;
+        # the host thread does not wait.
+        stream.wait_stream(self.streams.current_stream(device))
+        with self.streams.use(stream):
+            yield
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.streams.copy(dst, src)
+
+    def _landed_event(self, device: torch.device) -> Any:
+        event = self.streams.event()
+        event.record(self._stream(device))
+        event.hf_zenflow_device = device  # (`compute_waits_for`: whose compute stream may wait for it)
+        return event
+
+    def compute_waits_for(self, landed: Landed) -> None:
+        for event in landed.events:
+            device = getattr(event, "hf_zenflow_device", None)
+            if device is not None:
+                # Sync point (device streams only): the compute stream waits for the copies to the host; the host
+                # thread does not wait here, but in the step's sync, which now covers them.
+                self.streams.current_stream(device).wait_event(event)
+
+    def _keep_alive(self, t: torch.Tensor, device: torch.device) -> None:
+        self.streams.keep_alive(t, self._stream(device))
+
+    def before_window_add(self, split: LinkedMatrix) -> None:
+        if split.window_sum_free is not None:
+            # Sync point (device streams only): the compute stream waits until the last window's device->host copy
+            # has read the sum before it is overwritten; the host thread does not wait.
+            self.streams.current_stream(split.param.device).wait_event(split.window_sum_free)
+            split.window_sum_free = None
+
+    def put_weights(self, split: LinkedMatrix) -> None:
+        self._devices.add(split.param.device)
+        super().put_weights(split)
+
+    def after_write_back(self, splits: list[LinkedMatrix]) -> None:
+        # The worker must not refill a write-back buffer before the copy out of it has run: one event per device,
+        # recorded on the compute stream after the copies, that the worker waits for (`host_adamw_window`).
+        events: dict[torch.device, Any] = {}
+        for split in splits:
+            device = split.param.device
+            if device not in events:
+                events[device] = self.streams.event()
+                events[device].record(self.streams.current_stream(device))
+            split.host.writeback_free = events[device]
+
+    def close(self) -> None:
+        # Sync point (close and reload only): no copy may still read or fill a block when it is unlocked.
+        for device in self._devices:
+            self.streams.synchronize(device)
+        self._devices.clear()
+        super().close()
+
+
+__all__ = ["CudaStreams", "CudaTransport"]

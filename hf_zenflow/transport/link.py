@@ -1,0 +1,136 @@
+"""Moving data between the device and the host: the interface (`Transport`, `Landed`, what it moves of a matrix:
+`LinkedMatrix`, `HostEnd`), and one implementation per kind of device in its own module.
+
+The optimizer hands each step's gradients to the host, ships a window's device-side gradient sums
+(``accumulate_on="device"``) and writes host results back into the weights, always through a `Transport`; it never
+asks what the device is.
+
+- `cuda.CudaTransport`: asynchronous copies on one side stream per CUDA device, into and out of pinned host buffers
+  carved from one registered arena (`PinnedArena`); CUDA events say when a copy has landed (host jobs wait on them)
+  and when a buffer has been read (its next writer waits on them).
+- `copying.CopyTransport`: the same schedule with ordinary synchronous copies and unpinned buffers: what
+  `CudaTransport` does, minus streams and events. The CPU test suite runs the optimizer with it to check the copying
+  logic.
+- `cpu_device.transport.CpuDeviceTransport`: the device is the CPU (tests, CI, `hf-zenflow compare` here). Nothing
+  is copied where a reference will do: the worker reads the gradient tensors themselves, a window's device-side sum
+  becomes the host accumulator by a buffer swap, and the write-back gives the weight the buffer the worker filled as
+  its storage. (That is the `Transport` base behaviour.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+__all__ = ["HostEnd", "Landed", "LinkedMatrix", "Transport"]
+
+
+class HostEnd(Protocol):
+    """The host end of one offloaded matrix, as the link sees it: buffers (the engine's `HostMatrix` is one)."""
+
+    accum: torch.Tensor  # the window's gradient sum
+    landing: torch.Tensor | None  # where a bf16 device-side window sum lands (``accumulate_on="device_bf16"``)
+    writeback: torch.Tensor | None  # the host result, rounded to the weight's dtype, for the write-back
+    writeback_free: object | None  # what the next writer of `writeback` waits for (a CUDA event), or None
+    staging: list[torch.Tensor]  # one landing buffer per hand-off slot (when gradients are staged)
+    grad_dtype: torch.dtype  # the dtype gradients cross the link in
+
+
+class LinkedMatrix(Protocol):
+    """One offloaded matrix, as the link sees it: the weight, its host end, the device-side window sum, and the views
+    between the weight's layout and the host's ``[rows, columns]`` storage (the engine's `SplitMatrix` is one). The
+    link moves these tensors; it knows nothing of column selection or AdamW state."""
+
+    param: torch.Tensor
+    host: HostEnd
+    window_sum: torch.Tensor | None
+    window_sum_free: Any
+
+    def matrix(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def unmatrix(self, m: torch.Tensor) -> torch.Tensor: ...
+
+    def host_part(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class Landed:
+    """What a host job must wait for before it reads data copied from the device: one CUDA event per device that
+    sent something, or nothing (the data is already there)."""
+
+    events: list[Any] = field(default_factory=list)
+
+    def wait(self) -> None:
+        for event in self.events:
+            event.synchronize()  # Sync point (worker waits on the device): the copy has landed on the host
+
+
+class Transport:
+    """The interface, and the reference-and-swap behaviour of a CPU device (`CpuDeviceTransport`)."""
+
+    #: whether each step's gradient is copied into host staging buffers (one per hand-off slot)
+    stages_gradients = False
+    #: whether host buffers that cross the link are pinned (asynchronous copies)
+    pins_host_memory = False
+
+    def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer that crosses the link (pinned where copies are asynchronous)."""
+        return torch.empty(shape, dtype=dtype)
+
+    def reserve(self, nbytes: int) -> None:
+        """A hint: `nbytes` of `host_buffer` (each `PinnedArena.aligned`) are about to be asked for."""
+
+    def hand_off(self, work: list[tuple[LinkedMatrix, torch.Tensor]], slot: int
+                 ) -> tuple[list[tuple[HostEnd, torch.Tensor]], Landed]:
+        """Start moving this step's gradients (this rank's share of each storage matrix) to the host; returns what
+        the host job reads and what it must wait for. The caller then drops its references to the gradients."""
+        # (host_grad_dtype="bfloat16": the worker reads the gradient rounded as a copy over the link would be)
+        return [(split.host, split.host_part(g).to(split.host.grad_dtype)) for split, g in work], Landed()
+
+    def compute_waits_for(self, landed: Landed) -> None:
+        """Order the compute stream after the copies `landed` waits for (CUDA), so that the step's one sync covers
+        them; nothing where copies are synchronous."""
+
+    def before_window_add(self, split: LinkedMatrix) -> None:
+        """Called before the first add of a window into `split.window_sum` (``accumulate_on="device"`` or
+        ``"device_bf16"``)."""
+
+    def ship_window_sums(self, splits: list[LinkedMatrix]) -> Landed:
+        """Move each closed window's device-side sum into its host accumulator (the worker is not reading it); a
+        bf16 sum (``accumulate_on="device_bf16"``) into its bf16 landing buffer instead, as it is."""
+        for split in splits:
+            host = split.host
+            if host.landing is not None:  # (bf16 sums: swapped into the landing buffer, the worker widens them)
+                host.landing, split.window_sum = split.window_sum, host.landing
+                continue
+            shared = host.writeback is host.accum  # (`HostMatrix.shares_writeback`: written back already)
+            host.accum, split.window_sum = split.window_sum, host.accum
+            if shared:
+                host.writeback = host.accum
+        return Landed()
+
+    def put_weights(self, split: LinkedMatrix) -> None:
+        """Put the host result the worker rounded into `split.host.writeback` into the weight (all columns; the
+        caller writes the device columns back on top)."""
+        host = split.host
+        # `.data`, not `.detach()`: the worker writes the spare next, which must not bump the version counter that
+        # autograd checks. The weight keeps its Parameter object, shape and strides; only its storage changes.
+        spare = split.matrix(split.param.data)
+        split.param.data = split.unmatrix(host.writeback)
+        if host.accum is host.writeback:  # (`HostMatrix.shares_writeback`: the weight's old storage serves both)
+            host.accum = spare
+        host.writeback = spare
+
+    def after_write_back(self, splits: list[LinkedMatrix]) -> None:
+        """Called once the write-back of `splits` is enqueued."""
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory held (for `stats()`)."""
+        return 0
+
+    def close(self) -> None:
+        """Release what the transport holds (pinned memory)."""

@@ -1,0 +1,302 @@
+"""The checkpoint format (`hf_zenflow.checkpoint`): settings changed on resume take effect, checkpoints move between
+ZenFlowAdamW and torch's AdamW exactly, damaged or foreign state is refused naming the tensor, old formats migrate."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_zenflow import CheckpointError, ZenFlowAdamW, to_torch_adamw
+from hf_zenflow.checkpoint.format import FORMAT_VERSION, load_file
+from hf_zenflow.checkpoint.seal import seal
+from tests.conftest import batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
+
+
+LR = 1e-2
+TOTAL, SPLIT_AT = 14, 6
+#: ZenFlow settings under which it is exactly AdamW (the split is invisible at U=1 without overlap)
+ADAMW_EXACT = dict(update_interval=1, overlap_step=False, select_strategy="step", select_interval=5,
+                   min_offload_numel=0)
+
+
+def adamw_reference(total: int = TOTAL) -> tuple[torch.nn.Module, list[float]]:
+    model = make_model()
+    opt = torch.optim.AdamW(param_groups(model), lr=LR)
+    losses = train(model, opt, batches(total), linear_schedule(opt, total), clip=1.0)
+    return model, losses
+
+
+def run_until(opt_factory, steps: int, total: int = TOTAL):
+    model = make_model()
+    opt = opt_factory(model)
+    sched = linear_schedule(opt, total)
+    losses = train(model, opt, batches(total)[:steps], sched, clip=1.0)
+    return model, opt, sched, losses
+
+
+def resume(checkpoint: dict, opt_factory, total: int = TOTAL, split_at: int = SPLIT_AT):
+    model = make_model(seed=123)
+    model.load_state_dict(checkpoint["model"])
+    opt = opt_factory(model)
+    sched = linear_schedule(opt, total)
+    opt.load_state_dict(checkpoint["opt"])
+    sched.load_state_dict(checkpoint["sched"])
+    losses = train(model, opt, batches(total)[split_at:], sched, clip=1.0)
+    return model, opt, losses
+
+
+def save(model, opt, sched) -> dict:
+    return roundtrip({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
+
+
+def zenflow(**settings):
+    return lambda model: ZenFlowAdamW(param_groups(model), lr=LR, **{**ADAMW_EXACT, **settings})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Settings changed on resume (issue 10.4)
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("new_ratio", [0.5, 1.0, 0.0])
+def test_a_new_topk_ratio_takes_effect_on_resume_exactly(new_ratio, caplog):
+    """Regression (issue 10.4): the saved split was kept forever (selected_fraction 0.094 after resuming with 0.5)
+    while `opt.config.topk_ratio` reported the new value. At U=1 the split is invisible, so the resumed run must still
+    be AdamW: re-selecting with the new k loses no master value and no moment."""
+    ref, ref_losses = adamw_reference()
+    model, opt, sched, first = run_until(zenflow(topk_ratio=0.1), SPLIT_AT)
+    checkpoint = save(model, opt, sched)
+    opt.close()
+    with caplog.at_level(logging.WARNING, logger="hf_zenflow.checkpoint"):
+        model_b, opt_b, rest = resume(checkpoint, zenflow(topk_ratio=new_ratio))
+    assert f"topk_ratio 0.1 -> {new_ratio!r}" in caplog.text
+    stats = opt_b.stats()
+    assert stats["selected_fraction"] == pytest.approx(new_ratio, abs=0.02)
+    if new_ratio == 1.0:
+        assert stats["host_state_bytes"] == 0  # every column on the device: the host keeps nothing
+    assert first + rest == pytest.approx(ref_losses, rel=1e-5)
+    assert max_rel_diff(model_b, ref) < 1e-5
+    opt_b.close()
+
+
+def test_a_new_update_interval_takes_effect_on_resume():
+    model, opt, sched, _ = run_until(lambda m: ZenFlowAdamW(param_groups(m), lr=LR, topk_ratio=0.1, update_interval=4,
+                                                            min_offload_numel=0), SPLIT_AT)
+    checkpoint = save(model, opt, sched)
+    opt.close()
+    _, opt_b, _ = resume(checkpoint, lambda m: ZenFlowAdamW(param_groups(m), lr=LR, topk_ratio=0.1, update_interval=2,
+                                                            min_offload_numel=0))
+    assert opt_b.stats()["update_interval"] == 2
+    opt_b.close()
+
+
+@pytest.mark.parametrize("before, after", [(0, 10**9), (10**9, 0)])
+def test_a_new_min_offload_numel_moves_matrices_between_paths_exactly(before, after):
+    """Matrices move between the split and the dense path with their master values and moments."""
+    ref, ref_losses = adamw_reference()
+    model, opt, sched, first = run_until(zenflow(topk_ratio=0.1, min_offload_numel=before), SPLIT_AT)
+    checkpoint = save(model, opt, sched)
+    opt.close()
+    model_b, opt_b, rest = resume(checkpoint, zenflow(topk_ratio=0.1, min_offload_numel=after))
+    assert (len(opt_b._split) > 0) == (after == 0)
+    assert first + rest == pytest.approx(ref_losses, rel=1e-5)
+    assert max_rel_diff(model_b, ref) < 1e-5
+    opt_b.close()
+
+
+def test_a_warm_up_that_cannot_take_effect_is_refused():
+    model, opt, sched, _ = run_until(zenflow(topk_ratio=0.1), SPLIT_AT)
+    checkpoint = save(model, opt, sched)
+    opt.close()
+    with pytest.raises(CheckpointError, match="full_warm_up_rounds=10"):
+        resume(checkpoint, zenflow(topk_ratio=0.1, full_warm_up_rounds=10))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# torch.optim.AdamW <-> ZenFlowAdamW (issue 10.5)
+# ---------------------------------------------------------------------------------------------------------------------
+def test_torch_adamw_checkpoint_continues_in_zenflow_exactly():
+    """Regression (issue 10.5): an AdamW checkpoint loaded into ZenFlowAdamW silently dropped the moments and
+    restarted the step count."""
+    ref, ref_losses = adamw_reference()
+    model, opt, sched, first = run_until(lambda m: torch.optim.AdamW(param_groups(m), lr=LR), SPLIT_AT)
+    checkpoint = save(model, opt, sched)
+    model_b, opt_b, rest = resume(checkpoint, zenflow(topk_ratio=0.1))
+    assert opt_b.stats()["selected_fraction"] == pytest.approx(0.1, abs=0.02)
+    assert first + rest == pytest.approx(ref_losses, rel=1e-5)
+    assert max_rel_diff(model_b, ref) < 1e-5
+    opt_b.close()
+
+
+@pytest.mark.parametrize("settings", [dict(topk_ratio=0.1), dict(topk_ratio=0.0), dict(topk_ratio=1.0)])
+def test_zenflow_checkpoint_continues_in_torch_adamw_exactly(settings):
+    ref, ref_losses = adamw_reference()
+    model, opt, sched, first = run_until(zenflow(**settings), SPLIT_AT)
+    checkpoint = save(model, opt, sched)
+    opt.close()
+    adamw_state, masters = to_torch_adamw(checkpoint["opt"])
+    model_b = make_model(seed=123)
+    model_b.load_state_dict(checkpoint["model"])
+    groups = param_groups(model_b)
+    with torch.no_grad():  # the state is indexed in param-group order
+        for i, p in enumerate(p for g in groups for p in g["params"]):
+            if i in masters:
+                p.copy_(masters[i])
+    opt_b = torch.optim.AdamW(groups, lr=LR)
+    sched_b = linear_schedule(opt_b, TOTAL)
+    opt_b.load_state_dict(roundtrip(adamw_state))
+    sched_b.load_state_dict(checkpoint["sched"])
+    rest = train(model_b, opt_b, batches(TOTAL)[SPLIT_AT:], sched_b, clip=1.0)
+    assert first + rest == pytest.approx(ref_losses, rel=1e-5)
+    assert max_rel_diff(model_b, ref) < 1e-5
+
+
+@pytest.mark.parametrize("accumulate_on", ["host", "device"])
+def test_conversion_applies_what_zenflow_had_pending_like_flush(accumulate_on):
+    """Overlapped, mid-window: the converted masters are what `flush()` would put into the weights."""
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0,
+                       accumulate_on=accumulate_on)
+    train(model, opt, batches(10), clip=1.0)  # a write-back pending and two steps in the open window
+    state = roundtrip(opt.state_dict())
+    _, masters = to_torch_adamw(state)
+    opt.flush()
+    for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
+        expected = opt.master_weight(p)
+        torch.testing.assert_close(masters.get(i, p.detach()), expected, rtol=0, atol=1e-7)
+    opt.close()
+
+
+def test_adamw_with_amsgrad_is_refused_with_the_reason():
+    model = make_model()
+    opt = torch.optim.AdamW(param_groups(model), lr=LR, amsgrad=True)
+    train(model, opt, batches(2))
+    with pytest.raises(CheckpointError, match="amsgrad"):
+        ZenFlowAdamW(param_groups(model), lr=LR).load_state_dict(opt.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Damaged state (issue 10.6)
+# ---------------------------------------------------------------------------------------------------------------------
+def _saved_state(tmp_path: Path) -> tuple[Path, ZenFlowAdamW]:
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
+    train(model, opt, batches(6))
+    path = tmp_path / "optimizer.pt"
+    torch.save(opt.state_dict(), path)
+    opt.close()
+    return path, ZenFlowAdamW(param_groups(make_model()), lr=LR, topk_ratio=0.1, update_interval=4,
+                              min_offload_numel=0)
+
+
+def _overwrite_inside_largest_tensor(path: Path, nbytes: int = 64) -> None:
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    header = info.header_offset
+    start = header + 30 + int.from_bytes(raw[header + 26:header + 28], "little") + int.from_bytes(
+        raw[header + 28:header + 30], "little")
+    middle = start + info.file_size // 2
+    raw[middle:middle + nbytes] = bytes((37 * i + 11) % 256 for i in range(nbytes))
+    path.write_bytes(bytes(raw))
+
+
+def test_bytes_overwritten_in_the_file_are_refused_naming_the_tensor(tmp_path):
+    """Regression (issue 10.6): 64 overwritten bytes loaded silently (torch does not check its zip CRCs) and the
+    weights went non-finite after the resume."""
+    path, fresh = _saved_state(tmp_path)
+    _overwrite_inside_largest_tensor(path)
+    state = torch.load(path, weights_only=True)
+    with pytest.raises(CheckpointError, match=r"parameter \d+ of shape .*: host_\w+ .*(checksum|non-finite)"):
+        fresh.load_state_dict(state)
+    assert not fresh._split and not fresh._dense  # nothing was changed
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda e: e["host_exp_avg_sq"].view(-1).__setitem__(3, float("nan")), "host_exp_avg_sq holds 1 non-finite"),
+    (lambda e: e["host_exp_avg_sq"].view(-1).__setitem__(3, -1.0), "host_exp_avg_sq holds negative"),
+    (lambda e: e.__setitem__("host_master", e["host_master"][:-1]), "host_master has"),
+    (lambda e: e.__setitem__("device_index", e["device_index"].flip(0)), "device_index is not a sorted set"),
+])
+def test_inconsistent_values_are_refused_naming_the_tensor(damage, message):
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
+    train(model, opt, batches(6))
+    state = copy.deepcopy(roundtrip(opt.state_dict()))
+    opt.close()
+    entry = next(e for e in state["state"].values() if e["kind"] == "split")
+    damage(entry)
+    seal(state)  # checksums that agree: the values themselves must be checked, not only the checksums
+    with pytest.raises(CheckpointError, match=message):
+        ZenFlowAdamW(param_groups(make_model()), lr=LR, min_offload_numel=0).load_state_dict(state)
+
+
+def _two_steps_state() -> dict:
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, min_offload_numel=0)
+    train(model, opt, batches(2))
+    state = roundtrip(opt.state_dict())
+    opt.close()
+    return state
+
+
+def test_state_of_another_model_is_refused():
+    state = _two_steps_state()
+    other = torch.nn.Sequential(torch.nn.Embedding(24, 40), torch.nn.Linear(40, 80), torch.nn.LayerNorm(80),
+                                torch.nn.Linear(80, 30, bias=False))
+    with pytest.raises(CheckpointError, match="saved for a parameter of shape"):
+        ZenFlowAdamW(param_groups(other), lr=LR).load_state_dict(state)
+
+
+def test_an_empty_or_truncated_file_names_the_file(tmp_path):
+    empty = tmp_path / "optimizer.pt"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"optimizer\.pt: the optimizer checkpoint is empty"):
+        load_file(empty)
+    path, _ = _saved_state(tmp_path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"optimizer\.pt: the optimizer checkpoint .* is not a complete"):
+        load_file(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Format versions
+# ---------------------------------------------------------------------------------------------------------------------
+def test_format_1_checkpoints_migrate_and_continue_identically():
+    """A checkpoint written before format 2 (no version, shapes or checksums; fp32 masters saved redundantly) loads
+    and continues bit for bit."""
+    settings = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0)
+    model, opt, sched, _ = run_until(lambda m: ZenFlowAdamW(param_groups(m), lr=LR, **settings), SPLIT_AT)
+    checkpoint = save(model, opt, sched)
+    opt.close()
+    old = copy.deepcopy(checkpoint)
+    named = list(make_model().named_parameters())
+    names = [n for n, p in named if p.ndim >= 2] + [n for n, p in named if p.ndim < 2]  # `param_groups` order
+    zen = old["opt"]["zenflow"]
+    zen.pop("format_version")
+    zen.pop("force_select")
+    zen.pop("checksum")
+    for index, entry in old["opt"]["state"].items():
+        for key in ("shape", "dtype", "checksums"):
+            entry.pop(key)
+        if entry["kind"] == "dense" and entry["master"] is None:
+            entry["master"] = checkpoint["model"][names[int(index)]].clone()
+    results = []
+    for ckpt in (checkpoint, old):
+        model_b, opt_b, rest = resume(ckpt, lambda m: ZenFlowAdamW(param_groups(m), lr=LR, **settings))
+        results.append((rest, [p.detach().clone() for p in model_b.parameters()]))
+        assert opt_b.state_dict()["zenflow"]["format_version"] == FORMAT_VERSION
+        opt_b.close()
+    assert results[0][0] == results[1][0]
+    for p, q in zip(results[0][1], results[1][1]):
+        assert torch.equal(p, q)
+
+
+def test_a_newer_format_is_refused_with_a_message():
+    state = _two_steps_state()
+    state["zenflow"]["format_version"] = FORMAT_VERSION + 1
+    with pytest.raises(CheckpointError, match="written by a newer hf_zenflow"):
+        ZenFlowAdamW(param_groups(make_model()), lr=LR).load_state_dict(state)

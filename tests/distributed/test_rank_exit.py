@@ -1,0 +1,73 @@
+"""A process ends cleanly, without the C++ abort "terminate called without an active exception" (SIGABRT) that
+a thread still inside torch during interpreter finalization causes: a host worker thread left in a job (never
+closed, or closed without waiting), and a gloo group's threads outliving destroy_process_group in a DDP rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_ranks import gloo_threads, init_ranks, spawn_ranks
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Two host jobs of torch ops on a worker nobody closes, then the end of the program: the first job is inside torch
+# when the interpreter exits, the second has not started (it must be dropped: it would make exit wait for it too).
+LEFT_RUNNING = """
+import sys, time, torch
+from hf_zenflow.engine.worker import HostAdamWorker
+a = torch.randn(256, 256)
+started = []
+def busy():
+    started.append(1)
+    end = time.perf_counter() + 1.0
+    while time.perf_counter() < end:
+        torch.mm(a, a)
+def second():
+    open(sys.argv[2], "w").close()
+worker = HostAdamWorker(threads=1, background=True)
+worker.submit("busy", busy)
+worker.submit("second", second)
+while not started:
+    time.sleep(0.001)
+if sys.argv[1] == "raise":
+    raise RuntimeError("the training loop failed")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how, code", [("return", 0), ("raise", 1)])
+def test_a_host_worker_left_inside_a_job_does_not_abort_the_exit(tmp_path, how, code):
+    marker = tmp_path / "second_job_ran"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, "-c", LEFT_RUNNING, how, str(marker)], env=env, capture_output=True, text=True, timeout=100
+    )
+    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert not marker.exists()  # the job not started at exit was dropped
+    if how == "raise":
+        assert "the training loop failed" in proc.stderr
+
+
+def _ddp_rank(rank: int, init_file: str, out_dir: str) -> None:
+    init_ranks(rank, init_file)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    model(torch.randn(2, 4)).sum().backward()
+    dist.all_reduce(torch.ones(8))
+    del model
+    dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"threads{rank}.txt"), "w") as f:
+        f.write(str(gloo_threads()))
+
+
+@pytest.mark.timeout(120)
+def test_destroy_process_group_ends_the_gloo_threads_of_a_ddp_rank(tmp_path):
+    spawn_ranks(_ddp_rank, str(tmp_path))
+    assert [(tmp_path / f"threads{r}.txt").read_text() for r in range(2)] == ["0", "0"]

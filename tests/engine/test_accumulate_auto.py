@@ -1,0 +1,170 @@
+"""``accumulate_on="auto"`` (the default): the device when the window sums fit the device memory, else the host;
+decided once at the first step, the same on every rank, kept by checkpoints (`hf_zenflow.engine.accumulation`)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hf_zenflow import ZenFlowAdamW, ZenFlowConfig
+from hf_zenflow.engine import accumulation
+from tests.conftest import DEVICE, batches, linear_schedule, make_model, param_groups, roundtrip, train
+
+
+LR = 1e-2
+SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0)
+FITS, TOO_SMALL = 1 << 30, 1000  # bytes; the tiny model's window sums and selected columns take ~36 KB
+
+
+def run(steps: int, **settings) -> tuple[torch.nn.Module, list[float], dict]:
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**SETTINGS, **settings})
+    losses = train(model, opt, batches(steps), linear_schedule(opt, steps), clip=1.0)
+    opt.flush()
+    stats = opt.stats()
+    opt.close()
+    return model, losses, stats
+
+
+def test_auto_is_the_default_and_undecided_before_the_first_step():
+    assert ZenFlowConfig().accumulate_on == "auto"
+    opt = ZenFlowAdamW(param_groups(make_model()), lr=LR)
+    assert opt.stats()["accumulate_on"] == "auto"
+    opt.close()
+
+
+@pytest.mark.parametrize(("budget", "expected"), [(FITS, "device"), (TOO_SMALL, "host")])
+def test_auto_chooses_by_budget_and_trains_bitwise_like_the_explicit_setting(budget, expected, caplog):
+    with caplog.at_level(logging.INFO, logger="hf_zenflow"):
+        auto_model, auto_losses, auto_stats = run(14, device_memory_budget_bytes=budget)
+    assert auto_stats["accumulate_on"] == expected
+    chosen = [r.getMessage() for r in caplog.records if 'accumulate_on="auto" chose' in r.getMessage()]
+    assert len(chosen) == 1 and f'chose "{expected}"' in chosen[0]
+    ref_model, ref_losses, ref_stats = run(14, accumulate_on=expected)
+    assert ref_stats["accumulate_on"] == expected
+    assert auto_losses == ref_losses
+    assert all(torch.equal(p, q) for p, q in zip(auto_model.parameters(), ref_model.parameters()))
+    # the same memory layout as the explicit run: window sums on the device only when it chose the device
+    assert auto_stats["device_state_bytes"] == ref_stats["device_state_bytes"]
+    assert auto_stats["host_state_bytes"] == ref_stats["host_state_bytes"]
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="a CPU device's memory is unknown without a budget")
+def test_a_cpu_device_without_a_budget_accumulates_on_the_host():
+    _, _, stats = run(5)
+    assert stats["accumulate_on"] == "host"
+
+
+@pytest.mark.parametrize(("first", "then", "kept"), [(FITS, TOO_SMALL, "device"), (TOO_SMALL, FITS, "host")])
+def test_a_resumed_run_keeps_its_choice_and_continues_exactly(first, then, kept):
+    total, split_at = 22, 6  # mid-window, with a host step in flight
+    data = batches(total)
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, device_memory_budget_bytes=first)
+    full_losses = train(model, opt, data, linear_schedule(opt, total), clip=1.0)
+    assert opt.stats()["accumulate_on"] == kept
+    opt.close()
+
+    model_a = make_model()
+    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, **SETTINGS, device_memory_budget_bytes=first)
+    sched_a = linear_schedule(opt_a, total)
+    head = train(model_a, opt_a, data[:split_at], sched_a, clip=1.0)
+    checkpoint = roundtrip({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "sched": sched_a.state_dict()})
+    opt_a.close()
+    assert checkpoint["opt"]["zenflow"]["accumulate_on"] == kept
+
+    model_b = make_model(seed=123)
+    model_b.load_state_dict(checkpoint["model"])
+    # this budget alone would choose the other place: the checkpoint's choice wins
+    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, **SETTINGS, device_memory_budget_bytes=then)
+    sched_b = linear_schedule(opt_b, total)
+    opt_b.load_state_dict(checkpoint["opt"])
+    sched_b.load_state_dict(checkpoint["sched"])
+    assert opt_b.stats()["accumulate_on"] == kept
+    window_sums_on_device = any(s.window_sum is not None for s in opt_b._split.values())
+    assert window_sums_on_device == (kept == "device")
+    tail = train(model_b, opt_b, data[split_at:], sched_b, clip=1.0)
+    assert opt_b.stats()["accumulate_on"] == kept
+    opt_b.close()
+    assert head + tail == full_losses
+    assert all(torch.equal(p, q) for p, q in zip(model_b.parameters(), model.parameters()))
+
+
+def test_an_explicit_setting_on_resume_replaces_the_saved_choice():
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, device_memory_budget_bytes=FITS)
+    train(model, opt, batches(6), clip=1.0)
+    state = roundtrip(opt.state_dict())
+    opt.close()
+    fresh = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, accumulate_on="host")
+    fresh.load_state_dict(state)
+    assert fresh.stats()["accumulate_on"] == "host"
+    assert all(s.window_sum is None for s in fresh._split.values())
+    fresh.close()
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), [
+    ("accumulate_on", "gpu", '"auto" | "host" | "device"'),
+    ("accumulate_on", 1, '"auto" | "host" | "device"'),
+    ("device_memory_budget_bytes", -1, "None or an integer >= 0"),
+    ("device_memory_budget_bytes", 1.5, "None or an integer >= 0"),
+])
+def test_invalid_values_are_refused_naming_field_value_and_allowed(field, value, allowed):
+    with pytest.raises(ValueError) as err:
+        ZenFlowConfig(**{field: value})
+    assert f"ZenFlowConfig.{field}={value!r} is invalid" in str(err.value)
+    assert allowed in str(err.value)
+
+
+def test_choices_are_case_insensitive():
+    assert ZenFlowConfig(accumulate_on=" AUTO").accumulate_on == "auto"
+
+
+def test_cuda_spare_memory_is_free_plus_cache_minus_the_peak(monkeypatch):
+    """The CUDA figure, with the allocator's numbers faked: the next step needs its peak again."""
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 36 * gib)
+    cuda = torch.device("cuda", 0)
+    assert accumulation.available_bytes(cuda, None) == (4 * gib, 80 * gib)
+    assert accumulation.available_bytes(cuda, gib) == (gib, 80 * gib)  # a budget caps it
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 50 * gib)
+    assert accumulation.available_bytes(cuda, None) == (0, 80 * gib)
+    assert accumulation.available_bytes(torch.device("cpu"), None) == (None, None)
+    assert accumulation.available_bytes(torch.device("cpu"), 5) == (5, 5)
+
+
+def _agreement_run(rank: int, init_file: str, out_dir: str, budgets: tuple[int, int]) -> None:
+    import torch.distributed as dist
+    from gloo_ranks import init_ranks
+
+    init_ranks(rank, init_file)
+    try:
+        model = make_model().cpu()
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, cpu_threads=1,
+                           device_memory_budget_bytes=budgets[rank])
+        for x, y in batches(6, seed=rank):
+            loss = torch.nn.functional.cross_entropy(wrapped(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush()
+        torch.save({"chosen": opt.stats()["accumulate_on"], "weights": [p.detach() for p in model.parameters()]},
+                   f"{out_dir}/rank{rank}.pt")
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_most_conservative_choice(tmp_path):
+    """Rank 0's budget fits, rank 1's does not: both accumulate on the host (one spawn of two gloo ranks)."""
+    from gloo_ranks import spawn_ranks
+
+    spawn_ranks(_agreement_run, str(tmp_path), (FITS, TOO_SMALL))
+    a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
+    assert a["chosen"] == b["chosen"] == "host"
+    assert all(torch.equal(p, q) for p, q in zip(a["weights"], b["weights"]))

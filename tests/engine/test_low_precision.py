@@ -1,0 +1,176 @@
+"""Opt-in low-precision host state and transfer: ``host_grad_dtype="bfloat16"`` (fp32 gradients cross the link as
+bf16) and ``host_moment_dtype="bfloat16"`` (host moments stored bf16, updated in fp32).
+
+The reference is an independent implementation of the same arithmetic: torch's fused AdamW on the matrices with
+each gradient rounded to bf16 before the step and each moment rounded to bf16 after it (a bf16-stored moment is
+exactly its fp32 value rounded to nearest). With every column on the host and a window of one step, ZenFlow is that
+AdamW, so the two must agree bit for bit; and the settings must change the result, or the comparison says nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import hf_zenflow.engine.host as host_module
+import hf_zenflow.engine.windows as windows_module
+from hf_zenflow import ZenFlowAdamW
+from hf_zenflow.transport import CopyTransport
+from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train
+
+
+LR, STEPS = 1e-2, 12
+#: one batch seen every step: its loss must fall
+DATA = batches(1) * STEPS
+ALL_ON_HOST = dict(topk_ratio=0.0, update_interval=1, overlap_step=False, min_offload_numel=0, cpu_threads=1)
+SETTINGS = [dict(host_grad_dtype="bfloat16"), dict(host_moment_dtype="bfloat16"),
+            dict(host_grad_dtype="bfloat16", host_moment_dtype="bfloat16")]
+
+pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU device's transports (a CUDA run: cuda_checks)")
+
+
+class RoundedAdamW(torch.optim.AdamW):
+    """torch's fused AdamW with the matrices' gradients rounded to bf16 before each step (`grads`) and their moments
+    rounded to bf16 after it (`moments`)."""
+
+    def __init__(self, model: torch.nn.Module, grads: bool, moments: bool) -> None:
+        super().__init__(param_groups(model), lr=LR, fused=True)
+        self.matrices = [p for p in model.parameters() if p.ndim == 2]
+        self.grads, self.moments = grads, moments
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
+        if self.grads:
+            for p in self.matrices:
+                p.grad.copy_(p.grad.to(torch.bfloat16))
+        super().step(closure)
+        if self.moments:
+            for p in self.matrices:
+                for name in ("exp_avg", "exp_avg_sq"):
+                    self.state[p][name].copy_(self.state[p][name].to(torch.bfloat16))
+
+
+def _zenflow(settings: dict, **kw) -> tuple[torch.nn.Module, list[float], ZenFlowAdamW]:
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**ALL_ON_HOST, **kw, **settings})
+    losses = train(model, opt, DATA)
+    opt.flush()
+    return model, losses, opt
+
+
+@pytest.mark.parametrize("chunk", [None, 1000])
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_low_precision_host_is_adamw_with_the_same_rounding(settings, chunk, monkeypatch):
+    if chunk is not None:  # narrow moments updated in pieces (with a remainder): the bits of one call
+        monkeypatch.setattr(host_module, "NARROW_CHUNK", chunk)
+    model, losses, opt = _zenflow(settings)
+    opt.close()
+    ref = make_model()
+    ref_losses = train(ref, RoundedAdamW(ref, "host_grad_dtype" in settings, "host_moment_dtype" in settings),
+                       DATA)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert losses == ref_losses and losses[-1] < losses[0]  # and it trains
+    plain, _, opt = _zenflow({})
+    opt.close()
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))  # the setting acts
+
+
+def test_narrow_gradients_through_staging_buffers_round_the_same(monkeypatch):
+    """A transport that copies (CUDA's schedule) lands the gradients in bf16 staging buffers: the same bits as the
+    CPU device's cast of the gradient itself."""
+    settings = dict(host_grad_dtype="bfloat16")
+    direct, _, opt = _zenflow(settings, topk_ratio=0.25, update_interval=3, overlap_step=True)
+    opt.close()
+    monkeypatch.setattr(windows_module, "transport_for", lambda device: CopyTransport())
+    staged, _, opt = _zenflow(settings, topk_ratio=0.25, update_interval=3, overlap_step=True)
+    staging = [s.host.staging for s in opt._split.values() if s.host is not None]
+    opt.close()
+    assert staging and all(buf.dtype == torch.bfloat16 for bufs in staging for buf in bufs)
+    for p, q in zip(direct.parameters(), staged.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_stats_report_the_bytes_saved():
+    """bf16 moments: 4 B less per hosted element; bf16 gradients: half the bytes to the host of fp32 gradients."""
+    figures = {}
+    for name, settings in {"fp32": {}, "moments": dict(host_moment_dtype="bfloat16"),
+                           "grads": dict(host_grad_dtype="bfloat16")}.items():
+        _, _, opt = _zenflow(settings, topk_ratio=0.25, update_interval=2, overlap_step=True)
+        figures[name] = opt.stats()
+        opt.close()
+    hosted = (figures["fp32"]["host_state_bytes"] - figures["moments"]["host_state_bytes"]) / 4
+    assert hosted > 0 and hosted == int(hosted)
+    assert figures["fp32"]["host_bytes_per_param"] - figures["moments"]["host_bytes_per_param"] == pytest.approx(4)
+    assert figures["grads"]["bytes_to_host"] * 2 == figures["fp32"]["bytes_to_host"] > 0
+
+
+def test_bf16_moments_resume_exactly():
+    settings = dict(host_moment_dtype="bfloat16", host_grad_dtype="bfloat16", topk_ratio=0.25, update_interval=2,
+                    overlap_step=True, select_strategy="step", select_interval=3, min_offload_numel=0, cpu_threads=1)
+    data = batches(STEPS)
+    whole = make_model()
+    opt = ZenFlowAdamW(param_groups(whole), lr=LR, **settings)
+    train(whole, opt, data)
+    opt.flush()
+    opt.close()
+    first = make_model()
+    opt = ZenFlowAdamW(param_groups(first), lr=LR, **settings)
+    train(first, opt, data[:5])  # mid-window, between re-selections
+    saved = roundtrip(opt.state_dict())
+    opt.close()
+    assert saved["zenflow"]["config"]["host_moment_dtype"] == "bfloat16"
+    second = make_model()
+    second.load_state_dict(first.state_dict())
+    opt = ZenFlowAdamW(param_groups(second), lr=LR, **settings)
+    opt.load_state_dict(saved)
+    assert all(s.host.exp_avg.dtype == torch.bfloat16 for s in opt._split.values() if s.host is not None)
+    train(second, opt, data[5:])
+    opt.flush()
+    opt.close()
+    for p, q in zip(whole.parameters(), second.parameters()):
+        assert torch.equal(p, q)
+
+
+def _measured_host_bytes(opt: ZenFlowAdamW) -> tuple[int, int]:
+    """(bytes of every distinct host storage the host state holds, its elements), read off the tensors themselves:
+    every tensor field of each `HostMatrix` (and its lists of tensors), one count per storage however many fields
+    share it. The step counter is one scalar per matrix, not per element: left out, as `stats()` leaves it."""
+    storages: dict[int, int] = {}
+    elements = 0
+    for split in opt._split.values():
+        host = split.host
+        if host is None:
+            continue
+        elements += host.master.numel()
+        for f in dataclasses.fields(host):
+            value = getattr(host, f.name)
+            for t in value if isinstance(value, list) else [value]:
+                if isinstance(t, torch.Tensor) and f.name != "step":
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values()), elements
+
+
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
+def test_host_bytes_per_param_with_bf16_moments_are_the_host_tensors(accumulate_on):
+    """stats()'s host bytes per offloaded element is what the host tensors hold, measured from them after windows
+    and write-backs (the CPU device swaps buffers at both), and with the window summed on the device it is at most
+    12 B (fp32 master 4, bf16 moments 2 + 2, one fp32 buffer for the landed window sum and the write-back)."""
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=3, overlap_step=True,
+                       writeback_lag=1, min_offload_numel=0, cpu_threads=1, host_moment_dtype="bfloat16",
+                       accumulate_on=accumulate_on)
+    train(model, opt, batches(10))  # three windows closed, two written back, one pending
+    opt.flush()
+    stats = opt.stats()
+    assert stats["accumulate_on"] == accumulate_on and stats["windows"] >= 3
+    measured, elements = _measured_host_bytes(opt)
+    assert elements > 0
+    assert stats["host_state_bytes"] == measured
+    assert stats["host_bytes_per_param"] == measured / elements
+    if accumulate_on == "device":
+        assert stats["host_bytes_per_param"] <= 12
+    else:  # the host keeps its own accumulator next to the write-back buffer
+        assert stats["host_bytes_per_param"] > 12
+    opt.close()

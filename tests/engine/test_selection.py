@@ -1,0 +1,26 @@
+"""Column scoring, top-k and the window schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_zenflow.engine.selection import column_scores, num_selected, top_columns
+
+
+@pytest.mark.parametrize(("ratio", "columns", "k"), [(0.0, 10, 0), (0.1, 10, 1), (0.1, 5, 1), (0.3, 10, 3),
+                                                     (0.29, 100, 29), (1.0, 7, 7), (0.7, 10, 7)])
+def test_num_selected(ratio, columns, k):
+    assert num_selected(ratio, columns) == k
+
+
+def test_column_scores_match_dense_computation_across_chunks():
+    g = torch.randn(600, 33, dtype=torch.bfloat16)  # 600 rows: three chunks, the last one partial
+    expected = g.float().square().sum(0)
+    torch.testing.assert_close(column_scores(g), expected)
+
+
+def test_top_columns_sorted_and_largest():
+    scores = torch.tensor([0.1, 5.0, 0.2, 3.0, 9.0])
+    assert top_columns(scores, 2).tolist() == [1, 4]
+    assert top_columns(scores, 5).tolist() == [0, 1, 2, 3, 4]

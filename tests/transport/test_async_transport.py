@@ -1,0 +1,192 @@
+"""The reference tests again, on `CudaTransport`'s own code over a CPU double of an asynchronous device
+(`tests/doubles/async_device.py`): copies land late on background threads and their destinations read as NaN until
+then, so a missing wait or a torn read fails here although no GPU is present. (The same tests on the CPU device's
+transport are in test_optimizer.py, test_transport.py and test_gradients.py.)"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import hf_zenflow.engine.windows as windows_module
+from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW
+from hf_zenflow.transport import CudaTransport
+from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
+from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups, train
+from tests.doubles.async_device import AsyncCopies, CheckedRegistrar, async_transport
+from tests.engine.test_gradients import train_accumulating
+from tests.engine.test_several_devices import TwoHalves, backward_in_two_threads
+from tests.optimizer.test_optimizer import LR, STEPS, assert_resume_continues_identically, run_reference, run_zenflow
+
+
+if DEVICE.type != "cpu":
+    pytest.skip("replaces the CPU device's transport with the double", allow_module_level=True)
+
+
+@pytest.fixture(params=[0, 1], ids=["seed0", "seed1"])
+def async_device(request, monkeypatch) -> list[AsyncCopies]:
+    """Every transport the optimizers of the test create is a `CudaTransport` over its own `AsyncCopies` (the
+    delays seeded by the parameter); yields their doubles, and fails the test on anything a background copy
+    recorded (a torn read of an unlocked block, an event that never completed)."""
+    backends: list[AsyncCopies] = []
+    seeds = itertools.count(1000 * request.param)
+
+    def make(device: torch.device) -> CudaTransport:
+        transport, backend = async_transport(next(seeds))
+        backends.append(backend)
+        return transport
+
+    monkeypatch.setattr(windows_module, "transport_for", make)
+    yield backends
+    for backend in backends:
+        backend.synchronize(torch.device("cpu"))
+        backend.check()
+
+
+def copied(backends: list[AsyncCopies]) -> int:
+    return sum(b.copies for b in backends)
+
+
+@pytest.mark.parametrize("topk_ratio", [0.0, 0.1])
+def test_interval_one_sequential_is_adamw(async_device, topk_ratio):
+    ref, ref_losses = run_reference(clip=0.5)
+    model, losses, _ = run_zenflow(clip=0.5, topk_ratio=topk_ratio, update_interval=1, overlap_step=False,
+                                   select_strategy="step", select_interval=3)
+    assert copied(async_device) > 0
+    assert max_rel_diff(model, ref) < 1e-5  # (the reference's own tolerance: torch clips by a tensor, we by a float)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_nothing_selected_interval_one_is_sync_offload(async_device):
+    model_s = make_model()
+    sync = SyncOffloadAdamW(param_groups(model_s), lr=LR)
+    sync_losses = train(model_s, sync, batches(STEPS), linear_schedule(sync, STEPS), clip=1.0)
+    model, losses, _ = run_zenflow(clip=1.0, topk_ratio=0.0, update_interval=1, overlap_step=False)
+    assert copied(async_device) > 0
+    assert losses == sync_losses
+    for p, q in zip(model.parameters(), model_s.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(topk_ratio=0.1, update_interval=4),
+    dict(topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=7),
+    dict(topk_ratio=0.1, update_interval=4, accumulate_on="device", writeback_lag=2),
+])
+def test_overlapped_equals_sequential_schedule(async_device, settings):
+    threaded, losses_t, opt_t = run_zenflow(steps=30, clip=1.0, host_executor="thread", **settings)
+    inline, losses_i, opt_i = run_zenflow(steps=30, clip=1.0, host_executor="inline", **settings)
+    assert copied(async_device) > 0
+    assert losses_t == losses_i
+    for p, q in zip(threaded.parameters(), inline.parameters()):
+        assert torch.equal(p, q)
+    assert opt_t.stats()["windows"] == opt_i.stats()["windows"] > 0
+
+
+@pytest.mark.parametrize("settings", [
+    dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8),
+    dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, accumulate_on="device"),
+])
+def test_resume_continues_identically(async_device, settings):
+    assert_resume_continues_identically(6, 22, settings)
+    assert copied(async_device) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_async_copies_give_the_cpu_device_bits(async_device, dtype, monkeypatch):
+    """Micro-batches: the copies the hooks start in backward go stale and are made again into the same landing
+    buffer (a torn first read, ordered before the second on the side stream)."""
+    data = batches(24)
+    results = []
+    make_async = windows_module.transport_for
+    for factory in (lambda device: CpuDeviceTransport(), make_async):
+        monkeypatch.setattr(windows_module, "transport_for", factory)
+        model = make_model(dtype=dtype)
+        opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=3, select_strategy="step",
+                           select_interval=5, min_offload_numel=0)
+        losses = train_accumulating(model, opt, data, 2, 1.0, linear_schedule(opt, len(data) // 2))
+        opt.flush()
+        results.append((losses, [p.detach().clone() for p in model.parameters()]))
+        opt.close()
+    assert copied(async_device) > 0
+    (cpu_losses, cpu_weights), (async_losses, async_weights) = results
+    assert async_losses == cpu_losses
+    for p, q in zip(async_weights, cpu_weights):
+        assert torch.equal(p, q)
+
+
+def test_hooks_of_two_devices_at_once_give_the_sequential_bits(async_device, monkeypatch):
+    """Several devices: both halves' hooks start their copies from two threads at once, into one hand-off slot;
+    the result is that of one backward on the CPU device's transport."""
+    make_async = windows_module.transport_for
+    results = []
+    for factory, concurrent in ((lambda device: CpuDeviceTransport(), False), (make_async, True)):
+        monkeypatch.setattr(windows_module, "transport_for", factory)
+        model = TwoHalves()
+        opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2, min_offload_numel=0)
+        for step in range(12):
+            losses = model.losses(torch.full((8, 32), 0.1 * step) + torch.arange(32) / 32)
+            if concurrent:
+                backward_in_two_threads(losses)
+            else:
+                sum(losses).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush()
+        results.append([p.detach().clone() for p in model.parameters()])
+        opt.close()
+    assert copied(async_device) > 0
+    for p, q in zip(*results):
+        assert torch.equal(p, q)
+
+
+def test_a_sequential_step_waits_for_the_device_once(monkeypatch):
+    """Regression (issue 20, defect 6): with ``overlap_step=False`` an ordinary step waited for the device twice: in
+    its sync (the step's scalars) and again in the host job, for the gradients' copies. The compute stream now
+    waits for those copies before the sync, which covers both. Counted on a lazy double, where nothing completes
+    until something waits for it, so every host wait the schedule leaves is seen."""
+    backends: list[AsyncCopies] = []
+
+    def make(device):
+        backends.append(AsyncCopies(lazy=True))
+        return CudaTransport(streams=backends[-1], registrar=CheckedRegistrar(backends[-1]))
+
+    monkeypatch.setattr(windows_module, "transport_for", make)
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
+                       select_strategy="step", select_interval=100, min_offload_numel=0)
+    train(model, opt, batches(3), clip=1.0)  # past the first selection: ordinary steps from now on
+    (backend,) = backends
+    reads: list[str] = []
+
+    def counted(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if id(self) in host_counters:  # host memory (the one-pass window kernel reads them): no device wait
+                return real(self, *args, **kwargs)
+            reads.append(name)
+            backend.sync_compute()  # a host read of a device value waits for the compute stream
+            return real(self, *args, **kwargs)
+        return read
+
+    # the host matrices' AdamW step counts live in host memory (`HostMatrix.step`), as on CUDA
+    host_counters = {id(split.host.step) for split in opt._split.values() if split.host is not None}
+    for step in range(3):
+        x, y = batches(1, seed=10 + step)[0]
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
+        opt.clip_grad_norm_(1.0)
+        reads.clear()
+        waits = backend.host_waits
+        with monkeypatch.context() as m:
+            for name in ("tolist", "item", "__float__", "__bool__", "__int__"):
+                m.setattr(torch.Tensor, name, counted(name))
+            opt.step()
+        opt.zero_grad()
+        assert len(reads) + backend.host_waits - waits == 1, (reads, backend.host_waits - waits)
+    assert backend.copies > 0
+    opt.close()
+    backend.check()

@@ -1,0 +1,111 @@
+"""Page-locked host memory (`hf_zenflow.transport.pinned`), through a fake CUDA runtime: registration is portable to
+every device, a refused registration leaves CUDA's error state clean and falls back to pageable memory with a warning,
+and the pinned blocks are released on `close()` and when a reloaded state replaces them (issue 20, defect 5)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import hf_zenflow.engine.windows as windows_module
+from hf_zenflow import ZenFlowAdamW
+from hf_zenflow.transport import CudaTransport
+from hf_zenflow.transport.pinned import HOST_REGISTER_PORTABLE, HostRegistrar, PinnedArena
+from tests.conftest import DEVICE, batches, make_model, param_groups, train
+from tests.doubles.async_device import AsyncCopies
+
+
+if DEVICE.type != "cpu":
+    pytest.skip("replaces the CUDA runtime with a fake", allow_module_level=True)
+
+#: cudaErrorHostMemoryAlreadyRegistered
+ALREADY_REGISTERED = 712
+
+
+class FakeCudart:
+    """The runtime calls `HostRegistrar` makes, recorded; `refuse`: every registration fails as CUDA's does,
+    leaving its code as the runtime's last error until `cudaGetLastError` reads it."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.calls: list[tuple] = []
+        self.pinned: dict[int, int] = {}
+        self.last_error = 0
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self.calls.append(("register", nbytes, flags))
+        if self.refuse:
+            self.last_error = ALREADY_REGISTERED
+            return ALREADY_REGISTERED
+        self.pinned[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.calls.append(("unregister",))
+        del self.pinned[ptr]
+        return 0
+
+    def cudaGetLastError(self) -> int:  # noqa: N802
+        self.calls.append(("get_last_error",))
+        error, self.last_error = self.last_error, 0
+        return error
+
+
+def test_blocks_are_registered_for_every_device():
+    cudart = FakeCudart()
+    arena = PinnedArena(pin=True, registrar=HostRegistrar(cudart))
+    arena.reserve(4096)
+    buf = arena.take((16, 8), torch.float32)
+    assert cudart.calls == [("register", 4096, HOST_REGISTER_PORTABLE)]
+    assert HOST_REGISTER_PORTABLE == 1  # cudaHostRegisterPortable
+    assert arena.pinned_bytes == 4096 and list(cudart.pinned.values()) == [4096]
+    assert buf.untyped_storage().data_ptr() in cudart.pinned
+    arena.release()
+    assert cudart.pinned == {} and arena.pinned_bytes == 0
+
+
+def test_a_refused_registration_clears_the_error_and_falls_back_to_pageable_memory(caplog):
+    cudart = FakeCudart(refuse=True)
+    arena = PinnedArena(pin=True, registrar=HostRegistrar(cudart))
+    with caplog.at_level(logging.WARNING, logger="hf_zenflow.transport.pinned"):
+        arena.reserve(4096)
+        arena.reserve(1024)
+    assert cudart.last_error == 0  # read (and so reset) right after each failure: no later CUDA call reports it
+    assert cudart.calls == [("register", 4096, 1), ("get_last_error",), ("register", 1024, 1), ("get_last_error",)]
+    assert arena.pinned_bytes == 0 and arena.nbytes == 5120
+    assert len([r for r in caplog.records if "page-locking" in r.getMessage()]) == 1  # warned once
+    buf = arena.take((4, 4), torch.float32)
+    buf.fill_(2.0)  # ordinary memory, usable
+    assert float(buf.sum()) == 32.0
+    arena.release()
+    assert ("unregister",) not in cudart.calls  # nothing was registered
+
+
+def test_close_and_a_reload_release_the_pinned_blocks(monkeypatch):
+    """Before: the blocks were unregistered only when the transport was garbage-collected, so `close()` kept them
+    locked and `load_state_dict()` (which builds new host state) locked a second copy next to the first."""
+    cudart = FakeCudart()
+    transports: list[CudaTransport] = []
+
+    def make(device):
+        transports.append(CudaTransport(streams=AsyncCopies(), registrar=HostRegistrar(cudart)))
+        return transports[-1]
+
+    monkeypatch.setattr(windows_module, "transport_for", make)
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
+    train(model, opt, batches(6))
+    assert len(cudart.pinned) == 1  # one block for every link buffer
+    locked = opt.stats()["pinned_host_bytes"]
+    assert locked == sum(cudart.pinned.values()) > 0
+    opt.load_state_dict(opt.state_dict())
+    old, new = transports
+    assert old.arena.pinned_bytes == 0, "a reload kept the old blocks locked next to the new ones"
+    assert sum(cudart.pinned.values()) == new.arena.pinned_bytes == opt.stats()["pinned_host_bytes"] > 0
+    train(model, opt, batches(3, seed=4))
+    opt.close()
+    assert cudart.pinned == {}, "close() left blocks locked"
+    calls = [c[0] for c in cudart.calls]
+    assert calls.count("unregister") == calls.count("register")
