@@ -20,8 +20,8 @@ The model's constants:
   the ratio the emulator measured (`git show 186c27e:BENCHMARKS.md` §3a: 3 624 ms of host work per step at U=4
   with a 4 600 ms AdamW, so 2 474 ms of accumulation per step); a pass that only moves bytes (the write-back
   rounding) has none. Memory traffic: the bytes per offloaded parameter each pass reads and writes in its dtypes
-  (`zenflow_host_passes`, ``HOST_ADAMW_BYTES_PER_PARAM`` for synchronous offload), over ``host_mem_gbps``, a STREAM-like sustained figure of a
-  typical server of the profile's class (`HOST_MEMORY_SOURCES`; STREAM counts a byte read once and a byte written
+  (`zenflow_host_passes`, ``HOST_ADAMW_BYTES_PER_PARAM`` for synchronous offload), over ``host_mem_gbps``, a
+  STREAM-like sustained figure of a typical server of the profile's class (`HOST_MEMORY_SOURCES`; STREAM counts a byte read once and a byte written
   once, and so do these counts);
 * ZenFlow's window: U - 1 accumulations (host accumulation; the last gradient is folded into the AdamW pass) and one
   AdamW pass, then the rounding of the master into the bf16 write-back buffer. The write-back waits for that host
