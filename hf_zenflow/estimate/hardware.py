@@ -13,16 +13,16 @@ The model's constants:
   (`emulator_scenario.DEVICE_ADAMW_BYTES_PER_PARAM`); ZenFlow's device step also reads every bf16 gradient once (norms
   and selection);
 * link: bf16 gradients and parameters, 2 bytes per parameter per direction;
-* host: every host pass takes the longer of its core work and its memory traffic (a roofline per pass; the passes
-  run one after another on the host worker). Core work: host AdamWs at the per-core rate (DeepSpeed's published
-  CPUAdam rate, 7e9 parameters in 4.6 s on 128 threads, `emulator_scenario.PUBLISHED_*`, or this machine's measured
-  one, `host_rates`) times the profile's cores; one step's accumulation is `ACCUMULATE_VS_ADAMW` of a host AdamW,
-  the ratio the emulator measured (`git show 186c27e:BENCHMARKS.md` §3a: 3 624 ms of host work per step at U=4
-  with a 4 600 ms AdamW, so 2 474 ms of accumulation per step); a pass that only moves bytes (the write-back
-  rounding) has none. Memory traffic: the bytes per offloaded parameter each pass reads and writes in its dtypes
-  (`zenflow_host_passes`, ``HOST_ADAMW_BYTES_PER_PARAM`` for synchronous offload), over ``host_mem_gbps``, a
-  STREAM-like sustained figure of a typical server of the profile's class (`HOST_MEMORY_SOURCES`; STREAM counts a byte read once and a byte written
-  once, and so do these counts);
+* host: every host pass takes the longer of its core work and its memory traffic (a roofline per pass; the passes run
+  one after another on the host worker). Core work: host AdamWs at the per-core rate (DeepSpeed's published CPUAdam
+  rate, 7e9 parameters in 4.6 s on 128 threads, `emulator_scenario.PUBLISHED_*`, or this machine's measured one,
+  `host_rates`) times the profile's cores; one step's accumulation is `ACCUMULATE_VS_ADAMW` of a host AdamW, the ratio
+  the emulator measured (`git show 186c27e:BENCHMARKS.md` §3a: 3 624 ms of host work per step at U=4 with a 4 600 ms
+  AdamW, so 2 474 ms of accumulation per step); a pass that only moves bytes (the write-back rounding) has none. Memory
+  traffic: the bytes per offloaded parameter each pass reads and writes in its dtypes (`zenflow_host_passes`,
+  ``HOST_ADAMW_BYTES_PER_PARAM`` for synchronous offload), over ``host_mem_gbps``, a STREAM-like sustained figure of a
+  typical server of the profile's class (`HOST_MEMORY_SOURCES`; STREAM counts a byte read once and a byte written once,
+  and so do these counts);
 * ZenFlow's window: U - 1 accumulations (host accumulation; the last gradient is folded into the AdamW pass) and one
   AdamW pass, then the rounding of the master into the bf16 write-back buffer. The write-back waits for that host
   step, and the host step for its input to land (the window's fp32 sums with ``accumulate_on="device"``, the last
