@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from hf_zenflow._extras import MissingExtraError, require
 from hf_zenflow.settings.cli_types import (
+    block_steps,
     fraction,
     interval,
     lr_scale,
@@ -154,6 +155,13 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                         "each input column contiguous) or row-major; auto = column on a CPU device, row on CUDA")
     p.add_argument("--optimizers", default=",".join(d.optimizers),
                    help=f"comma-separated subset of {','.join(OPTIMIZERS)}")
+    p.add_argument("--run-order", default=d.run_order, choices=["auto", "interleaved", "sequential"],
+                   help="interleaved: the runs take turns in blocks of --block-steps steps (rotating), so that the "
+                   "machine's drift meets every run alike, each run's clock counting only its own turns; sequential: "
+                   "one after the other; auto = interleaved on a CPU device when the copies fit in memory, "
+                   "sequential on CUDA")
+    p.add_argument("--block-steps", type=block_steps, default=d.block_steps,
+                   help="steps per turn with --run-order interleaved (default: two ZenFlow windows, at least 8)")
     p.add_argument("--output-dir", default=d.output_dir,
                    help="write into exactly this folder; refused when it already holds a compare run, unless "
                    "--overwrite (default: a new folder zenflow_compare/<UTC time>_<model>/ per run)")

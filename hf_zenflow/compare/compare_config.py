@@ -9,6 +9,7 @@ import torch
 
 from hf_zenflow.compare.cores import CoreSplit
 from hf_zenflow.compare.data_source import DataSpec
+from hf_zenflow.compare.run_order import MIN_BLOCK_STEPS, RUN_ORDERS
 from hf_zenflow.settings.config import ZenFlowConfig
 
 
@@ -77,6 +78,9 @@ class CompareConfig:
     layout: str = "auto"  # weights of the offloading runs: "column" (column_major_), "row"; auto = column on CPU
     embedding_select: str = "auto"  # ZenFlow on embedding tables: "rows" (tokens), "columns"; auto = rows on CPU
     optimizers: tuple[str, ...] = OPTIMIZERS
+    # the runs one after the other, or taking turns in blocks of steps (`hf_zenflow.compare.run_order`)
+    run_order: str = "auto"  # "interleaved" (auto on a CPU device), "sequential" (auto on CUDA)
+    block_steps: int | None = None  # steps per turn when interleaved (None: two windows, at least 8)
     output_dir: str | None = None  # None: a new folder zenflow_compare/<UTC time>_<model>/ (see compare.output)
     overwrite: bool = False  # replace the results of an earlier run in output_dir
     log_every: int = 10  # the progress bar's loss and optimizer.step figures cover the last N steps; 0: no bar
@@ -84,6 +88,13 @@ class CompareConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        if self.run_order not in RUN_ORDERS:
+            raise ValueError(f"CompareConfig.run_order={self.run_order!r} is invalid: allowed are "
+                             f"{', '.join(map(repr, RUN_ORDERS))}.")
+        if self.block_steps is not None and (isinstance(self.block_steps, bool) or not isinstance(
+                self.block_steps, int) or self.block_steps < MIN_BLOCK_STEPS):
+            raise ValueError(f"CompareConfig.block_steps={self.block_steps!r} is invalid: allowed is None or an "
+                             f"integer >= {MIN_BLOCK_STEPS} (the drawn timeline window lies within one turn).")
         if self.select_interval is None:
             self.select_interval = COMPARE_SELECT_STEPS if self.select_strategy == "step" else "auto"
 

@@ -45,8 +45,9 @@ from hf_zenflow.compare.output import prepare_output_dir
 from hf_zenflow.compare.plots import LABELS, plot_loss_curves, plot_time_breakdown
 from hf_zenflow.compare.projection import projection_table, run_projection
 from hf_zenflow.compare.report import OPTIMIZERS
+from hf_zenflow.compare.run_order import resolve_block_steps, resolve_run_order, turns
 from hf_zenflow.compare.timeline import plot_timeline
-from hf_zenflow.compare.training_run import TIMING_SKIP, evaluate, make_optimizer, train_one
+from hf_zenflow.compare.training_run import TIMING_SKIP, TrainingRun, evaluate, make_optimizer, train_one
 from hf_zenflow.settings.threads import available_cpu_count
 
 
@@ -193,6 +194,70 @@ def _tokens_per_step(task: PreparedTask, cfg: CompareConfig) -> float:
     return float(cfg.batch_size * cfg.max_length)
 
 
+def _stage(cfg: CompareConfig, name: str) -> str:
+    return f"[{cfg.optimizers.index(name) + 1}/{len(cfg.optimizers)}] {LABELS[name]}"
+
+
+def _describe_bar(cfg: CompareConfig, bar: Any, name: str) -> None:
+    if bar is not None:
+        bar.set_description(f"[{cfg.optimizers.index(name) + 1}/{len(cfg.optimizers)}] "
+                            f"{report.SHORT_NAMES[name]}", refresh=False)
+        bar.set_postfix_str("", refresh=False)  # the previous run's figures
+
+
+def _finish(cfg: CompareConfig, task: PreparedTask, run: TrainingRun, load: Any, bar: Any) -> dict[str, Any]:
+    """The run's figures with the machine's load over its time; its summary line."""
+    r = run.finish()
+    r["machine_load"] = load.to_dict()
+    _log(cfg, f"{_stage(cfg, run.name)}: held-out {task.metric_name} {r[task.metric.key]:.4f}, loss "
+              f"{r['eval_loss']:.4f}; {r['steps_per_s']:.2f} steps/s (whole run); optimizer.step "
+              f"{report.format_ms(r['opt_step_ms_median'])} ms median, p10–p90 {report.format_spread(r)}; "
+              f"device utilisation {report.format_utilization(r.get('device_utilization'))}; "
+              f"other processes' CPU {load.short()}", bar)
+    return r
+
+
+def _run_sequential(cfg: CompareConfig, task: PreparedTask, device: torch.device, monitor: LoadMonitor,
+                    bar: Any) -> dict[str, dict[str, Any]]:
+    """One run after the other, each from its first step to its last (its load measured over its own time)."""
+    results: dict[str, dict[str, Any]] = {}
+    for name in cfg.optimizers:
+        _describe_bar(cfg, bar, name)
+        if bar is None:
+            _log(cfg, f"{_stage(cfg, name)} ...")
+        gc.collect()
+        since = monitor.reading()
+        run = TrainingRun(name, task, cfg, device, bar)
+        run.advance(run.steps)
+        results[name] = _finish(cfg, task, run, monitor.report(since), bar)
+        del run
+        gc.collect()
+    return results
+
+
+def _run_interleaved(cfg: CompareConfig, task: PreparedTask, device: torch.device, monitor: LoadMonitor,
+                     bar: Any, block: int) -> dict[str, dict[str, Any]]:
+    """Every run built first, then turns of `block` steps in rotating order (`compare.run_order`); each run hands
+    over with its host worker idle. The load is measured over the whole interleaved span, which every run shares."""
+    since = monitor.reading()
+    runs: dict[str, TrainingRun] = {}
+    for name in cfg.optimizers:
+        gc.collect()
+        runs[name] = TrainingRun(name, task, cfg, device, bar)
+    steps = len(task.train_batches)
+    for name, count in turns(steps, block, min(TIMING_SKIP, max(0, steps - 1)), list(cfg.optimizers)):
+        _describe_bar(cfg, bar, name)
+        runs[name].advance(count, handover=True)
+    if bar is not None:
+        bar.set_description(f"{len(runs)} runs, interleaved", refresh=False)
+    load = monitor.report(since)
+    results: dict[str, dict[str, Any]] = {}
+    for name in cfg.optimizers:
+        results[name] = _finish(cfg, task, runs.pop(name), load, bar)
+        gc.collect()
+    return results
+
+
 def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, Any]:
     device = cfg.resolved_device()
     split = cfg.core_split()  # fails on a bad --device-cores/--host-cores before the model loads
@@ -206,28 +271,16 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
               f"{task.train_examples} train / {task.eval_examples} held-out examples; {cfg.steps} steps x "
               f"batch {cfg.batch_size}; load {time.perf_counter() - wall:.1f} s; writing to {out_dir}/")
     _log(cfg, f"cores: {split.describe()}")
-    results: dict[str, dict[str, Any]] = {}
+    order, why = resolve_run_order(cfg.run_order, device, task.num_parameters, len(cfg.optimizers))
+    block = resolve_block_steps(cfg.block_steps, cfg.update_interval)
+    order_text = f"{order} ({why})" + (f", {block} steps per turn" if order == "interleaved" else "")
+    _log(cfg, f"run order: {order_text}")
     bar = progress_bar(cfg, len(task.train_batches) * len(cfg.optimizers))
     try:
-        for i, name in enumerate(cfg.optimizers):
-            stage = f"[{i + 1}/{len(cfg.optimizers)}] {LABELS[name]}"
-            if bar is not None:
-                bar.set_description(f"[{i + 1}/{len(cfg.optimizers)}] {report.SHORT_NAMES[name]}", refresh=False)
-                bar.set_postfix_str("", refresh=False)  # the previous run's figures
-            else:
-                _log(cfg, f"{stage} ...")
-            gc.collect()
-            since = monitor.reading()
-            r = train_one(name, task, cfg, device, bar)
-            load = monitor.report(since)
-            r["machine_load"] = load.to_dict()
-            results[name] = r
-            _log(cfg, f"{stage}: held-out {task.metric_name} {r[task.metric.key]:.4f}, loss {r['eval_loss']:.4f}; "
-                      f"{r['steps_per_s']:.2f} steps/s (whole run); optimizer.step "
-                      f"{report.format_ms(r['opt_step_ms_median'])} ms median, p10–p90 {report.format_spread(r)}; "
-                      f"device utilisation {report.format_utilization(r.get('device_utilization'))}; "
-                      f"other processes' CPU {load.short()}", bar)
-            gc.collect()
+        if order == "interleaved":
+            results = _run_interleaved(cfg, task, device, monitor, bar, block)
+        else:
+            results = _run_sequential(cfg, task, device, monitor, bar)
     finally:
         if bar is not None:
             bar.close()
@@ -259,6 +312,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
                  "metric": task.metric_name, **task.extra},
         "machine": info,
         "cores": split.to_dict(),
+        "run_order": {"order": order, "why": why, "block_steps": block if order == "interleaved" else None},
         "projection": projection,
         "machine_load": whole,
         "warnings": [w for w in (warning, *notes) if w],
@@ -271,15 +325,18 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
     machine = _machine_line(info, whole)
     md = [f"# hf-zenflow compare: {task.model_name}", "", _settings_line(task, cfg, device), "", f"Machine: {machine}",
-          "", f"Cores: {split.describe()}.", ""]
+          "", f"Cores: {split.describe()}.", "", f"Run order: {order_text}.", ""]
     md += [f"> **{warning}**", ""] if warning else []
     md += ["## Headline", "", report.TABLE_CAPTION, "", headline, "", note, ""]
     md += [f"- {n}" for n in notes] + ([""] if notes else [])
     md += ["## All figures", "", full, "",
            ("adamw_torch is `torch.optim.AdamW(fused=True)`, its state counted as device state. \"optimizer.step\" "
             "is the time the runner measures around `optimizer.step()` (the optimizer's critical path); the "
-            "gradient-norm clip is timed separately. Host RSS is the whole process (the runs share it, one after "
-            "the other), sampled after every step. Plots: loss_curves.png, time_breakdown.png."), "",
+            "gradient-norm clip is timed separately. Host RSS is the whole process, sampled after every step (the "
+            "runs share it: interleaved, all of them are alive at once; sequential, one after the other). With "
+            "interleaved runs each run's clock counts only its own turns, including the wait for its own host "
+            "work before it hands over (handover_ms_total in results.json). Plots: loss_curves.png, "
+            "time_breakdown.png."), "",
            ("Device utilisation: the share of the timed steps' wall time in which the device computes (forward, "
             "backward, clip, device-side optimizer work); the rest it waits for the host step, copies and syncs "
             "(the engines' handoff, wait, writeback and inline host_update phases). timeline.png draws one window "
@@ -289,7 +346,8 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
     (out_dir / "results.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     if not cfg.quiet:
         wrap = lambda text: textwrap.fill(text, 118)
-        print("\n" + wrap(f"Cores: {split.describe()}.") + "\n\n" + wrap(report.TABLE_CAPTION) + "\n" + headline
+        print("\n" + wrap(f"Cores: {split.describe()}. Run order: {order_text}.") + "\n\n"
+              + wrap(report.TABLE_CAPTION) + "\n" + headline
               + "\n\n" + wrap(note) + "\n\n" + wrap(f"Machine: {machine}"), flush=True)
         print("\n" + wrap(_projection_title(projection)) + "\n" + projected, flush=True)
         for text in [*notes, *([warning] if warning else [])]:

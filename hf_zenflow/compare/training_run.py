@@ -143,161 +143,233 @@ def evaluate(model: torch.nn.Module, task: PreparedTask, device: torch.device) -
 
 def train_one(name: str, task: PreparedTask, cfg: CompareConfig, device: torch.device,
               bar: Any = None) -> dict[str, Any]:
-    """Fine-tune a fresh copy of the model with optimizer `name`; return its measured figures. `bar` (a tqdm bar
-    or None) advances one step per optimizer step."""
-    from transformers import get_linear_schedule_with_warmup
+    """Fine-tune a fresh copy of the model with optimizer `name` from its first step to its last; return its measured
+    figures. `bar` (a tqdm bar or None) advances one step per optimizer step."""
+    run = TrainingRun(name, task, cfg, device, bar)
+    run.advance(run.steps)
+    return run.finish()
 
-    split = cfg.core_split()
-    split.apply_device()  # D threads for the training thread, before the first forward: the same in every run
-    torch.manual_seed(cfg.seed)  # dropout masks identical across the three runs
-    model = copy.deepcopy(task.base_model).to(device)
-    if name != "adamw_torch" and cfg.resolved_layout() == "column":
-        # the no-offload reference keeps row-major weights: torch's fused AdamW runs ~4x slower on strided tensors
-        column_major_(model)
-    model.train()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    rss_start = _rss()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    opt = make_optimizer(name, model, cfg)
-    is_engine = name != "adamw_torch"
-    steps = len(task.train_batches)
-    sched = get_linear_schedule_with_warmup(opt, int(cfg.warmup_ratio * steps), steps)
-    rec: dict[str, list[float]] = {k: [] for k in ("loss", "fb_ms", "clip_ms", "opt_ms", "other_ms", "step_ms",
-                                                   "engine_critical_ms", "host_step_ms", "accumulate_ms",
-                                                   "bytes_to_host", "bytes_to_device", "staleness",
-                                                   "selected_fraction")}
-    rss_peak = rss_start
-    last_stats: dict[str, Any] = {}
-    timeline = TimelineRecorder(min(TIMING_SKIP, max(0, steps - 1)))
-    waits: list[float] = []
-    start = time.perf_counter()
-    for index, batch in enumerate(task.train_batches):
-        b = batch.to(device)
+
+class TrainingRun:
+    """One fine-tune of the comparison, advanced a block of steps at a time, so that the runs can take turns
+    (`hf_zenflow.compare.run_order`): everything a run owns lives here (its model, optimizer, scheduler, random
+    state and clocks), and its figures count only the time inside its own blocks.
+
+    Example (what `train_one` does)::
+
+        run = TrainingRun("zenflow", task, cfg, torch.device("cpu"))
+        run.advance(run.steps)
+        figures = run.finish()
+    """
+
+    def __init__(self, name: str, task: PreparedTask, cfg: CompareConfig, device: torch.device,
+                 bar: Any = None) -> None:
+        from transformers import get_linear_schedule_with_warmup
+
+        self.name, self.task, self.cfg, self.device, self.bar = name, task, cfg, device, bar
+        self.split = cfg.core_split()
+        self.split.apply_device()  # D threads for the training thread, before the first forward: the same in every run
+        torch.manual_seed(cfg.seed)  # dropout masks identical across the three runs
+        model = copy.deepcopy(task.base_model).to(device)
+        if name != "adamw_torch" and cfg.resolved_layout() == "column":
+            # the no-offload reference keeps row-major weights: torch's fused AdamW runs ~4x slower on strided tensors
+            column_major_(model)
+        model.train()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self.model = model
+        self.rss_start = _rss()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.opt = make_optimizer(name, model, cfg)
+        self.is_engine = name != "adamw_torch"
+        self.steps = len(task.train_batches)
+        self.sched = get_linear_schedule_with_warmup(self.opt, int(cfg.warmup_ratio * self.steps), self.steps)
+        self.rec: dict[str, list[float]] = {k: [] for k in (
+            "loss", "fb_ms", "clip_ms", "opt_ms", "other_ms", "step_ms", "engine_critical_ms", "host_step_ms",
+            "accumulate_ms", "bytes_to_host", "bytes_to_device", "staleness", "selected_fraction")}
+        self.rss_peak = self.rss_start
+        self.last_stats: dict[str, Any] = {}
+        self.timeline = TimelineRecorder(min(TIMING_SKIP, max(0, self.steps - 1)))
+        self.waits: list[float] = []
+        self.next_step = 0
+        self.train_s = 0.0  # wall time inside this run's own blocks
+        self.handover_ms: list[float] = []  # the waits for this run's own host work before another run's turn
+        self._rng = _random_state(device)  # this run's random stream, carried across the other runs' turns
+
+    @property
+    def done(self) -> bool:
+        return self.next_step >= self.steps
+
+    def advance(self, count: int, handover: bool = False) -> None:
+        """Run the next `count` steps (fewer at the end). With `handover` (another run takes the turn next), wait
+        until this run's host work is done before the clock stops: its host worker must not run on the host cores
+        during another run's turn, and that wait counts as this run's time (one wait per turn; an overlapped host
+        step would otherwise have hidden behind this run's next steps). The wait changes no value: a host result
+        still pending its write-back step stays pending (`ZenFlowAdamW.synchronize`)."""
+        _set_random_state(self.device, self._rng)
+        self.split.apply_device()
+        stop = min(self.steps, self.next_step + count)
+        start = time.perf_counter()
+        while self.next_step < stop:
+            self._step(self.next_step)
+            self.next_step += 1
+        if handover and not self.done:
+            t0 = time.perf_counter()
+            if self.is_engine:
+                self.opt.synchronize()  # the host worker idle: the next run's turn has the host cores to itself
+            _sync(self.device)
+            self.handover_ms.append((time.perf_counter() - t0) * 1e3)
+        self.train_s += time.perf_counter() - start
+        self._rng = _random_state(self.device)
+
+    def _step(self, index: int) -> None:
+        cfg, device, opt, rec = self.cfg, self.device, self.opt, self.rec
+        b = self.task.train_batches[index].to(device)
         clock = StepClock(device)
         clock.mark()
-        loss = model(**b.inputs).loss
+        loss = self.model(**b.inputs).loss
         loss.backward()
         loss_value = loss.detach().item()  # the scalar read waits for the backward on the device
         _sync(device)
         clock.mark()
         if cfg.max_grad_norm and cfg.max_grad_norm > 0:
-            if is_engine:
+            if self.is_engine:
                 opt.clip_grad_norm_(cfg.max_grad_norm)
             else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
         _sync(device)
         clock.mark()
         opt.step()
         _sync(device)
         clock.mark()
-        sched.step()
+        self.sched.step()
         opt.zero_grad(set_to_none=True)
         clock.mark()
         fb_ms, clip_ms, opt_ms, other_ms = clock.durations_ms()
         for key, value in (("loss", loss_value), ("fb_ms", fb_ms), ("clip_ms", clip_ms), ("opt_ms", opt_ms),
                            ("other_ms", other_ms), ("step_ms", fb_ms + clip_ms + opt_ms + other_ms)):
             rec[key].append(value)
-        if is_engine:
-            last_stats = dict(opt.stats())
+        if self.is_engine:
+            self.last_stats = dict(opt.stats())
+        stats = self.last_stats
         # the device waits only inside an engine's step (host AdamW inline, the wait for the worker, the copies)
-        waits.append(min(opt_ms, wait_ms(last_stats)) if is_engine else 0.0)
-        timeline.record_step(index, clock.times[0], clock.times[-1], opt)
-        if is_engine:
-            rec["engine_critical_ms"].append(float(last_stats.get("critical_path_ms") or 0.0))
-            rec["host_step_ms"].append(float(last_stats.get("host_step_ms") or 0.0))
-            rec["accumulate_ms"].append(float(last_stats.get("accumulate_ms") or 0.0))
-            rec["bytes_to_host"].append(float(last_stats.get("bytes_to_host") or 0))
-            rec["bytes_to_device"].append(float(last_stats.get("bytes_to_device") or 0))
-            rec["staleness"].append(float(last_stats.get("staleness") or 0))
-            rec["selected_fraction"].append(float(last_stats.get("selected_fraction") or 0.0))
+        self.waits.append(min(opt_ms, wait_ms(stats)) if self.is_engine else 0.0)
+        self.timeline.record_step(index, clock.times[0], clock.times[-1], opt)
+        if self.is_engine:
+            rec["engine_critical_ms"].append(float(stats.get("critical_path_ms") or 0.0))
+            rec["host_step_ms"].append(float(stats.get("host_step_ms") or 0.0))
+            rec["accumulate_ms"].append(float(stats.get("accumulate_ms") or 0.0))
+            rec["bytes_to_host"].append(float(stats.get("bytes_to_host") or 0))
+            rec["bytes_to_device"].append(float(stats.get("bytes_to_device") or 0))
+            rec["staleness"].append(float(stats.get("staleness") or 0))
+            rec["selected_fraction"].append(float(stats.get("selected_fraction") or 0.0))
             for phase in ENGINE_PHASES:
-                rec.setdefault(f"cp_{phase}_ms", []).append(float(last_stats.get(f"cp_{phase}_ms") or 0.0))
-        rss_peak = max(rss_peak, _rss())
-        if bar is not None:
+                rec.setdefault(f"cp_{phase}_ms", []).append(float(stats.get(f"cp_{phase}_ms") or 0.0))
+        self.rss_peak = max(self.rss_peak, _rss())
+        if self.bar is not None:
             window = cfg.log_every
-            bar.set_postfix_str(f"last {window}: loss {statistics.fmean(rec['loss'][-window:]):.3f} (mean), "
-                                f"opt.step {statistics.median(rec['opt_ms'][-window:]):.1f} ms (median)",
-                                refresh=False)
-            bar.update(1)
-    train_s = time.perf_counter() - start
-    timeline.collect_host(opt)
-    training_threads = torch.get_num_threads()  # while the engine's worker still runs: what forward/backward had
-    flush_ms = 0.0
-    if is_engine:
-        t0 = time.perf_counter()
-        if hasattr(opt, "flush"):
-            opt.flush()  # ZenFlow: apply pending host work before the weights are evaluated
+            self.bar.set_postfix_str(f"last {window}: loss {statistics.fmean(rec['loss'][-window:]):.3f} (mean), "
+                                     f"opt.step {statistics.median(rec['opt_ms'][-window:]):.1f} ms (median)",
+                                     refresh=False)
+            self.bar.update(1)
+
+    def finish(self) -> dict[str, Any]:
+        """After the last step: apply pending host work, evaluate on the held-out set, release the optimizer; the
+        run's measured figures."""
+        name, task, cfg, device, opt, rec = self.name, self.task, self.cfg, self.device, self.opt, self.rec
+        is_engine, steps, split, last_stats = self.is_engine, self.steps, self.split, self.last_stats
+        self.timeline.collect_host(opt)
+        training_threads = torch.get_num_threads()  # while the engine's worker still runs: what forward/backward had
+        flush_ms = 0.0
+        if is_engine:
+            t0 = time.perf_counter()
+            if hasattr(opt, "flush"):
+                opt.flush()  # ZenFlow: apply pending host work before the weights are evaluated
+            else:
+                opt.synchronize()
+            flush_ms = (time.perf_counter() - t0) * 1e3
+            last_stats = dict(opt.stats())
+            self.rss_peak = max(self.rss_peak, _rss())
+        ev = evaluate(self.model, task, device)
+        if is_engine:
+            device_state = int(last_stats.get("device_state_bytes") or 0)
+            host_state = int(last_stats.get("host_state_bytes") or 0)
         else:
-            opt.synchronize()
-        flush_ms = (time.perf_counter() - t0) * 1e3
-        last_stats = dict(opt.stats())
-        rss_peak = max(rss_peak, _rss())
-    ev = evaluate(model, task, device)
-    if is_engine:
-        device_state = int(last_stats.get("device_state_bytes") or 0)
-        host_state = int(last_stats.get("host_state_bytes") or 0)
-    else:
-        device_state, host_state = torch_adamw_state_bytes(opt), 0
-    timed = slice(min(TIMING_SKIP, max(0, steps - 1)), None)
-    tail = max(1, steps // 10)
-    host_ms = [v for v in rec["host_step_ms"][timed] if v > 0]
-    opt_p10, opt_p90 = _p10_p90(rec["opt_ms"][timed])
-    result: dict[str, Any] = {
-        "optimizer": name,
-        "label": LABELS[name],
-        "steps": steps,
-        **ev,
-        "train_loss": statistics.fmean(rec["loss"][-tail:]),
-        "train_seconds": train_s,
-        "steps_per_s": steps / train_s,
-        "step_ms": 1e3 * train_s / steps,  # whole run: wall time of the training loop per step
-        "opt_step_ms_mean": _mean(rec["opt_ms"][timed]),
-        "opt_step_ms_median": _median(rec["opt_ms"][timed]),
-        "opt_step_ms_p10": opt_p10,
-        "opt_step_ms_p90": opt_p90,
-        "opt_step_ms_first": rec["opt_ms"][:TIMING_SKIP],
-        "clip_ms_mean": _mean(rec["clip_ms"][timed]),
-        "forward_backward_ms_mean": _mean(rec["fb_ms"][timed]),
-        "other_ms_mean": _mean(rec["other_ms"][timed]),
-        "step_ms_mean": _mean(rec["step_ms"][timed]),
-        "engine_critical_path_ms_mean": _mean(rec["engine_critical_ms"][timed]) if is_engine else None,
-        # host_step_ms is the engine's report of its last host step, repeated until the next one: the mean over
-        # the distinct nonzero reports is the cost of one host step, not a per-training-step figure.
-        "host_step_ms_mean": _mean(host_ms) if is_engine else None,
-        # the same for ZenFlow's host accumulation jobs (one per step outside the window's last)
-        "accumulate_ms_mean": _mean([v for v in rec["accumulate_ms"][timed] if v > 0]) if is_engine else None,
-        "bytes_to_host_per_step": _mean(rec["bytes_to_host"][timed]) if is_engine else 0.0,
-        "bytes_to_device_per_step": _mean(rec["bytes_to_device"][timed]) if is_engine else 0.0,
-        # both directions of the link, and the host state per offloaded parameter (issue 23's two byte figures)
-        "link_bytes_per_step": sum(_mean(rec[k][timed]) or 0.0 for k in ("bytes_to_host", "bytes_to_device"))
-        if is_engine else 0.0,
-        # the same over the model's weight bytes (issue 23's bar: <= 0.6x with the defaults)
-        "link_bytes_per_step_x_model": sum(_mean(rec[k][timed]) or 0.0 for k in ("bytes_to_host", "bytes_to_device"))
-        / weight_bytes if is_engine else 0.0,
-        "host_bytes_per_param": last_stats.get("host_bytes_per_param") if is_engine else None,
-        "flush_ms": flush_ms,
-        # the device's busy share of the timed steps' wall time (`compare.timeline`)
-        "device_utilization": device_utilization(rec["step_ms"][timed], waits[timed]),
-        "device_wait_ms_mean": _mean(waits[timed]),
-        "cores": {**split.to_dict(), "training_threads": training_threads,
-                  "host_threads": int(last_stats.get("host_threads") or split.host) if is_engine else None},
-        "timeline": timeline.to_dict(),
-        "peak_device_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "host_rss_peak_bytes": rss_peak,
-        "host_rss_start_bytes": rss_start,
-        "optimizer_state_device_bytes": device_state,
-        "optimizer_state_host_bytes": host_state,
-        "engine_stats": {k: v for k, v in last_stats.items() if isinstance(v, (int, float, str, bool)) or v is None},
-        # the engine's own split of its critical path (mean ms per step over the timed steps)
-        "engine_phases_ms_mean": {p: _mean(rec[f"cp_{p}_ms"][timed]) for p in ENGINE_PHASES
-                                  if f"cp_{p}_ms" in rec} if is_engine else {},
-        "curves": {k: rec[k] for k in ("loss", "fb_ms", "clip_ms", "opt_ms", "other_ms", "engine_critical_ms",
-                                       "bytes_to_host", "bytes_to_device", "staleness")},
-    }
-    if cfg.save_model and name == "zenflow":
-        result["_model"] = model  # kept for saving next to the card; dropped before results.json is written
-    if hasattr(opt, "close"):
-        opt.close()
-    del opt
-    return result
+            device_state, host_state = torch_adamw_state_bytes(opt), 0
+        timed = slice(min(TIMING_SKIP, max(0, steps - 1)), None)
+        tail = max(1, steps // 10)
+        train_s = self.train_s
+        host_ms = [v for v in rec["host_step_ms"][timed] if v > 0]
+        opt_p10, opt_p90 = _p10_p90(rec["opt_ms"][timed])
+        link_bytes = sum(_mean(rec[k][timed]) or 0.0 for k in ("bytes_to_host", "bytes_to_device"))
+        result: dict[str, Any] = {
+            "optimizer": name,
+            "label": LABELS[name],
+            "steps": steps,
+            **ev,
+            "train_loss": statistics.fmean(rec["loss"][-tail:]),
+            "train_seconds": train_s,
+            "steps_per_s": steps / train_s,
+            "step_ms": 1e3 * train_s / steps,  # whole run: wall time of the training loop per step (its own turns)
+            # the waits for this run's own host work at the end of its turns (interleaved runs; counted in step_ms)
+            "handover_ms_total": sum(self.handover_ms),
+            "turns": len(self.handover_ms) + 1,
+            "opt_step_ms_mean": _mean(rec["opt_ms"][timed]),
+            "opt_step_ms_median": _median(rec["opt_ms"][timed]),
+            "opt_step_ms_p10": opt_p10,
+            "opt_step_ms_p90": opt_p90,
+            "opt_step_ms_first": rec["opt_ms"][:TIMING_SKIP],
+            "clip_ms_mean": _mean(rec["clip_ms"][timed]),
+            "forward_backward_ms_mean": _mean(rec["fb_ms"][timed]),
+            "other_ms_mean": _mean(rec["other_ms"][timed]),
+            "step_ms_mean": _mean(rec["step_ms"][timed]),
+            "engine_critical_path_ms_mean": _mean(rec["engine_critical_ms"][timed]) if is_engine else None,
+            # host_step_ms is the engine's report of its last host step, repeated until the next one: the mean over
+            # the distinct nonzero reports is the cost of one host step, not a per-training-step figure.
+            "host_step_ms_mean": _mean(host_ms) if is_engine else None,
+            # the same for ZenFlow's host accumulation jobs (one per step outside the window's last)
+            "accumulate_ms_mean": _mean([v for v in rec["accumulate_ms"][timed] if v > 0]) if is_engine else None,
+            "bytes_to_host_per_step": _mean(rec["bytes_to_host"][timed]) if is_engine else 0.0,
+            "bytes_to_device_per_step": _mean(rec["bytes_to_device"][timed]) if is_engine else 0.0,
+            # both directions of the link, and the host state per offloaded parameter (issue 23's two byte figures)
+            "link_bytes_per_step": link_bytes if is_engine else 0.0,
+            # the same over the model's weight bytes (issue 23's bar: <= 0.6x with the defaults)
+            "link_bytes_per_step_x_model": link_bytes / self.weight_bytes if is_engine else 0.0,
+            "host_bytes_per_param": last_stats.get("host_bytes_per_param") if is_engine else None,
+            "flush_ms": flush_ms,
+            # the device's busy share of the timed steps' wall time (`compare.timeline`)
+            "device_utilization": device_utilization(rec["step_ms"][timed], self.waits[timed]),
+            "device_wait_ms_mean": _mean(self.waits[timed]),
+            "cores": {**split.to_dict(), "training_threads": training_threads,
+                      "host_threads": int(last_stats.get("host_threads") or split.host) if is_engine else None},
+            "timeline": self.timeline.to_dict(),
+            "peak_device_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            "host_rss_peak_bytes": self.rss_peak,
+            "host_rss_start_bytes": self.rss_start,
+            "optimizer_state_device_bytes": device_state,
+            "optimizer_state_host_bytes": host_state,
+            "engine_stats": {k: v for k, v in last_stats.items()
+                             if isinstance(v, (int, float, str, bool)) or v is None},
+            # the engine's own split of its critical path (mean ms per step over the timed steps)
+            "engine_phases_ms_mean": {p: _mean(rec[f"cp_{p}_ms"][timed]) for p in ENGINE_PHASES
+                                      if f"cp_{p}_ms" in rec} if is_engine else {},
+            "curves": {k: rec[k] for k in ("loss", "fb_ms", "clip_ms", "opt_ms", "other_ms", "engine_critical_ms",
+                                           "bytes_to_host", "bytes_to_device", "staleness")},
+        }
+        if cfg.save_model and name == "zenflow":
+            result["_model"] = self.model  # kept for saving next to the card; dropped before results.json is written
+        if hasattr(opt, "close"):
+            opt.close()
+        self.opt = self.model = self.sched = None  # type: ignore[assignment]  # the memory goes back before the next
+        return result
+
+
+def _random_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The global random streams a step draws from (dropout): the CPU generator, and the device's on CUDA."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_random_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

@@ -31,6 +31,9 @@ non_negative_int = _number(int, 0, None, False, "an integer >= 0")
 positive_float = _number(float, 0.0, None, True, "a number > 0")
 non_negative_float = _number(float, 0.0, None, False, "a number >= 0")
 fraction = _number(float, 0.0, 1.0, False, "a number in [0, 1]")
+#: compare's steps per turn (`hf_zenflow.compare.run_order.MIN_BLOCK_STEPS`: the drawn timeline window lies within
+#: one turn)
+block_steps = _number(int, 8, None, False, "an integer >= 8")
 
 
 def interval(text: str) -> int | str:

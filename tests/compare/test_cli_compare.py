@@ -88,7 +88,8 @@ def test_compare_tiny_run_writes_all_outputs(tmp_path: Path, monkeypatch: pytest
     # terminal: a progress bar over the 3 x 4 steps with its ETA, the short headline table, every statistic named,
     # the ratios with "×", bytes with units
     captured = capsys.readouterr()
-    assert re.search(r"\[3/3\] ZenFlow: +100%\|.*\| 12/12 \[\d\d:\d\d<00:00", captured.err), captured.err[-500:]
+    # (the runs take turns: the bar names the run whose turn it is, and all of them at the end)
+    assert re.search(r"3 runs, interleaved: +100%\|.*\| 12/12 \[\d\d:\d\d<00:00", captured.err), captured.err[-500:]
     assert "loss" in captured.err and "(median)" in captured.err
     printed = captured.out
     table = [line for line in printed.splitlines() if line.startswith("|")]

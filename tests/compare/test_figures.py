@@ -114,6 +114,8 @@ def test_compare_run_same_cores_timeline_and_projection(tmp_path: Path, monkeypa
     assert (out / "timeline.png").stat().st_size > 1000
     md = (out / "results.md").read_text()
     assert "Cores: device = 1 core(s)" in md and "| device utilisation" in md
+    assert saved["run_order"] == {"order": "interleaved", "why": saved["run_order"]["why"], "block_steps": 8}
+    assert "Run order: interleaved (auto on a CPU device" in md
     assert "## Projected to GPU hardware (not measured)" in md and "7B parameters" in md
     assert "| step ms (projected)" in md and "| h100-80gb-pcie5 | ZenFlow" in md and "Projected, not measured" in md
     proj = saved["projection"]["profiles"]["h100-80gb-pcie5"]
