@@ -2,7 +2,8 @@
 
 Owns the runner (`runner.py`, its settings `compare_config.py`, one timed run `training_run.py`, the order the runs
 take their steps in `run_order.py`), the data layer (`data.py`, `data_source.py`, `batches.py`), metrics, the
-timeline, plots, the report and card, the core split and the machine-load check, and the projection of a run onto a hardware profile (`projection.py`, over `estimate`).
+timeline, plots, the report and card, the core split and the machine-load check, and the projection of a run onto a
+hardware profile (`projection.py`, over `estimate`).
 
 May import: `hf` (model cards), `estimate`, `optimizer`, `engine`, `settings`, `hf_zenflow._extras`. The emulated
 accelerator (`hf-zenflow estimate`) is `hf_zenflow.estimate`; the tuner is `hf_zenflow.tuning`.
