@@ -205,7 +205,8 @@ def statistics_note(steps: int, timing_skip: int) -> str:
             "steps. Ratios: ZenFlow ÷ baseline of a cost (time, bytes, memory, loss): below 1× ZenFlow needs less. "
             "Held-out metric: ZenFlow minus baseline (accuracy in points); perplexity, a cost, as a ratio. \"Other "
             "processes' CPU\": mean cores used by other processes on the cores this run may use, and CPU steal, "
-            "during that optimizer's run.")
+            "during that optimizer's run (runs that take turns share one figure, over all their turns). With "
+            "interleaved runs, \"whole run\" counts each run's own turns only.")
 
 
 def disagreement_notes(rat: dict[str, dict[str, float | None]]) -> list[str]:
@@ -221,14 +222,20 @@ def disagreement_notes(rat: dict[str, dict[str, float | None]]) -> list[str]:
     return notes
 
 
-def busy_warning(reasons: list[str], per_run: dict[str, dict[str, Any]]) -> str | None:
+def busy_warning(reasons: list[str], per_run: dict[str, dict[str, Any]], interleaved: bool = False) -> str | None:
     """The busy-machine warning for the terminal and results.md; None when the machine was quiet over the whole
-    comparison and in every run. `per_run` maps optimizer name to its `LoadReport.to_dict()`."""
+    comparison and in every run. `per_run` maps optimizer name to its `LoadReport.to_dict()`; `interleaved`: the
+    runs took turns (`compare.run_order`), so they shared one measurement of the load."""
     if not reasons and not any(load.get("busy") for load in per_run.values()):
         return None
+    because = "; ".join(reasons) if reasons else "during some of the runs"
+    if interleaved:
+        return (f"WARNING: the machine was busy during this comparison ({because}). The runs took turns, so the "
+                "load met them alike, but a busy machine makes every timing slower and noisier than a quiet one's: "
+                "the time ratios can be off and the mean and median can diverge. Held-out accuracy, loss and bytes "
+                "moved are not timings. Rerun on a quiet machine to compare times.")
     cores = "; ".join(f"{SHORT_NAMES[n]} {load['others_cores']:.2f}" for n, load in per_run.items()
                       if load.get("others_cores") is not None)
-    because = "; ".join(reasons) if reasons else "during some of the runs"
     return (f"WARNING: the machine was busy during this comparison ({because}; other processes' mean cores per run: "
             f"{cores}). Timings are slower and noisier than on a quiet machine, and the runs, one after the other, "
             "were not equally disturbed: the time ratios can be far from a quiet machine's and the mean and median "

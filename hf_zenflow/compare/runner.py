@@ -290,7 +290,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
     full = report.comparison_table(results, rat, task.metric_name, cuda, headline=False)
     note = report.statistics_note(len(task.train_batches), TIMING_SKIP)
     per_run_load = {n: r["machine_load"] for n, r in results.items()}
-    warning = report.busy_warning(whole["busy_reasons"], per_run_load)
+    warning = report.busy_warning(whole["busy_reasons"], per_run_load, interleaved=order == "interleaved")
     notes = report.disagreement_notes(rat)
     title = (f"{task.model_name} on {task.dataset_name.split(' (')[0]}: {cfg.steps} steps x batch {cfg.batch_size}, "
              f"seed {cfg.seed}")

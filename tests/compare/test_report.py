@@ -59,6 +59,9 @@ def test_busy_reasons_and_warning() -> None:
     assert report.busy_warning([], {"zenflow": quiet.to_dict()}) is None
     warning = report.busy_warning(reasons, {"sync_offload": quiet.to_dict(), "zenflow": busy.to_dict()})
     assert warning.startswith("WARNING: the machine was busy") and "sync offload 0.05; ZenFlow 1.50" in warning
+    # runs that took turns share one load figure: the warning says the load met them alike, not "one after the other"
+    shared = report.busy_warning(reasons, {"sync_offload": busy.to_dict(), "zenflow": busy.to_dict()}, True)
+    assert "took turns" in shared and "one after the other" not in shared and "one after the other" in warning
     # one disturbed run is enough: the ratios compare runs
     assert report.busy_warning([], {"sync_offload": quiet.to_dict(), "zenflow": busy.to_dict()}) is not None
     per_run = {"sync_offload": quiet.to_dict(), "zenflow": busy.to_dict()}
