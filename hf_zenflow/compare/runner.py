@@ -244,6 +244,7 @@ def _run_interleaved(cfg: CompareConfig, task: PreparedTask, device: torch.devic
     for name in cfg.optimizers:
         gc.collect()
         runs[name] = TrainingRun(name, task, cfg, device, bar)
+        runs[name].interleaved = True
     steps = len(task.train_batches)
     for name, count in turns(steps, block, min(TIMING_SKIP, max(0, steps - 1)), list(cfg.optimizers)):
         _describe_bar(cfg, bar, name)

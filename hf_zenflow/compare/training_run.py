@@ -195,6 +195,7 @@ class TrainingRun:
         self.train_s = 0.0  # wall time inside this run's own blocks
         self.handover_ms: list[float] = []  # the waits for this run's own host work before another run's turn
         self._rng = _random_state(device)  # this run's random stream, carried across the other runs' turns
+        self.interleaved = False  # set by the runner when the runs take turns: the device's peak is then shared
 
     @property
     def done(self) -> bool:
@@ -343,7 +344,9 @@ class TrainingRun:
             "cores": {**split.to_dict(), "training_threads": training_threads,
                       "host_threads": int(last_stats.get("host_threads") or split.host) if is_engine else None},
             "timeline": self.timeline.to_dict(),
-            "peak_device_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            # (not separable when the runs take turns on one GPU: every run's memory is allocated at once)
+            "peak_device_memory_bytes": torch.cuda.max_memory_allocated(device)
+            if device.type == "cuda" and not self.interleaved else None,
             "host_rss_peak_bytes": self.rss_peak,
             "host_rss_start_bytes": self.rss_start,
             "optimizer_state_device_bytes": device_state,
