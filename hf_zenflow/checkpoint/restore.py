@@ -102,6 +102,12 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
         # the saved run's lag, chosen or still provisional; an explicit setting replaces it
         schedule.writeback_lag = zenflow["writeback_lag"]
         schedule.writeback_lag_pending = bool(zenflow["writeback_lag_pending"])
+    saved_interval = zenflow.get("config", {}).get("update_interval")
+    if "high_lr_window" in zenflow and opt.config.high_lr_rule == "auto" \
+            and saved_interval == opt.config.update_interval:
+        # the saved run's `high_lr_rule="auto"` choice (else: the rule decides from the current settings and lr)
+        configured = None if opt.config.is_auto_interval else int(opt.config.update_interval)
+        schedule.shorten_windows(zenflow["high_lr_window"], configured)
     # before any host state is restored: it is created for the accumulation the saved run chose
     opt._host.accumulate_chosen = resumed_choice(opt.config, zenflow)
     opt._host.writeback_pending = bool(zenflow["writeback_pending"])
