@@ -114,7 +114,7 @@ def new_schedule(config: ZenFlowConfig, groups: list[dict] | None = None) -> Win
         writeback_lag_pending=config.writeback_lag == "auto",
     )
     window = high_lr_window(lr, configured) if config.high_lr_rule == "auto" else None
-    schedule.shorten_windows(window, configured)
+    schedule.shorten_windows(window, configured, schedule.writeback_lag)
     if window is not None:
         lag = window if schedule.writeback_lag is None else schedule.writeback_lag
         beta1 = groups[0]["betas"][0]

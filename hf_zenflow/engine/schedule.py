@@ -80,13 +80,13 @@ class WindowSchedule:
     #: `high_lr_rule="auto"`'s shortened window (then also `update_interval`); None: not engaged
     high_lr_window: int | None = None
 
-    def shorten_windows(self, window: int | None, configured: int | None) -> None:
+    def shorten_windows(self, window: int | None, configured: int | None, lag: int | None) -> None:
         """`high_lr_rule="auto"`'s choice (`host_lr.high_lr_window`, or a checkpoint's): windows of `window` steps
-        instead of the `configured` interval (None: the configured windows); a write-back lag never beyond it."""
+        instead of the `configured` interval (None: the configured windows), and the write-back `lag` (the
+        setting's; 1 for "auto" before its choice) never beyond them."""
         self.high_lr_window = window
         self.update_interval = window or configured
-        if window is not None and self.writeback_lag is not None:
-            self.writeback_lag = min(self.writeback_lag, window)
+        self.writeback_lag = lag if window is None or lag is None else min(lag, window)
 
     def in_warm_up(self) -> bool:
         return self.steps < self.warm_up

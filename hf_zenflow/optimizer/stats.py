@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.host_lr import high_lr_beta1, host_lr_scale, peak_lr, window_lag
+from ..engine.host_lr import high_lr_beta1, high_lr_window, host_lr_scale, peak_lr, window_lag
 from ..engine.schedule import WindowSchedule
 from ..engine.telemetry import ZenFlowStats, state_sizes
 from ..engine.windows import HostWindows
@@ -32,6 +32,11 @@ def optimizer_stats(
         if config.is_auto_interval
         else schedule.update_interval if schedule and schedule.update_interval else config.update_interval
     )
+    high = schedule.high_lr_window if schedule else None
+    if schedule is None and config.high_lr_rule == "auto" and not config.is_auto_interval:
+        # before the first step: what the rule will choose (`new_schedule`)
+        high = high_lr_window(max((peak_lr(g) for g in host.groups), default=0.0), int(config.update_interval))
+        interval = high or interval
     lr_scale = host.lr_scale.last
     if lr_scale is None:  # before the first window closes: what the next full window will take
         window = int(interval) or config.auto_max_interval
@@ -42,7 +47,6 @@ def optimizer_stats(
             window_lag(schedule, config.overlap_step, window),
         )
     # `high_lr_rule="auto"`: the shortened window (0: not engaged) and the host beta1 of the first group
-    high = schedule.high_lr_window if schedule else None
     beta1 = host.groups[0]["betas"][0] if host.groups else 0.9
     if high is not None:
         lag = window_lag(schedule, config.overlap_step, high) if config.overlap_step else 0
