@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 1e-3, 3e-4])
+    p.add_argument("--pretrain-steps", type=int, default=150, help="steps of the base model's pretraining")
     p.add_argument("--variants", nargs="+", default=["defaults", "host_lr_scale=interval"])
     args = p.parse_args(argv)
     sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "hf")]
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     diffs: dict[tuple[float, str], list[float]] = {}
     for seed in args.seeds:
         base = tiny_llama(seed=seed)
-        Trainer(model=base, args=zenflow_args(f"{out}/pre", max_steps=150, seed=seed, **quiet),
+        Trainer(model=base, args=zenflow_args(f"{out}/pre", max_steps=args.pretrain_steps, seed=seed, **quiet),
                 train_dataset=pretrain).train()
         for lr in args.lrs:
             ref = Trainer(model=copy.deepcopy(base), args=zenflow_args(f"{out}/ref", learning_rate=lr, seed=seed,

@@ -12,7 +12,7 @@ import torch
 from .._base import fused_adamw_
 from ..engine.device_state import DenseDeviceState
 from ..engine.host import host_adamw_window
-from ..engine.host_lr import host_lr_scale, peak_lr, window_lag
+from ..engine.host_lr import host_hyper, window_lag
 from ..engine.params import is_split
 from ..engine.selection import num_selected
 from ..engine.split_matrix import SplitMatrix
@@ -91,10 +91,8 @@ def _split_to_dense(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any]) -
             host.accum_count = split.window_count
         if host.accum_count:
             # the open window's gradients are applied now, as `flush()` would, so none is lost
-            scale = host_lr_scale(opt.config.host_lr_scale, host.accum_count, peak_lr(group),
-                                  window_lag(opt._schedule, opt.config.overlap_step, host.accum_count))
-            hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
-            hyper["lr"] *= scale
+            lag = window_lag(opt._schedule, opt.config.overlap_step, host.accum_count)
+            hyper, _ = host_hyper(group, opt.config, host.accum_count, lag, opt._schedule.high_lr_window)
             host_adamw_window([(hyper, [host])])
     master, m, v = split.full_state(opt._host.shards)
     step = (split.device.step if split.device is not None else split.host.step).clone()
@@ -270,11 +268,9 @@ def _flushed_split(entry: dict[str, Any], config: ZenFlowConfig, group: dict[str
         count = int(entry.get("accum_count", 0))
         if count and entry.get("accum") is not None:
             # the saved schedule's lag (None: the next boundary, a whole window), as the optimizer counts it
-            lag = zenflow.get("writeback_lag") or config.update_interval
+            lag = zenflow.get("writeback_lag") or zenflow.get("high_lr_window") or config.update_interval
             lag = (lag if isinstance(lag, int) else count) if config.overlap_step else 1
-            scale = host_lr_scale(config.host_lr_scale, count, peak_lr(group), lag)
-            hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
-            hyper["lr"] *= scale
+            hyper, _ = host_hyper(group, config, count, lag, zenflow.get("high_lr_window"))
             host_step = entry["host_step"].float().cpu().clone()
             fused_adamw_([master], [entry["accum"].float().cpu() / count], [m], [v], [host_step], hyper)
     else:

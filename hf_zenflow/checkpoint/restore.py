@@ -98,6 +98,14 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     for key in ("steps", "window_steps", "windows", "reselections", "last_interval"):
         setattr(schedule, key, int(zenflow[key]))
     schedule.force_select = bool(zenflow.get("force_select", False))
+    saved = zenflow.get("config", {})
+    if opt.config.high_lr_rule == "auto" and saved.get("high_lr_rule", "auto") == "auto" \
+            and saved.get("update_interval") == opt.config.update_interval:
+        # the saved run's `high_lr_rule="auto"` choice (a checkpoint from before the rule: none, as it ran); with
+        # another update_interval, or the rule newly on, it decides afresh (`new_schedule`)
+        configured = None if opt.config.is_auto_interval else int(opt.config.update_interval)
+        schedule.shorten_windows(zenflow.get("high_lr_window"), configured,
+                                 1 if opt.config.writeback_lag == "auto" else opt.config.writeback_lag)
     if opt.config.writeback_lag == "auto" and "writeback_lag_pending" in zenflow:
         # the saved run's lag, chosen or still provisional; an explicit setting replaces it
         schedule.writeback_lag = zenflow["writeback_lag"]

@@ -100,6 +100,9 @@ def check_block(zenflow: dict[str, Any]) -> None:
     lag = zenflow.get("writeback_lag")
     if lag is not None and (not _is_int(lag) or lag < 1):
         raise Refusal(f"{where}: writeback_lag={lag!r} is invalid, expected an integer >= 1 or None")
+    high = zenflow.get("high_lr_window")
+    if high is not None and (not _is_int(high) or high < 1):
+        raise Refusal(f"{where}: high_lr_window={high!r} is invalid, expected an integer >= 1 or None")
     if "writeback_lag_pending" in zenflow:
         _flag(where, zenflow, "writeback_lag_pending")
     if zenflow.get("accumulate_on") not in (None, "host", "device", "device_bf16"):

@@ -1,6 +1,7 @@
 """The host AdamW's learning-rate multiplier (`ZenFlowConfig.host_lr_scale`) per window: a number, "interval" (the
 window's length) or "auto" (the window's length, capped where a window's host step would overshoot), and the run's
-record of it for `stats()` and the log."""
+record of it for `stats()` and the log; `high_lr_rule="auto"`: shorter windows and a lower host beta1 at high
+learning rates (`high_lr_window`, `high_lr_beta1`); `host_hyper`: a window's host AdamW hyper-parameters."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ..settings.config import AUTO_HOST_LR_CAP
 
 
 if TYPE_CHECKING:
+    from ..settings.config import ZenFlowConfig
     from .schedule import WindowSchedule
 
 logger = logging.getLogger("hf_zenflow")
@@ -33,6 +35,54 @@ def auto_host_lr_scale(lr: float, window_steps: int, lag: int) -> float:
     if window_steps <= 1 or not lr > 0:
         return 1.0
     return min(float(window_steps), max(1.0, AUTO_HOST_LR_CAP / (math.sqrt(max(1, lag)) * lr)))
+
+
+def high_lr_window(lr: float, update_interval: int | None) -> int | None:
+    """`high_lr_rule="auto"`: the window length at the peak learning rate `lr`, or None where the rule leaves the
+    configured `update_interval` alone (lr x update_interval <= `AUTO_HOST_LR_CAP`, one-step windows, Zen-auto's
+    windows). Above the cap, "interval"'s host step (lr x window) would overshoot, and a smaller multiplier leaves
+    the unselected columns behind (BENCHMARKS §4b: every multiplier 0.5-3.0 costs +1.9 % or more at 3e-3, U=4);
+    shorter windows, floor(cap / lr) steps, keep the per-step rate under the cap.
+
+    Example:
+        >>> high_lr_window(1e-3, 4), high_lr_window(1.25e-3, 4), high_lr_window(2e-3, 4), high_lr_window(3e-3, 4)
+        (None, None, 2, 1)
+        >>> high_lr_window(1e-3, 8), high_lr_window(3e-3, None), high_lr_window(3e-3, 1)
+        (5, None, None)
+    """
+    if update_interval is None or update_interval <= 1 or not lr * update_interval > AUTO_HOST_LR_CAP:
+        return None
+    return max(1, min(update_interval - 1, math.floor(AUTO_HOST_LR_CAP / lr)))
+
+
+def high_lr_beta1(beta1: float, window: int, lag: int) -> float:
+    """`high_lr_rule="auto"`'s host beta1 for windows of `window` steps whose result is written back `lag` steps
+    into the next window (0: at once, not overlapped): ``max(0, 1 - window (1 - beta1) - lag / (window + lag))``.
+
+    AdamW's first moment averages about 1 / (1 - beta1) steps, 1 / (window (1 - beta1)) windows: a host beta1 of
+    1 - window (1 - beta1) keeps that horizon. A late write-back leaves the first `lag` of the next window's
+    `window` gradients one host step stale, a mean staleness of d = lag / window host steps; staleness acts as
+    momentum of its own, about d / (1 + d) = lag / (window + lag) (Mitliagkas et al. 2016, "Asynchrony begets
+    momentum"), which is taken off the explicit momentum.
+
+    Example:
+        >>> [round(high_lr_beta1(0.9, w, lag), 4) for w, lag in ((1, 1), (2, 1), (2, 2), (4, 1), (1, 0))]
+        [0.4, 0.4667, 0.3, 0.4, 0.9]
+    """
+    return max(0.0, 1.0 - window * (1.0 - beta1) - lag / (window + lag))
+
+
+def host_hyper(group: dict, config: ZenFlowConfig, steps: int, lag: int, high_lr: int | None) -> tuple[dict, float]:
+    """A window's host AdamW hyper-parameters from its param group (the lr in force now, times the `host_lr_scale`
+    multiplier for a window of `steps` steps written back `lag` steps late) and the multiplier; with the high-lr
+    rule engaged (`high_lr`: the schedule's shortened window) beta1 is `high_lr_beta1`'s."""
+    hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    scale = host_lr_scale(config.host_lr_scale, steps, peak_lr(group), lag)
+    hyper["lr"] = hyper["lr"] * scale
+    if high_lr is not None:
+        beta1, beta2 = hyper["betas"]
+        hyper["betas"] = (high_lr_beta1(beta1, high_lr, lag if config.overlap_step else 0), beta2)
+    return hyper, scale
 
 
 def host_lr_scale(setting: float | str, window_steps: int, lr: float = 0.0, lag: int = 1) -> float:

@@ -5,14 +5,16 @@ param groups, the window schedule, and for each parameter whether it is split be
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._base import check_hyperparameters
-from ..settings.config import ZenFlowConfig
+from ..settings.config import AUTO_HOST_LR_CAP, ZenFlowConfig
 from .device_state import DenseDeviceState
+from .host_lr import high_lr_beta1, high_lr_window, peak_lr
 from .schedule import WindowSchedule
 from .selection import num_selected, selection_axis
 from .split_matrix import SplitMatrix
@@ -21,6 +23,9 @@ from .split_matrix import SplitMatrix
 if TYPE_CHECKING:
     from ..distributed.fsdp import LocalShards
     from .windows import HostWindows
+
+
+logger = logging.getLogger("hf_zenflow")
 
 
 def resolve_config(config: ZenFlowConfig | None, overrides: dict[str, Any], host_executor: str) -> ZenFlowConfig:
@@ -92,10 +97,15 @@ def check_group_params(group: dict[str, Any]) -> None:
                              "own (nn.Parameter(w.contiguous())).")
 
 
-def new_schedule(config: ZenFlowConfig) -> WindowSchedule:
-    return WindowSchedule(
+def new_schedule(config: ZenFlowConfig, groups: list[dict] | None = None) -> WindowSchedule:
+    """The run's schedule; `high_lr_rule="auto"` judges by the largest peak learning rate of the param `groups`
+    (`host_lr.high_lr_window`; its choice is logged)."""
+    groups = groups or []
+    lr = max((peak_lr(g) for g in groups), default=0.0)
+    configured = None if config.is_auto_interval else int(config.update_interval)
+    schedule = WindowSchedule(
         warm_up=config.full_warm_up_rounds,
-        update_interval=None if config.is_auto_interval else int(config.update_interval),
+        update_interval=configured,
         auto_ratio=config.auto_ratio,
         auto_max_interval=config.auto_max_interval,
         select_period=config.select_period(),
@@ -103,6 +113,16 @@ def new_schedule(config: ZenFlowConfig) -> WindowSchedule:
         writeback_lag=1 if config.writeback_lag == "auto" else config.writeback_lag,
         writeback_lag_pending=config.writeback_lag == "auto",
     )
+    window = high_lr_window(lr, configured) if config.high_lr_rule == "auto" else None
+    schedule.shorten_windows(window, configured, schedule.writeback_lag)
+    if window is not None:
+        lag = window if schedule.writeback_lag is None else schedule.writeback_lag
+        beta1 = groups[0]["betas"][0]
+        until = ', until writeback_lag="auto" chooses' if schedule.writeback_lag_pending else ""
+        logger.info('hf_zenflow: high_lr_rule="auto": peak lr %g x update_interval %d > %g: windows of %d step(s), '
+                    "host beta1 %.4g for beta1 %g (write-back lag %d%s)", lr, configured, AUTO_HOST_LR_CAP, window,
+                    high_lr_beta1(beta1, window, lag if config.overlap_step else 0), beta1, lag, until)
+    return schedule
 
 
 def is_split(p: torch.Tensor, group: dict[str, Any], config: ZenFlowConfig,

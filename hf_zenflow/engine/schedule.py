@@ -77,6 +77,16 @@ class WindowSchedule:
     last_interval: int = 0
     #: select at the next step whatever the period says (a resumed run whose `topk_ratio` changed)
     force_select: bool = False
+    #: `high_lr_rule="auto"`'s shortened window (then also `update_interval`); None: not engaged
+    high_lr_window: int | None = None
+
+    def shorten_windows(self, window: int | None, configured: int | None, lag: int | None) -> None:
+        """`high_lr_rule="auto"`'s choice (`host_lr.high_lr_window`, or a checkpoint's): windows of `window` steps
+        instead of the `configured` interval (None: the configured windows), and the write-back `lag` (the
+        setting's; 1 for "auto" before its choice) never beyond them."""
+        self.high_lr_window = window
+        self.update_interval = window or configured
+        self.writeback_lag = lag if window is None or lag is None else min(lag, window)
 
     def in_warm_up(self) -> bool:
         return self.steps < self.warm_up

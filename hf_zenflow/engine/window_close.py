@@ -15,7 +15,7 @@ from .._base import by_device
 from ..settings.config import sums_on_device
 from .device_state import DeviceColumns, scatter_columns
 from .host import HostMatrix, host_adamw_window
-from .host_lr import host_lr_scale, peak_lr, window_lag
+from .host_lr import host_hyper, peak_lr, window_lag
 from .schedule import WindowSchedule
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer
@@ -40,10 +40,8 @@ class WindowCloses:
                 group = group_of[split.owner]  # (the parameter in the group: a DTensor under FSDP2)
                 if id(group) not in by_group:
                     # hyper-parameters are copied now: the lr in force when the window closed
-                    hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
-                    scale = host_lr_scale(self.config.host_lr_scale, steps, peak_lr(group), lag)
+                    hyper, scale = host_hyper(group, self.config, steps, lag, schedule.high_lr_window)
                     self.lr_scale.note(self.config.host_lr_scale, scale, peak_lr(group), lag, full)
-                    hyper["lr"] = hyper["lr"] * scale
                     by_group[id(group)] = (hyper, [])
                 by_group[id(group)][1].append(split.host)
         work = list(by_group.values())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.host_lr import host_lr_scale, peak_lr, window_lag
+from ..engine.host_lr import high_lr_beta1, high_lr_window, host_lr_scale, peak_lr, window_lag
 from ..engine.schedule import WindowSchedule
 from ..engine.telemetry import ZenFlowStats, state_sizes
 from ..engine.windows import HostWindows
@@ -30,8 +30,13 @@ def optimizer_stats(
         if schedule and schedule.last_interval
         else (schedule.window_steps if schedule else 0)
         if config.is_auto_interval
-        else config.update_interval
+        else schedule.update_interval if schedule and schedule.update_interval else config.update_interval
     )
+    high = schedule.high_lr_window if schedule else None
+    if schedule is None and config.high_lr_rule == "auto" and not config.is_auto_interval:
+        # before the first step: what the rule will choose (`new_schedule`)
+        high = high_lr_window(max((peak_lr(g) for g in host.groups), default=0.0), int(config.update_interval))
+        interval = high or interval
     lr_scale = host.lr_scale.last
     if lr_scale is None:  # before the first window closes: what the next full window will take
         window = int(interval) or config.auto_max_interval
@@ -41,12 +46,19 @@ def optimizer_stats(
             peak_lr(host.groups[0]) if host.groups else 0.0,
             window_lag(schedule, config.overlap_step, window),
         )
+    # `high_lr_rule="auto"`: the shortened window (0: not engaged) and the host beta1 of the first group
+    beta1 = host.groups[0]["betas"][0] if host.groups else 0.9
+    if high is not None:
+        lag = window_lag(schedule, config.overlap_step, high) if config.overlap_step else 0
+        beta1 = high_lr_beta1(beta1, high, lag)
     out: dict[str, float | str] = {"accumulate_on": host.accumulate_on or "auto"}
     return out | stats.as_dict(
         **state_sizes(splits, dense),
         update_interval=float(interval),
         host_lr_scale=lr_scale,
         writeback_lag=float(schedule.writeback_lag if schedule and schedule.writeback_lag else interval),
+        high_lr_window=float(high or 0),
+        host_beta1=beta1,
         host_threads=config.resolved_cpu_threads,
         steps=schedule.steps if schedule else 0,
         windows=schedule.windows if schedule else 0,

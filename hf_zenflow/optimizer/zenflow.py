@@ -350,7 +350,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
 
     def _ensure_schedule(self) -> WindowSchedule:
         if self._schedule is None:
-            self._schedule = new_schedule(self.config)
+            self._schedule = new_schedule(self.config, self.param_groups)
         return self._schedule
 
     # ------------------------------------------------------------------------------------------------------------

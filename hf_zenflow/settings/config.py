@@ -45,6 +45,7 @@ _ACCUMULATE_ON = ("auto", "host", "device", "device_bf16")
 DEVICE_SUM_DTYPES = {"device": torch.float32, "device_bf16": torch.bfloat16}
 _HOST_GRAD_DTYPES = ("auto", "bfloat16")
 _HOST_MOMENT_DTYPES = ("float32", "bfloat16")
+_HIGH_LR_RULES = ("auto", "off")
 
 
 def sums_on_device(accumulate_on: str | None) -> bool:
@@ -159,6 +160,19 @@ class ZenFlowConfig:
                   f"{AUTO_HOST_LR_CAP:g} / sqrt(write-back lag), the multiplier reaching that cap above it, never "
                   'below 1.0 (logged once; stats()["host_lr_scale"]): "interval" at fine-tuning learning rates, '
                   "less where it would overshoot (BENCHMARKS §4)."},
+    )
+    high_lr_rule: str = field(
+        default="auto",
+        metadata={"help": "Windows at high learning rates. \"auto\" (the default): when the scheduler's peak lr x "
+                  f"update_interval exceeds {AUTO_HOST_LR_CAP:g} (above 1.25e-3 at update_interval=4), windows "
+                  f"are shortened to floor({AUTO_HOST_LR_CAP:g} / lr) steps (at least 1), so that the host step "
+                  "keeps the per-step rate without overshooting, and the host AdamW's beta1 becomes "
+                  "max(0, 1 - U'(1 - beta1) - L / (U' + L)) for windows of U' steps written back L steps late "
+                  "(0 when not overlapped): the momentum horizon of beta1 counted in windows, less the momentum that "
+                  "the late write-back adds. Chosen at the first step, logged, in stats() and checkpoints; at lower "
+                  "rates nothing changes (bit for bit). Not with update_interval=\"auto\". \"off\": the "
+                  "configured windows and betas at every learning rate (BENCHMARKS §4b).",
+                  "choices": _HIGH_LR_RULES},
     )
     min_offload_numel: int = field(
         default=MIN_OFFLOAD_NUMEL,

@@ -84,11 +84,11 @@ def test_a_new_topk_ratio_takes_effect_on_resume_exactly(new_ratio, caplog):
 
 def test_a_new_update_interval_takes_effect_on_resume():
     model, opt, sched, _ = run_until(lambda m: ZenFlowAdamW(param_groups(m), lr=LR, topk_ratio=0.1, update_interval=4,
-                                                            min_offload_numel=0), SPLIT_AT)
+                                                            min_offload_numel=0, high_lr_rule="off"), SPLIT_AT)
     checkpoint = save(model, opt, sched)
     opt.close()
     _, opt_b, _ = resume(checkpoint, lambda m: ZenFlowAdamW(param_groups(m), lr=LR, topk_ratio=0.1, update_interval=2,
-                                                            min_offload_numel=0))
+                                                            min_offload_numel=0, high_lr_rule="off"))
     assert opt_b.stats()["update_interval"] == 2
     opt_b.close()
 

@@ -16,7 +16,7 @@ from hf_zenflow.hf.rank_checkpoint import load_rank_state, rank_file_name, resha
 
 
 SETTINGS = dict(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=1, select_strategy="step", select_interval=4,
-                min_offload_numel=0, cpu_threads=1, overlap_step=True, writeback_lag=1)
+                min_offload_numel=0, cpu_threads=1, overlap_step=True, writeback_lag=1, high_lr_rule="off")
 
 
 def _state(layout: str) -> dict:

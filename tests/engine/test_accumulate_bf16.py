@@ -21,7 +21,8 @@ from tests.doubles.async_device import async_transport
 
 
 LR = 1e-2
-SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0)
+SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0,
+                high_lr_rule="off")
 FITS = 1 << 30  # bytes: far more than the tiny model's window sums and selected columns (~36 KB)
 
 

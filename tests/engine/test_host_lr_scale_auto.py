@@ -1,5 +1,6 @@
 """`host_lr_scale="auto"`: the rule's resolution (table-driven), and a run under "auto" is bit for bit the run with the
-multiplier it picked given explicitly, reports it in `stats()`, logs it once, and resumes exactly."""
+multiplier it picked given explicitly, reports it in `stats()`, logs it once, and resumes exactly. With the configured
+windows (`high_lr_rule="off"`): the rule that shortens them at high rates is tests/engine/test_high_lr_rule.py's."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def _run(host_lr_scale, lr, writeback_lag, steps=TOTAL, checkpoint_at=None):
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=lr, topk_ratio=0.25, update_interval=4, select_strategy="step",
                        select_interval=8, min_offload_numel=0, host_lr_scale=host_lr_scale,
-                       writeback_lag=writeback_lag)
+                       writeback_lag=writeback_lag, high_lr_rule="off")
     sched = linear_schedule(opt, TOTAL)
     train(model, opt, batches(TOTAL)[:steps], sched, clip=1.0)
     saved = None
@@ -107,7 +108,7 @@ def test_auto_is_bitwise_the_multiplier_it_picks(lr, writeback_lag, expected, ca
 def test_stats_say_the_multiplier_before_the_first_window():
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=2e-3, update_interval=4, host_lr_scale="auto", writeback_lag=1,
-                       min_offload_numel=0)
+                       min_offload_numel=0, high_lr_rule="off")
     linear_schedule(opt, 10)
     assert opt.stats()["host_lr_scale"] == 2.5
     opt.close()
@@ -119,7 +120,8 @@ def test_auto_resumes_exactly_mid_window():
     model = make_model(seed=123)
     model.load_state_dict(saved["model"])
     opt = ZenFlowAdamW(param_groups(model), lr=3e-3, topk_ratio=0.25, update_interval=4, select_strategy="step",
-                       select_interval=8, min_offload_numel=0, host_lr_scale="auto", writeback_lag=1)
+                       select_interval=8, min_offload_numel=0, host_lr_scale="auto", writeback_lag=1,
+                       high_lr_rule="off")
     sched = linear_schedule(opt, TOTAL)
     opt.load_state_dict(saved["opt"])
     sched.load_state_dict(saved["sched"])

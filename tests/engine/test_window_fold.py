@@ -13,7 +13,7 @@ from hf_zenflow.engine.worker import HostAdamWorker
 from tests.conftest import batches, linear_schedule, make_model, param_groups, train
 
 
-SETTINGS = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, min_offload_numel=0)
+SETTINGS = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, min_offload_numel=0, high_lr_rule="off")
 
 
 @pytest.mark.parametrize("overlap_step", [True, False])

@@ -14,6 +14,10 @@ from hf_zenflow.engine.schedule import auto_writeback_lag
 from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train
 
 
+#: (windows of 4 steps at lr 1e-2: `high_lr_rule="auto"` would shorten them to one; its tests: test_high_lr_rule.py)
+OFF = {"high_lr_rule": "off"}
+
+
 @pytest.mark.parametrize(
     ("host_ms", "step_ms", "longest", "expected"),
     [
@@ -48,7 +52,8 @@ def test_auto_chooses_from_the_measured_host_step(host_delay_s, expected, monkey
 
     monkeypatch.setattr("hf_zenflow.engine.window_close.host_adamw_window", slow_window)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", min_offload_numel=0)
+    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", min_offload_numel=0,
+                       **OFF)
     _train(opt, model, 7, pause_s=0.06)
     assert opt._schedule.writeback_lag_pending  # one window closed: nothing chosen yet, 1 step meanwhile
     assert opt.stats()["writeback_lag"] == 1
@@ -61,7 +66,8 @@ def test_auto_chooses_from_the_measured_host_step(host_delay_s, expected, monkey
 def test_a_checkpoint_keeps_the_chosen_lag_and_a_new_setting_replaces_it(monkeypatch):
     monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 1)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", min_offload_numel=0)
+    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", min_offload_numel=0,
+                       **OFF)
     train(model, opt, batches(10), linear_schedule(opt, 10))
     state = roundtrip(opt.state_dict())
     opt.close()
@@ -69,12 +75,13 @@ def test_a_checkpoint_keeps_the_chosen_lag_and_a_new_setting_replaces_it(monkeyp
     # the resumed run would choose 3 from its own timing: it keeps the saved choice instead
     monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 3)
     resumed = ZenFlowAdamW(param_groups(make_model()), lr=1e-2, update_interval=4, writeback_lag="auto",
-                           min_offload_numel=0)
+                           min_offload_numel=0, **OFF)
     resumed.load_state_dict(state)
     assert resumed.stats()["writeback_lag"] == 1
     resumed.close()
     # an explicit setting on resume takes effect
-    fixed = ZenFlowAdamW(param_groups(make_model()), lr=1e-2, update_interval=4, writeback_lag=2, min_offload_numel=0)
+    fixed = ZenFlowAdamW(param_groups(make_model()), lr=1e-2, update_interval=4, writeback_lag=2, min_offload_numel=0,
+                         **OFF)
     fixed.load_state_dict(state)
     assert fixed.stats()["writeback_lag"] == 2
     fixed.close()
@@ -96,7 +103,7 @@ def test_the_choice_waits_for_two_windows_after_the_warm_up(monkeypatch):
                         lambda host_ms, step_ms, longest: calls.append(1) or 2)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", full_warm_up_rounds=3,
-                       min_offload_numel=0)
+                       min_offload_numel=0, **OFF)
     train(model, opt, batches(3 + 7), linear_schedule(opt, 20))
     assert calls == [] and opt._schedule.writeback_lag_pending
     train(model, opt, batches(1, seed=2), linear_schedule(opt, 20))  # the second window after the warm-up closes

@@ -40,6 +40,7 @@ CASES = [
     ("accumulate_on", "Device", "device", {}),
     ("host_grad_dtype", "BFloat16", "bfloat16", {}),
     ("host_moment_dtype", "bfloat16", "bfloat16", {}),
+    ("high_lr_rule", "OFF", "off", {}),
     ("device_memory_budget_bytes", "1000000", 1000000, {}),
     ("cpu_threads", "2", 2, {}),
     ("steps_per_epoch", "30", 30, {}),

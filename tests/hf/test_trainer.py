@@ -252,7 +252,8 @@ def test_activation_checkpointing_gives_the_same_run(tmp_path, train_dataset):
 
 
 def test_telemetry_in_logs_and_model_card(tmp_path, train_dataset):
-    trainer = zenflow_run(tmp_path, train_dataset, max_steps=8, logging_steps=4)
+    # (high_lr_rule="off": the configured windows of 4 at the helpers' lr 3e-3, which the rule would shorten to 1)
+    trainer = zenflow_run(tmp_path, train_dataset, max_steps=8, logging_steps=4, zenflow_high_lr_rule="off")
     step_logs = [e for e in trainer.state.log_history if "loss" in e]
     assert len(step_logs) == 2
     for entry in step_logs:

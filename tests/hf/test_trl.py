@@ -87,7 +87,8 @@ def test_sft_trains_with_zenflow_adamw(tmp_path):
     trainer = sft(tmp_path / "sft", model=model)
     opt = trainer.zenflow_optimizer
     assert isinstance(opt, ZenFlowAdamW) and trainer.state.global_step == 4
-    assert opt.stats()["windows"] == 2  # 4 steps, update_interval 2
+    # 4 steps of one-step windows: at lr 3e-3, high_lr_rule="auto" shortens update_interval=2 to floor(5e-3 / lr) = 1
+    assert opt.stats()["windows"] == 4 and opt.stats()["high_lr_window"] == 1
     summary = trainer.state.log_history[-1]
     assert summary["zenflow/steps"] == 4
     assert len(losses(trainer)) == 4 and all(torch.isfinite(torch.tensor(losses(trainer))))

@@ -15,7 +15,10 @@ from hf_zenflow._base import fused_adamw_
 from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
 
 
+#: (at this rate `high_lr_rule="auto"` would shorten windows of 2 or more steps to one: the tests of the configured
+#: windows below pin them with OFF; the rule's own tests are tests/engine/test_high_lr_rule.py)
 LR = 1e-2
+OFF = {"high_lr_rule": "off"}
 STEPS = 50
 
 
@@ -28,7 +31,7 @@ def run_reference(steps: int = STEPS, clip: float | None = None, fused: bool = F
 
 def run_zenflow(steps: int = STEPS, clip: float | None = None, **kw) -> tuple[torch.nn.Module, list, ZenFlowAdamW]:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **kw, min_offload_numel=0)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**OFF, **kw}, min_offload_numel=0)
     losses = train(model, opt, batches(steps), linear_schedule(opt, steps), clip=clip)
     opt.flush()
     opt.close()
@@ -117,7 +120,7 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, w
     U, k = 4, 8
     opt = ZenFlowAdamW([lin.weight], lr=LR, weight_decay=0.05, topk_ratio=k / 32, update_interval=U,
                        select_strategy="step", select_interval=1000, host_lr_scale=host_lr_scale, min_offload_numel=0,
-                       writeback_lag=writeback_lag)
+                       writeback_lag=writeback_lag, **OFF)
     def lag(window: int) -> int:  # the write-back lag of window `window`'s result (1-based)
         if writeback_lag == "auto":
             return 1 if window == 1 else 2
@@ -184,7 +187,8 @@ def test_device_accumulation_equals_host_accumulation_bit_for_bit(settings, dtyp
     results = []
     for accumulate_on in ("host", "device"):
         model = make_model(dtype=dtype)
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, accumulate_on=accumulate_on, **settings, min_offload_numel=0)
+        opt = ZenFlowAdamW(param_groups(model), lr=LR, accumulate_on=accumulate_on, **{**OFF, **settings},
+                           min_offload_numel=0)
         losses = train(model, opt, batches(30), linear_schedule(opt, 30), clip=1.0)
         opt.flush()
         results.append((model, losses, opt.stats()))
@@ -209,12 +213,12 @@ def assert_resume_continues_identically(split_at: int, total: int, settings: dic
     rest: losses and weights must be identical. Returns the checkpoint."""
     data = batches(total)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings, min_offload_numel=0)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**OFF, **settings}, min_offload_numel=0)
     full_losses = train(model, opt, data, linear_schedule(opt, total), clip=1.0)
     opt.close()
 
     model_a = make_model()
-    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, **{**settings, **(save or {})}, min_offload_numel=0)
+    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, **{**OFF, **settings, **(save or {})}, min_offload_numel=0)
     sched_a = linear_schedule(opt_a, total)
     first = train(model_a, opt_a, data[:split_at], sched_a, clip=1.0)
     checkpoint = roundtrip({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "sched": sched_a.state_dict()})
@@ -222,7 +226,7 @@ def assert_resume_continues_identically(split_at: int, total: int, settings: dic
 
     model_b = make_model(seed=123)  # fresh copy, different init: everything must come from the checkpoint
     model_b.load_state_dict(checkpoint["model"])
-    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, **{**settings, **(load or {})}, min_offload_numel=0)
+    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, **{**OFF, **settings, **(load or {})}, min_offload_numel=0)
     sched_b = linear_schedule(opt_b, total)  # built before loading, as the HF Trainer does
     opt_b.load_state_dict(checkpoint["opt"])
     sched_b.load_state_dict(checkpoint["sched"])
@@ -258,7 +262,7 @@ def test_state_dict_is_weights_only_safe_and_accepts_any_device_tensors():
     kinds = {entry["kind"] for entry in state["state"].values()}
     assert kinds == {"split", "dense"}
     model = make_model()
-    fresh = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.2, update_interval=4, min_offload_numel=0)
+    fresh = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.2, update_interval=4, min_offload_numel=0, **OFF)
     fresh.load_state_dict(copy.deepcopy(state))
     assert roundtrip(fresh.state_dict())["zenflow"] == state["zenflow"]
 
@@ -479,7 +483,7 @@ def test_steps_consume_offloaded_gradients_only():
 def test_telemetry_counts_bytes_staleness_and_phases():
     lin = torch.nn.Linear(40, 16, bias=True)
     opt = ZenFlowAdamW(lin.parameters(), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
-                       select_interval=1000, host_executor="inline", min_offload_numel=0, writeback_lag=None)
+                       select_interval=1000, host_executor="inline", min_offload_numel=0, writeback_lag=None, **OFF)
     matrix_bytes = lin.weight.numel() * 4
     seen = []
     for _ in range(12):
