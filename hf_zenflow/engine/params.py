@@ -99,9 +99,7 @@ def check_group_params(group: dict[str, Any]) -> None:
 
 def new_schedule(config: ZenFlowConfig, groups: list[dict] | None = None) -> WindowSchedule:
     """The run's schedule; `high_lr_rule="auto"` judges by the largest peak learning rate of the param `groups`
-    (`host_lr.high_lr_window`; its choice is logged)."""
-    groups = groups or []
-    lr = max((peak_lr(g) for g in groups), default=0.0)
+    (`host_lr.high_lr_window`; its choice is logged at the first step, `announce_high_lr_rule`)."""
     configured = None if config.is_auto_interval else int(config.update_interval)
     schedule = WindowSchedule(
         warm_up=config.full_warm_up_rounds,
@@ -113,16 +111,28 @@ def new_schedule(config: ZenFlowConfig, groups: list[dict] | None = None) -> Win
         writeback_lag=1 if config.writeback_lag == "auto" else config.writeback_lag,
         writeback_lag_pending=config.writeback_lag == "auto",
     )
+    lr = max((peak_lr(g) for g in groups or []), default=0.0)
     window = high_lr_window(lr, configured) if config.high_lr_rule == "auto" else None
     schedule.shorten_windows(window, configured, schedule.writeback_lag)
-    if window is not None:
-        lag = window if schedule.writeback_lag is None else schedule.writeback_lag
-        beta1 = groups[0]["betas"][0]
-        until = ', until writeback_lag="auto" chooses' if schedule.writeback_lag_pending else ""
-        logger.info('hf_zenflow: high_lr_rule="auto": peak lr %g x update_interval %d > %g: windows of %d step(s), '
-                    "host beta1 %.4g for beta1 %g (write-back lag %d%s)", lr, configured, AUTO_HOST_LR_CAP, window,
-                    high_lr_beta1(beta1, window, lag if config.overlap_step else 0), beta1, lag, until)
     return schedule
+
+
+def announce_high_lr_rule(schedule: WindowSchedule, config: ZenFlowConfig, groups: list[dict]) -> None:
+    """Log `high_lr_rule="auto"`'s choice once per run, at the first step this optimizer takes: after a resume that
+    is the checkpoint's choice (restored over the one a fresh schedule would make), not a decision it replaced."""
+    if schedule.high_lr_announced:
+        return
+    schedule.high_lr_announced = True
+    window = schedule.high_lr_window
+    if window is None:
+        return
+    lr = max((peak_lr(g) for g in groups), default=0.0)
+    lag = window if schedule.writeback_lag is None else schedule.writeback_lag
+    beta1 = groups[0]["betas"][0]
+    until = ', until writeback_lag="auto" chooses' if schedule.writeback_lag_pending else ""
+    logger.info('hf_zenflow: high_lr_rule="auto": peak lr %g x update_interval %s > %g: windows of %d step(s), '
+                "host beta1 %.4g for beta1 %g (write-back lag %d%s)", lr, config.update_interval, AUTO_HOST_LR_CAP,
+                window, high_lr_beta1(beta1, window, lag if config.overlap_step else 0), beta1, lag, until)
 
 
 def is_split(p: torch.Tensor, group: dict[str, Any], config: ZenFlowConfig,

@@ -79,6 +79,8 @@ class WindowSchedule:
     force_select: bool = False
     #: `high_lr_rule="auto"`'s shortened window (then also `update_interval`); None: not engaged
     high_lr_window: int | None = None
+    #: whether this optimizer has logged that choice (`params.announce_high_lr_rule`; not saved)
+    high_lr_announced: bool = False
 
     def shorten_windows(self, window: int | None, configured: int | None, lag: int | None) -> None:
         """`high_lr_rule="auto"`'s choice (`host_lr.high_lr_window`, or a checkpoint's): windows of `window` steps

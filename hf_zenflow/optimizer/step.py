@@ -19,7 +19,7 @@ from ..engine import amp
 from ..engine.device_step import device_update
 from ..engine.gradients import read_gradients
 from ..engine.handoff import HandOff
-from ..engine.params import create_state
+from ..engine.params import announce_high_lr_rule, create_state
 from ..engine.reselection import reselect, select_waiting
 from ..engine.schedule import StepKind
 from ..engine.telemetry import StepTimer
@@ -48,6 +48,7 @@ class StepSequence:
             self._stats.finish_step(timer, skipped=True)
             return loss
         schedule = self._ensure_schedule()
+        announce_high_lr_rule(schedule, self.config, self.param_groups)
         self._pick_up_outside_changes()
         create_state(entries, self._split, self._dense, self.config, schedule, self._host,
                      self._fsdp if self._fsdp.active else None)

@@ -161,6 +161,25 @@ def test_the_choice_comes_from_the_checkpoint(saved_window, settings, expected):
     assert interval == (expected or 4)
 
 
+@pytest.mark.parametrize("saved_window, logged", [("missing", None), (3, "windows of 3 step(s)")])
+def test_a_resumed_run_logs_the_choice_it_continues_with(caplog, saved_window, logged):
+    """The log names the checkpoint's choice, at the resumed run's first step; a checkpoint from before the rule
+    (not engaged) logs nothing, not the choice a fresh schedule at this lr would have made (2)."""
+    saved = _checkpoint(steps=4)
+    if saved_window == "missing":
+        del saved["opt"]["zenflow"]["high_lr_window"]
+    else:
+        saved["opt"]["zenflow"]["high_lr_window"] = saved_window
+    seal(saved["opt"])
+    with caplog.at_level(logging.INFO, logger="hf_zenflow"):
+        model, opt, sched = _resume(saved)
+        train(model, opt, batches(16)[4:6], sched, clip=1.0)
+    opt.close()
+    chose = [r.getMessage() for r in caplog.records if 'high_lr_rule="auto"' in r.getMessage()]
+    assert chose == ([] if logged is None else chose[:1]) and len(chose) == (logged is not None), chose
+    assert logged is None or logged in chose[0]
+
+
 def test_a_damaged_choice_is_refused():
     saved = _checkpoint()
     saved["opt"]["zenflow"]["high_lr_window"] = 0
