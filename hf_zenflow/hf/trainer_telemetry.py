@@ -19,7 +19,9 @@ from .unwrap import unwrap_zenflow_optimizer
 MEAN_STATS = ("critical_path_ms", "cp_wait_ms", "host_step_ms", "bytes_to_host", "bytes_to_device",
               "selected_fraction", "staleness")
 #: `opt.stats()` keys reported as their latest value (the current interval, or counters).
-LAST_STATS = ("update_interval", "steps", "windows", "reselections", "skipped_steps")
+LAST_STATS = ("update_interval", "steps", "windows", "reselections", "skipped_steps",
+              # `high_lr_rule="auto"`'s choice (0: not engaged) and the host AdamW's beta1 it implies
+              "high_lr_window", "host_beta1")
 TELEMETRY_PREFIX = "zenflow/"
 #: The device's busy share of the training loop's wall time between optimizer steps: 1 - (the steps' device waits,
 #: `telemetry.DEVICE_WAIT_PHASES`) / (their wall time), as `hf-zenflow compare` reports it.

@@ -275,6 +275,19 @@ def test_telemetry_in_logs_and_model_card(tmp_path, train_dataset):
     assert (tmp_path / "zenflow" / "model.safetensors").is_file()
 
 
+def test_high_lr_rule_in_logs_and_model_card(tmp_path, train_dataset):
+    """At the helpers' lr 3e-3 (x update_interval 4 > 5e-3) the default high_lr_rule engages: one-step windows and
+    host beta1 0.4 (write-back lag 1); the logs and the card's measured figures say so."""
+    trainer = zenflow_run(tmp_path, train_dataset, max_steps=4, logging_steps=2)
+    step_logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert all(e["zenflow/high_lr_window"] == 1 and e["zenflow/update_interval"] == 1 for e in step_logs)
+    assert all(e["zenflow/host_beta1"] == pytest.approx(0.4) for e in step_logs)
+    trainer.save_model()
+    card = (tmp_path / "zenflow" / "README.md").read_text()
+    assert '| high_lr_rule="auto": window steps (0 = not engaged) | 1 |' in card
+    assert "| host AdamW beta1 | 0.4" in card and "| `high_lr_rule` | auto |" in card
+
+
 def test_checkpoint_writes_model_card_and_drains(tmp_path, train_dataset, monkeypatch):
     calls = []
     original = ZenFlowAdamW.synchronize
