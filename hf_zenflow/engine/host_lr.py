@@ -72,6 +72,19 @@ def high_lr_beta1(beta1: float, window: int, lag: int) -> float:
     return max(0.0, 1.0 - window * (1.0 - beta1) - lag / (window + lag))
 
 
+def rule_window(config: ZenFlowConfig, groups: list[dict]) -> int | None:
+    """`high_lr_rule`'s choice for a run with these param `groups`: `high_lr_window` at their largest peak lr; None
+    when the rule is off, the windows are Zen-auto's, or the rate is below the threshold."""
+    if config.high_lr_rule != "auto" or config.is_auto_interval:
+        return None
+    return high_lr_window(max((peak_lr(g) for g in groups), default=0.0), int(config.update_interval))
+
+
+def rule_beta1(config: ZenFlowConfig, beta1: float, window: int, lag: int) -> float:
+    """`high_lr_beta1` for this run: the write-back `lag` counts only when the host step overlaps (else 0)."""
+    return high_lr_beta1(beta1, window, lag if config.overlap_step else 0)
+
+
 def host_hyper(group: dict, config: ZenFlowConfig, steps: int, lag: int, high_lr: int | None) -> tuple[dict, float]:
     """A window's host AdamW hyper-parameters from its param group (the lr in force now, times the `host_lr_scale`
     multiplier for a window of `steps` steps written back `lag` steps late) and the multiplier; with the high-lr
@@ -81,7 +94,7 @@ def host_hyper(group: dict, config: ZenFlowConfig, steps: int, lag: int, high_lr
     hyper["lr"] = hyper["lr"] * scale
     if high_lr is not None:
         beta1, beta2 = hyper["betas"]
-        hyper["betas"] = (high_lr_beta1(beta1, high_lr, lag if config.overlap_step else 0), beta2)
+        hyper["betas"] = (rule_beta1(config, beta1, high_lr, lag), beta2)
     return hyper, scale
 
 

@@ -14,7 +14,7 @@ import torch
 from .._base import check_hyperparameters
 from ..settings.config import AUTO_HOST_LR_CAP, ZenFlowConfig
 from .device_state import DenseDeviceState
-from .host_lr import high_lr_beta1, high_lr_window, peak_lr
+from .host_lr import peak_lr, rule_beta1, rule_window
 from .schedule import WindowSchedule
 from .selection import num_selected, selection_axis
 from .split_matrix import SplitMatrix
@@ -111,9 +111,7 @@ def new_schedule(config: ZenFlowConfig, groups: list[dict] | None = None) -> Win
         writeback_lag=1 if config.writeback_lag == "auto" else config.writeback_lag,
         writeback_lag_pending=config.writeback_lag == "auto",
     )
-    lr = max((peak_lr(g) for g in groups or []), default=0.0)
-    window = high_lr_window(lr, configured) if config.high_lr_rule == "auto" else None
-    schedule.shorten_windows(window, configured, schedule.writeback_lag)
+    schedule.shorten_windows(rule_window(config, groups or []), configured, schedule.writeback_lag)
     return schedule
 
 
@@ -122,7 +120,7 @@ def announce_high_lr_rule(schedule: WindowSchedule, config: ZenFlowConfig, group
     is the checkpoint's choice (restored over the one a fresh schedule would make), not a decision it replaced."""
     if schedule.high_lr_announced:
         return
-    schedule.high_lr_announced = True
+    schedule.high_lr_announced = True  # (once: every later step returns above, a flag test on the step's path)
     window = schedule.high_lr_window
     if window is None:
         return
@@ -132,7 +130,7 @@ def announce_high_lr_rule(schedule: WindowSchedule, config: ZenFlowConfig, group
     until = ', until writeback_lag="auto" chooses' if schedule.writeback_lag_pending else ""
     logger.info('hf_zenflow: high_lr_rule="auto": peak lr %g x update_interval %s > %g: windows of %d step(s), '
                 "host beta1 %.4g for beta1 %g (write-back lag %d%s)", lr, config.update_interval, AUTO_HOST_LR_CAP,
-                window, high_lr_beta1(beta1, window, lag if config.overlap_step else 0), beta1, lag, until)
+                window, rule_beta1(config, beta1, window, lag), beta1, lag, until)
 
 
 def is_split(p: torch.Tensor, group: dict[str, Any], config: ZenFlowConfig,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.host_lr import high_lr_beta1, high_lr_window, host_lr_scale, peak_lr, window_lag
+from ..engine.host_lr import host_lr_scale, peak_lr, rule_beta1, rule_window, window_lag
 from ..engine.schedule import WindowSchedule
 from ..engine.telemetry import ZenFlowStats, state_sizes
 from ..engine.windows import HostWindows
@@ -32,10 +32,9 @@ def optimizer_stats(
         if config.is_auto_interval
         else schedule.update_interval if schedule and schedule.update_interval else config.update_interval
     )
-    high = schedule.high_lr_window if schedule else None
-    if schedule is None and config.high_lr_rule == "auto" and not config.is_auto_interval:
-        # before the first step: what the rule will choose (`new_schedule`)
-        high = high_lr_window(max((peak_lr(g) for g in host.groups), default=0.0), int(config.update_interval))
+    # before the first step: what the rule will choose (`new_schedule`)
+    high = schedule.high_lr_window if schedule else rule_window(config, host.groups)
+    if schedule is None:
         interval = high or interval
     lr_scale = host.lr_scale.last
     if lr_scale is None:  # before the first window closes: what the next full window will take
@@ -49,8 +48,7 @@ def optimizer_stats(
     # `high_lr_rule="auto"`: the shortened window (0: not engaged) and the host beta1 of the first group
     beta1 = host.groups[0]["betas"][0] if host.groups else 0.9
     if high is not None:
-        lag = window_lag(schedule, config.overlap_step, high) if config.overlap_step else 0
-        beta1 = high_lr_beta1(beta1, high, lag)
+        beta1 = rule_beta1(config, beta1, high, window_lag(schedule, config.overlap_step, high))
     out: dict[str, float | str] = {"accumulate_on": host.accumulate_on or "auto"}
     return out | stats.as_dict(
         **state_sizes(splits, dense),
