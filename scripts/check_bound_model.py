@@ -104,7 +104,8 @@ def main() -> int:
     params, grads = model(args.params)
     n = float(sum(p.numel() for p in params))
     print(f"model: {len(params)} bf16 matrices, {n / 1e6:.1f}M parameters; this machine as the host: "
-          f"{host.host_cores} thread(s) x {host.host_adamw_per_core / 1e9:.3f} Gparam/s, {host.host_mem_gbps:.1f} GB/s")
+          f"{host.host_cores} thread(s) x {host.host_adamw_per_core / 1e9:.3f} Gparam/s, "
+          f"{host.host_mem_gbps:.1f} GB/s")
 
     def pass_ms(adamws: float, nbytes: float) -> float:
         core = adamws * n / host.host_core_params_per_s() * 1e3
