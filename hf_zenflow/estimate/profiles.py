@@ -47,7 +47,9 @@ class HardwareProfile:
     "bus bandwidth"). Defaults: on a PCIe node the peer traffic crosses the same x16 links, so it is the link figure
     (25 GB/s Gen4, 50 GB/s Gen5; cards without peer-to-peer, such as the RTX 4090, stage through host memory and get
     less); on an NVLink node half the datasheet's bidirectional NVLink figure (A100 SXM4 600 GB/s -> 300, H100 SXM5
-    900 GB/s -> 450). A JSON profile may set it; without it, 25.
+    900 GB/s -> 450). A JSON profile must give it (`DEVICE_FIELDS`).
+
+    `host_mem_gb` is the node's RAM, which every rank's offloaded optimizer state together must fit in.
 
     Example:
         >>> HardwareProfile(name="mine", device_tflops=100, device_mem_gb=24, device_mem_gbps=900, link_gbps=25,
