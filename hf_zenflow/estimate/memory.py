@@ -89,7 +89,8 @@ def device_memory_gb(schedule: str, params: float, topk_ratio: float = 0.1, sum_
     on the host). ``gradients_freed_in_backward`` (default `GRADIENTS_FREED_IN_BACKWARD`) applies to ZenFlow only.
 
     Example:
-        >>> [round(device_memory_gb(s, 1e9), 2) for s in ("no_offload", "sync_offload", "zenflow")]
+        >>> [round(device_memory_gb(s, 1e9, gradients_freed_in_backward=False), 2)
+        ...  for s in ("no_offload", "sync_offload", "zenflow")]
         [16.0, 4.0, 5.6]
         >>> round(device_memory_gb("zenflow", 1e9, gradients_freed_in_backward=True), 2)
         3.68

@@ -10,6 +10,7 @@ import pytest
 
 from hf_zenflow.cli import main
 from hf_zenflow.engine.accumulation import SELECTED_BYTES
+from hf_zenflow.estimate import memory
 from hf_zenflow.estimate.advice import advice, format_schedule_model
 from hf_zenflow.estimate.hardware import (
     ACCUMULATE_VS_ADAMW,
@@ -20,6 +21,13 @@ from hf_zenflow.estimate.hardware import (
     zenflow_host_passes,
 )
 from hf_zenflow.estimate.profiles import PROFILES, HardwareProfile, load_profile
+
+
+@pytest.fixture(autouse=True)
+def gradients_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hand-computed device figures below are of an engine that keeps every gradient until the step (whatever
+    `memory.GRADIENTS_FREED_IN_BACKWARD` says the engine does; `test_fits.py` covers both)."""
+    monkeypatch.setattr(memory, "GRADIENTS_FREED_IN_BACKWARD", False)
 
 
 # Round numbers: 1e9 params, 1000 tokens -> 6e12 FLOPs at 100 TFLOP/s x 0.5 = 120 ms of compute; link 2 GB / 20 GB/s
