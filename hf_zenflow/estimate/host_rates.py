@@ -140,8 +140,19 @@ def _time_copy(threads: int) -> float:
 
 
 def this_machine_ram_gb() -> float:
-    """This machine's physical memory, GB (the operating system's page count x page size)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    """This machine's physical memory, GB (the operating system's page count x page size, else psutil's figure);
+    a ValueError naming ``--host-mem-gb`` where neither is known."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (AttributeError, ValueError, OSError):
+        pass
+    try:
+        import psutil
+
+        return psutil.virtual_memory().total / 1e9
+    except ImportError:
+        raise ValueError("this machine's RAM is unknown here (no sysconf page count, no psutil): pass --host-mem-gb "
+                         "or set host_mem_gb in the profile.") from None
 
 
 @functools.lru_cache(maxsize=1)
