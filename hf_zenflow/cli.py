@@ -1,9 +1,8 @@
 """The `hf-zenflow` command line.
 
     hf-zenflow compare   fine-tune a real model three ways (adamw_torch, SyncOffloadAdamW, ZenFlow) and compare
-    hf-zenflow estimate  emulated accelerator: step time of no-offload, synchronous offload and ZenFlow for a model
-                         size, device step time, link bandwidth and host cores (honestly labelled emulation);
-                         --hardware PROFILE: where each schedule is bound and which setting moves the bound
+    hf-zenflow estimate  the bound model on a hardware profile: step time, device and host memory of no-offload,
+                         synchronous offload and ZenFlow, where each is bound, and the largest model each trains
     hf-zenflow tune      short paired trials on your model and data that choose ZenFlow's settings
     hf-zenflow convert-checkpoint  turn a ZenFlowTrainer checkpoint folder into one a plain Trainer (adamw_torch)
                          resumes
@@ -197,28 +196,31 @@ def _run_compare(args: argparse.Namespace) -> int:
 
 
 def _add_estimate(sub: argparse._SubParsersAction) -> None:
-    from hf_zenflow.estimate.emulator import add_estimate_arguments
+    from hf_zenflow.estimate.command import add_estimate_arguments
 
     p = sub.add_parser(
         "estimate",
-        help="EMULATED accelerator: step time of no-offload / sync offload / ZenFlow for your hardware figures",
-        description="Emulated accelerator (no GPU is used): device compute is a timed wait that occupies no host "
-        "core, host<->device copies are real memory copies paced at the link bandwidth, and the host side is the "
-        "real SyncOffloadAdamW / ZenFlowAdamW on a scaled-down model whose measured host time is scaled to the "
-        "full model. The three schedules are measured in one run. See --scenario llama2-7b-4xa100. Defaults of "
-        "the flags are in [brackets].",
+        help="model step time and device/host memory of no offload, sync offload and ZenFlow on a hardware profile",
+        description="The bound model (not a measurement; no GPU is used): per step, the device, link and host time "
+        "of no-offload AdamW, synchronous offload (ZeRO-Offload's schedule) and ZenFlow on a hardware profile, what "
+        "bounds each and which setting moves the bound; the device and host memory of each and whether it fits; "
+        "with --max-params the largest model each schedule trains. The host is this machine's measured AdamW rate "
+        "on the profile's host cores, memory bandwidth and RAM (a second or two) unless --host-from-profile.",
     )
     add_estimate_arguments(p)
     p.set_defaults(func=_run_estimate)
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
-    from hf_zenflow.estimate.emulator import estimate_from_args
+    from hf_zenflow.estimate.command import estimate_from_args
 
     try:
         estimate_from_args(args)
-    except ValueError as exc:  # a setting that does not apply (named in the message): one line, not a traceback
+    except ValueError as exc:  # an input that does not apply (named in the message): one line, not a traceback
         print(f"hf-zenflow estimate: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the file system (a full disk): one line
+        print(f"hf-zenflow estimate: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
         return 2
     return 0
 

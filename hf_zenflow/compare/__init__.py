@@ -5,8 +5,8 @@ take their steps in `run_order.py`), the data layer (`data.py`, `data_source.py`
 timeline, plots, the report and card, the core split and the machine-load check, and the projection of a run onto a
 hardware profile (`projection.py`, over `estimate`).
 
-May import: `hf` (model cards), `estimate`, `optimizer`, `engine`, `settings`, `hf_zenflow._extras`. The emulated
-accelerator (`hf-zenflow estimate`) is `hf_zenflow.estimate`; the tuner is `hf_zenflow.tuning`.
+May import: `hf` (model cards), `estimate`, `optimizer`, `engine`, `settings`, `hf_zenflow._extras`. The bound model
+(`hf-zenflow estimate`) is `hf_zenflow.estimate`; the tuner is `hf_zenflow.tuning`.
 
 Heavy imports (transformers, matplotlib) happen inside the functions that need them, so importing this package is
 cheap.
@@ -15,7 +15,7 @@ cheap.
 from __future__ import annotations
 
 
-__all__ = ["CompareConfig", "EmulatorScenario", "run_compare", "run_estimate"]
+__all__ = ["CompareConfig", "run_compare"]
 
 
 def __getattr__(name: str):  # lazy re-exports: keep `import hf_zenflow.compare` free of heavy dependencies
@@ -23,8 +23,4 @@ def __getattr__(name: str):  # lazy re-exports: keep `import hf_zenflow.compare`
         from hf_zenflow.compare import runner
 
         return getattr(runner, name)
-    if name in ("EmulatorScenario", "run_estimate"):  # (moved to `hf_zenflow.estimate`; still found here)
-        from hf_zenflow.estimate import emulator
-
-        return getattr(emulator, name)
     raise AttributeError(f"module 'hf_zenflow.compare' has no attribute {name!r}")

@@ -153,11 +153,11 @@ def _save_model(out_dir: Path, task: PreparedTask, cfg: CompareConfig, results: 
 
 def _projection_title(projection: dict[str, Any]) -> str:
     host = ("the profiles' published host figure" if projection["host_from_profile"] else
-            f"this host's measured AdamW rate on {projection['host_cores']} host core(s)")
+            "this host's measured AdamW rate per core on each profile's host")
     size = projection["params"]
     size_text = f"{size / 1e9:.3g}B" if size >= 1e9 else f"{size / 1e6:.3g}M"
     return (f"Projected (not measured) for {size_text} parameters, "
-            f"{projection['tokens_per_step']:.0f} tokens/step, from this run's measured bytes per step and host work, "
+            f"{projection['tokens_per_step']:.0f} tokens/step, from this run's measured selection and window, "
             f"with {host}:")
 
 

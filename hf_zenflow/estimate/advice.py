@@ -1,6 +1,7 @@
 """What the bound model (`hardware.py`) says in words: the advice sentences (does offloading help, what bounds
-ZenFlow, which setting moves the bound, what each of several ranks gets) and the table `hf-zenflow estimate
---hardware` prints.
+ZenFlow, which setting moves the bound, what each of several ranks gets) and the tables `hf-zenflow estimate` prints:
+the schedules' sides (`format_schedule_model`), what fits one model size (`format_what_fits`) and the largest model
+each schedule fits (`format_max_params`).
 
 Example:
     >>> from hf_zenflow.estimate.advice import format_schedule_model
@@ -17,22 +18,22 @@ from typing import Any
 from hf_zenflow.estimate.hardware import (
     AUTO_ROWS,
     DEVICE_ACCUMULATOR_BYTES,
-    DEVICE_MEMORY_HEADROOM,
     auto_accumulation,
     interval_to_unbind,
     schedule_model,
 )
+from hf_zenflow.estimate.memory import DEVICE_MEMORY_HEADROOM, HOST_MEMORY_HEADROOM
 from hf_zenflow.estimate.profiles import HardwareProfile
 from hf_zenflow.estimate.ranks import RankSplit
 
 
 def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
            update_interval: float = 4, device_step_ms: float | None = None, ranks: int = 1,
-           parallel: str = "ddp") -> list[str]:
+           parallel: str = "ddp", gradients_freed_in_backward: bool | None = None) -> list[str]:
     """Plain sentences: does offloading help here, where is ZenFlow bound, and which setting moves the bound; with
     several ranks, what each rank gets and what the all-gather costs."""
     rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms, ranks,
-                          parallel)
+                          parallel, gradients_freed_in_backward=gradients_freed_in_backward)
     base, sync, zen, dev = (rows[k] for k in ("no_offload", "sync_offload", "zenflow", "zenflow_device_accumulation"))
     out = []
     if base["fits_device_memory"]:
@@ -45,7 +46,8 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
                    f"more than {DEVICE_MEMORY_HEADROOM:.0%} of the device's {profile.device_mem_gb:.0f} GB.")
     if ranks > 1:
         out.append(_per_rank_sentence(profile, params, update_interval, rows, RankSplit(ranks, parallel)))
-    auto = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel)
+    auto = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel,
+                             gradients_freed_in_backward)
     chosen = rows[AUTO_ROWS[auto["choice"]]]
     sums = "bf16" if auto["choice"] == "device_bf16" else "fp32"
     out.append(f'accumulate_on="auto" (the default) chooses "{auto["choice"]}": weights, gradients, selected '
@@ -110,17 +112,19 @@ def _per_rank_sentence(profile: HardwareProfile, params: float, update_interval:
 
 def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
                           update_interval: float = 4, device_step_ms: float | None = None, ranks: int = 1,
-                          parallel: str = "ddp") -> str:
-    """Markdown: the profile, one row per schedule (each side's ms, the step, the bound), then `advice`; with several
-    ranks the figures are one rank's and two columns (all-gather, host memory per rank) are added."""
+                          parallel: str = "ddp", gradients_freed_in_backward: bool | None = None) -> str:
+    """Markdown: the profile, one row per schedule (each side's ms, the step, the bound, device and host memory),
+    then `advice`; with several ranks the figures are one rank's (host memory: the node's) and a column (the
+    all-gather) is added."""
     rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms, ranks,
-                          parallel)
+                          parallel, gradients_freed_in_backward=gradients_freed_in_backward)
     several = ranks > 1
     names = {"no_offload": "no offload (AdamW on device)", "sync_offload": "synchronous offload (ZeRO-Offload)",
              "zenflow": f"ZenFlow, U={update_interval:g}, topk_ratio={topk_ratio:g} (window summed on the host)",
              "zenflow_device_accumulation": 'ZenFlow, same, accumulate_on="device"',
              "zenflow_device_bf16": 'ZenFlow, same, accumulate_on="device_bf16"'}
-    chosen = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel)["choice"]
+    chosen = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel,
+                               gradients_freed_in_backward)["choice"]
     names[AUTO_ROWS[chosen]] += ' = the default ("auto")'
     p = asdict(profile)
     lines = [f"## Bound model (not a measurement): `{profile.name}`", "",
@@ -132,25 +136,84 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
     if several:
         lines += [f"Ranks: {RankSplit(ranks, parallel).describe()}. Every figure below is ONE rank's: its GPU's "
                   "device and link, its share of the node's host; tokens/step per rank.", ""]
-    extra = " all-gather ms/step (in device) | host memory GB per rank |" if several else ""
+    extra = " all-gather ms/step (in device) |" if several else ""
     lines += ["| schedule | device ms/step | link ms/step | host ms/step | step ms | bound | vs sync offload | "
-              "device memory GB (no activations) | host passes limited by |" + extra,
-              "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if several else "")]
+              "device memory GB (no activations) | host memory GB (node) | host passes limited by |" + extra,
+              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if several else "")]
     sync = rows["sync_offload"]["step_ms"]
     for key, label in names.items():
         r = rows[key]
         fits = "" if r["fits_device_memory"] else " (does not fit)"
+        host_fits = "" if r["fits_host_memory"] else " (does not fit)"
         bound = "sum (synchronous)" if key == "sync_offload" else r["bound"]
         limit = {"memory": f"memory ({profile.host_mem_gbps:g} GB/s)",
                  "cores": f"cores ({profile.host_cores} x {profile.host_adamw_per_core / 1e6:.0f} M/s)"}.get(
                      r["host_limit"], "-")
         lines.append(f"| {label} | {r['device_ms']:.0f} | {r['link_ms']:.0f} | {r['host_ms']:.0f} | "
                      f"{r['step_ms']:.0f} | {bound} | {sync / r['step_ms']:.2f}x | "
-                     f"{r['device_memory_gb']:.1f}{fits} | {limit} |"
-                     + (f" {r['allgather_ms']:.0f} | {r['host_memory_gb']:.1f} |" if several else ""))
+                     f"{r['device_memory_gb']:.1f}{fits} | {r['host_memory_node_gb']:.1f}{host_fits} | {limit} |"
+                     + (f" {r['allgather_ms']:.0f} |" if several else ""))
     lines += [""] + [f"- {s}" for s in advice(profile, params, tokens_per_step, topk_ratio, update_interval,
-                                              device_step_ms, ranks, parallel)]
+                                              device_step_ms, ranks, parallel, gradients_freed_in_backward)]
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["advice", "format_schedule_model"]
+#: How the tables name `hardware.FIT_SCHEDULES`.
+FIT_LABELS = {"no_offload": "no offload (AdamW on the device)", "sync_offload": "synchronous offload (ZeRO-Offload)",
+              "zenflow": "ZenFlow, the defaults", "zenflow_bf16_moments": 'ZenFlow, host_moment_dtype="bfloat16"',
+              "zenflow_int8_moments": 'ZenFlow, host_moment_dtype="int8"'}
+
+
+def _limits(profile: HardwareProfile, ranks: int) -> str:
+    node = f" ({ranks} ranks on the node; device figures are one GPU's, host figures the node's)" if ranks > 1 else ""
+    return (f"device: {DEVICE_MEMORY_HEADROOM:.0%} of {profile.device_mem_gb:g} GB = "
+            f"{DEVICE_MEMORY_HEADROOM * profile.device_mem_gb:.1f} GB for weights, gradients and optimizer state "
+            f"(activations not counted); host: {HOST_MEMORY_HEADROOM:.0%} of {profile.host_mem_gb:.0f} GB of RAM = "
+            f"{HOST_MEMORY_HEADROOM * profile.host_mem_gb:.1f} GB for the offloaded state{node}")
+
+
+def format_what_fits(profile: HardwareProfile, rows: dict[str, dict[str, Any]], ranks: int = 1) -> str:
+    """Markdown: for one model size (`hardware.what_fits`'s rows), each schedule's device and host memory, whether
+    each fits, and its step time."""
+    params = next(iter(rows.values()))["params"]
+    lines = [f"### What fits: {params / 1e9:.2f}B parameters on `{profile.name}`", "",
+             f"Limits: {_limits(profile, ranks)}.", "",
+             "| schedule | device GB | fits device | host GB (node) | fits host | step ms | vs no offload | "
+             "vs sync offload |", "|---|---|---|---|---|---|---|---|"]
+    for key, r in rows.items():
+        lines.append(f"| {_label(key, r)} | {r['device_memory_gb']:.1f} | {_yes(r['fits_device_memory'])} | "
+                     f"{r['host_memory_node_gb']:.1f} | {_yes(r['fits_host_memory'])} | {r['step_ms']:.1f} | "
+                     f"{r['step_vs_no_offload']:.2f}x | {r['speedup_vs_sync']:.2f}x faster |")
+    return "\n".join(lines) + "\n"
+
+
+def format_max_params(profile: HardwareProfile, largest: dict[str, dict[str, Any] | None], ranks: int = 1,
+                      parallel: str = "ddp") -> str:
+    """Markdown: the largest model each schedule trains (`hardware.max_params`), what limits it, its memory and its
+    step time there."""
+    several = f", {ranks} {parallel.upper()} ranks per node" if ranks > 1 else ""
+    lines = [f"### The largest model each schedule trains on `{profile.name}`{several}", "",
+             f"Limits: {_limits(profile, ranks)}.", "",
+             "| schedule | largest model (B params) | limited by | device GB | host GB (node) | step ms there "
+             "| bound |",
+             "|---|---|---|---|---|---|---|"]
+    for key, r in largest.items():
+        if r is None:
+            lines.append(f"| {FIT_LABELS[key]} | none (not even 1M parameters fit) | - | - | - | - | - |")
+            continue
+        lines.append(f"| {_label(key, r)} | {r['params'] / 1e9:.2f} | {r['limited_by']} | "
+                     f"{r['device_memory_gb']:.1f} | {r['host_memory_node_gb']:.1f} | {r['step_ms']:.1f} | "
+                     f"{'sum (synchronous)' if key == 'sync_offload' else r['bound']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _label(key: str, row: dict[str, Any]) -> str:
+    choice = row.get("accumulate_on")
+    return FIT_LABELS[key] + (f' (accumulate_on="auto" chooses "{choice}")' if choice else "")
+
+
+def _yes(value: bool) -> str:
+    return "yes" if value else "**no**"
+
+
+__all__ = ["FIT_LABELS", "advice", "format_max_params", "format_schedule_model", "format_what_fits"]

@@ -1,28 +1,28 @@
-"""The bound model of the three offload schedules on a hardware profile: "will ZenFlow help on my box?".
+"""The bound model of the offload schedules on a hardware profile: "will ZenFlow help on my box, and what fits?".
 
 A `HardwareProfile` (`profiles.py`, with the presets) holds the figures of one machine (device FLOP/s and memory, link
-bandwidth, host cores and memory bandwidth). `schedule_model` turns a profile, a model size and a ZenFlow setting
-into per-step times of each side (device, link, host) for no-offload AdamW, synchronous offload (ZeRO-Offload's
-schedule) and ZenFlow, and names what bounds each schedule. It is a model, not a measurement: `hf-zenflow estimate
---hardware` also runs the emulator (`emulator.run_estimate`) on the same figures, which executes the real host code.
+bandwidth, host cores, memory bandwidth and RAM). `schedule_model` turns a profile, a model size and a ZenFlow
+setting into per-step times of each side (device, link, host) for no-offload AdamW, synchronous offload
+(ZeRO-Offload's schedule) and ZenFlow, names what bounds each schedule, and counts the device and host memory each
+holds (`memory.py`); `fits.what_fits` and `fits.max_params` answer which schedule fits a model and how large a model
+each one fits. It is a model, not a measurement: `hf-zenflow estimate` prints it, and `compare`'s projection
+(`compare/projection.py`) is the same model at the run's measured selection and window.
 
 The model's constants:
 
 * device compute: ``6 * params * tokens / (device FLOP/s * mfu)`` (forward + backward of a dense transformer);
-* device AdamW: 28 bytes per parameter over the device memory bandwidth
-  (`emulator_scenario.DEVICE_ADAMW_BYTES_PER_PARAM`); ZenFlow's device step also reads every bf16 gradient once (norms
-  and selection);
+* device AdamW: 28 bytes per parameter over the device memory bandwidth (`DEVICE_ADAMW_BYTES_PER_PARAM`); ZenFlow's
+  device step also reads every bf16 gradient once (norms and selection);
 * link: bf16 gradients and parameters, 2 bytes per parameter per direction;
 * host: every host pass takes the longer of its core work and its memory traffic (a roofline per pass; the passes run
   one after another on the host worker). Core work: host AdamWs at the per-core rate (DeepSpeed's published CPUAdam
-  rate, 7e9 parameters in 4.6 s on 128 threads, `emulator_scenario.PUBLISHED_*`, or this machine's measured one,
-  `host_rates`) times the profile's cores; one step's accumulation is `ACCUMULATE_VS_ADAMW` of a host AdamW, the ratio
-  the emulator measured (`git show 186c27e:BENCHMARKS.md` §3a: 3 624 ms of host work per step at U=4 with a 4 600 ms
-  AdamW, so 2 474 ms of accumulation per step); a pass that only moves bytes (the write-back rounding) has none. Memory
+  rate, 7e9 parameters in 4.6 s on 128 threads, `profiles.PUBLISHED_HOST_PARAMS_PER_S`, or this machine's measured
+  one, `host_rates`) times the profile's cores; one step's accumulation is `ACCUMULATE_VS_ADAMW` of a host AdamW (a
+  measured ratio: BENCHMARKS.md); a pass that only moves bytes (the write-back rounding) has none. Memory
   traffic: the bytes per offloaded parameter each pass reads and writes in its dtypes (`zenflow_host_passes`,
   ``HOST_ADAMW_BYTES_PER_PARAM`` for synchronous offload), over ``host_mem_gbps``, a STREAM-like sustained figure of a
-  typical server of the profile's class (`HOST_MEMORY_SOURCES`; STREAM counts a byte read once and a byte written once,
-  and so do these counts);
+  typical server of the profile's class (`profiles.HOST_MEMORY_SOURCES`; STREAM counts a byte read once and a byte
+  written once, and so do these counts);
 * ZenFlow's window: U - 1 accumulations (host accumulation; the last gradient is folded into the AdamW pass) and one
   AdamW pass, then the rounding of the master into the bf16 write-back buffer. The write-back waits for that host
   step, and the host step for its input to land (the window's fp32 sums with ``accumulate_on="device"``, the last
@@ -33,7 +33,8 @@ The model's constants:
   activations of a llama-shaped model with activation checkpointing (`activation_gb`), else the device with bf16 sums
   when those fit (``"device_bf16"``: half the sums' device memory and link bytes, a widening pass on the host), else
   the host (`auto_accumulation`);
-* host memory: `HOST_BYTES_PER_PARAM` per offloaded parameter, as the engines hold it on a bf16 model;
+* device and host memory: `memory.py` (what each schedule holds, the limits it must fit in); what fits and the
+  largest model each schedule trains: `fits.py`;
 * N data-parallel ranks on the profile's node (``ranks``, ``parallel``): every figure is per rank, split as module
   `ranks` describes (host work, host memory and link bytes 1/N on 1/N of the host cores and memory bandwidth; DDP adds
   an all-gather of the updated rows per write-back at ``interconnect_gbps``); ``tokens_per_step`` is per rank.
@@ -51,35 +52,45 @@ from __future__ import annotations
 from typing import Any
 
 from hf_zenflow.engine.accumulation import MARGIN
-from hf_zenflow.estimate.emulator_scenario import (
-    DEVICE_ADAMW_BYTES_PER_PARAM,
-    HOST_BYTES_PER_PARAM,
-    LINK_BYTES_PER_PARAM,
+from hf_zenflow.estimate.memory import (
+    BF16_BYTES,
+    DEVICE_MEMORY_HEADROOM,
+    FP32_BYTES,
+    HOST_MEMORY_HEADROOM,
+    HOST_MOMENT_DTYPES,
+    MOMENT_BYTES,
+    SYNC_HOST_BYTES_PER_PARAM,
+    activation_gb,
+    device_memory_gb,
+    zenflow_host_bytes_per_param,
 )
-from hf_zenflow.estimate.profiles import (  # (the profiles, re-exported: `hardware.PROFILES` is their old home)
-    HOST_ADAMW_BYTES_PER_PARAM,
-    HOST_MEMORY_SOURCES,
-    PROFILES,
-    HardwareProfile,
-    load_profile,
-)
+from hf_zenflow.estimate.profiles import HOST_ADAMW_BYTES_PER_PARAM, HardwareProfile
 from hf_zenflow.estimate.ranks import RankSplit
+
+
+#: AdamW bytes per parameter on the device: read bf16 grad + fp32 master, exp_avg, exp_avg_sq (14 B), write the
+#: three fp32 tensors and the bf16 parameter (14 B).
+DEVICE_ADAMW_BYTES_PER_PARAM = 28
+#: bf16 gradients and parameters cross the link.
+LINK_BYTES_PER_PARAM = 2
 
 
 #: One step's host accumulation, as a fraction of one host AdamW's core work (measured, see the module docstring).
 ACCUMULATE_VS_ADAMW = 0.54
-#: ZenFlow's host passes, bytes per offloaded parameter with a bf16 model and fp32 host state (`host.py`): the AdamW
-#: pass of `kernels.window_adamw` reads and writes the fp32 master, exp_avg and exp_avg_sq (24) and reads the window's
+def host_state_bytes(host_moments: str = "float32") -> float:
+    """Bytes per offloaded parameter the window's host AdamW pass reads and writes of its state: the fp32 master and
+    the two moments, each read and written (24 with fp32 moments)."""
+    return 2 * (FP32_BYTES + 2 * MOMENT_BYTES[host_moments])
+
+
+#: ZenFlow's host passes, bytes per offloaded parameter with a bf16 model (`host.py`): the AdamW pass of
+#: `kernels.window_adamw` reads and writes the fp32 master and the moments (`host_state_bytes`) and reads the window's
 #: fp32 sum (4; not on a one-step window summed on the host, whose sum is its gradient); with host accumulation it
 #: also reads the window's last bf16 gradient, folded in (2).
-HOST_STATE_BYTES = 24
-FP32_BYTES, BF16_BYTES = 4, 2
+HOST_STATE_BYTES = host_state_bytes()
 #: The rounding of the fp32 master into the bf16 write-back buffer, a pass of its own (``writeback.copy_(master)``):
 #: read 4, write 2.
 HOST_ROUNDING_BYTES = 6
-#: Device bytes per parameter: bf16 weight and gradient (4) + fp32 master and moments (12) where AdamW runs there.
-DEVICE_BYTES_WEIGHT_GRAD = 4
-DEVICE_BYTES_ADAM_STATE = 12
 #: ZenFlow's device-side window sum (accumulate_on="device"): fp32, and its per-step cost (read bf16 grad, read and
 #: write the fp32 sum).
 DEVICE_ACCUMULATOR_BYTES = 4
@@ -93,20 +104,16 @@ HOST_WIDEN_BYTES = 6
 #: ZenFlow's rows of the bound model: (row, bytes of one device-side window sum element; 0 = summed on the host).
 ZENFLOW_SUM_ROWS = (("zenflow", 0), ("zenflow_device_accumulation", DEVICE_ACCUMULATOR_BYTES),
                     ("zenflow_device_bf16", DEVICE_BF16_ACCUMULATOR_BYTES))
-#: Fraction of the device memory counted as usable for weights, gradients and optimizer state (the rest is left for
-#: activations, the allocator and the runtime, which the model does not count).
-DEVICE_MEMORY_HEADROOM = 0.9
-
-
 def _bound(parts: dict[str, float]) -> tuple[float, str]:
     side = max(parts, key=lambda k: parts[k])
     return parts[side], side
 
 
-def zenflow_host_passes(update_interval: float, on_device: bool,
-                        bf16_sums: bool = False) -> list[tuple[str, float, float, float]]:
+def zenflow_host_passes(update_interval: float, on_device: bool, bf16_sums: bool = False,
+                        host_moments: str = "float32") -> list[tuple[str, float, float, float]]:
     """ZenFlow's host work in one window, pass by pass: (pass, how many per window, core work in host AdamWs, host
-    memory bytes per offloaded parameter), with a bf16 model and fp32 host state.
+    memory bytes per offloaded parameter), with a bf16 model and host moments in `host_moments` (the AdamW pass's
+    core work is counted at the fp32 pass's rate whatever the moments' dtype).
 
     Besides what each pass reads and writes (`HOST_STATE_BYTES`, ...), the DMA that runs beside the passes takes the
     same memory bandwidth and is counted in the pass it overlaps: with host accumulation each step's bf16 gradient
@@ -120,10 +127,11 @@ def zenflow_host_passes(update_interval: float, on_device: bool,
         [('window AdamW', 1.0, 30.0), ('write-back rounding', 1.0, 6.0)]
     """
     u = max(1.0, float(update_interval))
+    state = host_state_bytes(host_moments)
     rounding = ("write-back rounding", 1.0, 0.0, float(HOST_ROUNDING_BYTES))
     if on_device:
         widen = [("bf16 sum widened", 1.0, 0.0, float(HOST_WIDEN_BYTES))] if bf16_sums else []
-        return [*widen, ("window AdamW", 1.0, 1.0, float(FP32_BYTES + HOST_STATE_BYTES + BF16_BYTES)), rounding]
+        return [*widen, ("window AdamW", 1.0, 1.0, float(FP32_BYTES + state + BF16_BYTES)), rounding]
     landing = BF16_BYTES
     passes = []
     if u > 1:
@@ -133,7 +141,7 @@ def zenflow_host_passes(update_interval: float, on_device: bool,
         passes.append(("accumulation", u - 2, ACCUMULATE_VS_ADAMW,
                        float(landing + BF16_BYTES + 2 * FP32_BYTES)))
     # the last gradient folded into the AdamW pass: the sum read unless the window is that gradient alone
-    window = landing + BF16_BYTES + (FP32_BYTES if u > 1 else 0) + HOST_STATE_BYTES + BF16_BYTES
+    window = landing + BF16_BYTES + (FP32_BYTES if u > 1 else 0) + state + BF16_BYTES
     return [*passes, ("window AdamW", 1.0, 1.0, float(window)), rounding]
 
 
@@ -147,18 +155,25 @@ def _host_pass_ms(profile: HardwareProfile, params: float, core_share: float, ad
 
 def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
                    update_interval: float = 4, device_step_ms: float | None = None, ranks: int = 1,
-                   parallel: str = "ddp") -> dict[str, dict[str, Any]]:
+                   parallel: str = "ddp", host_moments: str = "float32",
+                   gradients_freed_in_backward: bool | None = None) -> dict[str, dict[str, Any]]:
     """Per-step ms of each side and the step time of every schedule (the slowest side of an overlapped schedule,
     the sum of a synchronous one); `bound` names the side that sets the step; `host_limit` says what bounds the
-    host's passes ("memory" or "cores", by the larger share of the host time).
+    host's passes ("memory" or "cores", by the larger share of the host time). Memory: ``device_memory_gb`` and
+    ``host_memory_gb`` (one rank's), ``host_memory_node_gb`` (all ranks'), ``fits_device_memory`` (within
+    `DEVICE_MEMORY_HEADROOM` of the device) and ``fits_host_memory`` (the node's ranks within `HOST_MEMORY_HEADROOM`
+    of ``profile.host_mem_gb``). `host_moments` ("float32", "bfloat16", "int8") is ZenFlow's host moment dtype;
+    ``gradients_freed_in_backward`` (default `GRADIENTS_FREED_IN_BACKWARD`) its device gradients (`device_memory_gb`).
 
     `device_step_ms` replaces the FLOP-based forward+backward time when you have measured it. With `ranks` > 1 every
     figure is one rank's (`ranks.RankSplit`): ``link_ms`` is one GPU's link, ``host_ms`` one rank's host work on its
-    share of the node, ``host_memory_gb`` one rank's host memory, ``allgather_ms`` the per-step share of the
-    write-back all-gather (DDP), which is part of ``device_ms``. ZenFlow's rows also carry ``host_work_ms`` (the
-    host's passes per step) and ``host_chain_ms`` (per window: the input's landing, then the AdamW and rounding passes
-    the write-back waits for); their ``host_ms`` is the larger of the work and the chain over the window.
+    share of the node, ``allgather_ms`` the per-step share of the write-back all-gather (DDP), which is part of
+    ``device_ms``. ZenFlow's rows also carry ``host_work_ms`` (the host's passes per step) and ``host_chain_ms`` (per
+    window: the input's landing, then the AdamW and rounding passes the write-back waits for); their ``host_ms`` is
+    the larger of the work and the chain over the window.
     """
+    if host_moments not in MOMENT_BYTES:
+        raise ValueError(f"host_moments={host_moments!r} is invalid: allowed are {', '.join(HOST_MOMENT_DTYPES)}.")
     split = RankSplit(ranks, parallel)
     n = float(params)
     dev, share = split.device_share, split.host_share
@@ -171,18 +186,18 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
     host_adamw = max(sync_core, sync_memory)
     allgather = split.allgather_ms(n * LINK_BYTES_PER_PARAM, profile.interconnect_gbps)
     u = max(1.0, float(update_interval))
-    mem_gb = profile.device_mem_gb
-    weights_grads = n * dev * DEVICE_BYTES_WEIGHT_GRAD / 1e9
     rows: dict[str, dict[str, Any]] = {}
     rows["no_offload"] = {"step_ms": compute + device_adamw, "bound": "device",
                           "device_ms": compute + device_adamw, "link_ms": 0.0, "host_ms": 0.0, "allgather_ms": 0.0,
-                          "host_limit": None,
-                          "device_memory_gb": weights_grads + n * dev * DEVICE_BYTES_ADAM_STATE / 1e9}
+                          "host_limit": None, "device_memory_gb": device_memory_gb("no_offload", n, split=split),
+                          "host_memory_gb": 0.0}
     # ZeRO-Offload partitions the same way: its all-gather of the updated weights follows every step
     sync_parts = {"device": compute + allgather, "link": 2 * link, "host": host_adamw}
     rows["sync_offload"] = {"step_ms": sum(sync_parts.values()), "bound": _bound(sync_parts)[1],
                             "device_ms": compute + allgather, "link_ms": 2 * link, "host_ms": host_adamw,
-                            "allgather_ms": allgather, "device_memory_gb": weights_grads,
+                            "allgather_ms": allgather,
+                            "device_memory_gb": device_memory_gb("sync_offload", n, split=split),
+                            "host_memory_gb": n * share * SYNC_HOST_BYTES_PER_PARAM / 1e9,
                             "host_limit": "memory" if sync_memory > sync_core else "cores"}
     selected = topk_ratio * device_adamw + grad_read
     for key, sum_bytes in ZENFLOW_SUM_ROWS:
@@ -202,7 +217,7 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
         link_down = sums_link / u if on_device else link  # one sum per window, or every bf16 gradient
         work = core_total = memory_total = 0.0
         chain = sums_link if on_device else link  # what the host step waits for: the sums, or the last gradient
-        for name, count, adamws, nbytes in zenflow_host_passes(u, on_device, sum_bytes == BF16_BYTES):
+        for name, count, adamws, nbytes in zenflow_host_passes(u, on_device, sum_bytes == BF16_BYTES, host_moments):
             core, memory = _host_pass_ms(profile, n * share, split.core_share, adamws, nbytes)
             work += count * max(core, memory)
             core_total += count * core
@@ -216,12 +231,14 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                      "host_work_ms": work / u, "host_chain_ms": chain,
                      "host_limit": "memory" if memory_total > core_total else "cores",
                      "allgather_ms": allgather / u,
-                     "device_memory_gb": weights_grads + n * (topk_ratio * DEVICE_BYTES_ADAM_STATE * dev
-                                                              + sum_bytes * share) / 1e9}
-    for key, r in rows.items():
-        r["fits_device_memory"] = r["device_memory_gb"] <= DEVICE_MEMORY_HEADROOM * mem_gb
+                     "device_memory_gb": device_memory_gb("zenflow", n, topk_ratio, sum_bytes,
+                                                          gradients_freed_in_backward, split),
+                     "host_memory_gb": n * share * zenflow_host_bytes_per_param(sum_bytes, host_moments) / 1e9}
+    for r in rows.values():
+        r["fits_device_memory"] = r["device_memory_gb"] <= DEVICE_MEMORY_HEADROOM * profile.device_mem_gb
+        r["host_memory_node_gb"] = r["host_memory_gb"] * split.ranks
+        r["fits_host_memory"] = r["host_memory_node_gb"] <= HOST_MEMORY_HEADROOM * profile.host_mem_gb
         r["compute_ms"] = compute
-        r["host_memory_gb"] = n * share * HOST_BYTES_PER_PARAM[key] / 1e9
     return rows
 
 
@@ -229,23 +246,16 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
 AUTO_ROWS = {"host": "zenflow", "device": "zenflow_device_accumulation", "device_bf16": "zenflow_device_bf16"}
 
 
-def activation_gb(params: float, tokens_per_step: float) -> float:
-    """Activation memory of a llama-shaped model with activation checkpointing, in GB: one bf16 hidden state per
-    layer and token, plus one layer's full activations (~34 bytes x hidden per token, Korthikanti et al. 2022);
-    shape from the size: params = 12 x layers x hidden^2 with layers = hidden / 128 (7B: hidden 4096, 32 layers)."""
-    hidden = (float(params) * 128 / 12) ** (1 / 3)
-    layers = hidden / 128
-    return tokens_per_step * hidden * (2 * layers + 34) / 1e9
-
-
 def auto_accumulation(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
-                      ranks: int = 1, parallel: str = "ddp") -> dict[str, Any]:
+                      ranks: int = 1, parallel: str = "ddp",
+                      gradients_freed_in_backward: bool | None = None) -> dict[str, Any]:
     """What ``accumulate_on="auto"`` chooses on `profile`: "device" when weights, gradients, the selected columns'
     state and the fp32 window sums (`schedule_model`'s device-accumulation row) plus `activation_gb` fit the
     device's memory less the engine's margin, else "device_bf16" when the same with bf16 sums fits, else "host";
     with the figures (GB, one rank's; ``state_gb`` with the sums of the choice, fp32 sums for "host")."""
 
-    row = schedule_model(profile, params, tokens_per_step, topk_ratio, 4, None, ranks, parallel)
+    row = schedule_model(profile, params, tokens_per_step, topk_ratio, 4, None, ranks, parallel,
+                         gradients_freed_in_backward=gradients_freed_in_backward)
     need, need_bf16 = (row[k]["device_memory_gb"] for k in ("zenflow_device_accumulation", "zenflow_device_bf16"))
     activations = activation_gb(params * RankSplit(ranks, parallel).device_share, tokens_per_step)
     limit = (1 - MARGIN) * profile.device_mem_gb
@@ -268,5 +278,5 @@ def interval_to_unbind(profile: HardwareProfile, params: float, tokens_per_step:
     return None
 
 
-__all__ = ["HOST_ADAMW_BYTES_PER_PARAM", "HOST_BYTES_PER_PARAM", "HOST_MEMORY_SOURCES", "PROFILES", "HardwareProfile",
-           "activation_gb", "auto_accumulation", "interval_to_unbind", "load_profile", "schedule_model"]
+__all__ = ["ACCUMULATE_VS_ADAMW", "AUTO_ROWS", "DEVICE_ADAMW_BYTES_PER_PARAM", "LINK_BYTES_PER_PARAM",
+           "activation_gb", "auto_accumulation", "interval_to_unbind", "schedule_model", "zenflow_host_passes"]

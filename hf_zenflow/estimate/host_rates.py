@@ -4,10 +4,11 @@
 their own GPU box gets their own host's figures. `measure_host_rates` takes a second or two (an AdamW over
 `ADAMW_PARAMS` fp32 parameters, a few times, at 1, 2, 4, ... and N threads; one large copy for the bandwidth) and is
 cached per process. `host_profile` puts the measured AdamW rate per core into a `HardwareProfile`, whose device and
-link stay the profile's. A preset also keeps its host's cores and memory bandwidth (`hardware.HOST_MEMORY_SOURCES`:
-a typical server of its class), so the projection is this machine's per-core rate on that server, capped by that
-server's memory; a JSON profile keeps the host fields it sets and takes the others from this machine;
-``--host-cores`` and ``--host-memory-gbps`` win over both.
+link stay the profile's. A preset also keeps its host's cores, memory bandwidth and RAM
+(`profiles.HOST_MEMORY_SOURCES`, `profiles.HOST_RAM_SOURCES`: a typical server of its class), so the projection is
+this machine's per-core rate on that server, capped by that server's memory; a JSON profile keeps the host fields
+it sets and takes the others from this machine (its RAM: `this_machine_ram_gb`); ``--host-cores``,
+``--host-memory-gbps`` and ``--host-mem-gb`` win over both.
 
 Example:
     >>> rates = HostRates(cores=2, adamw_params_per_s={1: 1.0e9, 2: 1.6e9}, mem_gbps=30.0)
@@ -18,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -26,8 +28,15 @@ from typing import Any
 import torch
 
 from hf_zenflow._base import fused_adamw_, torch_threads
-from hf_zenflow.estimate.emulator_scenario import PUBLISHED_HOST_CORES, PUBLISHED_HOST_PARAMS_PER_S
-from hf_zenflow.estimate.profiles import HOST_ADAMW_BYTES_PER_PARAM, HOST_MEMORY_SOURCES, PROFILES
+from hf_zenflow.estimate.profiles import (
+    HOST_ADAMW_BYTES_PER_PARAM,
+    HOST_FIELDS,
+    HOST_MEMORY_SOURCES,
+    HOST_RAM_SOURCES,
+    PROFILES,
+    PUBLISHED_HOST_CORES,
+    PUBLISHED_HOST_PARAMS_PER_S,
+)
 from hf_zenflow.settings.threads import rank_cpu_count
 
 
@@ -36,10 +45,8 @@ ADAMW_PARAMS = 8 * 1024 * 1024
 #: Bytes of the timed copy (read once, written once).
 COPY_BYTES = 256 * 1024 * 1024
 REPEATS = 4
-#: Host fields of a `HardwareProfile` that a JSON profile may set for itself.
-HOST_FIELDS = ("host_cores", "host_mem_gbps", "host_adamw_per_core")
-#: Host fields a preset keeps: its typical server's cores and memory bandwidth (the AdamW rate is measured here).
-PRESET_HOST_FIELDS = ("host_cores", "host_mem_gbps")
+#: Host fields a preset keeps: its typical server's cores, memory bandwidth and RAM (the AdamW rate is measured here).
+PRESET_HOST_FIELDS = ("host_cores", "host_mem_gbps", "host_mem_gb")
 #: Bytes per parameter of the timed AdamW (`_time_adamw`: fp32 param, grad, exp_avg, exp_avg_sq read; param and
 #: moments written).
 TIMED_ADAMW_BYTES_PER_PARAM = 28
@@ -132,6 +139,22 @@ def _time_copy(threads: int) -> float:
     return 2 * COPY_BYTES / statistics.median(samples[1:]) / 1e9
 
 
+def this_machine_ram_gb() -> float:
+    """This machine's physical memory, GB (the operating system's page count x page size, else psutil's figure);
+    a ValueError naming ``--host-mem-gb`` where neither is known."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (AttributeError, ValueError, OSError):
+        pass
+    try:
+        import psutil
+
+        return psutil.virtual_memory().total / 1e9
+    except ImportError:
+        raise ValueError("this machine's RAM is unknown here (no sysconf page count, no psutil): pass --host-mem-gb "
+                         "or set host_mem_gb in the profile.") from None
+
+
 @functools.lru_cache(maxsize=1)
 def measure_host_rates() -> HostRates:
     """Measure this host (once per process; a second or two)."""
@@ -142,10 +165,12 @@ def measure_host_rates() -> HostRates:
 
 
 def host_profile(profile: Any, rates: HostRates, host_cores: int | None = None,
-                 given: tuple[str, ...] = (), host_mem_gbps: float | None = None) -> Any:
+                 given: tuple[str, ...] = (), host_mem_gbps: float | None = None,
+                 host_mem_gb: float | None = None) -> Any:
     """`profile` with this host's measured AdamW rate per core in place of its own. Fields in `given` (a preset's
-    cores and memory bandwidth, or a JSON profile's own host fields) are kept; the others come from this machine
-    (its cores, its measured bandwidth). `host_cores` / `host_mem_gbps` (the flags) win over both."""
+    cores, memory bandwidth and RAM, or a JSON profile's own host fields) are kept; the others come from this machine
+    (its cores, its measured bandwidth, its RAM). `host_cores` / `host_mem_gbps` / `host_mem_gb` (the flags) win over
+    both."""
     if host_cores is not None:
         cores = host_cores
     else:
@@ -157,6 +182,10 @@ def host_profile(profile: Any, rates: HostRates, host_cores: int | None = None,
         values["host_mem_gbps"] = host_mem_gbps
     elif "host_mem_gbps" not in given:
         values["host_mem_gbps"] = rates.effective_mem_gbps()
+    if host_mem_gb is not None:
+        values["host_mem_gb"] = host_mem_gb
+    elif "host_mem_gb" not in given:
+        values["host_mem_gb"] = this_machine_ram_gb()
     return replace(profile, name=profile.name, **values)
 
 
@@ -172,6 +201,16 @@ def json_host_fields(spec: str | None) -> tuple[str, ...]:
         return ()
     keys = json.loads(Path(spec).expanduser().read_text(encoding="utf-8"))
     return tuple(k for k in HOST_FIELDS if k in keys)
+
+
+def ram_origin(profile: Any, spec: str | None, given: tuple[str, ...], flag: float | None) -> str:
+    """Where the host RAM the state must fit in comes from, in words."""
+    if flag is not None:
+        return "--host-mem-gb"
+    if "host_mem_gb" in given:
+        return (f"the profile's: {HOST_RAM_SOURCES.get(profile.name, 'a preset figure')}" if spec in PROFILES
+                else f"the profile's ({spec})")
+    return "this machine's"
 
 
 def memory_origin(profile: Any, spec: str | None, given: tuple[str, ...], flag: float | str | None) -> str:
@@ -206,23 +245,25 @@ def published_host_line(profile: Any, origin: str = "the profile's") -> str:
 
 
 def resolve_host(profile: Any, spec: str | None, host_cores: int | None, from_profile: bool,
-                 host_mem_gbps: float | str | None = None) -> tuple[Any, str]:
+                 host_mem_gbps: float | str | None = None, host_mem_gb: float | None = None) -> tuple[Any, str]:
     """The profile to project with and the line that says where its host figures come from and which cap applies.
-    `host_mem_gbps`: a number (GB/s) or "measured" (this machine's) in place of the profile's."""
+    `host_mem_gbps`: a number (GB/s) or "measured" (this machine's) in place of the profile's; `host_mem_gb`: the
+    host RAM in place of the profile's (a preset's typical server's; a JSON profile's, else this machine's)."""
     given = json_host_fields(spec)
     origin = memory_origin(profile, spec, given, host_mem_gbps)
+    ram = ram_origin(profile, spec, given, host_mem_gb)
     if from_profile:
         if host_cores is not None:
             profile = replace(profile, host_cores=host_cores)
         if host_mem_gbps is not None:
             mem = measure_host_rates().effective_mem_gbps() if host_mem_gbps == "measured" else host_mem_gbps
             profile = replace(profile, host_mem_gbps=mem)
-        elif "host_mem_gbps" not in given:
-            origin = "HardwareProfile's default: the profile gives none"
-        return profile, published_host_line(profile, origin)
+        if host_mem_gb is not None:
+            profile = replace(profile, host_mem_gb=host_mem_gb)
+        return profile, published_host_line(profile, origin) + f" {_ram_line(profile, ram)}"
     rates = measure_host_rates()
     mem = rates.effective_mem_gbps() if host_mem_gbps == "measured" else host_mem_gbps
-    resolved = host_profile(profile, rates, host_cores, given, mem)
+    resolved = host_profile(profile, rates, host_cores, given, mem, host_mem_gb)
     per_core = ("the profile's own host_adamw_per_core" if "host_adamw_per_core" in given else
                 "measured here: its best per-thread rate" if resolved.host_cores > max(rates.adamw_params_per_s)
                 else f"measured here on {resolved.host_cores} thread(s)")
@@ -230,4 +271,10 @@ def resolve_host(profile: Any, spec: str | None, host_cores: int | None, from_pr
                   "the profile's" if "host_cores" in given else "this machine's")
     return resolved, (f"Host: {rates.describe()}. Projected: per-core rate {per_core}, {cores_from} "
                       f"{resolved.host_cores} core(s); {cap_line(resolved, origin)} (--host-from-profile: the "
-                      "published per-core rate instead; --host-cores / --host-memory-gbps override).")
+                      "published per-core rate instead; --host-cores / --host-memory-gbps override). "
+                      + _ram_line(resolved, ram))
+
+
+def _ram_line(profile: Any, origin: str) -> str:
+    override = "" if origin == "--host-mem-gb" else "; --host-mem-gb overrides"
+    return f"Host RAM {profile.host_mem_gb:.0f} GB ({origin}{override})."

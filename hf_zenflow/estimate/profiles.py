@@ -1,12 +1,12 @@
-"""Hardware profiles: the figures of one node that `hf-zenflow estimate --hardware` and compare's projection model
-(device FLOP/s and memory, link bandwidth, host cores, host AdamW rate and memory bandwidth), the presets (`PROFILES`,
-where their host figures come from: `HOST_MEMORY_SOURCES`) and a JSON profile's loader. The bound model over them is
-`hardware.py`.
+"""Hardware profiles: the figures of one node that `hf-zenflow estimate` and compare's projection model (device
+FLOP/s and memory, link bandwidth, host cores, host AdamW rate, memory bandwidth and RAM), the presets (`PROFILES`,
+where their host figures come from: `HOST_MEMORY_SOURCES`, `HOST_RAM_SOURCES`) and a JSON profile's loader, which
+refuses a file that leaves out a device field. The bound model over them is `hardware.py`.
 
 Example:
     >>> from hf_zenflow.estimate.profiles import PROFILES
-    >>> PROFILES["a100-40gb-pcie4"].host_limit()
-    'memory'
+    >>> PROFILES["a100-40gb-pcie4"].host_limit(), PROFILES["a100-40gb-pcie4"].host_mem_gb
+    ('cores', 512.0)
 """
 
 from __future__ import annotations
@@ -16,14 +16,25 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from hf_zenflow.estimate.emulator_scenario import PUBLISHED_HOST_CORES, PUBLISHED_HOST_PARAMS_PER_S
 
-
+#: The published Llama-2-7B host figure: DeepSpeed's CPUAdam over 7e9 parameters in 4600 ms on 128 threads
+#: (`--host-from-profile`'s per-core rate).
+PUBLISHED_HOST_PARAMS_PER_S = 7e9 / 4.6
+PUBLISHED_HOST_CORES = 128
 #: Host memory bytes per parameter of synchronous offload's host step (ZeRO-Offload's CPUAdam: the fp32 gradient
 #: read (4), the fp32 master, exp_avg and exp_avg_sq read and written (24), the bf16 parameter written in the same
 #: pass (2)).
 #: Its gradient lands and its parameter leaves while the host waits (the link phases), so no DMA overlaps the pass.
 HOST_ADAMW_BYTES_PER_PARAM = 30
+
+
+#: Fields a JSON profile must give: the device, its link, the GPU-to-GPU interconnect and the fraction of peak FLOP/s
+#: a step reaches. No default stands in for them.
+DEVICE_FIELDS = ("device_tflops", "device_mem_gb", "device_mem_gbps", "link_gbps", "mfu", "interconnect_gbps")
+#: The host fields of a profile; a JSON profile may leave them out (they are then this machine's, measured), except
+#: with ``--host-from-profile``, which projects the profile's own host and so needs the ones it cannot measure.
+HOST_FIELDS = ("host_cores", "host_mem_gbps", "host_adamw_per_core", "host_mem_gb")
+PUBLISHED_HOST_REQUIRED = ("host_cores", "host_mem_gbps", "host_mem_gb")
 
 
 @dataclass
@@ -36,7 +47,9 @@ class HardwareProfile:
     "bus bandwidth"). Defaults: on a PCIe node the peer traffic crosses the same x16 links, so it is the link figure
     (25 GB/s Gen4, 50 GB/s Gen5; cards without peer-to-peer, such as the RTX 4090, stage through host memory and get
     less); on an NVLink node half the datasheet's bidirectional NVLink figure (A100 SXM4 600 GB/s -> 300, H100 SXM5
-    900 GB/s -> 450). A JSON profile may set it; without it, 25.
+    900 GB/s -> 450). A JSON profile must give it (`DEVICE_FIELDS`).
+
+    `host_mem_gb` is the node's RAM, which every rank's offloaded optimizer state together must fit in.
 
     Example:
         >>> HardwareProfile(name="mine", device_tflops=100, device_mem_gb=24, device_mem_gbps=900, link_gbps=25,
@@ -55,6 +68,7 @@ class HardwareProfile:
     interconnect_gbps: float = 25.0  # GPU<->GPU per GPU and direction, for the all-gather of several ranks
     # host AdamW parameters/s per core: the published CPUAdam rate unless measured (`host_rates.host_profile`)
     host_adamw_per_core: float = PUBLISHED_HOST_PARAMS_PER_S / PUBLISHED_HOST_CORES
+    host_mem_gb: float = 256.0  # the node's host RAM, GB: what the offloaded optimizer state must fit in
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -84,12 +98,25 @@ class HardwareProfile:
         return "memory" if memory < self.host_core_params_per_s() else "cores"
 
     @classmethod
-    def from_json(cls, path: str | Path) -> HardwareProfile:
-        values = json.loads(Path(path).read_text(encoding="utf-8"))
+    def from_json(cls, path: str | Path, required: tuple[str, ...] = DEVICE_FIELDS) -> HardwareProfile:
+        """The profile a JSON file describes. Every field of `required` must be in it (a missing one is refused by
+        name, never filled with a default); the host fields may be left out: the caller takes them from this machine
+        (`host_rates.resolve_host`)."""
+        try:
+            values = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"hardware profile {path}: not a readable JSON file ({exc}).") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"hardware profile {path}: a JSON object of HardwareProfile's fields is needed, not "
+                             f"{type(values).__name__}.")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"hardware profile {path}: unknown key(s) {unknown}: allowed are {sorted(known)}.")
+        missing = [name for name in required if name not in values]
+        if missing:
+            raise ValueError(f"hardware profile {path}: missing field(s) {', '.join(missing)}: a profile file must "
+                             f"give {', '.join(required)} (host fields it leaves out are this machine's).")
         values.setdefault("name", Path(path).stem)
         return cls(**values)
 
@@ -125,33 +152,51 @@ HOST_MEMORY_SOURCES: dict[str, str] = {
                              "peak, x 0.75 sustained",
 }
 
-# Device and link: nominal datasheet figures. Host: `HOST_MEMORY_SOURCES` (cores and sustained memory bandwidth).
+#: Where each preset's host RAM (``host_mem_gb``) comes from: the DGX datasheets, else one DIMM per memory channel of
+#: the typical server in `HOST_MEMORY_SOURCES` (an assumption: measure yours, ``--host-mem-gb``).
+HOST_RAM_SOURCES: dict[str, str] = {
+    "a100-40gb-pcie4": "16 channels x one 32 GB DDR4 DIMM = 512 GB",
+    "a100-80gb-pcie4": "16 channels x one 32 GB DDR4 DIMM = 512 GB",
+    "h100-80gb-pcie5": "16 channels x one 64 GB DDR5 DIMM = 1024 GB",
+    "rtx4090-pcie4": "2 channels x one 32 GB DDR5 DIMM = 64 GB",
+    "l4-pcie4": "8 channels x one 32 GB DDR4 DIMM = 256 GB",
+    "a100-80gb-sxm4-nvlink": "DGX A100 640 GB datasheet: 2 TB of system memory",
+    "h100-80gb-sxm5-nvlink": "DGX H100 datasheet: 2 TB of system memory",
+}
+
+# Device and link: nominal datasheet figures. Host: `HOST_MEMORY_SOURCES` (cores and sustained memory bandwidth) and
+# `HOST_RAM_SOURCES` (RAM).
 PROFILES: dict[str, HardwareProfile] = {
     "a100-40gb-pcie4": HardwareProfile("a100-40gb-pcie4", 312.0, 40.0, 1555.0, 25.0, 64,
-                                       _sustained(16, DDR4_3200_GBPS), interconnect_gbps=25.0),
+                                       _sustained(16, DDR4_3200_GBPS), interconnect_gbps=25.0, host_mem_gb=512.0),
     "a100-80gb-pcie4": HardwareProfile("a100-80gb-pcie4", 312.0, 80.0, 1935.0, 25.0, 64,
-                                       _sustained(16, DDR4_3200_GBPS), interconnect_gbps=25.0),
+                                       _sustained(16, DDR4_3200_GBPS), interconnect_gbps=25.0, host_mem_gb=512.0),
     "h100-80gb-pcie5": HardwareProfile("h100-80gb-pcie5", 756.0, 80.0, 2000.0, 50.0, 96,
-                                       _sustained(16, DDR5_4800_GBPS), interconnect_gbps=50.0),
+                                       _sustained(16, DDR5_4800_GBPS), interconnect_gbps=50.0, host_mem_gb=1024.0),
     "rtx4090-pcie4": HardwareProfile("rtx4090-pcie4", 165.0, 24.0, 1008.0, 25.0, 16, _sustained(2, DDR5_5200_GBPS),
-                                     interconnect_gbps=25.0),
+                                     interconnect_gbps=25.0, host_mem_gb=64.0),
     "l4-pcie4": HardwareProfile("l4-pcie4", 121.0, 24.0, 300.0, 25.0, 16, _sustained(8, DDR4_3200_GBPS),
-                                interconnect_gbps=25.0),
+                                interconnect_gbps=25.0, host_mem_gb=256.0),
     "a100-80gb-sxm4-nvlink": HardwareProfile("a100-80gb-sxm4-nvlink", 312.0, 80.0, 2039.0, 25.0, 128,
-                                             _sustained(16, DDR4_3200_GBPS), interconnect_gbps=300.0),
+                                             _sustained(16, DDR4_3200_GBPS), interconnect_gbps=300.0,
+                                             host_mem_gb=2048.0),
     "h100-80gb-sxm5-nvlink": HardwareProfile("h100-80gb-sxm5-nvlink", 989.0, 80.0, 3350.0, 50.0, 112,
-                                             _sustained(16, DDR5_4800_GBPS), interconnect_gbps=450.0),
+                                             _sustained(16, DDR5_4800_GBPS), interconnect_gbps=450.0,
+                                             host_mem_gb=2048.0),
 }
 
 
-def load_profile(spec: str) -> HardwareProfile:
-    """A preset name from `PROFILES` or the path of a JSON file with `HardwareProfile`'s fields."""
+def load_profile(spec: str, published_host: bool = False) -> HardwareProfile:
+    """A preset name from `PROFILES` or the path of a JSON file with `HardwareProfile`'s fields: its `DEVICE_FIELDS`
+    always, and with `published_host` (``--host-from-profile``: the profile's own host, nothing measured here) also
+    `PUBLISHED_HOST_REQUIRED`."""
     if spec in PROFILES:
         return PROFILES[spec]
     path = Path(spec).expanduser()
     if path.is_file():
-        return HardwareProfile.from_json(path)
+        return HardwareProfile.from_json(path, DEVICE_FIELDS + (PUBLISHED_HOST_REQUIRED if published_host else ()))
     raise ValueError(f"--hardware {spec!r} is neither a preset ({', '.join(sorted(PROFILES))}) nor a JSON file.")
 
 
-__all__ = ["HOST_ADAMW_BYTES_PER_PARAM", "HOST_MEMORY_SOURCES", "PROFILES", "HardwareProfile", "load_profile"]
+__all__ = ["DEVICE_FIELDS", "HOST_ADAMW_BYTES_PER_PARAM", "HOST_FIELDS", "HOST_MEMORY_SOURCES", "HOST_RAM_SOURCES",
+           "PROFILES", "PUBLISHED_HOST_CORES", "PUBLISHED_HOST_PARAMS_PER_S", "HardwareProfile", "load_profile"]

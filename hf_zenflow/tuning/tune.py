@@ -213,7 +213,8 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
     from hf_zenflow.estimate.profiles import load_profile
 
     # the modelled host is this machine, measured (`host_rates`), unless --host-from-profile
-    profile = resolve_host(load_profile(cfg.hardware), cfg.hardware, cfg.host_cores, cfg.host_from_profile)[0]
+    profile = resolve_host(load_profile(cfg.hardware, published_host=cfg.host_from_profile), cfg.hardware,
+                           cfg.host_cores, cfg.host_from_profile)[0]
     grid = default_grid(cfg.topk, cfg.intervals, cfg.scales, cfg.lags)
     for s in grid:
         s.config()  # a bad grid value fails here, naming the field

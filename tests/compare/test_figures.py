@@ -139,32 +139,3 @@ def test_trainer_telemetry_reports_the_device_utilization() -> None:
     t.record({"cp_wait_ms": 0.0}, 50.0)
     assert t.pop_interval()["zenflow/device_utilization"] == pytest.approx(1.0)
     assert t.run_summary()["zenflow/device_utilization"] == pytest.approx(1 - 80 / 250)
-
-
-def test_projection_of_a_window_summed_on_the_device() -> None:
-    """The same hosted elements H and window U: summed on the host, H fp32 gradients cross every step and the host
-    runs an AdamW per window plus an accumulation per step; summed on the device (what compare's "auto" now picks on
-    a CPU device), one fp32 sum crosses per window (not halved: it stays fp32 on the GPU) and the host runs one
-    AdamW per window (sync offload's per-step host AdamW over the same H divided by U) after the sum has landed."""
-    from hf_zenflow.compare.projection import project
-    from hf_zenflow.estimate.hardware import load_profile
-
-    hosted, window, params = 1e6, 4, 2e6
-    profile = load_profile("h100-80gb-pcie5")
-
-    def zen(accumulate_on: str, per_step: float) -> dict:
-        stats = {"accumulate_on": accumulate_on, "steps": 40, "windows": 40 // window, "selected_fraction": 0.1}
-        return {"bytes_to_host_per_step": per_step, "bytes_to_device_per_step": 4 * hosted / window,
-                "host_step_ms_mean": 10.0, "accumulate_ms_mean": 5.0, "engine_stats": stats}
-
-    sync = {"bytes_to_host_per_step": 4 * hosted, "bytes_to_device_per_step": 4 * hosted}
-    on_host = project({"sync_offload": sync, "zenflow": zen("host", 4 * hosted)}, params, params, 512, profile)
-    on_device = project({"sync_offload": sync, "zenflow": zen("device", 4 * hosted / window)}, params, params, 512,
-                        profile)
-    host_adamw = on_host["sync_offload"]["host_ms"]
-    # the host's chain per window: the sum lands, then the AdamW runs (the write-back waits for both)
-    assert on_device["zenflow"]["host_ms"] == pytest.approx(host_adamw / window + on_device["zenflow"]["link_ms"])
-    assert on_host["zenflow"]["host_ms"] == pytest.approx(host_adamw * (1 / window + 0.5))
-    # sync offload's link: H each way in bf16 (4 x H / 2 B in all); the device's sum: H / U in fp32, the slower way
-    assert on_device["zenflow"]["link_ms"] == pytest.approx(on_host["sync_offload"]["link_ms"] / window)
-    assert on_device["zenflow"]["device_ms"] > on_host["zenflow"]["device_ms"]  # the device adds every step

@@ -1,47 +1,69 @@
-"""`compare`'s projection (`projection.project`) by hand on round figures: a host-accumulation run and a
-device-accumulation run, whose measured bytes per step are one fp32 sum per window."""
+"""`compare`'s projection (`projection.project`, `run_projection`) is `estimate`'s bound model on each profile's own
+host, at the run's measured selection, window and accumulation, and its table keeps sub-ms figures."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from hf_zenflow.compare.projection import project
-from hf_zenflow.estimate.profiles import HardwareProfile
+from hf_zenflow.compare.projection import project, projection_table, run_projection
+from hf_zenflow.estimate import host_rates
+from hf_zenflow.estimate.hardware import schedule_model
+from hf_zenflow.estimate.host_rates import HostRates, resolve_host
+from hf_zenflow.estimate.profiles import PROFILES, HardwareProfile
 
 
-# 1e9 projected parameters from a 1e6-parameter run (x 1000); 1000 tokens -> 120 ms of compute; link 20 GB/s; host
-# AdamW 1e9 / 1.522e9 params/s = 657 ms (128 cores at the published rate, under the 100 GB/s cap).
 PROFILE = HardwareProfile("t", device_tflops=100.0, device_mem_gb=80.0, device_mem_gbps=1000.0, link_gbps=20.0,
                           host_cores=128, host_mem_gbps=100.0, mfu=0.5)
-ADAMW_MS = 1e9 / (7e9 / 4.6) * 1e3
+FAKE = HostRates(cores=2, adamw_params_per_s={1: 1.0e9, 2: 1.5e9}, mem_gbps=20.0, seconds=0.1)
 
 
-def _zenflow(accumulate_on: str, bytes_per_step: float) -> dict:
-    return {"bytes_to_host_per_step": bytes_per_step, "bytes_to_device_per_step": 1e6,
-            "host_step_ms_mean": 10.0, "accumulate_ms_mean": 5.0,
-            "engine_stats": {"accumulate_on": accumulate_on, "steps": 8, "windows": 2, "selected_fraction": 0.0}}
+def _results(accumulate_on: str, selected: float = 0.12, steps: int = 40, windows: int = 8) -> dict:
+    stats = {"accumulate_on": accumulate_on, "steps": steps, "windows": windows, "selected_fraction": selected}
+    return {"adamw_torch": {}, "sync_offload": {}, "zenflow": {"engine_stats": stats}}
 
 
-def test_projection_of_host_and_device_accumulation() -> None:
-    # host accumulation: every step's fp32 gradient of 1e6 elements (4e6 B), bf16 on the GPU: 2e9 B / 20 GB/s =
-    # 100 ms; one AdamW per 4-step window plus every step's accumulation at the measured ratio 5 / 10
-    host = project({"zenflow": _zenflow("host", 4e6)}, 1e6, 1e9, 1000, PROFILE)["zenflow"]
-    assert host["host_ms"] == pytest.approx(ADAMW_MS * (1 / 4 + 0.5))
-    assert host["link_ms"] == pytest.approx(100.0)
-    # device accumulation: one fp32 sum of 1e6 elements per window, 1e6 B per step on average; the sum stays fp32 on
-    # the GPU (4e9 B / 20 GB/s = 200 ms per window); the AdamW covers all 1e9 parameters once per window, after the
-    # sum has landed: (200 + 657) / 4 per step, no accumulation
-    dev = project({"zenflow": _zenflow("device", 1e6)}, 1e6, 1e9, 1000, PROFILE)["zenflow"]
-    assert dev["host_ms"] == pytest.approx((200 + ADAMW_MS) / 4)
-    assert dev["link_ms"] == pytest.approx(max(200 / 4, 1e6 * 1000 * 2 / 4 / 20e9 * 1e3))
-    assert dev["step_ms"] == pytest.approx(max(dev["device_ms"], dev["link_ms"], dev["host_ms"]))
+@pytest.mark.parametrize(("accumulate_on", "row"), [("host", "zenflow"), ("device", "zenflow_device_accumulation"),
+                                                     ("device_bf16", "zenflow_device_bf16")])
+def test_projection_is_the_bound_model_at_the_runs_measured_setting(accumulate_on: str, row: str) -> None:
+    """The run's selected fraction (0.12), mean window (40 steps / 8 windows = 5) and accumulation pick the row."""
+    out = project(_results(accumulate_on), 1e9, 1000, PROFILE)
+    rows = schedule_model(PROFILE, 1e9, 1000, topk_ratio=0.12, update_interval=5)
+    for name, key in (("adamw_torch", "no_offload"), ("sync_offload", "sync_offload"), ("zenflow", row)):
+        for side in ("device_ms", "link_ms", "host_ms", "step_ms", "device_memory_gb"):
+            assert out[name][side] == pytest.approx(rows[key][side])
+        assert out[name]["gpu_utilization"] == pytest.approx(rows[key]["device_ms"] / rows[key]["step_ms"])
+        assert out[name]["host_memory_gb"] == pytest.approx(rows[key]["host_memory_node_gb"])
+    assert out["sync_offload"]["step_ms"] == pytest.approx(
+        sum(out["sync_offload"][k] for k in ("device_ms", "link_ms", "host_ms")))
 
 
-def test_projection_of_bf16_device_sums() -> None:
-    # "device_bf16": the same 1e6 hosted elements send a bf16 sum per window (half the bytes of the fp32 sum): the
-    # host AdamW covers the same elements, the landing (and the link) takes half as long
-    fp32 = project({"zenflow": _zenflow("device", 1e6)}, 1e6, 1e9, 1000, PROFILE)["zenflow"]
-    bf16 = project({"zenflow": _zenflow("device_bf16", 0.5e6)}, 1e6, 1e9, 1000, PROFILE)["zenflow"]
-    assert bf16["host_ms"] == pytest.approx((100 + ADAMW_MS) / 4)
-    assert fp32["host_ms"] - bf16["host_ms"] == pytest.approx(100 / 4)
-    assert bf16["device_ms"] == pytest.approx(fp32["device_ms"])
+def test_projection_takes_the_profiles_host_not_the_runs_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run whose host side had 1 core projects onto the H100 server's 96 cores (the figures `estimate` gives for
+    that profile and size), not onto 1 core."""
+    monkeypatch.setattr(host_rates, "measure_host_rates", lambda: FAKE)
+    cfg = SimpleNamespace(project_params=7e9, project_hardware=("h100-80gb-pcie5",), host_from_profile=False)
+    results = _results("host", selected=0.1, steps=40, windows=10)
+    projection = run_projection(results, 22e6, 4096, cfg, host_cores=1)
+    assert "the profile's 96 core(s)" in projection["hosts"]["h100-80gb-pcie5"]
+    profile, _ = resolve_host(PROFILES["h100-80gb-pcie5"], "h100-80gb-pcie5", None, False)
+    assert profile.host_cores == 96
+    rows = schedule_model(profile, 7e9, 4096, 0.1, 4)
+    got = projection["profiles"]["h100-80gb-pcie5"]
+    assert got["sync_offload"]["host_ms"] == pytest.approx(rows["sync_offload"]["host_ms"])
+    assert got["zenflow"]["step_ms"] == pytest.approx(rows["zenflow"]["step_ms"])
+
+
+def test_projection_table_keeps_sub_millisecond_figures() -> None:
+    """A small model's projected step is a fraction of a ms: the table shows it to four figures, not 0 or 1."""
+    out = project(_results("host"), 22e6, 512, PROFILES["h100-80gb-pcie5"])
+    table = projection_table({"h100-80gb-pcie5": out})
+    step = out["adamw_torch"]["step_ms"]
+    assert step < 1.0
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
+    header = rows[0]
+    cells = dict(zip(header, next(r for r in rows if r[1] == "no offload")))
+    assert cells["step ms (projected)"] == f"{step:.4g}" and float(cells["step ms (projected)"]) > 0
+    zen = dict(zip(header, next(r for r in rows if r[1] == "ZenFlow")))
+    assert zen["GPU util. (projected)"] == f"{100 * out['zenflow']['gpu_utilization']:.1f} %"

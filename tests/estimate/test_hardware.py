@@ -1,5 +1,5 @@
-"""The hardware bound model behind `hf-zenflow estimate --hardware` and `tune`'s modelled speed-up: hand-computed
-per-side times, the named bound, the setting that moves it, profile validation, and the estimate table's columns."""
+"""The hardware bound model behind `hf-zenflow estimate` and `tune`'s modelled speed-up: hand-computed per-side times,
+the named bound, the setting that moves it, profile validation, and the estimate table's columns."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from hf_zenflow.cli import main
+from hf_zenflow.engine.accumulation import SELECTED_BYTES
+from hf_zenflow.estimate import memory
 from hf_zenflow.estimate.advice import advice, format_schedule_model
-from hf_zenflow.estimate.emulator import format_estimate
 from hf_zenflow.estimate.hardware import (
     ACCUMULATE_VS_ADAMW,
     activation_gb,
@@ -20,6 +21,13 @@ from hf_zenflow.estimate.hardware import (
     zenflow_host_passes,
 )
 from hf_zenflow.estimate.profiles import PROFILES, HardwareProfile, load_profile
+
+
+@pytest.fixture(autouse=True)
+def gradients_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hand-computed device figures below are of an engine that keeps every gradient until the step (whatever
+    `memory.GRADIENTS_FREED_IN_BACKWARD` says the engine does; `test_fits.py` covers both)."""
+    monkeypatch.setattr(memory, "GRADIENTS_FREED_IN_BACKWARD", False)
 
 
 # Round numbers: 1e9 params, 1000 tokens -> 6e12 FLOPs at 100 TFLOP/s x 0.5 = 120 ms of compute; link 2 GB / 20 GB/s
@@ -68,6 +76,8 @@ def test_schedule_model_matches_hand_computed_times() -> None:
     # of the sums to have read them, 80 ms after the 120 ms forward+backward, once per window
     assert dev["device_ms"] == pytest.approx(120 + 0.1 * 28 + 2 + 100 / 4 + 10 + 80 / 4)
     assert dev["device_memory_gb"] == pytest.approx(zen["device_memory_gb"] + 4.0)
+    # bf16 weights and gradients (held until the step) and the selected tenth's state and gathered gradient
+    assert zen["device_memory_gb"] == pytest.approx(4.0 + 0.1 * SELECTED_BYTES, abs=1e-9)
     assert rows["no_offload"]["device_memory_gb"] == pytest.approx(16.0) and rows["no_offload"]["fits_device_memory"]
 
 
@@ -124,8 +134,7 @@ def test_profiles_validate_and_load_from_json(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"HardwareProfile\.mfu=1\.5"):
         HardwareProfile(mfu=1.5)
     path = tmp_path / "box.json"
-    path.write_text(json.dumps({"device_tflops": 50, "device_mem_gb": 16, "device_mem_gbps": 500, "link_gbps": 12,
-                                "host_cores": 8, "host_mem_gbps": 40}))
+    path.write_text(json.dumps({**DEVICE, "host_cores": 8, "host_mem_gbps": 40}))
     prof = load_profile(str(path))
     assert prof.name == "box" and prof.link_gbps == 12
     path.write_text(json.dumps({"device_tflop": 50}))
@@ -135,66 +144,17 @@ def test_profiles_validate_and_load_from_json(tmp_path: Path) -> None:
         load_profile("no-such-box")
 
 
-def test_estimate_hardware_model_only(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["estimate", "--hardware", "a100-40gb-pcie4", "--model-params", "7e9", "--model-only"])
+#: The device fields a JSON profile must give (round figures).
+DEVICE = {"device_tflops": 50, "device_mem_gb": 16, "device_mem_gbps": 500, "link_gbps": 12, "mfu": 0.4,
+          "interconnect_gbps": 12}
+
+
+def test_estimate_hardware(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["estimate", "--hardware", "a100-40gb-pcie4", "--params", "7e9", "--host-from-profile"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "Bound model (not a measurement)" in out and "| ZenFlow, U=4" in out
     assert "Offload needed" in out and "bound" in out
-
-
-def _row(step_mean: float, host_work: float | None = None, bound: bool = False, step: float | None = None) -> dict:
-    r = {"step_ms": step if step is not None else step_mean, "step_ms_mean": step_mean, "step_ms_median": step_mean,
-         "step_ms_min": step_mean - 10, "step_ms_max": step_mean + 10, "optimizer_critical_path_ms": 1.0,
-         "device_idle_fraction": 0.0, "link_down_ms_per_copy": None, "link_up_ms_per_copy": None,
-         "extra": {}}
-    if host_work is not None:
-        r.update(host_work_per_step_ms=host_work, host_bound=bound)
-    return r
-
-
-def _result() -> dict:
-    """A `run_estimate` result with round figures (no run)."""
-    return {"label": "EMULATED", "scenario": {"name": "t", "params": 1e9, "forward_ms": 0.0, "backward_ms": 100.0,
-                                              "grad_offload_ms": 1.0, "param_upload_ms": 1.0, "topk_ratio": 0.1,
-                                              "update_interval": 4, "notes": ""},
-            "cpu_update_ms": 1.0, "cpu_update_source": "given", "device_optimizer_ms": 1.0, "emulated_params": 1e6,
-            "host_threads": 1, "host_adamw_real_ms": 1.0, "time_compression": 1.0,
-            "link_real_gbps": {"down": 1.0, "up": 1.0},
-            "results": {"no_offload": _row(100), "sync_offload": _row(500),
-                        "zenflow": _row(200, host_work=640, bound=True, step=640),
-                        "zenflow_device_accumulation": _row(210, host_work=50, bound=False)},
-            "summary": {"zenflow_speedup_vs_sync": 500 / 640, "zenflow_critical_path_vs_sync": 1.0,
-                        "zenflow_step_vs_no_offload": 6.4, "zenflow_device_accumulation_speedup_vs_sync": 500 / 210,
-                        "zenflow_device_accumulation_critical_path_vs_sync": 1.0,
-                        "zenflow_device_accumulation_step_vs_no_offload": 2.1}}
-
-
-def test_estimate_table_columns_mean_what_their_headers_say() -> None:
-    """Issue 14 item 4: a host-bound row's measured mean must stay the measured mean (within min..max); the host
-    work per step that bounds it goes into its own column."""
-    text = format_estimate(_result())
-    header = next(line for line in text.splitlines() if line.startswith("| schedule"))
-    cols = [c.strip() for c in header.strip("|").split("|")]
-    row = next(line for line in text.splitlines() if line.startswith("| ZenFlowAdamW (window summed on the host)"))
-    cells = dict(zip(cols, (c.strip() for c in row.strip("|").split("|"))))
-    mean, lo, hi = (float(cells[k]) for k in ("measured step ms: mean", "min", "max"))
-    assert lo <= mean <= hi and mean == 200
-    assert cells["host work ms per step"] == "640"
-    assert cells[next(c for c in cols if c.startswith("step ms (the larger"))].startswith("**640**")
-    assert cells["vs sync offload"] == "0.78x faster"
-
-
-def test_emulator_scenario_from_a_profile_carries_its_times() -> None:
-    from hf_zenflow.estimate.emulator import scenario_from_profile
-
-    sc = scenario_from_profile(PROFILE, 1e9, 1000)
-    rows = schedule_model(PROFILE, 1e9, 1000)
-    assert sc.params == 1e9 and sc.device_compute_ms == pytest.approx(120.0)
-    assert sc.grad_offload_ms == pytest.approx(100.0) and sc.param_upload_ms == pytest.approx(100.0)
-    assert sc.cpu_update_ms == pytest.approx(rows["sync_offload"]["host_ms"])
-    assert sc.device_mem_gbps == PROFILE.device_mem_gbps and sc.host_cores == PROFILE.host_cores
-    assert sc.resolved_device_optimizer_ms() == pytest.approx(28.0)  # the same 28 B/param as the bound model
 
 
 # The same round profile with a 50 GB/s interconnect: an all-gather of the 2 GB of bf16 weights takes (N-1)/N x 40 ms.
@@ -206,10 +166,10 @@ HOST_ADAMW_MS = 1e9 / (7e9 / 4.6) * 1e3
 
 
 @pytest.mark.parametrize(("ranks", "host_ms", "link_ms", "allgather_ms", "host_gb"), [
-    (1, HOST_ADAMW_MS, 100.0, 0.0, 18.0),
-    (2, HOST_ADAMW_MS, 50.0, 20.0, 9.0),
-    (4, HOST_ADAMW_MS, 25.0, 30.0, 4.5),
-    (8, HOST_ADAMW_MS, 12.5, 35.0, 2.25),
+    (1, HOST_ADAMW_MS, 100.0, 0.0, 22.0),
+    (2, HOST_ADAMW_MS, 50.0, 20.0, 11.0),
+    (4, HOST_ADAMW_MS, 25.0, 30.0, 5.5),
+    (8, HOST_ADAMW_MS, 12.5, 35.0, 2.75),
 ])
 @pytest.mark.parametrize("host_mem_gbps", [100.0, 30.0])
 def test_per_rank_figures_scale_as_documented(ranks: int, host_ms: float, link_ms: float, allgather_ms: float,
@@ -236,7 +196,8 @@ def test_per_rank_figures_scale_as_documented(ranks: int, host_ms: float, link_m
     assert zen["device_ms"] == pytest.approx(120 + 2.8 + 2 + (link_ms + allgather_ms) / u)
     assert sync["device_ms"] == pytest.approx(120 + allgather_ms)
     assert zen["host_memory_gb"] == pytest.approx(host_gb) and sync["host_memory_gb"] == pytest.approx(16 / ranks)
-    assert zen["device_memory_gb"] == pytest.approx(4.0 + 1.2)  # DDP replicates weights, grads, selected state
+    assert zen["host_memory_node_gb"] == pytest.approx(22.0)  # the node holds all ranks' shares
+    assert zen["device_memory_gb"] == pytest.approx(4.0 + 1.6)  # DDP replicates weights, grads, selected state
     fsdp = schedule_model(profile, 1e9, 1000, 0.1, u, ranks=ranks, parallel="fsdp2")
     assert fsdp["zenflow"]["allgather_ms"] == 0.0 and fsdp["sync_offload"]["host_ms"] == pytest.approx(host_ms)
     assert fsdp["zenflow"]["device_ms"] == pytest.approx(120 + (2.8 + 2) / ranks + link_ms / u)  # all sharded
@@ -250,12 +211,12 @@ def test_one_rank_is_todays_model_and_table() -> None:
     text = format_schedule_model(RANK_PROFILE, 1e9, 1000)
     assert "Ranks:" not in text and "Per rank" not in text
     assert ("| schedule | device ms/step | link ms/step | host ms/step | step ms | bound | vs sync offload | "
-            "device memory GB (no activations) | host passes limited by |\n") in text
+            "device memory GB (no activations) | host memory GB (node) | host passes limited by |\n") in text
 
 
 def test_several_ranks_table_and_advice() -> None:
     text = format_schedule_model(RANK_PROFILE, 1e9, 1000, ranks=8)
-    assert "Ranks: 8 DDP ranks" in text and "all-gather ms/step (in device) | host memory GB per rank |" in text
+    assert "Ranks: 8 DDP ranks" in text and "host passes limited by | all-gather ms/step (in device) |" in text
     assert "Per rank: 16 of the node's 128 host cores" in text and f"takes {HOST_ADAMW_MS:.0f} ms" in text
     assert f"each rank would take {8 * HOST_ADAMW_MS:.0f} ms" in text
     assert "35 ms per write-back at 50 GB/s" in text
@@ -268,7 +229,7 @@ def test_interconnect_defaults_and_json(tmp_path: Path) -> None:
     assert PROFILES["a100-40gb-pcie4"].interconnect_gbps == PROFILES["a100-40gb-pcie4"].link_gbps
     assert PROFILES["h100-80gb-sxm5-nvlink"].interconnect_gbps > 5 * PROFILES["h100-80gb-pcie5"].interconnect_gbps
     path = tmp_path / "nvl.json"
-    path.write_text(json.dumps({"interconnect_gbps": 300}))
+    path.write_text(json.dumps({**DEVICE, "interconnect_gbps": 300}))
     assert load_profile(str(path)).interconnect_gbps == 300
     with pytest.raises(ValueError, match=r"HardwareProfile\.interconnect_gbps=0 is invalid"):
         HardwareProfile(interconnect_gbps=0)
@@ -276,42 +237,26 @@ def test_interconnect_defaults_and_json(tmp_path: Path) -> None:
 
 def test_estimate_cli_ranks(capsys: pytest.CaptureFixture[str]) -> None:
     # the profile's own host (128 cores), split among the ranks
-    rc = main(["estimate", "--hardware", "a100-80gb-sxm4-nvlink", "--model-params", "7e9", "--ranks", "8",
-               "--model-only", "--host-from-profile"])
+    rc = main(["estimate", "--hardware", "a100-80gb-sxm4-nvlink", "--params", "7e9", "--ranks", "8",
+               "--host-from-profile"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "Ranks: 8 DDP ranks" in out and "Per rank: 16 of the node's 128 host cores" in out
     for bad in ("0", "-2", "1.5", "two"):
         with pytest.raises(SystemExit) as exc:
-            main(["estimate", "--hardware", "a100-40gb-pcie4", "--ranks", bad, "--model-only"])
+            main(["estimate", "--hardware", "a100-40gb-pcie4", "--ranks", bad])
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert "argument --ranks" in err and "is invalid: allowed is an integer >= 1" in err and bad in err
 
 
-def test_estimate_report_states_the_emulated_ranks_share() -> None:
-    from hf_zenflow.estimate.emulator import EmulatorScenario
-
-    res = _result()
-    res["ranks"] = EmulatorScenario(ranks=1).rank_figures(4600.0)
-    one = format_estimate(res)
-    assert "Ranks:" not in one and "data-parallel communication is not modelled" in one
-    res["ranks"] = EmulatorScenario(params=1e9, ranks=4, host_cores=64, interconnect_gbps=50.0).rank_figures(4600.0)
-    text = format_estimate(res)
-    assert "Ranks: 4 DDP ranks" in text and "ONE rank: 0.25B parameters of host work on 16 host cores" in text
-    assert "host AdamW 4600 ms, ZenFlow's host memory 4.5 GB" in text
-    assert "all-gather of the updated rows 30 ms per write-back at 50 GB/s" in text  # 3/4 x 2 GB / 50 GB/s
-    assert "one rank of several" in text
-    assert "(targets 125 / 125 ms for bf16" in text  # a quarter of the 500 ms links per rank
-
-
 def test_auto_accumulation_takes_the_device_when_the_sums_fit_with_the_margin() -> None:
-    """1e9 params on PROFILE: weights + gradients 4 GB + selected columns 1.2 GB + fp32 sums 4 GB = 9.2 GB, plus
+    """1e9 params on PROFILE: weights + gradients 4 GB + selected columns 1.6 GB + fp32 sums 4 GB = 9.6 GB, plus
     activations; 80 GB less 10% fits, 8 GB less 10% does not (nor with bf16 sums)."""
     fits = auto_accumulation(PROFILE, 1e9, 1000)
-    assert fits["state_gb"] == pytest.approx(9.2) and fits["limit_gb"] == pytest.approx(72.0)
+    assert fits["state_gb"] == pytest.approx(9.6) and fits["limit_gb"] == pytest.approx(72.0)
     assert fits["activations_gb"] == pytest.approx(activation_gb(1e9, 1000)) and fits["choice"] == "device"
-    # 8 GB less 10% (7.2 GB) holds neither the fp32 sums nor the bf16 sums (7.2 GB + activations)
+    # 8 GB less 10% (7.2 GB) holds neither the fp32 sums nor the bf16 sums (7.6 GB + activations)
     small = HardwareProfile("s", device_tflops=100.0, device_mem_gb=8.0, device_mem_gbps=1000.0, link_gbps=20.0,
                             host_cores=128, host_mem_gbps=100.0, mfu=0.5)
     assert auto_accumulation(small, 1e9, 1000)["choice"] == "host"
@@ -325,14 +270,14 @@ def test_auto_accumulation_takes_the_device_when_the_sums_fit_with_the_margin() 
 
 
 def test_auto_accumulation_takes_bf16_device_sums_when_only_they_fit() -> None:
-    """Between the two needs (fp32 sums 9.2 GB, bf16 sums 7.2 GB, plus activations) "auto" keeps bf16 sums on the
+    """Between the two needs (fp32 sums 9.6 GB, bf16 sums 7.6 GB, plus activations) "auto" keeps bf16 sums on the
     device: the sum crosses in bf16 (half the link time: 100 ms per window), the host widens it (6 B/param: 60 ms)
     before the AdamW (657 ms) and the rounding (60 ms), and the device holds 2 B/param less."""
     act = activation_gb(1e9, 1000)
-    mid = HardwareProfile("m", device_tflops=100.0, device_mem_gb=(8.2 + act) / 0.9, device_mem_gbps=1000.0,
+    mid = HardwareProfile("m", device_tflops=100.0, device_mem_gb=(8.6 + act) / 0.9, device_mem_gbps=1000.0,
                           link_gbps=20.0, host_cores=128, host_mem_gbps=100.0, mfu=0.5)
     auto = auto_accumulation(mid, 1e9, 1000)
-    assert auto["choice"] == "device_bf16" and auto["state_gb"] == pytest.approx(7.2)
+    assert auto["choice"] == "device_bf16" and auto["state_gb"] == pytest.approx(7.6)
     rows = schedule_model(mid, 1e9, 1000)
     dev, bf16 = rows["zenflow_device_accumulation"], rows["zenflow_device_bf16"]
     assert bf16["link_ms"] == pytest.approx(dev["link_ms"] / 2) == pytest.approx(100 / 4)
@@ -342,4 +287,4 @@ def test_auto_accumulation_takes_bf16_device_sums_when_only_they_fit() -> None:
         "bf16 sum widened", "window AdamW", "write-back rounding"]
     text = format_schedule_model(mid, 1e9, 1000)
     assert 'accumulate_on="device_bf16" = the default ("auto")' in text
-    assert 'chooses "device_bf16": weights, gradients, selected columns and bf16 window sums 7.2 GB' in text
+    assert 'chooses "device_bf16": weights, gradients, selected columns and bf16 window sums 7.6 GB' in text

@@ -1,4 +1,4 @@
-"""Issue 21 item 3 / issue 23: `estimate` projects with this host's measured AdamW rate per core on the profile's
+"""`estimate` projects with this host's measured AdamW rate per core on the profile's
 host cores, capped by the profile's host memory bandwidth (a typical server of its class, not this machine's); a
 profile's published host figure only with --host-from-profile, which reproduces the figures of the profile path."""
 
@@ -12,11 +12,18 @@ import pytest
 from hf_zenflow.cli import main
 from hf_zenflow.estimate import host_rates
 from hf_zenflow.estimate.advice import format_schedule_model
-from hf_zenflow.estimate.emulator_scenario import PUBLISHED_HOST_CORES, PUBLISHED_HOST_PARAMS_PER_S
 from hf_zenflow.estimate.host_rates import TIMED_ADAMW_BYTES_PER_PARAM, HostRates
-from hf_zenflow.estimate.profiles import HOST_ADAMW_BYTES_PER_PARAM, PROFILES
+from hf_zenflow.estimate.profiles import (
+    HOST_ADAMW_BYTES_PER_PARAM,
+    PROFILES,
+    PUBLISHED_HOST_CORES,
+    PUBLISHED_HOST_PARAMS_PER_S,
+)
 
 
+#: The device fields a JSON profile must give.
+DEVICE = {"device_tflops": 100, "device_mem_gb": 24, "device_mem_gbps": 900, "link_gbps": 25, "mfu": 0.4,
+          "interconnect_gbps": 25}
 FAKE = HostRates(cores=4, adamw_params_per_s={1: 1.0e9, 2: 1.8e9, 4: 3.0e9}, mem_gbps=40.0, seconds=0.1)
 
 
@@ -32,10 +39,11 @@ def _sync_host_ms(text: str) -> float:
 def test_host_from_profile_reproduces_the_published_figures(capsys: pytest.CaptureFixture[str]) -> None:
     """The table and advice equal the profile path's (the preset as it is, published host rate); the host AdamW
     time is 7e9 over the published per-core rate x 96 cores (below the profile's memory cap)."""
-    rc = main(["estimate", "--hardware", "h100-80gb-pcie5", "--params", "7e9", "--model-only", "--host-from-profile"])
+    rc = main(["estimate", "--hardware", "h100-80gb-pcie5", "--params", "7e9", "--host-from-profile"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert _table(out) == _table(format_schedule_model(PROFILES["h100-80gb-pcie5"], 7e9, 4096, 0.1, 4))
+    bound_model = out.split("### What fits")[0]
+    assert _table(bound_model) == _table(format_schedule_model(PROFILES["h100-80gb-pcie5"], 7e9, 4096, 0.1, 4))
     published = 7e9 / min(PUBLISHED_HOST_PARAMS_PER_S / PUBLISHED_HOST_CORES * 96,
                           PROFILES["h100-80gb-pcie5"].host_mem_gbps * 1e9 / HOST_ADAMW_BYTES_PER_PARAM) * 1e3
     assert _sync_host_ms(out) == pytest.approx(published, abs=0.5)
@@ -47,7 +55,7 @@ def test_estimate_caps_by_the_profiles_memory_not_this_machines(monkeypatch: pyt
     """Without --host-from-profile: this machine's best per-thread rate (1.0e9 here) x the profile's 96 cores, capped
     by the profile's 460.8 GB/s over 30 B per parameter, not by this machine's 84 GB/s (3.0e9 x 28 B)."""
     monkeypatch.setattr(host_rates, "measure_host_rates", lambda: FAKE)
-    assert main(["estimate", "--hardware", "h100-80gb-pcie5", "--params", "7e9", "--model-only"]) == 0
+    assert main(["estimate", "--hardware", "h100-80gb-pcie5", "--params", "7e9"]) == 0
     out = capsys.readouterr().out
     profile_cap = PROFILES["h100-80gb-pcie5"].host_mem_gbps * 1e9 / HOST_ADAMW_BYTES_PER_PARAM
     assert profile_cap < 1.0e9 * 96
@@ -68,7 +76,7 @@ def test_estimate_caps_by_the_profiles_memory_not_this_machines(monkeypatch: pyt
 def test_host_overrides(flags: list[str], rate: float, monkeypatch: pytest.MonkeyPatch,
                         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(host_rates, "measure_host_rates", lambda: FAKE)
-    assert main(["estimate", "--hardware", "h100-80gb-pcie5", "--params", "7e9", "--model-only", *flags]) == 0
+    assert main(["estimate", "--hardware", "h100-80gb-pcie5", "--params", "7e9", *flags]) == 0
     out = capsys.readouterr().out
     assert _sync_host_ms(out) == pytest.approx(7e9 / rate * 1e3, abs=0.5)
     if "--host-memory-gbps" in flags:
@@ -78,26 +86,23 @@ def test_host_overrides(flags: list[str], rate: float, monkeypatch: pytest.Monke
 def test_host_memory_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
     for bad in ("0", "-5", "fast"):
         with pytest.raises(SystemExit) as exc:
-            main(["estimate", "--hardware", "h100-80gb-pcie5", "--model-only", "--host-memory-gbps", bad])
+            main(["estimate", "--hardware", "h100-80gb-pcie5", "--host-memory-gbps", bad])
         assert exc.value.code == 2
         assert 'a number > 0 or "measured"' in capsys.readouterr().err
-    assert main(["estimate", "--params", "1e9", "--host-memory-gbps", "100"]) == 2  # no profile: nothing to cap
-    assert "--host-memory-gbps=100.0 is invalid without --hardware" in capsys.readouterr().err
 
 
 def test_json_profile_host_fields_win_over_the_measurement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(host_rates, "measure_host_rates", lambda: FAKE)
     spec = tmp_path / "box.json"
-    spec.write_text(json.dumps({"device_tflops": 100, "device_mem_gb": 24, "device_mem_gbps": 900, "link_gbps": 25,
-                                "host_cores": 16, "host_mem_gbps": 60, "host_adamw_per_core": 1e8}))
-    assert main(["estimate", "--hardware", str(spec), "--params", "1e9", "--model-only"]) == 0
+    spec.write_text(json.dumps({**DEVICE, "host_cores": 16, "host_mem_gbps": 60, "host_adamw_per_core": 1e8}))
+    assert main(["estimate", "--hardware", str(spec), "--params", "1e9"]) == 0
     out = capsys.readouterr().out
     assert _sync_host_ms(out) == pytest.approx(1e9 / 1.6e9 * 1e3, abs=0.5)  # 16 cores x 1e8, not the measured 3e9
     assert f"memory 60 GB/s (the profile's ({spec}))" in out
     # a JSON profile without host fields: this machine is the host (its cores, rate and measured bandwidth)
-    spec.write_text(json.dumps({"device_tflops": 100, "device_mem_gb": 24, "device_mem_gbps": 900, "link_gbps": 25}))
-    assert main(["estimate", "--hardware", str(spec), "--params", "1e9", "--model-only"]) == 0
+    spec.write_text(json.dumps(DEVICE))
+    assert main(["estimate", "--hardware", str(spec), "--params", "1e9"]) == 0
     out = capsys.readouterr().out
     # 4 threads measured 3.0e9 at 28 B each (84 GB/s): a 30-B pass at that bandwidth reaches 2.8e9
     assert _sync_host_ms(out) == pytest.approx(1e9 / (3.0e9 * 28 / 30) * 1e3, abs=0.5)

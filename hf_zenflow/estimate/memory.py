@@ -1,0 +1,120 @@
+"""The memory side of the bound model: what each schedule holds on the device and on the host, per parameter of a
+bf16 model, and the limits it must fit in.
+
+* device (`device_memory_gb`): bf16 weights (2) and, where AdamW runs on the device, its fp32 master and moments (12);
+  synchronous offload keeps every bf16 gradient until the step (2); ZenFlow keeps the selected columns' state and
+  gathered gradient (`engine.accumulation.SELECTED_BYTES` per selected element), the window sums when they are on the
+  device, and either every bf16 gradient until the step or, with ``gradients_freed_in_backward``, only the gradients
+  in flight to the host (`in_flight_gradient_gb`). Counted against `DEVICE_MEMORY_HEADROOM` of the device;
+  activations are not counted there (`activation_gb` estimates them for ``accumulate_on="auto"``);
+* host (`zenflow_host_bytes_per_param`): per offloaded parameter, the fp32 master (4), the two moments in
+  ``host_moment_dtype`` (fp32 8, bf16 4, int8 2 plus one fp32 scale per `INT8_BLOCK` elements of each), the fp32
+  window accumulator (4), the bf16 write-back buffer (2), with the window summed on the host the pinned landing slots
+  of the in-flight gradients (`engine.host.GRAD_SLOTS` x 2), with bf16 device sums their bf16 landing buffer (2);
+  synchronous offload `SYNC_HOST_BYTES_PER_PARAM`. Every rank of a node holds its share; together they must fit
+  `HOST_MEMORY_HEADROOM` of the node's RAM.
+
+Example:
+    >>> round(device_memory_gb("zenflow", 7e9, 0.1, gradients_freed_in_backward=False) / 7, 2)  # GB per 1e9 params
+    5.6
+"""
+
+from __future__ import annotations
+
+from hf_zenflow.engine.accumulation import SELECTED_BYTES
+from hf_zenflow.engine.host import GRAD_SLOTS
+from hf_zenflow.estimate.ranks import RankSplit
+
+
+FP32_BYTES, BF16_BYTES = 4, 2
+#: Host moment storage, bytes per element of each of the two moments, by ``host_moment_dtype``: int8 blocks of
+#: `INT8_BLOCK` elements with one fp32 scale each.
+INT8_BLOCK = 256
+MOMENT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + FP32_BYTES / INT8_BLOCK}
+HOST_MOMENT_DTYPES = tuple(MOMENT_BYTES)
+#: Device bytes per parameter of a bf16 model: the weight and its gradient; fp32 master and moments where AdamW runs
+#: on the device.
+WEIGHT_BYTES = GRADIENT_BYTES = BF16_BYTES
+DEVICE_BYTES_ADAM_STATE = 12
+#: Fraction of the device memory counted as usable for weights, gradients and optimizer state (the rest is left for
+#: activations, the allocator and the runtime, which the model does not count).
+DEVICE_MEMORY_HEADROOM = 0.9
+#: Fraction of the node's RAM counted as usable for the offloaded optimizer state (the rest is left for the operating
+#: system, the training processes, the data loader and the page cache, which the model does not count).
+HOST_MEMORY_HEADROOM = 0.9
+#: Synchronous offload's host bytes per offloaded parameter (`optimizer.sync_offload`): fp32 master, fp32 gradient
+#: and the two fp32 moments.
+SYNC_HOST_BYTES_PER_PARAM = 16
+#: Whether ZenFlow's engine frees each offloaded matrix's device gradient in backward, once its unselected part is
+#: on its way to the host (True), or keeps every gradient until `step()` (False). The default of `schedule_model`'s
+#: ``gradients_freed_in_backward``.
+GRADIENTS_FREED_IN_BACKWARD = False
+
+
+def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moments: str = "float32") -> float:
+    """ZenFlow's host memory per offloaded parameter of a bf16 model on a GPU (`engine/host.py`): fp32 master (4),
+    the two moments (`MOMENT_BYTES`), the fp32 window accumulator (4), the bf16 write-back buffer (2); with the
+    window summed on the host (`sum_bytes` 0) the pinned landing slot of each in-flight gradient (`GRAD_SLOTS` x 2),
+    with bf16 device sums (`sum_bytes` 2) the buffer the sum lands in (2).
+
+    Example:
+        >>> zenflow_host_bytes_per_param(0), zenflow_host_bytes_per_param(4), zenflow_host_bytes_per_param(0, "int8")
+        (22.0, 18.0, 16.03125)
+    """
+    if host_moments not in MOMENT_BYTES:
+        raise ValueError(f"host_moments={host_moments!r} is invalid: allowed are {', '.join(HOST_MOMENT_DTYPES)}.")
+    landing = GRAD_SLOTS * BF16_BYTES if sum_bytes == 0 else BF16_BYTES if sum_bytes == BF16_BYTES else 0
+    return FP32_BYTES + 2 * MOMENT_BYTES[host_moments] + FP32_BYTES + BF16_BYTES + landing
+
+
+def llama_shape(params: float) -> tuple[float, float]:
+    """(hidden size, layers) of a llama-shaped model of `params` parameters: params = 12 x layers x hidden^2 with
+    layers = hidden / 128 (7B: hidden 4096, 32 layers)."""
+    hidden = (float(params) * 128 / 12) ** (1 / 3)
+    return hidden, hidden / 128
+
+
+def in_flight_gradient_gb(params: float, device_share: float = 1.0) -> float:
+    """Device memory of the gradients in flight when each is freed in backward: the one autograd is writing and one
+    per hand-off slot being copied to the host (`GRAD_SLOTS`), each of the model's largest matrix (a llama MLP
+    matrix, hidden x 8/3 hidden, in bf16; of the rank's shard under FSDP2)."""
+    hidden, _ = llama_shape(params)
+    return (GRAD_SLOTS + 1) * hidden * (8 / 3) * hidden * device_share * GRADIENT_BYTES / 1e9
+
+
+def device_memory_gb(schedule: str, params: float, topk_ratio: float = 0.1, sum_bytes: int = 0,
+                     gradients_freed_in_backward: bool | None = None, split: RankSplit | None = None) -> float:
+    """One rank's device memory, GB, for weights, gradients and optimizer state (no activations) of `schedule`:
+    "no_offload", "sync_offload" or "zenflow" (with `sum_bytes` per element of device-side window sums, 0 for sums
+    on the host). ``gradients_freed_in_backward`` (default `GRADIENTS_FREED_IN_BACKWARD`) applies to ZenFlow only.
+
+    Example:
+        >>> [round(device_memory_gb(s, 1e9, gradients_freed_in_backward=False), 2)
+        ...  for s in ("no_offload", "sync_offload", "zenflow")]
+        [16.0, 4.0, 5.6]
+        >>> round(device_memory_gb("zenflow", 1e9, gradients_freed_in_backward=True), 2)
+        3.68
+    """
+    split = split or RankSplit()
+    n, dev, share = float(params), split.device_share, split.host_share
+    weights, grads = n * dev * WEIGHT_BYTES / 1e9, n * dev * GRADIENT_BYTES / 1e9
+    if schedule == "no_offload":
+        return weights + grads + n * dev * DEVICE_BYTES_ADAM_STATE / 1e9
+    if schedule == "sync_offload":
+        return weights + grads  # every gradient until the step, as `SyncOffloadAdamW` keeps it
+    freed = GRADIENTS_FREED_IN_BACKWARD if gradients_freed_in_backward is None else gradients_freed_in_backward
+    held = in_flight_gradient_gb(n, dev) if freed else grads
+    return weights + held + n * dev * topk_ratio * SELECTED_BYTES / 1e9 + n * share * sum_bytes / 1e9
+
+
+def activation_gb(params: float, tokens_per_step: float) -> float:
+    """Activation memory of a llama-shaped model with activation checkpointing, in GB: one bf16 hidden state per
+    layer and token, plus one layer's full activations (~34 bytes x hidden per token, Korthikanti et al. 2022);
+    shape from the size (`llama_shape`)."""
+    hidden, layers = llama_shape(params)
+    return tokens_per_step * hidden * (2 * layers + 34) / 1e9
+
+
+__all__ = ["DEVICE_MEMORY_HEADROOM", "GRADIENTS_FREED_IN_BACKWARD", "HOST_MEMORY_HEADROOM", "HOST_MOMENT_DTYPES",
+           "MOMENT_BYTES", "activation_gb", "device_memory_gb", "in_flight_gradient_gb", "llama_shape",
+           "zenflow_host_bytes_per_param"]
