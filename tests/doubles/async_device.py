@@ -277,11 +277,12 @@ class CheckedRegistrar(HostRegistrar):
         self.registered.add(ptr)
         return True
 
-    def unregister(self, ptr: int) -> None:
+    def unregister(self, ptr: int) -> bool:
         if self.backend.in_flight_on(ptr):
             self.backend.errors.append(CopyRaceError("a pinned block was unlocked while a copy from or into it "
                                                      "was in flight"))
         self.registered.discard(ptr)
+        return True
 
 
 def async_transport(seed: int = 0) -> tuple[CudaTransport, AsyncCopies]:
