@@ -34,7 +34,7 @@ from .schedule import WindowSchedule
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
 from .window_close import WindowCloses
-from .worker import HostAdamWorker
+from .worker import HostAdamWorker, cuda_device_of
 
 
 __all__ = ["EarlyCopies", "HandOff", "HostWindows"]
@@ -142,7 +142,8 @@ class HostWindows(WindowCloses):
         if worker is None or (not worker.background and self.early is None and self._wants_thread()):
             self.claim_cores()  # (a run continued after `close()`: the same claim again)
             note_host_split(self.reduce_group.ranks, self.process_group)  # (once per process)
-            self.worker = HostAdamWorker(self.config.resolved_cpu_threads, background=self._wants_thread())
+            self.worker = HostAdamWorker(self.config.resolved_cpu_threads, background=self._wants_thread(),
+                                         cuda_device=cuda_device_of(p for g in self.groups for p in g["params"]))
         return self.worker
 
     def _wants_thread(self) -> bool:

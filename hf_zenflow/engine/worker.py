@@ -13,7 +13,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 
@@ -91,6 +91,15 @@ def _nobody_waits() -> bool:
     return not threading.main_thread().is_alive() and getattr(sys, "last_type", None) is not None
 
 
+def cuda_device_of(params: Iterable[torch.Tensor]) -> int | None:
+    """The index of the first CUDA device among `params` (the device a host worker thread makes current), or None
+    when none is on CUDA."""
+    for p in params:
+        if p.device.type == "cuda":
+            return p.device.index if p.device.index is not None else torch.cuda.current_device()
+    return None
+
+
 class HostAdamWorker:
     """Runs host jobs (gradient accumulation, the host AdamW) in order, on a background thread or inline.
 
@@ -102,9 +111,12 @@ class HostAdamWorker:
     `check()` / `wait()`, and every later job is dropped rather than run on inconsistent state.
     """
 
-    def __init__(self, threads: int, background: bool) -> None:
+    def __init__(self, threads: int, background: bool, cuda_device: int | None = None) -> None:
         self.threads = threads
         self.background = background
+        # the CUDA device the thread makes current before its first job (`cuda_device_of`): its event waits (and
+        # the events it frees) then use that device's context, not a new one on GPU 0 (a thread's default)
+        self.cuda_device = cuda_device
         self._error: BaseException | None = None
         self._error_job = ""
         self._outstanding: list[Future] = []
@@ -136,6 +148,8 @@ class HostAdamWorker:
 
     def _loop(self) -> None:
         torch.set_num_threads(self.threads)  # per OS thread in torch: the training thread keeps its own setting
+        if self.cuda_device is not None:
+            torch.cuda.set_device(self.cuda_device)  # per OS thread in CUDA, like the thread count
         wait_for_closed_workers()
         while True:
             item = self._jobs.get()
