@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 #: Phases of the caller's time inside `step()`, in the order they happen.
@@ -15,8 +15,11 @@ DEVICE_WAIT_PHASES = ("handoff", "wait", "writeback", "host_update")
 
 
 def device_wait_ms(stats: dict) -> float:
-    """ms of the last `step()` in which the device waited (`DEVICE_WAIT_PHASES`), from a `stats()` dict."""
-    return sum(float(stats.get(f"cp_{p}_ms") or 0.0) for p in DEVICE_WAIT_PHASES)
+    """ms of the last `step()` in which the device waited (`DEVICE_WAIT_PHASES`), from a `stats()` dict, plus the
+    device time of the write-back copies (``writeback_device_ms``: on CUDA they run on the compute stream after the
+    caller's `step()` has returned, and the next forward waits behind them)."""
+    phases = sum(float(stats.get(f"cp_{p}_ms") or 0.0) for p in DEVICE_WAIT_PHASES)
+    return phases + float(stats.get("writeback_device_ms") or 0.0)
 
 
 class StepTimer:
@@ -50,6 +53,10 @@ class ZenFlowStats:
       ``cp_<phase>_ms`` splits it (norms, select, device_update, handoff, wait, writeback, host_update);
     - ``host_step_ms``: duration of the last host AdamW window step (on the worker, off the critical path when
       overlapped); ``accumulate_ms``: the last gradient accumulation job;
+    - ``writeback_device_ms``: device time of the write-back copies that ran since the previous step (CUDA: the
+      host->device copies on the compute stream, which the next forward waits behind, measured by timing events
+      read once they have run, never waited for: a write-back is counted in the step after it); 0 where the
+      write-back swaps storage (a CPU device);
     - ``bytes_to_host`` / ``bytes_to_device``: bytes crossing the host-device link in the last step (on a CPU
       device: the bytes that would), ``total_bytes_to_host`` / ``total_bytes_to_device`` since construction;
     - ``selected_fraction``: fraction of matrix elements updated on the device each step;
@@ -77,8 +84,12 @@ class ZenFlowStats:
         self.last_phases: dict[str, float] = {}
         self.last_spans: list[tuple[str, float, float]] = []  # the last step's phases in time (`StepTimer.spans`)
         self._step_bytes = (0, 0)
+        #: per transport: the device time of its write-back copies that ran since the last call (`take_device_ms`)
+        self.device_clocks: list[Callable[[], float]] = []
+        self._writeback_device_ms = 0.0
 
     def finish_step(self, timer: StepTimer, skipped: bool = False, staleness: int | None = None) -> None:
+        self._writeback_device_ms = sum(clock() for clock in self.device_clocks)
         self.last_ms = timer.elapsed_ms()
         self.last_phases = dict(timer.phases)
         self.last_spans = list(timer.spans)
@@ -98,6 +109,7 @@ class ZenFlowStats:
             "total_bytes_to_device": float(self.total_bytes_to_device),
             "staleness": float(self.staleness),
             "skipped_steps": float(self.skipped_steps),
+            "writeback_device_ms": self._writeback_device_ms,
         }
         for phase in PHASES:
             out[f"cp_{phase}_ms"] = self.last_phases.get(phase, 0.0)

@@ -84,6 +84,7 @@ class HostWindows(WindowCloses):
         self.release_early()
         self.close_transports()
         self.transports.clear()
+        self.stats.device_clocks.clear()
 
     def stop_worker(self) -> None:
         """Stop the worker thread only (a later step starts a new one, e.g. with other settings); the run goes on:
@@ -157,6 +158,7 @@ class HostWindows(WindowCloses):
             # are read in place like any CPU device's
             shard = self.param_shards is not None and kind == "cpu"
             self.transports[kind] = CpuShardTransport() if shard else transport_for(split.param.device)
+            self.stats.device_clocks.append(self.transports[kind].take_device_ms)  # (`writeback_device_ms`)
         return self.transports[kind]
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from .._base import torch_threads
 from ..settings.threads import worker_started
+from ..transport.link import device_wait_ms
 from .host import GRAD_SLOTS
 
 
@@ -127,7 +128,8 @@ class HostAdamWorker:
         self._gate: threading.Event | None = None  # what held jobs wait for (see `hold`)
         self._holding = False
         self._thread: threading.Thread | None = None
-        self.last_job_ms: dict[str, float] = {}
+        self.last_job_ms: dict[str, float] = {}  # host work of the latest job of each kind, device waits excluded
+        self.last_job_wait_ms: dict[str, float] = {}  # ... and the time that job waited for the device
         #: (job, start, end) in perf_counter seconds of the latest jobs: when the host was busy (compare's timeline)
         self.job_spans: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=256)
         if background:
@@ -174,7 +176,7 @@ class HostAdamWorker:
         if self._error is not None:
             future.set_exception(HostWorkerError(f"host job '{what}' dropped after an earlier failure"))
             return
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), device_wait_ms()
         try:
             fn()
         except BaseException as exc:  # noqa: BLE001 - everything must reach the caller, KeyboardInterrupt too
@@ -182,7 +184,10 @@ class HostAdamWorker:
             future.set_exception(exc)
             return
         end = time.perf_counter()
-        self.last_job_ms[what] = (end - start) * 1e3
+        # the job's host work: its waits for the device (copies landing, a write-back reading its buffer) are not
+        # (`writeback_lag="auto"` sizes the lag by it)
+        self.last_job_wait_ms[what] = device_wait_ms() - waited
+        self.last_job_ms[what] = max(0.0, (end - start) * 1e3 - self.last_job_wait_ms[what])
         self.job_spans.append((what, start, end))
         future.set_result(None)
 
