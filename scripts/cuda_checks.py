@@ -303,6 +303,7 @@ def host_syncs(device: torch.device, steps: int = 24) -> dict[str, Any]:
                            or i < 2)
                 per_step.append({"step": i, "syncs": syncs, "event_waits_training": waits.by_thread["training"],
                                  "event_waits_other": waits.by_thread["other"],
+                                 "writeback_device_ms": after["writeback_device_ms"],
                                  "window_closed_or_selection_or_warm_up": special})
             opt.flush()
             chosen = opt.stats()["accumulate_on"]
