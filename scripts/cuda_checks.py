@@ -376,9 +376,11 @@ def _nccl_rank(rank: int, init_file: str, results: Any) -> None:
         results.put((rank, "error", f"{type(exc).__name__}: {exc}"[:500]))
 
 
-def nccl_two_ranks_one_gpu(device: torch.device, wait_s: float = 40.0) -> dict[str, Any]:
-    """Two processes, one NCCL group, both on GPU 0, one all-reduce (3 expected on both ranks)."""
+def nccl_two_ranks_one_gpu(device: torch.device, wait_s: float = 30.0) -> dict[str, Any]:
+    """Two processes, one NCCL group, both on GPU 0, one all-reduce (3 expected on both ranks); `wait_s` for both
+    answers together."""
     import queue
+    import time
 
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -393,9 +395,10 @@ def nccl_two_ranks_one_gpu(device: torch.device, wait_s: float = 40.0) -> dict[s
         for p in procs:
             p.start()
         answers = []
+        deadline = time.monotonic() + wait_s
         try:
             for _ in procs:
-                answers.append(results.get(timeout=wait_s))
+                answers.append(results.get(timeout=max(0.1, deadline - time.monotonic())))
         except queue.Empty:
             pass
         for p in procs:
@@ -431,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
                            "torch": torch.__version__}
     checks = {**DEVICE_INDEPENDENT, **(CUDA_ONLY if device.type == "cuda" else {})}
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     failed = False
     for name, check in checks.items():
         try:
@@ -441,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
             out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             failed = True
         print(name, "ok" if out[name].get("ok") else "FAILED", json.dumps(out[name], default=str)[:2000], flush=True)
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(args.out_dir) / "cuda_checks.json").write_text(json.dumps(out, indent=2, default=str))
+        # written after every check: a run stopped by its time limit keeps the results it has
+        (Path(args.out_dir) / "cuda_checks.json").write_text(json.dumps(out, indent=2, default=str))
     return 1 if failed else 0
 
 
