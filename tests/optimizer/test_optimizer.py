@@ -285,7 +285,7 @@ def test_bf16_weights_are_the_rounded_fp32_master():
     for p in model.parameters():
         master = opt.master_weight(p)
         assert master.dtype == torch.float32
-        assert torch.equal(p.detach(), master.to(torch.bfloat16).view(p.shape))
+        assert torch.equal(p.detach().cpu(), master.to(torch.bfloat16).view(p.shape))  # (the master is on the host)
     # the master carries information below bf16 resolution (it was never truncated)
     big = opt.master_weight(model.up.weight)
     assert not torch.equal(big, big.to(torch.bfloat16).float())
@@ -633,7 +633,7 @@ def test_weights_changed_from_outside_are_picked_up(dtype):
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, best[name]), name
     for p in model.parameters():
-        assert torch.equal(opt.master_weight(p).to(dtype).view(p.shape), p.detach())
+        assert torch.equal(opt.master_weight(p).to(dtype).view(p.shape), p.detach().cpu())  # (a host tensor)
     opt.close()
 
 
