@@ -52,7 +52,8 @@ class ZenFlowStats:
     - ``critical_path_ms``: wall time the caller spent in the last `step()` (what the training loop waits for);
       ``cp_<phase>_ms`` splits it (norms, select, device_update, handoff, wait, writeback, host_update);
     - ``host_step_ms``: duration of the last host AdamW window step (on the worker, off the critical path when
-      overlapped); ``accumulate_ms``: the last gradient accumulation job;
+      overlapped); ``accumulate_ms``: the last gradient accumulation job; both without the job's waits for the
+      device (CUDA: a copy landing, a write-back reading its buffer);
     - ``writeback_device_ms``: device time of the write-back copies that ran since the previous step (CUDA: the
       host->device copies on the compute stream, which the next forward waits behind, measured by timing events
       read once they have run, never waited for: a write-back is counted in the step after it); 0 where the
