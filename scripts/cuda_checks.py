@@ -405,13 +405,20 @@ def nccl_two_ranks_one_gpu(device: torch.device, wait_s: float = 30.0) -> dict[s
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+    return nccl_verdict(answers)
+
+
+def nccl_verdict(answers: list[tuple[int, str, Any]]) -> dict[str, Any]:
+    """The check's result from the ranks' answers ``(rank, "ok", value)`` or ``(rank, "error", message)``: both
+    ranks reduced to 3 (passed); NCCL refused two ranks on one GPU (not run, said so; not a failure); anything else
+    (an error, a rank that did not answer) fails."""
     done = [a for a in answers if a[1] == "ok"]
     if len(done) == 2:
         agree = all(a[2] == 3.0 for a in done)
         return {"ok": agree, "ran": True, "all_reduce": [a[2] for a in done]}
     errors = [a[2] for a in answers if a[1] == "error"]
-    refused = any("Duplicate GPU" in e or "invalid usage" in e.lower() for e in errors)
-    if refused:
+    # NCCL's words ("Duplicate GPU detected"), or where torch's message leaves NCCL's last error out, its code
+    if any("Duplicate GPU" in e or "invalid usage" in e.lower() for e in errors):
         return {"ok": True, "ran": False, "why": "NCCL does not allow two ranks of one group on one GPU",
                 "errors": errors}
     return {"ok": False, "ran": False, "answers": answers, "why": "the two ranks did not both finish"}

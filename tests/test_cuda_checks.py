@@ -64,3 +64,14 @@ def test_a_check_of_the_whole_state_would_fail_on_a_correct_skipped_step():
     before = {"/zenflow/skipped_steps": 0, "/w": torch.ones(2), "/n": float("nan")}
     after = {"/zenflow/skipped_steps": 1, "/w": torch.ones(2), "/n": float("nan")}
     assert cuda_checks._changed(before, after) == ["/zenflow/skipped_steps"]
+
+
+def test_the_nccl_pair_is_passed_refused_or_failed_by_the_ranks_answers():
+    verdict = cuda_checks.nccl_verdict
+    assert verdict([(0, "ok", 3.0), (1, "ok", 3.0)]) == {"ok": True, "ran": True, "all_reduce": [3.0, 3.0]}
+    assert verdict([(0, "ok", 3.0), (1, "ok", 2.0)])["ok"] is False
+    refused = verdict([(0, "error", "DistBackendError: ... Last error:\nDuplicate GPU detected : rank 0 and rank 1 "
+                                    "both on CUDA device 1a000"), (1, "error", "DistBackendError: ...")])
+    assert refused["ok"] is True and refused["ran"] is False and "does not allow" in refused["why"]
+    assert verdict([(0, "ok", 3.0)])["ok"] is False  # a rank that never answered (a hang, a crash)
+    assert verdict([(0, "error", "RuntimeError: out of memory"), (1, "ok", 3.0)])["ok"] is False
