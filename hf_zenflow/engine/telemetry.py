@@ -54,10 +54,10 @@ class ZenFlowStats:
     - ``host_step_ms``: duration of the last host AdamW window step (on the worker, off the critical path when
       overlapped); ``accumulate_ms``: the last gradient accumulation job; both without the job's waits for the
       device (CUDA: a copy landing, a write-back reading its buffer);
-    - ``writeback_device_ms``: device time of the write-back copies that ran since the previous step (CUDA: the
-      host->device copies on the compute stream, which the next forward waits behind, measured by timing events
-      read once they have run, never waited for: a write-back is counted in the step after it); 0 where the
-      write-back swaps storage (a CPU device);
+    - ``writeback_device_ms``: device time of write-back copies (CUDA: the host->device copies on the compute
+      stream, which the next forward waits behind), measured by timing events read once they have run, never waited
+      for: counted in the last step when they have run by the time of `stats()` (a caller that synchronises after
+      `step()`), else in a later one; 0 where the write-back swaps storage (a CPU device);
     - ``bytes_to_host`` / ``bytes_to_device``: bytes crossing the host-device link in the last step (on a CPU
       device: the bytes that would), ``total_bytes_to_host`` / ``total_bytes_to_device`` since construction;
     - ``selected_fraction``: fraction of matrix elements updated on the device each step;
@@ -89,8 +89,15 @@ class ZenFlowStats:
         self.device_clocks: list[Callable[[], float]] = []
         self._writeback_device_ms = 0.0
 
+    def collect_device_time(self) -> None:
+        """Add the write-back copies that have run since the last collection to the last step's
+        ``writeback_device_ms`` (`finish_step` and `stats()` call it: a caller that waits for the device after
+        `step()` sees a write-back in the step that made it, one that does not in a later step; never twice)."""
+        self._writeback_device_ms += sum(clock() for clock in self.device_clocks)
+
     def finish_step(self, timer: StepTimer, skipped: bool = False, staleness: int | None = None) -> None:
-        self._writeback_device_ms = sum(clock() for clock in self.device_clocks)
+        self._writeback_device_ms = 0.0
+        self.collect_device_time()
         self.last_ms = timer.elapsed_ms()
         self.last_phases = dict(timer.phases)
         self.last_spans = list(timer.spans)

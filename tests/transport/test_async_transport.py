@@ -218,6 +218,28 @@ def test_the_write_back_copies_device_time_is_counted_as_a_device_wait(async_dev
     assert all(total == pytest.approx(expected) for total, expected in waits)
 
 
+def test_a_caller_that_waits_for_the_device_sees_the_write_back_in_its_own_step(async_device):
+    """`hf-zenflow compare` synchronises after `step()`: then `stats()` counts each write-back in the step that made
+    it, and only there."""
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                       select_interval=100, min_offload_numel=0, writeback_lag=1, high_lr_rule="off")
+    seen = []
+    for x, y in batches(10):
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+        for backend in async_device:
+            backend.sync_compute()  # (torch.cuda.synchronize)
+        stats = opt.stats()
+        assert opt.stats()["writeback_device_ms"] == stats["writeback_device_ms"]  # a second read counts nothing
+        seen.append((stats["bytes_to_device"] > 0, stats["writeback_device_ms"] > 0))
+    opt.close()
+    assert sum(wrote for wrote, _ in seen) >= 3
+    assert all(wrote == measured for wrote, measured in seen), seen
+
+
 def test_a_host_jobs_time_excludes_its_waits_for_the_device():
     """A host job that waits for a copy to land (an event) reports its host work in `last_job_ms` and the wait in
     `last_job_wait_ms`: `writeback_lag="auto"` sizes the lag by the host work, not by how late a copy ran."""
