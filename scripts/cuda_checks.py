@@ -1,18 +1,40 @@
 #!/usr/bin/env python
-"""Checks that only mean something on a CUDA device (`scripts/gpu_check.sh`, part 3); results to
-``<out-dir>/cuda_checks.json``.
+"""Checks of `ZenFlowAdamW` that the reference tests do not make (`scripts/gpu_check.sh`); results to
+``<out-dir>/cuda_checks.json``, the exit status non-zero when one fails.
 
-1. Host syncs per step: ``torch.cuda.set_sync_debug_mode("warn")`` makes every synchronising CUDA call (``.item()``,
-   a blocking copy, ``.cpu()``...) warn; the warnings are counted per step of a small ZenFlow run and recorded for
-   the ordinary steps (no selection, no window close) and the others. Recorded, not asserted: the figure is for the
-   README's claim of one sync per ordinary step.
-2. fp16 with ``torch.amp.GradScaler("cuda")``, the public recipe (``scaler.scale(loss).backward()``,
-   ``scaler.unscale_(opt)``, ``opt.clip_grad_norm_``, ``scaler.step(opt)``, ``scaler.update()``) against the same
-   loop without a scaler: clip norms within 1e-3 relative and weights within 1e-4 (a power-of-two scale unscales
-   exactly, but fp16 autocast activations' gradients underflow differently with and without the scale), and an
-   injected inf gradient skips the step on every parameter.
+Device-independent (they run on any device; ``--device cpu`` runs them on the CPU, as CI does through
+tests/test_cuda_checks.py): fp16 autocast with ``torch.amp.GradScaler``, for ``accumulate_on="host"`` and
+``"device"`` (`fp16_grad_scaler`):
 
-    python scripts/cuda_checks.py --out-dir gpu_out
+- the two public recipes on the same scaled backward give the same weights bit for bit: ``scaler.step(opt)`` alone
+  (the optimizer unscales inside its step) and ``scaler.unscale_(opt)``, ``opt.clip_grad_norm_(inf)``,
+  ``scaler.step(opt)`` (the gradients unscaled in place, after the backward hooks read them). The scale is a power
+  of two, so unscaling is exact either way; a difference means the optimizer used something read before
+  ``unscale_`` (a norm, a gradient copy started in backward);
+- after ``unscale_`` the norm ``clip_grad_norm_`` returns is torch's norm of the unscaled gradients (relative 1e-6:
+  the hooks' per-matrix norms and torch's are the same kernels, so only a missed rescale by the scale shows);
+- with every column selected (``topk_ratio=1``: ZenFlow is AdamW) the Trainer's recipe (``unscale_``, clip 1.0,
+  ``step``, ``update``) equals torch's AdamW (fused where the device has it, as ZenFlow's device update) under its
+  own scaler, within 1e-6 relative per parameter (torch clips by scaling the gradients, ZenFlow folds the same
+  coefficient into its gather: one rounding apart);
+- a step whose gradients overflowed (an inf injected) changes no weight and no optimizer state but the count of
+  skipped steps (and that count's checksum), under either recipe.
+
+CUDA only (skipped elsewhere):
+
+- `host_syncs`: for ``accumulate_on="host"`` and ``"device"``, the synchronising CUDA calls of the training thread
+  per step under ``torch.cuda.set_sync_debug_mode("warn")``, and the ``torch.cuda.Event.synchronize`` calls, which
+  that mode does not see, counted here per thread (the training thread's, and the host worker's waits for landed
+  copies). Recorded, not asserted, except that an ordinary step's training thread waits on no event;
+- `pinned_link_buffers`: every host buffer that crosses the link (gradient landing slots, window sums, write-back
+  buffers) is page-locked (``Tensor.is_pinned()``, asked of the CUDA driver), and ``stats()["pinned_host_bytes"]``
+  covers them: a fallback to pageable memory (``ulimit -l``) would make every "asynchronous" copy synchronous, and
+  ``set_sync_debug_mode`` does not report it;
+- `nccl_two_ranks_one_gpu`: two processes, one NCCL group, both on the one GPU, an all-reduce. NCCL refuses two
+  ranks on one device in one communicator ("Duplicate GPU detected"); the check says so when it does, and does not
+  count it as a failure.
+
+    python scripts/cuda_checks.py --out-dir gpu_out [--device cpu]
 """
 
 from __future__ import annotations
@@ -20,24 +42,42 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
+import os
 import sys
+import tempfile
+import threading
 import traceback
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 
 
-def _model(device: torch.device) -> torch.nn.Module:
+#: The loss scale: a power of two, so that scaling and unscaling the fp32 gradients are exact.
+SCALE = 4096.0
+#: The accumulation places the checks cover (``"auto"`` would choose one of them by the device's free memory).
+ACCUMULATIONS = ("host", "device")
+
+
+def _model(device: torch.device, width: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Embedding(512, 256), torch.nn.Linear(256, 1024), torch.nn.GELU(),
-                               torch.nn.LayerNorm(1024), torch.nn.Linear(1024, 512)).to(device)
+    return torch.nn.Sequential(torch.nn.Embedding(2 * width, width), torch.nn.Linear(width, 4 * width),
+                               torch.nn.GELU(), torch.nn.LayerNorm(4 * width),
+                               torch.nn.Linear(4 * width, 2 * width)).to(device)
 
 
-def _batches(device: torch.device, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _width(device: torch.device) -> int:
+    """CUDA: matrices of 256 x 1024; elsewhere smaller (the CPU runs the same code in seconds)."""
+    return 256 if device.type == "cuda" else 32
+
+
+def _batches(device: torch.device, n: int, width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 512, (8, 64), generator=g).to(device), torch.randint(0, 512, (8, 64), generator=g)
+    vocab = 2 * width
+    return [(torch.randint(0, vocab, (8, 64), generator=g).to(device), torch.randint(0, vocab, (8, 64), generator=g)
              .to(device)) for _ in range(n)]
 
 
@@ -46,140 +86,374 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
 
 
-def host_syncs(device: torch.device, steps: int = 24) -> dict[str, Any]:
+def _zenflow(model: torch.nn.Module, **settings: Any) -> Any:
     from hf_zenflow import ZenFlowAdamW
 
-    model = _model(device)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.1, update_interval=4, select_strategy="step",
-                       select_interval=12, overlap_step=True, min_offload_numel=0)
-    per_step: list[dict[str, Any]] = []
+    return ZenFlowAdamW(model.parameters(), **{**_SETTINGS, **settings})
+
+
+#: The offloaded schedule the fp16 checks run: windows of 3 steps, a re-selection every 6, overlapped.
+_SETTINGS: dict[str, Any] = dict(lr=1e-3, topk_ratio=0.25, update_interval=3, select_strategy="step",
+                                 select_interval=6, overlap_step=True, writeback_lag=1, high_lr_rule="off",
+                                 min_offload_numel=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Device-independent: fp16 autocast with a GradScaler
+# ---------------------------------------------------------------------------------------------------------------
+def _scaled_run(device: torch.device, recipe: str, steps: int, accumulate_on: str) -> tuple[list, list[float]]:
+    """Train with fp16 autocast under a GradScaler. `recipe`: "step" (``scaler.step`` alone) or "unscale"
+    (``unscale_``, ``clip_grad_norm_(inf)``, ``step``). Returns the weights and, for "unscale", the relative
+    difference of each step's clip norm from torch's norm of the unscaled gradients."""
+    width = _width(device)
+    model = _model(device, width)
+    opt = _zenflow(model, accumulate_on=accumulate_on)
+    scaler = torch.amp.GradScaler(device.type, init_scale=SCALE)
+    norm_diffs: list[float] = []
     try:
-        for i, (x, y) in enumerate(_batches(device, steps)):
-            before = opt.stats()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    _loss(model, x, y).backward()
-                    opt.clip_grad_norm_(1.0)
-                    opt.step()
-                    opt.zero_grad()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            after = opt.stats()
-            syncs = sum("synchroniz" in str(w.message) for w in caught)
-            special = (after["windows"] != before["windows"] or after["reselections"] != before["reselections"]
-                       or i < 2)
-            per_step.append({"step": i, "syncs": syncs, "window_closed_or_selection_or_warm_up": special})
+        for x, y in _batches(device, steps, width):
+            with torch.autocast(device.type, dtype=torch.float16):
+                loss = _loss(model, x, y)
+            scaler.scale(loss).backward()
+            if recipe == "unscale":
+                scaler.unscale_(opt)
+                ours = opt.clip_grad_norm_(math.inf)
+                theirs = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+                norm_diffs.append(float((ours - theirs).abs() / theirs.clamp_min(1e-30)))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
         opt.flush()
     finally:
         opt.close()
-    ordinary = [s["syncs"] for s in per_step if not s["window_closed_or_selection_or_warm_up"]]
-    return {"per_step": per_step, "ordinary_steps": len(ordinary),
-            "syncs_per_ordinary_step_max": max(ordinary) if ordinary else None,
-            "syncs_per_ordinary_step_min": min(ordinary) if ordinary else None}
+    return [p.detach().clone() for p in model.parameters()], norm_diffs
 
 
-def fp16_grad_scaler(device: torch.device, steps: int = 12) -> dict[str, Any]:
-    from hf_zenflow import ZenFlowAdamW
-
-    settings = dict(lr=1e-3, topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=6,
-                    overlap_step=True, min_offload_numel=0)
-    data = _batches(device, steps)
-    results = []
-    for use_scaler in (False, True):
-        model = _model(device)
-        opt = ZenFlowAdamW(model.parameters(), **settings)
-        scaler = torch.amp.GradScaler(device.type, init_scale=4096.0) if use_scaler else None
-        norms = []
+def _all_columns_against_adamw(device: torch.device, steps: int) -> float:
+    """ZenFlow with every column selected against torch's AdamW, each under its own scaler, the Trainer's recipe
+    (``unscale_``, clip 1.0, ``step``, ``update``): the largest relative difference of a parameter."""
+    width = _width(device)
+    data = _batches(device, steps, width)
+    weights = []
+    for zenflow in (True, False):
+        model = _model(device, width)
+        opt = (_zenflow(model, topk_ratio=1.0) if zenflow else
+               torch.optim.AdamW(model.parameters(), lr=_SETTINGS["lr"], fused=True))
+        scaler = torch.amp.GradScaler(device.type, init_scale=SCALE)
         try:
             for x, y in data:
                 with torch.autocast(device.type, dtype=torch.float16):
                     loss = _loss(model, x, y)
-                if scaler is None:
-                    loss.backward()
-                    norms.append(float(opt.clip_grad_norm_(1.0)))
-                    opt.step()
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                if zenflow:
+                    opt.clip_grad_norm_(1.0)
                 else:
-                    scaler.scale(loss).backward()
-                    scaler.unscale_(opt)
-                    norms.append(float(opt.clip_grad_norm_(1.0)))
-                    scaler.step(opt)
-                    scaler.update()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(opt)
+                scaler.update()
                 opt.zero_grad()
-            opt.flush()
         finally:
-            opt.close()
-        results.append((norms, [p.detach().clone() for p in model.parameters()]))
-    (plain_norms, plain_w), (scaled_norms, scaled_w) = results
-    norm_rel = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(plain_norms, scaled_norms))
-    weight_diff = max((a - b).abs().max().item() for a, b in zip(plain_w, scaled_w))
-    skipped = _overflow_step_changes_nothing(device, settings, data)
-    ok = norm_rel < 1e-3 and weight_diff < 1e-4 and skipped
-    return {"ok": ok, "clip_norm_max_rel_diff": norm_rel, "weight_max_abs_diff": weight_diff,
-            "inf_step_skipped_everything": skipped}
+            if zenflow:
+                opt.close()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    return max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(*weights))
 
 
-def _overflow_step_changes_nothing(device: torch.device, settings: dict, data: list) -> bool:
-    from hf_zenflow import ZenFlowAdamW
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}/{key}").items()}
+    if isinstance(value, (list, tuple)):
+        return {k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}[{i}]").items()}
+    return {prefix: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value}
 
-    model = _model(device)
-    opt = ZenFlowAdamW(model.parameters(), **settings)
-    scaler = torch.amp.GradScaler(device.type, init_scale=4096.0)
+
+def _changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The state-dict entries that differ (NaN equals NaN)."""
+    keys = sorted(before.keys() | after.keys())
+    changed = []
+    for key in keys:
+        a, b = before.get(key), after.get(key)
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.nan_to_num(), b.nan_to_num()) \
+                and torch.equal(a.isnan(), b.isnan())
+        else:
+            same = a == b or (a != a and b != b)
+        if not same:
+            changed.append(key)
+    return changed
+
+
+#: What a skipped step must change in the state dict: its count of skipped steps and that count's checksum.
+SKIP_COUNTERS = ("/zenflow/skipped_steps", "/zenflow/checksum/zenflow.skipped_steps")
+
+
+def _overflow_step_changes_nothing(device: torch.device, recipe: str, accumulate_on: str) -> dict[str, Any]:
+    """Inject an inf gradient at step 5 (mid-window, the first window's host result pending) under `recipe`: the
+    scaler skips the step, which must leave the weights and the optimizer's state as they were, except the count
+    of skipped steps, which goes up by one (and its checksum)."""
+    width = _width(device)
+    model = _model(device, width)
+    opt = _zenflow(model, accumulate_on=accumulate_on)
+    scaler = torch.amp.GradScaler(device.type, init_scale=SCALE)
     try:
-        for i, (x, y) in enumerate(data[:8]):
+        for i, (x, y) in enumerate(_batches(device, 6, width)):
             with torch.autocast(device.type, dtype=torch.float16):
                 loss = _loss(model, x, y)
             scaler.scale(loss).backward()
             if i == 5:
-                model[1].weight.grad[0, 0] = float("inf")
+                with torch.no_grad():
+                    model[1].weight.grad[0, 0] = float("inf")
                 opt.synchronize()
                 weights = copy.deepcopy(model.state_dict())
-                state = copy.deepcopy(opt.state_dict())
+                state = _flat(opt.state_dict())
+            if recipe == "unscale":
+                scaler.unscale_(opt)
+                opt.clip_grad_norm_(1.0)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-            if i == 5:
-                opt.synchronize()
-                same_w = all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
-                same_s = _same(state, opt.state_dict())
-                return same_w and same_s
+        opt.synchronize()
+        after = _flat(opt.state_dict())
+        changed = _changed(state, after)
+        counted = after.get(SKIP_COUNTERS[0]) == state.get(SKIP_COUNTERS[0], 0) + 1
+        weights_same = all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
     finally:
         opt.close()
-    return False
+    unexpected = [k for k in changed if k not in SKIP_COUNTERS]
+    return {"ok": weights_same and not unexpected and counted, "weights_unchanged": weights_same,
+            "state_entries_changed": changed, "skip_counted": counted}
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a.cpu(), b.cpu())
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
+def fp16_grad_scaler(device: torch.device, steps: int = 12) -> dict[str, Any]:
+    """The fp16 + GradScaler checks of the module docstring, on `device` (any device with fp16 autocast)."""
+    out: dict[str, Any] = {}
+    ok = True
+    for accumulate_on in ACCUMULATIONS:
+        step_w, _ = _scaled_run(device, "step", steps, accumulate_on)
+        unscale_w, norm_diffs = _scaled_run(device, "unscale", steps, accumulate_on)
+        recipe_diff = max(float((a - b).abs().max()) for a, b in zip(step_w, unscale_w))
+        overflow = {recipe: _overflow_step_changes_nothing(device, recipe, accumulate_on)
+                    for recipe in ("step", "unscale")}
+        part = {"recipes_weight_max_abs_diff": recipe_diff,
+                "clip_norm_max_rel_diff_from_torch": max(norm_diffs),
+                "overflow_step": overflow}
+        part["ok"] = (recipe_diff == 0.0 and max(norm_diffs) < 1e-6 and all(o["ok"] for o in overflow.values()))
+        out[f"accumulate_on={accumulate_on}"] = part
+        ok &= part["ok"]
+    adamw_diff = _all_columns_against_adamw(device, steps)
+    out["all_columns_vs_torch_adamw_max_rel_diff"] = adamw_diff
+    out["ok"] = ok and adamw_diff < 1e-6
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA only
+# ---------------------------------------------------------------------------------------------------------------
+class EventWaits:
+    """Counts ``torch.cuda.Event.synchronize`` calls per thread (the training thread's, and the others': the host
+    worker waiting for copies to land), by wrapping the method for the duration of a ``with`` block."""
+
+    def __init__(self) -> None:
+        self.by_thread: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._main = threading.current_thread()
+
+    def __enter__(self) -> EventWaits:
+        self._original = torch.cuda.Event.synchronize
+        original, counts, lock, main = self._original, self.by_thread, self._lock, self._main
+
+        def synchronize(event: torch.cuda.Event) -> None:
+            with lock:
+                counts["training" if threading.current_thread() is main else "other"] += 1
+            original(event)
+
+        torch.cuda.Event.synchronize = synchronize  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.Event.synchronize = self._original  # type: ignore[method-assign]
+
+
+def host_syncs(device: torch.device, steps: int = 24) -> dict[str, Any]:
+    """Per accumulation place: synchronising CUDA calls and event waits of the training thread per step."""
+    out: dict[str, Any] = {}
+    ok = True
+    for accumulate_on in ACCUMULATIONS:
+        width = _width(device)
+        model = _model(device, width)
+        opt = _zenflow(model, topk_ratio=0.1, update_interval=4, select_interval=12, accumulate_on=accumulate_on)
+        per_step: list[dict[str, Any]] = []
+        try:
+            for i, (x, y) in enumerate(_batches(device, steps, width)):
+                before = opt.stats()
+                with warnings.catch_warnings(record=True) as caught, EventWaits() as waits:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        _loss(model, x, y).backward()
+                        opt.clip_grad_norm_(1.0)
+                        opt.step()
+                        opt.zero_grad()
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                after = opt.stats()
+                syncs = sum("synchroniz" in str(w.message) for w in caught)
+                special = (after["windows"] != before["windows"] or after["reselections"] != before["reselections"]
+                           or i < 2)
+                per_step.append({"step": i, "syncs": syncs, "event_waits_training": waits.by_thread["training"],
+                                 "event_waits_other": waits.by_thread["other"],
+                                 "writeback_device_ms": after["writeback_device_ms"],
+                                 "window_closed_or_selection_or_warm_up": special})
+            opt.flush()
+            chosen = opt.stats()["accumulate_on"]
+        finally:
+            opt.close()
+        ordinary = [s for s in per_step if not s["window_closed_or_selection_or_warm_up"]]
+        # an ordinary step's training thread waits on no event: copies to the host are waited for by the worker
+        part_ok = chosen == accumulate_on and all(s["event_waits_training"] == 0 for s in ordinary)
+        out[f"accumulate_on={accumulate_on}"] = {
+            "ok": part_ok, "per_step": per_step, "ordinary_steps": len(ordinary),
+            "syncs_per_ordinary_step_max": max((s["syncs"] for s in ordinary), default=None),
+            "syncs_per_ordinary_step_min": min((s["syncs"] for s in ordinary), default=None),
+            "event_waits_training_ordinary_max": max((s["event_waits_training"] for s in ordinary), default=None)}
+        ok &= part_ok
+    out["ok"] = ok
+    return out
+
+
+def pinned_link_buffers(device: torch.device) -> dict[str, Any]:
+    """Per accumulation place: every host buffer that crosses the link is page-locked, and the stats count it."""
+    out: dict[str, Any] = {}
+    ok = True
+    for accumulate_on in ACCUMULATIONS:
+        width = _width(device)
+        model = _model(device, width)
+        opt = _zenflow(model, accumulate_on=accumulate_on)
+        try:
+            for x, y in _batches(device, 4, width):
+                _loss(model, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+            opt.synchronize()
+            buffers = []
+            for split in opt._split.values():
+                host = split.host
+                if host is None:
+                    continue
+                buffers += [("staging", t) for t in host.staging]
+                buffers += [("writeback", host.writeback)] if host.writeback is not None else []
+                buffers += [("accum", host.accum)] if accumulate_on == "device" else []
+            unpinned = sorted({name for name, t in buffers if not t.is_pinned()})
+            link_bytes = sum(t.numel() * t.element_size() for _, t in buffers)
+            pinned_bytes = int(opt.stats()["pinned_host_bytes"])
+        finally:
+            opt.close()
+        part_ok = bool(buffers) and not unpinned and pinned_bytes >= link_bytes
+        out[f"accumulate_on={accumulate_on}"] = {"ok": part_ok, "link_buffers": len(buffers),
+                                                  "unpinned_kinds": unpinned, "link_bytes": link_bytes,
+                                                  "pinned_host_bytes": pinned_bytes}
+        ok &= part_ok
+    out["ok"] = ok
+    return out
+
+
+def _nccl_rank(rank: int, init_file: str, results: Any) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=30), device_id=torch.device("cuda", 0))
+        t = torch.full((4,), float(rank + 1), device="cuda")
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        results.put((rank, "ok", float(t[0])))
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}"[:500]))
+
+
+def nccl_two_ranks_one_gpu(device: torch.device, wait_s: float = 30.0) -> dict[str, Any]:
+    """Two processes, one NCCL group, both on GPU 0, one all-reduce (3 expected on both ranks); `wait_s` for both
+    answers together."""
+    import queue
+    import time
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_nccl_available():
+        return {"ok": True, "ran": False, "why": "this torch has no NCCL"}
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_nccl_rank, args=(rank, init_file, results)) for rank in range(2)]
+        for p in procs:
+            p.start()
+        answers = []
+        deadline = time.monotonic() + wait_s
+        try:
+            for _ in procs:
+                answers.append(results.get(timeout=max(0.1, deadline - time.monotonic())))
+        except queue.Empty:
+            pass
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return nccl_verdict(answers)
+
+
+def nccl_verdict(answers: list[tuple[int, str, Any]]) -> dict[str, Any]:
+    """The check's result from the ranks' answers ``(rank, "ok", value)`` or ``(rank, "error", message)``: both
+    ranks reduced to 3 (passed); NCCL refused two ranks on one GPU (not run, said so; not a failure); anything else
+    (an error, a rank that did not answer) fails."""
+    done = [a for a in answers if a[1] == "ok"]
+    if len(done) == 2:
+        agree = all(a[2] == 3.0 for a in done)
+        return {"ok": agree, "ran": True, "all_reduce": [a[2] for a in done]}
+    errors = [a[2] for a in answers if a[1] == "error"]
+    # NCCL's words ("Duplicate GPU detected"), or where torch's message leaves NCCL's last error out, its code
+    if any("Duplicate GPU" in e or "invalid usage" in e.lower() for e in errors):
+        return {"ok": True, "ran": False, "why": "NCCL does not allow two ranks of one group on one GPU",
+                "errors": errors}
+    return {"ok": False, "ran": False, "answers": answers, "why": "the two ranks did not both finish"}
+
+
+DEVICE_INDEPENDENT = {"fp16_grad_scaler": fp16_grad_scaler}
+CUDA_ONLY = {"host_syncs": host_syncs, "pinned_link_buffers": pinned_link_buffers,
+             "nccl_two_ranks_one_gpu": nccl_two_ranks_one_gpu}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", default="gpu_out")
+    p.add_argument("--device", default="cuda", help="cuda (every check) or cpu (the device-independent ones)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("cuda_checks: no CUDA device: nothing to check")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("cuda_checks: no CUDA device: nothing to check (--device cpu runs the device-independent checks)")
         return 0
-    device = torch.device("cuda")
-    out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+                           "torch": torch.__version__}
+    checks = {**DEVICE_INDEPENDENT, **(CUDA_ONLY if device.type == "cuda" else {})}
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     failed = False
-    for name, check in (("host_syncs", host_syncs), ("fp16_grad_scaler", fp16_grad_scaler)):
+    for name, check in checks.items():
         try:
             out[name] = check(device)
-            failed |= out[name].get("ok") is False
-        except Exception as exc:  # noqa: BLE001 - one failing check must not hide the other's result
+            failed |= out[name].get("ok") is not True
+        except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others' results
             traceback.print_exc()
-            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             failed = True
-        print(name, json.dumps(out[name], default=str)[:2000], flush=True)
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(args.out_dir) / "cuda_checks.json").write_text(json.dumps(out, indent=2, default=str))
+        print(name, "ok" if out[name].get("ok") else "FAILED", json.dumps(out[name], default=str)[:2000], flush=True)
+        # written after every check: a run stopped by its time limit keeps the results it has
+        (Path(args.out_dir) / "cuda_checks.json").write_text(json.dumps(out, indent=2, default=str))
     return 1 if failed else 0
 
 

@@ -21,7 +21,7 @@ the error grows with the window's length).
 
 * CUDA: what the next forward/backward leaves free = the driver's free memory + the caching allocator's reserve
   - the peak allocated so far (the next step needs that peak again); capped by `device_memory_budget_bytes` when
-  it is set;
+  it is set; for a model spread over several GPUs (``device_map``), on each GPU for the matrices it holds;
 * a CPU device: `device_memory_budget_bytes` (None: nothing is known, so "host", today's behaviour and what tests
   and `hf-zenflow compare` rely on).
 
@@ -82,27 +82,36 @@ def available_bytes(device: torch.device, budget: int | None) -> tuple[int | Non
 
 def decide(config: ZenFlowConfig, splits: list[SplitMatrix], shares: dict[int, Share], ranks: RankGroup) -> str:
     """The resolved accumulation for `config.accumulate_on` ("auto" decides; an explicit value stays), agreed by
-    every rank of `ranks` (a collective when there are several: call it on every rank at the same step)."""
+    every rank of `ranks` (a collective when there are several: call it on every rank at the same step). A model
+    spread over several devices (``device_map``) gets device sums only when each device holds its own matrices'."""
     if config.accumulate_on != "auto":
         return config.accumulate_on
-    needs = (device_bytes_needed(splits, shares, 4), device_bytes_needed(splits, shares, 2))  # fp32, bf16 sums
-    device = splits[0].param.device if splits else torch.device("cpu")
-    spare, size = available_bytes(device, config.device_memory_budget_bytes)
-    fits = [spare is not None and size is not None and need <= spare - MARGIN * size for need in needs]
+    by_device: dict[torch.device, list[SplitMatrix]] = {}
+    for split in splits:
+        by_device.setdefault(split.param.device, []).append(split)
+    if not by_device:
+        by_device[torch.device("cpu")] = []
+    fits = [True, True]  # fp32 sums, bf16 sums: on every device
+    whys = []
+    for device, group in by_device.items():
+        needs = (device_bytes_needed(group, shares, 4), device_bytes_needed(group, shares, 2))
+        spare, size = available_bytes(device, config.device_memory_budget_bytes)
+        fits = [f and spare is not None and size is not None and need <= spare - MARGIN * size
+                for f, need in zip(fits, needs)]
+        if spare is None:
+            whys.append(f"device memory unknown on a {device.type} device without device_memory_budget_bytes")
+        else:
+            whys.append(f"window sums and selected columns {needs[0] / 2**20:.1f} MiB with fp32 sums, "
+                        f"{needs[1] / 2**20:.1f} MiB with bf16 sums, vs {spare / 2**20:.1f} MiB spare on "
+                        f"{device} (margin {MARGIN:.0%} of {size / 2**20:.1f} MiB)")
     if ranks.ranks > 1:
         # one vote per rank and option against it; any vote wins (the most conservative choice), the same on every
         # rank (fp32 sums fitting implies bf16 sums fit, so the two votes stay ordered)
-        votes = torch.tensor([0.0 if f else 1.0 for f in fits], device=device)
+        votes = torch.tensor([0.0 if f else 1.0 for f in fits], device=next(iter(by_device)))
         ranks.all_reduce_sum([votes], "accumulate_on agreement")
         fits = [float(v) == 0.0 for v in votes.tolist()]
     choice = "device" if fits[0] else "device_bf16" if fits[1] else "host"
-    if spare is None:
-        why = "device memory unknown on a CPU device without device_memory_budget_bytes"
-    else:
-        why = (f"window sums and selected columns {needs[0] / 2**20:.1f} MiB with fp32 sums, "
-               f"{needs[1] / 2**20:.1f} MiB with bf16 sums, vs {spare / 2**20:.1f} MiB spare on "
-               f"{device.type} (margin {MARGIN:.0%} of {size / 2**20:.1f} MiB)")
-    logger.info('hf_zenflow: accumulate_on="auto" chose "%s" (%s%s)', choice, why,
+    logger.info('hf_zenflow: accumulate_on="auto" chose "%s" (%s%s)', choice, "; ".join(whys),
                 f"; agreed over {ranks.ranks} ranks" if ranks.ranks > 1 else "")
     return choice
 

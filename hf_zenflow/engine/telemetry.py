@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 #: Phases of the caller's time inside `step()`, in the order they happen.
@@ -15,8 +15,11 @@ DEVICE_WAIT_PHASES = ("handoff", "wait", "writeback", "host_update")
 
 
 def device_wait_ms(stats: dict) -> float:
-    """ms of the last `step()` in which the device waited (`DEVICE_WAIT_PHASES`), from a `stats()` dict."""
-    return sum(float(stats.get(f"cp_{p}_ms") or 0.0) for p in DEVICE_WAIT_PHASES)
+    """ms of the last `step()` in which the device waited (`DEVICE_WAIT_PHASES`), from a `stats()` dict, plus the
+    device time of the write-back copies (``writeback_device_ms``: on CUDA they run on the compute stream after the
+    caller's `step()` has returned, and the next forward waits behind them)."""
+    phases = sum(float(stats.get(f"cp_{p}_ms") or 0.0) for p in DEVICE_WAIT_PHASES)
+    return phases + float(stats.get("writeback_device_ms") or 0.0)
 
 
 class StepTimer:
@@ -49,7 +52,12 @@ class ZenFlowStats:
     - ``critical_path_ms``: wall time the caller spent in the last `step()` (what the training loop waits for);
       ``cp_<phase>_ms`` splits it (norms, select, device_update, handoff, wait, writeback, host_update);
     - ``host_step_ms``: duration of the last host AdamW window step (on the worker, off the critical path when
-      overlapped); ``accumulate_ms``: the last gradient accumulation job;
+      overlapped); ``accumulate_ms``: the last gradient accumulation job; both without the job's waits for the
+      device (CUDA: a copy landing, a write-back reading its buffer);
+    - ``writeback_device_ms``: device time of write-back copies (CUDA: the host->device copies on the compute
+      stream, which the next forward waits behind), measured by timing events read once they have run, never waited
+      for: counted in the last step when they have run by the time of `stats()` (a caller that synchronises after
+      `step()`), else in a later one; 0 where the write-back swaps storage (a CPU device);
     - ``bytes_to_host`` / ``bytes_to_device``: bytes crossing the host-device link in the last step (on a CPU
       device: the bytes that would), ``total_bytes_to_host`` / ``total_bytes_to_device`` since construction;
     - ``selected_fraction``: fraction of matrix elements updated on the device each step;
@@ -77,8 +85,19 @@ class ZenFlowStats:
         self.last_phases: dict[str, float] = {}
         self.last_spans: list[tuple[str, float, float]] = []  # the last step's phases in time (`StepTimer.spans`)
         self._step_bytes = (0, 0)
+        #: per transport: the device time of its write-back copies that ran since the last call (`take_device_ms`)
+        self.device_clocks: list[Callable[[], float]] = []
+        self._writeback_device_ms = 0.0
+
+    def collect_device_time(self) -> None:
+        """Add the write-back copies that have run since the last collection to the last step's
+        ``writeback_device_ms`` (`finish_step` and `stats()` call it: a caller that waits for the device after
+        `step()` sees a write-back in the step that made it, one that does not in a later step; never twice)."""
+        self._writeback_device_ms += sum(clock() for clock in self.device_clocks)
 
     def finish_step(self, timer: StepTimer, skipped: bool = False, staleness: int | None = None) -> None:
+        self._writeback_device_ms = 0.0
+        self.collect_device_time()
         self.last_ms = timer.elapsed_ms()
         self.last_phases = dict(timer.phases)
         self.last_spans = list(timer.spans)
@@ -98,6 +117,7 @@ class ZenFlowStats:
             "total_bytes_to_device": float(self.total_bytes_to_device),
             "staleness": float(self.staleness),
             "skipped_steps": float(self.skipped_steps),
+            "writeback_device_ms": self._writeback_device_ms,
         }
         for phase in PHASES:
             out[f"cp_{phase}_ms"] = self.last_phases.get(phase, 0.0)

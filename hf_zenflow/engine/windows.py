@@ -34,7 +34,7 @@ from .schedule import WindowSchedule
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
 from .window_close import WindowCloses
-from .worker import HostAdamWorker
+from .worker import HostAdamWorker, cuda_device_of
 
 
 __all__ = ["EarlyCopies", "HandOff", "HostWindows"]
@@ -84,6 +84,7 @@ class HostWindows(WindowCloses):
         self.release_early()
         self.close_transports()
         self.transports.clear()
+        self.stats.device_clocks.clear()
 
     def stop_worker(self) -> None:
         """Stop the worker thread only (a later step starts a new one, e.g. with other settings); the run goes on:
@@ -142,7 +143,8 @@ class HostWindows(WindowCloses):
         if worker is None or (not worker.background and self.early is None and self._wants_thread()):
             self.claim_cores()  # (a run continued after `close()`: the same claim again)
             note_host_split(self.reduce_group.ranks, self.process_group)  # (once per process)
-            self.worker = HostAdamWorker(self.config.resolved_cpu_threads, background=self._wants_thread())
+            self.worker = HostAdamWorker(self.config.resolved_cpu_threads, background=self._wants_thread(),
+                                         cuda_device=cuda_device_of(p for g in self.groups for p in g["params"]))
         return self.worker
 
     def _wants_thread(self) -> bool:
@@ -156,6 +158,7 @@ class HostWindows(WindowCloses):
             # are read in place like any CPU device's
             shard = self.param_shards is not None and kind == "cpu"
             self.transports[kind] = CpuShardTransport() if shard else transport_for(split.param.device)
+            self.stats.device_clocks.append(self.transports[kind].take_device_ms)  # (`writeback_device_ms`)
         return self.transports[kind]
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:

@@ -13,7 +13,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 
@@ -21,6 +21,7 @@ import torch
 
 from .._base import torch_threads
 from ..settings.threads import worker_started
+from ..transport.link import device_wait_ms
 from .host import GRAD_SLOTS
 
 
@@ -91,6 +92,15 @@ def _nobody_waits() -> bool:
     return not threading.main_thread().is_alive() and getattr(sys, "last_type", None) is not None
 
 
+def cuda_device_of(params: Iterable[torch.Tensor]) -> int | None:
+    """The index of the first CUDA device among `params` (the device a host worker thread makes current), or None
+    when none is on CUDA."""
+    for p in params:
+        if p.device.type == "cuda":
+            return p.device.index if p.device.index is not None else torch.cuda.current_device()
+    return None
+
+
 class HostAdamWorker:
     """Runs host jobs (gradient accumulation, the host AdamW) in order, on a background thread or inline.
 
@@ -102,9 +112,12 @@ class HostAdamWorker:
     `check()` / `wait()`, and every later job is dropped rather than run on inconsistent state.
     """
 
-    def __init__(self, threads: int, background: bool) -> None:
+    def __init__(self, threads: int, background: bool, cuda_device: int | None = None) -> None:
         self.threads = threads
         self.background = background
+        # the CUDA device the thread makes current before its first job (`cuda_device_of`): its event waits (and
+        # the events it frees) then use that device's context, not a new one on GPU 0 (a thread's default)
+        self.cuda_device = cuda_device
         self._error: BaseException | None = None
         self._error_job = ""
         self._outstanding: list[Future] = []
@@ -115,7 +128,8 @@ class HostAdamWorker:
         self._gate: threading.Event | None = None  # what held jobs wait for (see `hold`)
         self._holding = False
         self._thread: threading.Thread | None = None
-        self.last_job_ms: dict[str, float] = {}
+        self.last_job_ms: dict[str, float] = {}  # host work of the latest job of each kind, device waits excluded
+        self.last_job_wait_ms: dict[str, float] = {}  # ... and the time that job waited for the device
         #: (job, start, end) in perf_counter seconds of the latest jobs: when the host was busy (compare's timeline)
         self.job_spans: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=256)
         if background:
@@ -136,6 +150,8 @@ class HostAdamWorker:
 
     def _loop(self) -> None:
         torch.set_num_threads(self.threads)  # per OS thread in torch: the training thread keeps its own setting
+        if self.cuda_device is not None:
+            torch.cuda.set_device(self.cuda_device)  # per OS thread in CUDA, like the thread count
         wait_for_closed_workers()
         while True:
             item = self._jobs.get()
@@ -160,7 +176,7 @@ class HostAdamWorker:
         if self._error is not None:
             future.set_exception(HostWorkerError(f"host job '{what}' dropped after an earlier failure"))
             return
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), device_wait_ms()
         try:
             fn()
         except BaseException as exc:  # noqa: BLE001 - everything must reach the caller, KeyboardInterrupt too
@@ -168,7 +184,10 @@ class HostAdamWorker:
             future.set_exception(exc)
             return
         end = time.perf_counter()
-        self.last_job_ms[what] = (end - start) * 1e3
+        # the job's host work: its waits for the device (copies landing, a write-back reading its buffer) are not
+        # (`writeback_lag="auto"` sizes the lag by it)
+        self.last_job_wait_ms[what] = device_wait_ms() - waited
+        self.last_job_ms[what] = max(0.0, (end - start) * 1e3 - self.last_job_wait_ms[what])
         self.job_spans.append((what, start, end))
         future.set_result(None)
 

@@ -23,6 +23,7 @@ def optimizer_stats(
     """`ZenFlowAdamW.stats()`: the step counters of `stats` with the schedule's counts, the state sizes and the host
     worker's last job times; ``"accumulate_on"``: where windows are summed, "host", "device" or "device_bf16"
     ("auto" until its choice at the first step)."""
+    stats.collect_device_time()  # (write-back copies that have run since the step)
     worker_ms: dict[str, Any] = host.worker.last_job_ms if host.worker is not None else {}
     # the last closed window; before the first one, the configured interval (auto: the open window so far)
     interval = (

@@ -12,8 +12,30 @@ from typing import Any
 import torch
 
 from .copying import CopyTransport
-from .link import Landed, LinkedMatrix
+from .link import Landed, LinkedMatrix, counted_device_wait
 from .pinned import HostRegistrar
+
+
+class HostWaitEvent:
+    """A blocking CUDA event whose `synchronize` counts the time the calling host thread waited
+    (`link.counted_device_wait`): a host job that waits for a copy is not host work. `record`, `wait` (which
+    ``Stream.wait_event`` calls) and `query` are the event's own."""
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event(blocking=True)
+
+    def record(self, stream: Any = None) -> None:
+        self.event.record(stream)
+
+    def wait(self, stream: Any = None) -> None:
+        self.event.wait(stream)
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        with counted_device_wait():
+            self.event.synchronize()
 
 
 class CudaStreams:
@@ -34,7 +56,15 @@ class CudaStreams:
         return torch.cuda.stream(stream)
 
     def event(self) -> Any:
-        return torch.cuda.Event(blocking=True)
+        return HostWaitEvent()
+
+    def timing_event(self) -> Any:
+        """An event that records when the stream reached it (for `elapsed_ms`)."""
+        return torch.cuda.Event(enable_timing=True)
+
+    def elapsed_ms(self, start: Any, end: Any) -> float | None:
+        """Device time between two recorded timing events, or None while `end` has not run (never waits)."""
+        return start.elapsed_time(end) if end.query() else None
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)  # on the current stream (`use`)
@@ -55,6 +85,8 @@ class CudaTransport(CopyTransport):
         self.streams = streams if streams is not None else CudaStreams()
         self._streams: dict[torch.device, Any] = {}
         self._devices: set[torch.device] = set()  # every device a copy was enqueued for (`close` waits for them)
+        self._writeback_started: dict[torch.device, Any] = {}  # the write-back being enqueued: its timing event
+        self._writeback_timings: list[tuple[Any, Any]] = []  # (start, end) of write-backs not yet counted
 
     def _stream(self, device: torch.device) -> Any:
         if device not in self._streams:
@@ -99,7 +131,13 @@ class CudaTransport(CopyTransport):
             split.window_sum_free = None
 
     def put_weights(self, split: LinkedMatrix) -> None:
-        self._devices.add(split.param.device)
+        device = split.param.device
+        self._devices.add(device)
+        if device not in self._writeback_started:
+            # the write-back's copies run on the compute stream, which the next forward waits behind: their device
+            # time is measured between two timing events (read once they have run, never waited for)
+            self._writeback_started[device] = self.streams.timing_event()
+            self._writeback_started[device].record(self.streams.current_stream(device))
         super().put_weights(split)
 
     def after_write_back(self, splits: list[LinkedMatrix]) -> None:
@@ -112,6 +150,23 @@ class CudaTransport(CopyTransport):
                 events[device] = self.streams.event()
                 events[device].record(self.streams.current_stream(device))
             split.host.writeback_free = events[device]
+        for device, start in self._writeback_started.items():
+            end = self.streams.timing_event()
+            end.record(self.streams.current_stream(device))
+            self._writeback_timings.append((start, end))
+        self._writeback_started.clear()
+
+    def take_device_ms(self) -> float:
+        # the measured write-backs whose copies have run (the others stay for a later call; no wait)
+        done, waiting = 0.0, []
+        for start, end in self._writeback_timings:
+            elapsed = self.streams.elapsed_ms(start, end)
+            if elapsed is None:
+                waiting.append((start, end))
+            else:
+                done += elapsed
+        self._writeback_timings = waiting
+        return done
 
     def close(self) -> None:
         # Sync point (close and reload only): no copy may still read or fill a block when it is unlocked.
@@ -121,4 +176,4 @@ class CudaTransport(CopyTransport):
         super().close()
 
 
-__all__ = ["CudaStreams", "CudaTransport"]
+__all__ = ["CudaStreams", "CudaTransport", "HostWaitEvent"]

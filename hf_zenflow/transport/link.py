@@ -19,13 +19,17 @@ asks what the device is.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 
-__all__ = ["HostEnd", "Landed", "LinkedMatrix", "Transport"]
+__all__ = ["HostEnd", "Landed", "LinkedMatrix", "Transport", "counted_device_wait", "device_wait_ms"]
 
 
 class HostEnd(Protocol):
@@ -54,6 +58,25 @@ class LinkedMatrix(Protocol):
     def unmatrix(self, m: torch.Tensor) -> torch.Tensor: ...
 
     def host_part(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
+_waits = threading.local()
+
+
+@contextlib.contextmanager
+def counted_device_wait() -> Iterator[None]:
+    """Count the time of the host wait inside (an event's `synchronize`) as this thread's device wait."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _waits.ms = getattr(_waits, "ms", 0.0) + (time.perf_counter() - start) * 1e3
+
+
+def device_wait_ms() -> float:
+    """Milliseconds this thread has waited for the device (`counted_device_wait`) since it started: a host job's
+    own time is its wall time minus the growth of this figure."""
+    return getattr(_waits, "ms", 0.0)
 
 
 @dataclass
@@ -126,6 +149,11 @@ class Transport:
 
     def after_write_back(self, splits: list[LinkedMatrix]) -> None:
         """Called once the write-back of `splits` is enqueued."""
+
+    def take_device_ms(self) -> float:
+        """Device time (ms) of the write-back copies that have run since the last call, where they hold up the
+        device (CUDA: host->device copies on the compute stream); 0 where a write-back moves nothing."""
+        return 0.0
 
     @property
     def pinned_bytes(self) -> int:

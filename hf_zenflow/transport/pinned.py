@@ -5,8 +5,9 @@ that talks to ``cudaHostRegister``/``cudaHostUnregister`` (a CPU test replaces i
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
+import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,13 +23,48 @@ ARENA_ALIGN = 512
 #: device current at registration sees it pinned, and another device's "asynchronous" copies are synchronous.
 HOST_REGISTER_PORTABLE = 1
 
+#: Where this process's mapped libraries are listed (Linux).
+PROCESS_MAPS = "/proc/self/maps"
+
+
+def loaded_cudart(maps: str) -> str | None:
+    """The path of the CUDA runtime library mapped into this process (torch's own, ``libcudart.so.*``), from the
+    text of ``/proc/self/maps``; None when none is (a runtime linked statically into torch)."""
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith("libcudart.so"):
+            return fields[5].strip()
+    return None
+
+
+def reset_torch_runtime_error() -> bool:
+    """Reset the last error of the CUDA runtime torch uses (``cudaGetLastError``), which torch's bindings
+    (``torch.cuda.cudart()``) do not expose. The library is the one already mapped into this process, opened with
+    ``RTLD_NOLOAD``: it is torch's runtime, never a second one loaded by name (whose error state would be another).
+    False when it cannot be found (no ``/proc``, a statically linked runtime)."""
+    try:
+        with open(PROCESS_MAPS) as f:
+            path = loaded_cudart(f.read())
+    except OSError:
+        return False
+    if path is None:
+        return False
+    try:
+        ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).cudaGetLastError()
+    except (OSError, AttributeError):
+        return False
+    return True
+
 
 class HostRegistrar:
-    """Page-locks ordinary host blocks in place (``cudaHostRegister``) and unlocks them again. `cudart`: the CUDA
-    runtime bindings (default ``torch.cuda.cudart()``, looked up at first use; a CPU test passes a fake)."""
+    """Page-locks ordinary host blocks in place (``cudaHostRegister``) and unlocks them again, through torch's CUDA
+    runtime. `cudart`: the runtime bindings (default ``torch.cuda.cudart()``, looked up at first use; a CPU test
+    passes a fake); `reset_error`: resets the runtime's last error (default: the bindings' ``cudaGetLastError``
+    where they have one, else `reset_torch_runtime_error`)."""
 
-    def __init__(self, cudart: Any = None) -> None:
+    def __init__(self, cudart: Any = None, reset_error: Callable[[], bool] | None = None) -> None:
         self._cudart = cudart
+        self._reset_error = reset_error
 
     def runtime(self) -> Any:
         if self._cudart is None:
@@ -46,26 +82,35 @@ class HostRegistrar:
             return False
         return True
 
-    def unregister(self, ptr: int) -> None:
-        self.runtime().cudaHostUnregister(ptr)
+    def unregister(self, ptr: int) -> bool:
+        """Unlock the block at `ptr`; False, with a warning naming CUDA's error (and the error state left clean),
+        when the runtime refuses."""
+        status = int(self.runtime().cudaHostUnregister(ptr))
+        if status != 0:
+            self.clear_error()
+            logger.warning("hf_zenflow: unlocking a pinned host block failed (cudaHostUnregister returned %s); it "
+                           "may stay page-locked until the process ends.", _error_name(status))
+            return False
+        return True
 
     def clear_error(self) -> None:
-        """Reset CUDA's last error (``cudaGetLastError``): through torch's runtime bindings where they have it,
-        else through the runtime library itself."""
-        bound = getattr(self.runtime(), "cudaGetLastError", None)
+        """Reset CUDA's last error (``cudaGetLastError``) in torch's runtime."""
+        bound = getattr(self.runtime(), "cudaGetLastError", None) if self._reset_error is None else None
         if bound is not None:
             bound()
             return
-        for name in (ctypes.util.find_library("cudart"), "libcudart.so", "libcudart.so.12", "libcudart.so.11.0"):
-            if name is None:
-                continue
-            try:
-                ctypes.CDLL(name).cudaGetLastError()
-                return
-            except (OSError, AttributeError):
-                continue
-        logger.warning("hf_zenflow: could not reset CUDA's error state after a failed cudaHostRegister; a later "
-                       "CUDA call may report that failure.")
+        reset = self._reset_error or reset_torch_runtime_error
+        if not reset():
+            logger.warning("hf_zenflow: could not reset CUDA's error state after a failed cudaHost(Un)register; a "
+                           "later CUDA call may report that failure.")
+
+
+def _error_name(status: int) -> str:
+    """``"<code> (<CUDA's description>)"`` where torch can describe it, else the code."""
+    try:
+        return f"{status} ({torch.cuda.CudaError(status)})"
+    except Exception:  # noqa: BLE001 - only a description for a warning
+        return str(status)
 
 
 class PinnedArena:
@@ -112,6 +157,8 @@ class PinnedArena:
     def take(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised buffer from the current block (a new block of exactly its size when it is full)."""
         nbytes = self.aligned(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
+        if nbytes == 0:  # an empty share (a rank or shard with no rows of this matrix): nothing to carve
+            return torch.empty(shape, dtype=dtype)
         if self._block is None or self._offset + nbytes > self._block.numel():
             self.reserve(nbytes)
         buf = self._block[self._offset:self._offset + nbytes]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from hf_zenflow.transport import CudaStreams, CudaTransport
+from hf_zenflow.transport.link import counted_device_wait
 from hf_zenflow.transport.pinned import HostRegistrar
 
 
@@ -60,10 +61,15 @@ class FakeEvent:
     def __init__(self) -> None:
         self._done = threading.Event()
         self._stream: FakeStream | None = None
+        self.reached_at: float | None = None  # when the stream reached it (perf_counter s): timing events
 
     def record(self, stream: FakeStream) -> None:
         self._stream = stream
-        stream.enqueue(self._done.set, delay=0.0)
+        stream.enqueue(self._reached, delay=0.0)
+
+    def _reached(self) -> None:
+        self.reached_at = time.perf_counter()
+        self._done.set()
 
     def query(self) -> bool:
         return self._done.is_set()
@@ -76,10 +82,12 @@ class FakeEvent:
             return  # (CUDA: an event never recorded is complete)
         if host:
             stream.backend.host_waits += 1
-        if stream.backend.lazy:
-            stream.run_until(self._done.is_set)
-        if not self._done.wait(WAIT_S):
-            raise CopyRaceError(f"an event did not complete within {WAIT_S} s (a stream waits on itself?)")
+        # (a host thread's wait is device time, not host work, as `HostWaitEvent` counts it on CUDA)
+        with counted_device_wait() if host else contextlib.nullcontext():
+            if stream.backend.lazy:
+                stream.run_until(self._done.is_set)
+            if not self._done.wait(WAIT_S):
+                raise CopyRaceError(f"an event did not complete within {WAIT_S} s (a stream waits on itself?)")
 
 
 class FakeStream:
@@ -200,6 +208,14 @@ class AsyncCopies(CudaStreams):
     def event(self) -> FakeEvent:
         return FakeEvent()
 
+    def timing_event(self) -> FakeEvent:
+        return FakeEvent()
+
+    def elapsed_ms(self, start: FakeEvent, end: FakeEvent) -> float | None:
+        if not end.query():
+            return None
+        return (end.reached_at - start.reached_at) * 1e3
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         stream = self.current_stream(dst.device)
         # What the source holds now, to tell at run time whether it was written meanwhile (by contents: the
@@ -277,11 +293,12 @@ class CheckedRegistrar(HostRegistrar):
         self.registered.add(ptr)
         return True
 
-    def unregister(self, ptr: int) -> None:
+    def unregister(self, ptr: int) -> bool:
         if self.backend.in_flight_on(ptr):
             self.backend.errors.append(CopyRaceError("a pinned block was unlocked while a copy from or into it "
                                                      "was in flight"))
         self.registered.discard(ptr)
+        return True
 
 
 def async_transport(seed: int = 0) -> tuple[CudaTransport, AsyncCopies]:

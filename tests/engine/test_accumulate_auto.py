@@ -4,6 +4,7 @@ decided once at the first step, the same on every rank, kept by checkpoints (`hf
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -168,3 +169,38 @@ def test_ranks_agree_on_the_most_conservative_choice(tmp_path):
     a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     assert a["chosen"] == b["chosen"] == "host"
     assert all(torch.equal(p, q) for p, q in zip(a["weights"], b["weights"]))
+
+
+
+class _Split:
+    """What `accumulation.decide` reads of a matrix: the device of its parameter, its [rows, columns] shape (a meta
+    tensor) and its selected columns."""
+
+    def __init__(self, device: torch.device, rows: int, columns: int, k: int) -> None:
+        self.param = SimpleNamespace(device=device, shape=torch.empty((rows, columns), device="meta"))
+        self.columns, self.k = columns, k
+
+    def matrix(self, param: SimpleNamespace) -> torch.Tensor:
+        return param.shape
+
+
+class _WholeShare:
+    def local(self, matrix: torch.Tensor) -> torch.Tensor:
+        return matrix
+
+
+@pytest.mark.parametrize(("spare_mib", "expected"), [((64, 64), "device"), ((64, 5), "device_bf16"),
+                                                     ((64, 2), "host"), ((2, 64), "host")])
+def test_a_model_over_several_gpus_gets_device_sums_only_where_every_gpu_has_room(spare_mib, expected, monkeypatch):
+    """``device_map``: each GPU holds the window sums of its own matrices, so each must have room for them. Before:
+    only the first parameter's GPU was measured (here GPU 0, roomy), and a full GPU 1 got fp32 sums anyway."""
+    mib = 1 << 20
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    # one matrix of 1 Mi elements per GPU: fp32 sums 4 MiB, bf16 sums 2 MiB, plus 1 MiB of selected columns (16 B
+    # per selected element); the margin is 1 MiB of each GPU's 10
+    splits = [_Split(gpu, 1024, 1024, k=64) for gpu in gpus]
+    shares = {id(s): _WholeShare() for s in splits}
+    spare = dict(zip(gpus, spare_mib))
+    monkeypatch.setattr(accumulation, "available_bytes", lambda device, budget: (spare[device] * mib, 10 * mib))
+    chosen = accumulation.decide(ZenFlowConfig(accumulate_on="auto"), splits, shares, SimpleNamespace(ranks=1))
+    assert chosen == expected

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -375,3 +376,44 @@ def test_ctrl_c_during_a_long_host_step_exits_promptly(tmp_path):
         proc.kill()
     assert "KeyboardInterrupt" in stderr, stderr[-3000:]
     assert elapsed < 7, f"exit took {elapsed:.1f} s after Ctrl-C"
+
+
+def test_the_worker_thread_makes_the_parameters_cuda_device_current(monkeypatch):
+    """CUDA's current device is per OS thread (0 by default): the worker makes the parameters' device current before
+    its first job, so that its event waits (and the events it frees) do not create a context on GPU 0 in every
+    rank. (Recorded through a stand-in for `torch.cuda.set_device` here: no CUDA device.)"""
+    made_current: list[tuple[int, str]] = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: made_current.append((device, threading.current_thread().name)))
+    worker = HostAdamWorker(threads=1, background=True, cuda_device=3)
+    worker.submit("job", lambda: None)
+    worker.synchronize()
+    worker.close()
+    assert made_current == [(3, "hf_zenflow-host")]
+    assert worker_module.cuda_device_of([torch.zeros(1)]) is None  # nothing on CUDA: nothing made current
+
+
+def test_an_optimizer_on_cuda_gives_its_worker_the_parameters_device(monkeypatch):
+    """`HostWindows` passes the first CUDA parameter's device index to the worker it starts."""
+    import hf_zenflow.engine.windows as windows_module
+    from hf_zenflow import ZenFlowAdamW
+
+    created: list[int | None] = []
+    real = worker_module.HostAdamWorker
+
+    def worker(*args, **kwargs):
+        created.append(kwargs.get("cuda_device"))
+        return real(*args, **{**kwargs, "cuda_device": None})
+
+    monkeypatch.setattr(windows_module, "HostAdamWorker", worker)
+    lin = torch.nn.Linear(8, 8)
+    asked: list[list] = []
+    monkeypatch.setattr(windows_module, "cuda_device_of", lambda params: (asked.append(list(params)), 2)[1])
+    opt = ZenFlowAdamW(lin.parameters(), lr=1e-2, min_offload_numel=0)
+    lin(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.close()
+    assert created and set(created) == {2}
+    assert all(params == list(lin.parameters()) for params in asked)
+    cuda = [SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(device=torch.device("cuda", 1))]
+    assert worker_module.cuda_device_of(cuda) == 1

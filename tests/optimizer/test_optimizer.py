@@ -70,13 +70,21 @@ def test_interval_one_sequential_is_adamw_for_any_ratio_with_reselection(topk_ra
 
 
 def test_nothing_selected_interval_one_is_sync_offload():
+    """Bit for bit on a CPU device (every update is the host's AdamW kernel in both). On CUDA, ZenFlow updates the
+    1-D parameters on the device with CUDA's fused AdamW (other instruction order, fused multiply-adds) and sync
+    offload updates them with the host's kernel, so the runs part by rounding: within the tolerance the other
+    cross-device references here use (the matrices stay on the host in both, but their gradients then differ)."""
     model_s = make_model()
     sync = SyncOffloadAdamW(param_groups(model_s), lr=LR)
     sync_losses = train(model_s, sync, batches(STEPS), linear_schedule(sync, STEPS), clip=1.0)
     model, losses, _ = run_zenflow(clip=1.0, topk_ratio=0.0, update_interval=1, overlap_step=False)
-    assert losses == sync_losses
-    for p, q in zip(model.parameters(), model_s.parameters()):
-        assert torch.equal(p, q)
+    if DEVICE.type == "cpu":
+        assert losses == sync_losses
+        for p, q in zip(model.parameters(), model_s.parameters()):
+            assert torch.equal(p, q)
+    else:
+        assert losses == pytest.approx(sync_losses, rel=1e-5)
+        assert max_rel_diff(model, model_s) < 1e-5
 
 
 def test_warm_up_rounds_are_dense_adamw():
@@ -277,7 +285,7 @@ def test_bf16_weights_are_the_rounded_fp32_master():
     for p in model.parameters():
         master = opt.master_weight(p)
         assert master.dtype == torch.float32
-        assert torch.equal(p.detach(), master.to(torch.bfloat16).view(p.shape))
+        assert torch.equal(p.detach().cpu(), master.to(torch.bfloat16).view(p.shape))  # (the master is on the host)
     # the master carries information below bf16 resolution (it was never truncated)
     big = opt.master_weight(model.up.weight)
     assert not torch.equal(big, big.to(torch.bfloat16).float())
@@ -625,7 +633,7 @@ def test_weights_changed_from_outside_are_picked_up(dtype):
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, best[name]), name
     for p in model.parameters():
-        assert torch.equal(opt.master_weight(p).to(dtype).view(p.shape), p.detach())
+        assert torch.equal(opt.master_weight(p).to(dtype).view(p.shape), p.detach().cpu())  # (a host tensor)
     opt.close()
 
 

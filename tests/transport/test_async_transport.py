@@ -190,3 +190,73 @@ def test_a_sequential_step_waits_for_the_device_once(monkeypatch):
     assert backend.copies > 0
     opt.close()
     backend.check()
+
+
+def test_the_write_back_copies_device_time_is_counted_as_a_device_wait(async_device):
+    """The write-back's host->device copies run on the compute stream, where the next forward waits behind them:
+    their device time (timing events, read once they have run) is ``writeback_device_ms``, part of the device waits
+    that `device_utilization` subtracts. Before, only the caller's enqueue time (``cp_writeback_ms``) counted."""
+    from hf_zenflow.engine.telemetry import device_wait_ms
+
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                       select_interval=100, min_offload_numel=0, writeback_lag=1, high_lr_rule="off")
+    measured: list[float] = []
+    waits: list[tuple[float, float]] = []
+    for x, y in batches(12):
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+        stats = opt.stats()
+        measured.append(stats["writeback_device_ms"])
+        phases = sum(stats[f"cp_{p}_ms"] for p in ("handoff", "wait", "writeback", "host_update"))
+        waits.append((device_wait_ms(stats), phases + stats["writeback_device_ms"]))
+    opt.close()
+    assert opt.stats()["windows"] > 2
+    assert sum(m > 0 for m in measured) >= 3  # the write-backs' copies, each counted once they ran
+    assert all(total == pytest.approx(expected) for total, expected in waits)
+
+
+def test_a_caller_that_waits_for_the_device_sees_the_write_back_in_its_own_step(async_device):
+    """`hf-zenflow compare` synchronises after `step()`: then `stats()` counts each write-back in the step that made
+    it, and only there."""
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                       select_interval=100, min_offload_numel=0, writeback_lag=1, high_lr_rule="off")
+    seen = []
+    for x, y in batches(10):
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+        for backend in async_device:
+            backend.sync_compute()  # (torch.cuda.synchronize)
+        stats = opt.stats()
+        assert opt.stats()["writeback_device_ms"] == stats["writeback_device_ms"]  # a second read counts nothing
+        seen.append((stats["bytes_to_device"] > 0, stats["writeback_device_ms"] > 0))
+    opt.close()
+    assert sum(wrote for wrote, _ in seen) >= 3
+    assert all(wrote == measured for wrote, measured in seen), seen
+
+
+def test_a_host_jobs_time_excludes_its_waits_for_the_device():
+    """A host job that waits for a copy to land (an event) reports its host work in `last_job_ms` and the wait in
+    `last_job_wait_ms`: `writeback_lag="auto"` sizes the lag by the host work, not by how late a copy ran."""
+    from hf_zenflow.engine.worker import HostAdamWorker
+
+    backend = AsyncCopies()
+    stream = backend.side_stream(torch.device("cpu"))
+    worker = HostAdamWorker(threads=1, background=True)
+
+    def job() -> None:
+        stream.enqueue(lambda: None, delay=0.2)  # a copy that lands 0.2 s later
+        event = backend.event()
+        event.record(stream)
+        event.synchronize()  # the job waits for it, as the worker waits for landed gradients
+
+    worker.submit("host_adamw", job)
+    worker.synchronize()
+    worker.close()
+    assert worker.last_job_wait_ms["host_adamw"] >= 150
+    assert worker.last_job_ms["host_adamw"] < 100  # before: >= 200, the wait counted as host work

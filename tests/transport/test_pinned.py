@@ -5,6 +5,7 @@ and the pinned blocks are released on `close()` and when a reloaded state replac
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -109,3 +110,81 @@ def test_close_and_a_reload_release_the_pinned_blocks(monkeypatch):
     assert cudart.pinned == {}, "close() left blocks locked"
     calls = [c[0] for c in cudart.calls]
     assert calls.count("unregister") == calls.count("register")
+
+
+def test_take_on_an_empty_share_before_any_block():
+    """A rank or FSDP2 shard with no rows of a matrix asks for an empty buffer, possibly before any block exists
+    (attached first, e.g. on resume). Before: ``TypeError: 'NoneType' object is not subscriptable``."""
+    cudart = FakeCudart()
+    arena = PinnedArena(pin=True, registrar=HostRegistrar(cudart))
+    empty = arena.take((0, 8), torch.float32)
+    assert empty.shape == (0, 8) and empty.dtype == torch.float32
+    assert cudart.calls == [] and arena.nbytes == 0  # nothing reserved, nothing registered
+    buf = arena.take((4, 8), torch.bfloat16)  # the next take carves a block as usual
+    assert buf.shape == (4, 8) and arena.pinned_bytes == arena.nbytes > 0
+    arena.release()
+
+
+class RuntimeWithoutGetLastError(FakeCudart):
+    """torch's bindings (``torch.cuda.cudart()``): cudaHostRegister/Unregister, but no cudaGetLastError."""
+
+    cudaGetLastError = None  # noqa: N815 - CUDA's name
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_the_error_is_reset_in_torchs_own_runtime_never_one_loaded_by_name(mapped, tmp_path, monkeypatch, caplog):
+    """torch's bindings lack cudaGetLastError: the reset goes through the libcudart already mapped into the process
+    (torch's), opened with RTLD_NOLOAD. Before: `ctypes.CDLL` by name ("libcudart.so", ...), which may load a
+    second runtime whose error state is not torch's."""
+    import hf_zenflow.transport.pinned as pinned
+
+    path = "/opt/venv/lib/python3/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12"
+    maps = tmp_path / "maps"
+    maps.write_text("7f0000000000-7f0000001000 r-xp 00000000 08:01 42    /usr/lib/libc.so.6\n"
+                    + (f"7f0000002000-7f0000003000 r-xp 00000000 08:01 43    {path}\n" if mapped else ""))
+    monkeypatch.setattr(pinned, "PROCESS_MAPS", str(maps))
+    opened: list[tuple[str, int]] = []
+    resets: list[int] = []
+
+    class Library:
+        def cudaGetLastError(self) -> int:  # noqa: N802 - CUDA's name
+            resets.append(1)
+            return 0
+
+    def cdll(name, mode=0):
+        opened.append((name, mode))
+        return Library()
+
+    monkeypatch.setattr(pinned.ctypes, "CDLL", cdll)
+    arena = PinnedArena(pin=True, registrar=HostRegistrar(RuntimeWithoutGetLastError(refuse=True)))
+    with caplog.at_level(logging.WARNING, logger="hf_zenflow.transport.pinned"):
+        arena.reserve(4096)
+    assert all(name == path and mode & os.RTLD_NOLOAD for name, mode in opened), opened
+    if mapped:
+        assert opened and resets == [1]
+        assert not any("could not reset" in r.getMessage() for r in caplog.records)
+    else:
+        assert opened == [] and resets == []
+        assert any("could not reset" in r.getMessage() for r in caplog.records)
+
+
+def test_a_refused_unregister_is_reported_and_its_error_reset(caplog):
+    """cudaHostUnregister's status is checked: a failure warns with CUDA's code and resets the runtime's error
+    (before: ignored, the error left for torch's next kernel launch to raise)."""
+    cudart = FakeCudart()
+    arena = PinnedArena(pin=True, registrar=HostRegistrar(cudart))
+    arena.reserve(4096)
+    not_registered = 713  # cudaErrorHostMemoryNotRegistered
+
+    def refuse(ptr: int) -> int:
+        cudart.calls.append(("unregister",))
+        cudart.last_error = not_registered
+        return not_registered
+
+    cudart.cudaHostUnregister = refuse
+    with caplog.at_level(logging.WARNING, logger="hf_zenflow.transport.pinned"):
+        arena.release()
+    assert cudart.calls[-2:] == [("unregister",), ("get_last_error",)]
+    assert cudart.last_error == 0
+    assert any("cudaHostUnregister returned 713" in r.getMessage() for r in caplog.records)
+    assert arena.pinned_bytes == 0
