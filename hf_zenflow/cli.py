@@ -126,10 +126,6 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-overlap", dest="overlap_step", action="store_false",
                    help="run ZenFlow's host step inline instead of in the background worker (default: background "
                    "worker, overlapping the next steps)")
-    p.add_argument("--cpu-threads", type=positive_int, default=None,
-                   help="old name of --host-cores (default: --host-cores' default)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="old name of --device-cores (default: --device-cores' default)")
     p.add_argument("--device-cores", type=positive_int, default=None,
                    help="cores that stand for the device on a CPU device: the training thread's torch threads in "
                    "every run (forward, backward, device-side optimizer work) (default: half the cores this process "
@@ -269,7 +265,6 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                    help="model size the speed-up is modelled for (default: this model's)")
     p.add_argument("--target-tokens-per-step", type=positive_float, default=None,
                    help="tokens per optimizer step at scale (default: this task's)")
-    p.add_argument("--threads", type=positive_int, default=None, help="old name of --device-cores")
     p.add_argument("--device-cores", type=positive_int, default=None,
                    help="cores standing for the device on a CPU device (the training thread's torch threads); "
                    "default: half the cores")

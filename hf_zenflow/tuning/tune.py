@@ -165,7 +165,6 @@ class TuneConfig:
     hardware: str = "a100-40gb-pcie4"  # preset name or JSON profile
     target_params: float | None = None  # model size the speed-up is modelled for (None: this model's)
     target_tokens_per_step: float | None = None  # tokens per optimizer step at scale (None: this task's)
-    threads: int | None = None  # old name of device_cores
     device_cores: int | None = None  # D: the training thread's cores on a CPU device (`compare.cores`)
     host_cores: int | None = None  # H: the host AdamW's cores, and the modelled host's (measured here)
     host_from_profile: bool = False  # model the speed-up with the profile's published host instead of this host
@@ -224,7 +223,7 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
     base = CompareConfig(model=cfg.model, task=cfg.task, steps=cfg.steps, train_size=cfg.train_size,
                          eval_size=cfg.eval_size, batch_size=cfg.batch_size, eval_batch_size=cfg.eval_batch_size,
                          max_length=cfg.max_length, lr=cfg.lr, seed=cfg.seed, device=cfg.device, quiet=True,
-                         log_every=0, device_cores=cfg.device_cores or cfg.threads, host_cores=cfg.host_cores,
+                         log_every=0, device_cores=cfg.device_cores, host_cores=cfg.host_cores,
                          dataset=cfg.dataset, text_column=cfg.text_column,
                          label_column=cfg.label_column, train_split=cfg.train_split, eval_split=cfg.eval_split,
                          metric=cfg.metric)
