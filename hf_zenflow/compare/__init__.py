@@ -15,7 +15,7 @@ cheap.
 from __future__ import annotations
 
 
-__all__ = ["CompareConfig", "EmulatorScenario", "run_compare", "run_estimate"]
+__all__ = ["CompareConfig", "run_compare"]
 
 
 def __getattr__(name: str):  # lazy re-exports: keep `import hf_zenflow.compare` free of heavy dependencies
@@ -23,8 +23,4 @@ def __getattr__(name: str):  # lazy re-exports: keep `import hf_zenflow.compare`
         from hf_zenflow.compare import runner
 
         return getattr(runner, name)
-    if name in ("EmulatorScenario", "run_estimate"):  # (moved to `hf_zenflow.estimate`; still found here)
-        from hf_zenflow.estimate import emulator
-
-        return getattr(emulator, name)
     raise AttributeError(f"module 'hf_zenflow.compare' has no attribute {name!r}")
