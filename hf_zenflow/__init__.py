@@ -1,7 +1,7 @@
 """hf_zenflow: ZenFlow's importance-aware, stall-free CPU-offloaded AdamW for the Hugging Face stack.
 
 One subpackage per concern, each importing only the ones below it (`pyproject.toml`'s import-linter contract; the
-README's *Package map* says where each part of a step lives):
+docs/how-it-works.md's *Package map* says where each part of a step lives):
 
 - `cli.py` (`hf-zenflow`) on top; `tuning/` (`hf_zenflow.tune`, `hf-zenflow tune`) over `compare/` (`hf-zenflow
   compare`), which uses `estimate/` (the emulated accelerator and the hardware bound model, `hf-zenflow estimate`)

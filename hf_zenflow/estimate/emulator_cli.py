@@ -47,7 +47,7 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=None, help="steps per schedule [14]")
     p.add_argument("--host-threads", type=positive_int, default=None,
                    help="host worker threads here (cpu_threads; default: the cores in this process's affinity "
-                        "minus one, as the training thread runs one thread: README, Threads)")
+                        "minus one, as the training thread runs one thread: docs/threads.md)")
     p.add_argument("--ranks", type=rank_count, default=None,
                    help="data-parallel ranks (one GPU each) on the node: every figure becomes one rank's, with 1/N "
                         "of the offloaded host work, host memory and link bytes on 1/N of the host cores and memory "

@@ -150,7 +150,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         }
         amp.install()  # scaler.unscale_(opt) tells `_grads_unscaled`
         _LIVE_OPTIMIZERS.add(self)
-        # The thread rule's decision for the run, before its first forward (README, Threads)
+        # The thread rule's decision for the run, before its first forward (docs/threads.md)
         self._host.offload_planned = offloads_any(self.param_groups, config)
         self._host.claim_cores()
 
@@ -247,7 +247,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
     def train(self) -> None:
         """HF calls this before every training step: surface a worker failure (waiting here would serialise the host
         step with every training step), and claim the cores again if a `close()` ended the last run, before this
-        run's first forward (README, Threads)."""
+        run's first forward (docs/threads.md)."""
         self._host.claim_cores()
         if self._host.worker is not None:
             self._host.worker.check()
@@ -260,7 +260,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
 
     def close(self) -> None:
         """End of a run: stop the host worker thread (a later `step()` starts a new one), unlock pinned host memory
-        and give the training thread its cores back (README, Threads)."""
+        and give the training thread its cores back (docs/threads.md)."""
         self._host.close()
 
     @property

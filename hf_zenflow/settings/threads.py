@@ -1,4 +1,4 @@
-"""How hf_zenflow shares the CPU cores between the training thread and the host worker (README, *Threads*).
+"""How hf_zenflow shares the CPU cores between the training thread and the host worker (docs/threads.md).
 
 The rule, in one place:
 
@@ -103,8 +103,7 @@ def worker_threads(cpu_threads: int | None) -> int:
             _clamp_warned.add((cpu_threads, cores))
             warnings.warn(
                 f"hf_zenflow: cpu_threads={cpu_threads} is more than the {cores} core(s) in this process's CPU "
-                f"affinity (its share of them with several ranks per node); the host worker uses {cores} (README, "
-                "Threads).",
+                f"affinity (its share of them with several ranks per node); the host worker uses {cores} (docs/threads.md).",
                 stacklevel=3,
             )
         return cores
@@ -185,7 +184,7 @@ class _TrainingPool:
         logger.warning(
             "hf_zenflow threads: %d core(s) for this process; host worker %d thread(s), training thread %d (%s, until "
             "the end of the run)%s. On a machine busy with other processes use fewer (e.g. OMP_NUM_THREADS=1 and "
-            "cpu_threads=1): README, Threads.",
+            "cpu_threads=1): docs/threads.md.",
             cores, threads, training, why, fit,
         )
 

@@ -16,7 +16,7 @@ from hf_helpers import REPO_ROOT
 from safetensors.torch import load_file
 
 
-SCRIPTS = REPO_ROOT / "scripts"
+EXAMPLES = REPO_ROOT / "examples"
 
 
 def example_env(**extra: str) -> dict[str, str]:
@@ -46,7 +46,7 @@ def run(cmd: list[str], env: dict[str, str], cwd) -> subprocess.CompletedProcess
 
 def test_train_trainer_script_with_auto_interval(tmp_path):
     out = tmp_path / "run"
-    proc = run([sys.executable, str(SCRIPTS / "train_trainer.py"), "--output_dir", str(out), "--max_steps", "10",
+    proc = run([sys.executable, str(EXAMPLES / "train_trainer.py"), "--output_dir", str(out), "--max_steps", "10",
                 "--use_cpu", "--report_to", "none", "--learning_rate", "3e-3",
                 "--per_device_train_batch_size", "4", "--num_train_samples", "64", "--num_eval_samples", "8",
                 "--seq_len", "32", "--hidden_size", "32", "--save_strategy", "no", "--disable_tqdm", "True",
@@ -72,7 +72,7 @@ def test_train_accelerate_under_accelerate_launch(tmp_path):
     save_state mid-window and a resumed launch reproduce the uninterrupted run."""
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--num_cpu_threads_per_process", "1", str(SCRIPTS / "train_accelerate.py")]
+              "--num_cpu_threads_per_process", "1", str(EXAMPLES / "train_accelerate.py")]
     common = ["--max_steps", "8", "--num_train_samples", "64", "--seq_len", "32", "--hidden_size", "32",
               "--log_every", "4"]
     # (HF_ZENFLOW_MIN_OFFLOAD_NUMEL=0: the tiny model is offloaded; with nothing offloaded no worker would start;
@@ -108,15 +108,15 @@ def readme_command(start: str) -> list[str]:
 
 
 def test_quickstart_notebook_runs_from_the_readme_command(tmp_path):
-    """The README's `jupyter execute ...` line, in a copy of scripts/: the notebook runs top to bottom, warns about
+    """The README's `jupyter execute ...` line, in a copy of examples/: the notebook runs top to bottom, warns about
     no missing widget support, and writes what the README says."""
     for name in ("nbclient", "ipykernel", "ipywidgets"):
         pytest.importorskip(name)
     command = readme_command("jupyter execute ")
-    (tmp_path / "scripts").mkdir()
-    shutil.copy(SCRIPTS / "zenflow_quickstart.ipynb", tmp_path / "scripts")
+    (tmp_path / "examples").mkdir()
+    shutil.copy(EXAMPLES / "zenflow_quickstart.ipynb", tmp_path / "examples")
     run([sys.executable, "-m", *command], example_env(OMP_NUM_THREADS="1"), cwd=tmp_path)  # `jupyter` of this venv
-    executed = json.loads((tmp_path / "scripts" / "zenflow_quickstart_run.ipynb").read_text())
+    executed = json.loads((tmp_path / "examples" / "zenflow_quickstart_run.ipynb").read_text())
     outputs = "\n".join(
         "".join(out.get("text", "")) or "".join(out.get("data", {}).get("text/plain", ""))
         for cell in executed["cells"] if cell["cell_type"] == "code" for out in cell["outputs"]
@@ -124,12 +124,12 @@ def test_quickstart_notebook_runs_from_the_readme_command(tmp_path):
     assert "critical path" in outputs and "eval loss" in outputs
     assert "### ZenFlow settings" in outputs
     assert "IProgress not found" not in outputs
-    card = (tmp_path / "scripts" / "zenflow_quickstart_output" / "README.md").read_text()
+    card = (tmp_path / "examples" / "zenflow_quickstart_output" / "README.md").read_text()
     assert "hf_zenflow" in card
 
 
 def test_notebook_outputs_are_git_ignored():
     if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
         pytest.skip("not a git checkout")
-    for path in ("scripts/zenflow_quickstart_output/README.md", "scripts/zenflow_quickstart_run.ipynb"):
+    for path in ("examples/zenflow_quickstart_output/README.md", "examples/zenflow_quickstart_run.ipynb"):
         assert subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO_ROOT).returncode == 0, path

@@ -1,4 +1,4 @@
-"""The thread split between the training thread and the host worker (README, Threads;
+"""The thread split between the training thread and the host worker (docs/threads.md;
 `hf_zenflow.settings.threads`)."""
 
 from __future__ import annotations

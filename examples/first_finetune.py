@@ -7,8 +7,8 @@ The held-out sentences are drawn with `compare`'s fixed split seed; each run is 
 "1 000 held-out sentences" twin, on the first 1 000 of those (the same training run: a 1 000-sentence split with the
 same training data).
 
-    python scripts/first_finetune.py --seeds 0 1 2 3 4 --out runs/quality/first_finetune.jsonl
-    python scripts/first_finetune.py --summary runs/quality/first_finetune.jsonl
+    python examples/first_finetune.py --seeds 0 1 2 3 4 --out runs/quality/first_finetune.jsonl
+    python examples/first_finetune.py --summary runs/quality/first_finetune.jsonl
 
 ZenFlow variants: ``--variants defaults "update_interval=1 overlap_step=False" ...`` (each a space-separated list of
 ZenFlowConfig ``KEY=VALUE`` settings; ``defaults`` = none). Per seed, adamw_torch runs first, then every variant.
