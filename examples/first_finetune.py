@@ -1,7 +1,7 @@
 """A user's first fine-tune, under the Trainer: `ZenFlowTrainer` with the library defaults against a plain `Trainer`
 with ``optim="adamw_torch"``, paired (same seed, same initial weights, same batch order), over several seeds.
 
-The task (issue 11's acceptance): all-MiniLM-L6-v2 on Rotten Tomatoes sentences (offline, pip packages), 2 000
+The task: all-MiniLM-L6-v2 on Rotten Tomatoes sentences (offline, pip packages), 2 000
 training sentences, one epoch = 63 steps at batch 32, lr 5e-5, everything else the Trainer's and ZenFlow's defaults.
 The held-out sentences are drawn with `compare`'s fixed split seed; each run is evaluated on 3 000 of them and, as the
 "1 000 held-out sentences" twin, on the first 1 000 of those (the same training run: a 1 000-sentence split with the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check for a lent GPU machine: ONE call of at most 540 s (a call may last 600 s; the rest is the
+# The prepared GPU check for a GPU machine: ONE call of at most 540 s (a call may last 600 s; the rest is the
 # machine's start and the transfers). Parts, each under its own `timeout` (the sum of the `timeout` values below is
 # at most 540 s, and tests/test_gpu_check.py checks that):
 #   1. the machine (nvidia-smi, versions);

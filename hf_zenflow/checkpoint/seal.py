@@ -38,7 +38,7 @@ def tensor_digest(t: torch.Tensor) -> int:
     as integers of the element size) in 64-bit wrap-around arithmetic over the
     tensor in logical order, with blocks of 64 elements (1 in tensors under 65536 elements). Unlike a plain sum it
     changes when values move between blocks (a flipped stride, a shifted storage offset); at about twice a plain
-    sum's cost, where weighting every element cost three times (measured on the 2-core machine, 4M elements)."""
+    sum's cost (weighting every element costs about three times a plain sum's)."""
     t = t.detach().contiguous()
     as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
     flat = t.view(as_int).reshape(-1)

@@ -86,7 +86,7 @@ def smollm2_path(progress: bool = True) -> Path:
     """A plain fp32 SmolLM2-135M-Instruct checkpoint, de-quantised from the GGUF once per machine.
 
     The GGUF-loaded model is flagged as quantised (transformers refuses to fine-tune or save it), so the weights are
-    copied into a model rebuilt from the config without the quantisation entry (offline-assets.md §1.2).
+    copied into a model rebuilt from the config without the quantisation entry.
     """
     target = cache_dir() / "smollm2-135m-instruct-fp32"
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):

@@ -118,7 +118,7 @@ class DeviceClock:
 def emulated_model(n_params: float, seed: int = 0) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
     """Llama-shaped bf16 matrices (q, k, v, o, gate, up, down and two norms per layer) totalling about `n_params`,
     and one fixed bf16 gradient per parameter whose energy sits on ~5% of the input columns (the skew ZenFlow's
-    selection relies on, zenflow.md §2)."""
+    selection relies on, as in the ZenFlow paper)."""
     hidden = 1024 if n_params >= 8e6 else 256
     inter = int(hidden * 2.75)
     per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden

@@ -22,7 +22,7 @@ LINK_BYTES_PER_PARAM = 2
 HOST_BYTES_PER_PARAM = {"no_offload": 0, "sync_offload": 16, "zenflow": 18, "zenflow_device_accumulation": 18,
                         "zenflow_device_bf16": 20}
 
-#: The published Llama-2-7B host figure: CPUAdam over 7e9 parameters in 4600 ms on 128 threads (zenflow.md §2).
+#: The published Llama-2-7B host figure: CPUAdam over 7e9 parameters in 4600 ms on 128 threads (the ZenFlow paper).
 PUBLISHED_HOST_PARAMS_PER_S = 7e9 / 4.6
 PUBLISHED_HOST_CORES = 128
 
@@ -105,7 +105,8 @@ class EmulatorScenario:
 
 def llama2_7b_4xa100() -> EmulatorScenario:
     """The breakdown published with ZenFlow for Llama-2-7B on 4xA100 with ZeRO-Offload and CPUAdam on 128 threads
-    (zenflow.md §2): forward 45 ms, backward 2000 ms, gradient offload 500 ms, CPU update 4600 ms, upload 500 ms."""
+    (the ZenFlow paper): forward 45 ms, backward 2000 ms, gradient offload 500 ms, CPU update 4600 ms, upload
+    500 ms."""
     return EmulatorScenario(
         name="llama2-7b-4xa100", params=7e9, forward_ms=45.0, backward_ms=2000.0, grad_offload_ms=500.0,
         param_upload_ms=500.0, cpu_update_ms=4600.0, device_mem_gbps=4 * 2000.0, host_cores=128,

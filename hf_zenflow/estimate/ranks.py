@@ -3,7 +3,7 @@ link bytes, the node's host cores and memory bandwidth divided among the ranks, 
 rows at each write-back under DDP. Used by the bound model (`hardware.schedule_model`) and the emulator
 (`emulator_schedules.run_estimate`), so both take the same N the same way.
 
-The plan being modelled (issue 13):
+The plan being modelled:
 
 * **DDP** (``parallel="ddp"``): every rank holds the whole averaged gradient on its GPU. Each rank owns 1/N of the rows
   of every offloaded matrix: it copies only those rows' gradient over its own link, keeps host state for them only

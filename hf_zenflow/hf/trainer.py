@@ -1,6 +1,6 @@
 """`ZenFlowTrainer`: a `transformers.Trainer` that trains with `ZenFlowAdamW`.
 
-Only the seams the 5.x Trainer exposes are used (see `shared/reference/hf-integration.md` §1.9):
+Only the seams the 5.x Trainer exposes are used:
 
 - `get_optimizer_cls_and_kwargs` returns `ZenFlowAdamW` and its settings, so the Trainer's own decay / no-decay
   groups (trainable parameters only, hence LoRA works) are what ZenFlow optimizes;

@@ -25,8 +25,8 @@ uninterrupted one bit for bit; a pool that changed when the worker started (insi
 resumed run's first forward another count than the uninterrupted run's at that step. The optimizer is built before
 the first forward in both runs (the Trainer builds it in ``train()``, after the model and before the first step).
 Why split at all: the worker's host jobs run while the training thread runs forward/backward, and torch's OpenMP
-threads spin-wait; two teams sharing the same cores were measured to make a host step >100x slower on a busy 2-core
-machine. Torch's thread count is per OS thread, so lowering the training thread's pool leaves the worker's alone.
+threads spin-wait: two teams sharing the same cores slow each other down many times over. Torch's thread count is
+per OS thread, so lowering the training thread's pool leaves the worker's alone.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def worker_threads(cpu_threads: int | None) -> int:
             _clamp_warned.add((cpu_threads, cores))
             warnings.warn(
                 f"hf_zenflow: cpu_threads={cpu_threads} is more than the {cores} core(s) in this process's CPU "
-                f"affinity (its share of them with several ranks per node); the host worker uses {cores} (docs/threads.md).",
+                f"affinity (its share of them with several ranks per node); the host worker uses {cores} "
+                "(docs/threads.md).",
                 stacklevel=3,
             )
         return cores

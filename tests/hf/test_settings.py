@@ -176,7 +176,8 @@ def test_plugin_docstring_lists_every_setting_and_its_variable():
 
 
 def test_docs_settings_table_lists_every_field_with_its_default():
-    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", (REPO_ROOT / "docs" / "settings.md").read_text(), re.MULTILINE))
+    table = (REPO_ROOT / "docs" / "settings.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", table, re.MULTILINE))
     for f in fields(ZenFlowConfig):
         assert f.name in rows, f"docs/settings.md: the settings table has no row for {f.name}"
         assert rows[f.name].strip().strip("`") == format_default(f.default), f.name
