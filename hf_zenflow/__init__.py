@@ -13,31 +13,18 @@ docs/how-it-works.md's *Package map* says where each part of a step lives):
 - `_base.py` (tensor helpers every layer uses) and `_extras.py` (the optional dependencies) at the bottom.
 """
 
-import sys
 from typing import Any
 
 from .checkpoint.convert import to_torch_adamw
 from .checkpoint.format import CheckpointError
 from .engine.layout import column_major_
 from .engine.worker import HostWorkerError
-from .optimizer import TRAIN_HOOKS, SyncOffloadAdamW, ZenFlowAdamW
+from .optimizer import SyncOffloadAdamW, ZenFlowAdamW
 from .settings import ZenFlowConfig, __version__
 
 
 _HF_EXPORTS = {"ZenFlowCallback", "ZenFlowTrainer", "ZenFlowTrainingArguments", "ZenFlowPlugin"}
 
-
-def _attach_to_calling_trainer(optimizer: ZenFlowAdamW) -> None:
-    """`ZenFlowAdamW.train()`'s hook (`optimizer.TRAIN_HOOKS`): given to a Trainer through ``optimizers=(...)``,
-    nothing there would flush the last window or stop the worker; find that Trainer and give it a `ZenFlowCallback`
-    unless it has one. Wired here, at the top: the optimizer's layer does not import the Hugging Face glue."""
-    if "transformers" in sys.modules:  # no Trainer can be calling without it
-        from .hf.callback import attach_to_calling_trainer
-
-        attach_to_calling_trainer(optimizer, max_depth=7)  # (one frame more than from train() itself: this one)
-
-
-TRAIN_HOOKS.append(_attach_to_calling_trainer)
 
 
 def __getattr__(name: str) -> Any:
