@@ -50,8 +50,12 @@ def documented_command(start: str) -> tuple[dict[str, str], list[str]]:
     """The command line of README.md or docs/ that starts with `start` (after any ``VAR=value`` prefix): its
     environment assignments and its arguments."""
     for page in (REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))):
-        for line in page.read_text().splitlines():
-            words = shlex.split(line.split("#")[0]) if line.strip() and not line.startswith((" ", "|")) else []
+        shell = re.findall(r"^```bash\n(.*?)^```", page.read_text(), re.MULTILINE | re.DOTALL)
+        for line in "\n".join(shell).replace("\\\n", " ").splitlines():
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:  # (a line of a multi-line quote: not a command)
+                continue
             env = {}
             while words and "=" in words[0] and not words[0].startswith("-"):
                 name, _, value = words.pop(0).partition("=")
