@@ -112,3 +112,17 @@ def test_every_readme_command_is_run_or_checked(command):
 
 def test_the_readme_commands_are_found():
     assert len(commands()) >= 8 and any(c.startswith("hf-zenflow compare") for c in commands())
+
+
+def test_the_readme_figures_are_benchmarks_figures():
+    """Every measured figure the README quotes (ratios "0.48×", accuracies "0.782") is in BENCHMARKS.md, where its
+    command, machine and date are."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    run_section = README.split("## Run")[1].split("## A plain loop")[0]
+    quoted = re.findall(r"(?<![\w.])(\d+\.\d+)(?:–(\d+\.\d+))?×?", run_section)
+    figures = {f for pair in quoted for f in pair if f}
+    assert {"0.48", "0.782"} <= figures
+    for figure in figures:
+        # (BENCHMARKS may give more digits: 0.782 is its 0.7820)
+        found = re.search(rf"(?<![\w.]){re.escape(figure)}0*(?!\d)", benchmarks)
+        assert found, f"README's {figure} is not in BENCHMARKS.md"
