@@ -43,6 +43,7 @@ from ..engine.params import (
     new_schedule,
     offloads_any,
     resolve_config,
+    say_what_is_offloaded,
 )
 from ..engine.schedule import WindowSchedule
 from ..engine.split_matrix import SplitMatrix, master_value
@@ -140,8 +141,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         self._fsdp = LocalShards()  # FSDP2's DTensor parameters, found at the first use (`_find_param_shards`)
         self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor, process_group)
         self.config = config
-        #: What drains it before checkpoints and at the end ("ZenFlowCallback", "ZenFlowTrainer"); `train()` checks
-        self.drained_by: str | None = None
+        self.drained_by: str | None = None  # what drains it: "ZenFlowCallback", "ZenFlowTrainer" (`train()` checks)
         # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
         self._reads = GradientReads(p for g in self.param_groups for p in g["params"])
         self._reads.on_ready = self._host.grad_ready
@@ -154,6 +154,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         _LIVE_OPTIMIZERS.add(self)
         # The thread rule's decision for the run, before its first forward (docs/threads.md)
         self._host.offload_planned = offloads_any(self.param_groups, config)
+        say_what_is_offloaded(self.param_groups, config)  # (once: nothing, or almost nothing, is offloaded)
         self._host.claim_cores()
 
     # ------------------------------------------------------------------------------------------------------------
