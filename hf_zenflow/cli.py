@@ -125,10 +125,6 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-overlap", dest="overlap_step", action="store_false",
                    help="run ZenFlow's host step inline instead of in the background worker (default: background "
                    "worker, overlapping the next steps)")
-    p.add_argument("--cpu-threads", type=positive_int, default=None,
-                   help="old name of --host-cores (default: --host-cores' default)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="old name of --device-cores (default: --device-cores' default)")
     p.add_argument("--device-cores", type=positive_int, default=None,
                    help="cores that stand for the device on a CPU device: the training thread's torch threads in "
                    "every run (forward, backward, device-side optimizer work) (default: half the cores this process "
@@ -239,29 +235,33 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         "score each by held-out loss relative to adamw_torch, measured steps/s and critical path here, and the "
         "modelled speed-up over synchronous offload on --hardware. Writes tune.md (table and recommendation), "
         "tune.json, pareto.png and recommended.py. Ctrl-C keeps what finished.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=TrueDefaultsFormatter,
     )
-    p.add_argument("--model", default=None, help="'minilm' (default), 'smollm2' or a local Hugging Face model folder")
-    p.add_argument("--task", default=d.task, choices=["auto", "sequence-classification", "causal-lm"])
+    p.add_argument("--model", default=None,
+                   help="'minilm', 'smollm2' or a local Hugging Face model folder (default: minilm)")
+    p.add_argument("--task", default=d.task, choices=["auto", "sequence-classification", "causal-lm"],
+                   help="what the model is trained for; auto: from the model's architecture")
     _add_data_arguments(p)
     p.add_argument("--budget-minutes", type=positive_float, default=d.budget_minutes,
                    help="wall-time budget; a trial starts only if the trials so far say it fits")
     p.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps per trial")
-    p.add_argument("--train-size", type=positive_int, default=d.train_size)
-    p.add_argument("--eval-size", type=positive_int, default=d.eval_size)
-    p.add_argument("--batch-size", type=positive_int, default=d.batch_size)
-    p.add_argument("--eval-batch-size", type=positive_int, default=d.eval_batch_size)
-    p.add_argument("--max-length", type=positive_int, default=d.max_length)
-    p.add_argument("--lr", type=positive_float, default=d.lr)
-    p.add_argument("--seed", type=non_negative_int, default=d.seed)
+    p.add_argument("--train-size", type=positive_int, default=d.train_size, help="training rows used per trial")
+    p.add_argument("--eval-size", type=positive_int, default=d.eval_size, help="held-out rows scored per trial")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="training batch size")
+    p.add_argument("--eval-batch-size", type=positive_int, default=d.eval_batch_size, help="held-out batch size")
+    p.add_argument("--max-length", type=positive_int, default=d.max_length,
+                   help="tokens per example (per block for a causal LM)")
+    p.add_argument("--lr", type=positive_float, default=d.lr, help="peak learning rate of every trial")
+    p.add_argument("--seed", type=non_negative_int, default=d.seed,
+                   help="the common start and batch order of the trials")
     p.add_argument("--topk", type=fraction, nargs="+", default=list(d.topk), help="topk_ratio values of the grid")
     p.add_argument("--intervals", type=interval, nargs="+", default=list(d.intervals),
                    help='update_interval values of the grid (integers or "auto")')
     p.add_argument("--scales", type=lr_scale, nargs="+", default=list(d.scales),
                    help='host_lr_scale values of the grid (numbers, "interval" or "auto")')
     p.add_argument("--lags", type=writeback_lag, nargs="+", default=list(d.lags),
-                   help='writeback_lag values of the grid (integers, "auto" or "none"), tried at the default '
-                   "topk_ratio and host_lr_scale")
+                   help='writeback_lag values of the grid (integers, "auto" or "none"), tried at the library\'s '
+                   "topk_ratio and host_lr_scale (default: 1 auto none)")
     p.add_argument("--max-quality-loss", dest="max_quality_loss_pct", type=non_negative_float,
                    default=d.max_quality_loss_pct,
                    help="tolerance: held-out loss at most this many percent above adamw_torch's")
@@ -271,7 +271,6 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                    help="model size the speed-up is modelled for (default: this model's)")
     p.add_argument("--target-tokens-per-step", type=positive_float, default=None,
                    help="tokens per optimizer step at scale (default: this task's)")
-    p.add_argument("--threads", type=positive_int, default=None, help="old name of --device-cores")
     p.add_argument("--device-cores", type=positive_int, default=None,
                    help="cores standing for the device on a CPU device (the training thread's torch threads); "
                    "default: half the cores")
@@ -281,9 +280,11 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-from-profile", action="store_true",
                    help="model the speed-up with the profile's published host AdamW rate instead of this host's "
                    "measured one")
-    p.add_argument("--device", default=d.device)
-    p.add_argument("--output-dir", default=d.output_dir)
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--device", default=d.device, help="auto (CUDA when available, else the CPU), cpu or cuda")
+    p.add_argument("--output-dir", default=d.output_dir,
+                   help="where tune.md, tune.json, pareto.png and recommended.py go")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (it shows by default)")
     p.set_defaults(func=_run_tune)
 
 

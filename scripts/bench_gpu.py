@@ -17,7 +17,7 @@ forward+backward time of the same run: the time the device waits for the optimiz
 time of forward+backward over the step's wall time (the fraction of the step the GPU works on the model).
 Unavailable optimizers are skipped with the reason in the table.
 
-One call on a lent H200 (default size ~1.4B params; about 5 minutes):
+One call on an H200 (default size ~1.4B params; about 5 minutes):
     python scripts/bench_gpu.py --out-dir $OUT
 Check on a CPU (tiny model, a few steps, every code path but DeepSpeed's launcher):
     python scripts/bench_gpu.py --smoke --out-dir /tmp/bench_smoke

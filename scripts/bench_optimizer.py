@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--update-interval", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None,
                     help="training thread's torch threads, set explicitly (default: what torch and hf_zenflow's "
-                         "thread rule give, README 'Threads': lowered when an offloading ZenFlow is built)")
+                         "thread rule give, docs/threads.md: lowered when an offloading ZenFlow is built)")
     ap.add_argument("--worker-threads", type=int, default=None,
                     help="ZenFlow host worker threads (default: half the cores)")
     ap.add_argument("--layout", choices=("column", "row"), default="column",

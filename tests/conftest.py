@@ -114,7 +114,7 @@ def roundtrip(state: dict) -> dict:
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
     """One intra-op thread for the training thread in every test: results then depend neither on the machine's
-    cores nor on the split a background ZenFlow worker applies to an untouched pool (README, Threads), which
+    cores nor on the split a background ZenFlow worker applies to an untouched pool (docs/threads.md), which
     would give a ZenFlow run (worker) and its reference run (none) different forward/backward bits."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)

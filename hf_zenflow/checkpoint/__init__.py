@@ -10,7 +10,7 @@ optimizer calls this package with itself (`ZenFlowState`), so a checkpoint can b
 without the optimizer class. The old module path ``hf_zenflow.checkpoint`` keeps its names here.
 """
 
-from .format import FORMAT_VERSION, CheckpointError, check_file, load_file, migrate, pack, tensor_checksum
+from .format import FORMAT_VERSION, CheckpointError, check_file, load_file, migrate, pack
 from .restore import load, unpack, validate
 from .state import ZenFlowState
 
@@ -24,7 +24,6 @@ __all__ = [
     "load_file",
     "migrate",
     "pack",
-    "tensor_checksum",
     "unpack",
     "validate",
 ]

@@ -193,8 +193,7 @@ def to_torch_adamw(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int
 
     Whatever ZenFlow had not yet put into the weights is applied first, as `flush()` would: a pending host result
     (already in the host master) and the open window's gradient sum (one host AdamW step with the group's learning
-    rate). Step counts are the device path's (one per optimizer step). Requires format 2 (parameter shapes) for
-    parameters with more than two dimensions.
+    rate). Step counts are the device path's (one per optimizer step).
 
     Example:
         >>> import torch

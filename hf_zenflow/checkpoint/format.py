@@ -7,9 +7,8 @@ Format version 3 (``state_dict()["zenflow"]["format_version"]``): per parameter 
 the device), each with the parameter's ``shape`` and ``dtype``, its name when known, and a ``checksums`` dict; the
 ``zenflow`` block carries a ``checksum`` too. Together they cover every tensor and every non-tensor field (counters,
 settings, hyper-parameters, Zen-auto statistics) and their own presence (`validate.py`), so that a damaged
-file is refused instead of training on garbage (torch's own loader does not check its zip CRCs). Version 2
-(2026-12-01: checksums of the tensors only) and version 1 (no ``format_version``, no shapes or checksums) are read by
-migration, with a logged note that their other fields are checked by range only. A newer version is refused.
+file is refused instead of training on garbage (torch's own loader does not check its zip CRCs). Any other version
+is refused in one line.
 
 Loading is transactional: every field is parsed and checked (types, ranges, shapes, dtypes, saved parameter names
 against this optimizer's, checksums) before anything is written, and every refusal is a `CheckpointError` naming the
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .seal import PREFIX, Refusal, bits_sum, migrate_old, seal, verify
+from .seal import PREFIX, Refusal, seal, verify
 from .state import ZenFlowState
 
 
@@ -57,12 +56,6 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as it is: damaged, from another model, or from an incompatible version.
     The message names the file or tensor and what to do."""
 
-
-
-def tensor_checksum(t: torch.Tensor) -> int:
-    """Format 2's checksum of a tensor: a 64-bit wrap-around sum of its bits (format 3 uses
-    `seal.tensor_digest`, which also changes when values move)."""
-    return bits_sum(t)
 
 
 def _tensors(entry: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -176,16 +169,12 @@ def _migrate(state_dict: dict[str, Any]) -> dict[str, Any]:
         return state_dict
     if not isinstance(zenflow, dict):
         raise Refusal(f"the 'zenflow' block is {type(zenflow).__name__}, expected a dict")
-    version = zenflow.get("format_version", 1)
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise Refusal(f"format_version={version!r} is invalid, expected an integer >= 1")
-    if version > FORMAT_VERSION:
+    version = zenflow.get("format_version")
+    if version != FORMAT_VERSION or isinstance(version, bool):
         raise CheckpointError(
-            f"{PREFIX}: the checkpoint has format_version={version!r}, written by a newer hf_zenflow; this one reads "
-            f"versions 1 to {FORMAT_VERSION}. Upgrade hf_zenflow to resume from it."
+            f"{PREFIX}: the checkpoint has format_version={version!r}; this hf_zenflow reads format "
+            f"{FORMAT_VERSION} only. Resume without the optimizer state, or with the hf_zenflow that wrote it."
         )
-    if version < FORMAT_VERSION:
-        return migrate_old(state_dict, version, FORMAT_VERSION)
     verify(state_dict)
     return state_dict
 
@@ -227,6 +216,5 @@ def load_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
         ) from exc
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "ZenFlowState", "check_file", "load_file", "migrate", "pack",
-           "tensor_checksum"]
+__all__ = ["FORMAT_VERSION", "CheckpointError", "ZenFlowState", "check_file", "load_file", "migrate", "pack"]
 

@@ -106,10 +106,7 @@ def fsdp_rows_of(state: dict[str, Any], ranks: int, rank: int) -> dict[str, Any]
     out = {"param_groups": state["param_groups"], "state": {},
            "zenflow": None if zenflow is None else {**zenflow, "fsdp_ranks": ranks, "fsdp_rank": rank}}
     for index, entry in state["state"].items():
-        rows = int(entry["shape"][0]) if entry.get("shape") else None
-        if rows is None:
-            raise CheckpointError(f"fsdp_rows_of: parameter {index} has no saved shape (format 1): resume it without "
-                                  "FSDP2 once and save again.")
+        rows = int(entry["shape"][0])
         share = Share(0, rows, ranks, rank)
         if entry.get("kind") == "split" and int(entry.get("axis", 1)) != 1:
             raise CheckpointError(f"fsdp_rows_of: parameter {index} was saved column-major or with select_rows, "

@@ -122,7 +122,7 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
             for name in ("step", "exp_avg", "exp_avg_sq"):
                 getattr(dense, name).copy_(entry[name].view_as(getattr(dense, name)))
             if entry["master"] is not None and dense.master is not None:
-                # (an fp32 parameter is its own master: format 1 saved a copy of it, the same values as the weights)
+                # (an fp32 parameter is its own master: none is saved)
                 dense.master.copy_(entry["master"].view_as(dense.master))
             opt._dense[p] = dense
             continue

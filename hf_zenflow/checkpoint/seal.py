@@ -1,4 +1,4 @@
-"""The checksums of a `ZenFlowAdamW` state dict (format 3) and the migration of older formats to it.
+"""The checksums of a `ZenFlowAdamW` state dict (format 3).
 
 Each entry's ``checksums`` hold a position-dependent 64-bit sum of every tensor (`tensor_digest`: a transposed or
 shifted tensor does not keep its sum) and a digest of each of its other fields (``"fields"``: values, and the
@@ -6,22 +6,16 @@ tensors' dtypes and shapes); the ``zenflow`` block's ``checksum`` holds a digest
 group's and of every entry's field digests, and so covers every key's presence. A damaged file (a flipped byte in
 ``data.pkl``, a hand edit, a removed checksum) is refused naming the entry and the field. `seal` writes them (the
 re-sharding transforms re-seal what they change); `verify` checks them.
-
-Formats 1 and 2 did not checksum the non-tensor fields; `migrate_old` checks what they did carry (format 2: a plain
-sum of each tensor's bits), logs that the rest is checked by range only, and seals the result as format 3.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from typing import Any
 
 import torch
 
-
-logger = logging.getLogger("hf_zenflow.checkpoint")
 
 PREFIX = "ZenFlowAdamW.load_state_dict"
 FIELDS = "fields"  # the key of an entry's field digests in its ``checksums``
@@ -39,18 +33,12 @@ class Refusal(ValueError):
 _BLOCK, _SMALL = 64, 1 << 16
 
 
-def bits_sum(t: torch.Tensor) -> int:
-    """Format 2's checksum: a 64-bit wrap-around sum of the tensor's bits (read as integers of its element size)."""
-    t = t.detach().contiguous()
-    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
-    return int(t.view(as_int).sum(dtype=torch.int64).item())
-
-
 def tensor_digest(t: torch.Tensor) -> int:
-    """Format 3's checksum: ``sum_b (2 b + 1) * bits_sum(block b)`` in 64-bit wrap-around arithmetic over the
+    """A tensor's checksum: ``sum_b (2 b + 1) * bits(block b)`` (``bits``: the wrap-around sum of a block's bits, read
+    as integers of the element size) in 64-bit wrap-around arithmetic over the
     tensor in logical order, with blocks of 64 elements (1 in tensors under 65536 elements). Unlike a plain sum it
     changes when values move between blocks (a flipped stride, a shifted storage offset); at about twice a plain
-    sum's cost, where weighting every element cost three times (measured on the 2-core machine, 4M elements)."""
+    sum's cost (weighting every element costs about three times a plain sum's)."""
     t = t.detach().contiguous()
     as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
     flat = t.view(as_int).reshape(-1)
@@ -164,48 +152,5 @@ def verify(state: dict[str, Any]) -> None:
     _compare("the 'zenflow' block and param groups", zenflow[BLOCK], _block_fields(state))
 
 
-def migrate_old(state: dict[str, Any], version: int, current: int) -> dict[str, Any]:
-    """A format 1 or 2 state as a sealed format-`current` state (a copy; tensors shared), after checking what it
-    carries. A newer state whose format_version was damaged (it carries checksums its version never wrote) is
-    refused."""
-    entries = state.get("state")
-    if not isinstance(entries, dict):
-        raise Refusal("'state' is not a dict of per-parameter entries")
-    zenflow = dict(state["zenflow"])
-    if BLOCK in zenflow or any(isinstance(e, dict) and FIELDS in (e.get("checksums") or {}) for e in entries.values()):
-        raise Refusal(f"format_version={version} is inconsistent with the state's format-3 checksums (the version "
-                      "field was altered)")
-    out_entries = {}
-    for index, entry in entries.items():
-        if not isinstance(entry, dict):
-            raise Refusal(f"parameter {index}: the entry is {type(entry).__name__}, expected a dict")
-        entry = dict(entry)
-        sums = entry.pop("checksums", None)
-        if version == 1 and (sums is not None or "shape" in entry):
-            raise Refusal(f"parameter {index}: a format-1 state (no format_version) cannot carry shapes or checksums "
-                          "(the format_version field was altered)")
-        if version == 2:
-            where = saved_label(index, entry)
-            if not isinstance(sums, dict):
-                raise Refusal(f"{where}: its 'checksums' entry is missing (format 2 always writes one)")
-            tensors = {k for k, t in entry.items() if isinstance(t, torch.Tensor)}
-            if set(sums) != tensors:
-                raise Refusal(f"{where}: checksums for {sorted(sums)}, but tensors {sorted(tensors)}")
-            for key in tensors:
-                if sums[key] != bits_sum(entry[key]):
-                    raise Refusal(f"{where}: {key} does not match its checksum (its bytes were altered)")
-        if entry.get("kind") == "split":
-            entry.setdefault("axis", 1)
-            entry.setdefault("rows", False)
-        out_entries[index] = entry
-    if version == 1:
-        zenflow["force_select"] = False
-    zenflow["format_version"] = current
-    logger.warning("%s: the checkpoint is in format %d, whose non-tensor fields (counters, settings, "
-                   "hyper-parameters) are not checksummed: they are checked by range only. Saving it again writes "
-                   "format %d.", PREFIX, version, current)
-    return seal({**state, "state": out_entries, "zenflow": zenflow})
-
-
-__all__ = ["BLOCK", "FIELDS", "PREFIX", "Refusal", "bits_sum", "fields_digest", "migrate_old", "saved_label", "seal",
+__all__ = ["BLOCK", "FIELDS", "PREFIX", "Refusal", "fields_digest", "saved_label", "seal",
            "seal_entry", "tensor_digest", "verify"]

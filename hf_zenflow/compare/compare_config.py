@@ -66,8 +66,6 @@ class CompareConfig:
     select_strategy: str = _LIBRARY.select_strategy
     select_interval: int | str | None = None  # None: COMPARE_SELECT_STEPS with "step", "auto" otherwise
     full_warm_up_rounds: int = _LIBRARY.full_warm_up_rounds
-    cpu_threads: int | None = None  # old name of host_cores (used when host_cores is None)
-    threads: int | None = None  # old name of device_cores (used when device_cores is None)
     # the resource model (`hf_zenflow.compare.cores`) and the projection after the runs (`compare.projection`)
     device_cores: int | None = None  # D: cores of "the device" on a CPU device (None: half the cores)
     host_cores: int | None = None  # H: cores of "the host", for every offloading run (None: half the cores)
@@ -124,9 +122,7 @@ class CompareConfig:
 
     def core_split(self) -> CoreSplit:
         """D device cores and H host cores, the same for every run (`hf_zenflow.compare.cores`)."""
-        device_cores = self.device_cores if self.device_cores is not None else self.threads
-        host_cores = self.host_cores if self.host_cores is not None else self.cpu_threads
-        return CoreSplit.resolve(device_cores, host_cores, cuda=self.resolved_device().type == "cuda")
+        return CoreSplit.resolve(self.device_cores, self.host_cores, cuda=self.resolved_device().type == "cuda")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

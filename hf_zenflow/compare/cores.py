@@ -12,10 +12,8 @@ given to the host step.
 Device memory: a GPU's caching allocator hands freed device memory to the next allocation of that size. The CPU
 stand-in gets the same from glibc (`keep_freed_memory`, once per process, before the first run): without it every
 freed block above glibc's mmap threshold (at most 32 MiB; MiniLM's 47 MB word-embedding gradient, made anew by each
-backward) goes back to the kernel, and the next backward pays ~11.4k page faults for it (~30 ms of CPU time on a
-loaded 2-core machine), in a share of the steps that depended on each run's heap layout (measured 2026-12-02: about
-half of synchronous offload's steps, nearly all of ZenFlow's and adamw_torch's), which made the device's speed
-differ between runs.
+backward) goes back to the kernel, and the next backward pays page faults for it in a share of the steps that
+depends on each run's heap layout, which made the device's speed differ between runs.
 
 Example:
     >>> split = CoreSplit.resolve(device_cores=None, host_cores=None, cuda=False, cores=2)

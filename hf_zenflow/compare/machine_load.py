@@ -3,17 +3,17 @@
 Timings on a shared machine are only comparable when the runs were equally (un)disturbed, so the runner reads, for
 each optimizer's run and for the whole command:
 
-* **other processes' CPU** - the non-idle time of the CPUs this process may run on (``/proc/stat``, per CPU) minus
-  this process's own CPU time, per second of wall time: the mean number of cores someone else used. The load average
-  cannot tell this: on a 2-core machine the run's own training thread, torch's intra-op threads and the host worker
-  already keep it at 2-3;
-* **steal** - the share of those CPUs' time the hypervisor gave to other virtual machines;
+* **other processes' CPU** - the non-idle time of the CPUs this process may run on (`psutil.cpu_times`, per CPU)
+  minus this process's own CPU time, per second of wall time: the mean number of cores someone else used. The load
+  average cannot tell this: on a small machine the run's own training thread, torch's intra-op threads and the host
+  worker already keep it above the core count;
+* **steal** - the share of those CPUs' time the hypervisor gave to other virtual machines (Linux; 0 elsewhere);
 * **the 1-minute load average** before the command started (others only) and its maximum during the run (a sampler
-  thread reads ``/proc/loadavg`` every couple of seconds; it includes this run's threads).
+  thread reads `psutil.getloadavg` every couple of seconds; it includes this run's threads).
 
 The CPU figures are differences of cumulative counters, so two readings give the exact mean over an interval; the
-sampler thread only catches the load average's peak. Where ``/proc`` is missing (macOS, Windows) every figure is None
-and nothing is reported as busy.
+sampler thread only catches the load average's peak. Where psutil cannot read a figure it is None, and nothing is
+reported as busy for it.
 
 Example:
     >>> monitor = LoadMonitor(interval_s=0.05)
@@ -31,8 +31,9 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
+
+import psutil
 
 from hf_zenflow.settings.threads import available_cpu_count
 
@@ -41,9 +42,6 @@ from hf_zenflow.settings.threads import available_cpu_count
 BUSY_OTHERS_FRACTION = 0.10
 #: CPU steal at or above this share of the CPU time makes a run "busy".
 BUSY_STEAL_FRACTION = 0.02
-
-PROC_STAT = Path("/proc/stat")
-PROC_LOADAVG = Path("/proc/loadavg")
 
 
 @dataclass(frozen=True)
@@ -104,37 +102,30 @@ def affinity_cpus() -> list[int] | None:
         return None
 
 
-def parse_proc_stat(text: str, cpus: list[int] | None, ticks_per_s: float) -> tuple[float, float, float] | None:
-    """(busy, total, steal) seconds summed over `cpus` (all CPUs when None) from the text of ``/proc/stat``.
-
-    Example:
-        >>> parse_proc_stat("cpu  9 0 1 80 0 0 0 10 0 0\\ncpu0 4 0 1 40 0 0 0 5\\ncpu1 5 0 0 40 0 0 0 5\\n",
-        ...                 [1], 100.0)
-        (0.05, 0.5, 0.05)
-    """
-    wanted = None if cpus is None else {f"cpu{c}" for c in cpus}
-    busy = total = steal = 0.0
-    found = False
-    for line in text.splitlines():
-        fields = line.split()
-        if not fields or not fields[0].startswith("cpu"):
-            continue
-        if (wanted is None and fields[0] != "cpu") or (wanted is not None and fields[0] not in wanted):
-            continue
-        user, nice, system, idle, iowait, irq, softirq, stolen = (float(v) for v in (fields[1:9] + ["0"] * 8)[:8])
-        busy += user + nice + system + irq + softirq
-        total += user + nice + system + idle + iowait + irq + softirq + stolen
-        steal += stolen
-        found = True
-    if not found:
+def cpu_seconds(cpus: list[int] | None) -> tuple[float, float, float] | None:
+    """(busy, total, steal) seconds since boot summed over `cpus` (all CPUs when None), from `psutil.cpu_times`."""
+    try:
+        per_cpu = psutil.cpu_times(percpu=True)
+    except (OSError, AttributeError, NotImplementedError):
         return None
-    return busy / ticks_per_s, total / ticks_per_s, steal / ticks_per_s
+    chosen = [per_cpu[c] for c in cpus if c < len(per_cpu)] if cpus is not None else per_cpu
+    if not chosen:
+        return None
+    busy = total = steal = 0.0
+    for times in chosen:
+        stolen = getattr(times, "steal", 0.0)
+        idle = times.idle + getattr(times, "iowait", 0.0)
+        busy_here = sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq"))
+        busy += busy_here  # (guest time is inside user)
+        total += busy_here + idle + stolen
+        steal += stolen
+    return busy, total, steal
 
 
 def read_loadavg() -> float | None:
     try:
-        return float(PROC_LOADAVG.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        return float(psutil.getloadavg()[0])
+    except (OSError, AttributeError):
         return None
 
 
@@ -142,12 +133,7 @@ def take_reading() -> CpuReading:
     """The counters now."""
     times = os.times()
     own = times.user + times.system  # this process only: os.times() keeps children apart
-    stat = None
-    try:
-        stat = parse_proc_stat(PROC_STAT.read_text(), affinity_cpus(), float(os.sysconf("SC_CLK_TCK")))
-    except (OSError, ValueError, AttributeError):
-        pass
-    busy, total, steal = stat if stat is not None else (None, None, None)
+    busy, total, steal = cpu_seconds(affinity_cpus()) or (None, None, None)
     return CpuReading(time.monotonic(), busy, total, steal, own, read_loadavg())
 
 

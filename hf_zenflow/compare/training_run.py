@@ -332,9 +332,9 @@ class TrainingRun:
             "accumulate_ms_mean": _mean([v for v in rec["accumulate_ms"][timed] if v > 0]) if is_engine else None,
             "bytes_to_host_per_step": _mean(rec["bytes_to_host"][timed]) if is_engine else 0.0,
             "bytes_to_device_per_step": _mean(rec["bytes_to_device"][timed]) if is_engine else 0.0,
-            # both directions of the link, and the host state per offloaded parameter (issue 23's two byte figures)
+            # both directions of the link, and the host state per offloaded parameter
             "link_bytes_per_step": link_bytes if is_engine else 0.0,
-            # the same over the model's weight bytes (issue 23's bar: <= 0.6x with the defaults)
+            # the same over the model's weight bytes
             "link_bytes_per_step_x_model": link_bytes / self.weight_bytes if is_engine else 0.0,
             "host_bytes_per_param": last_stats.get("host_bytes_per_param") if is_engine else None,
             "flush_ms": flush_ms,

@@ -58,7 +58,7 @@ def note_host_split(sharing: int, process_group: Any = None) -> bool:
         f"hf_zenflow under {world_size} processes (rank {rank}) with a process group of one rank: the ZenFlow host "
         "state is not split across ranks. Each rank keeps a full host copy of the optimizer state and runs the full "
         f"host AdamW, so {world_size} ranks on one node use {world_size}x the host memory and host work of one "
-        "process. Leave process_group unset to split it across the data-parallel ranks (README 'Limitations').",
+        "process. Leave process_group unset to split it across the data-parallel ranks (docs/limitations.md).",
         ReplicatedHostStateWarning,
         stacklevel=2,
     )

@@ -12,10 +12,8 @@ nearest bf16, so the running sum keeps bf16's 8 significant bits (a relative err
 not average out over a window: the sum's error grows with the window's length, see `host.accumulate_into`); no
 stochastic rounding. The bf16 sum crosses the link as it is (half the bytes of an fp32 sum) into a bf16 landing
 buffer on the host, and the host worker widens it exactly into its fp32 accumulator, the AdamW's input. "auto"
-picks it exactly when fp32 sums do not fit and bf16 sums do. Quality (`scripts/quality_high_lr.py`, tiny Llama
-fine-tune, 5 paired seeds against ``"device"``): held-out loss -0.0005 +- 0.0009 % at lr 1e-3, 0.0000 +- 0.0001 %
-at 5e-5 (95 % t-intervals), no measurable cost there; measured at update_interval=4 only (one rounding per add:
-the error grows with the window's length).
+picks it exactly when fp32 sums do not fit and bf16 sums do. Its quality against ``"device"`` (paired seeds):
+BENCHMARKS.md §4e.
 
 "Fit" is decided when the first step's gradients exist (forward and backward have run, so their peak is known):
 

@@ -209,7 +209,7 @@ def read_gradients(
     auto_split = [(i, splits[p]) for i, (_, p) in enumerate(entries)
                   if p in gathered and splits[p].offloaded] if auto else []
     masses = [norms[i].square() for i, _ in auto_split] + [split.device.grad.square().sum() for _, split in auto_split]
-    # matrices still waiting for their first columns (`_select_new_matrices`): is their gradient non-zero?
+    # matrices still waiting for their first columns (`reselection.select_waiting`): is their gradient non-zero?
     waiting = [i for i, (_, p) in enumerate(entries)
                if gather_now and (split := splits.get(p)) is not None and split.device is None and split.k > 0]
     waiting_norms = [norms[i] for i in waiting]

@@ -6,7 +6,7 @@ accumulator (4 B) = 16 B, plus a write-back buffer in the parameter dtype (pinne
 spare storage of the weight, swapped in at each write-back instead of a copy) and on CUDA a pinned copy of the
 gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``, where on a CPU
 device with fp32 weights the write-back buffer is the accumulator itself: `HostMatrix.shares_writeback`). One moment
-set (DeepSpeed keeps two, zenflow.md §3.12). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
+set (DeepSpeed keeps two). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
 updated in fp32 pieces, `_adamw_narrow_moments`), ``host_grad_dtype="bfloat16"`` lands fp32 gradients as bf16 (half
 the landing buffers and the bytes to host). ``accumulate_on="device_bf16"`` adds a bf16 landing buffer (+2 B) that the
 window's bf16 sum lands in; the worker widens it into the fp32 accumulator (`host_adamw_window`).
@@ -45,8 +45,8 @@ _scratch = threading.local()
 
 def _fp32_scratch(like: torch.Tensor, name: str = "buf") -> torch.Tensor:
     """A reused fp32 buffer shaped (and laid out) like `like`, one per thread and `name`. Adding a bf16 tensor into
-    an fp32 one directly is ~3.5x slower on CPU than converting into a warm fp32 buffer first and adding that
-    (measured, 25M elements: 135 ms against 16 + 21 ms); a fresh conversion each time pays page faults instead."""
+    an fp32 one directly is several times slower on CPU than converting into a warm fp32 buffer first and adding
+    that; a fresh conversion each time pays page faults instead."""
     buf = getattr(_scratch, name, None)
     if buf is None or buf.numel() < like.numel():
         buf = torch.empty(like.numel(), dtype=torch.float32)

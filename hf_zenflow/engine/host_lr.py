@@ -41,7 +41,7 @@ def high_lr_window(lr: float, update_interval: int | None) -> int | None:
     """`high_lr_rule="auto"`: the window length at the peak learning rate `lr`, or None where the rule leaves the
     configured `update_interval` alone (lr x update_interval <= `AUTO_HOST_LR_CAP`, one-step windows, Zen-auto's
     windows). Above the cap, "interval"'s host step (lr x window) would overshoot, and a smaller multiplier leaves
-    the unselected columns behind (BENCHMARKS §4b: every multiplier 0.5-3.0 costs +1.9 % or more at 3e-3, U=4);
+    the unselected columns behind (BENCHMARKS.md §4b);
     shorter windows, floor(cap / lr) steps, keep the per-step rate under the cap.
 
     Example:

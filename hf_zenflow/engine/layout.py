@@ -4,7 +4,7 @@ ZenFlow moves input columns of each weight ``W[out, in]``: every step the select
 gradient and written into the weight, every re-selection columns migrate. In PyTorch's row-major layout a column is
 strided, and 10 % of the columns touch ~80 % of the matrix's cache lines, so on a CPU device each of those moves
 costs nearly a pass over the whole matrix. DeepSpeed stores 2-D tensors transposed in its flat buffers (and ZeRO-3
-replaces every 2-D parameter with a contiguous transpose, zenflow.md §3.5) so that a column is a contiguous run.
+replaces every 2-D parameter with a contiguous transpose) so that a column is a contiguous run.
 
 `column_major_` does the same in place for the weights of `nn.Linear` modules: each keeps its shape and values,
 only its strides change (``weight.t()`` becomes contiguous). `torch.nn.functional.linear` multiplies with either

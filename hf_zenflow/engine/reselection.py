@@ -19,7 +19,7 @@ from .windows import HostWindows
 def row_scores(items: list[tuple[SplitMatrix, torch.Tensor]]) -> dict[int, torch.Tensor]:
     """Selection scores of the matrices whose selectable units are contiguous rows (column-major weights,
     `select_rows`), on a CPU device: one threaded kernel pass over all of them instead of a chunked torch sweep
-    per matrix. Others are left to `column_scores` in `_select`."""
+    per matrix. Others are left to `column_scores` in `select_columns`."""
     rows = [(split, m) for split, m in items if split.axis == 0 and kernels.supports(m) and m.ndim == 2]
     if not rows or kernels.library() is None:
         return {}
@@ -48,7 +48,7 @@ def reselect(host: HostWindows, schedule: WindowSchedule, entries: list[tuple[di
 def select_waiting(host: HostWindows, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor],
                    norms: list[float]) -> None:
     """Matrices without device columns get them now: seen for the first time after warm-up (their first gradient came
-    late), or every gradient of theirs at selection time was zero (`SplitMatrix.select`). Only matrices whose gradient
+    late), or every gradient of theirs at selection time was zero (`select_columns`). Only matrices whose gradient
     is not zero now are tried (`norms`: this step's gradient norms, already on the host)."""
     todo = [(split, g) for i, ((_, p), g) in enumerate(zip(entries, grads))
             if (split := host.splits.get(p)) is not None and split.device is None and split.k > 0 and norms[i] > 0]

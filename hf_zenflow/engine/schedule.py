@@ -26,7 +26,7 @@ class ZenAutoStats:
     The window may close once the unselected gradient mass accumulated since the last host update has caught up
     with the mean selected mass of one step, per column: ``sum_u noncrit_u / (in - k) >= mean_u crit_u / k``.
     DeepSpeed normalises "per 10% of columns" and re-applies that factor on every update, which compounds for
-    ratios other than 0.1 (zenflow.md §3.7); per-column means are the same rule without that defect.
+    ratios other than 0.1; per-column means are the same rule without that defect.
     """
 
     mean_critical: float = 0.0

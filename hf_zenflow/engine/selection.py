@@ -13,8 +13,8 @@ import torch
 
 
 #: Elements per chunk when scoring columns: a slice of ~1M elements keeps the squared temporary cache-sized instead of
-#: materialising a full-size fp32 copy of the gradient (a 4096 x 4096 matrix: 48 ms -> 8 ms with 256-row slices,
-#: cpu-adam.md); counted in elements so that narrow matrices (a 30522 x 384 embedding: 9.4 -> 4.8 ms) get taller
+#: materialising a full-size fp32 copy of the gradient (a 4096 x 4096 matrix: 48 ms -> 8 ms with 256-row slices);
+#: counted in elements so that narrow matrices (a 30522 x 384 embedding: 9.4 -> 4.8 ms) get taller
 #: slices rather than thousands of tiny ones.
 SCORE_CHUNK_ELEMS = 1 << 20
 

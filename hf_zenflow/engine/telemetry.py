@@ -71,7 +71,7 @@ class ZenFlowStats:
     - ``ranks``: data-parallel ranks sharing the host work (each rank's host state covers 1/``ranks`` of every
       offloaded matrix, `distributed/sharding.py`); ``gather_buffer_bytes``: the write-back's all-gather buffer (on the
       device with NCCL, on the host with gloo), 0 with one rank;
-    - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says; README, Threads).
+    - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says; docs/threads.md).
     """
 
     def __init__(self) -> None:

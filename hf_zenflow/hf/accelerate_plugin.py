@@ -5,7 +5,7 @@ stand-alone dataclass in accelerate's style: every setting can come from the con
 environment variable under one prefix, ``HF_ZENFLOW_`` (``HF_ZENFLOW_TOPK_RATIO``, ``HF_ZENFLOW_UPDATE_INTERVAL``,
 ...). Explicit arguments win over the environment.
 
-Threads (the rule: README, *Threads*; `settings.threads`): ``accelerate launch`` exports ``OMP_NUM_THREADS=1``
+Threads (the rule: docs/threads.md; `settings.threads`): ``accelerate launch`` exports ``OMP_NUM_THREADS=1``
 unless ``--num_cpu_threads_per_process N`` is given (on CPU-only machines it may pick the number of physical cores
 instead). ZenFlow's host worker does not inherit it: it runs ``cpu_threads`` threads (default: half the cores given
 to the process: its CPU affinity, shared with the other ranks on the node) inside its own thread. When something is
@@ -91,9 +91,6 @@ _ZenFlowPluginSettings = make_dataclass(
 class ZenFlowPlugin(_ZenFlowPluginSettings):
     """ZenFlow settings for an `accelerate` loop, read from ``HF_ZENFLOW_<FIELD>`` when not given.
 
-    Args:
-        {plugin_arguments}
-
     Every `ZenFlowConfig` field is an argument (generated from its fields). Unset fields take `ZenFlowConfig`'s
     defaults; ``steps_per_epoch`` is derived from the prepared dataloader when not given. Environment values are read
     like command-line text (``true``/``false``, numbers, ``auto``; choices in any case). Invalid values raise
@@ -152,7 +149,7 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
         norms. Parameters or param groups are taken as they are. `kwargs` go to `ZenFlowAdamW` (e.g.
         ``host_executor``).
 
-        Example:
+        Examples:
             >>> opt = ZenFlowPlugin(topk_ratio=0.1).create_optimizer(torch.nn.Linear(8, 8), lr=1e-3)
             >>> [g["weight_decay"] for g in opt.param_groups]
             [0.01, 0.0]
@@ -313,4 +310,4 @@ def _arguments_doc() -> str:
     return "\n".join(entries).strip()
 
 
-ZenFlowPlugin.__doc__ = ZenFlowPlugin.__doc__.replace("{plugin_arguments}", _arguments_doc())
+ZenFlowPlugin.__doc__ = f"{ZenFlowPlugin.__doc__.rstrip()}\n\n    Args:\n        {_arguments_doc()}\n"

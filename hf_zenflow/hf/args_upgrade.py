@@ -2,11 +2,11 @@
 
 `zenflow_arguments_class(SFTConfig)` is the dataclass `(SFTConfig, ZenFlowTrainingArguments)`. The order matters:
 a dataclass takes each field's default from the first class of its MRO that declares it, and both bases re-declare
-`TrainingArguments` fields only on one side (trl's `_BaseConfig`: `logging_steps=10`, `gradient_checkpointing=True`,
-`bf16=None` resolved to True; `SFTConfig`: `learning_rate=2e-5`). With the trl class first its defaults survive; the
-order `(ZenFlowTrainingArguments, SFTConfig)` would put `TrainingArguments`' own defaults back (5e-5, 500, False,
-False). `__post_init__` runs trl's first (which resolves `bf16` before the parent reads it), then ZenFlow's checks,
-then `TrainingArguments`'.
+`TrainingArguments` fields only on one side (trl's `trl.trainer.base_config._BaseConfig`: `logging_steps=10`,
+`gradient_checkpointing=True`, `bf16=None` resolved to True; `SFTConfig`: `learning_rate=2e-5`). With the trl class
+first its defaults survive; the order `(ZenFlowTrainingArguments, SFTConfig)` would put `TrainingArguments`' own
+defaults back (5e-5, 500, False, False). `__post_init__` runs trl's first (which resolves `bf16` before the parent
+reads it), then ZenFlow's checks, then `TrainingArguments`'.
 """
 
 from __future__ import annotations

@@ -3,25 +3,19 @@
 
 Without it nothing would call `synchronize()`, `flush()` or `close()`: after `train()` the last window's host
 updates would be missing from the weights (and from the saved model), and the host worker would outlive `train()`.
-The optimizer attaches one itself when it first finds itself stepping inside a Trainer that has none
-(`attach_to_calling_trainer`), so forgetting it loses nothing; passing it (`callbacks=[ZenFlowCallback()]`) says so.
+Forgotten, the first training step fails: `ZenFlowAdamW.train()`, which the Trainer calls before each step, refuses
+to run for an optimizer nothing drains (`ZenFlowAdamW.drained_by`), naming the callback.
 """
 
 from __future__ import annotations
 
-import logging
-import sys
 from typing import Any
 
-from transformers import Trainer, TrainerCallback
+from transformers import TrainerCallback
 
 from ..engine.worker import wait_for_closed_workers
 from ..optimizer.zenflow import ZenFlowAdamW
-from .trainer import ZenFlowTrainer
 from .unwrap import unwrap_zenflow_optimizer
-
-
-logger = logging.getLogger(__name__)
 
 
 class ZenFlowCallback(TrainerCallback):
@@ -50,6 +44,7 @@ class ZenFlowCallback(TrainerCallback):
         opt = self._zenflow(kwargs)
         if opt is not None:
             self._optimizer = opt
+            opt.drained_by = type(self).__name__  # (before the first step's `optimizer.train()`, which checks it)
 
     def on_step_end(self, args, state, control, **kwargs):
         # Runs after DefaultFlowCallback (first in the list) has decided this step's save / evaluation, and before
@@ -78,29 +73,3 @@ class ZenFlowCallback(TrainerCallback):
         opt.flush()
         opt.close()  # no thread outlives train()
         return control
-
-
-def attach_to_calling_trainer(optimizer: ZenFlowAdamW, max_depth: int = 6) -> bool:
-    """Called by `ZenFlowAdamW.train()`, which the Trainer calls before each training step: find that Trainer on the
-    call stack and, unless it is a `ZenFlowTrainer` or already has a `ZenFlowCallback`, add one (logged once).
-    Returns whether a Trainer was found."""
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Trainer):
-            if isinstance(owner, ZenFlowTrainer):
-                return True
-            handler = owner.callback_handler
-            if not any(isinstance(cb, ZenFlowCallback) for cb in handler.callbacks):
-                logger.warning(
-                    "ZenFlowAdamW is training inside %s without ZenFlowCallback: added it, so that checkpoints "
-                    "wait for the host worker and the end of training writes the last window into the weights and "
-                    "stops the worker. Pass callbacks=[ZenFlowCallback()] (hf_zenflow.ZenFlowCallback) to say so, "
-                    "or use ZenFlowTrainer.", type(owner).__name__)
-                callback = ZenFlowCallback(optimizer)
-                handler.add_callback(callback)
-            return True
-        frame = frame.f_back
-    return False

@@ -1,6 +1,6 @@
 """`ZenFlowTrainer`: a `transformers.Trainer` that trains with `ZenFlowAdamW`.
 
-Only the seams the 5.x Trainer exposes are used (see `shared/reference/hf-integration.md` §1.9):
+Only the seams the 5.x Trainer exposes are used:
 
 - `get_optimizer_cls_and_kwargs` returns `ZenFlowAdamW` and its settings, so the Trainer's own decay / no-decay
   groups (trainable parameters only, hence LoRA works) are what ZenFlow optimizes;
@@ -178,6 +178,7 @@ class ZenFlowTrainer(Trainer):
         if opt is not None and self._zenflow_steps_per_epoch is not None and opt.config.steps_per_epoch is None:
             opt.set_steps_per_epoch(self._zenflow_steps_per_epoch)
         if opt is not None:
+            opt.drained_by = type(self).__name__  # this Trainer synchronises, flushes and closes it itself
             warn_if_replicated()
             opt.name_parameters(target)  # checkpoints carry the names; errors and `convert-checkpoint` use them
         return optimizer

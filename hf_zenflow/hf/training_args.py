@@ -1,15 +1,15 @@
 """`ZenFlowTrainingArguments`: `TrainingArguments` plus the `--zenflow_*` flags.
 
-Every `ZenFlowConfig` field `<name>` is a field `zenflow_<name>` here, generated from
-`dataclasses.fields(ZenFlowConfig)` (`settings.flags`: type, true default, help and choices), except the few in
-`TRAINER_EXCLUDED_SETTINGS`. Values are validated by `ZenFlowConfig` itself (errors name the flag). Combinations the
-ZenFlow optimizer does not support fail at construction, naming the conflict, instead of training wrongly later.
+Every `ZenFlowConfig` field `<name>` is a field `zenflow_<name>` here (`ZenFlowSettingArguments`), with the
+setting's type, true default, help and choices (`settings.flags`), except the few in `TRAINER_EXCLUDED_SETTINGS`.
+Values are validated by `ZenFlowConfig` itself (errors name the flag). Combinations the ZenFlow optimizer does not
+support fail at construction, naming the conflict, instead of training wrongly later.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
@@ -18,8 +18,10 @@ from transformers import TrainingArguments
 
 from ..settings.config import ZenFlowConfig
 from ..settings.flags import (
+    FALSE_WORDS,
     SETTINGS,
     SETTINGS_BY_NAME,
+    TRUE_WORDS,
     LowercaseChoice,
     hf_parameter_doc,
     rename_fields,
@@ -47,20 +49,64 @@ ZENFLOW_FIELDS = {ARG_PREFIX + s.name: s.name for s in SETTINGS if s.name not in
 
 _LAYOUTS = ("auto", "column", "row")
 
-# The generated `zenflow_<setting>` fields, as a dataclass base: `ZenFlowTrainingArguments` lists it first so that
-# its fields come after the TrainingArguments ones (`output_dir` stays the first positional argument).
-_ZenFlowSettingArguments = make_dataclass(
-    "ZenFlowSettingArguments", trainer_fields(ARG_PREFIX, exclude=TRAINER_EXCLUDED_SETTINGS),
-    namespace={"__module__": __name__, "__doc__": "The `--zenflow_<setting>` fields, generated from ZenFlowConfig."},
-)
+#: Each setting's command-line field: its type, true default, help and choices (`settings.flags.trainer_fields`).
+_FIELDS = {name: spec for name, _, spec in trainer_fields(ARG_PREFIX, exclude=TRAINER_EXCLUDED_SETTINGS)}
+
+
+def _setting(name: str) -> Any:
+    """The `dataclasses.field` of ``zenflow_<name>``: `ZenFlowConfig.<name>`'s default, help and choices."""
+    return _FIELDS[ARG_PREFIX + name]
+
+
+@dataclass
+class ZenFlowSettingArguments:
+    """One ``--zenflow_<setting>`` field per `ZenFlowConfig` field (but `TRAINER_EXCLUDED_SETTINGS`), in its order;
+    defaults, help and choices come from the setting. `ZenFlowTrainingArguments` lists this class first among its
+    bases so that these fields come after the `TrainingArguments` ones (``output_dir`` stays the first positional
+    argument)."""
+
+    zenflow_topk_ratio: float = _setting("topk_ratio")
+    zenflow_update_interval: str = _setting("update_interval")
+    zenflow_select_strategy: LowercaseChoice = _setting("select_strategy")
+    zenflow_select_interval: str = _setting("select_interval")
+    zenflow_full_warm_up_rounds: int = _setting("full_warm_up_rounds")
+    zenflow_overlap_step: bool = _setting("overlap_step")
+    zenflow_writeback_lag: str | None = _setting("writeback_lag")
+    zenflow_auto_ratio: float = _setting("auto_ratio")
+    zenflow_auto_max_interval: int = _setting("auto_max_interval")
+    zenflow_host_lr_scale: str = _setting("host_lr_scale")
+    zenflow_high_lr_rule: LowercaseChoice = _setting("high_lr_rule")
+    zenflow_min_offload_numel: int = _setting("min_offload_numel")
+    zenflow_accumulate_on: LowercaseChoice = _setting("accumulate_on")
+    zenflow_host_grad_dtype: LowercaseChoice = _setting("host_grad_dtype")
+    zenflow_host_moment_dtype: LowercaseChoice = _setting("host_moment_dtype")
+    zenflow_device_memory_budget_bytes: int | None = _setting("device_memory_budget_bytes")
+    zenflow_cpu_threads: int | None = _setting("cpu_threads")
+
+
+#: The boolean fields of `ZenFlowTrainingArguments`: text given from Python ("false") is read as the command line
+#: reads it.
+_BOOL_FIELDS = ("zenflow", "zenflow_resume_without_optimizer", "zenflow_overlap_step")
 
 
 def _truthy_env(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _as_bool(name: str, value: Any) -> Any:
+    """`value` of the boolean field `name` as a bool when it is text ("false", "Yes", "0"), as `HfArgumentParser`
+    reads the flag; other values are left to the checks that follow."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower()
+    if text in TRUE_WORDS or text in FALSE_WORDS:
+        return text in TRUE_WORDS
+    raise ValueError(f"ZenFlowTrainingArguments: {name}={value!r} is invalid: allowed are True, False and the texts "
+                     f"{', '.join(TRUE_WORDS)} / {', '.join(FALSE_WORDS)}.")
+
+
 @dataclass
-class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
+class ZenFlowTrainingArguments(ZenFlowSettingArguments, TrainingArguments):
     r"""
     [`~transformers.TrainingArguments`] with the settings of the ZenFlow optimizer (`ZenFlowAdamW`).
 
@@ -122,6 +168,8 @@ class ZenFlowTrainingArguments(_ZenFlowSettingArguments, TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        for name in _BOOL_FIELDS:
+            setattr(self, name, _as_bool(name, getattr(self, name)))
         if self.zenflow_from_deepspeed is not None:
             # before the parent's post-init, which reads bf16 and the batch settings
             if isinstance(self.zenflow_from_deepspeed, os.PathLike):

@@ -7,7 +7,7 @@ optimizer object and does not import its class.
 """
 
 from .sync_offload import SyncOffloadAdamW
-from .zenflow import TRAIN_HOOKS, ZenFlowAdamW
+from .zenflow import ZenFlowAdamW
 
 
-__all__ = ["TRAIN_HOOKS", "SyncOffloadAdamW", "ZenFlowAdamW"]
+__all__ = ["SyncOffloadAdamW", "ZenFlowAdamW"]

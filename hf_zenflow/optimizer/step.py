@@ -108,7 +108,7 @@ class StepSequence:
                 if rewritten and self.config.overlap_step:
                     # The previous window's result goes into the weights before this step's gradients are handed to
                     # the worker: the write-back does not depend on them, and this way its scatter does not compete
-                    # with the worker's accumulation for cores and memory bandwidth (`_close_window` then finds no
+                    # with the worker's accumulation for cores and memory bandwidth (`close_window` then finds no
                     # write-back pending).
                     self._host.apply_previous_window(timer)
                 with timer.phase("handoff"):

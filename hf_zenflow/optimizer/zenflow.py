@@ -43,6 +43,7 @@ from ..engine.params import (
     new_schedule,
     offloads_any,
     resolve_config,
+    say_what_is_offloaded,
 )
 from ..engine.schedule import WindowSchedule
 from ..engine.split_matrix import SplitMatrix, master_value
@@ -60,11 +61,11 @@ logger = logging.getLogger(__name__)
 
 _LIVE_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 
-#: Called with the optimizer at every `train()` (before each training step under a Trainer). The Hugging Face glue
-#: sits above this layer, so it is wired in from above: `hf_zenflow/__init__.py` adds the hook that, when transformers
-#: is loaded, finds a Trainer given this optimizer through ``optimizers=(...)`` and gives it a `ZenFlowCallback`
-#: (nothing there would otherwise flush the last window or stop the worker).
-TRAIN_HOOKS: list[Callable[[ZenFlowAdamW], None]] = []
+#: What `train()` (which a Trainer calls before each step) says when nothing drains the optimizer.
+UNDRAINED_MESSAGE = ("ZenFlowAdamW is stepped by a Trainer that neither waits for its host worker before checkpoints "
+                     "nor flushes the last window at the end: pass callbacks=[ZenFlowCallback()] (hf_zenflow) with "
+                     "optimizers=(...), or use ZenFlowTrainer. (A loop of your own that calls train() sets drained_by "
+                     "and calls flush() and close() at its end.)")
 
 
 @atexit.register
@@ -140,6 +141,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         self._fsdp = LocalShards()  # FSDP2's DTensor parameters, found at the first use (`_find_param_shards`)
         self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor, process_group)
         self.config = config
+        self.drained_by: str | None = None  # what drains it: "ZenFlowCallback", "ZenFlowTrainer" (`train()` checks)
         # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
         self._reads = GradientReads(p for g in self.param_groups for p in g["params"])
         self._reads.on_ready = self._host.grad_ready
@@ -150,8 +152,9 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         }
         amp.install()  # scaler.unscale_(opt) tells `_grads_unscaled`
         _LIVE_OPTIMIZERS.add(self)
-        # The thread rule's decision for the run, before its first forward (README, Threads)
+        # The thread rule's decision for the run, before its first forward (docs/threads.md)
         self._host.offload_planned = offloads_any(self.param_groups, config)
+        say_what_is_offloaded(self.param_groups, config)  # (once: nothing, or almost nothing, is offloaded)
         self._host.claim_cores()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -247,12 +250,12 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
     def train(self) -> None:
         """HF calls this before every training step: surface a worker failure (waiting here would serialise the host
         step with every training step), and claim the cores again if a `close()` ended the last run, before this
-        run's first forward (README, Threads)."""
+        run's first forward (docs/threads.md)."""
         self._host.claim_cores()
         if self._host.worker is not None:
             self._host.worker.check()
-        for hook in TRAIN_HOOKS:
-            hook(self)
+        if self.drained_by is None:
+            raise RuntimeError(UNDRAINED_MESSAGE)
 
     def eval(self) -> None:
         """HF calls this before evaluation: wait for the host worker."""
@@ -260,7 +263,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
 
     def close(self) -> None:
         """End of a run: stop the host worker thread (a later `step()` starts a new one), unlock pinned host memory
-        and give the training thread its cores back (README, Threads)."""
+        and give the training thread its cores back (docs/threads.md)."""
         self._host.close()
 
     @property

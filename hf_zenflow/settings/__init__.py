@@ -6,54 +6,14 @@ thread rule (`threads.py`: how many cores the host worker and the training threa
 `hf-zenflow` numeric flags (`cli_types.py`).
 
 May import: `hf_zenflow._base` and nothing else of hf_zenflow (it is the bottom layer; `pyproject.toml`'s import-linter
-contract checks this). The old module path ``hf_zenflow.settings`` (the flag generation, now `flags.py`) keeps its
-names here.
+contract checks this).
 """
 
 from .config import ZenFlowConfig
-from .flags import (
-    FALSE_WORDS,
-    SETTINGS,
-    SETTINGS_BY_NAME,
-    TRUE_WORDS,
-    LowercaseChoice,
-    Setting,
-    add_arguments,
-    cli_annotation,
-    field_default,
-    format_default,
-    hf_parameter_doc,
-    optional_fields,
-    parse_text,
-    rename_fields,
-    render_help,
-    trainer_fields,
-    wrap,
-)
 
 
 #: The package version (pyproject.toml's); `hf_zenflow.__version__` re-exports it. Kept in the bottom layer so that
 #: every layer (the model cards, the compare report) can name it without importing the package's top.
 __version__ = "0.1.0"
 
-__all__ = [
-    "FALSE_WORDS",
-    "SETTINGS",
-    "SETTINGS_BY_NAME",
-    "TRUE_WORDS",
-    "LowercaseChoice",
-    "Setting",
-    "ZenFlowConfig",
-    "__version__",
-    "add_arguments",
-    "cli_annotation",
-    "field_default",
-    "format_default",
-    "hf_parameter_doc",
-    "optional_fields",
-    "parse_text",
-    "rename_fields",
-    "render_help",
-    "trainer_fields",
-    "wrap",
-]
+__all__ = ["ZenFlowConfig", "__version__"]

@@ -226,7 +226,7 @@ class ZenFlowConfig:
         metadata={"help": "Threads of the host worker (host AdamW and accumulation). None = half the cores in this "
                   "process's CPU affinity; more than those cores is clamped to them. When something is offloaded, the "
                   "training thread keeps the remaining cores from the optimizer's construction to the end of the run "
-                  "(README, Threads)."},
+                  "(docs/threads.md)."},
     )
     steps_per_epoch: int | None = field(
         default=None,
@@ -313,7 +313,7 @@ class ZenFlowConfig:
     @property
     def resolved_cpu_threads(self) -> int:
         """The host worker's threads: `cpu_threads` (clamped to the cores of this process's CPU affinity, with a
-        warning), or half those cores (at least 1). The rule and why: `threads.py`, README *Threads*."""
+        warning), or half those cores (at least 1). The rule and why: `threads.py`, docs/threads.md."""
         return worker_threads(self.cpu_threads)
 
     def select_period(self) -> int:

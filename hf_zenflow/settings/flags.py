@@ -2,7 +2,7 @@
 
 One source: each `ZenFlowConfig` field's type, default and metadata (``help``, and ``choices`` for the fields that
 take one of a few strings) give the ``--zenflow_<field>`` fields of `ZenFlowTrainingArguments`, the arguments of
-`ZenFlowPlugin` and their ``HF_ZENFLOW_<FIELD>`` environment variables, the flags of `scripts/train_accelerate.py`,
+`ZenFlowPlugin` and their ``HF_ZENFLOW_<FIELD>`` environment variables, the flags of `examples/train_accelerate.py`,
 and the parameter lists in their docstrings. A field added to `ZenFlowConfig`, or a default changed there, shows up
 everywhere; nothing here names a field.
 

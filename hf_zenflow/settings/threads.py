@@ -1,4 +1,4 @@
-"""How hf_zenflow shares the CPU cores between the training thread and the host worker (README, *Threads*).
+"""How hf_zenflow shares the CPU cores between the training thread and the host worker (docs/threads.md).
 
 The rule, in one place:
 
@@ -25,8 +25,8 @@ uninterrupted one bit for bit; a pool that changed when the worker started (insi
 resumed run's first forward another count than the uninterrupted run's at that step. The optimizer is built before
 the first forward in both runs (the Trainer builds it in ``train()``, after the model and before the first step).
 Why split at all: the worker's host jobs run while the training thread runs forward/backward, and torch's OpenMP
-threads spin-wait; two teams sharing the same cores were measured to make a host step >100x slower on a busy 2-core
-machine. Torch's thread count is per OS thread, so lowering the training thread's pool leaves the worker's alone.
+threads spin-wait: two teams sharing the same cores slow each other down many times over. Torch's thread count is
+per OS thread, so lowering the training thread's pool leaves the worker's alone.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def worker_threads(cpu_threads: int | None) -> int:
             _clamp_warned.add((cpu_threads, cores))
             warnings.warn(
                 f"hf_zenflow: cpu_threads={cpu_threads} is more than the {cores} core(s) in this process's CPU "
-                f"affinity (its share of them with several ranks per node); the host worker uses {cores} (README, "
-                "Threads).",
+                f"affinity (its share of them with several ranks per node); the host worker uses {cores} "
+                "(docs/threads.md).",
                 stacklevel=3,
             )
         return cores
@@ -185,7 +185,7 @@ class _TrainingPool:
         logger.warning(
             "hf_zenflow threads: %d core(s) for this process; host worker %d thread(s), training thread %d (%s, until "
             "the end of the run)%s. On a machine busy with other processes use fewer (e.g. OMP_NUM_THREADS=1 and "
-            "cpu_threads=1): README, Threads.",
+            "cpu_threads=1): docs/threads.md.",
             cores, threads, training, why, fit,
         )
 

@@ -1,5 +1,5 @@
 """Paired differences over seeds: their mean and its t-based 95 % interval, without a scipy dependency (the quality
-study and `scripts/first_finetune.py` report ZenFlow-minus-reference differences this way)."""
+study and `examples/first_finetune.py` report ZenFlow-minus-reference differences this way)."""
 
 from __future__ import annotations
 

@@ -94,35 +94,32 @@ def run_trial(name: str, task: Any, cfg: Any, device: Any, setting: TrialSetting
 
 
 class Progress:
-    """One status line: trials done, elapsed, the estimated time left (the mean trial so far times the trials left,
-    capped by the budget's end), a bar."""
+    """One tqdm bar over the trials: trials done, elapsed, and the estimated time left (the mean trial so far times
+    the trials left, capped by the budget's end: tqdm's own estimate knows nothing of the budget)."""
 
     def __init__(self, total: int, stream: Any = None, width: int = 24, deadline: float | None = None) -> None:
-        self.total, self.done, self.width = total, 0, width
-        self.stream = stream if stream is not None else sys.stderr
-        self.start = time.perf_counter()
+        from tqdm.auto import tqdm
+
         self.deadline = deadline  # perf_counter time at which the budget ends: the time left never exceeds it
         self.trial_s: list[float] = []
+        line = f"[tune] {{bar:{width}}} {{n_fmt}}/{{total_fmt}} trials  elapsed {{elapsed}}{{postfix}}"
+        self.bar = tqdm(total=total, file=stream if stream is not None else sys.stderr, ncols=width + 110,
+                        bar_format=line, mininterval=0.0)
 
     def update(self, done: int, total: int, note: str, trial_s: float | None = None) -> None:
-        self.done, self.total = done, max(total, done)
         if trial_s is not None:
             self.trial_s.append(trial_s)
-        elapsed = time.perf_counter() - self.start
-        left = statistics.fmean(self.trial_s) * (self.total - self.done) if self.trial_s else math.nan
-        if self.deadline is not None and self.done < self.total:
+        self.bar.total = max(total, done)
+        self.bar.n = done
+        left = statistics.fmean(self.trial_s) * (self.bar.total - done) if self.trial_s else math.nan
+        if self.deadline is not None and done < self.bar.total:
             budget_left = max(0.0, self.deadline - time.perf_counter())
             left = budget_left if math.isnan(left) else min(left, budget_left)
-        filled = int(self.width * self.done / max(1, self.total))
-        bar = "#" * filled + "-" * (self.width - filled)
-        left_txt = "?" if math.isnan(left) else _mmss(left)
-        self.stream.write(f"\r[tune] [{bar}] {self.done}/{self.total} trials  elapsed {_mmss(elapsed)}  "
-                          f"left ~{left_txt}  {note[:60]:<60s}")
-        self.stream.flush()
+        self.bar.set_postfix_str(f"left ~{'?' if math.isnan(left) else _mmss(left)}  {note[:60]}", refresh=False)
+        self.bar.refresh()
 
     def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+        self.bar.close()
 
 
 def _mmss(seconds: float) -> str:
@@ -165,7 +162,6 @@ class TuneConfig:
     hardware: str = "a100-40gb-pcie4"  # preset name or JSON profile
     target_params: float | None = None  # model size the speed-up is modelled for (None: this model's)
     target_tokens_per_step: float | None = None  # tokens per optimizer step at scale (None: this task's)
-    threads: int | None = None  # old name of device_cores
     device_cores: int | None = None  # D: the training thread's cores on a CPU device (`compare.cores`)
     host_cores: int | None = None  # H: the host AdamW's cores, and the modelled host's (measured here)
     host_from_profile: bool = False  # model the speed-up with the profile's published host instead of this host
@@ -225,7 +221,7 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
     base = CompareConfig(model=cfg.model, task=cfg.task, steps=cfg.steps, train_size=cfg.train_size,
                          eval_size=cfg.eval_size, batch_size=cfg.batch_size, eval_batch_size=cfg.eval_batch_size,
                          max_length=cfg.max_length, lr=cfg.lr, seed=cfg.seed, device=cfg.device, quiet=True,
-                         log_every=0, device_cores=cfg.device_cores or cfg.threads, host_cores=cfg.host_cores,
+                         log_every=0, device_cores=cfg.device_cores, host_cores=cfg.host_cores,
                          dataset=cfg.dataset, text_column=cfg.text_column,
                          label_column=cfg.label_column, train_split=cfg.train_split, eval_split=cfg.eval_split,
                          metric=cfg.metric)

@@ -1,5 +1,6 @@
 """The checkpoint format (`hf_zenflow.checkpoint`): settings changed on resume take effect, checkpoints move between
-ZenFlowAdamW and torch's AdamW exactly, damaged or foreign state is refused naming the tensor, old formats migrate."""
+ZenFlowAdamW and torch's AdamW exactly, damaged or foreign state is refused naming the tensor, other format versions
+are refused."""
 
 from __future__ import annotations
 
@@ -266,38 +267,24 @@ def test_an_empty_or_truncated_file_names_the_file(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # Format versions
 # ---------------------------------------------------------------------------------------------------------------------
-def test_format_1_checkpoints_migrate_and_continue_identically():
-    """A checkpoint written before format 2 (no version, shapes or checksums; fp32 masters saved redundantly) loads
-    and continues bit for bit."""
-    settings = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0)
-    model, opt, sched, _ = run_until(lambda m: ZenFlowAdamW(param_groups(m), lr=LR, **settings), SPLIT_AT)
-    checkpoint = save(model, opt, sched)
-    opt.close()
-    old = copy.deepcopy(checkpoint)
-    named = list(make_model().named_parameters())
-    names = [n for n, p in named if p.ndim >= 2] + [n for n, p in named if p.ndim < 2]  # `param_groups` order
-    zen = old["opt"]["zenflow"]
-    zen.pop("format_version")
-    zen.pop("force_select")
-    zen.pop("checksum")
-    for index, entry in old["opt"]["state"].items():
-        for key in ("shape", "dtype", "checksums"):
-            entry.pop(key)
-        if entry["kind"] == "dense" and entry["master"] is None:
-            entry["master"] = checkpoint["model"][names[int(index)]].clone()
-    results = []
-    for ckpt in (checkpoint, old):
-        model_b, opt_b, rest = resume(ckpt, lambda m: ZenFlowAdamW(param_groups(m), lr=LR, **settings))
-        results.append((rest, [p.detach().clone() for p in model_b.parameters()]))
-        assert opt_b.state_dict()["zenflow"]["format_version"] == FORMAT_VERSION
-        opt_b.close()
-    assert results[0][0] == results[1][0]
-    for p, q in zip(results[0][1], results[1][1]):
-        assert torch.equal(p, q)
+def test_a_format_1_or_2_checkpoint_is_refused_in_one_line():
+    """Formats 1 (no ``format_version``) and 2 were written before the first release: refused, not migrated."""
+    for version in (None, 1, 2):
+        state = _two_steps_state()
+        if version is None:
+            del state["zenflow"]["format_version"]
+        else:
+            state["zenflow"]["format_version"] = version
+        opt = ZenFlowAdamW(param_groups(make_model()), lr=LR)
+        with pytest.raises(CheckpointError, match=rf"format_version={version}; this hf_zenflow reads format 3 only") \
+                as caught:
+            opt.load_state_dict(state)
+        assert "\n" not in str(caught.value)
+        opt.close()
 
 
 def test_a_newer_format_is_refused_with_a_message():
     state = _two_steps_state()
     state["zenflow"]["format_version"] = FORMAT_VERSION + 1
-    with pytest.raises(CheckpointError, match="written by a newer hf_zenflow"):
+    with pytest.raises(CheckpointError, match=rf"format_version={FORMAT_VERSION + 1}; this hf_zenflow reads format"):
         ZenFlowAdamW(param_groups(make_model()), lr=LR).load_state_dict(state)

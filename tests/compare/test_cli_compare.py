@@ -102,6 +102,12 @@ def test_compare_tiny_run_writes_all_outputs(tmp_path: Path, monkeypatch: pytest
                   "host RSS peak, whole process", "other processes' CPU: cores, steal"):
         assert label in labels, f"headline table lacks {label!r}: {labels}"
     assert re.search(r"\| \d+\.\d\d× +\|", "\n".join(table)) and re.search(r"\d MiB ", "\n".join(table))
+    # the printed figures are results.json's (the data), not text of their own
+    order = ("adamw_torch", "sync_offload", "zenflow")
+    for label, key in (("held-out accuracy", "eval_accuracy"), ("held-out loss", "eval_loss")):
+        (row,) = [line for line in table if line.split("|")[1].strip() == label]
+        cells = [cell.strip() for cell in row.split("|")[2:5]]
+        assert cells == [f"{payload['results'][name][key]:.4f}" for name in order], (label, cells)
     assert "Machine:" in printed and "other processes used" in printed
 
     md = (out / "results.md").read_text()

@@ -268,7 +268,7 @@ def test_causal_lm_on_user_text_blocks_each_split(tmp_path) -> None:
 
 @needs_assets
 def test_builtin_rotten_tomatoes_sentences_are_the_old_ones() -> None:
-    """`load_rotten_tomatoes` (read through datasets now; scripts/first_finetune.py uses it) = the pandas reading."""
+    """`load_rotten_tomatoes` (read through datasets now; examples/first_finetune.py uses it) = the pandas reading."""
     assert data.load_rotten_tomatoes() == _legacy_rotten_tomatoes()
 
 

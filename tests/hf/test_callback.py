@@ -1,10 +1,9 @@
 """`ZenFlowCallback` on the `optimizers=(ZenFlowAdamW(...), None)` route of a plain `Trainer` and of trl's
 `SFTTrainer`: the saved model holds every host update, and no worker thread outlives `train()`; without the callback
-the optimizer attaches one itself (with a warning)."""
+the first training step fails, naming it."""
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import pytest
@@ -93,33 +92,40 @@ def test_checkpoints_wait_for_the_worker(tmp_path, text, monkeypatch, strategy):
         assert "synchronize" in events[last_step:i], events
 
 
-def test_without_the_callback_the_optimizer_attaches_it(tmp_path, train_dataset, caplog):
+def test_without_the_callback_the_first_step_fails_naming_it(tmp_path, train_dataset):
+    """A Trainer given a `ZenFlowAdamW` through ``optimizers=`` and no `ZenFlowCallback` would leave the last
+    window out of the weights and the worker running: its first training step fails, before any forward."""
     trainer, opt = plain_trainer(tmp_path, train_dataset, None)
-    with caplog.at_level(logging.WARNING, logger="hf_zenflow.hf.callback"):
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"callbacks=\[ZenFlowCallback\(\)\]"):
         trainer.train()
-    assert "without ZenFlowCallback: added it" in caplog.text
-    assert sum(isinstance(cb, ZenFlowCallback) for cb in trainer.callback_handler.callbacks) == 1
-    assert not worker_threads()
-    assert_saved_model_is_flushed(trainer, opt, tmp_path / "saved")
+    assert opt.stats()["steps"] == 0
+    assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in before.items())
+    opt.close()
 
 
-def test_zenflow_trainer_gets_no_callback(tmp_path, train_dataset, caplog):
-    with caplog.at_level(logging.WARNING, logger="hf_zenflow.hf.callback"):
-        trainer = ZenFlowTrainer(model=tiny_llama(), args=zenflow_args(tmp_path / "z", max_steps=2),
-                                 train_dataset=train_dataset)
-        trainer.train()
+def test_the_callback_marks_the_optimizer_drained(tmp_path, train_dataset):
+    trainer, opt = plain_trainer(tmp_path, train_dataset, [ZenFlowCallback()])
+    assert opt.drained_by is None
+    trainer.train()
+    assert opt.drained_by == "ZenFlowCallback" and opt.stats()["steps"] == 10
+
+
+def test_zenflow_trainer_needs_no_callback(tmp_path, train_dataset):
+    trainer = ZenFlowTrainer(model=tiny_llama(), args=zenflow_args(tmp_path / "z", max_steps=2),
+                             train_dataset=train_dataset)
+    trainer.train()
     assert not any(isinstance(cb, ZenFlowCallback) for cb in trainer.callback_handler.callbacks)
-    assert "ZenFlowCallback" not in caplog.text
+    assert trainer.zenflow_optimizer.drained_by == "ZenFlowTrainer" and trainer.zenflow_optimizer.stats()["steps"] == 2
 
 
-@pytest.mark.parametrize("callback", [True, False], ids=["callback", "attached"])
-def test_sft_trainer_with_the_callback(tmp_path, callback):
+def test_sft_trainer_with_the_callback(tmp_path):
     trl = pytest.importorskip("trl")
     model = tiny_llama()
     opt = zenflow_optimizer(model)
     args = trl.SFTConfig(**sft_values(tmp_path / "sft", max_steps=10, max_grad_norm=0.0, **CONSTANT))
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=text_dataset(), processing_class=word_tokenizer(),
-                             optimizers=(opt, None), callbacks=[ZenFlowCallback()] if callback else None)
+                             optimizers=(opt, None), callbacks=[ZenFlowCallback()])
     trainer.train()
     assert sum(isinstance(cb, ZenFlowCallback) for cb in trainer.callback_handler.callbacks) == 1
     assert not worker_threads()

@@ -1,4 +1,4 @@
-"""The thread rule under `ZenFlowTrainer` (README, *Threads*): the training thread's pool is decided once, before
+"""The thread rule under `ZenFlowTrainer` (docs/threads.md): the training thread's pool is decided once, before
 the first forward, the same way for a fresh and a resumed run; a run that offloads nothing (LoRA) starts no host
 worker, keeps torch's pool and the weights' layout, and is the plain Trainer's run.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import pytest
 from transformers import HfArgumentParser, TrainingArguments
@@ -183,3 +184,39 @@ def test_conflicts_ignored_when_zenflow_is_off():
 
 def test_is_a_training_arguments():
     assert isinstance(make(), TrainingArguments)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("false", False), ("False", False), ("no", False), ("0", False),
+                                                ("true", True), ("YES", True), ("1", True)])
+def test_boolean_strings_from_python_are_parsed_like_the_command_line(text, expected):
+    """``ZenFlowTrainingArguments(zenflow_resume_without_optimizer="false")`` (and ``zenflow="false"``) used to be
+    truthy from Python: a run resumed with a fresh optimizer state. The command line parses the same text."""
+    args = make(zenflow=text, zenflow_resume_without_optimizer=text, zenflow_overlap_step=text)
+    assert args.zenflow is expected and args.zenflow_resume_without_optimizer is expected
+    assert args.zenflow_overlap_step is expected
+    (cli,) = HfArgumentParser(ZenFlowTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "out", "--use_cpu", "--report_to", "none", "--zenflow", text,
+         "--zenflow_resume_without_optimizer", text, "--zenflow_overlap_step", text])
+    assert (cli.zenflow, cli.zenflow_resume_without_optimizer, cli.zenflow_overlap_step) == (expected,) * 3
+
+
+def test_a_boolean_field_refuses_other_text_naming_the_field():
+    with pytest.raises(ValueError, match=r"zenflow_resume_without_optimizer='maybe'.*true.*false"):
+        make(zenflow_resume_without_optimizer="maybe")
+
+
+def test_the_zenflow_fields_are_the_config_fields_with_their_defaults_help_and_types():
+    """The `zenflow_<setting>` fields are written out (greppable), one per `ZenFlowConfig` field: they match the
+    settings' names, command-line types, defaults, help and choices."""
+    import typing
+
+    from hf_zenflow.hf.training_args import TRAINER_EXCLUDED_SETTINGS, ZenFlowSettingArguments
+    from hf_zenflow.settings.flags import trainer_fields
+
+    expected = trainer_fields("zenflow_", exclude=TRAINER_EXCLUDED_SETTINGS)
+    written = fields(ZenFlowSettingArguments)
+    hints = typing.get_type_hints(ZenFlowSettingArguments)
+    assert [f.name for f in written] == [name for name, _, _ in expected]
+    for f, (name, annotation, spec) in zip(written, expected):
+        assert hints[f.name] == annotation, name
+        assert f.default == spec.default and dict(f.metadata) == dict(spec.metadata), name

@@ -1,4 +1,4 @@
-"""The thread split between the training thread and the host worker (README, Threads;
+"""The thread split between the training thread and the host worker (docs/threads.md;
 `hf_zenflow.settings.threads`)."""
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ def test_a_later_run_after_close_claims_the_cores_before_its_first_forward(untou
     _train(opt, model)
     opt.close()
     assert torch.get_num_threads() == untouched_default_pool
+    opt.drained_by = "this test"  # (what a Trainer's ZenFlowCallback sets before the first step)
     opt.train()  # (what the Trainer calls before each step's forward)
     pools: list[int] = []
     _train(opt, model, pools=pools)

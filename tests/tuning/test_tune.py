@@ -196,3 +196,16 @@ def test_tune_budget_too_small_still_writes_the_reference(tmp_path: Path) -> Non
     assert payload["recommendation"] is None
     assert payload["skipped"][0] == library_default_setting().label
     assert "No ZenFlow trial finished" in (tmp_path / "tune.md").read_text()
+
+
+def test_tune_help_explains_every_flag_and_states_each_default_once() -> None:
+    from hf_zenflow.cli import build_parser
+
+    parser = build_parser()
+    tune = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "tune")[1]
+    for action in tune._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"tune {action.option_strings}: no help"
+        shown = tune._get_formatter()._expand_help(action)
+        assert shown.count("default:") <= 1, (action.option_strings, shown)

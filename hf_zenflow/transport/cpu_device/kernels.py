@@ -3,8 +3,8 @@
 On a CPU device the selected-column gather and scatter are strided sweeps over whole matrices (10% of the columns
 touch ~80% of the cache lines). The kernels fold the gather into the gradient-norm pass that happens anyway, batch
 the scatter, read bf16 gradients directly in the host accumulation, and run on the caller's intra-op thread count.
-(With column-major weights, `hf_zenflow.layout`, columns are contiguous rows and torch moves them as fast.) Every
-result is exact (copies; bf16 rounds to nearest even as torch does), except the norms, which are summed in fp64
+(With column-major weights, `hf_zenflow.engine.layout`, columns are contiguous rows and torch moves them as fast.)
+Every result is exact (copies; bf16 rounds to nearest even as torch does), except the norms, which are summed in fp64
 and serve the non-finite check and Zen-auto only (clipping always uses torch's own norms).
 
 The source is compiled with the system C compiler on first use and cached under ``$HF_ZENFLOW_CACHE`` (default

@@ -1,4 +1,4 @@
-/* CPU kernels of hf_zenflow's device path when the "device" is the CPU (compiled on first use by _native.py).
+/* CPU kernels of hf_zenflow's device path when the "device" is the CPU (compiled on first use by kernels.py).
  *
  * A weight matrix is [rows, cols] row-major; the selected input columns are `k` sorted indices into a row. Picking
  * 10% of the columns of a row touches ~80% of its cache lines, so every pass over the selected columns costs

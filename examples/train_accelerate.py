@@ -10,19 +10,24 @@ flag is not given, from `HF_ZENFLOW_*` environment variables (`HF_ZENFLOW_TOPK_R
 
 Commands (from the repository root):
 
-    accelerate launch --cpu --num_processes 1 scripts/train_accelerate.py
+    accelerate launch --cpu --num_processes 1 examples/train_accelerate.py
     HF_ZENFLOW_UPDATE_INTERVAL=auto HF_ZENFLOW_TOPK_RATIO=0.2 \\
-        accelerate launch --cpu --num_processes 1 scripts/train_accelerate.py --max_steps 100 --output_dir runs/acc
+        accelerate launch --cpu --num_processes 1 examples/train_accelerate.py --max_steps 100 --output_dir runs/acc
 
     # checkpoint with accelerator.save_state every 20 steps, then resume from one of them
-    accelerate launch --cpu --num_processes 1 scripts/train_accelerate.py --save_state_steps 20 --output_dir runs/acc
-    accelerate launch --cpu --num_processes 1 scripts/train_accelerate.py --output_dir runs/acc2 \\
+    accelerate launch --cpu --num_processes 1 examples/train_accelerate.py --save_state_steps 20 --output_dir runs/acc
+    accelerate launch --cpu --num_processes 1 examples/train_accelerate.py --output_dir runs/acc2 \\
         --resume_from_state runs/acc/state-20
 
-    # on a GPU machine: give the training process threads for its CPU work (see threads below)
-    accelerate launch --num_processes 1 --num_cpu_threads_per_process 8 scripts/train_accelerate.py
+    # two ranks (DDP; each rank holds and updates half of the host state). On a CPU machine accelerate needs
+    # --multi_gpu and ACCELERATE_USE_CPU=true to start both (without them it runs one process without a word):
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 examples/train_accelerate.py
 
-Threads (the rule and the busy-machine trap: README, Threads): `accelerate launch` exports OMP_NUM_THREADS=1 unless
+    # on a GPU machine: give the training process threads for its CPU work (see threads below)
+    accelerate launch --num_processes 1 --num_cpu_threads_per_process 8 examples/train_accelerate.py
+    accelerate launch --multi_gpu --num_processes 2 --num_cpu_threads_per_process 8 examples/train_accelerate.py
+
+Threads (the rule and the busy-machine trap: docs/threads.md): `accelerate launch` exports OMP_NUM_THREADS=1 unless
 `--num_cpu_threads_per_process` is given (on a CPU-only machine with `--cpu` it picks the physical core count
 instead), so torch in the training process runs one thread. ZenFlow's host worker is not affected: it runs
 `cpu_threads` threads (default: half the cores in the process's CPU affinity) inside its own thread. The script
@@ -66,12 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_steps", type=int, default=30, help="optimizer steps")
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--learning_rate", type=float, default=3e-3)
+    p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping (the norm is still logged)")
     p.add_argument("--seq_len", type=int, default=64)
     p.add_argument("--num_train_samples", type=int, default=512)
-    p.add_argument("--hidden_size", type=int, default=64)
+    p.add_argument("--hidden_size", type=int, default=512,
+                   help="tiny Llama: hidden size (at 512 its attention and MLP matrices are offloaded)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log_every", type=int, default=5)
     p.add_argument("--save_state_steps", type=int, default=0, help="accelerator.save_state every N steps (0: never)")
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.resume_from_state:
         accelerator.load_state(args.resume_from_state)  # model, optimizer (all ZenFlow state), scheduler, RNG
         step = json.loads((Path(args.resume_from_state) / "step.json").read_text())["step"]
-    log: dict = {"config": plugin.to_config().to_dict(), "steps": []}
+    log: dict = {"config": plugin.to_config().to_dict(), "num_processes": accelerator.num_processes, "steps": []}
     batches_per_epoch = len(loader)
     model.train()
     while step < args.max_steps:

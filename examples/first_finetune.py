@@ -1,14 +1,14 @@
 """A user's first fine-tune, under the Trainer: `ZenFlowTrainer` with the library defaults against a plain `Trainer`
 with ``optim="adamw_torch"``, paired (same seed, same initial weights, same batch order), over several seeds.
 
-The task (issue 11's acceptance): all-MiniLM-L6-v2 on Rotten Tomatoes sentences (offline, pip packages), 2 000
+The task: all-MiniLM-L6-v2 on Rotten Tomatoes sentences (offline, pip packages), 2 000
 training sentences, one epoch = 63 steps at batch 32, lr 5e-5, everything else the Trainer's and ZenFlow's defaults.
 The held-out sentences are drawn with `compare`'s fixed split seed; each run is evaluated on 3 000 of them and, as the
 "1 000 held-out sentences" twin, on the first 1 000 of those (the same training run: a 1 000-sentence split with the
 same training data).
 
-    python scripts/first_finetune.py --seeds 0 1 2 3 4 --out runs/quality/first_finetune.jsonl
-    python scripts/first_finetune.py --summary runs/quality/first_finetune.jsonl
+    python examples/first_finetune.py --seeds 0 1 2 3 4 --out runs/quality/first_finetune.jsonl
+    python examples/first_finetune.py --summary runs/quality/first_finetune.jsonl
 
 ZenFlow variants: ``--variants defaults "update_interval=1 overlap_step=False" ...`` (each a space-separated list of
 ZenFlowConfig ``KEY=VALUE`` settings; ``defaults`` = none). Per seed, adamw_torch runs first, then every variant.

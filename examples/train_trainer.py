@@ -8,31 +8,31 @@ generated text. `--model_name_or_path` takes a local Hugging Face causal-LM fold
 Commands (from the repository root; `pip install -e .` first, or the script finds the checkout itself):
 
     # ZenFlow defaults (top 10% columns on the device, host window of 4 steps, overlapped)
-    python scripts/train_trainer.py --output_dir runs/zenflow_tiny --max_steps 60 --learning_rate 3e-3 \\
+    python examples/train_trainer.py --output_dir runs/zenflow_tiny --max_steps 60 --learning_rate 1e-3 \\
         --use_cpu --report_to none
 
     # Zen-auto interval, 20% of the columns on the device, sequential host step, 2 host threads
-    python scripts/train_trainer.py --output_dir runs/zenflow_auto --max_steps 60 --learning_rate 3e-3 \\
+    python examples/train_trainer.py --output_dir runs/zenflow_auto --max_steps 60 --learning_rate 1e-3 \\
         --use_cpu --report_to none --zenflow_update_interval auto --zenflow_topk_ratio 0.2 \\
         --no_zenflow_overlap_step --zenflow_cpu_threads 2
 
     # the plain Trainer with torch's AdamW, same data and model, for comparison
-    python scripts/train_trainer.py --output_dir runs/adamw_tiny --max_steps 60 --learning_rate 3e-3 \\
+    python examples/train_trainer.py --output_dir runs/adamw_tiny --max_steps 60 --learning_rate 1e-3 \\
         --use_cpu --report_to none --no_zenflow --optim adamw_torch
 
     # through accelerate (give the training process its threads: accelerate launch sets OMP_NUM_THREADS=1 on GPU
-    # machines; ZenFlow's host worker uses --zenflow_cpu_threads whatever OMP_NUM_THREADS says; README, Threads)
-    accelerate launch --num_processes 1 --num_cpu_threads_per_process 8 scripts/train_trainer.py \\
-        --output_dir runs/zenflow_tiny --max_steps 60 --learning_rate 3e-3 --report_to none
+    # machines; ZenFlow's host worker uses --zenflow_cpu_threads whatever OMP_NUM_THREADS says; docs/threads.md)
+    accelerate launch --num_processes 1 --num_cpu_threads_per_process 8 examples/train_trainer.py \\
+        --output_dir runs/zenflow_tiny --max_steps 60 --learning_rate 1e-3 --report_to none
 
     # two processes (DDP): on GPUs `torchrun --nproc_per_node N`; on CPU with gloo (each rank writes its own
-    # zenflow_optimizer_rank{r}_of_2.pt in every checkpoint; README, Several GPUs and nodes)
-    torchrun --nproc_per_node 2 scripts/train_trainer.py --output_dir runs/zenflow_ddp --max_steps 60 \\
-        --learning_rate 3e-3 --use_cpu --ddp_backend gloo --report_to none --zenflow_cpu_threads 1
+    # zenflow_optimizer_rank{r}_of_2.pt in every checkpoint; docs/distributed.md)
+    torchrun --nproc_per_node 2 examples/train_trainer.py --output_dir runs/zenflow_ddp --max_steps 60 \\
+        --learning_rate 1e-3 --use_cpu --ddp_backend gloo --report_to none --zenflow_cpu_threads 1
 
-All flags: `python scripts/train_trainer.py --help` (`--logging_steps` defaults to 10 here). The output folder gets the
-model, `README.md` (a model card with the ZenFlow settings and measured figures), `all_results.json` and checkpoints
-(`--save_steps`); the last line printed says where it is.
+All flags: `python examples/train_trainer.py --help` (`--logging_steps` defaults to 10 here). The output folder gets
+the model, `README.md` (a model card with the ZenFlow settings and measured figures), `all_results.json` and
+checkpoints (`--save_steps`); the last line printed says where it is.
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ class ScriptArguments:
     seq_len: int = field(default=64, metadata={"help": "Tokens per training sample."})
     num_train_samples: int = field(default=512, metadata={"help": "Training samples (consecutive chunks)."})
     num_eval_samples: int = field(default=64, metadata={"help": "Held-out samples, taken after the training ones."})
-    hidden_size: int = field(default=64, metadata={"help": "Tiny Llama: hidden size."})
+    hidden_size: int = field(
+        default=512,
+        metadata={"help": "Tiny Llama: hidden size (at 512 its attention and MLP matrices reach min_offload_numel)."},
+    )
     num_hidden_layers: int = field(default=2, metadata={"help": "Tiny Llama: layers."})
 
 
@@ -113,7 +116,7 @@ class ChunkDataset(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
 
 
-def tiny_llama(hidden_size: int = 64, num_hidden_layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
+def tiny_llama(hidden_size: int = 512, num_hidden_layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=256, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
