@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..atomic import torch_save
 from ..checkpoint.format import CheckpointError, load_file
 
 
@@ -68,8 +69,7 @@ def save_rank_state(optimizer: Any, output_dir: str, rank: int, world_size: int)
     path = os.path.join(output_dir, rank_file_name(rank, world_size))
     payload = {"format": RANK_FILE_FORMAT, "rank": rank, "world_size": world_size,
                "optimizer": optimizer.state_dict()}
-    torch.save(payload, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    torch_save(payload, path)
     return path
 
 

@@ -1,0 +1,115 @@
+"""The manifest that marks a Trainer checkpoint folder complete: ``zenflow_manifest.json``, written last.
+
+`ZenFlowTrainer` writes it (atomically) once every file of the checkpoint is on disk, every rank's included; it lists
+each file under the folder with its size and SHA-256. A folder whose manifest is missing, or names a file that is
+missing, of another size or another hash, is not complete: a save was interrupted (a process killed, a full disk)
+or a file was damaged later. `hf_zenflow.hf.resume` resumes only from a folder whose manifest checks.
+
+Files added after the manifest (a copied README, say) are not checked; a tool that rewrites a checkpoint's files
+(`hf-zenflow convert-checkpoint`, `reshard-checkpoint`) writes the manifest anew.
+
+Example:
+    >>> import tempfile, pathlib
+    >>> folder = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (folder / "trainer_state.json").write_text("{}")
+    >>> write_manifest(folder); manifest_problems(folder)
+    []
+    >>> _ = (folder / "trainer_state.json").write_text("")
+    >>> manifest_problems(folder)
+    ['trainer_state.json has 0 bytes, the manifest says 2']
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..atomic import fsync_folder, is_temporary, write_json
+
+
+MANIFEST_NAME = "zenflow_manifest.json"
+MANIFEST_FORMAT = 1
+_CHUNK = 1 << 22
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checkpoint_files(folder: str | os.PathLike[str]) -> list[str]:
+    """The files under `folder`, as sorted relative POSIX paths, without the manifest and temporary names."""
+    folder = Path(folder)
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not is_temporary(d)]
+        for name in files:
+            if name == MANIFEST_NAME or is_temporary(name):
+                continue
+            found.append(Path(root, name).relative_to(folder).as_posix())
+    return sorted(found)
+
+
+def write_manifest(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """Write `folder`'s manifest (every file's size and SHA-256), atomically, after fsyncing those files; returns
+    it. Call it once the folder is complete."""
+    folder = Path(folder)
+    files = {}
+    for rel in checkpoint_files(folder):
+        path = folder / rel
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())  # the files before the manifest that vouches for them
+        files[rel] = {"size": path.stat().st_size, "sha256": file_digest(path)}
+    for root, _dirs, _files in os.walk(folder):
+        fsync_folder(root)
+    manifest = {"format": MANIFEST_FORMAT, "files": files}
+    write_json(folder / MANIFEST_NAME, manifest, indent=1, sort_keys=True)
+    return manifest
+
+
+def remove_manifest(folder: str | os.PathLike[str]) -> None:
+    """Unmark `folder` complete (before its files are rewritten)."""
+    path = Path(folder) / MANIFEST_NAME
+    if path.exists():
+        path.unlink()
+        fsync_folder(folder)
+
+
+def has_manifest(folder: str | os.PathLike[str]) -> bool:
+    return (Path(folder) / MANIFEST_NAME).is_file()
+
+
+def manifest_problems(folder: str | os.PathLike[str], hashes: bool = True) -> list[str]:
+    """What is wrong with `folder` against its manifest (empty: complete). `hashes=False` checks sizes only."""
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        return [f"no {MANIFEST_NAME} (the save did not finish)"]
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+            raise ValueError(f"format {manifest.get('format')!r}")
+        entries = {str(rel): (int(e["size"]), str(e["sha256"])) for rel, e in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return [f"{MANIFEST_NAME} is unreadable ({type(exc).__name__}: {exc})"]
+    problems = []
+    for rel, (size, digest) in sorted(entries.items()):
+        target = folder / rel
+        if not target.is_file():
+            problems.append(f"{rel} is missing")
+        elif target.stat().st_size != size:
+            problems.append(f"{rel} has {target.stat().st_size} bytes, the manifest says {size}")
+        elif hashes and file_digest(target) != digest:
+            problems.append(f"{rel} differs from the manifest (SHA-256)")
+    return problems
+
+
+__all__ = ["MANIFEST_NAME", "checkpoint_files", "file_digest", "has_manifest", "manifest_problems",
+           "remove_manifest", "write_manifest"]
