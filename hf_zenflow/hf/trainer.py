@@ -43,8 +43,8 @@ from ..engine.layout import column_major_
 from ..engine.worker import wait_for_closed_workers
 from ..optimizer.zenflow import ZenFlowAdamW
 from .args_upgrade import upgrade_training_arguments
-from .rank_checkpoint import OPTIMIZER_NAME, check_one_process_resume, load_rank_state, save_rank_state
 from .checkpoint_manifest import remove_manifest, write_manifest
+from .rank_checkpoint import OPTIMIZER_NAME, check_one_process_resume, load_rank_state, save_rank_state
 from .resume import checkpoint_folders, integrity_problems, newest_complete_checkpoint
 from .trainer_card import render_trainer_card
 from .trainer_telemetry import ZenFlowTelemetry, ZenFlowTelemetryCallback

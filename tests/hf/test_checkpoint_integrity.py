@@ -11,7 +11,8 @@ import torch
 from hf_helpers import logged, tiny_llama, zenflow_args
 
 from hf_zenflow import CheckpointError, ZenFlowTrainer
-from hf_zenflow.hf import checkpoint_manifest, trainer as trainer_module
+from hf_zenflow.hf import checkpoint_manifest
+from hf_zenflow.hf import trainer as trainer_module
 from hf_zenflow.hf.checkpoint_manifest import MANIFEST_NAME, manifest_problems
 
 
