@@ -24,12 +24,23 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from .checkpoint.convert import to_torch_adamw
-from .checkpoint.format import CheckpointError
-from .engine.layout import column_major_
-from .engine.worker import HostWorkerError
-from .optimizer import TRAIN_HOOKS, SyncOffloadAdamW, ZenFlowAdamW
-from .settings import ZenFlowConfig, __version__
+from ._hooks import TRAIN_HOOKS
+
+
+if "torch" in sys.modules:
+    # The thread rule tells a pool the user chose from torch's own by its size at ``import hf_zenflow``
+    # (`settings.threads`): with torch loaded already, read it now, as when this import loaded everything.
+    from .settings import threads as _threads  # noqa: F401
+
+
+#: The top-level names and the modules they are imported from when first used: ``import hf_zenflow`` (and the
+#: ``hf-zenflow`` command line, which answers --help and bad flags before anything heavy is imported) imports no
+#: torch.
+_LAZY_EXPORTS = {
+    "to_torch_adamw": "checkpoint.convert", "CheckpointError": "checkpoint.format", "column_major_": "engine.layout",
+    "HostWorkerError": "engine.worker", "SyncOffloadAdamW": "optimizer", "ZenFlowAdamW": "optimizer",
+    "ZenFlowConfig": "settings", "__version__": "settings",
+}
 
 
 #: Old module path (under hf_zenflow) -> where it lives now.
@@ -115,7 +126,7 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 sys.meta_path.insert(0, _MovedModules())
 
 
-def _attach_to_calling_trainer(optimizer: ZenFlowAdamW) -> None:
+def _attach_to_calling_trainer(optimizer: "ZenFlowAdamW") -> None:  # noqa: F821 - (imported lazily)
     """`ZenFlowAdamW.train()`'s hook (`optimizer.TRAIN_HOOKS`): given to a Trainer through ``optimizers=(...)``,
     nothing there would flush the last window or stop the worker; find that Trainer and give it a `ZenFlowCallback`
     unless it has one. Wired here, at the top: the optimizer's layer does not import the Hugging Face glue."""
@@ -130,6 +141,10 @@ TRAIN_HOOKS.append(_attach_to_calling_trainer)
 
 def __getattr__(name: str) -> Any:
     # The HF glue imports transformers/accelerate (seconds); load it only when asked for.
+    if name in _LAZY_EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
     if name in _HF_EXPORTS:
         from . import hf
 

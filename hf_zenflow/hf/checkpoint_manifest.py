@@ -85,8 +85,9 @@ def has_manifest(folder: str | os.PathLike[str]) -> bool:
     return (Path(folder) / MANIFEST_NAME).is_file()
 
 
-def manifest_problems(folder: str | os.PathLike[str], hashes: bool = True) -> list[str]:
-    """What is wrong with `folder` against its manifest (empty: complete). `hashes=False` checks sizes only."""
+def manifest_problems(folder: str | os.PathLike[str], hashes: bool = True, missing: bool = True) -> list[str]:
+    """What is wrong with `folder` against its manifest (empty: complete). `hashes=False` checks sizes only;
+    `missing=False` leaves out the files that are not there (for a caller that names those itself)."""
     folder = Path(folder)
     path = folder / MANIFEST_NAME
     if not path.is_file():
@@ -103,7 +104,8 @@ def manifest_problems(folder: str | os.PathLike[str], hashes: bool = True) -> li
     for rel, (size, digest) in sorted(entries.items()):
         target = folder / rel
         if not target.is_file():
-            problems.append(f"{rel} is missing")
+            if missing:
+                problems.append(f"{rel} is missing")
         elif target.stat().st_size != size:
             problems.append(f"{rel} has {target.stat().st_size} bytes, the manifest says {size}")
         elif hashes and file_digest(target) != digest:

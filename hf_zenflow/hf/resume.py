@@ -121,8 +121,8 @@ def checkpoint_problems(folder: str, need_optimizer: bool = True, manifest_expec
 
 def integrity_problems(folder: str) -> list[str]:
     """What is damaged or cut in `folder`'s files: against its manifest when it has one, else each file's own
-    checks."""
-    return manifest_problems(folder) if has_manifest(folder) else _content_problems(folder)
+    checks. (A missing file is left to the loader, whose refusal says what that file holds and what to do.)"""
+    return manifest_problems(folder, missing=False) if has_manifest(folder) else _content_problems(folder)
 
 
 def checkpoint_folders(output_dir: str) -> list[str]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .. import checkpoint
+from .. import _hooks, checkpoint
 from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
@@ -64,7 +64,7 @@ _LIVE_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 #: sits above this layer, so it is wired in from above: `hf_zenflow/__init__.py` adds the hook that, when transformers
 #: is loaded, finds a Trainer given this optimizer through ``optimizers=(...)`` and gives it a `ZenFlowCallback`
 #: (nothing there would otherwise flush the last window or stop the worker).
-TRAIN_HOOKS: list[Callable[[ZenFlowAdamW], None]] = []
+TRAIN_HOOKS: list[Callable[[ZenFlowAdamW], None]] = _hooks.TRAIN_HOOKS
 
 
 @atexit.register
