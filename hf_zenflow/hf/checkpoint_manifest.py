@@ -31,6 +31,9 @@ from ..atomic import fsync_folder, is_temporary, write_json
 
 
 MANIFEST_NAME = "zenflow_manifest.json"
+#: Written first when a save starts and removed once the manifest is written: a folder that has it and no manifest
+#: is a save that did not finish, even when each file it holds is whole (another rank's may be missing).
+SAVING_MARKER = "zenflow_save_in_progress"
 MANIFEST_FORMAT = 1
 _CHUNK = 1 << 22
 
@@ -50,7 +53,7 @@ def checkpoint_files(folder: str | os.PathLike[str]) -> list[str]:
     for root, dirs, files in os.walk(folder):
         dirs[:] = [d for d in dirs if not is_temporary(d)]
         for name in files:
-            if name == MANIFEST_NAME or is_temporary(name):
+            if name in (MANIFEST_NAME, SAVING_MARKER) or is_temporary(name):
                 continue
             found.append(Path(root, name).relative_to(folder).as_posix())
     return sorted(found)
@@ -79,6 +82,28 @@ def remove_manifest(folder: str | os.PathLike[str]) -> None:
     if path.exists():
         path.unlink()
         fsync_folder(folder)
+
+
+def mark_saving(folder: str | os.PathLike[str]) -> None:
+    """Mark `folder` as a save in progress (creating it), unmarking it complete: the first thing a save does."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    remove_manifest(folder)
+    write_json(Path(folder) / SAVING_MARKER, {})
+
+
+def finish_saving(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """Write `folder`'s manifest, then drop the in-progress mark: the last thing a save does."""
+    manifest = write_manifest(folder)
+    marker = Path(folder) / SAVING_MARKER
+    if marker.exists():
+        marker.unlink()
+        fsync_folder(folder)
+    return manifest
+
+
+def save_interrupted(folder: str | os.PathLike[str]) -> bool:
+    """Whether `folder` is a save that started and never wrote its manifest."""
+    return (Path(folder) / SAVING_MARKER).exists() and not has_manifest(folder)
 
 
 def has_manifest(folder: str | os.PathLike[str]) -> bool:
@@ -113,5 +138,5 @@ def manifest_problems(folder: str | os.PathLike[str], hashes: bool = True, missi
     return problems
 
 
-__all__ = ["MANIFEST_NAME", "checkpoint_files", "file_digest", "has_manifest", "manifest_problems",
-           "remove_manifest", "write_manifest"]
+__all__ = ["MANIFEST_NAME", "SAVING_MARKER", "checkpoint_files", "file_digest", "finish_saving", "has_manifest",
+           "manifest_problems", "mark_saving", "remove_manifest", "save_interrupted", "write_manifest"]

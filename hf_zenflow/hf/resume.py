@@ -16,7 +16,7 @@ import zipfile
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..atomic import is_temporary
-from .checkpoint_manifest import MANIFEST_NAME, has_manifest, manifest_problems
+from .checkpoint_manifest import MANIFEST_NAME, has_manifest, manifest_problems, save_interrupted
 from .rank_checkpoint import ACCELERATE_OPTIMIZER_NAME, OPTIMIZER_NAME, rank_file_name, saved_world_sizes
 
 
@@ -104,7 +104,7 @@ def checkpoint_problems(folder: str, need_optimizer: bool = True, manifest_expec
     problems = []
     if has_manifest(folder):
         problems += manifest_problems(folder)
-    elif manifest_expected:
+    elif manifest_expected or save_interrupted(folder):
         problems.append(f"no {MANIFEST_NAME}: the save did not finish")
     if not os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
         problems.append(f"no {TRAINER_STATE_NAME}")

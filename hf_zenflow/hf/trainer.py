@@ -43,7 +43,7 @@ from ..engine.layout import column_major_
 from ..engine.worker import wait_for_closed_workers
 from ..optimizer.zenflow import ZenFlowAdamW
 from .args_upgrade import upgrade_training_arguments
-from .checkpoint_manifest import remove_manifest, write_manifest
+from .checkpoint_manifest import finish_saving, mark_saving
 from .rank_checkpoint import OPTIMIZER_NAME, check_one_process_resume, load_rank_state, save_rank_state
 from .resume import checkpoint_folders, integrity_problems, newest_complete_checkpoint
 from .trainer_card import render_trainer_card
@@ -323,7 +323,8 @@ class ZenFlowTrainer(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
-            remove_manifest(folder)  # a folder re-saved over must not pass for complete while it is rewritten
+            mark_saving(folder)  # (a folder re-saved over must not pass for complete while it is rewritten)
+        self.accelerator.wait_for_everyone()  # no rank writes a file before the folder is marked in progress
         # The stock save ends by deleting checkpoints over save_total_limit: here that waits until the new one is
         # marked complete, so that a save killed halfway never leaves the run without a complete checkpoint.
         limit, self.args.save_total_limit = self.args.save_total_limit, None
@@ -335,7 +336,7 @@ class ZenFlowTrainer(Trainer):
         # does the main process write the manifest that marks the folder complete.
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            write_manifest(folder)
+            finish_saving(folder)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
         if self.args.should_save and self.zenflow_optimizer is not None:

@@ -116,6 +116,18 @@ def test_an_explicit_damaged_checkpoint_is_refused_naming_the_file(full, tmp_pat
         run(tmp_path, train_dataset, "other", resume=str(copy / "checkpoint-3"))
 
 
+def test_a_first_checkpoint_interrupted_before_its_manifest_is_not_taken(full, tmp_path, train_dataset):
+    """The first checkpoint of a run has no older one with a manifest: its in-progress mark tells that the save
+    did not finish, though each file it holds is whole (under several ranks another rank's file may be missing)."""
+    out, _, _ = full
+    copy = tmp_path / "run"
+    shutil.copytree(out / "checkpoint-3", copy / "checkpoint-3")
+    (copy / "checkpoint-3" / MANIFEST_NAME).unlink()
+    (copy / "checkpoint-3" / checkpoint_manifest.SAVING_MARKER).write_text("{}")
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        run(tmp_path, train_dataset, "run", resume=True)
+
+
 def test_a_plain_trainer_checkpoint_without_manifest_still_resumes(full, tmp_path, train_dataset):
     """Folders of a plain Trainer (or of a run before manifests) have none: their files are checked one by one."""
     out, losses, final = full
@@ -137,9 +149,9 @@ def test_old_checkpoints_are_rotated_out_only_after_the_new_one_is_complete(tmp_
         calls.append(str(folder))
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        return checkpoint_manifest.write_manifest(folder)
+        return checkpoint_manifest.finish_saving(folder)
 
-    monkeypatch.setattr(trainer_module, "write_manifest", failing_manifest)
+    monkeypatch.setattr(trainer_module, "finish_saving", failing_manifest)
     with pytest.raises(OSError, match="No space left"):
         run(tmp_path, train_dataset, "run", save_total_limit=1)
     assert manifest_problems(tmp_path / "run" / "checkpoint-3") == []  # still there, complete
