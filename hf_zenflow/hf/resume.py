@@ -12,10 +12,12 @@ import os
 import re
 import struct
 import zipfile
+from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..atomic import is_temporary
+from ..checkpoint.format import CheckpointError
 from .checkpoint_manifest import MANIFEST_NAME, has_manifest, manifest_problems, save_interrupted
 from .rank_checkpoint import ACCELERATE_OPTIMIZER_NAME, OPTIMIZER_NAME, rank_file_name, saved_world_sizes
 
@@ -159,4 +161,26 @@ def newest_complete_checkpoint(output_dir: str, need_optimizer: bool = True) -> 
     return None
 
 
-__all__ = ["checkpoint_folders", "checkpoint_problems", "integrity_problems", "newest_complete_checkpoint"]
+def checked_resume(resume_from_checkpoint: Any, output_dir: str, need_optimizer: bool = True) -> Any:
+    """What the Trainer should resume from for the `resume_from_checkpoint` a user passed: for True the newest
+    complete checkpoint of `output_dir` (a `CheckpointError` when there are checkpoints but none complete; True
+    when there are none, for the Trainer's own message); a folder named explicitly after checking its files (a
+    damaged one is refused by name, not met as a bare decoding error halfway through loading)."""
+    if resume_from_checkpoint is True:
+        found = newest_complete_checkpoint(output_dir, need_optimizer)
+        if found is None and checkpoint_folders(output_dir):
+            raise CheckpointError(
+                f"resume_from_checkpoint=True: no complete checkpoint in {output_dir} (each folder's problems are in "
+                "the warning above). Start without resume_from_checkpoint, or restore a checkpoint from a copy.")
+        return found if found is not None else True
+    if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
+        problems = integrity_problems(os.fspath(resume_from_checkpoint))
+        if problems:
+            raise CheckpointError(f"{resume_from_checkpoint}: the checkpoint is incomplete or damaged: "
+                                  f"{', '.join(problems)}. Resume from another checkpoint (or pass "
+                                  "resume_from_checkpoint=True: the newest complete one).")
+    return resume_from_checkpoint
+
+
+__all__ = ["checked_resume", "checkpoint_folders", "checkpoint_problems", "integrity_problems",
+           "newest_complete_checkpoint"]

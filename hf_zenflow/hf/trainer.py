@@ -45,7 +45,7 @@ from ..optimizer.zenflow import ZenFlowAdamW
 from .args_upgrade import upgrade_training_arguments
 from .checkpoint_manifest import finish_saving, mark_saving
 from .rank_checkpoint import OPTIMIZER_NAME, check_one_process_resume, load_rank_state, save_rank_state
-from .resume import checkpoint_folders, integrity_problems, newest_complete_checkpoint
+from .resume import checked_resume
 from .trainer_card import render_trainer_card
 from .trainer_telemetry import ZenFlowTelemetry, ZenFlowTelemetryCallback
 from .training_args import SUPPORTED_OPTIMS, ZenFlowTrainingArguments
@@ -220,23 +220,10 @@ class ZenFlowTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         # resume_from_checkpoint=True: the stock Trainer takes the newest checkpoint-N folder even when a process
         # killed while saving left it partial (and then fails on a cut file, or on a missing one); take the newest
-        # complete one (its manifest checks), naming those skipped (`resume`). A folder named explicitly is checked
-        # the same way: a damaged file is refused by name, not met as a bare decoding error halfway through loading.
-        if resume_from_checkpoint is True:
-            need_optimizer = not getattr(self.args, "zenflow_resume_without_optimizer", False)
-            found = newest_complete_checkpoint(self.args.output_dir, need_optimizer)
-            if found is None and checkpoint_folders(self.args.output_dir):
-                raise CheckpointError(
-                    f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir} (each folder's "
-                    "problems are in the warning above). Start without resume_from_checkpoint, or restore a "
-                    "checkpoint from a copy.")
-            resume_from_checkpoint = found if found is not None else True
-        elif isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
-            problems = integrity_problems(os.fspath(resume_from_checkpoint))
-            if problems:
-                raise CheckpointError(f"{resume_from_checkpoint}: the checkpoint is incomplete or damaged: "
-                                      f"{', '.join(problems)}. Resume from another checkpoint (or pass "
-                                      "resume_from_checkpoint=True: the newest complete one).")
+        # complete one (its manifest checks), naming those skipped; a folder named explicitly is checked too
+        # (`resume.checked_resume`).
+        need_optimizer = not getattr(self.args, "zenflow_resume_without_optimizer", False)
+        resume_from_checkpoint = checked_resume(resume_from_checkpoint, self.args.output_dir, need_optimizer)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _without_optimizer_state(self, checkpoint: str, path: str) -> None:
