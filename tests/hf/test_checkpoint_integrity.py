@@ -84,6 +84,20 @@ def test_resume_true_skips_a_newest_checkpoint_with_a_damaged_file(full, tmp_pat
     assert_same(weights(resumed), final)
 
 
+def test_a_flipped_byte_in_the_newest_checkpoint_is_caught_by_the_hash(full, tmp_path, train_dataset, caplog):
+    """A file of the right size with one byte changed (a damaged disk block): only the hash tells."""
+    out, losses, final = full
+    copy = _copy_run(out, tmp_path / "run")
+    target = copy / "checkpoint-6" / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-5] ^= 0x40
+    target.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="hf_zenflow"):
+        resumed = run(tmp_path, train_dataset, "run", resume=True)
+    assert "model.safetensors differs from the manifest" in caplog.text
+    assert_same(weights(resumed), final)
+
+
 def test_a_newest_folder_without_its_manifest_is_skipped(full, tmp_path, train_dataset, caplog):
     """A save killed after its last file but before the manifest: the folder is not vouched for, and skipped."""
     out, losses, final = full
