@@ -131,19 +131,17 @@ def test_a_reshard_that_fails_while_writing_leaves_the_checkpoint_as_it_was(tmp_
     """Regression: the old files were renamed to their backups before the new ones were written: a run killed
     while writing left no optimizer file under its name, and a re-run said "no ZenFlow optimizer file ... to
     re-shard" without a word about the backups."""
-    import hf_zenflow.hf.rank_checkpoint as rank_checkpoint
-
     torch.save(_state("row"), tmp_path / "optimizer.pt")
     original = (tmp_path / "optimizer.pt").read_bytes()
-    calls = []
+    calls, save = [], torch.save
 
-    def dies_on_the_second_file(payload, path):
-        calls.append(path)
+    def dies_on_the_second_file(payload, f, *args, **kwargs):
+        calls.append(f)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        torch.save(payload, path)
+        save(payload, f, *args, **kwargs)
 
-    monkeypatch.setattr(rank_checkpoint, "torch_save", dies_on_the_second_file)
+    monkeypatch.setattr(torch, "save", dies_on_the_second_file)
     with pytest.raises(OSError):
         reshard_checkpoint(str(tmp_path), 2, log=lambda *_: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["optimizer.pt"]

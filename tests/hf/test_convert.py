@@ -95,16 +95,14 @@ def test_a_conversion_that_fails_midway_leaves_the_checkpoint_as_it_was(tmp_path
     """Regression: convert-checkpoint rewrote model.safetensors in place with no backup: a crash or ENOSPC after the
     weights were written left them changed (or cut), and a re-run failed. Repro: fail the write of the new
     optimizer.pt (after the weights)."""
-    import hf_zenflow.hf.convert as convert
-
     zenflow(tmp_path, train_dataset, "zen", max_steps=4, save_steps=4)
     checkpoint = tmp_path / "zen" / "checkpoint-4"
     before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
 
-    def full_disk(obj, path):
-        raise OSError(28, "No space left on device", str(path))
+    def full_disk(obj, f, *args, **kwargs):
+        raise OSError(28, "No space left on device", str(getattr(f, "name", f)))
 
-    monkeypatch.setattr(convert, "torch_save", full_disk)
+    monkeypatch.setattr(torch, "save", full_disk)  # the new optimizer.pt, written after the weights
     assert main(["convert-checkpoint", str(checkpoint)]) == 2
     assert "No space left on device" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
