@@ -333,8 +333,8 @@ class ZenFlowTrainer(Trainer):
         # A model that is not a PreTrainedModel is saved with safetensors' save_file, which refuses views with gaps;
         # ZenFlow's column-major weights (zenflow_layout) are such views: save them contiguous, as the plain Trainer
         # saves the same model (loading copies the values back into the column-major weights).
-        if state_dict is None and not isinstance(self.accelerator.unwrap_model(self.model, keep_torch_compile=False),
-                                                 PreTrainedModel) and not _is_peft_model(self.model):
+        if state_dict is None and self.args.should_save and not _is_peft_model(self.model) and not isinstance(
+                self.accelerator.unwrap_model(self.model, keep_torch_compile=False), PreTrainedModel):
             state_dict = {k: v if v.is_contiguous() else v.contiguous() for k, v in self.model.state_dict().items()}
         super()._save(output_dir, state_dict=state_dict)
 
