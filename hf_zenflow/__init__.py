@@ -4,7 +4,7 @@ One subpackage per concern, each importing only the ones below it (`pyproject.to
 docs/how-it-works.md's *Package map* says where each part of a step lives):
 
 - `cli.py` (`hf-zenflow`) on top; `tuning/` (`hf_zenflow.tune`, `hf-zenflow tune`) over `compare/` (`hf-zenflow
-  compare`), which uses `estimate/` (the emulated accelerator and the hardware bound model, `hf-zenflow estimate`)
+  compare`), which uses `estimate/` (the hardware bound model and what fits, `hf-zenflow estimate`)
   and `hf/` (the Hugging Face glue: `ZenFlowTrainer`, `ZenFlowTrainingArguments`, `ZenFlowPlugin`, model cards);
 - `optimizer/`: `ZenFlowAdamW` and `SyncOffloadAdamW`, over `checkpoint/` (the format, conversion, re-sharding) and
   `engine/` (the parts of a step: device path, host path, windows and worker, schedule, gradient reads, telemetry);
@@ -13,22 +13,36 @@ docs/how-it-works.md's *Package map* says where each part of a step lives):
 - `_base.py` (tensor helpers every layer uses) and `_extras.py` (the optional dependencies) at the bottom.
 """
 
+import importlib
+import sys
 from typing import Any
 
-from .checkpoint.convert import to_torch_adamw
-from .checkpoint.format import CheckpointError
-from .engine.layout import column_major_
-from .engine.worker import HostWorkerError
-from .optimizer import SyncOffloadAdamW, ZenFlowAdamW
-from .settings import ZenFlowConfig, __version__
+
+if "torch" in sys.modules:
+    # The thread rule tells a pool the user chose from torch's own by its size at ``import hf_zenflow``
+    # (`settings.threads`): with torch loaded already, read it now, as when this import loaded everything.
+    from .settings import threads as _threads  # noqa: F401
+
+
+#: The top-level names and the modules they are imported from when first used: ``import hf_zenflow`` (and the
+#: ``hf-zenflow`` command line, which answers --help and bad flags before anything heavy is imported) imports no
+#: torch.
+_LAZY_EXPORTS = {
+    "to_torch_adamw": "checkpoint.convert", "CheckpointError": "checkpoint.format", "column_major_": "engine.layout",
+    "HostWorkerError": "engine.worker", "SyncOffloadAdamW": "optimizer", "ZenFlowAdamW": "optimizer",
+    "ZenFlowConfig": "settings", "__version__": "settings",
+}
 
 
 _HF_EXPORTS = {"ZenFlowCallback", "ZenFlowTrainer", "ZenFlowTrainingArguments", "ZenFlowPlugin"}
 
 
-
 def __getattr__(name: str) -> Any:
     # The HF glue imports transformers/accelerate (seconds); load it only when asked for.
+    if name in _LAZY_EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
     if name in _HF_EXPORTS:
         from . import hf
 

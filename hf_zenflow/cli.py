@@ -64,13 +64,24 @@ def _add_data_arguments(p: argparse.ArgumentParser) -> None:
                    "perplexity for a causal LM)")
 
 
+#: Each command's one-line help (`hf-zenflow --help` lists them without building the commands' parsers).
+SUMMARIES = {
+    "compare": "fine-tune one model with adamw_torch, SyncOffloadAdamW and ZenFlow; print and save the comparison",
+    "estimate": "model step time and device/host memory of no offload, sync offload and ZenFlow on a hardware profile",
+    "tune": "short paired trials on your model and data that choose ZenFlow's settings (quality vs speed)",
+    "convert-checkpoint": "rewrite a ZenFlowTrainer checkpoint folder for torch.optim.AdamW (a plain Trainer resumes "
+    "it)",
+    "reshard-checkpoint": "rewrite a checkpoint's ZenFlow optimizer files for another number of ranks (DDP or FSDP2)",
+}
+
+
 def _add_compare(sub: argparse._SubParsersAction) -> None:
     from hf_zenflow.compare.compare_config import OPTIMIZERS, CompareConfig
 
     d = CompareConfig()
     p = sub.add_parser(
         "compare",
-        help="fine-tune one model with adamw_torch, SyncOffloadAdamW and ZenFlow; print and save the comparison",
+        help=SUMMARIES["compare"],
         description="Fine-tune the same model three ways (same seed, data and schedule), print a headline table "
         "and write results.md (every figure), results.json, loss_curves.png and time_breakdown.png into a new run "
         "folder (and, with --save-model, the ZenFlow-trained model with its model card). Warns when other processes "
@@ -172,17 +183,25 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from hf_zenflow.compare.data import AssetMissingError, DataError, MetricUnavailableError
-    from hf_zenflow.compare.output import OutputExistsError
-    from hf_zenflow.compare.runner import CompareConfig, run_compare
+    from hf_zenflow.compare.checks import check_compare_inputs
+    from hf_zenflow.compare.compare_config import CompareConfig
 
-    require("compare", "hf-zenflow compare")
     fields = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     fields["optimizers"] = tuple(o.strip() for o in fields["optimizers"].split(",") if o.strip())
     fields["project_hardware"] = tuple(h.strip() for h in fields["project_hardware"].split(",") if h.strip())
     try:
-        run_compare(CompareConfig(**fields))
-    except (AssetMissingError, OutputExistsError, DataError, MetricUnavailableError) as exc:
+        cfg = CompareConfig(**fields)
+        check_compare_inputs(cfg)  # every input before the heavy imports and any work (one line, exit 2)
+    except (ValueError, FileExistsError) as exc:
+        print(f"hf-zenflow compare: {exc}", file=sys.stderr)
+        return 2
+    require("compare", "hf-zenflow compare")
+    from hf_zenflow.compare.data import AssetMissingError, DataError, MetricUnavailableError
+    from hf_zenflow.compare.runner import run_compare
+
+    try:
+        run_compare(cfg)
+    except (AssetMissingError, DataError, MetricUnavailableError, ValueError) as exc:
         print(f"hf-zenflow compare: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # the file system (a full disk, no permission): one line, not a traceback
@@ -196,7 +215,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "estimate",
-        help="model step time and device/host memory of no offload, sync offload and ZenFlow on a hardware profile",
+        help=SUMMARIES["estimate"],
         description="The bound model (not a measurement; no GPU is used): per step, the device, link and host time "
         "of no-offload AdamW, synchronous offload (ZeRO-Offload's schedule) and ZenFlow on a hardware profile, what "
         "bounds each and which setting moves the bound; the device and host memory of each and whether it fits; "
@@ -228,7 +247,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     d = TuneConfig()
     p = sub.add_parser(
         "tune",
-        help="short paired trials on your model and data that choose ZenFlow's settings (quality vs speed)",
+        help=SUMMARIES["tune"],
         description="Fine-tune the same model from the same start with adamw_torch and with ZenFlow settings from a "
         "grid (topk_ratio x update_interval x host_lr_scale, and writeback_lag at the default ratio; the library "
         "default first) until the budget is spent; "
@@ -290,14 +309,16 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 
 def _run_tune(args: argparse.Namespace) -> int:
     from hf_zenflow.compare.data import AssetMissingError
-    from hf_zenflow.tuning.tune import TuneConfig, format_recommendation, format_table, run_tune
+    from hf_zenflow.tuning.tune import TuneConfig, check_tune_inputs, format_recommendation, format_table, run_tune
 
     require("compare", "hf-zenflow tune")
     fields = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     for key in ("topk", "intervals", "scales", "lags"):
         fields[key] = tuple(fields[key])
     try:
-        payload = run_tune(TuneConfig(**fields))
+        cfg = TuneConfig(**fields)
+        check_tune_inputs(cfg)  # every input before any work (one line, exit 2)
+        payload = run_tune(cfg)
     except (AssetMissingError, ValueError) as exc:
         print(f"hf-zenflow tune: {exc}", file=sys.stderr)
         return 2
@@ -310,79 +331,39 @@ def _run_tune(args: argparse.Namespace) -> int:
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "convert-checkpoint",
-        help="rewrite a ZenFlowTrainer checkpoint folder for torch.optim.AdamW (a plain Trainer resumes it)",
-        description="Rewrite CHECKPOINT's optimizer.pt as a torch.optim.AdamW state dict (moments, step counts) and "
-        "its safetensors weights as ZenFlow's fp32 masters (what ZenFlow had not yet written into the weights is "
-        "applied, as flush() would). The original optimizer file is kept as optimizer.zenflow.pt. The other "
-        "direction needs no conversion: ZenFlowTrainer resumes a plain Trainer's checkpoint as it is.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("checkpoint", help="a checkpoint folder (optimizer.pt + model.safetensors or adapter weights)")
-    p.add_argument("--output-dir", default=None, help="write a converted copy here instead of converting in place")
-    p.set_defaults(func=_run_convert)
+    from hf_zenflow.hf.checkpoint_commands import add_convert
 
-
-def _run_convert(args: argparse.Namespace) -> int:
-    from hf_zenflow.checkpoint.format import CheckpointError
-    from hf_zenflow.hf.convert import convert_checkpoint
-
-    try:
-        summary = convert_checkpoint(args.checkpoint, args.output_dir)
-    except CheckpointError as exc:
-        print(f"hf-zenflow convert-checkpoint: {exc}", file=sys.stderr)
-        return 2
-    print(f"converted {summary['folder']}: {summary['parameters']} parameters' AdamW state, "
-          f"{summary['weights_rewritten']} weights set to their fp32 masters; the ZenFlow state is kept in "
-          f"{summary['backup']}")
-    return 0
+    add_convert(sub, SUMMARIES["convert-checkpoint"])
 
 
 def _add_reshard(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "reshard-checkpoint",
-        help="rewrite a checkpoint's ZenFlow optimizer files for another number of ranks (DDP or FSDP2)",
-        description="Merge the ZenFlow optimizer files of CHECKPOINT (one per rank: "
-        "zenflow_optimizer_rank{r}_of_{N}.pt, or the one-process optimizer.pt / optimizer.bin) and cut them again "
-        "for --world-size ranks, so that a ZenFlowTrainer or ZenFlowPlugin run resumes on another number of GPUs. "
-        "Each new rank then reads only its own file. "
-        "The replaced files are kept with the suffix .before_reshard (.before_reshard.2, ... on later runs, so no "
-        "earlier backup is overwritten). Runs on the host, one process.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("checkpoint", help="a checkpoint folder (Trainer checkpoint-N or accelerate save_state folder)")
-    p.add_argument("--world-size", type=positive_int, required=True, help="the number of ranks that will resume")
-    p.add_argument("--parallel", choices=["ddp", "fsdp2"], default=None,
-                   help="how the new ranks share the state (default: as saved; ddp for a one-process checkpoint)")
-    p.set_defaults(func=_run_reshard)
+    from hf_zenflow.hf.checkpoint_commands import add_reshard
+
+    add_reshard(sub, SUMMARIES["reshard-checkpoint"])
 
 
-def _run_reshard(args: argparse.Namespace) -> int:
-    from hf_zenflow.checkpoint.format import CheckpointError
-    from hf_zenflow.hf.rank_checkpoint import reshard_checkpoint
-
-    try:
-        reshard_checkpoint(args.checkpoint, args.world_size, args.parallel)
-    except CheckpointError as exc:
-        print(f"hf-zenflow reshard-checkpoint: {exc}", file=sys.stderr)
-        return 2
-    return 0
+_BUILDERS = {"compare": _add_compare, "estimate": _add_estimate, "tune": _add_tune, "convert-checkpoint": _add_convert,
+             "reshard-checkpoint": _add_reshard}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `command`, only that command's flags (the others are listed by name): a
+    command's parser reads defaults from modules that take a while to import."""
     parser = argparse.ArgumentParser(prog="hf-zenflow", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_compare(sub)
-    _add_estimate(sub)
-    _add_tune(sub)
-    _add_convert(sub)
-    _add_reshard(sub)
+    for name, add in _BUILDERS.items():
+        if command in (None, name):
+            add(sub)
+        else:
+            sub.add_parser(name, help=SUMMARIES[name], add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Only the named command's parser is built: --help, a bad flag or a bad value answer at once, before torch.
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in _BUILDERS else "").parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except MissingExtraError as exc:  # an optional dependency: the message names the extra to install

@@ -254,7 +254,8 @@ def test_every_reference_in_the_docs_and_docstrings_resolves():
     ("`hf_zenflow.layout`", True), ("`ZenFlowAdamW.flush`", False), ("`SplitMatrix.select`", True),
     ("`_close_window`", True), ("`engine/gradients.py`", False), ("`tests/test_fsdp.py`", True),
     ("`tests/distributed/test_fsdp.py`", False), ("`_native.py`", True), ("`zenflow.md`", True),
-    ("`BENCHMARKS.md`", False), ("`emulator*.py`", True), ("`test_*.py`", False), ("`examples/zenflow_quickstart_run.ipynb`", False),
+    ("`BENCHMARKS.md`", False), ("`emulator*.py`", True), ("`test_*.py`", False),
+    ("`examples/zenflow_quickstart_run.ipynb`", False),
     ("`results.md`", False), ("`torch.optim.AdamW`", False), ("`torch.optim.Adamw`", True),
 ])
 def test_the_checker_finds_a_broken_reference(text, broken):

@@ -4,13 +4,17 @@ ZenFlow settings default to the library's, so that the comparison shows what a u
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from hf_zenflow.compare.cores import CoreSplit
 from hf_zenflow.compare.data_source import DataSpec
 from hf_zenflow.compare.run_order import MIN_BLOCK_STEPS, RUN_ORDERS
 from hf_zenflow.settings.config import ZenFlowConfig
+
+
+if TYPE_CHECKING:  # (imported where used: the command line reads this module's defaults and must stay quick)
+    import torch
+
+    from hf_zenflow.compare.cores import CoreSplit
 
 
 #: The optimizers a comparison can run, in report order. (Here, not in `report`, which imports the Hugging Face
@@ -122,9 +126,13 @@ class CompareConfig:
 
     def core_split(self) -> CoreSplit:
         """D device cores and H host cores, the same for every run (`hf_zenflow.compare.cores`)."""
+        from hf_zenflow.compare.cores import CoreSplit
+
         return CoreSplit.resolve(self.device_cores, self.host_cores, cuda=self.resolved_device().type == "cuda")
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -21,8 +21,11 @@ step time does not drift like a shared CPU's and each run's peak device memory i
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 RUN_ORDERS = ("auto", "interleaved", "sequential")

@@ -41,7 +41,7 @@ from hf_zenflow.compare import report
 from hf_zenflow.compare.compare_config import CompareConfig
 from hf_zenflow.compare.data import PreparedTask, prepare_task
 from hf_zenflow.compare.machine_load import LoadMonitor
-from hf_zenflow.compare.output import prepare_output_dir
+from hf_zenflow.compare.output import RunOutput
 from hf_zenflow.compare.plots import LABELS, plot_loss_curves, plot_time_breakdown
 from hf_zenflow.compare.projection import projection_table, run_projection
 from hf_zenflow.compare.report import OPTIMIZERS
@@ -170,20 +170,25 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
     """Run the comparison into a new run folder (`hf_zenflow.compare.output`): results.json, results.md,
     loss_curves.png, time_breakdown.png and, with `save_model`, zenflow_model/ with its card (README.md). Returns
     what results.json holds; ``payload["output_dir"]`` is the folder."""
-    unknown = [o for o in cfg.optimizers if o not in OPTIMIZERS]
-    if unknown:
-        raise ValueError(f"unknown optimizer(s) {unknown}: allowed are {OPTIMIZERS}.")
-    out_dir = prepare_output_dir(cfg.output_dir, cfg.model, cfg.overwrite)  # refuses before any work
+    from hf_zenflow.compare.checks import check_compare_inputs
+
+    check_compare_inputs(cfg)  # every input, before any work: one line naming the flag
+    output = RunOutput.prepare(cfg.output_dir, cfg.model, cfg.overwrite)
     monitor = LoadMonitor()
     monitor.start()  # first: its load average before the run counts only other processes
     try:
-        return _run(cfg, out_dir, monitor)
+        payload = _run(cfg, output.staging, monitor, output.final)
+        output.publish()  # only now does the run replace an earlier one (--overwrite)
     except BaseException:
-        if cfg.output_dir is None and not any(out_dir.iterdir()):
-            out_dir.rmdir()  # a failed run leaves no empty run folder behind
+        output.discard()  # a failed run leaves the folder as it was, and nothing else behind
         raise
     finally:
         monitor.stop()
+    _log(cfg, f"wrote {output.final}/: results.md (every figure), results.json, loss_curves.png, "
+              "time_breakdown.png, timeline.png"
+              + (", zenflow_model/ (model + README.md card)" if payload["saved_model"] else "")
+              + f" in {payload['total_seconds']:.0f} s")
+    return payload
 
 
 def _tokens_per_step(task: PreparedTask, cfg: CompareConfig) -> float:
@@ -259,7 +264,8 @@ def _run_interleaved(cfg: CompareConfig, task: PreparedTask, device: torch.devic
     return results
 
 
-def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, Any]:
+def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor, final_dir: Path) -> dict[str, Any]:
+    """The comparison, written into `out_dir` (a staging folder that becomes `final_dir` once it succeeded)."""
     device = cfg.resolved_device()
     split = cfg.core_split()  # fails on a bad --device-cores/--host-cores before the model loads
     cuda = device.type == "cuda"
@@ -270,7 +276,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
                         eval_batch_size=cfg.eval_batch_size, data=cfg.data_spec(), metric=cfg.metric)
     _log(cfg, f"{task.model_name}: {task.num_parameters / 1e6:.1f}M params; {task.task}; "
               f"{task.train_examples} train / {task.eval_examples} held-out examples; {cfg.steps} steps x "
-              f"batch {cfg.batch_size}; load {time.perf_counter() - wall:.1f} s; writing to {out_dir}/")
+              f"batch {cfg.batch_size}; load {time.perf_counter() - wall:.1f} s; writing to {final_dir}/")
     _log(cfg, f"cores: {split.describe()}")
     order, why = resolve_run_order(cfg.run_order, device, task.num_parameters, len(cfg.optimizers))
     block = resolve_block_steps(cfg.block_steps, cfg.update_interval)
@@ -305,7 +311,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
     projected = projection_table(projection["profiles"])
     info = machine_info(device)
     payload = {
-        "output_dir": str(out_dir),
+        "output_dir": str(final_dir),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
         "task": {"task": task.task, "model": task.model_name, "model_path": task.model_path,
                  "dataset": task.dataset_name, "num_parameters": task.num_parameters,
@@ -320,7 +326,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
         "timing_skip_steps": TIMING_SKIP,
         "results": results,
         "ratios": rat,
-        "saved_model": str(model_dir) if model_dir else None,
+        "saved_model": str(final_dir / model_dir.name) if model_dir else None,
         "total_seconds": time.perf_counter() - wall,
     }
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
@@ -354,10 +360,6 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor) -> dict[str, A
         for text in [*notes, *([warning] if warning else [])]:
             print("\n" + wrap(text), flush=True)
         print(flush=True)
-    _log(cfg, f"wrote {out_dir}/: results.md (every figure), results.json, loss_curves.png, time_breakdown.png, "
-              "timeline.png"
-              + (f", {model_dir.name}/ (model + README.md card)" if model_dir else "")
-              + f" in {payload['total_seconds']:.0f} s")
     return payload
 
 

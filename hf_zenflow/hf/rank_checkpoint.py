@@ -31,9 +31,9 @@ import os
 import re
 from typing import Any
 
-import torch
-
+from ..atomic import fsync_folder, is_temporary, temporary_sibling, torch_save
 from ..checkpoint.format import CheckpointError, load_file
+from .checkpoint_manifest import remove_manifest, write_manifest
 
 
 #: The Trainer's one-process optimizer file (transformers.trainer.OPTIMIZER_NAME).
@@ -66,11 +66,12 @@ def save_rank_state(optimizer: Any, output_dir: str, rank: int, world_size: int)
     """
     os.makedirs(output_dir, exist_ok=True)  # a rank may get here before the main process has saved the model
     path = os.path.join(output_dir, rank_file_name(rank, world_size))
-    payload = {"format": RANK_FILE_FORMAT, "rank": rank, "world_size": world_size,
-               "optimizer": optimizer.state_dict()}
-    torch.save(payload, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    torch_save(_rank_payload(optimizer.state_dict(), rank, world_size), path)
     return path
+
+
+def _rank_payload(state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    return {"format": RANK_FILE_FORMAT, "rank": rank, "world_size": world_size, "optimizer": state}
 
 
 def rank_files_pointer(world_size: int) -> dict[str, Any]:
@@ -143,9 +144,15 @@ def reshard_checkpoint(checkpoint: str, world_size: int, parallel: str | None = 
     ``optimizer.pt`` (a Trainer checkpoint; ``optimizer.bin`` when the folder is accelerate's); several: one rank file
     each (``optimizer.bin``, when present, becomes a pointer to them). The files it replaces are kept with the suffix
     ``.before_reshard`` (``.before_reshard.2``, ... when an earlier run's backups are there). `parallel`:
-    ``"ddp"`` or ``"fsdp2"`` for the new ranks (default: as saved). Returns the files written."""
+    ``"ddp"`` or ``"fsdp2"`` for the new ranks (default: as saved). Returns the files written.
+
+    The new files are written under temporary names first, and the old ones renamed to their backups only then: a
+    run killed before that leaves the checkpoint as it was; killed in between, the backups (which a re-run names)
+    are the complete original. A checkpoint manifest (`checkpoint_manifest`) is written anew."""
     from ..checkpoint.reshard import reshard_states
 
+    if not os.path.isdir(checkpoint):
+        raise CheckpointError(f"{checkpoint}: no such checkpoint folder.")
     sizes = saved_world_sizes(checkpoint)
     if len(sizes) > 1:
         raise CheckpointError(f"{checkpoint}: rank files of several world sizes ({_describe(sizes)}): keep one set.")
@@ -162,28 +169,54 @@ def reshard_checkpoint(checkpoint: str, world_size: int, parallel: str | None = 
     else:
         path = os.path.join(checkpoint, one_name)
         if not os.path.isfile(path):
+            backups = sorted(n for n in os.listdir(checkpoint) if ".before_reshard" in n and not is_temporary(n))
+            if backups:
+                restore = "; ".join(f"mv {os.path.join(checkpoint, b)} {os.path.join(checkpoint, _original(b))}"
+                                    for b in backups[:4])
+                raise CheckpointError(
+                    f"{checkpoint}: no ZenFlow optimizer file to re-shard, but an earlier re-shard's backups are here "
+                    f"({', '.join(backups[:4])}{', ...' if len(backups) > 4 else ''}): it was interrupted after "
+                    f"setting the originals aside. Restore them ({restore}), then run it again.")
             raise CheckpointError(f"{checkpoint}: no ZenFlow optimizer file ({OPTIMIZER_NAME}, "
                                   f"{ACCELERATE_OPTIMIZER_NAME} or rank files) to re-shard.")
         log(f"reading {path}")
         old, states = [path], [load_file(path, map_location="cpu")]
     new_states = reshard_states(states, world_size, parallel)
+    if world_size == 1:
+        new = {os.path.join(checkpoint, one_name): new_states[0]}
+    else:
+        new = {os.path.join(checkpoint, rank_file_name(r, world_size)): _rank_payload(state, r, world_size)
+               for r, state in enumerate(new_states)}
+        if accelerate:
+            new[os.path.join(checkpoint, ACCELERATE_OPTIMIZER_NAME)] = rank_files_pointer(world_size)
+    remove_manifest(checkpoint)  # (the folder no longer passes for complete while its files change)
+    staged = {}
+    try:
+        for path, payload in new.items():  # every new file whole on disk before any old one moves
+            staged[path] = temporary_sibling(path)
+            torch_save(payload, staged[path])
+    except BaseException:
+        for tmp in staged.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        raise
     replaced = old + ([os.path.join(checkpoint, one_name)] if sizes and accelerate else [])
     suffix = _free_backup_suffix(replaced)
     for path in replaced:
         os.replace(path, path + suffix)
-    written = []
-    if world_size == 1:
-        written.append(os.path.join(checkpoint, one_name))
-        torch.save(new_states[0], written[-1])
-    else:
-        for rank, state in enumerate(new_states):
-            written.append(save_rank_state(_Saved(state), checkpoint, rank, world_size))
-        if accelerate:
-            written.append(os.path.join(checkpoint, ACCELERATE_OPTIMIZER_NAME))
-            torch.save(rank_files_pointer(world_size), written[-1])
-    for path in written:
+    for path, tmp in staged.items():
+        os.replace(tmp, path)
+    fsync_folder(checkpoint)
+    if os.path.isfile(os.path.join(checkpoint, "trainer_state.json")):
+        write_manifest(checkpoint)  # a Trainer checkpoint: vouched for again, with its new files
+    for path in new:
         log(f"wrote {path}")
-    return written
+    return list(new)
+
+
+def _original(backup: str) -> str:
+    """The file name a ``.before_reshard[.N]`` backup was made from."""
+    return re.sub(r"\.before_reshard(\.\d+)?$", "", backup)
 
 
 def _free_backup_suffix(paths: list[str]) -> str:
@@ -195,16 +228,6 @@ def _free_backup_suffix(paths: list[str]) -> str:
         if not any(os.path.exists(path + suffix) for path in paths):
             return suffix
         n += 1
-
-
-class _Saved:
-    """A state dict standing in for an optimizer (`save_rank_state` asks for its ``state_dict()``)."""
-
-    def __init__(self, state: dict[str, Any]) -> None:
-        self._state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._state
 
 
 __all__ = ["ACCELERATE_OPTIMIZER_NAME", "OPTIMIZER_NAME", "RANK_FILE_FORMAT", "check_one_process_resume",

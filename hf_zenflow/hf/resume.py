@@ -1,6 +1,8 @@
-"""Which Trainer checkpoint folder a resume may use: a folder is complete when it has the trainer state, the model
+"""Which Trainer checkpoint folder a resume may use: a folder is complete when its manifest checks
+(`hf_zenflow.hf.checkpoint_manifest`: every file there, of its size and hash) and it has the trainer state, the model
 weights and (unless the user resumes without it) the optimizer state. A process killed while saving leaves a partial
-newest folder; `resume_from_checkpoint=True` then resumes from the newest complete one instead, and says so."""
+newest folder; `resume_from_checkpoint=True` then resumes from the newest complete one instead, and says which
+folders it skipped and why."""
 
 from __future__ import annotations
 
@@ -8,9 +10,15 @@ import json
 import logging
 import os
 import re
+import struct
+import zipfile
+from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..atomic import is_temporary
+from ..checkpoint.format import CheckpointError
+from .checkpoint_manifest import MANIFEST_NAME, has_manifest, manifest_problems, save_interrupted
 from .rank_checkpoint import ACCELERATE_OPTIMIZER_NAME, OPTIMIZER_NAME, rank_file_name, saved_world_sizes
 
 
@@ -52,9 +60,54 @@ def _optimizer_problem(folder: str) -> str | None:
     return f"no optimizer state ({OPTIMIZER_NAME})"
 
 
-def checkpoint_problems(folder: str, need_optimizer: bool = True) -> list[str]:
-    """What `folder` lacks to be resumed from (empty: it is complete)."""
+def _content_problems(folder: str) -> list[str]:
+    """Cheap checks that each file of a folder without a manifest is whole: JSON parses, a safetensors file is as
+    long as its header says, a torch file is a complete zip archive."""
     problems = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path) or is_temporary(name):
+            continue
+        size = os.path.getsize(path)
+        if name.endswith(".json"):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    json.load(f)
+            except (OSError, ValueError) as exc:
+                problems.append(f"{name} is not valid JSON ({size} bytes: {type(exc).__name__})")
+        elif name.endswith(".safetensors"):
+            expected = _safetensors_size(path)
+            if expected != size:
+                problems.append(f"{name} is cut or damaged ({size} bytes, its header says "
+                                f"{expected if expected is not None else 'nothing readable'})")
+        elif name.endswith((".pt", ".pth", ".bin")) and not zipfile.is_zipfile(path):
+            problems.append(f"{name} is not a complete torch.save archive ({size} bytes)")
+    return problems
+
+
+def _safetensors_size(path: str) -> int | None:
+    """The file size a safetensors file's header implies (None when the header cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            length = struct.unpack("<Q", f.read(8))[0]
+            if length > 100_000_000:
+                return None
+            header = json.loads(f.read(length))
+        ends = [int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"]
+        return 8 + length + max(ends, default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return None
+
+
+def checkpoint_problems(folder: str, need_optimizer: bool = True, manifest_expected: bool = False) -> list[str]:
+    """What `folder` lacks to be resumed from (empty: it is complete). With a manifest
+    (`hf_zenflow.hf.checkpoint_manifest`), every file it lists must match it; without one, the folder is incomplete
+    when `manifest_expected` (an older checkpoint of the run has one), else each file is checked to be whole."""
+    problems = []
+    if has_manifest(folder):
+        problems += manifest_problems(folder)
+    elif manifest_expected or save_interrupted(folder):
+        problems.append(f"no {MANIFEST_NAME}: the save did not finish")
     if not os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
         problems.append(f"no {TRAINER_STATE_NAME}")
     weights = _weights_problem(folder)
@@ -63,26 +116,43 @@ def checkpoint_problems(folder: str, need_optimizer: bool = True) -> list[str]:
     optimizer = _optimizer_problem(folder) if need_optimizer else None
     if optimizer:
         problems.append(optimizer)
+    if not problems and not has_manifest(folder):
+        problems += _content_problems(folder)
     return problems
+
+
+def integrity_problems(folder: str) -> list[str]:
+    """What is damaged or cut in `folder`'s files: against its manifest when it has one, else each file's own
+    checks. (A missing file is left to the loader, whose refusal says what that file holds and what to do.)"""
+    return manifest_problems(folder, missing=False) if has_manifest(folder) else _content_problems(folder)
+
+
+def checkpoint_folders(output_dir: str) -> list[str]:
+    """The ``checkpoint-N`` folders of `output_dir`, newest (largest N) first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = sorted(((int(m.group(1)), name) for name in os.listdir(output_dir)
+                    if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))),
+                   reverse=True)
+    return [os.path.join(output_dir, name) for _, name in found]
 
 
 def newest_complete_checkpoint(output_dir: str, need_optimizer: bool = True) -> str | None:
     """The newest complete ``checkpoint-N`` folder of `output_dir` (None when there is none), with a warning
-    naming each newer folder skipped and what it lacks."""
-    if not os.path.isdir(output_dir):
-        return None
-    found = sorted(((int(m.group(1)), name) for name in os.listdir(output_dir)
-                    if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))),
-                   reverse=True)
+    naming each newer folder skipped and what is wrong with it.
+
+    A folder with a manifest is complete when the manifest checks; one without is complete when no older folder of
+    the run has a manifest (a checkpoint of a plain Trainer, or of an older hf_zenflow) and its files are whole."""
+    folders = checkpoint_folders(output_dir)
+    manifests = [has_manifest(f) for f in folders]
     skipped = []
-    for _, name in found:
-        folder = os.path.join(output_dir, name)
-        problems = checkpoint_problems(folder, need_optimizer)
+    for i, folder in enumerate(folders):
+        problems = checkpoint_problems(folder, need_optimizer, manifest_expected=any(manifests[i + 1:]))
         if not problems:
             if skipped:
                 logger.warning("ZenFlowTrainer: resume_from_checkpoint=True: skipped incomplete checkpoint(s) %s "
-                               "(a save interrupted, or a partial copy); resuming from %s.", "; ".join(skipped),
-                               folder)
+                               "(a save interrupted, or a file damaged or partly copied); resuming from %s.",
+                               "; ".join(skipped), folder)
             return folder
         skipped.append(f"{folder} ({', '.join(problems)})")
     if skipped:
@@ -91,4 +161,26 @@ def newest_complete_checkpoint(output_dir: str, need_optimizer: bool = True) -> 
     return None
 
 
-__all__ = ["checkpoint_problems", "newest_complete_checkpoint"]
+def checked_resume(resume_from_checkpoint: Any, output_dir: str, need_optimizer: bool = True) -> Any:
+    """What the Trainer should resume from for the `resume_from_checkpoint` a user passed: for True the newest
+    complete checkpoint of `output_dir` (a `CheckpointError` when there are checkpoints but none complete; True
+    when there are none, for the Trainer's own message); a folder named explicitly after checking its files (a
+    damaged one is refused by name, not met as a bare decoding error halfway through loading)."""
+    if resume_from_checkpoint is True:
+        found = newest_complete_checkpoint(output_dir, need_optimizer)
+        if found is None and checkpoint_folders(output_dir):
+            raise CheckpointError(
+                f"resume_from_checkpoint=True: no complete checkpoint in {output_dir} (each folder's problems are in "
+                "the warning above). Start without resume_from_checkpoint, or restore a checkpoint from a copy.")
+        return found if found is not None else True
+    if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
+        problems = integrity_problems(os.fspath(resume_from_checkpoint))
+        if problems:
+            raise CheckpointError(f"{resume_from_checkpoint}: the checkpoint is incomplete or damaged: "
+                                  f"{', '.join(problems)}. Resume from another checkpoint (or pass "
+                                  "resume_from_checkpoint=True: the newest complete one).")
+    return resume_from_checkpoint
+
+
+__all__ = ["checked_resume", "checkpoint_folders", "checkpoint_problems", "integrity_problems",
+           "newest_complete_checkpoint"]

@@ -30,19 +30,22 @@ from typing import Any
 
 import torch
 from accelerate.utils import save_fsdp_model
-from transformers import Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.distributed.fsdp import get_fsdp_ckpt_kwargs
 from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from ..atomic import torch_save, write_text
 from ..checkpoint.format import CheckpointError, check_file
 from ..distributed.replica_check import warn_if_replicated
 from ..engine.layout import column_major_
 from ..engine.worker import wait_for_closed_workers
 from ..optimizer.zenflow import ZenFlowAdamW
 from .args_upgrade import upgrade_training_arguments
+from .checkpoint_manifest import finish_saving, mark_saving
 from .rank_checkpoint import OPTIMIZER_NAME, check_one_process_resume, load_rank_state, save_rank_state
-from .resume import newest_complete_checkpoint
+from .resume import checked_resume
 from .trainer_card import render_trainer_card
 from .trainer_telemetry import ZenFlowTelemetry, ZenFlowTelemetryCallback
 from .training_args import SUPPORTED_OPTIMS, ZenFlowTrainingArguments
@@ -63,6 +66,10 @@ def refuse_unmanaged_dtensors(model: torch.nn.Module) -> None:
                 "(or an accelerate config with fsdp_version: 2): the Trainer then shards it with FSDP2, and saves "
                 "and resumes it."
             )
+
+
+def _is_peft_model(model: Any) -> bool:
+    return any(cls.__name__ == "PeftModel" for cls in type(model).__mro__)
 
 
 class ZenFlowTrainer(Trainer):
@@ -208,21 +215,16 @@ class ZenFlowTrainer(Trainer):
         save_rank_state(self.optimizer, output_dir, self.args.process_index, self.args.world_size)
         if self.args.should_save:
             with warnings.catch_warnings(record=True) as caught:
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+                torch_save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
             reissue_pt_warnings(caught)
-        # trainer_state.json, written next by the main process, marks the checkpoint complete: only once every rank's
-        # file is on disk.
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         # resume_from_checkpoint=True: the stock Trainer takes the newest checkpoint-N folder even when a process
-        # killed while saving left it partial (and then fails on a missing file); take the newest complete one,
-        # naming those skipped. (When there is none, the stock Trainer's own error stands.)
-        if resume_from_checkpoint is True and getattr(self.args, "zenflow", False):
-            need_optimizer = not getattr(self.args, "zenflow_resume_without_optimizer", False)
-            found = newest_complete_checkpoint(self.args.output_dir, need_optimizer)
-            resume_from_checkpoint = found if found is not None else True
+        # killed while saving left it partial (and then fails on a cut file, or on a missing one); take the newest
+        # complete one (its manifest checks), naming those skipped; a folder named explicitly is checked too
+        # (`resume.checked_resume`).
+        need_optimizer = not getattr(self.args, "zenflow_resume_without_optimizer", False)
+        resume_from_checkpoint = checked_resume(resume_from_checkpoint, self.args.output_dir, need_optimizer)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _without_optimizer_state(self, checkpoint: str, path: str) -> None:
@@ -306,9 +308,36 @@ class ZenFlowTrainer(Trainer):
         # The optimizer state_dict must not be taken while the worker writes it, and the worker's errors must
         # surface here rather than in a corrupt checkpoint.
         self._zenflow_synchronize()
-        super()._save_checkpoint(model, trial)
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            mark_saving(folder)  # (a folder re-saved over must not pass for complete while it is rewritten)
+        self.accelerator.wait_for_everyone()  # no rank writes a file before the folder is marked in progress
+        # The stock save ends by deleting checkpoints over save_total_limit: here that waits until the new one is
+        # marked complete, so that a save killed halfway never leaves the run without a complete checkpoint.
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        # Every rank has written its files (rank optimizer files, rng_state_{r}.pth) once all are here; only then
+        # does the main process write the manifest that marks the folder complete.
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            finish_saving(folder)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
         if self.args.should_save and self.zenflow_optimizer is not None:
             self.create_model_card()
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # A model that is not a PreTrainedModel is saved with safetensors' save_file, which refuses views with gaps;
+        # ZenFlow's column-major weights (zenflow_layout) are such views: save them contiguous, as the plain Trainer
+        # saves the same model (loading copies the values back into the column-major weights).
+        if state_dict is None and self.args.should_save and not _is_peft_model(self.model) and not isinstance(
+                self.accelerator.unwrap_model(self.model, keep_torch_compile=False), PreTrainedModel):
+            state_dict = {k: v if v.is_contiguous() else v.contiguous() for k, v in self.model.state_dict().items()}
+        super()._save(output_dir, state_dict=state_dict)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         self._zenflow_synchronize()
@@ -352,7 +381,7 @@ class ZenFlowTrainer(Trainer):
         if not self.is_world_process_zero():
             return
         os.makedirs(output_dir, exist_ok=True)
-        self._render_model_card(**kwargs).save(os.path.join(output_dir, "README.md"))
+        write_text(os.path.join(output_dir, "README.md"), str(self._render_model_card(**kwargs)))
 
     def create_model_card(self, language: str | None = None, license: str | None = None,
                           tags: str | list[str] | None = None, model_name: str | None = None,

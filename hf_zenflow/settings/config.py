@@ -13,10 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-import torch
-
 from .deepspeed_config import load, zenflow_values
-from .threads import available_cpu_count, worker_threads  # noqa: F401 - available_cpu_count: imported from here
 
 
 #: `host_lr_scale="auto"`: the largest learning rate a window's host step takes (lr × multiplier) when its result is
@@ -41,8 +38,8 @@ MIN_OFFLOAD_NUMEL = 1 << 18
 
 _SELECT_STRATEGIES = ("auto", "step", "epoch")
 _ACCUMULATE_ON = ("auto", "host", "device", "device_bf16")
-#: The device-side window sum's dtype of each resolved `accumulate_on` that sums on the device.
-DEVICE_SUM_DTYPES = {"device": torch.float32, "device_bf16": torch.bfloat16}
+#: The resolved `accumulate_on` values that sum on the device (`DEVICE_SUM_DTYPES`: their dtypes).
+_DEVICE_SUMS = ("device", "device_bf16")
 _HOST_GRAD_DTYPES = ("auto", "bfloat16")
 _HOST_MOMENT_DTYPES = ("float32", "bfloat16")
 _HIGH_LR_RULES = ("auto", "off")
@@ -51,7 +48,22 @@ _HIGH_LR_RULES = ("auto", "off")
 def sums_on_device(accumulate_on: str | None) -> bool:
     """Whether a resolved `accumulate_on` ("auto"'s choice, or the setting) sums windows on the device ("device" or
     "device_bf16")."""
-    return accumulate_on in DEVICE_SUM_DTYPES
+    return accumulate_on in _DEVICE_SUMS
+
+
+def __getattr__(name: str) -> Any:
+    # `DEVICE_SUM_DTYPES` (the device-side window sum's dtype of each resolved `accumulate_on` that sums on the
+    # device) and `available_cpu_count` when first asked for: importing the settings (the command line's flag
+    # checks) imports no torch.
+    if name == "available_cpu_count":  # (imported from here too)
+        from .threads import available_cpu_count
+
+        return available_cpu_count
+    if name == "DEVICE_SUM_DTYPES":
+        import torch
+
+        return {"device": torch.float32, "device_bf16": torch.bfloat16}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_int(value: Any) -> bool:
@@ -314,6 +326,8 @@ class ZenFlowConfig:
     def resolved_cpu_threads(self) -> int:
         """The host worker's threads: `cpu_threads` (clamped to the cores of this process's CPU affinity, with a
         warning), or half those cores (at least 1). The rule and why: `threads.py`, docs/threads.md."""
+        from .threads import worker_threads  # (it imports torch: only here)
+
         return worker_threads(self.cpu_threads)
 
     def select_period(self) -> int:

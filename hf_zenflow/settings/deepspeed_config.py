@@ -25,8 +25,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .threads import available_cpu_count
-
 
 #: DeepSpeed's defaults for the zenflow keys (`deepspeed/runtime/zenflow/zenflow_config.py`).
 DEEPSPEED_ZENFLOW_DEFAULTS: dict[str, Any] = {
@@ -122,6 +120,8 @@ def zenflow_values(config: dict[str, Any]) -> dict[str, Any]:
                 f"ZenFlowConfig.from_deepspeed: pt_reserved_cores_perc={perc!r} is invalid: allowed is a float "
                 "in [0, 1]."
             )
+        from .threads import available_cpu_count  # (it imports torch: only here)
+
         n = available_cpu_count()
         reserved = math.ceil(perc * n)
         values["cpu_threads"] = n if reserved in (0, n) else n - reserved

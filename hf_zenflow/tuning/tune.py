@@ -201,8 +201,24 @@ def score(records: list[dict[str, Any]], profile: Any, params: float, tokens: fl
     return out
 
 
+def check_tune_inputs(cfg: TuneConfig) -> None:
+    """Every input of a tune run, before any work: a `ValueError` naming the flag, the value and what is allowed."""
+    from hf_zenflow.atomic import check_writable_folder
+    from hf_zenflow.compare.checks import check_dataset, check_device, check_model, check_profiles
+
+    check_device(cfg.device)
+    check_profiles([cfg.hardware], "--hardware")
+    for s in default_grid(cfg.topk, cfg.intervals, cfg.scales, cfg.lags):
+        s.config()  # a bad grid value fails here, naming the field
+    check_model(cfg.model)
+    check_dataset(cfg.dataset)
+    check_writable_folder(cfg.output_dir, "--output-dir")
+
+
 def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run the reference and as many grid settings as the budget allows; write and return the results."""
+    """Run the reference and as many grid settings as the budget allows; write and return the results (the output
+    folder is made only then, its files written atomically)."""
+    check_tune_inputs(cfg)
     from hf_zenflow.compare.compare_config import CompareConfig
     from hf_zenflow.compare.data import prepare_task
     from hf_zenflow.estimate.host_rates import resolve_host
@@ -212,10 +228,7 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
     profile = resolve_host(load_profile(cfg.hardware, published_host=cfg.host_from_profile), cfg.hardware,
                            cfg.host_cores, cfg.host_from_profile)[0]
     grid = default_grid(cfg.topk, cfg.intervals, cfg.scales, cfg.lags)
-    for s in grid:
-        s.config()  # a bad grid value fails here, naming the field
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     wall = time.perf_counter()
     deadline = wall + cfg.budget_minutes * 60.0
     base = CompareConfig(model=cfg.model, task=cfg.task, steps=cfg.steps, train_size=cfg.train_size,
@@ -264,6 +277,7 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
                         time.perf_counter() - wall, device)
     # the reference trial always runs: on a slow or busy machine it alone can overrun the budget
     payload["over_budget_s"] = max(0.0, payload["seconds"] - cfg.budget_minutes * 60.0)
+    out_dir.mkdir(parents=True, exist_ok=True)
     write_outputs(payload, out_dir)
     return payload
 

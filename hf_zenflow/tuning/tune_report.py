@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from hf_zenflow.atomic import save_figure, write_json, write_text
 from hf_zenflow.compare.metrics import is_fraction
 
 
@@ -49,7 +49,7 @@ def format_recommendation(payload: dict[str, Any]) -> str:
 
 
 def write_outputs(payload: dict[str, Any], out_dir: Path) -> None:
-    (out_dir / "tune.json").write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
+    write_json(out_dir / "tune.json", payload, indent=2, default=str)
     t = payload["task"]
     hw = payload["hardware"]
     md = [f"# hf-zenflow tune: {t['model']}", "",
@@ -69,12 +69,11 @@ def write_outputs(payload: dict[str, Any], out_dir: Path) -> None:
                "tighter budget.", ""]
     md += [format_recommendation(payload), "",
            "Quality is one seed per trial: differences below the seed-to-seed noise of a short fine-tune are ties."]
-    (out_dir / "tune.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    write_text(out_dir / "tune.md", "\n".join(md) + "\n")
     rec = payload["recommendation"]
     if rec:
-        (out_dir / "recommended.py").write_text(
-            "from hf_zenflow import ZenFlowTrainingArguments\n\n" f"args = {rec['training_arguments']}\n",
-            encoding="utf-8")
+        write_text(out_dir / "recommended.py",
+                   "from hf_zenflow import ZenFlowTrainingArguments\n\n" f"args = {rec['training_arguments']}\n")
     plot_pareto(payload, out_dir / "pareto.png")
 
 
@@ -121,5 +120,5 @@ def plot_pareto(payload: dict[str, Any], path: Path) -> None:
     else:
         ax.text(0.5, 0.5, "no ZenFlow trial finished", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -125,3 +125,31 @@ def test_repeated_reshards_keep_every_earlier_backup(tmp_path):
                                                                       "optimizer.pt.before_reshard.2"]
     assert (tmp_path / "optimizer.pt.before_reshard.2").read_bytes() == second_one_process
     assert f"{rank_file_name(0, 2)}.before_reshard" in backups  # the 2-rank files the second run replaced
+
+
+def test_a_reshard_that_fails_while_writing_leaves_the_checkpoint_as_it_was(tmp_path, monkeypatch):
+    """Regression: the old files were renamed to their backups before the new ones were written: a run killed
+    while writing left no optimizer file under its name, and a re-run said "no ZenFlow optimizer file ... to
+    re-shard" without a word about the backups."""
+    torch.save(_state("row"), tmp_path / "optimizer.pt")
+    original = (tmp_path / "optimizer.pt").read_bytes()
+    calls, save = [], torch.save
+
+    def dies_on_the_second_file(payload, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        save(payload, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", dies_on_the_second_file)
+    with pytest.raises(OSError):
+        reshard_checkpoint(str(tmp_path), 2, log=lambda *_: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["optimizer.pt"]
+    assert (tmp_path / "optimizer.pt").read_bytes() == original
+
+
+def test_a_rerun_after_an_interrupted_reshard_names_the_backups(tmp_path):
+    torch.save(_state("row"), tmp_path / "optimizer.pt.before_reshard")
+    with pytest.raises(CheckpointError, match=r"optimizer\.pt\.before_reshard.*mv .*optimizer\.pt\.before_reshard "
+                                              r".*optimizer\.pt\b"):
+        reshard_checkpoint(str(tmp_path), 2, log=lambda *_: None)

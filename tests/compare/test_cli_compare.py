@@ -181,19 +181,30 @@ def test_progress_bar_draws_on_a_terminal_without_a_size(monkeypatch: pytest.Mon
 
 
 def test_default_output_is_a_new_folder_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_zenflow.compare.output import DEFAULT_PARENT, OutputExistsError, prepare_output_dir
+    from hf_zenflow.compare.output import DEFAULT_PARENT, OutputExistsError, RunOutput
 
     monkeypatch.chdir(tmp_path)
-    first = prepare_output_dir(None, "minilm", overwrite=False)
-    second = prepare_output_dir(None, "minilm", overwrite=False)  # same second: a suffix, not the same folder
-    assert first != second and first.is_dir() and second.is_dir()
-    assert first.parent == second.parent == Path(DEFAULT_PARENT)
-    (first / "results.json").write_text("{}")
+    first = RunOutput.prepare(None, "minilm", overwrite=False)
+    second = RunOutput.prepare(None, "minilm", overwrite=False)  # same second: a suffix, not the same folder
+    assert first.final != second.final and first.final.is_dir() and second.final.is_dir()
+    assert first.final.parent == second.final.parent == Path(DEFAULT_PARENT)
+    assert first.staging.name.startswith(".") and first.staging.parent == first.final.parent
+    (first.staging / "results.json").write_text("{}")
+    first.publish()
+    assert (first.final / "results.json").read_text() == "{}" and not first.staging.exists()
     with pytest.raises(OutputExistsError, match="--overwrite"):
-        prepare_output_dir(str(first), None, overwrite=False)
-    (first / "zenflow_model").mkdir()
-    assert prepare_output_dir(str(first), None, overwrite=True) == first
-    assert list(first.iterdir()) == []  # --overwrite leaves no stale artefact of the earlier run
+        RunOutput.prepare(str(first.final), None, overwrite=False)
+    (first.final / "zenflow_model").mkdir()
+    (first.final / "notes.txt").write_text("mine")
+    again = RunOutput.prepare(str(first.final), None, overwrite=True)
+    assert (first.final / "results.json").exists()  # nothing removed before the new run is complete
+    (again.staging / "results.json").write_text('{"new": 1}')
+    again.publish()
+    assert sorted(p.name for p in first.final.iterdir()) == ["notes.txt", "results.json"]  # no stale artefact
+    assert (first.final / "results.json").read_text() == '{"new": 1}'
+    second.discard()
+    assert not second.final.exists() and not second.staging.exists()
+    assert sorted(p.name for p in Path(DEFAULT_PARENT).iterdir()) == [first.final.name]
 
 
 def test_compare_help_shows_true_defaults() -> None:
@@ -293,7 +304,7 @@ def test_compare_refuses_a_missing_column_before_training(tmp_path: Path, monkey
     assert rc == 2
     assert err == ("hf-zenflow compare: --text-column 'review' is not a column of split 'train': available are "
                    "['sentence', 'label'].")
-    assert not any((tmp_path / "zenflow_compare").iterdir())  # no run folder left behind: nothing ran
+    assert not (tmp_path / "zenflow_compare").exists()  # no run folder (nor its parent) left behind: nothing ran
 
 
 @pytest.mark.slow

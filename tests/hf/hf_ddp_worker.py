@@ -64,7 +64,8 @@ def run_trainer(opts: argparse.Namespace) -> dict:
     trainer = ZenFlowTrainer(model=tiny_llama(), args=args, train_dataset=ByteLMDataset(corpus_text(),
                                                                                          num_samples=256),
                              callbacks=[DieAt()] if opts.die_at_step else None)
-    trainer.train(resume_from_checkpoint=opts.resume)
+    # "newest": resume_from_checkpoint=True (the newest complete checkpoint of the run)
+    trainer.train(resume_from_checkpoint=True if opts.resume == "newest" else opts.resume)
     return {"weights": on_host(trainer.model), "losses": logged(trainer), "world_size": args.world_size}
 
 

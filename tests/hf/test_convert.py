@@ -85,5 +85,51 @@ def test_an_empty_optimizer_file_names_the_file(tmp_path, train_dataset):
     zenflow(tmp_path, train_dataset, "zen", max_steps=6, save_steps=6)
     checkpoint = tmp_path / "zen" / "checkpoint-6"
     (checkpoint / "optimizer.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"checkpoint-6/optimizer\.pt: the optimizer checkpoint is empty"):
+    # (refused before loading by the checkpoint's manifest, naming the file and its size)
+    with pytest.raises(CheckpointError, match=r"checkpoint-6.*optimizer\.pt has 0 bytes"):
         zenflow(tmp_path, train_dataset, "again", max_steps=8, resume=str(checkpoint))
+
+
+def test_a_conversion_that_fails_midway_leaves_the_checkpoint_as_it_was(tmp_path, train_dataset, monkeypatch,
+                                                                        capsys):
+    """Regression: convert-checkpoint rewrote model.safetensors in place with no backup: a crash or ENOSPC after the
+    weights were written left them changed (or cut), and a re-run failed. Repro: fail the write of the new
+    optimizer.pt (after the weights)."""
+    zenflow(tmp_path, train_dataset, "zen", max_steps=4, save_steps=4)
+    checkpoint = tmp_path / "zen" / "checkpoint-4"
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+
+    def full_disk(obj, f, *args, **kwargs):
+        raise OSError(28, "No space left on device", str(getattr(f, "name", f)))
+
+    monkeypatch.setattr(torch, "save", full_disk)  # the new optimizer.pt, written after the weights
+    assert main(["convert-checkpoint", str(checkpoint)]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == sorted(
+        p.name for p in checkpoint.parent.iterdir() if not p.name.startswith("."))  # no staging folder left
+    monkeypatch.undo()
+    assert main(["convert-checkpoint", str(checkpoint)]) == 0  # the re-run converts it
+    assert (checkpoint / "optimizer.zenflow.pt").read_bytes() == before["optimizer.pt"]
+    from hf_zenflow.hf.checkpoint_manifest import manifest_problems
+
+    assert manifest_problems(checkpoint) == []  # the converted folder is vouched for anew
+
+
+def test_convert_refuses_bad_inputs_before_copying(tmp_path, capsys):
+    """Regression: --output-dir on an unwritable path raised a bare OSError; a checkpoint with rank files only said
+    "no such optimizer checkpoint file" and left the copy behind."""
+    checkpoint = tmp_path / "checkpoint-6"
+    checkpoint.mkdir()
+    for rank in range(2):
+        (checkpoint / f"zenflow_optimizer_rank{rank}_of_2.pt").write_bytes(b"x")
+    (tmp_path / "afile").write_text("")
+    assert main(["convert-checkpoint", str(checkpoint), "--output-dir", str(tmp_path / "copy")]) == 2
+    assert "reshard-checkpoint" in capsys.readouterr().err
+    assert main(["convert-checkpoint", str(checkpoint), "--output-dir", str(tmp_path / "afile" / "copy")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    (checkpoint / "optimizer.pt").write_bytes(b"x")
+    assert main(["convert-checkpoint", str(checkpoint), "--output-dir", str(tmp_path / "afile" / "copy")]) == 2
+    assert "afile" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "checkpoint-6"]
