@@ -10,7 +10,8 @@ Trainer's defaults; every matrix of the small models offloaded, `min_offload_num
 
 * ``llama``: a Llama built from config (vocab 1024, hidden 512, 2 layers), byte-level Hamlet, 20 steps x 8 x 64
   bytes from scratch;
-* ``llama-unnorm``: the same with one extra residual MLP block without a norm after the last decoder layer;
+* ``llama-unnorm``: the same with one extra residual MLP block after the final norm, whose output reaches the head
+  without a norm;
 * ``moe``: a small MoE-like language model (8 expert MLPs per layer, one per sequence): experts that no sequence
   of a batch routes to have no gradient on that step;
 * ``llama-ft``: the ``llama`` model pretrained 60 steps with AdamW at lr 1e-3, then fine-tuned 30 steps on a later
@@ -126,22 +127,6 @@ def llama(seed: int) -> torch.nn.Module:
                                         tie_word_embeddings=False))
 
 
-class UnnormalisedBlock(torch.nn.Module):
-    """A decoder layer followed by a residual MLP on its output with no norm in front: h + W2 gelu(W1 h)."""
-
-    def __init__(self, layer: torch.nn.Module, hidden: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.up = torch.nn.Linear(hidden, 4 * hidden, bias=False)
-        self.down = torch.nn.Linear(4 * hidden, hidden, bias=False)
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        out = self.layer(hidden_states, *args, **kwargs)
-        h = out[0] if isinstance(out, tuple) else out
-        h = h + self.down(torch.nn.functional.gelu(self.up(h)))
-        return (h, *out[1:]) if isinstance(out, tuple) else h
-
-
 class AfterNorm(torch.nn.Module):
     """The final norm followed by a residual MLP whose output reaches the head with no norm: h + W2 gelu(W1 h)."""
 
@@ -157,12 +142,9 @@ class AfterNorm(torch.nn.Module):
 
 
 def llama_unnorm(seed: int) -> torch.nn.Module:
+    """`llama(seed)` with `AfterNorm` in place of its final norm."""
     model = llama(seed)
-    if os.environ.get("UNNORM") == "layer":
-        layers = model.model.layers
-        layers[-1] = UnnormalisedBlock(layers[-1], model.config.hidden_size)
-    else:
-        model.model.norm = AfterNorm(model.model.norm, model.config.hidden_size)
+    model.model.norm = AfterNorm(model.model.norm, model.config.hidden_size)
     return model
 
 
@@ -329,8 +311,8 @@ def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any]
     final = evaluate(model, eval_batches, case.accuracy)
     return {"start_loss": start["loss"], "eval_loss": final["loss"], "eval_accuracy": final.get("accuracy"),
             "train_losses": losses, "seconds": seconds,
-            "stats": {k: stats.get(k) for k in ("host_lr_scale", "high_lr_window", "host_beta1", "writeback_lag",
-                                                  "host_step_guard") if k in stats}}
+            "stats": {k: stats.get(k) for k in ("host_lr_scale", "high_lr_window", "host_beta1", "writeback_lag")
+                                       if k in stats}}
 
 
 # -- the grid -----------------------------------------------------------------------------------------------------
