@@ -300,7 +300,7 @@ def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any]
             sched.step()
             opt.zero_grad(set_to_none=True)
         if settings is not None:
-            opt.synchronize()  # the last window's host update lands before the evaluation
+            opt.flush()  # the open window closed and every host result written back before the evaluation
             stats = {k: v for k, v in opt.stats().items() if isinstance(v, (int, float, str)) or v is None}
         else:
             stats = {}
