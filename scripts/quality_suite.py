@@ -380,7 +380,8 @@ def summarize(records: list[dict[str, Any]]) -> str:
         for per_seed in seeds.values():
             labels += [k for k in per_seed if k != "adamw_torch" and k not in labels]
         for label in labels:
-            pairs = [(s[label], s["adamw_torch"]) for s in seeds.values() if label in s and "adamw_torch" in s]
+            pairs = [(s[label], s["adamw_torch"]) for _, s in sorted(seeds.items())
+                     if label in s and "adamw_torch" in s]
             if not pairs:
                 continue
             pct = [100 * (z["eval_loss"] / a["eval_loss"] - 1) for z, a in pairs]
