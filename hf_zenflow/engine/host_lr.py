@@ -9,7 +9,7 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
-from ..settings.config import AUTO_HOST_LR_CAP
+from ..settings.config import AUTO_HOST_LR_CAP, HIGH_LR_RULE_THRESHOLD
 
 
 if TYPE_CHECKING:
@@ -26,11 +26,15 @@ def auto_host_lr_scale(lr: float, window_steps: int, lag: int) -> float:
     rate) while the host step's learning rate stays under `AUTO_HOST_LR_CAP / sqrt(lag)`; above it, the multiplier that
     reaches the cap, and never less than 1.0 (ZenFlow's rule, one AdamW step per window). `lr` is the run's peak
     (the scheduler's ``initial_lr``), `lag` the steps between the window's close and its write-back (1 = one step
-    into the next window; the whole window for ZenFlow's schedule).
+    into the next window; the whole window for ZenFlow's schedule). The window's whole update lands at once, with no
+    gradient in between to correct it: a host step much larger than the device's per-step one overshoots where the
+    loss is sharp (docs/quality.md).
 
     Example:
-        >>> auto_host_lr_scale(1e-3, 4, 1), auto_host_lr_scale(2.5e-3, 4, 1), auto_host_lr_scale(1e-3, 4, 4)
-        (4.0, 2.0, 2.5)
+        >>> auto_host_lr_scale(5e-5, 4, 1), auto_host_lr_scale(2.5e-4, 4, 1), auto_host_lr_scale(1e-3, 4, 1)
+        (4.0, 2.0, 1.0)
+        >>> auto_host_lr_scale(1e-4, 4, 4)
+        2.5
     """
     if window_steps <= 1 or not lr > 0:
         return 1.0
@@ -39,10 +43,9 @@ def auto_host_lr_scale(lr: float, window_steps: int, lag: int) -> float:
 
 def high_lr_window(lr: float, update_interval: int | None) -> int | None:
     """`high_lr_rule="auto"`: the window length at the peak learning rate `lr`, or None where the rule leaves the
-    configured `update_interval` alone (lr x update_interval <= `AUTO_HOST_LR_CAP`, one-step windows, Zen-auto's
-    windows). Above the cap, "interval"'s host step (lr x window) would overshoot, and a smaller multiplier leaves
-    the unselected columns behind (BENCHMARKS.md §4b);
-    shorter windows, floor(cap / lr) steps, keep the per-step rate under the cap.
+    configured `update_interval` alone (lr x update_interval <= `HIGH_LR_RULE_THRESHOLD`, one-step windows,
+    Zen-auto's windows). Above it a window's single host step leaves the unselected columns behind, and a larger
+    multiplier overshoots (BENCHMARKS.md §4b); shorter windows, floor(threshold / lr) steps, update them more often.
 
     Example:
         >>> high_lr_window(1e-3, 4), high_lr_window(1.25e-3, 4), high_lr_window(2e-3, 4), high_lr_window(3e-3, 4)
@@ -50,9 +53,9 @@ def high_lr_window(lr: float, update_interval: int | None) -> int | None:
         >>> high_lr_window(1e-3, 8), high_lr_window(3e-3, None), high_lr_window(3e-3, 1)
         (5, None, None)
     """
-    if update_interval is None or update_interval <= 1 or not lr * update_interval > AUTO_HOST_LR_CAP:
+    if update_interval is None or update_interval <= 1 or not lr * update_interval > HIGH_LR_RULE_THRESHOLD:
         return None
-    return max(1, min(update_interval - 1, math.floor(AUTO_HOST_LR_CAP / lr)))
+    return max(1, min(update_interval - 1, math.floor(HIGH_LR_RULE_THRESHOLD / lr)))
 
 
 def high_lr_beta1(beta1: float, window: int, lag: int) -> float:

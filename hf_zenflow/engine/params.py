@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._base import check_hyperparameters
-from ..settings.config import AUTO_HOST_LR_CAP, ZenFlowConfig
+from ..settings.config import HIGH_LR_RULE_THRESHOLD, ZenFlowConfig
 from .device_state import DenseDeviceState
 from .host_lr import peak_lr, rule_beta1, rule_window
 from .schedule import WindowSchedule
@@ -129,8 +129,8 @@ def announce_high_lr_rule(schedule: WindowSchedule, config: ZenFlowConfig, group
     beta1 = groups[0]["betas"][0]
     until = ', until writeback_lag="auto" chooses' if schedule.writeback_lag_pending else ""
     logger.info('hf_zenflow: high_lr_rule="auto": peak lr %g x update_interval %s > %g: windows of %d step(s), '
-                "host beta1 %.4g for beta1 %g (write-back lag %d%s)", lr, config.update_interval, AUTO_HOST_LR_CAP,
-                window, rule_beta1(config, beta1, window, lag), beta1, lag, until)
+                "host beta1 %.4g for beta1 %g (write-back lag %d%s)", lr, config.update_interval,
+                HIGH_LR_RULE_THRESHOLD, window, rule_beta1(config, beta1, window, lag), beta1, lag, until)
 
 
 def is_split(p: torch.Tensor, group: dict[str, Any], config: ZenFlowConfig,

@@ -17,11 +17,15 @@ from .deepspeed_config import load, zenflow_values
 
 
 #: `host_lr_scale="auto"`: the largest learning rate a window's host step takes (lr × multiplier) when its result is
-#: written back 1 step into the next window; a lag of L steps divides it by sqrt(L). Measured on the tiny Llama (30
-#: steps, U=4, 5 paired seeds): at a 1-step lag "interval" (4) is best up to lr 1e-3; at 3e-3 it costs +3.7 %
-#: held-out loss, multipliers 1.5-2 cost least (+1.9 %), 1.0 +2.1 %. At a 4-step lag "interval" is still best at
-#: 5e-4 (2.5 costs +0.23 %), 1.25 and 4 tie at 1e-3, and at 3e-3 "interval" overshoots (+11.8 %, 1.0: +2.9 %).
-AUTO_HOST_LR_CAP = 5e-3
+#: written back 1 step into the next window; a lag of L steps divides it by sqrt(L). Set by the quality suite
+#: (`scripts/quality_suite.py`, BENCHMARKS.md "Quality suite"): a host step above it diverged a model from scratch
+#: (an un-normalised block, lr 1e-3 x 4 and 5e-4 x 4) and cost MiniLM +6 % held-out loss at lr 3e-4 x 4, while the
+#: window's multiplier stays necessary at fine-tuning rates (MiniLM at 5e-5: x1 costs +5.7 %, x4 +0.25 %).
+AUTO_HOST_LR_CAP = 5e-4
+
+#: `high_lr_rule="auto"`: above peak lr × update_interval > this, windows are shortened to floor(this / lr) steps.
+#: Measured on the tiny Llama (30 steps, U=4, 5 paired seeds, BENCHMARKS.md §4b).
+HIGH_LR_RULE_THRESHOLD = 5e-3
 
 
 SelectStrategy = Literal["auto", "step", "epoch"]
@@ -170,15 +174,16 @@ class ZenFlowConfig:
                   "ZenFlow's (and DeepSpeed's) rule. \"auto\" (the default): \"interval\" while the host step's "
                   "learning rate (lr x multiplier, by the scheduler's peak lr) stays under "
                   f"{AUTO_HOST_LR_CAP:g} / sqrt(write-back lag), the multiplier reaching that cap above it, never "
-                  'below 1.0 (logged once; stats()["host_lr_scale"]): "interval" at fine-tuning learning rates, '
-                  "less where it would overshoot (BENCHMARKS §4)."},
+                  'below 1.0 (logged once; stats()["host_lr_scale"]): "interval" up to lr '
+                  f"{AUTO_HOST_LR_CAP / 4:g} at update_interval=4, 1.0 from lr {AUTO_HOST_LR_CAP:g}; a larger host "
+                  "step diverged a model trained from scratch (docs/quality.md)."},
     )
     high_lr_rule: str = field(
         default="auto",
         metadata={"help": "Windows at high learning rates. \"auto\" (the default): when the scheduler's peak lr x "
-                  f"update_interval exceeds {AUTO_HOST_LR_CAP:g} (above 1.25e-3 at update_interval=4), windows "
-                  f"are shortened to floor({AUTO_HOST_LR_CAP:g} / lr) steps (at least 1), so that the host step "
-                  "keeps the per-step rate without overshooting, and the host AdamW's beta1 becomes "
+                  f"update_interval exceeds {HIGH_LR_RULE_THRESHOLD:g} (above 1.25e-3 at update_interval=4), "
+                  f"windows are shortened to floor({HIGH_LR_RULE_THRESHOLD:g} / lr) steps (at least 1), so that the "
+                  "unselected columns are updated more often, and the host AdamW's beta1 becomes "
                   "max(0, 1 - U'(1 - beta1) - L / (U' + L)) for windows of U' steps written back L steps late "
                   "(0 when not overlapped): the momentum horizon of beta1 counted in windows, less the momentum that "
                   "the late write-back adds. Chosen at the first step, logged, in stats() and checkpoints; at lower "

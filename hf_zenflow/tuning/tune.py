@@ -39,6 +39,7 @@ from typing import Any
 
 from hf_zenflow._extras import require
 from hf_zenflow.compare.metrics import metric_key
+from hf_zenflow.tuning.divergence import curve_diverged, diverged
 from hf_zenflow.tuning.paired_stats import paired_interval, t95
 from hf_zenflow.tuning.pareto import pareto_front, recommend
 from hf_zenflow.tuning.tune_grid import (
@@ -59,6 +60,7 @@ def trial_record(name: str, result: dict[str, Any], seconds: float, setting: Tri
     """The compact figures of one `train_one` result; `metric` names its held-out metric."""
     stats = result.get("engine_stats") or {}
     windows = stats.get("windows") or 0
+    losses = list((result.get("curves") or {}).get("loss") or [])
     return {
         "optimizer": name,
         "setting": dataclasses.asdict(setting) if setting else None,
@@ -68,6 +70,7 @@ def trial_record(name: str, result: dict[str, Any], seconds: float, setting: Tri
         "eval_metric": result[metric_key(metric)],
         **{k: v for k, v in result.items() if k.startswith("eval_")},  # eval_loss and eval_<metric name>
         "train_loss": result["train_loss"],
+        "train_losses": losses,  # per step: the divergence flag reads where the curve started and ended
         "steps_per_s": result["steps_per_s"],
         "critical_path_ms": (result["opt_step_ms_mean"] or 0.0) + (result["clip_ms_mean"] or 0.0),
         "mean_window": (stats.get("steps") or result["steps"]) / windows if windows else None,
@@ -185,9 +188,25 @@ def modelled_speedup(record: dict[str, Any], profile: Any, params: float, tokens
     return rows["sync_offload"]["step_ms"] / rows["zenflow"]["step_ms"]
 
 
+def trial_diverged(record: dict[str, Any], reference: dict[str, Any]) -> bool:
+    """The quality suite's divergence flag (`divergence.diverged`) for a trial, where `adamw_torch` converged: its
+    training loss ends above where it started (the mean of the last steps against the first step; the trials see the
+    same batches, so a curve that rises for `adamw_torch` too says the batches, not the optimizer), or its held-out
+    loss ends above 1.5x `adamw_torch`'s."""
+    rising = curve_diverged(record.get("train_losses") or [])
+    return ((rising and not curve_diverged(reference.get("train_losses") or []))
+            or diverged(None, record["eval_loss"], reference["eval_loss"]))
+
+
+def front_points(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(quality loss %, modelled speed-up) of each scored trial for the Pareto front; a diverged trial's quality is
+    unknown (NaN), so it is never on the front and never recommended, however fast."""
+    return [(math.nan if r.get("diverged") else r["quality_loss_pct"], r["modelled_speedup"]) for r in rows]
+
+
 def score(records: list[dict[str, Any]], profile: Any, params: float, tokens: float) -> list[dict[str, Any]]:
-    """Add quality_loss_pct, metric_delta (held-out metric, ZenFlow minus adamw_torch) and modelled_speedup to the
-    ZenFlow records."""
+    """Add quality_loss_pct, metric_delta (held-out metric, ZenFlow minus adamw_torch), diverged
+    (`trial_diverged`) and modelled_speedup to the ZenFlow records."""
     ref = next(r for r in records if r["optimizer"] == "adamw_torch")
     out = []
     for r in records:
@@ -196,6 +215,7 @@ def score(records: list[dict[str, Any]], profile: Any, params: float, tokens: fl
         row = dict(r)
         row["quality_loss_pct"] = 100.0 * (r["eval_loss"] / ref["eval_loss"] - 1.0)
         row["metric_delta"] = r["eval_metric"] - ref["eval_metric"]  # ZenFlow minus adamw_torch
+        row["diverged"] = trial_diverged(r, ref)
         row["modelled_speedup"] = modelled_speedup(r, profile, params, tokens)
         out.append(row)
     return out
@@ -287,7 +307,7 @@ def summarize(cfg: TuneConfig, task: Any, records: list[dict[str, Any]], profile
     from hf_zenflow.compare.runner import machine_info
 
     rows = score(records, profile, params, tokens) if records else []
-    points = [(r["quality_loss_pct"], r["modelled_speedup"]) for r in rows]
+    points = front_points(rows)
     front = pareto_front(points)
     best, within = recommend(points, cfg.max_quality_loss_pct)
     for i, r in enumerate(rows):

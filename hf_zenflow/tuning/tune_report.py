@@ -30,7 +30,7 @@ def format_table(payload: dict[str, Any]) -> str:
         lines.append(f"| {r['label']} | {r['eval_loss']:.4f} | {r['quality_loss_pct']:+.2f} % | "
                      f"{_delta(r['metric_delta'], points)} | {r['steps_per_s']:.2f} | {r['critical_path_ms']:.1f} | "
                      f"{window} | {r['modelled_speedup']:.2f}x | {'yes' if r['pareto'] else ''} | "
-                     f"{'**recommended**' if r['recommended'] else ''} |")
+                     f"{'**recommended**' if r['recommended'] else ('diverged' if r.get('diverged') else '')} |")
     return "\n".join(lines)
 
 

@@ -77,6 +77,25 @@ def test_recommend_takes_the_fastest_point_within_tolerance() -> None:
     assert recommend([(0.5, 0.7), (1.5, 0.9)], max_quality_loss=1.0) == (0, True)  # nothing faster: keep them all
 
 
+def test_a_diverged_trial_is_never_recommended() -> None:
+    from hf_zenflow.tuning.tune import front_points, trial_diverged
+
+    ref = {"eval_loss": 3.0, "train_losses": [7.0, 5.0, 4.0, 3.5, 3.2]}
+    fast_diverged = {"eval_loss": 13.1, "train_losses": [7.0, 5.5, 9.0, 12.0, 13.0], "quality_loss_pct": 337.0,
+                     "modelled_speedup": 3.0}
+    rising_only = {"eval_loss": 3.4, "train_losses": [7.0, 6.0, 7.5, 7.2, 7.4], "quality_loss_pct": 13.0,
+                   "modelled_speedup": 2.5}
+    slow_fine = {"eval_loss": 3.01, "train_losses": [7.0, 5.1, 4.0, 3.6, 3.2], "quality_loss_pct": 0.3,
+                 "modelled_speedup": 2.0}
+    assert [trial_diverged(r, ref) for r in (fast_diverged, rising_only, slow_fine)] == [True, True, False]
+    # the same batches rising for adamw_torch too: the batches, not the optimizer
+    assert not trial_diverged(rising_only, {**ref, "train_losses": [7.0, 7.1, 7.4, 7.3, 7.6]})
+    rows = [{**r, "diverged": trial_diverged(r, ref)} for r in (fast_diverged, rising_only, slow_fine)]
+    # tolerance wide enough for all three: without the flag the fastest (diverged) point would be recommended
+    assert recommend([(r["quality_loss_pct"], r["modelled_speedup"]) for r in rows], 400.0) == (0, True)
+    assert recommend(front_points(rows), 400.0) == (2, True)
+
+
 def test_default_grid_covers_the_issue_grid_default_first() -> None:
     grid = default_grid()
     default = library_default_setting()
@@ -171,7 +190,8 @@ def test_tune_tiny_run_writes_table_plot_and_a_valid_recommendation(tmp_path: Pa
     labels = [t["label"] for t in payload["trials"]]
     lag_point = TrialSetting(0.1, 2, library_default_setting().host_lr_scale, None)
     assert labels == ["r=0.1 U=1 lrx1", "r=0.1 U=2 lrx1", lag_point.label]
-    points = [(t["quality_loss_pct"], t["modelled_speedup"]) for t in payload["trials"]]
+    points = [(float("nan") if t["diverged"] else t["quality_loss_pct"], t["modelled_speedup"])
+              for t in payload["trials"]]
     assert [i for i, t in enumerate(payload["trials"]) if t["pareto"]] == pareto_front(points)
     rec = payload["recommendation"]
     assert ZenFlowConfig.from_dict(rec["config"]).topk_ratio == 0.1  # a valid config, round-tripped
