@@ -81,7 +81,7 @@ def checkpoint_names(run_dir: Path) -> list[str]:
 
 def kill_tree(pid: int) -> None:
     """SIGKILL the launcher `pid` and every process under it, the ranks first (torchrun starts each rank in a
-    session of its own: a signal to the launcher's process group does not reach them)."""
+    process group of its own (setsid): a signal to the launcher's process group does not reach them)."""
     import psutil
 
     try:
