@@ -36,7 +36,8 @@ OUTPUTS = {"results.md", "results.json", "tune.md", "tune.json", "recommended.py
            "all_results.json", "optimizer.pt", "step.json", "training_args.bin", "fsdp2.yaml", "zf_config.json",
            "notes.jsonl", "hamlet.txt", "config.json", "trainer_state.json", "scheduler.pt", "rng_state.pth",
            "optimizer.bin", "model.safetensors", "data.pkl", "my_box.json", "f.json", "pareto.png",
-           "optimizer.zenflow.pt", "model_card.md", "zenflow_optimizer_rank0_of_2.pt", "zenflow_optimizer_rank1_of_2.pt"}
+           "optimizer.zenflow.pt", "model_card.md", "zenflow_optimizer_rank0_of_2.pt",
+           "zenflow_optimizer_rank1_of_2.pt"}
 #: Top-level modules whose dotted names in the docs are checked by importing them.
 CHECKED_LIBRARIES = {"hf_zenflow", "torch", "transformers", "accelerate", "trl"}
 #: Paths .gitignore names (what the examples write): named in the docs as outputs.
