@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..distributed.sharding import RankGroup, is_dtensor
+from .device_memory import DeviceMemoryMeter
 from .device_step import gather_selected, norms_and_gather
 
 
@@ -79,6 +80,8 @@ class GradientReads:
         #: True when each (non-DTensor) gradient is rewritten after its hook by a data-parallel reduction (DDP's
         #: all-reduce): the hooks then read nothing (see the module docstring)
         self.reduced_later: Callable[[], bool] = lambda: False
+        #: counts the device's gradients as they arrive and leave (`device_memory.py`), when set
+        self.meter: DeviceMemoryMeter | None = None
         self._handles: list = []
         self.watch(params)
 
@@ -95,6 +98,14 @@ class GradientReads:
 
     @torch.no_grad()
     def _read(self, p: torch.Tensor) -> None:
+        meter = self.meter
+        if meter is not None:
+            meter.gradient_arrived(p, p.grad)
+        self._read_now(p)
+        if meter is not None and p.grad is None:
+            meter.gradient_left(p)  # freed in backward (`HostWindows.grad_ready`)
+
+    def _read_now(self, p: torch.Tensor) -> None:
         g = p.grad
         if g is None or g.is_sparse or _between_micro_batches():
             return

@@ -77,6 +77,7 @@ class StepSequence:
                 with timer.phase("device_update"):
                     device_update(self._split, self._dense, entries, grads, clip, gathered, rewritten=rewritten,
                                   found_inf=bad.float())
+                self._meter.note()  # (the device's peak of the step: every gradient still held, the state updated)
                 with timer.phase("handoff"):
                     started = self._host.start_hand_off(entries, grads)
 
@@ -94,6 +95,7 @@ class StepSequence:
             coef = synced.coef
 
             if warm_up:
+                self._meter.note()  # (the state exists; the gradients are still held)
                 self._host.warm_up_step(entries, grads, coef, timer, schedule, self._dense)
             else:
                 if not early:
@@ -111,6 +113,8 @@ class StepSequence:
                     # with the worker's accumulation for cores and memory bandwidth (`_close_window` then finds no
                     # write-back pending).
                     self._host.apply_previous_window(timer)
+                if not early:
+                    self._meter.note()  # (the device's peak of the step, as above)
                 with timer.phase("handoff"):
                     if started is not None:
                         self._host.finish_hand_off(started, coef)

@@ -35,6 +35,7 @@ from .. import checkpoint
 from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
+from ..engine.device_memory import DeviceMemoryMeter
 from ..engine.device_state import DenseDeviceState
 from ..engine.gradients import GradientReads
 from ..engine.params import (
@@ -46,7 +47,7 @@ from ..engine.params import (
 )
 from ..engine.schedule import WindowSchedule
 from ..engine.split_matrix import SplitMatrix, master_value
-from ..engine.telemetry import StepTimer, ZenFlowStats
+from ..engine.telemetry import StepTimer, ZenFlowStats, device_state_bytes
 from ..engine.weight_marks import WeightMarks, rekey, reread_masters
 from ..engine.windows import HostWindows
 from ..engine.worker import wait_for_closed_workers
@@ -143,6 +144,10 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
         self._reads = GradientReads(p for g in self.param_groups for p in g["params"])
         self._reads.on_ready = self._host.grad_ready
+        # what the device holds at its peak in a step (`stats()["peak_device_bytes"]`)
+        self._meter = DeviceMemoryMeter((p for g in self.param_groups for p in g["params"]),
+                                        lambda: device_state_bytes(self._split, self._dense))
+        self._reads.meter = self._meter
         self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1  # DDP rewrites them after the hooks
         self._weights = WeightMarks()  # notices weights changed from outside the optimizer
         self._param_names: dict[torch.Tensor, str] = {
@@ -216,6 +221,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         try:
             return self._step(loss)
         finally:
+            self._meter.finish_step()
             self._reads.clear()  # this backward's reads are used up
             self._host.release_early()  # copies started in backward that this step did not take (skipped step)
             # The host jobs this step submitted (accumulation, the window's host AdamW) start now, overlapping the
@@ -291,7 +297,8 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
 
     def stats(self) -> dict[str, float | str]:
         """Telemetry of the last step (see `telemetry.ZenFlowStats`; ``"accumulate_on"`` is a string)."""
-        return optimizer_stats(self._stats, self._schedule, self.config, self._split, self._dense, self._host)
+        return optimizer_stats(self._stats, self._schedule, self.config, self._split, self._dense, self._host,
+                               self._meter)
 
     @torch.no_grad()
     def sync_from_weights(self, params: Iterable[torch.Tensor] | None = None) -> None:
@@ -341,6 +348,8 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
             self._reads.remove()
             self._reads = GradientReads(current)
             self._reads.on_ready = self._host.grad_ready
+            self._meter = DeviceMemoryMeter(current, self._meter.state_bytes)
+            self._reads.meter = self._meter
             self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1
 
     def _engine_params(self) -> list[torch.Tensor]:
