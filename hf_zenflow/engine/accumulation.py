@@ -23,7 +23,13 @@ the error grows with the window's length).
   - the peak allocated so far (the next step needs that peak again); capped by `device_memory_budget_bytes` when
   it is set;
 * a CPU device: `device_memory_budget_bytes` (None: nothing is known, so "host", today's behaviour and what tests
-  and `hf-zenflow compare` rely on).
+  and `hf-zenflow compare` rely on);
+* either: `device_memory_limit_bytes`, the whole memory the step may hold, leaves the limit less the peak counted
+  so far (`device_memory.py`: weights and gradients after the first backward) and caps the rest.
+
+When the gradients are freed in backward (`free_gradients_in_backward`, which needs host sums), device sums also
+keep each offloaded matrix's gradient on the device until `step()` (its clip coefficient is known only then): those
+bytes count against the device sums too.
 
 The sums (fp32, or bf16 for "device_bf16") fit when they, plus the optimizer state the first selection will put
 on the device (fp32 master and two moments of the selected columns, and their gathered gradient: 16 B per selected
@@ -67,27 +73,39 @@ def device_bytes_needed(splits: list[SplitMatrix], shares: dict[int, Share], sum
     return total
 
 
-def available_bytes(device: torch.device, budget: int | None) -> tuple[int | None, int | None]:
+def available_bytes(device: torch.device, budget: int | None, limit: int | None = None,
+                    peak: int = 0) -> tuple[int | None, int | None]:
     """(bytes the device can give the optimizer beyond the next step's peak, the device's size for the margin);
-    (None, None) when unknown (a CPU device without a budget)."""
+    (None, None) when unknown (a CPU device without a budget or a limit). `limit`: the whole memory the step may
+    hold (`device_memory_limit_bytes`), of which `peak` (the peak measured so far) is taken."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        spare = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)
-        spare = max(0, spare)
-        return (spare if budget is None else min(spare, budget)), total
+        peak = torch.cuda.max_memory_allocated(device)
+        spare = max(0, free + torch.cuda.memory_reserved(device) - peak)
+        if budget is not None:
+            spare = min(spare, budget)
+        if limit is not None:
+            spare, total = min(spare, max(0, limit - peak)), min(total, limit)
+        return spare, total
+    if limit is not None:
+        spare = max(0, limit - peak)
+        return (spare if budget is None else min(spare, budget)), limit
     if budget is None:
         return None, None
     return budget, budget
 
 
-def decide(config: ZenFlowConfig, splits: list[SplitMatrix], shares: dict[int, Share], ranks: RankGroup) -> str:
+def decide(config: ZenFlowConfig, splits: list[SplitMatrix], shares: dict[int, Share], ranks: RankGroup,
+           peak: int = 0, freed_bytes: int = 0) -> str:
     """The resolved accumulation for `config.accumulate_on` ("auto" decides; an explicit value stays), agreed by
-    every rank of `ranks` (a collective when there are several: call it on every rank at the same step)."""
+    every rank of `ranks` (a collective when there are several: call it on every rank at the same step). `peak`:
+    the device's peak so far (for `device_memory_limit_bytes`); `freed_bytes`: the offloaded matrices' gradient
+    bytes that host sums free in backward (`free_gradients_in_backward`) and device sums keep on the device."""
     if config.accumulate_on != "auto":
         return config.accumulate_on
-    needs = (device_bytes_needed(splits, shares, 4), device_bytes_needed(splits, shares, 2))  # fp32, bf16 sums
+    needs = tuple(device_bytes_needed(splits, shares, n) + freed_bytes for n in (4, 2))  # fp32, bf16 sums
     device = splits[0].param.device if splits else torch.device("cpu")
-    spare, size = available_bytes(device, config.device_memory_budget_bytes)
+    spare, size = available_bytes(device, config.device_memory_budget_bytes, config.device_memory_limit_bytes, peak)
     fits = [spare is not None and size is not None and need <= spare - MARGIN * size for need in needs]
     if ranks.ranks > 1:
         # one vote per rank and option against it; any vote wins (the most conservative choice), the same on every

@@ -75,8 +75,11 @@ class GradientReads:
         # parameter -> (its gradient then, that gradient's version then, norm); a weak reference, so that a new
         # gradient at a recycled address is never taken for the one that was read
         self._norms: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor]] = {}
-        #: called with (parameter, gradient) after the norm, e.g. to start the gradient's copy to the host
-        self.on_ready: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        #: called with (parameter, gradient) after the norm, e.g. to start the gradient's copy to the host; returns
+        #: a stand-in when it freed the gradient (`HostWindows.grad_ready`), else None
+        self.on_ready: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
+        #: called with the parameter before the norm (`HostWindows.regather`)
+        self.on_arrival: Callable[[torch.Tensor], None] | None = None
         #: True when each (non-DTensor) gradient is rewritten after its hook by a data-parallel reduction (DDP's
         #: all-reduce): the hooks then read nothing (see the module docstring)
         self.reduced_later: Callable[[], bool] = lambda: False
@@ -116,9 +119,15 @@ class GradientReads:
             p, g = p._local_tensor, g._local_tensor
         elif self.reduced_later():
             return
-        self._norms[p] = (weakref.ref(g), g._version, torch_norm(g))
+        if self.on_arrival is not None:
+            self.on_arrival(p)  # (an earlier micro-batch's gradient that was freed comes back and is added)
+            g = p.grad
+        norm = torch_norm(g)
+        self._norms[p] = (weakref.ref(g), g._version, norm)
         if self.on_ready is not None:
-            self.on_ready(p, g)
+            stand_in = self.on_ready(p, g)
+            if stand_in is not None:  # freed: `step()` sees the stand-in, and the norm describes it
+                self._norms[p] = (weakref.ref(stand_in), stand_in._version, norm)
 
     def norm(self, p: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor | None:
         """The hook's norm of `p`'s gradient `g` (default ``p.grad``), if it still describes that gradient."""
@@ -196,14 +205,16 @@ def read_gradients(
     grads: list[torch.Tensor], measured: tuple[list[torch.Tensor] | None, torch.Tensor | None, torch.Tensor | None],
     gather_now: bool, auto: bool, ranks: RankGroup | None = None,
     unscale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+    gathered_already: set[torch.Tensor] | None = None,
 ) -> StepReads:
     """Norms from `clip_grad_norm_` (`measured`: norms, total, clip coefficient) or from the backward hooks, the
     rest read now; the selected columns gathered (an ordinary step); Zen-auto's masses (`auto`). `ranks`: under
     FSDP2 each rank reads its shards of the gradients, and the sums of squares are summed across these ranks.
     `unscale`: the gradients still carry a GradScaler's scale, and this is 1 / scale (`amp.py`); `found_inf`: the
-    scaler's overflow flag (set: the step is skipped)."""
+    scaler's overflow flag (set: the step is skipped). `gathered_already`: matrices whose selected columns the
+    backward hooks gathered (their gradients were freed)."""
     cached_norms, cached_total, clip = measured
-    gathered: set[torch.Tensor] = set()
+    gathered: set[torch.Tensor] = set(gathered_already or ())
     if cached_norms:
         norms = list(cached_norms)
     else:

@@ -31,6 +31,25 @@ class HandOff:
 
 
 @dataclass
+class FreedGradient:
+    """A gradient that left the device in its backward hook (`HostWindows.grad_ready`): the empty stand-in `step()`
+    sees in its place (its dtype and device; the hooks' norm is keyed by it), the host copy the worker reads, what
+    that copy waits for, and the gradient's shape and strides (to bring it back: `restore`)."""
+
+    stand_in: torch.Tensor
+    source: torch.Tensor
+    landed: Landed
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def restore(self, split: SplitMatrix, device: torch.device) -> torch.Tensor:
+        """The gradient again, on `device`, in its own layout, from the host copy (which has landed)."""
+        out = torch.empty_strided(self.shape, self.stride, dtype=self.stand_in.dtype, device=device)
+        split.matrix(out).copy_(self.source)
+        return out
+
+
+@dataclass
 class EarlyCopies:
     """Gradients whose copy to the host the backward hooks started before `step()` (on a transport that copies):
     the hand-off slot whose buffers they land in, and per parameter the gradient copied (a weak reference), its
@@ -38,3 +57,5 @@ class EarlyCopies:
 
     grant: GradSlot
     copies: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor, Landed]] = field(default_factory=dict)
+    #: the gradients freed in backward, by parameter
+    freed: dict[torch.Tensor, FreedGradient] = field(default_factory=dict)

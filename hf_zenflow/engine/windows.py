@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from ..transport.cpu_device.transport import CpuShardTransport
 from . import accumulation
 from .device_state import DenseDeviceState
 from .device_step import device_update
-from .handoff import EarlyCopies, HandOff
+from .handoff import EarlyCopies, FreedGradient, HandOff
 from .held_handoff import HeldHandOff
 from .host import HostMatrix, accumulate_into, link_grad_dtype, moment_dtype
 from .host_lr import LrScaleRecord
@@ -71,6 +72,11 @@ class HostWindows(WindowCloses):
         self.accumulate_chosen: str | None = None
         #: the host step's learning-rate multiplier of the last full window (`stats()["host_lr_scale"]`)
         self.lr_scale = LrScaleRecord()
+        #: whether the coming step's gradients of offloaded matrices may be freed in backward (`may_free`; set by
+        #: the optimizer after each step from `free_gradients_in_backward` and the next step's kind)
+        self.free_next = False
+        #: the device's peak so far, for ``device_memory_limit_bytes`` (`accumulation.decide`; set by the optimizer)
+        self.device_peak: Callable[[], int] = lambda: 0
 
     @property
     def accumulate_on(self) -> str | None:
@@ -164,7 +170,10 @@ class HostWindows(WindowCloses):
         if self.accumulate_on is None and splits:
             # "auto" decides at the first host state: the first step's gradients exist (its forward and backward
             # have run), and every rank creates its first host state at the same step
-            self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group)
+            freed = sum(s.host_part(s.param).numel() * s.param.element_size() for s in splits) \
+                if self.config.free_gradients_in_backward != "off" else 0
+            self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group,
+                                                         peak=self.device_peak(), freed_bytes=freed)
         accumulate_on = self.accumulate_on
         linked = {id(s): link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype) for s in splits}
         moments = moment_dtype(self.config.host_moment_dtype)
@@ -238,32 +247,91 @@ class HostWindows(WindowCloses):
             raise
         return HandOff(grant, work, sources, landed)
 
-    def grad_ready(self, p: torch.Tensor, g: torch.Tensor) -> None:
+    def grad_ready(self, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
         """Backward has finished `p`'s gradient (a `GradientReads` hook): on a transport that copies (CUDA), start
         its copy to the host now, so that it overlaps the rest of backward instead of following `step()`'s sync.
         The first such gradient of a step takes the hand-off slot (a stall only while the worker is two steps
-        behind); `start_hand_off` keeps the copies whose gradient has not changed since, and copies the rest."""
+        behind); `start_hand_off` keeps the copies whose gradient has not changed since, and copies the rest.
+
+        When the gradient may be freed (`may_free`), on any transport: the selected columns are gathered into the
+        device columns' buffer, the whole gradient goes to the host, and ``p.grad`` is set to None. Returns the
+        stand-in that `step()` then sees for it (an empty tensor of the gradient's dtype and device, `FreedGradient`),
+        or None when the gradient stays."""
         if sums_on_device(self.accumulate_on):
-            return
+            return None
         split = self.splits.get(p)
         if split is None or split.host is None:
-            return
+            return None
         transport = self.transport_of(split)
-        if not transport.stages_gradients:
-            return
+        free = self.may_free(split, g)
+        if not (free or transport.stages_gradients):
+            return None
         with self._early_lock:
             if self.early is None:
                 if self.worker is None:
                     # (after `close()`) never started here: it would take this autograd thread for the training
                     # thread whose cores it shares (`settings/threads.py`); `step()` starts it and copies this step's
                     # grads.
-                    return
+                    return None
                 self.early = EarlyCopies(self.worker.take_slot())
             early = self.early
         ((_, source),), landed = transport.hand_off([(split, g)], early.grant.slot)
         with self._early_lock:  # two devices' autograd threads may count at once (`+=` is not atomic)
             self.stats.bytes_to_host += split.host_part(g).numel() * split.host.grad_dtype.itemsize
-        early.copies[p] = (weakref.ref(g), g._version, source, landed)
+        if not free:
+            early.copies[p] = (weakref.ref(g), g._version, source, landed)
+            return None
+        # The selected columns stay on the device for their update (read from `g` on the compute stream before it
+        # goes; CUDA: the copy to the host reads `g` on the side stream, which `record_stream` protects from reuse)
+        split.device.gather_grad(split.matrix(g))
+        stand_in = g.new_empty(0)
+        early.copies[p] = (weakref.ref(stand_in), stand_in._version, source, landed)
+        early.freed[p] = FreedGradient(stand_in, source, landed, g.shape, g.stride())
+        split.owner.grad = None  # the device's memory for this gradient goes now
+        return stand_in
+
+    def may_free(self, split: SplitMatrix, g: torch.Tensor) -> bool:
+        """Whether `split`'s gradient `g` leaves the device in its backward hook: freeing is on for the coming step
+        (`free_next`, an ordinary step: its device update needs only the selected columns), the matrix has device
+        columns, and the gradient crosses the link in its own dtype (so that it can come back exactly when a later
+        micro-batch adds to it, `regather`)."""
+        return (self.free_next and split.device is not None and split.host is not None
+                and split.host.grad_dtype == g.dtype and split.owner is split.param)
+
+    @property
+    def freed(self) -> dict[torch.Tensor, FreedGradient]:
+        early = self.early
+        return early.freed if early is not None else {}
+
+    @torch.no_grad()
+    def regather(self, p: torch.Tensor) -> None:
+        """A gradient of `p` arrived while an earlier one of this step was freed (micro-batches of a plain loop):
+        the freed one comes back from the host and the new one is added to it, in place, so that ``p.grad`` holds
+        their sum as autograd would have made it (the same additions; exact, since the host copy is in the
+        gradient's dtype). The sum is then read (and freed) like any gradient."""
+        early = self.early
+        freed = early.freed.pop(p, None) if early is not None else None
+        if freed is None:
+            return
+        early.copies.pop(p, None)
+        split = self.splits[p]
+        freed.landed.wait()  # Sync point (micro-batches only): the freed gradient has landed on the host
+        previous = freed.restore(split, p.device)
+        p.grad.add_(previous)
+
+    @torch.no_grad()
+    def restore_freed(self) -> None:
+        """Every freed gradient of this step back into ``p.grad`` (the step turned out to need whole gradients:
+        a re-selection or a setting changed between backward and `step()`). The early copies go too: the step
+        hands the restored gradients off again."""
+        early = self.early
+        if early is None or not early.freed:
+            return
+        for p, freed in list(early.freed.items()):
+            freed.landed.wait()  # Sync point (rare): the freed gradient has landed on the host
+            self.splits[p].owner.grad = freed.restore(self.splits[p], p.device)
+        early.freed.clear()
+        early.copies.clear()
 
     def forget_early_copies(self) -> None:
         """The gradients were rewritten in place without a version bump (`GradScaler.unscale_`): the copies the

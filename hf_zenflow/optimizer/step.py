@@ -30,15 +30,24 @@ class StepSequence:
 
     def _step(self, loss: float | None) -> float | None:
         timer = StepTimer()
-        entries = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        unscale, found_inf = amp.scaler_args(self)  # (called by `GradScaler.step`)
+        self._scaled = self._scaled or unscale is not None or found_inf is not None
+        if self._host.freed and (self._scaled or self._fsdp.active or self._ensure_schedule().kind() is not
+                                 StepKind.ORDINARY or self._host.accumulate_on != "host"):
+            # the step needs whole gradients after all (a re-selection forced by a resume or a changed setting, a
+            # GradScaler that appeared): the freed ones come back from the host
+            self._host.restore_freed()
+        freed = self._host.freed  # gradients freed in backward: their stand-ins take their place below
+        entries = [(group, p) for group in self.param_groups for p in group["params"]
+                   if p.grad is not None or p in freed]
         if not entries:
             return loss
         for _, p in entries:
-            if p.grad.is_sparse:
+            if p.grad is not None and p.grad.is_sparse:
                 raise RuntimeError("ZenFlowAdamW does not support sparse gradients")
         entries, grads = self._fsdp.entries(entries)  # (FSDP2: this rank's shards; else unchanged)
+        grads = [freed[p].stand_in if p in freed else g for (_, p), g in zip(entries, grads)]
         cached_norms, cached_total, clip = self._norm_cache.take(grads)
-        unscale, found_inf = amp.scaler_args(self)  # (called by `GradScaler.step`)
         if self._schedule is None and found_inf is not None and not self._fsdp.active and found_inf.item():
             # Sync point (first step only, which waits for its scalars before any update anyway): the very first
             # step overflowed (a GradScaler starting too high does this a few times); it is skipped before any state
@@ -60,7 +69,7 @@ class StepSequence:
         with timer.phase("norms"):
             reads = read_gradients(self._split, self._reads, entries, grads, (cached_norms, cached_total, clip),
                                    gather_now, auto=self.config.is_auto_interval, ranks=self._host.param_shards,
-                                   unscale=unscale, found_inf=found_inf)
+                                   unscale=unscale, found_inf=found_inf, gathered_already=set(freed))
         total, gathered, clip = reads.total, reads.gathered, reads.clip  # (clip: with the scaler's 1 / scale)
 
         # ---- 2. an ordinary step launches its device work before it waits -------------------------------------

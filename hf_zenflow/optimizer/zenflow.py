@@ -45,14 +45,14 @@ from ..engine.params import (
     offloads_any,
     resolve_config,
 )
-from ..engine.schedule import WindowSchedule
+from ..engine.schedule import StepKind, WindowSchedule
 from ..engine.split_matrix import SplitMatrix, master_value
 from ..engine.telemetry import StepTimer, ZenFlowStats, device_state_bytes
 from ..engine.weight_marks import WeightMarks, rekey, reread_masters
 from ..engine.windows import HostWindows
 from ..engine.worker import wait_for_closed_workers
 from ..engine.writeback_lag import AutoWritebackLag
-from ..settings.config import ZenFlowConfig
+from ..settings.config import ZenFlowConfig, sums_on_device
 from .stats import optimizer_stats
 from .step import StepSequence
 
@@ -148,7 +148,12 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         self._meter = DeviceMemoryMeter((p for g in self.param_groups for p in g["params"]),
                                         lambda: device_state_bytes(self._split, self._dense))
         self._reads.meter = self._meter
+        self._reads.on_arrival = self._host.regather
         self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1  # DDP rewrites them after the hooks
+        me = weakref.ref(self)
+        self._host.device_peak = lambda: (opt._meter.peak_bytes if (opt := me()) is not None else 0)
+        #: the caller clips through `clip_grad_norm_` (free_gradients_in_backward="auto"), a GradScaler was seen
+        self._clips_through_optimizer, self._scaled = False, False
         self._weights = WeightMarks()  # notices weights changed from outside the optimizer
         self._param_names: dict[torch.Tensor, str] = {
             p: name for g in self.param_groups for name, p in zip(g.get("param_names", ()), g["params"])
@@ -186,8 +191,10 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         columns and into the host accumulation, which read the gradient anyway.
         """
         self._find_param_shards()
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        grads = [self._fsdp.grad(p) for p in params]
+        self._clips_through_optimizer = True
+        freed = self._host.freed  # (gradients freed in backward: their stand-ins, whose norms the hooks took)
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None or p in freed]
+        grads = [freed[p].stand_in if p in freed else self._fsdp.grad(p) for p in params]
         known = [self._reads.norm(self._fsdp.local(p), g) for p, g in zip(params, grads)] if norm_type == 2.0 \
             else None
         norms, total = grad_norms(grads, norm_type, known)
@@ -203,6 +210,8 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
     def _grads_unscaled(self, inv_scale: torch.Tensor) -> None:
         """`GradScaler.unscale_` multiplied every gradient by `inv_scale` in place, without a version bump
         (`engine/amp.py`): what was read of them before must follow or go."""
+        self._scaled = True
+        self._host.restore_freed()  # (none unless a scaler appeared mid-run: the scaler reads p.grad itself)
         self._reads.rescale(inv_scale)
         self._norm_cache.take([])  # a clip measured before unscale_ no longer describes the gradients
         self._host.forget_early_copies()
@@ -221,12 +230,31 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         try:
             return self._step(loss)
         finally:
+            self._host.free_next = self._frees_next_step()
             self._meter.finish_step()
             self._reads.clear()  # this backward's reads are used up
             self._host.release_early()  # copies started in backward that this step did not take (skipped step)
             # The host jobs this step submitted (accumulation, the window's host AdamW) start now, overlapping the
             # caller's next forward/backward.
             worker.release()
+
+    def _frees_next_step(self) -> bool:
+        """Whether the next step's gradients of offloaded matrices leave the device in backward
+        (`free_gradients_in_backward`): an ordinary step on one process (not DDP, whose reducer rewrites the
+        gradients after the hooks, nor FSDP2), host window sums, no GradScaler (it reads ``p.grad`` itself), and
+        with "auto" a caller that clips through `clip_grad_norm_`."""
+        setting = self.config.free_gradients_in_backward
+        schedule = self._schedule
+        return (setting == "on" or (setting == "auto" and self._clips_through_optimizer)) \
+            and schedule is not None and schedule.kind() is StepKind.ORDINARY and not self._scaled \
+            and not self._fsdp.active and self._host.shards.ranks == 1 \
+            and not sums_on_device(self._host.accumulate_on) and self._host.accumulate_on is not None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """`torch.optim.Optimizer.zero_grad`, and the gradients freed in backward (held on the host for the next
+        `step()`) are dropped too."""
+        super().zero_grad(set_to_none)
+        self._host.release_early()
 
     def synchronize(self) -> None:
         """Wait until the host worker is idle and re-raise its failure, if any. Does not change the schedule: a
@@ -350,6 +378,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
             self._reads.on_ready = self._host.grad_ready
             self._meter = DeviceMemoryMeter(current, self._meter.state_bytes)
             self._reads.meter = self._meter
+            self._reads.on_arrival = self._host.regather
             self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1
 
     def _engine_params(self) -> list[torch.Tensor]:
