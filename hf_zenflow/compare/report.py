@@ -92,6 +92,13 @@ def _load(r: dict[str, Any]) -> str:
     return f"{load['others_cores']:.2f}" + ("" if steal is None else f", {100 * steal:.1f} %")
 
 
+def _peak_device(r: dict[str, Any]) -> str:
+    peak, per_param = r.get("peak_device_bytes"), r.get("peak_device_bytes_per_param")
+    if peak is None:
+        return "n/a"
+    return f"{format_size(peak)} ({per_param:.2f} B/param)" if per_param else format_size(peak)
+
+
 def rows(metric_name: str, cuda: bool) -> list[Row]:
     """Every row of the full table; `headline` marks the terminal's subset."""
     memory = (Row("peak device memory", _get("peak_device_memory_bytes", format_size), "peak_device_memory_bytes",
@@ -123,6 +130,11 @@ def rows(metric_name: str, cuda: bool) -> list[Row]:
             "optimizer_state_device_bytes", headline=True),
         Row("optimizer state on host", _get("optimizer_state_host_bytes", format_size), "optimizer_state_host_bytes"),
         memory,
+        Row("peak device bytes: weights + grads + optimizer state", _peak_device, "peak_device_bytes",
+            headline=True),
+        Row("  last (ordinary) step's peak", _get("step_peak_device_bytes", format_size), "step_peak_device_bytes"),
+        Row("parameters offloaded (share in matrices with host state)", _get("offloaded_params_fraction",
+                                                                            format_utilization), headline=True),
         # the three runs share one process, so a later run's peak includes what earlier runs left: no ratio
         Row("host RSS peak, whole process", _get("host_rss_peak_bytes", format_size), headline=not cuda),
         Row("other processes' CPU: cores, steal", _load, headline=True),
