@@ -41,12 +41,23 @@ class FreedGradient:
     landed: Landed
     shape: torch.Size
     stride: tuple[int, ...]
+    #: a re-selection's column scores of this gradient (`selection.column_scores_of`), taken in the hook
+    scores: torch.Tensor | None = None
 
     def restore(self, split: SplitMatrix, device: torch.device) -> torch.Tensor:
         """The gradient again, on `device`, in its own layout, from the host copy (which has landed)."""
         out = torch.empty_strided(self.shape, self.stride, dtype=self.stand_in.dtype, device=device)
         split.matrix(out).copy_(self.source)
         return out
+
+    def gather_selected(self, split: SplitMatrix) -> None:
+        """The selected columns of this gradient into the device columns' buffer, from the host copy (which has
+        landed): after a re-selection, which chose them from the scores."""
+        cols = split.device
+        if self.source.device == cols.grad.device:
+            cols.gather_grad(self.source)
+        else:  # (a copy to the device: the columns only)
+            cols.grad.copy_(torch.index_select(self.source, cols.axis, cols.index.to(self.source.device)))
 
 
 @dataclass

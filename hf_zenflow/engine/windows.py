@@ -31,8 +31,10 @@ from .handoff import EarlyCopies, FreedGradient, HandOff
 from .held_handoff import HeldHandOff
 from .host import HostMatrix, accumulate_into, link_grad_dtype, moment_dtype
 from .host_lr import LrScaleRecord
-from .schedule import WindowSchedule
-from .split_matrix import SplitMatrix
+from .params import is_split
+from .schedule import StepKind, WindowSchedule
+from .selection import num_selected
+from .split_matrix import SplitMatrix, selection_scores
 from .telemetry import StepTimer, ZenFlowStats
 from .window_close import WindowCloses
 from .worker import HostAdamWorker
@@ -72,9 +74,14 @@ class HostWindows(WindowCloses):
         self.accumulate_chosen: str | None = None
         #: the host step's learning-rate multiplier of the last full window (`stats()["host_lr_scale"]`)
         self.lr_scale = LrScaleRecord()
-        #: whether the coming step's gradients of offloaded matrices may be freed in backward (`may_free`; set by
-        #: the optimizer after each step from `free_gradients_in_backward` and the next step's kind)
-        self.free_next = False
+        #: the kind of the coming step when its gradients of offloaded matrices may be freed in backward, else None
+        #: (`may_free`; set by the optimizer from `free_gradients_in_backward` and the schedule)
+        self.free_kind: StepKind | None = None
+        #: creates a matrix's state in its first backward hook (the first step, so that it can be freed too), or
+        #: None (set by the optimizer)
+        self.create_in_backward: Callable[[torch.Tensor], SplitMatrix | None] | None = None
+        #: the thread that may start the worker from a backward hook (the optimizer's; not a device's autograd thread)
+        self._home_thread = threading.current_thread()
         #: the device's peak so far, for ``device_memory_limit_bytes`` (`accumulation.decide`; set by the optimizer)
         self.device_peak: Callable[[], int] = lambda: 0
 
@@ -164,16 +171,33 @@ class HostWindows(WindowCloses):
             self.transports[kind] = CpuShardTransport() if shard else transport_for(split.param.device)
         return self.transports[kind]
 
+    def _decide(self, splits: list[SplitMatrix], shares: dict) -> None:
+        freed = sum(s.host_part(s.param).numel() * s.param.element_size() for s in splits) \
+            if self.free_kind is not None else 0
+        self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group,
+                                                     peak=self.device_peak(), freed_bytes=freed)
+
+    def decide_accumulation(self, entries: list[tuple[dict, torch.Tensor]], schedule: WindowSchedule) -> None:
+        """``accumulate_on="auto"``'s choice over the matrices of `entries` that will have host state, before any
+        exists (the first step's backward, when its state is created in the hooks, `HostWindows.grad_ready`)."""
+        splits = []
+        for group, p in entries:
+            if is_split(p, group, self.config):
+                split = SplitMatrix(p, 0, rows=bool(group.get("select_rows", False)))
+                split.k = num_selected(self.config.topk_ratio, split.columns)
+                if split.offloaded or schedule.in_warm_up():
+                    splits.append(split)
+        if splits:
+            self._decide(splits, {id(s): self.shards.share(1 - s.axis, s.matrix(s.param).shape[1 - s.axis])
+                                  for s in splits})
+
     def attach_host(self, splits: list[SplitMatrix]) -> None:
         """Create the host state of `splits`, their link buffers from one reservation per transport."""
         shares = {id(s): self.shards.share(1 - s.axis, s.matrix(s.param).shape[1 - s.axis]) for s in splits}
         if self.accumulate_on is None and splits:
             # "auto" decides at the first host state: the first step's gradients exist (its forward and backward
             # have run), and every rank creates its first host state at the same step
-            freed = sum(s.host_part(s.param).numel() * s.param.element_size() for s in splits) \
-                if self.config.free_gradients_in_backward != "off" else 0
-            self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group,
-                                                         peak=self.device_peak(), freed_bytes=freed)
+            self._decide(splits, shares)
         accumulate_on = self.accumulate_on
         linked = {id(s): link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype) for s in splits}
         moments = moment_dtype(self.config.host_moment_dtype)
@@ -260,12 +284,18 @@ class HostWindows(WindowCloses):
         if sums_on_device(self.accumulate_on):
             return None
         split = self.splits.get(p)
+        if split is None and self.free_kind is not None and self.create_in_backward is not None:
+            split = self.create_in_backward(p)  # (the first step: its state now, so that its gradient can go)
+            if sums_on_device(self.accumulate_on):  # ("auto" decided just now)
+                return None
         if split is None or split.host is None:
             return None
         transport = self.transport_of(split)
         free = self.may_free(split, g)
         if not (free or transport.stages_gradients):
             return None
+        if free and self.worker is None and threading.current_thread() is self._home_thread:
+            self.ensure_worker()  # (the first step, whose gradients are freed: the worker starts in its backward)
         with self._early_lock:
             if self.early is None:
                 if self.worker is None:
@@ -281,22 +311,33 @@ class HostWindows(WindowCloses):
         if not free:
             early.copies[p] = (weakref.ref(g), g._version, source, landed)
             return None
-        # The selected columns stay on the device for their update (read from `g` on the compute stream before it
-        # goes; CUDA: the copy to the host reads `g` on the side stream, which `record_stream` protects from reuse)
-        split.device.gather_grad(split.matrix(g))
+        scores = None
+        if self.free_kind is StepKind.SELECT:
+            # a re-selection ranks the columns by this gradient: their scores stay on the device (one float per
+            # column), the same computation `reselection.select_columns` makes
+            scores = selection_scores(split, g)
+        elif split.device is not None:
+            # The selected columns stay on the device for their update (read from `g` on the compute stream before
+            # it goes; CUDA: the copy to the host reads `g` on the side stream, which `record_stream` protects)
+            split.device.gather_grad(split.matrix(g))
         stand_in = g.new_empty(0)
         early.copies[p] = (weakref.ref(stand_in), stand_in._version, source, landed)
-        early.freed[p] = FreedGradient(stand_in, source, landed, g.shape, g.stride())
+        early.freed[p] = FreedGradient(stand_in, source, landed, g.shape, g.stride(), scores)
         split.owner.grad = None  # the device's memory for this gradient goes now
         return stand_in
 
     def may_free(self, split: SplitMatrix, g: torch.Tensor) -> bool:
         """Whether `split`'s gradient `g` leaves the device in its backward hook: freeing is on for the coming step
-        (`free_next`, an ordinary step: its device update needs only the selected columns), the matrix has device
-        columns, and the gradient crosses the link in its own dtype (so that it can come back exactly when a later
-        micro-batch adds to it, `regather`)."""
-        return (self.free_next and split.device is not None and split.host is not None
-                and split.host.grad_dtype == g.dtype and split.owner is split.param)
+        (`free_kind`), the matrix's device update then needs at most its selected columns (an ordinary step: the
+        matrix has its columns, or none are selected, k=0; warm-up: the host updates every column; a re-selection:
+        the column scores, and the new columns' gradient comes back from the host), and the gradient crosses the
+        link in its own dtype (so that it can come back exactly, `regather`)."""
+        kind = self.free_kind
+        if kind is None or split.host is None or split.host.grad_dtype != g.dtype or split.owner is not split.param:
+            return False
+        if kind is StepKind.ORDINARY:
+            return split.device is not None or split.k == 0
+        return kind is StepKind.SELECT or split.device is None
 
     @property
     def freed(self) -> dict[torch.Tensor, FreedGradient]:

@@ -32,8 +32,8 @@ class StepSequence:
         timer = StepTimer()
         unscale, found_inf = amp.scaler_args(self)  # (called by `GradScaler.step`)
         self._scaled = self._scaled or unscale is not None or found_inf is not None
-        if self._host.freed and (self._scaled or self._fsdp.active or self._ensure_schedule().kind() is not
-                                 StepKind.ORDINARY or self._host.accumulate_on != "host"):
+        if self._host.freed and (self._scaled or self._fsdp.active or self._host.accumulate_on != "host"
+                                 or self._ensure_schedule().kind() is not self._host.free_kind):
             # the step needs whole gradients after all (a re-selection forced by a resume or a changed setting, a
             # GradScaler that appeared): the freed ones come back from the host
             self._host.restore_freed()
@@ -69,7 +69,8 @@ class StepSequence:
         with timer.phase("norms"):
             reads = read_gradients(self._split, self._reads, entries, grads, (cached_norms, cached_total, clip),
                                    gather_now, auto=self.config.is_auto_interval, ranks=self._host.param_shards,
-                                   unscale=unscale, found_inf=found_inf, gathered_already=set(freed))
+                                   unscale=unscale, found_inf=found_inf,
+                                   gathered_already=set(freed) if gather_now else None)
         total, gathered, clip = reads.total, reads.gathered, reads.clip  # (clip: with the scaler's 1 / scale)
 
         # ---- 2. an ordinary step launches its device work before it waits -------------------------------------
@@ -110,7 +111,7 @@ class StepSequence:
                 if not early:
                     with timer.phase("select"):
                         if selecting:
-                            reselect(self._host, self._schedule, entries, grads)
+                            gathered |= reselect(self._host, self._schedule, entries, grads)
                         else:
                             select_waiting(self._host, entries, grads, synced.waiting_norms)
                     rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)

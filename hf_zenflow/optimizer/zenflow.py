@@ -41,6 +41,8 @@ from ..engine.gradients import GradientReads
 from ..engine.params import (
     check_group_params,
     check_param_group,
+    create_state,
+    is_split,
     new_schedule,
     offloads_any,
     resolve_config,
@@ -154,6 +156,9 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         self._host.device_peak = lambda: (opt._meter.peak_bytes if (opt := me()) is not None else 0)
         #: the caller clips through `clip_grad_norm_` (free_gradients_in_backward="auto"), a GradScaler was seen
         self._clips_through_optimizer, self._scaled = False, False
+        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        self._host.create_in_backward = lambda p: (opt._create_in_backward(p) if (opt := me()) is not None else None)
+        self._host.free_kind = self._frees_next_step()
         self._weights = WeightMarks()  # notices weights changed from outside the optimizer
         self._param_names: dict[torch.Tensor, str] = {
             p: name for g in self.param_groups for name, p in zip(g.get("param_names", ()), g["params"])
@@ -173,6 +178,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         check_group_params(self.param_groups[-1])
         if hasattr(self, "_reads"):  # a group added after construction: its gradients are read in backward too
             self._reads.watch(self.param_groups[-1]["params"])
+            self._group_of.update({p: self.param_groups[-1] for p in self.param_groups[-1]["params"]})
             self._host.offload_planned = offloads_any(self.param_groups, self.config)
             self._host.claim_cores()
 
@@ -230,7 +236,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         try:
             return self._step(loss)
         finally:
-            self._host.free_next = self._frees_next_step()
+            self._host.free_kind = self._frees_next_step()
             self._meter.finish_step()
             self._reads.clear()  # this backward's reads are used up
             self._host.release_early()  # copies started in backward that this step did not take (skipped step)
@@ -238,17 +244,32 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
             # caller's next forward/backward.
             worker.release()
 
-    def _frees_next_step(self) -> bool:
-        """Whether the next step's gradients of offloaded matrices leave the device in backward
-        (`free_gradients_in_backward`): an ordinary step on one process (not DDP, whose reducer rewrites the
-        gradients after the hooks, nor FSDP2), host window sums, no GradScaler (it reads ``p.grad`` itself), and
-        with "auto" a caller that clips through `clip_grad_norm_`."""
+    def _frees_next_step(self) -> StepKind | None:
+        """The next step's kind when its gradients of offloaded matrices leave the device in backward
+        (`free_gradients_in_backward`), else None: one process (not DDP, whose reducer rewrites the gradients after
+        the hooks, nor FSDP2), host window sums, no GradScaler (it reads ``p.grad`` itself), and with "auto" a
+        caller that clips through `clip_grad_norm_`. Before the first step (no schedule yet): "on" only."""
         setting = self.config.free_gradients_in_backward
-        schedule = self._schedule
-        return (setting == "on" or (setting == "auto" and self._clips_through_optimizer)) \
-            and schedule is not None and schedule.kind() is StepKind.ORDINARY and not self._scaled \
-            and not self._fsdp.active and self._host.shards.ranks == 1 \
-            and not sums_on_device(self._host.accumulate_on) and self._host.accumulate_on is not None
+        if not (setting == "on" or (setting == "auto" and self._clips_through_optimizer)) or self._scaled \
+                or self._fsdp.active or self._host.shards.ranks > 1 or sums_on_device(self._host.accumulate_on):
+            return None
+        if self._schedule is None:
+            return StepKind.WARM_UP if self.config.full_warm_up_rounds > 0 else StepKind.SELECT
+        return self._schedule.kind()
+
+    @torch.no_grad()
+    def _create_in_backward(self, p: torch.Tensor) -> SplitMatrix | None:
+        """The first step's backward hook of `p`: its state now (a split matrix with host state only; the rest
+        waits for `step()`), so that its gradient can leave the device like every later one."""
+        group = self._group_of.get(p)
+        if group is None or self._fsdp.active or not is_split(p, group, self.config):
+            return None
+        schedule = self._ensure_schedule()
+        if self._host.accumulate_on is None:  # ("auto": decided over every matrix that will have host state)
+            self._host.decide_accumulation([(group, q) for group in self.param_groups for q in group["params"]
+                                            if q.requires_grad], schedule)
+        create_state([(group, p)], self._split, self._dense, self.config, schedule, self._host)
+        return self._split.get(p)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """`torch.optim.Optimizer.zero_grad`, and the gradients freed in backward (held on the host for the next
