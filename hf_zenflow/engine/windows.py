@@ -399,6 +399,13 @@ class HostWindows(WindowCloses):
     def finish_hand_off(self, started: HandOff, coef: float | None) -> None:
         """The handed-off gradients (times `coef`) go to the worker: held until the step knows whether it closes
         the window, whose host AdamW job then takes them (`held_handoff.py`)."""
+        if any(g._base is not None for _, g in started.work):
+            # A gradient that is a view of storage its owner keeps and writes again (DDP's gradient_as_bucket_view:
+            # the reducer writes the next backward's gradients into the same bucket on the compute stream):
+            # `record_stream` cannot protect it, since it is never freed. Sync point (device streams only): the
+            # compute stream waits for the copies to the host before any later work, the next backward included.
+            for transport in self.transports.values():
+                transport.compute_waits_for(started.landed)
         for split, _ in started.work:
             split.owner.grad = None  # the worker owns this gradient now (FSDP2: the DTensor's, else it accumulates)
         started.work.clear()
