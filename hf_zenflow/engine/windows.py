@@ -361,16 +361,20 @@ class HostWindows(WindowCloses):
         p.grad.add_(previous)
 
     @torch.no_grad()
-    def restore_freed(self) -> None:
+    def restore_freed(self, factor: torch.Tensor | None = None) -> None:
         """Every freed gradient of this step back into ``p.grad`` (the step turned out to need whole gradients:
-        a re-selection or a setting changed between backward and `step()`). The early copies go too: the step
-        hands the restored gradients off again."""
+        a re-selection or a setting changed between backward and `step()`, a GradScaler's ``unscale_``, whose
+        inverse scale `factor` they are then multiplied by, as the scaler multiplied the others). The early copies
+        go too: the step hands the restored gradients off again."""
         early = self.early
         if early is None or not early.freed:
             return
         for p, freed in list(early.freed.items()):
             freed.landed.wait()  # Sync point (rare): the freed gradient has landed on the host
-            self.splits[p].owner.grad = freed.restore(self.splits[p], p.device)
+            grad = freed.restore(self.splits[p], p.device)
+            if factor is not None:
+                grad.mul_(factor.to(grad.device))
+            self.splits[p].owner.grad = grad
         early.freed.clear()
         early.copies.clear()
 

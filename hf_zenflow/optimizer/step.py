@@ -32,10 +32,12 @@ class StepSequence:
         timer = StepTimer()
         unscale, found_inf = amp.scaler_args(self)  # (called by `GradScaler.step`)
         self._scaled = self._scaled or unscale is not None or found_inf is not None
+        # what `clip_grad_norm_` measured, keyed by the gradients it saw (a freed gradient's stand-in)
+        measured_on = {p: f.stand_in for p, f in self._host.freed.items()}
         if self._host.freed and (self._scaled or self._fsdp.active or self._host.accumulate_on != "host"
                                  or self._ensure_schedule().kind() is not self._host.free_kind):
             # the step needs whole gradients after all (a re-selection forced by a resume or a changed setting, a
-            # GradScaler that appeared): the freed ones come back from the host
+            # GradScaler that appeared): the freed ones come back from the host, the same values
             self._host.restore_freed()
         freed = self._host.freed  # gradients freed in backward: their stand-ins take their place below
         entries = [(group, p) for group in self.param_groups for p in group["params"]
@@ -47,12 +49,16 @@ class StepSequence:
                 raise RuntimeError("ZenFlowAdamW does not support sparse gradients")
         entries, grads = self._fsdp.entries(entries)  # (FSDP2: this rank's shards; else unchanged)
         grads = [freed[p].stand_in if p in freed else g for (_, p), g in zip(entries, grads)]
-        cached_norms, cached_total, clip = self._norm_cache.take(grads)
-        if self._schedule is None and found_inf is not None and not self._fsdp.active and found_inf.item():
+        cached_norms, cached_total, clip = self._norm_cache.take([measured_on.get(p, g)
+                                                                  for (_, p), g in zip(entries, grads)])
+        first = self._schedule is None or (self._schedule.steps == 0 and bool(self._made_in_backward))
+        if first and found_inf is not None and not self._fsdp.active and found_inf.item():
             # Sync point (first step only, which waits for its scalars before any update anyway): the very first
             # step overflowed (a GradScaler starting too high does this a few times); it is skipped before any state
-            # exists, so that it changes nothing at all. (Not under FSDP2, where each rank's flag covers its own
-            # shards only: there the step's all-reduced norm makes every rank skip alike, after creating the state.)
+            # exists, so that it changes nothing at all (state its backward hooks made goes again). (Not under
+            # FSDP2, where each rank's flag covers its own shards only: there the step's all-reduced norm makes
+            # every rank skip alike, after creating the state.)
+            self._forget_backward_state()
             self._stats.skipped_steps += 1
             self._stats.finish_step(timer, skipped=True)
             return loss
@@ -143,6 +149,7 @@ class StepSequence:
                 self._host.abandon_hand_off(started)
             raise
         schedule.steps += 1
+        self._made_in_backward.clear()
         self._auto_lag.maybe_choose(self.config, schedule, self._host)
         self._mark_weights()
         self._stats.finish_step(timer, staleness=sum(self._host.unapplied_steps) + schedule.window_steps)

@@ -157,6 +157,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         #: the caller clips through `clip_grad_norm_` (free_gradients_in_backward="auto"), a GradScaler was seen
         self._clips_through_optimizer, self._scaled = False, False
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        self._made_in_backward: list[torch.Tensor] = []  # the first step's state made in its backward hooks
         self._host.create_in_backward = lambda p: (opt._create_in_backward(p) if (opt := me()) is not None else None)
         self._host.free_kind = self._frees_next_step()
         self._weights = WeightMarks()  # notices weights changed from outside the optimizer
@@ -217,10 +218,21 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         """`GradScaler.unscale_` multiplied every gradient by `inv_scale` in place, without a version bump
         (`engine/amp.py`): what was read of them before must follow or go."""
         self._scaled = True
-        self._host.restore_freed()  # (none unless a scaler appeared mid-run: the scaler reads p.grad itself)
+        # gradients freed in backward (the first step with a scaler, before it was known): the scaler saw none of
+        # them, so they come back unscaled, and their overflow goes to the scaler (`amp.install`)
+        self._host.restore_freed(inv_scale)
         self._reads.rescale(inv_scale)
         self._norm_cache.take([])  # a clip measured before unscale_ no longer describes the gradients
         self._host.forget_early_copies()
+
+    def _freed_overflow(self) -> torch.Tensor | None:
+        """1.0 (a device tensor) when a gradient freed in backward holds an inf or NaN (its hook's norm is not
+        finite), else 0.0; None when none was freed. Added to a GradScaler's overflow check (`amp.install`)."""
+        freed = self._host.freed
+        norms = [n for p, f in freed.items() if (n := self._reads.norm(p, f.stand_in)) is not None]
+        if not norms:
+            return None
+        return (~torch.isfinite(torch.stack([n.float() for n in norms]))).any().float()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -269,7 +281,20 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
             self._host.decide_accumulation([(group, q) for group in self.param_groups for q in group["params"]
                                             if q.requires_grad], schedule)
         create_state([(group, p)], self._split, self._dense, self.config, schedule, self._host)
+        self._made_in_backward.append(p)
         return self._split.get(p)
+
+    def _forget_backward_state(self) -> None:
+        """The first step is skipped: the state its backward hooks made goes again, so that the step changes
+        nothing at all (as when the state is made in `step()`)."""
+        if not self._made_in_backward:
+            return
+        self._host.release_early()
+        for p in self._made_in_backward:
+            self._split.pop(p, None)
+        self._made_in_backward.clear()
+        self._schedule = None
+        self._host.accumulate_chosen = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """`torch.optim.Optimizer.zero_grad`, and the gradients freed in backward (held on the host for the next
@@ -440,7 +465,9 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         """
         self.synchronize()
         self._find_param_shards()
+        self._host.release_early()  # (gradients freed in a backward before the load belong to the old state)
         checkpoint.load(self, state_dict)
+        self._host.free_kind = self._frees_next_step()  # (the restored schedule's next step)
 
     def name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module) -> None:
         """Record parameter names (e.g. ``model.named_parameters()``, or the model): checkpoints then carry them and

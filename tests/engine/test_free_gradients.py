@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW
+from hf_zenflow.engine import accumulation
 from hf_zenflow.engine.device_memory import DeviceMemoryMeter
+from hf_zenflow.engine.schedule import StepKind
 from hf_zenflow.transport import CopyTransport
-from tests.conftest import DEVICE, batches, make_model, param_groups
+from tests.conftest import DEVICE, FREE_GRADIENTS, batches, make_model, param_groups
 
 
 SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=5, min_offload_numel=0,
@@ -65,6 +69,7 @@ def test_freeing_with_staged_copies_changes_no_arithmetic(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(FREE_GRADIENTS == "on", reason='"auto" is "on" in this mode')
 def test_auto_frees_only_when_clipping_goes_through_the_optimizer():
     """"auto": a plain loop that clips with torch's function over the model would miss freed gradients, so nothing
     is freed until the optimizer's own `clip_grad_norm_` is used."""
@@ -74,6 +79,47 @@ def test_auto_frees_only_when_clipping_goes_through_the_optimizer():
     assert no_clip == kept
     assert clipped[0] == kept[0]  # (the first step: not yet known that clipping goes through the optimizer)
     assert all(c < k for c, k in zip(clipped[1:], kept[1:]))
+
+
+@pytest.mark.parametrize("freed_for", [StepKind.SELECT, StepKind.ORDINARY, StepKind.WARM_UP])
+def test_a_step_of_another_kind_brings_the_freed_gradients_back_exactly(freed_for, monkeypatch):
+    """The hooks freed the gradients for one kind of step and the step is of another (a resume, a setting changed
+    between backward and step()): they come back from the host, and the clip measured on them still holds."""
+    kept, kept_losses, _ = _run("off")
+    monkeypatch.setattr(ZenFlowAdamW, "_frees_next_step", lambda self: freed_for)
+    freed, freed_losses, _ = _run("on")
+    assert kept_losses == freed_losses
+    for a, b in zip(kept, freed):
+        assert torch.equal(a, b)
+
+
+def test_auto_counts_the_freed_gradients_against_device_sums():
+    """accumulate_on="auto" with the gradients freed in backward: device sums would keep every offloaded gradient
+    on the device until step(), so a budget that fits the sums and selected columns alone chooses host sums (which
+    free them), and one larger by the gradients' bytes chooses device sums."""
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, **{**SETTINGS, "accumulate_on": "device"})
+    x, y = batches(1)[0]
+    logits = model(x.to(DEVICE)).float()
+    torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.to(DEVICE).view(-1)).backward()
+    opt.step()
+    splits = [s for s in opt._split.values() if s.host is not None]
+    need = accumulation.device_bytes_needed(splits, {id(s): s.share for s in splits}, 4)
+    grads = sum(s.param.numel() * s.param.element_size() for s in splits)
+    opt.close()
+    roomy = math.ceil((need + grads) / (1 - accumulation.MARGIN)) + 1
+    tight = math.ceil(need / (1 - accumulation.MARGIN)) + 1
+    chosen = {}
+    for budget in (tight, roomy):
+        model = make_model()
+        opt = ZenFlowAdamW(param_groups(model), lr=1e-2, **{**SETTINGS, "accumulate_on": "auto"},
+                           device_memory_budget_bytes=budget, free_gradients_in_backward="on")
+        logits = model(x.to(DEVICE)).float()
+        torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.to(DEVICE).view(-1)).backward()
+        opt.step()
+        chosen[budget] = opt.stats()["accumulate_on"]
+        opt.close()
+    assert chosen[tight] != "device" and chosen[roomy] == "device"
 
 
 def test_meter_counts_weights_gradients_and_state_exactly():
