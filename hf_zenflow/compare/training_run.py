@@ -61,14 +61,15 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
             # --device-memory-budget: ZenFlow's whole step is held to it (accumulate_on="auto" decides under it)
             device_memory_budget_bytes=cpu_device_budget(model) if cfg.device_memory_budget is None else None,
             device_memory_limit_bytes=cfg.device_memory_budget,
-            free_gradients_in_backward="on" if cfg.max_grad_norm == 0 else "auto",  # (clips through the optimizer)
         )
         if cfg.resolved_embedding_select() == "rows":
             tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
             rows = [p for p in groups[0]["params"] if id(p) in tables]
             groups[0]["params"] = [p for p in groups[0]["params"] if id(p) not in tables]
             groups.append({"params": rows, "weight_decay": cfg.weight_decay, "select_rows": True})
-        return ZenFlowAdamW(groups, config=zcfg, **common)
+        opt = ZenFlowAdamW(groups, config=zcfg, **common)
+        opt.clip_through_optimizer()  # (`TrainingRun._step` clips with `opt.clip_grad_norm_`)
+        return opt
     raise ValueError(f"optimizer {name!r} is unknown: allowed are {OPTIMIZERS}.")
 
 

@@ -138,6 +138,12 @@ class HostWindows(WindowCloses):
             self._shards = RankGroup() if self.param_shards is not None else RankGroup.of(self.process_group)
         return self._shards
 
+    def several_ranks(self) -> bool:
+        """Whether several ranks share the host work, without fixing `shards` before the process group starts."""
+        if self._shards is not None:
+            return self._shards.ranks > 1
+        return self.param_shards is None and RankGroup.of(self.process_group).ranks > 1
+
     @property
     def reduce_group(self) -> RankGroup:
         """The ranks over which per-rank partial sums (selection scores, gradient sums of squares) are summed: the

@@ -180,6 +180,7 @@ class ZenFlowTrainer(Trainer):
         if opt is not None:
             warn_if_replicated()
             opt.name_parameters(target)  # checkpoints carry the names; errors and `convert-checkpoint` use them
+            opt.clip_through_optimizer()  # (`_clip_grad_norm`: gradients freed in backward are clipped too)
         return optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):

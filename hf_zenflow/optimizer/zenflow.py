@@ -183,11 +183,20 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
             self._host.offload_planned = offloads_any(self.param_groups, self.config)
             self._host.claim_cores()
 
+    def clip_through_optimizer(self) -> None:
+        """The caller clips only through `clip_grad_norm_` (or not at all), never with
+        `torch.nn.utils.clip_grad_norm_` over the model, which cannot see gradients freed in backward: with
+        ``free_gradients_in_backward="auto"`` they are freed from the first step on (`ZenFlowTrainer` and
+        `hf-zenflow compare` say so; otherwise "auto" waits for the first `clip_grad_norm_`)."""
+        self._clips_through_optimizer = True
+        self._host.free_kind = self._frees_next_step()
+
     def set_steps_per_epoch(self, steps: int) -> None:
         """Epoch length in optimizer steps, for ``select_strategy="epoch"`` or ``"auto"``."""
         self.config = dataclasses.replace(self.config, steps_per_epoch=int(steps))
         if self._schedule is not None:
             self._schedule.select_period = self.config.select_period()
+            self._host.free_kind = self._frees_next_step()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -263,7 +272,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         caller that clips through `clip_grad_norm_`. Before the first step (no schedule yet): "on" only."""
         setting = self.config.free_gradients_in_backward
         if not (setting == "on" or (setting == "auto" and self._clips_through_optimizer)) or self._scaled \
-                or self._fsdp.active or self._host.shards.ranks > 1 or sums_on_device(self._host.accumulate_on):
+                or self._fsdp.active or self._host.several_ranks() or sums_on_device(self._host.accumulate_on):
             return None
         if self._schedule is None:
             return StepKind.WARM_UP if self.config.full_warm_up_rounds > 0 else StepKind.SELECT

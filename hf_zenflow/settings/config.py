@@ -232,13 +232,14 @@ class ZenFlowConfig:
     free_gradients_in_backward: str = field(
         default="auto",
         metadata={"help": "Free each offloaded matrix's device gradient in its backward hook: the selected columns "
-                  "are gathered on the device for their update, the whole gradient goes to the host (pinned "
-                  "staging on CUDA) and p.grad becomes None at once, so the device never holds every gradient. "
-                  "Applies with host window sums on ordinary steps (not during warm-up, re-selection, "
-                  "DDP, FSDP2 or with a GradScaler: docs/memory.md). Clip through optimizer.clip_grad_norm_ (the "
-                  "Trainer does): torch.nn.utils.clip_grad_norm_ over the model cannot see freed gradients. "
-                  "\"auto\": on under ZenFlowTrainer and `hf-zenflow compare` (which clip through the optimizer), "
-                  "off in a plain loop; \"on\" / \"off\" (or True / False) everywhere.",
+                  "are gathered on the device for their update (a re-selection keeps the column scores and gathers "
+                  "the new columns from the host copy), the whole gradient goes to the host (pinned staging on "
+                  "CUDA) and p.grad becomes None at once, so the device never holds every gradient. Applies with "
+                  "host window sums on one process (not under DDP or FSDP2, nor once a GradScaler is seen: "
+                  "docs/memory.md). Clip through optimizer.clip_grad_norm_: torch.nn.utils.clip_grad_norm_ over "
+                  "the model cannot see freed gradients. \"auto\": on from the first step under ZenFlowTrainer and "
+                  "`hf-zenflow compare` (they clip through the optimizer), in a plain loop from the step after the "
+                  "first optimizer.clip_grad_norm_; \"on\" / \"off\" (or True / False) from the first step / never.",
                   "choices": ("auto", "on", "off")},
     )
     cpu_threads: int | None = field(
