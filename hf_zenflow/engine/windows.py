@@ -82,6 +82,7 @@ class HostWindows(WindowCloses):
         self.create_in_backward: Callable[[torch.Tensor], SplitMatrix | None] | None = None
         #: the thread that may start the worker from a backward hook (the optimizer's; not a device's autograd thread)
         self._home_thread = threading.current_thread()
+        self._create_lock = threading.Lock()
         #: the device's peak so far, for ``device_memory_limit_bytes`` (`accumulation.decide`; set by the optimizer)
         self.device_peak: Callable[[], int] = lambda: 0
 
@@ -291,7 +292,10 @@ class HostWindows(WindowCloses):
             return None
         split = self.splits.get(p)
         if split is None and self.free_kind is not None and self.create_in_backward is not None:
-            split = self.create_in_backward(p)  # (the first step: its state now, so that its gradient can go)
+            # (the first step: its state now, so that its gradient can go; once at a time, as devices' autograd
+            # threads may get here together)
+            with self._create_lock:
+                split = self.splits.get(p) or self.create_in_backward(p)
             if sums_on_device(self.accumulate_on):  # ("auto" decided just now)
                 return None
         if split is None or split.host is None:
