@@ -120,8 +120,7 @@ class GradientReads:
         elif self.reduced_later():
             return
         if self.on_arrival is not None:
-            self.on_arrival(p)  # (an earlier micro-batch's gradient that was freed comes back and is added)
-            g = p.grad
+            self.on_arrival(p)  # (an earlier micro-batch's gradient that was freed comes back, added into `g`)
         norm = torch_norm(g)
         self._norms[p] = (weakref.ref(g), g._version, norm)
         if self.on_ready is not None:

@@ -431,6 +431,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
             self._reads.remove()
             self._reads = GradientReads(current)
             self._reads.on_ready = self._host.grad_ready
+            self._group_of = {p: g for g in self.param_groups for p in g["params"]}
             self._meter = DeviceMemoryMeter(current, self._meter.state_bytes)
             self._reads.meter = self._meter
             self._reads.on_arrival = self._host.regather
