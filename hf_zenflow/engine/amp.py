@@ -11,7 +11,9 @@ Two recipes reach the optimizer, and both are supported:
   rewrites ``p.grad`` in place WITHOUT bumping its version counter, so what the backward hooks read before it (the
   norms, and on CUDA the gradients' early copies to the host) would silently still look current. `install` wraps
   `GradScaler.unscale_` so that afterwards it tells the optimizer (`ZenFlowAdamW._grads_unscaled`), which multiplies
-  the hooks' norms by the same ``1 / scale`` and drops the early copies. `step()` then gets ``grad_scale=None``
+  the hooks' norms by the same ``1 / scale`` and keeps the early copies, which the host adds times ``1 / scale``
+  (read in the step's one sync) instead of copying the gradients again; beforehand the compute stream waits for
+  those copies, so that the in-place rewrite cannot race them. `step()` then gets ``grad_scale=None``
   and the gradients are taken as they are. Gradients freed in backward (`free_gradients_in_backward`) were not in
   ``p.grad`` for the scaler: they come back from the host unscaled, and whether any of them overflowed is added to
   the scaler's ``found_inf``, so that the scale backs off for them too. (Freeing then stops for the run.)
@@ -41,6 +43,9 @@ def install() -> None:
 
     @functools.wraps(original)
     def unscale_(self: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        prepare = getattr(optimizer, "_before_unscale", None)
+        if prepare is not None and self.is_enabled():
+            prepare()
         original(self, optimizer)
         notify = getattr(optimizer, "_grads_unscaled", None)
         if notify is not None and self.is_enabled():

@@ -162,6 +162,8 @@ class Synced:
     coef: float | None
     waiting_norms: list[float]
     masses: list[tuple[float, float]]
+    #: the inverse scale still on the copies the hooks made before a GradScaler's ``unscale_`` (None: none)
+    copies_factor: float | None = None
 
 
 @dataclass
@@ -179,10 +181,13 @@ class StepReads:
     waiting: list[int] = field(default_factory=list)
     probe: list[torch.Tensor] = field(default_factory=list)
 
-    def sync(self, clipped: bool, entries: int) -> Synced:
+    def sync(self, clipped: bool, entries: int, copies_factor: torch.Tensor | None = None) -> Synced:
         """Read `probe` on the host (Sync point: waits for backward and the norms). `clipped`: a clip coefficient
-        was measured; `entries`: the step's number of parameters with a gradient."""
-        values = torch.stack([v.float().to(self.probe[0].device) for v in self.probe]).tolist()
+        was measured; `entries`: the step's number of parameters with a gradient; `copies_factor`: a device scalar
+        read in the same sync (`Synced.copies_factor`)."""
+        probe = self.probe + ([copies_factor] if copies_factor is not None else [])
+        values = torch.stack([v.float().to(self.probe[0].device) for v in probe]).tolist()
+        factor = values.pop() if copies_factor is not None else None
         coef = values[1] if clipped else None
         finite = math.isfinite(values[0]) and (coef is None or math.isfinite(coef))
         waiting_norms = [0.0] * entries
@@ -191,7 +196,7 @@ class StepReads:
         n = len(self.auto_split)
         masses = [(values[2 + j], values[2 + n + j]) for j in range(n)]
         # multiplying by exactly 1 changes nothing: no pass for it
-        return Synced(finite, None if coef == 1.0 else coef, waiting_norms, masses)
+        return Synced(finite, None if coef == 1.0 else coef, waiting_norms, masses, factor)
 
     def votes(self, synced: Synced) -> list[bool]:
         """Zen-auto's votes of this step (one per matrix it watches), from the synced masses."""

@@ -28,6 +28,9 @@ class HandOff:
     sources: list[tuple[HostMatrix, torch.Tensor]]
     landed: Landed
     done: bool = False  # submitted or abandoned: the slot is accounted for
+    #: sources copied in backward before a GradScaler's ``unscale_``: still scaled, the host multiplies them by the
+    #: inverse scale (`HeldHandOff`) instead of copying them again
+    scaled: list[tuple[HostMatrix, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -70,3 +73,5 @@ class EarlyCopies:
     copies: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor, Landed]] = field(default_factory=dict)
     #: the gradients freed in backward, by parameter
     freed: dict[torch.Tensor, FreedGradient] = field(default_factory=dict)
+    #: the inverse scale still on these copies (a GradScaler's ``unscale_`` ran after them), or None
+    factor: torch.Tensor | None = None

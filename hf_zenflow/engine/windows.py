@@ -83,6 +83,9 @@ class HostWindows(WindowCloses):
         #: the thread that may start the worker from a backward hook (the optimizer's; not a device's autograd thread)
         self._home_thread = threading.current_thread()
         self._create_lock = threading.Lock()
+        #: this step's `Synced.copies_factor` (the inverse scale on the copies made before ``unscale_``), set after
+        #: the step's sync
+        self.copies_factor: float | None = None
         #: the device's peak so far, for ``device_memory_limit_bytes`` (`accumulation.decide`; set by the optimizer)
         self.device_peak: Callable[[], int] = lambda: 0
 
@@ -253,11 +256,13 @@ class HostWindows(WindowCloses):
         grant = early.grant if early is not None else self.worker.take_slot()
         try:
             sources: list[tuple[HostMatrix, torch.Tensor]] = []
+            scaled: list[tuple[HostMatrix, torch.Tensor]] = []
             landed, todo = Landed(), []
             for split, g in work:
                 seen = early.copies.get(split.param) if early is not None else None
                 if seen is not None and seen[0]() is g and seen[1] == g._version:
-                    sources.append((split.host, seen[2]))  # copied in backward, and unchanged since
+                    # copied in backward, and unchanged since (but for a GradScaler's unscale_: then still scaled)
+                    (scaled if early.factor is not None else sources).append((split.host, seen[2]))
                     landed.events += seen[3].events
                 else:
                     todo.append((split, g))
@@ -276,7 +281,7 @@ class HostWindows(WindowCloses):
         except BaseException:
             grant.give_back()
             raise
-        return HandOff(grant, work, sources, landed)
+        return HandOff(grant, work, sources, landed, scaled=scaled)
 
     def grad_ready(self, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
         """Backward has finished `p`'s gradient (a `GradientReads` hook): on a transport that copies (CUDA), start
@@ -388,6 +393,24 @@ class HostWindows(WindowCloses):
         early.freed.clear()
         early.copies.clear()
 
+    def scale_early_copies(self, factor: torch.Tensor) -> None:
+        """The gradients were multiplied by `factor` in place without a version bump (`GradScaler.unscale_`): the
+        copies the hooks started hold the values before (`order_after_early_copies` made the rewrite wait for
+        them), so the host multiplies them by `factor` when it adds them (exact for the scaler's powers of two)
+        instead of copying every gradient again."""
+        if self.early is not None:
+            self.early.factor = factor
+
+    def order_after_early_copies(self) -> None:
+        """Sync point (device streams only): the compute stream waits for the copies the hooks started, so that an
+        in-place rewrite of the gradients that follows (``unscale_``) runs after they have read them."""
+        early = self.early
+        if early is None:
+            return
+        landed = Landed([e for *_, arrived in early.copies.values() for e in arrived.events])
+        for transport in self.transports.values():
+            transport.compute_waits_for(landed)
+
     def forget_early_copies(self) -> None:
         """The gradients were rewritten in place without a version bump (`GradScaler.unscale_`): the copies the
         hooks started may hold the old values, so `start_hand_off` copies again. It keeps the slot: on CUDA the new
@@ -423,7 +446,7 @@ class HostWindows(WindowCloses):
         for split, _ in started.work:
             split.owner.grad = None  # the worker owns this gradient now (FSDP2: the DTensor's, else it accumulates)
         started.work.clear()
-        self.held.hold(started, coef)
+        self.held.hold(started, coef, self.copies_factor)
 
     def _sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
                           ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:

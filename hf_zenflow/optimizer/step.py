@@ -78,6 +78,8 @@ class StepSequence:
                                    unscale=unscale, found_inf=found_inf,
                                    gathered_already=set(freed) if gather_now else None)
         total, gathered, clip = reads.total, reads.gathered, reads.clip  # (clip: with the scaler's 1 / scale)
+        # the inverse scale on the copies made in backward before a GradScaler's unscale_ (read in the sync below)
+        copies_factor = self._host.early.factor if self._host.early is not None else None
 
         # ---- 2. an ordinary step launches its device work before it waits -------------------------------------
         # The fused AdamW takes the non-finite flag as a device tensor and changes nothing when it is set, so the
@@ -101,7 +103,8 @@ class StepSequence:
             with timer.phase("norms"):
                 # Sync point, the only one of an ordinary step: the caller waits for the backward pass (and the norms)
                 # to finish and reads a few scalars (`StepReads.sync`).
-                synced = reads.sync(clipped=clip is not None, entries=len(entries))
+                synced = reads.sync(clipped=clip is not None, entries=len(entries), copies_factor=copies_factor)
+                self._host.copies_factor = synced.copies_factor
             if not synced.finite:
                 if started is not None:
                     self._host.abandon_hand_off(started)

@@ -232,7 +232,12 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         self._host.restore_freed(inv_scale)
         self._reads.rescale(inv_scale)
         self._norm_cache.take([])  # a clip measured before unscale_ no longer describes the gradients
-        self._host.forget_early_copies()
+        self._host.scale_early_copies(inv_scale)  # (they are added times inv_scale: no second copy)
+
+    def _before_unscale(self) -> None:
+        """`GradScaler.unscale_` is about to rewrite the gradients in place: the copies to the host started in
+        backward must have read them first (`amp.install`)."""
+        self._host.order_after_early_copies()
 
     def _freed_overflow(self) -> torch.Tensor | None:
         """1.0 (a device tensor) when a gradient freed in backward holds an inf or NaN (its hook's norm is not
