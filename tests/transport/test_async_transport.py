@@ -196,7 +196,8 @@ def test_unscale_runs_after_the_copies_started_in_backward(monkeypatch):
     """The Trainer's fp16 order (unscale_, clip, step) on a lazy double, whose copies run only when something
     waits for them (as late as CUDA may run them): the copies the hooks started are kept after unscale_, so
     unscale_'s in-place rewrite must wait for them (else they read the unscaled values, a torn read here)."""
-    from tests.engine.test_amp import _assert_same_weights, _run as run_amp
+    from tests.engine.test_amp import _assert_same_weights
+    from tests.engine.test_amp import _run as run_amp
 
     backends: list[AsyncCopies] = []
 
