@@ -86,6 +86,8 @@ class HostWindows(WindowCloses):
         #: this step's `Synced.copies_factor` (the inverse scale on the copies made before ``unscale_``), set after
         #: the step's sync
         self.copies_factor: float | None = None
+        #: the first step's link buffers were reserved at once when its state is made in the backward hooks
+        self.reserved_ahead = False
         #: the device's peak so far, for ``device_memory_limit_bytes`` (`accumulation.decide`; set by the optimizer)
         self.device_peak: Callable[[], int] = lambda: 0
 
@@ -187,9 +189,10 @@ class HostWindows(WindowCloses):
         self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group,
                                                      peak=self.device_peak(), freed_bytes=freed)
 
-    def decide_accumulation(self, entries: list[tuple[dict, torch.Tensor]], schedule: WindowSchedule) -> None:
-        """``accumulate_on="auto"``'s choice over the matrices of `entries` that will have host state, before any
-        exists (the first step's backward, when its state is created in the hooks, `HostWindows.grad_ready`)."""
+    def prepare_first_state(self, entries: list[tuple[dict, torch.Tensor]], schedule: WindowSchedule) -> None:
+        """Before the first step's state is made in its backward hooks (`HostWindows.grad_ready`), for the matrices
+        of `entries` that will have host state: ``accumulate_on="auto"``'s choice over all of them, and their link
+        buffers' reservation."""
         splits = []
         for group, p in entries:
             if is_split(p, group, self.config):
@@ -197,9 +200,18 @@ class HostWindows(WindowCloses):
                 split.k = num_selected(self.config.topk_ratio, split.columns)
                 if split.offloaded or schedule.in_warm_up():
                     splits.append(split)
-        if splits:
-            self._decide(splits, {id(s): self.shards.share(1 - s.axis, s.matrix(s.param).shape[1 - s.axis])
-                                  for s in splits})
+        if not splits:
+            return
+        shares = {id(s): self.shards.share(1 - s.axis, s.matrix(s.param).shape[1 - s.axis]) for s in splits}
+        if self.accumulate_on is None:
+            self._decide(splits, shares)
+        # the link buffers of every matrix in one reservation per transport (one pinned block, as when the state is
+        # made in `step()`); the matrices' `attach_host` calls in their hooks then take from it
+        for transport, group in self.by_transport(splits):
+            transport.reserve(sum(HostMatrix.link_bytes(
+                shares[id(s)].local(s.matrix(s.param)), link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype),
+                self.accumulate_on, transport) for s in group))
+        self.reserved_ahead = True
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:
         """Create the host state of `splits`, their link buffers from one reservation per transport."""
@@ -212,8 +224,9 @@ class HostWindows(WindowCloses):
         linked = {id(s): link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype) for s in splits}
         moments = moment_dtype(self.config.host_moment_dtype)
         for transport, group in self.by_transport(splits):
-            transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), linked[id(s)],
-                                                        accumulate_on, transport) for s in group))
+            if not self.reserved_ahead:  # (`decide_accumulation` reserved for the first step's matrices)
+                transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), linked[id(s)],
+                                                            accumulate_on, transport) for s in group))
             for split in group:
                 split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], moments)
 

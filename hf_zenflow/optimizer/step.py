@@ -153,6 +153,7 @@ class StepSequence:
             raise
         schedule.steps += 1
         self._made_in_backward.clear()
+        self._host.reserved_ahead = False  # (later host state reserves its own buffers)
         self._auto_lag.maybe_choose(self.config, schedule, self._host)
         self._mark_weights()
         self._stats.finish_step(timer, staleness=sum(self._host.unapplied_steps) + schedule.window_steps)

@@ -291,8 +291,8 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         if group is None or self._fsdp.active or not is_split(p, group, self.config):
             return None
         schedule = self._ensure_schedule()
-        if self._host.accumulate_on is None:  # ("auto": decided over every matrix that will have host state)
-            self._host.decide_accumulation([(group, q) for group in self.param_groups for q in group["params"]
+        if not self._made_in_backward:  # ("auto" decides over, and the link buffers are reserved for, all of them)
+            self._host.prepare_first_state([(group, q) for group in self.param_groups for q in group["params"]
                                             if q.requires_grad], schedule)
         create_state([(group, p)], self._split, self._dense, self.config, schedule, self._host)
         self._made_in_backward.append(p)
@@ -309,6 +309,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         self._made_in_backward.clear()
         self._schedule = None
         self._host.accumulate_chosen = None
+        self._host.reserved_ahead = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """`torch.optim.Optimizer.zero_grad`, and the gradients freed in backward (held on the host for the next
