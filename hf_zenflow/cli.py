@@ -124,6 +124,10 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    '"none" (the next window boundary)')
     p.add_argument("--min-offload-numel", type=non_negative_int, default=d.min_offload_numel,
                    help="ZenFlow: matrices with fewer elements stay wholly on the device (e.g. the classifier head)")
+    p.add_argument("--device-memory-budget", type=non_negative_int, default=None, metavar="BYTES",
+                   help="ZenFlow: the device memory its whole step may hold (weights, gradients, optimizer state, "
+                   "window sums), e.g. sync offload's peak from an earlier run's headline; accumulate_on=\"auto\" "
+                   "decides under it (default: the device's free memory)")
     p.add_argument("--select-strategy", default=d.select_strategy, choices=["auto", "step", "epoch"],
                    help='ZenFlow column re-selection: "step"/"epoch" every --select-interval steps/epochs, "auto" '
                    "every epoch")

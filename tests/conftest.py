@@ -139,3 +139,24 @@ def _no_deprecated_calls_from_our_code():
     """A deprecated third-party API called from hf_zenflow/, tests/ or scripts/ fails the test (deprecation_guard)."""
     with no_deprecated_calls_from_our_code():
         yield
+
+
+#: "on": every optimizer of the tests frees its gradients in backward where it applies (`free_gradients_in_backward`
+#: left at "auto" becomes "on"), so that the reference tests run in both modes: ``HF_ZENFLOW_TEST_FREE_GRADIENTS=on``.
+FREE_GRADIENTS = os.environ.get("HF_ZENFLOW_TEST_FREE_GRADIENTS", "auto")
+
+
+@pytest.fixture(autouse=True)
+def _free_gradients_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if FREE_GRADIENTS != "on" or "tests/hf" in str(request.node.fspath).replace(os.sep, "/"):
+        return  # (the settings' own tests check the true default)
+    from hf_zenflow.settings.config import ZenFlowConfig
+
+    original = ZenFlowConfig.__post_init__
+
+    def post_init(self: ZenFlowConfig) -> None:
+        if self.free_gradients_in_backward == "auto":
+            self.free_gradients_in_backward = "on"
+        original(self)
+
+    monkeypatch.setattr(ZenFlowConfig, "__post_init__", post_init)

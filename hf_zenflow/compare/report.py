@@ -92,6 +92,14 @@ def _load(r: dict[str, Any]) -> str:
     return f"{load['others_cores']:.2f}" + ("" if steal is None else f", {100 * steal:.1f} %")
 
 
+def _peak_device(r: dict[str, Any]) -> str:
+    peak, per_param = r.get("peak_device_bytes"), r.get("peak_device_bytes_per_param")
+    if peak is None:
+        return "n/a"
+    # (compact: the headline table must fit an ordinary terminal)
+    return f"{peak / 2**20:.0f} MiB {per_param:.1f}" if per_param else format_size(peak)
+
+
 def rows(metric_name: str, cuda: bool) -> list[Row]:
     """Every row of the full table; `headline` marks the terminal's subset."""
     memory = (Row("peak device memory", _get("peak_device_memory_bytes", format_size), "peak_device_memory_bytes",
@@ -123,6 +131,10 @@ def rows(metric_name: str, cuda: bool) -> list[Row]:
             "optimizer_state_device_bytes", headline=True),
         Row("optimizer state on host", _get("optimizer_state_host_bytes", format_size), "optimizer_state_host_bytes"),
         memory,
+        # weights + gradients on the device + optimizer device state (a CPU device: counted, `device_memory.py`)
+        Row("peak device memory, MiB B/param", _peak_device, "peak_device_bytes", headline=True),
+        Row("  the last step's peak", _get("step_peak_device_bytes", format_size), "step_peak_device_bytes"),
+        Row("parameters offloaded", _get("offloaded_params_fraction", format_utilization), headline=True),
         # the three runs share one process, so a later run's peak includes what earlier runs left: no ratio
         Row("host RSS peak, whole process", _get("host_rss_peak_bytes", format_size), headline=not cuda),
         Row("other processes' CPU: cores, steal", _load, headline=True),

@@ -23,6 +23,7 @@ from hf_zenflow.compare.data import PreparedTask
 from hf_zenflow.compare.plots import ENGINE_PHASES, LABELS
 from hf_zenflow.compare.report import OPTIMIZERS
 from hf_zenflow.compare.timeline import StepClock, TimelineRecorder, device_utilization, wait_ms
+from hf_zenflow.engine.device_memory import DeviceMemoryMeter
 from hf_zenflow.engine.layout import column_major_
 from hf_zenflow.optimizer import SyncOffloadAdamW, ZenFlowAdamW
 from hf_zenflow.settings import ZenFlowConfig
@@ -56,14 +57,19 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
             select_strategy=cfg.select_strategy, select_interval=cfg.select_interval,
             full_warm_up_rounds=cfg.full_warm_up_rounds, cpu_threads=host_cores,
             steps_per_epoch=_steps_per_epoch(cfg), host_lr_scale=cfg.host_lr_scale, writeback_lag=cfg.writeback_lag,
-            min_offload_numel=cfg.min_offload_numel, device_memory_budget_bytes=cpu_device_budget(model),
+            min_offload_numel=cfg.min_offload_numel,
+            # --device-memory-budget: ZenFlow's whole step is held to it (accumulate_on="auto" decides under it)
+            device_memory_budget_bytes=cpu_device_budget(model) if cfg.device_memory_budget is None else None,
+            device_memory_limit_bytes=cfg.device_memory_budget,
         )
         if cfg.resolved_embedding_select() == "rows":
             tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
             rows = [p for p in groups[0]["params"] if id(p) in tables]
             groups[0]["params"] = [p for p in groups[0]["params"] if id(p) not in tables]
             groups.append({"params": rows, "weight_decay": cfg.weight_decay, "select_rows": True})
-        return ZenFlowAdamW(groups, config=zcfg, **common)
+        opt = ZenFlowAdamW(groups, config=zcfg, **common)
+        opt.clip_through_optimizer()  # (`TrainingRun._step` clips with `opt.clip_grad_norm_`)
+        return opt
     raise ValueError(f"optimizer {name!r} is unknown: allowed are {OPTIMIZERS}.")
 
 
@@ -182,6 +188,11 @@ class TrainingRun:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.opt = make_optimizer(name, model, cfg)
         self.is_engine = name != "adamw_torch"
+        # what the device holds at its peak (weights, gradients, optimizer device state): ZenFlow counts its own
+        # (`stats()`), the baselines are counted by their own meter, the same way
+        self.meter = None if name == "zenflow" else DeviceMemoryMeter(
+            model.parameters(), (lambda opt=self.opt: torch_adamw_state_bytes(opt)) if name == "adamw_torch"
+            else (lambda opt=self.opt: int(opt.stats()["device_state_bytes"])), watch=True)
         self.steps = len(task.train_batches)
         self.sched = get_linear_schedule_with_warmup(self.opt, int(cfg.warmup_ratio * self.steps), self.steps)
         self.rec: dict[str, list[float]] = {k: [] for k in (
@@ -243,6 +254,8 @@ class TrainingRun:
         opt.step()
         _sync(device)
         clock.mark()
+        if self.meter is not None:
+            self.meter.finish_step()  # (before zero_grad: the step's gradients and its state)
         self.sched.step()
         opt.zero_grad(set_to_none=True)
         clock.mark()
@@ -292,6 +305,9 @@ class TrainingRun:
             last_stats = dict(opt.stats())
             self.rss_peak = max(self.rss_peak, _rss())
         ev = evaluate(self.model, task, device)
+        memory = self.meter.as_dict() if self.meter is not None else last_stats
+        if self.meter is not None:
+            self.meter.remove()
         if is_engine:
             device_state = int(last_stats.get("device_state_bytes") or 0)
             host_state = int(last_stats.get("host_state_bytes") or 0)
@@ -347,6 +363,14 @@ class TrainingRun:
             # (not separable when the runs take turns on one GPU: every run's memory is allocated at once)
             "peak_device_memory_bytes": torch.cuda.max_memory_allocated(device)
             if device.type == "cuda" and not self.interleaved else None,
+            # weights + gradients held + optimizer device state at the step's peak (`engine/device_memory.py`; CUDA:
+            # max_memory_allocated, shared between runs that take turns), and per parameter
+            "peak_device_bytes": memory.get("peak_device_bytes"),
+            "peak_device_bytes_per_param": memory.get("peak_device_bytes_per_param"),
+            # the last step's peak: an ordinary step (the run's peak may be its first step or a re-selection)
+            "step_peak_device_bytes": memory.get("step_peak_device_bytes"),
+            "offloaded_params_fraction": last_stats.get("offloaded_params_fraction") if name == "zenflow" else None,
+            "device_memory_budget_bytes": cfg.device_memory_budget if name == "zenflow" else None,
             "host_rss_peak_bytes": self.rss_peak,
             "host_rss_start_bytes": self.rss_start,
             "optimizer_state_device_bytes": device_state,

@@ -21,7 +21,13 @@ BENCHMARKS.md §4e.
   - the peak allocated so far (the next step needs that peak again); capped by `device_memory_budget_bytes` when
   it is set; for a model spread over several GPUs (``device_map``), on each GPU for the matrices it holds;
 * a CPU device: `device_memory_budget_bytes` (None: nothing is known, so "host", today's behaviour and what tests
-  and `hf-zenflow compare` rely on).
+  and `hf-zenflow compare` rely on);
+* either: `device_memory_limit_bytes`, the whole memory the step may hold, leaves the limit less the peak counted
+  so far (`device_memory.py`: weights and gradients after the first backward) and caps the rest.
+
+When the gradients are freed in backward (`free_gradients_in_backward`, which needs host sums), device sums also
+keep each offloaded matrix's gradient on the device until `step()` (its clip coefficient is known only then): those
+bytes count against the device sums too.
 
 The sums (fp32, or bf16 for "device_bf16") fit when they, plus the optimizer state the first selection will put
 on the device (fp32 master and two moments of the selected columns, and their gathered gradient: 16 B per selected
@@ -65,23 +71,36 @@ def device_bytes_needed(splits: list[SplitMatrix], shares: dict[int, Share], sum
     return total
 
 
-def available_bytes(device: torch.device, budget: int | None) -> tuple[int | None, int | None]:
+def available_bytes(device: torch.device, budget: int | None, limit: int | None = None,
+                    peak: int = 0) -> tuple[int | None, int | None]:
     """(bytes the device can give the optimizer beyond the next step's peak, the device's size for the margin);
-    (None, None) when unknown (a CPU device without a budget)."""
+    (None, None) when unknown (a CPU device without a budget or a limit). `limit`: the whole memory the step may
+    hold (`device_memory_limit_bytes`), of which `peak` (the peak measured so far) is taken."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        spare = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)
-        spare = max(0, spare)
-        return (spare if budget is None else min(spare, budget)), total
+        peak = torch.cuda.max_memory_allocated(device)
+        spare = max(0, free + torch.cuda.memory_reserved(device) - peak)
+        if budget is not None:
+            spare = min(spare, budget)
+        if limit is not None:
+            spare, total = min(spare, max(0, limit - peak)), min(total, limit)
+        return spare, total
+    if limit is not None:
+        spare = max(0, limit - peak)
+        return (spare if budget is None else min(spare, budget)), limit
     if budget is None:
         return None, None
     return budget, budget
 
 
-def decide(config: ZenFlowConfig, splits: list[SplitMatrix], shares: dict[int, Share], ranks: RankGroup) -> str:
+def decide(config: ZenFlowConfig, splits: list[SplitMatrix], shares: dict[int, Share], ranks: RankGroup,
+           peak: int = 0, frees_gradients: bool = False) -> str:
     """The resolved accumulation for `config.accumulate_on` ("auto" decides; an explicit value stays), agreed by
     every rank of `ranks` (a collective when there are several: call it on every rank at the same step). A model
-    spread over several devices (``device_map``) gets device sums only when each device holds its own matrices'."""
+    spread over several devices (``device_map``) gets device sums only when each device holds its own matrices'.
+    `peak`: the device's peak so far (for `device_memory_limit_bytes`); `frees_gradients`: host sums free the
+    offloaded matrices' gradients in backward (`free_gradients_in_backward`), which device sums keep on the device
+    until `step()`: their bytes count against the device sums."""
     if config.accumulate_on != "auto":
         return config.accumulate_on
     by_device: dict[torch.device, list[SplitMatrix]] = {}
@@ -92,8 +111,10 @@ def decide(config: ZenFlowConfig, splits: list[SplitMatrix], shares: dict[int, S
     fits = [True, True]  # fp32 sums, bf16 sums: on every device
     whys = []
     for device, group in by_device.items():
-        needs = (device_bytes_needed(group, shares, 4), device_bytes_needed(group, shares, 2))
-        spare, size = available_bytes(device, config.device_memory_budget_bytes)
+        kept = sum(s.host_part(s.param).numel() * s.param.element_size() for s in group) if frees_gradients else 0
+        needs = (device_bytes_needed(group, shares, 4) + kept, device_bytes_needed(group, shares, 2) + kept)
+        spare, size = available_bytes(device, config.device_memory_budget_bytes, config.device_memory_limit_bytes,
+                                      peak)
         fits = [f and spare is not None and size is not None and need <= spare - MARGIN * size
                 for f, need in zip(fits, needs)]
         if spare is None:

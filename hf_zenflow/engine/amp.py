@@ -11,8 +11,12 @@ Two recipes reach the optimizer, and both are supported:
   rewrites ``p.grad`` in place WITHOUT bumping its version counter, so what the backward hooks read before it (the
   norms, and on CUDA the gradients' early copies to the host) would silently still look current. `install` wraps
   `GradScaler.unscale_` so that afterwards it tells the optimizer (`ZenFlowAdamW._grads_unscaled`), which multiplies
-  the hooks' norms by the same ``1 / scale`` and drops the early copies. `step()` then gets ``grad_scale=None``
-  and the gradients are taken as they are.
+  the hooks' norms by the same ``1 / scale`` and keeps the early copies, which the host adds times ``1 / scale``
+  (read in the step's one sync) instead of copying the gradients again; beforehand the compute stream waits for
+  those copies, so that the in-place rewrite cannot race them. `step()` then gets ``grad_scale=None``
+  and the gradients are taken as they are. Gradients freed in backward (`free_gradients_in_backward`) were not in
+  ``p.grad`` for the scaler: they come back from the host unscaled, and whether any of them overflowed is added to
+  the scaler's ``found_inf``, so that the scale backs off for them too. (Freeing then stops for the run.)
 
 `GradScaler.update()` still sees the scaler's own ``found_inf`` either way, so the scale backs off after an overflow.
 """
@@ -30,13 +34,18 @@ _WRAPPED = "_hf_zenflow_notifies"
 
 def install() -> None:
     """Wrap `torch.amp.GradScaler.unscale_` (once per process) so that an optimizer defining
-    ``_grads_unscaled(inv_scale)`` hears of it after its gradients were unscaled. Other optimizers see no change."""
+    ``_grads_unscaled(inv_scale)`` hears of it after its gradients were unscaled, and the scaler's overflow check
+    (``_unscale_grads_``, under ``unscale_`` and ``step``) so that one defining ``_freed_overflow()`` adds the
+    overflow of gradients that are not in ``p.grad``. Other optimizers see no change."""
     original = torch.amp.GradScaler.unscale_
     if getattr(original, _WRAPPED, False):
         return
 
     @functools.wraps(original)
     def unscale_(self: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        prepare = getattr(optimizer, "_before_unscale", None)
+        if prepare is not None and self.is_enabled():
+            prepare()
         original(self, optimizer)
         notify = getattr(optimizer, "_grads_unscaled", None)
         if notify is not None and self.is_enabled():
@@ -44,6 +53,18 @@ def install() -> None:
 
     setattr(unscale_, _WRAPPED, True)
     torch.amp.GradScaler.unscale_ = unscale_  # type: ignore[method-assign]
+    check = torch.amp.GradScaler._unscale_grads_
+
+    @functools.wraps(check)
+    def unscale_grads_(self: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *args: Any) -> dict:
+        found = check(self, optimizer, *args)
+        overflow = getattr(optimizer, "_freed_overflow", None)
+        extra = overflow() if overflow is not None else None
+        if extra is not None:  # gradients the scaler did not see (freed in backward): their overflow counts too
+            found[extra.device] = found[extra.device] + extra if extra.device in found else extra
+        return found
+
+    torch.amp.GradScaler._unscale_grads_ = unscale_grads_  # type: ignore[method-assign]
 
 
 def inverse(scale: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..distributed.sharding import RankGroup, is_dtensor
+from .device_memory import DeviceMemoryMeter
 from .device_step import gather_selected, norms_and_gather
 
 
@@ -74,11 +75,16 @@ class GradientReads:
         # parameter -> (its gradient then, that gradient's version then, norm); a weak reference, so that a new
         # gradient at a recycled address is never taken for the one that was read
         self._norms: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor]] = {}
-        #: called with (parameter, gradient) after the norm, e.g. to start the gradient's copy to the host
-        self.on_ready: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        #: called with (parameter, gradient) after the norm, e.g. to start the gradient's copy to the host; returns
+        #: a stand-in when it freed the gradient (`HostWindows.grad_ready`), else None
+        self.on_ready: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
+        #: called with the parameter before the norm (`HostWindows.regather`)
+        self.on_arrival: Callable[[torch.Tensor], None] | None = None
         #: True when each (non-DTensor) gradient is rewritten after its hook by a data-parallel reduction (DDP's
         #: all-reduce): the hooks then read nothing (see the module docstring)
         self.reduced_later: Callable[[], bool] = lambda: False
+        #: counts the device's gradients as they arrive and leave (`device_memory.py`), when set
+        self.meter: DeviceMemoryMeter | None = None
         self._handles: list = []
         self.watch(params)
 
@@ -95,6 +101,14 @@ class GradientReads:
 
     @torch.no_grad()
     def _read(self, p: torch.Tensor) -> None:
+        meter = self.meter
+        if meter is not None:
+            meter.gradient_arrived(p, p.grad)
+        self._read_now(p)
+        if meter is not None and p.grad is None:
+            meter.gradient_left(p)  # freed in backward (`HostWindows.grad_ready`)
+
+    def _read_now(self, p: torch.Tensor) -> None:
         g = p.grad
         if g is None or g.is_sparse or _between_micro_batches():
             return
@@ -105,9 +119,14 @@ class GradientReads:
             p, g = p._local_tensor, g._local_tensor
         elif self.reduced_later():
             return
-        self._norms[p] = (weakref.ref(g), g._version, torch_norm(g))
+        if self.on_arrival is not None:
+            self.on_arrival(p)  # (an earlier micro-batch's gradient that was freed comes back, added into `g`)
+        norm = torch_norm(g)
+        self._norms[p] = (weakref.ref(g), g._version, norm)
         if self.on_ready is not None:
-            self.on_ready(p, g)
+            stand_in = self.on_ready(p, g)
+            if stand_in is not None:  # freed: `step()` sees the stand-in, and the norm describes it
+                self._norms[p] = (weakref.ref(stand_in), stand_in._version, norm)
 
     def norm(self, p: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor | None:
         """The hook's norm of `p`'s gradient `g` (default ``p.grad``), if it still describes that gradient."""
@@ -143,6 +162,8 @@ class Synced:
     coef: float | None
     waiting_norms: list[float]
     masses: list[tuple[float, float]]
+    #: the inverse scale still on the copies the hooks made before a GradScaler's ``unscale_`` (None: none)
+    copies_factor: float | None = None
 
 
 @dataclass
@@ -160,10 +181,13 @@ class StepReads:
     waiting: list[int] = field(default_factory=list)
     probe: list[torch.Tensor] = field(default_factory=list)
 
-    def sync(self, clipped: bool, entries: int) -> Synced:
+    def sync(self, clipped: bool, entries: int, copies_factor: torch.Tensor | None = None) -> Synced:
         """Read `probe` on the host (Sync point: waits for backward and the norms). `clipped`: a clip coefficient
-        was measured; `entries`: the step's number of parameters with a gradient."""
-        values = torch.stack([v.float().to(self.probe[0].device) for v in self.probe]).tolist()
+        was measured; `entries`: the step's number of parameters with a gradient; `copies_factor`: a device scalar
+        read in the same sync (`Synced.copies_factor`)."""
+        probe = self.probe + ([copies_factor] if copies_factor is not None else [])
+        values = torch.stack([v.float().to(self.probe[0].device) for v in probe]).tolist()
+        factor = values.pop() if copies_factor is not None else None
         coef = values[1] if clipped else None
         finite = math.isfinite(values[0]) and (coef is None or math.isfinite(coef))
         waiting_norms = [0.0] * entries
@@ -172,7 +196,7 @@ class StepReads:
         n = len(self.auto_split)
         masses = [(values[2 + j], values[2 + n + j]) for j in range(n)]
         # multiplying by exactly 1 changes nothing: no pass for it
-        return Synced(finite, None if coef == 1.0 else coef, waiting_norms, masses)
+        return Synced(finite, None if coef == 1.0 else coef, waiting_norms, masses, factor)
 
     def votes(self, synced: Synced) -> list[bool]:
         """Zen-auto's votes of this step (one per matrix it watches), from the synced masses."""
@@ -185,14 +209,16 @@ def read_gradients(
     grads: list[torch.Tensor], measured: tuple[list[torch.Tensor] | None, torch.Tensor | None, torch.Tensor | None],
     gather_now: bool, auto: bool, ranks: RankGroup | None = None,
     unscale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+    gathered_already: set[torch.Tensor] | None = None,
 ) -> StepReads:
     """Norms from `clip_grad_norm_` (`measured`: norms, total, clip coefficient) or from the backward hooks, the
     rest read now; the selected columns gathered (an ordinary step); Zen-auto's masses (`auto`). `ranks`: under
     FSDP2 each rank reads its shards of the gradients, and the sums of squares are summed across these ranks.
     `unscale`: the gradients still carry a GradScaler's scale, and this is 1 / scale (`amp.py`); `found_inf`: the
-    scaler's overflow flag (set: the step is skipped)."""
+    scaler's overflow flag (set: the step is skipped). `gathered_already`: matrices whose selected columns the
+    backward hooks gathered (their gradients were freed)."""
     cached_norms, cached_total, clip = measured
-    gathered: set[torch.Tensor] = set()
+    gathered: set[torch.Tensor] = set(gathered_already or ())
     if cached_norms:
         norms = list(cached_norms)
     else:

@@ -28,6 +28,39 @@ class HandOff:
     sources: list[tuple[HostMatrix, torch.Tensor]]
     landed: Landed
     done: bool = False  # submitted or abandoned: the slot is accounted for
+    #: sources copied in backward before a GradScaler's ``unscale_``: still scaled, the host multiplies them by the
+    #: inverse scale (`HeldHandOff`) instead of copying them again
+    scaled: list[tuple[HostMatrix, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class FreedGradient:
+    """A gradient that left the device in its backward hook (`HostWindows.grad_ready`): the empty stand-in `step()`
+    sees in its place (its dtype and device; the hooks' norm is keyed by it), the host copy the worker reads, what
+    that copy waits for, and the gradient's shape and strides (to bring it back: `restore`)."""
+
+    stand_in: torch.Tensor
+    source: torch.Tensor
+    landed: Landed
+    shape: torch.Size
+    stride: tuple[int, ...]
+    #: a re-selection's column scores of this gradient (`selection.column_scores_of`), taken in the hook
+    scores: torch.Tensor | None = None
+
+    def restore(self, split: SplitMatrix, device: torch.device) -> torch.Tensor:
+        """The gradient again, on `device`, in its own layout, from the host copy (which has landed)."""
+        out = torch.empty_strided(self.shape, self.stride, dtype=self.stand_in.dtype, device=device)
+        split.matrix(out).copy_(self.source)
+        return out
+
+    def gather_selected(self, split: SplitMatrix) -> None:
+        """The selected columns of this gradient into the device columns' buffer, from the host copy (which has
+        landed): after a re-selection, which chose them from the scores."""
+        cols = split.device
+        if self.source.device == cols.grad.device:
+            cols.gather_grad(self.source)
+        else:  # (a copy to the device: the columns only)
+            cols.grad.copy_(torch.index_select(self.source, cols.axis, cols.index.to(self.source.device)))
 
 
 @dataclass
@@ -38,3 +71,7 @@ class EarlyCopies:
 
     grant: GradSlot
     copies: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor, Landed]] = field(default_factory=dict)
+    #: the gradients freed in backward, by parameter
+    freed: dict[torch.Tensor, FreedGradient] = field(default_factory=dict)
+    #: the inverse scale still on these copies (a GradScaler's ``unscale_`` ran after them), or None
+    factor: torch.Tensor | None = None

@@ -27,12 +27,13 @@ def row_scores(items: list[tuple[SplitMatrix, torch.Tensor]]) -> dict[int, torch
 
 
 def reselect(host: HostWindows, schedule: WindowSchedule, entries: list[tuple[dict, torch.Tensor]],
-             grads: list[torch.Tensor]) -> None:
+             grads: list[torch.Tensor]) -> set[torch.Tensor]:
     """Choose new device columns from this step's gradients and migrate state to match.
 
     The open window is closed first and every host result applied, so the host master is current for all columns
     it owns; then the outgoing device columns are copied into the host state and the incoming ones gathered from it
-    (master values, moments, no reset).
+    (master values, moments, no reset). Returns the matrices whose gradients were freed in backward: their
+    selected columns are gathered from the host copies (`select_columns`).
     """
     if schedule.window_steps > 0:
         host.close_window(schedule, StepTimer(), sequential=True)
@@ -41,8 +42,9 @@ def reselect(host: HostWindows, schedule: WindowSchedule, entries: list[tuple[di
     for split in host.splits.values():  # (a resumed run may have a new topk_ratio)
         split.k = num_selected(host.config.topk_ratio, split.columns)
     pairs = [(host.splits[p], g) for (_, p), g in zip(entries, grads) if p in host.splits]
-    select_columns(host, pairs)
+    gathered = select_columns(host, pairs)
     schedule.reselections += 1
+    return gathered
 
 
 def select_waiting(host: HostWindows, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor],
@@ -61,21 +63,25 @@ def select_waiting(host: HostWindows, entries: list[tuple[dict, torch.Tensor]], 
     select_columns(host, todo)
 
 
-def select_columns(host: HostWindows, pairs: list[tuple[SplitMatrix, torch.Tensor]]) -> None:
+def select_columns(host: HostWindows, pairs: list[tuple[SplitMatrix, torch.Tensor]]) -> set[torch.Tensor]:
     """Choose each matrix's device columns from its gradient and migrate the state to match: the outgoing device
     columns' master values and moments go to the host state, the incoming columns' come from it (no reset). The
-    caller has drained the host worker.
+    caller has drained the host worker. A gradient freed in backward brings its scores from the hook, and its
+    selected columns are then gathered from its host copy (returned: those matrices).
 
     Sync point (selection only): the scores are read on the host (an all-zero gradient ranks nothing, e.g. LoRA's
     lora_A while lora_B is still zero: the matrix keeps its columns, or waits for a later step), and the state
     moves with blocking copies.
     """
     ranks = host.shards
+    freed = host.freed
     todo = [(split, g) for split, g in pairs if split.release_columns(host.attach_host)]
     scored = [(split, g) for split, g in todo if split.offloaded]
     # one threaded kernel pass for the contiguous row-scored matrices of a CPU device (one rank: whole matrices)
-    fast = row_scores([(split, split.matrix(g)) for split, g in scored]) if ranks.ranks == 1 else {}
-    scores = [fast[id(split)] if id(split) in fast else split.local_scores(g) for split, g in scored]
+    fast = row_scores([(split, split.matrix(g)) for split, g in scored if split.param not in freed]) \
+        if ranks.ranks == 1 else {}
+    scores = [freed[split.param].scores if split.param in freed else fast[id(split)] if id(split) in fast
+              else split.local_scores(g) for split, g in scored]
     # Collective: the ranks' partial sums (their shares of the rows under DDP, their FSDP2 shards) summed, so that
     # every rank selects the same columns
     host.reduce_group.all_reduce_sum(scores)
@@ -91,3 +97,12 @@ def select_columns(host: HostWindows, pairs: list[tuple[SplitMatrix, torch.Tenso
     cols = {id(split): whole[3 * i:3 * i + 3] for i, (split, _) in enumerate(hosted)}
     for split, index in chosen:
         split.install_columns(index, cols.get(id(split)))
+    # the freed gradients' selected columns (new or kept) come back from their host copies for this step's update
+    regathered: set[torch.Tensor] = set()
+    for split, _ in pairs:
+        record = freed.get(split.param)
+        if record is not None and split.device is not None:
+            record.landed.wait()  # Sync point (re-selection only): the freed gradient has landed on the host
+            record.gather_selected(split)
+            regathered.add(split.param)
+    return regathered

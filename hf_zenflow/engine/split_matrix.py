@@ -14,6 +14,7 @@ import torch
 
 from ..distributed.sharding import RankGroup, Share
 from ..settings.config import DEVICE_SUM_DTYPES, sums_on_device
+from ..transport.cpu_device import kernels
 from ..transport.link import Transport
 from .device_state import DenseDeviceState, DeviceColumns
 from .host import HostMatrix
@@ -149,6 +150,16 @@ class SplitMatrix:
         if not self.offloaded:
             self.detach_host()  # every column on the device (topk_ratio=1): the host keeps nothing
         self.auto.reset()
+
+def selection_scores(split: SplitMatrix, grad: torch.Tensor) -> torch.Tensor:
+    """`split`'s column scores of `grad` on one rank, as `reselection.select_columns` computes them: the CPU
+    kernels' row pass for contiguous row-scored matrices (column-major weights, `select_rows`), else
+    `SplitMatrix.local_scores`."""
+    m = split.matrix(grad)
+    if split.axis == 0 and m.ndim == 2 and kernels.supports(m) and kernels.library() is not None:
+        return kernels.row_scores([m])[0]
+    return split.local_scores(grad)
+
 
 def master_value(param: torch.Tensor, splits: dict[torch.Tensor, SplitMatrix],
                  dense: dict[torch.Tensor, DenseDeviceState], ranks: RankGroup | None = None) -> torch.Tensor:

@@ -71,6 +71,10 @@ class ZenFlowStats:
     - ``ranks``: data-parallel ranks sharing the host work (each rank's host state covers 1/``ranks`` of every
       offloaded matrix, `distributed/sharding.py`); ``gather_buffer_bytes``: the write-back's all-gather buffer (on the
       device with NCCL, on the host with gloo), 0 with one rank;
+    - ``peak_device_bytes``: the most the device held in any step so far (CUDA: ``max_memory_allocated``; a CPU
+      device: weights + gradients on the device + optimizer device state, `device_memory.py`),
+      ``step_peak_device_bytes`` the last step's, ``peak_device_bytes_per_param`` over the parameters' elements,
+      ``weight_bytes``; ``offloaded_params_fraction``: the share of the parameters in matrices with host state;
     - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says; docs/threads.md).
     """
 
@@ -125,6 +129,23 @@ class ZenFlowStats:
         return out
 
 
+def device_state_bytes(splits: dict, dense: dict) -> int:
+    """Optimizer state on the device: the selected columns (master, moments, gathered gradient), the dense
+    parameters' state and the device-side window sums."""
+    matrices = splits.values()
+    return (sum(s.device.nbytes() for s in matrices if s.device is not None)
+            + sum(d.nbytes() for d in dense.values())
+            + sum(s.window_sum.nbytes for s in matrices if s.window_sum is not None))
+
+
+def offloaded_params_fraction(splits: dict, dense: dict) -> float:
+    """The share of the parameters' elements in matrices with host state (the rest, e.g. matrices under
+    `min_offload_numel` and 1-D parameters, live whole on the device)."""
+    total = sum(s.param.numel() for s in splits.values()) + sum(p.numel() for p in dense)
+    hosted = sum(s.param.numel() for s in splits.values() if s.host is not None)
+    return hosted / total if total else 0.0
+
+
 def state_sizes(splits: dict, dense: dict) -> dict[str, float]:
     """The `stats()` figures about where the state lives: the fraction of matrix elements updated on the device each
     step, the bytes held on each side, and host bytes per element of the matrices with host state (16 B of AdamW
@@ -134,8 +155,7 @@ def state_sizes(splits: dict, dense: dict) -> dict[str, float]:
     on_device = sum(s.param.numel() * (s.k / s.columns) for s in matrices if s.device is not None)
     hosted = sum(s.host.master.numel() for s in matrices if s.host is not None)
     host_bytes = sum(s.host.nbytes() for s in matrices if s.host is not None)
-    device_bytes = (sum(s.device.nbytes() for s in matrices if s.device is not None)
-                    + sum(d.nbytes() for d in dense.values())
-                    + sum(s.window_sum.nbytes for s in matrices if s.window_sum is not None))
     return {"selected_fraction": on_device / total if total else 1.0, "host_state_bytes": host_bytes,
-            "device_state_bytes": device_bytes, "host_bytes_per_param": host_bytes / hosted if hosted else 0.0}
+            "device_state_bytes": device_state_bytes(splits, dense),
+            "host_bytes_per_param": host_bytes / hosted if hosted else 0.0,
+            "offloaded_params_fraction": offloaded_params_fraction(splits, dense)}

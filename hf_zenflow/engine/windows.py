@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,12 +27,14 @@ from ..transport.cpu_device.transport import CpuShardTransport
 from . import accumulation
 from .device_state import DenseDeviceState
 from .device_step import device_update
-from .handoff import EarlyCopies, HandOff
+from .handoff import EarlyCopies, FreedGradient, HandOff
 from .held_handoff import HeldHandOff
 from .host import HostMatrix, accumulate_into, link_grad_dtype, moment_dtype
 from .host_lr import LrScaleRecord
-from .schedule import WindowSchedule
-from .split_matrix import SplitMatrix
+from .params import is_split
+from .schedule import StepKind, WindowSchedule
+from .selection import num_selected
+from .split_matrix import SplitMatrix, selection_scores
 from .telemetry import StepTimer, ZenFlowStats
 from .window_close import WindowCloses
 from .worker import HostAdamWorker, cuda_device_of
@@ -71,6 +74,22 @@ class HostWindows(WindowCloses):
         self.accumulate_chosen: str | None = None
         #: the host step's learning-rate multiplier of the last full window (`stats()["host_lr_scale"]`)
         self.lr_scale = LrScaleRecord()
+        #: the kind of the coming step when its gradients of offloaded matrices may be freed in backward, else None
+        #: (`may_free`; set by the optimizer from `free_gradients_in_backward` and the schedule)
+        self.free_kind: StepKind | None = None
+        #: creates a matrix's state in its first backward hook (the first step, so that it can be freed too), or
+        #: None (set by the optimizer)
+        self.create_in_backward: Callable[[torch.Tensor], SplitMatrix | None] | None = None
+        #: the thread that may start the worker from a backward hook (the optimizer's; not a device's autograd thread)
+        self._home_thread = threading.current_thread()
+        self._create_lock = threading.Lock()
+        #: this step's `Synced.copies_factor` (the inverse scale on the copies made before ``unscale_``), set after
+        #: the step's sync
+        self.copies_factor: float | None = None
+        #: the first step's link buffers were reserved at once when its state is made in the backward hooks
+        self.reserved_ahead = False
+        #: the device's peak so far, for ``device_memory_limit_bytes`` (`accumulation.decide`; set by the optimizer)
+        self.device_peak: Callable[[], int] = lambda: 0
 
     @property
     def accumulate_on(self) -> str | None:
@@ -126,6 +145,12 @@ class HostWindows(WindowCloses):
             self._shards = RankGroup() if self.param_shards is not None else RankGroup.of(self.process_group)
         return self._shards
 
+    def several_ranks(self) -> bool:
+        """Whether several ranks share the host work, without fixing `shards` before the process group starts."""
+        if self._shards is not None:
+            return self._shards.ranks > 1
+        return self.param_shards is None and RankGroup.of(self.process_group).ranks > 1
+
     @property
     def reduce_group(self) -> RankGroup:
         """The ranks over which per-rank partial sums (selection scores, gradient sums of squares) are summed: the
@@ -161,19 +186,49 @@ class HostWindows(WindowCloses):
             self.stats.device_clocks.append(self.transports[kind].take_device_ms)  # (`writeback_device_ms`)
         return self.transports[kind]
 
+    def _decide(self, splits: list[SplitMatrix], shares: dict) -> None:
+        self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group,
+                                                     peak=self.device_peak(),
+                                                     frees_gradients=self.free_kind is not None)
+
+    def prepare_first_state(self, entries: list[tuple[dict, torch.Tensor]], schedule: WindowSchedule) -> None:
+        """Before the first step's state is made in its backward hooks (`HostWindows.grad_ready`), for the matrices
+        of `entries` that will have host state: ``accumulate_on="auto"``'s choice over all of them, and their link
+        buffers' reservation."""
+        splits = []
+        for group, p in entries:
+            if is_split(p, group, self.config):
+                split = SplitMatrix(p, 0, rows=bool(group.get("select_rows", False)))
+                split.k = num_selected(self.config.topk_ratio, split.columns)
+                if split.offloaded or schedule.in_warm_up():
+                    splits.append(split)
+        if not splits:
+            return
+        shares = {id(s): self.shards.share(1 - s.axis, s.matrix(s.param).shape[1 - s.axis]) for s in splits}
+        if self.accumulate_on is None:
+            self._decide(splits, shares)
+        # the link buffers of every matrix in one reservation per transport (one pinned block, as when the state is
+        # made in `step()`); the matrices' `attach_host` calls in their hooks then take from it
+        for transport, group in self.by_transport(splits):
+            transport.reserve(sum(HostMatrix.link_bytes(
+                shares[id(s)].local(s.matrix(s.param)), link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype),
+                self.accumulate_on, transport) for s in group))
+        self.reserved_ahead = True
+
     def attach_host(self, splits: list[SplitMatrix]) -> None:
         """Create the host state of `splits`, their link buffers from one reservation per transport."""
         shares = {id(s): self.shards.share(1 - s.axis, s.matrix(s.param).shape[1 - s.axis]) for s in splits}
         if self.accumulate_on is None and splits:
             # "auto" decides at the first host state: the first step's gradients exist (its forward and backward
             # have run), and every rank creates its first host state at the same step
-            self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group)
+            self._decide(splits, shares)
         accumulate_on = self.accumulate_on
         linked = {id(s): link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype) for s in splits}
         moments = moment_dtype(self.config.host_moment_dtype)
         for transport, group in self.by_transport(splits):
-            transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), linked[id(s)],
-                                                        accumulate_on, transport) for s in group))
+            if not self.reserved_ahead:  # (`decide_accumulation` reserved for the first step's matrices)
+                transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), linked[id(s)],
+                                                            accumulate_on, transport) for s in group))
             for split in group:
                 split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], moments)
 
@@ -216,11 +271,13 @@ class HostWindows(WindowCloses):
         grant = early.grant if early is not None else self.worker.take_slot()
         try:
             sources: list[tuple[HostMatrix, torch.Tensor]] = []
+            scaled: list[tuple[HostMatrix, torch.Tensor]] = []
             landed, todo = Landed(), []
             for split, g in work:
                 seen = early.copies.get(split.param) if early is not None else None
                 if seen is not None and seen[0]() is g and seen[1] == g._version:
-                    sources.append((split.host, seen[2]))  # copied in backward, and unchanged since
+                    # copied in backward, and unchanged since (but for a GradScaler's unscale_: then still scaled)
+                    (scaled if early.factor is not None else sources).append((split.host, seen[2]))
                     landed.events += seen[3].events
                 else:
                     todo.append((split, g))
@@ -239,34 +296,135 @@ class HostWindows(WindowCloses):
         except BaseException:
             grant.give_back()
             raise
-        return HandOff(grant, work, sources, landed)
+        return HandOff(grant, work, sources, landed, scaled=scaled)
 
-    def grad_ready(self, p: torch.Tensor, g: torch.Tensor) -> None:
+    def grad_ready(self, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
         """Backward has finished `p`'s gradient (a `GradientReads` hook): on a transport that copies (CUDA), start
         its copy to the host now, so that it overlaps the rest of backward instead of following `step()`'s sync.
         The first such gradient of a step takes the hand-off slot (a stall only while the worker is two steps
-        behind); `start_hand_off` keeps the copies whose gradient has not changed since, and copies the rest."""
+        behind); `start_hand_off` keeps the copies whose gradient has not changed since, and copies the rest.
+
+        When the gradient may be freed (`may_free`), on any transport: the selected columns are gathered into the
+        device columns' buffer, the whole gradient goes to the host, and ``p.grad`` is set to None. Returns the
+        stand-in that `step()` then sees for it (an empty tensor of the gradient's dtype and device, `FreedGradient`),
+        or None when the gradient stays."""
         if sums_on_device(self.accumulate_on):
-            return
+            return None
         split = self.splits.get(p)
+        if split is None and self.free_kind is not None and self.create_in_backward is not None:
+            # (the first step: its state now, so that its gradient can go; once at a time, as devices' autograd
+            # threads may get here together)
+            with self._create_lock:
+                split = self.splits.get(p) or self.create_in_backward(p)
+            if sums_on_device(self.accumulate_on):  # ("auto" decided just now)
+                return None
         if split is None or split.host is None:
-            return
+            return None
         transport = self.transport_of(split)
-        if not transport.stages_gradients:
-            return
+        free = self.may_free(split, g)
+        if not (free or transport.stages_gradients):
+            return None
+        if free and self.worker is None and threading.current_thread() is self._home_thread:
+            self.ensure_worker()  # (the first step, whose gradients are freed: the worker starts in its backward)
         with self._early_lock:
             if self.early is None:
                 if self.worker is None:
                     # (after `close()`) never started here: it would take this autograd thread for the training
                     # thread whose cores it shares (`settings/threads.py`); `step()` starts it and copies this step's
                     # grads.
-                    return
+                    return None
                 self.early = EarlyCopies(self.worker.take_slot())
             early = self.early
         ((_, source),), landed = transport.hand_off([(split, g)], early.grant.slot)
         with self._early_lock:  # two devices' autograd threads may count at once (`+=` is not atomic)
             self.stats.bytes_to_host += split.host_part(g).numel() * split.host.grad_dtype.itemsize
-        early.copies[p] = (weakref.ref(g), g._version, source, landed)
+        if not free:
+            early.copies[p] = (weakref.ref(g), g._version, source, landed)
+            return None
+        scores = None
+        if self.free_kind is StepKind.SELECT:
+            # a re-selection ranks the columns by this gradient: their scores stay on the device (one float per
+            # column), the same computation `reselection.select_columns` makes
+            scores = selection_scores(split, g)
+        elif split.device is not None:
+            # The selected columns stay on the device for their update (read from `g` on the compute stream before
+            # it goes; CUDA: the copy to the host reads `g` on the side stream, which `record_stream` protects)
+            split.device.gather_grad(split.matrix(g))
+        stand_in = g.new_empty(0)
+        early.copies[p] = (weakref.ref(stand_in), stand_in._version, source, landed)
+        early.freed[p] = FreedGradient(stand_in, source, landed, g.shape, g.stride(), scores)
+        split.owner.grad = None  # the device's memory for this gradient goes now
+        return stand_in
+
+    def may_free(self, split: SplitMatrix, g: torch.Tensor) -> bool:
+        """Whether `split`'s gradient `g` leaves the device in its backward hook: freeing is on for the coming step
+        (`free_kind`), the matrix's device update then needs at most its selected columns (an ordinary step: the
+        matrix has its columns, or none are selected, k=0; warm-up: the host updates every column; a re-selection:
+        the column scores, and the new columns' gradient comes back from the host), and the gradient crosses the
+        link in its own dtype (so that it can come back exactly, `regather`)."""
+        kind = self.free_kind
+        if kind is None or split.host is None or split.host.grad_dtype != g.dtype or split.owner is not split.param:
+            return False
+        if kind is StepKind.ORDINARY:
+            return split.device is not None or split.k == 0
+        return kind is StepKind.SELECT or split.device is None
+
+    @property
+    def freed(self) -> dict[torch.Tensor, FreedGradient]:
+        early = self.early
+        return early.freed if early is not None else {}
+
+    @torch.no_grad()
+    def regather(self, p: torch.Tensor) -> None:
+        """A gradient of `p` arrived while an earlier one of this step was freed (micro-batches of a plain loop):
+        the freed one comes back from the host and the new one is added to it, in place, so that ``p.grad`` holds
+        their sum as autograd would have made it (the same additions; exact, since the host copy is in the
+        gradient's dtype). The sum is then read (and freed) like any gradient."""
+        early = self.early
+        freed = early.freed.pop(p, None) if early is not None else None
+        if freed is None:
+            return
+        early.copies.pop(p, None)
+        split = self.splits[p]
+        freed.landed.wait()  # Sync point (micro-batches only): the freed gradient has landed on the host
+        previous = freed.restore(split, p.device)
+        p.grad.add_(previous)
+
+    @torch.no_grad()
+    def restore_freed(self, factor: torch.Tensor | None = None) -> None:
+        """Every freed gradient of this step back into ``p.grad`` (the step turned out to need whole gradients:
+        a re-selection or a setting changed between backward and `step()`, a GradScaler's ``unscale_``, whose
+        inverse scale `factor` they are then multiplied by, as the scaler multiplied the others). The early copies
+        go too: the step hands the restored gradients off again."""
+        early = self.early
+        if early is None or not early.freed:
+            return
+        for p, freed in list(early.freed.items()):
+            freed.landed.wait()  # Sync point (rare): the freed gradient has landed on the host
+            grad = freed.restore(self.splits[p], p.device)
+            if factor is not None:
+                grad.mul_(factor.to(grad.device))
+            self.splits[p].owner.grad = grad
+        early.freed.clear()
+        early.copies.clear()
+
+    def scale_early_copies(self, factor: torch.Tensor) -> None:
+        """The gradients were multiplied by `factor` in place without a version bump (`GradScaler.unscale_`): the
+        copies the hooks started hold the values before (`order_after_early_copies` made the rewrite wait for
+        them), so the host multiplies them by `factor` when it adds them (exact for the scaler's powers of two)
+        instead of copying every gradient again."""
+        if self.early is not None:
+            self.early.factor = factor
+
+    def order_after_early_copies(self) -> None:
+        """Sync point (device streams only): the compute stream waits for the copies the hooks started, so that an
+        in-place rewrite of the gradients that follows (``unscale_``) runs after they have read them."""
+        early = self.early
+        if early is None:
+            return
+        landed = Landed([e for *_, arrived in early.copies.values() for e in arrived.events])
+        for transport in self.transports.values():
+            transport.compute_waits_for(landed)
 
     def forget_early_copies(self) -> None:
         """The gradients were rewritten in place without a version bump (`GradScaler.unscale_`): the copies the
@@ -293,10 +451,17 @@ class HostWindows(WindowCloses):
     def finish_hand_off(self, started: HandOff, coef: float | None) -> None:
         """The handed-off gradients (times `coef`) go to the worker: held until the step knows whether it closes
         the window, whose host AdamW job then takes them (`held_handoff.py`)."""
+        if any(g._base is not None for _, g in started.work):
+            # A gradient that is a view of storage its owner keeps and writes again (DDP's gradient_as_bucket_view:
+            # the reducer writes the next backward's gradients into the same bucket on the compute stream):
+            # `record_stream` cannot protect it, since it is never freed. Sync point (device streams only): the
+            # compute stream waits for the copies to the host before any later work, the next backward included.
+            for transport in self.transports.values():
+                transport.compute_waits_for(started.landed)
         for split, _ in started.work:
             split.owner.grad = None  # the worker owns this gradient now (FSDP2: the DTensor's, else it accumulates)
         started.work.clear()
-        self.held.hold(started, coef)
+        self.held.hold(started, coef, self.copies_factor)
 
     def _sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
                           ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:

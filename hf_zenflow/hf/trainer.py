@@ -188,6 +188,7 @@ class ZenFlowTrainer(Trainer):
             opt.drained_by = type(self).__name__  # this Trainer synchronises, flushes and closes it itself
             warn_if_replicated()
             opt.name_parameters(target)  # checkpoints carry the names; errors and `convert-checkpoint` use them
+            opt.clip_through_optimizer()  # (`_clip_grad_norm`: gradients freed in backward are clipped too)
         return optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):

@@ -21,7 +21,11 @@ MEAN_STATS = ("critical_path_ms", "cp_wait_ms", "host_step_ms", "bytes_to_host",
 #: `opt.stats()` keys reported as their latest value (the current interval, or counters).
 LAST_STATS = ("update_interval", "steps", "windows", "reselections", "skipped_steps",
               # `high_lr_rule="auto"`'s choice (0: not engaged) and the host AdamW's beta1 it implies
-              "high_lr_window", "host_beta1")
+              "high_lr_window", "host_beta1",
+              # what the device held at its peak so far (weights, gradients, optimizer device state), per parameter,
+              # and the share of the parameters offloaded
+              "peak_device_bytes", "peak_device_bytes_per_param", "step_peak_device_bytes",
+              "offloaded_params_fraction")
 TELEMETRY_PREFIX = "zenflow/"
 #: The device's busy share of the training loop's wall time between optimizer steps: 1 - (the steps' device waits,
 #: `telemetry.DEVICE_WAIT_PHASES`) / (their wall time), as `hf-zenflow compare` reports it.

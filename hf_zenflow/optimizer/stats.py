@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..engine.device_memory import DeviceMemoryMeter
 from ..engine.host_lr import host_lr_scale, peak_lr, rule_beta1, rule_window, window_lag
 from ..engine.schedule import WindowSchedule
 from ..engine.telemetry import ZenFlowStats, state_sizes
@@ -19,6 +20,7 @@ def optimizer_stats(
     splits: dict,
     dense: dict,
     host: HostWindows,
+    meter: DeviceMemoryMeter | None = None,
 ) -> dict[str, float | str]:
     """`ZenFlowAdamW.stats()`: the step counters of `stats` with the schedule's counts, the state sizes and the host
     worker's last job times; ``"accumulate_on"``: where windows are summed, "host", "device" or "device_bf16"
@@ -53,6 +55,7 @@ def optimizer_stats(
     out: dict[str, float | str] = {"accumulate_on": host.accumulate_on or "auto"}
     return out | stats.as_dict(
         **state_sizes(splits, dense),
+        **(meter.as_dict() if meter is not None else {}),
         update_interval=float(interval),
         host_lr_scale=lr_scale,
         writeback_lag=float(schedule.writeback_lag if schedule and schedule.writeback_lag else interval),

@@ -30,20 +30,35 @@ class StepSequence:
 
     def _step(self, loss: float | None) -> float | None:
         timer = StepTimer()
-        entries = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        unscale, found_inf = amp.scaler_args(self)  # (called by `GradScaler.step`)
+        self._scaled = self._scaled or unscale is not None or found_inf is not None
+        # what `clip_grad_norm_` measured, keyed by the gradients it saw (a freed gradient's stand-in)
+        measured_on = {p: f.stand_in for p, f in self._host.freed.items()}
+        if self._host.freed and (self._scaled or self._fsdp.active or self._host.accumulate_on != "host"
+                                 or self._ensure_schedule().kind() is not self._host.free_kind):
+            # the step needs whole gradients after all (a re-selection forced by a resume or a changed setting, a
+            # GradScaler that appeared): the freed ones come back from the host, the same values
+            self._host.restore_freed()
+        freed = self._host.freed  # gradients freed in backward: their stand-ins take their place below
+        entries = [(group, p) for group in self.param_groups for p in group["params"]
+                   if p.grad is not None or p in freed]
         if not entries:
             return loss
         for _, p in entries:
-            if p.grad.is_sparse:
+            if p.grad is not None and p.grad.is_sparse:
                 raise RuntimeError("ZenFlowAdamW does not support sparse gradients")
         entries, grads = self._fsdp.entries(entries)  # (FSDP2: this rank's shards; else unchanged)
-        cached_norms, cached_total, clip = self._norm_cache.take(grads)
-        unscale, found_inf = amp.scaler_args(self)  # (called by `GradScaler.step`)
-        if self._schedule is None and found_inf is not None and not self._fsdp.active and found_inf.item():
+        grads = [freed[p].stand_in if p in freed else g for (_, p), g in zip(entries, grads)]
+        cached_norms, cached_total, clip = self._norm_cache.take([measured_on.get(p, g)
+                                                                  for (_, p), g in zip(entries, grads)])
+        first = self._schedule is None or (self._schedule.steps == 0 and bool(self._made_in_backward))
+        if first and found_inf is not None and not self._fsdp.active and found_inf.item():
             # Sync point (first step only, which waits for its scalars before any update anyway): the very first
             # step overflowed (a GradScaler starting too high does this a few times); it is skipped before any state
-            # exists, so that it changes nothing at all. (Not under FSDP2, where each rank's flag covers its own
-            # shards only: there the step's all-reduced norm makes every rank skip alike, after creating the state.)
+            # exists, so that it changes nothing at all (state its backward hooks made goes again). (Not under
+            # FSDP2, where each rank's flag covers its own shards only: there the step's all-reduced norm makes
+            # every rank skip alike, after creating the state.)
+            self._forget_backward_state()
             self._stats.skipped_steps += 1
             self._stats.finish_step(timer, skipped=True)
             return loss
@@ -60,8 +75,11 @@ class StepSequence:
         with timer.phase("norms"):
             reads = read_gradients(self._split, self._reads, entries, grads, (cached_norms, cached_total, clip),
                                    gather_now, auto=self.config.is_auto_interval, ranks=self._host.param_shards,
-                                   unscale=unscale, found_inf=found_inf)
+                                   unscale=unscale, found_inf=found_inf,
+                                   gathered_already=set(freed) if gather_now else None)
         total, gathered, clip = reads.total, reads.gathered, reads.clip  # (clip: with the scaler's 1 / scale)
+        # the inverse scale on the copies made in backward before a GradScaler's unscale_ (read in the sync below)
+        copies_factor = self._host.early.factor if self._host.early is not None else None
 
         # ---- 2. an ordinary step launches its device work before it waits -------------------------------------
         # The fused AdamW takes the non-finite flag as a device tensor and changes nothing when it is set, so the
@@ -77,6 +95,7 @@ class StepSequence:
                 with timer.phase("device_update"):
                     device_update(self._split, self._dense, entries, grads, clip, gathered, rewritten=rewritten,
                                   found_inf=bad.float())
+                self._meter.note()  # (the device's peak of the step: every gradient still held, the state updated)
                 with timer.phase("handoff"):
                     started = self._host.start_hand_off(entries, grads)
 
@@ -84,7 +103,8 @@ class StepSequence:
             with timer.phase("norms"):
                 # Sync point, the only one of an ordinary step: the caller waits for the backward pass (and the norms)
                 # to finish and reads a few scalars (`StepReads.sync`).
-                synced = reads.sync(clipped=clip is not None, entries=len(entries))
+                synced = reads.sync(clipped=clip is not None, entries=len(entries), copies_factor=copies_factor)
+                self._host.copies_factor = synced.copies_factor
             if not synced.finite:
                 if started is not None:
                     self._host.abandon_hand_off(started)
@@ -94,12 +114,13 @@ class StepSequence:
             coef = synced.coef
 
             if warm_up:
+                self._meter.note()  # (the state exists; the gradients are still held)
                 self._host.warm_up_step(entries, grads, coef, timer, schedule, self._dense)
             else:
                 if not early:
                     with timer.phase("select"):
                         if selecting:
-                            reselect(self._host, self._schedule, entries, grads)
+                            gathered |= reselect(self._host, self._schedule, entries, grads)
                         else:
                             select_waiting(self._host, entries, grads, synced.waiting_norms)
                     rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
@@ -111,6 +132,8 @@ class StepSequence:
                     # with the worker's accumulation for cores and memory bandwidth (`close_window` then finds no
                     # write-back pending).
                     self._host.apply_previous_window(timer)
+                if not early:
+                    self._meter.note()  # (the device's peak of the step, as above)
                 with timer.phase("handoff"):
                     if started is not None:
                         self._host.finish_hand_off(started, coef)
@@ -129,6 +152,8 @@ class StepSequence:
                 self._host.abandon_hand_off(started)
             raise
         schedule.steps += 1
+        self._made_in_backward.clear()
+        self._host.reserved_ahead = False  # (later host state reserves its own buffers)
         self._auto_lag.maybe_choose(self.config, schedule, self._host)
         self._mark_weights()
         self._stats.finish_step(timer, staleness=sum(self._host.unapplied_steps) + schedule.window_steps)

@@ -35,24 +35,27 @@ from .. import checkpoint
 from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
+from ..engine.device_memory import DeviceMemoryMeter
 from ..engine.device_state import DenseDeviceState
 from ..engine.gradients import GradientReads
 from ..engine.params import (
     check_group_params,
     check_param_group,
+    create_state,
+    is_split,
     new_schedule,
     offloads_any,
     resolve_config,
     say_what_is_offloaded,
 )
-from ..engine.schedule import WindowSchedule
+from ..engine.schedule import StepKind, WindowSchedule
 from ..engine.split_matrix import SplitMatrix, master_value
-from ..engine.telemetry import StepTimer, ZenFlowStats
+from ..engine.telemetry import StepTimer, ZenFlowStats, device_state_bytes
 from ..engine.weight_marks import WeightMarks, rekey, reread_masters
 from ..engine.windows import HostWindows
 from ..engine.worker import wait_for_closed_workers
 from ..engine.writeback_lag import AutoWritebackLag
-from ..settings.config import ZenFlowConfig
+from ..settings.config import ZenFlowConfig, sums_on_device
 from .stats import optimizer_stats
 from .step import StepSequence
 
@@ -145,7 +148,20 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
         self._reads = GradientReads(p for g in self.param_groups for p in g["params"])
         self._reads.on_ready = self._host.grad_ready
+        # what the device holds at its peak in a step (`stats()["peak_device_bytes"]`)
+        self._meter = DeviceMemoryMeter((p for g in self.param_groups for p in g["params"]),
+                                        lambda: device_state_bytes(self._split, self._dense))
+        self._reads.meter = self._meter
+        self._reads.on_arrival = self._host.regather
         self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1  # DDP rewrites them after the hooks
+        me = weakref.ref(self)
+        self._host.device_peak = lambda: (opt._meter.peak_bytes if (opt := me()) is not None else 0)
+        #: the caller clips through `clip_grad_norm_` (free_gradients_in_backward="auto"), a GradScaler was seen
+        self._clips_through_optimizer, self._scaled = False, False
+        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        self._made_in_backward: list[torch.Tensor] = []  # the first step's state made in its backward hooks
+        self._host.create_in_backward = lambda p: (opt._create_in_backward(p) if (opt := me()) is not None else None)
+        self._host.free_kind = self._frees_next_step()
         self._weights = WeightMarks()  # notices weights changed from outside the optimizer
         self._param_names: dict[torch.Tensor, str] = {
             p: name for g in self.param_groups for name, p in zip(g.get("param_names", ()), g["params"])
@@ -166,14 +182,24 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         check_group_params(self.param_groups[-1])
         if hasattr(self, "_reads"):  # a group added after construction: its gradients are read in backward too
             self._reads.watch(self.param_groups[-1]["params"])
+            self._group_of.update({p: self.param_groups[-1] for p in self.param_groups[-1]["params"]})
             self._host.offload_planned = offloads_any(self.param_groups, self.config)
             self._host.claim_cores()
+
+    def clip_through_optimizer(self) -> None:
+        """The caller clips only through `clip_grad_norm_` (or not at all), never with
+        `torch.nn.utils.clip_grad_norm_` over the model, which cannot see gradients freed in backward: with
+        ``free_gradients_in_backward="auto"`` they are freed from the first step on (`ZenFlowTrainer` and
+        `hf-zenflow compare` say so; otherwise "auto" waits for the first `clip_grad_norm_`)."""
+        self._clips_through_optimizer = True
+        self._host.free_kind = self._frees_next_step()
 
     def set_steps_per_epoch(self, steps: int) -> None:
         """Epoch length in optimizer steps, for ``select_strategy="epoch"`` or ``"auto"``."""
         self.config = dataclasses.replace(self.config, steps_per_epoch=int(steps))
         if self._schedule is not None:
             self._schedule.select_period = self.config.select_period()
+            self._host.free_kind = self._frees_next_step()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -184,8 +210,10 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         columns and into the host accumulation, which read the gradient anyway.
         """
         self._find_param_shards()
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        grads = [self._fsdp.grad(p) for p in params]
+        self._clips_through_optimizer = True
+        freed = self._host.freed  # (gradients freed in backward: their stand-ins, whose norms the hooks took)
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None or p in freed]
+        grads = [freed[p].stand_in if p in freed else self._fsdp.grad(p) for p in params]
         known = [self._reads.norm(self._fsdp.local(p), g) for p, g in zip(params, grads)] if norm_type == 2.0 \
             else None
         norms, total = grad_norms(grads, norm_type, known)
@@ -201,9 +229,27 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
     def _grads_unscaled(self, inv_scale: torch.Tensor) -> None:
         """`GradScaler.unscale_` multiplied every gradient by `inv_scale` in place, without a version bump
         (`engine/amp.py`): what was read of them before must follow or go."""
+        self._scaled = True
+        # gradients freed in backward (the first step with a scaler, before it was known): the scaler saw none of
+        # them, so they come back unscaled, and their overflow goes to the scaler (`amp.install`)
+        self._host.restore_freed(inv_scale)
         self._reads.rescale(inv_scale)
         self._norm_cache.take([])  # a clip measured before unscale_ no longer describes the gradients
-        self._host.forget_early_copies()
+        self._host.scale_early_copies(inv_scale)  # (they are added times inv_scale: no second copy)
+
+    def _before_unscale(self) -> None:
+        """`GradScaler.unscale_` is about to rewrite the gradients in place: the copies to the host started in
+        backward must have read them first (`amp.install`)."""
+        self._host.order_after_early_copies()
+
+    def _freed_overflow(self) -> torch.Tensor | None:
+        """1.0 (a device tensor) when a gradient freed in backward holds an inf or NaN (its hook's norm is not
+        finite), else 0.0; None when none was freed. Added to a GradScaler's overflow check (`amp.install`)."""
+        freed = self._host.freed
+        norms = [n for p, f in freed.items() if (n := self._reads.norm(p, f.stand_in)) is not None]
+        if not norms:
+            return None
+        return (~torch.isfinite(torch.stack([n.float() for n in norms]))).any().float()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -219,11 +265,60 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         try:
             return self._step(loss)
         finally:
+            self._host.free_kind = self._frees_next_step()
+            self._meter.finish_step()
             self._reads.clear()  # this backward's reads are used up
             self._host.release_early()  # copies started in backward that this step did not take (skipped step)
             # The host jobs this step submitted (accumulation, the window's host AdamW) start now, overlapping the
             # caller's next forward/backward.
             worker.release()
+
+    def _frees_next_step(self) -> StepKind | None:
+        """The next step's kind when its gradients of offloaded matrices leave the device in backward
+        (`free_gradients_in_backward`), else None: one process (not DDP, whose reducer rewrites the gradients after
+        the hooks, nor FSDP2), host window sums, no GradScaler (it reads ``p.grad`` itself), and with "auto" a
+        caller that clips through `clip_grad_norm_`. Before the first step (no schedule yet): "on" only."""
+        setting = self.config.free_gradients_in_backward
+        if not (setting == "on" or (setting == "auto" and self._clips_through_optimizer)) or self._scaled \
+                or self._fsdp.active or self._host.several_ranks() or sums_on_device(self._host.accumulate_on):
+            return None
+        if self._schedule is None:
+            return StepKind.WARM_UP if self.config.full_warm_up_rounds > 0 else StepKind.SELECT
+        return self._schedule.kind()
+
+    @torch.no_grad()
+    def _create_in_backward(self, p: torch.Tensor) -> SplitMatrix | None:
+        """The first step's backward hook of `p`: its state now (a split matrix with host state only; the rest
+        waits for `step()`), so that its gradient can leave the device like every later one."""
+        group = self._group_of.get(p)
+        if group is None or self._fsdp.active or not is_split(p, group, self.config):
+            return None
+        schedule = self._ensure_schedule()
+        if not self._made_in_backward:  # ("auto" decides over, and the link buffers are reserved for, all of them)
+            self._host.prepare_first_state([(group, q) for group in self.param_groups for q in group["params"]
+                                            if q.requires_grad], schedule)
+        create_state([(group, p)], self._split, self._dense, self.config, schedule, self._host)
+        self._made_in_backward.append(p)
+        return self._split.get(p)
+
+    def _forget_backward_state(self) -> None:
+        """The first step is skipped: the state its backward hooks made goes again, so that the step changes
+        nothing at all (as when the state is made in `step()`)."""
+        if not self._made_in_backward:
+            return
+        self._host.release_early()
+        for p in self._made_in_backward:
+            self._split.pop(p, None)
+        self._made_in_backward.clear()
+        self._schedule = None
+        self._host.accumulate_chosen = None
+        self._host.reserved_ahead = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """`torch.optim.Optimizer.zero_grad`, and the gradients freed in backward (held on the host for the next
+        `step()`) are dropped too."""
+        super().zero_grad(set_to_none)
+        self._host.release_early()
 
     def synchronize(self) -> None:
         """Wait until the host worker is idle and re-raise its failure, if any. Does not change the schedule: a
@@ -294,7 +389,8 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
 
     def stats(self) -> dict[str, float | str]:
         """Telemetry of the last step (see `telemetry.ZenFlowStats`; ``"accumulate_on"`` is a string)."""
-        return optimizer_stats(self._stats, self._schedule, self.config, self._split, self._dense, self._host)
+        return optimizer_stats(self._stats, self._schedule, self.config, self._split, self._dense, self._host,
+                               self._meter)
 
     @torch.no_grad()
     def sync_from_weights(self, params: Iterable[torch.Tensor] | None = None) -> None:
@@ -344,6 +440,10 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
             self._reads.remove()
             self._reads = GradientReads(current)
             self._reads.on_ready = self._host.grad_ready
+            self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+            self._meter = DeviceMemoryMeter(current, self._meter.state_bytes)
+            self._reads.meter = self._meter
+            self._reads.on_arrival = self._host.regather
             self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1
 
     def _engine_params(self) -> list[torch.Tensor]:
@@ -384,7 +484,9 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         """
         self.synchronize()
         self._find_param_shards()
+        self._host.release_early()  # (gradients freed in a backward before the load belong to the old state)
         checkpoint.load(self, state_dict)
+        self._host.free_kind = self._frees_next_step()  # (the restored schedule's next step)
 
     def name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module) -> None:
         """Record parameter names (e.g. ``model.named_parameters()``, or the model): checkpoints then carry them and

@@ -238,6 +238,27 @@ class ZenFlowConfig:
                   'CUDA; unknown on a CPU device, which then accumulates on the host. On CUDA a budget caps the '
                   "measured figure (a shared GPU)."},
     )
+    device_memory_limit_bytes: int | None = field(
+        default=None,
+        metadata={"help": "The whole device memory, in bytes, the training step may hold (weights, gradients, "
+                  "optimizer state, window sums): accumulate_on=\"auto\" sums on the device only when the sums and "
+                  "the selected columns' state fit under it, next to the peak measured over the first "
+                  "forward/backward (stats()[\"peak_device_bytes\"]), with its margin. None: no such limit (then "
+                  "device_memory_budget_bytes, or on CUDA the measured free memory, decides)."},
+    )
+    free_gradients_in_backward: str = field(
+        default="auto",
+        metadata={"help": "Free each offloaded matrix's device gradient in its backward hook: the selected columns "
+                  "are gathered on the device for their update (a re-selection keeps the column scores and gathers "
+                  "the new columns from the host copy), the whole gradient goes to the host (pinned staging on "
+                  "CUDA) and p.grad becomes None at once, so the device never holds every gradient. Applies with "
+                  "host window sums on one process (not under DDP or FSDP2, nor once a GradScaler is seen: "
+                  "docs/memory.md). Clip through optimizer.clip_grad_norm_: torch.nn.utils.clip_grad_norm_ over "
+                  "the model cannot see freed gradients. \"auto\": on from the first step under ZenFlowTrainer and "
+                  "`hf-zenflow compare` (they clip through the optimizer), in a plain loop from the step after the "
+                  "first optimizer.clip_grad_norm_; \"on\" / \"off\" (or True / False) from the first step / never.",
+                  "choices": ("auto", "on", "off")},
+    )
     cpu_threads: int | None = field(
         default=None,
         metadata={"help": "Threads of the host worker (host AdamW and accumulation). None = half the cores in this "
@@ -258,6 +279,8 @@ class ZenFlowConfig:
             _fail("topk_ratio", self.topk_ratio, "a float in [0, 1] (0.1 is typical)")
         self.topk_ratio = float(self.topk_ratio)
         self.update_interval = parse_int_or_auto("update_interval", self.update_interval)
+        if isinstance(self.free_gradients_in_backward, bool):
+            self.free_gradients_in_backward = "on" if self.free_gradients_in_backward else "off"
         for f in fields(self):  # the string choices (select_strategy, accumulate_on), in any case
             choices = f.metadata.get("choices")
             given = getattr(self, f.name)
@@ -313,6 +336,10 @@ class ZenFlowConfig:
             not _is_int(self.device_memory_budget_bytes) or self.device_memory_budget_bytes < 0
         ):
             _fail("device_memory_budget_bytes", self.device_memory_budget_bytes, "None or an integer >= 0")
+        if self.device_memory_limit_bytes is not None and (
+            not _is_int(self.device_memory_limit_bytes) or self.device_memory_limit_bytes < 0
+        ):
+            _fail("device_memory_limit_bytes", self.device_memory_limit_bytes, "None or an integer >= 0")
         if self.cpu_threads is not None and (not _is_int(self.cpu_threads) or self.cpu_threads < 1):
             _fail("cpu_threads", self.cpu_threads, "None (derive from CPU affinity) or an integer >= 1")
         if self.steps_per_epoch is not None and (not _is_int(self.steps_per_epoch) or self.steps_per_epoch < 1):

@@ -91,6 +91,15 @@ class Landed:
             event.synchronize()  # Sync point (worker waits on the device): the copy has landed on the host
 
 
+def _owned(part: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """`part` (of gradient `g`) as the worker may read it later: itself, unless `g` is a view of storage its owner
+    keeps and writes again (DDP's gradient_as_bucket_view: the next backward's reducer writes the same bucket while
+    the worker may still read it), which is then copied now."""
+    if g._base is not None and part.untyped_storage().data_ptr() == g.untyped_storage().data_ptr():
+        return part.clone()
+    return part
+
+
 class Transport:
     """The interface, and the reference-and-swap behaviour of a CPU device (`CpuDeviceTransport`)."""
 
@@ -111,7 +120,7 @@ class Transport:
         """Start moving this step's gradients (this rank's share of each storage matrix) to the host; returns what
         the host job reads and what it must wait for. The caller then drops its references to the gradients."""
         # (host_grad_dtype="bfloat16": the worker reads the gradient rounded as a copy over the link would be)
-        return [(split.host, split.host_part(g).to(split.host.grad_dtype)) for split, g in work], Landed()
+        return [(split.host, _owned(split.host_part(g).to(split.host.grad_dtype), g)) for split, g in work], Landed()
 
     def compute_waits_for(self, landed: Landed) -> None:
         """Order the compute stream after the copies `landed` waits for (CUDA), so that the step's one sync covers

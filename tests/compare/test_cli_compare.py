@@ -28,6 +28,7 @@ RESULT_KEYS = {
     "opt_step_ms_p10", "opt_step_ms_p90", "engine_critical_path_ms_mean", "host_step_ms_mean",
     "bytes_to_host_per_step", "bytes_to_device_per_step", "peak_device_memory_bytes", "host_rss_peak_bytes",
     "optimizer_state_device_bytes", "optimizer_state_host_bytes", "machine_load", "curves",
+    "peak_device_bytes", "peak_device_bytes_per_param", "step_peak_device_bytes", "offloaded_params_fraction",
 }
 TINY = ["--train-size", "32", "--eval-size", "16", "--batch-size", "4", "--eval-batch-size", "16",
         "--update-interval", "2", "--log-every", "2"]

@@ -21,8 +21,10 @@ from tests.doubles.async_device import async_transport
 
 
 LR = 1e-2
+# (the boundaries here are the sums' alone: with the gradients freed in backward, device sums also count the
+# gradients they keep on the device, `tests/engine/test_free_gradients.py`)
 SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0,
-                high_lr_rule="off")
+                high_lr_rule="off", free_gradients_in_backward="off")
 FITS = 1 << 30  # bytes: far more than the tiny model's window sums and selected columns (~36 KB)
 
 

@@ -191,3 +191,16 @@ def test_window_sums_on_the_device_under_a_scaler(recipe):
     assert len(checked) == len(overflow_at)
     assert norms == ref_norms
     _assert_same_weights(model, ref)
+
+
+def test_unscale_does_not_copy_the_gradients_to_the_host_twice(monkeypatch):
+    """The Trainer's order on a transport that copies (as on CUDA): the copies the hooks start in backward are kept
+    after unscale_ (the host adds them times 1 / scale) instead of being made again, so as many bytes cross the link
+    as without a scaler, and the weights are the same bits."""
+    monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: CopyTransport())
+    # (kept gradients: freed in the first step, before the scaler is known, they would come back and be copied
+    # again once)
+    ref, _, ref_opt = _run(8, 1.0, None, topk_ratio=0.1, free_gradients_in_backward="off")
+    model, _, opt = _run(8, 1.0, "unscale", topk_ratio=0.1, free_gradients_in_backward="off")
+    assert opt.stats()["total_bytes_to_host"] == ref_opt.stats()["total_bytes_to_host"]
+    _assert_same_weights(model, ref)

@@ -42,6 +42,8 @@ CASES = [
     ("host_moment_dtype", "bfloat16", "bfloat16", {}),
     ("high_lr_rule", "OFF", "off", {}),
     ("device_memory_budget_bytes", "1000000", 1000000, {}),
+    ("device_memory_limit_bytes", "2000000", 2000000, {}),
+    ("free_gradients_in_backward", "Off", "off", {}),
     ("cpu_threads", "2", 2, {}),
     ("steps_per_epoch", "30", 30, {}),
 ]

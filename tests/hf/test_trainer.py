@@ -264,6 +264,13 @@ def test_telemetry_in_logs_and_model_card(tmp_path, train_dataset):
         assert entry["zenflow/bytes_to_host"] > 0
         assert 0.0 <= entry["zenflow/device_utilization"] <= 1.0
     assert step_logs[-1]["zenflow/bytes_to_device"] > 0  # a window was written back
+    # the device's peak: more than the weights (gradients, selected columns' state), less than weights + gradients +
+    # fp32 AdamW state, as the gradients leave the device in backward under the Trainer
+    weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    params = sum(p.numel() for p in trainer.model.parameters())
+    assert weights < step_logs[-1]["zenflow/peak_device_bytes"] < weights + 12 * params
+    assert step_logs[-1]["zenflow/peak_device_bytes_per_param"] > 0
+    assert 0.0 < step_logs[-1]["zenflow/offloaded_params_fraction"] <= 1.0
     summary = trainer.state.log_history[-1]
     assert "train_loss" in summary and summary["zenflow/steps"] == 8
     trainer.save_model()

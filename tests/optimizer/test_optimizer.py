@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -322,11 +323,24 @@ def test_non_finite_gradient_skips_the_whole_step():
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings, min_offload_numel=0)
     snapshot = {}
+    # the non-finite values arrive with the gradients, in backward (freed in backward, a gradient is gone by then)
+    poisoned = {"now": False}
+
+    def nan_at(index: tuple[int, ...], value: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        def add(grad: torch.Tensor) -> torch.Tensor:
+            if not poisoned["now"]:
+                return grad
+            grad = grad.clone()
+            grad[index] = value
+            return grad
+        return add
+
+    model.up.weight.register_hook(nan_at((3, 5), float("nan")))
+    model.norm.bias.register_hook(nan_at((0,), float("inf")))
 
     def poison(i: int) -> None:
+        poisoned["now"] = i == 5  # (the backward of batch 6 runs next)
         if i == 6:
-            model.up.weight.grad[3, 5] = float("nan")
-            model.norm.bias.grad[0] = float("inf")
             opt.synchronize()
             snapshot["weights"] = copy.deepcopy(model.state_dict())
             snapshot["opt"] = roundtrip(opt.state_dict())
@@ -350,8 +364,9 @@ def test_skipped_step_leaves_weights_and_state_untouched():
     before_s = copy.deepcopy(roundtrip(opt.state_dict()))
     x, y = (t.to(DEVICE) for t in batches(1, seed=9)[0])
     logits = model(x)
+    model.down.weight.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])),
+                                                          torch.tensor(float("nan"), dtype=g.dtype)))
     torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
-    model.down.weight.grad[0, 0] = float("nan")
     opt.step()
     opt.synchronize()
     after_s = roundtrip(opt.state_dict())

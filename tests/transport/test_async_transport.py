@@ -260,3 +260,26 @@ def test_a_host_jobs_time_excludes_its_waits_for_the_device():
     worker.close()
     assert worker.last_job_wait_ms["host_adamw"] >= 150
     assert worker.last_job_ms["host_adamw"] < 100  # before: >= 200, the wait counted as host work
+def test_unscale_runs_after_the_copies_started_in_backward(monkeypatch):
+    """The Trainer's fp16 order (unscale_, clip, step) on a lazy double, whose copies run only when something
+    waits for them (as late as CUDA may run them): the copies the hooks started are kept after unscale_, so
+    unscale_'s in-place rewrite must wait for them (else they read the unscaled values, a torn read here)."""
+    from tests.engine.test_amp import _assert_same_weights
+    from tests.engine.test_amp import _run as run_amp
+
+    backends: list[AsyncCopies] = []
+
+    def make(device: torch.device) -> CudaTransport:
+        backend = AsyncCopies(seed=len(backends), lazy=True)
+        backends.append(backend)
+        return CudaTransport(streams=backend, registrar=CheckedRegistrar(backend))
+
+    ref, ref_norms, _ = run_amp(8, 1.0, None, topk_ratio=0.1)
+    monkeypatch.setattr(windows_module, "transport_for", make)
+    model, norms, _ = run_amp(8, 1.0, "unscale", topk_ratio=0.1)
+    for backend in backends:
+        backend.synchronize(torch.device("cpu"))
+        backend.check()
+    assert sum(b.torn_reads for b in backends) == 0
+    assert norms == ref_norms
+    _assert_same_weights(model, ref)

@@ -1,0 +1,66 @@
+"""DDP with ``gradient_as_bucket_view=True``, on the asynchronous CPU double of a CUDA device: each gradient the
+step hands to the host is a view of a bucket that the next backward's reducer writes into on the compute stream.
+The caching allocator's `record_stream` cannot protect a view it never frees, so the copy to the host must have
+read the bucket before the compute stream writes it again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_zenflow.engine.windows as windows_module
+from hf_zenflow import ZenFlowAdamW
+from hf_zenflow.transport import CudaTransport
+from tests.conftest import DEVICE, batches, make_model, param_groups
+from tests.doubles.async_device import AsyncCopies, CheckedRegistrar
+
+
+if DEVICE.type != "cpu":
+    pytest.skip("replaces the CPU device's transport with the double", allow_module_level=True)
+
+
+def _train(steps: int, double: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], int]:
+    backends: list[AsyncCopies] = []
+    if double:
+        def make(device: torch.device) -> CudaTransport:
+            # lazy: a copy runs only when something waits for it, i.e. as late as CUDA may run it
+            backend = AsyncCopies(seed=len(backends), lazy=True)
+            backends.append(backend)
+            return CudaTransport(streams=backend, registrar=CheckedRegistrar(backend))
+
+        monkeypatch.setattr(windows_module, "transport_for", make)
+    model = make_model()
+    params = list(model.parameters())
+    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, topk_ratio=0.1, update_interval=2, min_offload_numel=0,
+                       accumulate_on="host", select_strategy="step", select_interval=4)
+    # DDP's reducer rewrites each gradient after the hooks: they read nothing, step() reads the reduced gradients
+    opt._reads.reduced_later = lambda: True
+    # one bucket for every gradient, as DDP's reducer keeps it across steps
+    bucket = torch.zeros(sum(p.numel() for p in params))
+    views, offset = [], 0
+    for p in params:
+        views.append(bucket[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    for x, y in batches(steps):
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
+        with torch.no_grad():
+            for p, view in zip(params, views):  # the reducer: into the bucket (compute stream), p.grad its view
+                view.copy_(p.grad)
+                p.grad = view
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    opt.flush()
+    opt.close()
+    for backend in backends:
+        backend.synchronize(torch.device("cpu"))
+        backend.check()
+    return [p.detach().clone() for p in params], sum(b.torn_reads for b in backends)
+
+
+def test_bucket_views_are_read_before_the_next_backward_writes_them(monkeypatch):
+    reference, _ = _train(8, double=False, monkeypatch=monkeypatch)
+    weights, torn = _train(8, double=True, monkeypatch=monkeypatch)
+    assert torn == 0
+    for a, b in zip(weights, reference):
+        assert torch.equal(a, b)
