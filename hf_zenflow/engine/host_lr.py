@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hf_zenflow")
 
 
-
-
 def auto_host_lr_scale(lr: float, window_steps: int, lag: int) -> float:
     """`host_lr_scale="auto"`: the window's length ("interval", the unselected columns move at AdamW's per-step
     rate) while the host step's learning rate stays under `AUTO_HOST_LR_CAP / sqrt(lag)`; above it, the multiplier that

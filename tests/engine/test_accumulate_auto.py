@@ -201,6 +201,6 @@ def test_a_model_over_several_gpus_gets_device_sums_only_where_every_gpu_has_roo
     splits = [_Split(gpu, 1024, 1024, k=64) for gpu in gpus]
     shares = {id(s): _WholeShare() for s in splits}
     spare = dict(zip(gpus, spare_mib))
-    monkeypatch.setattr(accumulation, "available_bytes", lambda device, budget: (spare[device] * mib, 10 * mib))
+    monkeypatch.setattr(accumulation, "available_bytes", lambda device, *limits: (spare[device] * mib, 10 * mib))
     chosen = accumulation.decide(ZenFlowConfig(accumulate_on="auto"), splits, shares, SimpleNamespace(ranks=1))
     assert chosen == expected
