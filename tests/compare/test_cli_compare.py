@@ -94,7 +94,7 @@ def test_compare_tiny_run_writes_all_outputs(tmp_path: Path, monkeypatch: pytest
     assert "loss" in captured.err and "(median)" in captured.err
     printed = captured.out
     table = [line for line in printed.splitlines() if line.startswith("|")]
-    assert table and max(len(line) for line in table) <= MAX_TABLE_WIDTH, max(map(len, table))
+    assert table and max(len(line) for line in table) <= MAX_TABLE_WIDTH, max(table, key=len)
     assert "| ÷ sync offload" in table[0]
     labels = [line.split("|")[1].strip() for line in table[2:]]
     for label in ("held-out accuracy", "held-out loss", "ms per step, whole run (steps/s)",
