@@ -343,7 +343,7 @@ class HostWindows(WindowCloses):
         """A warm-up step, plain dense AdamW: every matrix column by the host, synchronously (a one-step window);
         1-D parameters on the device."""
         with timer.phase("device_update"):
-            device_update(self.splits, dense, entries, grads, coef, set())
+            device_update(self.splits, dense, entries, grads, coef, set()).apply()
         with timer.phase("handoff"):
             self.hand_off(entries, grads, coef)
         schedule.window_steps += 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..engine import amp
-from ..engine.device_step import device_update
+from ..engine.device_step import ParamWrites, device_update
 from ..engine.gradients import read_gradients
 from ..engine.handoff import HandOff
 from ..engine.params import announce_high_lr_rule, create_state
@@ -69,14 +69,17 @@ class StepSequence:
         # and matrices waiting for columns decide on host numbers first: they take the sync-first path.)
         early = schedule.launches_before_sync(waiting_for_columns=bool(reads.waiting))
         started: HandOff | None = None
+        writes: ParamWrites | None = None
         try:
             rewritten = False
             if early:
                 bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
                 rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
                 with timer.phase("device_update"):
-                    device_update(self._split, self._dense, entries, grads, clip, gathered, rewritten=rewritten,
-                                  found_inf=bad.float())
+                    # (the masters only: the parameters receive them after the check below, a skipped step
+                    # leaves them untouched)
+                    writes = device_update(self._split, self._dense, entries, grads, clip, gathered,
+                                           rewritten=rewritten, found_inf=bad.float())
                 with timer.phase("handoff"):
                     started = self._host.start_hand_off(entries, grads)
 
@@ -92,6 +95,8 @@ class StepSequence:
                 self._stats.finish_step(timer, skipped=True)
                 return loss
             coef = synced.coef
+            if writes is not None:
+                writes.apply()
 
             if warm_up:
                 self._host.warm_up_step(entries, grads, coef, timer, schedule, self._dense)
@@ -104,7 +109,8 @@ class StepSequence:
                             select_waiting(self._host, entries, grads, synced.waiting_norms)
                     rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
                     with timer.phase("device_update"):
-                        device_update(self._split, self._dense, entries, grads, coef, gathered, rewritten=rewritten)
+                        device_update(self._split, self._dense, entries, grads, coef, gathered,
+                                      rewritten=rewritten).apply()
                 if rewritten and self.config.overlap_step:
                     # The previous window's result goes into the weights before this step's gradients are handed to
                     # the worker: the write-back does not depend on them, and this way its scatter does not compete
