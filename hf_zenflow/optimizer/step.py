@@ -48,10 +48,11 @@ class StepSequence:
             self._stats.finish_step(timer, skipped=True)
             return loss
         schedule = self._ensure_schedule()
-        announce_high_lr_rule(schedule, self.config, self.param_groups)
         self._pick_up_outside_changes()
         create_state(entries, self._split, self._dense, self.config, schedule, self._host,
                      self._fsdp if self._fsdp.active else None)
+        self._auto_lag.maybe_choose(self.config, schedule, self._host)  # (first step: from the host columns' sizes)
+        announce_high_lr_rule(schedule, self.config, self.param_groups)
 
         # ---- 1. one read of every gradient ------------------------------------------------------------------------
         kind = schedule.kind()
@@ -135,7 +136,7 @@ class StepSequence:
                 self._host.abandon_hand_off(started)
             raise
         schedule.steps += 1
-        self._auto_lag.maybe_choose(self.config, schedule, self._host)
+        self._auto_lag.maybe_advise(self.config, schedule, self._host)
         self._mark_weights()
         self._stats.finish_step(timer, staleness=sum(self._host.unapplied_steps) + schedule.window_steps)
         return loss

@@ -334,7 +334,7 @@ def _auto_lag_run(rank: int, init_file: str, out_dir: str) -> None:
     """Each rank would choose another lag (stubbed: 1 on rank 0, 3 on rank 1): both must take the largest, 3."""
     import hf_zenflow.engine.writeback_lag as auto_lag
 
-    auto_lag.auto_writeback_lag = lambda host_ms, step_ms, longest: 1 + 2 * rank
+    auto_lag.auto_lag_from_sizes = lambda elements, longest: 1 + 2 * rank
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS,
                             timeout=datetime.timedelta(seconds=60))

@@ -396,7 +396,7 @@ def _auto_lag_run(rank: int, init_file: str, out_dir: str) -> None:
     """Each rank would choose another lag (stubbed: 1 on rank 0, 3 on rank 1): all must take the largest."""
     import hf_zenflow.engine.writeback_lag as auto_lag
 
-    auto_lag.auto_writeback_lag = lambda host_ms, step_ms, longest: 1 + 2 * rank
+    auto_lag.auto_lag_from_sizes = lambda elements, longest: 1 + 2 * rank
     init_ranks(rank, init_file, RANKS, device=DEVICE)
     try:
         model = _shard(_model())
