@@ -34,7 +34,7 @@ from .schedule import WindowSchedule
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer, ZenFlowStats
 from .window_close import WindowCloses
-from .worker import HostAdamWorker
+from .worker import HostAdamWorker, HostWorkerError
 
 
 __all__ = ["EarlyCopies", "HandOff", "HostWindows"]
@@ -54,6 +54,8 @@ class HostWindows(WindowCloses):
         #: its local rows, nothing is shared across ranks, and per-rank partial sums are summed over this group instead
         self.param_shards: RankGroup | None = None
         self.worker: HostAdamWorker | None = None
+        #: the failure of a worker stopped after it failed: the host state may be partly updated (`stop_worker`)
+        self.failure: HostWorkerError | None = None
         self.transports: dict[str, Transport] = {}  # by device type
         self.pending: Any = None  # Future of the host step whose result awaits write-back (overlap mode)
         self.writeback_pending = False
@@ -91,6 +93,11 @@ class HostWindows(WindowCloses):
         self.release_early()
         worker, self.worker = self.worker, None
         if worker is not None:
+            if worker.failed and self.failure is None:
+                try:
+                    worker.check()
+                except HostWorkerError as failure:
+                    self.failure = failure
             worker.close()
 
     def close_transports(self) -> None:

@@ -40,6 +40,9 @@ _closing_lock = threading.Lock()
 
 #: Every worker thread still running, with its worker (`_stop_workers_at_exit`).
 _running: dict[threading.Thread, HostAdamWorker] = {}
+#: Worker threads closed while the caller handled a Ctrl-C: nobody wants their jobs any more, and the exit waits for
+#: them briefly even when the script then ends normally (`_stop_workers_at_exit`).
+_interrupted: set[threading.Thread] = set()
 #: Set at interpreter exit: a job not started by then is dropped.
 _exiting = False
 #: How long interpreter exit waits for the jobs in flight (one per worker; a host job takes seconds at most) ...
@@ -64,9 +67,11 @@ def _stop_workers_at_exit() -> None:
     for _, worker in running:
         worker._open_gate()  # a held job would wait for a release that never comes
         worker._jobs.put(None)
-    deadline = time.monotonic() + (_EXIT_WAIT_AFTER_FAILURE_S if _nobody_waits() else _EXIT_WAIT_S)
+    start, prompt = time.monotonic(), _nobody_waits()
     for thread, _ in running:
-        thread.join(max(0.0, deadline - time.monotonic()))
+        # (a thread closed during a Ctrl-C: briefly, however the script ended)
+        wait_s = _EXIT_WAIT_AFTER_FAILURE_S if prompt or thread in _interrupted else _EXIT_WAIT_S
+        thread.join(max(0.0, start + wait_s - time.monotonic()))
 
 
 def wait_for_closed_workers() -> None:
@@ -212,6 +217,11 @@ class HostAdamWorker:
         if self._holding:
             self._gate = threading.Event()
 
+    @property
+    def failed(self) -> bool:
+        """Whether a job failed (every later job is dropped, and `check` raises)."""
+        return self._error is not None
+
     def check(self) -> None:
         if self._error is not None:
             raise HostWorkerError(
@@ -301,6 +311,8 @@ class HostAdamWorker:
             if thread.is_alive():
                 self._jobs.put(None)
                 if _nobody_waits():
+                    if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+                        _interrupted.add(thread)
                     return
                 thread.join(timeout)
         finally:

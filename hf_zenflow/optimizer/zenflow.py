@@ -49,7 +49,7 @@ from ..engine.split_matrix import SplitMatrix, master_value
 from ..engine.telemetry import StepTimer, ZenFlowStats
 from ..engine.weight_marks import WeightMarks, rekey, reread_masters
 from ..engine.windows import HostWindows
-from ..engine.worker import wait_for_closed_workers
+from ..engine.worker import HostWorkerError, wait_for_closed_workers
 from ..engine.writeback_lag import AutoWritebackLag
 from ..settings.config import ZenFlowConfig
 from .stats import optimizer_stats
@@ -208,6 +208,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_after_failure()
         self._auto_lag.tick()
         self._find_param_shards(final=True)
         worker = self._host.ensure_worker()
@@ -226,6 +227,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         """Wait until the host worker is idle and re-raise its failure, if any. Does not change the schedule: a
         host result still waiting for its write-back step (`writeback_lag`) stays pending (and is part of
         `state_dict()`)."""
+        self._refuse_after_failure()
         if self._host.worker is not None:
             self._host.worker.synchronize()
         else:
@@ -235,6 +237,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
     def flush(self) -> None:
         """Close the open window and write every host result into the weights now, so that the model reflects
         every gradient seen. Call it at the end of training; mid-training it shortens the current window."""
+        self._refuse_after_failure()
         if self._schedule is None:
             return
         self._find_param_shards()
@@ -260,8 +263,19 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
 
     def close(self) -> None:
         """End of a run: stop the host worker thread (a later `step()` starts a new one), unlock pinned host memory
-        and give the training thread its cores back (README, Threads)."""
+        and give the training thread its cores back (README, Threads). After a host worker failure the optimizer
+        stays refused (`step()`, `flush()`, `synchronize()` raise `HostWorkerError` saying so) until
+        `load_state_dict()` gives it a whole state again."""
         self._host.close()
+
+    def _refuse_after_failure(self) -> None:
+        failure = self._host.failure
+        if failure is not None:
+            raise HostWorkerError(
+                f"ZenFlowAdamW was closed after a host worker failure ({failure}): its host state may be partly "
+                "updated, so it takes no more steps. Load a checkpoint into it (load_state_dict, or the Trainer's "
+                "resume_from_checkpoint) or build a new optimizer."
+            ) from failure.__cause__
 
     @property
     def config(self) -> ZenFlowConfig:
@@ -379,9 +393,16 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         `hf_zenflow.CheckpointError` naming the tensor, and nothing is changed. Settings of this optimizer that
         differ from the checkpoint's take effect (see `hf_zenflow.checkpoint`), with a logged note.
         """
-        self.synchronize()
+        worker = self._host.worker
+        if self._host.failure is not None or (worker is not None and worker.failed):
+            # the state is being replaced: the failed worker goes (its failure stays until the load succeeds)
+            self._host.stop_worker()
+            wait_for_closed_workers()
+        else:
+            self.synchronize()
         self._find_param_shards()
         checkpoint.load(self, state_dict)
+        self._host.failure = None  # a whole, checked state again
 
     def name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module) -> None:
         """Record parameter names (e.g. ``model.named_parameters()``, or the model): checkpoints then carry them and
