@@ -70,7 +70,6 @@ _MOVED = {
     "held_handoff": "engine.held_handoff",
     "host": "engine.host",
     "host_lr": "engine.host_lr",
-    "host_thread": "engine.host_thread",
     "params": "engine.params",
     "pinned": "transport.pinned",
     "reselection": "engine.reselection",

@@ -36,6 +36,7 @@ from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad
 from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
 from ..engine.device_state import DenseDeviceState
+from ..engine.failure import drop_failed_worker, refuse_after_failure
 from ..engine.gradients import GradientReads
 from ..engine.params import (
     check_group_params,
@@ -49,7 +50,7 @@ from ..engine.split_matrix import SplitMatrix, master_value
 from ..engine.telemetry import StepTimer, ZenFlowStats
 from ..engine.weight_marks import WeightMarks, rekey, reread_masters
 from ..engine.windows import HostWindows
-from ..engine.worker import HostWorkerError, wait_for_closed_workers
+from ..engine.worker import wait_for_closed_workers
 from ..engine.writeback_lag import AutoWritebackLag
 from ..settings.config import ZenFlowConfig
 from .stats import optimizer_stats
@@ -208,7 +209,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._refuse_after_failure()
+        refuse_after_failure(self._host)
         self._auto_lag.tick()
         self._find_param_shards(final=True)
         worker = self._host.ensure_worker()
@@ -224,10 +225,9 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
             worker.release()
 
     def synchronize(self) -> None:
-        """Wait until the host worker is idle and re-raise its failure, if any. Does not change the schedule: a
-        host result still waiting for its write-back step (`writeback_lag`) stays pending (and is part of
-        `state_dict()`)."""
-        self._refuse_after_failure()
+        """Wait until the host worker is idle and re-raise its failure, if any. Does not change the schedule: a host
+        result still waiting for its write-back step (`writeback_lag`) stays pending (it is part of `state_dict()`)."""
+        refuse_after_failure(self._host)
         if self._host.worker is not None:
             self._host.worker.synchronize()
         else:
@@ -237,7 +237,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
     def flush(self) -> None:
         """Close the open window and write every host result into the weights now, so that the model reflects
         every gradient seen. Call it at the end of training; mid-training it shortens the current window."""
-        self._refuse_after_failure()
+        refuse_after_failure(self._host)
         if self._schedule is None:
             return
         self._find_param_shards()
@@ -263,19 +263,8 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
 
     def close(self) -> None:
         """End of a run: stop the host worker thread (a later `step()` starts a new one), unlock pinned host memory
-        and give the training thread its cores back (README, Threads). After a host worker failure the optimizer
-        stays refused (`step()`, `flush()`, `synchronize()` raise `HostWorkerError` saying so) until
-        `load_state_dict()` gives it a whole state again."""
+        and give the training thread its cores back (README, Threads)."""
         self._host.close()
-
-    def _refuse_after_failure(self) -> None:
-        failure = self._host.failure
-        if failure is not None:
-            raise HostWorkerError(
-                f"ZenFlowAdamW was closed after a host worker failure ({failure}): its host state may be partly "
-                "updated, so it takes no more steps. Load a checkpoint into it (load_state_dict, or the Trainer's "
-                "resume_from_checkpoint) or build a new optimizer."
-            ) from failure.__cause__
 
     @property
     def config(self) -> ZenFlowConfig:
@@ -393,16 +382,9 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         `hf_zenflow.CheckpointError` naming the tensor, and nothing is changed. Settings of this optimizer that
         differ from the checkpoint's take effect (see `hf_zenflow.checkpoint`), with a logged note.
         """
-        worker = self._host.worker
-        if self._host.failure is not None or (worker is not None and worker.failed):
-            # the state is being replaced: the failed worker goes (its failure stays until the load succeeds)
-            self._host.stop_worker()
-            wait_for_closed_workers()
-        else:
-            self.synchronize()
+        drop_failed_worker(self._host) or self.synchronize()  # (a failed worker's state is replaced: no wait)
         self._find_param_shards()
         checkpoint.load(self, state_dict)
-        self._host.failure = None  # a whole, checked state again
 
     def name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module) -> None:
         """Record parameter names (e.g. ``model.named_parameters()``, or the model): checkpoints then carry them and
