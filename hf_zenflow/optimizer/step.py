@@ -19,6 +19,7 @@ from ..engine import amp
 from ..engine.device_step import ParamWrites, device_update
 from ..engine.gradients import read_gradients
 from ..engine.handoff import HandOff
+from ..engine.offload_report import announce_offload
 from ..engine.params import announce_high_lr_rule, create_state
 from ..engine.reselection import reselect, select_waiting
 from ..engine.schedule import StepKind
@@ -44,8 +45,7 @@ class StepSequence:
             # step overflowed (a GradScaler starting too high does this a few times); it is skipped before any state
             # exists, so that it changes nothing at all. (Not under FSDP2, where each rank's flag covers its own
             # shards only: there the step's all-reduced norm makes every rank skip alike, after creating the state.)
-            self._stats.skipped_steps += 1
-            self._stats.finish_step(timer, skipped=True)
+            self._stats.skip_step(timer, steps=0)
             return loss
         schedule = self._ensure_schedule()
         self._pick_up_outside_changes()
@@ -53,6 +53,7 @@ class StepSequence:
                      self._fsdp if self._fsdp.active else None)
         self._auto_lag.maybe_choose(self.config, schedule, self._host)  # (first step: from the host columns' sizes)
         announce_high_lr_rule(schedule, self.config, self.param_groups)
+        announce_offload(self.param_groups, self.config, schedule)
 
         # ---- 1. one read of every gradient ------------------------------------------------------------------------
         kind = schedule.kind()
@@ -92,8 +93,7 @@ class StepSequence:
             if not synced.finite:
                 if started is not None:
                     self._host.abandon_hand_off(started)
-                self._stats.skipped_steps += 1
-                self._stats.finish_step(timer, skipped=True)
+                self._stats.skip_step(timer, steps=schedule.steps)
                 return loss
             coef = synced.coef
             if writes is not None:

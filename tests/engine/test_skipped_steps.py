@@ -59,3 +59,31 @@ def test_a_bf16_model_with_skipped_steps_is_the_run_without_them(settings, overl
     for (name, p), q in zip(skipped.named_parameters(), clean.parameters()):
         assert torch.equal(p, q), name
         assert torch.equal(opt.master_weight(p), ref.master_weight(q)), name
+
+
+def _warnings(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and text in r.getMessage()]
+
+
+def test_skipped_steps_are_said_at_the_first_and_when_their_count_doubles(caplog):
+    """Repro: ``opt.clip_grad_norm_(float("nan"))`` skips every step and nothing trains, without a word (only
+    ``stats()["skipped_steps"]`` showed it). Now a warning at the first skip and at 2, 4, 8, ... skips."""
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS)
+    with caplog.at_level(logging.WARNING, logger="hf_zenflow"):
+        train(model, opt, DATA[:2])  # two ordinary steps
+        train(model, opt, DATA[2:12], clip=float("nan"))
+    opt.close()
+    said = _warnings(caplog, "skipped so far")
+    assert [m.split(" step(s)")[0].split(": ")[-1] for m in said] == ["1", "2", "4", "8"], said
+    assert "(2 taken)" in said[0] and "clip_grad_norm_" in said[0]
+    assert opt.stats()["skipped_steps"] == 10
+
+
+def test_a_run_without_skipped_steps_says_nothing_of_them(caplog):
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS)
+    with caplog.at_level(logging.WARNING, logger="hf_zenflow"):
+        train(model, opt, DATA[:6])
+    opt.close()
+    assert _warnings(caplog, "skipped") == []
