@@ -71,6 +71,7 @@ def _validate(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
         units = p.shape[0] if rows else math.prod(p.shape[1:])  # (an FSDP2 shard may have 0 rows)
         checks.check_entry_fields(where, entry, p, zenflow["steps"], units, rows)
         checks.check_tensors(where, entry, p)
+        checks.check_consistency(where, entry, zenflow)
         if entry["kind"] == "split" and "device_index" in entry:
             checks.check_device_columns(where, entry, p, units)
     checks.check_settings_change(opt, zenflow)

@@ -172,6 +172,9 @@ def migrate_old(state: dict[str, Any], version: int, current: int) -> dict[str, 
     if not isinstance(entries, dict):
         raise Refusal("'state' is not a dict of per-parameter entries")
     zenflow = dict(state["zenflow"])
+    if version == 1 and "format_version" in zenflow:
+        raise Refusal("format_version=1 was never written (format 1 had no format_version field): the field was "
+                      "altered")
     if BLOCK in zenflow or any(isinstance(e, dict) and FIELDS in (e.get("checksums") or {}) for e in entries.values()):
         raise Refusal(f"format_version={version} is inconsistent with the state's format-3 checksums (the version "
                       "field was altered)")
@@ -181,7 +184,7 @@ def migrate_old(state: dict[str, Any], version: int, current: int) -> dict[str, 
             raise Refusal(f"parameter {index}: the entry is {type(entry).__name__}, expected a dict")
         entry = dict(entry)
         sums = entry.pop("checksums", None)
-        if version == 1 and (sums is not None or "shape" in entry):
+        if version == 1 and (sums is not None or "shape" in entry or "dtype" in entry):
             raise Refusal(f"parameter {index}: a format-1 state (no format_version) cannot carry shapes or checksums "
                           "(the format_version field was altered)")
         if version == 2:

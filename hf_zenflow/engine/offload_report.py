@@ -40,6 +40,8 @@ def offloaded_fraction(groups: list[dict[str, Any]], config: ZenFlowConfig) -> t
                     largest_small = max(largest_small, p.numel())
                 continue
             columns = p.shape[0] if group.get("select_rows", False) else math.prod(p.shape[1:])
+            if columns == 0:
+                continue
             kept = num_selected(config.topk_ratio, columns)
             hosted += p.numel() * (columns - kept) // columns
             all_selected += p.numel() if kept >= columns else 0
