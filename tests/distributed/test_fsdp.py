@@ -36,7 +36,7 @@ from hf_zenflow.transport import CopyTransport
 
 SETTINGS = dict(topk_ratio=0.25, update_interval="auto", auto_max_interval=4, full_warm_up_rounds=2,
                 select_strategy="step", select_interval=8, min_offload_numel=0, cpu_threads=1, overlap_step=True,
-                writeback_lag=1)  # fixed: "auto" would choose from each process's own timing
+                writeback_lag=1)  # (fixed: the reference runs compare against this schedule)
 STEPS, PER_RANK = 20, 4
 SAVE = 11  # a step inside a window (checked: window_steps > 0)
 
