@@ -58,6 +58,7 @@ class HostJob:
     future: Future
     gate: Gate | None
 
+
 #: How long a held job waits after its release before it starts (see `HostAdamWorker._run`).
 _AFTER_RELEASE_S = 0.002
 
