@@ -122,18 +122,6 @@ def _deterministic_threads():
     torch.set_num_threads(before)
 
 
-
-@pytest.fixture(autouse=True)
-def _auto_writeback_lag_without_a_clock(request, monkeypatch):
-    """``writeback_lag="auto"`` (the default) chooses from measured times, which differ between the two runs a test
-    compares (threaded and inline, resumed and uninterrupted) on a busy machine: every test gets the choice an idle
-    machine makes for these tiny models (1 step), except those marked `timing`, which test the choice itself.
-    (Tests in other processes, `torch.distributed`, set the lag explicitly.)"""
-    if "timing" not in request.keywords:
-        monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 1)
-    yield
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _no_deprecated_calls_from_our_code():
     """A deprecated third-party API called from hf_zenflow/, tests/ or scripts/ fails the test (deprecation_guard)."""

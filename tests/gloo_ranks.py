@@ -4,9 +4,13 @@ rank count of the distributed tests (`DEVICE`, `RANKS`, `several_ranks`)."""
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import shutil
 import tempfile
+import time
+import traceback
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -30,14 +34,53 @@ RANKS = 2 if DEVICE == "cpu" else torch.cuda.device_count()
 several_ranks = pytest.mark.skipif(RANKS < 2, reason=f"needs 2 ranks; {DEVICE} has {RANKS}")
 
 
-def spawn_ranks(fn, *args, ranks: int = 2) -> None:
-    """``fn(rank, init_file, *args)`` in `ranks` processes; a failure in any of them fails the caller."""
+#: How long `spawn_ranks` waits for its ranks to exit (below the 240 s the distributed tests allow themselves, so a
+#: rank that never exits is reported by name, and killed, before pytest-timeout gives up on the whole session).
+RANKS_LIMIT_S = 200.0
+
+
+def spawn_ranks(fn, *args, ranks: int = 2, limit_s: float = RANKS_LIMIT_S) -> None:
+    """``fn(rank, init_file, *args)`` in `ranks` processes; a failure in any of them fails the caller, and so do
+    ranks still running after `limit_s` seconds (killed, so that no rank outlives the test)."""
     # the rendezvous file lives outside pytest's numbered temp folders, which a concurrent pytest session may prune
     rendezvous = tempfile.mkdtemp(prefix="hf_zenflow_pg_")
     try:
-        mp.spawn(fn, args=(os.path.join(rendezvous, "pg_init"), *args), nprocs=ranks, join=True)
+        context = mp.spawn(fn, args=(os.path.join(rendezvous, "pg_init"), *args), nprocs=ranks, join=False)
+        deadline = time.monotonic() + limit_s
+        while not context.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                stuck = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                        process.join()
+                raise AssertionError(f"rank(s) {stuck} of {fn.__name__} still running after {limit_s:g} s (killed): "
+                                     "a hang in the run or in its teardown")
     finally:
         shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def run_in_group(rank: int, init_file: str, body: Callable[..., None], *args, timeout_s: float = 60) -> None:
+    """``body(rank, *args)`` between `init_ranks` and ``destroy_process_group``, with everything `body` built gone
+    before the group is destroyed.
+
+    A DDP model's C++ `Reducer` holds the process group. Freed after ``destroy_process_group`` (when the rank
+    function returns), it drops the group's last reference while holding the GIL, and gloo's destructor then waits for
+    its work mutex, which a ``pt_gloo_runloop`` thread may hold while it frees the last collective's tensors and waits
+    for the GIL: a deadlock (seen: ``ProcessGroupGloo::~ProcessGroupGloo <- Reducer::~Reducer`` in the main thread,
+    ``gil_scoped_acquire <- AsyncAllgatherWork::~AsyncAllgatherWork`` in the runloop). Freed first, the Reducer leaves
+    the group to ``destroy_process_group``, whose release of it lets the GIL go. So `body` returns (its frame, with
+    its models, is gone), a failure's traceback keeps its text but not its frames' variables, and then the group is
+    destroyed."""
+    init_ranks(rank, init_file, timeout_s=timeout_s)
+    try:
+        body(rank, *args)
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # (the frames' variables: a DDP model among them)
+        raise
+    finally:
+        gc.collect()  # (a model in a reference cycle)
+        dist.destroy_process_group()
 
 
 def init_ranks(rank: int, init_file: str, ranks: int = 2, timeout_s: float = 60, device: str = "cpu") -> None:

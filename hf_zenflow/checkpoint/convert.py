@@ -150,6 +150,9 @@ def _check_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
             if not bool(torch.isfinite(entry[key]).all()):
                 raise CheckpointError(f"ZenFlowAdamW.load_state_dict: {key} of parameter {index} holds non-finite "
                                       "values; the checkpoint is damaged.")
+        if bool((entry["exp_avg_sq"] < 0).any()):
+            raise CheckpointError(f"ZenFlowAdamW.load_state_dict: exp_avg_sq of parameter {index} holds negative "
+                                  "values (a second moment cannot be negative); the checkpoint is damaged.")
 
 
 def unpack_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:

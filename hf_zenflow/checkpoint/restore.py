@@ -71,6 +71,7 @@ def _validate(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
         units = p.shape[0] if rows else math.prod(p.shape[1:])  # (an FSDP2 shard may have 0 rows)
         checks.check_entry_fields(where, entry, p, zenflow["steps"], units, rows)
         checks.check_tensors(where, entry, p)
+        checks.check_consistency(where, entry, zenflow)
         if entry["kind"] == "split" and "device_index" in entry:
             checks.check_device_columns(where, entry, p, units)
     checks.check_settings_change(opt, zenflow)
@@ -156,6 +157,7 @@ def load(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     ):
         opt._host.stop_worker()  # (not `opt.close()`: the run goes on, its cores stay claimed and the state just
         # loaded keeps its pinned buffers)
+    opt._host.failure = None  # a whole, checked state again after a host worker failure (`engine/failure.py`)
     opt._mark_weights()
 
 

@@ -95,6 +95,7 @@ def check_block(zenflow: dict[str, Any]) -> None:
         _count(where, zenflow, key)
     steps = zenflow["steps"]
     _count(where, zenflow, "window_steps", top=steps)
+    _count(where, zenflow, "windows", top=steps)  # (a window closes at a step: warm-up steps close one each)
     for key in _BLOCK_BOOLS:
         _flag(where, zenflow, key)
     lag = zenflow.get("writeback_lag")
@@ -192,6 +193,29 @@ def check_tensors(where: str, entry: dict[str, Any], p: torch.Tensor) -> None:
                 raise Refusal(f"{where}: {key} has shape {list(entry[key].shape)}, host_master {list(shape)}")
 
 
+#: Step counts are fp32 tensors (as torch's AdamW keeps them): above 2**24 adding one step no longer changes them.
+_MAX_STEP_COUNT = 2**24
+
+
+def check_consistency(where: str, entry: dict[str, Any], zenflow: dict[str, Any]) -> None:
+    """Invariants between the fields of an entry and the block, which a well-sealed state must hold too: the open
+    window's sum covers at most the steps the window has taken (none when it has taken none); step counts are whole
+    numbers an fp32 count can reach; a matrix's host AdamW steps (one per window) cannot outrun its device columns'
+    steps (one per step; both start from the same count) by more than the windows closed."""
+    counts = {key: float(t) for key, t in entry.items() if key.endswith("step") and isinstance(t, torch.Tensor)}
+    for key, count in counts.items():
+        if count != int(count) or count >= _MAX_STEP_COUNT:
+            raise Refusal(f"{where}: {key}={count:g} is not a step count (a whole number below {_MAX_STEP_COUNT})")
+    if "host_master" in entry and entry["accum_count"] > zenflow["window_steps"]:
+        raise Refusal(f"{where}: accum_count={entry['accum_count']} gradients summed in the open window, but the "
+                      f"window has taken window_steps={zenflow['window_steps']} steps (the counters do not belong "
+                      "together)")
+    if "host_step" in counts and "device_step" in counts \
+            and counts["host_step"] > counts["device_step"] + zenflow["windows"]:
+        raise Refusal(f"{where}: host_step={counts['host_step']:g} exceeds device_step={counts['device_step']:g} plus "
+                      f"the {zenflow['windows']} windows closed (one host step per window)")
+
+
 def check_device_columns(where: str, entry: dict[str, Any], p: torch.Tensor, units: int) -> None:
     idx = entry["device_index"]
     if idx.dtype not in (torch.int64, torch.int32) or idx.ndim != 1:
@@ -244,5 +268,5 @@ def check_settings_change(opt: ZenFlowState, zenflow: dict[str, Any]) -> None:
                       "split and the dense path on resume. Resume with the checkpoint's min_offload_numel")
 
 
-__all__ = ["check_block", "check_device_columns", "check_entry_fields", "check_groups", "check_name",
-           "check_settings_change", "check_tensors"]
+__all__ = ["check_block", "check_consistency", "check_device_columns", "check_entry_fields", "check_groups",
+           "check_name", "check_settings_change", "check_tensors"]

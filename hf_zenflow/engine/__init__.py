@@ -4,12 +4,12 @@
   `device_step.py` (the fused AdamW on them every step); reading each gradient as backward produces it:
   `gradients.py`;
 - the host path: `host.py` (`HostMatrix`: host state, window accumulation, the window's AdamW in one pass),
-  `worker.py` (`HostAdamWorker`, the background thread) and `host_thread.py`;
+  `worker.py` (`HostAdamWorker`, the background thread, and `bounded_wait`);
 - between them: `windows.py` (`HostWindows`: hand-offs, `handoff.py` / `held_handoff.py`) and `window_close.py`
   (closing a window, writing its result back ``writeback_lag`` steps later); `accumulation.py` (host or device
   window sums), `host_lr.py` (the host step's learning-rate multiplier);
 - the schedule, decisions without tensors: `schedule.py` (step kinds, windows, Zen-auto votes), `writeback_lag.py`
-  ("auto"'s measured choice);
+  ("auto"'s choice from the host columns' sizes);
 - one matrix's two sides and its columns: `split_matrix.py`, `selection.py`, `reselection.py`; the optimizer's
   arguments made into state: `params.py`; weights changed from outside: `weight_marks.py`; the storage layout:
   `layout.py` (`column_major_`); AMP: `amp.py`; per-step telemetry: `telemetry.py`.

@@ -88,15 +88,39 @@ def _fp32_like(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(p, dtype=torch.float32).copy_(g)
 
 
+class ParamWrites:
+    """The rounded fp32 masters a device update copies into its parameters (selected columns scattered into their
+    matrices, dense masters copied into parameters of another dtype), held until the step knows it is not skipped.
+
+    A parameter with an fp32 master of its own is written only by the optimizer: its version counter is the
+    optimizer's mark that nobody else changed it (`weight_marks.py`). A skipped step must leave it untouched,
+    or the next step would take the skipped step's write for an outside edit and re-read the master from the
+    rounded weights (losing the fp32 bits and the open window's gradients)."""
+
+    def __init__(self, scatters: list[tuple[DeviceColumns, torch.Tensor]],
+                 dense_copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._scatters, self._dense_copies = scatters, dense_copies
+
+    def apply(self) -> None:
+        scatter_columns(self._scatters)
+        for p, master in self._dense_copies:
+            p.copy_(master)
+        self._scatters, self._dense_copies = [], []
+
+
 def device_update(
     splits: dict[torch.Tensor, SplitMatrix], dense: dict[torch.Tensor, DenseDeviceState],
     entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | torch.Tensor | None,
     gathered: set[torch.Tensor], rewritten: bool = False, found_inf: torch.Tensor | None = None,
-) -> None:
+) -> ParamWrites:
     """Fused AdamW on the selected columns and the dense parameters, one kernel launch per group and device.
     `coef`: the clip coefficient, a number or a device tensor; `found_inf`: a device tensor that, when set,
     makes the update change nothing. `rewritten`: a write-back follows in this step, so matrices with host
-    columns are not scattered now."""
+    columns are not scattered now.
+
+    The fp32 masters are updated here; the parameters that have masters of their own receive them when the caller
+    applies the returned `ParamWrites`: at once after an update that cannot be skipped any more, and after the
+    step's non-finite check when the update was launched before it (with `found_inf`)."""
     batches: dict[tuple[int, torch.device], tuple[dict, list[list[torch.Tensor]]]] = {}
     scatters: list[tuple[DeviceColumns, torch.Tensor]] = []
     dense_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -140,6 +164,4 @@ def device_update(
     for (_, device), (group, (params, gs, m, v, steps)) in batches.items():
         flag = None if found_inf is None else _to(found_inf, device)
         fused_adamw_(params, gs, m, v, steps, group, found_inf=flag)
-    scatter_columns(scatters)
-    for p, master in dense_copies:
-        p.copy_(master)
+    return ParamWrites(scatters, dense_copies)

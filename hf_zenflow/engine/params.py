@@ -63,7 +63,9 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def is_dense_layout(t: torch.Tensor) -> bool:
     """Whether `t`'s elements fill its memory without gaps or overlaps, in any dimension order (row-major,
     column-major, permuted). A view with gaps (``w[:, ::2]``) is not: its gradient is contiguous, its moments and
-    the in-place update could not be laid over it element for element."""
+    the in-place update could not be laid over it element for element. An empty tensor has no elements to lay out."""
+    if t.numel() == 0:
+        return True
     expected = 1
     for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
         if stride != expected:
@@ -140,7 +142,7 @@ def is_split(p: torch.Tensor, group: dict[str, Any], config: ZenFlowConfig,
     decide alike, whatever rows it holds)."""
     shape = p.shape if shape is None else shape
     return (len(shape) >= 2 and (bool(group.get("select_rows", False)) or selection_axis(p) is not None)
-            and shape.numel() >= config.min_offload_numel)
+            and shape.numel() >= config.min_offload_numel and shape.numel() > 0)  # (an empty matrix has no columns)
 
 
 def offloads(p: torch.Tensor, group: dict[str, Any], config: ZenFlowConfig) -> bool:

@@ -81,6 +81,8 @@ class WindowSchedule:
     high_lr_window: int | None = None
     #: whether this optimizer has logged that choice (`params.announce_high_lr_rule`; not saved)
     high_lr_announced: bool = False
+    #: whether this run has said that it offloads (almost) nothing (`offload_report.announce_offload`; not saved)
+    offload_announced: bool = False
 
     def shorten_windows(self, window: int | None, configured: int | None, lag: int | None) -> None:
         """`high_lr_rule="auto"`'s choice (`host_lr.high_lr_window`, or a checkpoint's): windows of `window` steps

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
+
+
+logger = logging.getLogger("hf_zenflow")
 
 
 #: Phases of the caller's time inside `step()`, in the order they happen.
@@ -111,6 +115,19 @@ class ZenFlowStats:
         self.bytes_to_host = self.bytes_to_device = 0
         if staleness is not None:
             self.staleness = staleness
+
+    def skip_step(self, timer: StepTimer, steps: int) -> None:
+        """A step skipped for non-finite gradients (nothing updated): counted, and said loudly at the first skip of
+        the run and again each time the count doubles (`steps`: the steps taken so far)."""
+        self.skipped_steps += 1
+        if self.skipped_steps & (self.skipped_steps - 1) == 0:  # 1, 2, 4, 8, ...
+            logger.warning(
+                "ZenFlowAdamW: %d step(s) skipped so far (%d taken): the gradients or their clip norm were not finite "
+                "(NaN/Inf), so those steps updated nothing. Look for a NaN or infinite loss, a learning rate too "
+                "high, or a NaN max_norm given to clip_grad_norm_; a GradScaler skips a few steps at the start "
+                "while it finds its scale (stats()[\"skipped_steps\"]). Said again when the count doubles.",
+                self.skipped_steps, steps)
+        self.finish_step(timer, skipped=True)
 
     def as_dict(self, **extra: float) -> dict[str, float]:
         out: dict[str, float] = {

@@ -37,7 +37,7 @@ from .selection import num_selected
 from .split_matrix import SplitMatrix, selection_scores
 from .telemetry import StepTimer, ZenFlowStats
 from .window_close import WindowCloses
-from .worker import HostAdamWorker, cuda_device_of
+from .worker import HostAdamWorker, HostWorkerError, cuda_device_of
 
 
 __all__ = ["EarlyCopies", "HandOff", "HostWindows"]
@@ -57,6 +57,8 @@ class HostWindows(WindowCloses):
         #: its local rows, nothing is shared across ranks, and per-rank partial sums are summed over this group instead
         self.param_shards: RankGroup | None = None
         self.worker: HostAdamWorker | None = None
+        #: the failure of a worker stopped after it failed: the host state may be partly updated (`stop_worker`)
+        self.failure: HostWorkerError | None = None
         self.transports: dict[str, Transport] = {}  # by device type
         self.pending: Any = None  # Future of the host step whose result awaits write-back (overlap mode)
         self.writeback_pending = False
@@ -111,6 +113,11 @@ class HostWindows(WindowCloses):
         self.release_early()
         worker, self.worker = self.worker, None
         if worker is not None:
+            if worker.failed and self.failure is None:
+                try:
+                    worker.check()
+                except HostWorkerError as failure:
+                    self.failure = failure
             worker.close()
 
     def close_transports(self) -> None:
@@ -511,7 +518,7 @@ class HostWindows(WindowCloses):
         """A warm-up step, plain dense AdamW: every matrix column by the host, synchronously (a one-step window);
         1-D parameters on the device."""
         with timer.phase("device_update"):
-            device_update(self.splits, dense, entries, grads, coef, set())
+            device_update(self.splits, dense, entries, grads, coef, set()).apply()
         with timer.phase("handoff"):
             self.hand_off(entries, grads, coef)
         schedule.window_steps += 1

@@ -1,8 +1,8 @@
 """`HostAdamWorker`: runs the host jobs (gradient accumulation, the host AdamW) in order, on a background thread or
 inline, and carries a failure into the training thread; `GradSlot`, a hand-off slot returned exactly once.
 
-Waits poll the thread, so a dead worker never hangs the caller; a Ctrl-C never waits for a long host job (see
-`HostAdamWorker.close`).
+Every wait of the caller is bounded and names what it waits for (`waits.bounded_wait`), and notices a dead worker;
+a Ctrl-C never waits for a long host job (see `HostAdamWorker.close`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass
 
 import torch
 
@@ -23,14 +24,41 @@ from .._base import torch_threads
 from ..settings.threads import worker_started
 from ..transport.link import device_wait_ms
 from .host import GRAD_SLOTS
+from .waits import HostWorkerError, bounded_wait
 
 
-class HostWorkerError(RuntimeError):
-    """The host worker failed; raised in the training process at its next `step()`/`synchronize()`."""
+__all__ = ["GradSlot", "HostAdamWorker", "HostWorkerError", "bounded_wait", "wait_for_closed_workers"]
 
 
-#: How often a waiting caller wakes to check that the worker thread is still alive.
-_POLL_S = 0.5
+class Gate:
+    """What held jobs wait for before they start: the end of the caller's `step()` (`HostAdamWorker.hold`). Opened
+    once, with the pause the worker takes before its first held job (`HostAdamWorker._loop`)."""
+
+    def __init__(self) -> None:
+        self._opened = threading.Event()
+        self.pause_s = 0.0
+
+    def open(self, pause_s: float = 0.0) -> None:
+        self.pause_s = pause_s
+        self._opened.set()
+
+    def is_open(self) -> bool:
+        return self._opened.is_set()
+
+    def wait(self) -> None:
+        self._opened.wait()
+
+
+@dataclass
+class HostJob:
+    """One submitted host job: its name (in errors and waits), the work, the future its caller waits on, and the
+    gate it waits for (None: it starts at once)."""
+
+    what: str
+    fn: Callable[[], None]
+    future: Future
+    gate: Gate | None
+
 
 #: How long a held job waits after its release before it starts (see `HostAdamWorker._run`).
 _AFTER_RELEASE_S = 0.002
@@ -41,6 +69,9 @@ _closing_lock = threading.Lock()
 
 #: Every worker thread still running, with its worker (`_stop_workers_at_exit`).
 _running: dict[threading.Thread, HostAdamWorker] = {}
+#: Worker threads closed while the caller handled a Ctrl-C: nobody wants their jobs any more, and the exit waits for
+#: them briefly even when the script then ends normally (`_stop_workers_at_exit`).
+_interrupted: set[threading.Thread] = set()
 #: Set at interpreter exit: a job not started by then is dropped.
 _exiting = False
 #: How long interpreter exit waits for the jobs in flight (one per worker; a host job takes seconds at most) ...
@@ -65,9 +96,11 @@ def _stop_workers_at_exit() -> None:
     for _, worker in running:
         worker._open_gate()  # a held job would wait for a release that never comes
         worker._jobs.put(None)
-    deadline = time.monotonic() + (_EXIT_WAIT_AFTER_FAILURE_S if _nobody_waits() else _EXIT_WAIT_S)
+    start, prompt = time.monotonic(), _nobody_waits()
     for thread, _ in running:
-        thread.join(max(0.0, deadline - time.monotonic()))
+        # (a thread closed during a Ctrl-C: briefly, however the script ended)
+        wait_s = _EXIT_WAIT_AFTER_FAILURE_S if prompt or thread in _interrupted else _EXIT_WAIT_S
+        thread.join(max(0.0, start + wait_s - time.monotonic()))
 
 
 def wait_for_closed_workers() -> None:
@@ -78,7 +111,11 @@ def wait_for_closed_workers() -> None:
     with _closing_lock:
         pending = [t for t in _closing if t is not me]
     for thread in pending:
-        thread.join()
+        def joined(timeout: float, thread: threading.Thread = thread) -> bool:
+            thread.join(timeout)
+            return not thread.is_alive()
+
+        bounded_wait(joined, "the last host job of a closed worker")
     with _closing_lock:
         _closing[:] = [t for t in _closing if t.is_alive()]
 
@@ -120,12 +157,12 @@ class HostAdamWorker:
         self.cuda_device = cuda_device
         self._error: BaseException | None = None
         self._error_job = ""
-        self._outstanding: list[Future] = []
+        self._outstanding: dict[Future, HostJob] = {}
         self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(GRAD_SLOTS):
             self._slots.put(slot)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._gate: threading.Event | None = None  # what held jobs wait for (see `hold`)
+        self._gate: Gate | None = None  # what held jobs wait for (see `hold`)
         self._holding = False
         self._thread: threading.Thread | None = None
         self.last_job_ms: dict[str, float] = {}  # host work of the latest job of each kind, device waits excluded
@@ -154,23 +191,22 @@ class HostAdamWorker:
             torch.cuda.set_device(self.cuda_device)  # per OS thread in CUDA, like the thread count
         wait_for_closed_workers()
         while True:
-            item = self._jobs.get()
-            if item is None:
+            job = self._jobs.get()
+            if job is None:
                 return
-            what, fn, future, gate = item
-            if gate is not None:
+            if job.gate is not None:
                 # Sync point (worker waits on the caller): a job submitted inside the caller's step() starts once
-                # that step() has returned (`hold`/`release`)
-                gate.wait()
+                # that step() has returned (`hold`/`release`; interpreter exit opens it too)
+                job.gate.wait()
                 # ... plus a moment, so that the caller's return path runs first: the job's Python would take the
                 # GIL whenever that path releases it (torch's step wrappers call torch ops) and keep it for up to a
                 # switch interval (5 ms); measured on a CPU device, 1-5 ms added to about half the steps
                 # (a wait for a held job opens the gate without that pause: the caller is waiting then)
-                time.sleep(getattr(gate, "hf_zenflow_pause", 0.0))
+                time.sleep(job.gate.pause_s)
             if _exiting:  # (`_stop_workers_at_exit`)
-                future.set_exception(HostWorkerError(f"host job '{what}' dropped at interpreter exit"))
+                job.future.set_exception(HostWorkerError(f"host job '{job.what}' dropped at interpreter exit"))
                 continue
-            self._execute(what, fn, future)
+            self._execute(job.what, job.fn, job.future)
 
     def _execute(self, what: str, fn: Callable[[], None], future: Future) -> None:
         if self._error is not None:
@@ -201,10 +237,9 @@ class HostAdamWorker:
                 self._execute(what, fn, future)
             self.check()
         else:
-            self._outstanding = [f for f in self._outstanding if not f.done()]
-            self._outstanding.append(future)
-            future.hf_zenflow_gate = self._gate  # type: ignore[attr-defined]
-            self._jobs.put((what, fn, future, self._gate))
+            self._outstanding = {f: job for f, job in self._outstanding.items() if not f.done()}
+            job = self._outstanding[future] = HostJob(what, fn, future, self._gate)
+            self._jobs.put(job)
         return future
 
     def hold(self) -> None:
@@ -216,7 +251,7 @@ class HostAdamWorker:
         if self._thread is not None:
             self._holding = True
             if self._gate is None:
-                self._gate = threading.Event()
+                self._gate = Gate()
 
     def release(self) -> None:
         """Let the held jobs start; stop holding."""
@@ -226,10 +261,14 @@ class HostAdamWorker:
     def _open_gate(self, pause: float = 0.0) -> None:
         gate, self._gate = self._gate, None
         if gate is not None:
-            gate.hf_zenflow_pause = pause  # type: ignore[attr-defined]
-            gate.set()
+            gate.open(pause)
         if self._holding:
-            self._gate = threading.Event()
+            self._gate = Gate()
+
+    @property
+    def failed(self) -> bool:
+        """Whether a job failed (every later job is dropped, and `check` raises)."""
+        return self._error is not None
 
     def check(self) -> None:
         if self._error is not None:
@@ -239,27 +278,31 @@ class HostAdamWorker:
             ) from self._error
 
     def wait(self, future: Future) -> None:
-        """Block until `future` is done; raise the worker's failure; never hang on a dead worker."""
-        gate = getattr(future, "hf_zenflow_gate", None)
-        if gate is not None and not gate.is_set():
+        """Block until `future` is done; raise the worker's failure; never hang on a dead worker (`bounded_wait`)."""
+        job = self._outstanding.get(future)
+        if job is not None and job.gate is not None and not job.gate.is_open():
             self._open_gate()  # the job (or one before it) is held
-        while True:
+
+        def done(timeout: float) -> bool:
             try:
-                future.result(timeout=_POLL_S)
-                return
+                future.result(timeout=timeout)
+                return True
             except FutureTimeoutError:  # not the built-in TimeoutError before Python 3.11
-                if self._thread is not None and not self._thread.is_alive():
-                    raise HostWorkerError("the hf_zenflow host worker thread died") from None
+                return False
             except BaseException:
                 self.check()
                 raise
+
+        thread = self._thread
+        bounded_wait(done, f"host job '{job.what if job is not None else 'unknown'}'",
+                  alive=None if thread is None else thread.is_alive)
 
     def synchronize(self) -> None:
         """Wait until every submitted job has run (a closed worker's last jobs included)."""
         self._open_gate()
         for future in list(self._outstanding):
             self.wait(future)
-        self._outstanding = []
+        self._outstanding = {}
         wait_for_closed_workers()
         self.check()
 
@@ -267,13 +310,19 @@ class HostAdamWorker:
         """A free gradient hand-off slot; blocks (a stall) while the worker is two steps behind."""
         if self._slots.empty():
             self._open_gate()  # the jobs that free a slot may be held
-        while True:
+        taken: list[int] = []
+
+        def done(timeout: float) -> bool:
             try:
-                return self._slots.get(timeout=_POLL_S)
+                taken.append(self._slots.get(timeout=timeout))
+                return True
             except queue.Empty:
-                self.check()
-                if self._thread is not None and not self._thread.is_alive():
-                    raise HostWorkerError("the hf_zenflow host worker thread died") from None
+                return False
+
+        thread = self._thread
+        bounded_wait(done, "a free gradient hand-off slot (the host jobs of the last steps)",
+                  alive=None if thread is None else thread.is_alive, check=self.check)
+        return taken[0]
 
     def release_slot(self, slot: int) -> None:
         self._slots.put(slot)
@@ -320,6 +369,8 @@ class HostAdamWorker:
             if thread.is_alive():
                 self._jobs.put(None)
                 if _nobody_waits():
+                    if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+                        _interrupted.add(thread)
                     return
                 thread.join(timeout)
         finally:

@@ -1,19 +1,24 @@
-"""``writeback_lag="auto"``: how soon a window's host result can go into the weights without the device waiting,
-chosen once per run from measured times.
+"""``writeback_lag="auto"``: how soon a window's host result goes into the weights, decided once per run from what
+does not change from one run of a script to the next, so that the same script and seed give the same weights.
 
-The first window is written back one step into the second (early training moves fastest, and a stale update costs
-most there); the device waits for that host step if it is not done, once. When the second window closes, the first
-window's host step has been measured: its time and the median time between optimizer steps so far give the smallest
-lag whose device time holds a host step with 25% to spare (`schedule.auto_writeback_lag`). From then on the schedule
-writes each result back that many steps into the next window. The choice is part of the schedule: `stats()` reports
-it, checkpoints keep it, and a resumed run continues with it (an integer `writeback_lag` makes runs reproducible
-across machines). Several ranks take the largest of their choices, agreed at the same step on every rank, so their
-write-back collectives stay in step.
+The decision is made at the first step, once the optimizer knows which matrices have host columns: one step of lag
+per `AUTO_LAG_HOST_ELEMENTS` elements of host columns on this rank (rounded up), at least 1 and at most the window
+(`auto_lag_from_sizes`). The host AdamW's time grows with those elements, and a window's result written back sooner
+keeps the unselected columns fresher: a model under about two billion offloaded parameters per rank is written back
+one step into the next window, a 7B model with most of its columns on the host of one rank three steps in (with
+four-step windows). Several ranks take the largest of their choices, agreed at the same step on every rank, so
+their write-back collectives stay in step. The choice is logged, part of the schedule (`stats()`, checkpoints; a
+resumed run continues with it), and an integer `writeback_lag` replaces it.
+
+Times are measured too, but only to advise: after the second window the measured host step and time between steps
+give the smallest lag that would hold the host step with 25% to spare (`schedule.auto_writeback_lag`); when it
+differs from the choice, a log line names the setting that would use it. The run's arithmetic never depends on it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -30,12 +35,35 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("hf_zenflow")
 
+#: `writeback_lag="auto"`: host-column elements per step of lag (2**31: a host AdamW over them takes about half a
+#: second on 8 cores at the 0.5 Gparam/s per core measured in BENCHMARKS.md, less than a training step of a model
+#: that size)
+AUTO_LAG_HOST_ELEMENTS = 2**31
+
+
+def auto_lag_from_sizes(host_elements: int, longest: int) -> int:
+    """The write-back lag `"auto"` takes for `host_elements` elements of host columns on this rank and windows of at
+    most `longest` steps.
+
+    Example:
+        >>> auto_lag_from_sizes(0, 4), auto_lag_from_sizes(10**9, 4), auto_lag_from_sizes(6 * 10**9, 4)
+        (1, 1, 3)
+    """
+    return max(1, min(longest, math.ceil(host_elements / AUTO_LAG_HOST_ELEMENTS)))
+
+
+def host_elements(host: HostWindows) -> int:
+    """Elements of host columns (host masters) on this rank."""
+    return sum(split.host.master.numel() for split in host.splits.values() if split.host is not None)
+
 
 class AutoWritebackLag:
-    """Measures the time between optimizer steps and picks the run's write-back lag at the second window close."""
+    """Decides the run's write-back lag at its first step (`maybe_choose`), and measures the time between optimizer
+    steps for the advice logged after the second window (`maybe_advise`)."""
 
     def __init__(self) -> None:
         self._last: float | None = None
+        self._advised = False
         self.intervals_ms: deque[float] = deque(maxlen=32)
 
     def tick(self) -> None:
@@ -47,21 +75,13 @@ class AutoWritebackLag:
         self._last = now
 
     def maybe_choose(self, config: ZenFlowConfig, schedule: WindowSchedule, host: HostWindows) -> None:
-        """Fix the schedule's lag when it is due (``"auto"`` not chosen yet, overlapped, two windows closed after
-        the warm-up)."""
-        if not schedule.writeback_lag_pending or not config.overlap_step:
-            return
-        if schedule.steps <= schedule.warm_up:
-            # dense warm-up steps close a synchronous window each and wait for the host: neither their windows nor
-            # their step times say anything about the overlapped schedule
-            self.intervals_ms.clear()
-            return
-        if schedule.windows - schedule.warm_up < 2:
+        """Fix the schedule's lag when ``"auto"`` has not chosen yet (called once the step's state exists, before
+        any window closes; every rank reaches it at the same step)."""
+        if not schedule.writeback_lag_pending:
             return
         longest = schedule.update_interval or schedule.auto_max_interval
-        host_ms = host.worker.last_job_ms.get("host_adamw", 0.0) if host.worker is not None else 0.0
-        step_ms = statistics.median(self.intervals_ms) if self.intervals_ms else 0.0
-        lag = auto_writeback_lag(host_ms, step_ms, longest)
+        elements = host_elements(host)
+        lag = auto_lag_from_sizes(elements, longest)
         if host.reduce_group.ranks > 1:
             # every rank reaches this at the same step; one-hot counts summed, the largest lag chosen by any rank wins
             device = next(iter(host.splits)).device if host.splits else torch.device("cpu")
@@ -70,5 +90,29 @@ class AutoWritebackLag:
             host.reduce_group.all_reduce_sum([votes], "writeback_lag agreement")
             lag = int(votes.nonzero().max())
         schedule.writeback_lag, schedule.writeback_lag_pending = lag, False
-        logger.info("hf_zenflow: writeback_lag=\"auto\" chose %d step(s) of %d (host step %.1f ms, step %.1f ms)",
-                    lag, longest, host_ms, step_ms)
+        if config.overlap_step:
+            logger.info('hf_zenflow: writeback_lag="auto" chose %d step(s) of %d for %d elements of host columns '
+                        "(one step per %d; an integer writeback_lag sets it)", lag, longest, elements,
+                        AUTO_LAG_HOST_ELEMENTS)
+
+    def maybe_advise(self, config: ZenFlowConfig, schedule: WindowSchedule, host: HostWindows) -> None:
+        """After the second overlapped window with an ``"auto"`` lag: log the lag the measured times would allow
+        when it differs from the choice (advice only; the schedule keeps its lag)."""
+        if self._advised or config.writeback_lag != "auto" or not config.overlap_step:
+            return
+        if schedule.steps <= schedule.warm_up:
+            # dense warm-up steps close a synchronous window each and wait for the host: neither their windows nor
+            # their step times say anything about the overlapped schedule
+            self.intervals_ms.clear()
+            return
+        if schedule.windows - schedule.warm_up < 2 or schedule.writeback_lag is None:
+            return
+        self._advised = True
+        longest = schedule.update_interval or schedule.auto_max_interval
+        host_ms = host.worker.last_job_ms.get("host_adamw", 0.0) if host.worker is not None else 0.0
+        step_ms = statistics.median(self.intervals_ms) if self.intervals_ms else 0.0
+        measured = auto_writeback_lag(host_ms, step_ms, longest)
+        if measured != schedule.writeback_lag:
+            logger.info('hf_zenflow: writeback_lag="auto" keeps %d step(s); this machine\'s measured host step '
+                        "(%.1f ms) and step (%.1f ms) would allow writeback_lag=%d (set it to use it: results then "
+                        "depend on that setting only)", schedule.writeback_lag, host_ms, step_ms, measured)

@@ -226,7 +226,14 @@ class ZenFlowTrainer(Trainer):
         # (`resume.checked_resume`).
         need_optimizer = not getattr(self.args, "zenflow_resume_without_optimizer", False)
         resume_from_checkpoint = checked_resume(resume_from_checkpoint, self.args.output_dir, need_optimizer)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException:
+            # a failed or interrupted train() skips `_finalize_training`: the host worker (a failed one too) must not
+            # outlive it either. After a worker failure the optimizer stays refused until a resume loads a state.
+            if self.zenflow_optimizer is not None:
+                self.zenflow_optimizer.close()
+            raise
 
     def _without_optimizer_state(self, checkpoint: str, path: str) -> None:
         """A checkpoint with no optimizer state: refused, unless the user asked to resume without it."""

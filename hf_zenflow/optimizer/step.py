@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 
 from ..engine import amp
-from ..engine.device_step import device_update
+from ..engine.device_step import ParamWrites, device_update
 from ..engine.gradients import read_gradients
 from ..engine.handoff import HandOff
+from ..engine.offload_report import announce_offload
 from ..engine.params import announce_high_lr_rule, create_state
 from ..engine.reselection import reselect, select_waiting
 from ..engine.schedule import StepKind
@@ -59,14 +60,15 @@ class StepSequence:
             # FSDP2, where each rank's flag covers its own shards only: there the step's all-reduced norm makes
             # every rank skip alike, after creating the state.)
             self._forget_backward_state()
-            self._stats.skipped_steps += 1
-            self._stats.finish_step(timer, skipped=True)
+            self._stats.skip_step(timer, steps=0)
             return loss
         schedule = self._ensure_schedule()
-        announce_high_lr_rule(schedule, self.config, self.param_groups)
         self._pick_up_outside_changes()
         create_state(entries, self._split, self._dense, self.config, schedule, self._host,
                      self._fsdp if self._fsdp.active else None)
+        self._auto_lag.maybe_choose(self.config, schedule, self._host)  # (first step: from the host columns' sizes)
+        announce_high_lr_rule(schedule, self.config, self.param_groups)
+        announce_offload(self.param_groups, self.config, schedule)
 
         # ---- 1. one read of every gradient ------------------------------------------------------------------------
         kind = schedule.kind()
@@ -87,14 +89,17 @@ class StepSequence:
         # and matrices waiting for columns decide on host numbers first: they take the sync-first path.)
         early = schedule.launches_before_sync(waiting_for_columns=bool(reads.waiting))
         started: HandOff | None = None
+        writes: ParamWrites | None = None
         try:
             rewritten = False
             if early:
                 bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
                 rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
                 with timer.phase("device_update"):
-                    device_update(self._split, self._dense, entries, grads, clip, gathered, rewritten=rewritten,
-                                  found_inf=bad.float())
+                    # (the masters only: the parameters receive them after the check below, a skipped step
+                    # leaves them untouched)
+                    writes = device_update(self._split, self._dense, entries, grads, clip, gathered,
+                                           rewritten=rewritten, found_inf=bad.float())
                 self._meter.note()  # (the device's peak of the step: every gradient still held, the state updated)
                 with timer.phase("handoff"):
                     started = self._host.start_hand_off(entries, grads)
@@ -108,10 +113,11 @@ class StepSequence:
             if not synced.finite:
                 if started is not None:
                     self._host.abandon_hand_off(started)
-                self._stats.skipped_steps += 1
-                self._stats.finish_step(timer, skipped=True)
+                self._stats.skip_step(timer, steps=schedule.steps)
                 return loss
             coef = synced.coef
+            if writes is not None:
+                writes.apply()
 
             if warm_up:
                 self._meter.note()  # (the state exists; the gradients are still held)
@@ -125,7 +131,8 @@ class StepSequence:
                             select_waiting(self._host, entries, grads, synced.waiting_norms)
                     rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
                     with timer.phase("device_update"):
-                        device_update(self._split, self._dense, entries, grads, coef, gathered, rewritten=rewritten)
+                        device_update(self._split, self._dense, entries, grads, coef, gathered,
+                                      rewritten=rewritten).apply()
                 if rewritten and self.config.overlap_step:
                     # The previous window's result goes into the weights before this step's gradients are handed to
                     # the worker: the write-back does not depend on them, and this way its scatter does not compete
@@ -154,7 +161,7 @@ class StepSequence:
         schedule.steps += 1
         self._made_in_backward.clear()
         self._host.reserved_ahead = False  # (later host state reserves its own buffers)
-        self._auto_lag.maybe_choose(self.config, schedule, self._host)
+        self._auto_lag.maybe_advise(self.config, schedule, self._host)
         self._mark_weights()
         self._stats.finish_step(timer, staleness=sum(self._host.unapplied_steps) + schedule.window_steps)
         return loss

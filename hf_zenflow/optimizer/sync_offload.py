@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -21,9 +23,9 @@ from .._base import (
     grad_norms,
     host_empty,
 )
-from ..engine.host_thread import HostThread
 from ..engine.selection import selection_axis
 from ..engine.telemetry import StepTimer, ZenFlowStats
+from ..engine.worker import bounded_wait
 from ..settings.threads import rank_cpu_count
 from ..transport import transport_for
 
@@ -117,8 +119,7 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
         self._norm_cache = GradNormCache()
         self._stats = ZenFlowStats()
         self._steps = 0
-        self._host_thread = HostThread(self.cpu_threads)
-        weakref.finalize(self, self._host_thread.close)  # an optimizer dropped without close() leaves no thread
+        self._host_thread: ThreadPoolExecutor | None = None  # started by the first step (`_host_executor`)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -152,7 +153,9 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
                     self._stats.bytes_to_host += p.grad.numel() * p.grad.element_size()
         with timer.phase("host_update"):
             # Sync point: the host AdamW runs on the host thread (cpu_threads cores) and the caller waits for it.
-            self._host_thread.run(self._host_update)
+            job = self._host_executor().submit(self._host_update)
+            bounded_wait(lambda timeout: bool(wait_futures([job], timeout).done), "the synchronous host AdamW")
+            job.result()  # (its exception, if it raised)
         with timer.phase("writeback"):
             for group in self.param_groups:
                 for p in group["params"]:
@@ -178,7 +181,21 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Stop the host thread (a later `step()` starts it again)."""
-        self._host_thread.close()
+        executor, self._host_thread = self._host_thread, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    def _host_executor(self) -> ThreadPoolExecutor:
+        """One thread with `cpu_threads` intra-op threads: torch's thread count is per OS thread, so the training
+        thread's pool is never resized, and the host step runs on the same H cores as ZenFlow's host worker. (At
+        interpreter exit `concurrent.futures` waits for a job in flight: a thread returning from a torch op during
+        finalization would abort the process.)"""
+        if self._host_thread is None:
+            self._host_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zenflow-sync-host",
+                                                   initializer=torch.set_num_threads, initargs=(self.cpu_threads,))
+            # an optimizer dropped without close() leaves no thread
+            weakref.finalize(self, self._host_thread.shutdown, False)
+        return self._host_thread
 
     def stats(self) -> dict[str, float]:
         return self._stats.as_dict(

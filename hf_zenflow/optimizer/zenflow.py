@@ -37,6 +37,7 @@ from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
 from ..engine.device_memory import DeviceMemoryMeter
 from ..engine.device_state import DenseDeviceState
+from ..engine.failure import drop_failed_worker, refuse_after_failure
 from ..engine.gradients import GradientReads
 from ..engine.params import (
     check_group_params,
@@ -257,6 +258,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        refuse_after_failure(self._host)
         self._auto_lag.tick()
         self._find_param_shards(final=True)
         worker = self._host.ensure_worker()
@@ -321,9 +323,9 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         self._host.release_early()
 
     def synchronize(self) -> None:
-        """Wait until the host worker is idle and re-raise its failure, if any. Does not change the schedule: a
-        host result still waiting for its write-back step (`writeback_lag`) stays pending (and is part of
-        `state_dict()`)."""
+        """Wait until the host worker is idle and re-raise its failure, if any. Does not change the schedule: a host
+        result still waiting for its write-back step (`writeback_lag`) stays pending (it is part of `state_dict()`)."""
+        refuse_after_failure(self._host)
         if self._host.worker is not None:
             self._host.worker.synchronize()
         else:
@@ -333,6 +335,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
     def flush(self) -> None:
         """Close the open window and write every host result into the weights now, so that the model reflects
         every gradient seen. Call it at the end of training; mid-training it shortens the current window."""
+        refuse_after_failure(self._host)
         if self._schedule is None:
             return
         self._find_param_shards()
@@ -482,7 +485,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         `hf_zenflow.CheckpointError` naming the tensor, and nothing is changed. Settings of this optimizer that
         differ from the checkpoint's take effect (see `hf_zenflow.checkpoint`), with a logged note.
         """
-        self.synchronize()
+        drop_failed_worker(self._host) or self.synchronize()  # (a failed worker's state is replaced: no wait)
         self._find_param_shards()
         self._host.release_early()  # (gradients freed in a backward before the load belong to the old state)
         checkpoint.load(self, state_dict)

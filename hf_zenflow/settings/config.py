@@ -151,10 +151,10 @@ class ZenFlowConfig:
                   "written back: an integer from 1 to update_interval, None (at the next window boundary, ZenFlow's "
                   "schedule: the host step may take a whole window) or \"auto\". Smaller lags keep the unselected "
                   "columns fresher, closer to AdamW, but give the host step less time: the device waits for it when "
-                  "it is not done by then. \"auto\": the first window one step into the next (the device waits for "
-                  "it if needed, once), then the smallest lag that the first host step's measured time fits in with "
-                  "25% to spare, kept for the run (logged, in stats() and checkpoints); set an integer for runs that "
-                  "repeat bit for bit on another machine."},
+                  "it is not done by then. \"auto\": decided at the first step from the elements of host columns on "
+                  "each rank (one step per 2**31 elements, at least 1, at most the window), never from timings, so "
+                  "the same script and seed give the same weights; logged, in stats() and checkpoints, with the lag "
+                  "the measured times would allow logged as advice."},
     )
     auto_ratio: float = field(
         default=0.99,

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import assert_each_rank_holds_at_most, assert_resumed_bitwise, spawn_ranks
+from gloo_ranks import assert_each_rank_holds_at_most, assert_resumed_bitwise, run_in_group, spawn_ranks
 
 from hf_zenflow import CheckpointError, ZenFlowAdamW, column_major_
 from hf_zenflow.distributed.sharding import RankGroup, ShardCollectiveError, Share
@@ -22,7 +22,7 @@ from hf_zenflow.distributed.sharding import RankGroup, ShardCollectiveError, Sha
 
 SETTINGS = dict(topk_ratio=0.25, update_interval="auto", auto_max_interval=4, full_warm_up_rounds=2,
                 select_strategy="step", select_interval=8, min_offload_numel=0, cpu_threads=1, overlap_step=True,
-                writeback_lag=1)  # fixed: "auto" would choose from each process's own timing
+                writeback_lag=1)  # (fixed: the reference runs compare against this schedule)
 STEPS, PER_RANK, RANKS = 20, 4, 2
 
 
@@ -88,41 +88,39 @@ BUCKET_BYTES = 6000
 
 
 def _rank_run(rank: int, init_file: str, out_dir: str) -> None:
+    run_in_group(rank, init_file, _rank_run_body, out_dir)
+
+
+def _rank_run_body(rank: int, out_dir: str) -> None:
     import hf_zenflow.distributed.sharding as sharding
 
     sharding.GATHER_BUCKET_BYTES = BUCKET_BYTES
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        model = _model()
-        wrapped, opt = _ddp(model)
-        windows: list = []
-        _train(rank, range(STEPS), wrapped, opt, windows)
-        stats = opt.stats()
-        # the same run saved after 10 steps (mid-window) and resumed in a fresh model and optimizer
-        first = _model()
-        wrapped_a, opt_a = _ddp(first)
-        _train(rank, range(10), wrapped_a, opt_a)
-        saved_opt = opt_a.state_dict()
-        path = os.path.join(out_dir, f"optimizer_rank{rank}.pt")
-        torch.save(saved_opt, path)
-        saved_model = {k: v.clone() for k, v in first.state_dict().items()}
-        if rank == 0:
-            torch.save(saved_model, os.path.join(out_dir, "model_saved.pt"))
-        opt_a.close()
-        second = _model()
-        second.load_state_dict(saved_model)
-        wrapped_b, opt_b = _ddp(second)
-        opt_b.load_state_dict(torch.load(path, weights_only=True))
-        _train(rank, range(10, STEPS), wrapped_b, opt_b)
-        torch.save({"windows": windows, "final": _weights(model), "stats": stats, "resumed": _weights(second),
-                    "flushed": _flushed(opt, model)},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-        opt.close()
-        opt_b.close()
-    finally:
-        dist.destroy_process_group()
+    model = _model()
+    wrapped, opt = _ddp(model)
+    windows: list = []
+    _train(rank, range(STEPS), wrapped, opt, windows)
+    stats = opt.stats()
+    # the same run saved after 10 steps (mid-window) and resumed in a fresh model and optimizer
+    first = _model()
+    wrapped_a, opt_a = _ddp(first)
+    _train(rank, range(10), wrapped_a, opt_a)
+    saved_opt = opt_a.state_dict()
+    path = os.path.join(out_dir, f"optimizer_rank{rank}.pt")
+    torch.save(saved_opt, path)
+    saved_model = {k: v.clone() for k, v in first.state_dict().items()}
+    if rank == 0:
+        torch.save(saved_model, os.path.join(out_dir, "model_saved.pt"))
+    opt_a.close()
+    second = _model()
+    second.load_state_dict(saved_model)
+    wrapped_b, opt_b = _ddp(second)
+    opt_b.load_state_dict(torch.load(path, weights_only=True))
+    _train(rank, range(10, STEPS), wrapped_b, opt_b)
+    torch.save({"windows": windows, "final": _weights(model), "stats": stats, "resumed": _weights(second),
+                "flushed": _flushed(opt, model)},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    opt.close()
+    opt_b.close()
 
 
 def _flushed(opt: ZenFlowAdamW, model: torch.nn.Module) -> list[torch.Tensor]:
@@ -288,24 +286,22 @@ def _other(model: Net) -> ZenFlowAdamW:
 
 
 def _rank_resume_one_process_state(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        saved = torch.load(os.path.join(out_dir, "single.pt"), weights_only=True)
-        model = _model()
-        model.load_state_dict(saved["model"])
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        opt = _other(model)
-        opt.load_state_dict(saved["optimizer"])
-        windows: list = []
-        _train(rank, range(HALF, STEPS), wrapped, opt, windows)
-        host_bytes = opt.stats()["host_state_bytes"]
-        torch.save({"windows": windows, "final": _weights(model), "host_bytes": host_bytes},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-        opt.close()
-    finally:
-        dist.destroy_process_group()
+    run_in_group(rank, init_file, _rank_resume_one_process_state_body, out_dir)
+
+
+def _rank_resume_one_process_state_body(rank: int, out_dir: str) -> None:
+    saved = torch.load(os.path.join(out_dir, "single.pt"), weights_only=True)
+    model = _model()
+    model.load_state_dict(saved["model"])
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    opt = _other(model)
+    opt.load_state_dict(saved["optimizer"])
+    windows: list = []
+    _train(rank, range(HALF, STEPS), wrapped, opt, windows)
+    host_bytes = opt.stats()["host_state_bytes"]
+    torch.save({"windows": windows, "final": _weights(model), "host_bytes": host_bytes},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    opt.close()
 
 
 @pytest.mark.timeout(240)
@@ -331,26 +327,25 @@ def test_a_one_process_state_resumes_under_two_ranks(tmp_path):
 
 
 def _auto_lag_run(rank: int, init_file: str, out_dir: str) -> None:
+    run_in_group(rank, init_file, _auto_lag_body, out_dir)
+
+
+def _auto_lag_body(rank: int, out_dir: str) -> None:
     """Each rank would choose another lag (stubbed: 1 on rank 0, 3 on rank 1): both must take the largest, 3."""
     import hf_zenflow.engine.writeback_lag as auto_lag
 
-    auto_lag.auto_writeback_lag = lambda host_ms, step_ms, longest: 1 + 2 * rank
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        model = _model()
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **{**SETTINGS, "update_interval": 4, "writeback_lag": "auto",
-                                                              "high_lr_rule": "off"})
-        _train(rank, range(14), wrapped, opt)
-        lag = opt.stats()["writeback_lag"]
-        torch.save({"lag": lag, "weights": _flushed(opt, model)}, os.path.join(out_dir, f"auto{rank}.pt"))
-        opt.close()
-    finally:
-        dist.destroy_process_group()
+    auto_lag.auto_lag_from_sizes = lambda elements, longest: 1 + 2 * rank
+    model = _model()
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **{**SETTINGS, "update_interval": 4, "writeback_lag": "auto",
+                                                          "high_lr_rule": "off"})
+    _train(rank, range(14), wrapped, opt)
+    lag = opt.stats()["writeback_lag"]
+    torch.save({"lag": lag, "weights": _flushed(opt, model)}, os.path.join(out_dir, f"auto{rank}.pt"))
+    opt.close()
 
 
+@pytest.mark.timeout(240)
 def test_the_auto_write_back_lag_is_agreed_across_ranks(tmp_path):
     _spawn(_auto_lag_run, str(tmp_path))
     a, b = (torch.load(tmp_path / f"auto{r}.pt", weights_only=True) for r in range(RANKS))

@@ -36,7 +36,7 @@ from hf_zenflow.transport import CopyTransport
 
 SETTINGS = dict(topk_ratio=0.25, update_interval="auto", auto_max_interval=4, full_warm_up_rounds=2,
                 select_strategy="step", select_interval=8, min_offload_numel=0, cpu_threads=1, overlap_step=True,
-                writeback_lag=1)  # fixed: "auto" would choose from each process's own timing
+                writeback_lag=1)  # (fixed: the reference runs compare against this schedule)
 STEPS, PER_RANK = 20, 4
 SAVE = 11  # a step inside a window (checked: window_steps > 0)
 
@@ -396,7 +396,7 @@ def _auto_lag_run(rank: int, init_file: str, out_dir: str) -> None:
     """Each rank would choose another lag (stubbed: 1 on rank 0, 3 on rank 1): all must take the largest."""
     import hf_zenflow.engine.writeback_lag as auto_lag
 
-    auto_lag.auto_writeback_lag = lambda host_ms, step_ms, longest: 1 + 2 * rank
+    auto_lag.auto_lag_from_sizes = lambda elements, longest: 1 + 2 * rank
     init_ranks(rank, init_file, RANKS, device=DEVICE)
     try:
         model = _shard(_model())

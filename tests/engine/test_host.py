@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hf_zenflow.engine import waits as waits_module
 from hf_zenflow.engine import worker as worker_module
 from hf_zenflow.engine.host import GRAD_SLOTS, HostMatrix
 from hf_zenflow.engine.worker import HostAdamWorker, HostWorkerError
@@ -191,7 +192,7 @@ def test_a_wait_longer_than_the_poll_interval_keeps_waiting(monkeypatch):
     """`Future.result(timeout)` raises `concurrent.futures.TimeoutError`, which is not the built-in `TimeoutError`
     before Python 3.11: every wait longer than the poll interval escaped `step()` there (.ci/run runs this file
     under the oldest supported Python too)."""
-    monkeypatch.setattr(worker_module, "_POLL_S", 0.005)
+    monkeypatch.setattr(waits_module, "_POLL_S", 0.005)
     worker = HostAdamWorker(threads=1, background=True)
     done = []
     future = worker.submit("slow", lambda: (time.sleep(0.2), done.append(1)))

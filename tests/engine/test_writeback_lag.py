@@ -1,8 +1,9 @@
-"""``writeback_lag="auto"``: the rule, the choice from measured times at the second window close, and checkpoints
-that keep the choice."""
+"""``writeback_lag="auto"``: the choice from the host columns' sizes at the first step (the same weights whatever
+the machine's timing), the advice from measured times, and checkpoints that keep the choice."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import hf_zenflow.engine.host as host_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.schedule import auto_writeback_lag
+from hf_zenflow.engine.writeback_lag import AUTO_LAG_HOST_ELEMENTS, auto_lag_from_sizes
 from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train
 
 
@@ -39,11 +41,15 @@ def _train(opt: ZenFlowAdamW, model: torch.nn.Module, steps: int, pause_s: float
     train(model, opt, batches(steps), linear_schedule(opt, steps), hook=lambda i: time.sleep(pause_s))
 
 
-@pytest.mark.timing
-@pytest.mark.parametrize(("host_delay_s", "expected"), [(0.0, 1), (0.25, 4)])
-def test_auto_chooses_from_the_measured_host_step(host_delay_s, expected, monkeypatch):
-    """A fast host step is written back one step into the next window; one slower than the window (slowed on purpose
-    here) keeps the next boundary. Margins are wide (a 60 ms step; a host step of ~0 ms or > 250 ms)."""
+@pytest.mark.parametrize(("elements", "longest", "expected"), [
+    (0, 4, 1), (1, 4, 1), (AUTO_LAG_HOST_ELEMENTS, 4, 1), (AUTO_LAG_HOST_ELEMENTS + 1, 4, 2),
+    (int(0.9 * 7e9), 4, 3), (int(0.9 * 70e9), 4, 4), (int(0.9 * 70e9), 1, 1), (int(0.9 * 70e9), 16, 16),
+])
+def test_auto_decides_from_the_host_columns_sizes(elements, longest, expected):
+    assert auto_lag_from_sizes(elements, longest) == expected
+
+
+def _slowed_run(host_delay_s: float, pause_s: float, monkeypatch) -> tuple[list[torch.Tensor], ZenFlowAdamW]:
     window = host_module.host_adamw_window
 
     def slow_window(groups, *last):
@@ -52,19 +58,32 @@ def test_auto_chooses_from_the_measured_host_step(host_delay_s, expected, monkey
 
     monkeypatch.setattr("hf_zenflow.engine.window_close.host_adamw_window", slow_window)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", min_offload_numel=0,
-                       **OFF)
-    _train(opt, model, 7, pause_s=0.06)
-    assert opt._schedule.writeback_lag_pending  # one window closed: nothing chosen yet, 1 step meanwhile
-    assert opt.stats()["writeback_lag"] == 1
-    _train(opt, model, 2, pause_s=0.06)  # the second window closes at step 8
-    assert (opt._schedule.writeback_lag, opt._schedule.writeback_lag_pending) == (expected, False)
-    assert opt.stats()["writeback_lag"] == expected
+    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, min_offload_numel=0, **OFF)
+    _train(opt, model, 10, pause_s=pause_s)
+    opt.flush()
     opt.close()
+    return [p.detach().clone() for p in model.parameters()], opt
+
+
+def test_auto_gives_the_same_weights_whatever_the_host_step_takes(monkeypatch, caplog):
+    """Repro: ``writeback_lag="auto"`` (the default) chose from the first host step's measured time: a host step
+    slower than the window (here slowed on purpose by 0.25 s, as a cold first step or a busy machine makes it) gave
+    lag 4, a fast one lag 1, and the same script and seed trained different weights. Now the lag comes from the
+    host columns' sizes (1 step for this model) and the measured times only advise, in the log."""
+    fast, fast_opt = _slowed_run(0.0, 0.0, monkeypatch)
+    with caplog.at_level(logging.INFO, logger="hf_zenflow"):
+        slow, slow_opt = _slowed_run(0.25, 0.02, monkeypatch)
+    assert fast_opt.stats()["writeback_lag"] == slow_opt.stats()["writeback_lag"] == 1
+    for p, q in zip(fast, slow):
+        assert torch.equal(p, q)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any('writeback_lag="auto" chose 1 step(s) of 4' in m for m in messages), messages
+    # the measured times (a 250 ms host step, 20 ms steps) would allow a longer lag: said, not done
+    assert any("would allow writeback_lag=4" in m for m in messages), messages
 
 
 def test_a_checkpoint_keeps_the_chosen_lag_and_a_new_setting_replaces_it(monkeypatch):
-    monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 1)
+    monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_lag_from_sizes", lambda elements, longest: 1)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", min_offload_numel=0,
                        **OFF)
@@ -72,8 +91,8 @@ def test_a_checkpoint_keeps_the_chosen_lag_and_a_new_setting_replaces_it(monkeyp
     state = roundtrip(opt.state_dict())
     opt.close()
     assert (state["zenflow"]["writeback_lag"], state["zenflow"]["writeback_lag_pending"]) == (1, False)
-    # the resumed run would choose 3 from its own timing: it keeps the saved choice instead
-    monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 3)
+    # the resumed run would choose 3 from its own sizes: it keeps the saved choice instead
+    monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_lag_from_sizes", lambda elements, longest: 3)
     resumed = ZenFlowAdamW(param_groups(make_model()), lr=1e-2, update_interval=4, writeback_lag="auto",
                            min_offload_numel=0, **OFF)
     resumed.load_state_dict(state)
@@ -96,16 +115,24 @@ def test_auto_is_a_setting_everywhere():
         ZenFlowConfig(writeback_lag="soon")
 
 
-def test_the_choice_waits_for_two_windows_after_the_warm_up(monkeypatch):
-    """Warm-up steps close a synchronous window each: the choice comes two overlapped windows after them."""
+def test_the_choice_is_made_at_the_first_step_and_the_advice_two_windows_after_the_warm_up(monkeypatch, caplog):
+    """The lag is chosen before the first window closes (warm-up steps included); the measured times advise two
+    overlapped windows after the warm-up (warm-up windows are synchronous: their times say nothing)."""
     calls: list[int] = []
+    monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_lag_from_sizes",
+                        lambda elements, longest: calls.append(elements) or 2)
     monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_writeback_lag",
-                        lambda host_ms, step_ms, longest: calls.append(1) or 2)
+                        lambda host_ms, step_ms, longest: calls.append(-1) or 3)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", full_warm_up_rounds=3,
                        min_offload_numel=0, **OFF)
-    train(model, opt, batches(3 + 7), linear_schedule(opt, 20))
-    assert calls == [] and opt._schedule.writeback_lag_pending
-    train(model, opt, batches(1, seed=2), linear_schedule(opt, 20))  # the second window after the warm-up closes
-    assert calls == [1] and opt.stats()["writeback_lag"] == 2
+    train(model, opt, batches(1), linear_schedule(opt, 20))
+    host_elements = sum(p.numel() for p in model.parameters() if p.ndim == 2)
+    assert calls == [host_elements] and opt.stats()["writeback_lag"] == 2
+    train(model, opt, batches(2 + 7), linear_schedule(opt, 20))
+    assert calls == [host_elements]
+    with caplog.at_level(logging.INFO, logger="hf_zenflow"):
+        train(model, opt, batches(1, seed=2), linear_schedule(opt, 20))  # the second window after the warm-up closes
+    assert calls == [host_elements, -1] and opt.stats()["writeback_lag"] == 2
+    assert "would allow writeback_lag=3" in caplog.text
     opt.close()

@@ -120,9 +120,9 @@ def test_overlapped_equals_sequential_schedule_bit_for_bit(settings):
 def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, writeback_lag, monkeypatch):
     """A from-scratch model of the claimed schedule: selected columns by AdamW every step; the rest by a host AdamW
     on the mean gradient of each U-step window, written back one window later (lr at window close, times U with
-    host_lr_scale="interval"), or `writeback_lag` steps into the next window ("auto": the first window one step into
-    the next, the later ones at the lag chosen when the second window closes; the timing is stubbed to choose 2)."""
-    monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_writeback_lag", lambda host_ms, step_ms, longest: 2)
+    host_lr_scale="interval"), or `writeback_lag` steps into the next window ("auto": the lag chosen at the first
+    step, stubbed to choose 2)."""
+    monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_lag_from_sizes", lambda elements, longest: 2)
     torch.manual_seed(0)
     lin = torch.nn.Linear(32, 16, bias=False)
     ref_w = lin.weight.detach().clone()
@@ -133,7 +133,7 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, w
                        writeback_lag=writeback_lag, **OFF)
     def lag(window: int) -> int:  # the write-back lag of window `window`'s result (1-based)
         if writeback_lag == "auto":
-            return 1 if window == 1 else 2
+            return 2
         return U if writeback_lag is None else writeback_lag
 
     closed = 0
