@@ -160,35 +160,6 @@ def offloads_any(groups: list[dict[str, Any]], config: ZenFlowConfig) -> bool:
     return any(offloads(p, group, config) for group in groups for p in group["params"])
 
 
-#: Below this share of the trainable elements offloaded, a run "offloads almost nothing" and says so.
-ALMOST_NOTHING = 0.10
-
-
-def say_what_is_offloaded(groups: list[dict[str, Any]], config: ZenFlowConfig) -> None:
-    """Warn once (at construction) when the run offloads nothing, or under `ALMOST_NOTHING` of its trainable
-    elements, naming the reason and the setting that changes it: such a run is plain AdamW on the device for
-    (nearly) everything, which a user who chose ZenFlow to save device memory should hear about."""
-    trainable = [(p, g) for g in groups for p in g["params"] if p.requires_grad]
-    total = sum(p.numel() for p, _ in trainable)
-    offloaded = sum(p.numel() for p, g in trainable if offloads(p, g, config))
-    if total == 0 or offloaded >= ALMOST_NOTHING * total:
-        return
-    matrices = [p for p, _ in trainable if p.ndim >= 2]
-    small = [p for p in matrices if p.numel() < config.min_offload_numel]
-    if not matrices:
-        reason, fix = "it has no trainable matrix (only 1-D parameters)", "Nothing to change: ZenFlow splits matrices"
-    elif config.topk_ratio >= 1.0 and not small:
-        reason, fix = "topk_ratio=1.0 keeps every column on the device", "Set topk_ratio below 1.0 to offload"
-    else:
-        largest = max(p.numel() for p in small) if small else 0
-        reason = (f"{len(small)} of its {len(matrices)} trainable matrices have fewer than min_offload_numel="
-                  f"{config.min_offload_numel} elements (the largest has {largest})")
-        fix = f"Set min_offload_numel={largest} (or 0 for every matrix) to offload them"
-    what = "nothing" if offloaded == 0 else f"only {100 * offloaded / total:.1f} % of the trainable parameters"
-    logger.warning("hf_zenflow: ZenFlowAdamW offloads %s: %s; the rest is updated by AdamW on the device, as "
-                   "torch.optim.AdamW would. %s.", what, reason, fix)
-
-
 def create_state(entries: list[tuple[dict, torch.Tensor]], splits: dict[torch.Tensor, SplitMatrix],
                  dense: dict[torch.Tensor, DenseDeviceState], config: ZenFlowConfig, schedule: WindowSchedule,
                  host: HostWindows, shards: LocalShards | None = None) -> None:

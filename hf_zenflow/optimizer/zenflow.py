@@ -47,7 +47,6 @@ from ..engine.params import (
     new_schedule,
     offloads_any,
     resolve_config,
-    say_what_is_offloaded,
 )
 from ..engine.schedule import StepKind, WindowSchedule
 from ..engine.split_matrix import SplitMatrix, master_value
@@ -171,7 +170,6 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         _LIVE_OPTIMIZERS.add(self)
         # The thread rule's decision for the run, before its first forward (docs/threads.md)
         self._host.offload_planned = offloads_any(self.param_groups, config)
-        say_what_is_offloaded(self.param_groups, config)  # (once: nothing, or almost nothing, is offloaded)
         self._host.claim_cores()
 
     # ------------------------------------------------------------------------------------------------------------
