@@ -63,6 +63,7 @@ class CompareConfig:
     host_lr_scale: float | str = _LIBRARY.host_lr_scale
     writeback_lag: int | str | None = _LIBRARY.writeback_lag
     min_offload_numel: int = _LIBRARY.min_offload_numel
+    host_moment_dtype: str = _LIBRARY.host_moment_dtype
     select_strategy: str = _LIBRARY.select_strategy
     select_interval: int | str | None = None  # None: COMPARE_SELECT_STEPS with "step", "auto" otherwise
     full_warm_up_rounds: int = _LIBRARY.full_warm_up_rounds

@@ -56,7 +56,8 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
             select_strategy=cfg.select_strategy, select_interval=cfg.select_interval,
             full_warm_up_rounds=cfg.full_warm_up_rounds, cpu_threads=host_cores,
             steps_per_epoch=_steps_per_epoch(cfg), host_lr_scale=cfg.host_lr_scale, writeback_lag=cfg.writeback_lag,
-            min_offload_numel=cfg.min_offload_numel, device_memory_budget_bytes=cpu_device_budget(model),
+            min_offload_numel=cfg.min_offload_numel, host_moment_dtype=cfg.host_moment_dtype,
+            device_memory_budget_bytes=cpu_device_budget(model),
         )
         if cfg.resolved_embedding_select() == "rows":
             tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}

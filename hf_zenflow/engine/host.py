@@ -25,6 +25,7 @@ every step) and the migration at re-selection, strided for row-major weights and
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ from ..settings.config import sums_on_device
 from ..transport.cpu_device import kernels
 from ..transport.link import Transport
 from ..transport.pinned import PinnedArena
+from .quantized_moments import BLOCK, PIECE, QuantizedMoment, dequantize_into, quantize_into
 
 
 #: In-flight gradient hand-offs between the caller and the worker. Two lets the caller hand over step t+1 while the
@@ -61,8 +63,9 @@ def link_grad_dtype(grad_dtype: torch.dtype, setting: str) -> torch.dtype:
 
 
 def moment_dtype(setting: str) -> torch.dtype:
-    """The storage dtype of the host moments under ``host_moment_dtype=setting``."""
-    return torch.bfloat16 if setting == "bfloat16" else torch.float32
+    """The storage dtype of the host moments under ``host_moment_dtype=setting`` (int8: the codes of
+    `QuantizedMoment`, with their per-block scales)."""
+    return {"bfloat16": torch.bfloat16, "int8": torch.int8}.get(setting, torch.float32)
 
 
 def accumulate_into(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | None, first: bool) -> None:
@@ -117,8 +120,8 @@ class HostMatrix:
     """Host-side AdamW state of one matrix, as [out, in] fp32 tensors."""
 
     master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: torch.Tensor | QuantizedMoment
+    exp_avg_sq: torch.Tensor | QuantizedMoment
     step: torch.Tensor
     accum: torch.Tensor
     accum_count: int = 0
@@ -152,10 +155,13 @@ class HostMatrix:
         on_device = sums_on_device(accumulate_on)
         narrow = accumulate_on == "device_bf16"  # the sum lands in a bf16 buffer, the accumulator stays host-only
         shape = param2d.shape
+        master = torch.empty(shape, dtype=torch.float32).copy_(param2d.detach())
+        quantized = moments == torch.int8
         state = cls(
-            master=torch.empty(shape, dtype=torch.float32).copy_(param2d.detach()),
-            exp_avg=torch.zeros(shape, dtype=moments),
-            exp_avg_sq=torch.zeros(shape, dtype=moments),
+            master=master,
+            exp_avg=QuantizedMoment.zeros(master, signed=True) if quantized else torch.zeros(shape, dtype=moments),
+            exp_avg_sq=(QuantizedMoment.zeros(master, signed=False) if quantized
+                        else torch.zeros(shape, dtype=moments)),
             step=torch.zeros((), dtype=torch.float32),
             accum=(transport.host_buffer(shape, torch.float32) if on_device and (
                 not narrow or HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport))
@@ -224,8 +230,15 @@ class HostMatrix:
                 for host, _ in batch:
                     host.accum_count += 1
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the moments are stored in 8 bits (``host_moment_dtype="int8"``)."""
+        return isinstance(self.exp_avg, QuantizedMoment)
+
     def nbytes(self) -> int:
-        tensors = [self.master, self.exp_avg, self.exp_avg_sq, self.accum, *self.staging]
+        tensors = [self.master, self.accum, *self.staging]
+        for moment in (self.exp_avg, self.exp_avg_sq):
+            tensors += [moment.codes, moment.scales] if isinstance(moment, QuantizedMoment) else [moment]
         if self.landing is not None:
             tensors.append(self.landing)
         if self.writeback is not None and self.writeback is not self.accum:  # (one buffer: `shares_writeback`)
@@ -260,8 +273,90 @@ def _adamw_narrow_moments(m: HostMatrix, hyper: dict) -> None:
     m.step.copy_(step)
 
 
+def _adamw_quantized_moments(m: HostMatrix, hyper: dict) -> None:
+    """The host AdamW of a matrix with 8-bit moments, without the CPU kernels: piece by piece (`PIECE` elements,
+    whole quantisation blocks), the moments are dequantised into fp32 scratch, updated by torch's fused AdamW
+    against the fp32 master and window mean, and quantised again (`quantized_moments`); the bits of
+    `kernels.window_adamw` with quantised moments. Each piece steps a copy of the step count, which then becomes
+    the matrix's."""
+    exp_avg, exp_avg_sq = m.exp_avg, m.exp_avg_sq
+    assert isinstance(exp_avg, QuantizedMoment) and isinstance(exp_avg_sq, QuantizedMoment)
+    master, accum = _storage_order(m.master), _storage_order(m.accum)
+    m_codes, v_codes = _storage_order(exp_avg.codes), _storage_order(exp_avg_sq.codes)
+    step = m.step
+    for start in range(0, master.numel(), PIECE):
+        end = min(start + PIECE, master.numel())
+        avg = _fp32_scratch(master[start:end], "avg")
+        avg_sq = _fp32_scratch(master[start:end], "avg_sq")
+        first, last = start // BLOCK, -(-end // BLOCK)
+        dequantize_into(avg, m_codes[start:end], exp_avg.scales[first:last])
+        dequantize_into(avg_sq, v_codes[start:end], exp_avg_sq.scales[first:last])
+        step = m.step.clone()
+        fused_adamw_([master[start:end]], [accum[start:end]], [avg], [avg_sq], [step], hyper)
+        quantize_into(m_codes[start:end], exp_avg.scales[first:last], avg)
+        quantize_into(v_codes[start:end], exp_avg_sq.scales[first:last], avg_sq)
+    m.step.copy_(step)
+
+
+def _storage_order(t: torch.Tensor) -> torch.Tensor:
+    """A host matrix (contiguous, or the transpose of a contiguous one: `column_major_`) as a 1-D view."""
+    return t.view(-1) if t.is_contiguous() else t.t().view(-1)
+
+
+_quantized_kernel_state: bool | None = None
+
+
+def quantized_kernel_matches() -> bool:
+    """Whether `kernels.window_adamw_quantized` gives the bits of `_adamw_quantized_moments` here (checked once per
+    process on small matrices, every kind of tail and partial block; where it does not, the torch pass is used)."""
+    global _quantized_kernel_state
+    if _quantized_kernel_state is None:
+        _quantized_kernel_state = _quantized_kernel_check()
+        if not _quantized_kernel_state:
+            warnings.warn("hf_zenflow: the CPU kernel for 8-bit host moments does not reproduce the torch pass bit "
+                          "for bit here; the host uses the torch pass", RuntimeWarning, stacklevel=2)
+    return _quantized_kernel_state
+
+
+def _quantized_kernel_check() -> bool:
+    gen = torch.Generator().manual_seed(0)
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    for rows, cols, count in ((3, 7, 1), (5, 300, 3), (17, 1031, 2), (64, 1024, 4)):
+        states = []
+        for _ in range(2):
+            g = torch.Generator().manual_seed(rows)
+            m = HostMatrix.create(torch.randn(rows, cols, generator=g), torch.float32, moments=torch.int8)
+            m.exp_avg.copy_(torch.randn(rows, cols, generator=g) * 1e-2)
+            m.exp_avg_sq.copy_(torch.rand(rows, cols, generator=g) ** 4 * 1e-4)
+            m.accum.copy_(torch.randn(rows, cols, generator=g))
+            m.accum_count = count - 1
+            states.append(m)
+        grad = torch.randn(rows, cols, generator=gen)
+        kernel, plain = states
+        kernels.window_adamw_quantized(
+            [kernel.master], [kernel.accum], [grad], [count == 1], [count], [kernel.exp_avg.codes],
+            [kernel.exp_avg.scales], [kernel.exp_avg_sq.codes], [kernel.exp_avg_sq.scales], [kernel.step], hyper,
+            0.5)
+        plain.accumulate(grad, 0.5)
+        plain.accum.div_(count)
+        _adamw_quantized_moments(plain, hyper)
+        pairs = [(kernel.master, plain.master), (kernel.step, plain.step)]
+        pairs += [(getattr(kernel, n).codes, getattr(plain, n).codes) for n in ("exp_avg", "exp_avg_sq")]
+        pairs += [(getattr(kernel, n).scales, getattr(plain, n).scales) for n in ("exp_avg", "exp_avg_sq")]
+        if not all(torch.equal(a, b) for a, b in pairs):
+            return False
+    return True
+
+
 def _fusable(m: HostMatrix, grad2d: torch.Tensor | None) -> bool:
-    """Whether `m`'s window can run through the one-pass kernel (`kernels.window_adamw`)."""
+    """Whether `m`'s window can run through the one-pass kernel (`kernels.window_adamw`), with fp32 moments or 8-bit
+    ones (the kernel reads and writes their codes and scales)."""
+    if m.quantized:
+        tensors = (m.master, m.accum, m.exp_avg.codes, m.exp_avg_sq.codes)  # type: ignore[union-attr]
+        return (all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+                and m.master.dtype == m.accum.dtype == torch.float32 and m.master.numel() > 0
+                and (grad2d is None or (kernels.supports(grad2d) and grad2d.shape == m.accum.shape))
+                and kernels.window_adamw_available() and quantized_kernel_matches())
     tensors = (m.master, m.accum, m.exp_avg, m.exp_avg_sq)
     return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
             and m.master.numel() > 0
@@ -300,23 +395,33 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
                 m.accumulate(g, coef)
             if m.accum_count > 0:
                 plain.append(m)
-        if fused:
-            kernels.window_adamw(
-                [m.master for m, _ in fused], [m.accum for m, _ in fused], [g for _, g in fused],
-                [m.accum_count == 0 for m, _ in fused], [m.accum_count + (g is not None) for m, g in fused],
-                [m.exp_avg for m, _ in fused], [m.exp_avg_sq for m, _ in fused], [m.step for m, _ in fused],
-                hyper, coef,
-            )
+        for quantized in (False, True):  # (one kernel call per kind of moments)
+            batch = [(m, g) for m, g in fused if m.quantized == quantized]
+            if not batch:
+                continue
+            common = ([m.master for m, _ in batch], [m.accum for m, _ in batch], [g for _, g in batch],
+                      [m.accum_count == 0 for m, _ in batch], [m.accum_count + (g is not None) for m, g in batch])
+            if quantized:
+                kernels.window_adamw_quantized(
+                    *common, [m.exp_avg.codes for m, _ in batch], [m.exp_avg.scales for m, _ in batch],
+                    [m.exp_avg_sq.codes for m, _ in batch], [m.exp_avg_sq.scales for m, _ in batch],
+                    [m.step for m, _ in batch], hyper, coef)
+            else:
+                kernels.window_adamw(*common, [m.exp_avg for m, _ in batch], [m.exp_avg_sq for m, _ in batch],
+                                     [m.step for m, _ in batch], hyper, coef)
         for m in plain:
             if m.accum_count > 1:
                 m.accum.div_(m.accum_count)
-        wide = [m for m in plain if m.exp_avg.dtype == torch.float32]  # (bf16 moments: piece by piece below)
+        # fp32 moments in one call; bf16 and 8-bit moments piece by piece below
+        wide = [m for m in plain if not m.quantized and m.exp_avg.dtype == torch.float32]
         fused_adamw_(
             [m.master for m in wide], [m.accum for m in wide], [m.exp_avg for m in wide],
             [m.exp_avg_sq for m in wide], [m.step for m in wide], hyper,
         )
         for m in plain:
-            if m.exp_avg.dtype != torch.float32:
+            if m.quantized:
+                _adamw_quantized_moments(m, hyper)
+            elif m.exp_avg.dtype != torch.float32:
                 _adamw_narrow_moments(m, hyper)
         for m in [m for m, _ in fused] + plain:
             m.accum_count = 0

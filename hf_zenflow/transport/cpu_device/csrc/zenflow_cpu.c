@@ -214,10 +214,66 @@ typedef struct {
   double lr, beta1, beta2, eps, weight_decay;
   float coef;
   int64_t width;
+  /* 8-bit moments (NULL for fp32 moments in exp_avg / exp_avg_sq): per tensor the codes, storage order, and one
+     fp32 scale per ZF_QBLOCK elements (hf_zenflow/engine/quantized_moments.py) */
+  int8_t *const *m_codes;
+  uint8_t *const *v_codes;
+  float *const *m_scale, *const *v_scale;
   int64_t *item_tensor, *item_begin, *item_end;
   int64_t n_items;
   atomic_llong next;
 } zf_adam_job;
+
+/* ---- 8-bit moments: blocks of ZF_QBLOCK elements with an fp32 absmax scale A each --------------------------------
+ * exp_avg: q = rint(127 * sqrt(|m| / A)) with m's sign, m = (c * |c|) * A for c = q / 127;
+ * exp_avg_sq: q = clamp(rint(255 * sqrt(sqrt(v / A))), 1, 255), v = ((c * c) * (c * c)) * A for c = q / 255.
+ * A block of zeros divides by 1. Every step is one IEEE fp32 operation in the order of the torch version, so the
+ * two give the same bits. */
+#define ZF_QBLOCK 256
+
+static inline void dequant_signed(const int8_t *restrict q, float scale, float *restrict out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float c = (float)q[i] / 127.0f;
+    out[i] = (c * fabsf(c)) * scale;
+  }
+}
+
+static inline void dequant_unsigned(const uint8_t *restrict q, float scale, float *restrict out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float c = (float)q[i] / 255.0f;
+    const float c2 = c * c;
+    out[i] = (c2 * c2) * scale;
+  }
+}
+
+/* (comparisons, not fmaxf / fminf: those are library calls that keep the loops scalar; the moments are finite) */
+static inline float quant_signed(const float *restrict x, int8_t *restrict q, int64_t n) {
+  float peak = 0.0f;
+#pragma omp simd reduction(max : peak)
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = fabsf(x[i]);
+    peak = a > peak ? a : peak;
+  }
+  const float d = peak > 0.0f ? peak : 1.0f;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) q[i] = (int8_t)(int32_t)copysignf(rintf(sqrtf(fabsf(x[i]) / d) * 127.0f), x[i]);
+  return peak;
+}
+
+static inline float quant_unsigned(const float *restrict x, uint8_t *restrict q, int64_t n) {
+  float peak = 0.0f;
+#pragma omp simd reduction(max : peak)
+  for (int64_t i = 0; i < n; ++i) peak = x[i] > peak ? x[i] : peak;
+  const float d = peak > 0.0f ? peak : 1.0f;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float r = rintf(sqrtf(sqrtf(x[i] / d)) * 255.0f);
+    q[i] = (uint8_t)(int32_t)(r < 1.0f ? 1.0f : r); /* (r <= 255: x <= peak) */
+  }
+  return peak;
+}
 
 #define ZF_ADAM_BLOCK 1024
 
@@ -259,7 +315,9 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
      update as fma(c2 * g, g, v * b2); the rest of the tail (from `scalar_from`) as fma(v, b2, (c2 * g) * g) */
   const int64_t tail = job->numel[t] - job->numel[t] % job->width;
   const int64_t scalar_from = tail + (job->numel[t] - tail) / 8 * 8;
-  float *p = job->master[t], *acc = job->acc[t], *m = job->exp_avg[t], *v = job->exp_avg_sq[t];
+  float *p = job->master[t], *acc = job->acc[t];
+  float *m = job->m_codes ? NULL : job->exp_avg[t], *v = job->m_codes ? NULL : job->exp_avg_sq[t];
+  float mq[ZF_ADAM_BLOCK], vq[ZF_ADAM_BLOCK]; /* 8-bit moments: the block's fp32 values */
   const void *gp = job->grad[t];
   const int bf16 = job->grad_bf16[t], first = job->first[t];
   const float coef = job->coef, count = (float)job->count[t];
@@ -295,13 +353,30 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
     }
     /* [b0, split): the vector form; [split, b0 + n): the scalar tail's */
     const int64_t split = scalar_from < b0 ? 0 : (scalar_from - b0 < n ? scalar_from - b0 : n);
-    float *pb = p + b0, *mb = m + b0, *vb = v + b0;
+    float *pb = p + b0, *mb = mq, *vb = vq;
+    if (job->m_codes) { /* (b0 is a multiple of ZF_ADAM_BLOCK, itself a multiple of ZF_QBLOCK) */
+      for (int64_t q0 = 0; q0 < n; q0 += ZF_QBLOCK) {
+        const int64_t len = n - q0 < ZF_QBLOCK ? n - q0 : ZF_QBLOCK, blk = (b0 + q0) / ZF_QBLOCK;
+        dequant_signed(job->m_codes[t] + b0 + q0, job->m_scale[t][blk], mq + q0, len);
+        dequant_unsigned(job->v_codes[t] + b0 + q0, job->v_scale[t][blk], vq + q0, len);
+      }
+    } else {
+      mb = m + b0;
+      vb = v + b0;
+    }
     if (small_w) {
       adam_block(pb, mb, vb, g, split, &k, 1, 0);
       adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 1, 1);
     } else {
       adam_block(pb, mb, vb, g, split, &k, 0, 0);
       adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 0, 1);
+    }
+    if (job->m_codes) {
+      for (int64_t q0 = 0; q0 < n; q0 += ZF_QBLOCK) {
+        const int64_t len = n - q0 < ZF_QBLOCK ? n - q0 : ZF_QBLOCK, blk = (b0 + q0) / ZF_QBLOCK;
+        job->m_scale[t][blk] = quant_signed(mq + q0, job->m_codes[t] + b0 + q0, len);
+        job->v_scale[t][blk] = quant_unsigned(vq + q0, job->v_codes[t] + b0 + q0, len);
+      }
     }
   }
 }
@@ -316,6 +391,8 @@ static void *adam_worker(void *arg) {
   return NULL;
 }
 
+static int window_adamw(zf_adam_job job, int threads);
+
 int zf_window_adamw(int64_t n, float *const *master, float *const *acc, float *const *exp_avg,
                     float *const *exp_avg_sq, const void *const *grad, const int32_t *grad_bf16,
                     const int32_t *first, const int64_t *count, const int64_t *numel, const double *step,
@@ -325,6 +402,25 @@ int zf_window_adamw(int64_t n, float *const *master, float *const *acc, float *c
                      .grad = grad, .grad_bf16 = grad_bf16, .first = first, .count = count, .numel = numel,
                      .step = step, .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps,
                      .weight_decay = weight_decay, .coef = coef, .width = width > 0 ? width : 1};
+  return window_adamw(job, threads);
+}
+
+/* zf_window_adamw with 8-bit moments: codes and scales instead of fp32 exp_avg / exp_avg_sq */
+int zf_window_adamw_q(int64_t n, float *const *master, float *const *acc, int8_t *const *m_codes,
+                      float *const *m_scale, uint8_t *const *v_codes, float *const *v_scale,
+                      const void *const *grad, const int32_t *grad_bf16, const int32_t *first,
+                      const int64_t *count, const int64_t *numel, const double *step, double lr, double beta1,
+                      double beta2, double eps, double weight_decay, float coef, int64_t width, int threads) {
+  zf_adam_job job = {.n = n, .master = master, .acc = acc, .m_codes = m_codes, .m_scale = m_scale,
+                     .v_codes = v_codes, .v_scale = v_scale, .grad = grad, .grad_bf16 = grad_bf16,
+                     .first = first, .count = count, .numel = numel, .step = step, .lr = lr, .beta1 = beta1,
+                     .beta2 = beta2, .eps = eps, .weight_decay = weight_decay, .coef = coef,
+                     .width = width > 0 ? width : 1};
+  return window_adamw(job, threads);
+}
+
+static int window_adamw(zf_adam_job job, int threads) {
+  const int64_t n = job.n, *numel = job.numel;
   int64_t n_items = 0;
   for (int64_t t = 0; t < n; ++t) n_items += (numel[t] + ZF_CHUNK_ELEMS - 1) / ZF_CHUNK_ELEMS;
   job.item_tensor = malloc(sizeof(int64_t) * (size_t)(n_items + 1));
