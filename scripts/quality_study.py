@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         return s.label + suffix if s else "adamw_torch"
 
     for seed in args.seeds:
-        todo = [s for s in [None, *settings] if (args.task, seed, label(s)) not in done]
+        runs = [*([] if args.no_reference else [None]), *settings]
+        todo = [s for s in runs if (args.task, seed, label(s)) not in done]
         if not todo:
             continue
         task, cfg = prepare(args.task, seed)
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--zenflow", nargs="*", default=[],
                    help="compare-runner ZenFlow fields KEY=VALUE for every ZenFlow run (e.g. min_offload_numel=0)")
+    p.add_argument("--no-reference", action="store_true",
+                   help="ZenFlow runs only (no adamw_torch run); pair them with `summary --reference LABEL`")
     p.add_argument("--out", required=True)
     s = sub.add_parser("summary")
     s.add_argument("files", nargs="+")

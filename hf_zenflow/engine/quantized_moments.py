@@ -1,20 +1,21 @@
 """8-bit host moments (``host_moment_dtype="int8"``): blockwise quantised AdamW moments, 1 byte per element plus one
 fp32 scale per block of `BLOCK` elements (2.03 B per parameter for both moments, against 8 B in fp32).
 
-Each block of 256 consecutive elements (in the tensor's storage order) keeps its absolute maximum ``A`` as an fp32
-scale and every element as an 8-bit code on a power-law scale, which spends the codes where AdamW needs them:
+Each block of 256 consecutive elements (in the tensor's storage order) keeps an fp32 scale (its largest magnitude)
+and every element as an 8-bit code on a power-law scale, which spends the codes where AdamW needs them:
 
 - ``exp_avg`` (signed, int8): ``q = round(127 * sqrt(|m| / A))`` with m's sign; ``m = c * |c| * A``, ``c = q / 127``.
   The square-root code keeps relative steps small across four decades (level 1 is ``A / 16129``), where a linear
   code would round every element under ``A / 254`` to zero.
-- ``exp_avg_sq`` (unsigned, uint8): ``q = round(255 * (v / A) ** (1/4))``, at least 1; ``v = c**4 * A`` for
-  ``c = q / 255``: the square-root code of ``sqrt(v)``, the quantity AdamW divides by. Level 1 is ``A / 255**4``,
-  so ``sqrt(v)`` spans ``sqrt(A) / 65025`` to ``sqrt(A)``; the floor of 1 keeps every element of a non-zero block
-  above zero, so that no element is divided by ``eps`` alone (a ``v`` rounded to zero under a non-zero ``m`` is how
-  8-bit moments diverge).
+- ``exp_avg_sq`` (unsigned, uint8), coded by its square root ``r = sqrt(v)``, the quantity AdamW divides by (and
+  computes anyway): the scale is the block's largest ``r``, ``R``, and ``q = round(255 * sqrt(r / R))``, at least 1;
+  ``v = ((c * c) * R) ** 2`` for ``c = q / 255``. In ``v`` that is a fourth-root code: level 1 is ``R / 65025`` in
+  ``r``; the floor of 1 keeps every element of a non-zero block above zero, so that no element is divided by ``eps``
+  alone (a ``v`` rounded to zero under a non-zero ``m`` is how 8-bit moments diverge).
 
-Rounding is to nearest even; every operation (division, square root, product) is one IEEE fp32 operation, in the
-same order here and in the CPU kernel (`kernels.window_adamw` with quantised moments), so both give the same bits.
+Divisions are products by reciprocals (``1 / A`` once per block, ``1 / 127`` and ``1 / 255`` once). Rounding is to
+nearest even; every operation (reciprocal, square root, product) is one IEEE fp32 operation, in the same order here
+and in the CPU kernel (`kernels.window_adamw` with quantised moments), so both give the same bits.
 The host AdamW reads a block's codes, updates the block in fp32 (torch's fused AdamW arithmetic) and stores new
 codes with the block's new maximum, in one pass (`host.host_adamw_window`). Quantisation is the only difference
 from fp32 moments; the master weights and the window sums stay fp32.
@@ -36,6 +37,9 @@ PIECE = 64 * BLOCK
 
 _SIGNED_LEVELS = 127.0
 _UNSIGNED_LEVELS = 255.0
+# the reciprocals, rounded to fp32 once (as the kernel's constants): a product per element instead of a division
+_INV_SIGNED = torch.tensor(1.0, dtype=torch.float32) / _SIGNED_LEVELS
+_INV_UNSIGNED = torch.tensor(1.0, dtype=torch.float32) / _UNSIGNED_LEVELS
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -130,12 +134,12 @@ def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
 def _dequantize(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
     out.copy_(codes)
     if codes.dtype == torch.int8:
-        out.div_(_SIGNED_LEVELS)
+        out.mul_(_INV_SIGNED)
         out.mul_(out.abs()).mul_(scale)  # c * |c| * A
     else:
-        out.div_(_UNSIGNED_LEVELS)
+        out.mul_(_INV_UNSIGNED)
+        out.mul_(out).mul_(scale)  # sqrt(v) = (c * c) * R
         out.mul_(out)
-        out.mul_(out).mul_(scale)  # (c * c) * (c * c) * A
 
 
 def quantize_into(codes: torch.Tensor, scales: torch.Tensor, values: torch.Tensor) -> None:
@@ -148,19 +152,24 @@ def quantize_into(codes: torch.Tensor, scales: torch.Tensor, values: torch.Tenso
             _quantize(codes[lo:hi].view(x.shape), scales[lo // BLOCK:blocks(hi)], x)
 
 
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded fp32 square root (the kernel's sqrtf): torch's vectorised fp32 sqrt is not always
+    (SLEEF, within 0.5001 ulp: one element in six differs by an ulp), the fp64 one rounded to fp32 is."""
+    return x.double().sqrt_().float()
+
+
 def _quantize(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> None:
     signed = codes.dtype == torch.int8
-    magnitude = x.abs() if signed else x
+    magnitude = x.abs() if signed else _sqrt(x)  # (exp_avg_sq: coded by its square root, as AdamW divides by it)
     peak = magnitude.amax(dim=1)
     scales.copy_(peak)
-    # (an all-zero block divides by 1: its codes are 0, or the unsigned floor 1 that reads back as 0 x 0)
-    divisor = torch.where(peak > 0, peak, torch.ones_like(peak)).view(-1, 1)
-    r = magnitude / divisor
-    r.sqrt_()
+    # (an all-zero block takes 1 / 1: its codes are 0, or the unsigned floor 1 that reads back as 0 x 0)
+    inverse = torch.where(peak > 0, peak, torch.ones_like(peak)).reciprocal_().view(-1, 1)
+    r = _sqrt(magnitude * inverse)
     if signed:
         r.mul_(_SIGNED_LEVELS).round_().copysign_(x)
     else:
-        r.sqrt_().mul_(_UNSIGNED_LEVELS).round_().clamp_(1.0, _UNSIGNED_LEVELS)
+        r.mul_(_UNSIGNED_LEVELS).round_().clamp_(1.0, _UNSIGNED_LEVELS)
     codes.copy_(r)
 
 

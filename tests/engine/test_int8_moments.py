@@ -72,7 +72,7 @@ def test_codes_keep_relative_error_small_and_requantise_to_themselves():
     m = magnitude * torch.randn(n, generator=g).sign() * 1e-2
     v = magnitude ** 2 * 1e-5
     m[:BLOCK] = 0  # an all-zero block
-    # (relative error at a value x of the block maximum, half a level: 1/(127 sqrt(x)) for exp_avg, 2/(255 x**(1/4)) for
+    # (relative error at x of the block maximum, half a level: 1/(127 sqrt(x)) for exp_avg, 2/(255 x**(1/4)) for
     # exp_avg_sq; the values span 1e-3..1 of the maximum here (1e-6..1 for exp_avg_sq), 0.1..1 in `large`)
     large = magnitude >= 0.1
     for values, signed, tolerance, tolerance_large in ((m, True, 0.3, 0.026), (v, False, 0.3, 0.026)):
