@@ -1,24 +1,24 @@
 """8-bit host moments (``host_moment_dtype="int8"``): blockwise quantised AdamW moments, 1 byte per element plus one
 fp32 scale per block of `BLOCK` elements (2.03 B per parameter for both moments, against 8 B in fp32).
 
-Each block of 256 consecutive elements (in the tensor's storage order) keeps an fp32 scale (its largest magnitude)
-and every element as an 8-bit code on a power-law scale, which spends the codes where AdamW needs them:
+Each block of 256 consecutive elements (in the tensor's storage order) keeps its largest magnitude ``A`` as an fp32
+scale, and every element ``x`` as ``y = |x| * (1 / A)`` on an 8-bit floating-point code with 3 mantissa bits (as
+torchao's fp8 AdamW, with the exponent range set by the code's width): ``y``'s fp32 bits rounded to nearest even at
+bit 20, less a bias that makes 1.0 the top code. Every element keeps a relative error under 1/16 (1/32 at the top of
+each binade) wherever it falls in the block's range, where a linear code would round everything under ``A / 254``
+to zero:
 
-- ``exp_avg`` (signed, int8): ``q = round(127 * sqrt(|m| / A))`` with m's sign; ``m = c * |c| * A``, ``c = q / 127``.
-  The square-root code keeps relative steps small across four decades (level 1 is ``A / 16129``), where a linear
-  code would round every element under ``A / 254`` to zero.
-- ``exp_avg_sq`` (unsigned, uint8), coded by its square root ``r = sqrt(v)``, the quantity AdamW divides by (and
-  computes anyway): the scale is the block's largest ``r``, ``R``, and ``q = round(255 * sqrt(r / R))``, at least 1;
-  ``v = ((c * c) * R) ** 2`` for ``c = q / 255``. In ``v`` that is a fourth-root code: level 1 is ``R / 65025`` in
-  ``r``; the floor of 1 keeps every element of a non-zero block above zero, so that no element is divided by ``eps``
-  alone (a ``v`` rounded to zero under a non-zero ``m`` is how 8-bit moments diverge).
+- ``exp_avg`` (int8): the sign and codes 0..127, 16 binades under ``A`` (smaller magnitudes read as 0);
+- ``exp_avg_sq`` (uint8): codes 1..255, 32 binades under ``A`` (16 in ``sqrt(v)``, the quantity AdamW divides by);
+  the floor of 1 keeps every element of a non-zero block above zero, so that no element is divided by ``eps`` alone
+  (a ``v`` rounded to zero under a non-zero ``m`` is how 8-bit moments diverge).
 
-Divisions are products by reciprocals (``1 / A`` once per block, ``1 / 127`` and ``1 / 255`` once). Rounding is to
-nearest even; every operation (reciprocal, square root, product) is one IEEE fp32 operation, in the same order here
-and in the CPU kernel (`kernels.window_adamw` with quantised moments), so both give the same bits.
-The host AdamW reads a block's codes, updates the block in fp32 (torch's fused AdamW arithmetic) and stores new
-codes with the block's new maximum, in one pass (`host.host_adamw_window`). Quantisation is the only difference
-from fp32 moments; the master weights and the window sums stay fp32.
+Decoding puts the code plus the bias back at bit 20 and multiplies by ``A``. Both directions are integer steps and
+one fp32 product (no square roots, no divisions but one reciprocal per block), the same here and in the CPU kernel
+(`kernels.window_adamw` with quantised moments), so the two give the same bits. The host AdamW reads a block's
+codes, updates the block in fp32 (torch's fused AdamW arithmetic) and stores new codes with the block's new maximum,
+in one pass (`host.host_adamw_window`). Quantisation is the only difference from fp32 moments; the master weights and
+the window sums stay fp32.
 """
 
 from __future__ import annotations
@@ -35,11 +35,10 @@ BLOCK = 256
 #: pass to stay in the cache.
 PIECE = 64 * BLOCK
 
-_SIGNED_LEVELS = 127.0
-_UNSIGNED_LEVELS = 255.0
-# the reciprocals, rounded to fp32 once (as the kernel's constants): a product per element instead of a division
-_INV_SIGNED = torch.tensor(1.0, dtype=torch.float32) / _SIGNED_LEVELS
-_INV_UNSIGNED = torch.tensor(1.0, dtype=torch.float32) / _UNSIGNED_LEVELS
+#: The top code of each moment: 1.0 of the block's maximum.
+_SIGNED_TOP, _UNSIGNED_TOP = 127, 255
+#: The fp32 bits of 1.0, shifted right by 20 (8 exponent bits and the 3 mantissa bits a code keeps).
+_ONE_BITS20 = 0x3F800000 >> 20
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -132,14 +131,15 @@ def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
 
 
 def _dequantize(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
-    out.copy_(codes)
+    code = codes.to(torch.int32)
+    top = _SIGNED_TOP if codes.dtype == torch.int8 else _UNSIGNED_TOP
+    magnitude = code.abs() if codes.dtype == torch.int8 else code
+    value = ((magnitude + (_ONE_BITS20 - top)) << 20).view(torch.float32)
     if codes.dtype == torch.int8:
-        out.mul_(_INV_SIGNED)
-        out.mul_(out.abs()).mul_(scale)  # c * |c| * A
+        value = torch.where(magnitude > 0, value, torch.zeros_like(value)).mul_(scale)
+        out.copy_(torch.where(code < 0, -value, value))
     else:
-        out.mul_(_INV_UNSIGNED)
-        out.mul_(out).mul_(scale)  # sqrt(v) = (c * c) * R
-        out.mul_(out)
+        out.copy_(value.mul_(scale))
 
 
 def quantize_into(codes: torch.Tensor, scales: torch.Tensor, values: torch.Tensor) -> None:
@@ -152,25 +152,22 @@ def quantize_into(codes: torch.Tensor, scales: torch.Tensor, values: torch.Tenso
             _quantize(codes[lo:hi].view(x.shape), scales[lo // BLOCK:blocks(hi)], x)
 
 
-def _sqrt(x: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded fp32 square root (the kernel's sqrtf): torch's vectorised fp32 sqrt is not always
-    (SLEEF, within 0.5001 ulp: one element in six differs by an ulp), the fp64 one rounded to fp32 is."""
-    return x.double().sqrt_().float()
-
-
 def _quantize(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> None:
     signed = codes.dtype == torch.int8
-    magnitude = x.abs() if signed else _sqrt(x)  # (exp_avg_sq: coded by its square root, as AdamW divides by it)
+    magnitude = x.abs() if signed else x
     peak = magnitude.amax(dim=1)
     scales.copy_(peak)
-    # (an all-zero block takes 1 / 1: its codes are 0, or the unsigned floor 1 that reads back as 0 x 0)
+    # (an all-zero block takes 1 / 1: its codes are 0, or the unsigned floor 1 that reads back as 1 x 0)
     inverse = torch.where(peak > 0, peak, torch.ones_like(peak)).reciprocal_().view(-1, 1)
-    r = _sqrt(magnitude * inverse)
+    bits = (magnitude * inverse).view(torch.int32)
+    top = _SIGNED_TOP if signed else _UNSIGNED_TOP
+    code = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (_ONE_BITS20 - top)  # (nearest even, at bit 20)
     if signed:
-        r.mul_(_SIGNED_LEVELS).round_().copysign_(x)
+        code.clamp_(0, top)
+        code = torch.where(x < 0, -code, code)
     else:
-        r.mul_(_UNSIGNED_LEVELS).round_().clamp_(1.0, _UNSIGNED_LEVELS)
-    codes.copy_(r)
+        code.clamp_(1, top)
+    codes.copy_(code)
 
 
 __all__ = ["BLOCK", "PIECE", "QuantizedMoment", "blocks", "dequantize_into", "quantize_into"]

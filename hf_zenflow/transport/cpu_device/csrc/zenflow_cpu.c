@@ -224,31 +224,44 @@ typedef struct {
   atomic_llong next;
 } zf_adam_job;
 
-/* ---- 8-bit moments: blocks of ZF_QBLOCK elements with an fp32 absmax scale A each --------------------------------
- * exp_avg: q = rint(127 * sqrt(|m| * (1 / A))) with m's sign, m = (c * |c|) * A for c = q * (1 / 127);
- * exp_avg_sq, by its square root r = sqrt(v) (the update's own): q = clamp(rint(255 * sqrt(r * (1 / R))), 1, 255)
- * with R the block's largest r, v = ((c * c) * R)^2 for c = q * (1 / 255); reciprocals (one per block, and the constants) instead of divisions per element. A block of
- * zeros has A = R = 0 and uses 1 / 1. Every step is one IEEE fp32 operation in the order of the torch version, so the
- * two give the same bits. */
+/* ---- 8-bit moments: blocks of ZF_QBLOCK elements, each with an fp32 scale A (the block's largest magnitude) ------
+ * Each element is stored as y = |x| / A in [0, 1] (a product by the reciprocal 1 / A) on a floating-point code with
+ * 3 mantissa bits: y's fp32 bits rounded to nearest even at bit 20 (sign-less exponent and 3 mantissa bits), less a
+ * bias that makes 1.0 the top code. exp_avg: int8, the sign apart, codes 0..127 (16 binades; 0 under them);
+ * exp_avg_sq: uint8, codes 1..255 (32 binades; the floor of 1 keeps every element of a non-zero block above zero).
+ * Decoding puts the code plus the bias back at bit 20 and multiplies by A. Integer steps and one product each way:
+ * the torch version (hf_zenflow/engine/quantized_moments.py) gives the same bits. */
 #define ZF_QBLOCK 256
-#define ZF_INV127 (1.0f / 127.0f) /* (constants rounded to fp32 once, as the torch version's) */
-#define ZF_INV255 (1.0f / 255.0f)
+#define ZF_ONE_BITS20 1016 /* (the fp32 bits of 1.0f) >> 20 */
+
+typedef union {
+  float f;
+  int32_t i;
+} zf_bits;
+
+static inline int32_t code_of(float y, int32_t top) { /* y >= 0 */
+  zf_bits u = {.f = y};
+  const int32_t r = (u.i + 0x7FFFF + ((u.i >> 20) & 1)) >> 20;
+  return r - (ZF_ONE_BITS20 - top);
+}
+
+static inline float value_of(int32_t code, int32_t top) {
+  zf_bits u = {.i = (code + (ZF_ONE_BITS20 - top)) << 20};
+  return u.f;
+}
 
 static inline void dequant_signed(const int8_t *restrict q, float scale, float *restrict out, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float c = (float)q[i] * ZF_INV127;
-    out[i] = (c * fabsf(c)) * scale;
+    const int32_t c = q[i], mag = c < 0 ? -c : c;
+    const float v = (mag ? value_of(mag, 127) : 0.0f) * scale;
+    out[i] = c < 0 ? -v : v;
   }
 }
 
 static inline void dequant_unsigned(const uint8_t *restrict q, float scale, float *restrict out, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float c = (float)q[i] * ZF_INV255;
-    const float root = (c * c) * scale; /* sqrt(v) */
-    out[i] = root * root;
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = value_of(q[i], 255) * scale;
 }
 
 /* (comparisons, not fmaxf / fminf: those are library calls that keep the loops scalar; the moments are finite) */
@@ -261,11 +274,14 @@ static inline float quant_signed(const float *restrict x, int8_t *restrict q, in
   }
   const float inv = 1.0f / (peak > 0.0f ? peak : 1.0f);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) q[i] = (int8_t)(int32_t)copysignf(rintf(sqrtf(fabsf(x[i]) * inv) * 127.0f), x[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t c = code_of(fabsf(x[i]) * inv, 127);
+    c = c < 0 ? 0 : (c > 127 ? 127 : c);
+    q[i] = (int8_t)(x[i] < 0.0f ? -c : c);
+  }
   return peak;
 }
 
-/* `x`: sqrt(v), which the AdamW update computed already (adam_block's `root`) */
 static inline float quant_unsigned(const float *restrict x, uint8_t *restrict q, int64_t n) {
   float peak = 0.0f;
 #pragma omp simd reduction(max : peak)
@@ -273,8 +289,8 @@ static inline float quant_unsigned(const float *restrict x, uint8_t *restrict q,
   const float inv = 1.0f / (peak > 0.0f ? peak : 1.0f);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float r = rintf(sqrtf(x[i] * inv) * 255.0f);
-    q[i] = (uint8_t)(int32_t)(r < 1.0f ? 1.0f : (r > 255.0f ? 255.0f : r));
+    const int32_t c = code_of(x[i] * inv, 255);
+    q[i] = (uint8_t)(c < 1 ? 1 : (c > 255 ? 255 : c));
   }
   return peak;
 }
@@ -286,12 +302,12 @@ typedef struct {
 } zf_adam_consts;
 
 /* AdamW on `n` elements whose gradient is in `g` (an L1-resident block). small_w: torch's lerp form for a weight
- * under 0.5; scalar_v: the second-moment contraction of torch's scalar tail (see above); root: NULL, or where
- * sqrt(v) goes. All are constants at every call, so each combination compiles to its own vectorised loop. */
+ * under 0.5; scalar_v: the second-moment contraction of torch's scalar tail (see above). Both are constants at
+ * every call, so each combination compiles to its own vectorised loop. */
 static inline __attribute__((always_inline)) void adam_block(float *restrict p, float *restrict m,
                                                              float *restrict v, const float *restrict g, int64_t n,
                                                              const zf_adam_consts *k, const int small_w,
-                                                             const int scalar_v, float *restrict root) {
+                                                             const int scalar_v) {
   const float decay = k->decay, w = k->w, b2 = k->b2, c2 = k->c2, bc2_sqrt = k->bc2_sqrt, eps = k->eps;
   const float neg_step = k->neg_step, cw = small_w ? w : w - 1.0f;
 #pragma omp simd
@@ -300,12 +316,10 @@ static inline __attribute__((always_inline)) void adam_block(float *restrict p, 
     const float pv = p[i] * decay; /* (x 1.0f when there is no weight decay: exact) */
     const float mv = fmaf(cw, gi - mi, small_w ? mi : gi);
     const float vv = scalar_v ? fmaf(v[i], b2, (c2 * gi) * gi) : fmaf(c2 * gi, gi, v[i] * b2);
-    const float r = sqrtf(vv);
-    const float denom = r / bc2_sqrt + eps;
+    const float denom = sqrtf(vv) / bc2_sqrt + eps;
     p[i] = pv + (neg_step * mv) / denom;
     m[i] = mv;
     v[i] = vv;
-    if (root) root[i] = r; /* (8-bit moments: exp_avg_sq is coded by its square root) */
   }
 }
 
@@ -323,7 +337,7 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
   const int64_t scalar_from = tail + (job->numel[t] - tail) / 8 * 8;
   float *p = job->master[t], *acc = job->acc[t];
   float *m = job->m_codes ? NULL : job->exp_avg[t], *v = job->m_codes ? NULL : job->exp_avg_sq[t];
-  float mq[ZF_ADAM_BLOCK], vq[ZF_ADAM_BLOCK], rq[ZF_ADAM_BLOCK]; /* 8-bit moments: the fp32 values, sqrt(v) */
+  float mq[ZF_ADAM_BLOCK], vq[ZF_ADAM_BLOCK]; /* 8-bit moments: the block's fp32 values */
   const void *gp = job->grad[t];
   const int bf16 = job->grad_bf16[t], first = job->first[t];
   const float coef = job->coef, count = (float)job->count[t];
@@ -370,24 +384,18 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
       mb = m + b0;
       vb = v + b0;
     }
-    if (job->m_codes && small_w) {
-      adam_block(pb, mb, vb, g, split, &k, 1, 0, rq);
-      adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 1, 1, rq + split);
-    } else if (job->m_codes) {
-      adam_block(pb, mb, vb, g, split, &k, 0, 0, rq);
-      adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 0, 1, rq + split);
-    } else if (small_w) {
-      adam_block(pb, mb, vb, g, split, &k, 1, 0, NULL);
-      adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 1, 1, NULL);
+    if (small_w) {
+      adam_block(pb, mb, vb, g, split, &k, 1, 0);
+      adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 1, 1);
     } else {
-      adam_block(pb, mb, vb, g, split, &k, 0, 0, NULL);
-      adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 0, 1, NULL);
+      adam_block(pb, mb, vb, g, split, &k, 0, 0);
+      adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 0, 1);
     }
     if (job->m_codes) {
       for (int64_t q0 = 0; q0 < n; q0 += ZF_QBLOCK) {
         const int64_t len = n - q0 < ZF_QBLOCK ? n - q0 : ZF_QBLOCK, blk = (b0 + q0) / ZF_QBLOCK;
         job->m_scale[t][blk] = quant_signed(mq + q0, job->m_codes[t] + b0 + q0, len);
-        job->v_scale[t][blk] = quant_unsigned(rq + q0, job->v_codes[t] + b0 + q0, len);
+        job->v_scale[t][blk] = quant_unsigned(vq + q0, job->v_codes[t] + b0 + q0, len);
       }
     }
   }
