@@ -264,35 +264,31 @@ static inline void dequant_unsigned(const uint8_t *restrict q, float scale, floa
   for (int64_t i = 0; i < n; ++i) out[i] = value_of(q[i], 255) * scale;
 }
 
-/* (comparisons, not fmaxf / fminf: those are library calls that keep the loops scalar; the moments are finite) */
-static inline float quant_signed(const float *restrict x, int8_t *restrict q, int64_t n) {
-  float peak = 0.0f;
-#pragma omp simd reduction(max : peak)
+/* Both moments' scales and codes of `n` elements (one quantisation block), from their fp32 values. Comparisons, not
+ * fmaxf / fminf (library calls that keep the loops scalar; the moments are finite). y <= 1 + 2^-23 (|x| <= A times
+ * the rounded 1 / A), so no code exceeds the top one; the lower bounds are the clamps. */
+static inline void quant_block(const float *restrict m, const float *restrict v, int8_t *restrict qm,
+                               uint8_t *restrict qv, int64_t n, float *m_scale, float *v_scale) {
+  float pm = 0.0f, pv = 0.0f;
+#pragma omp simd reduction(max : pm, pv)
   for (int64_t i = 0; i < n; ++i) {
-    const float a = fabsf(x[i]);
-    peak = a > peak ? a : peak;
+    const float a = fabsf(m[i]);
+    pm = a > pm ? a : pm;
+    pv = v[i] > pv ? v[i] : pv;
   }
-  const float inv = 1.0f / (peak > 0.0f ? peak : 1.0f);
+  const float im = 1.0f / (pm > 0.0f ? pm : 1.0f), iv = 1.0f / (pv > 0.0f ? pv : 1.0f);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    int32_t c = code_of(fabsf(x[i]) * inv, 127);
-    c = c < 0 ? 0 : (c > 127 ? 127 : c);
-    q[i] = (int8_t)(x[i] < 0.0f ? -c : c);
+    zf_bits b = {.f = m[i]};
+    const int32_t sign = b.i >> 31; /* 0 or -1 */
+    int32_t c = code_of(fabsf(m[i]) * im, 127);
+    c = c < 0 ? 0 : c;
+    qm[i] = (int8_t)((c ^ sign) - sign);
+    const int32_t d = code_of(v[i] * iv, 255);
+    qv[i] = (uint8_t)(d < 1 ? 1 : d);
   }
-  return peak;
-}
-
-static inline float quant_unsigned(const float *restrict x, uint8_t *restrict q, int64_t n) {
-  float peak = 0.0f;
-#pragma omp simd reduction(max : peak)
-  for (int64_t i = 0; i < n; ++i) peak = x[i] > peak ? x[i] : peak;
-  const float inv = 1.0f / (peak > 0.0f ? peak : 1.0f);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t c = code_of(x[i] * inv, 255);
-    q[i] = (uint8_t)(c < 1 ? 1 : (c > 255 ? 255 : c));
-  }
-  return peak;
+  *m_scale = pm;
+  *v_scale = pv;
 }
 
 #define ZF_ADAM_BLOCK 1024
@@ -394,8 +390,8 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
     if (job->m_codes) {
       for (int64_t q0 = 0; q0 < n; q0 += ZF_QBLOCK) {
         const int64_t len = n - q0 < ZF_QBLOCK ? n - q0 : ZF_QBLOCK, blk = (b0 + q0) / ZF_QBLOCK;
-        job->m_scale[t][blk] = quant_signed(mq + q0, job->m_codes[t] + b0 + q0, len);
-        job->v_scale[t][blk] = quant_unsigned(vq + q0, job->v_codes[t] + b0 + q0, len);
+        quant_block(mq + q0, vq + q0, job->m_codes[t] + b0 + q0, job->v_codes[t] + b0 + q0, len,
+                    &job->m_scale[t][blk], &job->v_scale[t][blk]);
       }
     }
   }
