@@ -18,7 +18,7 @@ import time
 
 import torch
 
-import hf_zenflow.engine.host as host
+import hf_zenflow.engine.quantized_moments as quantized_moments
 from hf_zenflow.engine.host import HostMatrix, host_adamw_window
 from hf_zenflow.transport.cpu_device import kernels
 
@@ -35,7 +35,7 @@ VARIANTS = {  # name: (moment dtype, use the CPU kernel)
 def _use_kernels(on: bool) -> None:
     """Route the host pass through the CPU kernel or torch's operations (the no-compiler path)."""
     kernels._window_adamw_state = True if on else False
-    host._quantized_kernel_state = True if on else False
+    quantized_moments._kernel_state = True if on else False
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    assert kernels.library() is not None and kernels.window_adamw_available() and host.quantized_kernel_matches(), \
+    assert kernels.library() is not None and kernels.window_adamw_available() and quantized_moments.kernel_matches(), \
         "this benchmark compares the kernel with the torch pass: it needs the CPU kernels"
     cols = 4096
     rows = args.numel // cols

@@ -25,7 +25,6 @@ every step) and the migration at re-selection, strided for row-major weights and
 from __future__ import annotations
 
 import threading
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +34,7 @@ from ..settings.config import sums_on_device
 from ..transport.cpu_device import kernels
 from ..transport.link import Transport
 from ..transport.pinned import PinnedArena
-from .quantized_moments import BLOCK, PIECE, QuantizedMoment, dequantize_into, quantize_into
+from .quantized_moments import QuantizedMoment, adamw_pass, kernel_matches
 
 
 #: In-flight gradient hand-offs between the caller and the worker. Two lets the caller hand over step t+1 while the
@@ -273,81 +272,6 @@ def _adamw_narrow_moments(m: HostMatrix, hyper: dict) -> None:
     m.step.copy_(step)
 
 
-def _adamw_quantized_moments(m: HostMatrix, hyper: dict) -> None:
-    """The host AdamW of a matrix with 8-bit moments, without the CPU kernels: piece by piece (`PIECE` elements,
-    whole quantisation blocks), the moments are dequantised into fp32 scratch, updated by torch's fused AdamW
-    against the fp32 master and window mean, and quantised again (`quantized_moments`); the bits of
-    `kernels.window_adamw` with quantised moments. Each piece steps a copy of the step count, which then becomes
-    the matrix's."""
-    exp_avg, exp_avg_sq = m.exp_avg, m.exp_avg_sq
-    assert isinstance(exp_avg, QuantizedMoment) and isinstance(exp_avg_sq, QuantizedMoment)
-    master, accum = _storage_order(m.master), _storage_order(m.accum)
-    m_codes, v_codes = _storage_order(exp_avg.codes), _storage_order(exp_avg_sq.codes)
-    step = m.step
-    for start in range(0, master.numel(), PIECE):
-        end = min(start + PIECE, master.numel())
-        avg = _fp32_scratch(master[start:end], "avg")
-        avg_sq = _fp32_scratch(master[start:end], "avg_sq")
-        first, last = start // BLOCK, -(-end // BLOCK)
-        dequantize_into(avg, m_codes[start:end], exp_avg.scales[first:last])
-        dequantize_into(avg_sq, v_codes[start:end], exp_avg_sq.scales[first:last])
-        step = m.step.clone()
-        fused_adamw_([master[start:end]], [accum[start:end]], [avg], [avg_sq], [step], hyper)
-        quantize_into(m_codes[start:end], exp_avg.scales[first:last], avg)
-        quantize_into(v_codes[start:end], exp_avg_sq.scales[first:last], avg_sq)
-    m.step.copy_(step)
-
-
-def _storage_order(t: torch.Tensor) -> torch.Tensor:
-    """A host matrix (contiguous, or the transpose of a contiguous one: `column_major_`) as a 1-D view."""
-    return t.view(-1) if t.is_contiguous() else t.t().view(-1)
-
-
-_quantized_kernel_state: bool | None = None
-
-
-def quantized_kernel_matches() -> bool:
-    """Whether `kernels.window_adamw_quantized` gives the bits of `_adamw_quantized_moments` here (checked once per
-    process on small matrices, every kind of tail and partial block; where it does not, the torch pass is used)."""
-    global _quantized_kernel_state
-    if _quantized_kernel_state is None:
-        _quantized_kernel_state = _quantized_kernel_check()
-        if not _quantized_kernel_state:
-            warnings.warn("hf_zenflow: the CPU kernel for 8-bit host moments does not reproduce the torch pass bit "
-                          "for bit here; the host uses the torch pass", RuntimeWarning, stacklevel=2)
-    return _quantized_kernel_state
-
-
-def _quantized_kernel_check() -> bool:
-    gen = torch.Generator().manual_seed(0)
-    hyper = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
-    for rows, cols, count in ((3, 7, 1), (5, 300, 3), (17, 1031, 2), (64, 1024, 4)):
-        states = []
-        for _ in range(2):
-            g = torch.Generator().manual_seed(rows)
-            m = HostMatrix.create(torch.randn(rows, cols, generator=g), torch.float32, moments=torch.int8)
-            m.exp_avg.copy_(torch.randn(rows, cols, generator=g) * 1e-2)
-            m.exp_avg_sq.copy_(torch.rand(rows, cols, generator=g) ** 4 * 1e-4)
-            m.accum.copy_(torch.randn(rows, cols, generator=g))
-            m.accum_count = count - 1
-            states.append(m)
-        grad = torch.randn(rows, cols, generator=gen)
-        kernel, plain = states
-        kernels.window_adamw_quantized(
-            [kernel.master], [kernel.accum], [grad], [count == 1], [count], [kernel.exp_avg.codes],
-            [kernel.exp_avg.scales], [kernel.exp_avg_sq.codes], [kernel.exp_avg_sq.scales], [kernel.step], hyper,
-            0.5)
-        plain.accumulate(grad, 0.5)
-        plain.accum.div_(count)
-        _adamw_quantized_moments(plain, hyper)
-        pairs = [(kernel.master, plain.master), (kernel.step, plain.step)]
-        pairs += [(getattr(kernel, n).codes, getattr(plain, n).codes) for n in ("exp_avg", "exp_avg_sq")]
-        pairs += [(getattr(kernel, n).scales, getattr(plain, n).scales) for n in ("exp_avg", "exp_avg_sq")]
-        if not all(torch.equal(a, b) for a, b in pairs):
-            return False
-    return True
-
-
 def _fusable(m: HostMatrix, grad2d: torch.Tensor | None) -> bool:
     """Whether `m`'s window can run through the one-pass kernel (`kernels.window_adamw`), with fp32 moments or 8-bit
     ones (the kernel reads and writes their codes and scales)."""
@@ -356,7 +280,7 @@ def _fusable(m: HostMatrix, grad2d: torch.Tensor | None) -> bool:
         return (all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
                 and m.master.dtype == m.accum.dtype == torch.float32 and m.master.numel() > 0
                 and (grad2d is None or (kernels.supports(grad2d) and grad2d.shape == m.accum.shape))
-                and kernels.window_adamw_available() and quantized_kernel_matches())
+                and kernels.window_adamw_available() and kernel_matches())
     tensors = (m.master, m.accum, m.exp_avg, m.exp_avg_sq)
     return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
             and m.master.numel() > 0
@@ -420,7 +344,7 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
         )
         for m in plain:
             if m.quantized:
-                _adamw_quantized_moments(m, hyper)
+                adamw_pass(m.master, m.accum, m.exp_avg, m.exp_avg_sq, m.step, hyper)
             elif m.exp_avg.dtype != torch.float32:
                 _adamw_narrow_moments(m, hyper)
         for m in [m for m, _ in fused] + plain:

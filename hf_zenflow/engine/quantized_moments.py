@@ -23,9 +23,14 @@ the window sums stay fp32.
 
 from __future__ import annotations
 
+import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
+
+from .._base import fused_adamw_
+from ..transport.cpu_device import kernels
 
 
 #: Elements per quantisation block (one fp32 scale each).
@@ -170,4 +175,81 @@ def _quantize(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> Non
     codes.copy_(code)
 
 
-__all__ = ["BLOCK", "PIECE", "QuantizedMoment", "blocks", "dequantize_into", "quantize_into"]
+_scratch = threading.local()
+
+
+def _piece_scratch(name: str, numel: int) -> torch.Tensor:
+    """A reused fp32 buffer of `numel` elements, one per thread and `name`."""
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=torch.float32)
+        setattr(_scratch, name, buf)
+    return buf[:numel]
+
+
+def adamw_pass(master: torch.Tensor, mean_grad: torch.Tensor, exp_avg: QuantizedMoment,
+               exp_avg_sq: QuantizedMoment, step: torch.Tensor, hyper: dict) -> None:
+    """The host AdamW of a matrix with 8-bit moments without the CPU kernel: piece by piece (`PIECE` elements,
+    whole blocks), the moments are dequantised into fp32 scratch, updated by torch's fused AdamW against the fp32
+    `master` and the window's `mean_grad`, and quantised again; the bits of `kernels.window_adamw_quantized`. Each
+    piece steps a copy of `step`, which then becomes the count."""
+    flat = [_flat(t) for t in (master, mean_grad, exp_avg.codes, exp_avg_sq.codes)]
+    stepped = step
+    for start in range(0, flat[0].numel(), PIECE):
+        end = min(start + PIECE, flat[0].numel())
+        p, g, m_codes, v_codes = (t[start:end] for t in flat)
+        m, v = _piece_scratch("exp_avg", end - start), _piece_scratch("exp_avg_sq", end - start)
+        first, last = start // BLOCK, blocks(end)
+        dequantize_into(m, m_codes, exp_avg.scales[first:last])
+        dequantize_into(v, v_codes, exp_avg_sq.scales[first:last])
+        stepped = step.clone()
+        fused_adamw_([p], [g], [m], [v], [stepped], hyper)
+        quantize_into(m_codes, exp_avg.scales[first:last], m)
+        quantize_into(v_codes, exp_avg_sq.scales[first:last], v)
+    step.copy_(stepped)
+
+
+_kernel_state: bool | None = None
+
+
+def kernel_matches() -> bool:
+    """Whether `kernels.window_adamw_quantized` gives the bits of `adamw_pass` here (checked once per process on
+    small matrices with every kind of tail and partial block; where it does not, the torch pass is used)."""
+    global _kernel_state
+    if _kernel_state is None:
+        _kernel_state = kernels.library() is not None and _kernel_check()
+        if not _kernel_state and kernels.library() is not None:
+            warnings.warn("hf_zenflow: the CPU kernel for 8-bit host moments does not reproduce the torch pass bit "
+                          "for bit here; the host uses the torch pass", RuntimeWarning, stacklevel=2)
+    return _kernel_state
+
+
+def _kernel_check() -> bool:
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    for rows, cols, count in ((3, 7, 1), (5, 300, 3), (17, 1031, 2), (64, 1024, 4)):
+        gen = torch.Generator().manual_seed(rows)
+        master, accum, grad, m, v = (torch.randn(rows, cols, generator=gen) for _ in range(5))
+        runs = []
+        for _ in range(2):
+            state = [master.clone(), QuantizedMoment.zeros(master, signed=True),
+                     QuantizedMoment.zeros(master, signed=False), torch.tensor(2.0)]
+            state[1].copy_(m * 1e-2)
+            state[2].copy_(v.square() * 1e-4)
+            runs.append(state)
+        (p1, m1, v1, s1), (p2, m2, v2, s2) = runs
+        kernels.window_adamw_quantized([p1], [accum], [grad], [count == 1], [count], [m1.codes], [m1.scales],
+                                       [v1.codes], [v1.scales], [s1], hyper, 0.5)
+        mean = grad * 0.5 if count == 1 else accum.clone()
+        if count > 1:
+            kernels.accumulate([mean], [grad], 0.5, first=False)  # (the kernels' fma, as the window sum has it)
+            mean.div_(count)
+        adamw_pass(p2, mean, m2, v2, s2, hyper)
+        pairs = [(p1, p2), (s1, s2), (m1.codes, m2.codes), (m1.scales, m2.scales), (v1.codes, v2.codes),
+                 (v1.scales, v2.scales)]
+        if not all(torch.equal(a, b) for a, b in pairs):
+            return False
+    return True
+
+
+__all__ = ["BLOCK", "PIECE", "QuantizedMoment", "adamw_pass", "blocks", "dequantize_into", "kernel_matches",
+           "quantize_into"]

@@ -95,7 +95,7 @@ def test_codes_keep_relative_error_small_and_requantise_to_themselves():
 def test_the_kernel_is_the_torch_pass_bit_for_bit():
     if kernels.library() is None or not kernels.window_adamw_available():
         pytest.skip("no CPU kernels here")
-    assert host_module.quantized_kernel_matches()
+    assert qm.kernel_matches()
     g = torch.Generator().manual_seed(3)
     rows, cols = 33, 1000  # several kernel chunks of 1024, partial quantisation blocks
     states = []
@@ -112,7 +112,7 @@ def test_the_kernel_is_the_torch_pass_bit_for_bit():
                                    [kernel.exp_avg.scales], [kernel.exp_avg_sq.codes], [kernel.exp_avg_sq.scales],
                                    [kernel.step], hyper, None)
     plain.accumulate(grad, None)
-    host_module._adamw_quantized_moments(plain, hyper)
+    qm.adamw_pass(plain.master, plain.accum, plain.exp_avg, plain.exp_avg_sq, plain.step, hyper)
     assert torch.equal(kernel.master, plain.master)
     for name in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(getattr(kernel, name).codes, getattr(plain, name).codes)
@@ -126,9 +126,9 @@ def test_int8_host_is_adamw_with_8bit_moments(path, monkeypatch):
     if path == "kernel" and (kernels.library() is None or not kernels.window_adamw_available()):
         pytest.skip("no CPU kernels here")
     if path != "kernel":
-        monkeypatch.setattr(host_module, "quantized_kernel_matches", lambda: False)
+        monkeypatch.setattr(host_module, "kernel_matches", lambda: False)
     if path == "torch-pieces":  # pieces of two blocks: every matrix in several pieces, with a remainder
-        monkeypatch.setattr(host_module, "PIECE", 2 * BLOCK)
+        monkeypatch.setattr(qm, "PIECE", 2 * BLOCK)
     model, losses, opt = _zenflow(INT8)
     assert all(s.host.quantized for s in opt._split.values() if s.host is not None)
     opt.close()
