@@ -147,8 +147,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summarize(records: list[dict[str, Any]]) -> str:
-    """Markdown: per task, per setting, the paired differences with their 95 % interval and the per-seed values."""
+def summarize(records: list[dict[str, Any]], reference: str = "adamw_torch") -> str:
+    """Markdown: per task, per setting, the paired differences (setting minus the `reference` run of the same seed)
+    with their 95 % interval and the per-seed values. `reference` is a run label: "adamw_torch", or a ZenFlow
+    setting's (a setting against another)."""
     by_task: dict[str, dict[int, dict[str, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
     for r in records:
         by_task[r["task"]][r["seed"]][r["label"]] = r
@@ -156,18 +158,18 @@ def summarize(records: list[dict[str, Any]]) -> str:
     for task_name, seeds in by_task.items():
         labels: list[str] = []
         for per_seed in seeds.values():
-            labels += [k for k in per_seed if k != "adamw_torch" and k not in labels]
-        ref_acc = [s["adamw_torch"]["eval_accuracy"] for s in seeds.values() if "adamw_torch" in s]
-        ref_loss = [s["adamw_torch"]["eval_loss"] for s in seeds.values() if "adamw_torch" in s]
+            labels += [k for k in per_seed if k != reference and k not in labels]
+        ref_acc = [s[reference]["eval_accuracy"] for s in seeds.values() if reference in s]
+        ref_loss = [s[reference]["eval_loss"] for s in seeds.values() if reference in s]
         lines += [f"### {task_name}", "",
-                  f"adamw_torch: held-out accuracy mean {statistics.fmean(ref_acc):.4f}, loss mean "
+                  f"{reference}: held-out accuracy mean {statistics.fmean(ref_acc):.4f}, loss mean "
                   f"{statistics.fmean(ref_loss):.4f} over {len(ref_acc)} seeds.", "",
                   "| setting | seeds | accuracy diff, points (mean ± 95 % CI) | held-out loss diff, % (mean ± 95 % "
                   "CI) | per-seed accuracy diff | per-seed loss diff % | steps/s (mean) | critical path ms (mean) | "
                   "mean window |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for label in labels:
-            pairs = [(s[label], s["adamw_torch"]) for s in seeds.values() if label in s and "adamw_torch" in s]
+            pairs = [(s[label], s[reference]) for s in seeds.values() if label in s and reference in s]
             if not pairs:
                 continue
             acc = [100 * (z["eval_accuracy"] - a["eval_accuracy"]) for z, a in pairs]
@@ -177,12 +179,12 @@ def summarize(records: list[dict[str, Any]]) -> str:
             windows = [z["mean_window"] for z, _ in pairs if z.get("mean_window")]
             lines.append(
                 f"| {label} | {len(pairs)} | {_pm(am, ah)} | {_pm(lm, lh)} | "
-                f"{' / '.join(f'{v:+.1f}' for v in acc)} | {' / '.join(f'{v:+.2f}' for v in loss)} | "
+                f"{' / '.join(f'{v:+.1f}' for v in acc)} | {' / '.join(f'{v:+.3f}' for v in loss)} | "
                 f"{statistics.fmean(z['steps_per_s'] for z, _ in pairs):.2f} | "
                 f"{statistics.fmean(z['critical_path_ms'] for z, _ in pairs):.1f} | "
                 f"{statistics.fmean(windows) if windows else float('nan'):.1f} |")
-        ref = [s["adamw_torch"] for s in seeds.values() if "adamw_torch" in s]
-        lines += ["", f"adamw_torch: {statistics.fmean(r['steps_per_s'] for r in ref):.2f} steps/s, critical path "
+        ref = [s[reference] for s in seeds.values() if reference in s]
+        lines += ["", f"{reference}: {statistics.fmean(r['steps_per_s'] for r in ref):.2f} steps/s, critical path "
                       f"{statistics.fmean(r['critical_path_ms'] for r in ref):.1f} ms (mean). Wall time of the task: "
                       f"{sum(r['seconds'] for s in seeds.values() for r in s.values()) / 60:.1f} min.", ""]
     return "\n".join(lines)
@@ -207,13 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     s = sub.add_parser("summary")
     s.add_argument("files", nargs="+")
+    s.add_argument("--reference", default="adamw_torch",
+                   help="the run label the others are paired with (default adamw_torch)")
     args = parser.parse_args(argv)
     if args.command == "run":
         torch.set_num_threads(args.threads)
         print(f"[study] {json.dumps(machine_info(torch.device('cpu')))}", flush=True)
         return run(args)
     records = [json.loads(line) for f in args.files for line in Path(f).read_text().splitlines() if line.strip()]
-    print(summarize(records))
+    print(summarize(records, args.reference))
     return 0
 
 
