@@ -36,9 +36,9 @@ from ..transport.cpu_device import kernels
 #: Elements per quantisation block (one fp32 scale each).
 BLOCK = 256
 
-#: Elements per piece of the torch (no-compiler) pass: a multiple of `BLOCK`, small enough for the fp32 pieces of the
-#: pass to stay in the cache.
-PIECE = 64 * BLOCK
+#: Elements per piece of the torch (no-compiler) pass: a multiple of `BLOCK`; bounds its fp32 scratch (two buffers of
+#: 1 MiB per thread, and the temporaries of the codes) whatever the matrix.
+PIECE = 1024 * BLOCK
 
 #: The top code of each moment: 1.0 of the block's maximum.
 _SIGNED_TOP, _UNSIGNED_TOP = 127, 255
