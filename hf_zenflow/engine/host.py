@@ -7,9 +7,11 @@ spare storage of the weight, swapped in at each write-back instead of a copy) an
 gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``, where on a CPU
 device with fp32 weights the write-back buffer is the accumulator itself: `HostMatrix.shares_writeback`). One moment
 set (DeepSpeed keeps two, zenflow.md §3.12). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
-updated in fp32 pieces, `_adamw_narrow_moments`), ``host_grad_dtype="bfloat16"`` lands fp32 gradients as bf16 (half
-the landing buffers and the bytes to host). ``accumulate_on="device_bf16"`` adds a bf16 landing buffer (+2 B) that the
-window's bf16 sum lands in; the worker widens it into the fp32 accumulator (`host_adamw_window`).
+updated in fp32 pieces, `_adamw_narrow_moments`), ``"int8"`` in 8-bit codes with an fp32 scale per block of 256
+(10.03 B; decoded, updated and encoded in the same pass: `quantized_moments.py`). ``host_grad_dtype="bfloat16"``
+lands fp32 gradients as bf16 (half the landing buffers and the bytes to host). ``accumulate_on="device_bf16"`` adds a
+bf16 landing buffer (+2 B) that the window's bf16 sum lands in; the worker widens it into the fp32 accumulator
+(`host_adamw_window`).
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
 [in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
