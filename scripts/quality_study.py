@@ -147,10 +147,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summarize(records: list[dict[str, Any]], reference: str = "adamw_torch") -> str:
+def summarize(records: list[dict[str, Any]], reference: str = "adamw_torch", decimals: int = 2) -> str:
     """Markdown: per task, per setting, the paired differences (setting minus the `reference` run of the same seed)
     with their 95 % interval and the per-seed values. `reference` is a run label: "adamw_torch", or a ZenFlow
-    setting's (a setting against another)."""
+    setting's (a setting against another); `decimals`: of the mean differences and their intervals."""
     by_task: dict[str, dict[int, dict[str, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
     for r in records:
         by_task[r["task"]][r["seed"]][r["label"]] = r
@@ -178,8 +178,8 @@ def summarize(records: list[dict[str, Any]], reference: str = "adamw_torch") -> 
             lm, lh = paired_interval(loss)
             windows = [z["mean_window"] for z, _ in pairs if z.get("mean_window")]
             lines.append(
-                f"| {label} | {len(pairs)} | {_pm(am, ah)} | {_pm(lm, lh)} | "
-                f"{' / '.join(f'{v:+.1f}' for v in acc)} | {' / '.join(f'{v:+.3f}' for v in loss)} | "
+                f"| {label} | {len(pairs)} | {_pm(am, ah, decimals)} | {_pm(lm, lh, decimals)} | "
+                f"{' / '.join(f'{v:+.1f}' for v in acc)} | {' / '.join(f'{v:+.{max(decimals, 3)}f}' for v in loss)} | "
                 f"{statistics.fmean(z['steps_per_s'] for z, _ in pairs):.2f} | "
                 f"{statistics.fmean(z['critical_path_ms'] for z, _ in pairs):.1f} | "
                 f"{statistics.fmean(windows) if windows else float('nan'):.1f} |")
@@ -190,8 +190,8 @@ def summarize(records: list[dict[str, Any]], reference: str = "adamw_torch") -> 
     return "\n".join(lines)
 
 
-def _pm(mean: float, half: float | None) -> str:
-    return f"{mean:+.2f}" if half is None else f"{mean:+.2f} ± {half:.2f}"
+def _pm(mean: float, half: float | None, decimals: int = 2) -> str:
+    return f"{mean:+.{decimals}f}" if half is None else f"{mean:+.{decimals}f} ± {half:.{decimals}f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,13 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("files", nargs="+")
     s.add_argument("--reference", default="adamw_torch",
                    help="the run label the others are paired with (default adamw_torch)")
+    s.add_argument("--decimals", type=int, default=2, help="decimals of the mean differences and intervals")
     args = parser.parse_args(argv)
     if args.command == "run":
         torch.set_num_threads(args.threads)
         print(f"[study] {json.dumps(machine_info(torch.device('cpu')))}", flush=True)
         return run(args)
     records = [json.loads(line) for f in args.files for line in Path(f).read_text().splitlines() if line.strip()]
-    print(summarize(records, args.reference))
+    print(summarize(records, args.reference, args.decimals))
     return 0
 
 
