@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         return s.label + suffix if s else "adamw_torch"
 
     for seed in args.seeds:
-        todo = [s for s in [None, *settings] if (args.task, seed, label(s)) not in done]
+        runs = [*([] if args.no_reference else [None]), *settings]
+        todo = [s for s in runs if (args.task, seed, label(s)) not in done]
         if not todo:
             continue
         task, cfg = prepare(args.task, seed)
@@ -146,8 +147,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summarize(records: list[dict[str, Any]]) -> str:
-    """Markdown: per task, per setting, the paired differences with their 95 % interval and the per-seed values."""
+def summarize(records: list[dict[str, Any]], reference: str = "adamw_torch", decimals: int = 2) -> str:
+    """Markdown: per task, per setting, the paired differences (setting minus the `reference` run of the same seed)
+    with their 95 % interval and the per-seed values. `reference` is a run label: "adamw_torch", or a ZenFlow
+    setting's (a setting against another); `decimals`: of the mean differences and their intervals."""
     by_task: dict[str, dict[int, dict[str, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
     for r in records:
         by_task[r["task"]][r["seed"]][r["label"]] = r
@@ -155,18 +158,18 @@ def summarize(records: list[dict[str, Any]]) -> str:
     for task_name, seeds in by_task.items():
         labels: list[str] = []
         for per_seed in seeds.values():
-            labels += [k for k in per_seed if k != "adamw_torch" and k not in labels]
-        ref_acc = [s["adamw_torch"]["eval_accuracy"] for s in seeds.values() if "adamw_torch" in s]
-        ref_loss = [s["adamw_torch"]["eval_loss"] for s in seeds.values() if "adamw_torch" in s]
+            labels += [k for k in per_seed if k != reference and k not in labels]
+        ref_acc = [s[reference]["eval_accuracy"] for s in seeds.values() if reference in s]
+        ref_loss = [s[reference]["eval_loss"] for s in seeds.values() if reference in s]
         lines += [f"### {task_name}", "",
-                  f"adamw_torch: held-out accuracy mean {statistics.fmean(ref_acc):.4f}, loss mean "
+                  f"{reference}: held-out accuracy mean {statistics.fmean(ref_acc):.4f}, loss mean "
                   f"{statistics.fmean(ref_loss):.4f} over {len(ref_acc)} seeds.", "",
                   "| setting | seeds | accuracy diff, points (mean ± 95 % CI) | held-out loss diff, % (mean ± 95 % "
                   "CI) | per-seed accuracy diff | per-seed loss diff % | steps/s (mean) | critical path ms (mean) | "
                   "mean window |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for label in labels:
-            pairs = [(s[label], s["adamw_torch"]) for s in seeds.values() if label in s and "adamw_torch" in s]
+            pairs = [(s[label], s[reference]) for s in seeds.values() if label in s and reference in s]
             if not pairs:
                 continue
             acc = [100 * (z["eval_accuracy"] - a["eval_accuracy"]) for z, a in pairs]
@@ -175,20 +178,20 @@ def summarize(records: list[dict[str, Any]]) -> str:
             lm, lh = paired_interval(loss)
             windows = [z["mean_window"] for z, _ in pairs if z.get("mean_window")]
             lines.append(
-                f"| {label} | {len(pairs)} | {_pm(am, ah)} | {_pm(lm, lh)} | "
-                f"{' / '.join(f'{v:+.1f}' for v in acc)} | {' / '.join(f'{v:+.2f}' for v in loss)} | "
+                f"| {label} | {len(pairs)} | {_pm(am, ah, decimals)} | {_pm(lm, lh, decimals)} | "
+                f"{' / '.join(f'{v:+.1f}' for v in acc)} | {' / '.join(f'{v:+.{max(decimals, 3)}f}' for v in loss)} | "
                 f"{statistics.fmean(z['steps_per_s'] for z, _ in pairs):.2f} | "
                 f"{statistics.fmean(z['critical_path_ms'] for z, _ in pairs):.1f} | "
                 f"{statistics.fmean(windows) if windows else float('nan'):.1f} |")
-        ref = [s["adamw_torch"] for s in seeds.values() if "adamw_torch" in s]
-        lines += ["", f"adamw_torch: {statistics.fmean(r['steps_per_s'] for r in ref):.2f} steps/s, critical path "
+        ref = [s[reference] for s in seeds.values() if reference in s]
+        lines += ["", f"{reference}: {statistics.fmean(r['steps_per_s'] for r in ref):.2f} steps/s, critical path "
                       f"{statistics.fmean(r['critical_path_ms'] for r in ref):.1f} ms (mean). Wall time of the task: "
                       f"{sum(r['seconds'] for s in seeds.values() for r in s.values()) / 60:.1f} min.", ""]
     return "\n".join(lines)
 
 
-def _pm(mean: float, half: float | None) -> str:
-    return f"{mean:+.2f}" if half is None else f"{mean:+.2f} ± {half:.2f}"
+def _pm(mean: float, half: float | None, decimals: int = 2) -> str:
+    return f"{mean:+.{decimals}f}" if half is None else f"{mean:+.{decimals}f} ± {half:.{decimals}f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,16 +204,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--zenflow", nargs="*", default=[],
                    help="compare-runner ZenFlow fields KEY=VALUE for every ZenFlow run (e.g. min_offload_numel=0)")
+    p.add_argument("--no-reference", action="store_true",
+                   help="ZenFlow runs only (no adamw_torch run); pair them with `summary --reference LABEL`")
     p.add_argument("--out", required=True)
     s = sub.add_parser("summary")
     s.add_argument("files", nargs="+")
+    s.add_argument("--reference", default="adamw_torch",
+                   help="the run label the others are paired with (default adamw_torch)")
+    s.add_argument("--decimals", type=int, default=2, help="decimals of the mean differences and intervals")
     args = parser.parse_args(argv)
     if args.command == "run":
         torch.set_num_threads(args.threads)
         print(f"[study] {json.dumps(machine_info(torch.device('cpu')))}", flush=True)
         return run(args)
     records = [json.loads(line) for f in args.files for line in Path(f).read_text().splitlines() if line.strip()]
-    print(summarize(records))
+    print(summarize(records, args.reference, args.decimals))
     return 0
 
 

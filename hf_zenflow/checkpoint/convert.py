@@ -17,7 +17,15 @@ from ..engine.params import is_split
 from ..engine.selection import num_selected
 from ..engine.split_matrix import SplitMatrix
 from ..settings.config import ZenFlowConfig
-from .format import _DERIVED_SETTINGS, _PARSE_ERRORS, CheckpointError, _refused, _restore_groups, migrate
+from .format import (
+    _DERIVED_SETTINGS,
+    _PARSE_ERRORS,
+    CheckpointError,
+    _refused,
+    _restore_groups,
+    migrate,
+    widen_moments,
+)
 from .state import ZenFlowState
 from .validate import check_groups
 
@@ -265,6 +273,7 @@ def _flushed_split(entry: dict[str, Any], config: ZenFlowConfig, group: dict[str
     """Full fp32 (master, exp_avg, exp_avg_sq) storage matrices of a split entry and its AdamW step count, with the
     open window applied."""
     axis = int(entry.get("axis", 1))
+    entry = widen_moments(entry)  # (8-bit host moments: their fp32 values)
     if "host_master" in entry:
         master, m, v = (entry[k].float().cpu().clone() for k in ("host_master", "host_exp_avg", "host_exp_avg_sq"))
         count = int(entry.get("accum_count", 0))

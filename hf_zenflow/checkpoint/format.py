@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..engine.quantized_moments import QuantizedMoment
 from .seal import PREFIX, Refusal, seal, verify
 from .state import ZenFlowState
 
@@ -60,6 +61,30 @@ class CheckpointError(ValueError):
 
 def _tensors(entry: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in entry.items() if isinstance(v, torch.Tensor)}
+
+
+#: A split entry's 8-bit host moments: the codes' key and the key of their per-block scales.
+QUANTIZED_MOMENTS = (("host_exp_avg", "host_exp_avg_scale"), ("host_exp_avg_sq", "host_exp_avg_sq_scale"))
+
+
+def is_quantized(entry: dict[str, Any]) -> bool:
+    """Whether the split `entry` holds 8-bit host moments (codes and scales: ``host_moment_dtype="int8"``)."""
+    return "host_exp_avg_scale" in entry
+
+
+def widen_moments(entry: dict[str, Any]) -> dict[str, Any]:
+    """`entry` with 8-bit host moments replaced by their fp32 values (a new dict; other entries as they are): what a
+    reader that cuts, joins or converts the host state works on."""
+    if not is_quantized(entry):
+        return entry
+    out = dict(entry)
+    for codes_key, scales_key in QUANTIZED_MOMENTS:
+        codes = entry[codes_key]
+        moment = QuantizedMoment(codes, entry[scales_key].float())
+        out[codes_key] = moment.float()
+        del out[scales_key]
+    out.pop("checksums", None)  # (the caller seals what it builds)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -95,6 +120,11 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
             # back to the same bits
             entry.update(host_master=h.master, host_exp_avg=h.exp_avg.float(), host_exp_avg_sq=h.exp_avg_sq.float(),
                          host_step=h.step, accum=accum.float() if count else None, accum_count=count)
+            if h.quantized:
+                # 8-bit moments (host_moment_dtype="int8") are saved as they are held, codes and per-block scales,
+                # for an exact resume; readers that move the state elsewhere widen them (`widen_moments`)
+                entry.update(host_exp_avg=h.exp_avg.codes, host_exp_avg_sq=h.exp_avg_sq.codes,
+                             host_exp_avg_scale=h.exp_avg.scales, host_exp_avg_sq_scale=h.exp_avg_sq.scales)
             if split.share.ranks > 1:
                 entry["share"] = [split.share.start, split.share.length, split.share.size]
         state[index_of[p]] = entry

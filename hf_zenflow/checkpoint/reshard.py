@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..distributed.sharding import Share
-from .format import CheckpointError, _tensors, migrate
+from .format import CheckpointError, _tensors, migrate, widen_moments
 from .seal import seal
 
 
@@ -72,7 +72,9 @@ def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
               "zenflow": {k: v for k, v in first["zenflow"].items()
                           if k not in ("ranks", "rank", "fsdp_ranks", "fsdp_rank")}}
     for index, entry in first["state"].items():
-        parts = [s["state"][index] for s in ordered]
+        # (8-bit moments are quantised by blocks of each rank's share: joined as their fp32 values)
+        parts = [widen_moments(s["state"][index]) for s in ordered]
+        entry = parts[0]
         out = dict(entry)
         if parallel == "fsdp2":
             for key, t in _tensors(entry).items():
@@ -111,6 +113,7 @@ def fsdp_rows_of(state: dict[str, Any], ranks: int, rank: int) -> dict[str, Any]
         if entry.get("kind") == "split" and int(entry.get("axis", 1)) != 1:
             raise CheckpointError(f"fsdp_rows_of: parameter {index} was saved column-major or with select_rows, "
                                   "which FSDP2 does not support.")
+        entry = widen_moments(entry)  # (8-bit moments: cut as their fp32 values, quantised again on load)
         mine = dict(entry)
         for key, t in _tensors(entry).items():
             if key != "checksums" and t.ndim >= 1 and t.shape[0] == rows and key not in ("device_index",):
@@ -127,6 +130,8 @@ def ddp_share_of(state: dict[str, Any], ranks: int, rank: int) -> dict[str, Any]
     out = {"param_groups": state["param_groups"], "state": {},
            "zenflow": None if zenflow is None or ranks == 1 else {**zenflow, "ranks": ranks, "rank": rank}}
     for index, entry in state["state"].items():
+        if ranks > 1:
+            entry = widen_moments(entry)  # (8-bit moments: cut as their fp32 values, quantised again on load)
         mine = dict(entry)
         if entry.get("kind") == "split" and "host_master" in entry and ranks > 1:
             dim = 1 - int(entry.get("axis", 1))

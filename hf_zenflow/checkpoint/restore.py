@@ -15,7 +15,7 @@ from ..engine.schedule import ZenAutoStats
 from ..engine.split_matrix import SplitMatrix
 from . import validate as checks
 from .convert import apply_changed_settings, is_torch_adamw_state, unpack_torch_adamw
-from .format import _PARSE_ERRORS, _migrate, _refused, _restore_groups
+from .format import _PARSE_ERRORS, _migrate, _refused, _restore_groups, is_quantized, widen_moments
 from .reshard import check_fsdp_ranks, check_ranks, fsdp_rows_of
 from .seal import Refusal
 from .state import ZenFlowState
@@ -176,8 +176,17 @@ def _restore_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any], in
         host = split.host
         # a one-process state dict loaded under several ranks: each takes its share
         mine = (lambda t: split.share.local(fit(t))) if "share" not in entry else fit
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            getattr(host, name).copy_(mine(entry[f"host_{name}"]))
+        whole = "share" in entry or split.share.ranks == 1
+        if is_quantized(entry) and host.quantized and whole and not flip:
+            # 8-bit moments into 8-bit moments of the same blocks: the codes and scales as saved (exact)
+            for name in ("exp_avg", "exp_avg_sq"):
+                getattr(host, name).copy_codes_(entry[f"host_{name}"], entry[f"host_{name}_scale"])
+        else:
+            # any other pair of settings, layout or share: the fp32 values, stored as this optimizer stores them
+            entry = widen_moments(entry)
+            for name in ("exp_avg", "exp_avg_sq"):
+                getattr(host, name).copy_(mine(entry[f"host_{name}"]))
+        host.master.copy_(mine(entry["host_master"]))
         host.step.copy_(entry["host_step"])
         # the open window's sum goes wherever this optimizer keeps it (either setting can load either)
         target = split.window_sum if split.window_sum is not None else host.accum

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .._base import check_hyperparameters
+from ..engine.quantized_moments import BLOCK, blocks
 from ..settings.config import ZenFlowConfig
 from .seal import Refusal
 from .state import ZenFlowState
@@ -174,11 +175,12 @@ def check_entry_fields(where: str, entry: dict[str, Any], p: torch.Tensor, steps
 def check_tensors(where: str, entry: dict[str, Any], p: torch.Tensor) -> None:
     numel_ok = {"host_master", "host_exp_avg", "host_exp_avg_sq", "accum", "exp_avg", "exp_avg_sq", "master"}
     share = entry.get("share")
+    quantized = _check_quantized(where, entry)
     for key, t in ((k, t) for k, t in entry.items() if isinstance(t, torch.Tensor)):
         expected = p.numel() // share[2] * share[1] if share and key in _SHARED_KEYS else p.numel()
         if key in numel_ok and t.numel() != expected:
             raise Refusal(f"{where}: {key} has {t.numel()} elements, expected {expected}")
-        if key in _FP32_KEYS and t.dtype != torch.float32:
+        if key in _FP32_KEYS and t.dtype != torch.float32 and not (quantized and key in _QUANTIZED_CODES):
             raise Refusal(f"{where}: {key} is {t.dtype}, expected torch.float32")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise Refusal(f"{where}: {key} holds {int((~torch.isfinite(t)).sum())} non-finite value(s)")
@@ -214,6 +216,33 @@ def check_consistency(where: str, entry: dict[str, Any], zenflow: dict[str, Any]
             and counts["host_step"] > counts["device_step"] + zenflow["windows"]:
         raise Refusal(f"{where}: host_step={counts['host_step']:g} exceeds device_step={counts['device_step']:g} plus "
                       f"the {zenflow['windows']} windows closed (one host step per window)")
+
+
+#: 8-bit host moments (``host_moment_dtype="int8"``): the codes' key, their dtype, and their scales' key.
+_QUANTIZED_CODES = {"host_exp_avg": (torch.int8, "host_exp_avg_scale"),
+                    "host_exp_avg_sq": (torch.uint8, "host_exp_avg_sq_scale")}
+
+
+def _check_quantized(where: str, entry: dict[str, Any]) -> bool:
+    """Whether the entry holds 8-bit host moments; if so, that both moments' codes and scales are there, of their
+    dtypes, one finite scale >= 0 per block of the codes."""
+    present = [scales for _, scales in _QUANTIZED_CODES.values() if scales in entry]
+    if not present:
+        return False
+    if len(present) != 2 or "host_master" not in entry:
+        raise Refusal(f"{where}: {present} without the other 8-bit moment's scales or the host state")
+    for key, (dtype, scales_key) in _QUANTIZED_CODES.items():
+        codes, scales = entry[key], entry[scales_key]
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.ndim != 1:
+            raise Refusal(f"{where}: {scales_key} is not a 1-D float32 tensor")
+        if codes.dtype != dtype:
+            raise Refusal(f"{where}: {key} is {codes.dtype}, expected {dtype} (8-bit codes with {scales_key})")
+        if scales.numel() != blocks(codes.numel()):
+            raise Refusal(f"{where}: {scales_key} has {scales.numel()} scales, expected {blocks(codes.numel())} (one "
+                          f"per block of {BLOCK} of the {codes.numel()} codes)")
+        if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+            raise Refusal(f"{where}: {scales_key} holds non-finite or negative scales (absolute maxima)")
+    return True
 
 
 def check_device_columns(where: str, entry: dict[str, Any], p: torch.Tensor, units: int) -> None:

@@ -67,6 +67,7 @@ class CompareConfig:
     host_lr_scale: float | str = _LIBRARY.host_lr_scale
     writeback_lag: int | str | None = _LIBRARY.writeback_lag
     min_offload_numel: int = _LIBRARY.min_offload_numel
+    host_moment_dtype: str = _LIBRARY.host_moment_dtype
     # ZenFlow's whole device memory in bytes (weights, gradients, state, sums; None: what the device has)
     device_memory_budget: int | None = None
     select_strategy: str = _LIBRARY.select_strategy

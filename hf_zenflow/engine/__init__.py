@@ -4,7 +4,8 @@
   `device_step.py` (the fused AdamW on them every step); reading each gradient as backward produces it:
   `gradients.py`;
 - the host path: `host.py` (`HostMatrix`: host state, window accumulation, the window's AdamW in one pass),
-  `worker.py` (`HostAdamWorker`, the background thread, and `bounded_wait`);
+  `quantized_moments.py` (8-bit host moments, ``host_moment_dtype="int8"``), `worker.py` (`HostAdamWorker`, the
+  background thread, and `bounded_wait`);
 - between them: `windows.py` (`HostWindows`: hand-offs, `handoff.py` / `held_handoff.py`) and `window_close.py`
   (closing a window, writing its result back ``writeback_lag`` steps later); `accumulation.py` (host or device
   window sums), `host_lr.py` (the host step's learning-rate multiplier);

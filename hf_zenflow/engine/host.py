@@ -7,9 +7,11 @@ spare storage of the weight, swapped in at each write-back instead of a copy) an
 gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``, where on a CPU
 device with fp32 weights the write-back buffer is the accumulator itself: `HostMatrix.shares_writeback`). One moment
 set (DeepSpeed keeps two). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
-updated in fp32 pieces, `_adamw_narrow_moments`), ``host_grad_dtype="bfloat16"`` lands fp32 gradients as bf16 (half
-the landing buffers and the bytes to host). ``accumulate_on="device_bf16"`` adds a bf16 landing buffer (+2 B) that the
-window's bf16 sum lands in; the worker widens it into the fp32 accumulator (`host_adamw_window`).
+updated in fp32 pieces, `_adamw_narrow_moments`), ``"int8"`` in 8-bit codes with an fp32 scale per block of 256
+(10.03 B; decoded, updated and encoded in the same pass: `quantized_moments.py`). ``host_grad_dtype="bfloat16"``
+lands fp32 gradients as bf16 (half the landing buffers and the bytes to host). ``accumulate_on="device_bf16"`` adds a
+bf16 landing buffer (+2 B) that the window's bf16 sum lands in; the worker widens it into the fp32 accumulator
+(`host_adamw_window`).
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
 [in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
@@ -34,6 +36,7 @@ from ..settings.config import sums_on_device
 from ..transport.cpu_device import kernels
 from ..transport.link import Transport
 from ..transport.pinned import PinnedArena
+from .quantized_moments import QuantizedMoment, adamw_pass, kernel_matches
 
 
 #: In-flight gradient hand-offs between the caller and the worker. Two lets the caller hand over step t+1 while the
@@ -61,8 +64,9 @@ def link_grad_dtype(grad_dtype: torch.dtype, setting: str) -> torch.dtype:
 
 
 def moment_dtype(setting: str) -> torch.dtype:
-    """The storage dtype of the host moments under ``host_moment_dtype=setting``."""
-    return torch.bfloat16 if setting == "bfloat16" else torch.float32
+    """The storage dtype of the host moments under ``host_moment_dtype=setting`` (int8: the codes of
+    `QuantizedMoment`, with their per-block scales)."""
+    return {"bfloat16": torch.bfloat16, "int8": torch.int8}.get(setting, torch.float32)
 
 
 def accumulate_into(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | None, first: bool) -> None:
@@ -117,8 +121,8 @@ class HostMatrix:
     """Host-side AdamW state of one matrix, as [out, in] fp32 tensors."""
 
     master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: torch.Tensor | QuantizedMoment
+    exp_avg_sq: torch.Tensor | QuantizedMoment
     step: torch.Tensor
     accum: torch.Tensor
     accum_count: int = 0
@@ -152,10 +156,13 @@ class HostMatrix:
         on_device = sums_on_device(accumulate_on)
         narrow = accumulate_on == "device_bf16"  # the sum lands in a bf16 buffer, the accumulator stays host-only
         shape = param2d.shape
+        master = torch.empty(shape, dtype=torch.float32).copy_(param2d.detach())
+        quantized = moments == torch.int8
         state = cls(
-            master=torch.empty(shape, dtype=torch.float32).copy_(param2d.detach()),
-            exp_avg=torch.zeros(shape, dtype=moments),
-            exp_avg_sq=torch.zeros(shape, dtype=moments),
+            master=master,
+            exp_avg=QuantizedMoment.zeros(master, signed=True) if quantized else torch.zeros(shape, dtype=moments),
+            exp_avg_sq=(QuantizedMoment.zeros(master, signed=False) if quantized
+                        else torch.zeros(shape, dtype=moments)),
             step=torch.zeros((), dtype=torch.float32),
             accum=(transport.host_buffer(shape, torch.float32) if on_device and (
                 not narrow or HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport))
@@ -224,8 +231,15 @@ class HostMatrix:
                 for host, _ in batch:
                     host.accum_count += 1
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the moments are stored in 8 bits (``host_moment_dtype="int8"``)."""
+        return isinstance(self.exp_avg, QuantizedMoment)
+
     def nbytes(self) -> int:
-        tensors = [self.master, self.exp_avg, self.exp_avg_sq, self.accum, *self.staging]
+        tensors = [self.master, self.accum, *self.staging]
+        for moment in (self.exp_avg, self.exp_avg_sq):
+            tensors += [moment.codes, moment.scales] if isinstance(moment, QuantizedMoment) else [moment]
         if self.landing is not None:
             tensors.append(self.landing)
         if self.writeback is not None and self.writeback is not self.accum:  # (one buffer: `shares_writeback`)
@@ -261,7 +275,14 @@ def _adamw_narrow_moments(m: HostMatrix, hyper: dict) -> None:
 
 
 def _fusable(m: HostMatrix, grad2d: torch.Tensor | None) -> bool:
-    """Whether `m`'s window can run through the one-pass kernel (`kernels.window_adamw`)."""
+    """Whether `m`'s window can run through the one-pass kernel (`kernels.window_adamw`), with fp32 moments or 8-bit
+    ones (the kernel reads and writes their codes and scales)."""
+    if m.quantized:
+        tensors = (m.master, m.accum, m.exp_avg.codes, m.exp_avg_sq.codes)  # type: ignore[union-attr]
+        return (all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+                and m.master.dtype == m.accum.dtype == torch.float32 and m.master.numel() > 0
+                and (grad2d is None or (kernels.supports(grad2d) and grad2d.shape == m.accum.shape))
+                and kernels.window_adamw_available() and kernel_matches())
     tensors = (m.master, m.accum, m.exp_avg, m.exp_avg_sq)
     return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
             and m.master.numel() > 0
@@ -300,23 +321,33 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
                 m.accumulate(g, coef)
             if m.accum_count > 0:
                 plain.append(m)
-        if fused:
-            kernels.window_adamw(
-                [m.master for m, _ in fused], [m.accum for m, _ in fused], [g for _, g in fused],
-                [m.accum_count == 0 for m, _ in fused], [m.accum_count + (g is not None) for m, g in fused],
-                [m.exp_avg for m, _ in fused], [m.exp_avg_sq for m, _ in fused], [m.step for m, _ in fused],
-                hyper, coef,
-            )
+        for quantized in (False, True):  # (one kernel call per kind of moments)
+            batch = [(m, g) for m, g in fused if m.quantized == quantized]
+            if not batch:
+                continue
+            common = ([m.master for m, _ in batch], [m.accum for m, _ in batch], [g for _, g in batch],
+                      [m.accum_count == 0 for m, _ in batch], [m.accum_count + (g is not None) for m, g in batch])
+            if quantized:
+                kernels.window_adamw_quantized(
+                    *common, [m.exp_avg.codes for m, _ in batch], [m.exp_avg.scales for m, _ in batch],
+                    [m.exp_avg_sq.codes for m, _ in batch], [m.exp_avg_sq.scales for m, _ in batch],
+                    [m.step for m, _ in batch], hyper, coef)
+            else:
+                kernels.window_adamw(*common, [m.exp_avg for m, _ in batch], [m.exp_avg_sq for m, _ in batch],
+                                     [m.step for m, _ in batch], hyper, coef)
         for m in plain:
             if m.accum_count > 1:
                 m.accum.div_(m.accum_count)
-        wide = [m for m in plain if m.exp_avg.dtype == torch.float32]  # (bf16 moments: piece by piece below)
+        # fp32 moments in one call; bf16 and 8-bit moments piece by piece below
+        wide = [m for m in plain if not m.quantized and m.exp_avg.dtype == torch.float32]
         fused_adamw_(
             [m.master for m in wide], [m.accum for m in wide], [m.exp_avg for m in wide],
             [m.exp_avg_sq for m in wide], [m.step for m in wide], hyper,
         )
         for m in plain:
-            if m.exp_avg.dtype != torch.float32:
+            if m.quantized:
+                adamw_pass(m.master, m.accum, m.exp_avg, m.exp_avg_sq, m.step, hyper)
+            elif m.exp_avg.dtype != torch.float32:
                 _adamw_narrow_moments(m, hyper)
         for m in [m for m, _ in fused] + plain:
             m.accum_count = 0

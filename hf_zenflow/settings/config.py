@@ -45,7 +45,7 @@ _ACCUMULATE_ON = ("auto", "host", "device", "device_bf16")
 #: The resolved `accumulate_on` values that sum on the device (`DEVICE_SUM_DTYPES`: their dtypes).
 _DEVICE_SUMS = ("device", "device_bf16")
 _HOST_GRAD_DTYPES = ("auto", "bfloat16")
-_HOST_MOMENT_DTYPES = ("float32", "bfloat16")
+_HOST_MOMENT_DTYPES = ("float32", "bfloat16", "int8")
 _HIGH_LR_RULES = ("auto", "off")
 
 
@@ -227,8 +227,11 @@ class ZenFlowConfig:
         default="float32",
         metadata={"help": 'The dtype of the host AdamW moments (exp_avg, exp_avg_sq). "bfloat16": stored in bf16 '
                   "(4 bytes less per offloaded parameter of host memory); the host AdamW widens them to fp32, "
-                  "updates in fp32 against the fp32 master, and rounds them back to nearest. The device columns "
-                  "and checkpoints keep fp32 moments.",
+                  "updates in fp32 against the fp32 master, and rounds them back to nearest. \"int8\": 8-bit codes "
+                  "with one fp32 scale per block of 256 elements (2.03 bytes per parameter for both moments, 5.97 "
+                  "less than fp32; exp_avg on a square-root code, exp_avg_sq on a fourth-root code), dequantised, "
+                  "updated in fp32 and quantised again in the same pass; checkpoints keep the codes and scales. The "
+                  "device columns keep fp32 moments (docs/host-memory.md).",
                   "choices": _HOST_MOMENT_DTYPES},
     )
     device_memory_budget_bytes: int | None = field(

@@ -33,7 +33,7 @@ from hf_zenflow.settings.config import DEFAULT_SELECT_STEPS, available_cpu_count
         ("min_offload_numel", -1),
         ("accumulate_on", "gpu"),
         ("host_grad_dtype", "float16"),
-        ("host_moment_dtype", "int8"),
+        ("host_moment_dtype", "float16"),
         ("cpu_threads", 0),
         ("steps_per_epoch", 0),
         ("writeback_lag", 0),

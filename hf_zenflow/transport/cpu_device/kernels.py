@@ -89,6 +89,9 @@ def _build() -> ctypes.CDLL:
     lib.zf_window_adamw.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, d, d, d, d, d, ctypes.c_float,
                                     ctypes.c_int64, ctypes.c_int]
     lib.zf_window_adamw.restype = ctypes.c_int
+    lib.zf_window_adamw_q.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, p, p, d, d, d, d, d,
+                                      ctypes.c_float, ctypes.c_int64, ctypes.c_int]
+    lib.zf_window_adamw_q.restype = ctypes.c_int
     return lib
 
 
@@ -250,9 +253,35 @@ def window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads:
     mean gradient, ``(accum + grad * coef) / count`` with the last step's `grad` folded in (``grad * coef / count``
     when `first`; ``accum / count`` when `grad` is None), then the AdamW update of torch's fused CPU kernel, bit
     for bit; each `steps` tensor is incremented first, as torch does. `accums` are read, never written."""
+    for t in (*exp_avgs, *exp_avg_sqs):
+        assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+    _window_adamw(masters, accums, grads, firsts, counts, (exp_avgs, exp_avg_sqs), steps, hyper, coef)
+
+
+def window_adamw_quantized(masters: list[torch.Tensor], accums: list[torch.Tensor],
+                           grads: list[torch.Tensor | None], firsts: list[bool], counts: list[int],
+                           m_codes: list[torch.Tensor], m_scales: list[torch.Tensor], v_codes: list[torch.Tensor],
+                           v_scales: list[torch.Tensor], steps: list[torch.Tensor], hyper: dict,
+                           coef: float | None) -> None:
+    """`window_adamw` with 8-bit moments (``host_moment_dtype="int8"``): per matrix the int8 codes of exp_avg and
+    the uint8 codes of exp_avg_sq (contiguous, the master's shape) and their fp32 per-block scales (one per 256
+    elements); each block is dequantised, updated and quantised again in the same pass, with the arithmetic of
+    ``hf_zenflow.engine.quantized_moments`` (checked bit for bit against it by the caller)."""
+    for kind, codes_list, scales_list in ((torch.int8, m_codes, m_scales), (torch.uint8, v_codes, v_scales)):
+        for codes, scales, master in zip(codes_list, scales_list, masters):
+            assert codes.dtype == kind and codes.is_contiguous() and codes.numel() == master.numel()
+            assert scales.dtype == torch.float32 and scales.is_contiguous()
+            assert scales.numel() == -(-master.numel() // 256)
+    _window_adamw(masters, accums, grads, firsts, counts, (m_codes, m_scales, v_codes, v_scales), steps, hyper,
+                  coef)
+
+
+def _window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads: list[torch.Tensor | None],
+                  firsts: list[bool], counts: list[int], moments: tuple[list[torch.Tensor], ...],
+                  steps: list[torch.Tensor], hyper: dict, coef: float | None) -> None:
     width = torch_vector_width()
     assert width is not None
-    for t in (*masters, *accums, *exp_avgs, *exp_avg_sqs):
+    for t in (*masters, *accums):
         assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
     for master, grad in zip(masters, grads):
         assert grad is None or (supports(grad) and grad.shape == master.shape)
@@ -262,9 +291,10 @@ def window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads:
     lib = library()
     assert lib is not None, "call library() first"
     n = len(masters)
-    rc = lib.zf_window_adamw(
+    call = lib.zf_window_adamw if len(moments) == 2 else lib.zf_window_adamw_q
+    rc = call(
         n,
-        *(_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (masters, accums, exp_avgs, exp_avg_sqs)),
+        *(_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (masters, accums, *moments)),
         _array(ctypes.c_void_p, [0 if g is None else g.data_ptr() for g in grads]),
         _array(ctypes.c_int32, [int(g is not None and g.dtype == torch.bfloat16) for g in grads]),
         _array(ctypes.c_int32, [int(f) for f in firsts]), _array(ctypes.c_int64, list(counts)),

@@ -214,10 +214,82 @@ typedef struct {
   double lr, beta1, beta2, eps, weight_decay;
   float coef;
   int64_t width;
+  /* 8-bit moments (NULL for fp32 moments in exp_avg / exp_avg_sq): per tensor the codes, storage order, and one
+     fp32 scale per ZF_QBLOCK elements (hf_zenflow/engine/quantized_moments.py) */
+  int8_t *const *m_codes;
+  uint8_t *const *v_codes;
+  float *const *m_scale, *const *v_scale;
   int64_t *item_tensor, *item_begin, *item_end;
   int64_t n_items;
   atomic_llong next;
 } zf_adam_job;
+
+/* ---- 8-bit moments: blocks of ZF_QBLOCK elements, each with an fp32 scale A (the block's largest magnitude) ------
+ * Each element is stored as y = |x| / A in [0, 1] (a product by the reciprocal 1 / A) on a floating-point code with
+ * 3 mantissa bits: y's fp32 bits rounded to nearest even at bit 20 (sign-less exponent and 3 mantissa bits), less a
+ * bias that makes 1.0 the top code. exp_avg: int8, the sign apart, codes 0..127 (16 binades; 0 under them);
+ * exp_avg_sq: uint8, codes 1..255 (32 binades; the floor of 1 keeps every element of a non-zero block above zero).
+ * Decoding puts the code plus the bias back at bit 20 and multiplies by A. Integer steps and one product each way:
+ * the torch version (hf_zenflow/engine/quantized_moments.py) gives the same bits. */
+#define ZF_QBLOCK 256
+#define ZF_ONE_BITS20 1016 /* (the fp32 bits of 1.0f) >> 20 */
+
+typedef union {
+  float f;
+  int32_t i;
+} zf_bits;
+
+static inline int32_t code_of(float y, int32_t top) { /* y >= 0 */
+  zf_bits u = {.f = y};
+  const int32_t r = (u.i + 0x7FFFF + ((u.i >> 20) & 1)) >> 20;
+  return r - (ZF_ONE_BITS20 - top);
+}
+
+static inline float value_of(int32_t code, int32_t top) {
+  zf_bits u = {.i = (code + (ZF_ONE_BITS20 - top)) << 20};
+  return u.f;
+}
+
+static inline void dequant_signed(const int8_t *restrict q, float scale, float *restrict out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t c = q[i], mag = c < 0 ? -c : c;
+    const float v = (mag ? value_of(mag, 127) : 0.0f) * scale;
+    out[i] = c < 0 ? -v : v;
+  }
+}
+
+static inline void dequant_unsigned(const uint8_t *restrict q, float scale, float *restrict out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = value_of(q[i], 255) * scale;
+}
+
+/* Both moments' scales and codes of `n` elements (one quantisation block), from their fp32 values. Comparisons, not
+ * fmaxf / fminf (library calls that keep the loops scalar; the moments are finite). y <= 1 + 2^-23 (|x| <= A times
+ * the rounded 1 / A), so no code exceeds the top one; the lower bounds are the clamps. */
+static inline void quant_block(const float *restrict m, const float *restrict v, int8_t *restrict qm,
+                               uint8_t *restrict qv, int64_t n, float *m_scale, float *v_scale) {
+  float pm = 0.0f, pv = 0.0f;
+#pragma omp simd reduction(max : pm, pv)
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = fabsf(m[i]);
+    pm = a > pm ? a : pm;
+    pv = v[i] > pv ? v[i] : pv;
+  }
+  const float im = 1.0f / (pm > 0.0f ? pm : 1.0f), iv = 1.0f / (pv > 0.0f ? pv : 1.0f);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    zf_bits b = {.f = m[i]};
+    const int32_t sign = b.i >> 31; /* 0 or -1 */
+    int32_t c = code_of(fabsf(m[i]) * im, 127);
+    c = c < 0 ? 0 : c;
+    qm[i] = (int8_t)((c ^ sign) - sign);
+    const int32_t d = code_of(v[i] * iv, 255);
+    qv[i] = (uint8_t)(d < 1 ? 1 : d);
+  }
+  *m_scale = pm;
+  *v_scale = pv;
+}
 
 #define ZF_ADAM_BLOCK 1024
 
@@ -259,7 +331,9 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
      update as fma(c2 * g, g, v * b2); the rest of the tail (from `scalar_from`) as fma(v, b2, (c2 * g) * g) */
   const int64_t tail = job->numel[t] - job->numel[t] % job->width;
   const int64_t scalar_from = tail + (job->numel[t] - tail) / 8 * 8;
-  float *p = job->master[t], *acc = job->acc[t], *m = job->exp_avg[t], *v = job->exp_avg_sq[t];
+  float *p = job->master[t], *acc = job->acc[t];
+  float *m = job->m_codes ? NULL : job->exp_avg[t], *v = job->m_codes ? NULL : job->exp_avg_sq[t];
+  float mq[ZF_ADAM_BLOCK], vq[ZF_ADAM_BLOCK]; /* 8-bit moments: the block's fp32 values */
   const void *gp = job->grad[t];
   const int bf16 = job->grad_bf16[t], first = job->first[t];
   const float coef = job->coef, count = (float)job->count[t];
@@ -295,13 +369,30 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
     }
     /* [b0, split): the vector form; [split, b0 + n): the scalar tail's */
     const int64_t split = scalar_from < b0 ? 0 : (scalar_from - b0 < n ? scalar_from - b0 : n);
-    float *pb = p + b0, *mb = m + b0, *vb = v + b0;
+    float *pb = p + b0, *mb = mq, *vb = vq;
+    if (job->m_codes) { /* (b0 is a multiple of ZF_ADAM_BLOCK, itself a multiple of ZF_QBLOCK) */
+      for (int64_t q0 = 0; q0 < n; q0 += ZF_QBLOCK) {
+        const int64_t len = n - q0 < ZF_QBLOCK ? n - q0 : ZF_QBLOCK, blk = (b0 + q0) / ZF_QBLOCK;
+        dequant_signed(job->m_codes[t] + b0 + q0, job->m_scale[t][blk], mq + q0, len);
+        dequant_unsigned(job->v_codes[t] + b0 + q0, job->v_scale[t][blk], vq + q0, len);
+      }
+    } else {
+      mb = m + b0;
+      vb = v + b0;
+    }
     if (small_w) {
       adam_block(pb, mb, vb, g, split, &k, 1, 0);
       adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 1, 1);
     } else {
       adam_block(pb, mb, vb, g, split, &k, 0, 0);
       adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 0, 1);
+    }
+    if (job->m_codes) {
+      for (int64_t q0 = 0; q0 < n; q0 += ZF_QBLOCK) {
+        const int64_t len = n - q0 < ZF_QBLOCK ? n - q0 : ZF_QBLOCK, blk = (b0 + q0) / ZF_QBLOCK;
+        quant_block(mq + q0, vq + q0, job->m_codes[t] + b0 + q0, job->v_codes[t] + b0 + q0, len,
+                    &job->m_scale[t][blk], &job->v_scale[t][blk]);
+      }
     }
   }
 }
@@ -316,6 +407,8 @@ static void *adam_worker(void *arg) {
   return NULL;
 }
 
+static int window_adamw(zf_adam_job job, int threads);
+
 int zf_window_adamw(int64_t n, float *const *master, float *const *acc, float *const *exp_avg,
                     float *const *exp_avg_sq, const void *const *grad, const int32_t *grad_bf16,
                     const int32_t *first, const int64_t *count, const int64_t *numel, const double *step,
@@ -325,6 +418,25 @@ int zf_window_adamw(int64_t n, float *const *master, float *const *acc, float *c
                      .grad = grad, .grad_bf16 = grad_bf16, .first = first, .count = count, .numel = numel,
                      .step = step, .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps,
                      .weight_decay = weight_decay, .coef = coef, .width = width > 0 ? width : 1};
+  return window_adamw(job, threads);
+}
+
+/* zf_window_adamw with 8-bit moments: codes and scales instead of fp32 exp_avg / exp_avg_sq */
+int zf_window_adamw_q(int64_t n, float *const *master, float *const *acc, int8_t *const *m_codes,
+                      float *const *m_scale, uint8_t *const *v_codes, float *const *v_scale,
+                      const void *const *grad, const int32_t *grad_bf16, const int32_t *first,
+                      const int64_t *count, const int64_t *numel, const double *step, double lr, double beta1,
+                      double beta2, double eps, double weight_decay, float coef, int64_t width, int threads) {
+  zf_adam_job job = {.n = n, .master = master, .acc = acc, .m_codes = m_codes, .m_scale = m_scale,
+                     .v_codes = v_codes, .v_scale = v_scale, .grad = grad, .grad_bf16 = grad_bf16,
+                     .first = first, .count = count, .numel = numel, .step = step, .lr = lr, .beta1 = beta1,
+                     .beta2 = beta2, .eps = eps, .weight_decay = weight_decay, .coef = coef,
+                     .width = width > 0 ? width : 1};
+  return window_adamw(job, threads);
+}
+
+static int window_adamw(zf_adam_job job, int threads) {
+  const int64_t n = job.n, *numel = job.numel;
   int64_t n_items = 0;
   for (int64_t t = 0; t < n; ++t) n_items += (numel[t] + ZF_CHUNK_ELEMS - 1) / ZF_CHUNK_ELEMS;
   job.item_tensor = malloc(sizeof(int64_t) * (size_t)(n_items + 1));
