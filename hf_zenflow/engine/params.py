@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +23,6 @@ from .split_matrix import SplitMatrix
 
 if TYPE_CHECKING:
     from ..distributed.fsdp import LocalShards
-    from .windows import HostWindows
 
 
 logger = logging.getLogger("hf_zenflow")
@@ -162,10 +162,11 @@ def offloads_any(groups: list[dict[str, Any]], config: ZenFlowConfig) -> bool:
 
 def create_state(entries: list[tuple[dict, torch.Tensor]], splits: dict[torch.Tensor, SplitMatrix],
                  dense: dict[torch.Tensor, DenseDeviceState], config: ZenFlowConfig, schedule: WindowSchedule,
-                 host: HostWindows, shards: LocalShards | None = None) -> None:
+                 attach_host: Callable[[list[SplitMatrix]], None], shards: LocalShards | None = None) -> None:
     """State for the parameters of `entries` that have none yet: a `SplitMatrix` (host state now when some
     columns live on the host, or during warm-up, when the host updates every column) or a `DenseDeviceState`.
-    `shards`: under FSDP2 the entries hold local shards, decided on by their whole parameters' shapes."""
+    `attach_host` creates the host state of the new splits that need it (`HostWindows.attach_host`); `shards`: under
+    FSDP2 the entries hold local shards, decided on by their whole parameters' shapes."""
     needs_host: list[SplitMatrix] = []
     for group, p in entries:
         if p in splits or p in dense:
@@ -189,4 +190,4 @@ def create_state(entries: list[tuple[dict, torch.Tensor]], splits: dict[torch.Te
             splits[p] = split
         else:
             dense[p] = DenseDeviceState.fresh(p)
-    host.attach_host(needs_host)
+    attach_host(needs_host)

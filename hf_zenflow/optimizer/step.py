@@ -64,7 +64,7 @@ class StepSequence:
             return loss
         schedule = self._ensure_schedule()
         self._pick_up_outside_changes()
-        create_state(entries, self._split, self._dense, self.config, schedule, self._host,
+        create_state(entries, self._split, self._dense, self.config, schedule, self._host.attach_host,
                      self._fsdp if self._fsdp.active else None)
         self._auto_lag.maybe_choose(self.config, schedule, self._host)  # (first step: from the host columns' sizes)
         announce_high_lr_rule(schedule, self.config, self.param_groups)

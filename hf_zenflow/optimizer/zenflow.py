@@ -297,7 +297,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         if not self._made_in_backward:  # ("auto" decides over, and the link buffers are reserved for, all of them)
             self._host.prepare_first_state([(group, q) for group in self.param_groups for q in group["params"]
                                             if q.requires_grad], schedule)
-        create_state([(group, p)], self._split, self._dense, self.config, schedule, self._host)
+        create_state([(group, p)], self._split, self._dense, self.config, schedule, self._host.attach_host)
         self._made_in_backward.append(p)
         return self._split.get(p)
 
