@@ -46,9 +46,10 @@ HOST_MEMORY_HEADROOM = 0.9
 #: and the two fp32 moments.
 SYNC_HOST_BYTES_PER_PARAM = 16
 #: Whether ZenFlow's engine frees each offloaded matrix's device gradient in backward, once its unselected part is
-#: on its way to the host (True), or keeps every gradient until `step()` (False). The default of `schedule_model`'s
-#: ``gradients_freed_in_backward``.
-GRADIENTS_FREED_IN_BACKWARD = False
+#: on its way to the host (``free_gradients_in_backward``), where it applies: one process per node (not under DDP
+#: or FSDP2) with the window summed on the host (device sums keep each gradient until `step()`). The default of
+#: ``gradients_freed_in_backward``; False models every gradient held until the step.
+GRADIENTS_FREED_IN_BACKWARD = True
 
 
 def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moments: str = "float32") -> float:
@@ -86,7 +87,8 @@ def device_memory_gb(schedule: str, params: float, topk_ratio: float = 0.1, sum_
                      gradients_freed_in_backward: bool | None = None, split: RankSplit | None = None) -> float:
     """One rank's device memory, GB, for weights, gradients and optimizer state (no activations) of `schedule`:
     "no_offload", "sync_offload" or "zenflow" (with `sum_bytes` per element of device-side window sums, 0 for sums
-    on the host). ``gradients_freed_in_backward`` (default `GRADIENTS_FREED_IN_BACKWARD`) applies to ZenFlow only.
+    on the host). ``gradients_freed_in_backward`` applies to ZenFlow only; None: where the engine frees them
+    (`GRADIENTS_FREED_IN_BACKWARD`, one rank, sums on the host).
 
     Example:
         >>> [round(device_memory_gb(s, 1e9, gradients_freed_in_backward=False), 2)
@@ -102,7 +104,8 @@ def device_memory_gb(schedule: str, params: float, topk_ratio: float = 0.1, sum_
         return weights + grads + n * dev * DEVICE_BYTES_ADAM_STATE / 1e9
     if schedule == "sync_offload":
         return weights + grads  # every gradient until the step, as `SyncOffloadAdamW` keeps it
-    freed = GRADIENTS_FREED_IN_BACKWARD if gradients_freed_in_backward is None else gradients_freed_in_backward
+    freed = (GRADIENTS_FREED_IN_BACKWARD and split.ranks == 1 and sum_bytes == 0) \
+        if gradients_freed_in_backward is None else gradients_freed_in_backward
     held = in_flight_gradient_gb(n, dev) if freed else grads
     return weights + held + n * dev * topk_ratio * SELECTED_BYTES / 1e9 + n * share * sum_bytes / 1e9
 
