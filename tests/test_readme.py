@@ -96,7 +96,7 @@ def _covered(command: str) -> str:
         assert "pip install -q torch==2.13.0" in CI
         return "checked"
     if words == ["hf-zenflow", "compare"]:
-        # the default comparison takes 7-12 min: the suite runs the same code on a smaller run
+        # the default comparison takes 5-12 min: the suite runs the same code on a smaller run
         # (tests/compare/test_cli_compare.py); here, that the entry point exists and takes it as written
         from hf_zenflow.cli import build_parser
 
@@ -122,7 +122,7 @@ def test_the_readme_figures_are_benchmarks_figures():
     run_section = README.split("## Run")[1].split("## A plain loop")[0]
     quoted = re.findall(r"(?<![\w.])(\d+\.\d+)(?:–(\d+\.\d+))?×?", run_section)
     figures = {f for pair in quoted for f in pair if f}
-    assert {"0.48", "0.782"} <= figures
+    assert len(figures) >= 3, figures  # (the Run section quotes the main job's measured figures)
     for figure in figures:
         # (BENCHMARKS may give more digits: 0.782 is its 0.7820)
         found = re.search(rf"(?<![\w.]){re.escape(figure)}0*(?!\d)", benchmarks)
