@@ -60,7 +60,8 @@ def spawn_ranks(fn, *args, ranks: int = 2, limit_s: float = RANKS_LIMIT_S) -> No
         shutil.rmtree(rendezvous, ignore_errors=True)
 
 
-def run_in_group(rank: int, init_file: str, body: Callable[..., None], *args, timeout_s: float = 60) -> None:
+def run_in_group(rank: int, init_file: str, body: Callable[..., None], *args, ranks: int = 2, device: str = "cpu",
+                 timeout_s: float = 60) -> None:
     """``body(rank, *args)`` between `init_ranks` and ``destroy_process_group``, with everything `body` built gone
     before the group is destroyed.
 
@@ -72,7 +73,7 @@ def run_in_group(rank: int, init_file: str, body: Callable[..., None], *args, ti
     the group to ``destroy_process_group``, whose release of it lets the GIL go. So `body` returns (its frame, with
     its models, is gone), a failure's traceback keeps its text but not its frames' variables, and then the group is
     destroyed."""
-    init_ranks(rank, init_file, timeout_s=timeout_s)
+    init_ranks(rank, init_file, ranks, timeout_s=timeout_s, device=device)
     try:
         body(rank, *args)
     except BaseException as exc:

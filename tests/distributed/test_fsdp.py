@@ -23,7 +23,7 @@ from gloo_ranks import (
     RANKS,
     assert_each_rank_holds_at_most,
     assert_resumed_bitwise,
-    init_ranks,
+    run_in_group,
     several_ranks,
     spawn_ranks,
 )
@@ -103,58 +103,58 @@ def _zenflow(model: torch.nn.Module, **overrides) -> ZenFlowAdamW:
 
 
 def _rank_run(rank: int, init_file: str, out_dir: str) -> None:
-    init_ranks(rank, init_file, RANKS, device=DEVICE)
+    run_in_group(rank, init_file, _rank_body, out_dir, ranks=RANKS, device=DEVICE)
+
+
+def _rank_body(rank: int, out_dir: str) -> None:
+    model = _shard(_model())
+    opt = _zenflow(model)
+    _train(model, opt, range(STEPS))
+    stats = opt.stats()
+    opt.flush()  # each rank writes back its own rows
+    final = _full(model)
+    # the same run saved after SAVE steps (mid-window) and resumed in a fresh model and optimizer
+    first = _shard(_model())
+    opt_a = _zenflow(first)
+    _train(first, opt_a, range(SAVE))
+    saved_opt = opt_a.state_dict()
+    torch.save(saved_opt, os.path.join(out_dir, f"optimizer_rank{rank}.pt"))
+    saved_model = {k: v.detach().clone() for k, v in first.state_dict().items()}
+    full_model = {k: v.full_tensor().cpu() for k, v in saved_model.items()}
+    if rank == 0:
+        torch.save(full_model, os.path.join(out_dir, "model_saved.pt"))
+    opt_a.close()
+    second = _shard(_model())
+    second.load_state_dict(saved_model)
+    opt_b = _zenflow(second)
+    opt_b.load_state_dict(torch.load(os.path.join(out_dir, f"optimizer_rank{rank}.pt"), weights_only=True))
+    _train(second, opt_b, range(SAVE, STEPS))
+    opt_b.flush()
+    resumed = _full(second)
+    # loading another rank's state is refused (a collective-free check, on every rank)
+    other = torch.load(os.path.join(out_dir, f"optimizer_rank{rank}.pt"), weights_only=True)
+    other["zenflow"]["fsdp_rank"] = (rank + 1) % RANKS
+    seal(other)  # (a consistent state of another rank: the rank check must refuse it, not the checksum)
     try:
-        model = _shard(_model())
-        opt = _zenflow(model)
-        _train(model, opt, range(STEPS))
-        stats = opt.stats()
-        opt.flush()  # each rank writes back its own rows
-        final = _full(model)
-        # the same run saved after SAVE steps (mid-window) and resumed in a fresh model and optimizer
-        first = _shard(_model())
-        opt_a = _zenflow(first)
-        _train(first, opt_a, range(SAVE))
-        saved_opt = opt_a.state_dict()
-        torch.save(saved_opt, os.path.join(out_dir, f"optimizer_rank{rank}.pt"))
-        saved_model = {k: v.detach().clone() for k, v in first.state_dict().items()}
-        full_model = {k: v.full_tensor().cpu() for k, v in saved_model.items()}
-        if rank == 0:
-            torch.save(full_model, os.path.join(out_dir, "model_saved.pt"))
-        opt_a.close()
-        second = _shard(_model())
-        second.load_state_dict(saved_model)
-        opt_b = _zenflow(second)
-        opt_b.load_state_dict(torch.load(os.path.join(out_dir, f"optimizer_rank{rank}.pt"), weights_only=True))
-        _train(second, opt_b, range(SAVE, STEPS))
-        opt_b.flush()
-        resumed = _full(second)
-        # loading another rank's state is refused (a collective-free check, on every rank)
-        other = torch.load(os.path.join(out_dir, f"optimizer_rank{rank}.pt"), weights_only=True)
-        other["zenflow"]["fsdp_rank"] = (rank + 1) % RANKS
-        seal(other)  # (a consistent state of another rank: the rank check must refuse it, not the checksum)
-        try:
-            opt_b.load_state_dict(other)
-            refused = ""
-        except CheckpointError as exc:
-            refused = str(exc)
-        # a one-process state (saved mid-window before the ranks started) resumed on these ranks: each takes its rows
-        single = torch.load(os.path.join(out_dir, "single_saved.pt"), weights_only=True)
-        third = _model()
-        third.load_state_dict(single["model"])
-        _shard(third)
-        opt_c = _zenflow(third)
-        opt_c.load_state_dict(single["optimizer"])
-        _train(third, opt_c, range(SAVE, STEPS))
-        opt_c.flush()
-        from_single = _full(third)
-        opt_c.close()
-        torch.save({"final": final, "stats": stats, "resumed": resumed, "refused": refused,
-                    "from_single": from_single}, os.path.join(out_dir, f"rank{rank}.pt"))
-        opt.close()
-        opt_b.close()
-    finally:
-        dist.destroy_process_group()
+        opt_b.load_state_dict(other)
+        refused = ""
+    except CheckpointError as exc:
+        refused = str(exc)
+    # a one-process state (saved mid-window before the ranks started) resumed on these ranks: each takes its rows
+    single = torch.load(os.path.join(out_dir, "single_saved.pt"), weights_only=True)
+    third = _model()
+    third.load_state_dict(single["model"])
+    _shard(third)
+    opt_c = _zenflow(third)
+    opt_c.load_state_dict(single["optimizer"])
+    _train(third, opt_c, range(SAVE, STEPS))
+    opt_c.flush()
+    from_single = _full(third)
+    opt_c.close()
+    torch.save({"final": final, "stats": stats, "resumed": resumed, "refused": refused,
+                "from_single": from_single}, os.path.join(out_dir, f"rank{rank}.pt"))
+    opt.close()
+    opt_b.close()
 
 
 @pytest.fixture(scope="module")
@@ -243,24 +243,24 @@ def test_a_rank_state_loads_nowhere_else(fsdp_run):
 
 def _mixed_precision_run(rank: int, init_file: str, out_dir: str) -> None:
     """bf16 compute, fp32 reduction: every column on the device (topk_ratio=1) must be torch's fused AdamW."""
-    init_ranks(rank, init_file, RANKS, device=DEVICE)
-    try:
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        results = {}
-        for name in ("zenflow", "adamw"):
-            model = _shard(_model(), policy)
-            if name == "zenflow":
-                opt = _zenflow(model, topk_ratio=1.0)
-            else:
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=1e-2, fused=True)
-            _train(model, opt, range(8), clip=False)
-            results[name] = _full(model)
-            if name == "zenflow":
-                results["grad_dtype"] = str(next(model.parameters()).dtype)
-                opt.close()
-        torch.save(results, os.path.join(out_dir, f"mp{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    run_in_group(rank, init_file, _mixed_precision_body, out_dir, ranks=RANKS, device=DEVICE)
+
+
+def _mixed_precision_body(rank: int, out_dir: str) -> None:
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    results = {}
+    for name in ("zenflow", "adamw"):
+        model = _shard(_model(), policy)
+        if name == "zenflow":
+            opt = _zenflow(model, topk_ratio=1.0)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=1e-2, fused=True)
+        _train(model, opt, range(8), clip=False)
+        results[name] = _full(model)
+        if name == "zenflow":
+            results["grad_dtype"] = str(next(model.parameters()).dtype)
+            opt.close()
+    torch.save(results, os.path.join(out_dir, f"mp{rank}.pt"))
 
 
 @pytest.mark.timeout(240)
@@ -330,26 +330,26 @@ def test_fsdp2_rank_states_merged_resume_in_one_process(fsdp_run, monkeypatch):
 
 def _non_finite_run(rank: int, init_file: str, out_dir: str) -> None:
     """A NaN in one rank's shard of one gradient: every rank skips the step (the check is global)."""
-    init_ranks(rank, init_file, RANKS, device=DEVICE)
-    try:
-        model = _shard(_model())
-        opt = _zenflow(model)
-        _train(model, opt, range(3))
-        before = _full(model)
-        x, y = (t.to(DEVICE) for t in _data()[3])
-        part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        logits = model(x[part])
-        torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y[part].view(-1)).backward()
-        if rank == RANKS - 1:
-            model.up.weight.grad.to_local()[0, 0] = float("nan")
-        opt.step()  # no clip_grad_norm_: the step's own all-reduce must carry the NaN to every rank
-        opt.zero_grad()
-        skipped = opt.stats()["skipped_steps"]
-        same = all(torch.equal(a, b) for a, b in zip(before, _full(model)))
-        opt.close()
-        torch.save({"skipped": skipped, "unchanged": same}, os.path.join(out_dir, f"nan{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    run_in_group(rank, init_file, _non_finite_body, out_dir, ranks=RANKS, device=DEVICE)
+
+
+def _non_finite_body(rank: int, out_dir: str) -> None:
+    model = _shard(_model())
+    opt = _zenflow(model)
+    _train(model, opt, range(3))
+    before = _full(model)
+    x, y = (t.to(DEVICE) for t in _data()[3])
+    part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    logits = model(x[part])
+    torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y[part].view(-1)).backward()
+    if rank == RANKS - 1:
+        model.up.weight.grad.to_local()[0, 0] = float("nan")
+    opt.step()  # no clip_grad_norm_: the step's own all-reduce must carry the NaN to every rank
+    opt.zero_grad()
+    skipped = opt.stats()["skipped_steps"]
+    same = all(torch.equal(a, b) for a, b in zip(before, _full(model)))
+    opt.close()
+    torch.save({"skipped": skipped, "unchanged": same}, os.path.join(out_dir, f"nan{rank}.pt"))
 
 
 @pytest.mark.timeout(240)
@@ -363,24 +363,24 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path
 def _swapped_run(rank: int, init_file: str, out_dir: str) -> None:
     """accelerate's order: the optimizer is built over the plain parameters, a state_dict() is taken, then the model
     is sharded and the DTensors are swapped into the param groups."""
-    init_ranks(rank, init_file, RANKS, device=DEVICE)
-    try:
-        model = _model()
-        opt = _zenflow(model)
-        opt.load_state_dict(opt.state_dict())  # what AcceleratedOptimizer does before the swap
-        whole = weakref.ref(model.up.weight)
-        _shard(model)
-        opt.param_groups[0]["params"] = list(model.parameters())
-        _train(model, opt, range(1))
-        gc.collect()
-        released = whole() is None  # the optimizer keeps no reference to the whole parameter
-        _train(model, opt, range(1, STEPS))
-        opt.flush()
-        torch.save({"final": _full(model), "ranks": opt.stats()["ranks"], "released": released},
-                   os.path.join(out_dir, f"swap{rank}.pt"))
-        opt.close()
-    finally:
-        dist.destroy_process_group()
+    run_in_group(rank, init_file, _swapped_body, out_dir, ranks=RANKS, device=DEVICE)
+
+
+def _swapped_body(rank: int, out_dir: str) -> None:
+    model = _model()
+    opt = _zenflow(model)
+    opt.load_state_dict(opt.state_dict())  # what AcceleratedOptimizer does before the swap
+    whole = weakref.ref(model.up.weight)
+    _shard(model)
+    opt.param_groups[0]["params"] = list(model.parameters())
+    _train(model, opt, range(1))
+    gc.collect()
+    released = whole() is None  # the optimizer keeps no reference to the whole parameter
+    _train(model, opt, range(1, STEPS))
+    opt.flush()
+    torch.save({"final": _full(model), "ranks": opt.stats()["ranks"], "released": released},
+               os.path.join(out_dir, f"swap{rank}.pt"))
+    opt.close()
 
 
 @pytest.mark.timeout(240)
@@ -397,15 +397,15 @@ def _auto_lag_run(rank: int, init_file: str, out_dir: str) -> None:
     import hf_zenflow.engine.writeback_lag as auto_lag
 
     auto_lag.auto_lag_from_sizes = lambda elements, longest: 1 + 2 * rank
-    init_ranks(rank, init_file, RANKS, device=DEVICE)
-    try:
-        model = _shard(_model())
-        opt = _zenflow(model, update_interval=4, writeback_lag="auto", high_lr_rule="off")  # (lr 1e-2: windows of 4)
-        _train(model, opt, range(14))
-        torch.save({"lag": opt.stats()["writeback_lag"]}, os.path.join(out_dir, f"auto{rank}.pt"))
-        opt.close()
-    finally:
-        dist.destroy_process_group()
+    run_in_group(rank, init_file, _auto_lag_body, out_dir, ranks=RANKS, device=DEVICE)
+
+
+def _auto_lag_body(rank: int, out_dir: str) -> None:
+    model = _shard(_model())
+    opt = _zenflow(model, update_interval=4, writeback_lag="auto", high_lr_rule="off")  # (lr 1e-2: windows of 4)
+    _train(model, opt, range(14))
+    torch.save({"lag": opt.stats()["writeback_lag"]}, os.path.join(out_dir, f"auto{rank}.pt"))
+    opt.close()
 
 
 @several_ranks
