@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import init_ranks, spawn_ranks
+from gloo_ranks import run_in_group, spawn_ranks
 
 from hf_zenflow import ZenFlowAdamW
 
@@ -94,15 +94,15 @@ def _run(rank: int, hook: str, kind: str) -> dict:
 
 
 def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
-    init_ranks(rank, init_file)
-    try:
-        runs = {f"{hook}/{kind}": _run(rank, hook, kind) for hook in HOOKS for kind in OPTIMIZERS}
-        for name, run in runs.items():  # only one process-reference needs them
-            if not name.endswith("zen_0.1"):
-                del run["grads"]
-        torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    run_in_group(rank, init_file, _rank_main_body, out_dir)
+
+
+def _rank_main_body(rank: int, out_dir: str) -> None:
+    runs = {f"{hook}/{kind}": _run(rank, hook, kind) for hook in HOOKS for kind in OPTIMIZERS}
+    for name, run in runs.items():  # only one process-reference needs them
+        if not name.endswith("zen_0.1"):
+            del run["grads"]
+    torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import DEVICE, init_ranks, spawn_ranks
+from gloo_ranks import DEVICE, run_in_group, spawn_ranks
 from nccl_double import HostTensorRefused, install, uninstall
 from test_ddp import PER_RANK, RANKS, SETTINGS, STEPS, _data, _ddp, _model, _reference, _step, _train, _weights
 
@@ -22,24 +22,24 @@ pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="a CPU stand-in for NCCL
 
 
 def _rank_run(rank: int, init_file: str, out_dir: str) -> None:
-    init_ranks(rank, init_file, RANKS)
+    run_in_group(rank, init_file, _rank_run_body, out_dir, ranks=RANKS)
+
+
+def _rank_run_body(rank: int, out_dir: str) -> None:
+    model = _model()
+    wrapped, opt = _ddp(model)
+    double = install([opt])
     try:
-        model = _model()
-        wrapped, opt = _ddp(model)
-        double = install([opt])
-        try:
-            windows: list = []
-            _train(rank, range(STEPS), wrapped, opt, windows)
-            final = _weights(model)
-            stats = opt.stats()
-            opt.flush()  # (a collective: the last write-back)
-        finally:
-            uninstall(double)
-        torch.save({"windows": windows, "final": final, "flushed": _weights(model), "stats": stats,
-                    "checked": double.checked, "refusals": double.refusals}, os.path.join(out_dir, f"rank{rank}.pt"))
-        opt.close()
+        windows: list = []
+        _train(rank, range(STEPS), wrapped, opt, windows)
+        final = _weights(model)
+        stats = opt.stats()
+        opt.flush()  # (a collective: the last write-back)
     finally:
-        dist.destroy_process_group()
+        uninstall(double)
+    torch.save({"windows": windows, "final": final, "flushed": _weights(model), "stats": stats,
+                "checked": double.checked, "refusals": double.refusals}, os.path.join(out_dir, f"rank{rank}.pt"))
+    opt.close()
 
 
 @pytest.mark.timeout(240)
@@ -91,31 +91,31 @@ def _rank_copying(rank: int, init_file: str, out_dir: str) -> None:
     import hf_zenflow.engine.windows as windows
 
     windows.transport_for = lambda device: CopyTransport()
-    init_ranks(rank, init_file, RANKS)
+    run_in_group(rank, init_file, _rank_copying_body, out_dir, ranks=RANKS)
+
+
+def _rank_copying_body(rank: int, out_dir: str) -> None:
+    model = _model()
+    wrapped, opt = _ddp(model)
+    double = install([opt])
+    steps = []
     try:
-        model = _model()
-        wrapped, opt = _ddp(model)
-        double = install([opt])
-        steps = []
-        try:
-            data = _data()
-            for i in range(STEPS):
-                x, y = data[i]
-                part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-                _step(wrapped, opt, x[part], y[part])
-                share = sum(s.host_part(s.param).numel() * s.param.element_size()
-                            for s in opt._host.splits.values() if s.host is not None)
-                steps.append((opt.stats()["bytes_to_host"], share))
-            final = _weights(model)
-            opt.flush()
-        finally:
-            uninstall(double)
-        assert type(opt._host.transport_of(next(iter(opt._host.splits.values())))) is CopyTransport
-        torch.save({"steps": steps, "final": final, "flushed": _weights(model), "refusals": double.refusals},
-                   os.path.join(out_dir, f"copy{rank}.pt"))
-        opt.close()
+        data = _data()
+        for i in range(STEPS):
+            x, y = data[i]
+            part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+            _step(wrapped, opt, x[part], y[part])
+            share = sum(s.host_part(s.param).numel() * s.param.element_size()
+                        for s in opt._host.splits.values() if s.host is not None)
+            steps.append((opt.stats()["bytes_to_host"], share))
+        final = _weights(model)
+        opt.flush()
     finally:
-        dist.destroy_process_group()
+        uninstall(double)
+    assert type(opt._host.transport_of(next(iter(opt._host.splits.values())))) is CopyTransport
+    torch.save({"steps": steps, "final": final, "flushed": _weights(model), "refusals": double.refusals},
+               os.path.join(out_dir, f"copy{rank}.pt"))
+    opt.close()
 
 
 @pytest.mark.timeout(240)
@@ -141,23 +141,23 @@ def test_under_ddp_each_gradient_crosses_to_the_host_once(tmp_path):
 
 
 def _rank_fsdp2(rank: int, init_file: str, out_dir: str) -> None:
+    run_in_group(rank, init_file, _rank_fsdp2_body, out_dir, ranks=RANKS)
+
+
+def _rank_fsdp2_body(rank: int, out_dir: str) -> None:
     import test_fsdp
 
-    init_ranks(rank, init_file, RANKS)
+    model = test_fsdp._shard(test_fsdp._model())
+    opt = test_fsdp._zenflow(model)
+    double = install([opt], roles=False)
     try:
-        model = test_fsdp._shard(test_fsdp._model())
-        opt = test_fsdp._zenflow(model)
-        double = install([opt], roles=False)
-        try:
-            test_fsdp._train(model, opt, range(test_fsdp.STEPS))
-            opt.flush()
-        finally:
-            uninstall(double)
-        torch.save({"final": test_fsdp._full(model), "checked": double.checked, "refusals": double.refusals,
-                    "reselections": opt.stats()["reselections"]}, os.path.join(out_dir, f"fsdp{rank}.pt"))
-        opt.close()
+        test_fsdp._train(model, opt, range(test_fsdp.STEPS))
+        opt.flush()
     finally:
-        dist.destroy_process_group()
+        uninstall(double)
+    torch.save({"final": test_fsdp._full(model), "checked": double.checked, "refusals": double.refusals,
+                "reselections": opt.stats()["reselections"]}, os.path.join(out_dir, f"fsdp{rank}.pt"))
+    opt.close()
 
 
 @pytest.mark.timeout(240)

@@ -139,26 +139,25 @@ def test_cuda_spare_memory_is_free_plus_cache_minus_the_peak(monkeypatch):
 
 
 def _agreement_run(rank: int, init_file: str, out_dir: str, budgets: tuple[int, int]) -> None:
-    import torch.distributed as dist
-    from gloo_ranks import init_ranks
+    from gloo_ranks import run_in_group
 
-    init_ranks(rank, init_file)
-    try:
-        model = make_model().cpu()
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, cpu_threads=1,
-                           device_memory_budget_bytes=budgets[rank])
-        for x, y in batches(6, seed=rank):
-            loss = torch.nn.functional.cross_entropy(wrapped(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        opt.flush()
-        torch.save({"chosen": opt.stats()["accumulate_on"], "weights": [p.detach() for p in model.parameters()]},
-                   f"{out_dir}/rank{rank}.pt")
-        opt.close()
-    finally:
-        dist.destroy_process_group()
+    run_in_group(rank, init_file, _agreement_run_body, out_dir, budgets)
+
+
+def _agreement_run_body(rank: int, out_dir: str, budgets: tuple[int, int]) -> None:
+    model = make_model().cpu()
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, cpu_threads=1,
+                       device_memory_budget_bytes=budgets[rank])
+    for x, y in batches(6, seed=rank):
+        loss = torch.nn.functional.cross_entropy(wrapped(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    torch.save({"chosen": opt.stats()["accumulate_on"], "weights": [p.detach() for p in model.parameters()]},
+               f"{out_dir}/rank{rank}.pt")
+    opt.close()
 
 
 def test_ranks_agree_on_the_most_conservative_choice(tmp_path):

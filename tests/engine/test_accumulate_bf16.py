@@ -272,35 +272,34 @@ def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, mon
 
 
 def _ranks_run(rank: int, init_file: str, out_dir: str, budgets: tuple[int, int]) -> None:
-    import torch.distributed as dist
-    from gloo_ranks import init_ranks
+    from gloo_ranks import run_in_group
 
-    init_ranks(rank, init_file)
-    try:
-        model = make_model().cpu()
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        opt = ZenFlowAdamW(
-            param_groups(model), lr=LR, **SETTINGS, cpu_threads=1, device_memory_budget_bytes=budgets[rank]
-        )
-        for x, y in batches(10, seed=rank):
-            loss = torch.nn.functional.cross_entropy(wrapped(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            opt.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
-        opt.flush()
-        sums = {str(s.window_sum.dtype) for s in opt._split.values() if s.window_sum is not None}
-        torch.save(
-            {
-                "chosen": opt.stats()["accumulate_on"],
-                "sums": sorted(sums),
-                "weights": [p.detach() for p in model.parameters()],
-            },
-            f"{out_dir}/rank{rank}.pt",
-        )
-        opt.close()
-    finally:
-        dist.destroy_process_group()
+    run_in_group(rank, init_file, _ranks_run_body, out_dir, budgets)
+
+
+def _ranks_run_body(rank: int, out_dir: str, budgets: tuple[int, int]) -> None:
+    model = make_model().cpu()
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    opt = ZenFlowAdamW(
+        param_groups(model), lr=LR, **SETTINGS, cpu_threads=1, device_memory_budget_bytes=budgets[rank]
+    )
+    for x, y in batches(10, seed=rank):
+        loss = torch.nn.functional.cross_entropy(wrapped(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    sums = {str(s.window_sum.dtype) for s in opt._split.values() if s.window_sum is not None}
+    torch.save(
+        {
+            "chosen": opt.stats()["accumulate_on"],
+            "sums": sorted(sums),
+            "weights": [p.detach() for p in model.parameters()],
+        },
+        f"{out_dir}/rank{rank}.pt",
+    )
+    opt.close()
 
 
 def test_ranks_agree_on_bf16_sums_when_one_rank_fits_only_those(tmp_path):
