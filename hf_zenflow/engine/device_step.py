@@ -115,8 +115,8 @@ class ParamWrites:
 
 def _widening_chunks(columns: list[DeviceColumns]) -> list[list[DeviceColumns]]:
     """`columns` whose gathered gradient is narrower than fp32, in consecutive runs whose fp32 copies together take
-    no more than the largest one's: each run is widened and updated in one launch, so the update holds at most
-    about one matrix's fp32 gradient at a time (the gather buffers keep the narrow dtype)."""
+    no more than the largest one's: each run is widened and updated in one launch, so the update holds at most one
+    matrix's worth of fp32 gradient at a time (the gather buffers keep the narrow dtype)."""
     if not columns:
         return []
     limit = max(c.grad.numel() for c in columns)
@@ -200,15 +200,25 @@ def device_update(
         device = key[1]
         flag = None if found_inf is None else _to(found_inf, device)
         fused_adamw_(params, gs, m, v, steps, group, found_inf=flag)
-        for chunk in _widening_chunks(narrow.get(key, [])):
-            # The fp32 copies are made, scaled and read on the current stream and dropped at the end of this
-            # iteration: on CUDA the caching allocator hands their memory to the next run's copies, which the same
-            # stream orders after this run's kernel, so no more than one run's copies exist at a time.
-            wide = [cols.widened_grad() for cols in chunk]
-            widened_bytes = max(widened_bytes, sum(w.numel() * w.element_size() for w in wide))
+        chunks = _widening_chunks(narrow.get(key, []))
+        if not chunks:
+            continue
+        # One fp32 scratch for the runs' widened copies, reused run after run (one allocation per group and device,
+        # not one per matrix), dropped after the group's last run. CUDA: every copy into it, the multiply and the
+        # AdamW that reads it are queued on the current stream, so a run's copies wait for the previous run's
+        # kernel, and the caching allocator reuses the block only for work queued after that kernel.
+        size = max(sum(c.grad.numel() for c in chunk) for chunk in chunks)
+        scratch = torch.empty(size, dtype=torch.float32, device=device)
+        widened_bytes = max(widened_bytes, size * scratch.element_size())
+        for chunk in chunks:
+            wide, start = [], 0
+            for cols in chunk:
+                n = cols.grad.numel()
+                wide.append(scratch[start:start + n].view(cols.grad.shape).copy_(cols.grad))  # (exact)
+                start += n
             if coef is not None:
                 torch._foreach_mul_(wide, _to(coef, device))
             fused_adamw_([c.master for c in chunk], wide, [c.exp_avg for c in chunk],
                          [c.exp_avg_sq for c in chunk], [c.step for c in chunk], group, found_inf=flag)
-            del wide
+        del scratch
     return ParamWrites(scatters, dense_copies, widened_bytes)
