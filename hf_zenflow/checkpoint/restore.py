@@ -202,6 +202,7 @@ def _restore_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any], in
         split.device = DeviceColumns.from_columns(
             entry["device_index"].long(), fit(entry["device_master"]), fit(entry["device_exp_avg"]),
             fit(entry["device_exp_avg_sq"]), step=entry["device_step"], device=p.device, axis=split.axis,
+            grad_dtype=split.grad_dtype,
         )
     return split
 

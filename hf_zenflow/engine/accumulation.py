@@ -30,10 +30,11 @@ keep each offloaded matrix's gradient on the device until `step()` (its clip coe
 bytes count against the device sums too.
 
 The sums (fp32, or bf16 for "device_bf16") fit when they, plus the optimizer state the first selection will put
-on the device (fp32 master and two moments of the selected columns, and their gathered gradient: 16 B per selected
-element), stay under that figure minus a margin of `MARGIN` of the device's memory (fragmentation, longer batches
-later). Several ranks agree: the most conservative choice of any rank (host over bf16 sums over fp32 sums). The
-choice is logged, reported by ``stats()["accumulate_on"]`` and kept in checkpoints.
+on the device (fp32 master and two moments of the selected columns, and their gathered gradient in the gradient's
+dtype: 16 B per selected element of an fp32 model, 14 B of a bf16 one, `selected_bytes`), stay under that figure
+minus a margin of `MARGIN` of the device's memory (fragmentation, longer batches later). Several ranks agree: the
+most conservative choice of any rank (host over bf16 sums over fp32 sums). The choice is logged, reported by
+``stats()["accumulate_on"]`` and kept in checkpoints.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..settings.config import DEVICE_SUM_DTYPES
+from .device_state import gathered_dtype
 
 
 if TYPE_CHECKING:
@@ -56,8 +58,22 @@ logger = logging.getLogger("hf_zenflow")
 #: Fraction of the device's memory (a CPU device: of the budget) that device accumulation must leave free.
 MARGIN = 0.10
 
-#: Device bytes per selected element the first selection adds: fp32 master, exp_avg, exp_avg_sq, gathered gradient.
-SELECTED_BYTES = 16
+#: Device bytes per selected element the first selection adds besides the gathered gradient: fp32 master, exp_avg,
+#: exp_avg_sq.
+SELECTED_STATE_BYTES = 12
+#: Device bytes per selected element with an fp32 gathered gradient (an fp32 model); `selected_bytes` for any dtype.
+SELECTED_BYTES = SELECTED_STATE_BYTES + 4
+
+
+def selected_bytes(grad_dtype: torch.dtype) -> int:
+    """Device bytes per selected element of a matrix whose gradients are `grad_dtype`: the fp32 state and the
+    gathered gradient (bf16 and fp16 gathered as they are, `device_state.gathered_dtype`).
+
+    Example:
+        >>> selected_bytes(torch.float32), selected_bytes(torch.bfloat16)
+        (16, 14)
+    """
+    return SELECTED_STATE_BYTES + gathered_dtype(grad_dtype).itemsize
 
 
 def device_bytes_needed(splits: list[SplitMatrix], shares: dict[int, Share], sum_bytes: int = 4) -> int:
@@ -67,7 +83,7 @@ def device_bytes_needed(splits: list[SplitMatrix], shares: dict[int, Share], sum
     for split in splits:
         matrix = split.matrix(split.param)
         total += sum_bytes * shares[id(split)].local(matrix).numel()
-        total += SELECTED_BYTES * split.k * (matrix.numel() // max(1, split.columns))
+        total += selected_bytes(split.grad_dtype) * split.k * (matrix.numel() // max(1, split.columns))
     return total
 
 

@@ -8,9 +8,11 @@ temporaries). A CPU device shares its memory with the host, so there the meter c
   post-accumulate-grad hook, where a gradient is newest and every gradient still held is counted) until it is set
   to None (by `step()`, ``zero_grad`` or, with the gradients freed in backward, by the hook itself);
 - the optimizer's device state (`state_bytes`, a callback: fused AdamW's moments, ZenFlow's selected columns and
-  dense state, device-side window sums), counted at the end of each step and at every census after it.
+  dense state, device-side window sums), counted at the end of each step and at every census after it;
+- transient bytes the caller names at a census (`note`'s `extra`): ZenFlow's device update passes the fp32 copies
+  it widened the gathered bf16 / fp16 gradients into.
 
-Activations and kernels' temporaries are not counted on a CPU device: the figure is the optimizer's share of the
+Activations and other kernels' temporaries are not counted on a CPU device: the figure is the optimizer's share of the
 peak, the part an offloading optimizer changes. Gradients are tracked per parameter (a dict of bytes), so a census
 costs O(1); one full recount of `p.grad` runs at the first hook after each step, which also sees gradients set to
 None outside the meter (``zero_grad``).

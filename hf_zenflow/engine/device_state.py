@@ -3,7 +3,10 @@ moments) and the whole-parameter state of a 1-D or small parameter (`DenseDevice
 them and the weights and gradients (`gather_columns`, `scatter_columns`; the CPU kernels where they apply).
 
 All device-side optimizer state is fp32 (master values and both moments), whatever the parameter dtype, so a bf16
-model never has its master truncated: the parameter only ever receives a rounded copy of the fp32 master.
+model never has its master truncated: the parameter only ever receives a rounded copy of the fp32 master. The
+selected columns' gathered gradient keeps the gradient's own dtype when that is bf16 or fp16 (a gather is a copy:
+nothing is lost), 2 B per selected element instead of 4; whatever reads it widens it to fp32 first, one matrix at a
+time (`DeviceColumns.widened_grad`), and computes exactly as on an fp32 gather.
 """
 
 from __future__ import annotations
@@ -15,9 +18,20 @@ import torch
 from ..transport.cpu_device import kernels
 
 
+#: gradient dtypes the selected columns are gathered in as they are (anything else is gathered in fp32)
+NARROW_GRAD_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def gathered_dtype(grad_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the selected columns of a `grad_dtype` gradient are gathered in: bf16 and fp16 as they are (their
+    widening to fp32 is exact, so it can wait until the columns are used), anything else fp32."""
+    return grad_dtype if grad_dtype in NARROW_GRAD_DTYPES else torch.float32
+
+
 @dataclass
 class DeviceColumns:
-    """fp32 master values and moments of the selected columns of one matrix, on the parameter's device.
+    """fp32 master values and moments of the selected columns of one matrix, on the parameter's device, and the
+    buffer their gradient is gathered into (`grad`, in `gathered_dtype` of the gradient's dtype).
 
     `index` holds the selected input columns, sorted. `axis` is the dimension of the matrix's `storage_matrix`
     that indexes input columns: every tensor here is [out, k] (axis 1, row-major parameter) or [k, out] (axis 0,
@@ -29,35 +43,51 @@ class DeviceColumns:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: torch.Tensor
-    grad: torch.Tensor  # reused gather buffer
+    grad: torch.Tensor  # reused gather buffer (fp32, or the gradient's bf16 / fp16)
     axis: int = 1
 
     @classmethod
     def from_columns(
         cls, index: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-        step: torch.Tensor, device: torch.device, axis: int = 1,
+        step: torch.Tensor, device: torch.device, axis: int = 1, grad_dtype: torch.dtype = torch.float32,
     ) -> DeviceColumns:
+        """The columns `index` with their state (any dtype, moved to fp32 on `device`); `grad_dtype`: the dtype of
+        the gradients that will be gathered (the buffer is `gathered_dtype` of it)."""
         to = {"device": device, "dtype": torch.float32}
         master = master.to(**to).contiguous()
         index = index.to(device)
         return cls(
             index=index, master=master, exp_avg=exp_avg.to(**to).contiguous(),
             exp_avg_sq=exp_avg_sq.to(**to).contiguous(), step=step.to(**to).clone(),
-            grad=torch.empty_like(master), axis=axis,
+            grad=torch.empty_like(master, dtype=gathered_dtype(grad_dtype)), axis=axis,
         )
 
     @property
     def k(self) -> int:
         return self.index.numel()
 
-    def gather_grad(self, grad2d: torch.Tensor) -> torch.Tensor:
-        """Copy the selected gradient columns of the gradient's `storage_matrix` into the fp32 buffer (one strided
-        read of the gradient with axis 1; contiguous row copies with axis 0)."""
-        if grad2d.dtype == torch.float32:
-            torch.index_select(grad2d, self.axis, self.index, out=self.grad)
-        else:
-            self.grad.copy_(torch.index_select(grad2d, self.axis, self.index))
+    def grad_buffer(self, grad_dtype: torch.dtype) -> torch.Tensor:
+        """The gather buffer for a gradient of `grad_dtype` (made anew, once, when the gradients' dtype is not the
+        one the buffer was made for)."""
+        dtype = gathered_dtype(grad_dtype)
+        if self.grad.dtype != dtype:
+            self.grad = torch.empty_like(self.master, dtype=dtype)
         return self.grad
+
+    def gather_grad(self, grad2d: torch.Tensor) -> torch.Tensor:
+        """Copy the selected gradient columns of the gradient's `storage_matrix` into the buffer (one strided read
+        of the gradient with axis 1; contiguous row copies with axis 0)."""
+        out = self.grad_buffer(grad2d.dtype)
+        if grad2d.dtype == out.dtype:
+            torch.index_select(grad2d, self.axis, self.index, out=out)
+        else:
+            out.copy_(torch.index_select(grad2d, self.axis, self.index))
+        return out
+
+    def widened_grad(self) -> torch.Tensor:
+        """The gathered gradient in fp32: the buffer itself when it is fp32, else a new fp32 copy (exact), which the
+        caller holds only while it uses it."""
+        return self.grad if self.grad.dtype == torch.float32 else self.grad.float()
 
     def scatter_into(self, param2d: torch.Tensor) -> None:
         """Write the (rounded) master columns into the parameter's `storage_matrix`."""
@@ -115,7 +145,8 @@ def gather_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
     """Gather the selected units of each (columns, gradient `storage_matrix`) pair into `columns.grad`."""
     native, rest = _kernel_split(items)
     if native:
-        kernels.norms_and_gather([g for _, g in native], [c.grad for c, _ in native], [c.index for c, _ in native])
+        kernels.norms_and_gather([g for _, g in native], [c.grad_buffer(g.dtype) for c, g in native],
+                                 [c.index for c, _ in native])
     for cols, g in rest:
         cols.gather_grad(g)
 
@@ -129,4 +160,5 @@ def scatter_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
         cols.scatter_into(p)
 
 
-__all__ = ["DenseDeviceState", "DeviceColumns", "gather_columns", "scatter_columns"]
+__all__ = ["NARROW_GRAD_DTYPES", "DenseDeviceState", "DeviceColumns", "gather_columns", "gathered_dtype",
+           "scatter_columns"]

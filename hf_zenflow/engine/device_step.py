@@ -2,6 +2,8 @@
 per-step reads of the gradients it needs (norms, the selected columns).
 
 The state it updates (`DeviceColumns`, `DenseDeviceState`, all fp32) and the column moves are `device_state.py`.
+The selected columns' gradient is gathered in the gradient's dtype (bf16 / fp16 as they are) and widened to fp32
+for the update, a few matrices at a time (`device_update`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def norms_and_gather(
     if native and kernels.library() is not None:
         sums = kernels.norms_and_gather(
             [matrix for _, matrix, _ in native],
-            [split.device.grad if split is not None else None for _, _, split in native],
+            [split.device.grad_buffer(matrix.dtype) if split is not None else None for _, matrix, split in native],
             [split.device.index if split is not None else None for _, _, split in native],
         )
         for (i, _, split), total in zip(native, sums):
@@ -98,8 +100,11 @@ class ParamWrites:
     rounded weights (losing the fp32 bits and the open window's gradients)."""
 
     def __init__(self, scatters: list[tuple[DeviceColumns, torch.Tensor]],
-                 dense_copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+                 dense_copies: list[tuple[torch.Tensor, torch.Tensor]], widened_bytes: int = 0) -> None:
         self._scatters, self._dense_copies = scatters, dense_copies
+        #: the most bytes of widened (fp32) gathered gradients the update held at once: transient, gone when it
+        #: returns (the device's peak counts them, `DeviceMemoryMeter.note`)
+        self.widened_bytes = widened_bytes
 
     def apply(self) -> None:
         scatter_columns(self._scatters)
@@ -108,20 +113,43 @@ class ParamWrites:
         self._scatters, self._dense_copies = [], []
 
 
+def _widening_chunks(columns: list[DeviceColumns]) -> list[list[DeviceColumns]]:
+    """`columns` whose gathered gradient is narrower than fp32, in consecutive runs whose fp32 copies together take
+    no more than the largest one's: each run is widened and updated in one launch, so the update holds at most one
+    matrix's worth of fp32 gradient at a time (the gather buffers keep the narrow dtype)."""
+    if not columns:
+        return []
+    limit = max(c.grad.numel() for c in columns)
+    chunks: list[list[DeviceColumns]] = [[]]
+    size = 0
+    for cols in columns:
+        if chunks[-1] and size + cols.grad.numel() > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(cols)
+        size += cols.grad.numel()
+    return chunks
+
+
 def device_update(
     splits: dict[torch.Tensor, SplitMatrix], dense: dict[torch.Tensor, DenseDeviceState],
     entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | torch.Tensor | None,
     gathered: set[torch.Tensor], rewritten: bool = False, found_inf: torch.Tensor | None = None,
 ) -> ParamWrites:
-    """Fused AdamW on the selected columns and the dense parameters, one kernel launch per group and device.
+    """Fused AdamW on the selected columns and the dense parameters, one kernel launch per group and device (and,
+    for gathered gradients narrower than fp32, one per run of matrices widened together, `_widening_chunks`).
     `coef`: the clip coefficient, a number or a device tensor; `found_inf`: a device tensor that, when set,
     makes the update change nothing. `rewritten`: a write-back follows in this step, so matrices with host
     columns are not scattered now.
 
     The fp32 masters are updated here; the parameters that have masters of their own receive them when the caller
     applies the returned `ParamWrites`: at once after an update that cannot be skipped any more, and after the
-    step's non-finite check when the update was launched before it (with `found_inf`)."""
+    step's non-finite check when the update was launched before it (with `found_inf`).
+
+    A bf16 / fp16 gathered gradient is widened to fp32 (exact) and then multiplied by `coef` and updated exactly
+    as an fp32 gather would be: AdamW is elementwise, so launching a matrix on its own changes no bit."""
     batches: dict[tuple[int, torch.device], tuple[dict, list[list[torch.Tensor]]]] = {}
+    narrow: dict[tuple[int, torch.device], list[DeviceColumns]] = {}
     scatters: list[tuple[DeviceColumns, torch.Tensor]] = []
     dense_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     to_gather: list[tuple[DeviceColumns, torch.Tensor]] = []
@@ -138,9 +166,11 @@ def device_update(
     dense_pairs = [(p, _fp32_like(p, g)) for _, p, split, g in updates if split is None]
     dense_grads = [g for _, g in dense_pairs]
     if coef is not None:
-        # one batched multiply per kind and device: the selected columns' own buffers in place; the dense
-        # parameters' gradients into new tensors (the caller's gradients are never modified)
-        selected = [split.device.grad for _, _, split, _ in updates if split is not None]
+        # one batched multiply per kind and device: the selected columns' own fp32 buffers in place (narrower ones
+        # once widened, below); the dense parameters' gradients into new tensors (the caller's gradients are never
+        # modified)
+        selected = [split.device.grad for _, _, split, _ in updates
+                    if split is not None and split.device.grad.dtype == torch.float32]
         for _, group in by_device(selected):
             torch._foreach_mul_(group, _to(coef, group[0].device))
         scaled = {id(g): h for _, group in by_device(dense_grads)
@@ -148,12 +178,16 @@ def device_update(
         dense_grads = [scaled[id(g)] for g in dense_grads]
     dense_grad = {id(p): g for (p, _), g in zip(dense_pairs, dense_grads)}
     for group, p, split, _ in updates:
-        lists = batches.setdefault((id(group), p.device), (group, [[], [], [], [], []]))[1]
+        key = (id(group), p.device)
+        lists = batches.setdefault(key, (group, [[], [], [], [], []]))[1]
         if split is not None:
             cols = split.device
-            tensors = (cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.step)
             if not (rewritten and split.host is not None):
                 scatters.append((cols, split.matrix(p)))
+            if cols.grad.dtype != torch.float32:
+                narrow.setdefault(key, []).append(cols)
+                continue
+            tensors = (cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.step)
         else:
             state = dense[p]
             tensors = (state.master_of(p), dense_grad[id(p)], state.exp_avg, state.exp_avg_sq, state.step)
@@ -161,7 +195,30 @@ def device_update(
                 dense_copies.append((p, state.master))  # the parameter receives the rounded fp32 master
         for bucket, t in zip(lists, tensors):
             bucket.append(t)
-    for (_, device), (group, (params, gs, m, v, steps)) in batches.items():
+    widened_bytes = 0
+    for key, (group, (params, gs, m, v, steps)) in batches.items():
+        device = key[1]
         flag = None if found_inf is None else _to(found_inf, device)
         fused_adamw_(params, gs, m, v, steps, group, found_inf=flag)
-    return ParamWrites(scatters, dense_copies)
+        chunks = _widening_chunks(narrow.get(key, []))
+        if not chunks:
+            continue
+        # One fp32 scratch for the runs' widened copies, reused run after run (one allocation per group and device,
+        # not one per matrix), dropped after the group's last run. CUDA: every copy into it, the multiply and the
+        # AdamW that reads it are queued on the current stream, so a run's copies wait for the previous run's
+        # kernel, and the caching allocator reuses the block only for work queued after that kernel.
+        size = max(sum(c.grad.numel() for c in chunk) for chunk in chunks)
+        scratch = torch.empty(size, dtype=torch.float32, device=device)
+        widened_bytes = max(widened_bytes, size * scratch.element_size())
+        for chunk in chunks:
+            wide, start = [], 0
+            for cols in chunk:
+                n = cols.grad.numel()
+                wide.append(scratch[start:start + n].view(cols.grad.shape).copy_(cols.grad))  # (exact)
+                start += n
+            if coef is not None:
+                torch._foreach_mul_(wide, _to(coef, device))
+            fused_adamw_([c.master for c in chunk], wide, [c.exp_avg for c in chunk],
+                         [c.exp_avg_sq for c in chunk], [c.step for c in chunk], group, found_inf=flag)
+        del scratch
+    return ParamWrites(scatters, dense_copies, widened_bytes)

@@ -204,6 +204,13 @@ class StepReads:
                 for (_, split), (total, critical) in zip(self.auto_split, synced.masses)]
 
 
+def _selected_mass(split: SplitMatrix) -> torch.Tensor:
+    """The sum of squares of `split`'s gathered selected columns, in fp32 (a bf16 / fp16 gather widened first, one
+    matrix at a time: the same bits as from an fp32 gather)."""
+    wide = split.device.widened_grad()
+    return (wide.square_() if wide is not split.device.grad else wide.square()).sum()
+
+
 def read_gradients(
     splits: dict[torch.Tensor, SplitMatrix], reads: GradientReads, entries: list[tuple[dict, torch.Tensor]],
     grads: list[torch.Tensor], measured: tuple[list[torch.Tensor] | None, torch.Tensor | None, torch.Tensor | None],
@@ -234,7 +241,7 @@ def read_gradients(
     first = norms[0].device
     auto_split = [(i, splits[p]) for i, (_, p) in enumerate(entries)
                   if p in gathered and splits[p].offloaded] if auto else []
-    masses = [norms[i].square() for i, _ in auto_split] + [split.device.grad.square().sum() for _, split in auto_split]
+    masses = [norms[i].square() for i, _ in auto_split] + [_selected_mass(split) for _, split in auto_split]
     # matrices still waiting for their first columns (`reselection.select_waiting`): is their gradient non-zero?
     waiting = [i for i, (_, p) in enumerate(entries)
                if gather_now and (split := splits.get(p)) is not None and split.device is None and split.k > 0]

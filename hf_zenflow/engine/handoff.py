@@ -60,7 +60,8 @@ class FreedGradient:
         if self.source.device == cols.grad.device:
             cols.gather_grad(self.source)
         else:  # (a copy to the device: the columns only)
-            cols.grad.copy_(torch.index_select(self.source, cols.axis, cols.index.to(self.source.device)))
+            cols.grad_buffer(self.source.dtype).copy_(
+                torch.index_select(self.source, cols.axis, cols.index.to(self.source.device)))
 
 
 @dataclass

@@ -146,7 +146,8 @@ class SplitMatrix:
         if cols is None:
             master = self.matrix(self.param).detach().index_select(self.axis, index).float()
             cols = [master, torch.zeros_like(master), torch.zeros_like(master)]
-        self.device = DeviceColumns.from_columns(index, *cols, step=step, device=self.param.device, axis=self.axis)
+        self.device = DeviceColumns.from_columns(index, *cols, step=step, device=self.param.device, axis=self.axis,
+                                                 grad_dtype=self.grad_dtype)
         if not self.offloaded:
             self.detach_host()  # every column on the device (topk_ratio=1): the host keeps nothing
         self.auto.reset()

@@ -2,10 +2,10 @@
 bf16 model, and the limits it must fit in.
 
 * device (`device_memory_gb`): bf16 weights (2) and, where AdamW runs on the device, its fp32 master and moments (12);
-  synchronous offload keeps every bf16 gradient until the step (2); ZenFlow keeps the selected columns' state and
-  gathered gradient (`engine.accumulation.SELECTED_BYTES` per selected element), the window sums when they are on the
-  device, and either every bf16 gradient until the step or, with ``gradients_freed_in_backward``, only the gradients
-  in flight to the host (`in_flight_gradient_gb`). Counted against `DEVICE_MEMORY_HEADROOM` of the device;
+  synchronous offload keeps every bf16 gradient until the step (2); ZenFlow keeps the selected columns' fp32 state
+  and their gradient gathered in bf16 (`SELECTED_BYTES`, 14 per selected element), the window sums when they are on
+  the device, and either every bf16 gradient until the step or, with ``gradients_freed_in_backward``, only the
+  gradients in flight to the host (`in_flight_gradient_gb`). Counted against `DEVICE_MEMORY_HEADROOM` of the device;
   activations are not counted there (`activation_gb` estimates them for ``accumulate_on="auto"``);
 * host (`zenflow_host_bytes_per_param`): per offloaded parameter, the fp32 master (4), the two moments in
   ``host_moment_dtype`` (fp32 8, bf16 4, int8 2 plus one fp32 scale per `INT8_BLOCK` elements of each), the fp32
@@ -16,12 +16,14 @@ bf16 model, and the limits it must fit in.
 
 Example:
     >>> round(device_memory_gb("zenflow", 7e9, 0.1, gradients_freed_in_backward=False) / 7, 2)  # GB per 1e9 params
-    5.6
+    5.4
 """
 
 from __future__ import annotations
 
-from hf_zenflow.engine.accumulation import SELECTED_BYTES
+import torch
+
+from hf_zenflow.engine.accumulation import selected_bytes
 from hf_zenflow.engine.host import GRAD_SLOTS
 from hf_zenflow.estimate.ranks import RankSplit
 
@@ -36,6 +38,9 @@ HOST_MOMENT_DTYPES = tuple(MOMENT_BYTES)
 #: on the device.
 WEIGHT_BYTES = GRADIENT_BYTES = BF16_BYTES
 DEVICE_BYTES_ADAM_STATE = 12
+#: ZenFlow's device bytes per selected element of a bf16 model: fp32 master and moments (12) and the gradient
+#: gathered in its own dtype (2), as the engine keeps them (`engine.accumulation.selected_bytes`).
+SELECTED_BYTES = selected_bytes(torch.bfloat16)
 #: Fraction of the device memory counted as usable for weights, gradients and optimizer state (the rest is left for
 #: activations, the allocator and the runtime, which the model does not count).
 DEVICE_MEMORY_HEADROOM = 0.9
@@ -93,9 +98,9 @@ def device_memory_gb(schedule: str, params: float, topk_ratio: float = 0.1, sum_
     Example:
         >>> [round(device_memory_gb(s, 1e9, gradients_freed_in_backward=False), 2)
         ...  for s in ("no_offload", "sync_offload", "zenflow")]
-        [16.0, 4.0, 5.6]
+        [16.0, 4.0, 5.4]
         >>> round(device_memory_gb("zenflow", 1e9, gradients_freed_in_backward=True), 2)
-        3.68
+        3.48
     """
     split = split or RankSplit()
     n, dev, share = float(params), split.device_share, split.host_share
@@ -119,5 +124,5 @@ def activation_gb(params: float, tokens_per_step: float) -> float:
 
 
 __all__ = ["DEVICE_MEMORY_HEADROOM", "GRADIENTS_FREED_IN_BACKWARD", "HOST_MEMORY_HEADROOM", "HOST_MOMENT_DTYPES",
-           "MOMENT_BYTES", "activation_gb", "device_memory_gb", "in_flight_gradient_gb", "llama_shape",
-           "zenflow_host_bytes_per_param"]
+           "MOMENT_BYTES", "SELECTED_BYTES", "activation_gb", "device_memory_gb", "in_flight_gradient_gb",
+           "llama_shape", "zenflow_host_bytes_per_param"]

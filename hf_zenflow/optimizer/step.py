@@ -100,7 +100,9 @@ class StepSequence:
                     # leaves them untouched)
                     writes = device_update(self._split, self._dense, entries, grads, clip, gathered,
                                            rewritten=rewritten, found_inf=bad.float())
-                self._meter.note()  # (the device's peak of the step: every gradient still held, the state updated)
+                # (the device's peak of the step: every gradient still held, the state updated, and the widened
+                # copies of the gathered gradients the update held at its peak)
+                self._meter.note(writes.widened_bytes)
                 with timer.phase("handoff"):
                     started = self._host.start_hand_off(entries, grads)
 
@@ -131,8 +133,9 @@ class StepSequence:
                             select_waiting(self._host, entries, grads, synced.waiting_norms)
                     rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
                     with timer.phase("device_update"):
-                        device_update(self._split, self._dense, entries, grads, coef, gathered,
-                                      rewritten=rewritten).apply()
+                        writes = device_update(self._split, self._dense, entries, grads, coef, gathered,
+                                               rewritten=rewritten)
+                        writes.apply()
                 if rewritten and self.config.overlap_step:
                     # The previous window's result goes into the weights before this step's gradients are handed to
                     # the worker: the write-back does not depend on them, and this way its scatter does not compete
@@ -140,7 +143,7 @@ class StepSequence:
                     # write-back pending).
                     self._host.apply_previous_window(timer)
                 if not early:
-                    self._meter.note()  # (the device's peak of the step, as above)
+                    self._meter.note(writes.widened_bytes)  # (the device's peak of the step, as above)
                 with timer.phase("handoff"):
                     if started is not None:
                         self._host.finish_hand_off(started, coef)

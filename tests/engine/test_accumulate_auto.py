@@ -178,6 +178,7 @@ class _Split:
     def __init__(self, device: torch.device, rows: int, columns: int, k: int) -> None:
         self.param = SimpleNamespace(device=device, shape=torch.empty((rows, columns), device="meta"))
         self.columns, self.k = columns, k
+        self.grad_dtype = torch.float32  # (its selected columns: 16 B per element)
 
     def matrix(self, param: SimpleNamespace) -> torch.Tensor:
         return param.shape

@@ -185,15 +185,16 @@ def _peak(name: str, steps: int) -> tuple[dict[str, float], int, int]:
 def test_llama_peak_device_bytes_with_gradients_freed():
     """A bf16 Llama-shaped model (>= 50M parameters), topk 0.1, U=4, host sums, counted on the CPU device. The run's
     peak (every step, the first and its selection included) is the weights, the selected columns' fp32 state and
-    gathered gradient (16 B per selected element, ~10.2 % of the elements: ~1.63 B/param) and the gradient in its
-    hook (the largest, the LM head's: 0.16 B/param): 1.88x the bf16 weights, 0.94x sync offload's peak (weights and
-    every gradient); torch's AdamW holds weights, gradients and fp32 moments (4x)."""
+    their gradient gathered in bf16 (12 + 2 B per selected element, ~10.2 % of the elements: ~1.43 B/param) and the
+    gradient in its hook (the largest, the LM head's: 0.16 B/param): 1.78x the bf16 weights (1.88x with the
+    gradient gathered in fp32), 0.89x sync offload's peak (weights and every gradient); torch's AdamW holds
+    weights, gradients and fp32 moments (4x)."""
     zen, weight_bytes, n = _peak("zenflow", 3)
     sync, _, _ = _peak("sync_offload", 2)
     adamw, _, _ = _peak("adamw_torch", 1)
     print(f"params {n}, bf16 weights {weight_bytes} B; peak device bytes: ZenFlow {zen}, sync offload {sync}, "
           f"adamw_torch {adamw}")
     assert n >= 50e6
-    assert zen["peak"] <= 1.9 * weight_bytes
-    assert zen["peak"] <= 1.0 * sync["peak"]
+    assert zen["peak"] <= 1.79 * weight_bytes
+    assert zen["peak"] <= 0.9 * sync["peak"]
     assert sync["peak"] >= 2 * weight_bytes and adamw["peak"] >= 4 * weight_bytes

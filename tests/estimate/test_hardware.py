@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from hf_zenflow.cli import main
-from hf_zenflow.engine.accumulation import SELECTED_BYTES
 from hf_zenflow.estimate import memory
 from hf_zenflow.estimate.advice import advice, format_schedule_model
 from hf_zenflow.estimate.hardware import (
@@ -77,7 +76,7 @@ def test_schedule_model_matches_hand_computed_times() -> None:
     assert dev["device_ms"] == pytest.approx(120 + 0.1 * 28 + 2 + 100 / 4 + 10 + 80 / 4)
     assert dev["device_memory_gb"] == pytest.approx(zen["device_memory_gb"] + 4.0)
     # bf16 weights and gradients (held until the step) and the selected tenth's state and gathered gradient
-    assert zen["device_memory_gb"] == pytest.approx(4.0 + 0.1 * SELECTED_BYTES, abs=1e-9)
+    assert zen["device_memory_gb"] == pytest.approx(4.0 + 0.1 * memory.SELECTED_BYTES, abs=1e-9)
     assert rows["no_offload"]["device_memory_gb"] == pytest.approx(16.0) and rows["no_offload"]["fits_device_memory"]
 
 
@@ -197,7 +196,8 @@ def test_per_rank_figures_scale_as_documented(ranks: int, host_ms: float, link_m
     assert sync["device_ms"] == pytest.approx(120 + allgather_ms)
     assert zen["host_memory_gb"] == pytest.approx(host_gb) and sync["host_memory_gb"] == pytest.approx(16 / ranks)
     assert zen["host_memory_node_gb"] == pytest.approx(22.0)  # the node holds all ranks' shares
-    assert zen["device_memory_gb"] == pytest.approx(4.0 + 1.6)  # DDP replicates weights, grads, selected state
+    # DDP replicates weights, grads, the selected state
+    assert zen["device_memory_gb"] == pytest.approx(4.0 + 0.1 * memory.SELECTED_BYTES)
     fsdp = schedule_model(profile, 1e9, 1000, 0.1, u, ranks=ranks, parallel="fsdp2")
     assert fsdp["zenflow"]["allgather_ms"] == 0.0 and fsdp["sync_offload"]["host_ms"] == pytest.approx(host_ms)
     assert fsdp["zenflow"]["device_ms"] == pytest.approx(120 + (2.8 + 2) / ranks + link_ms / u)  # all sharded
@@ -251,12 +251,13 @@ def test_estimate_cli_ranks(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_auto_accumulation_takes_the_device_when_the_sums_fit_with_the_margin() -> None:
-    """1e9 params on PROFILE: weights + gradients 4 GB + selected columns 1.6 GB + fp32 sums 4 GB = 9.6 GB, plus
-    activations; 80 GB less 10% fits, 8 GB less 10% does not (nor with bf16 sums)."""
+    """1e9 params on PROFILE: weights + gradients 4 GB + selected columns 1.4 GB (14 B per selected element) + fp32
+    sums 4 GB = 9.4 GB, plus activations; 80 GB less 10% fits, 8 GB less 10% does not (nor with bf16 sums)."""
     fits = auto_accumulation(PROFILE, 1e9, 1000)
-    assert fits["state_gb"] == pytest.approx(9.6) and fits["limit_gb"] == pytest.approx(72.0)
+    assert fits["state_gb"] == pytest.approx(8.0 + 0.1 * memory.SELECTED_BYTES)
+    assert fits["limit_gb"] == pytest.approx(72.0)
     assert fits["activations_gb"] == pytest.approx(activation_gb(1e9, 1000)) and fits["choice"] == "device"
-    # 8 GB less 10% (7.2 GB) holds neither the fp32 sums nor the bf16 sums (7.6 GB + activations)
+    # 8 GB less 10% (7.2 GB) holds neither the fp32 sums nor the bf16 sums (7.4 GB + activations)
     small = HardwareProfile("s", device_tflops=100.0, device_mem_gb=8.0, device_mem_gbps=1000.0, link_gbps=20.0,
                             host_cores=128, host_mem_gbps=100.0, mfu=0.5)
     assert auto_accumulation(small, 1e9, 1000)["choice"] == "host"
@@ -270,14 +271,14 @@ def test_auto_accumulation_takes_the_device_when_the_sums_fit_with_the_margin() 
 
 
 def test_auto_accumulation_takes_bf16_device_sums_when_only_they_fit() -> None:
-    """Between the two needs (fp32 sums 9.6 GB, bf16 sums 7.6 GB, plus activations) "auto" keeps bf16 sums on the
+    """Between the two needs (fp32 sums 9.4 GB, bf16 sums 7.4 GB, plus activations) "auto" keeps bf16 sums on the
     device: the sum crosses in bf16 (half the link time: 100 ms per window), the host widens it (6 B/param: 60 ms)
     before the AdamW (657 ms) and the rounding (60 ms), and the device holds 2 B/param less."""
     act = activation_gb(1e9, 1000)
     mid = HardwareProfile("m", device_tflops=100.0, device_mem_gb=(8.6 + act) / 0.9, device_mem_gbps=1000.0,
                           link_gbps=20.0, host_cores=128, host_mem_gbps=100.0, mfu=0.5)
     auto = auto_accumulation(mid, 1e9, 1000)
-    assert auto["choice"] == "device_bf16" and auto["state_gb"] == pytest.approx(7.6)
+    assert auto["choice"] == "device_bf16" and auto["state_gb"] == pytest.approx(6.0 + 0.1 * memory.SELECTED_BYTES)
     rows = schedule_model(mid, 1e9, 1000)
     dev, bf16 = rows["zenflow_device_accumulation"], rows["zenflow_device_bf16"]
     assert bf16["link_ms"] == pytest.approx(dev["link_ms"] / 2) == pytest.approx(100 / 4)
@@ -287,4 +288,4 @@ def test_auto_accumulation_takes_bf16_device_sums_when_only_they_fit() -> None:
         "bf16 sum widened", "window AdamW", "write-back rounding"]
     text = format_schedule_model(mid, 1e9, 1000)
     assert 'accumulate_on="device_bf16" = the default ("auto")' in text
-    assert 'chooses "device_bf16": weights, gradients, selected columns and bf16 window sums 7.6 GB' in text
+    assert 'chooses "device_bf16": weights, gradients, selected columns and bf16 window sums 7.4 GB' in text

@@ -623,7 +623,8 @@ def test_fp32_parameters_are_their_own_master(dtype):
     assert len(dense) == 3  # up.bias and the norm
     moments = sum(2 * 4 * p.numel() for p in model.parameters() if p.ndim < 2)
     masters = sum(4 * p.numel() for p in model.parameters() if p.ndim < 2)
-    columns = sum(4 * 4 * p.numel() for p in model.parameters() if p.ndim == 2)  # master, moments, gather buffer
+    # fp32 master and moments, and the gather buffer in the gradient's dtype
+    columns = sum((3 * 4 + dtype.itemsize) * p.numel() for p in model.parameters() if p.ndim == 2)
     if dtype == torch.float32:
         assert all(entry["master"] is None for entry in dense)
         assert opt.stats()["device_state_bytes"] == moments + columns

@@ -82,8 +82,8 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
     p = ctypes.c_void_p
-    lib.zf_run.argtypes = [ctypes.c_int, ctypes.c_int64, p, p, p, p, p, p, p, p, ctypes.c_int, p, ctypes.c_float,
-                           ctypes.c_int]
+    lib.zf_run.argtypes = [ctypes.c_int, ctypes.c_int64, p, p, p, p, p, p, p, p, p, ctypes.c_int, p,
+                           ctypes.c_float, ctypes.c_int]
     lib.zf_run.restype = ctypes.c_int
     d = ctypes.c_double
     lib.zf_window_adamw.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, d, d, d, d, d, ctypes.c_float,
@@ -144,7 +144,10 @@ def _run(kind: int, big: list[torch.Tensor], small: list[torch.Tensor | None], r
     for t, s, i, k, r in zip(big, small, index, ks, rows):
         assert supports(t)
         if k:
-            assert s is not None and s.dtype == torch.float32 and s.is_contiguous() and s.numel() == r * k
+            # (a bf16 small buffer only as the gather output of a bf16 gradient)
+            narrow = kind == _NORM_GATHER and t.dtype == torch.bfloat16
+            assert s is not None and s.dtype in ((torch.float32, torch.bfloat16) if narrow else (torch.float32,))
+            assert s.is_contiguous() and s.numel() == r * k
             assert i is not None and i.dtype == torch.int64 and i.is_contiguous() and i.device.type == "cpu"
     sums = (ctypes.c_double * max(1, n))() if want_sums else None
     rc = lib.zf_run(
@@ -152,6 +155,7 @@ def _run(kind: int, big: list[torch.Tensor], small: list[torch.Tensor | None], r
         _array(ctypes.c_void_p, [t.data_ptr() for t in big]),
         _array(ctypes.c_int32, [int(t.dtype == torch.bfloat16) for t in big]),
         _array(ctypes.c_void_p, [0 if s is None else s.data_ptr() for s in small]),
+        _array(ctypes.c_int32, [int(s is not None and s.dtype == torch.bfloat16) for s in small]),
         _array(ctypes.c_void_p, [0 if h is None else h.data_ptr() for h in row_sums]),
         _array(ctypes.c_void_p, [0 if i is None else i.data_ptr() for i in index]),
         _array(ctypes.c_int64, list(rows)), _array(ctypes.c_int64, list(cols)), _array(ctypes.c_int64, ks),
@@ -165,7 +169,7 @@ def _run(kind: int, big: list[torch.Tensor], small: list[torch.Tensor | None], r
 def norms_and_gather(grads: list[torch.Tensor], outs: list[torch.Tensor | None],
                      index: list[torch.Tensor | None]) -> list[float]:
     """Sum of squares of each gradient and, where `index` is given, its selected columns copied into `outs`
-    (fp32 [rows, k]) in the same sweep."""
+    ([rows, k], fp32, or bf16 for a bf16 gradient) in the same sweep."""
     return _run(_NORM_GATHER, grads, outs, [None] * len(grads), index, want_sums=True)  # type: ignore[return-value]
 
 

@@ -38,6 +38,23 @@ def test_norms_and_gather_match_torch(dtype, shape):
 
 
 @needs_kernels
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_gradients_gather_into_a_bf16_buffer_as_they_are(shape):
+    """A bf16 gradient's selected columns kept in bf16 (the device keeps them in the gradient's dtype): the very
+    bits, the same sum of squares as with an fp32 buffer."""
+    k = max(1, shape[1] // 10)
+    grad, index = _case(shape, torch.bfloat16, k)
+    grad[0, index[0]] = float("nan")  # (copied as it is, like any other value)
+    out = torch.empty((shape[0], k), dtype=torch.bfloat16)
+    wide = torch.empty((shape[0], k))
+    (sumsq,) = _native.norms_and_gather([grad], [out], [index])
+    (wide_sumsq,) = _native.norms_and_gather([grad], [wide], [index])
+    assert torch.equal(out.view(torch.int16), grad[:, index].view(torch.int16))
+    assert torch.equal(wide.isnan(), out.isnan()) and torch.equal(wide.nan_to_num(), out.float().nan_to_num())
+    assert math.isnan(sumsq) and math.isnan(wide_sumsq)
+
+
+@needs_kernels
 def test_norms_without_gather_and_non_finite_values():
     a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     nan = torch.tensor([1.0, float("nan"), 2.0])

@@ -5,7 +5,8 @@
  * nearly a pass over the whole matrix. These kernels therefore do the column work in the same row sweep as the
  * work that streams the row anyway, and run the sweep on several threads:
  *   - zf_norm_gather: sum of squares of the whole gradient row (the non-finite check and the norms) and the gather
- *     of its selected columns into a contiguous fp32 [rows, k] buffer; optionally each row's sum of squares as fp32
+ *     of its selected columns into a contiguous [rows, k] buffer (fp32, or bf16 as they are from a bf16 gradient);
+ *     optionally each row's sum of squares as fp32
  *     (the selection scores of a matrix whose selectable units are its rows);
  *   - zf_scatter: write the (rounded) fp32 master columns into the parameter;
  *   - zf_accumulate: the host window sum, acc = g * coef (first step) or acc = fma(g, coef, acc), reading a bf16
@@ -30,6 +31,7 @@ typedef struct {
   void *const *big;          /* the [rows, cols] tensor: gradient (norm_gather, accumulate) or parameter (scatter) */
   const int32_t *big_bf16;   /* 1 when that tensor is bf16, 0 when fp32 */
   float *const *small;       /* the fp32 [rows, k] buffer: gather output, or the master columns to write */
+  const int32_t *small_bf16; /* norm_gather: 1 when that output is bf16 (its gradient is bf16 too), 0 when fp32 */
   float *const *row_sums;    /* norm_gather: per tensor, NULL or an fp32 [rows] output of row sums of squares */
   const int64_t *const *idx; /* sorted selected columns, k of them (may be NULL when k == 0) */
   const int64_t *rows, *cols, *k;
@@ -58,7 +60,6 @@ static inline uint16_t f32_to_bf16(float f) { /* c10::round_to_nearest_even */
 static double row_norm_gather(const zf_job *job, int64_t t, int64_t r) {
   const int64_t cols = job->cols[t], k = job->k[t];
   const int64_t *idx = job->idx[t];
-  float *out = job->small[t] + r * k;
   double s = 0.0;
   if (job->big_bf16[t]) {
     const uint16_t *row = (const uint16_t *)job->big[t] + r * cols;
@@ -67,8 +68,15 @@ static double row_norm_gather(const zf_job *job, int64_t t, int64_t r) {
       double x = bf16_to_f32(row[c]);
       s += x * x;
     }
-    for (int64_t j = 0; j < k; ++j) out[j] = bf16_to_f32(row[idx[j]]);
+    if (job->small_bf16[t]) {
+      uint16_t *out16 = (uint16_t *)job->small[t] + r * k;
+      for (int64_t j = 0; j < k; ++j) out16[j] = row[idx[j]];
+    } else {
+      float *out = job->small[t] + r * k;
+      for (int64_t j = 0; j < k; ++j) out[j] = bf16_to_f32(row[idx[j]]);
+    }
   } else {
+    float *out = job->small[t] + r * k;
     const float *row = (const float *)job->big[t] + r * cols;
 #pragma omp simd reduction(+ : s)
     for (int64_t c = 0; c < cols; ++c) {
@@ -153,9 +161,10 @@ static void run_team(int threads, int64_t n_items, void *(*fn)(void *), void *jo
 }
 
 int zf_run(int kind, int64_t n, void *const *big, const int32_t *big_bf16, float *const *small,
-           float *const *row_sums, const int64_t *const *idx, const int64_t *rows, const int64_t *cols,
-           const int64_t *k, int threads, double *sums, float coef, int first) {
-  zf_job job = {.kind = kind, .n = n, .big = big, .big_bf16 = big_bf16, .small = small, .row_sums = row_sums,
+           const int32_t *small_bf16, float *const *row_sums, const int64_t *const *idx, const int64_t *rows,
+           const int64_t *cols, const int64_t *k, int threads, double *sums, float coef, int first) {
+  zf_job job = {.kind = kind, .n = n, .big = big, .big_bf16 = big_bf16, .small = small, .small_bf16 = small_bf16,
+                .row_sums = row_sums,
                 .idx = idx, .rows = rows, .cols = cols, .k = k, .coef = coef, .first = first};
   int64_t n_items = 0;
   for (int64_t t = 0; t < n; ++t) {
