@@ -362,6 +362,10 @@ class HostWindows(WindowCloses):
             gathered = True
         # a GradScaler's overflow check reads ``p.grad``, which will not hold this gradient: the check is made here
         overflow = non_finite(g) if self.checks_overflow else None
+        if g.is_cuda:
+            # (the reads above ran on the current stream; under FSDP2 `g` is a view of the reduce-scatter output,
+            # whose memory may go with it: not reused before they have run)
+            g.record_stream(torch.cuda.current_stream(g.device))
         stand_in = g.new_empty(0)
         early.copies[p] = (weakref.ref(stand_in), stand_in._version, source, landed)
         early.freed[p] = FreedGradient(stand_in, source, landed, g.shape, g.stride(), scores, gathered, overflow)
@@ -373,13 +377,22 @@ class HostWindows(WindowCloses):
         (`free_kind`), the matrix's device update then needs at most its selected columns (an ordinary step: the
         matrix has its columns, or none are selected, k=0; warm-up: the host updates every column; a re-selection:
         the column scores, and the new columns' gradient comes back from the host), and the gradient crosses the
-        link in its own dtype (so that it can come back exactly, `regather`)."""
+        link in its own dtype (so that it can come back exactly, `regather`). Under FSDP2 `g` is this rank's shard
+        of the reduce-scattered gradient, and the DTensor's ``.grad`` goes."""
         kind = self.free_kind
-        if kind is None or split.host is None or split.host.grad_dtype != g.dtype or split.owner is not split.param:
+        if kind is None or split.host is None or split.host.grad_dtype != g.dtype:
             return False
         if kind is StepKind.ORDINARY:
             return split.device is not None or split.k == 0
         return kind is StepKind.SELECT or split.device is None
+
+    def copies_out(self, p: torch.Tensor) -> bool:
+        """Whether `p`'s FSDP2 gradient shard, which stays on the device this step, should be copied out of the
+        reduce-scatter output it is a view of: FSDP2 cuts every gradient of a module group from one output buffer,
+        which is released only when none of them is left, so the small gradients that stay (1-D parameters, matrices
+        kept whole on the device) must not hold it while the offloaded matrices' gradients leave (`may_free`)."""
+        split = self.splits.get(p)
+        return self.param_shards is not None and self.free_kind is not None and (split is None or split.host is None)
 
     @property
     def freed(self) -> dict[torch.Tensor, FreedGradient]:

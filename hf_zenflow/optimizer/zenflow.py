@@ -211,8 +211,9 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         self._find_param_shards()
         self._clips_through_optimizer = True
         freed = self._host.freed  # (gradients freed in backward: their stand-ins, whose norms the hooks took)
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None or p in freed]
-        grads = [freed[p].stand_in if p in freed else self._fsdp.grad(p) for p in params]
+        local = self._fsdp.local  # (FSDP2: the freed gradients are keyed by the local shards)
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None or local(p) in freed]
+        grads = [freed[local(p)].stand_in if local(p) in freed else self._fsdp.grad(p) for p in params]
         known = [self._reads.norm(self._fsdp.local(p), g) for p, g in zip(params, grads)] if norm_type == 2.0 \
             else None
         norms, total = grad_norms(grads, norm_type, known)
@@ -296,7 +297,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         that clips through `clip_grad_norm_`. Before the first step (no schedule yet): "on" only."""
         setting = self.config.free_gradients_in_backward
         if not (setting == "on" or (setting == "auto" and self._clips_through_optimizer)) \
-                or self._fsdp.active or self._host.several_ranks() or sums_on_device(self._host.accumulate_on):
+                or self._host.several_ranks() or sums_on_device(self._host.accumulate_on):
             return None
         if self._schedule is None:
             return StepKind.WARM_UP if self.config.full_warm_up_rounds > 0 else StepKind.SELECT
@@ -461,6 +462,7 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
             self._meter = DeviceMemoryMeter(current, self._meter.state_bytes)
             self._reads.meter = self._meter
             self._reads.on_arrival = self._host.regather
+            self._reads.copies_out = self._host.copies_out
             self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1
 
     def _engine_params(self) -> list[torch.Tensor]:
