@@ -464,6 +464,9 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
             self._reads.on_arrival = self._host.regather
             self._reads.copies_out = self._host.copies_out
             self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1
+            # (FSDP2's ranks free their shards from the next step on; ``accumulate_on="auto"``, deciding in this
+            # step, weighs that)
+            self._host.free_kind = self._frees_next_step()
 
     def _engine_params(self) -> list[torch.Tensor]:
         """Every parameter in param-group order as the engine keys its state (its local shard under FSDP2)."""

@@ -227,13 +227,17 @@ def _scaled_run(free: str, recipe: str, dtype: torch.dtype, overflow_at: frozens
     return out
 
 
-@pytest.mark.parametrize("recipe,dtype", [("unscale", torch.float32), ("unscale", torch.bfloat16),
-                                          ("step", torch.float32), ("step", torch.float16)])
-def test_freeing_under_a_grad_scaler_changes_nothing(recipe, dtype):
+@pytest.mark.parametrize("recipe,dtype,copying", [
+    ("unscale", torch.float32, False), ("unscale", torch.bfloat16, False), ("step", torch.float32, False),
+    ("step", torch.float16, False), ("unscale", torch.float32, True), ("step", torch.float16, True)])
+def test_freeing_under_a_grad_scaler_changes_nothing(recipe, dtype, copying, monkeypatch):
     """fp16 training's GradScaler with the gradients freed in backward, both recipes: the same weights, clip norms,
     scale trajectory and skipped steps as without freeing, bit for bit, with overflows in the first step (no state
     yet), a re-selection (step 5) and mid-window; and every step's peak is lower (the freeing goes on under the
-    scaler). The overflow check of a freed gradient is made in its hook (the scaler reads only ``p.grad``)."""
+    scaler). The overflow check of a freed gradient is made in its hook (the scaler reads only ``p.grad``).
+    `copying`: the transport that copies each gradient into a staging buffer in its hook, as on CUDA."""
+    if copying:
+        monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: CopyTransport())
     overflow_at = frozenset({0, 5, 7})
     kept = _scaled_run("off", recipe, dtype, overflow_at, init_scale=4096.0, high_lr_rule="off")
     freed = _scaled_run("on", recipe, dtype, overflow_at, init_scale=4096.0, high_lr_rule="off")
