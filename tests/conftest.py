@@ -132,6 +132,7 @@ def _no_deprecated_calls_from_our_code():
 #: "on": every optimizer of the tests frees its gradients in backward where it applies (`free_gradients_in_backward`
 #: left at "auto" becomes "on"), so that the reference tests run in both modes: ``HF_ZENFLOW_TEST_FREE_GRADIENTS=on``.
 FREE_GRADIENTS = os.environ.get("HF_ZENFLOW_TEST_FREE_GRADIENTS", "auto")
+FREE_GRADIENTS_IN_RANKS = "HF_ZENFLOW_TEST_FREE_GRADIENTS_IN_RANKS"
 
 
 @pytest.fixture(autouse=True)
@@ -140,6 +141,7 @@ def _free_gradients_mode(request: pytest.FixtureRequest, monkeypatch: pytest.Mon
         return  # (the settings' own tests check the true default)
     from hf_zenflow.settings.config import ZenFlowConfig
 
+    monkeypatch.setenv(FREE_GRADIENTS_IN_RANKS, "on")  # (the rank processes a test spawns: `gloo_ranks.init_ranks`)
     original = ZenFlowConfig.__post_init__
 
     def post_init(self: ZenFlowConfig) -> None:

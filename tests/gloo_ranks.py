@@ -88,6 +88,7 @@ def init_ranks(rank: int, init_file: str, ranks: int = 2, timeout_s: float = 60,
     """Join the group of a `spawn_ranks` run: gloo on CPU (one compute thread per process: 2 cores are shared), or
     NCCL with one GPU per rank (`scripts/gpu_check.sh`)."""
     torch.set_num_threads(1)
+    free_gradients_in_ranks()
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -97,6 +98,27 @@ def init_ranks(rank: int, init_file: str, ranks: int = 2, timeout_s: float = 60,
         world_size=ranks,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def free_gradients_in_ranks() -> None:
+    """In a rank process of a test run with ``HF_ZENFLOW_TEST_FREE_GRADIENTS=on``: every optimizer frees its gradients
+    in backward where it applies (``free_gradients_in_backward="auto"`` becomes "on"), as the test's own process
+    does (`tests/conftest.py`, which passes the mode on in the environment)."""
+    if os.environ.get("HF_ZENFLOW_TEST_FREE_GRADIENTS_IN_RANKS") != "on":
+        return
+    from hf_zenflow.settings.config import ZenFlowConfig
+
+    original = ZenFlowConfig.__post_init__
+    if getattr(original, "_frees_gradients", False):
+        return
+
+    def post_init(self: ZenFlowConfig) -> None:
+        if self.free_gradients_in_backward == "auto":
+            self.free_gradients_in_backward = "on"
+        original(self)
+
+    post_init._frees_gradients = True  # type: ignore[attr-defined]
+    ZenFlowConfig.__post_init__ = post_init  # type: ignore[method-assign]
 
 
 def gloo_threads() -> int:

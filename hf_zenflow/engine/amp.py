@@ -14,9 +14,16 @@ Two recipes reach the optimizer, and both are supported:
   the hooks' norms by the same ``1 / scale`` and keeps the early copies, which the host adds times ``1 / scale``
   (read in the step's one sync) instead of copying the gradients again; beforehand the compute stream waits for
   those copies, so that the in-place rewrite cannot race them. `step()` then gets ``grad_scale=None``
-  and the gradients are taken as they are. Gradients freed in backward (`free_gradients_in_backward`) were not in
-  ``p.grad`` for the scaler: they come back from the host unscaled, and whether any of them overflowed is added to
-  the scaler's ``found_inf``, so that the scale backs off for them too. (Freeing then stops for the run.)
+  and the gradients are taken as they are.
+
+Gradients freed in backward (`free_gradients_in_backward`) are not in ``p.grad`` for the scaler, under either
+recipe. Their overflow check, the scaler's own element-wise one (an L2 norm is no such test: it overflows fp16 on
+finite values), is made in each gradient's hook once a scaler has been seen, and added to the scaler's
+``found_inf`` (`_unscale_grads_` is wrapped), so that the scale backs off and the step is skipped for them exactly
+as for the others. (The hooks of the first step with a scaler did not know of it: that step checks the host copies
+of those whose norm is not finite.) ``unscale_`` does not bring them back: the selected columns their hooks
+gathered are multiplied by ``1 / scale`` as the scaler multiplied the others, and their host copies are added times
+it, like the early copies above.
 
 `GradScaler.update()` still sees the scaler's own ``found_inf`` either way, so the scale backs off after an overflow.
 """

@@ -33,6 +33,7 @@ import torch
 from ..distributed.sharding import RankGroup, is_dtensor
 from .device_memory import DeviceMemoryMeter
 from .device_step import gather_selected, norms_and_gather
+from .handoff import set_grad
 
 
 if TYPE_CHECKING:
@@ -83,6 +84,9 @@ class GradientReads:
         #: True when each (non-DTensor) gradient is rewritten after its hook by a data-parallel reduction (DDP's
         #: all-reduce): the hooks then read nothing (see the module docstring)
         self.reduced_later: Callable[[], bool] = lambda: False
+        #: whether an FSDP2 gradient shard that stays on the device is copied out of its reduce-scatter output
+        #: (`HostWindows.copies_out`)
+        self.copies_out: Callable[[torch.Tensor], bool] = lambda p: False
         #: counts the device's gradients as they arrive and leave (`device_memory.py`), when set
         self.meter: DeviceMemoryMeter | None = None
         self._handles: list = []
@@ -116,7 +120,11 @@ class GradientReads:
             # FSDP2 calls the hook once the reduce-scatter has produced the rank's shard of the gradient: the norm
             # and the copy are of the local shard, keyed by the local tensor the engine works on
             # (`distributed/fsdp.py`)
-            p, g = p._local_tensor, g._local_tensor
+            owner, p, g = p, p._local_tensor, g._local_tensor
+            if self.copies_out(p) and g.untyped_storage().nbytes() > g.numel() * g.element_size():
+                # (a view of the group's reduce-scatter output, which the freed gradients of the group then release)
+                g = g.clone()
+                set_grad(owner, g)
         elif self.reduced_later():
             return
         if self.on_arrival is not None:

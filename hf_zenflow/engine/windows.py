@@ -27,7 +27,7 @@ from ..transport.cpu_device.transport import CpuShardTransport
 from . import accumulation
 from .device_state import DenseDeviceState
 from .device_step import device_update
-from .handoff import EarlyCopies, FreedGradient, HandOff
+from .handoff import EarlyCopies, FreedGradient, HandOff, local_grad, non_finite, set_grad
 from .held_handoff import HeldHandOff
 from .host import HostMatrix, accumulate_into, link_grad_dtype, moment_dtype
 from .host_lr import LrScaleRecord
@@ -79,6 +79,8 @@ class HostWindows(WindowCloses):
         #: the kind of the coming step when its gradients of offloaded matrices may be freed in backward, else None
         #: (`may_free`; set by the optimizer from `free_gradients_in_backward` and the schedule)
         self.free_kind: StepKind | None = None
+        #: a GradScaler is in use: each gradient freed in backward has its overflow check made in its hook
+        self.checks_overflow = False
         #: creates a matrix's state in its first backward hook (the first step, so that it can be freed too), or
         #: None (set by the optimizer)
         self.create_in_backward: Callable[[torch.Tensor], SplitMatrix | None] | None = None
@@ -348,7 +350,7 @@ class HostWindows(WindowCloses):
         if not free:
             early.copies[p] = (weakref.ref(g), g._version, source, landed)
             return None
-        scores = None
+        scores, gathered = None, False
         if self.free_kind is StepKind.SELECT:
             # a re-selection ranks the columns by this gradient: their scores stay on the device (one float per
             # column), the same computation `reselection.select_columns` makes
@@ -357,9 +359,16 @@ class HostWindows(WindowCloses):
             # The selected columns stay on the device for their update (read from `g` on the compute stream before
             # it goes; CUDA: the copy to the host reads `g` on the side stream, which `record_stream` protects)
             split.device.gather_grad(split.matrix(g))
+            gathered = True
+        # a GradScaler's overflow check reads ``p.grad``, which will not hold this gradient: the check is made here
+        overflow = non_finite(g) if self.checks_overflow else None
+        if g.is_cuda:
+            # (the reads above ran on the current stream; under FSDP2 `g` is a view of the reduce-scatter output,
+            # whose memory may go with it: not reused before they have run)
+            g.record_stream(torch.cuda.current_stream(g.device))
         stand_in = g.new_empty(0)
         early.copies[p] = (weakref.ref(stand_in), stand_in._version, source, landed)
-        early.freed[p] = FreedGradient(stand_in, source, landed, g.shape, g.stride(), scores)
+        early.freed[p] = FreedGradient(stand_in, source, landed, g.shape, g.stride(), scores, gathered, overflow)
         split.owner.grad = None  # the device's memory for this gradient goes now
         return stand_in
 
@@ -368,13 +377,22 @@ class HostWindows(WindowCloses):
         (`free_kind`), the matrix's device update then needs at most its selected columns (an ordinary step: the
         matrix has its columns, or none are selected, k=0; warm-up: the host updates every column; a re-selection:
         the column scores, and the new columns' gradient comes back from the host), and the gradient crosses the
-        link in its own dtype (so that it can come back exactly, `regather`)."""
+        link in its own dtype (so that it can come back exactly, `regather`). Under FSDP2 `g` is this rank's shard
+        of the reduce-scattered gradient, and the DTensor's ``.grad`` goes."""
         kind = self.free_kind
-        if kind is None or split.host is None or split.host.grad_dtype != g.dtype or split.owner is not split.param:
+        if kind is None or split.host is None or split.host.grad_dtype != g.dtype:
             return False
         if kind is StepKind.ORDINARY:
             return split.device is not None or split.k == 0
         return kind is StepKind.SELECT or split.device is None
+
+    def copies_out(self, p: torch.Tensor) -> bool:
+        """Whether `p`'s FSDP2 gradient shard, which stays on the device this step, should be copied out of the
+        reduce-scatter output it is a view of: FSDP2 cuts every gradient of a module group from one output buffer,
+        which is released only when none of them is left, so the small gradients that stay (1-D parameters, matrices
+        kept whole on the device) must not hold it while the offloaded matrices' gradients leave (`may_free`)."""
+        split = self.splits.get(p)
+        return self.param_shards is not None and self.free_kind is not None and (split is None or split.host is None)
 
     @property
     def freed(self) -> dict[torch.Tensor, FreedGradient]:
@@ -395,25 +413,38 @@ class HostWindows(WindowCloses):
         split = self.splits[p]
         freed.landed.wait()  # Sync point (micro-batches only): the freed gradient has landed on the host
         previous = freed.restore(split, p.device)
-        p.grad.add_(previous)
+        local_grad(split.owner).add_(previous)
 
     @torch.no_grad()
-    def restore_freed(self, factor: torch.Tensor | None = None) -> None:
-        """Every freed gradient of this step back into ``p.grad`` (the step turned out to need whole gradients:
-        a re-selection or a setting changed between backward and `step()`, a GradScaler's ``unscale_``, whose
-        inverse scale `factor` they are then multiplied by, as the scaler multiplied the others). The early copies
-        go too: the step hands the restored gradients off again."""
+    def restore_freed(self) -> None:
+        """Every freed gradient of this step back into ``p.grad`` (the step turned out to need whole gradients: a
+        re-selection or a setting changed between backward and `step()`), unscaled where a GradScaler's
+        ``unscale_`` ran after its hook (`FreedGradient.factor`). The early copies go too: the step hands the
+        restored gradients off again."""
         early = self.early
         if early is None or not early.freed:
             return
         for p, freed in list(early.freed.items()):
             freed.landed.wait()  # Sync point (rare): the freed gradient has landed on the host
-            grad = freed.restore(self.splits[p], p.device)
-            if factor is not None:
-                grad.mul_(factor.to(grad.device))
-            self.splits[p].owner.grad = grad
+            set_grad(self.splits[p].owner, freed.restore(self.splits[p], p.device))
         early.freed.clear()
         early.copies.clear()
+
+    @torch.no_grad()
+    def unscale_freed(self, factor: torch.Tensor) -> None:
+        """A GradScaler's ``unscale_`` multiplied every gradient in ``p.grad`` by `factor`: the gradients freed in
+        backward follow without coming back. The selected columns their hooks gathered are multiplied now (the
+        scaler's arithmetic on those elements: exact for its powers of two); their host copies keep the scale and
+        carry `factor` (the host adds them times it, `scale_early_copies`; a restore or a re-selection's gather
+        from them applies it)."""
+        early = self.early
+        if early is None:
+            return
+        for p, freed in early.freed.items():
+            freed.factor = factor
+            if freed.gathered:
+                cols = self.splits[p].device.grad
+                cols.mul_(factor.to(cols.device))
 
     def scale_early_copies(self, factor: torch.Tensor) -> None:
         """The gradients were multiplied by `factor` in place without a version bump (`GradScaler.unscale_`): the

@@ -51,8 +51,9 @@ HOST_MEMORY_HEADROOM = 0.9
 #: and the two fp32 moments.
 SYNC_HOST_BYTES_PER_PARAM = 16
 #: Whether ZenFlow's engine frees each offloaded matrix's device gradient in backward, once its unselected part is
-#: on its way to the host (``free_gradients_in_backward``), where it applies: one process per node (not under DDP
-#: or FSDP2) with the window summed on the host (device sums keep each gradient until `step()`). The default of
+#: on its way to the host (``free_gradients_in_backward``), where it applies: one process per node, or FSDP2 ranks
+#: (each frees its shards), with the window summed on the host (device sums keep each gradient until `step()`); not
+#: DDP, whose reducer keeps a whole gradient's buckets allocated for the run. The default of
 #: ``gradients_freed_in_backward``; False models every gradient held until the step.
 GRADIENTS_FREED_IN_BACKWARD = True
 
@@ -93,7 +94,7 @@ def device_memory_gb(schedule: str, params: float, topk_ratio: float = 0.1, sum_
     """One rank's device memory, GB, for weights, gradients and optimizer state (no activations) of `schedule`:
     "no_offload", "sync_offload" or "zenflow" (with `sum_bytes` per element of device-side window sums, 0 for sums
     on the host). ``gradients_freed_in_backward`` applies to ZenFlow only; None: where the engine frees them
-    (`GRADIENTS_FREED_IN_BACKWARD`, one rank, sums on the host).
+    (`GRADIENTS_FREED_IN_BACKWARD`: one rank or FSDP2 ranks, sums on the host).
 
     Example:
         >>> [round(device_memory_gb(s, 1e9, gradients_freed_in_backward=False), 2)
@@ -109,7 +110,7 @@ def device_memory_gb(schedule: str, params: float, topk_ratio: float = 0.1, sum_
         return weights + grads + n * dev * DEVICE_BYTES_ADAM_STATE / 1e9
     if schedule == "sync_offload":
         return weights + grads  # every gradient until the step, as `SyncOffloadAdamW` keeps it
-    freed = (GRADIENTS_FREED_IN_BACKWARD and split.ranks == 1 and sum_bytes == 0) \
+    freed = (GRADIENTS_FREED_IN_BACKWARD and (split.ranks == 1 or split.parallel == "fsdp2") and sum_bytes == 0) \
         if gradients_freed_in_backward is None else gradients_freed_in_backward
     held = in_flight_gradient_gb(n, dev) if freed else grads
     return weights + held + n * dev * topk_ratio * SELECTED_BYTES / 1e9 + n * share * sum_bytes / 1e9

@@ -32,17 +32,18 @@ class StepSequence:
     def _step(self, loss: float | None) -> float | None:
         timer = StepTimer()
         unscale, found_inf = amp.scaler_args(self)  # (called by `GradScaler.step`)
-        self._scaled = self._scaled or unscale is not None or found_inf is not None
+        if unscale is not None or found_inf is not None:
+            self._note_scaler()
         # what `clip_grad_norm_` measured, keyed by the gradients it saw (a freed gradient's stand-in)
         measured_on = {p: f.stand_in for p, f in self._host.freed.items()}
-        if self._host.freed and (self._scaled or self._fsdp.active or self._host.accumulate_on != "host"
+        if self._host.freed and (self._host.accumulate_on != "host"
                                  or self._ensure_schedule().kind() is not self._host.free_kind):
-            # the step needs whole gradients after all (a re-selection forced by a resume or a changed setting, a
-            # GradScaler that appeared): the freed ones come back from the host, the same values
+            # the step needs whole gradients after all (a re-selection forced by a resume or a changed setting):
+            # the freed ones come back from the host, the same values
             self._host.restore_freed()
         freed = self._host.freed  # gradients freed in backward: their stand-ins take their place below
         entries = [(group, p) for group in self.param_groups for p in group["params"]
-                   if p.grad is not None or p in freed]
+                   if p.grad is not None or self._fsdp.local(p) in freed]
         if not entries:
             return loss
         for _, p in entries:

@@ -211,8 +211,9 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         self._find_param_shards()
         self._clips_through_optimizer = True
         freed = self._host.freed  # (gradients freed in backward: their stand-ins, whose norms the hooks took)
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None or p in freed]
-        grads = [freed[p].stand_in if p in freed else self._fsdp.grad(p) for p in params]
+        local = self._fsdp.local  # (FSDP2: the freed gradients are keyed by the local shards)
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None or local(p) in freed]
+        grads = [freed[local(p)].stand_in if local(p) in freed else self._fsdp.grad(p) for p in params]
         known = [self._reads.norm(self._fsdp.local(p), g) for p, g in zip(params, grads)] if norm_type == 2.0 \
             else None
         norms, total = grad_norms(grads, norm_type, known)
@@ -228,13 +229,18 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
     def _grads_unscaled(self, inv_scale: torch.Tensor) -> None:
         """`GradScaler.unscale_` multiplied every gradient by `inv_scale` in place, without a version bump
         (`engine/amp.py`): what was read of them before must follow or go."""
-        self._scaled = True
-        # gradients freed in backward (the first step with a scaler, before it was known): the scaler saw none of
-        # them, so they come back unscaled, and their overflow goes to the scaler (`amp.install`)
-        self._host.restore_freed(inv_scale)
+        self._note_scaler()
+        # gradients freed in backward (the scaler did not see them): they stay on the host and follow, their
+        # gathered columns now, their host copies in the host's addition (their overflow went to the scaler's check:
+        # `amp.install`)
+        self._host.unscale_freed(inv_scale)
         self._reads.rescale(inv_scale)
         self._norm_cache.take([])  # a clip measured before unscale_ no longer describes the gradients
         self._host.scale_early_copies(inv_scale)  # (they are added times inv_scale: no second copy)
+
+    def _note_scaler(self) -> None:
+        """A GradScaler is in use: from now on the hooks make its overflow check of each gradient they free."""
+        self._scaled = self._host.checks_overflow = True
 
     def _before_unscale(self) -> None:
         """`GradScaler.unscale_` is about to rewrite the gradients in place: the copies to the host started in
@@ -242,13 +248,24 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         self._host.order_after_early_copies()
 
     def _freed_overflow(self) -> torch.Tensor | None:
-        """1.0 (a device tensor) when a gradient freed in backward holds an inf or NaN (its hook's norm is not
-        finite), else 0.0; None when none was freed. Added to a GradScaler's overflow check (`amp.install`)."""
+        """1.0 (a device tensor) when a gradient freed in backward holds an inf or NaN, else 0.0; None when none was
+        freed. Added to a GradScaler's overflow check (`amp.install`), which reads only ``p.grad``: the same
+        element-wise test, made in each gradient's hook (or, for the hooks of the first step with a scaler, which
+        did not know of it, from the host copies wherever the hook's norm is not finite: a norm that is finite
+        rules an inf or NaN out)."""
         freed = self._host.freed
-        norms = [n for p, f in freed.items() if (n := self._reads.norm(p, f.stand_in)) is not None]
-        if not norms:
+        if not freed:
             return None
-        return (~torch.isfinite(torch.stack([n.float() for n in norms]))).any().float()
+        flags = []
+        for p, f in freed.items():
+            norm = self._reads.norm(p, f.stand_in)
+            # Sync point (only the first step with a scaler: its hooks made no check)
+            if f.overflow is None and norm is not None and bool(torch.isfinite(norm)):
+                continue
+            flags.append(f.has_overflow().to(f.stand_in.device))
+        if not flags:
+            return torch.zeros((), device=next(iter(freed.values())).stand_in.device)
+        return torch.stack(flags).amax()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -275,12 +292,12 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
 
     def _frees_next_step(self) -> StepKind | None:
         """The next step's kind when its gradients of offloaded matrices leave the device in backward
-        (`free_gradients_in_backward`), else None: one process (not DDP, whose reducer rewrites the gradients after
-        the hooks, nor FSDP2), host window sums, no GradScaler (it reads ``p.grad`` itself), and with "auto" a
-        caller that clips through `clip_grad_norm_`. Before the first step (no schedule yet): "on" only."""
+        (`free_gradients_in_backward`), else None: one process or FSDP2 ranks (not DDP, whose reducer rewrites the
+        gradients after the hooks and keeps its buckets for the run), host window sums, and with "auto" a caller
+        that clips through `clip_grad_norm_`. Before the first step (no schedule yet): "on" only."""
         setting = self.config.free_gradients_in_backward
-        if not (setting == "on" or (setting == "auto" and self._clips_through_optimizer)) or self._scaled \
-                or self._fsdp.active or self._host.several_ranks() or sums_on_device(self._host.accumulate_on):
+        if not (setting == "on" or (setting == "auto" and self._clips_through_optimizer)) \
+                or self._host.several_ranks() or sums_on_device(self._host.accumulate_on):
             return None
         if self._schedule is None:
             return StepKind.WARM_UP if self.config.full_warm_up_rounds > 0 else StepKind.SELECT
@@ -445,7 +462,11 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
             self._meter = DeviceMemoryMeter(current, self._meter.state_bytes)
             self._reads.meter = self._meter
             self._reads.on_arrival = self._host.regather
+            self._reads.copies_out = self._host.copies_out
             self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1
+            # (FSDP2's ranks free their shards from the next step on; ``accumulate_on="auto"``, deciding in this
+            # step, weighs that)
+            self._host.free_kind = self._frees_next_step()
 
     def _engine_params(self) -> list[torch.Tensor]:
         """Every parameter in param-group order as the engine keys its state (its local shard under FSDP2)."""

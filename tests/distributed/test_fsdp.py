@@ -12,6 +12,7 @@ per GPU (one GPU: an FSDP2 mesh of one rank through the same code against the pl
 from __future__ import annotations
 
 import gc
+import math
 import os
 import weakref
 
@@ -335,7 +336,7 @@ def _non_finite_run(rank: int, init_file: str, out_dir: str) -> None:
 
 def _non_finite_body(rank: int, out_dir: str) -> None:
     model = _shard(_model())
-    opt = _zenflow(model)
+    opt = _zenflow(model, free_gradients_in_backward="off")  # (it writes a gradient between backward and step())
     _train(model, opt, range(3))
     before = _full(model)
     x, y = (t.to(DEVICE) for t in _data()[3])
@@ -414,3 +415,78 @@ def test_the_auto_write_back_lag_is_agreed_across_fsdp2_ranks(tmp_path):
     spawn_ranks(_auto_lag_run, str(tmp_path), ranks=RANKS)
     lags = [torch.load(tmp_path / f"auto{r}.pt", weights_only=True)["lag"] for r in range(RANKS)]
     assert lags == [3] * RANKS
+
+
+def _freeing_run(rank: int, init_file: str, out_dir: str) -> None:
+    """The FSDP2 ranks with the gradients freed in backward and without: plain steps, two micro-batches a step, and
+    under a GradScaler (unscale_, clip, step) with overflows."""
+    run_in_group(rank, init_file, _freeing_body, out_dir, ranks=RANKS, device=DEVICE)
+
+
+FREEING_RUNS = {"plain": (1, False), "micro": (2, False), "scaler": (1, True)}
+
+
+def _freeing_body(rank: int, out_dir: str) -> None:
+    data = _data()
+    results: dict = {}
+    for name, (micro, scaled) in FREEING_RUNS.items():
+        for free in ("off", "on"):
+            model = _shard(_model())
+            opt = _zenflow(model, free_gradients_in_backward=free, select_interval=5, update_interval=3,
+                           high_lr_rule="off")
+            scaler = torch.amp.GradScaler(DEVICE, init_scale=4096.0) if scaled else None
+            peaks, own_storage, scales = [], [], []
+            for i in range(12):
+                x, y = (t.to(DEVICE) for t in data[i])
+                size = PER_RANK // micro
+                for m in range(micro):
+                    rows = slice(rank * PER_RANK + m * size, rank * PER_RANK + (m + 1) * size)
+                    logits = model(x[rows])
+                    loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y[rows].view(-1))
+                    if scaler is not None:
+                        loss = scaler.scale(loss) * (math.inf if i in (0, 4, 7) else 1.0)
+                    loss.backward()
+                # what stays on the device owns its memory: no view keeps the freed gradients' reduce-scatter
+                # output alive
+                held = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+                own_storage.append(all(g.untyped_storage().nbytes() == g.numel() * g.element_size() for g in held))
+                if scaler is not None:
+                    scaler.unscale_(opt)
+                opt.clip_grad_norm_(0.5)
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                    scales.append(scaler.get_scale())
+                else:
+                    opt.step()
+                opt.zero_grad()
+                peaks.append(opt.stats()["step_peak_device_bytes"])
+            opt.flush()
+            results[f"{name}-{free}"] = {"final": _full(model), "peaks": peaks, "own_storage": own_storage,
+                                         "scales": scales, "reselections": opt.stats()["reselections"],
+                                         "skipped": opt.stats()["skipped_steps"]}
+            opt.close()
+    torch.save(results, os.path.join(out_dir, f"free{rank}.pt"))
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_ranks_freeing_gradients_in_backward_change_no_arithmetic(tmp_path):
+    """Each rank frees its offloaded matrices' gradient shards in their hooks (after FSDP2's reduce-scatter): the
+    same weights bit for bit as the ranks that keep them, ranks equal, re-selections, two micro-batches a step (a
+    freed shard comes back and takes the next one) and a GradScaler with overflows (the same scale trajectory and
+    skipped steps) included; every step after the first holds less, and what stays is copied out of the
+    reduce-scatter output, so that the freed shards release it."""
+    spawn_ranks(_freeing_run, str(tmp_path), ranks=RANKS)
+    runs = [torch.load(tmp_path / f"free{r}.pt", weights_only=True) for r in range(RANKS)]
+    for name in FREEING_RUNS:
+        kept, freed = runs[0][f"{name}-off"], runs[0][f"{name}-on"]
+        assert kept["reselections"] == freed["reselections"] >= 2
+        assert kept["scales"] == freed["scales"] and kept["skipped"] == freed["skipped"]
+        assert all(torch.equal(a, b) for a, b in zip(kept["final"], freed["final"]))
+        assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(run[f"{name}-on"]["final"], freed["final"]))
+        for run in runs:
+            peaks_kept, peaks_freed = run[f"{name}-off"]["peaks"], run[f"{name}-on"]["peaks"]
+            assert peaks_freed[0] == peaks_kept[0]  # (the first step makes its state in step(): nothing freed)
+            assert all(f < k for f, k in zip(peaks_freed[1:], peaks_kept[1:]))
+            assert all(run[f"{name}-on"]["own_storage"][1:])
+    assert runs[0]["scaler-on"]["skipped"] == 3

@@ -198,3 +198,68 @@ def test_llama_peak_device_bytes_with_gradients_freed():
     assert zen["peak"] <= 1.79 * weight_bytes
     assert zen["peak"] <= 0.9 * sync["peak"]
     assert sync["peak"] >= 2 * weight_bytes and adamw["peak"] >= 4 * weight_bytes
+
+
+def _scaled_run(free: str, recipe: str, dtype: torch.dtype, overflow_at: frozenset[int], init_scale: float,
+                steps: int = 12, **settings: object) -> dict:
+    """Train under a `torch.amp.GradScaler`: "unscale" (scale, unscale_, clip, step, update: the Trainer's order) or
+    "step" (scale, step, update). Batches in `overflow_at` get an infinite scaled loss."""
+    model = make_model(dtype=dtype)
+    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, **{**SETTINGS, **settings}, free_gradients_in_backward=free)
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=init_scale)
+    scales, peaks, norms = [], [], []
+    for i, (x, y) in enumerate(batches(steps)):
+        logits = model(x.to(DEVICE)).float()
+        loss = scaler.scale(torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
+                                                              y.to(DEVICE).view(-1)))
+        (loss * math.inf if i in overflow_at else loss).backward()
+        if recipe == "unscale":
+            scaler.unscale_(opt)
+            norms.append(opt.clip_grad_norm_(0.5).item())
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        peaks.append(opt.stats()["step_peak_device_bytes"])
+        opt.zero_grad()
+    opt.flush()
+    out = {"weights": [p.detach().clone() for p in model.parameters()], "scales": scales, "peaks": peaks,
+           "norms": norms, "skipped": opt.stats()["skipped_steps"]}
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("recipe,dtype,copying", [
+    ("unscale", torch.float32, False), ("unscale", torch.bfloat16, False), ("step", torch.float32, False),
+    ("step", torch.float16, False), ("unscale", torch.float32, True), ("step", torch.float16, True)])
+def test_freeing_under_a_grad_scaler_changes_nothing(recipe, dtype, copying, monkeypatch):
+    """fp16 training's GradScaler with the gradients freed in backward, both recipes: the same weights, clip norms,
+    scale trajectory and skipped steps as without freeing, bit for bit, with overflows in the first step (no state
+    yet), a re-selection (step 5) and mid-window; and every step's peak is lower (the freeing goes on under the
+    scaler). The overflow check of a freed gradient is made in its hook (the scaler reads only ``p.grad``).
+    `copying`: the transport that copies each gradient into a staging buffer in its hook, as on CUDA."""
+    if copying:
+        monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: CopyTransport())
+    overflow_at = frozenset({0, 5, 7})
+    kept = _scaled_run("off", recipe, dtype, overflow_at, init_scale=4096.0, high_lr_rule="off")
+    freed = _scaled_run("on", recipe, dtype, overflow_at, init_scale=4096.0, high_lr_rule="off")
+    assert kept["scales"] == freed["scales"] and kept["skipped"] == freed["skipped"] == len(overflow_at)
+    assert [repr(n) for n in kept["norms"]] == [repr(n) for n in freed["norms"]]  # (NaN at an overflow)
+    for a, b in zip(kept["weights"], freed["weights"]):
+        assert torch.equal(a, b)
+    assert all(f < k for f, k in zip(freed["peaks"], kept["peaks"]))
+
+
+def test_an_fp16_norm_that_overflows_on_finite_gradients_is_no_overflow_for_the_scaler():
+    """Pure fp16 gradients at a high scale: some gradient's L2 norm overflows fp16 while every element is finite.
+    The scaler sees no overflow there (its check is element-wise), the optimizer skips the step on its non-finite
+    norm; the freed run must make the same element-wise check, not take the norm for it: the same scale trajectory
+    and weights as without freeing."""
+    scale = 2.0 ** 17  # (TinyNet's fp16 gradients: the matrices' norms overflow, their largest elements ~1e4)
+    kept = _scaled_run("off", "step", torch.float16, frozenset({2}), init_scale=scale, steps=4)
+    freed = _scaled_run("on", "step", torch.float16, frozenset({2}), init_scale=scale, steps=4)
+    # every step skipped on its norm, and the scaler backed off only for the step whose elements overflowed
+    assert kept["skipped"] == 4 and kept["scales"] == [scale, scale, scale / 2, scale / 2]
+    assert kept["scales"] == freed["scales"] and kept["skipped"] == freed["skipped"]
+    for a, b in zip(kept["weights"], freed["weights"]):
+        assert torch.equal(a, b)
+    assert all(f < k for f, k in zip(freed["peaks"], kept["peaks"]))

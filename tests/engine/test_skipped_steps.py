@@ -24,10 +24,18 @@ SETTINGS = dict(topk_ratio=0.25, update_interval=4, writeback_lag=1, select_stra
 
 
 def _poison(model: torch.nn.Module, bad: tuple[int, ...]):
-    def hook(i: int) -> None:
-        if i in bad:
-            model.up.weight.grad[0, 0] = float("nan")
-    return hook
+    """A NaN in `up`'s gradient on the steps `bad`, put in before autograd accumulates it (so before the hooks that
+    read it, or free it in backward, see it). Returns the training loop's hook, which counts the steps."""
+    step = [0]
+
+    def poison(g: torch.Tensor) -> torch.Tensor:
+        if step[0] in bad:
+            g = g.clone()
+            g[0, 0] = float("nan")
+        return g
+
+    model.up.weight.register_hook(poison)
+    return lambda i: step.__setitem__(0, i + 1)
 
 
 def _run(dtype: torch.dtype, bad: tuple[int, ...], **kw) -> tuple[torch.nn.Module, ZenFlowAdamW]:

@@ -23,6 +23,7 @@ from hf_zenflow.estimate.memory import (
     zenflow_host_bytes_per_param,
 )
 from hf_zenflow.estimate.profiles import PROFILES
+from hf_zenflow.estimate.ranks import RankSplit
 
 
 FAKE = HostRates(cores=4, adamw_params_per_s={1: 1.0e9, 2: 1.8e9, 4: 3.0e9}, mem_gbps=40.0, seconds=0.1)
@@ -75,6 +76,21 @@ def test_zenflow_defaults_hold_at_most_3_5_bytes_per_param_on_the_device(tmp_pat
     per_param = row["device_memory_gb"] * 1e9 / n
     assert row["accumulate_on"] == "host"
     assert per_param <= 3.5 < per_param + 0.1 * 2
+
+
+def test_gradients_freed_where_the_engine_frees_them() -> None:
+    """The default follows the engine: one process and FSDP2 ranks (each its shards) free the gradients in backward
+    with the window summed on the host; DDP ranks (the reducer's buckets hold a whole gradient for the run) and
+    device sums keep them."""
+    n = 7e9
+    for ranks, parallel, sum_bytes, freed in [(1, "ddp", 0, True), (4, "fsdp2", 0, True), (4, "ddp", 0, False),
+                                              (1, "ddp", 4, False), (4, "fsdp2", 4, False)]:
+        split = RankSplit(ranks=ranks, parallel=parallel)
+        assert device_memory_gb("zenflow", n, 0.1, sum_bytes, split=split) == device_memory_gb(
+            "zenflow", n, 0.1, sum_bytes, gradients_freed_in_backward=freed, split=split), (ranks, parallel, sum_bytes)
+    fsdp = RankSplit(ranks=4, parallel="fsdp2")
+    assert device_memory_gb("zenflow", n, 0.1, split=fsdp) == pytest.approx(
+        (2 + 0.1 * SELECTED_BYTES) * n / 4 / 1e9 + in_flight_gradient_gb(n, 0.25))
 
 
 @pytest.mark.parametrize("moments", ["float32", "bfloat16"])
