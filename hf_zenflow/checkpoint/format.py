@@ -153,6 +153,8 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
             "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
             # where windows are summed ("auto"'s choice; None before any host state): a resumed run keeps it
             "accumulate_on": opt._host.accumulate_on,
+            # the min_offload_numel device_memory_limit_bytes chose (None: no limit): a resumed run keeps it
+            "limit_min_offload_numel": schedule.limit_min_offload_numel,
         }
         if opt._host.shards.ranks > 1:
             zenflow.update(ranks=opt._host.shards.ranks, rank=opt._host.shards.rank)
