@@ -10,7 +10,9 @@ round), so a busy machine disturbs all of them alike. A block's time includes wa
 its end, so host work that did not overlap the block is charged to it.
 
 Per run: the median whole step (forward, backward, clip, optimizer.step, zero_grad), the training thread's CPU time
-per step (`time.thread_time`, the comparable figure on a busy machine), the block times, the peak device bytes
+per step (`time.thread_time`, the comparable figure on a busy machine), `optimizer.step`'s wall and CPU time, the
+host worker's time per step (ZenFlow: the last window's host AdamW over its steps plus the last accumulation; it
+overlaps the device's next steps), the block times, the peak device bytes
 (`DeviceMemoryMeter`, as compare counts them: weights, gradients, optimizer device state), the run's
 `min_offload_numel`, where windows are summed and the share of the parameters offloaded.
 
@@ -47,13 +49,21 @@ def one_step(run: dict[str, Any], batches: list[Any], max_grad_norm: float, reco
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     else:
         opt.clip_grad_norm_(max_grad_norm)
+    c1, t1 = time.thread_time(), time.perf_counter()
     opt.step()
+    c2, t2 = time.thread_time(), time.perf_counter()
     if run["meter"] is not None:
         run["meter"].finish_step()  # (before zero_grad: the step's gradients and its state, as compare counts)
     opt.zero_grad(set_to_none=True)
     if record:
         run["step_ms"].append((time.perf_counter() - t0) * 1e3)
         run["cpu_ms"].append((time.thread_time() - c0) * 1e3)
+        run["opt_ms"].append((t2 - t1) * 1e3)
+        run["opt_cpu_ms"].append((c2 - c1) * 1e3)
+        if run["kind"] == "zenflow":
+            # the host worker's work per step: the last window's host AdamW over its steps, the last accumulation
+            stats = opt.stats()
+            run["host_ms"].append(stats["host_step_ms"] / max(1.0, stats["update_interval"]) + stats["accumulate_ms"])
 
 
 def main() -> None:
@@ -95,7 +105,7 @@ def main() -> None:
             model.parameters(), (lambda o=opt: torch_adamw_state_bytes(o)) if kind == "adamw_torch"
             else (lambda o=opt: int(o.stats()["device_state_bytes"])), watch=True)
         runs[label] = {"kind": kind, "model": model, "opt": opt, "meter": meter, "i": 0, "step_ms": [],
-                       "cpu_ms": [], "block_ms": []}
+                       "cpu_ms": [], "block_ms": [], "opt_ms": [], "opt_cpu_ms": [], "host_ms": []}
     for run in runs.values():  # untimed: state allocation, first selection, the worker's start
         for _ in range(args.warm):
             one_step(run, batches, base.max_grad_norm, record=False)
@@ -118,8 +128,9 @@ def main() -> None:
     sync_peak = runs["sync_offload"]["meter"].peak_bytes
     print(f"core split {split.to_dict()}; {params} parameters; blocks of {args.block} steps x {args.rounds} rounds")
     print("| run | min_offload_numel used | accumulate_on | offloaded | peak device bytes | B/param | x sync peak | "
-          "step ms median | thread CPU ms median | block ms/step median | x adamw_torch | block ms/step by round |")
-    print("|---" * 12 + "|")
+          "step ms median | thread CPU ms median | optimizer.step ms / CPU ms median | host worker ms/step mean | "
+          "block ms/step median | x adamw_torch | block ms/step by round |")
+    print("|---" * 14 + "|")
     results = {}
     for name, run in runs.items():
         opt = run["opt"]
@@ -129,12 +140,17 @@ def main() -> None:
         row = {"min_offload_numel": stats.get("min_offload_numel"), "accumulate_on": stats.get("accumulate_on"),
                "offloaded_params_fraction": stats.get("offloaded_params_fraction"), "peak_device_bytes": peak,
                "step_ms_median": statistics.median(run["step_ms"]), "cpu_ms_median": statistics.median(run["cpu_ms"]),
+               "opt_ms_median": statistics.median(run["opt_ms"]),
+               "opt_cpu_ms_median": statistics.median(run["opt_cpu_ms"]),
+               "host_ms_mean": statistics.fmean(run["host_ms"]) if run["host_ms"] else None,
                "block_ms": run["block_ms"], "block_ms_median": block}
         results[name] = row
         used = "" if row["min_offload_numel"] is None else f"{row['min_offload_numel']:.0f}"
         offloaded = "" if row["offloaded_params_fraction"] is None else f"{row['offloaded_params_fraction']:.0%}"
         print(f"| {name} | {used} | {row['accumulate_on'] or ''} | {offloaded} | {peak} | {peak / params:.2f} | "
-              f"{peak / sync_peak:.2f} | {row['step_ms_median']:.0f} | {row['cpu_ms_median']:.0f} | {block:.0f} | "
+              f"{peak / sync_peak:.2f} | {row['step_ms_median']:.0f} | {row['cpu_ms_median']:.0f} | "
+              f"{row['opt_ms_median']:.1f} / {row['opt_cpu_ms_median']:.1f} | "
+              + ("" if row["host_ms_mean"] is None else f"{row['host_ms_mean']:.1f}") + f" | {block:.0f} | "
               f"{block / reference:.2f} | " + " ".join(f"{v:.0f}" for v in run["block_ms"]) + " |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

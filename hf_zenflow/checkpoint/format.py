@@ -23,8 +23,9 @@ ranks (each rank takes its share); other combinations are refused, naming both r
 ``fsdp_rank``: it loads only on the same rank of the same world size.
 
 Loading compares the saved settings with the optimizer's own and lets the current ones take effect (a new
-``topk_ratio`` re-selects every matrix at the next step, moments kept; a new ``min_offload_numel`` moves matrices
-between the split and the dense path; the rest apply as they are), logging what changed.
+``topk_ratio`` re-selects every matrix at the next step, moments kept; a new ``min_offload_numel`` or
+``device_memory_limit_bytes`` moves matrices between the split and the dense path, and otherwise the threshold the
+limit chose, ``limit_min_offload_numel``, is kept; the rest apply as they are), logging what changed.
 """
 
 from __future__ import annotations

@@ -22,8 +22,10 @@ BENCHMARKS.md §4e.
   it is set; for a model spread over several GPUs (``device_map``), on each GPU for the matrices it holds;
 * a CPU device: `device_memory_budget_bytes` (None: nothing is known, so "host", today's behaviour and what tests
   and `hf-zenflow compare` rely on);
-* either: `device_memory_limit_bytes`, the whole memory the step may hold, leaves the limit less the peak counted
-  so far (`device_memory.py`: weights and gradients after the first backward) and caps the rest.
+* either: `device_memory_limit_bytes`, the whole memory the step may hold, leaves the limit less the larger of the
+  peak counted so far (`device_memory.py`: weights and gradients after the first backward) and the step's estimated
+  peak with host sums (`device_budget.py`, which counts the selected columns' state already: a little to spare),
+  and caps the rest.
 
 When the gradients are freed in backward (`free_gradients_in_backward`, which needs host sums), device sums also
 keep each offloaded matrix's gradient on the device until `step()` (its clip coefficient is known only then): those

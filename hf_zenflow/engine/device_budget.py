@@ -73,7 +73,7 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
             weights += nbytes
             if not p.requires_grad:
                 continue
-            if not is_split(p, group, config, min_numel=min_numel):
+            if not is_split(local, group, config, p.shape, min_numel):
                 state += local.numel() * (8 if p.dtype == torch.float32 else 12)
                 held += nbytes
                 continue
@@ -94,7 +94,7 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
 def candidate_thresholds(groups: list[dict[str, Any]], config: ZenFlowConfig) -> list[int]:
     """`min_offload_numel` and, below it, the size of each trainable matrix that could be split, largest first."""
     sizes = {math.prod(p.shape) for g in groups for p in g["params"]
-             if p.requires_grad and is_split(p, g, config, min_numel=0)}
+             if p.requires_grad and is_split(_local(p), g, config, p.shape, 0)}
     return [config.min_offload_numel] + sorted((n for n in sizes if n < config.min_offload_numel), reverse=True)
 
 
