@@ -39,9 +39,9 @@ class SmallMatrices(torch.nn.Module):
         return self.head(h)
 
 
-def _model() -> SmallMatrices:
+def _model(dtype: torch.dtype = torch.float32) -> SmallMatrices:
     torch.manual_seed(0)
-    return SmallMatrices().to(DEVICE)
+    return SmallMatrices().to(DEVICE, dtype)
 
 
 def _groups(model: torch.nn.Module) -> list[dict]:
@@ -62,8 +62,9 @@ def _train(model: torch.nn.Module, opt: ZenFlowAdamW, data: list) -> None:
         opt.zero_grad()
 
 
-def _run(steps: int = 8, **settings: object) -> tuple[list[torch.Tensor], dict, ZenFlowAdamW]:
-    model = _model()
+def _run(steps: int = 8, dtype: torch.dtype = torch.float32, **settings: object
+         ) -> tuple[list[torch.Tensor], dict, ZenFlowAdamW]:
+    model = _model(dtype)
     opt = _optimizer(model, **settings)
     _train(model, opt, batches(steps, vocab=VOCAB))
     stats = opt.stats()
@@ -78,11 +79,13 @@ def _weights_and_gradients(model: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize("threshold", [MIN_OFFLOAD_NUMEL, 16384, 8192, 0])
 @pytest.mark.parametrize("free", ["on", "off"])
-def test_the_estimate_bounds_what_the_meter_counts(threshold, free):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_estimate_bounds_what_the_meter_counts(threshold, free, dtype):
     """The estimate is an upper bound of the measured peak (`DeviceMemoryMeter`), and a close one: its parts are
-    the meter's own (weights, state, gradients held, the one gradient in flight)."""
-    model = _model()
-    _, stats, opt = _run(min_offload_numel=threshold, free_gradients_in_backward=free, accumulate_on="host")
+    the meter's own (weights, state, gradients held, the one gradient in flight), bf16 weights' fp32 masters too."""
+    model = _model(dtype)
+    _, stats, opt = _run(dtype=dtype, min_offload_numel=threshold, free_gradients_in_backward=free,
+                         accumulate_on="host")
     estimate = estimate_peak(_groups(model), opt.config, threshold, frees=free == "on").total
     assert stats["peak_device_bytes"] <= estimate <= 1.1 * stats["peak_device_bytes"]
 
