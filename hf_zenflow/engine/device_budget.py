@@ -46,10 +46,19 @@ class PeakEstimate:
     state: int
     held_gradients: int
     in_flight_gradient: int
+    #: the part of `state` that is the offloaded matrices' selected columns (`accumulation.decide` counts it itself)
+    offloaded_selected: int = 0
 
     @property
     def total(self) -> int:
         return self.weights + self.state + self.held_gradients + self.in_flight_gradient
+
+    @property
+    def beside_window_sums(self) -> int:
+        """What the step holds whatever `accumulate_on="auto"` chooses and `accumulation.decide` does not count
+        itself (the selected columns' state, and the offloaded gradients that device sums keep): the peak its
+        device sums must fit on top of."""
+        return self.total - self.offloaded_selected - self.in_flight_gradient
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -61,7 +70,7 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
     """The peak the device holds in a step with matrices of at least `min_numel` elements split. `frees`: the
     gradients of offloaded matrices leave the device in their backward hook (`free_gradients_in_backward`);
     `accumulate_on`: where windows are summed ("host", "device" or "device_bf16")."""
-    weights = state = held = in_flight = 0
+    weights = state = held = in_flight = selected = 0
     seen: set[int] = set()
     for group in groups:
         for p in group["params"]:
@@ -79,8 +88,10 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
                 continue
             columns = p.shape[0] if group.get("select_rows", False) else math.prod(p.shape[1:])
             k = num_selected(config.topk_ratio, columns)
-            state += SELECTED_BYTES * math.ceil(local.numel() * k / columns)
+            columns_state = SELECTED_BYTES * math.ceil(local.numel() * k / columns)
+            state += columns_state
             offloaded = k < columns or config.full_warm_up_rounds > 0
+            selected += columns_state if offloaded else 0
             if offloaded and sums_on_device(accumulate_on):
                 state += local.numel() * DEVICE_SUM_DTYPES[accumulate_on].itemsize
             if frees and offloaded and not sums_on_device(accumulate_on) \
@@ -88,7 +99,7 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
                 in_flight = max(in_flight, nbytes)
             else:
                 held += nbytes
-    return PeakEstimate(weights, state, held, in_flight)
+    return PeakEstimate(weights, state, held, in_flight, selected)
 
 
 def candidate_thresholds(groups: list[dict[str, Any]], config: ZenFlowConfig) -> list[int]:

@@ -92,8 +92,8 @@ class HostWindows(WindowCloses):
         self.reserved_ahead = False
         #: the device's peak so far, for ``device_memory_limit_bytes`` (`accumulation.decide`; set by the optimizer)
         self.device_peak: Callable[[], int] = lambda: 0
-        #: the step's estimated peak under ``device_memory_limit_bytes`` with host sums (`device_budget.py`; 0 without
-        #: a limit), which the device sums of "auto" must fit on top of (set by the optimizer)
+        #: under ``device_memory_limit_bytes``, what the step holds beside the device sums of "auto" and what they
+        #: keep (`device_budget.PeakEstimate.beside_window_sums`; 0 without a limit; set by the optimizer)
         self.limit_peak: Callable[[], int] = lambda: 0
 
     @property

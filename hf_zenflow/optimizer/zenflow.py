@@ -482,12 +482,12 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         return self._limit_choice().min_offload_numel
 
     def _limit_peak(self) -> int:
-        """Under `device_memory_limit_bytes`: the estimated peak of a step with host window sums at the run's
-        threshold, which `accumulate_on="auto"`'s device sums must fit on top of; 0 without a limit."""
+        """Under `device_memory_limit_bytes`: what a step at the run's threshold holds beside what
+        `accumulate_on="auto"` counts for device sums (`PeakEstimate.beside_window_sums`); 0 without a limit."""
         if self.config.device_memory_limit_bytes is None:
             return 0
         return estimate_peak(self.param_groups, self.config, self._offload_threshold(),
-                             self._host.free_kind is not None).total
+                             self._host.free_kind is not None).beside_window_sums
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpointing

@@ -11,6 +11,7 @@ import torch
 
 from hf_zenflow import CheckpointError, ZenFlowAdamW
 from hf_zenflow.checkpoint.seal import seal
+from hf_zenflow.engine import accumulation
 from hf_zenflow.engine.device_budget import candidate_thresholds, choose_min_offload_numel, estimate_peak
 from hf_zenflow.settings.config import MIN_OFFLOAD_NUMEL, ZenFlowConfig
 from tests.conftest import DEVICE, batches, roundtrip
@@ -105,6 +106,31 @@ def test_a_limit_at_sync_offloads_peak_holds_zenflow_to_it(caplog):
     assert sorted(p.numel() for p in opt._dense if p.ndim >= 2) == [8192, 8192]
     said = [r.getMessage() for r in caplog.records if "device_memory_limit_bytes=" in r.getMessage()]
     assert len(said) == 1 and f"lowered from {MIN_OFFLOAD_NUMEL} to 16384" in said[0], said
+
+
+def test_auto_window_sums_fit_under_the_limit_too(caplog):
+    """`accumulate_on="auto"` under a limit: device sums (fp32 or bf16) only where they fit beside what the step
+    holds anyway (the whole matrices' state and gradients, counted from sizes, not the smaller peak of the first
+    backward's first hooks): at every limit the measured peak is within it, and nothing is said to be over it."""
+    chosen = set()
+    with caplog.at_level(logging.WARNING, logger="hf_zenflow"):
+        for limit in range(800_000, 1_900_001, 50_000):
+            _, stats, _ = _run(steps=4, min_offload_numel=16384, device_memory_limit_bytes=limit)
+            assert stats["peak_device_bytes"] <= limit, (limit, stats["accumulate_on"])
+            chosen.add(stats["accumulate_on"])
+    assert chosen == {"host", "device_bf16", "device"}
+    assert not [r for r in caplog.records if "device_memory_limit_bytes" in r.getMessage()]
+
+
+def test_a_cuda_limit_counts_the_estimated_peak_when_it_is_above_the_measured_one(monkeypatch):
+    """On CUDA the spare memory under a limit is the limit less the larger of the measured and the estimated peak."""
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 36 * gib)
+    cuda = torch.device("cuda", 0)
+    assert accumulation.available_bytes(cuda, None, 40 * gib, 38 * gib) == (2 * gib, 40 * gib)
+    assert accumulation.available_bytes(cuda, None, 40 * gib, 30 * gib) == (4 * gib, 40 * gib)
 
 
 def test_the_choice_is_the_largest_threshold_that_fits():
