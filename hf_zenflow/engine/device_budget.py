@@ -27,16 +27,13 @@ from typing import Any
 import torch
 
 from ..settings.config import DEVICE_SUM_DTYPES, ZenFlowConfig, sums_on_device
+from .accumulation import SELECTED_BYTES
 from .host import link_grad_dtype
 from .params import is_split
 from .selection import num_selected
 
 
 logger = logging.getLogger("hf_zenflow")
-
-#: Device bytes per element of a split matrix's selected columns: fp32 master, exp_avg, exp_avg_sq, gathered gradient.
-SELECTED_BYTES = 16
-
 
 @dataclass(frozen=True)
 class PeakEstimate:
