@@ -35,6 +35,7 @@ from .selection import num_selected
 
 logger = logging.getLogger("hf_zenflow")
 
+
 @dataclass(frozen=True)
 class PeakEstimate:
     """The parts of the estimated peak, in bytes (see the module docstring)."""
