@@ -126,8 +126,9 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    help="ZenFlow: matrices with fewer elements stay wholly on the device (e.g. the classifier head)")
     p.add_argument("--device-memory-budget", type=non_negative_int, default=None, metavar="BYTES",
                    help="ZenFlow: the device memory its whole step may hold (weights, gradients, optimizer state, "
-                   "window sums), e.g. sync offload's peak from an earlier run's headline; accumulate_on=\"auto\" "
-                   "decides under it (default: the device's free memory)")
+                   "window sums), e.g. sync offload's peak from an earlier run's headline: matrices under "
+                   "--min-offload-numel are offloaded too, largest first, until the step fits, and "
+                   "accumulate_on=\"auto\" decides under it (default: the device's free memory)")
     p.add_argument("--select-strategy", default=d.select_strategy, choices=["auto", "step", "epoch"],
                    help='ZenFlow column re-selection: "step"/"epoch" every --select-interval steps/epochs, "auto" '
                    "every epoch")

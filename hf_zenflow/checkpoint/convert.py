@@ -67,7 +67,8 @@ def apply_changed_settings(opt: ZenFlowState, saved: dict[str, Any]) -> None:
         elif name == "accumulate_on" and now == "auto":
             note += f" (keeps the checkpoint's {opt._host.accumulate_on!r})" if opt._host.accumulate_on else ""
         notes.append(note)
-    if "min_offload_numel" in changed:
+    if "min_offload_numel" in changed or ("device_memory_limit_bytes" in changed and opt._host.param_shards is None):
+        # (a new limit chooses the run's threshold afresh, `device_budget.py`; under FSDP2 the checkpoint's stays)
         notes.append(_apply_min_offload_numel(opt))
     logger.warning("ZenFlowAdamW.load_state_dict: settings differ from the checkpoint's; the current ones take "
                    "effect: %s.", "; ".join(n for n in notes if n))
@@ -81,8 +82,9 @@ def _apply_min_offload_numel(opt: ZenFlowState) -> str:
             "cannot move between the split and the dense path on resume. Resume with the checkpoint's "
             "min_offload_numel.")
     group_of = {p: g for g in opt.param_groups for p in g["params"]}
-    to_dense = [p for p in opt._split if not is_split(p, group_of[p], opt.config)]
-    to_split = [p for p in opt._dense if is_split(p, group_of[p], opt.config)]
+    threshold = opt._schedule.offload_threshold(opt.config)  # (a device memory limit's choice, else the setting)
+    to_dense = [p for p in opt._split if not is_split(p, group_of[p], opt.config, min_numel=threshold)]
+    to_split = [p for p in opt._dense if is_split(p, group_of[p], opt.config, min_numel=threshold)]
     for p in to_dense:
         _split_to_dense(opt, p, group_of[p])
     for p in to_split:
@@ -179,7 +181,7 @@ def unpack_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     params = [p for g in opt.param_groups for p in g["params"]]
     _restore_groups(opt, state_dict["param_groups"])
     opt._reset_state()
-    opt._ensure_schedule()
+    threshold = opt._ensure_schedule().offload_threshold(opt.config)
     group_of = {p: g for g in opt.param_groups for p in g["params"]}
     for index, entry in state_dict["state"].items():
         p = params[int(index)]
@@ -190,7 +192,7 @@ def unpack_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
         dense.exp_avg_sq.copy_(exp_avg_sq)
         dense.step.copy_(step)
         opt._dense[p] = dense
-        if is_split(p, group_of[p], opt.config):
+        if is_split(p, group_of[p], opt.config, min_numel=threshold):
             _dense_to_split(opt, p, group_of[p])
 
 

@@ -23,8 +23,9 @@ ranks (each rank takes its share); other combinations are refused, naming both r
 ``fsdp_rank``: it loads only on the same rank of the same world size.
 
 Loading compares the saved settings with the optimizer's own and lets the current ones take effect (a new
-``topk_ratio`` re-selects every matrix at the next step, moments kept; a new ``min_offload_numel`` moves matrices
-between the split and the dense path; the rest apply as they are), logging what changed.
+``topk_ratio`` re-selects every matrix at the next step, moments kept; a new ``min_offload_numel`` or
+``device_memory_limit_bytes`` moves matrices between the split and the dense path, and otherwise the threshold the
+limit chose, ``limit_min_offload_numel``, is kept; the rest apply as they are), logging what changed.
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
             "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
             # where windows are summed ("auto"'s choice; None before any host state): a resumed run keeps it
             "accumulate_on": opt._host.accumulate_on,
+            # the min_offload_numel device_memory_limit_bytes chose (None: no limit): a resumed run keeps it
+            "limit_min_offload_numel": schedule.limit_min_offload_numel,
         }
         if opt._host.shards.ranks > 1:
             zenflow.update(ranks=opt._host.shards.ranks, rank=opt._host.shards.rank)

@@ -111,6 +111,12 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
         # the saved run's lag, chosen or still provisional; an explicit setting replaces it
         schedule.writeback_lag = zenflow["writeback_lag"]
         schedule.writeback_lag_pending = bool(zenflow["writeback_lag_pending"])
+    if "limit_min_offload_numel" in zenflow and (opt._host.param_shards is not None or all(
+            saved.get(name) == getattr(opt.config, name)
+            for name in ("device_memory_limit_bytes", "min_offload_numel"))):
+        # the threshold the saved run's device memory limit chose; a new limit or min_offload_numel chooses afresh
+        # (`apply_changed_settings` moves the matrices), except under FSDP2, where matrices cannot move
+        schedule.limit_min_offload_numel = zenflow["limit_min_offload_numel"]
     # before any host state is restored: it is created for the accumulation the saved run chose
     opt._host.accumulate_chosen = resumed_choice(opt.config, zenflow)
     opt._host.writeback_pending = bool(zenflow["writeback_pending"])

@@ -110,6 +110,12 @@ def check_block(zenflow: dict[str, Any]) -> None:
     if zenflow.get("accumulate_on") not in (None, "host", "device", "device_bf16"):
         raise Refusal(f"{where}: accumulate_on={zenflow['accumulate_on']!r} is invalid, expected 'host', 'device', "
                       "'device_bf16' or None (not decided yet)")
+    chosen = zenflow.get("limit_min_offload_numel")
+    top = (zenflow.get("config") or {}).get("min_offload_numel")
+    if chosen is not None and (not _is_int(chosen) or chosen < 0 or (_is_int(top) and chosen > top)):
+        raise Refusal(f"{where}: limit_min_offload_numel={chosen!r} is invalid, expected None (no device memory "
+                      "limit) or an integer from 0 to the saved min_offload_numel"
+                      + (f" ({top})" if _is_int(top) else ""))
     unapplied = zenflow.get("unapplied_steps")
     if not isinstance(unapplied, list) or not all(_is_int(n) and 0 <= n <= steps for n in unapplied):
         raise Refusal(f"{where}: unapplied_steps={unapplied!r} is invalid, expected a list of step counts "

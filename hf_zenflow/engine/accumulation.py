@@ -22,8 +22,10 @@ BENCHMARKS.md §4e.
   it is set; for a model spread over several GPUs (``device_map``), on each GPU for the matrices it holds;
 * a CPU device: `device_memory_budget_bytes` (None: nothing is known, so "host", today's behaviour and what tests
   and `hf-zenflow compare` rely on);
-* either: `device_memory_limit_bytes`, the whole memory the step may hold, leaves the limit less the peak counted
-  so far (`device_memory.py`: weights and gradients after the first backward) and caps the rest.
+* either: `device_memory_limit_bytes`, the whole memory the step may hold, leaves the limit less the larger of the
+  peak counted so far (`device_memory.py`: weights and gradients after the first backward) and what the step holds
+  beside the sums (`device_budget.py`: weights, the whole-on-device parameters' state and gradients), and caps the
+  rest.
 
 When the gradients are freed in backward (`free_gradients_in_backward`, which needs host sums), device sums also
 keep each offloaded matrix's gradient on the device until `step()` (its clip coefficient is known only then): those
@@ -94,12 +96,12 @@ def available_bytes(device: torch.device, budget: int | None, limit: int | None 
     hold (`device_memory_limit_bytes`), of which `peak` (the peak measured so far) is taken."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        spare = max(0, free + torch.cuda.memory_reserved(device) - peak)
+        measured = torch.cuda.max_memory_allocated(device)
+        spare = max(0, free + torch.cuda.memory_reserved(device) - measured)
         if budget is not None:
             spare = min(spare, budget)
-        if limit is not None:
-            spare, total = min(spare, max(0, limit - peak)), min(total, limit)
+        if limit is not None:  # (`peak`: an estimate of the step's peak may exceed what the first backward reached)
+            spare, total = min(spare, max(0, limit - max(measured, peak))), min(total, limit)
         return spare, total
     if limit is not None:
         spare = max(0, limit - peak)

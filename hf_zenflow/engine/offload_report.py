@@ -21,9 +21,12 @@ logger = logging.getLogger("hf_zenflow")
 ALMOST_NOTHING = 0.05
 
 
-def offloaded_fraction(groups: list[dict[str, Any]], config: ZenFlowConfig) -> tuple[float, list[str]]:
+def offloaded_fraction(groups: list[dict[str, Any]], config: ZenFlowConfig,
+                       min_numel: int | None = None) -> tuple[float, list[str]]:
     """(the fraction of the trainable parameters' elements whose columns live on the host, the reasons the rest do
-    not), from shapes and settings alone."""
+    not), from shapes and settings alone. `min_numel`: the run's `min_offload_numel` (a device memory limit's
+    choice), default the setting."""
+    min_numel = config.min_offload_numel if min_numel is None else min_numel
     total = hosted = small = small_count = largest_small = vectors = 0
     all_selected = 0
     for group in groups:
@@ -34,8 +37,8 @@ def offloaded_fraction(groups: list[dict[str, Any]], config: ZenFlowConfig) -> t
             if p.ndim < 2:
                 vectors += p.numel()
                 continue
-            if not is_split(p, group, config):
-                if p.numel() < config.min_offload_numel:
+            if not is_split(p, group, config, min_numel=min_numel):
+                if p.numel() < min_numel:
                     small, small_count = small + p.numel(), small_count + 1
                     largest_small = max(largest_small, p.numel())
                 continue
@@ -48,7 +51,7 @@ def offloaded_fraction(groups: list[dict[str, Any]], config: ZenFlowConfig) -> t
     reasons = []
     if small:
         reasons.append(f"{small_count} trainable matri{'x has' if small_count == 1 else 'ces have'} fewer elements "
-                       f"than min_offload_numel={config.min_offload_numel} ({small / total:.0%} of the trainable "
+                       f"than min_offload_numel={min_numel} ({small / total:.0%} of the trainable "
                        f"parameters; the largest has {largest_small}): they are updated whole on the device. "
                        f"min_offload_numel={largest_small} or lower offloads them (0: every matrix)")
     if all_selected:
@@ -66,7 +69,7 @@ def announce_offload(groups: list[dict[str, Any]], config: ZenFlowConfig, schedu
     if schedule.offload_announced:
         return
     schedule.offload_announced = True
-    fraction, reasons = offloaded_fraction(groups, config)
+    fraction, reasons = offloaded_fraction(groups, config, schedule.offload_threshold(config))
     if fraction < ALMOST_NOTHING:
         what = "nothing" if fraction == 0 else f"almost nothing ({fraction:.1%} of the trainable parameters)"
         logger.warning("ZenFlowAdamW offloads %s: the run is AdamW on the device (stats(): selected_fraction, "

@@ -136,13 +136,15 @@ def announce_high_lr_rule(schedule: WindowSchedule, config: ZenFlowConfig, group
 
 
 def is_split(p: torch.Tensor, group: dict[str, Any], config: ZenFlowConfig,
-             shape: torch.Size | None = None) -> bool:
+             shape: torch.Size | None = None, min_numel: int | None = None) -> bool:
     """Whether `p` is split between the device and the host (a large enough matrix in a layout we can split), or
     updated wholly on the device. `shape`: the whole parameter's, when `p` is an FSDP2 shard (every rank must
-    decide alike, whatever rows it holds)."""
+    decide alike, whatever rows it holds); `min_numel`: the run's threshold when `device_memory_limit_bytes` chose
+    one (`device_budget.py`), else `config.min_offload_numel`."""
     shape = p.shape if shape is None else shape
+    min_numel = config.min_offload_numel if min_numel is None else min_numel
     return (len(shape) >= 2 and (bool(group.get("select_rows", False)) or selection_axis(p) is not None)
-            and shape.numel() >= config.min_offload_numel and shape.numel() > 0)  # (an empty matrix has no columns)
+            and shape.numel() >= min_numel and shape.numel() > 0)  # (an empty matrix has no columns)
 
 
 def offloads(p: torch.Tensor, group: dict[str, Any], config: ZenFlowConfig) -> bool:
@@ -166,7 +168,8 @@ def create_state(entries: list[tuple[dict, torch.Tensor]], splits: dict[torch.Te
     """State for the parameters of `entries` that have none yet: a `SplitMatrix` (host state now when some
     columns live on the host, or during warm-up, when the host updates every column) or a `DenseDeviceState`.
     `attach_host` creates the host state of the new splits that need it (`HostWindows.attach_host`); `shards`: under
-    FSDP2 the entries hold local shards, decided on by their whole parameters' shapes."""
+    FSDP2 the entries hold local shards, decided on by their whole parameters' shapes. Matrices are split from the
+    schedule's `min_offload_numel` (`WindowSchedule.offload_threshold`)."""
     needs_host: list[SplitMatrix] = []
     for group, p in entries:
         if p in splits or p in dense:
@@ -182,7 +185,7 @@ def create_state(entries: list[tuple[dict, torch.Tensor]], splits: dict[torch.Te
             raise ValueError(f"ZenFlowAdamW param group select_rows=True needs row-major (contiguous) parameters; "
                              f"got one of shape {tuple(p.shape)} with strides {p.stride()} (do not combine it "
                              "with column_major_ on the same weight).")
-        if is_split(p, group, config, owner.shape):
+        if is_split(p, group, config, owner.shape, schedule.offload_threshold(config)):
             split = SplitMatrix(p, 0, rows=rows, owner=owner)
             split.k = num_selected(config.topk_ratio, split.columns)
             if split.offloaded or schedule.in_warm_up():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 
 class StepKind(Enum):
@@ -83,6 +84,15 @@ class WindowSchedule:
     high_lr_announced: bool = False
     #: whether this run has said that it offloads (almost) nothing (`offload_report.announce_offload`; not saved)
     offload_announced: bool = False
+    #: the `min_offload_numel` that `device_memory_limit_bytes` chose for the run (`device_budget.py`); None: the
+    #: setting's (no limit)
+    limit_min_offload_numel: int | None = None
+    #: whether this run has said what the limit chose (`device_budget.announce_limit`; not saved)
+    limit_announced: bool = False
+
+    def offload_threshold(self, config: Any) -> int:
+        """The run's `min_offload_numel`: the limit's choice, else `config`'s setting."""
+        return config.min_offload_numel if self.limit_min_offload_numel is None else self.limit_min_offload_numel
 
     def shorten_windows(self, window: int | None, configured: int | None, lag: int | None) -> None:
         """`high_lr_rule="auto"`'s choice (`host_lr.high_lr_window`, or a checkpoint's): windows of `window` steps

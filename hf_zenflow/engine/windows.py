@@ -94,6 +94,9 @@ class HostWindows(WindowCloses):
         self.reserved_ahead = False
         #: the device's peak so far, for ``device_memory_limit_bytes`` (`accumulation.decide`; set by the optimizer)
         self.device_peak: Callable[[], int] = lambda: 0
+        #: under ``device_memory_limit_bytes``, what the step holds beside the device sums of "auto" and what they
+        #: keep (`device_budget.PeakEstimate.beside_window_sums`; 0 without a limit; set by the optimizer)
+        self.limit_peak: Callable[[], int] = lambda: 0
 
     @property
     def accumulate_on(self) -> str | None:
@@ -197,7 +200,7 @@ class HostWindows(WindowCloses):
 
     def _decide(self, splits: list[SplitMatrix], shares: dict) -> None:
         self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group,
-                                                     peak=self.device_peak(),
+                                                     peak=max(self.device_peak(), self.limit_peak()),
                                                      frees_gradients=self.free_kind is not None)
 
     def prepare_first_state(self, entries: list[tuple[dict, torch.Tensor]], schedule: WindowSchedule) -> None:
@@ -206,7 +209,7 @@ class HostWindows(WindowCloses):
         buffers' reservation."""
         splits = []
         for group, p in entries:
-            if is_split(p, group, self.config):
+            if is_split(p, group, self.config, min_numel=schedule.offload_threshold(self.config)):
                 split = SplitMatrix(p, 0, rows=bool(group.get("select_rows", False)))
                 split.k = num_selected(self.config.topk_ratio, split.columns)
                 if split.offloaded or schedule.in_warm_up():

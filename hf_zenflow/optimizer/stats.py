@@ -70,6 +70,8 @@ def optimizer_stats(
         pinned_host_bytes=sum(t.pinned_bytes for t in host.transports.values()),
         ranks=host.reduce_group.ranks,
         gather_buffer_bytes=host.shards.buffer_bytes,
+        # the run's threshold: the setting, or what device_memory_limit_bytes chose at the first step
+        min_offload_numel=float(schedule.offload_threshold(config) if schedule else config.min_offload_numel),
     )
 
 

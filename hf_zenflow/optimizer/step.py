@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..engine import amp
+from ..engine.device_budget import announce_limit
 from ..engine.device_step import ParamWrites, device_update
 from ..engine.gradients import read_gradients
 from ..engine.handoff import HandOff
@@ -70,6 +71,10 @@ class StepSequence:
         self._auto_lag.maybe_choose(self.config, schedule, self._host)  # (first step: from the host columns' sizes)
         announce_high_lr_rule(schedule, self.config, self.param_groups)
         announce_offload(self.param_groups, self.config, schedule)
+        if schedule.limit_min_offload_numel is not None and not schedule.limit_announced:
+            schedule.limit_announced = True  # (once per run: a resumed run says what it restored)
+            announce_limit(self.param_groups, self.config, schedule.limit_min_offload_numel,
+                           self._host.free_kind is not None, self._host.accumulate_on)
 
         # ---- 1. one read of every gradient ------------------------------------------------------------------------
         kind = schedule.kind()

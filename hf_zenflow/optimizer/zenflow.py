@@ -35,6 +35,7 @@ from .. import checkpoint
 from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
+from ..engine.device_budget import LimitChoice, choose_min_offload_numel, estimate_peak
 from ..engine.device_memory import DeviceMemoryMeter
 from ..engine.device_state import DenseDeviceState
 from ..engine.failure import drop_failed_worker, refuse_after_failure
@@ -156,10 +157,12 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1  # DDP rewrites them after the hooks
         me = weakref.ref(self)
         self._host.device_peak = lambda: (opt._meter.peak_bytes if (opt := me()) is not None else 0)
+        self._host.limit_peak = lambda: (opt._limit_peak() if (opt := me()) is not None else 0)
         #: the caller clips through `clip_grad_norm_` (free_gradients_in_backward="auto"), a GradScaler was seen
         self._clips_through_optimizer, self._scaled = False, False
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._made_in_backward: list[torch.Tensor] = []  # the first step's state made in its backward hooks
+        self._limit_cache: tuple[tuple, LimitChoice] | None = None  # (`_limit_choice`)
         self._host.create_in_backward = lambda p: (opt._create_in_backward(p) if (opt := me()) is not None else None)
         self._host.free_kind = self._frees_next_step()
         self._weights = WeightMarks()  # notices weights changed from outside the optimizer
@@ -308,7 +311,8 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
         """The first step's backward hook of `p`: its state now (a split matrix with host state only; the rest
         waits for `step()`), so that its gradient can leave the device like every later one."""
         group = self._group_of.get(p)
-        if group is None or self._fsdp.active or not is_split(p, group, self.config):
+        if group is None or self._fsdp.active or not is_split(p, group, self.config,
+                                                               min_numel=self._offload_threshold()):
             return None
         schedule = self._ensure_schedule()
         if not self._made_in_backward:  # ("auto" decides over, and the link buffers are reserved for, all of them)
@@ -475,8 +479,36 @@ class ZenFlowAdamW(StepSequence, torch.optim.Optimizer):
 
     def _ensure_schedule(self) -> WindowSchedule:
         if self._schedule is None:
-            self._schedule = new_schedule(self.config, self.param_groups)
+            schedule = new_schedule(self.config, self.param_groups)
+            if self.config.device_memory_limit_bytes is not None:
+                schedule.limit_min_offload_numel = self._limit_choice().min_offload_numel
+            self._schedule = schedule
         return self._schedule
+
+    def _limit_choice(self) -> LimitChoice:
+        """`device_memory_limit_bytes`'s choice of the run's `min_offload_numel` (`engine/device_budget.py`): from
+        the parameters' sizes and the settings, and whether the coming step frees its gradients in backward."""
+        key = (self.config, len(self.param_groups), self._host.free_kind is not None, self._host.accumulate_on)
+        if self._limit_cache is None or self._limit_cache[0] != key:  # (the first backward's hooks ask alike)
+            self._limit_cache = (key, choose_min_offload_numel(self.param_groups, self.config, key[2], key[3]))
+        return self._limit_cache[1]
+
+    def _offload_threshold(self) -> int:
+        """The run's `min_offload_numel` (a device memory limit's choice, else the setting), before the schedule
+        exists too."""
+        if self._schedule is not None:
+            return self._schedule.offload_threshold(self.config)
+        if self.config.device_memory_limit_bytes is None:
+            return self.config.min_offload_numel
+        return self._limit_choice().min_offload_numel
+
+    def _limit_peak(self) -> int:
+        """Under `device_memory_limit_bytes`: what a step at the run's threshold holds beside what
+        `accumulate_on="auto"` counts for device sums (`PeakEstimate.beside_window_sums`); 0 without a limit."""
+        if self.config.device_memory_limit_bytes is None:
+            return 0
+        return estimate_peak(self.param_groups, self.config, self._offload_threshold(),
+                             self._host.free_kind is not None).beside_window_sums
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpointing

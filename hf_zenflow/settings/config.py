@@ -197,7 +197,8 @@ class ZenFlowConfig:
                   f"parameters. The default ({MIN_OFFLOAD_NUMEL} = 2**18 elements, 1 MiB in fp32) keeps LoRA "
                   "adapters, classification heads and other small matrices on the device, where their AdamW state "
                   "costs little and every step counts; no weight matrix of a model with 1B+ parameters is that "
-                  "small. 0 offloads every matrix."},
+                  "small. 0 offloads every matrix. device_memory_limit_bytes may lower it for the run, so that the "
+                  "step fits the limit (stats()[\"min_offload_numel\"])."},
     )
     accumulate_on: str = field(
         default="auto",
@@ -244,10 +245,13 @@ class ZenFlowConfig:
     device_memory_limit_bytes: int | None = field(
         default=None,
         metadata={"help": "The whole device memory, in bytes, the training step may hold (weights, gradients, "
-                  "optimizer state, window sums): accumulate_on=\"auto\" sums on the device only when the sums and "
-                  "the selected columns' state fit under it, next to the peak measured over the first "
-                  "forward/backward (stats()[\"peak_device_bytes\"]), with its margin. None: no such limit (then "
-                  "device_memory_budget_bytes, or on CUDA the measured free memory, decides)."},
+                  "optimizer state, window sums; not activations). At the first step the run's min_offload_numel "
+                  "is lowered until the estimated peak fits: matrices under it are offloaded too, largest first "
+                  "(decided from sizes alone, logged once, in stats()[\"min_offload_numel\"] and checkpoints; a "
+                  "warning when even offloading every matrix cannot fit). accumulate_on=\"auto\" then sums on the "
+                  "device only when the sums fit on top, with its margin. None: no such limit (then "
+                  "device_memory_budget_bytes, or on CUDA the measured free memory, decides where windows are "
+                  "summed)."},
     )
     free_gradients_in_backward: str = field(
         default="auto",

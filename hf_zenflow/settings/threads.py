@@ -117,7 +117,9 @@ class _TrainingPool:
     claim (the one that built the optimizer: the training thread) is changed, and a size the user set is kept."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # re-entrant: garbage collection may run an unreachable optimizer's `close()` (its `__del__`, which releases
+        # its claim) on this thread while it holds the lock inside `claim` (the announcement allocates)
+        self.lock = threading.RLock()
         self.claims: dict[int, int] = {}  # id(owner) -> its worker's threads
         self.thread: int | None = None  # ident of the training thread
         self.before = 0  # its pool before the first claim

@@ -244,3 +244,26 @@ def test_one_core_per_rank_gives_one_thread_each_and_says_so(untouched_default_p
     opt.close()
     (report,) = _reports(caplog)
     assert "1 core(s) for this process" in report and "one thread each on 1 core" in report
+
+
+def test_a_release_run_by_garbage_collection_inside_a_claim_does_not_deadlock(monkeypatch):
+    """Garbage collection may finalize an unreachable optimizer (its `__del__` closes it and releases its claim) on
+    the thread that is inside another optimizer's claim, holding the pool's lock: the release must go through."""
+    pool = hf_zenflow.settings.threads._TrainingPool()
+    collected, built = object(), object()
+    pool.claim(collected, 1)
+    announce = pool._announce
+
+    def announce_after_a_collection(threads: int, claimed: bool) -> None:
+        pool.release(collected)  # (what the finalizer does when the announcement's allocations trigger the GC)
+        announce(threads, claimed)
+
+    monkeypatch.setattr(pool, "_announce", announce_after_a_collection)
+    done = threading.Event()
+    claimer = threading.Thread(target=lambda: (pool.claim(built, 1), done.set()), daemon=True)
+    claimer.start()
+    claimer.join(timeout=30)
+    assert done.is_set(), "the claim deadlocked on the release made inside it"
+    assert list(pool.claims) == [id(built)]
+    pool.release(built)
+    assert not pool.claims
