@@ -11,8 +11,9 @@ The estimate (`estimate_peak`) is an upper bound of what `DeviceMemoryMeter` cou
 every parameter of the param groups, the optimizer's device state (a split matrix's selected columns: fp32 master,
 two moments and the gathered gradient, 16 B per element, 14 when the gradient is bf16 or fp16; a whole matrix's or
 a 1-D parameter's two fp32 moments and its fp32 master when the parameter is not fp32; device-side window sums),
-every gradient held until `step()`, and, when the gradients of split matrices leave the device in their backward
-hook, the largest of them in flight.
+every gradient held until `step()`, and the largest transient: with the gradients of split matrices freed in their
+backward hook, the largest of them in flight; with bf16 or fp16 gradients, the device update's fp32 copy of the
+largest matrix's selected columns.
 Activations and kernels' temporaries are not in it (on CUDA the meter's `max_memory_allocated` counts them: leave
 room for them under the limit). It is decided from shapes, dtypes and settings alone, so the same script chooses
 the same threshold; once per run, at its first step, kept in `stats()["min_offload_numel"]` and in checkpoints.
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from ..settings.config import DEVICE_SUM_DTYPES, ZenFlowConfig, sums_on_device
-from .accumulation import selected_bytes
+from .accumulation import SELECTED_BYTES, selected_bytes
 from .host import link_grad_dtype
 from .params import is_split
 from .selection import num_selected
@@ -87,7 +88,12 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
                 continue
             columns = p.shape[0] if group.get("select_rows", False) else math.prod(p.shape[1:])
             k = num_selected(config.topk_ratio, columns)
-            columns_state = selected_bytes(p.dtype) * math.ceil(local.numel() * k / columns)
+            selected_elements = math.ceil(local.numel() * k / columns)
+            columns_state = selected_bytes(p.dtype) * selected_elements
+            if selected_bytes(p.dtype) < SELECTED_BYTES:
+                # the device update widens a bf16/fp16 gathered gradient into an fp32 scratch of at most one
+                # matrix's selected columns (`device_step.device_update`): transient, like a gradient in flight
+                in_flight = max(in_flight, 4 * selected_elements)
             state += columns_state
             offloaded = k < columns or config.full_warm_up_rounds > 0
             selected += columns_state if offloaded else 0
