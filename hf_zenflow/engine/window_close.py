@@ -40,7 +40,8 @@ class WindowCloses:
                 group = group_of[split.owner]  # (the parameter in the group: a DTensor under FSDP2)
                 if id(group) not in by_group:
                     # hyper-parameters are copied now: the lr in force when the window closed
-                    hyper, scale = host_hyper(group, self.config, steps, lag, schedule.high_lr_window)
+                    hyper, scale = host_hyper(group, self.config, steps, lag, schedule.high_lr_window,
+                                              self.guard.factor)
                     self.lr_scale.note(self.config.host_lr_scale, scale, peak_lr(group), lag, full)
                     by_group[id(group)] = (hyper, [])
                 by_group[id(group)][1].append(split.host)
@@ -106,6 +107,8 @@ class WindowCloses:
         for split in hosted:
             split.host.writeback_fresh = False
         scatter_columns(columns_back)
+        if written:
+            self.guard.wrote_back()  # (the next step's gradient is the first to see these weights)
         for transport, group in self.by_transport(written):
             transport.after_write_back(group)
         self.writeback_pending = False
