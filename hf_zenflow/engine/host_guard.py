@@ -3,12 +3,14 @@
 A window's host step lands all at once, with no gradient in between to correct it. Where the loss is sharp along the
 unselected columns (an un-normalised path to the output, a learning rate at the edge of stability), a step that
 AdamW would have taken in pieces overshoots, and the first gradient computed on the new weights shows it: its total
-norm jumps. The guard compares that norm with the last one before the write-back; above `ratio` times it, the host
-AdamW's learning rate is halved for the rest of the run (again at each later overshoot, down to
-`HOST_STEP_GUARD_MIN_FACTOR`). The norm is the one every step computes for its non-finite check and clipping, read in
-the step's one sync: no extra pass, no timing, so the same script and seed give the same weights; with several
-ranks it is the global norm, the same on every rank. Until the guard engages its factor is exactly 1 and the host
-step's hyper-parameters are untouched (bit for bit the unguarded run).
+norm jumps. The guard compares that norm with the last one before the write-back; above `host_step_guard` times it, the host
+AdamW's learning rate is cut for the rest of the run: halved, and at least back to one AdamW step per window (the
+`host_lr_scale` multiplier times the guard's factor at most 1: the rule that never diverged where a larger
+multiplier did); again at each later overshoot, down to `HOST_STEP_GUARD_MIN_FACTOR`. The norm is the one every step
+computes for its non-finite check and clipping, read in the step's one sync: no extra pass, no timing, so the same
+script and seed give the same weights; with several ranks it is the global norm, the same on every rank. Until the
+guard engages its factor is exactly 1 and the host step's hyper-parameters are untouched (bit for bit the unguarded
+run).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ logger = logging.getLogger("hf_zenflow")
 
 class HostStepGuard:
     """The guard's state: `factor` (the host lr's multiplier, 1.0 until it engages), `engaged` (overshoots seen),
-    `last_norm` (the last step's total gradient norm), `watch_norm` (the norm before the last write-back, while the
-    first gradient after it is awaited; None otherwise)."""
+    `scale` (the largest `host_lr_scale` multiplier of the last window closed), `last_norm` (the last step's total
+    gradient norm), `watch_norm` (the norm before the last write-back, while the first gradient after it is
+    awaited; None otherwise)."""
 
     def __init__(self) -> None:
         self.factor = 1.0
         self.engaged = 0
+        self.scale = 1.0
         self.last_norm: float | None = None
         self.watch_norm: float | None = None
 
@@ -44,12 +48,17 @@ class HostStepGuard:
             return
         self.engaged += 1
         if self.factor > HOST_STEP_GUARD_MIN_FACTOR:
-            self.factor = max(HOST_STEP_GUARD_MIN_FACTOR, self.factor / 2)
+            self.factor = max(HOST_STEP_GUARD_MIN_FACTOR, min(self.factor / 2, 1.0 / self.scale))
             logger.warning(
-                "hf_zenflow: host_step_guard: the gradient norm rose from %.4g to %.4g (x%.2f > %g) after a host "
-                "result was written back at step %d; the host AdamW's learning rate is now x%g of the configured "
-                "one for the rest of the run (docs/quality.md)", watched, total_norm, total_norm / watched,
-                float(setting), step, self.factor)
+                "hf_zenflow: host_step_guard: at step %d, the first after a host result was written back, the "
+                "gradient norm rose from %.4g to %.4g (x%.2f > %g); the host AdamW's learning rate is now x%g of "
+                "the configured one for the rest of the run (docs/quality.md)", step, watched, total_norm,
+                total_norm / watched, float(setting), self.factor)
+
+    def closed(self, scales: list[float]) -> None:
+        """A window closed with these `host_lr_scale` multipliers (one per param group with host state)."""
+        if scales:
+            self.scale = max(scales)
 
     def wrote_back(self) -> None:
         """A host result went into the weights: the next gradient is the first to see it."""
@@ -61,27 +70,32 @@ class HostStepGuard:
         self.watch_norm = None
 
     def state(self) -> dict[str, Any]:
-        return {"factor": self.factor, "engaged": self.engaged, "last_norm": self.last_norm,
+        return {"factor": self.factor, "engaged": self.engaged, "scale": self.scale, "last_norm": self.last_norm,
                 "watch_norm": self.watch_norm}
 
     def load(self, state: dict[str, Any]) -> None:
         """A checkpoint's `state()` (validated by `check_state`)."""
         self.factor = float(state["factor"])
         self.engaged = int(state["engaged"])
+        self.scale = float(state["scale"])
         self.last_norm = None if state["last_norm"] is None else float(state["last_norm"])
         self.watch_norm = None if state["watch_norm"] is None else float(state["watch_norm"])
 
 
 def check_state(state: Any) -> str | None:
     """What is wrong with a checkpoint's guard state (None: nothing)."""
-    if not isinstance(state, dict) or set(state) != {"factor", "engaged", "last_norm", "watch_norm"}:
-        return f"host_step_guard={state!r} is invalid, expected a dict of factor, engaged, last_norm, watch_norm"
+    if not isinstance(state, dict) or set(state) != {"factor", "engaged", "scale", "last_norm", "watch_norm"}:
+        return (f"host_step_guard={state!r} is invalid, expected a dict of factor, engaged, scale, last_norm, "
+                "watch_norm")
     factor, engaged = state["factor"], state["engaged"]
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
             or not HOST_STEP_GUARD_MIN_FACTOR <= factor <= 1:
         return f"host_step_guard factor={factor!r} is invalid, expected a float in [{HOST_STEP_GUARD_MIN_FACTOR}, 1]"
     if isinstance(engaged, bool) or not isinstance(engaged, int) or engaged < 0:
         return f"host_step_guard engaged={engaged!r} is invalid, expected an integer >= 0"
+    scale = state["scale"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        return f"host_step_guard scale={scale!r} is invalid, expected a finite float > 0"
     for key in ("last_norm", "watch_norm"):
         norm = state[key]
         if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float))

@@ -35,6 +35,7 @@ class WindowCloses:
         full = schedule.update_interval is None or steps >= schedule.update_interval
         group_of = {p: g for g in self.groups for p in g["params"]}
         by_group: dict[int, tuple[dict, list[HostMatrix]]] = {}
+        scales: list[float] = []
         for split in self.splits.values():
             if split.host is not None:
                 group = group_of[split.owner]  # (the parameter in the group: a DTensor under FSDP2)
@@ -43,9 +44,11 @@ class WindowCloses:
                     hyper, scale = host_hyper(group, self.config, steps, lag, schedule.high_lr_window,
                                               self.guard.factor)
                     self.lr_scale.note(self.config.host_lr_scale, scale, peak_lr(group), lag, full)
+                    scales.append(scale)
                     by_group[id(group)] = (hyper, [])
                 by_group[id(group)][1].append(split.host)
         work = list(by_group.values())
+        self.guard.closed(scales)  # (what an overshoot of this window's result is measured against)
         worker = self.ensure_worker()  # (closed after training: `flush()` may still close a window)
         if not work:
             return  # every column lives on the device: no host step, nothing stale

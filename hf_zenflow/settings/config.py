@@ -31,7 +31,7 @@ HIGH_LR_RULE_THRESHOLD = 5e-3
 #: total norm above this multiple of the last one before it (BENCHMARKS.md, the host step guard's section).
 HOST_STEP_GUARD_RATIO = 2.5
 
-#: `host_step_guard` halves the host step's learning rate at each overshoot, down to this fraction of it.
+#: `host_step_guard` cuts the host step's learning rate at each overshoot, down to this fraction of it.
 HOST_STEP_GUARD_MIN_FACTOR = 0.125
 
 
@@ -202,9 +202,11 @@ class ZenFlowConfig:
         default=HOST_STEP_GUARD_RATIO,
         metadata={"help": "A guard against host steps that overshoot: when the first gradient computed after a "
                   "window's host result was written into the weights has a total norm above this multiple of the "
-                  "last one before it, the host AdamW's learning rate is halved for the rest of the run (at each "
-                  f"such overshoot, down to {HOST_STEP_GUARD_MIN_FACTOR:g} of it). It reads the total gradient norm "
-                  "the step computes anyway: reproducible, and a run in which it never engages is bit for bit the "
+                  "last one before it, the host AdamW's learning rate is cut for the rest of the run: halved, and "
+                  "at least back to one AdamW step per window (host_lr_scale's multiplier x the guard's factor <= "
+                  f"1); again at each such overshoot, down to {HOST_STEP_GUARD_MIN_FACTOR:g} of it. It reads the "
+                  "total gradient norm the step computes anyway: reproducible, and a run in which it never engages "
+                  "is bit for bit the "
                   'same as without it. Logged; stats()["host_step_guard"] (the factor, 1.0 = not engaged); in '
                   'checkpoints. A float > 1, or "off".'},
     )
