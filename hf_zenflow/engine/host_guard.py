@@ -3,14 +3,14 @@
 A window's host step lands all at once, with no gradient in between to correct it. Where the loss is sharp along the
 unselected columns (an un-normalised path to the output, a learning rate at the edge of stability), a step that
 AdamW would have taken in pieces overshoots, and the first gradient computed on the new weights shows it: its total
-norm jumps. The guard compares that norm with the last one before the write-back; above `host_step_guard` times it, the host
-AdamW's learning rate is cut for the rest of the run: halved, and at least back to one AdamW step per window (the
-`host_lr_scale` multiplier times the guard's factor at most 1: the rule that never diverged where a larger
-multiplier did); again at each later overshoot, down to `HOST_STEP_GUARD_MIN_FACTOR`. The norm is the one every step
-computes for its non-finite check and clipping, read in the step's one sync: no extra pass, no timing, so the same
-script and seed give the same weights; with several ranks it is the global norm, the same on every rank. Until the
-guard engages its factor is exactly 1 and the host step's hyper-parameters are untouched (bit for bit the unguarded
-run).
+norm jumps. The guard compares that norm with the last one before the write-back; above `host_step_guard` times it,
+the host AdamW's learning rate is cut for the rest of the run: halved, and at least back to one AdamW step per
+window (the `host_lr_scale` multiplier times the guard's factor at most 1: the rule that never diverged where a
+larger multiplier did); again at each later overshoot, down to `HOST_STEP_GUARD_MIN_FACTOR`. The norm is the one
+every step computes for its non-finite check and clipping, read in the step's one sync: no extra pass, no timing, so
+the same script and seed give the same weights; with several ranks it is the global norm, the same on every rank.
+Until the guard engages its factor is exactly 1 and the host step's hyper-parameters are untouched (bit for bit the
+unguarded run).
 """
 
 from __future__ import annotations
