@@ -29,10 +29,10 @@ def auto_host_lr_scale(lr: float, window_steps: int, lag: int) -> float:
     loss is sharp (docs/quality.md).
 
     Example:
-        >>> auto_host_lr_scale(5e-5, 4, 1), auto_host_lr_scale(5e-4, 4, 1), auto_host_lr_scale(1e-3, 4, 1)
-        (4.0, 4.0, 2.0)
-        >>> auto_host_lr_scale(4e-4, 4, 4), auto_host_lr_scale(3e-3, 4, 1)
-        (2.5, 1.0)
+        >>> auto_host_lr_scale(5e-5, 4, 1), auto_host_lr_scale(2.5e-4, 4, 1), auto_host_lr_scale(1e-3, 4, 1)
+        (4.0, 2.0, 1.0)
+        >>> auto_host_lr_scale(1e-4, 4, 4)
+        2.5
     """
     if window_steps <= 1 or not lr > 0:
         return 1.0

@@ -92,7 +92,7 @@ def test_the_choice_is_logged_once_and_stats_say_it_before_the_first_step(caplog
                        writeback_lag=1)
     linear_schedule(opt, 16)
     before = opt.stats()
-    # (the host step's multiplier is host_lr_scale="auto"'s at 2e-3: 1.0, the cap 2e-3 being reached at x1)
+    # (the host step's multiplier is host_lr_scale="auto"'s at 2e-3: 1.0, the cap 5e-4 being below the lr)
     assert before["high_lr_window"] == 2 and before["update_interval"] == 2 and before["host_lr_scale"] == 1.0
     with caplog.at_level(logging.INFO, logger="hf_zenflow"):
         train(model, opt, batches(12), None, clip=1.0)
