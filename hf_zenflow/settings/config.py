@@ -20,7 +20,8 @@ from .deepspeed_config import load, zenflow_values
 #: written back 1 step into the next window; a lag of L steps divides it by sqrt(L). Set by the quality suite
 #: (`scripts/quality_suite.py`, BENCHMARKS.md "Quality suite"): a host step above it diverged a model from scratch
 #: (an un-normalised block, lr 1e-3 x 4 and 5e-4 x 4) and cost MiniLM +6 % held-out loss at lr 3e-4 x 4, while the
-#: window's multiplier stays necessary at fine-tuning rates (MiniLM at 5e-5: x1 costs +5.7 %, x4 +0.25 %).
+#: window's multiplier stays necessary at fine-tuning rates (MiniLM at 5e-5: x1 costs +5.7 %, x4 +0.25 %). A cap of
+#: 2e-3 with `host_step_guard` diverged nothing but cost the pretrained tiny Llama's fine-tune +2-3 % at 3e-4 - 1e-3.
 AUTO_HOST_LR_CAP = 5e-4
 
 #: `high_lr_rule="auto"`: above peak lr × update_interval > this, windows are shortened to floor(this / lr) steps.
