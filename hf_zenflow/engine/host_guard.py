@@ -55,6 +55,11 @@ class HostStepGuard:
                 "the configured one for the rest of the run (docs/quality.md)", step, watched, total_norm,
                 total_norm / watched, float(setting), self.factor)
 
+    def factor_for(self, setting: float | str) -> float:
+        """The factor on the host lr under the configured `setting`: 1.0 when "off" (also after the guard engaged
+        under an earlier setting: "off" means the configured host step)."""
+        return 1.0 if setting == "off" else self.factor
+
     def closed(self, scales: list[float]) -> None:
         """A window closed with these `host_lr_scale` multipliers (one per param group with host state)."""
         if scales:

@@ -42,7 +42,7 @@ class WindowCloses:
                 if id(group) not in by_group:
                     # hyper-parameters are copied now: the lr in force when the window closed
                     hyper, scale = host_hyper(group, self.config, steps, lag, schedule.high_lr_window,
-                                              self.guard.factor)
+                                              self.guard.factor_for(self.config.host_step_guard))
                     self.lr_scale.note(self.config.host_lr_scale, scale, peak_lr(group), lag, full)
                     scales.append(scale)
                     by_group[id(group)] = (hyper, [])

@@ -187,6 +187,32 @@ def test_a_guarded_run_resumes_exactly_with_a_write_back_still_watched():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), uninterrupted.parameters()))
 
 
+def test_off_after_an_engagement_restores_the_configured_host_step():
+    """A run resumed with `host_step_guard="off"` from a checkpoint whose guard engaged continues bit for bit as the
+    unguarded run resumed from the same state with its factor forgotten."""
+    saved = _saved_at_split()
+    assert saved["zenflow"]["host_step_guard"]["factor"] < 1.0
+
+    def resume(state):
+        torch.manual_seed(0)
+        model = _matrices_only()
+        opt = ZenFlowAdamW(model.parameters(), **{**_resumable(), "host_step_guard": "off"})
+        opt.load_state_dict(state)
+        stats = opt.stats()
+        train(model, opt, batches(STEPS)[SPLIT_AT:], None, clip=1.0)
+        opt.flush()
+        opt.close()
+        return model, stats
+
+    off, stats = resume(saved)
+    assert stats["host_step_guard"] == 1.0
+    forgotten = roundtrip(saved)
+    forgotten["zenflow"]["host_step_guard"]["factor"] = 1.0
+    seal(forgotten)
+    reference, _ = resume(forgotten)
+    assert all(torch.equal(p, q) for p, q in zip(off.parameters(), reference.parameters()))
+
+
 def _saved_at_split():
     model = _matrices_only()
     opt = ZenFlowAdamW(model.parameters(), **_resumable())
