@@ -311,8 +311,8 @@ def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any]
     final = evaluate(model, eval_batches, case.accuracy)
     return {"start_loss": start["loss"], "eval_loss": final["loss"], "eval_accuracy": final.get("accuracy"),
             "train_losses": losses, "seconds": seconds,
-            "stats": {k: stats.get(k) for k in ("host_lr_scale", "high_lr_window", "host_beta1", "writeback_lag")
-                                       if k in stats}}
+            "stats": {k: stats.get(k) for k in ("host_lr_scale", "high_lr_window", "host_beta1", "writeback_lag",
+                                                "host_step_guard", "host_step_guard_engaged") if k in stats}}
 
 
 # -- the grid -----------------------------------------------------------------------------------------------------

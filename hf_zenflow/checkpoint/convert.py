@@ -102,7 +102,8 @@ def _split_to_dense(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any]) -
         if host.accum_count:
             # the open window's gradients are applied now, as `flush()` would, so none is lost
             lag = window_lag(opt._schedule, opt.config.overlap_step, host.accum_count)
-            hyper, _ = host_hyper(group, opt.config, host.accum_count, lag, opt._schedule.high_lr_window)
+            hyper, _ = host_hyper(group, opt.config, host.accum_count, lag, opt._schedule.high_lr_window,
+                                  opt._host.guard.factor_for(opt.config.host_step_guard))
             host_adamw_window([(hyper, [host])])
     master, m, v = split.full_state(opt._host.shards)
     step = (split.device.step if split.device is not None else split.host.step).clone()
@@ -283,7 +284,9 @@ def _flushed_split(entry: dict[str, Any], config: ZenFlowConfig, group: dict[str
             # the saved schedule's lag (None: the next boundary, a whole window), as the optimizer counts it
             lag = zenflow.get("writeback_lag") or zenflow.get("high_lr_window") or config.update_interval
             lag = (lag if isinstance(lag, int) else count) if config.overlap_step else 1
-            hyper, _ = host_hyper(group, config, count, lag, zenflow.get("high_lr_window"))
+            guard = 1.0 if config.host_step_guard == "off" else float(
+                (zenflow.get("host_step_guard") or {}).get("factor", 1.0))
+            hyper, _ = host_hyper(group, config, count, lag, zenflow.get("high_lr_window"), guard)
             host_step = entry["host_step"].float().cpu().clone()
             fused_adamw_([master], [entry["accum"].float().cpu() / count], [m], [v], [host_step], hyper)
     else:

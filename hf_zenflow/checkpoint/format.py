@@ -150,6 +150,7 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
             "force_select": schedule.force_select, "writeback_lag": schedule.writeback_lag,
             "writeback_lag_pending": schedule.writeback_lag_pending,
             "high_lr_window": schedule.high_lr_window,  # (`high_lr_rule="auto"`'s choice: None = not engaged)
+            "host_step_guard": opt._host.guard.state(),  # (its factor, and a write-back it still watches)
             "writeback_pending": opt._host.writeback_pending, "unapplied_steps": list(opt._host.unapplied_steps),
             "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
             # where windows are summed ("auto"'s choice; None before any host state): a resumed run keeps it

@@ -119,6 +119,8 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
         schedule.limit_min_offload_numel = zenflow["limit_min_offload_numel"]
     # before any host state is restored: it is created for the accumulation the saved run chose
     opt._host.accumulate_chosen = resumed_choice(opt.config, zenflow)
+    if "host_step_guard" in zenflow:
+        opt._host.guard.load(zenflow["host_step_guard"])  # (the factor it engaged to, a write-back it watches)
     opt._host.writeback_pending = bool(zenflow["writeback_pending"])
     opt._host.unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
     opt._stats.skipped_steps = int(zenflow["skipped_steps"])

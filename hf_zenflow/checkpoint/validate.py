@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .._base import check_hyperparameters
+from ..engine.host_guard import check_state as guard_problem
 from ..engine.quantized_moments import BLOCK, blocks
 from ..settings.config import ZenFlowConfig
 from .seal import Refusal
@@ -107,6 +108,10 @@ def check_block(zenflow: dict[str, Any]) -> None:
         raise Refusal(f"{where}: high_lr_window={high!r} is invalid, expected an integer >= 1 or None")
     if "writeback_lag_pending" in zenflow:
         _flag(where, zenflow, "writeback_lag_pending")
+    if "host_step_guard" in zenflow:  # (a checkpoint from before the guard has none: it starts afresh)
+        problem = guard_problem(zenflow["host_step_guard"])
+        if problem is not None:
+            raise Refusal(f"{where}: {problem}")
     if zenflow.get("accumulate_on") not in (None, "host", "device", "device_bf16"):
         raise Refusal(f"{where}: accumulate_on={zenflow['accumulate_on']!r} is invalid, expected 'host', 'device', "
                       "'device_bf16' or None (not decided yet)")

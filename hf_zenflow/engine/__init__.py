@@ -8,7 +8,7 @@
   background thread, and `bounded_wait`);
 - between them: `windows.py` (`HostWindows`: hand-offs, `handoff.py` / `held_handoff.py`) and `window_close.py`
   (closing a window, writing its result back ``writeback_lag`` steps later); `accumulation.py` (host or device
-  window sums), `host_lr.py` (the host step's learning-rate multiplier);
+  window sums), `host_lr.py` (the host step's learning-rate multiplier), `host_guard.py` (`host_step_guard`);
 - the schedule, decisions without tensors: `schedule.py` (step kinds, windows, Zen-auto votes), `writeback_lag.py`
   ("auto"'s choice from the host columns' sizes);
 - one matrix's two sides and its columns: `split_matrix.py`, `selection.py`, `reselection.py`; the optimizer's

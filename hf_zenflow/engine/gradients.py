@@ -172,6 +172,8 @@ class Synced:
     masses: list[tuple[float, float]]
     #: the inverse scale still on the copies the hooks made before a GradScaler's ``unscale_`` (None: none)
     copies_factor: float | None = None
+    #: the total gradient norm (unscaled; global with several ranks)
+    total: float = math.nan
 
 
 @dataclass
@@ -204,7 +206,7 @@ class StepReads:
         n = len(self.auto_split)
         masses = [(values[2 + j], values[2 + n + j]) for j in range(n)]
         # multiplying by exactly 1 changes nothing: no pass for it
-        return Synced(finite, None if coef == 1.0 else coef, waiting_norms, masses, factor)
+        return Synced(finite, None if coef == 1.0 else coef, waiting_norms, masses, factor, values[0])
 
     def votes(self, synced: Synced) -> list[bool]:
         """Zen-auto's votes of this step (one per matrix it watches), from the synced masses."""

@@ -86,13 +86,17 @@ def rule_beta1(config: ZenFlowConfig, beta1: float, window: int, lag: int) -> fl
     return high_lr_beta1(beta1, window, lag if config.overlap_step else 0)
 
 
-def host_hyper(group: dict, config: ZenFlowConfig, steps: int, lag: int, high_lr: int | None) -> tuple[dict, float]:
+def host_hyper(group: dict, config: ZenFlowConfig, steps: int, lag: int, high_lr: int | None,
+               guard: float = 1.0) -> tuple[dict, float]:
     """A window's host AdamW hyper-parameters from its param group (the lr in force now, times the `host_lr_scale`
-    multiplier for a window of `steps` steps written back `lag` steps late) and the multiplier; with the high-lr
-    rule engaged (`high_lr`: the schedule's shortened window) beta1 is `high_lr_beta1`'s."""
+    multiplier for a window of `steps` steps written back `lag` steps late, times the `host_step_guard` factor
+    `guard`) and the multiplier; with the high-lr rule engaged (`high_lr`: the schedule's shortened window) beta1
+    is `high_lr_beta1`'s."""
     hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
     scale = host_lr_scale(config.host_lr_scale, steps, peak_lr(group), lag)
     hyper["lr"] = hyper["lr"] * scale
+    if guard != 1.0:  # (only once the guard engaged: until then the same bits as without it)
+        hyper["lr"] = hyper["lr"] * guard
     if high_lr is not None:
         beta1, beta2 = hyper["betas"]
         hyper["betas"] = (rule_beta1(config, beta1, high_lr, lag), beta2)

@@ -35,16 +35,20 @@ class WindowCloses:
         full = schedule.update_interval is None or steps >= schedule.update_interval
         group_of = {p: g for g in self.groups for p in g["params"]}
         by_group: dict[int, tuple[dict, list[HostMatrix]]] = {}
+        scales: list[float] = []
         for split in self.splits.values():
             if split.host is not None:
                 group = group_of[split.owner]  # (the parameter in the group: a DTensor under FSDP2)
                 if id(group) not in by_group:
                     # hyper-parameters are copied now: the lr in force when the window closed
-                    hyper, scale = host_hyper(group, self.config, steps, lag, schedule.high_lr_window)
+                    hyper, scale = host_hyper(group, self.config, steps, lag, schedule.high_lr_window,
+                                              self.guard.factor_for(self.config.host_step_guard))
                     self.lr_scale.note(self.config.host_lr_scale, scale, peak_lr(group), lag, full)
+                    scales.append(scale)
                     by_group[id(group)] = (hyper, [])
                 by_group[id(group)][1].append(split.host)
         work = list(by_group.values())
+        self.guard.closed(scales)  # (what an overshoot of this window's result is measured against)
         worker = self.ensure_worker()  # (closed after training: `flush()` may still close a window)
         if not work:
             return  # every column lives on the device: no host step, nothing stale
@@ -106,6 +110,8 @@ class WindowCloses:
         for split in hosted:
             split.host.writeback_fresh = False
         scatter_columns(columns_back)
+        if written:
+            self.guard.wrote_back()  # (the next step's gradient is the first to see these weights)
         for transport, group in self.by_transport(written):
             transport.after_write_back(group)
         self.writeback_pending = False

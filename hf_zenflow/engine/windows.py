@@ -30,6 +30,7 @@ from .device_step import device_update
 from .handoff import EarlyCopies, FreedGradient, HandOff, local_grad, non_finite, set_grad
 from .held_handoff import HeldHandOff
 from .host import HostMatrix, accumulate_into, link_grad_dtype, moment_dtype
+from .host_guard import HostStepGuard
 from .host_lr import LrScaleRecord
 from .params import is_split
 from .schedule import StepKind, WindowSchedule
@@ -76,6 +77,8 @@ class HostWindows(WindowCloses):
         self.accumulate_chosen: str | None = None
         #: the host step's learning-rate multiplier of the last full window (`stats()["host_lr_scale"]`)
         self.lr_scale = LrScaleRecord()
+        #: `host_step_guard`: the watch on each write-back and the host lr's factor it keeps
+        self.guard = HostStepGuard()
         #: the kind of the coming step when its gradients of offloaded matrices may be freed in backward, else None
         #: (`may_free`; set by the optimizer from `free_gradients_in_backward` and the schedule)
         self.free_kind: StepKind | None = None
@@ -107,6 +110,7 @@ class HostWindows(WindowCloses):
         """Forget every window in flight (the optimizer's state is being replaced; the worker is idle). The
         transports go too, their pinned blocks unlocked now: a reload never keeps two copies page-locked."""
         self.pending, self.writeback_pending, self.unapplied_steps = None, False, []
+        self.guard = HostStepGuard()
         self.release_early()
         self.close_transports()
         self.transports.clear()
@@ -557,4 +561,5 @@ class HostWindows(WindowCloses):
             self.hand_off(entries, grads, coef)
         schedule.window_steps += 1
         self.close_window(schedule, timer, sequential=True)
+        self.guard.forget_write_back()  # (plain AdamW, no host multiplier: nothing for the guard to watch)
         self.held.submit()  # (only when the close had no host work to fold it into)

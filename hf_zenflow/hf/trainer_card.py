@@ -34,6 +34,8 @@ def card_inputs(trainer: Trainer) -> dict[str, Any]:
         "update_interval": "update interval (last)",
         "high_lr_window": 'high_lr_rule="auto": window steps (0 = not engaged)',
         "host_beta1": "host AdamW beta1",
+        "host_step_guard": "host_step_guard: host lr factor (1 = not engaged)",
+        "host_step_guard_engaged": "host_step_guard: overshoots seen",
         "critical_path_ms": "critical path per step (mean, ms)",
         "cp_wait_ms": "of which waiting for the host worker (mean, ms)",
         "host_step_ms": "host AdamW step per window (mean, ms)",
@@ -43,8 +45,8 @@ def card_inputs(trainer: Trainer) -> dict[str, Any]:
     for key, label in labels.items():
         value = run.get(TELEMETRY_PREFIX + key)
         if value is not None:
-            measured[label] = int(value) if key in LAST_STATS and key not in ("update_interval", "host_beta1") \
-                else value
+            fractional = ("update_interval", "host_beta1", "host_step_guard")
+            measured[label] = int(value) if key in LAST_STATS and key not in fractional else value
     for key, label in (("bytes_to_host", "to host"), ("bytes_to_device", "to device")):
         value = run.get(TELEMETRY_PREFIX + key)
         if value is not None:

@@ -22,6 +22,8 @@ MEAN_STATS = ("critical_path_ms", "cp_wait_ms", "host_step_ms", "bytes_to_host",
 LAST_STATS = ("update_interval", "steps", "windows", "reselections", "skipped_steps",
               # `high_lr_rule="auto"`'s choice (0: not engaged) and the host AdamW's beta1 it implies
               "high_lr_window", "host_beta1",
+              # `host_step_guard`: the host lr's factor (1.0: not engaged) and the overshoots it saw
+              "host_step_guard", "host_step_guard_engaged",
               # what the device held at its peak so far (weights, gradients, optimizer device state), per parameter,
               # and the share of the parameters offloaded
               "peak_device_bytes", "peak_device_bytes_per_param", "step_peak_device_bytes",

@@ -76,6 +76,7 @@ class ZenFlowSettingArguments:
     zenflow_auto_max_interval: int = _setting("auto_max_interval")
     zenflow_host_lr_scale: str = _setting("host_lr_scale")
     zenflow_high_lr_rule: LowercaseChoice = _setting("high_lr_rule")
+    zenflow_host_step_guard: str = _setting("host_step_guard")
     zenflow_min_offload_numel: int = _setting("min_offload_numel")
     zenflow_accumulate_on: LowercaseChoice = _setting("accumulate_on")
     zenflow_host_grad_dtype: LowercaseChoice = _setting("host_grad_dtype")

@@ -61,6 +61,8 @@ def optimizer_stats(
         writeback_lag=float(schedule.writeback_lag if schedule and schedule.writeback_lag else interval),
         high_lr_window=float(high or 0),
         host_beta1=beta1,
+        host_step_guard=host.guard.factor_for(config.host_step_guard),  # (1.0: not engaged, or "off")
+        host_step_guard_engaged=host.guard.engaged,
         host_threads=config.resolved_cpu_threads,
         steps=schedule.steps if schedule else 0,
         windows=schedule.windows if schedule else 0,

@@ -126,6 +126,10 @@ class StepSequence:
             coef = synced.coef
             if writes is not None:
                 writes.apply()
+            if not warm_up:
+                # the first gradient after a write-back tells whether the host result overshot (`host_guard.py`);
+                # this step's own write-back, below, comes after
+                self._host.guard.observe(synced.total, schedule.steps, self.config.host_step_guard)
 
             if warm_up:
                 self._meter.note()  # (the state exists; the gradients are still held)

@@ -20,12 +20,20 @@ from .deepspeed_config import load, zenflow_values
 #: written back 1 step into the next window; a lag of L steps divides it by sqrt(L). Set by the quality suite
 #: (`scripts/quality_suite.py`, BENCHMARKS.md "Quality suite"): a host step above it diverged a model from scratch
 #: (an un-normalised block, lr 1e-3 x 4 and 5e-4 x 4) and cost MiniLM +6 % held-out loss at lr 3e-4 x 4, while the
-#: window's multiplier stays necessary at fine-tuning rates (MiniLM at 5e-5: x1 costs +5.7 %, x4 +0.25 %).
+#: window's multiplier stays necessary at fine-tuning rates (MiniLM at 5e-5: x1 costs +5.7 %, x4 +0.25 %). A cap of
+#: 2e-3 with `host_step_guard` diverged nothing but cost the pretrained tiny Llama's fine-tune +2-3 % at 3e-4 - 1e-3.
 AUTO_HOST_LR_CAP = 5e-4
 
 #: `high_lr_rule="auto"`: above peak lr × update_interval > this, windows are shortened to floor(this / lr) steps.
 #: Measured on the tiny Llama (30 steps, U=4, 5 paired seeds, BENCHMARKS.md §4b).
 HIGH_LR_RULE_THRESHOLD = 5e-3
+
+#: `host_step_guard`'s default: a host result is taken to have overshot when the first gradient that sees it has a
+#: total norm above this multiple of the last one before it (BENCHMARKS.md, the host step guard's section).
+HOST_STEP_GUARD_RATIO = 2.5
+
+#: `host_step_guard` cuts the host step's learning rate at each overshoot, down to this fraction of it.
+HOST_STEP_GUARD_MIN_FACTOR = 0.125
 
 
 SelectStrategy = Literal["auto", "step", "epoch"]
@@ -191,6 +199,18 @@ class ZenFlowConfig:
                   "configured windows and betas at every learning rate (BENCHMARKS §4b).",
                   "choices": _HIGH_LR_RULES},
     )
+    host_step_guard: float | str = field(
+        default=HOST_STEP_GUARD_RATIO,
+        metadata={"help": "A guard against host steps that overshoot: when the first gradient computed after a "
+                  "window's host result was written into the weights has a total norm above this multiple of the "
+                  "last one before it, the host AdamW's learning rate is cut for the rest of the run: halved, and "
+                  "at least back to one AdamW step per window (host_lr_scale's multiplier x the guard's factor <= "
+                  f"1); again at each such overshoot, down to {HOST_STEP_GUARD_MIN_FACTOR:g} of it. It reads the "
+                  "total gradient norm the step computes anyway: reproducible, and a run in which it never engages "
+                  "is bit for bit the "
+                  'same as without it. Logged; stats()["host_step_guard"] (the factor, 1.0 = not engaged); in '
+                  'checkpoints. A float > 1, or "off".'},
+    )
     min_offload_numel: int = field(
         default=MIN_OFFLOAD_NUMEL,
         metadata={"help": "Matrices with fewer elements are updated entirely on the device every step, like 1-D "
@@ -337,6 +357,16 @@ class ZenFlowConfig:
             if isinstance(self.host_lr_scale, bool) or not scale > 0 or math.isinf(scale):
                 _fail("host_lr_scale", self.host_lr_scale, 'a float > 0, "interval" or "auto"')
             self.host_lr_scale = scale
+        if isinstance(self.host_step_guard, str) and self.host_step_guard.strip().lower() == "off":
+            self.host_step_guard = "off"
+        else:
+            try:
+                ratio = float(self.host_step_guard)
+            except (TypeError, ValueError):
+                ratio = float("nan")
+            if isinstance(self.host_step_guard, bool) or not ratio > 1 or math.isinf(ratio):
+                _fail("host_step_guard", self.host_step_guard, 'a float > 1 or "off"')
+            self.host_step_guard = ratio
         if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
             _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")
         if self.device_memory_budget_bytes is not None and (

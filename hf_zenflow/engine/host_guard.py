@@ -1,0 +1,112 @@
+"""`ZenFlowConfig.host_step_guard`: a watch on each host result after it is written into the weights.
+
+A window's host step lands all at once, with no gradient in between to correct it. Where the loss is sharp along the
+unselected columns (an un-normalised path to the output, a learning rate at the edge of stability), a step that
+AdamW would have taken in pieces overshoots, and the first gradient computed on the new weights shows it: its total
+norm jumps. The guard compares that norm with the last one before the write-back; above `host_step_guard` times it,
+the host AdamW's learning rate is cut for the rest of the run: halved, and at least back to one AdamW step per
+window (the `host_lr_scale` multiplier times the guard's factor at most 1: the rule that never diverged where a
+larger multiplier did); again at each later overshoot, down to `HOST_STEP_GUARD_MIN_FACTOR`. The norm is the one
+every step computes for its non-finite check and clipping, read in the step's one sync: no extra pass, no timing, so
+the same script and seed give the same weights; with several ranks it is the global norm, the same on every rank.
+Until the guard engages its factor is exactly 1 and the host step's hyper-parameters are untouched (bit for bit the
+unguarded run).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from ..settings.config import HOST_STEP_GUARD_MIN_FACTOR
+
+
+logger = logging.getLogger("hf_zenflow")
+
+
+class HostStepGuard:
+    """The guard's state: `factor` (the host lr's multiplier, 1.0 until it engages), `engaged` (overshoots seen),
+    `scale` (the largest `host_lr_scale` multiplier of the last window closed), `last_norm` (the last step's total
+    gradient norm), `watch_norm` (the norm before the last write-back, while the first gradient after it is
+    awaited; None otherwise)."""
+
+    def __init__(self) -> None:
+        self.factor = 1.0
+        self.engaged = 0
+        self.scale = 1.0
+        self.last_norm: float | None = None
+        self.watch_norm: float | None = None
+
+    def observe(self, total_norm: float, step: int, setting: float | str) -> None:
+        """A step's total gradient norm (finite steps only), before any write-back of this step: compared with the
+        norm before the last write-back when this is the first gradient after it (`setting`: the configured
+        ratio, or "off")."""
+        watched, self.watch_norm = self.watch_norm, None
+        self.last_norm = total_norm
+        if setting == "off" or watched is None or not total_norm > float(setting) * watched:
+            return
+        self.engaged += 1
+        if self.factor > HOST_STEP_GUARD_MIN_FACTOR:
+            self.factor = max(HOST_STEP_GUARD_MIN_FACTOR, min(self.factor / 2, 1.0 / self.scale))
+            logger.warning(
+                "hf_zenflow: host_step_guard: at step %d, the first after a host result was written back, the "
+                "gradient norm rose from %.4g to %.4g (x%.2f > %g); the host AdamW's learning rate is now x%g of "
+                "the configured one for the rest of the run (docs/quality.md)", step, watched, total_norm,
+                total_norm / watched, float(setting), self.factor)
+
+    def factor_for(self, setting: float | str) -> float:
+        """The factor on the host lr under the configured `setting`: 1.0 when "off" (also after the guard engaged
+        under an earlier setting: "off" means the configured host step)."""
+        return 1.0 if setting == "off" else self.factor
+
+    def closed(self, scales: list[float]) -> None:
+        """A window closed with these `host_lr_scale` multipliers (one per param group with host state)."""
+        if scales:
+            self.scale = max(scales)
+
+    def wrote_back(self) -> None:
+        """A host result went into the weights: the next gradient is the first to see it."""
+        if self.last_norm is not None:
+            self.watch_norm = self.last_norm
+
+    def forget_write_back(self) -> None:
+        """A write-back that is not a host step's window (a warm-up step, plain AdamW): not watched."""
+        self.watch_norm = None
+
+    def state(self) -> dict[str, Any]:
+        return {"factor": self.factor, "engaged": self.engaged, "scale": self.scale, "last_norm": self.last_norm,
+                "watch_norm": self.watch_norm}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """A checkpoint's `state()` (validated by `check_state`)."""
+        self.factor = float(state["factor"])
+        self.engaged = int(state["engaged"])
+        self.scale = float(state["scale"])
+        self.last_norm = None if state["last_norm"] is None else float(state["last_norm"])
+        self.watch_norm = None if state["watch_norm"] is None else float(state["watch_norm"])
+
+
+def check_state(state: Any) -> str | None:
+    """What is wrong with a checkpoint's guard state (None: nothing)."""
+    if not isinstance(state, dict) or set(state) != {"factor", "engaged", "scale", "last_norm", "watch_norm"}:
+        return (f"host_step_guard={state!r} is invalid, expected a dict of factor, engaged, scale, last_norm, "
+                "watch_norm")
+    factor, engaged = state["factor"], state["engaged"]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+            or not HOST_STEP_GUARD_MIN_FACTOR <= factor <= 1:
+        return f"host_step_guard factor={factor!r} is invalid, expected a float in [{HOST_STEP_GUARD_MIN_FACTOR}, 1]"
+    if isinstance(engaged, bool) or not isinstance(engaged, int) or engaged < 0:
+        return f"host_step_guard engaged={engaged!r} is invalid, expected an integer >= 0"
+    scale = state["scale"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        return f"host_step_guard scale={scale!r} is invalid, expected a finite float > 0"
+    for key in ("last_norm", "watch_norm"):
+        norm = state[key]
+        if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float))
+                                 or not math.isfinite(norm) or norm < 0):
+            return f"host_step_guard {key}={norm!r} is invalid, expected a finite float >= 0 or None"
+    return None
+
+
+__all__ = ["HostStepGuard", "check_state"]
