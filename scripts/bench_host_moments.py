@@ -2,7 +2,8 @@
 
 Every variant runs the engine's own pass (`host_adamw_window`) on a matrix whose window sum has landed (a window of
 `--interval` steps summed on the device): fp32 moments through the CPU kernel (the default) and through torch's fused
-AdamW (no compiler), bf16 moments (torch, in pieces), and 8-bit moments through the kernel and through the torch pass.
+AdamW (no compiler), bf16 moments through the kernel and through torch (in pieces), and 8-bit moments through the
+kernel and through the torch pass.
 The variants take turns, `--repeats` rounds, so that a busy machine slows them alike; the median of each is reported
 with its ratio to the fp32 kernel pass. Bytes moved per parameter (read + written): fp32 28, bf16 20, int8 ~16.
 
@@ -26,6 +27,7 @@ from hf_zenflow.transport.cpu_device import kernels
 VARIANTS = {  # name: (moment dtype, use the CPU kernel)
     "fp32 kernel": (torch.float32, True),
     "fp32 torch": (torch.float32, False),
+    "bf16 kernel": (torch.bfloat16, True),
     "bf16 torch": (torch.bfloat16, False),
     "int8 kernel": (torch.int8, True),
     "int8 torch": (torch.int8, False),
@@ -35,6 +37,7 @@ VARIANTS = {  # name: (moment dtype, use the CPU kernel)
 def _use_kernels(on: bool) -> None:
     """Route the host pass through the CPU kernel or torch's operations (the no-compiler path)."""
     kernels._window_adamw_state = True if on else False
+    kernels._window_adamw_bf16_state = True if on else False
     quantized_moments._kernel_state = True if on else False
 
 
@@ -47,7 +50,8 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    assert kernels.library() is not None and kernels.window_adamw_available() and quantized_moments.kernel_matches(), \
+    assert (kernels.library() is not None and kernels.window_adamw_available()
+            and kernels.window_adamw_bf16_available() and quantized_moments.kernel_matches()), \
         "this benchmark compares the kernel with the torch pass: it needs the CPU kernels"
     cols = 4096
     rows = args.numel // cols

@@ -7,7 +7,8 @@ spare storage of the weight, swapped in at each write-back instead of a copy) an
 gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``, where on a CPU
 device with fp32 weights the write-back buffer is the accumulator itself: `HostMatrix.shares_writeback`). One moment
 set (DeepSpeed keeps two). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
-updated in fp32 pieces, `_adamw_narrow_moments`), ``"int8"`` in 8-bit codes with an fp32 scale per block of 256
+widened, updated in fp32 and rounded back in the same pass: `kernels.window_adamw_bf16`, or torch's operations in
+pieces, `_adamw_narrow_moments`), ``"int8"`` in 8-bit codes with an fp32 scale per block of 256
 (10.03 B; decoded, updated and encoded in the same pass: `quantized_moments.py`). ``host_grad_dtype="bfloat16"``
 lands fp32 gradients as bf16 (half the landing buffers and the bytes to host). ``accumulate_on="device_bf16"`` adds a
 bf16 landing buffer (+2 B) that the window's bf16 sum lands in; the worker widens it into the fp32 accumulator
@@ -253,7 +254,8 @@ NARROW_CHUNK = 1 << 22
 
 
 def _adamw_narrow_moments(m: HostMatrix, hyper: dict) -> None:
-    """The host AdamW of a matrix whose moments are stored narrow (bf16): torch's fused kernel wants one dtype per
+    """The host AdamW of a matrix whose moments are stored narrow (bf16) through torch's operations (where the
+    one-pass kernel does not run: no C compiler, or tensors it does not take): torch's fused kernel wants one dtype per
     call, so each piece of the moments is widened into two per-thread fp32 scratch buffers, updated by the same
     fp32 kernel as fp32 moments (against the fp32 master and window mean), and rounded back to nearest. AdamW is
     elementwise, so pieces give the bits of one call; each piece steps a copy of the step count, which then
@@ -274,9 +276,15 @@ def _adamw_narrow_moments(m: HostMatrix, hyper: dict) -> None:
     m.step.copy_(step)
 
 
+def _moment_kind(m: HostMatrix) -> torch.dtype:
+    """How `m`'s moments are stored: torch.float32, torch.bfloat16 or torch.int8 (codes and scales)."""
+    return torch.int8 if m.quantized else m.exp_avg.dtype  # type: ignore[union-attr]
+
+
 def _fusable(m: HostMatrix, grad2d: torch.Tensor | None) -> bool:
-    """Whether `m`'s window can run through the one-pass kernel (`kernels.window_adamw`), with fp32 moments or 8-bit
-    ones (the kernel reads and writes their codes and scales)."""
+    """Whether `m`'s window can run through the one-pass kernel (`kernels.window_adamw`), with fp32 moments, bf16
+    ones (widened and rounded back block by block) or 8-bit ones (the kernel reads and writes their codes and
+    scales)."""
     if m.quantized:
         tensors = (m.master, m.accum, m.exp_avg.codes, m.exp_avg_sq.codes)  # type: ignore[union-attr]
         return (all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
@@ -284,10 +292,14 @@ def _fusable(m: HostMatrix, grad2d: torch.Tensor | None) -> bool:
                 and (grad2d is None or (kernels.supports(grad2d) and grad2d.shape == m.accum.shape))
                 and kernels.window_adamw_available() and kernel_matches())
     tensors = (m.master, m.accum, m.exp_avg, m.exp_avg_sq)
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    narrow = m.exp_avg.dtype == torch.bfloat16
+    moment_dtype = torch.bfloat16 if narrow else torch.float32
+    return (all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+            and m.master.dtype == m.accum.dtype == torch.float32
+            and m.exp_avg.dtype == m.exp_avg_sq.dtype == moment_dtype
             and m.master.numel() > 0
             and (grad2d is None or (kernels.supports(grad2d) and grad2d.shape == m.accum.shape))
-            and kernels.window_adamw_available())
+            and (kernels.window_adamw_bf16_available() if narrow else kernels.window_adamw_available()))
 
 
 def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
@@ -321,20 +333,21 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
                 m.accumulate(g, coef)
             if m.accum_count > 0:
                 plain.append(m)
-        for quantized in (False, True):  # (one kernel call per kind of moments)
-            batch = [(m, g) for m, g in fused if m.quantized == quantized]
+        for kind in (torch.float32, torch.bfloat16, torch.int8):  # (one kernel call per kind of moments)
+            batch = [(m, g) for m, g in fused if _moment_kind(m) == kind]
             if not batch:
                 continue
             common = ([m.master for m, _ in batch], [m.accum for m, _ in batch], [g for _, g in batch],
                       [m.accum_count == 0 for m, _ in batch], [m.accum_count + (g is not None) for m, g in batch])
-            if quantized:
+            if kind == torch.int8:
                 kernels.window_adamw_quantized(
                     *common, [m.exp_avg.codes for m, _ in batch], [m.exp_avg.scales for m, _ in batch],
                     [m.exp_avg_sq.codes for m, _ in batch], [m.exp_avg_sq.scales for m, _ in batch],
                     [m.step for m, _ in batch], hyper, coef)
             else:
-                kernels.window_adamw(*common, [m.exp_avg for m, _ in batch], [m.exp_avg_sq for m, _ in batch],
-                                     [m.step for m, _ in batch], hyper, coef)
+                call = kernels.window_adamw_bf16 if kind == torch.bfloat16 else kernels.window_adamw
+                call(*common, [m.exp_avg for m, _ in batch], [m.exp_avg_sq for m, _ in batch],
+                     [m.step for m, _ in batch], hyper, coef)
         for m in plain:
             if m.accum_count > 1:
                 m.accum.div_(m.accum_count)

@@ -17,6 +17,7 @@ import hf_zenflow.engine.host as host_module
 import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.transport import CopyTransport
+from hf_zenflow.transport.cpu_device import kernels
 from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train
 
 
@@ -59,13 +60,43 @@ def _zenflow(settings: dict, **kw) -> tuple[torch.nn.Module, list[float], ZenFlo
     return model, losses, opt
 
 
-@pytest.mark.parametrize("chunk", [None, 1000])
+def _count_moment_passes(monkeypatch) -> dict[str, int]:
+    """Counts the host passes over bf16 moments: through the CPU kernel, and through torch's operations."""
+    calls = {"kernel": 0, "torch": 0}
+
+    def counted(name: str, fn):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(kernels, "window_adamw_bf16", counted("kernel", kernels.window_adamw_bf16))
+    monkeypatch.setattr(host_module, "_adamw_narrow_moments", counted("torch", host_module._adamw_narrow_moments))
+    return calls
+
+
+def _moment_path(path: str, monkeypatch) -> dict[str, int]:
+    """Routes the bf16 moments' host pass through the CPU kernel ("kernel") or torch's operations ("torch"; in
+    pieces of 1000 elements, with a remainder, for "torch-pieces": the bits of one call)."""
+    if path == "kernel" and not kernels.window_adamw_bf16_available():
+        pytest.skip("no CPU kernels here")
+    if path != "kernel":
+        monkeypatch.setattr(kernels, "window_adamw_bf16_available", lambda: False)
+    if path == "torch-pieces":
+        monkeypatch.setattr(host_module, "NARROW_CHUNK", 1000)
+    return _count_moment_passes(monkeypatch)
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch", "torch-pieces"])
 @pytest.mark.parametrize("settings", SETTINGS)
-def test_low_precision_host_is_adamw_with_the_same_rounding(settings, chunk, monkeypatch):
-    if chunk is not None:  # narrow moments updated in pieces (with a remainder): the bits of one call
-        monkeypatch.setattr(host_module, "NARROW_CHUNK", chunk)
+def test_low_precision_host_is_adamw_with_the_same_rounding(settings, path, monkeypatch):
+    if path != "kernel" and "host_moment_dtype" not in settings:
+        pytest.skip("the path of the bf16 moments' pass: fp32 moments here")
+    calls = _moment_path(path, monkeypatch)
     model, losses, opt = _zenflow(settings)
     opt.close()
+    if "host_moment_dtype" in settings:  # (the pass went where it was sent)
+        assert calls[path.split("-")[0]] > 0 and calls["torch" if path == "kernel" else "kernel"] == 0
     ref = make_model()
     ref_losses = train(ref, RoundedAdamW(ref, "host_grad_dtype" in settings, "host_moment_dtype" in settings),
                        DATA)
@@ -75,6 +106,34 @@ def test_low_precision_host_is_adamw_with_the_same_rounding(settings, chunk, mon
     plain, _, opt = _zenflow({})
     opt.close()
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))  # the setting acts
+
+
+def test_bf16_moments_through_the_kernel_are_the_torch_pass_bit_for_bit(monkeypatch):
+    """A split run with bf16 moments (columns on the device, windows of three steps overlapped with the next ones,
+    re-selection, bf16 gradients to the host, a clipped run): the CPU kernel's one-pass window and torch's
+    operations give the same weights and the same host moments."""
+    settings = dict(host_moment_dtype="bfloat16", topk_ratio=0.25, update_interval=3, overlap_step=True,
+                    select_strategy="step", select_interval=4, min_offload_numel=0, cpu_threads=2)
+    runs = []
+    for path in ("kernel", "torch"):
+        with monkeypatch.context() as patch:
+            calls = _moment_path(path, patch)
+            for grad_settings in ({}, dict(host_grad_dtype="bfloat16")):
+                model = make_model()
+                opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings, **grad_settings)
+                train(model, opt, batches(STEPS), clip=0.05)
+                opt.flush()
+                moments = [(s.host.exp_avg.clone(), s.host.exp_avg_sq.clone()) for s in opt._split.values()
+                           if s.host is not None]
+                opt.close()
+                runs.append((list(model.parameters()), moments))
+            assert calls[path] > 0 and calls["torch" if path == "kernel" else "kernel"] == 0
+    for (params, moments), (ref_params, ref_moments) in zip(runs[:2], runs[2:]):
+        assert moments and all(m.dtype == torch.bfloat16 for pair in moments for m in pair)
+        for p, q in zip(params, ref_params):
+            assert torch.equal(p, q)
+        for pair, ref_pair in zip(moments, ref_moments):
+            assert all(torch.equal(a, b) for a, b in zip(pair, ref_pair))
 
 
 def test_narrow_gradients_through_staging_buffers_round_the_same(monkeypatch):

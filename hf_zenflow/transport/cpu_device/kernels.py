@@ -89,6 +89,8 @@ def _build() -> ctypes.CDLL:
     lib.zf_window_adamw.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, d, d, d, d, d, ctypes.c_float,
                                     ctypes.c_int64, ctypes.c_int]
     lib.zf_window_adamw.restype = ctypes.c_int
+    lib.zf_window_adamw_bf16.argtypes = lib.zf_window_adamw.argtypes
+    lib.zf_window_adamw_bf16.restype = ctypes.c_int
     lib.zf_window_adamw_q.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, p, p, d, d, d, d, d,
                                       ctypes.c_float, ctypes.c_int64, ctypes.c_int]
     lib.zf_window_adamw_q.restype = ctypes.c_int
@@ -208,6 +210,7 @@ def torch_vector_width() -> int | None:
 
 
 _window_adamw_state: bool | None = None
+_window_adamw_bf16_state: bool | None = None
 
 
 def window_adamw_available() -> bool:
@@ -226,7 +229,23 @@ def window_adamw_available() -> bool:
     return _window_adamw_state
 
 
-def _matches_torch() -> bool:
+def window_adamw_bf16_available() -> bool:
+    """Whether `window_adamw_bf16` is used (bf16 moments): `window_adamw_available`, and, checked once per process,
+    the bf16 kernel gives the bits of widening the moments, torch's fused AdamW and torch's rounding back to bf16
+    (including moments that round into bf16's subnormal range)."""
+    global _window_adamw_bf16_state
+    if not window_adamw_available():
+        return False
+    if _window_adamw_bf16_state is None:
+        _window_adamw_bf16_state = _matches_torch(torch.bfloat16)
+        if not _window_adamw_bf16_state:
+            warnings.warn("hf_zenflow: the fused window AdamW kernel for bf16 moments does not reproduce torch's "
+                          "fused AdamW and bf16 rounding bit for bit here; the host uses torch's operations",
+                          RuntimeWarning, stacklevel=2)
+    return _window_adamw_bf16_state
+
+
+def _matches_torch(moment_dtype: torch.dtype = torch.float32) -> bool:
     from ..._base import fused_adamw_
 
     gen = torch.Generator().manual_seed(0)
@@ -235,16 +254,24 @@ def _matches_torch() -> bool:
         master, accum, grad = (torch.randn(numel, generator=gen) for _ in range(3))
         exp_avg = torch.randn(numel, generator=gen) * 0.01
         exp_avg_sq = torch.rand(numel, generator=gen) * 1e-4
+        if moment_dtype == torch.bfloat16:  # a few gradient-free elements whose moments decay into subnormals
+            accum[:5], grad[:5] = 0.0, 0.0
+            tiny = torch.tensor([1e-38, -3e-39, 2e-45, 5e-39, 1.2e-38])
+            exp_avg[:5], exp_avg_sq[:5] = tiny, tiny.abs()
+        exp_avg, exp_avg_sq = exp_avg.to(moment_dtype), exp_avg_sq.to(moment_dtype)
         hyper = {"lr": 1e-3, "betas": (beta1, 0.999), "eps": 1e-8, "weight_decay": weight_decay}
         ref = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
         mean = accum.clone()
         accumulate([mean], [grad], 0.5, first=False)  # (checked against torch by its own tests)
         mean.div_(count)
-        fused_adamw_([ref[0]], [mean], [ref[1]], [ref[2]], [torch.tensor(2.0)], hyper)
+        wide = [t.float() for t in ref[1:]]
+        fused_adamw_([ref[0]], [mean], wide[:1], wide[1:], [torch.tensor(2.0)], hyper)
+        ref[1].copy_(wide[0])
+        ref[2].copy_(wide[1])
         mine = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+        call = window_adamw_bf16 if moment_dtype == torch.bfloat16 else window_adamw
         with torch.no_grad():
-            window_adamw([mine[0]], [accum], [grad], [False], [count], [mine[1]], [mine[2]], [torch.tensor(2.0)],
-                         hyper, 0.5)
+            call([mine[0]], [accum], [grad], [False], [count], [mine[1]], [mine[2]], [torch.tensor(2.0)], hyper, 0.5)
         if not all(torch.equal(a, b) for a, b in zip(ref, mine)):
             return False
     return True
@@ -260,6 +287,21 @@ def window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads:
     for t in (*exp_avgs, *exp_avg_sqs):
         assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
     _window_adamw(masters, accums, grads, firsts, counts, (exp_avgs, exp_avg_sqs), steps, hyper, coef)
+
+
+def window_adamw_bf16(masters: list[torch.Tensor], accums: list[torch.Tensor], grads: list[torch.Tensor | None],
+                      firsts: list[bool], counts: list[int], exp_avgs: list[torch.Tensor],
+                      exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], hyper: dict,
+                      coef: float | None) -> None:
+    """`window_adamw` with bf16 moments (``host_moment_dtype="bfloat16"``, contiguous, the master's shape): each
+    block of the moments is widened into fp32 (exactly), updated as fp32 moments are and rounded back to nearest even
+    in the same pass; the bits of widening, torch's fused AdamW in fp32 and ``.to(torch.bfloat16)`` (a NaN stays a
+    NaN, its payload bits aside)."""
+    for moment_list in (exp_avgs, exp_avg_sqs):
+        for t, master in zip(moment_list, masters):
+            assert t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu"
+            assert t.numel() == master.numel()
+    _window_adamw(masters, accums, grads, firsts, counts, (exp_avgs, exp_avg_sqs), steps, hyper, coef, bf16=True)
 
 
 def window_adamw_quantized(masters: list[torch.Tensor], accums: list[torch.Tensor],
@@ -282,7 +324,7 @@ def window_adamw_quantized(masters: list[torch.Tensor], accums: list[torch.Tenso
 
 def _window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads: list[torch.Tensor | None],
                   firsts: list[bool], counts: list[int], moments: tuple[list[torch.Tensor], ...],
-                  steps: list[torch.Tensor], hyper: dict, coef: float | None) -> None:
+                  steps: list[torch.Tensor], hyper: dict, coef: float | None, bf16: bool = False) -> None:
     width = torch_vector_width()
     assert width is not None
     for t in (*masters, *accums):
@@ -295,7 +337,7 @@ def _window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads
     lib = library()
     assert lib is not None, "call library() first"
     n = len(masters)
-    call = lib.zf_window_adamw if len(moments) == 2 else lib.zf_window_adamw_q
+    call = lib.zf_window_adamw_q if len(moments) == 4 else lib.zf_window_adamw_bf16 if bf16 else lib.zf_window_adamw
     rc = call(
         n,
         *(_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (masters, accums, *moments)),

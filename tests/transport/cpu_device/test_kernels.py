@@ -196,3 +196,65 @@ def test_window_adamw_is_sum_divide_and_torch_fused_adamw_bit_for_bit(grad_dtype
         for a, b in zip(ref, mine):
             assert torch.equal(a, b), numel
         assert torch.equal(kept, accum)  # read, never written
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads, chunk", [(1, None), (3, 4096)])
+@pytest.mark.parametrize("coef", [None, 0.7])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, None])
+@pytest.mark.parametrize("count", [1, 3])
+def test_window_adamw_bf16_is_the_torch_narrow_moment_pass_bit_for_bit(grad_dtype, count, coef, threads, chunk,
+                                                                       monkeypatch):
+    """The one-pass host AdamW with bf16 moments (`kernels.window_adamw_bf16`) against the torch pass it replaces
+    (`_adamw_narrow_moments`, after the window's sum and mean): the last gradient folded in or already summed, a
+    one-step window or a longer one, with and without a clip coefficient, on one thread and on several (the
+    reference then in pieces too). Sizes with every kind of tail torch's vectorised kernel leaves (none, < 8, 8,
+    > 8 elements) and several work items, both forms of its moment update (beta1 0.9 and 0.3), with and without
+    weight decay; a few gradient-free elements whose moments decay into bf16's subnormal range."""
+    import hf_zenflow.engine.host as host_module
+    from hf_zenflow.engine.host import HostMatrix
+
+    assert _native.window_adamw_bf16_available()
+    if chunk is not None:
+        monkeypatch.setattr(host_module, "NARROW_CHUNK", chunk)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for shape, beta1, weight_decay in (((1, 16), 0.9, 0.1), ((1, 37), 0.9, 0.0), ((5, 8), 0.3, 0.1),
+                                           ((19, 53), 0.9, 0.1), ((7, 10001), 0.95, 0.01), ((3, 4099), 0.3, 0.0)):
+            gen = torch.Generator().manual_seed(shape[0] * shape[1])
+            master, accum = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+            exp_avg = (torch.randn(shape, generator=gen) * 0.01).bfloat16()
+            exp_avg_sq = (torch.rand(shape, generator=gen) * 1e-4).bfloat16()
+            grad = None if grad_dtype is None else torch.randn(shape, generator=gen).to(grad_dtype)
+            tiny = torch.tensor([1e-38, -3e-39, 5e-39, 1.2e-38, -2e-40])
+            exp_avg.view(-1)[:5], exp_avg_sq.view(-1)[:5] = tiny.bfloat16(), tiny.abs().bfloat16()
+            accum.view(-1)[:5] = 0.0
+            if grad is not None:
+                grad.view(-1)[:5] = 0.0
+            first = count == 1 and grad is not None  # a one-step window: the sum is that gradient alone
+            hyper = {"lr": 1e-3, "betas": (beta1, 0.999), "eps": 1e-8, "weight_decay": weight_decay}
+            states = []
+            for _ in range(2):
+                m = HostMatrix.create(master, torch.float32, moments=torch.bfloat16)
+                m.exp_avg.copy_(exp_avg)
+                m.exp_avg_sq.copy_(exp_avg_sq)
+                m.accum.copy_(accum)
+                m.step.fill_(4.0)
+                states.append(m)
+            kernel, plain = states
+            _native.window_adamw_bf16([kernel.master], [kernel.accum], [grad], [first], [count], [kernel.exp_avg],
+                                      [kernel.exp_avg_sq], [kernel.step], hyper, coef)
+            plain.accum_count = count - (grad is not None)
+            if grad is not None:
+                plain.accumulate(grad, coef)
+            if count > 1:
+                plain.accum.div_(count)
+            host_module._adamw_narrow_moments(plain, hyper)
+            for name in ("master", "exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(getattr(kernel, name), getattr(plain, name)), (shape, name)
+            assert torch.equal(kernel.accum, accum)  # read, never written
+            assert not torch.equal(kernel.exp_avg_sq, exp_avg_sq)  # (and the moments moved)
+            assert (kernel.exp_avg_sq.view(-1)[:5] != 0).any() and kernel.exp_avg_sq.view(-1)[:5].abs().min() < 1.1e-38
+    finally:
+        torch.set_num_threads(previous)

@@ -228,6 +228,8 @@ typedef struct {
   int8_t *const *m_codes;
   uint8_t *const *v_codes;
   float *const *m_scale, *const *v_scale;
+  /* bf16 moments (NULL otherwise): per tensor the moments' bf16 bits, storage order */
+  uint16_t *const *m_bf16, *const *v_bf16;
   int64_t *item_tensor, *item_begin, *item_end;
   int64_t n_items;
   atomic_llong next;
@@ -328,6 +330,27 @@ static inline __attribute__((always_inline)) void adam_block(float *restrict p, 
   }
 }
 
+/* adam_block on bf16 moments: each widened on load (exactly) and rounded back to nearest even on store, in the same
+ * loop (the bits of widening the moments, torch's fp32 update and `.to(torch.bfloat16)`) */
+static inline __attribute__((always_inline)) void adam_block_bf16(float *restrict p, uint16_t *restrict m,
+                                                                  uint16_t *restrict v, const float *restrict g,
+                                                                  int64_t n, const zf_adam_consts *k,
+                                                                  const int small_w, const int scalar_v) {
+  const float decay = k->decay, w = k->w, b2 = k->b2, c2 = k->c2, bc2_sqrt = k->bc2_sqrt, eps = k->eps;
+  const float neg_step = k->neg_step, cw = small_w ? w : w - 1.0f;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i], mi = bf16_to_f32(m[i]), vi = bf16_to_f32(v[i]);
+    const float pv = p[i] * decay; /* (x 1.0f when there is no weight decay: exact) */
+    const float mv = fmaf(cw, gi - mi, small_w ? mi : gi);
+    const float vv = scalar_v ? fmaf(vi, b2, (c2 * gi) * gi) : fmaf(c2 * gi, gi, vi * b2);
+    const float denom = sqrtf(vv) / bc2_sqrt + eps;
+    p[i] = pv + (neg_step * mv) / denom;
+    m[i] = f32_to_bf16(mv);
+    v[i] = f32_to_bf16(vv);
+  }
+}
+
 static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t end) {
   const double bc1 = 1 - pow(job->beta1, job->step[t]);
   const double bc2 = 1 - pow(job->beta2, job->step[t]);
@@ -341,7 +364,8 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
   const int64_t tail = job->numel[t] - job->numel[t] % job->width;
   const int64_t scalar_from = tail + (job->numel[t] - tail) / 8 * 8;
   float *p = job->master[t], *acc = job->acc[t];
-  float *m = job->m_codes ? NULL : job->exp_avg[t], *v = job->m_codes ? NULL : job->exp_avg_sq[t];
+  const int narrow = job->m_codes || job->m_bf16; /* moments stored in another dtype than fp32 */
+  float *m = narrow ? NULL : job->exp_avg[t], *v = narrow ? NULL : job->exp_avg_sq[t];
   float mq[ZF_ADAM_BLOCK], vq[ZF_ADAM_BLOCK]; /* 8-bit moments: the block's fp32 values */
   const void *gp = job->grad[t];
   const int bf16 = job->grad_bf16[t], first = job->first[t];
@@ -379,6 +403,17 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
     /* [b0, split): the vector form; [split, b0 + n): the scalar tail's */
     const int64_t split = scalar_from < b0 ? 0 : (scalar_from - b0 < n ? scalar_from - b0 : n);
     float *pb = p + b0, *mb = mq, *vb = vq;
+    if (job->m_bf16) {
+      uint16_t *mh = job->m_bf16[t] + b0, *vh = job->v_bf16[t] + b0;
+      if (small_w) {
+        adam_block_bf16(pb, mh, vh, g, split, &k, 1, 0);
+        adam_block_bf16(pb + split, mh + split, vh + split, g + split, n - split, &k, 1, 1);
+      } else {
+        adam_block_bf16(pb, mh, vh, g, split, &k, 0, 0);
+        adam_block_bf16(pb + split, mh + split, vh + split, g + split, n - split, &k, 0, 1);
+      }
+      continue;
+    }
     if (job->m_codes) { /* (b0 is a multiple of ZF_ADAM_BLOCK, itself a multiple of ZF_QBLOCK) */
       for (int64_t q0 = 0; q0 < n; q0 += ZF_QBLOCK) {
         const int64_t len = n - q0 < ZF_QBLOCK ? n - q0 : ZF_QBLOCK, blk = (b0 + q0) / ZF_QBLOCK;
@@ -441,6 +476,20 @@ int zf_window_adamw_q(int64_t n, float *const *master, float *const *acc, int8_t
                      .first = first, .count = count, .numel = numel, .step = step, .lr = lr, .beta1 = beta1,
                      .beta2 = beta2, .eps = eps, .weight_decay = weight_decay, .coef = coef,
                      .width = width > 0 ? width : 1};
+  return window_adamw(job, threads);
+}
+
+/* zf_window_adamw with bf16 moments (adam_block_bf16): the bits of widening the moments, torch's fused AdamW in fp32
+ * and rounding back to nearest even */
+int zf_window_adamw_bf16(int64_t n, float *const *master, float *const *acc, uint16_t *const *exp_avg,
+                         uint16_t *const *exp_avg_sq, const void *const *grad, const int32_t *grad_bf16,
+                         const int32_t *first, const int64_t *count, const int64_t *numel, const double *step,
+                         double lr, double beta1, double beta2, double eps, double weight_decay, float coef,
+                         int64_t width, int threads) {
+  zf_adam_job job = {.n = n, .master = master, .acc = acc, .m_bf16 = exp_avg, .v_bf16 = exp_avg_sq, .grad = grad,
+                     .grad_bf16 = grad_bf16, .first = first, .count = count, .numel = numel, .step = step,
+                     .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay,
+                     .coef = coef, .width = width > 0 ? width : 1};
   return window_adamw(job, threads);
 }
 
