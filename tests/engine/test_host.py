@@ -334,7 +334,12 @@ import time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch
 import hf_zenflow.engine.window_close as zenflow_windows
+import hf_zenflow.engine.worker as zenflow_worker
 from hf_zenflow import ZenFlowAdamW
+
+# waits far longer than the prompt path's bound below: an exit that waits for the host step shows as >= 60 s
+zenflow_worker._EXIT_WAIT_S = 100.0
+zenflow_worker.HostAdamWorker.close.__defaults__ = (100.0,)
 
 def slow_host_step(groups, *last):
     print("host step running", flush=True)
@@ -352,8 +357,9 @@ while True:  # the second step waits for the first window's (endless) host step
 
 
 def test_ctrl_c_during_a_long_host_step_exits_promptly(tmp_path):
-    """Ctrl-C while the training loop waits for a long host step: the process exits at once instead of after
-    the 10 s join at exit."""
+    """Ctrl-C while the training loop waits for a long host step: the process exits at once instead of waiting
+    for the host step (here 60 s, with the joins at close and at exit lengthened past it, so that the bound below
+    separates the two however loaded the machine is)."""
     script = tmp_path / "slow_host_step.py"
     script.write_text(_SLOW_HOST_STEP_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
@@ -376,7 +382,7 @@ def test_ctrl_c_during_a_long_host_step_exits_promptly(tmp_path):
         deadline.cancel()
         proc.kill()
     assert "KeyboardInterrupt" in stderr, stderr[-3000:]
-    assert elapsed < 7, f"exit took {elapsed:.1f} s after Ctrl-C"
+    assert elapsed < 30, f"exit took {elapsed:.1f} s after Ctrl-C"
 
 
 def test_the_worker_thread_makes_the_parameters_cuda_device_current(monkeypatch):
