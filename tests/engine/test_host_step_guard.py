@@ -103,7 +103,7 @@ def _run(model, lr, hook=None, **settings):
     (1e-3, {"host_lr_scale": "interval", "full_warm_up_rounds": 2}),
 ])
 def test_where_it_does_not_engage_nothing_changes(lr, settings):
-    guarded, stats = _run(make_model(), lr, **settings)
+    guarded, stats = _run(make_model(), lr, host_step_guard=HOST_STEP_GUARD_RATIO, **settings)
     assert stats["host_step_guard"] == 1.0 and stats["host_step_guard_engaged"] == 0
     off, off_stats = _run(make_model(), lr, host_step_guard="off", **settings)
     assert off_stats["host_step_guard"] == 1.0
@@ -254,6 +254,6 @@ def test_bad_settings_name_the_field_the_value_and_what_is_allowed(value):
 
 
 def test_settings_parse_numbers_and_off():
-    assert ZenFlowConfig().host_step_guard == HOST_STEP_GUARD_RATIO
+    assert ZenFlowConfig().host_step_guard == "off"  # opt-in
     assert ZenFlowConfig(host_step_guard="3").host_step_guard == 3.0
     assert ZenFlowConfig(host_step_guard=" OFF ").host_step_guard == "off"
