@@ -212,7 +212,7 @@ class ZenFlowConfig:
                   "is bit for bit the "
                   'same as without it. Logged; stats()["host_step_guard"] (the factor, 1.0 = not engaged); in '
                   f'checkpoints. A float > 1 ({HOST_STEP_GUARD_RATIO:g} tried on the quality suite), or "off" '
-                  "(the default: one step's gradient norm is noisy, and an ordinary jump in a fine-tune can engage "
+                  "(the default: one step's gradient norm is noisy, and an ordinary jump while fine tuning can engage "
                   "it)."},
     )
     min_offload_numel: int = field(
