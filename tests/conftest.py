@@ -27,6 +27,9 @@ class TinyNet(torch.nn.Module):
 
 #: The device the reference tests train on: "cpu" in CI; `scripts/gpu_check.sh` runs them with "cuda".
 DEVICE = torch.device(os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu"))
+#: Host moments in fp32, for the tests whose reference is AdamW with fp32 moments (torch's AdamW, synchronous
+#: offload, an fp32 checkpoint's continuation): the default stores the host moments in bf16.
+FP32_MOMENTS = {"host_moment_dtype": "float32"}
 
 
 def assert_same_across_devices(ours: torch.Tensor, theirs: torch.Tensor) -> None:

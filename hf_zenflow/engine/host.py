@@ -1,14 +1,15 @@
 """The host path: per-matrix host state, gradient accumulation and the host AdamW of a window (the worker that runs
 them is `worker.py`).
 
-Host memory per offloaded parameter element: fp32 master (4 B) + fp32 exp_avg and exp_avg_sq (8 B) + fp32 window
-accumulator (4 B) = 16 B, plus a write-back buffer in the parameter dtype (pinned on CUDA; on a CPU device it is a
-spare storage of the weight, swapped in at each write-back instead of a copy) and on CUDA a pinned copy of the
+Host memory per offloaded parameter element: fp32 master (4 B) + bf16 exp_avg and exp_avg_sq (4 B, the default
+``host_moment_dtype="bfloat16"``) + fp32 window accumulator (4 B) = 12 B, plus a write-back buffer in the parameter
+dtype (pinned on CUDA; on a CPU device it is a spare storage of the weight, swapped in at each write-back instead of a
+copy) and on CUDA a pinned copy of the
 gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``, where on a CPU
 device with fp32 weights the write-back buffer is the accumulator itself: `HostMatrix.shares_writeback`). One moment
-set (DeepSpeed keeps two). Opt-in: ``host_moment_dtype="bfloat16"`` stores the moments in bf16 (12 B;
-widened, updated in fp32 and rounded back in the same pass: `kernels.window_adamw_bf16`, or torch's operations in
-pieces, `_adamw_narrow_moments`), ``"int8"`` in 8-bit codes with an fp32 scale per block of 256
+set (DeepSpeed keeps two). The bf16 moments are widened, updated in fp32 and rounded back in the same pass
+(`kernels.window_adamw_bf16`, or torch's operations in pieces, `_adamw_narrow_moments`); ``"float32"`` keeps them in
+fp32 (16 B: torch's AdamW arithmetic for every element), ``"int8"`` in 8-bit codes with an fp32 scale per block of 256
 (10.03 B; decoded, updated and encoded in the same pass: `quantized_moments.py`). ``host_grad_dtype="bfloat16"``
 lands fp32 gradients as bf16 (half the landing buffers and the bytes to host). ``accumulate_on="device_bf16"`` adds a
 bf16 landing buffer (+2 B) that the window's bf16 sum lands in; the worker widens it into the fp32 accumulator

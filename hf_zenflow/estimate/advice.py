@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from hf_zenflow.estimate.fits import MOMENT_NAMES
 from hf_zenflow.estimate.hardware import (
     AUTO_ROWS,
     DEVICE_ACCUMULATOR_BYTES,
@@ -22,7 +23,12 @@ from hf_zenflow.estimate.hardware import (
     interval_to_unbind,
     schedule_model,
 )
-from hf_zenflow.estimate.memory import DEVICE_MEMORY_HEADROOM, HOST_MEMORY_HEADROOM
+from hf_zenflow.estimate.memory import (
+    DEFAULT_HOST_MOMENTS,
+    DEVICE_MEMORY_HEADROOM,
+    HOST_MEMORY_HEADROOM,
+    HOST_MOMENT_DTYPES,
+)
 from hf_zenflow.estimate.profiles import HardwareProfile
 from hf_zenflow.estimate.ranks import RankSplit
 
@@ -158,10 +164,11 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
     return "\n".join(lines) + "\n"
 
 
-#: How the tables name `hardware.FIT_SCHEDULES`.
+#: How the tables name `fits.FIT_SCHEDULES`.
 FIT_LABELS = {"no_offload": "no offload (AdamW on the device)", "sync_offload": "synchronous offload (ZeRO-Offload)",
-              "zenflow": "ZenFlow, the defaults", "zenflow_bf16_moments": 'ZenFlow, host_moment_dtype="bfloat16"',
-              "zenflow_int8_moments": 'ZenFlow, host_moment_dtype="int8"'}
+              "zenflow": f'ZenFlow, the defaults, host_moment_dtype="{DEFAULT_HOST_MOMENTS}"',
+              **{f"zenflow_{MOMENT_NAMES[m]}_moments": f'ZenFlow, host_moment_dtype="{m}"' for m in HOST_MOMENT_DTYPES
+                 if m != DEFAULT_HOST_MOMENTS}}
 
 
 def _limits(profile: HardwareProfile, ranks: int) -> str:

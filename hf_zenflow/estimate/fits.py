@@ -13,14 +13,18 @@ from __future__ import annotations
 from typing import Any
 
 from hf_zenflow.estimate.hardware import AUTO_ROWS, auto_accumulation, schedule_model
+from hf_zenflow.estimate.memory import DEFAULT_HOST_MOMENTS, HOST_MOMENT_DTYPES
 from hf_zenflow.estimate.profiles import HardwareProfile
 
 
+#: How a schedule's name spells each ``host_moment_dtype``.
+MOMENT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
 #: The schedules `what_fits` and `max_params` compare: ZenFlow with the defaults (``accumulate_on="auto"``'s row at
-#: that size) and the same with narrower host moments (``host_moment_dtype``).
+#: that size, host moments in `DEFAULT_HOST_MOMENTS`) and the same with each other ``host_moment_dtype``.
 FIT_SCHEDULES = {"no_offload": ("no_offload", None), "sync_offload": ("sync_offload", None),
-                 "zenflow": ("zenflow", "float32"), "zenflow_bf16_moments": ("zenflow", "bfloat16"),
-                 "zenflow_int8_moments": ("zenflow", "int8")}
+                 "zenflow": ("zenflow", DEFAULT_HOST_MOMENTS),
+                 **{f"zenflow_{MOMENT_NAMES[m]}_moments": ("zenflow", m) for m in HOST_MOMENT_DTYPES
+                    if m != DEFAULT_HOST_MOMENTS}}
 
 
 def fit_row(profile: HardwareProfile, schedule: str, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
@@ -36,7 +40,7 @@ def fit_row(profile: HardwareProfile, schedule: str, params: float, tokens_per_s
                                    gradients_freed_in_backward)["choice"]
         key = AUTO_ROWS[choice]
     rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms, ranks,
-                          parallel, moments or "float32", gradients_freed_in_backward)
+                          parallel, moments or DEFAULT_HOST_MOMENTS, gradients_freed_in_backward)
     row = dict(rows[key], params=float(params), accumulate_on=choice)
     row["fits"] = row["fits_device_memory"] and row["fits_host_memory"]
     row["step_vs_no_offload"] = row["step_ms"] / rows["no_offload"]["step_ms"]

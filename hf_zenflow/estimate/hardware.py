@@ -54,6 +54,7 @@ from typing import Any
 from hf_zenflow.engine.accumulation import MARGIN
 from hf_zenflow.estimate.memory import (
     BF16_BYTES,
+    DEFAULT_HOST_MOMENTS,
     DEVICE_MEMORY_HEADROOM,
     FP32_BYTES,
     HOST_MEMORY_HEADROOM,
@@ -77,9 +78,9 @@ LINK_BYTES_PER_PARAM = 2
 
 #: One step's host accumulation, as a fraction of one host AdamW's core work (measured, see the module docstring).
 ACCUMULATE_VS_ADAMW = 0.54
-def host_state_bytes(host_moments: str = "float32") -> float:
+def host_state_bytes(host_moments: str = DEFAULT_HOST_MOMENTS) -> float:
     """Bytes per offloaded parameter the window's host AdamW pass reads and writes of its state: the fp32 master and
-    the two moments, each read and written (24 with fp32 moments)."""
+    the two moments, each read and written (24 with fp32 moments, 16 with bf16 ones)."""
     return 2 * (FP32_BYTES + 2 * MOMENT_BYTES[host_moments])
 
 
@@ -110,7 +111,7 @@ def _bound(parts: dict[str, float]) -> tuple[float, str]:
 
 
 def zenflow_host_passes(update_interval: float, on_device: bool, bf16_sums: bool = False,
-                        host_moments: str = "float32") -> list[tuple[str, float, float, float]]:
+                        host_moments: str = DEFAULT_HOST_MOMENTS) -> list[tuple[str, float, float, float]]:
     """ZenFlow's host work in one window, pass by pass: (pass, how many per window, core work in host AdamWs, host
     memory bytes per offloaded parameter), with a bf16 model and host moments in `host_moments` (the AdamW pass's
     core work is counted at the fp32 pass's rate whatever the moments' dtype).
@@ -124,7 +125,7 @@ def zenflow_host_passes(update_interval: float, on_device: bool, bf16_sums: bool
 
     Example:
         >>> [(name, n, b) for name, n, _, b in zenflow_host_passes(4, on_device=True)]
-        [('window AdamW', 1.0, 30.0), ('write-back rounding', 1.0, 6.0)]
+        [('window AdamW', 1.0, 22.0), ('write-back rounding', 1.0, 6.0)]
     """
     u = max(1.0, float(update_interval))
     state = host_state_bytes(host_moments)
@@ -155,14 +156,15 @@ def _host_pass_ms(profile: HardwareProfile, params: float, core_share: float, ad
 
 def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
                    update_interval: float = 4, device_step_ms: float | None = None, ranks: int = 1,
-                   parallel: str = "ddp", host_moments: str = "float32",
+                   parallel: str = "ddp", host_moments: str = DEFAULT_HOST_MOMENTS,
                    gradients_freed_in_backward: bool | None = None) -> dict[str, dict[str, Any]]:
     """Per-step ms of each side and the step time of every schedule (the slowest side of an overlapped schedule,
     the sum of a synchronous one); `bound` names the side that sets the step; `host_limit` says what bounds the
     host's passes ("memory" or "cores", by the larger share of the host time). Memory: ``device_memory_gb`` and
     ``host_memory_gb`` (one rank's), ``host_memory_node_gb`` (all ranks'), ``fits_device_memory`` (within
     `DEVICE_MEMORY_HEADROOM` of the device) and ``fits_host_memory`` (the node's ranks within `HOST_MEMORY_HEADROOM`
-    of ``profile.host_mem_gb``). `host_moments` ("float32", "bfloat16", "int8") is ZenFlow's host moment dtype;
+    of ``profile.host_mem_gb``). `host_moments` ("float32", "bfloat16", "int8") is ZenFlow's host moment dtype
+    (default: the library's, `DEFAULT_HOST_MOMENTS`);
     ``gradients_freed_in_backward`` (default `GRADIENTS_FREED_IN_BACKWARD`) its device gradients (`device_memory_gb`).
 
     `device_step_ms` replaces the FLOP-based forward+backward time when you have measured it. With `ranks` > 1 every

@@ -26,6 +26,7 @@ import torch
 from hf_zenflow.engine.accumulation import selected_bytes
 from hf_zenflow.engine.host import GRAD_SLOTS
 from hf_zenflow.estimate.ranks import RankSplit
+from hf_zenflow.settings.config import ZenFlowConfig
 
 
 FP32_BYTES, BF16_BYTES = 4, 2
@@ -34,6 +35,8 @@ FP32_BYTES, BF16_BYTES = 4, 2
 INT8_BLOCK = 256
 MOMENT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + FP32_BYTES / INT8_BLOCK}
 HOST_MOMENT_DTYPES = tuple(MOMENT_BYTES)
+#: The library's ``host_moment_dtype``: what "ZenFlow, the defaults" stores its host moments in.
+DEFAULT_HOST_MOMENTS: str = ZenFlowConfig.host_moment_dtype
 #: Device bytes per parameter of a bf16 model: the weight and its gradient; fp32 master and moments where AdamW runs
 #: on the device.
 WEIGHT_BYTES = GRADIENT_BYTES = BF16_BYTES
@@ -58,7 +61,7 @@ SYNC_HOST_BYTES_PER_PARAM = 16
 GRADIENTS_FREED_IN_BACKWARD = True
 
 
-def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moments: str = "float32") -> float:
+def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moments: str = DEFAULT_HOST_MOMENTS) -> float:
     """ZenFlow's host memory per offloaded parameter of a bf16 model on a GPU (`engine/host.py`): fp32 master (4),
     the two moments (`MOMENT_BYTES`), the fp32 window accumulator (4), the bf16 write-back buffer (2); with the
     window summed on the host (`sum_bytes` 0) the pinned landing slot of each in-flight gradient (`GRAD_SLOTS` x 2),
@@ -66,7 +69,7 @@ def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moments: str = "float3
 
     Example:
         >>> zenflow_host_bytes_per_param(0), zenflow_host_bytes_per_param(4), zenflow_host_bytes_per_param(0, "int8")
-        (22.0, 18.0, 16.03125)
+        (18.0, 14.0, 16.03125)
     """
     if host_moments not in MOMENT_BYTES:
         raise ValueError(f"host_moments={host_moments!r} is invalid: allowed are {', '.join(HOST_MOMENT_DTYPES)}.")

@@ -249,10 +249,11 @@ class ZenFlowConfig:
                   "choices": _HOST_GRAD_DTYPES},
     )
     host_moment_dtype: str = field(
-        default="float32",
-        metadata={"help": 'The dtype of the host AdamW moments (exp_avg, exp_avg_sq). "bfloat16": stored in bf16 '
-                  "(4 bytes less per offloaded parameter of host memory); the host AdamW widens them to fp32, "
-                  "updates in fp32 against the fp32 master, and rounds them back to nearest. \"int8\": 8-bit codes "
+        default="bfloat16",
+        metadata={"help": 'The dtype of the host AdamW moments (exp_avg, exp_avg_sq). "bfloat16" (the default): '
+                  "stored in bf16 (4 bytes less per offloaded parameter of host memory than fp32); the host AdamW "
+                  "widens them to fp32, updates in fp32 against the fp32 master, and rounds them back to nearest. "
+                  '"float32": fp32 moments, torch\'s AdamW arithmetic for every element. "int8": 8-bit codes '
                   "with one fp32 scale per block of 256 elements (2.03 bytes per parameter for both moments, 5.97 "
                   "less than fp32; exp_avg on a square-root code, exp_avg_sq on a fourth-root code), dequantised, "
                   "updated in fp32 and quantised again in the same pass; checkpoints keep the codes and scales. The "

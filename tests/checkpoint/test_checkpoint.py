@@ -15,14 +15,23 @@ import torch
 from hf_zenflow import CheckpointError, ZenFlowAdamW, to_torch_adamw
 from hf_zenflow.checkpoint.format import FORMAT_VERSION, load_file
 from hf_zenflow.checkpoint.seal import seal
-from tests.conftest import batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
+from tests.conftest import (
+    FP32_MOMENTS,
+    batches,
+    linear_schedule,
+    make_model,
+    max_rel_diff,
+    param_groups,
+    roundtrip,
+    train,
+)
 
 
 LR = 1e-2
 TOTAL, SPLIT_AT = 14, 6
-#: ZenFlow settings under which it is exactly AdamW (the split is invisible at U=1 without overlap)
+#: ZenFlow settings under which it is exactly AdamW (the split is invisible at U=1 without overlap; fp32 moments)
 ADAMW_EXACT = dict(update_interval=1, overlap_step=False, select_strategy="step", select_interval=5,
-                   min_offload_numel=0)
+                   min_offload_numel=0, **FP32_MOMENTS)
 
 
 def adamw_reference(total: int = TOTAL) -> tuple[torch.nn.Module, list[float]]:

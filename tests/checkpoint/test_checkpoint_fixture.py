@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from hf_zenflow import ZenFlowAdamW
+from tests.conftest import FP32_MOMENTS
 from tests.data.make_checkpoint_fixture import FIXTURE, make_model, train_step
 
 
@@ -16,7 +17,8 @@ def test_checkpoint_from_before_the_relayout_continues_the_run() -> None:
     fixture = torch.load(FIXTURE, weights_only=False)
     model = make_model()
     model.load_state_dict(fixture["model"])
-    opt = ZenFlowAdamW(model.parameters(), lr=fixture["lr"], **fixture["settings"])
+    # the run that wrote the fixture kept its host moments in fp32 (the default then, so not in its settings)
+    opt = ZenFlowAdamW(model.parameters(), lr=fixture["lr"], **{**FP32_MOMENTS, **fixture["settings"]})
     opt.load_state_dict(fixture["optimizer"])
     losses = [train_step(model, opt, batch) for batch in fixture["batches"]]
     opt.flush()

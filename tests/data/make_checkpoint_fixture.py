@@ -37,6 +37,7 @@ SETTINGS = dict(
     accumulate_on="host",
     host_lr_scale=1.0,
     cpu_threads=1,
+    host_moment_dtype="float32",
 )
 
 

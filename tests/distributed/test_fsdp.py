@@ -253,7 +253,8 @@ def _mixed_precision_body(rank: int, out_dir: str) -> None:
     for name in ("zenflow", "adamw"):
         model = _shard(_model(), policy)
         if name == "zenflow":
-            opt = _zenflow(model, topk_ratio=1.0)
+            # (fp32 host moments: the dense warm-up rounds run on the host, in the host moments' dtype)
+            opt = _zenflow(model, topk_ratio=1.0, host_moment_dtype="float32")
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=1e-2, fused=True)
         _train(model, opt, range(8), clip=False)

@@ -15,12 +15,21 @@ from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.gradients import GradientReads, torch_norm
 from hf_zenflow.transport import CopyTransport
 from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
-from tests.conftest import DEVICE, batches, finish_step, linear_schedule, make_model, max_rel_diff, param_groups
+from tests.conftest import (
+    DEVICE,
+    FP32_MOMENTS,
+    batches,
+    finish_step,
+    linear_schedule,
+    make_model,
+    max_rel_diff,
+    param_groups,
+)
 
 
 LR = 1e-2
 EXACT = dict(topk_ratio=0.1, update_interval=1, overlap_step=False, select_strategy="step", select_interval=5,
-             min_offload_numel=0)
+             min_offload_numel=0, **FP32_MOMENTS)
 
 
 def loss_of(model, x, y):

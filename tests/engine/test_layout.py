@@ -7,7 +7,17 @@ import pytest
 import torch
 
 from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW, ZenFlowConfig, column_major_
-from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
+from tests.conftest import (
+    DEVICE,
+    FP32_MOMENTS,
+    batches,
+    linear_schedule,
+    make_model,
+    max_rel_diff,
+    param_groups,
+    roundtrip,
+    train,
+)
 
 
 LR = 1e-2
@@ -72,7 +82,7 @@ def test_column_major_degenerate_settings_are_adamw(settings, clip):
     ref_opt = torch.optim.AdamW(param_groups(ref), lr=LR)
     ref_losses = train(ref, ref_opt, batches(STEPS), linear_schedule(ref_opt, STEPS), clip=clip)
     model = column_major_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings, min_offload_numel=0)
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings, min_offload_numel=0, **FP32_MOMENTS)
     losses = train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=clip)
     opt.close()
     assert max_rel_diff(model, ref) < 1e-5
@@ -228,7 +238,8 @@ def test_embedding_rows_interval_one_is_adamw(topk_ratio):
     ref_losses = train(ref, ref_opt, batches(STEPS), linear_schedule(ref_opt, STEPS), clip=0.5)
     model = make_model()
     opt = ZenFlowAdamW(embedding_row_groups(model), lr=LR, topk_ratio=topk_ratio, update_interval=1,
-                       overlap_step=False, select_strategy="step", select_interval=3, min_offload_numel=0)
+                       overlap_step=False, select_strategy="step", select_interval=3, min_offload_numel=0,
+                       **FP32_MOMENTS)
     losses = train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=0.5)
     split = opt._split[model.embed.weight]
     assert split.rows and split.device.master.shape == (split.k, 40) and split.k == int(topk_ratio * 24)

@@ -18,14 +18,14 @@ import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.transport import CopyTransport
 from hf_zenflow.transport.cpu_device import kernels
-from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train
+from tests.conftest import DEVICE, FP32_MOMENTS, batches, make_model, param_groups, roundtrip, train
 
 
 LR, STEPS = 1e-2, 12
 #: one batch seen every step: its loss must fall
 DATA = batches(1) * STEPS
 ALL_ON_HOST = dict(topk_ratio=0.0, update_interval=1, overlap_step=False, min_offload_numel=0, cpu_threads=1)
-SETTINGS = [dict(host_grad_dtype="bfloat16"), dict(host_moment_dtype="bfloat16"),
+SETTINGS = [dict(host_grad_dtype="bfloat16", **FP32_MOMENTS), dict(host_moment_dtype="bfloat16"),
             dict(host_grad_dtype="bfloat16", host_moment_dtype="bfloat16")]
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU device's transports (a CUDA run: cuda_checks)")
@@ -90,20 +90,20 @@ def _moment_path(path: str, monkeypatch) -> dict[str, int]:
 @pytest.mark.parametrize("path", ["kernel", "torch", "torch-pieces"])
 @pytest.mark.parametrize("settings", SETTINGS)
 def test_low_precision_host_is_adamw_with_the_same_rounding(settings, path, monkeypatch):
-    if path != "kernel" and "host_moment_dtype" not in settings:
+    bf16_moments = settings["host_moment_dtype"] == "bfloat16"
+    if path != "kernel" and not bf16_moments:
         pytest.skip("the path of the bf16 moments' pass: fp32 moments here")
     calls = _moment_path(path, monkeypatch)
     model, losses, opt = _zenflow(settings)
     opt.close()
-    if "host_moment_dtype" in settings:  # (the pass went where it was sent)
+    if bf16_moments:  # (the pass went where it was sent)
         assert calls[path.split("-")[0]] > 0 and calls["torch" if path == "kernel" else "kernel"] == 0
     ref = make_model()
-    ref_losses = train(ref, RoundedAdamW(ref, "host_grad_dtype" in settings, "host_moment_dtype" in settings),
-                       DATA)
+    ref_losses = train(ref, RoundedAdamW(ref, "host_grad_dtype" in settings, bf16_moments), DATA)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
     assert losses == ref_losses and losses[-1] < losses[0]  # and it trains
-    plain, _, opt = _zenflow({})
+    plain, _, opt = _zenflow(FP32_MOMENTS)
     opt.close()
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))  # the setting acts
 
@@ -154,8 +154,8 @@ def test_narrow_gradients_through_staging_buffers_round_the_same(monkeypatch):
 def test_stats_report_the_bytes_saved():
     """bf16 moments: 4 B less per hosted element; bf16 gradients: half the bytes to the host of fp32 gradients."""
     figures = {}
-    for name, settings in {"fp32": {}, "moments": dict(host_moment_dtype="bfloat16"),
-                           "grads": dict(host_grad_dtype="bfloat16")}.items():
+    for name, settings in {"fp32": FP32_MOMENTS, "moments": dict(host_moment_dtype="bfloat16"),
+                           "grads": dict(host_grad_dtype="bfloat16", **FP32_MOMENTS)}.items():
         _, _, opt = _zenflow(settings, topk_ratio=0.25, update_interval=2, overlap_step=True)
         figures[name] = opt.stats()
         opt.close()

@@ -10,7 +10,7 @@ import torch
 import hf_zenflow.engine.host as host_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.worker import HostAdamWorker
-from tests.conftest import batches, linear_schedule, make_model, param_groups, train
+from tests.conftest import FP32_MOMENTS, batches, linear_schedule, make_model, param_groups, train
 
 
 SETTINGS = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, min_offload_numel=0, high_lr_rule="off")
@@ -40,7 +40,8 @@ def test_a_window_runs_one_accumulation_job_fewer(monkeypatch, overlap_step):
     ("host", True, 4), ("host", False, 3), ("host", True, 1), ("device", True, 4), ("host", True, "auto"),
 ])
 def test_the_one_pass_kernel_gives_the_bits_of_the_torch_passes(monkeypatch, accumulate_on, overlap_step, interval):
-    """The same run with the one-pass kernel and with torch's add, division and fused AdamW (the fallback)."""
+    """The same run with the one-pass kernel and with torch's add, division and fused AdamW (the fallback), with fp32
+    host moments (bf16 ones: tests/engine/test_low_precision.py)."""
     runs = []
     kernel = host_module.kernels.window_adamw
     for fused in (True, False):
@@ -55,7 +56,7 @@ def test_the_one_pass_kernel_gives_the_bits_of_the_torch_passes(monkeypatch, acc
         monkeypatch.setattr(host_module.kernels, "window_adamw", counted)
         model = make_model()
         opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=interval, overlap_step=overlap_step,
-                           accumulate_on=accumulate_on, auto_max_interval=5, **SETTINGS)
+                           accumulate_on=accumulate_on, auto_max_interval=5, **SETTINGS, **FP32_MOMENTS)
         losses = train(model, opt, batches(18), linear_schedule(opt, 18), clip=1.0)
         opt.flush()
         opt.close()

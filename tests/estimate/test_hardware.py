@@ -41,10 +41,10 @@ def _host_acc_window_ms(adamw_ms: float, ms_per_byte: float) -> float:
     """ZenFlow's host passes of a U=4 window summed on the host, by hand: each pass the longer of its core work and
     its bytes; bytes per parameter: the first accumulation lands a bf16 gradient (2), reads it (2), writes the fp32
     sum (4); the next two also read the sum (+4); the AdamW pass lands and reads the last gradient (2 + 2), reads the
-    sum (4), reads and writes master and moments (24), and the write-back copy reads its bf16 buffer (2); the
-    rounding into that buffer reads 4 and writes 2."""
+    sum (4), reads and writes master and moments (16: the default bf16 moments), and the write-back copy reads its
+    bf16 buffer (2); the rounding into that buffer reads 4 and writes 2."""
     acc = ACCUMULATE_VS_ADAMW * adamw_ms
-    return (max(acc, 8 * ms_per_byte) + 2 * max(acc, 12 * ms_per_byte) + max(adamw_ms, 34 * ms_per_byte)
+    return (max(acc, 8 * ms_per_byte) + 2 * max(acc, 12 * ms_per_byte) + max(adamw_ms, 26 * ms_per_byte)
             + 6 * ms_per_byte)
 
 
@@ -82,14 +82,17 @@ def test_schedule_model_matches_hand_computed_times() -> None:
 
 def test_host_passes_take_the_profiles_memory_bandwidth_when_it_binds() -> None:
     """At 10 GB/s (100 ms per byte per parameter) every pass is memory-bound: sync offload's AdamW moves 30 B; the
-    default window (device sums) 30 B in the AdamW pass and 6 B in the rounding, after 200 ms of landing."""
+    default window (device sums, bf16 moments) 22 B in the AdamW pass and 6 B in the rounding, after 200 ms of
+    landing; with fp32 moments 30 B in the AdamW pass."""
     from dataclasses import replace
 
     slow = replace(PROFILE, host_mem_gbps=10.0)
     rows = schedule_model(slow, 1e9, 1000, 0.1, 4)
     assert rows["sync_offload"]["host_ms"] == pytest.approx(3000.0) and rows["sync_offload"]["host_limit"] == "memory"
     dev = rows["zenflow_device_accumulation"]
-    assert dev["host_ms"] == pytest.approx((200 + 3000 + 600) / 4) and dev["host_limit"] == "memory"
+    assert dev["host_ms"] == pytest.approx((200 + 2200 + 600) / 4) and dev["host_limit"] == "memory"
+    fp32 = schedule_model(slow, 1e9, 1000, 0.1, 4, host_moments="float32")["zenflow_device_accumulation"]
+    assert fp32["host_ms"] == pytest.approx((200 + 3000 + 600) / 4)
     assert rows["zenflow"]["host_ms"] == pytest.approx(_host_acc_window_ms(ADAMW_CORE_MS, 100.0) / 4)
     assert slow.host_limit() == "memory" and PROFILE.host_limit() == "cores"
 
@@ -100,10 +103,15 @@ def test_host_pass_bytes_count_every_read_and_write() -> None:
     def total(u: int, on_device: bool) -> float:
         return sum(n * b for _, n, _, b in zenflow_host_passes(u, on_device))
 
-    assert total(1, False) == 2 + 2 + 24 + 2 + 6
-    assert total(2, False) == 8 + (2 + 2 + 4 + 24 + 2) + 6
-    assert total(4, False) == 8 + 2 * 12 + 34 + 6
-    assert total(4, True) == total(1, True) == 4 + 24 + 2 + 6
+    # master and moments read and written: 4 + 4 (fp32 master) + 8 (the default bf16 moments)
+    assert total(1, False) == 2 + 2 + 16 + 2 + 6
+    assert total(2, False) == 8 + (2 + 2 + 4 + 16 + 2) + 6
+    assert total(4, False) == 8 + 2 * 12 + 26 + 6
+    assert total(4, True) == total(1, True) == 4 + 16 + 2 + 6
+    # fp32 moments: 8 B more each way, int8 codes and their scales 2 + 2 / 256 each way
+    for moments, state in (("float32", 24), ("int8", 8 + 4 * (1 + 4 / 256))):
+        assert sum(n * b for _, n, _, b in zenflow_host_passes(4, True, host_moments=moments)) == pytest.approx(
+            4 + state + 2 + 6)
     # core work: U - 1 accumulations and one AdamW per window; the rounding only moves bytes
     assert sum(n * c for _, n, c, _ in zenflow_host_passes(4, False)) == pytest.approx(3 * ACCUMULATE_VS_ADAMW + 1)
 
@@ -165,10 +173,10 @@ HOST_ADAMW_MS = 1e9 / (7e9 / 4.6) * 1e3
 
 
 @pytest.mark.parametrize(("ranks", "host_ms", "link_ms", "allgather_ms", "host_gb"), [
-    (1, HOST_ADAMW_MS, 100.0, 0.0, 22.0),
-    (2, HOST_ADAMW_MS, 50.0, 20.0, 11.0),
-    (4, HOST_ADAMW_MS, 25.0, 30.0, 5.5),
-    (8, HOST_ADAMW_MS, 12.5, 35.0, 2.75),
+    (1, HOST_ADAMW_MS, 100.0, 0.0, 18.0),
+    (2, HOST_ADAMW_MS, 50.0, 20.0, 9.0),
+    (4, HOST_ADAMW_MS, 25.0, 30.0, 4.5),
+    (8, HOST_ADAMW_MS, 12.5, 35.0, 2.25),
 ])
 @pytest.mark.parametrize("host_mem_gbps", [100.0, 30.0])
 def test_per_rank_figures_scale_as_documented(ranks: int, host_ms: float, link_ms: float, allgather_ms: float,
@@ -195,7 +203,7 @@ def test_per_rank_figures_scale_as_documented(ranks: int, host_ms: float, link_m
     assert zen["device_ms"] == pytest.approx(120 + 2.8 + 2 + (link_ms + allgather_ms) / u)
     assert sync["device_ms"] == pytest.approx(120 + allgather_ms)
     assert zen["host_memory_gb"] == pytest.approx(host_gb) and sync["host_memory_gb"] == pytest.approx(16 / ranks)
-    assert zen["host_memory_node_gb"] == pytest.approx(22.0)  # the node holds all ranks' shares
+    assert zen["host_memory_node_gb"] == pytest.approx(18.0)  # the node holds all ranks' shares
     # DDP replicates weights, grads, the selected state
     assert zen["device_memory_gb"] == pytest.approx(4.0 + 0.1 * memory.SELECTED_BYTES)
     fsdp = schedule_model(profile, 1e9, 1000, 0.1, u, ranks=ranks, parallel="fsdp2")

@@ -12,8 +12,10 @@ from hf_zenflow import CheckpointError, ZenFlowTrainer, to_torch_adamw
 from hf_zenflow.cli import main
 
 
-#: ZenFlow settings under which it is exactly AdamW, so that a switch can be compared with an uninterrupted run
-EXACT = dict(zenflow_topk_ratio=0.1, zenflow_update_interval=1, zenflow_overlap_step=False)
+#: ZenFlow settings under which it is exactly AdamW (fp32 host moments), so that a switch can be compared with an
+#: uninterrupted run
+EXACT = dict(zenflow_topk_ratio=0.1, zenflow_update_interval=1, zenflow_overlap_step=False,
+             zenflow_host_moment_dtype="float32")
 COMMON = dict(max_steps=10, save_strategy="steps", save_steps=6, weight_decay=0.01)
 
 

@@ -28,6 +28,7 @@ from hf_zenflow.hf.rank_checkpoint import rank_file_name
 
 
 WORKER = Path(__file__).with_name("hf_fsdp_worker.py")
+FP32_MOMENTS = ("--host-moment-dtype", "float32")
 def run(out: Path, *worker_args: str, worker: Path = WORKER) -> list[dict]:
     proc: subprocess.CompletedProcess = torchrun(worker, out, *worker_args, nproc=RANKS, device=DEVICE)
     return rank_results(out, proc, RANKS)
@@ -35,9 +36,11 @@ def run(out: Path, *worker_args: str, worker: Path = WORKER) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """12 steps (windows of 4 steps), checkpointing at step 6: mid-window."""
+    """12 steps (windows of 4 steps), checkpointing at step 6: mid-window. fp32 host moments: the comparison with
+    DDP below holds the two runs to fp32 rounding (bf16 moments would turn their last-bit differences into whole bf16
+    steps of the moments)."""
     out = tmp_path_factory.mktemp("fsdp_full")
-    return out, run(out, "--max-steps", "12", "--save-steps", "6")
+    return out, run(out, "--max-steps", "12", "--save-steps", "6", *FP32_MOMENTS)
 
 
 @pytest.mark.slow
@@ -68,7 +71,7 @@ def test_trainer_fsdp2_checkpoint_has_one_zenflow_optimizer_file_per_rank(full_r
 @pytest.mark.slow
 def test_trainer_fsdp2_resume_mid_window_equals_the_uninterrupted_run(full_run, tmp_path):
     out, (full0, _) = full_run
-    resumed = run(tmp_path, "--max-steps", "12", "--resume", str(out / "run" / "checkpoint-6"))
+    resumed = run(tmp_path, "--max-steps", "12", "--resume", str(out / "run" / "checkpoint-6"), *FP32_MOMENTS)
     for rank in resumed:
         assert_same_weights(rank["weights"], full0["weights"])
     assert resumed[0]["losses"] == full0["losses"]  # steps 1-6 from the checkpoint's log, 7-12 trained again
@@ -79,7 +82,7 @@ def test_trainer_fsdp2_trains_like_ddp(full_run, tmp_path):
     # The same run under DDP (hf_ddp_worker.py): every rank the whole matrices, the host work split by rows. FSDP2
     # reduces the gradients with a reduce-scatter instead of an all-reduce, so the two agree closely, not bitwise.
     _, (fsdp0, _) = full_run
-    ddp0 = run(tmp_path, "trainer", "--max-steps", "12", worker=WORKER.with_name("hf_ddp_worker.py"))[0]
+    ddp0 = run(tmp_path, "trainer", "--max-steps", "12", *FP32_MOMENTS, worker=WORKER.with_name("hf_ddp_worker.py"))[0]
     assert ddp0["losses"] == pytest.approx(fsdp0["losses"], rel=1e-5)
     for name, weight in ddp0["weights"].items():
         torch.testing.assert_close(fsdp0["weights"][name], weight, rtol=0, atol=1e-6, msg=name)

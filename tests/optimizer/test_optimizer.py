@@ -14,7 +14,17 @@ import torch
 import hf_zenflow.engine.host as host_module
 from hf_zenflow import HostWorkerError, SyncOffloadAdamW, ZenFlowAdamW
 from hf_zenflow._base import fused_adamw_
-from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups, roundtrip, train
+from tests.conftest import (
+    DEVICE,
+    FP32_MOMENTS,
+    batches,
+    linear_schedule,
+    make_model,
+    max_rel_diff,
+    param_groups,
+    roundtrip,
+    train,
+)
 
 
 #: (at this rate `high_lr_rule="auto"` would shorten windows of 2 or more steps to one: the tests of the configured
@@ -62,7 +72,7 @@ def test_interval_one_sequential_is_adamw_for_any_ratio_with_reselection(topk_ra
     ref, ref_losses = run_reference(clip=clip)
     model, losses, opt = run_zenflow(
         clip=clip, topk_ratio=topk_ratio, update_interval=1, overlap_step=False, select_strategy="step",
-        select_interval=3,
+        select_interval=3, **FP32_MOMENTS,
     )
     assert max_rel_diff(model, ref) < 1e-5
     assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -78,7 +88,7 @@ def test_nothing_selected_interval_one_is_sync_offload():
     model_s = make_model()
     sync = SyncOffloadAdamW(param_groups(model_s), lr=LR)
     sync_losses = train(model_s, sync, batches(STEPS), linear_schedule(sync, STEPS), clip=1.0)
-    model, losses, _ = run_zenflow(clip=1.0, topk_ratio=0.0, update_interval=1, overlap_step=False)
+    model, losses, _ = run_zenflow(clip=1.0, topk_ratio=0.0, update_interval=1, overlap_step=False, **FP32_MOMENTS)
     if DEVICE.type == "cpu":
         assert losses == sync_losses
         for p, q in zip(model.parameters(), model_s.parameters()):
@@ -90,7 +100,7 @@ def test_nothing_selected_interval_one_is_sync_offload():
 
 def test_warm_up_rounds_are_dense_adamw():
     ref, _ = run_reference(steps=10)
-    model, _, opt = run_zenflow(steps=10, topk_ratio=0.1, update_interval=4, full_warm_up_rounds=10)
+    model, _, opt = run_zenflow(steps=10, topk_ratio=0.1, update_interval=4, full_warm_up_rounds=10, **FP32_MOMENTS)
     assert max_rel_diff(model, ref) < 1e-5
     assert opt.stats()["reselections"] == 0
 
@@ -130,7 +140,7 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, w
     U, k = 4, 8
     opt = ZenFlowAdamW([lin.weight], lr=LR, weight_decay=0.05, topk_ratio=k / 32, update_interval=U,
                        select_strategy="step", select_interval=1000, host_lr_scale=host_lr_scale, min_offload_numel=0,
-                       writeback_lag=writeback_lag, **OFF)
+                       writeback_lag=writeback_lag, **OFF, **FP32_MOMENTS)
     def lag(window: int) -> int:  # the write-back lag of window `window`'s result (1-based)
         if writeback_lag == "auto":
             return 2
@@ -477,7 +487,8 @@ def test_auto_interval_is_adaptive_and_bounded():
 
 def test_host_memory_is_sixteen_bytes_per_offloaded_element_plus_the_write_back_buffer():
     lin = torch.nn.Linear(64, 32, bias=False)
-    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.25, update_interval=2, min_offload_numel=0)
+    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.25, update_interval=2, min_offload_numel=0,
+                       **FP32_MOMENTS)
     lin.weight.grad = torch.randn_like(lin.weight)
     opt.step()
     stats = opt.stats()
@@ -661,7 +672,7 @@ def test_training_through_an_outside_weight_change_is_adamw_at_interval_one():
     for zenflow in (False, True):
         model = make_model()
         opt = (ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
-                            select_strategy="step", select_interval=5, min_offload_numel=0) if zenflow
+                            select_strategy="step", select_interval=5, min_offload_numel=0, **FP32_MOMENTS) if zenflow
                else torch.optim.AdamW(param_groups(model), lr=LR))
         train(model, opt, data[:4])
         best = copy.deepcopy(model.state_dict())

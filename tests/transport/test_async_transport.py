@@ -14,7 +14,16 @@ import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW
 from hf_zenflow.transport import CudaTransport
 from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
-from tests.conftest import DEVICE, batches, linear_schedule, make_model, max_rel_diff, param_groups, train
+from tests.conftest import (
+    DEVICE,
+    FP32_MOMENTS,
+    batches,
+    linear_schedule,
+    make_model,
+    max_rel_diff,
+    param_groups,
+    train,
+)
 from tests.doubles.async_device import AsyncCopies, CheckedRegistrar, async_transport
 from tests.engine.test_gradients import train_accumulating
 from tests.engine.test_several_devices import TwoHalves, backward_in_two_threads
@@ -53,7 +62,7 @@ def copied(backends: list[AsyncCopies]) -> int:
 def test_interval_one_sequential_is_adamw(async_device, topk_ratio):
     ref, ref_losses = run_reference(clip=0.5)
     model, losses, _ = run_zenflow(clip=0.5, topk_ratio=topk_ratio, update_interval=1, overlap_step=False,
-                                   select_strategy="step", select_interval=3)
+                                   select_strategy="step", select_interval=3, **FP32_MOMENTS)
     assert copied(async_device) > 0
     assert max_rel_diff(model, ref) < 1e-5  # (the reference's own tolerance: torch clips by a tensor, we by a float)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -63,7 +72,7 @@ def test_nothing_selected_interval_one_is_sync_offload(async_device):
     model_s = make_model()
     sync = SyncOffloadAdamW(param_groups(model_s), lr=LR)
     sync_losses = train(model_s, sync, batches(STEPS), linear_schedule(sync, STEPS), clip=1.0)
-    model, losses, _ = run_zenflow(clip=1.0, topk_ratio=0.0, update_interval=1, overlap_step=False)
+    model, losses, _ = run_zenflow(clip=1.0, topk_ratio=0.0, update_interval=1, overlap_step=False, **FP32_MOMENTS)
     assert copied(async_device) > 0
     assert losses == sync_losses
     for p, q in zip(model.parameters(), model_s.parameters()):
