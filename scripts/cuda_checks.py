@@ -110,15 +110,21 @@ def _scaled_run(device: torch.device, recipe: str, steps: int, accumulate_on: st
     opt = _zenflow(model, accumulate_on=accumulate_on)
     scaler = torch.amp.GradScaler(device.type, init_scale=SCALE)
     norm_diffs: list[float] = []
+    # torch's reference norm is taken of the gradients as backward produces them (the optimizer may free
+    # `p.grad` in its backward hooks: `free_gradients_in_backward`), unscaled by the scaler's power-of-two scale
+    produced: list[torch.Tensor] = []
+    hooks = [p.register_hook(lambda g: produced.append(g.detach().clone())) for p in model.parameters()]
     try:
         for x, y in _batches(device, steps, width):
+            produced.clear()
             with torch.autocast(device.type, dtype=torch.float16):
                 loss = _loss(model, x, y)
             scaler.scale(loss).backward()
             if recipe == "unscale":
+                inv_scale = 1.0 / scaler.get_scale()
                 scaler.unscale_(opt)
                 ours = opt.clip_grad_norm_(math.inf)
-                theirs = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+                theirs = torch.nn.utils.get_total_norm([g.float() * inv_scale for g in produced])
                 norm_diffs.append(float((ours - theirs).abs() / theirs.clamp_min(1e-30)))
             scaler.step(opt)
             scaler.update()
@@ -126,6 +132,8 @@ def _scaled_run(device: torch.device, recipe: str, steps: int, accumulate_on: st
         opt.flush()
     finally:
         opt.close()
+        for hook in hooks:
+            hook.remove()
     return [p.detach().clone() for p in model.parameters()], norm_diffs
 
 
@@ -188,6 +196,12 @@ def _changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 SKIP_COUNTERS = ("/zenflow/skipped_steps", "/zenflow/checksum/zenflow.skipped_steps")
 
 
+def _with_inf_at_origin(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad[0, 0] = float("inf")
+    return grad
+
+
 def _overflow_step_changes_nothing(device: torch.device, recipe: str, accumulate_on: str) -> dict[str, Any]:
     """Inject an inf gradient at step 5 (mid-window, the first window's host result pending) under `recipe`: the
     scaler skips the step, which must leave the weights and the optimizer's state as they were, except the count
@@ -198,15 +212,19 @@ def _overflow_step_changes_nothing(device: torch.device, recipe: str, accumulate
     scaler = torch.amp.GradScaler(device.type, init_scale=SCALE)
     try:
         for i, (x, y) in enumerate(_batches(device, 6, width)):
-            with torch.autocast(device.type, dtype=torch.float16):
-                loss = _loss(model, x, y)
-            scaler.scale(loss).backward()
+            poisoned = None
             if i == 5:
-                with torch.no_grad():
-                    model[1].weight.grad[0, 0] = float("inf")
                 opt.synchronize()
                 weights = copy.deepcopy(model.state_dict())
                 state = _flat(opt.state_dict())
+                # the inf enters as backward produces the gradient, so that it reaches the optimizer whether the
+                # gradient then stays in `p.grad` or is freed in its backward hook (`free_gradients_in_backward`)
+                poisoned = model[1].weight.register_hook(_with_inf_at_origin)
+            with torch.autocast(device.type, dtype=torch.float16):
+                loss = _loss(model, x, y)
+            scaler.scale(loss).backward()
+            if poisoned is not None:
+                poisoned.remove()
             if recipe == "unscale":
                 scaler.unscale_(opt)
                 opt.clip_grad_norm_(1.0)
