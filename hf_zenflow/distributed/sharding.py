@@ -234,3 +234,20 @@ class RankGroup:
     def buffer_bytes(self) -> int:
         """Bytes of the write-back's gather buffers (for `stats()`)."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def set_grad(owner: torch.Tensor, grad: torch.Tensor) -> None:
+    """``owner.grad = grad``; under FSDP2 (`owner` a DTensor parameter, `grad` its local shard's gradient) as the
+    DTensor FSDP2 itself would have set."""
+    if is_dtensor(owner):
+        from torch.distributed.tensor import DTensor
+
+        grad = DTensor.from_local(grad, owner.device_mesh, owner.placements, run_check=False, shape=owner.shape,
+                                  stride=owner.stride())
+    owner.grad = grad
+
+
+def local_grad(owner: torch.Tensor) -> torch.Tensor | None:
+    """``owner.grad``, or its local shard under FSDP2."""
+    g = owner.grad
+    return g._local_tensor if g is not None and is_dtensor(g) else g

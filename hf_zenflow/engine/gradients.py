@@ -30,10 +30,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..distributed.sharding import RankGroup, is_dtensor
+from ..distributed.sharding import RankGroup, is_dtensor, set_grad
 from .device_memory import DeviceMemoryMeter
 from .device_step import gather_selected, norms_and_gather
-from .handoff import set_grad
 
 
 if TYPE_CHECKING:

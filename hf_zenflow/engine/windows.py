@@ -14,37 +14,204 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .._base import by_device
 from ..distributed.replica_check import note_host_split
-from ..distributed.sharding import RankGroup
+from ..distributed.sharding import RankGroup, local_grad, set_grad
 from ..settings.config import ZenFlowConfig, sums_on_device
 from ..settings.threads import claim_cores, release_cores
 from ..transport import Landed, Transport, transport_for
 from ..transport.cpu_device.transport import CpuShardTransport
 from . import accumulation
-from .device_state import DenseDeviceState
+from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
 from .device_step import device_update
-from .handoff import EarlyCopies, FreedGradient, HandOff, local_grad, non_finite, set_grad
-from .held_handoff import HeldHandOff
-from .host import HostMatrix, accumulate_into, link_grad_dtype, moment_dtype
+from .host import HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype, moment_dtype
 from .host_guard import HostStepGuard
-from .host_lr import LrScaleRecord
+from .host_lr import LrScaleRecord, host_hyper, peak_lr, window_lag
 from .params import is_split
 from .schedule import StepKind, WindowSchedule
 from .selection import num_selected
 from .split_matrix import SplitMatrix, selection_scores
 from .telemetry import StepTimer, ZenFlowStats
-from .window_close import WindowCloses
-from .worker import HostAdamWorker, HostWorkerError, cuda_device_of
+from .worker import GradSlot, HostAdamWorker, HostWorkerError, cuda_device_of
 
 
-__all__ = ["EarlyCopies", "HandOff", "HostWindows"]
+__all__ = ["EarlyCopies", "FreedGradient", "HandOff", "HeldHandOff", "HostWindows", "non_finite"]
 
 
-class HostWindows(WindowCloses):
+@dataclass
+class HandOff:
+    """One step's gradients on their way to the host worker: the slot they hold, the (matrix, gradient) pairs,
+    what the host job reads and what it waits for."""
+
+    grant: GradSlot
+    work: list[tuple[SplitMatrix, torch.Tensor]]
+    sources: list[tuple[HostMatrix, torch.Tensor]]
+    landed: Landed
+    done: bool = False  # submitted or abandoned: the slot is accounted for
+    #: sources copied in backward before a GradScaler's ``unscale_``: still scaled, the host multiplies them by the
+    #: inverse scale (`HeldHandOff`) instead of copying them again
+    scaled: list[tuple[HostMatrix, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class FreedGradient:
+    """A gradient that left the device in its backward hook (`HostWindows.grad_ready`): the empty stand-in `step()`
+    sees in its place (its dtype and device; the hooks' norm is keyed by it), the host copy the worker reads, what
+    that copy waits for, and the gradient's shape and strides (to bring it back: `restore`)."""
+
+    stand_in: torch.Tensor
+    source: torch.Tensor
+    landed: Landed
+    shape: torch.Size
+    stride: tuple[int, ...]
+    #: a re-selection's column scores of this gradient (`selection.column_scores_of`), taken in the hook
+    scores: torch.Tensor | None = None
+    #: the hook gathered the selected columns into the device columns' buffer
+    gathered: bool = False
+    #: 1.0 where the gradient holds an inf or NaN, else 0.0 (a device scalar), taken in the hook when a GradScaler
+    #: is in use (its overflow check cannot see a freed gradient); None when not taken
+    overflow: torch.Tensor | None = None
+    #: the inverse scale still on the host copy (a GradScaler's ``unscale_`` ran after the hook), or None
+    factor: torch.Tensor | None = None
+
+    def restore(self, split: SplitMatrix, device: torch.device) -> torch.Tensor:
+        """The gradient again, on `device`, in its own layout, from the host copy (which has landed), unscaled as
+        ``unscale_`` unscaled the others when it ran after the hook (`factor`)."""
+        out = torch.empty_strided(self.shape, self.stride, dtype=self.stand_in.dtype, device=device)
+        split.matrix(out).copy_(self.source)
+        if self.factor is not None:
+            out.mul_(self.factor.to(device))
+        return out
+
+    def gather_selected(self, split: SplitMatrix) -> None:
+        """The selected columns of this gradient into the device columns' buffer, from the host copy (which has
+        landed): after a re-selection, which chose them from the scores."""
+        cols = split.device
+        if self.source.device == cols.grad.device:
+            cols.gather_grad(self.source)
+        else:  # (a copy to the device: the columns only)
+            cols.grad_buffer(self.source.dtype).copy_(
+                torch.index_select(self.source, cols.axis, cols.index.to(self.source.device)))
+        if self.factor is not None:
+            cols.grad.mul_(self.factor.to(cols.grad.device))
+
+    def has_overflow(self) -> torch.Tensor:
+        """1.0 where this gradient holds an inf or NaN, else 0.0: the hook's flag, or (not taken) read from the
+        host copy (which has landed; a pass over it)."""
+        if self.overflow is not None:
+            return self.overflow
+        self.landed.wait()  # Sync point (rare: the first step with a GradScaler): the copy has landed on the host
+        return non_finite(self.source)
+
+
+def non_finite(g: torch.Tensor) -> torch.Tensor:
+    """1.0 when `g` holds an inf or NaN, else 0.0, as a scalar on `g`'s device and without a sync: its largest
+    magnitude (one read, no temporary) is finite exactly when every element is (what a GradScaler's overflow check
+    finds; an L2 norm is no such test, as it can overflow in fp16 on finite values)."""
+    if g.numel() == 0:  # (an empty FSDP2 shard)
+        return torch.zeros((), device=g.device)
+    return (~torch.isfinite(torch.linalg.vector_norm(g, float("inf")))).float()
+
+
+@dataclass
+class EarlyCopies:
+    """Gradients whose copy to the host the backward hooks started before `step()` (on a transport that copies):
+    the hand-off slot whose buffers they land in, and per parameter the gradient copied (a weak reference), its
+    version then, the host buffer and what the host job must wait for."""
+
+    grant: GradSlot
+    copies: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor, Landed]] = field(default_factory=dict)
+    #: the gradients freed in backward, by parameter
+    freed: dict[torch.Tensor, FreedGradient] = field(default_factory=dict)
+    #: the inverse scale still on these copies (a GradScaler's ``unscale_`` ran after them), or None
+    factor: torch.Tensor | None = None
+
+
+class HeldHandOff:
+    """This step's hand-off (its slot, gradients and clip coefficient), not submitted yet."""
+
+    def __init__(self) -> None:
+        self.held: tuple[HandOff, float | None] | None = None
+        self._factor: float | None = None  # the inverse scale on the held hand-off's `scaled` copies
+
+    def hold(self, started: HandOff, coef: float | None, factor: float | None = None) -> None:
+        """Hold `started` with its clip coefficient `coef`; `factor`: the inverse scale still on its `scaled`
+        copies (they are added times ``coef * factor``)."""
+        self.held, self._factor = (started, coef), factor
+
+    def _scaled(self, started: HandOff, coef: float | None) -> tuple[list, float | None]:
+        """The hand-off's copies made before a GradScaler's unscale_, and the multiplier they are added with."""
+        factor = self._factor
+        if not started.scaled:
+            return [], None
+        assert factor is not None, "copies made before unscale_ need the inverse scale"
+        return started.scaled, factor if coef is None else coef * factor
+
+    def submit(self) -> None:
+        """Submit the job that adds the held gradients into the window sums (nothing when none is held)."""
+        held, self.held = self.held, None
+        if held is None:
+            return
+        started, coef = held
+        sources, landed = started.sources, started.landed
+        scaled, scaled_coef = self._scaled(started, coef)
+
+        def accumulate() -> None:
+            try:
+                landed.wait()  # Sync point (worker waits on the device): the gradients have landed on the host
+                HostMatrix.accumulate_all(sources, coef)
+                if scaled:
+                    HostMatrix.accumulate_all(scaled, scaled_coef)
+            finally:
+                sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
+                scaled.clear()
+
+        started.grant.submit("accumulate", accumulate)  # the job returns the slot when it has run
+        started.done = True  # (interrupted before this line, `abandon` returns it and the job skips)
+
+    def submit_close(self, worker: HostAdamWorker, work: list[tuple[dict, list[HostMatrix]]],
+                     sums_landed: Landed | None, window_step: Callable[..., None] = host_adamw_window) -> Future:
+        """Submit the window's host AdamW job (`window_step`), with the held gradients (if any) folded into it."""
+        held = self.held
+        last, last_landed, coef = (held[0].sources, held[0].landed, held[1]) if held else ([], None, None)
+        scaled, scaled_coef = self._scaled(held[0], coef) if held else ([], None)
+
+        def host_step() -> None:
+            try:
+                if sums_landed is not None:
+                    sums_landed.wait()  # Sync point (worker waits on the device): the window's sums are on the host
+                if last_landed is not None:
+                    last_landed.wait()  # Sync point (worker waits on the device): the last gradients have landed
+                if scaled:  # (added first, with their multiplier; the window's pass then reads them from the sums)
+                    HostMatrix.accumulate_all(scaled, scaled_coef)
+                if last:
+                    window_step(work, last, coef)
+                else:
+                    window_step(work)
+            finally:
+                last.clear()  # the gradients' memory goes now
+                scaled.clear()
+
+        if held is None:
+            return worker.submit("host_adamw", host_step)
+        future = held[0].grant.submit("host_adamw", host_step)  # (the job returns the hand-off slot)
+        held[0].done, self.held = True, None
+        return future
+
+    def abandon(self, abandon_hand_off: Callable[[HandOff], None]) -> None:
+        """The step failed after its hand-off: the held gradients are dropped and the slot goes back."""
+        held, self.held = self.held, None
+        if held is not None and not held[0].done:
+            abandon_hand_off(held[0])
+
+
+class HostWindows:
     """The host side of one `ZenFlowAdamW` (see the module docstring). `splits` and `groups` are the optimizer's
     own (live) collections; `config` is kept current by the optimizer."""
 
@@ -495,7 +662,7 @@ class HostWindows(WindowCloses):
 
     def finish_hand_off(self, started: HandOff, coef: float | None) -> None:
         """The handed-off gradients (times `coef`) go to the worker: held until the step knows whether it closes
-        the window, whose host AdamW job then takes them (`held_handoff.py`)."""
+        the window, whose host AdamW job then takes them (`HeldHandOff`)."""
         if any(g._base is not None for _, g in started.work):
             # A gradient that is a view of storage its owner keeps and writes again (DDP's gradient_as_bucket_view:
             # the reducer writes the next backward's gradients into the same bucket on the compute stream):
@@ -563,3 +730,112 @@ class HostWindows(WindowCloses):
         self.close_window(schedule, timer, sequential=True)
         self.guard.forget_write_back()  # (plain AdamW, no host multiplier: nothing for the guard to watch)
         self.held.submit()  # (only when the close had no host work to fold it into)
+
+    def close_window(self, schedule: WindowSchedule, timer: StepTimer, sequential: bool) -> None:
+        """End the open window: submit its host AdamW; write back now (sequential) or later (overlapped: the step
+        `writeback_lag` into the next window, `apply_previous_window`)."""
+        steps = schedule.close_window()
+        for split in self.splits.values():
+            split.auto.reset()
+        # the run's lag, also for a window that `flush()` closes early: "auto" keeps one multiplier per run
+        lag = window_lag(schedule, self.config.overlap_step, steps)
+        full = schedule.update_interval is None or steps >= schedule.update_interval
+        group_of = {p: g for g in self.groups for p in g["params"]}
+        by_group: dict[int, tuple[dict, list[HostMatrix]]] = {}
+        scales: list[float] = []
+        for split in self.splits.values():
+            if split.host is not None:
+                group = group_of[split.owner]  # (the parameter in the group: a DTensor under FSDP2)
+                if id(group) not in by_group:
+                    # hyper-parameters are copied now: the lr in force when the window closed
+                    hyper, scale = host_hyper(group, self.config, steps, lag, schedule.high_lr_window,
+                                              self.guard.factor_for(self.config.host_step_guard))
+                    self.lr_scale.note(self.config.host_lr_scale, scale, peak_lr(group), lag, full)
+                    scales.append(scale)
+                    by_group[id(group)] = (hyper, [])
+                by_group[id(group)][1].append(split.host)
+        work = list(by_group.values())
+        self.guard.closed(scales)  # (what an overshoot of this window's result is measured against)
+        worker = self.ensure_worker()  # (closed after training: `flush()` may still close a window)
+        if not work:
+            return  # every column lives on the device: no host step, nothing stale
+        if not sequential:
+            self.apply_previous_window(timer)
+        landed = None
+        if sums_on_device(self.accumulate_on):
+            with timer.phase("handoff"):
+                if self.pending is not None:
+                    # Sync point: the previous window's host step reads the host accumulators; it must be done
+                    # before this window's sums land there (only reached in sequential closes: an overlapped close
+                    # waited above).
+                    worker.wait(self.pending)
+                landed = self._ship_window_sums([s for s in self.splits.values() if s.host is not None])
+
+        # (with this step's gradients folded in)
+        future = self.held.submit_close(worker, work, landed, host_adamw_window)
+        self.unapplied_steps.append(steps)
+        self.pending, self.writeback_pending = future, True
+        if sequential:
+            with timer.phase("wait"):
+                worker.wait(future)
+            with timer.phase("writeback"):
+                self.write_back()
+
+    def apply_previous_window(self, timer: StepTimer) -> None:
+        """Overlapped schedule: write the previous window's host result back, if one is pending."""
+        if not self.writeback_pending:
+            return
+        with timer.phase("wait"):
+            # Sync point: the previous window's host step must be done before its result is written back.
+            if self.pending is not None:
+                self.ensure_worker().wait(self.pending)
+        with timer.phase("writeback"):
+            self.write_back()
+
+    def write_back(self) -> None:
+        """Put each fresh host result into the weights, then the device columns back on top.
+
+        Only matrices whose host step ran since the last write-back are written (`writeback_fresh`): a matrix that
+        got no gradient in the window keeps its weights, including columns that left the device at a re-selection
+        since. How a result gets into the weights is the transport's (CUDA: an asynchronous copy from pinned
+        memory; CPU device: a storage swap); with several ranks, one all-gather of every rank's share of every
+        hosted matrix per device and dtype (`distributed/sharding.py`), whose result is copied into the weights.
+        """
+        columns_back: list[tuple[DeviceColumns, torch.Tensor]] = []
+        written: list[SplitMatrix] = []
+        hosted = [split for split in self.splits.values() if split.host is not None]
+        for split in hosted:
+            if split.host.writeback_fresh:
+                if self.shards.ranks == 1:
+                    self.transport_of(split).put_weights(split)
+                written.append(split)
+                self.stats.bytes_to_device += split.host.writeback.numel() * split.param.element_size()
+            if split.device is not None:
+                columns_back.append((split.device, split.matrix(split.param)))
+        if self.shards.ranks > 1:
+            self._gather_weights(hosted, {id(split) for split in written})
+        for split in hosted:
+            split.host.writeback_fresh = False
+        scatter_columns(columns_back)
+        if written:
+            self.guard.wrote_back()  # (the next step's gradient is the first to see these weights)
+        for transport, group in self.by_transport(written):
+            transport.after_write_back(group)
+        self.writeback_pending = False
+        self.pending = None
+        self.unapplied_steps.clear()
+
+    def _gather_weights(self, hosted: list[SplitMatrix], fresh: set[int]) -> None:
+        """Every rank's share of the hosted matrices into the weights (the `fresh` ones): per device and dtype one
+        all-gather per bucket of matrices (`RankGroup.buckets`), the same on every rank whichever are fresh."""
+        for (device, _), group in by_device(hosted, lambda s: (s.param.device, s.param.dtype)):
+            items = [(s.share, s.host.writeback, s.matrix(s.param) if id(s) in fresh else None) for s in group]
+            # one all-gather per bucket of `GATHER_BUCKET_BYTES`, in the same order on every rank
+            for bucket in self.shards.buckets(items):
+                self.shards.gather_into(bucket, self.shards.device_for(device), "write-back all-gather", keep=True)
+
+    def drain_and_apply(self) -> None:
+        worker = self.ensure_worker()
+        worker.synchronize()
+        if self.writeback_pending:
+            self.write_back()

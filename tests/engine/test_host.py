@@ -333,7 +333,7 @@ import time
 # non-interactive shell, as CI may be, inherits SIGINT ignored)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch
-import hf_zenflow.engine.window_close as zenflow_windows
+import hf_zenflow.engine.windows as zenflow_windows
 import hf_zenflow.engine.worker as zenflow_worker
 from hf_zenflow import ZenFlowAdamW
 

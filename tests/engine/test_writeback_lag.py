@@ -56,7 +56,7 @@ def _slowed_run(host_delay_s: float, pause_s: float, monkeypatch) -> tuple[list[
         time.sleep(host_delay_s)
         window(groups, *last)
 
-    monkeypatch.setattr("hf_zenflow.engine.window_close.host_adamw_window", slow_window)
+    monkeypatch.setattr("hf_zenflow.engine.windows.host_adamw_window", slow_window)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, min_offload_numel=0, **OFF)
     _train(opt, model, 10, pause_s=pause_s)

@@ -10,7 +10,7 @@ import torch
 from hf_helpers import tiny_llama, zenflow_args
 from transformers import TrainerCallback
 
-import hf_zenflow.engine.window_close as window_close
+import hf_zenflow.engine.windows as window_close
 from hf_zenflow import HostWorkerError, ZenFlowTrainer
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-import hf_zenflow.engine.window_close as window_close
+import hf_zenflow.engine.windows as window_close
 from hf_zenflow import HostWorkerError, ZenFlowAdamW
 from tests.conftest import batches, make_model, param_groups, roundtrip, train
 
@@ -79,7 +79,7 @@ def test_a_failed_load_keeps_the_refusal(monkeypatch):
 CTRL_C_SCRIPT = textwrap.dedent("""
     import time
     import torch
-    import hf_zenflow.engine.window_close as window_close
+    import hf_zenflow.engine.windows as window_close
     from hf_zenflow import ZenFlowAdamW
 
     real = window_close.host_adamw_window

@@ -397,7 +397,7 @@ def test_worker_failure_is_raised_in_the_caller(monkeypatch):
         raise MemoryError("injected host failure")
 
     monkeypatch.setattr(host_module, "host_adamw_window", broken)
-    import hf_zenflow.engine.window_close as window_close
+    import hf_zenflow.engine.windows as window_close
 
     monkeypatch.setattr(window_close, "host_adamw_window", broken)
     model = make_model()
@@ -413,7 +413,7 @@ def test_worker_failure_is_raised_in_the_caller(monkeypatch):
 
 
 def test_inline_failure_raises_at_once(monkeypatch):
-    import hf_zenflow.engine.window_close as window_close
+    import hf_zenflow.engine.windows as window_close
 
     monkeypatch.setattr(window_close, "host_adamw_window", lambda groups, *last: 1 / 0)
     model = make_model()
