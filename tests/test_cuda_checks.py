@@ -31,7 +31,7 @@ def test_device_independent_checks_pass_on_the_cpu(transport, tmp_path, monkeypa
     """Every device-independent check, through the script's `main` on the CPU. "copying": the gradients cross to
     the host through copies started in backward (as on CUDA), which ``unscale_`` must invalidate."""
     if transport == "copying":
-        monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: CopyTransport())
+        monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
     assert cuda_checks.main(["--device", "cpu", "--out-dir", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "cuda_checks.json").read_text())
     for name in cuda_checks.DEVICE_INDEPENDENT:
@@ -49,7 +49,7 @@ def test_device_independent_checks_pass_on_the_cpu(transport, tmp_path, monkeypa
 def test_a_scaler_integration_that_misses_unscale_fails_the_check(monkeypatch):
     """The optimizer not told of ``unscale_`` (its hooks' norms and early copies kept as read on the scaled
     gradients): the check fails."""
-    monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: CopyTransport())
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
     monkeypatch.setattr("hf_zenflow.optimizer.zenflow.ZenFlowAdamW._grads_unscaled", lambda self, inv_scale: None)
     result = cuda_checks.fp16_grad_scaler(torch.device("cpu"), steps=6)
     assert result["ok"] is False

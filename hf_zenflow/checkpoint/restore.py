@@ -165,7 +165,7 @@ def load(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     ):
         opt._host.stop_worker()  # (not `opt.close()`: the run goes on, its cores stay claimed and the state just
         # loaded keeps its pinned buffers)
-    opt._host.failure = None  # a whole, checked state again after a host worker failure (`engine/failure.py`)
+    opt._host.keeper.failure = None  # a whole, checked state again after a host worker failure (`engine/failure.py`)
     opt._mark_weights()
 
 

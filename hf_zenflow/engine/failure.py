@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def refuse_after_failure(host: HostWindows) -> None:
     """Raise `HostWorkerError` saying that the optimizer was closed after a failure, and how to go on."""
-    failure = host.failure
+    failure = host.keeper.failure
     if failure is not None:
         raise HostWorkerError(
             f"ZenFlowAdamW was closed after a host worker failure ({failure}): its host state may be partly updated, "
@@ -26,9 +26,9 @@ def refuse_after_failure(host: HostWindows) -> None:
 
 def drop_failed_worker(host: HostWindows) -> bool:
     """Before a new state is loaded: stop a failed worker without waiting on its failure (its state is being
-    replaced). Whether there was a failure (the caller clears `host.failure` once the load succeeded)."""
+    replaced). Whether there was a failure (the caller clears `host.keeper.failure` once the load succeeded)."""
     worker = host.worker
-    if host.failure is None and (worker is None or not worker.failed):
+    if host.keeper.failure is None and (worker is None or not worker.failed):
         return False
     host.stop_worker()
     wait_for_closed_workers()

@@ -24,9 +24,7 @@ from .._base import by_device
 from ..distributed.replica_check import note_host_split
 from ..distributed.sharding import RankGroup, local_grad, set_grad
 from ..settings.config import ZenFlowConfig, sums_on_device
-from ..settings.threads import claim_cores, release_cores
-from ..transport import Landed, Transport, transport_for
-from ..transport.cpu_device.transport import CpuShardTransport
+from ..transport import Landed, Transport, Transports
 from . import accumulation
 from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
 from .device_step import device_update
@@ -38,7 +36,7 @@ from .schedule import StepKind, WindowSchedule
 from .selection import num_selected
 from .split_matrix import SplitMatrix, selection_scores
 from .telemetry import StepTimer, ZenFlowStats
-from .worker import GradSlot, HostAdamWorker, HostWorkerError, cuda_device_of
+from .worker import GradSlot, HostAdamWorker, WorkerKeeper, cuda_device_of
 
 
 __all__ = ["EarlyCopies", "FreedGradient", "HandOff", "HeldHandOff", "HostWindows", "non_finite"]
@@ -217,17 +215,16 @@ class HostWindows:
 
     def __init__(self, splits: dict[torch.Tensor, SplitMatrix], groups: list[dict[str, Any]], config: ZenFlowConfig,
                  stats: ZenFlowStats, host_executor: str, process_group: Any = None) -> None:
-        self.splits, self.groups, self.config, self.stats = splits, groups, config, stats
-        self.host_executor = host_executor
+        self.splits, self.groups, self.stats = splits, groups, stats
+        self.keeper = WorkerKeeper(config, host_executor)  # the host worker's life
+        self.config = config
         self.process_group = process_group
         self._shards: RankGroup | None = None
         #: FSDP2's mesh when the parameters are sharded DTensors (`distributed/fsdp.py`): each rank's host state holds
         #: its local rows, nothing is shared across ranks, and per-rank partial sums are summed over this group instead
         self.param_shards: RankGroup | None = None
-        self.worker: HostAdamWorker | None = None
-        #: the failure of a worker stopped after it failed: the host state may be partly updated (`stop_worker`)
-        self.failure: HostWorkerError | None = None
-        self.transports: dict[str, Transport] = {}  # by device type
+        # (`writeback_device_ms`: each transport's clock of device time spent on the write-back)
+        self.transports = Transports(on_new=lambda t, clocks=stats.device_clocks: clocks.append(t.take_device_ms))
         self.pending: Any = None  # Future of the host step whose result awaits write-back (overlap mode)
         self.writeback_pending = False
         self.unapplied_steps: list[int] = []  # sizes of windows submitted but not yet written back
@@ -236,9 +233,6 @@ class HostWindows:
         # `grad_ready` runs in several threads at once: taking the step's hand-off slot (and starting the worker)
         # is a check-then-act that must happen once, under this lock.
         self._early_lock = threading.Lock()
-        #: whether the parameters will have host state (`params.offloads_any`, set by the optimizer): only then a
-        #: background worker starts and the thread rule claims cores for it
-        self.offload_planned, self._claimed = False, False
         self.held = HeldHandOff()  # this step's hand-off until the step knows whether it closes the window
         #: ``accumulate_on="auto"``'s choice, made when the first host state is created (`accumulation.py`)
         self.accumulate_chosen: str | None = None
@@ -269,6 +263,19 @@ class HostWindows:
         self.limit_peak: Callable[[], int] = lambda: 0
 
     @property
+    def config(self) -> ZenFlowConfig:
+        return self._config
+
+    @config.setter
+    def config(self, value: ZenFlowConfig) -> None:
+        self._config = self.keeper.config = value
+
+    @property
+    def worker(self) -> HostAdamWorker | None:
+        """The host worker, None until a step needs it (`ensure_worker`) and after `close()`."""
+        return self.keeper.worker
+
+    @property
     def accumulate_on(self) -> str | None:
         """Where windows are summed: the explicit setting, or "auto"'s choice (None before it is made)."""
         return self.accumulate_chosen if self.config.accumulate_on == "auto" else self.config.accumulate_on
@@ -279,46 +286,22 @@ class HostWindows:
         self.pending, self.writeback_pending, self.unapplied_steps = None, False, []
         self.guard = HostStepGuard()
         self.release_early()
-        self.close_transports()
-        self.transports.clear()
+        self.transports.forget()
         self.stats.device_clocks.clear()
 
     def stop_worker(self) -> None:
         """Stop the worker thread only (a later step starts a new one, e.g. with other settings); the run goes on:
-        the cores stay claimed and the pinned link buffers stay pinned."""
+        the cores stay claimed and the pinned link buffers stay pinned. The slot of copies started in backward goes
+        back first: it is the stopped worker's."""
         self.release_early()
-        worker, self.worker = self.worker, None
-        if worker is not None:
-            if worker.failed and self.failure is None:
-                try:
-                    worker.check()
-                except HostWorkerError as failure:
-                    self.failure = failure
-            worker.close()
-
-    def close_transports(self) -> None:
-        for transport in self.transports.values():
-            transport.close()
+        self.keeper.stop()
 
     def close(self) -> None:
-        """The end of a run: stop the worker, unlock the pinned link buffers (a later step starts a new worker and
-        works on ordinary memory, with synchronous copies) and give the training thread its cores back
-        (`threads.release_cores`)."""
-        self.stop_worker()
-        self.close_transports()
-        if self._claimed:
-            self._claimed = False
-            release_cores(self)
-
-    def claim_cores(self) -> None:
-        """The thread rule's once-per-run decision (`threads.claim_cores`), when a background worker is planned.
-        Idempotent; called when the optimizer is built and before each training step (before any forward)."""
-        if not self._claimed and self.offload_planned and self._background():
-            self._claimed = True
-            claim_cores(self, self.config.resolved_cpu_threads)
-
-    def _background(self) -> bool:
-        return self.config.overlap_step and self.host_executor == "thread"
+        """The end of a run: stop the worker and give the training thread its cores back, and unlock the pinned link
+        buffers (a later step starts a new worker and works on ordinary memory, with synchronous copies)."""
+        self.release_early()
+        self.keeper.close()
+        self.transports.close()
 
     @property
     def shards(self) -> RankGroup:
@@ -345,29 +328,17 @@ class HostWindows:
         self.param_shards, self._shards = group, RankGroup()
 
     def ensure_worker(self) -> HostAdamWorker:
-        """The host worker: a thread when the schedule overlaps and something is offloaded (planned, or host state
-        exists after all: an inline worker then gives way, it has nothing in flight); otherwise inline, no thread."""
-        worker = self.worker
-        if worker is None or (not worker.background and self.early is None and self._wants_thread()):
-            self.claim_cores()  # (a run continued after `close()`: the same claim again)
-            note_host_split(self.reduce_group.ranks, self.process_group)  # (once per process)
-            self.worker = HostAdamWorker(self.config.resolved_cpu_threads, background=self._wants_thread(),
-                                         cuda_device=cuda_device_of(p for g in self.groups for p in g["params"]))
-        return self.worker
-
-    def _wants_thread(self) -> bool:
-        return self._background() and (self.offload_planned or any(s.host is not None for s in self.splits.values()))
+        """The host worker (`WorkerKeeper.ensure`): a thread when the schedule overlaps and something is offloaded
+        (planned, or host state exists after all: an inline worker then gives way unless copies started in backward
+        hold one of its slots); otherwise inline, no thread."""
+        return self.keeper.ensure(
+            has_host_state=any(s.host is not None for s in self.splits.values()),
+            may_replace_inline=self.early is None,
+            cuda_device=cuda_device_of(p for g in self.groups for p in g["params"]),
+            on_start=lambda: note_host_split(self.reduce_group.ranks, self.process_group))  # (once per process)
 
     def transport_of(self, split: SplitMatrix) -> Transport:
-        kind = split.param.device.type
-        if kind not in self.transports:
-            # An FSDP2 shard is a view into FSDP2's flat sharded storage, from which it all-gathers the weights:
-            # the write-back must copy into it (the CPU device's storage swap would detach the view); its gradients
-            # are read in place like any CPU device's
-            shard = self.param_shards is not None and kind == "cpu"
-            self.transports[kind] = CpuShardTransport() if shard else transport_for(split.param.device)
-            self.stats.device_clocks.append(self.transports[kind].take_device_ms)  # (`writeback_device_ms`)
-        return self.transports[kind]
+        return self.transports.of(split.param.device, fsdp_shard=self.param_shards is not None)
 
     def _decide(self, splits: list[SplitMatrix], shares: dict) -> None:
         self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group,
@@ -474,8 +445,7 @@ class HostWindows:
                 # Sequential schedule (``overlap_step=False``, or the inline executor): the job that reads these
                 # gradients runs right after the step's sync, in this thread. Ordering the compute stream after
                 # their copies lets that one sync cover them too, instead of a second host wait in the job.
-                for transport in self.transports.values():
-                    transport.compute_waits_for(landed)
+                self.transports.compute_waits_for(landed)
         except BaseException:
             grant.give_back()
             raise
@@ -634,9 +604,7 @@ class HostWindows:
         early = self.early
         if early is None:
             return
-        landed = Landed([e for *_, arrived in early.copies.values() for e in arrived.events])
-        for transport in self.transports.values():
-            transport.compute_waits_for(landed)
+        self.transports.compute_waits_for(Landed([e for *_, arrived in early.copies.values() for e in arrived.events]))
 
     def forget_early_copies(self) -> None:
         """The gradients were rewritten in place without a version bump (`GradScaler.unscale_`): the copies the
@@ -668,8 +636,7 @@ class HostWindows:
             # the reducer writes the next backward's gradients into the same bucket on the compute stream):
             # `record_stream` cannot protect it, since it is never freed. Sync point (device streams only): the
             # compute stream waits for the copies to the host before any later work, the next backward included.
-            for transport in self.transports.values():
-                transport.compute_waits_for(started.landed)
+            self.transports.compute_waits_for(started.landed)
         for split, _ in started.work:
             split.owner.grad = None  # the worker owns this gradient now (FSDP2: the DTensor's, else it accumulates)
         started.work.clear()

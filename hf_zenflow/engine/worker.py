@@ -1,5 +1,7 @@
 """`HostAdamWorker`: runs the host jobs (gradient accumulation, the host AdamW) in order, on a background thread or
-inline, and carries a failure into the training thread; `GradSlot`, a hand-off slot returned exactly once.
+inline, and carries a failure into the training thread; `GradSlot`, a hand-off slot returned exactly once;
+`WorkerKeeper`, the life of one optimizer's worker (started when a step needs it, stopped, its failure kept, the
+cores claimed for it).
 
 Every wait of the caller is bounded and names what it waits for (`waits.bounded_wait`), and notices a dead worker;
 a Ctrl-C never waits for a long host job (see `HostAdamWorker.close`).
@@ -17,17 +19,18 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .._base import torch_threads
-from ..settings.threads import worker_started
+from ..settings.threads import claim_cores, release_cores, worker_started
 from ..transport.link import device_wait_ms
 from .host import GRAD_SLOTS
 from .waits import HostWorkerError, bounded_wait
 
 
-__all__ = ["GradSlot", "HostAdamWorker", "HostWorkerError", "bounded_wait", "wait_for_closed_workers"]
+__all__ = ["GradSlot", "HostAdamWorker", "HostWorkerError", "WorkerKeeper", "bounded_wait", "wait_for_closed_workers"]
 
 
 class Gate:
@@ -416,3 +419,64 @@ class GradSlot:
         except IndexError:
             return
         self.worker.release_slot(slot)
+
+
+class WorkerKeeper:
+    """The life of one optimizer's `HostAdamWorker` (`worker`, None until a step needs one): a background thread when
+    the schedule overlaps (``overlap_step`` and the ``"thread"`` executor) and something is offloaded, else inline;
+    stopped by `stop` (the run goes on) or `close` (its end); the failure of a worker stopped after it failed kept in
+    `failure` (the host state may be partly updated); and the thread rule's cores claimed for a background worker
+    once per run (`settings/threads.py`). `config` is kept current by its owner."""
+
+    def __init__(self, config: Any, host_executor: str) -> None:
+        self.config = config
+        self.host_executor = host_executor
+        self.worker: HostAdamWorker | None = None
+        self.failure: HostWorkerError | None = None
+        #: whether the parameters will have host state (`params.offloads_any`, set by the optimizer): only then a
+        #: background worker starts and the thread rule claims cores for it
+        self.offload_planned = False
+        self._claimed = False
+
+    def background(self) -> bool:
+        """Whether the schedule runs the host jobs on a thread of their own."""
+        return self.config.overlap_step and self.host_executor == "thread"
+
+    def ensure(self, has_host_state: bool, may_replace_inline: bool, cuda_device: int | None,
+               on_start: Callable[[], None] = lambda: None) -> HostAdamWorker:
+        """The worker, started if there is none: a thread when the schedule overlaps and something is offloaded
+        (planned, or `has_host_state` after all; an inline worker then gives way when `may_replace_inline`: it has
+        nothing in flight); otherwise inline, no thread. `on_start` runs before a new worker starts."""
+        thread = self.background() and (self.offload_planned or has_host_state)
+        worker = self.worker
+        if worker is None or (not worker.background and may_replace_inline and thread):
+            self.claim_cores()  # (a run continued after `close()`: the same claim again)
+            on_start()
+            self.worker = HostAdamWorker(self.config.resolved_cpu_threads, background=thread, cuda_device=cuda_device)
+        return self.worker
+
+    def stop(self) -> None:
+        """Stop the worker thread only (a later step starts a new one, e.g. with other settings); the cores stay
+        claimed. A failed worker's failure is kept in `failure`."""
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            if worker.failed and self.failure is None:
+                try:
+                    worker.check()
+                except HostWorkerError as failure:
+                    self.failure = failure
+            worker.close()
+
+    def claim_cores(self) -> None:
+        """The thread rule's once-per-run decision (`threads.claim_cores`), when a background worker is planned.
+        Idempotent; called when the optimizer is built and before each training step (before any forward)."""
+        if not self._claimed and self.offload_planned and self.background():
+            self._claimed = True
+            claim_cores(self, self.config.resolved_cpu_threads)
+
+    def close(self) -> None:
+        """The end of a run: stop the worker and give the training thread its cores back (`threads.release_cores`)."""
+        self.stop()
+        if self._claimed:
+            self._claimed = False
+            release_cores(self)

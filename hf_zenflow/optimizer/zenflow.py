@@ -175,8 +175,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         amp.install()  # scaler.unscale_(opt) tells `_grads_unscaled`
         _LIVE_OPTIMIZERS.add(self)
         # The thread rule's decision for the run, before its first forward (docs/threads.md)
-        self._host.offload_planned = offloads_any(self.param_groups, config)
-        self._host.claim_cores()
+        self._host.keeper.offload_planned = offloads_any(self.param_groups, config)
+        self._host.keeper.claim_cores()
 
     # ------------------------------------------------------------------------------------------------------------
     # Public API
@@ -188,8 +188,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if hasattr(self, "_reads"):  # a group added after construction: its gradients are read in backward too
             self._reads.watch(self.param_groups[-1]["params"])
             self._group_of.update({p: self.param_groups[-1] for p in self.param_groups[-1]["params"]})
-            self._host.offload_planned = offloads_any(self.param_groups, self.config)
-            self._host.claim_cores()
+            self._host.keeper.offload_planned = offloads_any(self.param_groups, self.config)
+            self._host.keeper.claim_cores()
 
     def clip_through_optimizer(self) -> None:
         """The caller clips only through `clip_grad_norm_` (or not at all), never with
@@ -530,7 +530,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """HF calls this before every training step: surface a worker failure (waiting here would serialise the host
         step with every training step), and claim the cores again if a `close()` ended the last run, before this
         run's first forward (docs/threads.md)."""
-        self._host.claim_cores()
+        self._host.keeper.claim_cores()
         if self._host.worker is not None:
             self._host.worker.check()
         if self.drained_by is None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.transport import CudaTransport
 from tests.conftest import DEVICE, batches, make_model, param_groups
@@ -28,7 +27,7 @@ def _train(steps: int, double: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[l
             backends.append(backend)
             return CudaTransport(streams=backend, registrar=CheckedRegistrar(backend))
 
-        monkeypatch.setattr(windows_module, "transport_for", make)
+        monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
     model = make_model()
     params = list(model.parameters())
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, topk_ratio=0.1, update_interval=2, min_offload_numel=0,

@@ -177,7 +177,7 @@ def _reference(monkeypatch: pytest.MonkeyPatch, copies: bool = True) -> tuple[Ne
     """One plain process on the global batch; with `copies`, moving data between device and host with copies as the
     FSDP2 ranks write back (a CPU device otherwise swaps storages)."""
     if DEVICE == "cpu" and copies:
-        monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: CopyTransport())
+        monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
     model = _model()
     opt = _zenflow(model)
     _train(model, opt, range(STEPS))

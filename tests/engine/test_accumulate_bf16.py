@@ -252,7 +252,7 @@ def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, mon
         return transport
 
     for factory in (lambda device: CpuDeviceTransport(), lambda device: CopyTransport(), asynchronous):
-        monkeypatch.setattr(windows_module, "transport_for", factory)
+        monkeypatch.setattr("hf_zenflow.transport.transport_for", factory)
         model = make_model(dtype=dtype)
         opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, accumulate_on="device_bf16")
         losses = train(model, opt, batches(22), linear_schedule(opt, 22), clip=1.0)

@@ -115,7 +115,7 @@ def test_unscale_then_clip_equals_the_loop_without_scaler(overlap_step, topk_rat
     too large. `copying`: a transport that copies gradients to the host, as on CUDA, so the hooks start each copy
     in backward, before unscale_: the host must not accumulate those scaled copies."""
     if copying:
-        monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: CopyTransport())
+        monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
     ref, ref_norms, _ = _run(12, 1.0, None, overlap_step=overlap_step, topk_ratio=topk_ratio)
     model, norms, _ = _run(12, 1.0, "unscale", overlap_step=overlap_step, topk_ratio=topk_ratio)
     assert norms == pytest.approx(ref_norms, rel=1e-4)
@@ -203,7 +203,7 @@ def test_unscale_does_not_copy_the_gradients_to_the_host_twice(monkeypatch):
     """The Trainer's order on a transport that copies (as on CUDA): the copies the hooks start in backward are kept
     after unscale_ (the host adds them times 1 / scale) instead of being made again, so as many bytes cross the link
     as without a scaler, and the weights are the same bits."""
-    monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: CopyTransport())
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
     # (kept gradients: freed in the first step, before the scaler is known, they would come back and be copied
     # again once)
     ref, _, ref_opt = _run(8, 1.0, None, topk_ratio=0.1, free_gradients_in_backward="off")

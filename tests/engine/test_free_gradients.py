@@ -23,7 +23,7 @@ def _run(free: str, dtype: torch.dtype = torch.float32, micro_batches: int = 1, 
          steps: int = 12, transport: type | None = None, monkeypatch: pytest.MonkeyPatch | None = None,
          **settings: object) -> tuple[list[torch.Tensor], list[float], list[float]]:
     if transport is not None:
-        monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: transport())
+        monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: transport())
     model = make_model(dtype=dtype)
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, **{**SETTINGS, **settings}, free_gradients_in_backward=free)
     peaks, losses = [], []
@@ -238,7 +238,7 @@ def test_freeing_under_a_grad_scaler_changes_nothing(recipe, dtype, copying, mon
     scaler). The overflow check of a freed gradient is made in its hook (the scaler reads only ``p.grad``).
     `copying`: the transport that copies each gradient into a staging buffer in its hook, as on CUDA."""
     if copying:
-        monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: CopyTransport())
+        monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
     overflow_at = frozenset({0, 5, 7})
     kept = _scaled_run("off", recipe, dtype, overflow_at, init_scale=4096.0, high_lr_rule="off")
     freed = _scaled_run("on", recipe, dtype, overflow_at, init_scale=4096.0, high_lr_rule="off")

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import hf_zenflow.engine.gradients as gradients_module
-import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.gradients import GradientReads, torch_norm
 from hf_zenflow.transport import CopyTransport
@@ -147,7 +146,7 @@ def test_copies_started_in_backward_give_the_same_bits(micro, monkeypatch):
     data = batches(24)
     results = []
     for transport_cls in (CpuDeviceTransport, CopyTransport):
-        monkeypatch.setattr(windows_module, "transport_for", lambda device, cls=transport_cls: cls())
+        monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device, cls=transport_cls: cls())
         model = make_model()
         opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=3, select_strategy="step",
                            select_interval=5, min_offload_numel=0)
@@ -164,7 +163,7 @@ def test_copies_started_in_backward_give_the_same_bits(micro, monkeypatch):
 def test_copies_started_in_backward_are_taken_by_the_step(monkeypatch):
     if DEVICE.type != "cpu":
         pytest.skip("swaps the CPU device's transport")
-    monkeypatch.setattr(windows_module, "transport_for", lambda device: CopyTransport())
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=3, min_offload_numel=0)
     x, y = batches(1)[0]

@@ -412,7 +412,7 @@ def test_an_optimizer_on_cuda_gives_its_worker_the_parameters_device(monkeypatch
         created.append(kwargs.get("cuda_device"))
         return real(*args, **{**kwargs, "cuda_device": None})
 
-    monkeypatch.setattr(windows_module, "HostAdamWorker", worker)
+    monkeypatch.setattr(worker_module, "HostAdamWorker", worker)  # (started by `WorkerKeeper`)
     lin = torch.nn.Linear(8, 8)
     asked: list[list] = []
     monkeypatch.setattr(windows_module, "cuda_device_of", lambda params: (asked.append(list(params)), 2)[1])

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import hf_zenflow.engine.host as host_module
-import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.transport import CopyTransport
 from hf_zenflow.transport.cpu_device import kernels
@@ -142,7 +141,7 @@ def test_narrow_gradients_through_staging_buffers_round_the_same(monkeypatch):
     settings = dict(host_grad_dtype="bfloat16")
     direct, _, opt = _zenflow(settings, topk_ratio=0.25, update_interval=3, overlap_step=True)
     opt.close()
-    monkeypatch.setattr(windows_module, "transport_for", lambda device: CopyTransport())
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
     staged, _, opt = _zenflow(settings, topk_ratio=0.25, update_interval=3, overlap_step=True)
     staging = [s.host.staging for s in opt._split.values() if s.host is not None]
     opt.close()

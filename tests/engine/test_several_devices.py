@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 
-import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.host import GRAD_SLOTS
 from hf_zenflow.transport import CopyTransport
@@ -62,7 +61,7 @@ def test_hooks_of_two_devices_at_once_take_one_hand_off_slot(monkeypatch):
     autograd threads both took one; the second overwrote the first, whose slot was never returned, and after
     `GRAD_SLOTS` such steps the next hand-off waited forever. Taking a slot is slowed here (as a stall while the
     worker is behind would), so both threads are inside it at once whenever the check is not locked."""
-    monkeypatch.setattr(windows_module, "transport_for", lambda device: CopyTransport())
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
     model = TwoHalves()
     opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=0)
     x = torch.randn(8, 32)
@@ -100,7 +99,7 @@ def test_a_worker_is_never_started_from_an_autograd_thread(monkeypatch):
     import hf_zenflow.settings.threads as threads_module
 
     monkeypatch.setattr(threads_module, "_POOL", threads_module._TrainingPool())
-    monkeypatch.setattr(windows_module, "transport_for", lambda device: CopyTransport())
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
     model = TwoHalves()
     opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=0)
     x = torch.randn(8, 32)

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-import hf_zenflow.engine.windows as windows_module
+import hf_zenflow.transport as transport_package
 from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW
 from hf_zenflow.transport import CudaTransport
 from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
@@ -47,7 +47,7 @@ def async_device(request, monkeypatch) -> list[AsyncCopies]:
         backends.append(backend)
         return transport
 
-    monkeypatch.setattr(windows_module, "transport_for", make)
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
     yield backends
     for backend in backends:
         backend.synchronize(torch.device("cpu"))
@@ -109,9 +109,9 @@ def test_async_copies_give_the_cpu_device_bits(async_device, dtype, monkeypatch)
     buffer (a torn first read, ordered before the second on the side stream)."""
     data = batches(24)
     results = []
-    make_async = windows_module.transport_for
+    make_async = transport_package.transport_for
     for factory in (lambda device: CpuDeviceTransport(), make_async):
-        monkeypatch.setattr(windows_module, "transport_for", factory)
+        monkeypatch.setattr("hf_zenflow.transport.transport_for", factory)
         model = make_model(dtype=dtype)
         opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=3, select_strategy="step",
                            select_interval=5, min_offload_numel=0)
@@ -129,10 +129,10 @@ def test_async_copies_give_the_cpu_device_bits(async_device, dtype, monkeypatch)
 def test_hooks_of_two_devices_at_once_give_the_sequential_bits(async_device, monkeypatch):
     """Several devices: both halves' hooks start their copies from two threads at once, into one hand-off slot;
     the result is that of one backward on the CPU device's transport."""
-    make_async = windows_module.transport_for
+    make_async = transport_package.transport_for
     results = []
     for factory, concurrent in ((lambda device: CpuDeviceTransport(), False), (make_async, True)):
-        monkeypatch.setattr(windows_module, "transport_for", factory)
+        monkeypatch.setattr("hf_zenflow.transport.transport_for", factory)
         model = TwoHalves()
         opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2, min_offload_numel=0)
         for step in range(12):
@@ -162,7 +162,7 @@ def test_a_sequential_step_waits_for_the_device_once(monkeypatch):
         backends.append(AsyncCopies(lazy=True))
         return CudaTransport(streams=backends[-1], registrar=CheckedRegistrar(backends[-1]))
 
-    monkeypatch.setattr(windows_module, "transport_for", make)
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
                        select_strategy="step", select_interval=100, min_offload_numel=0)
@@ -284,7 +284,7 @@ def test_unscale_runs_after_the_copies_started_in_backward(monkeypatch):
         return CudaTransport(streams=backend, registrar=CheckedRegistrar(backend))
 
     ref, ref_norms, _ = run_amp(8, 1.0, None, topk_ratio=0.1)
-    monkeypatch.setattr(windows_module, "transport_for", make)
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
     model, norms, _ = run_amp(8, 1.0, "unscale", topk_ratio=0.1)
     for backend in backends:
         backend.synchronize(torch.device("cpu"))

@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 
-import hf_zenflow.engine.windows as windows_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.transport import CudaTransport
 from hf_zenflow.transport.pinned import HOST_REGISTER_PORTABLE, HostRegistrar, PinnedArena
@@ -94,7 +93,7 @@ def test_close_and_a_reload_release_the_pinned_blocks(monkeypatch):
         transports.append(CudaTransport(streams=AsyncCopies(), registrar=HostRegistrar(cudart)))
         return transports[-1]
 
-    monkeypatch.setattr(windows_module, "transport_for", make)
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
     train(model, opt, batches(6))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_zenflow.engine.windows as windows_module
+import hf_zenflow.transport as transport_package
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.transport import ARENA_ALIGN, CopyTransport, PinnedArena
 from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
@@ -21,8 +21,8 @@ if DEVICE.type != "cpu":
 
 def run(transport_cls, steps, settings, make=make_model):
     """Train with every parameter's transport replaced by `transport_cls`."""
-    original = windows_module.transport_for
-    windows_module.transport_for = lambda device: transport_cls()
+    original = transport_package.transport_for
+    transport_package.transport_for = lambda device: transport_cls()
     try:
         model = make()
         opt = ZenFlowAdamW(param_groups(model), lr=LR, min_offload_numel=0, **settings)
@@ -32,7 +32,7 @@ def run(transport_cls, steps, settings, make=make_model):
         stats = opt.stats()
         opt.close()
     finally:
-        windows_module.transport_for = original
+        transport_package.transport_for = original
     return model, losses, stats
 
 
@@ -92,8 +92,8 @@ def test_only_fresh_host_results_cross_the_link_at_the_write_back():
     settings = dict(topk_ratio=0.1, update_interval=2, select_strategy="step", select_interval=4, writeback_lag=None)
     results = []
     for transport_cls in (CpuDeviceTransport, CopyTransport):
-        original = windows_module.transport_for
-        windows_module.transport_for = lambda device, cls=transport_cls: cls()
+        original = transport_package.transport_for
+        transport_package.transport_for = lambda device, cls=transport_cls: cls()
         try:
             params = make()
             opt = ZenFlowAdamW(groups(params), lr=LR, min_offload_numel=0, **settings)
@@ -103,7 +103,7 @@ def test_only_fresh_host_results_cross_the_link_at_the_write_back():
             results.append((before_flush, [p.detach().clone() for p in params], opt.master_weight(params[1])))
             opt.close()
         finally:
-            windows_module.transport_for = original
+            transport_package.transport_for = original
     (cpu_before, cpu_after, cpu_master), (copy_before, copy_after, copy_master) = results
     for p, q in zip(copy_before + copy_after, cpu_before + cpu_after):
         assert torch.equal(p, q)
