@@ -5,9 +5,9 @@
   `gradients.py`;
 - the host path: `host.py` (`HostMatrix`: host state, window accumulation, the window's AdamW in one pass),
   `quantized_moments.py` (8-bit host moments, ``host_moment_dtype="int8"``), `worker.py` (`HostAdamWorker`, the
-  background thread, and `bounded_wait`);
-- between them: `windows.py` (`HostWindows`: hand-offs, `handoff.py` / `held_handoff.py`) and `window_close.py`
-  (closing a window, writing its result back ``writeback_lag`` steps later); `accumulation.py` (host or device
+  background thread, its life: `WorkerKeeper`, and `bounded_wait`);
+- between them: `windows.py` (`HostWindows`: a gradient's way into its window, in backward or in the step, the
+  window's close and its result written back ``writeback_lag`` steps later); `accumulation.py` (host or device
   window sums), `host_lr.py` (the host step's learning-rate multiplier), `host_guard.py` (`host_step_guard`);
 - the schedule, decisions without tensors: `schedule.py` (step kinds, windows, Zen-auto votes), `writeback_lag.py`
   ("auto"'s choice from the host columns' sizes);

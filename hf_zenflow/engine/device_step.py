@@ -134,12 +134,12 @@ def _widening_chunks(columns: list[DeviceColumns]) -> list[list[DeviceColumns]]:
 def device_update(
     splits: dict[torch.Tensor, SplitMatrix], dense: dict[torch.Tensor, DenseDeviceState],
     entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | torch.Tensor | None,
-    gathered: set[torch.Tensor], rewritten: bool = False, found_inf: torch.Tensor | None = None,
+    gathered: set[torch.Tensor], writes_back: bool = False, found_inf: torch.Tensor | None = None,
 ) -> ParamWrites:
     """Fused AdamW on the selected columns and the dense parameters, one kernel launch per group and device (and,
     for gathered gradients narrower than fp32, one per run of matrices widened together, `_widening_chunks`).
     `coef`: the clip coefficient, a number or a device tensor; `found_inf`: a device tensor that, when set,
-    makes the update change nothing. `rewritten`: a write-back follows in this step, so matrices with host
+    makes the update change nothing. `writes_back`: a write-back follows in this step, so matrices with host
     columns are not scattered now.
 
     The fp32 masters are updated here; the parameters that have masters of their own receive them when the caller
@@ -182,7 +182,7 @@ def device_update(
         lists = batches.setdefault(key, (group, [[], [], [], [], []]))[1]
         if split is not None:
             cols = split.device
-            if not (rewritten and split.host is not None):
+            if not (writes_back and split.host is not None):
                 scatters.append((cols, split.matrix(p)))
             if cols.grad.dtype != torch.float32:
                 narrow.setdefault(key, []).append(cols)

@@ -180,7 +180,7 @@ class StepReads:
     """What one `step()` reads of its gradients before the one sync: the total norm, the multiplier of every
     gradient (the clip coefficient times a GradScaler's ``1 / scale``; None: 1), the split matrices whose
     selected columns were gathered, Zen-auto's (index, matrix) pairs, the matrices waiting for their
-    first columns, and `probe`: the scalars the sync reads (total, clip coefficient, Zen-auto's masses, waiting
+    first columns, and `scalars`: the scalars the sync reads (total, clip coefficient, Zen-auto's masses, waiting
     norms, in that order)."""
 
     total: torch.Tensor
@@ -188,14 +188,14 @@ class StepReads:
     gathered: set[torch.Tensor] = field(default_factory=set)
     auto_split: list[tuple[int, SplitMatrix]] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
-    probe: list[torch.Tensor] = field(default_factory=list)
+    scalars: list[torch.Tensor] = field(default_factory=list)
 
     def sync(self, clipped: bool, entries: int, copies_factor: torch.Tensor | None = None) -> Synced:
-        """Read `probe` on the host (Sync point: waits for backward and the norms). `clipped`: a clip coefficient
+        """Read `scalars` on the host (Sync point: waits for backward and the norms). `clipped`: a clip coefficient
         was measured; `entries`: the step's number of parameters with a gradient; `copies_factor`: a device scalar
         read in the same sync (`Synced.copies_factor`)."""
-        probe = self.probe + ([copies_factor] if copies_factor is not None else [])
-        values = torch.stack([v.float().to(self.probe[0].device) for v in probe]).tolist()
+        scalars = self.scalars + ([copies_factor] if copies_factor is not None else [])
+        values = torch.stack([v.float().to(self.scalars[0].device) for v in scalars]).tolist()
         factor = values.pop() if copies_factor is not None else None
         coef = values[1] if clipped else None
         finite = math.isfinite(values[0]) and (coef is None or math.isfinite(coef))
@@ -282,5 +282,5 @@ def read_gradients(
         # the scaler found an overflow: a non-finite total makes the step skip, changing nothing (the device update
         # launched before the sync takes the same flag)
         total = torch.where(found_inf.to(total.device) != 0, torch.full_like(total, float("nan")), total)
-    probe = [total, total if clip is None else clip] + masses + waiting_norms
-    return StepReads(total, clip, gathered, auto_split, waiting, probe)
+    scalars = [total, total if clip is None else clip] + masses + waiting_norms
+    return StepReads(total, clip, gathered, auto_split, waiting, scalars)

@@ -1,12 +1,21 @@
-"""The host side of a ZenFlow step: hand-offs, windows and write-backs, and the worker that runs the host jobs.
+"""The host side of a ZenFlow step: how a gradient of an offloaded matrix reaches its window, how the window closes,
+and how its result gets back into the weights. One gradient's way, in the order of this module:
 
-`HostWindows` gives each step's gradients of the offloaded matrices to the host (or, with
-``accumulate_on="device"`` or ``"device_bf16"``, adds them into device-side window sums), closes windows by
-submitting the host AdamW, and writes host results back into the weights when the schedule says: at once
-(``overlap_step=False``) or ``writeback_lag`` steps into the next window, while the device trains on (closing and
-writing back: `window_close.py`). What crosses the link goes through a `Transport` per device type; the host jobs run
-in order on one `HostAdamWorker`. With several data-parallel ranks each rank's host side covers its share of every
-matrix, and the write-back all-gathers the shares (`distributed/sharding.py`).
+1. **hand-off in backward** (`HostWindows.grad_ready`, from its hook in `gradients.py`): on a transport that copies
+   (CUDA) its copy to the host starts at once; when the step may free it (`may_free`), its selected columns are
+   gathered, the whole gradient goes to the host and ``p.grad`` is freed (`FreedGradient`, `EarlyCopies`);
+2. **hand-off in the step** (`start_hand_off`, `finish_hand_off`): the copies not made in backward are made (a
+   `HandOff` holds the slot, the pairs and what the host job waits for); the job that adds them into the window sums
+   is held (`HeldHandOff`) until the step knows whether it closes the window (with ``accumulate_on="device"`` or
+   ``"device_bf16"`` the device sums the window instead: `accumulate_on_device`);
+3. **window close** (`close_window`): the window's host AdamW is submitted to the worker, the closing step's
+   gradients folded into the same pass over the host state;
+4. **write-back** (`write_back`): at once (``overlap_step=False``) or ``writeback_lag`` steps into the next window
+   (`apply_previous_window`), while the device trains on; the device columns go back on top.
+
+What crosses the link goes through one `Transport` per device type (`Transports`); the host jobs run in order on one
+`HostAdamWorker`, whose life `WorkerKeeper` keeps. With several data-parallel ranks each rank's host side covers its
+share of every matrix, and the write-back all-gathers the shares (`distributed/sharding.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from .._base import by_device
 from ..distributed.replica_check import note_host_split
 from ..distributed.sharding import RankGroup, local_grad, set_grad
 from ..settings.config import ZenFlowConfig, sums_on_device
-from ..transport import Landed, Transport, Transports
+from ..transport import CopyEvents, Transport, Transports
 from . import accumulation
 from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
 from .device_step import device_update
@@ -47,10 +56,10 @@ class HandOff:
     """One step's gradients on their way to the host worker: the slot they hold, the (matrix, gradient) pairs,
     what the host job reads and what it waits for."""
 
-    grant: GradSlot
+    slot: GradSlot
     work: list[tuple[SplitMatrix, torch.Tensor]]
     sources: list[tuple[HostMatrix, torch.Tensor]]
-    landed: Landed
+    landed: CopyEvents
     done: bool = False  # submitted or abandoned: the slot is accounted for
     #: sources copied in backward before a GradScaler's ``unscale_``: still scaled, the host multiplies them by the
     #: inverse scale (`HeldHandOff`) instead of copying them again
@@ -65,7 +74,7 @@ class FreedGradient:
 
     stand_in: torch.Tensor
     source: torch.Tensor
-    landed: Landed
+    landed: CopyEvents
     shape: torch.Size
     stride: tuple[int, ...]
     #: a re-selection's column scores of this gradient (`selection.column_scores_of`), taken in the hook
@@ -123,8 +132,8 @@ class EarlyCopies:
     the hand-off slot whose buffers they land in, and per parameter the gradient copied (a weak reference), its
     version then, the host buffer and what the host job must wait for."""
 
-    grant: GradSlot
-    copies: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor, Landed]] = field(default_factory=dict)
+    slot: GradSlot
+    copies: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor, CopyEvents]] = field(default_factory=dict)
     #: the gradients freed in backward, by parameter
     freed: dict[torch.Tensor, FreedGradient] = field(default_factory=dict)
     #: the inverse scale still on these copies (a GradScaler's ``unscale_`` ran after them), or None
@@ -170,11 +179,11 @@ class HeldHandOff:
                 sources.clear()  # the gradients' memory goes now, not when the worker's next job replaces this one
                 scaled.clear()
 
-        started.grant.submit("accumulate", accumulate)  # the job returns the slot when it has run
+        started.slot.submit("accumulate", accumulate)  # the job returns the slot when it has run
         started.done = True  # (interrupted before this line, `abandon` returns it and the job skips)
 
     def submit_close(self, worker: HostAdamWorker, work: list[tuple[dict, list[HostMatrix]]],
-                     sums_landed: Landed | None, window_step: Callable[..., None] = host_adamw_window) -> Future:
+                     sums_landed: CopyEvents | None, window_step: Callable[..., None] = host_adamw_window) -> Future:
         """Submit the window's host AdamW job (`window_step`), with the held gradients (if any) folded into it."""
         held = self.held
         last, last_landed, coef = (held[0].sources, held[0].landed, held[1]) if held else ([], None, None)
@@ -198,7 +207,7 @@ class HeldHandOff:
 
         if held is None:
             return worker.submit("host_adamw", host_step)
-        future = held[0].grant.submit("host_adamw", host_step)  # (the job returns the hand-off slot)
+        future = held[0].slot.submit("host_adamw", host_step)  # (the job returns the hand-off slot)
         held[0].done, self.held = True, None
         return future
 
@@ -340,6 +349,13 @@ class HostWindows:
     def transport_of(self, split: SplitMatrix) -> Transport:
         return self.transports.of(split.param.device, fsdp_shard=self.param_shards is not None)
 
+    def by_transport(self, splits: list[SplitMatrix]) -> list[tuple[Transport, list[SplitMatrix]]]:
+        groups: dict[int, tuple[Transport, list[SplitMatrix]]] = {}
+        for split in splits:
+            transport = self.transport_of(split)
+            groups.setdefault(id(transport), (transport, []))[1].append(split)
+        return list(groups.values())
+
     def _decide(self, splits: list[SplitMatrix], shares: dict) -> None:
         self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group,
                                                      peak=max(self.device_peak(), self.limit_peak()),
@@ -386,70 +402,7 @@ class HostWindows:
             for split in group:
                 split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], moments)
 
-    def hand_off(
-        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
-    ) -> None:
-        """Give this step's gradients of the offloaded matrices to the host worker, which adds them to the window
-        (`start_hand_off` then `finish_hand_off`)."""
-        started = self.start_hand_off(entries, grads)
-        if started is not None:
-            try:
-                self.finish_hand_off(started, coef)
-            except BaseException:
-                if not started.done:
-                    self.abandon_hand_off(started)
-                raise
-        elif sums_on_device(self.accumulate_on):
-            work = self.offloaded(entries, grads)
-            if work:
-                self.accumulate_on_device(work, coef)
-
-    def offloaded(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]
-                   ) -> list[tuple[SplitMatrix, torch.Tensor]]:
-        return [(self.splits[p], g) for (_, p), g in zip(entries, grads)
-                if p in self.splits and self.splits[p].host is not None]
-
-    def start_hand_off(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]
-                        ) -> HandOff | None:
-        """Take a hand-off slot and start moving the offloaded matrices' gradients to the host (CUDA: a copy on a
-        side stream into pinned memory, which the worker will wait for; CPU device: nothing to move, the worker
-        reads the gradient tensors). Blocks (a stall) only while the worker is `GRAD_SLOTS` steps behind. None when
-        nothing goes to the host worker this step (``accumulate_on="device"`` sums on the device instead)."""
-        if sums_on_device(self.accumulate_on):
-            return None
-        work = self.offloaded(entries, grads)
-        if not work:
-            return None
-        with self._early_lock:  # (backward has returned: no hook still adds to it)
-            early, self.early = self.early, None
-        grant = early.grant if early is not None else self.worker.take_slot()
-        try:
-            sources: list[tuple[HostMatrix, torch.Tensor]] = []
-            scaled: list[tuple[HostMatrix, torch.Tensor]] = []
-            landed, todo = Landed(), []
-            for split, g in work:
-                seen = early.copies.get(split.param) if early is not None else None
-                if seen is not None and seen[0]() is g and seen[1] == g._version:
-                    # copied in backward, and unchanged since (but for a GradScaler's unscale_: then still scaled)
-                    (scaled if early.factor is not None else sources).append((split.host, seen[2]))
-                    landed.events += seen[3].events
-                else:
-                    todo.append((split, g))
-            if todo:
-                # (counted where a copy starts: a copy from backward that the step throws away counted too)
-                self.stats.bytes_to_host += sum(s.host_part(g).numel() * s.host.grad_dtype.itemsize for s, g in todo)
-                more, arrived = self._sources(todo, grant.slot)
-                sources += more
-                landed.events += arrived.events
-            if not self.worker.background:
-                # Sequential schedule (``overlap_step=False``, or the inline executor): the job that reads these
-                # gradients runs right after the step's sync, in this thread. Ordering the compute stream after
-                # their copies lets that one sync cover them too, instead of a second host wait in the job.
-                self.transports.compute_waits_for(landed)
-        except BaseException:
-            grant.give_back()
-            raise
-        return HandOff(grant, work, sources, landed, scaled=scaled)
+    # ---- 1. hand-off in backward ------------------------------------------------------------------------------------
 
     def grad_ready(self, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
         """Backward has finished `p`'s gradient (a `GradientReads` hook): on a transport that copies (CUDA), start
@@ -488,7 +441,7 @@ class HostWindows:
                     return None
                 self.early = EarlyCopies(self.worker.take_slot())
             early = self.early
-        ((_, source),), landed = transport.hand_off([(split, g)], early.grant.slot)
+        ((_, source),), landed = transport.hand_off([(split, g)], early.slot.index)
         with self._early_lock:  # two devices' autograd threads may count at once (`+=` is not atomic)
             self.stats.bytes_to_host += split.host_part(g).numel() * split.host.grad_dtype.itemsize
         if not free:
@@ -604,7 +557,8 @@ class HostWindows:
         early = self.early
         if early is None:
             return
-        self.transports.compute_waits_for(Landed([e for *_, arrived in early.copies.values() for e in arrived.events]))
+        copies = CopyEvents([e for *_, arrived in early.copies.values() for e in arrived.events])
+        self.transports.compute_waits_for(copies)
 
     def forget_early_copies(self) -> None:
         """The gradients were rewritten in place without a version bump (`GradScaler.unscale_`): the copies the
@@ -620,13 +574,91 @@ class HostWindows:
         with self._early_lock:
             early, self.early = self.early, None
         if early is not None:
-            early.grant.give_back()
+            early.slot.give_back()
+
+    # ---- 2. hand-off in the step ------------------------------------------------------------------------------------
+
+    def hand_off(
+        self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
+    ) -> None:
+        """Give this step's gradients of the offloaded matrices to the host worker, which adds them to the window
+        (`start_hand_off` then `finish_hand_off`)."""
+        started = self.start_hand_off(entries, grads)
+        if started is not None:
+            try:
+                self.finish_hand_off(started, coef)
+            except BaseException:
+                if not started.done:
+                    self.abandon_hand_off(started)
+                raise
+        elif sums_on_device(self.accumulate_on):
+            work = self.offloaded(entries, grads)
+            if work:
+                self.accumulate_on_device(work, coef)
+
+    def offloaded(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]
+                   ) -> list[tuple[SplitMatrix, torch.Tensor]]:
+        return [(self.splits[p], g) for (_, p), g in zip(entries, grads)
+                if p in self.splits and self.splits[p].host is not None]
+
+    def start_hand_off(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor]
+                        ) -> HandOff | None:
+        """Take a hand-off slot and start moving the offloaded matrices' gradients to the host (CUDA: a copy on a
+        side stream into pinned memory, which the worker will wait for; CPU device: nothing to move, the worker
+        reads the gradient tensors). Blocks (a stall) only while the worker is `GRAD_SLOTS` steps behind. None when
+        nothing goes to the host worker this step (``accumulate_on="device"`` sums on the device instead)."""
+        if sums_on_device(self.accumulate_on):
+            return None
+        work = self.offloaded(entries, grads)
+        if not work:
+            return None
+        with self._early_lock:  # (backward has returned: no hook still adds to it)
+            early, self.early = self.early, None
+        slot = early.slot if early is not None else self.worker.take_slot()
+        try:
+            sources: list[tuple[HostMatrix, torch.Tensor]] = []
+            scaled: list[tuple[HostMatrix, torch.Tensor]] = []
+            landed, todo = CopyEvents(), []
+            for split, g in work:
+                seen = early.copies.get(split.param) if early is not None else None
+                if seen is not None and seen[0]() is g and seen[1] == g._version:
+                    # copied in backward, and unchanged since (but for a GradScaler's unscale_: then still scaled)
+                    (scaled if early.factor is not None else sources).append((split.host, seen[2]))
+                    landed.events += seen[3].events
+                else:
+                    todo.append((split, g))
+            if todo:
+                # (counted where a copy starts: a copy from backward that the step throws away counted too)
+                self.stats.bytes_to_host += sum(s.host_part(g).numel() * s.host.grad_dtype.itemsize for s, g in todo)
+                more, arrived = self._sources(todo, slot.index)
+                sources += more
+                landed.events += arrived.events
+            if not self.worker.background:
+                # Sequential schedule (``overlap_step=False``, or the inline executor): the job that reads these
+                # gradients runs right after the step's sync, in this thread. Ordering the compute stream after
+                # their copies lets that one sync cover them too, instead of a second host wait in the job.
+                self.transports.compute_waits_for(landed)
+        except BaseException:
+            slot.give_back()
+            raise
+        return HandOff(slot, work, sources, landed, scaled=scaled)
+
+    def _sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
+                          ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], CopyEvents]:
+        sources: list[tuple[HostMatrix, torch.Tensor]] = []
+        landed = CopyEvents()
+        for transport, group in self.by_transport([split for split, _ in work]):
+            mine = {id(split) for split in group}
+            part, arrived = transport.hand_off([(s, g) for s, g in work if id(s) in mine], slot)
+            sources += part
+            landed.events += arrived.events
+        return sources, landed
 
     def abandon_hand_off(self, started: HandOff) -> None:
         """The step was skipped: no job, the slot goes back (a copy already enqueued into its buffers runs on the
         side stream before any later copy into them)."""
         started.done = True
-        started.grant.give_back()
+        started.slot.give_back()
 
     def finish_hand_off(self, started: HandOff, coef: float | None) -> None:
         """The handed-off gradients (times `coef`) go to the worker: held until the step knows whether it closes
@@ -642,17 +674,6 @@ class HostWindows:
         started.work.clear()
         self.held.hold(started, coef, self.copies_factor)
 
-    def _sources(self, work: list[tuple[SplitMatrix, torch.Tensor]], slot: int
-                          ) -> tuple[list[tuple[HostMatrix, torch.Tensor]], Landed]:
-        sources: list[tuple[HostMatrix, torch.Tensor]] = []
-        landed = Landed()
-        for transport, group in self.by_transport([split for split, _ in work]):
-            mine = {id(split) for split in group}
-            part, arrived = transport.hand_off([(s, g) for s, g in work if id(s) in mine], slot)
-            sources += part
-            landed.events += arrived.events
-        return sources, landed
-
     def accumulate_on_device(self, work: list[tuple[SplitMatrix, torch.Tensor]], coef: float | None) -> None:
         """``accumulate_on="device"`` / ``"device_bf16"``: add this step's gradients into the device-side window
         sums, fp32 / bf16 (the caller's stream, like the rest of the device update); nothing crosses the link until
@@ -662,28 +683,6 @@ class HostWindows:
                 self.transport_of(split).before_window_add(split)  # (CUDA: the last window's copy has read it)
             accumulate_into(split.window_sum, split.host_part(g), coef, first=split.window_count == 0)
             split.window_count += 1
-
-    def _ship_window_sums(self, splits: list[SplitMatrix]) -> Landed:
-        """``accumulate_on="device"`` / ``"device_bf16"``: move each closed window's device sum to the host, once per
-        window; returns what the host step must wait for. The caller has made sure no host step still reads the
-        accumulators."""
-        shipped = [s for s in splits if s.window_sum is not None and s.window_count]
-        landed = Landed()
-        # the sum crosses the link in its own dtype: fp32, or bf16 with "device_bf16" (half the bytes)
-        self.stats.bytes_to_host += sum(s.window_sum.nbytes for s in shipped)
-        for transport, group in self.by_transport(shipped):
-            landed.events += transport.ship_window_sums(group).events
-        for split in shipped:
-            split.host.accum_count, split.window_count = split.window_count, 0
-            split.host.landing_full = split.host.landing is not None  # (the worker widens it: `host_adamw_window`)
-        return landed
-
-    def by_transport(self, splits: list[SplitMatrix]) -> list[tuple[Transport, list[SplitMatrix]]]:
-        groups: dict[int, tuple[Transport, list[SplitMatrix]]] = {}
-        for split in splits:
-            transport = self.transport_of(split)
-            groups.setdefault(id(transport), (transport, []))[1].append(split)
-        return list(groups.values())
 
     def warm_up_step(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
                      timer: StepTimer, schedule: WindowSchedule, dense: dict[torch.Tensor, DenseDeviceState]) -> None:
@@ -697,6 +696,8 @@ class HostWindows:
         self.close_window(schedule, timer, sequential=True)
         self.guard.forget_write_back()  # (plain AdamW, no host multiplier: nothing for the guard to watch)
         self.held.submit()  # (only when the close had no host work to fold it into)
+
+    # ---- 3. window close --------------------------------------------------------------------------------------------
 
     def close_window(self, schedule: WindowSchedule, timer: StepTimer, sequential: bool) -> None:
         """End the open window: submit its host AdamW; write back now (sequential) or later (overlapped: the step
@@ -747,6 +748,23 @@ class HostWindows:
                 worker.wait(future)
             with timer.phase("writeback"):
                 self.write_back()
+
+    def _ship_window_sums(self, splits: list[SplitMatrix]) -> CopyEvents:
+        """``accumulate_on="device"`` / ``"device_bf16"``: move each closed window's device sum to the host, once per
+        window; returns what the host step must wait for. The caller has made sure no host step still reads the
+        accumulators."""
+        shipped = [s for s in splits if s.window_sum is not None and s.window_count]
+        landed = CopyEvents()
+        # the sum crosses the link in its own dtype: fp32, or bf16 with "device_bf16" (half the bytes)
+        self.stats.bytes_to_host += sum(s.window_sum.nbytes for s in shipped)
+        for transport, group in self.by_transport(shipped):
+            landed.events += transport.ship_window_sums(group).events
+        for split in shipped:
+            split.host.accum_count, split.window_count = split.window_count, 0
+            split.host.landing_full = split.host.landing is not None  # (the worker widens it: `host_adamw_window`)
+        return landed
+
+    # ---- 4. write-back ----------------------------------------------------------------------------------------------
 
     def apply_previous_window(self, timer: StepTimer) -> None:
         """Overlapped schedule: write the previous window's host result back, if one is pending."""

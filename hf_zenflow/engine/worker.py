@@ -339,12 +339,12 @@ class HostAdamWorker:
 
         Example:
             >>> worker = HostAdamWorker(threads=1, background=False)
-            >>> grant = worker.take_slot()
+            >>> slot = worker.take_slot()
             >>> try:
-            ...     buffers = ["slot 0 data", "slot 1 data"][grant.slot]
-            ...     future = grant.submit("accumulate", lambda: None)
+            ...     buffers = ["slot 0 data", "slot 1 data"][slot.index]
+            ...     future = slot.submit("accumulate", lambda: None)
             ... except BaseException:
-            ...     grant.give_back()
+            ...     slot.give_back()
             ...     raise
             >>> future.done()
             True
@@ -383,12 +383,12 @@ class HostAdamWorker:
 
 
 class GradSlot:
-    """One gradient hand-off slot from `HostAdamWorker.take_slot`: `slot` indexes per-slot buffers (the pinned
+    """One gradient hand-off slot from `HostAdamWorker.take_slot`: `index` indexes per-slot buffers (the pinned
     landing buffers on CUDA), `submit` queues the one job that uses them; the worker returns the slot after it."""
 
     def __init__(self, worker: HostAdamWorker, slot: int) -> None:
         self.worker = worker
-        self.slot = slot
+        self.index = slot
         self.future: Future | None = None
         # Whoever pops the slot returns it: the job as it starts, or `give_back`. list.pop is atomic under the
         # GIL, so the slot is returned exactly once even when an interrupt lands right after the submission.
@@ -396,7 +396,7 @@ class GradSlot:
 
     def submit(self, what: str, fn: Callable[[], None]) -> Future:
         if self.future is not None:
-            raise RuntimeError(f"GradSlot {self.slot}: one job per slot, and '{what}' is the second")
+            raise RuntimeError(f"GradSlot {self.index}: one job per slot, and '{what}' is the second")
         owner, worker = self._owner, self.worker
 
         def job() -> None:

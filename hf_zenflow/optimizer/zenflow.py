@@ -373,15 +373,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         started: HandOff | None = None
         writes: ParamWrites | None = None
         try:
-            rewritten = False
+            writes_back = False
             if early:
                 bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
-                rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
+                writes_back = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
                 with timer.phase("device_update"):
                     # (the masters only: the parameters receive them after the check below, a skipped step
                     # leaves them untouched)
                     writes = device_update(self._split, self._dense, entries, grads, clip, gathered,
-                                           rewritten=rewritten, found_inf=bad.float())
+                                           writes_back=writes_back, found_inf=bad.float())
                 # (the device's peak of the step: every gradient still held, the state updated, and the widened
                 # copies of the gathered gradients the update held at its peak)
                 self._meter.note(writes.widened_bytes)
@@ -417,12 +417,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             gathered |= reselect(self._host, self._schedule, entries, grads)
                         else:
                             select_waiting(self._host, entries, grads, synced.waiting_norms)
-                    rewritten = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
+                    writes_back = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
                     with timer.phase("device_update"):
                         writes = device_update(self._split, self._dense, entries, grads, coef, gathered,
-                                               rewritten=rewritten)
+                                               writes_back=writes_back)
                         writes.apply()
-                if rewritten and self.config.overlap_step:
+                if writes_back and self.config.overlap_step:
                     # The previous window's result goes into the weights before this step's gradients are handed to
                     # the worker: the write-back does not depend on them, and this way its scatter does not compete
                     # with the worker's accumulation for cores and memory bandwidth (`close_window` then finds no

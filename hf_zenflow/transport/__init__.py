@@ -1,6 +1,6 @@
 """The link between the device and the host: what crosses it and how, one module per kind of device.
 
-Owns the interface (`link.py`: `Transport`, `Landed`, and `LinkedMatrix` / `HostEnd`, the few tensors of an
+Owns the interface (`link.py`: `Transport`, `CopyEvents`, and `LinkedMatrix` / `HostEnd`, the few tensors of an
 offloaded matrix the link moves), the copying kinds (`copying.py`: `CopyTransport`; `cuda.py`: `CudaTransport`
 with its side streams and events), page-locked host memory (`pinned.py`) and the CPU as the device (`cpu_device/`:
 the reference-and-swap transport and the C kernels in `cpu_device/csrc/`). `transport_for` picks the kind for a device;
@@ -17,7 +17,7 @@ import torch
 from .copying import CopyTransport
 from .cpu_device.transport import CpuDeviceTransport, CpuShardTransport
 from .cuda import CudaStreams, CudaTransport
-from .link import HostEnd, Landed, LinkedMatrix, Transport
+from .link import CopyEvents, HostEnd, LinkedMatrix, Transport
 from .pinned import ARENA_ALIGN, PinnedArena
 
 
@@ -54,7 +54,7 @@ class Transports:
     def __bool__(self) -> bool:
         return bool(self._by_type)
 
-    def compute_waits_for(self, landed: Landed) -> None:
+    def compute_waits_for(self, landed: CopyEvents) -> None:
         """Sync point (device streams only): each device's compute stream waits for the copies of `landed`."""
         for transport in self._by_type.values():
             transport.compute_waits_for(landed)
@@ -78,7 +78,7 @@ __all__ = [
     "CudaStreams",
     "CudaTransport",
     "HostEnd",
-    "Landed",
+    "CopyEvents",
     "LinkedMatrix",
     "PinnedArena",
     "Transport",

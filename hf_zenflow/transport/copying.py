@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .._base import by_device
-from .link import HostEnd, Landed, LinkedMatrix, Transport
+from .link import CopyEvents, HostEnd, LinkedMatrix, Transport
 from .pinned import HostRegistrar, PinnedArena
 
 
@@ -44,8 +44,8 @@ class CopyTransport(Transport):
         return None
 
     def hand_off(self, work: list[tuple[LinkedMatrix, torch.Tensor]], slot: int
-                 ) -> tuple[list[tuple[HostEnd, torch.Tensor]], Landed]:
-        landed = Landed()
+                 ) -> tuple[list[tuple[HostEnd, torch.Tensor]], CopyEvents]:
+        landed = CopyEvents()
         for device, items in by_device(work, lambda item: item[1].device):
             with self._copying(device):
                 for split, g in items:
@@ -62,8 +62,8 @@ class CopyTransport(Transport):
     def _keep_alive(self, t: torch.Tensor, device: torch.device) -> None:
         """Keep `t`'s memory from being reused before the copy enqueued on `device`'s side stream has read it."""
 
-    def ship_window_sums(self, splits: list[LinkedMatrix]) -> Landed:
-        landed = Landed()
+    def ship_window_sums(self, splits: list[LinkedMatrix]) -> CopyEvents:
+        landed = CopyEvents()
         for device, items in by_device([(s, s.window_sum) for s in splits], lambda item: item[1].device):
             with self._copying(device):
                 for split, total in items:

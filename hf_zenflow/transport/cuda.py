@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .copying import CopyTransport
-from .link import Landed, LinkedMatrix, counted_device_wait
+from .link import CopyEvents, LinkedMatrix, counted_device_wait
 from .pinned import HostRegistrar
 
 
@@ -112,7 +112,7 @@ class CudaTransport(CopyTransport):
         event.hf_zenflow_device = device  # (`compute_waits_for`: whose compute stream may wait for it)
         return event
 
-    def compute_waits_for(self, landed: Landed) -> None:
+    def compute_waits_for(self, landed: CopyEvents) -> None:
         for event in landed.events:
             device = getattr(event, "hf_zenflow_device", None)
             if device is not None:

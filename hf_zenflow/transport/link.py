@@ -1,4 +1,4 @@
-"""Moving data between the device and the host: the interface (`Transport`, `Landed`, what it moves of a matrix:
+"""Moving data between the device and the host: the interface (`Transport`, `CopyEvents`, what it moves of a matrix:
 `LinkedMatrix`, `HostEnd`), and one implementation per kind of device in its own module.
 
 The optimizer hands each step's gradients to the host, ships a window's device-side gradient sums
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 
 
-__all__ = ["HostEnd", "Landed", "LinkedMatrix", "Transport", "counted_device_wait", "device_wait_ms"]
+__all__ = ["HostEnd", "CopyEvents", "LinkedMatrix", "Transport", "counted_device_wait", "device_wait_ms"]
 
 
 class HostEnd(Protocol):
@@ -80,7 +80,7 @@ def device_wait_ms() -> float:
 
 
 @dataclass
-class Landed:
+class CopyEvents:
     """What a host job must wait for before it reads data copied from the device: one CUDA event per device that
     sent something, or nothing (the data is already there)."""
 
@@ -116,13 +116,14 @@ class Transport:
         """A hint: `nbytes` of `host_buffer` (each `PinnedArena.aligned`) are about to be asked for."""
 
     def hand_off(self, work: list[tuple[LinkedMatrix, torch.Tensor]], slot: int
-                 ) -> tuple[list[tuple[HostEnd, torch.Tensor]], Landed]:
+                 ) -> tuple[list[tuple[HostEnd, torch.Tensor]], CopyEvents]:
         """Start moving this step's gradients (this rank's share of each storage matrix) to the host; returns what
         the host job reads and what it must wait for. The caller then drops its references to the gradients."""
         # (host_grad_dtype="bfloat16": the worker reads the gradient rounded as a copy over the link would be)
-        return [(split.host, _owned(split.host_part(g).to(split.host.grad_dtype), g)) for split, g in work], Landed()
+        sources = [(split.host, _owned(split.host_part(g).to(split.host.grad_dtype), g)) for split, g in work]
+        return sources, CopyEvents()
 
-    def compute_waits_for(self, landed: Landed) -> None:
+    def compute_waits_for(self, landed: CopyEvents) -> None:
         """Order the compute stream after the copies `landed` waits for (CUDA), so that the step's one sync covers
         them; nothing where copies are synchronous."""
 
@@ -130,7 +131,7 @@ class Transport:
         """Called before the first add of a window into `split.window_sum` (``accumulate_on="device"`` or
         ``"device_bf16"``)."""
 
-    def ship_window_sums(self, splits: list[LinkedMatrix]) -> Landed:
+    def ship_window_sums(self, splits: list[LinkedMatrix]) -> CopyEvents:
         """Move each closed window's device-side sum into its host accumulator (the worker is not reading it); a
         bf16 sum (``accumulate_on="device_bf16"``) into its bf16 landing buffer instead, as it is."""
         for split in splits:
@@ -142,7 +143,7 @@ class Transport:
             host.accum, split.window_sum = split.window_sum, host.accum
             if shared:
                 host.writeback = host.accum
-        return Landed()
+        return CopyEvents()
 
     def put_weights(self, split: LinkedMatrix) -> None:
         """Put the host result the worker rounded into `split.host.writeback` into the weight (all columns; the

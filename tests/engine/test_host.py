@@ -210,16 +210,16 @@ def _slot_count(worker: HostAdamWorker) -> int:
 def _hand_off(worker: HostAdamWorker, job=None, interrupt: bool = False):
     """A caller's hand-off as the optimizer does it: take a slot, maybe submit, give the slot back on the way out
     by an exception."""
-    grant = worker.take_slot()
+    slot = worker.take_slot()
     try:
         if job is not None:
-            grant.submit("job", job)
+            slot.submit("job", job)
         if interrupt:
             raise KeyboardInterrupt
     except BaseException:
-        grant.give_back()
+        slot.give_back()
         raise
-    return grant
+    return slot
 
 
 def test_a_slot_comes_back_exactly_once_whatever_interrupts_the_hand_off():

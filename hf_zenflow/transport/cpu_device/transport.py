@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..copying import CopyTransport
-from ..link import HostEnd, Landed, LinkedMatrix, Transport
+from ..link import CopyEvents, HostEnd, LinkedMatrix, Transport
 
 
 class CpuDeviceTransport(Transport):
@@ -25,5 +25,5 @@ class CpuShardTransport(CopyTransport):
     stages_gradients = False
 
     def hand_off(self, work: list[tuple[LinkedMatrix, torch.Tensor]], slot: int
-                 ) -> tuple[list[tuple[HostEnd, torch.Tensor]], Landed]:
+                 ) -> tuple[list[tuple[HostEnd, torch.Tensor]], CopyEvents]:
         return Transport.hand_off(self, work, slot)
