@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accumulate-on", default="host", choices=("host", "device"))
     p.add_argument("--verbose", action="store_true", help="every step's counts")
     args = p.parse_args(argv)
-    import hf_zenflow.engine.windows as windows_module
+    import hf_zenflow.transport as transport_package
     from hf_zenflow.transport import CudaTransport
 
     backends: list[Counting] = []
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         backends.append(Counting())
         return CudaTransport(streams=backends[-1], registrar=CheckedRegistrar(backends[-1]))
 
-    windows_module.transport_for = make
+    transport_package.transport_for = make
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False) for _ in range(args.matrices)])
     opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.1, update_interval=4, select_strategy="step",

@@ -88,9 +88,9 @@ def test_the_double_refuses_host_state_and_what_is_computed_from_it():
 def _rank_copying(rank: int, init_file: str, out_dir: str) -> None:
     """DDP on a transport that copies gradients to the host (CUDA's schedule without streams): the backward hooks
     start copies there, as on a GPU."""
-    import hf_zenflow.engine.windows as windows
+    import hf_zenflow.transport as transport_package
 
-    windows.transport_for = lambda device: CopyTransport()
+    transport_package.transport_for = lambda device: CopyTransport()
     run_in_group(rank, init_file, _rank_copying_body, out_dir, ranks=RANKS)
 
 
