@@ -220,8 +220,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         local = self._fsdp.local  # (FSDP2: the freed gradients are keyed by the local shards)
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None or local(p) in freed]
         grads = [freed[local(p)].stand_in if local(p) in freed else self._fsdp.grad(p) for p in params]
-        known = [self._reads.norm(self._fsdp.local(p), g) for p, g in zip(params, grads)] if norm_type == 2.0 \
-            else None
+        known = ([self._reads.norm(self._fsdp.local(p), g) for p, g in zip(params, grads)] if norm_type == 2.0
+                 else None)
         norms, total = grad_norms(grads, norm_type, known)
         if self._fsdp.active:
             total = global_norm(total, norm_type, self._host.param_shards)  # Collective (FSDP2): every rank's rows
@@ -461,8 +461,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         gradients after the hooks and keeps its buckets for the run), host window sums, and with "auto" a caller
         that clips through `clip_grad_norm_`. Before the first step (no schedule yet): "on" only."""
         setting = self.config.free_gradients_in_backward
-        if not (setting == "on" or (setting == "auto" and self._clips_through_optimizer)) \
-                or self._host.several_ranks() or sums_on_device(self._host.accumulate_on):
+        wanted = setting == "on" or (setting == "auto" and self._clips_through_optimizer)
+        if not wanted or self._host.several_ranks() or sums_on_device(self._host.accumulate_on):
             return None
         if self._schedule is None:
             return StepKind.WARM_UP if self.config.full_warm_up_rounds > 0 else StepKind.SELECT
