@@ -29,7 +29,7 @@ from .device_state import DenseDeviceState
 from .device_step import device_update
 from .handoff import EarlyCopies, FreedGradient, HandOff, local_grad, non_finite, set_grad
 from .held_handoff import HeldHandOff
-from .host import HostMatrix, accumulate_into, link_grad_dtype, moment_dtype
+from .host import HostLayout, HostMatrix, accumulate_into, link_grad_dtype
 from .host_guard import HostStepGuard
 from .host_lr import LrScaleRecord
 from .params import is_split
@@ -240,13 +240,13 @@ class HostWindows(WindowCloses):
             self._decide(splits, shares)
         accumulate_on = self.accumulate_on
         linked = {id(s): link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype) for s in splits}
-        moments = moment_dtype(self.config.host_moment_dtype)
+        layout = HostLayout.of(self.config)
         for transport, group in self.by_transport(splits):
             if not self.reserved_ahead:  # (`decide_accumulation` reserved for the first step's matrices)
                 transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), linked[id(s)],
                                                             accumulate_on, transport) for s in group))
             for split in group:
-                split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], moments)
+                split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], layout)
 
     def hand_off(
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
