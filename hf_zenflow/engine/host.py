@@ -13,7 +13,11 @@ fp32 (16 B: torch's AdamW arithmetic for every element), ``"int8"`` in 8-bit cod
 (10.03 B; decoded, updated and encoded in the same pass: `quantized_moments.py`). ``host_grad_dtype="bfloat16"``
 lands fp32 gradients as bf16 (half the landing buffers and the bytes to host). ``accumulate_on="device_bf16"`` adds a
 bf16 landing buffer (+2 B) that the window's bf16 sum lands in; the worker widens it into the fp32 accumulator
-(`host_adamw_window`).
+(`host_adamw_window`). ``host_sum_dtype="bfloat16"`` keeps a window summed on the host in a bf16 accumulator (2 B:
+the rule of ``"device_bf16"``, `accumulate_into`; the one-pass kernel widens it as it reads), and
+``host_writeback="master"`` drops the write-back buffer where the write-back is a synchronous copy on one process (a
+CPU device: the master itself is copied into the weight, `HostMatrix.writes_back_master`): with 8-bit moments and
+host sums, 4 + 2.03 + 2 = 8.03 B, nothing else (`HostLayout` carries these settings).
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
 [in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
@@ -164,7 +168,8 @@ def _accumulate_bf16(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | No
 
 @dataclass
 class HostMatrix:
-    """Host-side AdamW state of one matrix, as [out, in] fp32 tensors."""
+    """Host-side AdamW state of one matrix, as [out, in] tensors: the fp32 master, the moments and the window sum in
+    the dtypes of its `HostLayout`."""
 
     master: torch.Tensor
     exp_avg: torch.Tensor | QuantizedMoment
