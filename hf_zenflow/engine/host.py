@@ -257,11 +257,13 @@ class HostMatrix:
         return sums_on_device(accumulate_on) and param_dtype == torch.float32 and not transport.pins_host_memory
 
     @staticmethod
-    def link_bytes(param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str, transport: Transport) -> int:
+    def link_bytes(param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str, transport: Transport,
+                   layout: HostLayout | None = None) -> int:
         """Bytes of `transport.host_buffer` that `create` asks for (each rounded as a pinned arena rounds it)."""
         numel = param2d.numel()
         shared = HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport)
-        sizes = [] if shared else [numel * param2d.element_size()]
+        from_master = layout is not None and layout.writeback_from_master and not transport.pins_host_memory
+        sizes = [] if shared or from_master else [numel * param2d.element_size()]
         if accumulate_on == "device" or shared:  # the fp32 accumulator crosses (or is the write-back buffer)
             sizes.append(numel * 4)
         if accumulate_on == "device_bf16":  # the bf16 sum lands in its own buffer

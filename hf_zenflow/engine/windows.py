@@ -228,7 +228,7 @@ class HostWindows(WindowCloses):
         for transport, group in self.by_transport(splits):
             transport.reserve(sum(HostMatrix.link_bytes(
                 shares[id(s)].local(s.matrix(s.param)), link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype),
-                self.accumulate_on, transport) for s in group))
+                self.accumulate_on, transport, HostLayout.of(self.config)) for s in group))
         self.reserved_ahead = True
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:
@@ -244,7 +244,7 @@ class HostWindows(WindowCloses):
         for transport, group in self.by_transport(splits):
             if not self.reserved_ahead:  # (`decide_accumulation` reserved for the first step's matrices)
                 transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), linked[id(s)],
-                                                            accumulate_on, transport) for s in group))
+                                                            accumulate_on, transport, layout) for s in group))
             for split in group:
                 split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], layout)
 

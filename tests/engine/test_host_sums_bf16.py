@@ -22,6 +22,7 @@ from hf_zenflow.engine.host import HostLayout, HostMatrix, accumulate_into, host
 from hf_zenflow.engine.quantized_moments import BLOCK, QuantizedMoment
 from hf_zenflow.transport import CopyTransport
 from hf_zenflow.transport.cpu_device import kernels
+from hf_zenflow.transport.pinned import PinnedArena
 from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train
 
 
@@ -175,9 +176,15 @@ def test_write_back_from_the_master_through_a_copying_transport(monkeypatch):
     """A transport that copies (synchronously, unpinned: CUDA's schedule without streams) copies from the master."""
     buffered, opt = _run(dict(accumulate_on="host"), 9, torch.bfloat16)
     opt.close()
-    monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: CopyTransport())
+    made: list[CopyTransport] = []
+    monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: made.append(CopyTransport())
+                        or made[-1])
     ours, opt = _run(dict(LEAN), 9, torch.bfloat16)
-    assert all(s.host.writes_back_master for s in opt._split.values() if s.host is not None)
+    hosted = [s.host for s in opt._split.values() if s.host is not None]
+    assert hosted and all(h.writes_back_master for h in hosted)
+    # the link buffers reserved are the ones taken (the gradient slots): none for a write-back buffer
+    taken = sum(PinnedArena.aligned(t.numel() * t.element_size()) for h in hosted for t in h.staging)
+    assert taken and sum(b.numel() for t in made for b in t.arena._blocks) == taken
     opt.close()
     rounded, opt = _run(dict(accumulate_on="host", host_sum_dtype="bfloat16"), 9, torch.bfloat16)
     opt.close()
