@@ -3,7 +3,9 @@
 Every variant runs the engine's own pass (`host_adamw_window`) on a matrix whose window sum has landed (a window of
 `--interval` steps summed on the device): fp32 moments through the CPU kernel (the default) and through torch's fused
 AdamW (no compiler), bf16 moments through the kernel and through torch (in pieces), and 8-bit moments through the
-kernel and through the torch pass.
+kernel and through the torch pass, and 8-bit moments with a bf16 window sum (``host_sum_dtype="bfloat16"``) through
+the kernel. Then the per-step add of a gradient into the window sum (`kernels.accumulate`, an fp32 gradient) into an
+fp32 sum and into a bf16 one.
 The variants take turns, `--repeats` rounds, so that a busy machine slows them alike; the median of each is reported
 with its ratio to the fp32 kernel pass. Bytes moved per parameter (read + written): fp32 28, bf16 20, int8 ~16.
 
@@ -20,17 +22,18 @@ import time
 import torch
 
 import hf_zenflow.engine.quantized_moments as quantized_moments
-from hf_zenflow.engine.host import HostMatrix, host_adamw_window
+from hf_zenflow.engine.host import HostLayout, HostMatrix, host_adamw_window
 from hf_zenflow.transport.cpu_device import kernels
 
 
-VARIANTS = {  # name: (moment dtype, use the CPU kernel)
-    "fp32 kernel": (torch.float32, True),
-    "fp32 torch": (torch.float32, False),
-    "bf16 kernel": (torch.bfloat16, True),
-    "bf16 torch": (torch.bfloat16, False),
-    "int8 kernel": (torch.int8, True),
-    "int8 torch": (torch.int8, False),
+VARIANTS = {  # name: (moment dtype, use the CPU kernel, window sum dtype)
+    "fp32 kernel": (torch.float32, True, torch.float32),
+    "fp32 torch": (torch.float32, False, torch.float32),
+    "bf16 kernel": (torch.bfloat16, True, torch.float32),
+    "bf16 torch": (torch.bfloat16, False, torch.float32),
+    "int8 kernel": (torch.int8, True, torch.float32),
+    "int8 torch": (torch.int8, False, torch.float32),
+    "int8 kernel, bf16 sum": (torch.int8, True, torch.bfloat16),
 }
 
 
@@ -60,14 +63,16 @@ def main() -> None:
     landed = torch.randn(rows, cols, generator=gen) * 1e-3 * args.interval
     hyper = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     states = {}
-    for name, (dtype, _) in VARIANTS.items():
-        m = HostMatrix.create(weight, torch.float32, accumulate_on="device", moments=dtype)
+    for name, (dtype, _, sums) in VARIANTS.items():
+        # (a bf16 sum is the host's: summed on the host; an fp32 one lands from the device, the same pass)
+        m = HostMatrix.create(weight, torch.float32, accumulate_on="device" if sums == torch.float32 else "host",
+                              moments=HostLayout(moments=dtype, sums=sums))
         states[name] = m
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}  # this thread's CPU time: what a busy machine
     # takes from the wall clock (the other processes' turns) is not in it
     for r in range(args.repeats + 1):  # (round 0 warms up: pages, scratch buffers)
-        for name, (_, kernel) in VARIANTS.items():
+        for name, (_, kernel, _) in VARIANTS.items():
             m = states[name]
             m.accum.copy_(landed)  # (the landed sum: the pass reads it)
             m.accum_count = args.interval
@@ -95,10 +100,34 @@ def main() -> None:
         f = figures[name]
         print(f"| {name} | {ms:.1f} | {f['gparam_per_s']:.3f} | {f['ratio']:.2f}x | {cpu_ms:.1f} | "
               f"{f['gparam_per_cpu_s']:.3f} | {f['cpu_ratio']:.2f}x |")
+    adds = _accumulate_rounds(weight.shape, args.repeats, gen)
+    print(f"\none step's fp32 gradient added into the window sum (kernels.accumulate), median of {args.repeats} "
+          "interleaved rounds\n| window sum | wall ms (median) | Gparam/s | vs fp32 sum | CPU ms (median) | vs fp32 |"
+          "\n|---|---|---|---|---|---|")
+    base, base_cpu = adds["fp32"]
+    for name, (ms, cpu_ms) in adds.items():
+        print(f"| {name} | {ms:.1f} | {numel / (ms / 1e3) / 1e9:.3f} | {base / ms:.2f}x | {cpu_ms:.1f} | "
+              f"{base_cpu / cpu_ms:.2f}x |")
+        figures[f"accumulate {name} sum"] = {"ms": ms, "cpu_ms": cpu_ms, "ratio": base / ms}
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"numel": numel, "threads": args.threads, "interval": args.interval, "variants": figures}, f,
                       indent=1)
+
+
+def _accumulate_rounds(shape: torch.Size, repeats: int, gen: torch.Generator) -> dict[str, tuple[float, float]]:
+    """(median wall ms, median CPU ms) of one non-first add into an fp32 and a bf16 window sum."""
+    grad = torch.randn(shape, generator=gen) * 1e-3
+    sums = {"fp32": torch.zeros(shape), "bf16": torch.zeros(shape, dtype=torch.bfloat16)}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in sums}
+    for r in range(repeats + 1):
+        for name, total in sums.items():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            kernels.accumulate([total], [grad], 0.5, first=False)
+            if r:
+                times[name].append(((time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3))
+    return {name: (statistics.median(t for t, _ in ts), statistics.median(c for _, c in ts))
+            for name, ts in times.items()}
 
 
 if __name__ == "__main__":

@@ -128,7 +128,8 @@ def _dense_to_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any]) -
     host.exp_avg.copy_(split.host_part(dense.exp_avg))
     host.exp_avg_sq.copy_(split.host_part(dense.exp_avg_sq))
     host.step.copy_(dense.step)
-    host.writeback.copy_(split.host_part(p.detach()))
+    if not host.writes_back_master:  # (the master itself: set above)
+        host.writeback.copy_(split.host_part(p.detach()))
     opt._split[p] = split  # device columns are chosen at the next step with a gradient
 
 

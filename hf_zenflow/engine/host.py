@@ -13,7 +13,11 @@ fp32 (16 B: torch's AdamW arithmetic for every element), ``"int8"`` in 8-bit cod
 (10.03 B; decoded, updated and encoded in the same pass: `quantized_moments.py`). ``host_grad_dtype="bfloat16"``
 lands fp32 gradients as bf16 (half the landing buffers and the bytes to host). ``accumulate_on="device_bf16"`` adds a
 bf16 landing buffer (+2 B) that the window's bf16 sum lands in; the worker widens it into the fp32 accumulator
-(`host_adamw_window`).
+(`host_adamw_window`). ``host_sum_dtype="bfloat16"`` keeps a window summed on the host in a bf16 accumulator (2 B:
+the rule of ``"device_bf16"``, `accumulate_into`; the one-pass kernel widens it as it reads), and
+``host_writeback="master"`` drops the write-back buffer where the write-back is a synchronous copy on one process (a
+CPU device: the master itself is copied into the weight, `HostMatrix.writes_back_master`): with 8-bit moments and
+host sums, 4 + 2.03 + 2 = 8.03 B, nothing else (`HostLayout` carries these settings).
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
 [in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
@@ -28,8 +32,10 @@ every step) and the migration at re-selection, strided for row-major weights and
 
 from __future__ import annotations
 
+import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +46,11 @@ from ..transport.link import Transport
 from ..transport.pinned import PinnedArena
 from .quantized_moments import QuantizedMoment, adamw_pass, kernel_matches
 
+
+if TYPE_CHECKING:
+    from ..settings.config import ZenFlowConfig
+
+logger = logging.getLogger("hf_zenflow")
 
 #: In-flight gradient hand-offs between the caller and the worker. Two lets the caller hand over step t+1 while the
 #: worker still folds step t into the accumulator; more would only buy memory (each slot pins one gradient copy).
@@ -71,19 +82,56 @@ def moment_dtype(setting: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "int8": torch.int8}.get(setting, torch.float32)
 
 
+@dataclass(frozen=True)
+class HostLayout:
+    """How a matrix's host state is stored: the moments' dtype (``host_moment_dtype``), the window sum's when the
+    window is summed on the host (``host_sum_dtype``), and whether the write-back reads the fp32 master itself
+    instead of a buffer in the weight's dtype (``host_writeback="master"``)."""
+
+    moments: torch.dtype = torch.float32
+    sums: torch.dtype = torch.float32
+    writeback_from_master: bool = False
+
+    @classmethod
+    def of(cls, config: ZenFlowConfig) -> HostLayout:
+        return cls(moments=moment_dtype(config.host_moment_dtype),
+                   sums=torch.bfloat16 if config.host_sum_dtype == "bfloat16" else torch.float32,
+                   writeback_from_master=config.host_writeback == "master")
+
+    def on_link(self, transport: Transport, ranks: int) -> HostLayout:
+        """The layout as it applies over `transport` with the host state shared by `ranks` ranks: the write-back
+        reads the master only where it is a synchronous copy of one rank's whole result (an asynchronous copy
+        would read the master while the worker's next pass writes it; several ranks all-gather write-back buffers
+        in the weight's dtype); elsewhere the buffer stays, with a warning (once)."""
+        if not self.writeback_from_master or (not transport.pins_host_memory and ranks == 1):
+            return self
+        global _warned_writeback
+        if not _warned_writeback:
+            _warned_writeback = True
+            logger.warning('hf_zenflow: host_writeback="master" does not apply here (%s): the write-back buffer '
+                           "stays", "asynchronous copies from pinned memory" if transport.pins_host_memory
+                           else f"a host state shared by {ranks} ranks")
+        return replace(self, writeback_from_master=False)
+
+
+_warned_writeback = False
+
+
 def accumulate_into(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | None, first: bool) -> None:
     """``accum = grad * coef`` (first step of a window) or ``accum += grad * coef``, in fp32. The one rule for both
     places a window is summed (the host worker, or the device with ``accumulate_on="device"``), so the two give
     the same bits.
 
-    A bf16 `accum` (``accumulate_on="device_bf16"``): the fp32 rule on the widened sum, rounded to nearest bf16
-    after every add (`_accumulate_bf16`): the running sum keeps bf16's 8 significant bits."""
+    A bf16 `accum` (``accumulate_on="device_bf16"``, or ``host_sum_dtype="bfloat16"`` on the host): the fp32 rule
+    on the widened sum, rounded to nearest bf16 after every add (the kernel, or `_accumulate_bf16`): the running
+    sum keeps bf16's 8 significant bits."""
+    if kernels.supports(grad2d) and accum.device.type == "cpu" and kernels.library() is not None:
+        # one pass that reads a bf16 gradient directly (torch needs a conversion pass first), and widens and
+        # rounds a bf16 sum in the same loop; same arithmetic
+        kernels.accumulate([accum], [grad2d], coef, first)
+        return
     if accum.dtype == torch.bfloat16:
         _accumulate_bf16(accum, grad2d, coef, first)
-        return
-    if kernels.supports(grad2d) and accum.device.type == "cpu" and kernels.library() is not None:
-        # one pass that reads a bf16 gradient directly (torch needs a conversion pass first); same arithmetic
-        kernels.accumulate([accum], [grad2d], coef, first)
         return
     if first:
         accum.copy_(grad2d)
@@ -120,7 +168,8 @@ def _accumulate_bf16(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | No
 
 @dataclass
 class HostMatrix:
-    """Host-side AdamW state of one matrix, as [out, in] fp32 tensors."""
+    """Host-side AdamW state of one matrix, as [out, in] tensors: the fp32 master, the moments and the window sum in
+    the dtypes of its `HostLayout`."""
 
     master: torch.Tensor
     exp_avg: torch.Tensor | QuantizedMoment
@@ -147,19 +196,25 @@ class HostMatrix:
 
     @classmethod
     def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host",
-               transport: Transport | None = None, moments: torch.dtype = torch.float32) -> HostMatrix:
+               transport: Transport | None = None, moments: torch.dtype | HostLayout = torch.float32) -> HostMatrix:
         """Host state for `param2d`. The buffers that cross the link come from `transport` (pinned from one arena
         on CUDA): the write-back buffer, the gradient landing buffers when the transport copies each step's
         gradient (one per hand-off slot), and the accumulator when the window is summed on the device
         (``accumulate_on="device"``: it lands there once per window, and no landing buffers are needed). The master
-        and the moments never cross the link and are ordinary host memory; the moments in `moments` (fp32, or bf16
-        with ``host_moment_dtype="bfloat16"``). `grad_dtype`: the dtype gradients cross the link in."""
+        and the moments never cross the link and are ordinary host memory. `moments`: the moments' dtype (fp32, or
+        bf16 with ``host_moment_dtype="bfloat16"``, int8 for 8-bit codes), or the whole `HostLayout` (the window
+        sum's dtype when it is summed on the host; the write-back from the master, where `HostLayout.on_link`
+        kept it). `grad_dtype`: the dtype gradients cross the link in."""
         transport = transport if transport is not None else Transport()  # (references, no pinning)
+        layout = moments if isinstance(moments, HostLayout) else HostLayout(moments=moments)
+        moments = layout.moments
         on_device = sums_on_device(accumulate_on)
         narrow = accumulate_on == "device_bf16"  # the sum lands in a bf16 buffer, the accumulator stays host-only
         shape = param2d.shape
         master = torch.empty(shape, dtype=torch.float32).copy_(param2d.detach())
         quantized = moments == torch.int8
+        # a window summed on the host, in bf16 with host_sum_dtype="bfloat16" (the device's sums keep their dtype)
+        sum_dtype = torch.float32 if on_device else layout.sums
         state = cls(
             master=master,
             exp_avg=QuantizedMoment.zeros(master, signed=True) if quantized else torch.zeros(shape, dtype=moments),
@@ -168,7 +223,7 @@ class HostMatrix:
             step=torch.zeros((), dtype=torch.float32),
             accum=(transport.host_buffer(shape, torch.float32) if on_device and (
                 not narrow or HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport))
-                else torch.empty(shape)).zero_(),
+                else torch.empty(shape, dtype=sum_dtype)).zero_(),
             grad_dtype=grad_dtype,
         )
         if narrow:
@@ -180,6 +235,10 @@ class HostMatrix:
             # sum lands at the next close (after the write-back: `HostWindows.close_window`): the rounded master
             # goes into the same buffer, 4 B per element less
             state.writeback = state.accum.copy_(param2d.detach())
+        elif layout.writeback_from_master and not transport.pins_host_memory:
+            # host_writeback="master": no buffer; the write-back copies the master itself (`writes_back_master`),
+            # which the worker's next pass writes only after that copy (synchronous) has run
+            state.writeback = state.master
         else:
             # initialised: a matrix that gets no gradient in a window is written back from it unchanged
             state.writeback = transport.host_buffer(shape, param2d.dtype).copy_(param2d.detach())
@@ -198,11 +257,13 @@ class HostMatrix:
         return sums_on_device(accumulate_on) and param_dtype == torch.float32 and not transport.pins_host_memory
 
     @staticmethod
-    def link_bytes(param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str, transport: Transport) -> int:
+    def link_bytes(param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str, transport: Transport,
+                   layout: HostLayout | None = None) -> int:
         """Bytes of `transport.host_buffer` that `create` asks for (each rounded as a pinned arena rounds it)."""
         numel = param2d.numel()
         shared = HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport)
-        sizes = [] if shared else [numel * param2d.element_size()]
+        from_master = layout is not None and layout.writeback_from_master and not transport.pins_host_memory
+        sizes = [] if shared or from_master else [numel * param2d.element_size()]
         if accumulate_on == "device" or shared:  # the fp32 accumulator crosses (or is the write-back buffer)
             sizes.append(numel * 4)
         if accumulate_on == "device_bf16":  # the bf16 sum lands in its own buffer
@@ -234,6 +295,12 @@ class HostMatrix:
                     host.accum_count += 1
 
     @property
+    def writes_back_master(self) -> bool:
+        """Whether the write-back reads the fp32 master itself (``host_writeback="master"``): the transport copies it
+        into the weight, rounded to the weight's dtype, and never takes it as the weight's storage."""
+        return self.writeback is self.master
+
+    @property
     def quantized(self) -> bool:
         """Whether the moments are stored in 8 bits (``host_moment_dtype="int8"``)."""
         return isinstance(self.exp_avg, QuantizedMoment)
@@ -244,7 +311,8 @@ class HostMatrix:
             tensors += [moment.codes, moment.scales] if isinstance(moment, QuantizedMoment) else [moment]
         if self.landing is not None:
             tensors.append(self.landing)
-        if self.writeback is not None and self.writeback is not self.accum:  # (one buffer: `shares_writeback`)
+        # (no buffer of its own: the accumulator, `shares_writeback`, or the master, `writes_back_master`)
+        if self.writeback is not None and self.writeback is not self.accum and self.writeback is not self.master:
             tensors.append(self.writeback)
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -277,6 +345,10 @@ def _adamw_narrow_moments(m: HostMatrix, hyper: dict) -> None:
     m.step.copy_(step)
 
 
+#: The window sums the one-pass kernel reads: fp32, or bf16 (``host_sum_dtype="bfloat16"``), widened as it reads.
+_SUM_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _moment_kind(m: HostMatrix) -> torch.dtype:
     """How `m`'s moments are stored: torch.float32, torch.bfloat16 or torch.int8 (codes and scales)."""
     return torch.int8 if m.quantized else m.exp_avg.dtype  # type: ignore[union-attr]
@@ -289,18 +361,37 @@ def _fusable(m: HostMatrix, grad2d: torch.Tensor | None) -> bool:
     if m.quantized:
         tensors = (m.master, m.accum, m.exp_avg.codes, m.exp_avg_sq.codes)  # type: ignore[union-attr]
         return (all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-                and m.master.dtype == m.accum.dtype == torch.float32 and m.master.numel() > 0
+                and m.master.dtype == torch.float32 and m.accum.dtype in _SUM_DTYPES and m.master.numel() > 0
                 and (grad2d is None or (kernels.supports(grad2d) and grad2d.shape == m.accum.shape))
                 and kernels.window_adamw_available() and kernel_matches())
     tensors = (m.master, m.accum, m.exp_avg, m.exp_avg_sq)
     narrow = m.exp_avg.dtype == torch.bfloat16
     moment_dtype = torch.bfloat16 if narrow else torch.float32
     return (all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-            and m.master.dtype == m.accum.dtype == torch.float32
+            and m.master.dtype == torch.float32 and m.accum.dtype in _SUM_DTYPES
             and m.exp_avg.dtype == m.exp_avg_sq.dtype == moment_dtype
             and m.master.numel() > 0
             and (grad2d is None or (kernels.supports(grad2d) and grad2d.shape == m.accum.shape))
             and (kernels.window_adamw_bf16_available() if narrow else kernels.window_adamw_available()))
+
+
+def _plain_adamw(plain: list[HostMatrix], hyper: dict) -> None:
+    """The host AdamW of `plain` (fp32 window sums, not through the one-pass kernel): the sum divided by the window's
+    length in place, then torch's fused AdamW (fp32 moments, in one call) or its narrow-moment passes."""
+    for m in plain:
+        if m.accum_count > 1:
+            m.accum.div_(m.accum_count)
+    # fp32 moments in one call; bf16 and 8-bit moments piece by piece below
+    wide = [m for m in plain if not m.quantized and m.exp_avg.dtype == torch.float32]
+    fused_adamw_(
+        [m.master for m in wide], [m.accum for m in wide], [m.exp_avg for m in wide],
+        [m.exp_avg_sq for m in wide], [m.step for m in wide], hyper,
+    )
+    for m in plain:
+        if m.quantized:
+            adamw_pass(m.master, m.accum, m.exp_avg, m.exp_avg_sq, m.step, hyper)
+        elif m.exp_avg.dtype != torch.float32:
+            _adamw_narrow_moments(m, hyper)
 
 
 def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
@@ -349,28 +440,25 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
                 call = kernels.window_adamw_bf16 if kind == torch.bfloat16 else kernels.window_adamw
                 call(*common, [m.exp_avg for m, _ in batch], [m.exp_avg_sq for m, _ in batch],
                      [m.step for m, _ in batch], hyper, coef)
+        _plain_adamw([m for m in plain if m.accum.dtype == torch.float32], hyper)
         for m in plain:
-            if m.accum_count > 1:
-                m.accum.div_(m.accum_count)
-        # fp32 moments in one call; bf16 and 8-bit moments piece by piece below
-        wide = [m for m in plain if not m.quantized and m.exp_avg.dtype == torch.float32]
-        fused_adamw_(
-            [m.master for m in wide], [m.accum for m in wide], [m.exp_avg for m in wide],
-            [m.exp_avg_sq for m in wide], [m.step for m in wide], hyper,
-        )
-        for m in plain:
-            if m.quantized:
-                adamw_pass(m.master, m.accum, m.exp_avg, m.exp_avg_sq, m.step, hyper)
-            elif m.exp_avg.dtype != torch.float32:
-                _adamw_narrow_moments(m, hyper)
+            if m.accum.dtype != torch.float32:
+                # a bf16 window sum without the kernel: widened into an fp32 copy of this one matrix (transient),
+                # then the pass of an fp32 sum (the kernel widens it block by block instead: the same bits)
+                summed, m.accum = m.accum, m.accum.float()
+                try:
+                    _plain_adamw([m], hyper)
+                finally:
+                    m.accum = summed
         for m in [m for m, _ in fused] + plain:
             m.accum_count = 0
             if m.writeback is not None:
-                # Sync point (worker waits on the device): the previous host->device copy of this buffer, enqueued
-                # at the last window boundary, must have finished reading it before we overwrite it.
-                if m.writeback_free is not None:
-                    m.writeback_free.synchronize()  # type: ignore[attr-defined]
-                m.writeback.copy_(m.master)
+                if not m.writes_back_master:
+                    # Sync point (worker waits on the device): the previous host->device copy of this buffer,
+                    # enqueued at the last window boundary, must have finished reading it before we overwrite it.
+                    if m.writeback_free is not None:
+                        m.writeback_free.synchronize()  # type: ignore[attr-defined]
+                    m.writeback.copy_(m.master)
                 m.writeback_fresh = True
     for m, g in (last or []):  # (a matrix in no group: summed, as an accumulate job would)
         if id(m) in pending:

@@ -37,7 +37,7 @@ from ..transport import CopyEvents, Transport, Transports
 from . import accumulation
 from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
 from .device_step import device_update
-from .host import HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype, moment_dtype
+from .host import HostLayout, HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype
 from .host_guard import HostStepGuard
 from .host_lr import LrScaleRecord, host_hyper, peak_lr, window_lag
 from .params import is_split
@@ -382,7 +382,7 @@ class HostWindows:
         for transport, group in self.by_transport(splits):
             transport.reserve(sum(HostMatrix.link_bytes(
                 shares[id(s)].local(s.matrix(s.param)), link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype),
-                self.accumulate_on, transport) for s in group))
+                self.accumulate_on, transport, HostLayout.of(self.config)) for s in group))
         self.reserved_ahead = True
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:
@@ -394,13 +394,13 @@ class HostWindows:
             self._decide(splits, shares)
         accumulate_on = self.accumulate_on
         linked = {id(s): link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype) for s in splits}
-        moments = moment_dtype(self.config.host_moment_dtype)
+        layout = HostLayout.of(self.config)
         for transport, group in self.by_transport(splits):
             if not self.reserved_ahead:  # (`decide_accumulation` reserved for the first step's matrices)
                 transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), linked[id(s)],
-                                                            accumulate_on, transport) for s in group))
+                                                            accumulate_on, transport, layout) for s in group))
             for split in group:
-                split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], moments)
+                split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], layout)
 
     # ---- 1. hand-off in backward ------------------------------------------------------------------------------------
 

@@ -8,11 +8,12 @@ bf16 model, and the limits it must fit in.
   gradients in flight to the host (`in_flight_gradient_gb`). Counted against `DEVICE_MEMORY_HEADROOM` of the device;
   activations are not counted there (`activation_gb` estimates them for ``accumulate_on="auto"``);
 * host (`zenflow_host_bytes_per_param`): per offloaded parameter, the fp32 master (4), the two moments in
-  ``host_moment_dtype`` (fp32 8, bf16 4, int8 2 plus one fp32 scale per `INT8_BLOCK` elements of each), the fp32
-  window accumulator (4), the bf16 write-back buffer (2), with the window summed on the host the pinned landing slots
-  of the in-flight gradients (`engine.host.GRAD_SLOTS` x 2), with bf16 device sums their bf16 landing buffer (2);
-  synchronous offload `SYNC_HOST_BYTES_PER_PARAM`. Every rank of a node holds its share; together they must fit
-  `HOST_MEMORY_HEADROOM` of the node's RAM.
+  ``host_moment_dtype`` (fp32 8, bf16 4, int8 2 plus one fp32 scale per `INT8_BLOCK` elements of each), the window
+  accumulator (fp32 4; 2 with ``host_sum_dtype="bfloat16"`` and the window summed on the host), the bf16 write-back
+  buffer (2, pinned: ``host_writeback="master"`` does not apply on a GPU), with the window summed on the host the
+  pinned landing slots of the in-flight gradients (`engine.host.GRAD_SLOTS` x 2), with bf16 device sums their bf16
+  landing buffer (2); synchronous offload `SYNC_HOST_BYTES_PER_PARAM`. Every rank of a node holds its share;
+  together they must fit `HOST_MEMORY_HEADROOM` of the node's RAM.
 
 Example:
     >>> round(device_memory_gb("zenflow", 7e9, 0.1, gradients_freed_in_backward=False) / 7, 2)  # GB per 1e9 params
@@ -35,6 +36,8 @@ FP32_BYTES, BF16_BYTES = 4, 2
 INT8_BLOCK = 256
 MOMENT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + FP32_BYTES / INT8_BLOCK}
 HOST_MOMENT_DTYPES = tuple(MOMENT_BYTES)
+#: Host window accumulator bytes per element by ``host_sum_dtype`` (a window summed on the host).
+HOST_SUM_BYTES = {"float32": FP32_BYTES, "bfloat16": BF16_BYTES}
 #: The library's ``host_moment_dtype``: what "ZenFlow, the defaults" stores its host moments in.
 DEFAULT_HOST_MOMENTS: str = ZenFlowConfig.host_moment_dtype
 #: Device bytes per parameter of a bf16 model: the weight and its gradient; fp32 master and moments where AdamW runs
@@ -61,20 +64,27 @@ SYNC_HOST_BYTES_PER_PARAM = 16
 GRADIENTS_FREED_IN_BACKWARD = True
 
 
-def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moments: str = DEFAULT_HOST_MOMENTS) -> float:
+def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moments: str = DEFAULT_HOST_MOMENTS,
+                                 host_sums: str = "float32") -> float:
     """ZenFlow's host memory per offloaded parameter of a bf16 model on a GPU (`engine/host.py`): fp32 master (4),
-    the two moments (`MOMENT_BYTES`), the fp32 window accumulator (4), the bf16 write-back buffer (2); with the
-    window summed on the host (`sum_bytes` 0) the pinned landing slot of each in-flight gradient (`GRAD_SLOTS` x 2),
-    with bf16 device sums (`sum_bytes` 2) the buffer the sum lands in (2).
+    the two moments (`MOMENT_BYTES`), the window accumulator (4; 2 with the window summed on the host in bf16,
+    `host_sums` "bfloat16": ``host_sum_dtype``), the bf16 write-back buffer (2); with the window summed on the host
+    (`sum_bytes` 0) the pinned landing slot of each in-flight gradient (`GRAD_SLOTS` x 2), with bf16 device sums
+    (`sum_bytes` 2) the buffer the sum lands in (2).
 
     Example:
         >>> zenflow_host_bytes_per_param(0), zenflow_host_bytes_per_param(4), zenflow_host_bytes_per_param(0, "int8")
         (18.0, 14.0, 16.03125)
+        >>> zenflow_host_bytes_per_param(0, "int8", host_sums="bfloat16")
+        14.03125
     """
     if host_moments not in MOMENT_BYTES:
         raise ValueError(f"host_moments={host_moments!r} is invalid: allowed are {', '.join(HOST_MOMENT_DTYPES)}.")
+    if host_sums not in HOST_SUM_BYTES:
+        raise ValueError(f"host_sums={host_sums!r} is invalid: allowed are {', '.join(HOST_SUM_BYTES)}.")
     landing = GRAD_SLOTS * BF16_BYTES if sum_bytes == 0 else BF16_BYTES if sum_bytes == BF16_BYTES else 0
-    return FP32_BYTES + 2 * MOMENT_BYTES[host_moments] + FP32_BYTES + BF16_BYTES + landing
+    accumulator = HOST_SUM_BYTES[host_sums] if sum_bytes == 0 else FP32_BYTES  # (device sums land in fp32)
+    return FP32_BYTES + 2 * MOMENT_BYTES[host_moments] + accumulator + BF16_BYTES + landing
 
 
 def llama_shape(params: float) -> tuple[float, float]:
@@ -128,5 +138,5 @@ def activation_gb(params: float, tokens_per_step: float) -> float:
 
 
 __all__ = ["DEVICE_MEMORY_HEADROOM", "GRADIENTS_FREED_IN_BACKWARD", "HOST_MEMORY_HEADROOM", "HOST_MOMENT_DTYPES",
-           "MOMENT_BYTES", "SELECTED_BYTES", "activation_gb", "device_memory_gb", "in_flight_gradient_gb",
-           "llama_shape", "zenflow_host_bytes_per_param"]
+           "HOST_SUM_BYTES", "MOMENT_BYTES", "SELECTED_BYTES", "activation_gb", "device_memory_gb",
+           "in_flight_gradient_gb", "llama_shape", "zenflow_host_bytes_per_param"]

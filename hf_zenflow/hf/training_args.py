@@ -81,6 +81,8 @@ class ZenFlowSettingArguments:
     zenflow_accumulate_on: LowercaseChoice = _setting("accumulate_on")
     zenflow_host_grad_dtype: LowercaseChoice = _setting("host_grad_dtype")
     zenflow_host_moment_dtype: LowercaseChoice = _setting("host_moment_dtype")
+    zenflow_host_sum_dtype: LowercaseChoice = _setting("host_sum_dtype")
+    zenflow_host_writeback: LowercaseChoice = _setting("host_writeback")
     zenflow_device_memory_budget_bytes: int | None = _setting("device_memory_budget_bytes")
     zenflow_device_memory_limit_bytes: int | None = _setting("device_memory_limit_bytes")
     zenflow_free_gradients_in_backward: LowercaseChoice = _setting("free_gradients_in_backward")

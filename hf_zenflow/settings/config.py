@@ -56,6 +56,8 @@ _ACCUMULATE_ON = ("auto", "host", "device", "device_bf16")
 _DEVICE_SUMS = ("device", "device_bf16")
 _HOST_GRAD_DTYPES = ("auto", "bfloat16")
 _HOST_MOMENT_DTYPES = ("float32", "bfloat16", "int8")
+_HOST_SUM_DTYPES = ("float32", "bfloat16")
+_HOST_WRITEBACKS = ("buffer", "master")
 _HIGH_LR_RULES = ("auto", "off")
 
 
@@ -260,6 +262,29 @@ class ZenFlowConfig:
                   "device columns keep fp32 moments (docs/host-memory.md).",
                   "choices": _HOST_MOMENT_DTYPES},
     )
+    host_sum_dtype: str = field(
+        default="float32",
+        metadata={"help": "The dtype of the host's window sum when the window is summed on the host "
+                  '(accumulate_on="host", or "auto" choosing it). "float32" (the default): an fp32 accumulator, 4 '
+                  'bytes per offloaded parameter. "bfloat16": 2 bytes; each step\'s add is computed in fp32 (the '
+                  "running sum widened, plus the clip coefficient x the gradient) and the running sum is rounded to "
+                  'nearest bf16 after it, the rule of accumulate_on="device_bf16", on the host; the host AdamW '
+                  "divides the widened sum by the window's length in fp32. Windows summed on the device keep their "
+                  'own dtype (accumulate_on="device": fp32; "device_bf16": bf16), so it cannot be set with those.',
+                  "choices": _HOST_SUM_DTYPES},
+    )
+    host_writeback: str = field(
+        default="buffer",
+        metadata={"help": 'Where a window\'s host result is written back from. "buffer" (the default): the worker '
+                  "rounds it into a write-back buffer in the weight's dtype (pinned on CUDA, copied asynchronously; "
+                  "on a CPU device swapped in as the weight's storage, no copy). \"master\": no buffer; the "
+                  "write-back copies the fp32 master into the weight (rounded to its dtype) on the training thread, "
+                  "4 bytes less host memory per offloaded parameter with fp32 weights, 2 with bf16, the same weights "
+                  "bit for bit. It applies where the write-back is a synchronous copy on one process (a CPU device); "
+                  "with CUDA's asynchronous copies from pinned memory, or a host state shared by several ranks, the "
+                  "buffer stays (with a warning).",
+                  "choices": _HOST_WRITEBACKS},
+    )
     device_memory_budget_bytes: int | None = field(
         default=None,
         metadata={"help": 'Device memory, in bytes, that accumulate_on="auto" may count on for the window sums '
@@ -372,6 +397,12 @@ class ZenFlowConfig:
             if isinstance(self.host_step_guard, bool) or not ratio > 1 or math.isinf(ratio):
                 _fail("host_step_guard", self.host_step_guard, 'a float > 1 or "off"')
             self.host_step_guard = ratio
+        if self.host_sum_dtype != "float32" and sums_on_device(self.accumulate_on):
+            raise ValueError(
+                f"ZenFlowConfig.host_sum_dtype={self.host_sum_dtype!r} is invalid with "
+                f"accumulate_on={self.accumulate_on!r}: allowed is \"float32\" (the window is summed on the device, "
+                'in the dtype accumulate_on names); host_sum_dtype applies with accumulate_on "host" or "auto".'
+            )
         if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
             _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")
         if self.device_memory_budget_bytes is not None and (

@@ -39,6 +39,7 @@ class HostEnd(Protocol):
     landing: torch.Tensor | None  # where a bf16 device-side window sum lands (``accumulate_on="device_bf16"``)
     writeback: torch.Tensor | None  # the host result, rounded to the weight's dtype, for the write-back
     writeback_free: object | None  # what the next writer of `writeback` waits for (a CUDA event), or None
+    writes_back_master: bool  # `writeback` is the fp32 master itself (no buffer): copied, never taken as storage
     staging: list[torch.Tensor]  # one landing buffer per hand-off slot (when gradients are staged)
     grad_dtype: torch.dtype  # the dtype gradients cross the link in
 
@@ -149,6 +150,11 @@ class Transport:
         """Put the host result the worker rounded into `split.host.writeback` into the weight (all columns; the
         caller writes the device columns back on top)."""
         host = split.host
+        if host.writes_back_master:
+            # no write-back buffer: the master stays the host's, so it is copied into the weight (rounded to the
+            # weight's dtype) instead of becoming its storage
+            split.matrix(split.param).copy_(host.writeback)
+            return
         # `.data`, not `.detach()`: the worker writes the spare next, which must not bump the version counter that
         # autograd checks. The weight keeps its Parameter object, shape and strides; only its storage changes.
         spare = split.matrix(split.param.data)

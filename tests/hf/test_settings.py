@@ -42,6 +42,8 @@ CASES = [
     ("accumulate_on", "Device", "device", {}),
     ("host_grad_dtype", "BFloat16", "bfloat16", {}),
     ("host_moment_dtype", "Float32", "float32", {}),
+    ("host_sum_dtype", "BFloat16", "bfloat16", {}),
+    ("host_writeback", "Master", "master", {}),
     ("high_lr_rule", "OFF", "off", {}),
     ("device_memory_budget_bytes", "1000000", 1000000, {}),
     ("device_memory_limit_bytes", "2000000", 2000000, {}),

@@ -87,12 +87,12 @@ def _build() -> ctypes.CDLL:
     lib.zf_run.restype = ctypes.c_int
     d = ctypes.c_double
     lib.zf_window_adamw.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, d, d, d, d, d, ctypes.c_float,
-                                    ctypes.c_int64, ctypes.c_int]
+                                    ctypes.c_int64, ctypes.c_int, p]
     lib.zf_window_adamw.restype = ctypes.c_int
     lib.zf_window_adamw_bf16.argtypes = lib.zf_window_adamw.argtypes
     lib.zf_window_adamw_bf16.restype = ctypes.c_int
     lib.zf_window_adamw_q.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, p, p, d, d, d, d, d,
-                                      ctypes.c_float, ctypes.c_int64, ctypes.c_int]
+                                      ctypes.c_float, ctypes.c_int64, ctypes.c_int, p]
     lib.zf_window_adamw_q.restype = ctypes.c_int
     return lib
 
@@ -190,10 +190,11 @@ def scatter(params: list[torch.Tensor], sources: list[torch.Tensor], index: list
 
 def accumulate(accums: list[torch.Tensor], grads: list[torch.Tensor], coef: float | None, first: bool) -> None:
     """For each pair: ``accum = grad * coef`` (first step of a window) or ``accum += grad * coef`` (fma, as torch's
-    vectorised ``add_(grad, alpha=coef)``), fp32 `accum`, fp32 or bf16 `grad` read directly. One call for the batch:
-    ctypes releases the GIL for all of it."""
+    vectorised ``add_(grad, alpha=coef)``), fp32 `accum`, fp32 or bf16 `grad` read directly. A bf16 `accum` (a bf16
+    window sum): widened, the same fp32 fma, rounded to nearest even. One call for the batch: ctypes releases the
+    GIL for all of it."""
     for accum, grad in zip(accums, grads):
-        assert accum.dtype == torch.float32 and accum.is_contiguous() and accum.shape == grad.shape
+        assert accum.dtype in _KINDS and accum.is_contiguous() and accum.shape == grad.shape
         assert supports(grad)
     _run(_ACCUMULATE, list(grads), list(accums), [None] * len(grads), [None] * len(grads), want_sums=False,
          coef=1.0 if coef is None else float(coef), first=first)
@@ -283,7 +284,10 @@ def window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads:
     """The host AdamW of a window in one pass (`csrc/zenflow_cpu.c`, zf_window_adamw): per matrix the window's
     mean gradient, ``(accum + grad * coef) / count`` with the last step's `grad` folded in (``grad * coef / count``
     when `first`; ``accum / count`` when `grad` is None), then the AdamW update of torch's fused CPU kernel, bit
-    for bit; each `steps` tensor is incremented first, as torch does. `accums` are read, never written."""
+    for bit; each `steps` tensor is incremented first, as torch does. `accums` are read, never written: fp32, or
+    bf16 (a bf16 window sum, ``host_sum_dtype="bfloat16"``: widened as read; with `grad` folded in, the sum is
+    rounded to nearest bf16 before the division, as `accumulate` would store it, so that folding gives the bits of
+    adding the last gradient into the sum and running the pass on it)."""
     for t in (*exp_avgs, *exp_avg_sqs):
         assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
     _window_adamw(masters, accums, grads, firsts, counts, (exp_avgs, exp_avg_sqs), steps, hyper, coef)
@@ -327,8 +331,10 @@ def _window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads
                   steps: list[torch.Tensor], hyper: dict, coef: float | None, bf16: bool = False) -> None:
     width = torch_vector_width()
     assert width is not None
-    for t in (*masters, *accums):
+    for t in masters:
         assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+    for t, master in zip(accums, masters):
+        assert t.dtype in _KINDS and t.is_contiguous() and t.device.type == "cpu" and t.numel() == master.numel()
     for master, grad in zip(masters, grads):
         assert grad is None or (supports(grad) and grad.shape == master.shape)
     for step in steps:
@@ -348,6 +354,7 @@ def _window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads
         _array(ctypes.c_double, [float(s) for s in steps]),
         float(hyper["lr"]), float(beta1), float(beta2), float(hyper["eps"]), float(hyper["weight_decay"]),
         1.0 if coef is None else float(coef), width, torch.get_num_threads(),
+        _array(ctypes.c_int32, [int(a.dtype == torch.bfloat16) for a in accums]),
     )
     if rc != 0:
         raise MemoryError("hf_zenflow CPU kernel: out of memory for its work list")

@@ -11,6 +11,7 @@
  *   - zf_scatter: write the (rounded) fp32 master columns into the parameter;
  *   - zf_accumulate: the host window sum, acc = g * coef (first step) or acc = fma(g, coef, acc), reading a bf16
  *     gradient directly (torch needs a conversion pass first); fma is what torch's vectorised add with alpha does.
+ *     A bf16 sum is widened on load and the fp32 result rounded to nearest even on store, in the same loop.
  * Copies are exact; bf16 results round to nearest even exactly as torch does. Every call takes a batch of tensors
  * and splits them into fixed row chunks, so partial sums (and hence the norms) do not depend on the thread count.
  */
@@ -31,7 +32,8 @@ typedef struct {
   void *const *big;          /* the [rows, cols] tensor: gradient (norm_gather, accumulate) or parameter (scatter) */
   const int32_t *big_bf16;   /* 1 when that tensor is bf16, 0 when fp32 */
   float *const *small;       /* the fp32 [rows, k] buffer: gather output, or the master columns to write */
-  const int32_t *small_bf16; /* norm_gather: 1 when that output is bf16 (its gradient is bf16 too), 0 when fp32 */
+  const int32_t *small_bf16; /* 1 when that buffer is bf16: norm_gather's output (of a bf16 gradient), or
+                                accumulate's window sum */
   float *const *row_sums;    /* norm_gather: per tensor, NULL or an fp32 [rows] output of row sums of squares */
   const int64_t *const *idx; /* sorted selected columns, k of them (may be NULL when k == 0) */
   const int64_t *rows, *cols, *k;
@@ -102,7 +104,37 @@ static void row_scatter(const zf_job *job, int64_t t, int64_t r) {
   }
 }
 
+/* row_accumulate on a bf16 window sum: the fp32 rule on the widened sum, rounded to nearest even after every add */
+static void row_accumulate_bf16(const zf_job *job, int64_t t, int64_t r) {
+  const int64_t cols = job->cols[t];
+  uint16_t *acc = (uint16_t *)(void *)job->small[t] + r * cols;
+  const float coef = job->coef;
+  if (job->big_bf16[t]) {
+    const uint16_t *g = (const uint16_t *)job->big[t] + r * cols;
+    if (job->first) {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) acc[c] = f32_to_bf16(bf16_to_f32(g[c]) * coef);
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) acc[c] = f32_to_bf16(fmaf(bf16_to_f32(g[c]), coef, bf16_to_f32(acc[c])));
+    }
+  } else {
+    const float *g = (const float *)job->big[t] + r * cols;
+    if (job->first) {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) acc[c] = f32_to_bf16(g[c] * coef);
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) acc[c] = f32_to_bf16(fmaf(g[c], coef, bf16_to_f32(acc[c])));
+    }
+  }
+}
+
 static void row_accumulate(const zf_job *job, int64_t t, int64_t r) {
+  if (job->small_bf16[t]) {
+    row_accumulate_bf16(job, t, r);
+    return;
+  }
   const int64_t cols = job->cols[t];
   float *acc = job->small[t] + r * cols;
   const float coef = job->coef;
@@ -211,13 +243,15 @@ int zf_run(int kind, int64_t n, void *const *big, const int32_t *big_bf16, float
  * Vectorized<float>::size() (16 with
  * AVX512, 8 otherwise). The file is compiled without contraction (-ffp-contract=off): every multiply and add
  * rounds as torch's do, and the fmaf calls are the fmas torch's build makes. The accumulator is left as it was
- * (the next window overwrites it). */
+ * (the next window overwrites it). A bf16 accumulator (acc_bf16) is widened as it is read, and a folded gradient's
+ * sum rounded to nearest bf16 before the division, as zf_accumulate would have stored it. */
 typedef struct {
   int64_t n;
   float *const *master, *const *acc, *const *exp_avg, *const *exp_avg_sq;
   const void *const *grad;   /* per tensor: the last step's gradient, or NULL (already summed) */
   const int32_t *grad_bf16;  /* 1 when that gradient is bf16 */
   const int32_t *first;      /* 1 when the window's sum is that gradient alone (acc not read) */
+  const int32_t *acc_bf16;   /* 1 when that tensor's accumulator is bf16 (its bits, storage order) */
   const int64_t *count, *numel;
   const double *step;        /* the step count after this update, as torch reads it */
   double lr, beta1, beta2, eps, weight_decay;
@@ -368,12 +402,18 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
   float *m = narrow ? NULL : job->exp_avg[t], *v = narrow ? NULL : job->exp_avg_sq[t];
   float mq[ZF_ADAM_BLOCK], vq[ZF_ADAM_BLOCK]; /* 8-bit moments: the block's fp32 values */
   const void *gp = job->grad[t];
-  const int bf16 = job->grad_bf16[t], first = job->first[t];
+  const int bf16 = job->grad_bf16[t], first = job->first[t], acc16 = job->acc_bf16[t];
   const float coef = job->coef, count = (float)job->count[t];
-  float g[ZF_ADAM_BLOCK];
+  float g[ZF_ADAM_BLOCK], wide[ZF_ADAM_BLOCK]; /* wide: a block of a bf16 accumulator, widened */
   for (int64_t b0 = begin; b0 < end; b0 += ZF_ADAM_BLOCK) {
     const int64_t n = end - b0 < ZF_ADAM_BLOCK ? end - b0 : ZF_ADAM_BLOCK;
     const float *a = acc + b0;
+    if (acc16 && !(gp && first)) {
+      const uint16_t *h = (const uint16_t *)(const void *)acc + b0;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) wide[i] = bf16_to_f32(h[i]);
+      a = wide;
+    }
     /* the window's gradient sum, as zf_accumulate would leave it, then its mean (a true division, as div_) */
     if (!gp) {
       memcpy(g, a, sizeof(float) * (size_t)n);
@@ -395,6 +435,10 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) g[i] = fmaf(x[i], coef, a[i]);
       }
+    }
+    if (acc16 && gp) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) g[i] = bf16_to_f32(f32_to_bf16(g[i]));
     }
     if (job->count[t] > 1) {
 #pragma omp simd
@@ -457,8 +501,9 @@ int zf_window_adamw(int64_t n, float *const *master, float *const *acc, float *c
                     float *const *exp_avg_sq, const void *const *grad, const int32_t *grad_bf16,
                     const int32_t *first, const int64_t *count, const int64_t *numel, const double *step,
                     double lr, double beta1, double beta2, double eps, double weight_decay, float coef,
-                    int64_t width, int threads) {
-  zf_adam_job job = {.n = n, .master = master, .acc = acc, .exp_avg = exp_avg, .exp_avg_sq = exp_avg_sq,
+                    int64_t width, int threads, const int32_t *acc_bf16) {
+  zf_adam_job job = {.n = n, .master = master, .acc = acc, .acc_bf16 = acc_bf16, .exp_avg = exp_avg,
+                     .exp_avg_sq = exp_avg_sq,
                      .grad = grad, .grad_bf16 = grad_bf16, .first = first, .count = count, .numel = numel,
                      .step = step, .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps,
                      .weight_decay = weight_decay, .coef = coef, .width = width > 0 ? width : 1};
@@ -470,8 +515,9 @@ int zf_window_adamw_q(int64_t n, float *const *master, float *const *acc, int8_t
                       float *const *m_scale, uint8_t *const *v_codes, float *const *v_scale,
                       const void *const *grad, const int32_t *grad_bf16, const int32_t *first,
                       const int64_t *count, const int64_t *numel, const double *step, double lr, double beta1,
-                      double beta2, double eps, double weight_decay, float coef, int64_t width, int threads) {
-  zf_adam_job job = {.n = n, .master = master, .acc = acc, .m_codes = m_codes, .m_scale = m_scale,
+                      double beta2, double eps, double weight_decay, float coef, int64_t width, int threads,
+                      const int32_t *acc_bf16) {
+  zf_adam_job job = {.n = n, .master = master, .acc = acc, .acc_bf16 = acc_bf16, .m_codes = m_codes, .m_scale = m_scale,
                      .v_codes = v_codes, .v_scale = v_scale, .grad = grad, .grad_bf16 = grad_bf16,
                      .first = first, .count = count, .numel = numel, .step = step, .lr = lr, .beta1 = beta1,
                      .beta2 = beta2, .eps = eps, .weight_decay = weight_decay, .coef = coef,
@@ -485,8 +531,8 @@ int zf_window_adamw_bf16(int64_t n, float *const *master, float *const *acc, uin
                          uint16_t *const *exp_avg_sq, const void *const *grad, const int32_t *grad_bf16,
                          const int32_t *first, const int64_t *count, const int64_t *numel, const double *step,
                          double lr, double beta1, double beta2, double eps, double weight_decay, float coef,
-                         int64_t width, int threads) {
-  zf_adam_job job = {.n = n, .master = master, .acc = acc, .m_bf16 = exp_avg, .v_bf16 = exp_avg_sq, .grad = grad,
+                         int64_t width, int threads, const int32_t *acc_bf16) {
+  zf_adam_job job = {.n = n, .master = master, .acc = acc, .acc_bf16 = acc_bf16, .m_bf16 = exp_avg, .v_bf16 = exp_avg_sq, .grad = grad,
                      .grad_bf16 = grad_bf16, .first = first, .count = count, .numel = numel, .step = step,
                      .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay,
                      .coef = coef, .width = width > 0 ? width : 1};
