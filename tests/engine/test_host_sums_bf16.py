@@ -177,7 +177,7 @@ def test_write_back_from_the_master_through_a_copying_transport(monkeypatch):
     buffered, opt = _run(dict(accumulate_on="host"), 9, torch.bfloat16)
     opt.close()
     made: list[CopyTransport] = []
-    monkeypatch.setattr("hf_zenflow.engine.windows.transport_for", lambda device: made.append(CopyTransport())
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: made.append(CopyTransport())
                         or made[-1])
     ours, opt = _run(dict(LEAN), 9, torch.bfloat16)
     hosted = [s.host for s in opt._split.values() if s.host is not None]
