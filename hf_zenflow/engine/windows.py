@@ -723,7 +723,8 @@ class HostWindows:
                     by_group[id(group)] = (hyper, [])
                 by_group[id(group)][1].append(split.host)
         work = list(by_group.values())
-        self.guard.closed(scales)  # (what an overshoot of this window's result is measured against)
+        # (what an overshoot of this window's result is measured against, and whether "auto" watches it)
+        self.guard.closed(scales, schedule.high_lr_window)
         worker = self.ensure_worker()  # (closed after training: `flush()` may still close a window)
         if not work:
             return  # every column lives on the device: no host step, nothing stale

@@ -28,11 +28,15 @@ AUTO_HOST_LR_CAP = 5e-4
 #: Measured on the tiny Llama (30 steps, U=4, 5 paired seeds, BENCHMARKS.md §4b).
 HIGH_LR_RULE_THRESHOLD = 5e-3
 
-#: `host_step_guard`'s suggested ratio (the setting is opt-in): a host result is taken to have overshot when the first
-#: gradient that sees it has a total norm above this multiple of the last one before it (BENCHMARKS.md, the host step
-#: guard's section). Not the default: one step's norm is noisy, and a fine-tune's ordinary jump (MiniLM, lr 5e-5, x3.05
-#: after a write-back) engaged it and cut the host step for the rest of that run.
+#: `host_step_guard="auto"`'s ratio, where it watches (windows shortened by `high_lr_rule`): a host result is taken
+#: to have overshot when the first gradient that sees it has a total norm above this multiple of the largest of the
+#: last `HOST_STEP_GUARD_HISTORY` norms before it (BENCHMARKS.md, the host step guard's sections). The largest recent
+#: norm, not the last one: while fine-tuning a norm can triple from one batch to the next, within the spread the
+#: steps before it already showed.
 HOST_STEP_GUARD_RATIO = 2.5
+
+#: `host_step_guard` compares the first gradient norm after a write-back with the largest of this many norms before it.
+HOST_STEP_GUARD_HISTORY = 4
 
 #: `host_step_guard` cuts the host step's learning rate at each overshoot, down to this fraction of it.
 HOST_STEP_GUARD_MIN_FACTOR = 0.125
@@ -204,18 +208,19 @@ class ZenFlowConfig:
                   "choices": _HIGH_LR_RULES},
     )
     host_step_guard: float | str = field(
-        default="off",
+        default="auto",
         metadata={"help": "A guard against host steps that overshoot: when the first gradient computed after a "
                   "window's host result was written into the weights has a total norm above this multiple of the "
-                  "last one before it, the host AdamW's learning rate is cut for the rest of the run: halved, and "
-                  "at least back to one AdamW step per window (host_lr_scale's multiplier x the guard's factor <= "
+                  f"largest of the last {HOST_STEP_GUARD_HISTORY} norms before it, the host AdamW's learning rate is "
+                  "cut for the rest of the run: halved, and at least back to one AdamW step per window "
+                  "(host_lr_scale's multiplier x the guard's factor <= "
                   f"1); again at each such overshoot, down to {HOST_STEP_GUARD_MIN_FACTOR:g} of it. It reads the "
                   "total gradient norm the step computes anyway: reproducible, and a run in which it never engages "
                   "is bit for bit the "
                   'same as without it. Logged; stats()["host_step_guard"] (the factor, 1.0 = not engaged); in '
-                  f'checkpoints. A float > 1 ({HOST_STEP_GUARD_RATIO:g} tried on the quality suite), or "off" '
-                  "(the default: one step's gradient norm is noisy, and an ordinary jump while fine tuning can engage "
-                  "it)."},
+                  f'checkpoints. A float > 1; "auto" (the default): {HOST_STEP_GUARD_RATIO:g} where high_lr_rule '
+                  "has shortened the windows (the learning rates at the edge of stability, where a host result "
+                  "written back one step late can overshoot), not watching elsewhere; or \"off\"."},
     )
     min_offload_numel: int = field(
         default=MIN_OFFLOAD_NUMEL,
@@ -387,15 +392,15 @@ class ZenFlowConfig:
             if isinstance(self.host_lr_scale, bool) or not scale > 0 or math.isinf(scale):
                 _fail("host_lr_scale", self.host_lr_scale, 'a float > 0, "interval" or "auto"')
             self.host_lr_scale = scale
-        if isinstance(self.host_step_guard, str) and self.host_step_guard.strip().lower() == "off":
-            self.host_step_guard = "off"
+        if isinstance(self.host_step_guard, str) and self.host_step_guard.strip().lower() in ("off", "auto"):
+            self.host_step_guard = self.host_step_guard.strip().lower()
         else:
             try:
                 ratio = float(self.host_step_guard)
             except (TypeError, ValueError):
                 ratio = float("nan")
             if isinstance(self.host_step_guard, bool) or not ratio > 1 or math.isinf(ratio):
-                _fail("host_step_guard", self.host_step_guard, 'a float > 1 or "off"')
+                _fail("host_step_guard", self.host_step_guard, 'a float > 1, "auto" or "off"')
             self.host_step_guard = ratio
         if self.host_sum_dtype != "float32" and sums_on_device(self.accumulate_on):
             raise ValueError(

@@ -37,7 +37,7 @@ CASES = [
     ("host_lr_scale", "2.5", 2.5, {}),
     ("host_lr_scale", "Interval", "interval", {}),
     ("host_step_guard", "3", 3.0, {}),
-    ("host_step_guard", "2.5", 2.5, {}),
+    ("host_step_guard", "OFF", "off", {}),
     ("min_offload_numel", "12345", 12345, {}),
     ("accumulate_on", "Device", "device", {}),
     ("host_grad_dtype", "BFloat16", "bfloat16", {}),
