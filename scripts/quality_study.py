@@ -83,10 +83,10 @@ def grid(name: str) -> list[TrialSetting]:
     raise ValueError(f"unknown grid {name!r}: allowed are full, minilm, lm, lm-small, lm3, lm2, default.")
 
 
-def prepare(task_name: str, seed: int) -> tuple[Any, CompareConfig]:
+def prepare(task_name: str, seed: int, lr: float | None = None) -> tuple[Any, CompareConfig]:
     from hf_zenflow.compare.data import prepare_task
 
-    spec = dict(TASKS[task_name])
+    spec = dict(TASKS[task_name], **({"lr": lr} if lr is not None else {}))
     lora = spec.pop("lora", False)
     layers = spec.pop("layers", None)
     cfg = CompareConfig(seed=seed, quiet=True, log_every=0, **spec)
@@ -129,13 +129,13 @@ def run(args: argparse.Namespace) -> int:
         todo = [s for s in runs if (args.task, seed, label(s)) not in done]
         if not todo:
             continue
-        task, cfg = prepare(args.task, seed)
+        task, cfg = prepare(args.task, seed, args.lr)
         device = cfg.resolved_device()
         for setting in todo:
             t0 = time.perf_counter()
             rec = run_trial("zenflow" if setting else "adamw_torch", task, cfg, device, setting,
                             **(overrides if setting else {}))
-            rec.update(task=args.task, seed=seed, label=label(setting), zenflow_overrides=overrides,
+            rec.update(task=args.task, seed=seed, label=label(setting), zenflow_overrides=overrides, lr=cfg.lr,
                        utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                        zenflow_defaults=dataclasses.asdict(library_default_setting()))
             with out.open("a") as f:
@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", choices=sorted(TASKS), required=True)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--grid", default="minilm")
+    p.add_argument("--lr", type=float, default=None, help="the peak learning rate (default: the task's)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--zenflow", nargs="*", default=[],
                    help="compare-runner ZenFlow fields KEY=VALUE for every ZenFlow run (e.g. min_offload_numel=0)")
