@@ -117,8 +117,11 @@ def run(args: argparse.Namespace) -> int:
         for line in out.read_text().splitlines():
             r = json.loads(line)
             done.add((r["task"], r["seed"], r["label"]))
-    settings = grid(args.grid)
     overrides = parse_settings(" ".join(args.zenflow))
+    # a field the grid's settings carry (topk_ratio, update_interval, host_lr_scale, writeback_lag) is set in the
+    # setting itself, whose own value would otherwise win in `run_trial`; its label then says it
+    varied = {k: overrides.pop(k) for k in [f.name for f in dataclasses.fields(TrialSetting)] if k in overrides}
+    settings = [dataclasses.replace(s, **varied) for s in grid(args.grid)]
     suffix = "".join(f" {k}={v}" for k, v in sorted(overrides.items()))
 
     def label(s: TrialSetting | None) -> str:
