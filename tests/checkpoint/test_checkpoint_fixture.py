@@ -1,4 +1,4 @@
-"""A checkpoint written before the re-layout of the package (issue 25) loads and continues the run as it would have.
+"""A checkpoint written before the re-layout of the package loads and continues the run as it would have.
 
 `tests/data/checkpoint_fixture.pt` holds a ZenFlowAdamW state taken mid-window by the package as it stood then
 (`tests/data/make_checkpoint_fixture.py`), the next two batches, and the weights and losses those two steps gave.
@@ -23,9 +23,14 @@ def test_checkpoint_from_before_the_relayout_continues_the_run() -> None:
     losses = [train_step(model, opt, batch) for batch in fixture["batches"]]
     opt.flush()
     opt.close()
-    assert losses == fixture["expected_losses"]
+    # Within a few units in the last place, not bit for bit: the fixture was written on another CPU, and the matrix
+    # products of forward and backward (oneDNN / MKL pick their kernels by the CPU's vector width) round a gradient
+    # element differently between AVX2 and AVX-512 machines. A state restored wrongly (moments, step count, the
+    # window's position or its pending host result) moves the weights by the order of the learning rate, 1e-2 here.
+    torch.testing.assert_close(losses, fixture["expected_losses"], rtol=1e-6, atol=0.0)
     for name, value in model.state_dict().items():
-        # exact, like the losses: the same arithmetic in the same order as the run that wrote the fixture
-        assert torch.equal(value, fixture["expected_model"][name]), name
-    # the continued steps moved the weights: the comparison above is not between two copies of the saved state
-    assert any(not torch.equal(fixture["model"][k], v) for k, v in fixture["expected_model"].items())
+        torch.testing.assert_close(value, fixture["expected_model"][name], rtol=1e-6, atol=1e-7, msg=name)
+    # the continued steps moved the weights far beyond that tolerance: the comparison above is not between two
+    # copies of the saved state
+    moved = max((fixture["model"][k] - v).abs().max().item() for k, v in fixture["expected_model"].items())
+    assert moved > 1e-3
