@@ -1,8 +1,9 @@
 """Check the bound model's host side against the real engine on this machine (a developer check, not a benchmark).
 
 `hf-zenflow estimate` models each host pass as the longer of its core work (host AdamWs at the measured per-core
-rate) and its memory traffic (bytes over the measured bandwidth). This script runs the real host code on this
-machine, one process, side by side:
+rate; ZenFlow's window pass, accumulation and write-back rounding cost a number of AdamWs that
+`host_rates.measure_host_rates` times on one thread over 32M elements) and its memory traffic (bytes over the
+measured bandwidth). This script runs the real host code on this machine, one process, side by side:
 
 * synchronous offload: `SyncOffloadAdamW`'s host AdamW per step (``cp_host_update_ms``);
 * ZenFlow, window summed on the host: the worker's accumulation job per step (``accumulate_ms``) and its window AdamW
@@ -10,7 +11,9 @@ machine, one process, side by side:
 
 on a bf16 model of ``--params`` parameters in square matrices, every matrix offloaded, with ``--threads`` host
 threads, and prints each measured median beside the model's figure for the same pass on this machine as the host
-(`host_rates.measure_host_rates`: its fused AdamW rate on those threads and its memory bandwidth), with the ratio.
+(`host_rates.measure_host_rates`: its fused AdamW rate on those threads, its passes in AdamWs and its memory
+bandwidth), with the ratio. What it checks: that one window's jobs in the engine (the worker, several matrices, the
+threads) cost what the per-pass model composes from those measurements.
 Exit status 1 when a ratio is outside ``1 +- --tolerance``.
 
     python scripts/check_bound_model.py --params 16e6 --threads 1 --windows 6
@@ -112,7 +115,9 @@ def main() -> int:
         memory = nbytes * n / (host.host_mem_gbps * 1e9) * 1e3
         return max(core, memory)
 
-    passes = {name: (adamws, nbytes) for name, _, adamws, nbytes in zenflow_host_passes(args.interval, False)}
+    passes = {name: (adamws, nbytes) for name, _, adamws, nbytes in zenflow_host_passes(
+        args.interval, False, window_adamws=host.host_window_adamws, accumulate_adamws=host.host_accumulate_adamws,
+        rounding_adamws=host.host_rounding_adamws)}
     modelled = {
         "sync offload: host AdamW per step": pass_ms(1.0, HOST_ADAMW_BYTES_PER_PARAM),
         "ZenFlow: accumulation per step": pass_ms(*passes["accumulation"]),

@@ -17,8 +17,11 @@ The model's constants:
 * host: every host pass takes the longer of its core work and its memory traffic (a roofline per pass; the passes run
   one after another on the host worker). Core work: host AdamWs at the per-core rate (DeepSpeed's published CPUAdam
   rate, 7e9 parameters in 4.6 s on 128 threads, `profiles.PUBLISHED_HOST_PARAMS_PER_S`, or this machine's measured
-  one, `host_rates`) times the profile's cores; one step's accumulation is `ACCUMULATE_VS_ADAMW` of a host AdamW (a
-  measured ratio: BENCHMARKS.md); a pass that only moves bytes (the write-back rounding) has none. Memory
+  one, `host_rates`) times the profile's cores; ZenFlow's window pass, one step's accumulation and the write-back
+  rounding cost the profile's ``host_window_adamws``, ``host_accumulate_adamws`` and ``host_rounding_adamws`` host
+  AdamWs (this machine's engine passes timed against its fused AdamW, `host_rates.measure_host_rates`;
+  `profiles.WINDOW_PASS_VS_ADAMW`, `profiles.ACCUMULATE_VS_ADAMW` and `profiles.ROUNDING_VS_ADAMW`, none for the
+  rounding, where nothing was measured). Memory
   traffic: the bytes per offloaded parameter each pass reads and writes in its dtypes (`zenflow_host_passes`,
   ``HOST_ADAMW_BYTES_PER_PARAM`` for synchronous offload), over ``host_mem_gbps``, a STREAM-like sustained figure of a
   typical server of the profile's class (`profiles.HOST_MEMORY_SOURCES`; STREAM counts a byte read once and a byte
@@ -65,7 +68,13 @@ from hf_zenflow.estimate.memory import (
     device_memory_gb,
     zenflow_host_bytes_per_param,
 )
-from hf_zenflow.estimate.profiles import HOST_ADAMW_BYTES_PER_PARAM, HardwareProfile
+from hf_zenflow.estimate.profiles import (
+    ACCUMULATE_VS_ADAMW,
+    HOST_ADAMW_BYTES_PER_PARAM,
+    ROUNDING_VS_ADAMW,
+    WINDOW_PASS_VS_ADAMW,
+    HardwareProfile,
+)
 from hf_zenflow.estimate.ranks import RankSplit
 
 
@@ -76,8 +85,6 @@ DEVICE_ADAMW_BYTES_PER_PARAM = 28
 LINK_BYTES_PER_PARAM = 2
 
 
-#: One step's host accumulation, as a fraction of one host AdamW's core work (measured, see the module docstring).
-ACCUMULATE_VS_ADAMW = 0.54
 def host_state_bytes(host_moments: str = DEFAULT_HOST_MOMENTS) -> float:
     """Bytes per offloaded parameter the window's host AdamW pass reads and writes of its state: the fp32 master and
     the two moments, each read and written (24 with fp32 moments, 16 with bf16 ones)."""
@@ -111,10 +118,14 @@ def _bound(parts: dict[str, float]) -> tuple[float, str]:
 
 
 def zenflow_host_passes(update_interval: float, on_device: bool, bf16_sums: bool = False,
-                        host_moments: str = DEFAULT_HOST_MOMENTS) -> list[tuple[str, float, float, float]]:
+                        host_moments: str = DEFAULT_HOST_MOMENTS, window_adamws: float = WINDOW_PASS_VS_ADAMW,
+                        accumulate_adamws: float = ACCUMULATE_VS_ADAMW,
+                        rounding_adamws: float = ROUNDING_VS_ADAMW) -> list[tuple[str, float, float, float]]:
     """ZenFlow's host work in one window, pass by pass: (pass, how many per window, core work in host AdamWs, host
-    memory bytes per offloaded parameter), with a bf16 model and host moments in `host_moments` (the AdamW pass's
-    core work is counted at the fp32 pass's rate whatever the moments' dtype).
+    memory bytes per offloaded parameter), with a bf16 model and host moments in `host_moments`; the window's AdamW
+    pass costs `window_adamws` host AdamWs of core work, one step's accumulation `accumulate_adamws`, the write-back
+    rounding `rounding_adamws` (a profile's ``host_window_adamws``, ``host_accumulate_adamws`` and
+    ``host_rounding_adamws``: the same whatever the moments' dtype).
 
     Besides what each pass reads and writes (`HOST_STATE_BYTES`, ...), the DMA that runs beside the passes takes the
     same memory bandwidth and is counted in the pass it overlaps: with host accumulation each step's bf16 gradient
@@ -129,21 +140,21 @@ def zenflow_host_passes(update_interval: float, on_device: bool, bf16_sums: bool
     """
     u = max(1.0, float(update_interval))
     state = host_state_bytes(host_moments)
-    rounding = ("write-back rounding", 1.0, 0.0, float(HOST_ROUNDING_BYTES))
+    rounding = ("write-back rounding", 1.0, rounding_adamws, float(HOST_ROUNDING_BYTES))
     if on_device:
         widen = [("bf16 sum widened", 1.0, 0.0, float(HOST_WIDEN_BYTES))] if bf16_sums else []
-        return [*widen, ("window AdamW", 1.0, 1.0, float(FP32_BYTES + state + BF16_BYTES)), rounding]
+        return [*widen, ("window AdamW", 1.0, window_adamws, float(FP32_BYTES + state + BF16_BYTES)), rounding]
     landing = BF16_BYTES
     passes = []
     if u > 1:
         # the window's first gradient is written into the sum (read bf16, write fp32), later ones added to it
-        passes.append(("first accumulation", 1.0, ACCUMULATE_VS_ADAMW, float(landing + BF16_BYTES + FP32_BYTES)))
+        passes.append(("first accumulation", 1.0, accumulate_adamws, float(landing + BF16_BYTES + FP32_BYTES)))
     if u > 2:
-        passes.append(("accumulation", u - 2, ACCUMULATE_VS_ADAMW,
+        passes.append(("accumulation", u - 2, accumulate_adamws,
                        float(landing + BF16_BYTES + 2 * FP32_BYTES)))
     # the last gradient folded into the AdamW pass: the sum read unless the window is that gradient alone
     window = landing + BF16_BYTES + (FP32_BYTES if u > 1 else 0) + state + BF16_BYTES
-    return [*passes, ("window AdamW", 1.0, 1.0, float(window)), rounding]
+    return [*passes, ("window AdamW", 1.0, window_adamws, float(window)), rounding]
 
 
 def _host_pass_ms(profile: HardwareProfile, params: float, core_share: float, adamws: float,
@@ -219,7 +230,10 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
         link_down = sums_link / u if on_device else link  # one sum per window, or every bf16 gradient
         work = core_total = memory_total = 0.0
         chain = sums_link if on_device else link  # what the host step waits for: the sums, or the last gradient
-        for name, count, adamws, nbytes in zenflow_host_passes(u, on_device, sum_bytes == BF16_BYTES, host_moments):
+        for name, count, adamws, nbytes in zenflow_host_passes(u, on_device, sum_bytes == BF16_BYTES, host_moments,
+                                                               profile.host_window_adamws,
+                                                               profile.host_accumulate_adamws,
+                                                               profile.host_rounding_adamws):
             core, memory = _host_pass_ms(profile, n * share, split.core_share, adamws, nbytes)
             work += count * max(core, memory)
             core_total += count * core
@@ -280,5 +294,5 @@ def interval_to_unbind(profile: HardwareProfile, params: float, tokens_per_step:
     return None
 
 
-__all__ = ["ACCUMULATE_VS_ADAMW", "AUTO_ROWS", "DEVICE_ADAMW_BYTES_PER_PARAM", "LINK_BYTES_PER_PARAM",
+__all__ = ["AUTO_ROWS", "DEVICE_ADAMW_BYTES_PER_PARAM", "LINK_BYTES_PER_PARAM",
            "activation_gb", "auto_accumulation", "interval_to_unbind", "schedule_model", "zenflow_host_passes"]

@@ -1,17 +1,21 @@
-"""This host's figures, measured: the fused CPU AdamW rate at 1..N threads and the memory bandwidth.
+"""This host's figures, measured: the fused CPU AdamW rate at 1..N threads, the memory bandwidth, and ZenFlow's own
+host passes (the window's AdamW pass, one step's accumulation, the write-back rounding) against the fused AdamW on one
+thread.
 
 `estimate` and `compare` project with the host they run on, not with a published constant: a user who runs them on
 their own GPU box gets their own host's figures. `measure_host_rates` takes a second or two (an AdamW over
-`ADAMW_PARAMS` fp32 parameters, a few times, at 1, 2, 4, ... and N threads; one large copy for the bandwidth) and is
-cached per process. `host_profile` puts the measured AdamW rate per core into a `HardwareProfile`, whose device and
-link stay the profile's. A preset also keeps its host's cores, memory bandwidth and RAM
+`ADAMW_PARAMS` fp32 parameters, a few times, at 1, 2, 4, ... and N threads; one large copy for the bandwidth; the
+engine's window pass, accumulation and rounding over `PASS_PARAMS` elements on one thread) and is cached per
+process. `host_profile` puts the measured AdamW rate per core and the passes' cost in AdamWs into a `HardwareProfile`,
+whose device and link stay the profile's. A preset also keeps its host's cores, memory bandwidth and RAM
 (`profiles.HOST_MEMORY_SOURCES`, `profiles.HOST_RAM_SOURCES`: a typical server of its class), so the projection is
 this machine's per-core rate on that server, capped by that server's memory; a JSON profile keeps the host fields
 it sets and takes the others from this machine (its RAM: `this_machine_ram_gb`); ``--host-cores``,
 ``--host-memory-gbps`` and ``--host-mem-gb`` win over both.
 
 Example:
-    >>> rates = HostRates(cores=2, adamw_params_per_s={1: 1.0e9, 2: 1.6e9}, mem_gbps=30.0)
+    >>> rates = HostRates(cores=2, adamw_params_per_s={1: 1.0e9, 2: 1.6e9}, mem_gbps=30.0, window_adamws=1.6,
+    ...                   accumulate_adamws=0.4)
     >>> rates.params_per_s(2), rates.params_per_s(4)
     (1600000000.0, 4000000000.0)
 """
@@ -29,6 +33,7 @@ import torch
 
 from hf_zenflow._base import fused_adamw_, torch_threads
 from hf_zenflow.estimate.profiles import (
+    ACCUMULATE_VS_ADAMW,
     HOST_ADAMW_BYTES_PER_PARAM,
     HOST_FIELDS,
     HOST_MEMORY_SOURCES,
@@ -36,15 +41,21 @@ from hf_zenflow.estimate.profiles import (
     PROFILES,
     PUBLISHED_HOST_CORES,
     PUBLISHED_HOST_PARAMS_PER_S,
+    ROUNDING_VS_ADAMW,
+    WINDOW_PASS_VS_ADAMW,
 )
 from hf_zenflow.settings.threads import rank_cpu_count
 
 
-#: fp32 parameters of the timed AdamW (with grad and moments 16 B each: 128 MiB, beyond any cache).
+#: fp32 parameters of the timed AdamW (with grad and moments 16 B each: 128 MiB).
 ADAMW_PARAMS = 8 * 1024 * 1024
+#: Elements of the timed ZenFlow passes: 448 MiB of host state, sum and gradient, beyond the last-level cache of
+#: today's servers (a pass over the whole model streams from memory; a small one would run from cache).
+PASS_PARAMS = 32 * 1024 * 1024
 #: Bytes of the timed copy (read once, written once).
 COPY_BYTES = 256 * 1024 * 1024
 REPEATS = 4
+PASS_REPEATS = 3
 #: Host fields a preset keeps: its typical server's cores, memory bandwidth and RAM (the AdamW rate is measured here).
 PRESET_HOST_FIELDS = ("host_cores", "host_mem_gbps", "host_mem_gb")
 #: Bytes per parameter of the timed AdamW (`_time_adamw`: fp32 param, grad, exp_avg, exp_avg_sq read; param and
@@ -55,12 +66,16 @@ TIMED_ADAMW_BYTES_PER_PARAM = 28
 @dataclass(frozen=True)
 class HostRates:
     """Measured on this host: fused AdamW parameters/s by thread count, memory bandwidth (copy: bytes read plus
-    written per second), and the cores this process may use."""
+    written per second), the cores this process may use, and ZenFlow's window pass, one step's accumulation and the
+    write-back rounding in fused AdamWs on one thread (their time over the AdamW's per element)."""
 
     cores: int
     adamw_params_per_s: dict[int, float]
     mem_gbps: float
     seconds: float = 0.0
+    window_adamws: float = WINDOW_PASS_VS_ADAMW
+    accumulate_adamws: float = ACCUMULATE_VS_ADAMW
+    rounding_adamws: float = ROUNDING_VS_ADAMW
 
     def params_per_s(self, cores: int) -> float:
         """AdamW rate on `cores` threads: measured where measured, linear between measured counts, and beyond this
@@ -93,14 +108,17 @@ class HostRates:
         per = ", ".join(f"{k} thread{'s' if k > 1 else ''} {v / 1e9:.2f}" for k, v in
                         sorted(self.adamw_params_per_s.items()))
         text = (f"measured on this machine ({self.cores} cores, {self.seconds:.1f} s): fused CPU AdamW, Gparam/s at "
-                f"{per}; memory copy {self.mem_gbps:.1f} GB/s")
+                f"{per}; memory copy {self.mem_gbps:.1f} GB/s; ZenFlow's passes in AdamWs: window "
+                f"{self.window_adamws:.2f}, accumulation {self.accumulate_adamws:.2f}, write-back rounding "
+                f"{self.rounding_adamws:.2f}")
         if cores is not None:
             text += f"; projected on {cores} host core(s): {self.params_per_s(cores) / 1e9:.2f} Gparam/s"
         return text
 
     def to_dict(self) -> dict[str, Any]:
         return {"cores": self.cores, "adamw_params_per_s": {str(k): v for k, v in self.adamw_params_per_s.items()},
-                "mem_gbps": self.mem_gbps, "seconds": self.seconds}
+                "mem_gbps": self.mem_gbps, "seconds": self.seconds, "window_adamws": self.window_adamws,
+                "accumulate_adamws": self.accumulate_adamws, "rounding_adamws": self.rounding_adamws}
 
 
 def _thread_counts(cores: int) -> list[int]:
@@ -125,6 +143,40 @@ def _time_adamw(threads: int) -> float:
             fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [step], group)
             samples.append(time.perf_counter() - t0)
     return ADAMW_PARAMS / statistics.median(samples[1:])  # the first call pages the buffers in
+
+
+def _time_engine_passes() -> tuple[float, float, float]:
+    """Seconds per element of ZenFlow's window pass, one step's accumulation and the write-back rounding, on one
+    thread: the engine's own code (`engine.host`: the CPU kernels, or torch's operations without a C compiler) on the
+    host state of a bf16 matrix of `PASS_PARAMS` elements in the default layout, its window summed on the host. The
+    window pass reads the sum, folds in the last gradient, takes the mean and runs AdamW; the rounding writes the
+    master into the bf16 write-back buffer."""
+    from hf_zenflow.engine.host import HostLayout, HostMatrix, host_adamw_window
+    from hf_zenflow.settings.config import ZenFlowConfig
+
+    gen = torch.Generator().manual_seed(0)
+    shape = (PASS_PARAMS // 4096, 4096)
+    param = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+    grad = (torch.randn(shape, generator=gen) * 1e-3).to(torch.bfloat16)
+    layout = replace(HostLayout.of(ZenFlowConfig()), writeback_from_master=False)
+    host = HostMatrix.create(param, torch.bfloat16, "host", moments=layout)
+    writeback, host.writeback = host.writeback, None  # (the rounding is timed on its own)
+    hyper = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    window, accumulate, rounding = [], [], []
+    with torch_threads(1), torch.no_grad():
+        for _ in range(PASS_REPEATS + 1):
+            HostMatrix.accumulate_all([(host, grad)], None)  # (the window's first gradient: written, not added)
+            t0 = time.perf_counter()
+            HostMatrix.accumulate_all([(host, grad)], None)
+            t1 = time.perf_counter()
+            host_adamw_window([(hyper, [host])], last=[(host, grad)])
+            t2 = time.perf_counter()
+            writeback.copy_(host.master)
+            rounding.append(time.perf_counter() - t2)
+            window.append(t2 - t1)
+            accumulate.append(t1 - t0)
+    # (the first round pages the buffers in)
+    return tuple(statistics.median(s[1:]) / PASS_PARAMS for s in (window, accumulate, rounding))  # type: ignore
 
 
 def _time_copy(threads: int) -> float:
@@ -161,13 +213,16 @@ def measure_host_rates() -> HostRates:
     t0 = time.perf_counter()
     cores = rank_cpu_count()
     rates = {n: _time_adamw(n) for n in _thread_counts(cores)}
-    return HostRates(cores, rates, _time_copy(cores), time.perf_counter() - t0)
+    window, accumulate, rounding = (s * rates[1] for s in _time_engine_passes())  # (s per element x elements/s)
+    return HostRates(cores, rates, _time_copy(cores), time.perf_counter() - t0, window_adamws=window,
+                     accumulate_adamws=accumulate, rounding_adamws=rounding)
 
 
 def host_profile(profile: Any, rates: HostRates, host_cores: int | None = None,
                  given: tuple[str, ...] = (), host_mem_gbps: float | None = None,
                  host_mem_gb: float | None = None) -> Any:
-    """`profile` with this host's measured AdamW rate per core in place of its own. Fields in `given` (a preset's
+    """`profile` with this host's measured AdamW rate per core, and ZenFlow's passes in AdamWs measured with it, in
+    place of its own. Fields in `given` (a preset's
     cores, memory bandwidth and RAM, or a JSON profile's own host fields) are kept; the others come from this machine
     (its cores, its measured bandwidth, its RAM). `host_cores` / `host_mem_gbps` / `host_mem_gb` (the flags) win over
     both."""
@@ -178,6 +233,9 @@ def host_profile(profile: Any, rates: HostRates, host_cores: int | None = None,
     values: dict[str, Any] = {"host_cores": cores}
     if "host_adamw_per_core" not in given:
         values["host_adamw_per_core"] = rates.params_per_s(cores) / cores
+        values["host_window_adamws"] = rates.window_adamws
+        values["host_accumulate_adamws"] = rates.accumulate_adamws
+        values["host_rounding_adamws"] = rates.rounding_adamws
     if host_mem_gbps is not None:
         values["host_mem_gbps"] = host_mem_gbps
     elif "host_mem_gbps" not in given:

@@ -26,6 +26,15 @@ PUBLISHED_HOST_CORES = 128
 #: pass (2)).
 #: Its gradient lands and its parameter leaves while the host waits (the link phases), so no DMA overlaps the pass.
 HOST_ADAMW_BYTES_PER_PARAM = 30
+#: ZenFlow's host passes in host AdamWs of core work, where they are not measured on this machine
+#: (`host_rates.measure_host_rates` times the engine's own passes against a fused AdamW): the window's AdamW pass
+#: (the window's sum read, its last gradient folded in, the mean taken, AdamW), one step's accumulation, and the
+#: rounding of the master into the bf16 write-back buffer (counted by its bytes alone when not measured).
+WINDOW_PASS_VS_ADAMW = 1.0
+ACCUMULATE_VS_ADAMW = 0.54
+ROUNDING_VS_ADAMW = 0.0
+#: Fields that may be 0 (a pass with no core work counted); every other field must be > 0.
+ZERO_ALLOWED_FIELDS = ("host_rounding_adamws",)
 
 
 #: Fields a JSON profile must give: the device, its link, the GPU-to-GPU interconnect and the fraction of peak FLOP/s
@@ -69,14 +78,20 @@ class HardwareProfile:
     # host AdamW parameters/s per core: the published CPUAdam rate unless measured (`host_rates.host_profile`)
     host_adamw_per_core: float = PUBLISHED_HOST_PARAMS_PER_S / PUBLISHED_HOST_CORES
     host_mem_gb: float = 256.0  # the node's host RAM, GB: what the offloaded optimizer state must fit in
+    # ZenFlow's window pass, one step's accumulation and the write-back rounding, in host AdamWs of core work
+    # (measured: `host_rates`)
+    host_window_adamws: float = WINDOW_PASS_VS_ADAMW
+    host_accumulate_adamws: float = ACCUMULATE_VS_ADAMW
+    host_rounding_adamws: float = ROUNDING_VS_ADAMW
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if f.name == "name":
                 continue
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-                raise ValueError(f"HardwareProfile.{f.name}={value!r} is invalid: allowed is a finite number > 0.")
+            value, floor = getattr(self, f.name), ">= 0" if f.name in ZERO_ALLOWED_FIELDS else "> 0"
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
+                    or math.isinf(value) or not (value >= 0 if f.name in ZERO_ALLOWED_FIELDS else value > 0)):
+                raise ValueError(f"HardwareProfile.{f.name}={value!r} is invalid: allowed is a finite number {floor}.")
         if self.mfu > 1:
             raise ValueError(f"HardwareProfile.mfu={self.mfu!r} is invalid: allowed is a fraction in (0, 1].")
 
@@ -198,5 +213,6 @@ def load_profile(spec: str, published_host: bool = False) -> HardwareProfile:
     raise ValueError(f"--hardware {spec!r} is neither a preset ({', '.join(sorted(PROFILES))}) nor a JSON file.")
 
 
-__all__ = ["DEVICE_FIELDS", "HOST_ADAMW_BYTES_PER_PARAM", "HOST_FIELDS", "HOST_MEMORY_SOURCES", "HOST_RAM_SOURCES",
-           "PROFILES", "PUBLISHED_HOST_CORES", "PUBLISHED_HOST_PARAMS_PER_S", "HardwareProfile", "load_profile"]
+__all__ = ["ACCUMULATE_VS_ADAMW", "DEVICE_FIELDS", "HOST_ADAMW_BYTES_PER_PARAM", "HOST_FIELDS", "HOST_MEMORY_SOURCES",
+           "HOST_RAM_SOURCES", "PROFILES", "PUBLISHED_HOST_CORES", "PUBLISHED_HOST_PARAMS_PER_S", "ROUNDING_VS_ADAMW",
+           "WINDOW_PASS_VS_ADAMW", "ZERO_ALLOWED_FIELDS", "HardwareProfile", "load_profile"]

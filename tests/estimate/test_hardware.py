@@ -12,14 +12,13 @@ from hf_zenflow.cli import main
 from hf_zenflow.estimate import memory
 from hf_zenflow.estimate.advice import advice, format_schedule_model
 from hf_zenflow.estimate.hardware import (
-    ACCUMULATE_VS_ADAMW,
     activation_gb,
     auto_accumulation,
     interval_to_unbind,
     schedule_model,
     zenflow_host_passes,
 )
-from hf_zenflow.estimate.profiles import PROFILES, HardwareProfile, load_profile
+from hf_zenflow.estimate.profiles import ACCUMULATE_VS_ADAMW, PROFILES, HardwareProfile, load_profile
 
 
 @pytest.fixture(autouse=True)
@@ -78,6 +77,27 @@ def test_schedule_model_matches_hand_computed_times() -> None:
     # bf16 weights and gradients (held until the step) and the selected tenth's state and gathered gradient
     assert zen["device_memory_gb"] == pytest.approx(4.0 + 0.1 * memory.SELECTED_BYTES, abs=1e-9)
     assert rows["no_offload"]["device_memory_gb"] == pytest.approx(16.0) and rows["no_offload"]["fits_device_memory"]
+
+
+def test_a_profiles_measured_passes_set_zenflows_host_core_work() -> None:
+    """The window pass, the accumulation and the rounding cost the profile's `host_window_adamws`,
+    `host_accumulate_adamws` and `host_rounding_adamws` AdamWs (this machine's engine measured against its fused
+    AdamW), not fixed constants; a pass's memory traffic still bounds it from below."""
+    from dataclasses import replace
+
+    slow = replace(PROFILE, host_window_adamws=1.7, host_accumulate_adamws=0.1, host_rounding_adamws=0.5)
+    zen = schedule_model(slow, params=1e9, tokens_per_step=1000, topk_ratio=0.1, update_interval=4)["zenflow"]
+    adamw = ADAMW_CORE_MS  # 657 ms: an accumulation's 0.1 of it (66 ms) is under its bytes (80, then 120 ms)
+    assert zen["host_ms"] == pytest.approx((80 + 2 * 120 + 1.7 * adamw + 0.5 * adamw) / 4)
+    assert zen["host_chain_ms"] == pytest.approx(100 + 1.7 * adamw + 0.5 * adamw)
+
+
+def test_a_profile_refuses_a_negative_pass_cost_and_takes_a_rounding_without_core_work() -> None:
+    assert HardwareProfile("t", host_rounding_adamws=0.0).host_rounding_adamws == 0.0
+    with pytest.raises(ValueError, match=r"host_rounding_adamws=-0.1 is invalid: allowed is a finite number >= 0"):
+        HardwareProfile("t", host_rounding_adamws=-0.1)
+    with pytest.raises(ValueError, match=r"host_window_adamws=0.0 is invalid: allowed is a finite number > 0"):
+        HardwareProfile("t", host_window_adamws=0.0)
 
 
 def test_host_passes_take_the_profiles_memory_bandwidth_when_it_binds() -> None:

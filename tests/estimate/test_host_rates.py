@@ -121,3 +121,21 @@ def test_measure_host_rates_is_quick_and_cached() -> None:
     assert rates is host_rates.measure_host_rates()
     assert set(rates.adamw_params_per_s) >= {1, rates.cores}
     assert all(v > 0 for v in rates.adamw_params_per_s.values()) and rates.mem_gbps > 0
+    # ZenFlow's passes timed against the AdamW: in AdamWs, and not the defaults' numbers by accident of a stub
+    assert rates.window_adamws > 0 and rates.accumulate_adamws > 0 and rates.rounding_adamws > 0
+    # one add, and one conversion, against a whole AdamW pass with the sum folded in
+    assert max(rates.accumulate_adamws, rates.rounding_adamws) < rates.window_adamws
+
+
+def test_host_profile_carries_the_measured_passes_and_the_published_host_keeps_the_defaults() -> None:
+    rates = HostRates(cores=4, adamw_params_per_s={1: 1.0e9}, mem_gbps=40.0, window_adamws=1.7, accumulate_adamws=0.3,
+                      rounding_adamws=0.5)
+    measured = host_rates.host_profile(PROFILES["h100-80gb-pcie5"], rates, given=host_rates.PRESET_HOST_FIELDS)
+    assert (measured.host_window_adamws, measured.host_accumulate_adamws, measured.host_rounding_adamws) == (
+        1.7, 0.3, 0.5)
+    # --host-from-profile: the published CPUAdam rate is kept, and nothing measured here is put beside it
+    published = host_rates.host_profile(PROFILES["h100-80gb-pcie5"], rates,
+                                        given=(*host_rates.PRESET_HOST_FIELDS, "host_adamw_per_core"))
+    preset = PROFILES["h100-80gb-pcie5"]
+    assert (published.host_window_adamws, published.host_accumulate_adamws, published.host_rounding_adamws) == (
+        preset.host_window_adamws, preset.host_accumulate_adamws, preset.host_rounding_adamws)
