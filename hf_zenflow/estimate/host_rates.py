@@ -156,8 +156,8 @@ def _time_engine_passes() -> tuple[float, float, float]:
 
     gen = torch.Generator().manual_seed(0)
     shape = (PASS_PARAMS // 4096, 4096)
-    param = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-    grad = (torch.randn(shape, generator=gen) * 1e-3).to(torch.bfloat16)
+    param = torch.randn(shape, generator=gen, dtype=torch.bfloat16).mul_(0.02)
+    grad = torch.randn(shape, generator=gen, dtype=torch.bfloat16).mul_(1e-3)
     layout = replace(HostLayout.of(ZenFlowConfig()), writeback_from_master=False)
     host = HostMatrix.create(param, torch.bfloat16, "host", moments=layout)
     writeback, host.writeback = host.writeback, None  # (the rounding is timed on its own)
