@@ -14,8 +14,7 @@ it sets and takes the others from this machine (its RAM: `this_machine_ram_gb`);
 ``--host-memory-gbps`` and ``--host-mem-gb`` win over both.
 
 Example:
-    >>> rates = HostRates(cores=2, adamw_params_per_s={1: 1.0e9, 2: 1.6e9}, mem_gbps=30.0, window_adamws=1.6,
-    ...                   accumulate_adamws=0.4)
+    >>> rates = HostRates(cores=2, adamw_params_per_s={1: 1.0e9, 2: 1.6e9}, mem_gbps=30.0)
     >>> rates.params_per_s(2), rates.params_per_s(4)
     (1600000000.0, 4000000000.0)
 """
@@ -175,8 +174,10 @@ def _time_engine_passes() -> tuple[float, float, float]:
             rounding.append(time.perf_counter() - t2)
             window.append(t2 - t1)
             accumulate.append(t1 - t0)
-    # (the first round pages the buffers in)
-    return tuple(statistics.median(s[1:]) / PASS_PARAMS for s in (window, accumulate, rounding))  # type: ignore
+    def per_element(samples: list[float]) -> float:
+        return statistics.median(samples[1:]) / PASS_PARAMS  # (the first round pages the buffers in)
+
+    return per_element(window), per_element(accumulate), per_element(rounding)
 
 
 def _time_copy(threads: int) -> float:
@@ -222,10 +223,9 @@ def host_profile(profile: Any, rates: HostRates, host_cores: int | None = None,
                  given: tuple[str, ...] = (), host_mem_gbps: float | None = None,
                  host_mem_gb: float | None = None) -> Any:
     """`profile` with this host's measured AdamW rate per core, and ZenFlow's passes in AdamWs measured with it, in
-    place of its own. Fields in `given` (a preset's
-    cores, memory bandwidth and RAM, or a JSON profile's own host fields) are kept; the others come from this machine
-    (its cores, its measured bandwidth, its RAM). `host_cores` / `host_mem_gbps` / `host_mem_gb` (the flags) win over
-    both."""
+    place of its own. Fields in `given` (a preset's cores, memory bandwidth and RAM, or a JSON profile's own host
+    fields) are kept; the others come from this machine (its cores, its measured bandwidth, its RAM).
+    `host_cores` / `host_mem_gbps` / `host_mem_gb` (the flags) win over both."""
     if host_cores is not None:
         cores = host_cores
     else:

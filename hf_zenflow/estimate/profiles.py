@@ -88,10 +88,11 @@ class HardwareProfile:
         for f in fields(self):
             if f.name == "name":
                 continue
-            value, floor = getattr(self, f.name), ">= 0" if f.name in ZERO_ALLOWED_FIELDS else "> 0"
-            if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
-                    or math.isinf(value) or not (value >= 0 if f.name in ZERO_ALLOWED_FIELDS else value > 0)):
-                raise ValueError(f"HardwareProfile.{f.name}={value!r} is invalid: allowed is a finite number {floor}.")
+            value, zero_ok = getattr(self, f.name), f.name in ZERO_ALLOWED_FIELDS
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isinf(value)
+                    or not (value >= 0 if zero_ok else value > 0)):  # (NaN fails both comparisons)
+                raise ValueError(f"HardwareProfile.{f.name}={value!r} is invalid: allowed is a finite number "
+                                 f"{'>= 0' if zero_ok else '> 0'}.")
         if self.mfu > 1:
             raise ValueError(f"HardwareProfile.mfu={self.mfu!r} is invalid: allowed is a fraction in (0, 1].")
 
