@@ -4,8 +4,9 @@ Every variant runs the engine's own pass (`host_adamw_window`) on a matrix whose
 `--interval` steps summed on the device): fp32 moments through the CPU kernel (the default) and through torch's fused
 AdamW (no compiler), bf16 moments through the kernel and through torch (in pieces), and 8-bit moments through the
 kernel and through the torch pass, and 8-bit moments with a bf16 window sum (``host_sum_dtype="bfloat16"``) through
-the kernel. Then the per-step add of a gradient into the window sum (`kernels.accumulate`, an fp32 gradient) into an
-fp32 sum and into a bf16 one.
+the kernel, of every column or of the unselected ones only (``host_sum_columns="unselected"``, every tenth column on
+the device: r=0.1). Then the per-step add of a gradient into the window sum (an fp32 gradient) into an fp32 sum, a
+bf16 one (`kernels.accumulate`) and a bf16 one of the unselected columns (the engine's gathered add).
 The variants take turns, `--repeats` rounds, so that a busy machine slows them alike; the median of each is reported
 with its ratio to the fp32 kernel pass. Bytes moved per parameter (read + written): fp32 28, bf16 20, int8 ~16.
 
@@ -26,15 +27,22 @@ from hf_zenflow.engine.host import HostLayout, HostMatrix, host_adamw_window
 from hf_zenflow.transport.cpu_device import kernels
 
 
-VARIANTS = {  # name: (moment dtype, use the CPU kernel, window sum dtype)
-    "fp32 kernel": (torch.float32, True, torch.float32),
-    "fp32 torch": (torch.float32, False, torch.float32),
-    "bf16 kernel": (torch.bfloat16, True, torch.float32),
-    "bf16 torch": (torch.bfloat16, False, torch.float32),
-    "int8 kernel": (torch.int8, True, torch.float32),
-    "int8 torch": (torch.int8, False, torch.float32),
-    "int8 kernel, bf16 sum": (torch.int8, True, torch.bfloat16),
+VARIANTS = {  # name: (moment dtype, use the CPU kernel, window sum dtype, a sum of the unselected columns)
+    "fp32 kernel": (torch.float32, True, torch.float32, False),
+    "fp32 torch": (torch.float32, False, torch.float32, False),
+    "bf16 kernel": (torch.bfloat16, True, torch.float32, False),
+    "bf16 torch": (torch.bfloat16, False, torch.float32, False),
+    "int8 kernel": (torch.int8, True, torch.float32, False),
+    "int8 torch": (torch.int8, False, torch.float32, False),
+    "int8 kernel, bf16 sum": (torch.int8, True, torch.bfloat16, False),
+    "int8 kernel, bf16 sum of the unselected columns": (torch.int8, True, torch.bfloat16, True),
 }
+#: The device columns of the unselected-columns variants: every tenth (r=0.1).
+SELECTED_EVERY = 10
+
+
+def _unselected(cols: int) -> torch.Tensor:
+    return torch.tensor([c for c in range(cols) if c % SELECTED_EVERY], dtype=torch.long)
 
 
 def _use_kernels(on: bool) -> None:
@@ -63,18 +71,21 @@ def main() -> None:
     landed = torch.randn(rows, cols, generator=gen) * 1e-3 * args.interval
     hyper = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     states = {}
-    for name, (dtype, _, sums) in VARIANTS.items():
+    kept = _unselected(cols)
+    for name, (dtype, _, sums, unselected) in VARIANTS.items():
         # (a bf16 sum is the host's: summed on the host; an fp32 one lands from the device, the same pass)
         m = HostMatrix.create(weight, torch.float32, accumulate_on="device" if sums == torch.float32 else "host",
-                              moments=HostLayout(moments=dtype, sums=sums))
+                              moments=HostLayout(moments=dtype, sums=sums, unselected_sums=unselected))
+        if unselected:
+            m.keep_sum_columns(kept, 1)
         states[name] = m
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}  # this thread's CPU time: what a busy machine
     # takes from the wall clock (the other processes' turns) is not in it
     for r in range(args.repeats + 1):  # (round 0 warms up: pages, scratch buffers)
-        for name, (_, kernel, _) in VARIANTS.items():
+        for name, (_, kernel, _, unselected) in VARIANTS.items():
             m = states[name]
-            m.accum.copy_(landed)  # (the landed sum: the pass reads it)
+            m.accum.copy_(landed[:, kept] if unselected else landed)  # (the landed sum: the pass reads it)
             m.accum_count = args.interval
             _use_kernels(kernel)
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -116,14 +127,23 @@ def main() -> None:
 
 
 def _accumulate_rounds(shape: torch.Size, repeats: int, gen: torch.Generator) -> dict[str, tuple[float, float]]:
-    """(median wall ms, median CPU ms) of one non-first add into an fp32 and a bf16 window sum."""
+    """(median wall ms, median CPU ms) of one non-first add into an fp32 and a bf16 window sum, and into a bf16 sum
+    of the unselected columns (`HostMatrix.accumulate`: gathered, then the same kernel)."""
     grad = torch.randn(shape, generator=gen) * 1e-3
-    sums = {"fp32": torch.zeros(shape), "bf16": torch.zeros(shape, dtype=torch.bfloat16)}
+    host = HostMatrix.create(torch.zeros(shape), torch.float32, accumulate_on="host",
+                             moments=HostLayout(sums=torch.bfloat16, unselected_sums=True))
+    host.keep_sum_columns(_unselected(shape[1]), 1)
+    sums = {"fp32": torch.zeros(shape), "bf16": torch.zeros(shape, dtype=torch.bfloat16),
+            "bf16, unselected columns,": host}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in sums}
     for r in range(repeats + 1):
         for name, total in sums.items():
             t0, c0 = time.perf_counter(), time.thread_time()
-            kernels.accumulate([total], [grad], 0.5, first=False)
+            if isinstance(total, HostMatrix):
+                total.accum_count = 1  # (not the window's first step: an add)
+                total.accumulate(grad, 0.5)
+            else:
+                kernels.accumulate([total], [grad], 0.5, first=False)
             if r:
                 times[name].append(((time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3))
     return {name: (statistics.median(t for t, _ in ts), statistics.median(c for _, c in ts))

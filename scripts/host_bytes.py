@@ -7,7 +7,8 @@ Each setting trains a fresh copy of the model on the same random batches with Ze
 ``writeback_lag=1``, ``accumulate_on="host"``: the window summed on the host, ``min_offload_numel=0``, one worker
 thread) on the CPU device, then reads every distinct storage the offloaded matrices' host state holds (each counted
 once, however many roles it plays) and `stats()["host_bytes_per_param"]`, which must agree. Per setting: bytes by
-role (master, moments with their block scales, window sum, write-back buffer), bytes per offloaded parameter, and
+role (master, moments with their block scales, window sum and, with ``host_sum_columns="unselected"``, its column
+indices, write-back buffer), bytes per offloaded parameter, and
 the median of the training thread's write-back time per write-back (``host_writeback="master"`` moves a copy there;
 a timing, so only comparable between the rows of one run on an otherwise idle machine).
 """
@@ -33,6 +34,8 @@ SETTINGS = {
     "int8, write-back from master": dict(host_moment_dtype="int8", host_writeback="master"),
     "int8, bf16 sums, write-back from master": dict(host_moment_dtype="int8", host_sum_dtype="bfloat16",
                                                      host_writeback="master"),
+    "int8, bf16 sums of the unselected columns, write-back from master": dict(
+        host_moment_dtype="int8", host_sum_dtype="bfloat16", host_sum_columns="unselected", host_writeback="master"),
 }
 COMMON = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, writeback_lag=1, accumulate_on="host",
               min_offload_numel=0, cpu_threads=1)
@@ -101,9 +104,9 @@ def main() -> None:
     data = [torch.randint(1000, 4000, (args.batch, args.length), generator=gen) for _ in range(args.steps)]
     print(f"{args.model}, {args.steps} steps, {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| setting | master | moments | window sum | write-back buffer | host bytes | offloaded elements | "
-          "B/param (tensors) | stats()['host_bytes_per_param'] | write-back ms, median |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| setting | master | moments | window sum | sum's indices | write-back buffer | host bytes | "
+          "offloaded elements | B/param (tensors) | stats()['host_bytes_per_param'] | write-back ms, median |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, settings in SETTINGS.items():
         model, loss_of = build(args.model)
         opt = ZenFlowAdamW(model.parameters(), lr=5e-5, **{**COMMON, **settings})
@@ -123,8 +126,8 @@ def main() -> None:
         assert stats["host_state_bytes"] == total, (stats["host_state_bytes"], total)
         per = {k: v / elements for k, v in roles.items()}
         print(f"| {label} | {per.get('master', 0):.2f} | {per.get('moments', 0):.5f} | {per.get('accum', 0):.2f} | "
-              f"{per.get('writeback', 0):.2f} | {total} | {elements} | {total / elements:.5f} | "
-              f"{stats['host_bytes_per_param']:.5f} | "
+              f"{per.get('sum_index', 0):.5f} | {per.get('writeback', 0):.2f} | {total} | {elements} | "
+              f"{total / elements:.5f} | {stats['host_bytes_per_param']:.5f} | "
               f"{statistics.median(writeback_ms) if writeback_ms else float('nan'):.2f} |")
 
 

@@ -113,8 +113,9 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
         if split.host is not None:
             h = split.host
             # the open window's sum, wherever it is kept (the host worker is idle: closed windows are applied)
+            # (a sum of the unselected columns only, host_sum_columns="unselected", is saved over every column)
             accum, count = (split.window_sum, split.window_count) if split.window_sum is not None else (
-                h.accum, h.accum_count)
+                h.full_sum() if h.accum_count else h.accum, h.accum_count)
             # moments stored bf16 (host_moment_dtype) are saved widened, exactly: the file format stays fp32, and a
             # resume under either setting restores them (the setting itself is in the saved config)
             # a bf16 window sum (accumulate_on="device_bf16") too: any setting loads it, and "device_bf16" rounds it

@@ -212,6 +212,7 @@ def _restore_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any], in
             fit(entry["device_exp_avg_sq"]), step=entry["device_step"], device=p.device, axis=split.axis,
             grad_dtype=split.grad_dtype,
         )
+        split.fit_host_sum()  # (the restored sum, saved over every column, keeps the unselected ones)
     return split
 
 

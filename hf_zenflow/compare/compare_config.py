@@ -69,6 +69,7 @@ class CompareConfig:
     min_offload_numel: int = _LIBRARY.min_offload_numel
     host_moment_dtype: str = _LIBRARY.host_moment_dtype
     host_sum_dtype: str = _LIBRARY.host_sum_dtype
+    host_sum_columns: str = _LIBRARY.host_sum_columns
     host_writeback: str = _LIBRARY.host_writeback
     accumulate_on: str = _LIBRARY.accumulate_on  # "auto": decided under the device memory the run gives it
     # ZenFlow's whole device memory in bytes (weights, gradients, state, sums; None: what the device has)

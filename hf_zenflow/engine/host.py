@@ -17,7 +17,9 @@ bf16 landing buffer (+2 B) that the window's bf16 sum lands in; the worker widen
 the rule of ``"device_bf16"``, `accumulate_into`; the one-pass kernel widens it as it reads), and
 ``host_writeback="master"`` drops the write-back buffer where the write-back is a synchronous copy on one process (a
 CPU device: the master itself is copied into the weight, `HostMatrix.writes_back_master`): with 8-bit moments and
-host sums, 4 + 2.03 + 2 = 8.03 B, nothing else (`HostLayout` carries these settings).
+host sums, 4 + 2.03 + 2 = 8.03 B, nothing else (`HostLayout` carries these settings). ``host_sum_columns="unselected"``
+keeps in a host sum only the columns not on the device (`HostMatrix.keep_sum_columns`; 7.83 B at topk_ratio=0.1,
+plus the kept columns' indices).
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
 [in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
@@ -25,14 +27,17 @@ step but the window's last, the whole gradient is added into the accumulator (a 
 worker; the window's first step writes it; with ``accumulate_on="device"`` the device sums the window and it lands
 here once), and every window the host AdamW updates the whole matrix in one pass that also adds the last step's
 gradient and divides by the window's length (`host_adamw_window`); the columns currently on the device are carried
-along and simply ignored (their host values are refreshed from the device at re-selection). That keeps every
-per-step and per-window host operation contiguous; the only column moves are the selected columns (device side,
-every step) and the migration at re-selection, strided for row-major weights and whole rows for column-major ones.
+along and simply ignored (their host values are refreshed from the device at re-selection; with
+``host_sum_columns="unselected"`` their sum is not kept, and the pass reads a zero one, `_window_unselected`). That
+keeps every per-step and per-window host operation contiguous (but the indexed reads of that setting); the only
+column moves are the selected columns (device side, every step) and the migration at re-selection, strided for
+row-major weights and whole rows for column-major ones.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -44,7 +49,7 @@ from ..settings.config import sums_on_device
 from ..transport.cpu_device import kernels
 from ..transport.link import Transport
 from ..transport.pinned import PinnedArena
-from .quantized_moments import QuantizedMoment, adamw_pass, kernel_matches
+from .quantized_moments import BLOCK, QuantizedMoment, adamw_pass, blocks, kernel_matches
 
 
 if TYPE_CHECKING:
@@ -91,12 +96,15 @@ class HostLayout:
     moments: torch.dtype = torch.float32
     sums: torch.dtype = torch.float32
     writeback_from_master: bool = False
+    #: ``host_sum_columns="unselected"``: a window summed on the host keeps only the columns not on the device
+    unselected_sums: bool = False
 
     @classmethod
     def of(cls, config: ZenFlowConfig) -> HostLayout:
         return cls(moments=moment_dtype(config.host_moment_dtype),
                    sums=torch.bfloat16 if config.host_sum_dtype == "bfloat16" else torch.float32,
-                   writeback_from_master=config.host_writeback == "master")
+                   writeback_from_master=config.host_writeback == "master",
+                   unselected_sums=config.host_sum_columns == "unselected")
 
     def on_link(self, transport: Transport, ranks: int) -> HostLayout:
         """The layout as it applies over `transport` with the host state shared by `ranks` ranks: the write-back
@@ -166,6 +174,48 @@ def _accumulate_bf16(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | No
         part.copy_(wide)
 
 
+def _scratch_of(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
+    """A reused buffer of `shape` and `dtype`, one per thread, `name` and dtype: a piece of a sum that keeps only
+    the unselected columns, spread or gathered (`SPREAD_PIECE` or `NARROW_CHUNK` elements, or 256 rows)."""
+    key = f"{name}_{str(dtype).rsplit('.', 1)[-1]}"
+    numel = 1
+    for n in shape:
+        numel *= n
+    buf = getattr(_scratch, key, None)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype)
+        setattr(_scratch, key, buf)
+    return buf[:numel].view(shape)
+
+
+def _gathers_natively(host: HostMatrix, grad2d: torch.Tensor) -> bool:
+    """Whether the CPU kernels add `grad2d`'s kept columns into `host`'s sum directly (`kernels.accumulate` with an
+    index: columns of a contiguous matrix)."""
+    return (host.sum_index is not None and host.sum_axis == 1 and kernels.supports(grad2d) and grad2d.ndim == 2
+            and kernels.library() is not None)
+
+
+def _accumulate_columns(host: HostMatrix, grad2d: torch.Tensor, coef: float | None) -> None:
+    """``host_sum_columns="unselected"``: a step's gradient into a sum that keeps only the columns `sum_index`, each
+    kept element by the rule of `accumulate_into` (the bits of a full sum). The CPU kernels read the kept columns in
+    place; otherwise (or for kept rows of a column-major matrix: contiguous) they are gathered piece by piece
+    (`NARROW_CHUNK` elements of the sum) into a reused buffer in the gradient's dtype and added from there."""
+    index, accum, first = host.sum_index, host.accum, host.accum_count == 0
+    assert index is not None
+    if _gathers_natively(host, grad2d):
+        kernels.accumulate([accum], [grad2d], coef, first, [index])
+        return
+    rows = max(1, NARROW_CHUNK // max(1, accum.shape[1]))
+    for start in range(0, accum.shape[0], rows):
+        part = accum[start:start + rows]
+        gathered = _scratch_of(tuple(part.shape), grad2d.dtype, "gathered")
+        if host.sum_axis == 1:  # (rows of the sum are rows of the matrix, fewer columns)
+            torch.index_select(grad2d[start:start + rows], 1, index, out=gathered)
+        else:  # (rows of the sum are the kept rows of the storage matrix)
+            torch.index_select(grad2d, 0, index[start:start + rows], out=gathered)
+        accumulate_into(part, gathered, coef, first)
+
+
 @dataclass
 class HostMatrix:
     """Host-side AdamW state of one matrix, as [out, in] tensors: the fp32 master, the moments and the window sum in
@@ -193,6 +243,11 @@ class HostMatrix:
     # `landing_full` until the worker widens it into `accum` (`host_adamw_window`)
     landing: torch.Tensor | None = None
     landing_full: bool = False
+    # host_sum_columns="unselected": `accum` keeps only the columns `sum_index` (sorted, along `sum_axis` of the
+    # storage matrix: the columns not on the device); None while it keeps every column (`keep_sum_columns`)
+    unselected_sums: bool = False
+    sum_index: torch.Tensor | None = None
+    sum_axis: int = 1
 
     @classmethod
     def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host",
@@ -225,6 +280,7 @@ class HostMatrix:
                 not narrow or HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport))
                 else torch.empty(shape, dtype=sum_dtype)).zero_(),
             grad_dtype=grad_dtype,
+            unselected_sums=layout.unselected_sums and not on_device,
         )
         if narrow:
             state.landing = transport.host_buffer(shape, torch.bfloat16).zero_()
@@ -272,9 +328,48 @@ class HostMatrix:
             sizes += [numel * torch.empty((), dtype=grad_dtype).element_size()] * GRAD_SLOTS
         return sum(PinnedArena.aligned(n) for n in sizes)
 
+    def keep_sum_columns(self, unselected: torch.Tensor | None, axis: int) -> None:
+        """``host_sum_columns="unselected"``: the window sum keeps the columns `unselected` (sorted indices along
+        `axis` of the storage matrix; None: every column). Called when the device columns change, which the
+        scheduled re-selection does between windows (the sum is empty); a matrix's first selection may come
+        mid-window, and then the kept columns' partial sums move along (the newly selected ones are dropped: the
+        host's result for them is never read)."""
+        if not self.unselected_sums:
+            return
+        if unselected is not None and unselected.numel() == self.master.shape[axis]:
+            unselected = None  # (nothing on the device)
+        if unselected is None and self.sum_index is None:
+            return
+        if (unselected is not None and self.sum_index is not None and self.sum_axis == axis
+                and torch.equal(unselected, self.sum_index)):
+            return
+        index = None if unselected is None else unselected.to("cpu", torch.long)
+        if self.accum_count:
+            # (rare: one transient full-width copy of this matrix's sum)
+            full = self.full_sum()
+            self.accum = full if index is None else full.index_select(axis, index)
+        else:
+            shape = list(self.master.shape)
+            if index is not None:
+                shape[axis] = index.numel()
+            self.accum = torch.zeros(shape, dtype=self.accum.dtype)
+        self.sum_index, self.sum_axis = index, axis
+
+    def full_sum(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The window sum over every column, as a new tensor when `accum` keeps only the unselected ones (zeros in
+        the device columns) or `dtype` differs; `accum` itself otherwise."""
+        dtype = dtype or self.accum.dtype
+        if self.sum_index is None:
+            return self.accum if self.accum.dtype == dtype else self.accum.to(dtype)
+        full = torch.zeros(self.master.shape, dtype=dtype)
+        return full.index_copy_(self.sum_axis, self.sum_index, self.accum.to(dtype))
+
     def accumulate(self, grad2d: torch.Tensor, coef: float | None) -> None:
         """Fold one step's gradient (times the clip coefficient) into the window sum, in fp32."""
-        accumulate_into(self.accum, grad2d, coef, first=self.accum_count == 0)
+        if self.sum_index is not None:
+            _accumulate_columns(self, grad2d, coef)
+        else:
+            accumulate_into(self.accum, grad2d, coef, first=self.accum_count == 0)
         self.accum_count += 1
 
     @staticmethod
@@ -284,13 +379,15 @@ class HostMatrix:
         thread, which shares the GIL with the training thread."""
         native: dict[bool, list[tuple[HostMatrix, torch.Tensor]]] = {True: [], False: []}
         for host, g2d in pairs:
-            if kernels.supports(g2d) and host.accum.device.type == "cpu" and kernels.library() is not None:
+            if (_gathers_natively(host, g2d) if host.sum_index is not None else (
+                    kernels.supports(g2d) and host.accum.device.type == "cpu" and kernels.library() is not None)):
                 native[host.accum_count == 0].append((host, g2d))
             else:
                 host.accumulate(g2d, coef)
         for first, batch in native.items():
             if batch:
-                kernels.accumulate([h.accum for h, _ in batch], [g for _, g in batch], coef, first)
+                kernels.accumulate([h.accum for h, _ in batch], [g for _, g in batch], coef, first,
+                                   [h.sum_index for h, _ in batch])
                 for host, _ in batch:
                     host.accum_count += 1
 
@@ -311,11 +408,17 @@ class HostMatrix:
             tensors += [moment.codes, moment.scales] if isinstance(moment, QuantizedMoment) else [moment]
         if self.landing is not None:
             tensors.append(self.landing)
+        if self.sum_index is not None:
+            tensors.append(self.sum_index)  # (8 B per kept column: 8 / rows B per element)
         # (no buffer of its own: the accumulator, `shares_writeback`, or the master, `writes_back_master`)
         if self.writeback is not None and self.writeback is not self.accum and self.writeback is not self.master:
             tensors.append(self.writeback)
         return sum(t.numel() * t.element_size() for t in tensors)
 
+
+#: Elements per piece of the host AdamW on a sum of the unselected columns (`_window_unselected`): the spread piece
+#: (4 MiB in fp32) is written and read again while it is still in the cache of larger CPUs.
+SPREAD_PIECE = 1 << 20
 
 #: Elements per piece of a matrix whose moments are stored narrow: bounds the fp32 scratch (two buffers of this
 #: many fp32 per worker thread, 32 MiB) whatever the largest matrix (a 7B model's embedding: 131 M elements).
@@ -362,7 +465,7 @@ def _fusable(m: HostMatrix, grad2d: torch.Tensor | None) -> bool:
         tensors = (m.master, m.accum, m.exp_avg.codes, m.exp_avg_sq.codes)  # type: ignore[union-attr]
         return (all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
                 and m.master.dtype == torch.float32 and m.accum.dtype in _SUM_DTYPES and m.master.numel() > 0
-                and (grad2d is None or (kernels.supports(grad2d) and grad2d.shape == m.accum.shape))
+                and (grad2d is None or (kernels.supports(grad2d) and grad2d.shape == m.master.shape))
                 and kernels.window_adamw_available() and kernel_matches())
     tensors = (m.master, m.accum, m.exp_avg, m.exp_avg_sq)
     narrow = m.exp_avg.dtype == torch.bfloat16
@@ -371,7 +474,7 @@ def _fusable(m: HostMatrix, grad2d: torch.Tensor | None) -> bool:
             and m.master.dtype == torch.float32 and m.accum.dtype in _SUM_DTYPES
             and m.exp_avg.dtype == m.exp_avg_sq.dtype == moment_dtype
             and m.master.numel() > 0
-            and (grad2d is None or (kernels.supports(grad2d) and grad2d.shape == m.accum.shape))
+            and (grad2d is None or (kernels.supports(grad2d) and grad2d.shape == m.master.shape))
             and (kernels.window_adamw_bf16_available() if narrow else kernels.window_adamw_available()))
 
 
@@ -392,6 +495,54 @@ def _plain_adamw(plain: list[HostMatrix], hyper: dict) -> None:
             adamw_pass(m.master, m.accum, m.exp_avg, m.exp_avg_sq, m.step, hyper)
         elif m.exp_avg.dtype != torch.float32:
             _adamw_narrow_moments(m, hyper)
+
+
+def _window_unselected(m: HostMatrix, grad2d: torch.Tensor | None, hyper: dict, coef: float | None) -> None:
+    """The one-pass kernel (`_fusable`) for a matrix whose sum keeps only the unselected columns, piece by piece of
+    whole rows: each piece of the sum is spread into a reused full-width buffer, zero in the device columns, which
+    the kernel reads as a full sum (so the host columns get the bits of one; the device columns' stale host values,
+    never read, move by a zero sum, or by the last step's gradient when it is folded in). Each piece steps a copy
+    of the step count (as `_adamw_narrow_moments`)."""
+    kind = _moment_kind(m)
+    rows, cols = m.master.shape
+    # pieces of whole rows whose length is a multiple of 256 elements, but the last: each starts on a block of
+    # 8-bit moments and on a vector of the kernel, whose last numel % width elements of a call take torch's scalar
+    # tail (another contraction), so every element but the matrix's last ones takes the vector path as in one call
+    unit = BLOCK // math.gcd(cols, BLOCK)
+    per = max(unit, SPREAD_PIECE // max(1, cols) // unit * unit)
+    first, count = m.accum_count == 0, m.accum_count + (grad2d is not None)
+    index = m.sum_index
+    assert index is not None
+
+    def flat(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return t.view(-1)[start:end]
+
+    step = m.step
+    for r0 in range(0, rows, per):
+        r1 = min(rows, r0 + per)
+        e0, e1 = r0 * cols, r1 * cols
+        wide = _scratch_of((r1 - r0, cols), m.accum.dtype, "wide_sum")
+        if not first:  # (a first step's sum is not read: the gradient is the window)
+            wide.zero_()
+            if m.sum_axis == 1:
+                kernels.scatter([wide], [m.accum[r0:r1]], [index])
+            else:
+                a, b = torch.searchsorted(index, torch.tensor([r0, r1])).tolist()
+                wide.index_copy_(0, index[a:b] - r0, m.accum[a:b])
+        step = m.step.clone()
+        common = ([flat(m.master, e0, e1)], [wide.view(-1)], [None if grad2d is None else flat(grad2d, e0, e1)],
+                  [first], [count])
+        if kind == torch.int8:
+            b0, b1 = e0 // BLOCK, blocks(e1)
+            kernels.window_adamw_quantized(
+                *common, [flat(m.exp_avg.codes, e0, e1)], [m.exp_avg.scales[b0:b1]],  # type: ignore[union-attr]
+                [flat(m.exp_avg_sq.codes, e0, e1)], [m.exp_avg_sq.scales[b0:b1]],  # type: ignore[union-attr]
+                [step], hyper, coef)
+        else:
+            call = kernels.window_adamw_bf16 if kind == torch.bfloat16 else kernels.window_adamw
+            call(*common, [flat(m.exp_avg, e0, e1)], [flat(m.exp_avg_sq, e0, e1)],  # type: ignore[arg-type]
+                 [step], hyper, coef)
+    m.step.copy_(step)
 
 
 def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
@@ -425,8 +576,11 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
                 m.accumulate(g, coef)
             if m.accum_count > 0:
                 plain.append(m)
+        for m, g in fused:
+            if m.sum_index is not None:
+                _window_unselected(m, g, hyper, coef)
         for kind in (torch.float32, torch.bfloat16, torch.int8):  # (one kernel call per kind of moments)
-            batch = [(m, g) for m, g in fused if _moment_kind(m) == kind]
+            batch = [(m, g) for m, g in fused if _moment_kind(m) == kind and m.sum_index is None]
             if not batch:
                 continue
             common = ([m.master for m, _ in batch], [m.accum for m, _ in batch], [g for _, g in batch],
@@ -440,12 +594,13 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
                 call = kernels.window_adamw_bf16 if kind == torch.bfloat16 else kernels.window_adamw
                 call(*common, [m.exp_avg for m, _ in batch], [m.exp_avg_sq for m, _ in batch],
                      [m.step for m, _ in batch], hyper, coef)
-        _plain_adamw([m for m in plain if m.accum.dtype == torch.float32], hyper)
+        _plain_adamw([m for m in plain if m.accum.dtype == torch.float32 and m.sum_index is None], hyper)
         for m in plain:
-            if m.accum.dtype != torch.float32:
-                # a bf16 window sum without the kernel: widened into an fp32 copy of this one matrix (transient),
-                # then the pass of an fp32 sum (the kernel widens it block by block instead: the same bits)
-                summed, m.accum = m.accum, m.accum.float()
+            if m.accum.dtype != torch.float32 or m.sum_index is not None:
+                # a bf16 window sum, or one of the unselected columns only, without the kernel: widened into a
+                # full fp32 copy of this one matrix (transient), then the pass of an fp32 sum (the kernel widens
+                # it piece by piece instead: the same bits)
+                summed, m.accum = m.accum, m.full_sum(torch.float32)
                 try:
                     _plain_adamw([m], hyper)
                 finally:

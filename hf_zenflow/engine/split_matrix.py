@@ -131,6 +131,7 @@ class SplitMatrix:
                 full.index_copy_(self.axis, idx, self.share.local(part).cpu().to(full.dtype))  # (bf16 moments)
             if self.k == 0:
                 self.device = None  # (topk_ratio now 0) every column lives on the host
+                self.fit_host_sum()
         return not (self.k == 0 or (self.device is not None and self.device.k == self.k == self.columns))
 
     def local_scores(self, grad: torch.Tensor) -> torch.Tensor:
@@ -153,7 +154,20 @@ class SplitMatrix:
                                                  grad_dtype=self.grad_dtype)
         if not self.offloaded:
             self.detach_host()  # every column on the device (topk_ratio=1): the host keeps nothing
+        self.fit_host_sum()
         self.auto.reset()
+
+    def fit_host_sum(self) -> None:
+        """``host_sum_columns="unselected"``: the host's window sum keeps the columns that are not on the device
+        (`HostMatrix.keep_sum_columns`); called whenever the device columns change."""
+        if self.host is None or not self.host.unselected_sums:
+            return
+        if self.device is None:
+            self.host.keep_sum_columns(None, self.axis)
+            return
+        kept = torch.ones(self.columns, dtype=torch.bool)
+        kept[self.device.index.cpu()] = False
+        self.host.keep_sum_columns(kept.nonzero().squeeze(1), self.axis)
 
 def selection_scores(split: SplitMatrix, grad: torch.Tensor) -> torch.Tensor:
     """`split`'s column scores of `grad` on one rank, as `reselection.select_columns` computes them: the CPU

@@ -82,6 +82,7 @@ class ZenFlowSettingArguments:
     zenflow_host_grad_dtype: LowercaseChoice = _setting("host_grad_dtype")
     zenflow_host_moment_dtype: LowercaseChoice = _setting("host_moment_dtype")
     zenflow_host_sum_dtype: LowercaseChoice = _setting("host_sum_dtype")
+    zenflow_host_sum_columns: LowercaseChoice = _setting("host_sum_columns")
     zenflow_host_writeback: LowercaseChoice = _setting("host_writeback")
     zenflow_device_memory_budget_bytes: int | None = _setting("device_memory_budget_bytes")
     zenflow_device_memory_limit_bytes: int | None = _setting("device_memory_limit_bytes")

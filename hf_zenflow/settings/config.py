@@ -61,6 +61,7 @@ _DEVICE_SUMS = ("device", "device_bf16")
 _HOST_GRAD_DTYPES = ("auto", "bfloat16")
 _HOST_MOMENT_DTYPES = ("float32", "bfloat16", "int8")
 _HOST_SUM_DTYPES = ("float32", "bfloat16")
+_HOST_SUM_COLUMNS = ("all", "unselected")
 _HOST_WRITEBACKS = ("buffer", "master")
 _HIGH_LR_RULES = ("auto", "off")
 
@@ -278,6 +279,20 @@ class ZenFlowConfig:
                   'own dtype (accumulate_on="device": fp32; "device_bf16": bf16), so it cannot be set with those.',
                   "choices": _HOST_SUM_DTYPES},
     )
+    host_sum_columns: str = field(
+        default="all",
+        metadata={"help": "Which columns of a matrix the host's window sum keeps when the window is summed on the "
+                  'host (accumulate_on="host", or "auto" choosing it). "all" (the default): every column, one '
+                  "contiguous add per step. \"unselected\": only the columns not on the device (the ones the host "
+                  "AdamW's result is kept for), topk_ratio x the sum's bytes less (with topk_ratio=0.1 and "
+                  'host_sum_dtype="bfloat16": 1.8 bytes per offloaded parameter instead of 2); each step\'s add '
+                  "gathers those columns and the host AdamW reads them back in pieces. The same weights bit for bit "
+                  'with fp32 and bf16 moments; with host_moment_dtype="int8" the device columns\' stale host '
+                  "moments (never read) are updated with a zero sum (or the window's last gradient) instead of "
+                  "their own, which changes their blocks' scales and so the codes of the host columns beside them. "
+                  "It cannot be set with the window summed on the device.",
+                  "choices": _HOST_SUM_COLUMNS},
+    )
     host_writeback: str = field(
         default="buffer",
         metadata={"help": 'Where a window\'s host result is written back from. "buffer" (the default): the worker '
@@ -407,6 +422,12 @@ class ZenFlowConfig:
                 f"ZenFlowConfig.host_sum_dtype={self.host_sum_dtype!r} is invalid with "
                 f"accumulate_on={self.accumulate_on!r}: allowed is \"float32\" (the window is summed on the device, "
                 'in the dtype accumulate_on names); host_sum_dtype applies with accumulate_on "host" or "auto".'
+            )
+        if self.host_sum_columns != "all" and sums_on_device(self.accumulate_on):
+            raise ValueError(
+                f"ZenFlowConfig.host_sum_columns={self.host_sum_columns!r} is invalid with "
+                f"accumulate_on={self.accumulate_on!r}: allowed is \"all\" (the window is summed on the device); "
+                'host_sum_columns applies with accumulate_on "host" or "auto".'
             )
         if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
             _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")

@@ -43,6 +43,7 @@ CASES = [
     ("host_grad_dtype", "BFloat16", "bfloat16", {}),
     ("host_moment_dtype", "Float32", "float32", {}),
     ("host_sum_dtype", "BFloat16", "bfloat16", {}),
+    ("host_sum_columns", "Unselected", "unselected", {}),
     ("host_writeback", "Master", "master", {}),
     ("high_lr_rule", "OFF", "off", {}),
     ("device_memory_budget_bytes", "1000000", 1000000, {}),

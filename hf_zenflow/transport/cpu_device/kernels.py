@@ -146,8 +146,10 @@ def _run(kind: int, big: list[torch.Tensor], small: list[torch.Tensor | None], r
     for t, s, i, k, r in zip(big, small, index, ks, rows):
         assert supports(t)
         if k:
-            # (a bf16 small buffer only as the gather output of a bf16 gradient)
-            narrow = kind == _NORM_GATHER and t.dtype == torch.bfloat16
+            # (a bf16 small buffer: the gather output of a bf16 gradient, a bf16 window sum, or a scatter of bf16
+            # into bf16)
+            narrow = (kind == _NORM_GATHER and t.dtype == torch.bfloat16) or kind == _ACCUMULATE or (
+                kind == _SCATTER and t.dtype == torch.bfloat16)
             assert s is not None and s.dtype in ((torch.float32, torch.bfloat16) if narrow else (torch.float32,))
             assert s.is_contiguous() and s.numel() == r * k
             assert i is not None and i.dtype == torch.int64 and i.is_contiguous() and i.device.type == "cpu"
@@ -184,19 +186,24 @@ def row_scores(mats: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def scatter(params: list[torch.Tensor], sources: list[torch.Tensor], index: list[torch.Tensor]) -> None:
-    """``param[:, index] = source`` (rounded to the parameter dtype) for each matrix."""
+    """``param[:, index] = source`` (rounded to the parameter dtype) for each matrix: an fp32 source, or a bf16 one
+    into a bf16 parameter."""
     _run(_SCATTER, params, list(sources), [None] * len(params), list(index), want_sums=False)
 
 
-def accumulate(accums: list[torch.Tensor], grads: list[torch.Tensor], coef: float | None, first: bool) -> None:
+def accumulate(accums: list[torch.Tensor], grads: list[torch.Tensor], coef: float | None, first: bool,
+               index: list[torch.Tensor | None] | None = None) -> None:
     """For each pair: ``accum = grad * coef`` (first step of a window) or ``accum += grad * coef`` (fma, as torch's
     vectorised ``add_(grad, alpha=coef)``), fp32 `accum`, fp32 or bf16 `grad` read directly. A bf16 `accum` (a bf16
-    window sum): widened, the same fp32 fma, rounded to nearest even. One call for the batch: ctypes releases the
-    GIL for all of it."""
-    for accum, grad in zip(accums, grads):
-        assert accum.dtype in _KINDS and accum.is_contiguous() and accum.shape == grad.shape
-        assert supports(grad)
-    _run(_ACCUMULATE, list(grads), list(accums), [None] * len(grads), [None] * len(grads), want_sums=False,
+    window sum): widened, the same fp32 fma, rounded to nearest even. With an `index` (sorted columns of a 2-D
+    `grad`) the sum keeps those columns only, ``accum += grad[:, index] * coef`` ([rows, len(index)]), each element
+    with the same arithmetic. One call for the batch: ctypes releases the GIL for all of it."""
+    index = list(index) if index is not None else [None] * len(grads)
+    for accum, grad, i in zip(accums, grads, index):
+        assert accum.dtype in _KINDS and accum.is_contiguous() and supports(grad)
+        assert accum.shape == grad.shape if i is None else (grad.ndim == 2 and accum.shape == (grad.shape[0],
+                                                                                               i.numel()))
+    _run(_ACCUMULATE, list(grads), list(accums), [None] * len(grads), index, want_sums=False,
          coef=1.0 if coef is None else float(coef), first=first)
 
 

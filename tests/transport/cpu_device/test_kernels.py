@@ -148,6 +148,28 @@ def test_accumulate_matches_torch(monkeypatch, dtype, coef):
 
 
 @needs_kernels
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sum_dtype", [torch.float32, torch.bfloat16])
+def test_accumulate_into_kept_columns_is_the_full_sums_columns(grad_dtype, sum_dtype):
+    """`accumulate` with an index (a sum of the unselected columns) gives each kept element the bits of the sum of
+    every column; scattering a bf16 sum into a bf16 tensor copies its bits."""
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(203, 77, generator=gen).to(grad_dtype) for _ in range(3)]
+    kept = torch.tensor([c for c in range(77) if c % 9], dtype=torch.long)
+    full = torch.full((203, 77), float("nan"), dtype=sum_dtype)
+    columns = torch.full((203, kept.numel()), float("nan"), dtype=sum_dtype)
+    for i, g in enumerate(grads):
+        _native.accumulate([full], [g], 0.37, first=i == 0)
+        _native.accumulate([columns], [g], 0.37, first=i == 0, index=[kept])
+    assert torch.equal(columns, full[:, kept])
+    if sum_dtype == torch.bfloat16:
+        spread = torch.zeros(203, 77, dtype=torch.bfloat16)
+        _native.scatter([spread], [columns], [kept])
+        assert torch.equal(spread[:, kept], columns) and not spread.index_select(
+            1, torch.arange(0, 77, 9)).any()
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_scores_match_column_scores(dtype):
     """The batched row scores (re-selection of column-major weights and embedding rows) are torch's

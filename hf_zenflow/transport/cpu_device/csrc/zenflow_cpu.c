@@ -31,9 +31,10 @@ typedef struct {
   int64_t n;                 /* tensors in the batch */
   void *const *big;          /* the [rows, cols] tensor: gradient (norm_gather, accumulate) or parameter (scatter) */
   const int32_t *big_bf16;   /* 1 when that tensor is bf16, 0 when fp32 */
-  float *const *small;       /* the fp32 [rows, k] buffer: gather output, or the master columns to write */
-  const int32_t *small_bf16; /* 1 when that buffer is bf16: norm_gather's output (of a bf16 gradient), or
-                                accumulate's window sum */
+  float *const *small;       /* the fp32 [rows, k] buffer: gather output, or the master columns to write;
+                                accumulate: the window sum ([rows, cols], or [rows, k] when idx is given) */
+  const int32_t *small_bf16; /* 1 when that buffer is bf16: norm_gather's output (of a bf16 gradient),
+                                accumulate's window sum, or scatter's source into a bf16 tensor */
   float *const *row_sums;    /* norm_gather: per tensor, NULL or an fp32 [rows] output of row sums of squares */
   const int64_t *const *idx; /* sorted selected columns, k of them (may be NULL when k == 0) */
   const int64_t *rows, *cols, *k;
@@ -95,6 +96,12 @@ static void row_scatter(const zf_job *job, int64_t t, int64_t r) {
   const int64_t cols = job->cols[t], k = job->k[t];
   const int64_t *idx = job->idx[t];
   const float *src = job->small[t] + r * k;
+  if (job->small_bf16[t]) { /* a bf16 source into a bf16 tensor: the bits as they are */
+    const uint16_t *src16 = (const uint16_t *)(const void *)job->small[t] + r * k;
+    uint16_t *row = (uint16_t *)job->big[t] + r * cols;
+    for (int64_t j = 0; j < k; ++j) row[idx[j]] = src16[j];
+    return;
+  }
   if (job->big_bf16[t]) {
     uint16_t *row = (uint16_t *)job->big[t] + r * cols;
     for (int64_t j = 0; j < k; ++j) row[idx[j]] = f32_to_bf16(src[j]);
@@ -130,7 +137,34 @@ static void row_accumulate_bf16(const zf_job *job, int64_t t, int64_t r) {
   }
 }
 
+/* row_accumulate into a window sum that keeps the columns idx only ([rows, k]): the same arithmetic per element */
+static void row_accumulate_columns(const zf_job *job, int64_t t, int64_t r) {
+  const int64_t cols = job->cols[t], k = job->k[t];
+  const int64_t *idx = job->idx[t];
+  const float coef = job->coef;
+  const int first = job->first;
+  const uint16_t *g16 = job->big_bf16[t] ? (const uint16_t *)job->big[t] + r * cols : NULL;
+  const float *g32 = job->big_bf16[t] ? NULL : (const float *)job->big[t] + r * cols;
+  if (job->small_bf16[t]) {
+    uint16_t *acc = (uint16_t *)(void *)job->small[t] + r * k;
+    for (int64_t j = 0; j < k; ++j) {
+      const float x = g16 ? bf16_to_f32(g16[idx[j]]) : g32[idx[j]];
+      acc[j] = f32_to_bf16(first ? x * coef : fmaf(x, coef, bf16_to_f32(acc[j])));
+    }
+  } else {
+    float *acc = job->small[t] + r * k;
+    for (int64_t j = 0; j < k; ++j) {
+      const float x = g16 ? bf16_to_f32(g16[idx[j]]) : g32[idx[j]];
+      acc[j] = first ? x * coef : fmaf(x, coef, acc[j]);
+    }
+  }
+}
+
 static void row_accumulate(const zf_job *job, int64_t t, int64_t r) {
+  if (job->k[t] > 0) {
+    row_accumulate_columns(job, t, r);
+    return;
+  }
   if (job->small_bf16[t]) {
     row_accumulate_bf16(job, t, r);
     return;
