@@ -28,7 +28,7 @@ worker; the window's first step writes it; with ``accumulate_on="device"`` the d
 here once), and every window the host AdamW updates the whole matrix in one pass that also adds the last step's
 gradient and divides by the window's length (`host_adamw_window`); the columns currently on the device are carried
 along and simply ignored (their host values are refreshed from the device at re-selection; with
-``host_sum_columns="unselected"`` their sum is not kept, and the pass reads a zero one, `_window_unselected`). That
+``host_sum_columns="unselected"`` their sum is not kept, and the pass reads a zero one). That
 keeps every per-step and per-window host operation contiguous (but the indexed reads of that setting); the only
 column moves are the selected columns (device side, every step) and the migration at re-selection, strided for
 row-major weights and whole rows for column-major ones.
@@ -37,7 +37,6 @@ row-major weights and whole rows for column-major ones.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -49,7 +48,7 @@ from ..settings.config import sums_on_device
 from ..transport.cpu_device import kernels
 from ..transport.link import Transport
 from ..transport.pinned import PinnedArena
-from .quantized_moments import BLOCK, QuantizedMoment, adamw_pass, blocks, kernel_matches
+from .quantized_moments import QuantizedMoment, adamw_pass, kernel_matches
 
 
 if TYPE_CHECKING:
@@ -176,7 +175,7 @@ def _accumulate_bf16(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | No
 
 def _scratch_of(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
     """A reused buffer of `shape` and `dtype`, one per thread, `name` and dtype: a piece of a sum that keeps only
-    the unselected columns, spread or gathered (`SPREAD_PIECE` or `NARROW_CHUNK` elements, or 256 rows)."""
+    the unselected columns, gathered (at most `NARROW_CHUNK` elements)."""
     key = f"{name}_{str(dtype).rsplit('.', 1)[-1]}"
     numel = 1
     for n in shape:
@@ -248,6 +247,10 @@ class HostMatrix:
     unselected_sums: bool = False
     sum_index: torch.Tensor | None = None
     sum_axis: int = 1
+    # ... and what the one-pass kernel reads the kept sum through: the kept columns before each column (int32,
+    # columns + 1) and the device columns (int32, sorted)
+    sum_before: torch.Tensor | None = None
+    sum_skipped: torch.Tensor | None = None
 
     @classmethod
     def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host",
@@ -353,7 +356,12 @@ class HostMatrix:
             if index is not None:
                 shape[axis] = index.numel()
             self.accum = torch.zeros(shape, dtype=self.accum.dtype)
-        self.sum_index, self.sum_axis = index, axis
+        self.sum_index, self.sum_axis, self.sum_before, self.sum_skipped = index, axis, None, None
+        if index is not None:
+            kept = torch.zeros(self.master.shape[axis] + 1, dtype=torch.int32)
+            kept[index + 1] = 1
+            self.sum_before = kept.cumsum(0, dtype=torch.int32)
+            self.sum_skipped = (kept[1:] == 0).nonzero().squeeze(1).to(torch.int32)
 
     def full_sum(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The window sum over every column, as a new tensor when `accum` keeps only the unselected ones (zeros in
@@ -409,16 +417,13 @@ class HostMatrix:
         if self.landing is not None:
             tensors.append(self.landing)
         if self.sum_index is not None:
-            tensors.append(self.sum_index)  # (8 B per kept column: 8 / rows B per element)
+            # (8 B per kept column, 4 per column and 4 per device column: about 12 / rows B per element)
+            tensors += [self.sum_index, self.sum_before, self.sum_skipped]
         # (no buffer of its own: the accumulator, `shares_writeback`, or the master, `writes_back_master`)
         if self.writeback is not None and self.writeback is not self.accum and self.writeback is not self.master:
             tensors.append(self.writeback)
         return sum(t.numel() * t.element_size() for t in tensors)
 
-
-#: Elements per piece of the host AdamW on a sum of the unselected columns (`_window_unselected`): the spread piece
-#: (4 MiB in fp32) is written and read again while it is still in the cache of larger CPUs.
-SPREAD_PIECE = 1 << 20
 
 #: Elements per piece of a matrix whose moments are stored narrow: bounds the fp32 scratch (two buffers of this
 #: many fp32 per worker thread, 32 MiB) whatever the largest matrix (a 7B model's embedding: 131 M elements).
@@ -497,54 +502,6 @@ def _plain_adamw(plain: list[HostMatrix], hyper: dict) -> None:
             _adamw_narrow_moments(m, hyper)
 
 
-def _window_unselected(m: HostMatrix, grad2d: torch.Tensor | None, hyper: dict, coef: float | None) -> None:
-    """The one-pass kernel (`_fusable`) for a matrix whose sum keeps only the unselected columns, piece by piece of
-    whole rows: each piece of the sum is spread into a reused full-width buffer, zero in the device columns, which
-    the kernel reads as a full sum (so the host columns get the bits of one; the device columns' stale host values,
-    never read, move by a zero sum, or by the last step's gradient when it is folded in). Each piece steps a copy
-    of the step count (as `_adamw_narrow_moments`)."""
-    kind = _moment_kind(m)
-    rows, cols = m.master.shape
-    # pieces of whole rows whose length is a multiple of 256 elements, but the last: each starts on a block of
-    # 8-bit moments and on a vector of the kernel, whose last numel % width elements of a call take torch's scalar
-    # tail (another contraction), so every element but the matrix's last ones takes the vector path as in one call
-    unit = BLOCK // math.gcd(cols, BLOCK)
-    per = max(unit, SPREAD_PIECE // max(1, cols) // unit * unit)
-    first, count = m.accum_count == 0, m.accum_count + (grad2d is not None)
-    index = m.sum_index
-    assert index is not None
-
-    def flat(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return t.view(-1)[start:end]
-
-    step = m.step
-    for r0 in range(0, rows, per):
-        r1 = min(rows, r0 + per)
-        e0, e1 = r0 * cols, r1 * cols
-        wide = _scratch_of((r1 - r0, cols), m.accum.dtype, "wide_sum")
-        if not first:  # (a first step's sum is not read: the gradient is the window)
-            wide.zero_()
-            if m.sum_axis == 1:
-                kernels.scatter([wide], [m.accum[r0:r1]], [index])
-            else:
-                a, b = torch.searchsorted(index, torch.tensor([r0, r1])).tolist()
-                wide.index_copy_(0, index[a:b] - r0, m.accum[a:b])
-        step = m.step.clone()
-        common = ([flat(m.master, e0, e1)], [wide.view(-1)], [None if grad2d is None else flat(grad2d, e0, e1)],
-                  [first], [count])
-        if kind == torch.int8:
-            b0, b1 = e0 // BLOCK, blocks(e1)
-            kernels.window_adamw_quantized(
-                *common, [flat(m.exp_avg.codes, e0, e1)], [m.exp_avg.scales[b0:b1]],  # type: ignore[union-attr]
-                [flat(m.exp_avg_sq.codes, e0, e1)], [m.exp_avg_sq.scales[b0:b1]],  # type: ignore[union-attr]
-                [step], hyper, coef)
-        else:
-            call = kernels.window_adamw_bf16 if kind == torch.bfloat16 else kernels.window_adamw
-            call(*common, [flat(m.exp_avg, e0, e1)], [flat(m.exp_avg_sq, e0, e1)],  # type: ignore[arg-type]
-                 [step], hyper, coef)
-    m.step.copy_(step)
-
-
 def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
                       last: list[tuple[HostMatrix, torch.Tensor]] | None = None, coef: float | None = None) -> None:
     """The host AdamW step of one window: mean gradient of the window, one fused call per param group.
@@ -576,24 +533,23 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
                 m.accumulate(g, coef)
             if m.accum_count > 0:
                 plain.append(m)
-        for m, g in fused:
-            if m.sum_index is not None:
-                _window_unselected(m, g, hyper, coef)
         for kind in (torch.float32, torch.bfloat16, torch.int8):  # (one kernel call per kind of moments)
-            batch = [(m, g) for m, g in fused if _moment_kind(m) == kind and m.sum_index is None]
+            batch = [(m, g) for m, g in fused if _moment_kind(m) == kind]
             if not batch:
                 continue
             common = ([m.master for m, _ in batch], [m.accum for m, _ in batch], [g for _, g in batch],
                       [m.accum_count == 0 for m, _ in batch], [m.accum_count + (g is not None) for m, g in batch])
+            # (a sum of the unselected columns only is spread by the kernel, block by block: zeros elsewhere)
+            kept = [None if m.sum_before is None else (m.sum_before, m.sum_skipped, m.sum_axis) for m, _ in batch]
             if kind == torch.int8:
                 kernels.window_adamw_quantized(
                     *common, [m.exp_avg.codes for m, _ in batch], [m.exp_avg.scales for m, _ in batch],
                     [m.exp_avg_sq.codes for m, _ in batch], [m.exp_avg_sq.scales for m, _ in batch],
-                    [m.step for m, _ in batch], hyper, coef)
+                    [m.step for m, _ in batch], hyper, coef, kept=kept)
             else:
                 call = kernels.window_adamw_bf16 if kind == torch.bfloat16 else kernels.window_adamw
                 call(*common, [m.exp_avg for m, _ in batch], [m.exp_avg_sq for m, _ in batch],
-                     [m.step for m, _ in batch], hyper, coef)
+                     [m.step for m, _ in batch], hyper, coef, kept=kept)
         _plain_adamw([m for m in plain if m.accum.dtype == torch.float32 and m.sum_index is None], hyper)
         for m in plain:
             if m.accum.dtype != torch.float32 or m.sum_index is not None:

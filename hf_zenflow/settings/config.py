@@ -286,7 +286,8 @@ class ZenFlowConfig:
                   "contiguous add per step. \"unselected\": only the columns not on the device (the ones the host "
                   "AdamW's result is kept for), topk_ratio x the sum's bytes less (with topk_ratio=0.1 and "
                   'host_sum_dtype="bfloat16": 1.8 bytes per offloaded parameter instead of 2); each step\'s add '
-                  "gathers those columns and the host AdamW reads them back in pieces. The same weights bit for bit "
+                  "reads those columns of the gradient and the host AdamW reads the kept sum through each column's "
+                  "place in it. The same weights bit for bit "
                   'with fp32 and bf16 moments; with host_moment_dtype="int8" the device columns\' stale host '
                   "moments (never read) are updated with a zero sum (or the window's last gradient) instead of "
                   "their own, which changes their blocks' scales and so the codes of the host columns beside them. "

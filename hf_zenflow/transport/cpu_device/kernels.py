@@ -87,12 +87,12 @@ def _build() -> ctypes.CDLL:
     lib.zf_run.restype = ctypes.c_int
     d = ctypes.c_double
     lib.zf_window_adamw.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, d, d, d, d, d, ctypes.c_float,
-                                    ctypes.c_int64, ctypes.c_int, p]
+                                    ctypes.c_int64, ctypes.c_int, p, p, p, p, p, p]
     lib.zf_window_adamw.restype = ctypes.c_int
     lib.zf_window_adamw_bf16.argtypes = lib.zf_window_adamw.argtypes
     lib.zf_window_adamw_bf16.restype = ctypes.c_int
     lib.zf_window_adamw_q.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, p, p, d, d, d, d, d,
-                                      ctypes.c_float, ctypes.c_int64, ctypes.c_int, p]
+                                      ctypes.c_float, ctypes.c_int64, ctypes.c_int, p, p, p, p, p, p]
     lib.zf_window_adamw_q.restype = ctypes.c_int
     return lib
 
@@ -285,25 +285,35 @@ def _matches_torch(moment_dtype: torch.dtype = torch.float32) -> bool:
     return True
 
 
+#: Per matrix of a window pass, None or (kept before each column, the columns not kept, axis): `window_adamw`.
+KeptSums = list[tuple[torch.Tensor, torch.Tensor, int] | None] | None
+
+
 def window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads: list[torch.Tensor | None],
                  firsts: list[bool], counts: list[int], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
-                 steps: list[torch.Tensor], hyper: dict, coef: float | None) -> None:
+                 steps: list[torch.Tensor], hyper: dict, coef: float | None,
+                 kept: KeptSums = None) -> None:
     """The host AdamW of a window in one pass (`csrc/zenflow_cpu.c`, zf_window_adamw): per matrix the window's
     mean gradient, ``(accum + grad * coef) / count`` with the last step's `grad` folded in (``grad * coef / count``
     when `first`; ``accum / count`` when `grad` is None), then the AdamW update of torch's fused CPU kernel, bit
     for bit; each `steps` tensor is incremented first, as torch does. `accums` are read, never written: fp32, or
     bf16 (a bf16 window sum, ``host_sum_dtype="bfloat16"``: widened as read; with `grad` folded in, the sum is
     rounded to nearest bf16 before the division, as `accumulate` would store it, so that folding gives the bits of
-    adding the last gradient into the sum and running the pass on it)."""
+    adding the last gradient into the sum and running the pass on it).
+
+    `kept`: per matrix None, or ``(before, skipped, axis)`` for a sum that keeps some columns (``axis`` 1) or rows
+    (0) of the 2-D master only (``host_sum_columns="unselected"``): `before` (int32, one more than the columns or
+    rows) counts the kept ones before each, `skipped` (int32, sorted) lists the others; those read a zero sum, the
+    kept ones the bits of a full sum (spread block by block in the pass, in runs between the skipped ones)."""
     for t in (*exp_avgs, *exp_avg_sqs):
         assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
-    _window_adamw(masters, accums, grads, firsts, counts, (exp_avgs, exp_avg_sqs), steps, hyper, coef)
+    _window_adamw(masters, accums, grads, firsts, counts, (exp_avgs, exp_avg_sqs), steps, hyper, coef, kept=kept)
 
 
 def window_adamw_bf16(masters: list[torch.Tensor], accums: list[torch.Tensor], grads: list[torch.Tensor | None],
                       firsts: list[bool], counts: list[int], exp_avgs: list[torch.Tensor],
                       exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], hyper: dict,
-                      coef: float | None) -> None:
+                      coef: float | None, kept: KeptSums = None) -> None:
     """`window_adamw` with bf16 moments (``host_moment_dtype="bfloat16"``, contiguous, the master's shape): each
     block of the moments is widened into fp32 (exactly), updated as fp32 moments are and rounded back to nearest even
     in the same pass; the bits of widening, torch's fused AdamW in fp32 and ``.to(torch.bfloat16)`` (a NaN stays a
@@ -312,14 +322,15 @@ def window_adamw_bf16(masters: list[torch.Tensor], accums: list[torch.Tensor], g
         for t, master in zip(moment_list, masters):
             assert t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu"
             assert t.numel() == master.numel()
-    _window_adamw(masters, accums, grads, firsts, counts, (exp_avgs, exp_avg_sqs), steps, hyper, coef, bf16=True)
+    _window_adamw(masters, accums, grads, firsts, counts, (exp_avgs, exp_avg_sqs), steps, hyper, coef, bf16=True,
+                  kept=kept)
 
 
 def window_adamw_quantized(masters: list[torch.Tensor], accums: list[torch.Tensor],
                            grads: list[torch.Tensor | None], firsts: list[bool], counts: list[int],
                            m_codes: list[torch.Tensor], m_scales: list[torch.Tensor], v_codes: list[torch.Tensor],
                            v_scales: list[torch.Tensor], steps: list[torch.Tensor], hyper: dict,
-                           coef: float | None) -> None:
+                           coef: float | None, kept: KeptSums = None) -> None:
     """`window_adamw` with 8-bit moments (``host_moment_dtype="int8"``): per matrix the int8 codes of exp_avg and
     the uint8 codes of exp_avg_sq (contiguous, the master's shape) and their fp32 per-block scales (one per 256
     elements); each block is dequantised, updated and quantised again in the same pass, with the arithmetic of
@@ -330,18 +341,28 @@ def window_adamw_quantized(masters: list[torch.Tensor], accums: list[torch.Tenso
             assert scales.dtype == torch.float32 and scales.is_contiguous()
             assert scales.numel() == -(-master.numel() // 256)
     _window_adamw(masters, accums, grads, firsts, counts, (m_codes, m_scales, v_codes, v_scales), steps, hyper,
-                  coef)
+                  coef, kept=kept)
 
 
 def _window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads: list[torch.Tensor | None],
                   firsts: list[bool], counts: list[int], moments: tuple[list[torch.Tensor], ...],
-                  steps: list[torch.Tensor], hyper: dict, coef: float | None, bf16: bool = False) -> None:
+                  steps: list[torch.Tensor], hyper: dict, coef: float | None, bf16: bool = False,
+                  kept: KeptSums = None) -> None:
     width = torch_vector_width()
     assert width is not None
+    kept = list(kept) if kept is not None else [None] * len(masters)
     for t in masters:
         assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
-    for t, master in zip(accums, masters):
-        assert t.dtype in _KINDS and t.is_contiguous() and t.device.type == "cpu" and t.numel() == master.numel()
+    for t, master, part in zip(accums, masters, kept):
+        assert t.dtype in _KINDS and t.is_contiguous() and t.device.type == "cpu"
+        if part is None:
+            assert t.numel() == master.numel()
+            continue
+        before, skipped, axis = part
+        units = master.shape[axis]
+        assert master.ndim == 2 and t.shape[1 - axis] == master.shape[1 - axis]
+        assert before.dtype == skipped.dtype == torch.int32 and before.is_contiguous() and skipped.is_contiguous()
+        assert before.numel() == units + 1 and int(before[-1]) == t.shape[axis] == units - skipped.numel()
     for master, grad in zip(masters, grads):
         assert grad is None or (supports(grad) and grad.shape == master.shape)
     for step in steps:
@@ -362,6 +383,11 @@ def _window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads
         float(hyper["lr"]), float(beta1), float(beta2), float(hyper["eps"]), float(hyper["weight_decay"]),
         1.0 if coef is None else float(coef), width, torch.get_num_threads(),
         _array(ctypes.c_int32, [int(a.dtype == torch.bfloat16) for a in accums]),
+        _array(ctypes.c_void_p, [0 if part is None else part[0].data_ptr() for part in kept]),
+        _array(ctypes.c_void_p, [0 if part is None else part[1].data_ptr() for part in kept]),
+        _array(ctypes.c_int32, [int(part is not None and part[2] == 0) for part in kept]),
+        _array(ctypes.c_int64, [m.shape[-1] if m.ndim else 1 for m in masters]),
+        _array(ctypes.c_int64, [a.shape[-1] if a.ndim else 1 for a in accums]),
     )
     if rc != 0:
         raise MemoryError("hf_zenflow CPU kernel: out of memory for its work list")

@@ -111,84 +111,83 @@ static void row_scatter(const zf_job *job, int64_t t, int64_t r) {
   }
 }
 
-/* row_accumulate on a bf16 window sum: the fp32 rule on the widened sum, rounded to nearest even after every add */
-static void row_accumulate_bf16(const zf_job *job, int64_t t, int64_t r) {
-  const int64_t cols = job->cols[t];
-  uint16_t *acc = (uint16_t *)(void *)job->small[t] + r * cols;
-  const float coef = job->coef;
-  if (job->big_bf16[t]) {
-    const uint16_t *g = (const uint16_t *)job->big[t] + r * cols;
-    if (job->first) {
+/* acc[0, n) += g[0, n) * coef (acc = g * coef when first), fp32 or bf16 on either side: the fp32 fma of torch's
+ * vectorised add_(g, alpha=coef); a bf16 window sum is widened, gets the same fp32 rule and is rounded to nearest
+ * even after every add */
+static inline void accumulate_run(void *acc_p, int acc16, const void *g_p, int g16, int64_t n, float coef,
+                                  int first) {
+  if (acc16) {
+    uint16_t *acc = (uint16_t *)acc_p;
+    if (g16) {
+      const uint16_t *g = (const uint16_t *)g_p;
+      if (first) {
 #pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) acc[c] = f32_to_bf16(bf16_to_f32(g[c]) * coef);
+        for (int64_t c = 0; c < n; ++c) acc[c] = f32_to_bf16(bf16_to_f32(g[c]) * coef);
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < n; ++c) acc[c] = f32_to_bf16(fmaf(bf16_to_f32(g[c]), coef, bf16_to_f32(acc[c])));
+      }
+    } else {
+      const float *g = (const float *)g_p;
+      if (first) {
+#pragma omp simd
+        for (int64_t c = 0; c < n; ++c) acc[c] = f32_to_bf16(g[c] * coef);
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < n; ++c) acc[c] = f32_to_bf16(fmaf(g[c], coef, bf16_to_f32(acc[c])));
+      }
+    }
+    return;
+  }
+  float *acc = (float *)acc_p;
+  if (g16) {
+    const uint16_t *g = (const uint16_t *)g_p;
+    if (first) {
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) acc[c] = bf16_to_f32(g[c]) * coef;
     } else {
 #pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) acc[c] = f32_to_bf16(fmaf(bf16_to_f32(g[c]), coef, bf16_to_f32(acc[c])));
+      for (int64_t c = 0; c < n; ++c) acc[c] = fmaf(bf16_to_f32(g[c]), coef, acc[c]);
     }
   } else {
-    const float *g = (const float *)job->big[t] + r * cols;
-    if (job->first) {
+    const float *g = (const float *)g_p;
+    if (first) {
 #pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) acc[c] = f32_to_bf16(g[c] * coef);
+      for (int64_t c = 0; c < n; ++c) acc[c] = g[c] * coef;
     } else {
 #pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) acc[c] = f32_to_bf16(fmaf(g[c], coef, bf16_to_f32(acc[c])));
+      for (int64_t c = 0; c < n; ++c) acc[c] = fmaf(g[c], coef, acc[c]);
     }
   }
 }
 
-/* row_accumulate into a window sum that keeps the columns idx only ([rows, k]): the same arithmetic per element */
-static void row_accumulate_columns(const zf_job *job, int64_t t, int64_t r) {
+/* A row of the gradient into its window sum: the whole row, or, with an index (a sum that keeps the columns idx
+ * only, [rows, k]), the kept columns, element by element with the same arithmetic (runs of consecutive kept columns
+ * are short: a tenth of the columns on the device leaves runs of about 9) */
+static void row_accumulate(const zf_job *job, int64_t t, int64_t r) {
   const int64_t cols = job->cols[t], k = job->k[t];
-  const int64_t *idx = job->idx[t];
+  const int acc16 = job->small_bf16[t], g16 = job->big_bf16[t];
   const float coef = job->coef;
   const int first = job->first;
-  const uint16_t *g16 = job->big_bf16[t] ? (const uint16_t *)job->big[t] + r * cols : NULL;
-  const float *g32 = job->big_bf16[t] ? NULL : (const float *)job->big[t] + r * cols;
-  if (job->small_bf16[t]) {
+  if (k == 0) {
+    accumulate_run((char *)(void *)job->small[t] + r * cols * (acc16 ? 2 : 4), acc16,
+                   (const char *)job->big[t] + r * cols * (g16 ? 2 : 4), g16, cols, coef, first);
+    return;
+  }
+  const int64_t *idx = job->idx[t];
+  const uint16_t *g16_row = g16 ? (const uint16_t *)job->big[t] + r * cols : NULL;
+  const float *g32_row = g16 ? NULL : (const float *)job->big[t] + r * cols;
+  if (acc16) {
     uint16_t *acc = (uint16_t *)(void *)job->small[t] + r * k;
     for (int64_t j = 0; j < k; ++j) {
-      const float x = g16 ? bf16_to_f32(g16[idx[j]]) : g32[idx[j]];
+      const float x = g16_row ? bf16_to_f32(g16_row[idx[j]]) : g32_row[idx[j]];
       acc[j] = f32_to_bf16(first ? x * coef : fmaf(x, coef, bf16_to_f32(acc[j])));
     }
   } else {
     float *acc = job->small[t] + r * k;
     for (int64_t j = 0; j < k; ++j) {
-      const float x = g16 ? bf16_to_f32(g16[idx[j]]) : g32[idx[j]];
+      const float x = g16_row ? bf16_to_f32(g16_row[idx[j]]) : g32_row[idx[j]];
       acc[j] = first ? x * coef : fmaf(x, coef, acc[j]);
-    }
-  }
-}
-
-static void row_accumulate(const zf_job *job, int64_t t, int64_t r) {
-  if (job->k[t] > 0) {
-    row_accumulate_columns(job, t, r);
-    return;
-  }
-  if (job->small_bf16[t]) {
-    row_accumulate_bf16(job, t, r);
-    return;
-  }
-  const int64_t cols = job->cols[t];
-  float *acc = job->small[t] + r * cols;
-  const float coef = job->coef;
-  if (job->big_bf16[t]) {
-    const uint16_t *g = (const uint16_t *)job->big[t] + r * cols;
-    if (job->first) {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) acc[c] = bf16_to_f32(g[c]) * coef;
-    } else {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) acc[c] = fmaf(bf16_to_f32(g[c]), coef, acc[c]);
-    }
-  } else {
-    const float *g = (const float *)job->big[t] + r * cols;
-    if (job->first) {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) acc[c] = g[c] * coef;
-    } else {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) acc[c] = fmaf(g[c], coef, acc[c]);
     }
   }
 }
@@ -298,6 +297,14 @@ typedef struct {
   float *const *m_scale, *const *v_scale;
   /* bf16 moments (NULL otherwise): per tensor the moments' bf16 bits, storage order */
   uint16_t *const *m_bf16, *const *v_bf16;
+  /* a window sum that keeps some columns (rows, acc_rows) only (NULL, or NULL per tensor: every element): per tensor
+     acc_map, the kept columns (rows) before each column (row) c of the [.., cols] matrix, c = 0 .. its count (c is
+     kept when acc_map[c + 1] > acc_map[c], at acc_map[c] in the kept sum; the others read as 0), acc_skip, the
+     columns (rows) not kept, sorted; the matrix's row length and the kept sum's row length */
+  const int32_t *const *acc_map;
+  const int32_t *const *acc_skip;
+  const int32_t *acc_rows;
+  const int64_t *cols, *acc_kept;
   int64_t *item_tensor, *item_begin, *item_end;
   int64_t n_items;
   atomic_llong next;
@@ -419,6 +426,55 @@ static inline __attribute__((always_inline)) void adam_block_bf16(float *restric
   }
 }
 
+/* The block [b0, b0 + n) of a sum that keeps some columns (or rows) only, in fp32 in `wide` (zeros where not kept):
+ * the kept values widened as a bf16 accumulator's would be, so the pass reads the bits of a full sum there */
+/* `n` values of a kept sum from `src` (bf16 bits when acc16), widened into `out` */
+static inline void widen_run(float *restrict out, const void *src, int64_t n, int acc16) {
+  if (acc16) {
+    const uint16_t *h = (const uint16_t *)src;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) out[j] = bf16_to_f32(h[j]);
+  } else {
+    memcpy(out, src, sizeof(float) * (size_t)n);
+  }
+}
+
+static void spread_block(const zf_adam_job *job, int64_t t, int64_t b0, int64_t n, float *restrict wide) {
+  const int32_t *before = job->acc_map[t], *skip = job->acc_skip[t];
+  const int64_t cols = job->cols[t], kept = job->acc_kept[t];
+  const int acc16 = job->acc_bf16[t];
+  const size_t size = acc16 ? 2 : 4;
+  const char *acc = (const char *)job->acc[t];
+  for (int64_t i = 0, e = b0; i < n;) {
+    const int64_t r = e / cols, c = e - r * cols;
+    const int64_t len = cols - c < n - i ? cols - c : n - i;
+    float *restrict out = wide + i;
+    if (job->acc_rows[t]) { /* kept rows: a kept row is a contiguous row of the sum */
+      if (before[r + 1] > before[r])
+        widen_run(out, acc + ((int64_t)before[r] * cols + c) * size, len, acc16);
+      else
+        memset(out, 0, sizeof(float) * (size_t)len);
+    } else { /* kept columns, in runs between the columns not kept (zeros) */
+      const int64_t n_skip = cols - kept;
+      int64_t s = c - before[c]; /* the first column not kept at or after c */
+      const char *src = acc + (r * kept + before[c]) * (int64_t)size;
+      for (int64_t j = 0; j < len;) {
+        int64_t next = s < n_skip ? skip[s] - c : len;
+        if (next > len) next = len;
+        widen_run(out + j, src, next - j, acc16);
+        src += (next - j) * (int64_t)size;
+        j = next;
+        if (j < len) {
+          out[j++] = 0.0f;
+          ++s;
+        }
+      }
+    }
+    i += len;
+    e += len;
+  }
+}
+
 static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t end) {
   const double bc1 = 1 - pow(job->beta1, job->step[t]);
   const double bc2 = 1 - pow(job->beta2, job->step[t]);
@@ -442,7 +498,12 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
   for (int64_t b0 = begin; b0 < end; b0 += ZF_ADAM_BLOCK) {
     const int64_t n = end - b0 < ZF_ADAM_BLOCK ? end - b0 : ZF_ADAM_BLOCK;
     const float *a = acc + b0;
-    if (acc16 && !(gp && first)) {
+    if (job->acc_map && job->acc_map[t]) {
+      if (!(gp && first)) {
+        spread_block(job, t, b0, n, wide);
+        a = wide;
+      }
+    } else if (acc16 && !(gp && first)) {
       const uint16_t *h = (const uint16_t *)(const void *)acc + b0;
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) wide[i] = bf16_to_f32(h[i]);
@@ -535,12 +596,16 @@ int zf_window_adamw(int64_t n, float *const *master, float *const *acc, float *c
                     float *const *exp_avg_sq, const void *const *grad, const int32_t *grad_bf16,
                     const int32_t *first, const int64_t *count, const int64_t *numel, const double *step,
                     double lr, double beta1, double beta2, double eps, double weight_decay, float coef,
-                    int64_t width, int threads, const int32_t *acc_bf16) {
+                    int64_t width, int threads, const int32_t *acc_bf16, const int32_t *const *acc_map,
+                    const int32_t *const *acc_skip, const int32_t *acc_rows, const int64_t *cols,
+                    const int64_t *acc_kept) {
   zf_adam_job job = {.n = n, .master = master, .acc = acc, .acc_bf16 = acc_bf16, .exp_avg = exp_avg,
                      .exp_avg_sq = exp_avg_sq,
                      .grad = grad, .grad_bf16 = grad_bf16, .first = first, .count = count, .numel = numel,
                      .step = step, .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps,
-                     .weight_decay = weight_decay, .coef = coef, .width = width > 0 ? width : 1};
+                     .weight_decay = weight_decay, .coef = coef, .width = width > 0 ? width : 1,
+                     .acc_map = acc_map, .acc_skip = acc_skip, .acc_rows = acc_rows, .cols = cols,
+                     .acc_kept = acc_kept};
   return window_adamw(job, threads);
 }
 
@@ -550,12 +615,14 @@ int zf_window_adamw_q(int64_t n, float *const *master, float *const *acc, int8_t
                       const void *const *grad, const int32_t *grad_bf16, const int32_t *first,
                       const int64_t *count, const int64_t *numel, const double *step, double lr, double beta1,
                       double beta2, double eps, double weight_decay, float coef, int64_t width, int threads,
-                      const int32_t *acc_bf16) {
+                      const int32_t *acc_bf16, const int32_t *const *acc_map, const int32_t *const *acc_skip,
+                      const int32_t *acc_rows, const int64_t *cols, const int64_t *acc_kept) {
   zf_adam_job job = {.n = n, .master = master, .acc = acc, .acc_bf16 = acc_bf16, .m_codes = m_codes, .m_scale = m_scale,
                      .v_codes = v_codes, .v_scale = v_scale, .grad = grad, .grad_bf16 = grad_bf16,
                      .first = first, .count = count, .numel = numel, .step = step, .lr = lr, .beta1 = beta1,
                      .beta2 = beta2, .eps = eps, .weight_decay = weight_decay, .coef = coef,
-                     .width = width > 0 ? width : 1};
+                     .width = width > 0 ? width : 1, .acc_map = acc_map, .acc_skip = acc_skip,
+                     .acc_rows = acc_rows, .cols = cols, .acc_kept = acc_kept};
   return window_adamw(job, threads);
 }
 
@@ -565,11 +632,14 @@ int zf_window_adamw_bf16(int64_t n, float *const *master, float *const *acc, uin
                          uint16_t *const *exp_avg_sq, const void *const *grad, const int32_t *grad_bf16,
                          const int32_t *first, const int64_t *count, const int64_t *numel, const double *step,
                          double lr, double beta1, double beta2, double eps, double weight_decay, float coef,
-                         int64_t width, int threads, const int32_t *acc_bf16) {
+                         int64_t width, int threads, const int32_t *acc_bf16, const int32_t *const *acc_map,
+                         const int32_t *const *acc_skip, const int32_t *acc_rows, const int64_t *cols,
+                         const int64_t *acc_kept) {
   zf_adam_job job = {.n = n, .master = master, .acc = acc, .acc_bf16 = acc_bf16, .m_bf16 = exp_avg, .v_bf16 = exp_avg_sq, .grad = grad,
                      .grad_bf16 = grad_bf16, .first = first, .count = count, .numel = numel, .step = step,
                      .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay,
-                     .coef = coef, .width = width > 0 ? width : 1};
+                     .coef = coef, .width = width > 0 ? width : 1, .acc_map = acc_map, .acc_skip = acc_skip,
+                     .acc_rows = acc_rows, .cols = cols, .acc_kept = acc_kept};
   return window_adamw(job, threads);
 }
 
