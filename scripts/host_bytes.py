@@ -88,7 +88,8 @@ def host_bytes(opt: ZenFlowAdamW) -> tuple[dict[str, int], int]:
                 if ptr in seen:
                     continue
                 seen.add(ptr)
-                role = "moments" if f.name.startswith("exp_avg") else f.name
+                # (the kept columns' index and the places the window pass reads them through)
+                role = "moments" if f.name.startswith("exp_avg") else "indices" if f.name.startswith("sum_") else f.name
                 roles[role] = roles.get(role, 0) + t.untyped_storage().nbytes()
     return roles, elements
 
@@ -126,7 +127,7 @@ def main() -> None:
         assert stats["host_state_bytes"] == total, (stats["host_state_bytes"], total)
         per = {k: v / elements for k, v in roles.items()}
         print(f"| {label} | {per.get('master', 0):.2f} | {per.get('moments', 0):.5f} | {per.get('accum', 0):.2f} | "
-              f"{per.get('sum_index', 0):.5f} | {per.get('writeback', 0):.2f} | {total} | {elements} | "
+              f"{per.get('indices', 0):.5f} | {per.get('writeback', 0):.2f} | {total} | {elements} | "
               f"{total / elements:.5f} | {stats['host_bytes_per_param']:.5f} | "
               f"{statistics.median(writeback_ms) if writeback_ms else float('nan'):.2f} |")
 

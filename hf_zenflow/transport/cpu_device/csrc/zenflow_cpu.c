@@ -19,6 +19,9 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -440,7 +443,7 @@ static inline void widen_run(float *restrict out, const void *src, int64_t n, in
 }
 
 static void spread_block(const zf_adam_job *job, int64_t t, int64_t b0, int64_t n, float *restrict wide) {
-  const int32_t *before = job->acc_map[t], *skip = job->acc_skip[t];
+  const int32_t *before = job->acc_map[t];
   const int64_t cols = job->cols[t], kept = job->acc_kept[t];
   const int acc16 = job->acc_bf16[t];
   const size_t size = acc16 ? 2 : 4;
@@ -454,10 +457,37 @@ static void spread_block(const zf_adam_job *job, int64_t t, int64_t b0, int64_t 
         widen_run(out, acc + ((int64_t)before[r] * cols + c) * size, len, acc16);
       else
         memset(out, 0, sizeof(float) * (size_t)len);
-    } else { /* kept columns, in runs between the columns not kept (zeros) */
+    } else { /* kept columns: row r of the sum holds them in order */
+      const char *src = acc + (r * kept + before[c]) * (int64_t)size;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      /* 16 columns at a time: their kept values loaded consecutively and expanded into place (zeros between) */
+      int64_t j = 0;
+      const int32_t *b = before + c;
+      for (; j + 16 <= len; j += 16) {
+        const __mmask16 keep = _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(b + j), _mm512_loadu_si512(b + j + 1));
+        const int count = b[j + 16] - b[j];
+        __m512 v;
+        if (acc16) {
+          const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << count) - 1u), src);
+          v = _mm512_maskz_expand_ps(keep, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        } else {
+          v = _mm512_maskz_expandloadu_ps(keep, src);
+        }
+        _mm512_storeu_ps(out + j, v);
+        src += count * (int64_t)size;
+      }
+      for (; j < len; ++j) {
+        const int k = b[j + 1] - b[j];
+        out[j] = !k     ? 0.0f
+                 : acc16 ? bf16_to_f32(*(const uint16_t *)(const void *)src)
+                         : *(const float *)(const void *)src;
+        src += k * (int64_t)size;
+      }
+#else
+      /* in runs between the columns not kept (zeros) */
+      const int32_t *skip = job->acc_skip[t];
       const int64_t n_skip = cols - kept;
       int64_t s = c - before[c]; /* the first column not kept at or after c */
-      const char *src = acc + (r * kept + before[c]) * (int64_t)size;
       for (int64_t j = 0; j < len;) {
         int64_t next = s < n_skip ? skip[s] - c : len;
         if (next > len) next = len;
@@ -469,6 +499,7 @@ static void spread_block(const zf_adam_job *job, int64_t t, int64_t b0, int64_t 
           ++s;
         }
       }
+#endif
     }
     i += len;
     e += len;
