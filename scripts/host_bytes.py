@@ -89,7 +89,8 @@ def host_bytes(opt: ZenFlowAdamW) -> tuple[dict[str, int], int]:
                     continue
                 seen.add(ptr)
                 # (the kept columns' index and the places the window pass reads them through)
-                role = "moments" if f.name.startswith("exp_avg") else "indices" if f.name.startswith("sum_") else f.name
+                role = ("moments" if f.name.startswith("exp_avg") else "indices" if f.name.startswith("sum_")
+                        else f.name)
                 roles[role] = roles.get(role, 0) + t.untyped_storage().nbytes()
     return roles, elements
 
