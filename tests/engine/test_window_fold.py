@@ -49,9 +49,9 @@ def test_the_one_pass_kernel_gives_the_bits_of_the_torch_passes(monkeypatch, acc
             monkeypatch.setattr(host_module.kernels, "window_adamw_available", lambda: False)
         calls: list[int] = []
 
-        def counted(*args, calls=calls):
+        def counted(*args, calls=calls, **kwargs):
             calls.append(1)
-            return kernel(*args)
+            return kernel(*args, **kwargs)
 
         monkeypatch.setattr(host_module.kernels, "window_adamw", counted)
         model = make_model()

@@ -20,7 +20,10 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ZF_AVX512 1
 #include <immintrin.h>
+#else
+#define ZF_AVX512 0
 #endif
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +43,7 @@ typedef struct {
                                 accumulate's window sum, or scatter's source into a bf16 tensor */
   float *const *row_sums;    /* norm_gather: per tensor, NULL or an fp32 [rows] output of row sums of squares */
   const int64_t *const *idx; /* sorted selected columns, k of them (may be NULL when k == 0) */
+  int32_t **before;          /* accumulate with AVX-512: per tensor with idx, the idx columns before each column */
   const int64_t *rows, *cols, *k;
   int64_t *item_tensor, *item_row0, *item_row1;
   double *item_sum;
@@ -164,6 +168,36 @@ static inline void accumulate_run(void *acc_p, int acc16, const void *g_p, int g
   }
 }
 
+#if ZF_AVX512
+static inline __m512 bf16_to_f32_x16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* row_accumulate's kept columns: by pieces of ZF_COMPRESS_COLS columns, the gradient's kept values compressed into
+ * consecutive fp32 lanes of a buffer on the stack (16 columns at a time: one compress, one store), then added into
+ * the sum by the contiguous loop of a whole row (accumulate_run: the same arithmetic per element) */
+#define ZF_COMPRESS_COLS 1024
+static void row_accumulate_compressed(const int32_t *b, int64_t cols, const uint16_t *g16, const float *g32,
+                                      char *acc, int acc16, int64_t at, float coef, int first) {
+  float kept[ZF_COMPRESS_COLS + 16];
+  const size_t size = acc16 ? 2 : 4;
+  for (int64_t c0 = 0; c0 < cols; c0 += ZF_COMPRESS_COLS) {
+    const int64_t c1 = c0 + ZF_COMPRESS_COLS < cols ? c0 + ZF_COMPRESS_COLS : cols;
+    int64_t c = c0, n = 0;
+    for (; c + 16 <= c1; c += 16) {
+      const __mmask16 keep = _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(b + c), _mm512_loadu_si512(b + c + 1));
+      const __m512 g = g16 ? bf16_to_f32_x16(_mm256_loadu_si256((const __m256i *)(const void *)(g16 + c)))
+                           : _mm512_loadu_ps(g32 + c);
+      _mm512_storeu_ps(kept + n, _mm512_maskz_compress_ps(keep, g)); /* (lanes past the kept ones: overwritten) */
+      n += b[c + 16] - b[c];
+    }
+    for (; c < c1; ++c)
+      if (b[c + 1] > b[c]) kept[n++] = g16 ? bf16_to_f32(g16[c]) : g32[c];
+    accumulate_run(acc + (at + b[c0]) * (int64_t)size, acc16, kept, 0, n, coef, first);
+  }
+}
+#endif
+
 /* A row of the gradient into its window sum: the whole row, or, with an index (a sum that keeps the columns idx
  * only, [rows, k]), the kept columns, element by element with the same arithmetic (runs of consecutive kept columns
  * are short: a tenth of the columns on the device leaves runs of about 9) */
@@ -180,6 +214,13 @@ static void row_accumulate(const zf_job *job, int64_t t, int64_t r) {
   const int64_t *idx = job->idx[t];
   const uint16_t *g16_row = g16 ? (const uint16_t *)job->big[t] + r * cols : NULL;
   const float *g32_row = g16 ? NULL : (const float *)job->big[t] + r * cols;
+#if ZF_AVX512
+  if (job->before && job->before[t]) {
+    row_accumulate_compressed(job->before[t], cols, g16_row, g32_row, (char *)(void *)job->small[t], acc16, r * k,
+                              coef, first);
+    return;
+  }
+#endif
   if (acc16) {
     uint16_t *acc = (uint16_t *)(void *)job->small[t] + r * k;
     for (int64_t j = 0; j < k; ++j) {
@@ -228,6 +269,15 @@ static void run_team(int threads, int64_t n_items, void *(*fn)(void *), void *jo
   for (int h = 0; h < started; ++h) pthread_join(helpers[h], NULL);
 }
 
+#if ZF_AVX512
+static void free_before(zf_job *job) {
+  if (!job->before) return;
+  for (int64_t t = 0; t < job->n; ++t) free(job->before[t]);
+  free(job->before);
+  job->before = NULL;
+}
+#endif
+
 int zf_run(int kind, int64_t n, void *const *big, const int32_t *big_bf16, float *const *small,
            const int32_t *small_bf16, float *const *row_sums, const int64_t *const *idx, const int64_t *rows,
            const int64_t *cols, const int64_t *k, int threads, double *sums, float coef, int first) {
@@ -259,8 +309,29 @@ int zf_run(int kind, int64_t n, void *const *big, const int32_t *big_bf16, float
     }
   }
   job.n_items = n_items;
+#if ZF_AVX512
+  if (kind == ZF_ACCUMULATE) { /* the kept columns as counts before each column: what the compressed add reads */
+    int ok = (job.before = calloc((size_t)(n > 0 ? n : 1), sizeof(int32_t *))) != NULL;
+    for (int64_t t = 0; ok && t < n; ++t) {
+      if (k[t] == 0) continue;
+      ok = (job.before[t] = malloc(sizeof(int32_t) * (size_t)(cols[t] + 1))) != NULL;
+      for (int64_t c = 0, j = 0; ok && c <= cols[t]; ++c) {
+        job.before[t][c] = (int32_t)j;
+        if (c < cols[t] && j < k[t] && idx[t][j] == c) ++j;
+      }
+    }
+    if (!ok) {
+      free_before(&job);
+      free(job.item_tensor); free(job.item_row0); free(job.item_row1); free(job.item_sum);
+      return -1;
+    }
+  }
+#endif
   atomic_init(&job.next, 0);
   run_team(threads, n_items, worker, &job);
+#if ZF_AVX512
+  free_before(&job);
+#endif
   if (sums) {
     for (int64_t t = 0; t < n; ++t) sums[t] = 0.0;
     for (int64_t j = 0; j < n_items; ++j) sums[job.item_tensor[j]] += job.item_sum[j]; /* fixed order */
@@ -459,7 +530,7 @@ static void spread_block(const zf_adam_job *job, int64_t t, int64_t b0, int64_t 
         memset(out, 0, sizeof(float) * (size_t)len);
     } else { /* kept columns: row r of the sum holds them in order */
       const char *src = acc + (r * kept + before[c]) * (int64_t)size;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if ZF_AVX512
       /* 16 columns at a time: their kept values loaded consecutively and expanded into place (zeros between) */
       int64_t j = 0;
       const int32_t *b = before + c;
