@@ -612,27 +612,8 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
       a = wide;
     }
     /* the window's gradient sum, as zf_accumulate would leave it, then its mean (a true division, as div_) */
-    if (!gp) {
-      memcpy(g, a, sizeof(float) * (size_t)n);
-    } else if (bf16) {
-      const uint16_t *x = (const uint16_t *)gp + b0;
-      if (first) {
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) g[i] = bf16_to_f32(x[i]) * coef;
-      } else {
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) g[i] = fmaf(bf16_to_f32(x[i]), coef, a[i]);
-      }
-    } else {
-      const float *x = (const float *)gp + b0;
-      if (first) {
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) g[i] = x[i] * coef;
-      } else {
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) g[i] = fmaf(x[i], coef, a[i]);
-      }
-    }
+    if (!gp || !first) memcpy(g, a, sizeof(float) * (size_t)n);
+    if (gp) accumulate_run(g, 0, (const char *)gp + b0 * (bf16 ? 2 : 4), bf16, n, coef, first);
     if (acc16 && gp) {
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) g[i] = bf16_to_f32(f32_to_bf16(g[i]));
