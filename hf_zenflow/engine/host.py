@@ -555,7 +555,7 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
             if m.accum.dtype != torch.float32 or m.sum_index is not None:
                 # a bf16 window sum, or one of the unselected columns only, without the kernel: widened into a
                 # full fp32 copy of this one matrix (transient), then the pass of an fp32 sum (the kernel widens
-                # it piece by piece instead: the same bits)
+                # it block by block instead: the same bits)
                 summed, m.accum = m.accum, m.full_sum(torch.float32)
                 try:
                     _plain_adamw([m], hyper)
