@@ -1,0 +1,220 @@
+"""A one-step-late update in plain AdamW: what the overlap's delay alone costs a fine-tune, without ZenFlow.
+
+``run`` trains the quality study's task (`scripts/quality_study.py`) with the `hf-zenflow compare` runner's
+`adamw_torch` reference — the same initial weights, batches, parameter groups, fused AdamW, warm-up schedule,
+clipping and evaluation — with one change: in the matrices ZenFlow would split (2-D, at least ``--min-numel``
+elements, not an embedding table), the input columns that a top-``--ratio`` selection by the step's per-column
+gradient norm leaves unselected receive the update AdamW computes from step t's gradient at step t + ``--delay``
+instead of at step t. The moments stay AdamW's own and every column sees every gradient, so nothing else differs from
+AdamW: ``--delay 0`` is the reference itself (the same held-out loss as the quality study's `adamw_torch` run, to the
+last digit), and ``--delay 1`` is the schedule of ZenFlow's overlapped one-step windows (host columns written back one
+step late) without ZenFlow's code. Updates still pending at the end are applied before the evaluation, as a save
+drains ZenFlow's.
+
+``spread`` follows the reference's own trajectory (``--delay 0``) and reports, per split matrix, how its gradient
+spreads over input columns: the share of the squared gradient norm on the top ``--ratio`` columns, and the cosine
+between consecutive steps' gradients on the columns the selection leaves over (what a late update of those columns
+acts on).
+
+``summary`` pairs each delayed arm with the ``--delay 0`` runs of the same task, learning rate and seed, found in the
+given files: held-out loss difference in % and accuracy difference in points, mean with its t-based 95 % interval.
+
+Usage (each run appends one JSON line per seed; ~2 min per seed of the 63-step ``minilm`` task on one core):
+
+    python scripts/delay_model.py run --task minilm --lr 2e-4 --delay 0 --seeds 0 1 2 3 4 --out delay.jsonl
+    python scripts/delay_model.py run --task minilm --lr 2e-4 --delay 1 --ratio 0.1 --seeds 0 1 2 3 4 --out delay.jsonl
+    python scripts/delay_model.py summary delay.jsonl
+    python scripts/delay_model.py spread --task minilm --lr 2e-4 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_zenflow import ZenFlowConfig
+from hf_zenflow.compare.training_run import evaluate, make_optimizer
+from hf_zenflow.tuning.paired_stats import paired_interval
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality_study import TASKS, prepare  # noqa: E402  (a sibling script, not a package)
+
+
+def split_matrices(model: torch.nn.Module, min_numel: int) -> list[tuple[str, torch.nn.Parameter]]:
+    """The matrices whose columns a ZenFlow run splits between device and host (embedding tables excluded: their
+    rows are selected by token, and delaying them costs nothing measurable on the MiniLM task)."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return [(n, p) for n, p in model.named_parameters()
+            if p.requires_grad and p.dim() == 2 and p.numel() >= min_numel and id(p) not in tables]
+
+
+def unselected_columns(grad: torch.Tensor, ratio: float) -> torch.Tensor:
+    """A boolean mask over input columns: True where the top-`ratio` selection by per-column norm leaves a column."""
+    column_norm = grad.float().pow(2).sum(dim=0)
+    mask = torch.ones_like(column_norm, dtype=torch.bool)
+    mask[column_norm.topk(max(1, int(ratio * column_norm.numel()))).indices] = False
+    return mask
+
+
+def train(task_name: str, seed: int, lr: float, delay: int, ratio: float, min_numel: int,
+          observe: Any = None) -> dict[str, Any]:
+    """One run of the delayed AdamW (``delay == 0``: the runner's `adamw_torch` reference). `observe(step, matrices)`
+    is called after each backward and clipping, before the step."""
+    task, cfg = prepare(task_name, seed, lr)
+    from transformers import get_linear_schedule_with_warmup
+
+    torch.manual_seed(cfg.seed)  # the runner's: dropout masks as in the reference run
+    model = copy.deepcopy(task.base_model)
+    model.train()
+    opt = make_optimizer("adamw_torch", model, cfg)
+    steps = len(task.train_batches)
+    sched = get_linear_schedule_with_warmup(opt, int(cfg.warmup_ratio * steps), steps)
+    matrices = split_matrices(model, min_numel)
+    # per matrix, the host-column updates still to land, oldest first (at most `delay` of them)
+    pending: dict[int, list[torch.Tensor]] = {id(p): [] for _, p in matrices}
+    t0 = time.perf_counter()
+    for step, batch in enumerate(task.train_batches):
+        model(**batch.inputs).loss.backward()
+        if cfg.max_grad_norm and cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        if observe is not None:
+            observe(step, matrices)
+        masks = {id(p): unselected_columns(p.grad, ratio) for _, p in matrices} if delay else {}
+        before = {id(p): p.detach().clone() for _, p in matrices} if delay else {}
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for _, p in matrices if delay else ():
+                held = (p - before[id(p)]) * masks[id(p)]  # this step's update of the host columns, held back
+                p.sub_(held)
+                queue = pending[id(p)]
+                queue.append(held)
+                if len(queue) > delay:
+                    p.add_(queue.pop(0))  # the update computed `delay` steps ago lands now
+    with torch.no_grad():
+        for _, p in matrices:
+            for held in pending[id(p)]:
+                p.add_(held)  # drained before the evaluation, as a save drains the host's pending updates
+    result = evaluate(model, task, torch.device("cpu"))
+    return {"task": task_name, "lr": lr, "seed": seed, "delay": delay, "ratio": ratio if delay else None,
+            "min_numel": min_numel, "eval_loss": result["eval_loss"],
+            "eval_accuracy": result.get("eval_accuracy"), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for seed in args.seeds:
+        record = train(args.task, seed, args.lr, args.delay, args.ratio, args.min_numel)
+        with out.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"seed {seed}: held-out loss {record['eval_loss']:.5f}, accuracy {record['eval_accuracy']:.4f} "
+              f"({record['seconds']:.0f} s)", flush=True)
+    return 0
+
+
+def spread(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    previous: dict[str, torch.Tensor] = {}
+    share: dict[str, list[float]] = defaultdict(list)
+    cosine: dict[str, list[float]] = defaultdict(list)
+    overall: list[float] = []  # all the matrices together: what `ZenFlowAdamW.stats()["selected_grad_share"]` reads
+
+    def observe(step: int, matrices: list[tuple[str, torch.nn.Parameter]]) -> None:
+        top = total = 0.0
+        for name, p in matrices:
+            grad = p.grad.detach().float()
+            column_norm = grad.pow(2).sum(dim=0)
+            mask = unselected_columns(grad, args.ratio)
+            top, total = top + float(column_norm[~mask].sum()), total + float(column_norm.sum())
+            share[name].append(float(column_norm[~mask].sum() / column_norm.sum().clamp_min(1e-30)))
+            if name in previous:
+                cosine[name].append(float(torch.nn.functional.cosine_similarity(
+                    grad[:, mask].flatten(), previous[name][:, mask].flatten(), dim=0)))
+            previous[name] = grad
+        overall.append(top / max(total, 1e-30))
+
+    record = train(args.task, args.seed, args.lr, 0, args.ratio, args.min_numel, observe=observe)
+    tail = max(1, len(next(iter(share.values()))) // 3)
+    print(f"{args.task}, lr {args.lr:g}, seed {args.seed}: held-out loss {record['eval_loss']:.5f}; top "
+          f"{args.ratio:g} of the input columns")
+    print(f"{len(share)} matrices together: {statistics.fmean(overall):.2f} of the squared gradient norm on the top "
+          f"columns (first third {statistics.fmean(overall[:tail]):.2f}, last third "
+          f"{statistics.fmean(overall[-tail:]):.2f}; range {min(overall):.2f}-{max(overall):.2f})")
+    print("| matrix | share of the squared gradient norm on the top columns: mean (first third / last third) | "
+          "cosine of consecutive gradients on the other columns: mean (last third) |")
+    print("|---|---|---|")
+    for name in share:
+        s, c = share[name], cosine[name]
+        print(f"| {name} | {statistics.fmean(s):.2f} ({statistics.fmean(s[:tail]):.2f} / "
+              f"{statistics.fmean(s[-tail:]):.2f}) | {statistics.fmean(c):.2f} ({statistics.fmean(c[-tail:]):.2f}) |")
+    return 0
+
+
+def summary(args: argparse.Namespace) -> int:
+    records = [json.loads(line) for f in args.files for line in Path(f).read_text().splitlines() if line.strip()]
+    reference = {(r["task"], r["lr"], r["seed"]): r for r in records if r["delay"] == 0}
+    arms: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        if r["delay"]:
+            arms[(r["task"], r["lr"], r["delay"], r["ratio"], r["min_numel"])].append(r)
+    print("| task | lr | delay | ratio | seeds | held-out loss diff, % (mean ± 95 % CI) | per seed, % | "
+          "accuracy diff, points |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (task, lr, delay, ratio, _), runs in arms.items():
+        pairs = sorted((r["seed"], r, reference[(task, lr, r["seed"])]) for r in runs
+                       if (task, lr, r["seed"]) in reference)
+        if not pairs:
+            print(f"| {task} | {lr:g} | {delay} | {ratio:g} | 0 | no delay-0 reference in these files | | |")
+            continue
+        loss = [100 * (r["eval_loss"] / a["eval_loss"] - 1) for _, r, a in pairs]
+        acc = [100 * (r["eval_accuracy"] - a["eval_accuracy"]) for _, r, a in pairs]
+        (lm, lh), (am, ah) = paired_interval(loss), paired_interval(acc)
+        print(f"| {task} | {lr:g} | {delay} | {ratio:g} | {len(pairs)} | {lm:+.2f} ± {lh or 0:.2f} | "
+              f"{' / '.join(f'{v:+.2f}' for v in loss)} | {am:+.2f} ± {ah or 0:.2f} |")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in ("run", "spread"):
+        p = commands.add_parser(name)
+        p.add_argument("--task", choices=sorted(TASKS), default="minilm")
+        p.add_argument("--lr", type=float, required=True)
+        p.add_argument("--ratio", type=float, default=ZenFlowConfig().topk_ratio,
+                       help="share of each matrix's input columns updated on time (ZenFlow's topk_ratio)")
+        p.add_argument("--min-numel", type=int, default=ZenFlowConfig().min_offload_numel,
+                       help="smallest matrix with delayed columns (ZenFlow's min_offload_numel)")
+        p.add_argument("--threads", type=int, default=1)
+        if name == "run":
+            p.add_argument("--delay", type=int, required=True, help="steps the host columns' update lands late")
+            p.add_argument("--seeds", type=int, nargs="+", required=True)
+            p.add_argument("--out", required=True)
+        else:
+            p.add_argument("--seed", type=int, default=0)
+    p = commands.add_parser("summary")
+    p.add_argument("files", nargs="+")
+    args = parser.parse_args(argv)
+    if getattr(args, "delay", 0) < 0:
+        parser.error(f"--delay must be 0 or more, got {args.delay}")
+    if hasattr(args, "ratio") and not 0 < args.ratio <= 1:
+        parser.error(f"--ratio must be in (0, 1], got {args.ratio}")
+    return {"run": run, "spread": spread, "summary": summary}[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
