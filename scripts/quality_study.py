@@ -174,8 +174,8 @@ def summarize(records: list[dict[str, Any]], reference: str = "adamw_torch", dec
                   f"{statistics.fmean(ref_loss):.4f} over {len(ref_acc)} seeds.", "",
                   "| setting | seeds | accuracy diff, points (mean ± 95 % CI) | held-out loss diff, % (mean ± 95 % "
                   "CI) | per-seed accuracy diff | per-seed loss diff % | steps/s (mean) | critical path ms (mean) | "
-                  "mean window |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "mean window | device columns' gradient share |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for label in labels:
             pairs = [(s[label], s[reference]) for s in seeds.values() if label in s and reference in s]
             if not pairs:
@@ -185,12 +185,14 @@ def summarize(records: list[dict[str, Any]], reference: str = "adamw_torch", dec
             am, ah = paired_interval(acc)
             lm, lh = paired_interval(loss)
             windows = [z["mean_window"] for z, _ in pairs if z.get("mean_window")]
+            shares = [z["selected_grad_share"] for z, _ in pairs if z.get("selected_grad_share") is not None]
             lines.append(
                 f"| {label} | {len(pairs)} | {_pm(am, ah, decimals)} | {_pm(lm, lh, decimals)} | "
                 f"{' / '.join(f'{v:+.1f}' for v in acc)} | {' / '.join(f'{v:+.{max(decimals, 3)}f}' for v in loss)} | "
                 f"{statistics.fmean(z['steps_per_s'] for z, _ in pairs):.2f} | "
                 f"{statistics.fmean(z['critical_path_ms'] for z, _ in pairs):.1f} | "
-                f"{statistics.fmean(windows) if windows else float('nan'):.1f} |")
+                f"{statistics.fmean(windows) if windows else float('nan'):.1f} | "
+                f"{f'{statistics.fmean(shares):.2f}' if shares else '-'} |")
         ref = [s[reference] for s in seeds.values() if reference in s]
         lines += ["", f"{reference}: {statistics.fmean(r['steps_per_s'] for r in ref):.2f} steps/s, critical path "
                       f"{statistics.fmean(r['critical_path_ms'] for r in ref):.1f} ms (mean). Wall time of the task: "

@@ -85,7 +85,14 @@ def select_columns(host: HostWindows, pairs: list[tuple[SplitMatrix, torch.Tenso
     # Collective: the ranks' partial sums (their shares of the rows under DDP, their FSDP2 shards) summed, so that
     # every rank selects the same columns
     host.reduce_group.all_reduce_sum(scores)
-    chosen = [(split, top_columns(s, split.k)) for (split, _), s in zip(scored, scores) if bool(s.any())]
+    ranked = [(split, s) for (split, _), s in zip(scored, scores) if bool(s.any())]
+    chosen = [(split, top_columns(s, split.k)) for split, s in ranked]
+    if ranked:
+        # Sync point (selection only): the chosen columns' share of each matrix's squared gradient norm, read on the
+        # host once for all matrices (`stats()["selected_grad_share"]`)
+        shares = torch.stack([s.index_select(0, index).sum() / s.sum() for (_, s), (_, index) in zip(ranked, chosen)])
+        for (split, _), share in zip(ranked, shares.tolist()):
+            split.selected_share = share
     chosen += [(split, torch.arange(split.k, device=split.param.device)) for split, _ in todo if not split.offloaded]
     hosted = [(split, index) for split, index in chosen if split.host is not None]
     parts = [(split.share, t.index_select(split.axis, index.cpu()).float()) for split, index in hosted

@@ -26,7 +26,7 @@ class SplitMatrix:
     """One matrix: its device columns and its host state (either may be absent)."""
 
     __slots__ = ("param", "rows", "axis", "k", "columns", "device", "host", "auto", "window_sum", "window_count",
-                 "window_sum_free", "share", "owner")
+                 "window_sum_free", "share", "owner", "selected_share")
 
     def __init__(self, param: torch.Tensor, k: int, rows: bool = False, owner: torch.Tensor | None = None) -> None:
         self.param = param
@@ -52,6 +52,9 @@ class SplitMatrix:
         self.window_sum: torch.Tensor | None = None
         self.window_count = 0
         self.window_sum_free: Any = None
+        # the device columns' share of the matrix's squared gradient norm at its last selection (None: not selected
+        # from a gradient yet; `stats()["selected_grad_share"]`)
+        self.selected_share: float | None = None
 
     def matrix(self, t: torch.Tensor) -> torch.Tensor:
         """The parameter, or its gradient, as this matrix's contiguous `storage_matrix` (host state has its shape):

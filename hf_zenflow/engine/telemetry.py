@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 
@@ -65,6 +66,10 @@ class ZenFlowStats:
     - ``bytes_to_host`` / ``bytes_to_device``: bytes crossing the host-device link in the last step (on a CPU
       device: the bytes that would), ``total_bytes_to_host`` / ``total_bytes_to_device`` since construction;
     - ``selected_fraction``: fraction of matrix elements updated on the device each step;
+      ``selected_grad_share``: how much of the gradient the device columns held when they were chosen: per offloaded
+      matrix, their share of its squared gradient norm at its last selection, averaged over the matrices (NaN before
+      the first selection). ZenFlow assumes a few columns hold most of it; where they hold little, most of the
+      gradient reaches the weights through the host, one window late (docs/limitations.md);
     - ``update_interval``: length of the last closed window, in steps;
     - ``staleness``: optimizer steps whose host-path gradients are not yet in the weights after the last step;
     - ``steps``, ``windows``, ``reselections``, ``skipped_steps`` (non-finite gradients);
@@ -172,7 +177,9 @@ def state_sizes(splits: dict, dense: dict) -> dict[str, float]:
     on_device = sum(s.param.numel() * (s.k / s.columns) for s in matrices if s.device is not None)
     hosted = sum(s.host.master.numel() for s in matrices if s.host is not None)
     host_bytes = sum(s.host.nbytes() for s in matrices if s.host is not None)
-    return {"selected_fraction": on_device / total if total else 1.0, "host_state_bytes": host_bytes,
+    shares = [s.selected_share for s in matrices if s.host is not None and s.selected_share is not None]
+    return {"selected_fraction": on_device / total if total else 1.0,
+            "selected_grad_share": sum(shares) / len(shares) if shares else math.nan, "host_state_bytes": host_bytes,
             "device_state_bytes": device_state_bytes(splits, dense),
             "host_bytes_per_param": host_bytes / hosted if hosted else 0.0,
             "offloaded_params_fraction": offloaded_params_fraction(splits, dense)}

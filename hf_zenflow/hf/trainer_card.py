@@ -40,12 +40,13 @@ def card_inputs(trainer: Trainer) -> dict[str, Any]:
         "cp_wait_ms": "of which waiting for the host worker (mean, ms)",
         "host_step_ms": "host AdamW step per window (mean, ms)",
         "selected_fraction": "selected fraction (mean)",
+        "selected_grad_share": "device columns' share of the gradient norm (last selection)",
         "staleness": "staleness (mean, steps)",
     }
     for key, label in labels.items():
         value = run.get(TELEMETRY_PREFIX + key)
         if value is not None:
-            fractional = ("update_interval", "host_beta1", "host_step_guard")
+            fractional = ("update_interval", "host_beta1", "host_step_guard", "selected_grad_share")
             measured[label] = int(value) if key in LAST_STATS and key not in fractional else value
     for key, label in (("bytes_to_host", "to host"), ("bytes_to_device", "to device")):
         value = run.get(TELEMETRY_PREFIX + key)

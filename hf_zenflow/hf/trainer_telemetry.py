@@ -27,7 +27,9 @@ LAST_STATS = ("update_interval", "steps", "windows", "reselections", "skipped_st
               # what the device held at its peak so far (weights, gradients, optimizer device state), per parameter,
               # and the share of the parameters offloaded
               "peak_device_bytes", "peak_device_bytes_per_param", "step_peak_device_bytes",
-              "offloaded_params_fraction", "min_offload_numel")
+              "offloaded_params_fraction", "min_offload_numel",
+              # how much of the offloaded matrices' gradient their device columns held at the last selection
+              "selected_grad_share")
 TELEMETRY_PREFIX = "zenflow/"
 #: The device's busy share of the training loop's wall time between optimizer steps: 1 - (the steps' device waits,
 #: `telemetry.DEVICE_WAIT_PHASES`) / (their wall time), as `hf-zenflow compare` reports it.

@@ -74,8 +74,14 @@ def trial_record(name: str, result: dict[str, Any], seconds: float, setting: Tri
         "steps_per_s": result["steps_per_s"],
         "critical_path_ms": (result["opt_step_ms_mean"] or 0.0) + (result["clip_ms_mean"] or 0.0),
         "mean_window": (stats.get("steps") or result["steps"]) / windows if windows else None,
+        # how much of the gradient the device columns held at the last selection (None: no selection)
+        "selected_grad_share": _finite(stats.get("selected_grad_share")),
         "seconds": seconds,
     }
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def run_trial(name: str, task: Any, cfg: Any, device: Any, setting: TrialSetting | None = None,

@@ -181,6 +181,9 @@ def test_the_example_model_card_is_what_its_command_writes():
     assert float(rows["learning_rate"]) == float(words[words.index("--learning_rate") + 1])
     assert rows["training_steps"] == words[words.index("--max_steps") + 1]
     assert 0.05 < float(rows["selected fraction (mean)"]) < 0.2
+    # the columns chosen by gradient norm hold more of the gradient than their share of the columns
+    share = float(rows["device columns' share of the gradient norm (last selection)"])
+    assert float(rows["selected fraction (mean)"]) < share <= 1.0
     assert rows["bytes to host per step (mean)"].endswith("MiB")
 
 

@@ -261,6 +261,7 @@ def test_telemetry_in_logs_and_model_card(tmp_path, train_dataset):
             assert key in entry and math.isfinite(entry[key]), key
         assert entry["zenflow/update_interval"] == 4
         assert 0.0 < entry["zenflow/selected_fraction"] < 1.0
+        assert 0.0 < entry["zenflow/selected_grad_share"] <= 1.0  # columns were chosen from a gradient
         assert entry["zenflow/bytes_to_host"] > 0
         assert 0.0 <= entry["zenflow/device_utilization"] <= 1.0
     assert step_logs[-1]["zenflow/bytes_to_device"] > 0  # a window was written back

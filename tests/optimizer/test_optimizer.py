@@ -4,6 +4,7 @@ sequential one it claims, checkpoints continue exactly, and failures surface."""
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -534,6 +535,32 @@ def test_telemetry_counts_bytes_staleness_and_phases():
     # steps whose host-path gradient is not yet in the weights: grows to 8 before each write-back
     assert [int(s) for _, _, s in seen] == [1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 4]
     assert opt.stats()["windows"] == 3 and opt.stats()["update_interval"] == 4
+
+
+def test_selected_grad_share_is_the_chosen_columns_share_of_the_gradient_at_each_selection():
+    # two matrices, each with its own spread over columns; re-selected every 3 steps from that step's gradient
+    a, b = torch.nn.Linear(40, 16, bias=False), torch.nn.Linear(30, 8, bias=False)
+    opt = ZenFlowAdamW([a.weight, b.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                       select_interval=3, host_executor="inline", min_offload_numel=0, **OFF)
+    assert math.isnan(opt.stats()["selected_grad_share"])  # nothing chosen yet
+    generator = torch.Generator().manual_seed(0)
+    expected = math.nan
+    for step in range(10):
+        skew = 1.0 + step % 4  # how unevenly the gradient spreads over the columns changes from step to step
+        grads = [torch.randn(w.shape, generator=generator) * torch.linspace(0.1, 1.0, w.shape[1]).pow(skew)
+                 for w in (a.weight, b.weight)]
+        a.weight.grad, b.weight.grad = (g.clone() for g in grads)
+        before = opt.stats()["reselections"]
+        opt.step()
+        if opt.stats()["reselections"] != before or step == 0:  # (the first step chooses the first columns)
+            shares = []
+            for g in grads:
+                scores = g.pow(2).sum(0)
+                shares.append(float(scores.topk(max(1, int(0.1 * scores.numel()))).values.sum() / scores.sum()))
+            expected = sum(shares) / len(shares)
+        assert opt.stats()["selected_grad_share"] == pytest.approx(expected, rel=1e-5), step
+    assert opt.stats()["reselections"] >= 2  # the figure followed re-selections, not only the first choice
+    opt.close()
 
 
 def test_small_matrices_stay_on_the_device():
