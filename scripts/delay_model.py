@@ -130,28 +130,27 @@ def spread(args: argparse.Namespace) -> int:
     previous: dict[str, torch.Tensor] = {}
     share: dict[str, list[float]] = defaultdict(list)
     cosine: dict[str, list[float]] = defaultdict(list)
-    overall: list[float] = []  # all the matrices together: what `ZenFlowAdamW.stats()["selected_grad_share"]` reads
+    # the matrices' mean share per step: what `ZenFlowAdamW.stats()["selected_grad_share"]` reads at a selection
+    overall: list[float] = []
 
     def observe(step: int, matrices: list[tuple[str, torch.nn.Parameter]]) -> None:
-        top = total = 0.0
         for name, p in matrices:
             grad = p.grad.detach().float()
             column_norm = grad.pow(2).sum(dim=0)
             mask = unselected_columns(grad, args.ratio)
-            top, total = top + float(column_norm[~mask].sum()), total + float(column_norm.sum())
             share[name].append(float(column_norm[~mask].sum() / column_norm.sum().clamp_min(1e-30)))
             if name in previous:
                 cosine[name].append(float(torch.nn.functional.cosine_similarity(
                     grad[:, mask].flatten(), previous[name][:, mask].flatten(), dim=0)))
             previous[name] = grad
-        overall.append(top / max(total, 1e-30))
+        overall.append(statistics.fmean(share[name][-1] for name, _ in matrices))
 
     record = train(args.task, args.seed, args.lr, 0, args.ratio, args.min_numel, observe=observe)
     tail = max(1, len(next(iter(share.values()))) // 3)
     print(f"{args.task}, lr {args.lr:g}, seed {args.seed}: held-out loss {record['eval_loss']:.5f}; top "
           f"{args.ratio:g} of the input columns")
-    print(f"{len(share)} matrices together: {statistics.fmean(overall):.2f} of the squared gradient norm on the top "
-          f"columns (first third {statistics.fmean(overall[:tail]):.2f}, last third "
+    print(f"mean over the {len(share)} matrices: {statistics.fmean(overall):.2f} of the squared gradient norm on the "
+          f"top columns (first third {statistics.fmean(overall[:tail]):.2f}, last third "
           f"{statistics.fmean(overall[-tail:]):.2f}; range {min(overall):.2f}-{max(overall):.2f})")
     print("| matrix | share of the squared gradient norm on the top columns: mean (first third / last third) | "
           "cosine of consecutive gradients on the other columns: mean (last third) |")
