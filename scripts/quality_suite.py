@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -312,7 +313,8 @@ def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any]
     return {"start_loss": start["loss"], "eval_loss": final["loss"], "eval_accuracy": final.get("accuracy"),
             "train_losses": losses, "seconds": seconds,
             "stats": {k: stats.get(k) for k in ("host_lr_scale", "high_lr_window", "host_beta1", "writeback_lag",
-                                                "host_step_guard", "host_step_guard_engaged") if k in stats}}
+                                                "host_step_guard", "host_step_guard_engaged", "selected_grad_share")
+                      if k in stats}}
 
 
 # -- the grid -----------------------------------------------------------------------------------------------------
@@ -373,8 +375,9 @@ def summarize(records: list[dict[str, Any]]) -> str:
     for r in records:
         runs[(r["case"], r["regime"], r["steps"], r["lr"])][r["seed"]][r["label"]] = r
     lines = ["| case | regime | steps | lr | setting | seeds | AdamW held-out loss (start -> end) | loss diff, % "
-             "(mean ± 95 % CI) | loss diff, nats | accuracy diff, points | diverged (AdamW converged) | per seed, % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(mean ± 95 % CI) | loss diff, nats | accuracy diff, points | diverged (AdamW converged) | per seed, % | "
+             "device columns' gradient share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (case, regime, steps, lr), seeds in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][3])):
         labels: list[str] = []
         for per_seed in seeds.values():
@@ -394,12 +397,16 @@ def summarize(records: list[dict[str, Any]]) -> str:
                 acc = _pm(am, ah)
             flagged = sum(diverged(z["start_loss"], z["eval_loss"], a["eval_loss"])
                           and not diverged(a["start_loss"], a["eval_loss"]) for z, a in pairs)
+            # `stats()["selected_grad_share"]` at the run's last selection (NaN where nothing was selected)
+            shares = [v for z, _ in pairs if isinstance(v := z.get("stats", {}).get("selected_grad_share"), float)
+                      and math.isfinite(v)]
             ref_start = statistics.fmean(a["start_loss"] for _, a in pairs)
             ref_end = statistics.fmean(a["eval_loss"] for _, a in pairs)
             lines.append(f"| {case} | {regime} | {steps} | {lr:g} | {label} | {len(pairs)} | {ref_start:.3f} -> "
                          f"{ref_end:.3f} | {_pm(pm, ph)} | {_pm(nm, nh, 3)} | {acc} | "
                          f"{'**' + str(flagged) + '**' if flagged else '0'} | "
-                         f"{' / '.join(f'{v:+.2f}' for v in pct)} |")
+                         f"{' / '.join(f'{v:+.2f}' for v in pct)} | "
+                         f"{f'{statistics.fmean(shares):.2f}' if shares else '-'} |")
     total = sum(r["seconds"] for r in records)
     lines += ["", f"Divergence: held-out loss above its value before training, or above {DIVERGED_RATIO:g}x "
                   f"adamw_torch's. Training time of all runs: {total / 60:.1f} min."]
