@@ -560,7 +560,13 @@ def test_selected_grad_share_is_the_chosen_columns_share_of_the_gradient_at_each
             expected = sum(shares) / len(shares)
         assert opt.stats()["selected_grad_share"] == pytest.approx(expected, rel=1e-5), step
     assert opt.stats()["reselections"] >= 2  # the figure followed re-selections, not only the first choice
+    state = opt.state_dict()
     opt.close()
+    resumed = ZenFlowAdamW([a.weight, b.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                           select_interval=3, host_executor="inline", min_offload_numel=0, **OFF)
+    resumed.load_state_dict(state)
+    assert math.isnan(resumed.stats()["selected_grad_share"])  # not checkpointed: read again at the next selection
+    resumed.close()
 
 
 def test_small_matrices_stay_on_the_device():
