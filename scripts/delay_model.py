@@ -43,6 +43,7 @@ import torch
 
 from hf_zenflow import ZenFlowConfig
 from hf_zenflow.compare.training_run import evaluate, make_optimizer
+from hf_zenflow.engine.selection import column_scores, num_selected, top_columns
 from hf_zenflow.tuning.paired_stats import paired_interval
 
 
@@ -58,11 +59,11 @@ def split_matrices(model: torch.nn.Module, min_numel: int) -> list[tuple[str, to
             if p.requires_grad and p.dim() == 2 and p.numel() >= min_numel and id(p) not in tables]
 
 
-def unselected_columns(grad: torch.Tensor, ratio: float) -> torch.Tensor:
-    """A boolean mask over input columns: True where the top-`ratio` selection by per-column norm leaves a column."""
-    column_norm = grad.float().pow(2).sum(dim=0)
-    mask = torch.ones_like(column_norm, dtype=torch.bool)
-    mask[column_norm.topk(max(1, int(ratio * column_norm.numel()))).indices] = False
+def unselected_columns(scores: torch.Tensor, ratio: float) -> torch.Tensor:
+    """A boolean mask over input columns: True where ZenFlow's top-k selection by `scores` (`column_scores` of a
+    gradient) leaves a column to the host."""
+    mask = torch.ones_like(scores, dtype=torch.bool)
+    mask[top_columns(scores, num_selected(ratio, scores.numel()))] = False
     return mask
 
 
@@ -89,7 +90,8 @@ def train(task_name: str, seed: int, lr: float, delay: int, ratio: float, min_nu
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         if observe is not None:
             observe(step, matrices)
-        masks = {id(p): unselected_columns(p.grad, ratio) for _, p in matrices} if delay else {}
+        masks = ({id(p): unselected_columns(column_scores(p.grad.contiguous(), 1), ratio) for _, p in matrices}
+                 if delay else {})
         before = {id(p): p.detach().clone() for _, p in matrices} if delay else {}
         opt.step()
         sched.step()
@@ -136,8 +138,8 @@ def spread(args: argparse.Namespace) -> int:
     def observe(step: int, matrices: list[tuple[str, torch.nn.Parameter]]) -> None:
         for name, p in matrices:
             grad = p.grad.detach().float()
-            column_norm = grad.pow(2).sum(dim=0)
-            mask = unselected_columns(grad, args.ratio)
+            column_norm = column_scores(grad.contiguous(), 1)
+            mask = unselected_columns(column_norm, args.ratio)
             share[name].append(float(column_norm[~mask].sum() / column_norm.sum().clamp_min(1e-30)))
             if name in previous:
                 cosine[name].append(float(torch.nn.functional.cosine_similarity(
@@ -181,9 +183,14 @@ def summary(args: argparse.Namespace) -> int:
         loss = [100 * (r["eval_loss"] / a["eval_loss"] - 1) for _, r, a in pairs]
         acc = [100 * (r["eval_accuracy"] - a["eval_accuracy"]) for _, r, a in pairs]
         (lm, lh), (am, ah) = paired_interval(loss), paired_interval(acc)
-        print(f"| {task} | {lr:g} | {delay} | {ratio:g} | {len(pairs)} | {lm:+.2f} ± {lh or 0:.2f} | "
-              f"{' / '.join(f'{v:+.2f}' for v in loss)} | {am:+.2f} ± {ah or 0:.2f} |")
+        print(f"| {task} | {lr:g} | {delay} | {ratio:g} | {len(pairs)} | {_pm(lm, lh)} | "
+              f"{' / '.join(f'{v:+.2f}' for v in loss)} | {_pm(am, ah)} |")
     return 0
+
+
+def _pm(mean: float, half: float | None) -> str:
+    """A mean with its interval (one seed: the mean alone, no interval)."""
+    return f"{mean:+.2f}" if half is None else f"{mean:+.2f} ± {half:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:

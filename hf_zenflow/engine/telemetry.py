@@ -171,8 +171,8 @@ def offloaded_params_fraction(splits: dict, dense: dict) -> float:
 
 def state_sizes(splits: dict, dense: dict) -> dict[str, float]:
     """The `stats()` figures about where the state lives: the fraction of matrix elements updated on the device each
-    step, the bytes held on each side, and host bytes per element of the matrices with host state (16 B of AdamW
-    state and window sum, plus the link buffers)."""
+    step (and the share of the gradient those columns held when chosen), the bytes held on each side, and host bytes
+    per element of the matrices with host state (16 B of AdamW state and window sum, plus the link buffers)."""
     matrices = list(splits.values())
     total = sum(s.param.numel() for s in matrices)
     on_device = sum(s.param.numel() * (s.k / s.columns) for s in matrices if s.device is not None)
