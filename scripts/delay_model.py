@@ -73,8 +73,6 @@ def unselected_columns(scores: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 SPLITS = ("columns", "rows", "elements")
-
-
 SCORES = ("gradient", "update", "random")
 
 
@@ -178,9 +176,8 @@ def spread(args: argparse.Namespace) -> int:
     def observe(step: int, matrices: list[tuple[str, torch.nn.Parameter]], updates: dict[int, torch.Tensor]) -> None:
         for name, p in matrices:
             grad = p.grad.detach().float()
-            column_norm = column_scores(grad.contiguous(), 1)
-            mask = unselected_columns(column_norm, args.ratio)
-            share[name].append(float(column_norm[~mask].sum() / column_norm.sum().clamp_min(1e-30)))
+            mask = held_back(grad, args.ratio, "columns")
+            share[name].append(on_time_share(grad, mask))
             update_share[name].append(on_time_share(updates[id(p)], mask))
             if name in previous:
                 cosine[name].append(float(torch.nn.functional.cosine_similarity(
@@ -266,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--split", choices=SPLITS, default="columns",
                            help="what the top selection keeps on time: input columns (ZenFlow's), rows, elements")
             p.add_argument("--score", choices=SCORES, default="gradient",
-                           help="what the selection ranks by: the step's gradient (ZenFlow's) or its AdamW update")
+                           help="what the selection ranks by: the step's gradient (ZenFlow's), its AdamW update, "
+                                "or a fresh random draw (the control)")
             p.add_argument("--seeds", type=int, nargs="+", required=True)
             p.add_argument("--out", required=True)
         else:

@@ -69,8 +69,8 @@ class ZenFlowStats:
       ``selected_grad_share``: how much of the gradient the device columns held when they were chosen: per offloaded
       matrix, their share of its squared gradient norm at its last selection, averaged over the matrices (NaN before
       the first selection, and in a resumed run until its next one: not checkpointed). ZenFlow assumes a few columns
-      hold most of it; where they hold little, most of the gradient reaches the weights through the host, one window
-      late (docs/limitations.md);
+      hold most of it. A share of the gradient, not of AdamW's step, which does not scale with the gradient's size:
+      the host columns may receive most of the update even where the figure is high (docs/how-it-works.md);
     - ``update_interval``: length of the last closed window, in steps;
     - ``staleness``: optimizer steps whose host-path gradients are not yet in the weights after the last step;
     - ``steps``, ``windows``, ``reselections``, ``skipped_steps`` (non-finite gradients);
