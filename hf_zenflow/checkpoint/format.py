@@ -152,6 +152,8 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
             "writeback_lag_pending": schedule.writeback_lag_pending,
             "high_lr_window": schedule.high_lr_window,  # (`high_lr_rule="auto"`'s choice: None = not engaged)
             "host_step_guard": opt._host.guard.state(),  # (its factor, and a write-back it still watches)
+            # the seed of the random bits that round narrow host moments: a resumed run rounds as this one would
+            "rounding_seed": opt._host.rounding_seed,
             "writeback_pending": opt._host.writeback_pending, "unapplied_steps": list(opt._host.unapplied_steps),
             "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
             # where windows are summed ("auto"'s choice; None before any host state): a resumed run keeps it

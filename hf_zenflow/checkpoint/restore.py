@@ -120,7 +120,9 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     # before any host state is restored: it is created for the accumulation the saved run chose
     opt._host.accumulate_chosen = resumed_choice(opt.config, zenflow)
     if "host_step_guard" in zenflow:
-        opt._host.guard.load(zenflow["host_step_guard"])  # (the factor it engaged to, a write-back it watches)
+        opt._host.guard.load(zenflow["host_step_guard"])
+    if "rounding_seed" in zenflow:  # (before any host state is made: its random bits are keyed by it)
+        opt._host.rounding_seed = int(zenflow["rounding_seed"])  # (the factor it engaged to, a write-back it watches)
     opt._host.writeback_pending = bool(zenflow["writeback_pending"])
     opt._host.unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
     opt._stats.skipped_steps = int(zenflow["skipped_steps"])

@@ -108,6 +108,9 @@ def check_block(zenflow: dict[str, Any]) -> None:
         raise Refusal(f"{where}: high_lr_window={high!r} is invalid, expected an integer >= 1 or None")
     if "writeback_lag_pending" in zenflow:
         _flag(where, zenflow, "writeback_lag_pending")
+    seed = zenflow.get("rounding_seed")  # (a checkpoint from before stochastic rounding has none)
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2 ** 64):
+        raise Refusal(f"{where}: rounding_seed={seed!r} is invalid, expected an integer in [0, 2**64)")
     if "host_step_guard" in zenflow:  # (a checkpoint from before the guard has none: it starts afresh)
         problem = guard_problem(zenflow["host_step_guard"])
         if problem is not None:

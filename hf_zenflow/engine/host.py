@@ -46,6 +46,7 @@ import torch
 from .._base import fused_adamw_
 from ..settings.config import sums_on_device
 from ..transport.cpu_device import kernels
+from ..transport.cpu_device.rounding import RandomStream, round_bf16
 from ..transport.link import Transport
 from ..transport.pinned import PinnedArena
 from .quantized_moments import QuantizedMoment, adamw_pass, kernel_matches
@@ -251,10 +252,14 @@ class HostMatrix:
     # columns + 1) and the device columns (int32, sorted)
     sum_before: torch.Tensor | None = None
     sum_skipped: torch.Tensor | None = None
+    # where the random bits that round bf16 and 8-bit moments come from (the optimizer's seed, the parameter, and
+    # this share's place in it: `rounding.RandomStream`)
+    stream: RandomStream = field(default_factory=RandomStream)
 
     @classmethod
     def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host",
-               transport: Transport | None = None, moments: torch.dtype | HostLayout = torch.float32) -> HostMatrix:
+               transport: Transport | None = None, moments: torch.dtype | HostLayout = torch.float32,
+               stream: RandomStream | None = None) -> HostMatrix:
         """Host state for `param2d`. The buffers that cross the link come from `transport` (pinned from one arena
         on CUDA): the write-back buffer, the gradient landing buffers when the transport copies each step's
         gradient (one per hand-off slot), and the accumulator when the window is summed on the device
@@ -262,7 +267,8 @@ class HostMatrix:
         and the moments never cross the link and are ordinary host memory. `moments`: the moments' dtype (fp32, or
         bf16 with ``host_moment_dtype="bfloat16"``, int8 for 8-bit codes), or the whole `HostLayout` (the window
         sum's dtype when it is summed on the host; the write-back from the master, where `HostLayout.on_link`
-        kept it). `grad_dtype`: the dtype gradients cross the link in."""
+        kept it). `grad_dtype`: the dtype gradients cross the link in. `stream`: where the random bits that round
+        narrow moments come from (default: `RandomStream()`, seed 0, the matrix alone)."""
         transport = transport if transport is not None else Transport()  # (references, no pinning)
         layout = moments if isinstance(moments, HostLayout) else HostLayout(moments=moments)
         moments = layout.moments
@@ -284,6 +290,7 @@ class HostMatrix:
                 else torch.empty(shape, dtype=sum_dtype)).zero_(),
             grad_dtype=grad_dtype,
             unselected_sums=layout.unselected_sums and not on_device,
+            stream=stream if stream is not None else RandomStream(),
         )
         if narrow:
             state.landing = transport.host_buffer(shape, torch.bfloat16).zero_()
@@ -434,22 +441,24 @@ def _adamw_narrow_moments(m: HostMatrix, hyper: dict) -> None:
     """The host AdamW of a matrix whose moments are stored narrow (bf16) through torch's operations (where the
     one-pass kernel does not run: no C compiler, or tensors it does not take): torch's fused kernel wants one dtype per
     call, so each piece of the moments is widened into two per-thread fp32 scratch buffers, updated by the same
-    fp32 kernel as fp32 moments (against the fp32 master and window mean), and rounded back to nearest. AdamW is
-    elementwise, so pieces give the bits of one call; each piece steps a copy of the step count, which then
-    becomes the matrix's."""
+    fp32 kernel as fp32 moments (against the fp32 master and window mean), and rounded back stochastically with the
+    matrix's random bits for its new step count (`rounding.round_bf16`; the kernel's bits). AdamW is elementwise,
+    so pieces give the bits of one call; each piece steps a copy of the step count, which then becomes the
+    matrix's."""
     tensors = (m.master, m.accum, m.exp_avg, m.exp_avg_sq)
     if not all(t.is_contiguous() for t in tensors):
         tensors = tuple(t.t() for t in tensors)  # column-major (`column_major_`): contiguous as transposes
     flat = [t.view(-1) for t in tensors]  # (raises rather than copy, should a layout ever not be contiguous)
-    step = m.step
+    step, pass_step = m.step, int(m.step) + 1
     for start in range(0, flat[0].numel(), NARROW_CHUNK):
         master, accum, exp_avg, exp_avg_sq = (t[start:start + NARROW_CHUNK] for t in flat)
         avg = _fp32_scratch(exp_avg, "avg").copy_(exp_avg)
         avg_sq = _fp32_scratch(exp_avg_sq, "avg_sq").copy_(exp_avg_sq)
         step = m.step.clone()
         fused_adamw_([master], [accum], [avg], [avg_sq], [step], hyper)
-        exp_avg.copy_(avg)
-        exp_avg_sq.copy_(avg_sq)
+        bits = m.stream.bits(pass_step, start, start + exp_avg.numel())
+        exp_avg.copy_(round_bf16(avg, bits & 0xFFFF))
+        exp_avg_sq.copy_(round_bf16(avg_sq, bits >> 16))
     m.step.copy_(step)
 
 
@@ -497,7 +506,7 @@ def _plain_adamw(plain: list[HostMatrix], hyper: dict) -> None:
     )
     for m in plain:
         if m.quantized:
-            adamw_pass(m.master, m.accum, m.exp_avg, m.exp_avg_sq, m.step, hyper)
+            adamw_pass(m.master, m.accum, m.exp_avg, m.exp_avg_sq, m.step, hyper, m.stream)
         elif m.exp_avg.dtype != torch.float32:
             _adamw_narrow_moments(m, hyper)
 
@@ -545,11 +554,14 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
                 kernels.window_adamw_quantized(
                     *common, [m.exp_avg.codes for m, _ in batch], [m.exp_avg.scales for m, _ in batch],
                     [m.exp_avg_sq.codes for m, _ in batch], [m.exp_avg_sq.scales for m, _ in batch],
-                    [m.step for m, _ in batch], hyper, coef, kept=kept)
+                    [m.step for m, _ in batch], hyper, coef, kept=kept, streams=[m.stream for m, _ in batch])
+            elif kind == torch.bfloat16:
+                kernels.window_adamw_bf16(*common, [m.exp_avg for m, _ in batch], [m.exp_avg_sq for m, _ in batch],
+                                          [m.step for m, _ in batch], hyper, coef, kept=kept,
+                                          streams=[m.stream for m, _ in batch])
             else:
-                call = kernels.window_adamw_bf16 if kind == torch.bfloat16 else kernels.window_adamw
-                call(*common, [m.exp_avg for m, _ in batch], [m.exp_avg_sq for m, _ in batch],
-                     [m.step for m, _ in batch], hyper, coef, kept=kept)
+                kernels.window_adamw(*common, [m.exp_avg for m, _ in batch], [m.exp_avg_sq for m, _ in batch],
+                                     [m.step for m, _ in batch], hyper, coef, kept=kept)
         _plain_adamw([m for m in plain if m.accum.dtype == torch.float32 and m.sum_index is None], hyper)
         for m in plain:
             if m.accum.dtype != torch.float32 or m.sum_index is not None:

@@ -3,15 +3,22 @@ fp32 scale per block of `BLOCK` elements (2.03 B per parameter for both moments,
 
 Each block of 256 consecutive elements (in the tensor's storage order) keeps its largest magnitude ``A`` as an fp32
 scale, and every element ``x`` as ``y = |x| * (1 / A)`` on an 8-bit floating-point code with 3 mantissa bits (as
-torchao's fp8 AdamW, with the exponent range set by the code's width): ``y``'s fp32 bits rounded to nearest even at
-bit 20, less a bias that makes 1.0 the top code. Every element keeps a relative error under 1/16 (1/32 at the top of
-each binade) wherever it falls in the block's range, where a linear code would round everything under ``A / 254``
-to zero:
+torchao's fp8 AdamW, with the exponent range set by the code's width): ``y``'s fp32 bits rounded at bit 20, less a
+bias that makes 1.0 the top code. Every element keeps a relative error under 1/8 (1/16 at the top of each binade)
+wherever it falls in the block's range, where a linear code would round everything under ``A / 254`` to zero:
 
 - ``exp_avg`` (int8): the sign and codes 0..127, 16 binades under ``A`` (smaller magnitudes read as 0);
 - ``exp_avg_sq`` (uint8): codes 1..255, 32 binades under ``A`` (16 in ``sqrt(v)``, the quantity AdamW divides by);
   the floor of 1 keeps every element of a non-zero block above zero, so that no element is divided by ``eps`` alone
   (a ``v`` rounded to zero under a non-zero ``m`` is how 8-bit moments diverge).
+
+The host AdamW pass rounds the codes stochastically (`transport.cpu_device.rounding`: up with probability the
+remainder's share of the code step, with the reproducible random bits of the pass, placed at bits 4..19): a code's
+step is 6-12 % of the value, and one AdamW update moves ``exp_avg_sq`` by about 0.1 % (beta2 = 0.999), so rounded to
+nearest every update is lost and an element's stored value follows its block's scale instead of its own average.
+Rounded stochastically it is the exact value in expectation after every update. Other writes of whole moments
+(`QuantizedMoment.copy_`: re-selection, restoring fp32 values) happen once per re-selection or load, not per update,
+and round to nearest.
 
 Decoding puts the code plus the bias back at bit 20 and multiplies by ``A``. Both directions are integer steps and
 one fp32 product (no square roots, no divisions but one reciprocal per block), the same here and in the CPU kernel
@@ -25,12 +32,14 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .._base import fused_adamw_
 from ..transport.cpu_device import kernels
+from ..transport.cpu_device.rounding import RandomStream
 
 
 #: Elements per quantisation block (one fp32 scale each).
@@ -115,13 +124,39 @@ class QuantizedMoment:
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         return self.float().index_select(dim, index)
 
-    def index_copy_(self, dim: int, index: torch.Tensor, source: torch.Tensor) -> QuantizedMoment:
+    def index_copy_(self, dim: int, index: torch.Tensor, source: torch.Tensor,
+                    random16: Callable[[int, int], torch.Tensor] | None = None) -> QuantizedMoment:
         """Write the columns (or rows) `index`: the moment is dequantised, written and quantised again (every block
         keeps its codes and scale unless one of its elements changed: `quantize_into` of `dequantize_into`'s values
-        gives back the same codes and scales)."""
+        gives back the same codes and scales).
+
+        `random16`: ``random16(start, end)``, the random 16-bit values (int64) of storage elements
+        ``[start, end)``: the blocks holding a written element are then quantised stochastically and the others
+        are left as they are. A re-selection writes its device columns this way: a written element that moves its
+        block's scale re-rounds every element of the block, and rounded to nearest a small move of the scale keeps
+        their codes, so that their values follow the scale (the bias of nearest rounding in the AdamW pass, once
+        per re-selection)."""
         full = self.float()
         full.index_copy_(dim, index, source.to(torch.float32))
-        return self.copy_(full)
+        if random16 is None:
+            return self.copy_(full)
+        written = torch.zeros(self.codes.shape, dtype=torch.bool)
+        written.index_fill_(dim, index, True)
+        marks, values, codes = _flat(written), _flat(full), _flat(self.codes)
+        n = marks.numel()
+        touched = torch.nn.functional.pad(marks, (0, blocks(n) * BLOCK - n)).view(-1, BLOCK).any(dim=1).tolist()
+        b = 0
+        while b < len(touched):  # (runs of consecutive touched blocks)
+            if not touched[b]:
+                b += 1
+                continue
+            end = b
+            while end < len(touched) and touched[end]:
+                end += 1
+            lo, hi = b * BLOCK, min(end * BLOCK, n)
+            quantize_into(codes[lo:hi], self.scales[b:end], values[lo:hi], random16(lo, hi))
+            b = end
+        return self
 
 
 def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
@@ -147,17 +182,20 @@ def _dequantize(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> 
         out.copy_(value.mul_(scale))
 
 
-def quantize_into(codes: torch.Tensor, scales: torch.Tensor, values: torch.Tensor) -> None:
-    """The codes (1-D, int8 or uint8) and per-block `scales` of the fp32 1-D `values`."""
+def quantize_into(codes: torch.Tensor, scales: torch.Tensor, values: torch.Tensor,
+                  random16: torch.Tensor | None = None) -> None:
+    """The codes (1-D, int8 or uint8) and per-block `scales` of the fp32 1-D `values`: rounded to nearest, or, with
+    `random16` (int64, one random 16-bit value per element), stochastically as the kernel does."""
     n = values.numel()
     whole = n // BLOCK * BLOCK
     for lo, hi in ((0, whole), (whole, n)):
         if hi > lo:
             x = values[lo:hi].view(-1, min(BLOCK, hi - lo))
-            _quantize(codes[lo:hi].view(x.shape), scales[lo // BLOCK:blocks(hi)], x)
+            r = None if random16 is None else random16[lo:hi].view(x.shape)
+            _quantize(codes[lo:hi].view(x.shape), scales[lo // BLOCK:blocks(hi)], x, r)
 
 
-def _quantize(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> None:
+def _quantize(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, random16: torch.Tensor | None) -> None:
     signed = codes.dtype == torch.int8
     magnitude = x.abs() if signed else x
     peak = magnitude.amax(dim=1)
@@ -166,7 +204,10 @@ def _quantize(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> Non
     inverse = torch.where(peak > 0, peak, torch.ones_like(peak)).reciprocal_().view(-1, 1)
     bits = (magnitude * inverse).view(torch.int32)
     top = _SIGNED_TOP if signed else _UNSIGNED_TOP
-    code = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (_ONE_BITS20 - top)  # (nearest even, at bit 20)
+    if random16 is None:
+        code = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (_ONE_BITS20 - top)  # (nearest even, at bit 20)
+    else:  # (stochastic, at bit 20: y <= 1 + 2**-23 may reach one past the top code, which the clamps cap)
+        code = (((bits.to(torch.int64) + (random16 << 4)) >> 20) - (_ONE_BITS20 - top)).to(torch.int32)
     if signed:
         code.clamp_(0, top)
         code = torch.where(x < 0, -code, code)
@@ -188,11 +229,15 @@ def _piece_scratch(name: str, numel: int) -> torch.Tensor:
 
 
 def adamw_pass(master: torch.Tensor, mean_grad: torch.Tensor, exp_avg: QuantizedMoment,
-               exp_avg_sq: QuantizedMoment, step: torch.Tensor, hyper: dict) -> None:
+               exp_avg_sq: QuantizedMoment, step: torch.Tensor, hyper: dict,
+               stream: RandomStream | None = None) -> None:
     """The host AdamW of a matrix with 8-bit moments without the CPU kernel: piece by piece (`PIECE` elements,
     whole blocks), the moments are dequantised into fp32 scratch, updated by torch's fused AdamW against the fp32
-    `master` and the window's `mean_grad`, and quantised again; the bits of `kernels.window_adamw_quantized`. Each
-    piece steps a copy of `step`, which then becomes the count."""
+    `master` and the window's `mean_grad`, and quantised again, stochastically with `stream`'s bits for the new step
+    count (low 16 bits: exp_avg, high 16: exp_avg_sq); the bits of `kernels.window_adamw_quantized`. Each piece
+    steps a copy of `step`, which then becomes the count."""
+    stream = stream if stream is not None else RandomStream()
+    pass_step = int(step) + 1
     flat = [_flat(t) for t in (master, mean_grad, exp_avg.codes, exp_avg_sq.codes)]
     stepped = step
     for start in range(0, flat[0].numel(), PIECE):
@@ -204,8 +249,9 @@ def adamw_pass(master: torch.Tensor, mean_grad: torch.Tensor, exp_avg: Quantized
         dequantize_into(v, v_codes, exp_avg_sq.scales[first:last])
         stepped = step.clone()
         fused_adamw_([p], [g], [m], [v], [stepped], hyper)
-        quantize_into(m_codes, exp_avg.scales[first:last], m)
-        quantize_into(v_codes, exp_avg_sq.scales[first:last], v)
+        bits = stream.bits(pass_step, start, end)
+        quantize_into(m_codes, exp_avg.scales[first:last], m, bits & 0xFFFF)
+        quantize_into(v_codes, exp_avg_sq.scales[first:last], v, bits >> 16)
     step.copy_(stepped)
 
 
@@ -237,13 +283,15 @@ def _kernel_check() -> bool:
             state[2].copy_(v.square() * 1e-4)
             runs.append(state)
         (p1, m1, v1, s1), (p2, m2, v2, s2) = runs
+        # (a share of the columns, starting under 2**32: runs of global indices that cross it)
+        stream = RandomStream(key=rows, base=(1 << 32) - 700, local_cols=cols, global_cols=cols + 731)
         kernels.window_adamw_quantized([p1], [accum], [grad], [count == 1], [count], [m1.codes], [m1.scales],
-                                       [v1.codes], [v1.scales], [s1], hyper, 0.5)
+                                       [v1.codes], [v1.scales], [s1], hyper, 0.5, streams=[stream])
         mean = grad * 0.5 if count == 1 else accum.clone()
         if count > 1:
             kernels.accumulate([mean], [grad], 0.5, first=False)  # (the kernels' fma, as the window sum has it)
             mean.div_(count)
-        adamw_pass(p2, mean, m2, v2, s2, hyper)
+        adamw_pass(p2, mean, m2, v2, s2, hyper, stream)
         pairs = [(p1, p2), (s1, s2), (m1.codes, m2.codes), (m1.scales, m2.scales), (v1.codes, v2.codes),
                  (v1.scales, v2.scales)]
         if not all(torch.equal(a, b) for a, b in pairs):

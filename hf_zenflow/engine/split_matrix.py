@@ -15,6 +15,7 @@ import torch
 from ..distributed.sharding import RankGroup, Share
 from ..settings.config import DEVICE_SUM_DTYPES, sums_on_device
 from ..transport.cpu_device import kernels
+from ..transport.cpu_device.rounding import RESELECTION_SALT, RandomStream
 from ..transport.link import Transport
 from .device_state import DenseDeviceState, DeviceColumns
 from .host import HostLayout, HostMatrix
@@ -69,17 +70,28 @@ class SplitMatrix:
         """This rank's share of the parameter or its gradient as a storage matrix: what the host state covers."""
         return self.share.local(self.matrix(t))
 
+    def random_stream(self, key: int, share: Share, first_row: int = 0) -> RandomStream:
+        """Where the random bits of the host state of `share` come from: the parameter's `key`
+        (`rounding.matrix_key`) and its elements' places in the whole parameter's storage matrix, of which this
+        process holds the rows from `first_row` on (an FSDP2 shard's offset; 0 otherwise)."""
+        cols = self.matrix(self.param).shape[1]
+        if share.dim == 0:  # (a range of whole rows)
+            return RandomStream(key, (first_row + share.start) * cols)
+        return RandomStream(key, first_row * cols + share.start, share.length, cols)
+
     def attach_host(self, accumulate_on: str, transport: Transport | None = None, share: Share | None = None,
-                    grad_dtype: torch.dtype | None = None, layout: torch.dtype | HostLayout = torch.float32) -> None:
+                    grad_dtype: torch.dtype | None = None, layout: torch.dtype | HostLayout = torch.float32,
+                    stream: RandomStream | None = None) -> None:
         """Create the host state of `share` (default: the whole matrix), its link buffers from `transport` (and,
         accumulating on the device, the device-side window sum of that share). `grad_dtype`: the dtype gradients
         cross the link in (default: the gradient's); `layout`: how the host state is stored (`HostLayout`), or the
-        host moments' storage dtype alone."""
+        host moments' storage dtype alone; `stream`: the random bits that round narrow moments
+        (`random_stream`)."""
         self.share = share if share is not None else Share(1 - self.axis, self.matrix(self.param).shape[1 - self.axis])
         part = self.host_part(self.param)
         if isinstance(layout, HostLayout):
             layout = layout.on_link(transport if transport is not None else Transport(), self.share.ranks)
-        self.host = HostMatrix.create(part, grad_dtype or self.grad_dtype, accumulate_on, transport, layout)
+        self.host = HostMatrix.create(part, grad_dtype or self.grad_dtype, accumulate_on, transport, layout, stream)
         if sums_on_device(accumulate_on):
             self.window_sum = torch.zeros(part.shape, dtype=DEVICE_SUM_DTYPES[accumulate_on], device=self.param.device)
             self.window_count = 0
@@ -129,9 +141,18 @@ class SplitMatrix:
         # host with blocking copies.
         if self.device is not None and host is not None:
             idx = self.device.index.cpu()
-            for full, part in ((host.master, self.device.master), (host.exp_avg, self.device.exp_avg),
-                               (host.exp_avg_sq, self.device.exp_avg_sq)):
-                full.index_copy_(self.axis, idx, self.share.local(part).cpu().to(full.dtype))  # (bf16 moments)
+            host.master.index_copy_(self.axis, idx, self.share.local(self.device.master).cpu())
+            # (8-bit moments: the blocks the columns land in are quantised again, stochastically with bits of their
+            # own, keyed like a host pass's: exp_avg the low 16, exp_avg_sq the high 16)
+            step, stream = int(host.step), host.stream
+            for full, part, shift in ((host.exp_avg, self.device.exp_avg, 0),
+                                      (host.exp_avg_sq, self.device.exp_avg_sq, 16)):
+                source = self.share.local(part).cpu().to(full.dtype)  # (bf16 moments: rounded to nearest, once)
+                if host.quantized:
+                    full.index_copy_(self.axis, idx, source, lambda lo, hi, shift=shift: (
+                        stream.bits(step, lo, hi, RESELECTION_SALT) >> shift) & 0xFFFF)
+                else:
+                    full.index_copy_(self.axis, idx, source)
             if self.k == 0:
                 self.device = None  # (topk_ratio now 0) every column lives on the host
                 self.fit_host_sum()

@@ -34,6 +34,7 @@ from ..distributed.replica_check import note_host_split
 from ..distributed.sharding import RankGroup, local_grad, set_grad
 from ..settings.config import ZenFlowConfig, sums_on_device
 from ..transport import CopyEvents, Transport, Transports
+from ..transport.cpu_device.rounding import matrix_key
 from . import accumulation
 from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
 from .device_step import device_update
@@ -249,6 +250,10 @@ class HostWindows:
         self.lr_scale = LrScaleRecord()
         #: `host_step_guard`: the watch on each write-back and the host lr's factor it keeps
         self.guard = HostStepGuard()
+        #: the seed of the random bits that round bf16 and 8-bit host moments (`rounding.RandomStream`): torch's
+        #: initial seed when the optimizer is made (read, not drawn: the generator's sequence is left alone), so the
+        #: same script and seed give the same weights; kept in checkpoints, which restore it
+        self.rounding_seed = torch.initial_seed() & 0xFFFFFFFFFFFFFFFF
         #: the kind of the coming step when its gradients of offloaded matrices may be freed in backward, else None
         #: (`may_free`; set by the optimizer from `free_gradients_in_backward` and the schedule)
         self.free_kind: StepKind | None = None
@@ -395,12 +400,19 @@ class HostWindows:
         accumulate_on = self.accumulate_on
         linked = {id(s): link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype) for s in splits}
         layout = HostLayout.of(self.config)
+        ordinals = {id(p): i for i, p in enumerate(p for g in self.groups for p in g["params"])}
         for transport, group in self.by_transport(splits):
             if not self.reserved_ahead:  # (`decide_accumulation` reserved for the first step's matrices)
                 transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), linked[id(s)],
                                                             accumulate_on, transport, layout) for s in group))
             for split in group:
-                split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], layout)
+                # (the parameter's place in the param groups, and its rows' place under FSDP2: what every rank and
+                # a resumed run agree on)
+                ordinal = ordinals.get(id(split.owner), ordinals.get(id(split.param), 0))
+                first_row = (self.param_shards.share(0, split.owner.shape[0]).start
+                             if self.param_shards is not None and split.owner is not split.param else 0)
+                stream = split.random_stream(matrix_key(self.rounding_seed, ordinal), shares[id(split)], first_row)
+                split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], layout, stream)
 
     # ---- 1. hand-off in backward ------------------------------------------------------------------------------------
 

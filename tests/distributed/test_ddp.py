@@ -24,6 +24,13 @@ SETTINGS = dict(topk_ratio=0.25, update_interval="auto", auto_max_interval=4, fu
                 select_strategy="step", select_interval=8, min_offload_numel=0, cpu_threads=1, overlap_step=True,
                 writeback_lag=1)  # (fixed: the reference runs compare against this schedule)
 STEPS, PER_RANK, RANKS = 20, 4, 2
+#: How close ranks that split the global batch come to one process on it (relative to each weight's norm): the
+#: all-reduced gradients differ from one process's in their last bits, and the bf16 host moments, rounded
+#: stochastically, take such a difference into one element's rounding about as often as it is a share of a bf16 step
+#: (where rounding to nearest, whose stored moments stop moving, took it almost never); measured 3e-5 after 20 steps.
+#: Random bits of the wrong elements (a share misplaced in the whole matrix) give 1e-4 to 1e-3, a misplaced share
+#: of the weights 1e-2.
+LIKE_ONE_PROCESS = 1e-4
 
 
 class Net(torch.nn.Module):
@@ -158,7 +165,7 @@ def test_two_ranks_train_like_one_process_on_the_global_batch(ddp_run):
         assert stats["windows"] > 2 + (STEPS - 2) // SETTINGS["auto_max_interval"]
         for mine, ref in zip(rank0["final"], model.parameters()):
             rel = ((mine - ref.detach()).norm() / ref.detach().norm()).item()
-            assert rel < 1e-5, rel
+            assert rel < LIKE_ONE_PROCESS, rel
         assert len(rank0["windows"]) == len(rank1["windows"]) == stats["windows"] > 0
         for w0, w1 in zip(rank0["windows"], rank1["windows"]):
             assert all(torch.equal(a, b) for a, b in zip(w0, w1))  # bitwise, after every window

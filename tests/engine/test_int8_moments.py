@@ -1,7 +1,8 @@
 """8-bit host moments (``host_moment_dtype="int8"``): blockwise codes with fp32 scales, updated in fp32.
 
 The reference is an independent composition: torch's fused AdamW on the whole model, with each matrix's moments
-replaced after every step by their 8-bit values (quantised and dequantised by blocks of 256 in the storage order).
+replaced after every step by their 8-bit values (quantised, stochastically with the random bits of
+`rounding.RandomStream`, and dequantised by blocks of 256 in the storage order).
 With every column on the host and a window of one step, ZenFlow is that AdamW, so the two agree bit for bit, through
 the CPU kernel and through the torch pass; and the setting changes the result, or the comparison says nothing."""
 
@@ -21,6 +22,7 @@ from hf_zenflow.checkpoint.seal import seal
 from hf_zenflow.engine.host import HostMatrix
 from hf_zenflow.engine.quantized_moments import BLOCK, QuantizedMoment
 from hf_zenflow.transport.cpu_device import kernels
+from hf_zenflow.transport.cpu_device.rounding import RandomStream, matrix_key
 from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train
 
 
@@ -38,20 +40,31 @@ def _roundtrip_8bit(t: torch.Tensor, signed: bool) -> torch.Tensor:
     return q.float()
 
 
+def _stochastic_8bit(t: torch.Tensor, signed: bool, random16: torch.Tensor) -> torch.Tensor:
+    q = QuantizedMoment.zeros(t, signed=signed)
+    qm.quantize_into(q.codes.view(-1), q.scales, t.reshape(-1), random16)
+    return q.float()
+
+
 class QuantizedAdamW(torch.optim.AdamW):
-    """torch's fused AdamW with the matrices' moments replaced by their 8-bit values after each step."""
+    """torch's fused AdamW with the matrices' moments replaced by their 8-bit values after each step, rounded
+    stochastically with the bits of torch's initial seed (what ZenFlowAdamW keys its rounding by), the matrix's
+    place in the param groups and the step count."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(param_groups(model), lr=LR, fused=True)
         self.matrices = [p for p in model.parameters() if p.ndim == 2]
+        ordinals = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        self.streams = {p: RandomStream(matrix_key(torch.initial_seed(), ordinals[id(p)])) for p in self.matrices}
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
         super().step(closure)
         for p in self.matrices:
             state = self.state[p]
-            state["exp_avg"].copy_(_roundtrip_8bit(state["exp_avg"], signed=True))
-            state["exp_avg_sq"].copy_(_roundtrip_8bit(state["exp_avg_sq"], signed=False))
+            bits = self.streams[p].bits(int(state["step"]), 0, p.numel())
+            state["exp_avg"].copy_(_stochastic_8bit(state["exp_avg"], True, bits & 0xFFFF))
+            state["exp_avg_sq"].copy_(_stochastic_8bit(state["exp_avg_sq"], False, bits >> 16))
 
 
 def _zenflow(settings: dict, **kw) -> tuple[torch.nn.Module, list[float], ZenFlowAdamW]:

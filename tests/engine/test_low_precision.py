@@ -2,9 +2,10 @@
 bf16) and ``host_moment_dtype="bfloat16"`` (host moments stored bf16, updated in fp32).
 
 The reference is an independent implementation of the same arithmetic: torch's fused AdamW on the matrices with
-each gradient rounded to bf16 before the step and each moment rounded to bf16 after it (a bf16-stored moment is
-exactly its fp32 value rounded to nearest). With every column on the host and a window of one step, ZenFlow is that
-AdamW, so the two must agree bit for bit; and the settings must change the result, or the comparison says nothing."""
+each gradient rounded to bf16 before the step (to nearest) and each moment rounded to bf16 after it (stochastically,
+with the random bits of `rounding.RandomStream` for the optimizer's seed, the matrix's place in the param groups and
+the step count). With every column on the host and a window of one step, ZenFlow is that AdamW, so the two must agree
+bit for bit; and the settings must change the result, or the comparison says nothing."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import hf_zenflow.engine.host as host_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.transport import CopyTransport
 from hf_zenflow.transport.cpu_device import kernels
+from hf_zenflow.transport.cpu_device.rounding import RandomStream, matrix_key, round_bf16
 from tests.conftest import DEVICE, FP32_MOMENTS, batches, make_model, param_groups, roundtrip, train
 
 
@@ -32,12 +34,15 @@ pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU device's t
 
 class RoundedAdamW(torch.optim.AdamW):
     """torch's fused AdamW with the matrices' gradients rounded to bf16 before each step (`grads`) and their moments
-    rounded to bf16 after it (`moments`)."""
+    rounded to bf16 stochastically after it (`moments`), with the bits of torch's initial seed (what ZenFlowAdamW
+    keys its rounding by), the matrix's place in the param groups and the step count."""
 
     def __init__(self, model: torch.nn.Module, grads: bool, moments: bool) -> None:
         super().__init__(param_groups(model), lr=LR, fused=True)
         self.matrices = [p for p in model.parameters() if p.ndim == 2]
         self.grads, self.moments = grads, moments
+        ordinals = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        self.streams = {p: RandomStream(matrix_key(torch.initial_seed(), ordinals[id(p)])) for p in self.matrices}
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
@@ -47,8 +52,10 @@ class RoundedAdamW(torch.optim.AdamW):
         super().step(closure)
         if self.moments:
             for p in self.matrices:
-                for name in ("exp_avg", "exp_avg_sq"):
-                    self.state[p][name].copy_(self.state[p][name].to(torch.bfloat16))
+                state = self.state[p]
+                bits = self.streams[p].bits(int(state["step"]), 0, p.numel()).view(p.shape)
+                state["exp_avg"].copy_(round_bf16(state["exp_avg"], bits & 0xFFFF))
+                state["exp_avg_sq"].copy_(round_bf16(state["exp_avg_sq"], bits >> 16))
 
 
 def _zenflow(settings: dict, **kw) -> tuple[torch.nn.Module, list[float], ZenFlowAdamW]:
@@ -189,6 +196,45 @@ def test_bf16_moments_resume_exactly():
     opt.close()
     for p, q in zip(whole.parameters(), second.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("moments", ["bfloat16", "int8"])
+def test_the_rounding_seed_travels_with_the_checkpoint(moments):
+    """The random bits of the moments' rounding are keyed by torch's seed when the optimizer is made: a run resumed
+    in a process seeded otherwise takes the checkpoint's seed and continues bit for bit; a run made under another
+    seed rounds otherwise (the seed acts)."""
+    settings = dict(host_moment_dtype=moments, topk_ratio=0.25, update_interval=2, overlap_step=True,
+                    select_strategy="step", select_interval=3, min_offload_numel=0, cpu_threads=1)
+    data = batches(STEPS)
+
+    def made_under(seed: int, model: torch.nn.Module) -> ZenFlowAdamW:
+        torch.manual_seed(seed)
+        return ZenFlowAdamW(param_groups(model), lr=LR, **settings)
+
+    whole = make_model()
+    opt = made_under(3, whole)
+    train(whole, opt, data)
+    opt.close()
+    first = make_model()
+    opt = made_under(3, first)
+    train(first, opt, data[:5])
+    saved = roundtrip(opt.state_dict())
+    opt.close()
+    assert saved["zenflow"]["rounding_seed"] == 3
+    second = make_model()
+    second.load_state_dict(first.state_dict())
+    opt = made_under(4, second)
+    assert opt._host.rounding_seed == 4
+    opt.load_state_dict(saved)
+    assert opt._host.rounding_seed == 3
+    train(second, opt, data[5:])
+    opt.close()
+    assert all(torch.equal(p, q) for p, q in zip(whole.parameters(), second.parameters()))
+    other = make_model()
+    opt = made_under(4, other)
+    train(other, opt, data)
+    opt.close()
+    assert not all(torch.equal(p, q) for p, q in zip(whole.parameters(), other.parameters()))
 
 
 def _measured_host_bytes(opt: ZenFlowAdamW) -> tuple[int, int]:

@@ -5,7 +5,8 @@ touch ~80% of the cache lines). The kernels fold the gather into the gradient-no
 the scatter, read bf16 gradients directly in the host accumulation, and run on the caller's intra-op thread count.
 (With column-major weights, `hf_zenflow.engine.layout`, columns are contiguous rows and torch moves them as fast.)
 Every result is exact (copies; bf16 rounds to nearest even as torch does), except the norms, which are summed in fp64
-and serve the non-finite check and Zen-auto only (clipping always uses torch's own norms).
+and serve the non-finite check and Zen-auto only (clipping always uses torch's own norms); the host AdamW pass rounds
+bf16 and 8-bit moments stochastically, with the reproducible random bits of `rounding.py`, as its torch fallback does.
 
 The source is compiled with the system C compiler on first use and cached under ``$HF_ZENFLOW_CACHE`` (default
 ``~/.cache/hf_zenflow``), keyed by source, flags and CPU. Without a compiler, or with ``HF_ZENFLOW_NATIVE=0``, the
@@ -25,6 +26,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from .rounding import RandomStream, round_bf16
 
 
 _SOURCE = Path(__file__).with_name("csrc") / "zenflow_cpu.c"
@@ -89,10 +92,11 @@ def _build() -> ctypes.CDLL:
     lib.zf_window_adamw.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, d, d, d, d, d, ctypes.c_float,
                                     ctypes.c_int64, ctypes.c_int, p, p, p, p, p, p]
     lib.zf_window_adamw.restype = ctypes.c_int
-    lib.zf_window_adamw_bf16.argtypes = lib.zf_window_adamw.argtypes
+    # (narrow moments: and the random bits' keys and global index maps)
+    lib.zf_window_adamw_bf16.argtypes = [*lib.zf_window_adamw.argtypes, p, p, p, p]
     lib.zf_window_adamw_bf16.restype = ctypes.c_int
     lib.zf_window_adamw_q.argtypes = [ctypes.c_int64, p, p, p, p, p, p, p, p, p, p, p, p, d, d, d, d, d,
-                                      ctypes.c_float, ctypes.c_int64, ctypes.c_int, p, p, p, p, p, p]
+                                      ctypes.c_float, ctypes.c_int64, ctypes.c_int, p, p, p, p, p, p, p, p, p, p]
     lib.zf_window_adamw_q.restype = ctypes.c_int
     return lib
 
@@ -239,8 +243,9 @@ def window_adamw_available() -> bool:
 
 def window_adamw_bf16_available() -> bool:
     """Whether `window_adamw_bf16` is used (bf16 moments): `window_adamw_available`, and, checked once per process,
-    the bf16 kernel gives the bits of widening the moments, torch's fused AdamW and torch's rounding back to bf16
-    (including moments that round into bf16's subnormal range)."""
+    the bf16 kernel gives the bits of widening the moments, torch's fused AdamW and the stochastic rounding back to
+    bf16 of `rounding.round_bf16` with `rounding.RandomStream`'s bits (including moments that round into bf16's
+    subnormal range, and shares of columns whose global indices cross a multiple of 2**32)."""
     global _window_adamw_bf16_state
     if not window_adamw_available():
         return False
@@ -274,12 +279,23 @@ def _matches_torch(moment_dtype: torch.dtype = torch.float32) -> bool:
         mean.div_(count)
         wide = [t.float() for t in ref[1:]]
         fused_adamw_([ref[0]], [mean], wide[:1], wide[1:], [torch.tensor(2.0)], hyper)
-        ref[1].copy_(wide[0])
-        ref[2].copy_(wide[1])
+        # (a share of 7 of every 11 columns, starting 5 elements under 2**32)
+        stream = RandomStream(key=numel, base=(1 << 32) - 5, local_cols=7, global_cols=11)
+        if moment_dtype == torch.bfloat16:
+            bits = stream.bits(3, 0, numel)
+            ref[1].copy_(round_bf16(wide[0], bits & 0xFFFF))
+            ref[2].copy_(round_bf16(wide[1], bits >> 16))
+        else:
+            ref[1].copy_(wide[0])
+            ref[2].copy_(wide[1])
         mine = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
-        call = window_adamw_bf16 if moment_dtype == torch.bfloat16 else window_adamw
         with torch.no_grad():
-            call([mine[0]], [accum], [grad], [False], [count], [mine[1]], [mine[2]], [torch.tensor(2.0)], hyper, 0.5)
+            args = ([mine[0]], [accum], [grad], [False], [count], [mine[1]], [mine[2]], [torch.tensor(2.0)], hyper,
+                    0.5)
+            if moment_dtype == torch.bfloat16:
+                window_adamw_bf16(*args, streams=[stream])
+            else:
+                window_adamw(*args)
         if not all(torch.equal(a, b) for a, b in zip(ref, mine)):
             return False
     return True
@@ -313,41 +329,44 @@ def window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads:
 def window_adamw_bf16(masters: list[torch.Tensor], accums: list[torch.Tensor], grads: list[torch.Tensor | None],
                       firsts: list[bool], counts: list[int], exp_avgs: list[torch.Tensor],
                       exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], hyper: dict,
-                      coef: float | None, kept: KeptSums = None) -> None:
+                      coef: float | None, kept: KeptSums = None, streams: list[RandomStream] | None = None) -> None:
     """`window_adamw` with bf16 moments (``host_moment_dtype="bfloat16"``, contiguous, the master's shape): each
-    block of the moments is widened into fp32 (exactly), updated as fp32 moments are and rounded back to nearest even
-    in the same pass; the bits of widening, torch's fused AdamW in fp32 and ``.to(torch.bfloat16)`` (a NaN stays a
-    NaN, its payload bits aside)."""
+    block of the moments is widened into fp32 (exactly), updated as fp32 moments are and rounded back stochastically
+    in the same pass, with each matrix's `streams` bits for its new step count (default: `RandomStream()`); the bits
+    of widening, torch's fused AdamW in fp32 and `rounding.round_bf16` (a NaN stays a NaN, its payload bits
+    aside)."""
     for moment_list in (exp_avgs, exp_avg_sqs):
         for t, master in zip(moment_list, masters):
             assert t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu"
             assert t.numel() == master.numel()
     _window_adamw(masters, accums, grads, firsts, counts, (exp_avgs, exp_avg_sqs), steps, hyper, coef, bf16=True,
-                  kept=kept)
+                  kept=kept, streams=streams)
 
 
 def window_adamw_quantized(masters: list[torch.Tensor], accums: list[torch.Tensor],
                            grads: list[torch.Tensor | None], firsts: list[bool], counts: list[int],
                            m_codes: list[torch.Tensor], m_scales: list[torch.Tensor], v_codes: list[torch.Tensor],
                            v_scales: list[torch.Tensor], steps: list[torch.Tensor], hyper: dict,
-                           coef: float | None, kept: KeptSums = None) -> None:
+                           coef: float | None, kept: KeptSums = None,
+                           streams: list[RandomStream] | None = None) -> None:
     """`window_adamw` with 8-bit moments (``host_moment_dtype="int8"``): per matrix the int8 codes of exp_avg and
     the uint8 codes of exp_avg_sq (contiguous, the master's shape) and their fp32 per-block scales (one per 256
-    elements); each block is dequantised, updated and quantised again in the same pass, with the arithmetic of
-    ``hf_zenflow.engine.quantized_moments`` (checked bit for bit against it by the caller)."""
+    elements); each block is dequantised, updated and quantised again (stochastically, with each matrix's `streams`
+    bits) in the same pass, with the arithmetic of ``hf_zenflow.engine.quantized_moments`` (checked bit for bit
+    against it by the caller)."""
     for kind, codes_list, scales_list in ((torch.int8, m_codes, m_scales), (torch.uint8, v_codes, v_scales)):
         for codes, scales, master in zip(codes_list, scales_list, masters):
             assert codes.dtype == kind and codes.is_contiguous() and codes.numel() == master.numel()
             assert scales.dtype == torch.float32 and scales.is_contiguous()
             assert scales.numel() == -(-master.numel() // 256)
     _window_adamw(masters, accums, grads, firsts, counts, (m_codes, m_scales, v_codes, v_scales), steps, hyper,
-                  coef, kept=kept)
+                  coef, kept=kept, streams=streams)
 
 
 def _window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads: list[torch.Tensor | None],
                   firsts: list[bool], counts: list[int], moments: tuple[list[torch.Tensor], ...],
                   steps: list[torch.Tensor], hyper: dict, coef: float | None, bf16: bool = False,
-                  kept: KeptSums = None) -> None:
+                  kept: KeptSums = None, streams: list[RandomStream] | None = None) -> None:
     width = torch_vector_width()
     assert width is not None
     kept = list(kept) if kept is not None else [None] * len(masters)
@@ -371,7 +390,15 @@ def _window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads
     lib = library()
     assert lib is not None, "call library() first"
     n = len(masters)
+    narrow = len(moments) == 4 or bf16
     call = lib.zf_window_adamw_q if len(moments) == 4 else lib.zf_window_adamw_bf16 if bf16 else lib.zf_window_adamw
+    # (narrow moments: each matrix's random bits, keyed by its step count after this pass)
+    streams = list(streams) if streams is not None else [RandomStream()] * n
+    random_bits = [
+        _array(ctypes.c_uint64, [s.pass_key(int(step)) for s, step in zip(streams, steps)]),
+        _array(ctypes.c_int64, [s.base for s in streams]), _array(ctypes.c_int64, [s.local_cols for s in streams]),
+        _array(ctypes.c_int64, [s.global_cols for s in streams]),
+    ] if narrow else []
     rc = call(
         n,
         *(_array(ctypes.c_void_p, [t.data_ptr() for t in ts]) for ts in (masters, accums, *moments)),
@@ -388,6 +415,7 @@ def _window_adamw(masters: list[torch.Tensor], accums: list[torch.Tensor], grads
         _array(ctypes.c_int32, [int(part is not None and part[2] == 0) for part in kept]),
         _array(ctypes.c_int64, [m.shape[-1] if m.ndim else 1 for m in masters]),
         _array(ctypes.c_int64, [a.shape[-1] if a.ndim else 1 for a in accums]),
+        *random_bits,
     )
     if rc != 0:
         raise MemoryError("hf_zenflow CPU kernel: out of memory for its work list")

@@ -67,6 +67,24 @@ static inline uint16_t f32_to_bf16(float f) { /* c10::round_to_nearest_even */
   return (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
 }
 
+/* Stochastic rounding to bf16 with the random 16-bit value r16: added to the low half of f's bits, which are then
+ * dropped (up with probability (the dropped half) / 2^16: the exact value in expectation; rounding.py:round_bf16) */
+static inline uint16_t f32_to_bf16_sr(float f, uint32_t r16) {
+  if (f != f) return 0x7FC0;
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return (uint16_t)((u + r16) >> 16);
+}
+
+/* lowbias32: the bijective 32-bit hash of the random bits (rounding.py:mix32) */
+static inline uint32_t zf_mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352DU;
+  x ^= x >> 15;
+  x *= 0x846CA68BU;
+  return x ^ (x >> 16);
+}
+
 static double row_norm_gather(const zf_job *job, int64_t t, int64_t r) {
   const int64_t cols = job->cols[t], k = job->k[t];
   const int64_t *idx = job->idx[t];
@@ -379,6 +397,11 @@ typedef struct {
   const int32_t *const *acc_skip;
   const int32_t *acc_rows;
   const int64_t *cols, *acc_kept;
+  /* bf16 and 8-bit moments: per tensor the 64-bit key of this pass's random bits, and where its elements sit in the
+     whole parameter: local element e (storage order, rows of g_local element) is global element
+     g_base + (e / g_local) * g_global + e % g_local (see random_block) */
+  const uint64_t *round_key;
+  const int64_t *g_base, *g_local, *g_global;
   int64_t *item_tensor, *item_begin, *item_end;
   int64_t n_items;
   atomic_llong next;
@@ -386,7 +409,7 @@ typedef struct {
 
 /* ---- 8-bit moments: blocks of ZF_QBLOCK elements, each with an fp32 scale A (the block's largest magnitude) ------
  * Each element is stored as y = |x| / A in [0, 1] (a product by the reciprocal 1 / A) on a floating-point code with
- * 3 mantissa bits: y's fp32 bits rounded to nearest even at bit 20 (sign-less exponent and 3 mantissa bits), less a
+ * 3 mantissa bits: y's fp32 bits rounded stochastically at bit 20 (sign-less exponent and 3 mantissa bits), less a
  * bias that makes 1.0 the top code. exp_avg: int8, the sign apart, codes 0..127 (16 binades; 0 under them);
  * exp_avg_sq: uint8, codes 1..255 (32 binades; the floor of 1 keeps every element of a non-zero block above zero).
  * Decoding puts the code plus the bias back at bit 20 and multiplies by A. Integer steps and one product each way:
@@ -399,10 +422,12 @@ typedef union {
   int32_t i;
 } zf_bits;
 
-static inline int32_t code_of(float y, int32_t top) { /* y >= 0 */
+/* y >= 0 rounded stochastically at bit 20 with the random r (< 2^20): the code below y, or the one above with
+ * probability (y's bits under bit 20) / 2^20; y = 1 + 2^-23 (see quant_block) would reach past the top code */
+static inline int32_t code_of(float y, int32_t top, uint32_t r) {
   zf_bits u = {.f = y};
-  const int32_t r = (u.i + 0x7FFFF + ((u.i >> 20) & 1)) >> 20;
-  return r - (ZF_ONE_BITS20 - top);
+  const int32_t c = (int32_t)(((uint32_t)u.i + r) >> 20) - (ZF_ONE_BITS20 - top);
+  return c < top ? c : top;
 }
 
 static inline float value_of(int32_t code, int32_t top) {
@@ -424,11 +449,13 @@ static inline void dequant_unsigned(const uint8_t *restrict q, float scale, floa
   for (int64_t i = 0; i < n; ++i) out[i] = value_of(q[i], 255) * scale;
 }
 
-/* Both moments' scales and codes of `n` elements (one quantisation block), from their fp32 values. Comparisons, not
- * fmaxf / fminf (library calls that keep the loops scalar; the moments are finite). y <= 1 + 2^-23 (|x| <= A times
- * the rounded 1 / A), so no code exceeds the top one; the lower bounds are the clamps. */
+/* Both moments' scales and codes of `n` elements (one quantisation block), from their fp32 values, rounded
+ * stochastically with the random bits `rnd` (low 16 bits: exp_avg, high 16: exp_avg_sq, each placed at bits 4..19).
+ * Comparisons, not fmaxf / fminf (library calls that keep the loops scalar; the moments are finite). y <= 1 + 2^-23
+ * (|x| <= A times the rounded 1 / A): code_of caps the code at the top one; the lower bounds are the clamps. */
 static inline void quant_block(const float *restrict m, const float *restrict v, int8_t *restrict qm,
-                               uint8_t *restrict qv, int64_t n, float *m_scale, float *v_scale) {
+                               uint8_t *restrict qv, int64_t n, float *m_scale, float *v_scale,
+                               const uint32_t *restrict rnd) {
   float pm = 0.0f, pv = 0.0f;
 #pragma omp simd reduction(max : pm, pv)
   for (int64_t i = 0; i < n; ++i) {
@@ -441,10 +468,10 @@ static inline void quant_block(const float *restrict m, const float *restrict v,
   for (int64_t i = 0; i < n; ++i) {
     zf_bits b = {.f = m[i]};
     const int32_t sign = b.i >> 31; /* 0 or -1 */
-    int32_t c = code_of(fabsf(m[i]) * im, 127);
+    int32_t c = code_of(fabsf(m[i]) * im, 127, (rnd[i] & 0xFFFFu) << 4);
     c = c < 0 ? 0 : c;
     qm[i] = (int8_t)((c ^ sign) - sign);
-    const int32_t d = code_of(v[i] * iv, 255);
+    const int32_t d = code_of(v[i] * iv, 255, (rnd[i] >> 16) << 4);
     qv[i] = (uint8_t)(d < 1 ? 1 : d);
   }
   *m_scale = pm;
@@ -479,12 +506,14 @@ static inline __attribute__((always_inline)) void adam_block(float *restrict p, 
   }
 }
 
-/* adam_block on bf16 moments: each widened on load (exactly) and rounded back to nearest even on store, in the same
- * loop (the bits of widening the moments, torch's fp32 update and `.to(torch.bfloat16)`) */
+/* adam_block on bf16 moments: each widened on load (exactly) and rounded back stochastically on store with the
+ * random bits `rnd` (low 16 bits: exp_avg, high 16: exp_avg_sq), in the same loop (the bits of widening the
+ * moments, torch's fp32 update and rounding.py:round_bf16) */
 static inline __attribute__((always_inline)) void adam_block_bf16(float *restrict p, uint16_t *restrict m,
                                                                   uint16_t *restrict v, const float *restrict g,
-                                                                  int64_t n, const zf_adam_consts *k,
-                                                                  const int small_w, const int scalar_v) {
+                                                                  const uint32_t *restrict rnd, int64_t n,
+                                                                  const zf_adam_consts *k, const int small_w,
+                                                                  const int scalar_v) {
   const float decay = k->decay, w = k->w, b2 = k->b2, c2 = k->c2, bc2_sqrt = k->bc2_sqrt, eps = k->eps;
   const float neg_step = k->neg_step, cw = small_w ? w : w - 1.0f;
 #pragma omp simd
@@ -495,8 +524,8 @@ static inline __attribute__((always_inline)) void adam_block_bf16(float *restric
     const float vv = scalar_v ? fmaf(vi, b2, (c2 * gi) * gi) : fmaf(c2 * gi, gi, vi * b2);
     const float denom = sqrtf(vv) / bc2_sqrt + eps;
     p[i] = pv + (neg_step * mv) / denom;
-    m[i] = f32_to_bf16(mv);
-    v[i] = f32_to_bf16(vv);
+    m[i] = f32_to_bf16_sr(mv, rnd[i] & 0xFFFFu);
+    v[i] = f32_to_bf16_sr(vv, rnd[i] >> 16);
   }
 }
 
@@ -577,6 +606,32 @@ static void spread_block(const zf_adam_job *job, int64_t t, int64_t b0, int64_t 
   }
 }
 
+/* The random bits of elements [b0, b0 + n) of tensor t in this pass (rounding.py:RandomStream.bits):
+ * zf_mix32((global index mod 2^32) ^ k), k = (low word of the pass's key) ^ zf_mix32(high word of the index + high
+ * word of the key), by runs of consecutive global indices (a row of a share of columns; never across a multiple of
+ * 2^32) */
+static void random_block(const zf_adam_job *job, int64_t t, int64_t b0, int64_t n, uint32_t *restrict out) {
+  const uint64_t key = job->round_key[t];
+  const int64_t local = job->g_local[t], global = job->g_global[t];
+  for (int64_t i = 0, e = b0; i < n;) {
+    int64_t len = n - i;
+    uint64_t g = (uint64_t)(job->g_base[t] + e);
+    if (local > 0 && local != global) {
+      const int64_t r = e / local, c = e - r * local;
+      len = local - c < len ? local - c : len;
+      g = (uint64_t)(job->g_base[t] + r * global + c);
+    }
+    const uint64_t room = (1ull << 32) - (g & 0xFFFFFFFFull);
+    if ((uint64_t)len > room) len = (int64_t)room;
+    const uint32_t k = (uint32_t)key ^ zf_mix32((uint32_t)(g >> 32) + (uint32_t)(key >> 32)), lo = (uint32_t)g;
+    uint32_t *restrict o = out + i;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) o[j] = zf_mix32((lo + (uint32_t)j) ^ k);
+    i += len;
+    e += len;
+  }
+}
+
 static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t end) {
   const double bc1 = 1 - pow(job->beta1, job->step[t]);
   const double bc2 = 1 - pow(job->beta2, job->step[t]);
@@ -593,6 +648,7 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
   const int narrow = job->m_codes || job->m_bf16; /* moments stored in another dtype than fp32 */
   float *m = narrow ? NULL : job->exp_avg[t], *v = narrow ? NULL : job->exp_avg_sq[t];
   float mq[ZF_ADAM_BLOCK], vq[ZF_ADAM_BLOCK]; /* 8-bit moments: the block's fp32 values */
+  uint32_t rnd[ZF_ADAM_BLOCK];                /* narrow moments: the block's random bits */
   const void *gp = job->grad[t];
   const int bf16 = job->grad_bf16[t], first = job->first[t], acc16 = job->acc_bf16[t];
   const float coef = job->coef, count = (float)job->count[t];
@@ -625,14 +681,15 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
     /* [b0, split): the vector form; [split, b0 + n): the scalar tail's */
     const int64_t split = scalar_from < b0 ? 0 : (scalar_from - b0 < n ? scalar_from - b0 : n);
     float *pb = p + b0, *mb = mq, *vb = vq;
+    if (narrow) random_block(job, t, b0, n, rnd);
     if (job->m_bf16) {
       uint16_t *mh = job->m_bf16[t] + b0, *vh = job->v_bf16[t] + b0;
       if (small_w) {
-        adam_block_bf16(pb, mh, vh, g, split, &k, 1, 0);
-        adam_block_bf16(pb + split, mh + split, vh + split, g + split, n - split, &k, 1, 1);
+        adam_block_bf16(pb, mh, vh, g, rnd, split, &k, 1, 0);
+        adam_block_bf16(pb + split, mh + split, vh + split, g + split, rnd + split, n - split, &k, 1, 1);
       } else {
-        adam_block_bf16(pb, mh, vh, g, split, &k, 0, 0);
-        adam_block_bf16(pb + split, mh + split, vh + split, g + split, n - split, &k, 0, 1);
+        adam_block_bf16(pb, mh, vh, g, rnd, split, &k, 0, 0);
+        adam_block_bf16(pb + split, mh + split, vh + split, g + split, rnd + split, n - split, &k, 0, 1);
       }
       continue;
     }
@@ -657,7 +714,7 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
       for (int64_t q0 = 0; q0 < n; q0 += ZF_QBLOCK) {
         const int64_t len = n - q0 < ZF_QBLOCK ? n - q0 : ZF_QBLOCK, blk = (b0 + q0) / ZF_QBLOCK;
         quant_block(mq + q0, vq + q0, job->m_codes[t] + b0 + q0, job->v_codes[t] + b0 + q0, len,
-                    &job->m_scale[t][blk], &job->v_scale[t][blk]);
+                    &job->m_scale[t][blk], &job->v_scale[t][blk], rnd + q0);
       }
     }
   }
@@ -699,30 +756,35 @@ int zf_window_adamw_q(int64_t n, float *const *master, float *const *acc, int8_t
                       const int64_t *count, const int64_t *numel, const double *step, double lr, double beta1,
                       double beta2, double eps, double weight_decay, float coef, int64_t width, int threads,
                       const int32_t *acc_bf16, const int32_t *const *acc_map, const int32_t *const *acc_skip,
-                      const int32_t *acc_rows, const int64_t *cols, const int64_t *acc_kept) {
+                      const int32_t *acc_rows, const int64_t *cols, const int64_t *acc_kept,
+                      const uint64_t *round_key, const int64_t *g_base, const int64_t *g_local,
+                      const int64_t *g_global) {
   zf_adam_job job = {.n = n, .master = master, .acc = acc, .acc_bf16 = acc_bf16, .m_codes = m_codes, .m_scale = m_scale,
                      .v_codes = v_codes, .v_scale = v_scale, .grad = grad, .grad_bf16 = grad_bf16,
                      .first = first, .count = count, .numel = numel, .step = step, .lr = lr, .beta1 = beta1,
                      .beta2 = beta2, .eps = eps, .weight_decay = weight_decay, .coef = coef,
                      .width = width > 0 ? width : 1, .acc_map = acc_map, .acc_skip = acc_skip,
-                     .acc_rows = acc_rows, .cols = cols, .acc_kept = acc_kept};
+                     .acc_rows = acc_rows, .cols = cols, .acc_kept = acc_kept, .round_key = round_key,
+                     .g_base = g_base, .g_local = g_local, .g_global = g_global};
   return window_adamw(job, threads);
 }
 
 /* zf_window_adamw with bf16 moments (adam_block_bf16): the bits of widening the moments, torch's fused AdamW in fp32
- * and rounding back to nearest even */
+ * and rounding back stochastically (rounding.py) */
 int zf_window_adamw_bf16(int64_t n, float *const *master, float *const *acc, uint16_t *const *exp_avg,
                          uint16_t *const *exp_avg_sq, const void *const *grad, const int32_t *grad_bf16,
                          const int32_t *first, const int64_t *count, const int64_t *numel, const double *step,
                          double lr, double beta1, double beta2, double eps, double weight_decay, float coef,
                          int64_t width, int threads, const int32_t *acc_bf16, const int32_t *const *acc_map,
                          const int32_t *const *acc_skip, const int32_t *acc_rows, const int64_t *cols,
-                         const int64_t *acc_kept) {
+                         const int64_t *acc_kept, const uint64_t *round_key, const int64_t *g_base,
+                         const int64_t *g_local, const int64_t *g_global) {
   zf_adam_job job = {.n = n, .master = master, .acc = acc, .acc_bf16 = acc_bf16, .m_bf16 = exp_avg, .v_bf16 = exp_avg_sq, .grad = grad,
                      .grad_bf16 = grad_bf16, .first = first, .count = count, .numel = numel, .step = step,
                      .lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay,
                      .coef = coef, .width = width > 0 ? width : 1, .acc_map = acc_map, .acc_skip = acc_skip,
-                     .acc_rows = acc_rows, .cols = cols, .acc_kept = acc_kept};
+                     .acc_rows = acc_rows, .cols = cols, .acc_kept = acc_kept, .round_key = round_key,
+                     .g_base = g_base, .g_local = g_local, .g_global = g_global};
   return window_adamw(job, threads);
 }
 

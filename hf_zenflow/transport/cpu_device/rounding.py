@@ -1,0 +1,130 @@
+"""Stochastic rounding of the narrow host moments: reproducible random bits, and the torch form of the rounding that
+the CPU kernel (`csrc/zenflow_cpu.c`) applies in its pass.
+
+A moment stored in bf16 or in 8-bit codes is rounded after every host AdamW update. Rounded to nearest, an update
+smaller than half a step of the stored format is lost every time: with beta2 = 0.999 each update moves
+``exp_avg_sq`` by 0.1 % of itself, under half a bf16 step (0.2-0.4 %) and far under half an 8-bit code's (3-6 %),
+so the stored value stops following its own average and ratchets (bf16: only increases are kept; 8-bit: the element
+follows its block's scale). Rounded stochastically, up with probability equal to the remainder's share of the step,
+the stored value is the exact one in expectation after every update.
+
+The random bits of an element come from a counter-based hash, never from a generator's state: 32 bits per element
+and pass, ``mix32((index mod 2**32) ^ k)`` with `mix32` a bijective 32-bit integer hash (lowbias32) and ``k``
+derived from the pass's 64-bit key and the index's high 32 bits; the low 16 bits round ``exp_avg``, the high 16 bits
+``exp_avg_sq``. The pass's key (`RandomStream.pass_key`) mixes the optimizer's seed, the parameter's position in its
+param groups and the matrix's host step count, and ``index`` is the element's index in the whole parameter's storage
+matrix (not in this rank's share of it). So the same seed gives the same bits, a resumed run the bits of an
+uninterrupted one (the seed is in the checkpoint; the step count is state anyway), and a matrix shared by several
+ranks the bits one process would use.
+
+Example:
+    >>> import torch
+    >>> stream = RandomStream(key=matrix_key(seed=0, ordinal=3))
+    >>> bits = stream.bits(step=1, start=0, end=4)
+    >>> bits.dtype, bool((bits >= 0).all() and (bits < 2**32).all())
+    (torch.int64, True)
+    >>> x = torch.full((4,), 1.0 + 2.0 ** -9)  # a quarter of a bf16 step above 1.0
+    >>> sorted(set(round_bf16(x, bits & 0xFFFF).tolist())) in ([1.0], [1.0, 1.0078125], [1.0078125])
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+# lowbias32's multipliers; the second is used as its negative complement in int64 (see `_mix32`)
+_MUL1, _MUL2 = 0x7FEB352D, 0x846CA68B
+
+
+def splitmix64(x: int) -> int:
+    """A bijective 64-bit mix of a Python int (SplitMix64's finaliser, with its increment)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix32(x: int) -> int:
+    """lowbias32 of a Python int (0 <= x < 2**32): the hash the kernel applies to every element."""
+    x ^= x >> 16
+    x = (x * _MUL1) & _MASK32
+    x ^= x >> 15
+    x = (x * _MUL2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """`mix32` of an int64 tensor of values in [0, 2**32), exactly: each product stays inside int64 (the first
+    multiplier is under 2**31; the second is taken as ``_MUL2 - 2**32``, which has the same low 32 bits and keeps the
+    product above -2**63), and its low 32 bits are kept."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * (_MUL2 - (1 << 32))) & _MASK32
+    return x ^ (x >> 16)
+
+
+#: The `salt` of the bits that round 8-bit moments written at a re-selection (`QuantizedMoment.index_copy_`).
+RESELECTION_SALT = 0x5E1EC7105A17ED01
+
+
+def matrix_key(seed: int, ordinal: int) -> int:
+    """The 64-bit key of a parameter's random bits: the optimizer's seed and the parameter's position in its param
+    groups (so that two matrices of one optimizer never share bits)."""
+    return splitmix64((seed & _MASK64) ^ splitmix64(ordinal))
+
+
+@dataclass(frozen=True)
+class RandomStream:
+    """Where a host matrix's random bits come from: its parameter's `matrix_key`, and where its elements sit in the
+    whole parameter's storage matrix. Local element ``e`` (storage order) of a host share with rows of `local_cols`
+    elements is global element ``base + (e // local_cols) * global_cols + e % local_cols``; ``local_cols == 0``:
+    the share's rows are whole rows, ``base + e``."""
+
+    key: int = 0
+    base: int = 0
+    local_cols: int = 0
+    global_cols: int = 0
+
+    def pass_key(self, step: int, salt: int = 0) -> int:
+        """The 64-bit key of the host AdamW pass that brings the matrix to host step `step` (`salt` 0), or of
+        another rounding at that step (a `salt` of its own, e.g. `RESELECTION_SALT`)."""
+        return splitmix64(self.key ^ splitmix64(int(step)) ^ salt)
+
+    def global_index(self, start: int, end: int) -> torch.Tensor:
+        """The global indices (int64) of local elements ``[start, end)``."""
+        e = torch.arange(start, end, dtype=torch.int64)
+        if self.local_cols and self.local_cols != self.global_cols:
+            e = torch.div(e, self.local_cols, rounding_mode="floor") * self.global_cols + e % self.local_cols
+        return e + self.base
+
+    def bits(self, step: int, start: int, end: int, salt: int = 0) -> torch.Tensor:
+        """The 32 random bits (int64 values in [0, 2**32)) of local elements ``[start, end)`` in the pass to host
+        step `step`: the kernel's bits (`salt` 0; another `salt`: the bits of another rounding, see `pass_key`)."""
+        key = self.pass_key(step, salt)
+        index = self.global_index(start, end)
+        high = index >> 32
+        if high.numel() == 0 or int(high[0]) == int(high[-1]):  # (indices increase: one high word throughout)
+            word = int(high[0]) if high.numel() else 0
+            k: torch.Tensor | int = (key & _MASK32) ^ mix32((word + (key >> 32)) & _MASK32)
+        else:
+            k = (key & _MASK32) ^ _mix32((high + (key >> 32)) & _MASK32)
+        return _mix32((index & _MASK32) ^ k)
+
+
+def round_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` rounded to bf16 stochastically with the random 16-bit values `r16` (int64, one per element): ``r16``
+    added to the low half of x's bits, which are then dropped (a NaN becomes bf16's quiet NaN, as in
+    `csrc/zenflow_cpu.c`). Up with probability (the dropped half) / 2**16: the exact value in expectation."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & _MASK32
+    bits = (bits + r16) >> 16
+    bits = torch.where(torch.isnan(x), torch.full_like(bits, 0x7FC0), bits)
+    return (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
+
+
+__all__ = ["RESELECTION_SALT", "RandomStream", "matrix_key", "mix32", "round_bf16", "splitmix64"]
