@@ -46,7 +46,7 @@ import torch
 from .._base import fused_adamw_
 from ..settings.config import sums_on_device
 from ..transport.cpu_device import kernels
-from ..transport.cpu_device.rounding import RandomStream, round_bf16
+from ..transport.cpu_device.rounding import RandomStream, random16, round_bf16
 from ..transport.link import Transport
 from ..transport.pinned import PinnedArena
 from .quantized_moments import QuantizedMoment, adamw_pass, kernel_matches
@@ -457,8 +457,8 @@ def _adamw_narrow_moments(m: HostMatrix, hyper: dict) -> None:
         step = m.step.clone()
         fused_adamw_([master], [accum], [avg], [avg_sq], [step], hyper)
         bits = m.stream.bits(pass_step, start, start + exp_avg.numel())
-        exp_avg.copy_(round_bf16(avg, bits & 0xFFFF))
-        exp_avg_sq.copy_(round_bf16(avg_sq, bits >> 16))
+        exp_avg.copy_(round_bf16(avg, random16(bits, 0)))
+        exp_avg_sq.copy_(round_bf16(avg_sq, random16(bits, 1)))
     m.step.copy_(step)
 
 

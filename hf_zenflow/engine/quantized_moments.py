@@ -39,7 +39,7 @@ import torch
 
 from .._base import fused_adamw_
 from ..transport.cpu_device import kernels
-from ..transport.cpu_device.rounding import RandomStream
+from ..transport.cpu_device.rounding import RandomStream, random16
 
 
 #: Elements per quantisation block (one fp32 scale each).
@@ -130,8 +130,8 @@ class QuantizedMoment:
         keeps its codes and scale unless one of its elements changed: `quantize_into` of `dequantize_into`'s values
         gives back the same codes and scales).
 
-        `random16`: ``random16(start, end)``, the random 16-bit values (int64) of storage elements
-        ``[start, end)``: the blocks holding a written element are then quantised stochastically and the others
+        `random16`: ``random16(start, end)``, the random 16-bit values of storage elements ``[start, end)``
+        (`rounding.random16`): the blocks holding a written element are then quantised stochastically and the others
         are left as they are. A re-selection writes its device columns this way: a written element that moves its
         block's scale re-rounds every element of the block, and rounded to nearest a small move of the scale keeps
         their codes, so that their values follow the scale (the bias of nearest rounding in the AdamW pass, once
@@ -174,7 +174,8 @@ def _dequantize(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> 
     code = codes.to(torch.int32)
     top = _SIGNED_TOP if codes.dtype == torch.int8 else _UNSIGNED_TOP
     magnitude = code.abs() if codes.dtype == torch.int8 else code
-    value = ((magnitude + (_ONE_BITS20 - top)) << 20).view(torch.float32)
+    # (torch's shift functions: the operators with a Python int take a slow path)
+    value = torch.bitwise_left_shift(magnitude + (_ONE_BITS20 - top), 20).view(torch.float32)
     if codes.dtype == torch.int8:
         value = torch.where(magnitude > 0, value, torch.zeros_like(value)).mul_(scale)
         out.copy_(torch.where(code < 0, -value, value))
@@ -183,19 +184,19 @@ def _dequantize(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> 
 
 
 def quantize_into(codes: torch.Tensor, scales: torch.Tensor, values: torch.Tensor,
-                  random16: torch.Tensor | None = None) -> None:
+                  random_bits: torch.Tensor | None = None) -> None:
     """The codes (1-D, int8 or uint8) and per-block `scales` of the fp32 1-D `values`: rounded to nearest, or, with
-    `random16` (int64, one random 16-bit value per element), stochastically as the kernel does."""
+    `random_bits` (one random 16-bit value per element, `rounding.random16`), stochastically as the kernel does."""
     n = values.numel()
     whole = n // BLOCK * BLOCK
     for lo, hi in ((0, whole), (whole, n)):
         if hi > lo:
             x = values[lo:hi].view(-1, min(BLOCK, hi - lo))
-            r = None if random16 is None else random16[lo:hi].view(x.shape)
+            r = None if random_bits is None else random_bits[lo:hi].view(x.shape)
             _quantize(codes[lo:hi].view(x.shape), scales[lo // BLOCK:blocks(hi)], x, r)
 
 
-def _quantize(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, random16: torch.Tensor | None) -> None:
+def _quantize(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, random_bits: torch.Tensor | None) -> None:
     signed = codes.dtype == torch.int8
     magnitude = x.abs() if signed else x
     peak = magnitude.amax(dim=1)
@@ -204,10 +205,11 @@ def _quantize(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, random
     inverse = torch.where(peak > 0, peak, torch.ones_like(peak)).reciprocal_().view(-1, 1)
     bits = (magnitude * inverse).view(torch.int32)
     top = _SIGNED_TOP if signed else _UNSIGNED_TOP
-    if random16 is None:
-        code = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (_ONE_BITS20 - top)  # (nearest even, at bit 20)
+    if random_bits is None:
+        odd = torch.bitwise_right_shift(bits, 20).bitwise_and_(1)  # (nearest even, at bit 20)
+        code = torch.bitwise_right_shift(bits + odd + 0x7FFFF, 20).sub_(_ONE_BITS20 - top)
     else:  # (stochastic, at bit 20: y <= 1 + 2**-23 may reach one past the top code, which the clamps cap)
-        code = (((bits.to(torch.int64) + (random16 << 4)) >> 20) - (_ONE_BITS20 - top)).to(torch.int32)
+        code = torch.bitwise_right_shift(bits + torch.bitwise_left_shift(random_bits, 4), 20).sub_(_ONE_BITS20 - top)
     if signed:
         code.clamp_(0, top)
         code = torch.where(x < 0, -code, code)
@@ -250,8 +252,8 @@ def adamw_pass(master: torch.Tensor, mean_grad: torch.Tensor, exp_avg: Quantized
         stepped = step.clone()
         fused_adamw_([p], [g], [m], [v], [stepped], hyper)
         bits = stream.bits(pass_step, start, end)
-        quantize_into(m_codes, exp_avg.scales[first:last], m, bits & 0xFFFF)
-        quantize_into(v_codes, exp_avg_sq.scales[first:last], v, bits >> 16)
+        quantize_into(m_codes, exp_avg.scales[first:last], m, random16(bits, 0))
+        quantize_into(v_codes, exp_avg_sq.scales[first:last], v, random16(bits, 1))
     step.copy_(stepped)
 
 

@@ -15,7 +15,7 @@ import torch
 from ..distributed.sharding import RankGroup, Share
 from ..settings.config import DEVICE_SUM_DTYPES, sums_on_device
 from ..transport.cpu_device import kernels
-from ..transport.cpu_device.rounding import RESELECTION_SALT, RandomStream
+from ..transport.cpu_device.rounding import RESELECTION_SALT, RandomStream, random16
 from ..transport.link import Transport
 from .device_state import DenseDeviceState, DeviceColumns
 from .host import HostLayout, HostMatrix
@@ -145,12 +145,12 @@ class SplitMatrix:
             # (8-bit moments: the blocks the columns land in are quantised again, stochastically with bits of their
             # own, keyed like a host pass's: exp_avg the low 16, exp_avg_sq the high 16)
             step, stream = int(host.step), host.stream
-            for full, part, shift in ((host.exp_avg, self.device.exp_avg, 0),
-                                      (host.exp_avg_sq, self.device.exp_avg_sq, 16)):
+            for full, part, moment in ((host.exp_avg, self.device.exp_avg, 0),
+                                       (host.exp_avg_sq, self.device.exp_avg_sq, 1)):
                 source = self.share.local(part).cpu().to(full.dtype)  # (bf16 moments: rounded to nearest, once)
                 if host.quantized:
-                    full.index_copy_(self.axis, idx, source, lambda lo, hi, shift=shift: (
-                        stream.bits(step, lo, hi, RESELECTION_SALT) >> shift) & 0xFFFF)
+                    full.index_copy_(self.axis, idx, source, lambda lo, hi, moment=moment: random16(
+                        stream.bits(step, lo, hi, RESELECTION_SALT), moment))
                 else:
                     full.index_copy_(self.axis, idx, source)
             if self.k == 0:

@@ -22,7 +22,7 @@ from hf_zenflow.checkpoint.seal import seal
 from hf_zenflow.engine.host import HostMatrix
 from hf_zenflow.engine.quantized_moments import BLOCK, QuantizedMoment
 from hf_zenflow.transport.cpu_device import kernels
-from hf_zenflow.transport.cpu_device.rounding import RandomStream, matrix_key
+from hf_zenflow.transport.cpu_device.rounding import RandomStream, matrix_key, random16
 from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train
 
 
@@ -40,9 +40,9 @@ def _roundtrip_8bit(t: torch.Tensor, signed: bool) -> torch.Tensor:
     return q.float()
 
 
-def _stochastic_8bit(t: torch.Tensor, signed: bool, random16: torch.Tensor) -> torch.Tensor:
+def _stochastic_8bit(t: torch.Tensor, signed: bool, random_bits: torch.Tensor) -> torch.Tensor:
     q = QuantizedMoment.zeros(t, signed=signed)
-    qm.quantize_into(q.codes.view(-1), q.scales, t.reshape(-1), random16)
+    qm.quantize_into(q.codes.view(-1), q.scales, t.reshape(-1), random_bits)
     return q.float()
 
 
@@ -63,8 +63,8 @@ class QuantizedAdamW(torch.optim.AdamW):
         for p in self.matrices:
             state = self.state[p]
             bits = self.streams[p].bits(int(state["step"]), 0, p.numel())
-            state["exp_avg"].copy_(_stochastic_8bit(state["exp_avg"], True, bits & 0xFFFF))
-            state["exp_avg_sq"].copy_(_stochastic_8bit(state["exp_avg_sq"], False, bits >> 16))
+            state["exp_avg"].copy_(_stochastic_8bit(state["exp_avg"], True, random16(bits, 0)))
+            state["exp_avg_sq"].copy_(_stochastic_8bit(state["exp_avg_sq"], False, random16(bits, 1)))
 
 
 def _zenflow(settings: dict, **kw) -> tuple[torch.nn.Module, list[float], ZenFlowAdamW]:

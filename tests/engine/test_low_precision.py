@@ -18,7 +18,7 @@ import hf_zenflow.engine.host as host_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.transport import CopyTransport
 from hf_zenflow.transport.cpu_device import kernels
-from hf_zenflow.transport.cpu_device.rounding import RandomStream, matrix_key, round_bf16
+from hf_zenflow.transport.cpu_device.rounding import RandomStream, matrix_key, random16, round_bf16
 from tests.conftest import DEVICE, FP32_MOMENTS, batches, make_model, param_groups, roundtrip, train
 
 
@@ -54,8 +54,8 @@ class RoundedAdamW(torch.optim.AdamW):
             for p in self.matrices:
                 state = self.state[p]
                 bits = self.streams[p].bits(int(state["step"]), 0, p.numel()).view(p.shape)
-                state["exp_avg"].copy_(round_bf16(state["exp_avg"], bits & 0xFFFF))
-                state["exp_avg_sq"].copy_(round_bf16(state["exp_avg_sq"], bits >> 16))
+                state["exp_avg"].copy_(round_bf16(state["exp_avg"], random16(bits, 0)))
+                state["exp_avg_sq"].copy_(round_bf16(state["exp_avg_sq"], random16(bits, 1)))
 
 
 def _zenflow(settings: dict, **kw) -> tuple[torch.nn.Module, list[float], ZenFlowAdamW]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .rounding import RandomStream, round_bf16
+from .rounding import RandomStream, random16, round_bf16
 
 
 _SOURCE = Path(__file__).with_name("csrc") / "zenflow_cpu.c"
@@ -283,8 +283,8 @@ def _matches_torch(moment_dtype: torch.dtype = torch.float32) -> bool:
         stream = RandomStream(key=numel, base=(1 << 32) - 5, local_cols=7, global_cols=11)
         if moment_dtype == torch.bfloat16:
             bits = stream.bits(3, 0, numel)
-            ref[1].copy_(round_bf16(wide[0], bits & 0xFFFF))
-            ref[2].copy_(round_bf16(wide[1], bits >> 16))
+            ref[1].copy_(round_bf16(wide[0], random16(bits, 0)))
+            ref[2].copy_(round_bf16(wide[1], random16(bits, 1)))
         else:
             ref[1].copy_(wide[0])
             ref[2].copy_(wide[1])

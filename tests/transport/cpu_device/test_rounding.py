@@ -11,7 +11,7 @@ from hf_zenflow.distributed.sharding import Share
 from hf_zenflow.engine.host import HostLayout, HostMatrix, host_adamw_window
 from hf_zenflow.engine.split_matrix import SplitMatrix
 from hf_zenflow.transport.cpu_device import kernels
-from hf_zenflow.transport.cpu_device.rounding import RandomStream, matrix_key, mix32, round_bf16, splitmix64
+from hf_zenflow.transport.cpu_device.rounding import RandomStream, matrix_key, mix32, random16, round_bf16, splitmix64
 
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
@@ -29,16 +29,25 @@ def test_the_bits_are_the_specified_hash():
         g = stream.base + (e // 5) * 9 + e % 5
         k = (key & 0xFFFFFFFF) ^ mix32(((g >> 32) + (key >> 32)) & 0xFFFFFFFF)
         expected.append(mix32((g & 0xFFFFFFFF) ^ k))
-    assert stream.bits(step, 0, 23).tolist() == expected
-    assert stream.bits(step, 7, 19).tolist() == expected[7:19]  # (a piece: the bits of its elements)
-    assert stream.bits(step + 1, 0, 23).tolist() != expected  # (another step, other bits)
+    def unsigned(bits: torch.Tensor) -> list[int]:
+        return [b & 0xFFFFFFFF for b in bits.tolist()]
+
+    assert unsigned(stream.bits(step, 0, 23)) == expected
+    assert unsigned(stream.bits(step, 7, 19)) == expected[7:19]  # (a piece: the bits of its elements)
+    whole = RandomStream(key=stream.key, base=(1 << 32) - 6)  # (whole rows: one run each side of 2**32)
+    assert unsigned(whole.bits(step, 0, 12)) == [
+        mix32(((stream.base + e) & 0xFFFFFFFF) ^ (key & 0xFFFFFFFF) ^ mix32((((stream.base + e) >> 32) + (key >> 32))
+                                                                        & 0xFFFFFFFF)) for e in range(12)]
+    assert random16(stream.bits(step, 0, 23), 1).tolist() == [b >> 16 for b in expected]
+    assert random16(stream.bits(step, 0, 23), 0).tolist() == [b & 0xFFFF for b in expected]
+    assert unsigned(stream.bits(step + 1, 0, 23)) != expected  # (another step, other bits)
     assert RandomStream(key=matrix_key(7, 4)).bits(step, 0, 23).tolist() != RandomStream(
         key=matrix_key(7, 3)).bits(step, 0, 23).tolist()  # (another parameter, other bits)
 
 
 def test_rounding_is_exact_in_expectation_and_exact_on_representable_values():
     x = torch.tensor([1.0 + 2.0 ** -9, -(3.0 + 2.0 ** -7), 1e-3, 2.0 ** -130, 1.0])
-    draws = torch.arange(1 << 16, dtype=torch.int64)  # every 16-bit value once: the exact mean
+    draws = torch.arange(1 << 16, dtype=torch.int32)  # every 16-bit value once: the exact mean
     rounded = round_bf16(x.repeat(1 << 16, 1).T.contiguous(), draws.repeat(5, 1)).float()
     assert torch.equal(rounded.double().mean(dim=1).float(), x)
     assert torch.equal(rounded[-1], torch.ones(1 << 16))  # (a bf16 value stays itself)
@@ -47,7 +56,7 @@ def test_rounding_is_exact_in_expectation_and_exact_on_representable_values():
         assert len(seen) <= 2 and seen[0] <= value <= seen[-1]
         assert torch.equal(torch.tensor(seen).bfloat16().float(), torch.tensor(seen))
     special = torch.tensor([float("inf"), -float("inf"), float("nan")])
-    out = round_bf16(special, torch.full((3,), 0xFFFF, dtype=torch.int64)).float()
+    out = round_bf16(special, torch.full((3,), 0xFFFF, dtype=torch.int32)).float()
     assert out[0] == float("inf") and out[1] == -float("inf") and out[2].isnan()
 
 

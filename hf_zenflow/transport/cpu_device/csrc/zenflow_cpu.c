@@ -625,8 +625,10 @@ static void random_block(const zf_adam_job *job, int64_t t, int64_t b0, int64_t 
     if ((uint64_t)len > room) len = (int64_t)room;
     const uint32_t k = (uint32_t)key ^ zf_mix32((uint32_t)(g >> 32) + (uint32_t)(key >> 32)), lo = (uint32_t)g;
     uint32_t *restrict o = out + i;
+    /* (a 32-bit counter: a 64-bit one costs more lane shuffles than the hash itself) */
+    const uint32_t count = (uint32_t)len;
 #pragma omp simd
-    for (int64_t j = 0; j < len; ++j) o[j] = zf_mix32((lo + (uint32_t)j) ^ k);
+    for (uint32_t j = 0; j < count; ++j) o[j] = zf_mix32((lo + j) ^ k);
     i += len;
     e += len;
   }
