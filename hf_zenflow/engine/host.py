@@ -46,7 +46,7 @@ import torch
 from .._base import fused_adamw_
 from ..settings.config import sums_on_device
 from ..transport.cpu_device import kernels
-from ..transport.cpu_device.rounding import RandomStream, random16, round_bf16
+from ..transport.cpu_device.rounding import RandomStream, moment_random16, round_bf16
 from ..transport.link import Transport
 from ..transport.pinned import PinnedArena
 from .quantized_moments import QuantizedMoment, adamw_pass, kernel_matches
@@ -456,9 +456,9 @@ def _adamw_narrow_moments(m: HostMatrix, hyper: dict) -> None:
         avg_sq = _fp32_scratch(exp_avg_sq, "avg_sq").copy_(exp_avg_sq)
         step = m.step.clone()
         fused_adamw_([master], [accum], [avg], [avg_sq], [step], hyper)
-        bits = m.stream.bits(pass_step, start, start + exp_avg.numel())
-        exp_avg.copy_(round_bf16(avg, random16(bits, 0)))
-        exp_avg_sq.copy_(round_bf16(avg_sq, random16(bits, 1)))
+        random_m, random_v = moment_random16(m.stream, pass_step, start, start + exp_avg.numel())
+        round_bf16(avg, random_m, out=exp_avg)
+        round_bf16(avg_sq, random_v, out=exp_avg_sq)
     m.step.copy_(step)
 
 

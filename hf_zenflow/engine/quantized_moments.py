@@ -39,7 +39,7 @@ import torch
 
 from .._base import fused_adamw_
 from ..transport.cpu_device import kernels
-from ..transport.cpu_device.rounding import RandomStream, random16
+from ..transport.cpu_device.rounding import RandomStream, moment_random16
 
 
 #: Elements per quantisation block (one fp32 scale each).
@@ -251,9 +251,9 @@ def adamw_pass(master: torch.Tensor, mean_grad: torch.Tensor, exp_avg: Quantized
         dequantize_into(v, v_codes, exp_avg_sq.scales[first:last])
         stepped = step.clone()
         fused_adamw_([p], [g], [m], [v], [stepped], hyper)
-        bits = stream.bits(pass_step, start, end)
-        quantize_into(m_codes, exp_avg.scales[first:last], m, random16(bits, 0))
-        quantize_into(v_codes, exp_avg_sq.scales[first:last], v, random16(bits, 1))
+        random_m, random_v = moment_random16(stream, pass_step, start, end)
+        quantize_into(m_codes, exp_avg.scales[first:last], m, random_m)
+        quantize_into(v_codes, exp_avg_sq.scales[first:last], v, random_v)
     step.copy_(stepped)
 
 

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -69,20 +70,34 @@ def _as_int32(v: torch.Tensor) -> torch.Tensor:
     return (v - torch.bitwise_left_shift(torch.bitwise_right_shift(v, 31), 32)).to(torch.int32)
 
 
-def _shifted(x: torch.Tensor, bits: int) -> torch.Tensor:
+_scratch = threading.local()
+
+
+def _buffer(name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A reused per-thread buffer of `like`'s size (a new tensor of several MiB costs its page faults every time)."""
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.numel() < like.numel() or buf.dtype != dtype:
+        buf = torch.empty(like.numel(), dtype=dtype)
+        setattr(_scratch, name, buf)
+    return buf[:like.numel()].view(like.shape)
+
+
+def _shifted(x: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The logical right shift of int32 `x` by `bits` (`torch.bitwise_right_shift`: ``x >> n`` with a Python int takes
-    a slow path)."""
-    return torch.bitwise_right_shift(x, bits).bitwise_and_((1 << (32 - bits)) - 1)
+    a slow path), into `out` when given."""
+    shifted = torch.bitwise_right_shift(x, bits) if out is None else torch.bitwise_right_shift(x, bits, out=out)
+    return shifted.bitwise_and_((1 << (32 - bits)) - 1)
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
     """`mix32` of an int32 tensor holding 32-bit patterns, in place: int32 products wrap around as the kernel's
     uint32 products do (their low 32 bits)."""
-    x.bitwise_xor_(_shifted(x, 16))
+    tmp = _buffer("shift", x, torch.int32)
+    x.bitwise_xor_(_shifted(x, 16, tmp))
     x.mul_(_MUL1)
-    x.bitwise_xor_(_shifted(x, 15))
+    x.bitwise_xor_(_shifted(x, 15, tmp))
     x.mul_(_signed32(_MUL2))
-    return x.bitwise_xor_(_shifted(x, 16))
+    return x.bitwise_xor_(_shifted(x, 16, tmp))
 
 
 #: The `salt` of the bits that round 8-bit moments written at a re-selection (`QuantizedMoment.index_copy_`).
@@ -119,17 +134,17 @@ class RandomStream:
             e = torch.div(e, self.local_cols, rounding_mode="floor") * self.global_cols + e % self.local_cols
         return e + self.base
 
-    def bits(self, step: int, start: int, end: int, salt: int = 0) -> torch.Tensor:
+    def bits(self, step: int, start: int, end: int, salt: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
         """The 32 random bits of local elements ``[start, end)`` in the pass to host step `step` (the kernel's bits;
         another `salt`: the bits of another rounding, see `pass_key`), as an int32 tensor of their bit patterns
-        (`random16` takes the 16 bits of one moment)."""
+        (`random16` takes the 16 bits of one moment), written into `out` when given."""
         key = self.pass_key(step, salt)
         n = end - start
-        out = torch.empty(n, dtype=torch.int32)
+        out = torch.empty(n, dtype=torch.int32) if out is None else out.view(-1)[:n]
         if self.local_cols and self.local_cols != self.global_cols:  # (a share of columns: runs per row)
             index = self.global_index(start, end)
             mixed = _mix32_(_as_int32(torch.bitwise_right_shift(index, 32) + (key >> 32)))
-            return _mix32_(_as_int32(index).bitwise_xor_(mixed).bitwise_xor_(_signed32(key & _MASK32)))
+            return _mix32_(out.copy_(_as_int32(index)).bitwise_xor_(mixed).bitwise_xor_(_signed32(key & _MASK32)))
         g, i = self.base + start, 0
         while i < n:  # (runs of one high word of the index)
             length = min(n - i, (1 << 32) - (g & _MASK32))
@@ -140,21 +155,38 @@ class RandomStream:
         return out
 
 
-def random16(bits: torch.Tensor, moment: int) -> torch.Tensor:
+def random16(bits: torch.Tensor, moment: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The 16 random bits of ``exp_avg`` (`moment` 0: the low half) or ``exp_avg_sq`` (1: the high half) in
-    `RandomStream.bits`' int32 bit patterns (int32 values in [0, 2**16))."""
-    return (_shifted(bits, 16) if moment else bits).bitwise_and(0xFFFF)
+    `RandomStream.bits`' int32 bit patterns (int32 values in [0, 2**16)), written into `out` when given."""
+    if moment:
+        return _shifted(bits, 16, out)
+    return torch.bitwise_and(bits, 0xFFFF) if out is None else torch.bitwise_and(bits, 0xFFFF, out=out)
 
 
-def round_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
+def moment_random16(stream: RandomStream, step: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random 16-bit values of ``exp_avg`` and of ``exp_avg_sq`` for local elements ``[start, end)`` in the pass
+    to host step `step` (`RandomStream.bits`' two halves): views of this thread's buffers, valid until its next
+    call."""
+    like = torch.empty(end - start, dtype=torch.int32, device="meta")
+    bits = stream.bits(step, start, end, out=_buffer("bits", like, torch.int32))
+    return (random16(bits, 0, _buffer("random_m", like, torch.int32)),
+            random16(bits, 1, _buffer("random_v", like, torch.int32)))
+
+
+def round_bf16(x: torch.Tensor, r16: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 `x` rounded to bf16 stochastically with the random 16-bit values `r16` (one per element, `random16`):
     ``r16`` added to the low half of x's bits, which are then dropped (a NaN becomes bf16's quiet NaN, as in
-    `csrc/zenflow_cpu.c`). Up with probability (the dropped half) / 2**16: the exact value in expectation. (In int32:
-    the sum stays in range for every value but a NaN, whose result is replaced, and its arithmetic shift by 16 is
-    the bf16 bit pattern as an int16.)"""
-    summed = x.contiguous().view(torch.int32) + r16
-    out = torch.bitwise_right_shift(summed, 16).to(torch.int16)
-    return out.masked_fill_(torch.isnan(x), 0x7FC0).view(torch.bfloat16)
+    `csrc/zenflow_cpu.c`). Up with probability (the dropped half) / 2**16: the exact value in expectation. Written
+    into the bf16 `out` when given. (In int32: the sum stays in range for every value but a NaN, whose result is
+    replaced, and its arithmetic shift by 16 is the bf16 bit pattern as an int16.)"""
+    x = x.contiguous()
+    summed = torch.add(x.view(torch.int32), r16, out=_buffer("summed", x, torch.int32))
+    torch.bitwise_right_shift(summed, 16, out=summed)
+    out = torch.empty(x.shape, dtype=torch.bfloat16) if out is None else out
+    out.view(torch.int16).copy_(summed)
+    nan = torch.ne(x, x, out=_buffer("nan", x, torch.bool))
+    return out.view(torch.int16).masked_fill_(nan, 0x7FC0).view(torch.bfloat16)
 
 
-__all__ = ["RESELECTION_SALT", "RandomStream", "matrix_key", "mix32", "random16", "round_bf16", "splitmix64"]
+__all__ = ["RESELECTION_SALT", "RandomStream", "matrix_key", "mix32", "moment_random16", "random16", "round_bf16",
+           "splitmix64"]
