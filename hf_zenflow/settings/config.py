@@ -260,11 +260,13 @@ class ZenFlowConfig:
         default="bfloat16",
         metadata={"help": 'The dtype of the host AdamW moments (exp_avg, exp_avg_sq). "bfloat16" (the default): '
                   "stored in bf16 (4 bytes less per offloaded parameter of host memory than fp32); the host AdamW "
-                  "widens them to fp32, updates in fp32 against the fp32 master, and rounds them back to nearest. "
+                  "widens them to fp32, updates in fp32 against the fp32 master, and rounds them back stochastically "
+                  "(reproducible random bits keyed by torch's seed when the optimizer is made, kept in checkpoints). "
                   '"float32": fp32 moments, torch\'s AdamW arithmetic for every element. "int8": 8-bit codes '
                   "with one fp32 scale per block of 256 elements (2.03 bytes per parameter for both moments, 5.97 "
-                  "less than fp32; exp_avg on a square-root code, exp_avg_sq on a fourth-root code), dequantised, "
-                  "updated in fp32 and quantised again in the same pass; checkpoints keep the codes and scales. The "
+                  "less than fp32; 8-bit floating-point codes with 3 mantissa bits under the block's largest "
+                  "magnitude), dequantised, updated in fp32 and quantised again, stochastically, in the same pass; "
+                  "checkpoints keep the codes and scales. The "
                   "device columns keep fp32 moments (docs/host-memory.md).",
                   "choices": _HOST_MOMENT_DTYPES},
     )

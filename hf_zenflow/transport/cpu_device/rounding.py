@@ -38,7 +38,7 @@ import torch
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
-# lowbias32's multipliers; the second is used as its negative complement in int64 (see `_mix32`)
+# lowbias32's multipliers (in int32 the second is its negative complement: `_signed32`)
 _MUL1, _MUL2 = 0x7FEB352D, 0x846CA68B
 
 
