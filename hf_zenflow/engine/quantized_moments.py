@@ -274,7 +274,7 @@ def kernel_matches() -> bool:
 
 def _kernel_check() -> bool:
     hyper = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
-    for rows, cols, count in ((3, 7, 1), (5, 300, 3), (17, 1031, 2), (64, 1024, 4)):
+    for case, (rows, cols, count) in enumerate(((3, 7, 1), (5, 300, 3), (17, 1031, 2), (64, 1024, 4))):
         gen = torch.Generator().manual_seed(rows)
         master, accum, grad, m, v = (torch.randn(rows, cols, generator=gen) for _ in range(5))
         runs = []
@@ -285,8 +285,7 @@ def _kernel_check() -> bool:
             state[2].copy_(v.square() * 1e-4)
             runs.append(state)
         (p1, m1, v1, s1), (p2, m2, v2, s2) = runs
-        # (a share of the columns, starting under 2**32: runs of global indices that cross it)
-        stream = RandomStream(key=rows, base=(1 << 32) - 700, local_cols=cols, global_cols=cols + 731)
+        stream = kernels.testing_stream(case, rows)
         kernels.window_adamw_quantized([p1], [accum], [grad], [count == 1], [count], [m1.codes], [m1.scales],
                                        [v1.codes], [v1.scales], [s1], hyper, 0.5, streams=[stream])
         mean = grad * 0.5 if count == 1 else accum.clone()

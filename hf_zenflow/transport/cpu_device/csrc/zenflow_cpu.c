@@ -486,15 +486,21 @@ typedef struct {
 
 /* AdamW on `n` elements whose gradient is in `g` (an L1-resident block). small_w: torch's lerp form for a weight
  * under 0.5; scalar_v: the second-moment contraction of torch's scalar tail (see above). Both are constants at
- * every call, so each combination compiles to its own vectorised loop. */
+ * every call, so each combination compiles to its own vectorised loop. `hashed` (a constant too; 8-bit moments whose
+ * elements' global indices run from `lo` on): the loop also writes their random bits into `rnd`,
+ * zf_mix32((lo + i) ^ kc) (random_block's, in the integer units that the loop's divisions and square root leave
+ * idle). */
 static inline __attribute__((always_inline)) void adam_block(float *restrict p, float *restrict m,
                                                              float *restrict v, const float *restrict g, int64_t n,
                                                              const zf_adam_consts *k, const int small_w,
-                                                             const int scalar_v) {
+                                                             const int scalar_v, uint32_t *restrict rnd, uint32_t lo,
+                                                             uint32_t kc, const int hashed) {
   const float decay = k->decay, w = k->w, b2 = k->b2, c2 = k->c2, bc2_sqrt = k->bc2_sqrt, eps = k->eps;
   const float neg_step = k->neg_step, cw = small_w ? w : w - 1.0f;
+  const uint32_t count = (uint32_t)n; /* (a 32-bit counter: see random_block) */
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
+  for (uint32_t i = 0; i < count; ++i) {
+    if (hashed) rnd[i] = zf_mix32((lo + i) ^ kc);
     const float gi = g[i], mi = m[i];
     const float pv = p[i] * decay; /* (x 1.0f when there is no weight decay: exact) */
     const float mv = fmaf(cw, gi - mi, small_w ? mi : gi);
@@ -506,26 +512,30 @@ static inline __attribute__((always_inline)) void adam_block(float *restrict p, 
   }
 }
 
-/* adam_block on bf16 moments: each widened on load (exactly) and rounded back stochastically on store with the
- * random bits `rnd` (low 16 bits: exp_avg, high 16: exp_avg_sq), in the same loop (the bits of widening the
- * moments, torch's fp32 update and rounding.py:round_bf16) */
+/* adam_block on bf16 moments: each widened on load (exactly) and rounded back stochastically on store with its
+ * random bits (low 16 bits: exp_avg, high 16: exp_avg_sq), in the same loop (the bits of widening the moments,
+ * torch's fp32 update and rounding.py:round_bf16); the bits are read from `rnd`, or, `hashed` (a constant),
+ * made in the loop as adam_block makes them */
 static inline __attribute__((always_inline)) void adam_block_bf16(float *restrict p, uint16_t *restrict m,
                                                                   uint16_t *restrict v, const float *restrict g,
                                                                   const uint32_t *restrict rnd, int64_t n,
                                                                   const zf_adam_consts *k, const int small_w,
-                                                                  const int scalar_v) {
+                                                                  const int scalar_v, uint32_t lo, uint32_t kc,
+                                                                  const int hashed) {
   const float decay = k->decay, w = k->w, b2 = k->b2, c2 = k->c2, bc2_sqrt = k->bc2_sqrt, eps = k->eps;
   const float neg_step = k->neg_step, cw = small_w ? w : w - 1.0f;
+  const uint32_t count = (uint32_t)n; /* (a 32-bit counter: see random_block) */
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
+  for (uint32_t i = 0; i < count; ++i) {
+    const uint32_t r = hashed ? zf_mix32((lo + i) ^ kc) : rnd[i];
     const float gi = g[i], mi = bf16_to_f32(m[i]), vi = bf16_to_f32(v[i]);
     const float pv = p[i] * decay; /* (x 1.0f when there is no weight decay: exact) */
     const float mv = fmaf(cw, gi - mi, small_w ? mi : gi);
     const float vv = scalar_v ? fmaf(vi, b2, (c2 * gi) * gi) : fmaf(c2 * gi, gi, vi * b2);
     const float denom = sqrtf(vv) / bc2_sqrt + eps;
     p[i] = pv + (neg_step * mv) / denom;
-    m[i] = f32_to_bf16_sr(mv, rnd[i] & 0xFFFFu);
-    v[i] = f32_to_bf16_sr(vv, rnd[i] >> 16);
+    m[i] = f32_to_bf16_sr(mv, r & 0xFFFFu);
+    v[i] = f32_to_bf16_sr(vv, r >> 16);
   }
 }
 
@@ -683,15 +693,33 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
     /* [b0, split): the vector form; [split, b0 + n): the scalar tail's */
     const int64_t split = scalar_from < b0 ? 0 : (scalar_from - b0 < n ? scalar_from - b0 : n);
     float *pb = p + b0, *mb = mq, *vb = vq;
-    if (narrow) random_block(job, t, b0, n, rnd);
+    /* narrow moments of consecutive global indices (a share of whole rows) under one high word: their random bits
+       are made in the AdamW loop (adam_block, adam_block_bf16); others (a share of columns): here */
+    const uint64_t first_index = narrow ? (uint64_t)(job->g_base[t] + b0) : 0;
+    const int bits_in_loop = narrow && (job->g_local[t] == 0 || job->g_local[t] == job->g_global[t]) &&
+                             (first_index & 0xFFFFFFFFull) + (uint64_t)n <= (1ull << 32);
+    uint32_t *loop_bits = bits_in_loop ? rnd : NULL, lo = (uint32_t)first_index, kc = 0;
+    if (bits_in_loop) {
+      const uint64_t key = job->round_key[t];
+      kc = (uint32_t)key ^ zf_mix32((uint32_t)(first_index >> 32) + (uint32_t)(key >> 32));
+    } else if (narrow) {
+      random_block(job, t, b0, n, rnd);
+    }
     if (job->m_bf16) {
       uint16_t *mh = job->m_bf16[t] + b0, *vh = job->v_bf16[t] + b0;
-      if (small_w) {
-        adam_block_bf16(pb, mh, vh, g, rnd, split, &k, 1, 0);
-        adam_block_bf16(pb + split, mh + split, vh + split, g + split, rnd + split, n - split, &k, 1, 1);
+      const uint32_t lt = lo + (uint32_t)split;
+      if (small_w && loop_bits) {
+        adam_block_bf16(pb, mh, vh, g, rnd, split, &k, 1, 0, lo, kc, 1);
+        adam_block_bf16(pb + split, mh + split, vh + split, g + split, rnd + split, n - split, &k, 1, 1, lt, kc, 1);
+      } else if (small_w) {
+        adam_block_bf16(pb, mh, vh, g, rnd, split, &k, 1, 0, 0, 0, 0);
+        adam_block_bf16(pb + split, mh + split, vh + split, g + split, rnd + split, n - split, &k, 1, 1, 0, 0, 0);
+      } else if (loop_bits) {
+        adam_block_bf16(pb, mh, vh, g, rnd, split, &k, 0, 0, lo, kc, 1);
+        adam_block_bf16(pb + split, mh + split, vh + split, g + split, rnd + split, n - split, &k, 0, 1, lt, kc, 1);
       } else {
-        adam_block_bf16(pb, mh, vh, g, rnd, split, &k, 0, 0);
-        adam_block_bf16(pb + split, mh + split, vh + split, g + split, rnd + split, n - split, &k, 0, 1);
+        adam_block_bf16(pb, mh, vh, g, rnd, split, &k, 0, 0, 0, 0, 0);
+        adam_block_bf16(pb + split, mh + split, vh + split, g + split, rnd + split, n - split, &k, 0, 1, 0, 0, 0);
       }
       continue;
     }
@@ -705,12 +733,20 @@ static void adam_range(const zf_adam_job *job, int64_t t, int64_t begin, int64_t
       mb = m + b0;
       vb = v + b0;
     }
-    if (small_w) {
-      adam_block(pb, mb, vb, g, split, &k, 1, 0);
-      adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 1, 1);
+    float *pt = pb + split, *mt = mb + split, *vt = vb + split; /* (the scalar tail's part) */
+    const uint32_t lt = lo + (uint32_t)split;
+    if (small_w && loop_bits) {
+      adam_block(pb, mb, vb, g, split, &k, 1, 0, rnd, lo, kc, 1);
+      adam_block(pt, mt, vt, g + split, n - split, &k, 1, 1, rnd + split, lt, kc, 1);
+    } else if (small_w) {
+      adam_block(pb, mb, vb, g, split, &k, 1, 0, NULL, 0, 0, 0);
+      adam_block(pt, mt, vt, g + split, n - split, &k, 1, 1, NULL, 0, 0, 0);
+    } else if (loop_bits) {
+      adam_block(pb, mb, vb, g, split, &k, 0, 0, rnd, lo, kc, 1);
+      adam_block(pt, mt, vt, g + split, n - split, &k, 0, 1, rnd + split, lt, kc, 1);
     } else {
-      adam_block(pb, mb, vb, g, split, &k, 0, 0);
-      adam_block(pb + split, mb + split, vb + split, g + split, n - split, &k, 0, 1);
+      adam_block(pb, mb, vb, g, split, &k, 0, 0, NULL, 0, 0, 0);
+      adam_block(pt, mt, vt, g + split, n - split, &k, 0, 1, NULL, 0, 0, 0);
     }
     if (job->m_codes) {
       for (int64_t q0 = 0; q0 < n; q0 += ZF_QBLOCK) {
