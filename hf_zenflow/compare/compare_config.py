@@ -34,9 +34,10 @@ class CompareConfig:
 
     The defaults are sized for a 2-core CPU: 150 steps of 16 sentences (one pass over 2400), evaluated on 1000
     held-out sentences. The ZenFlow settings default to the library's (`ZenFlowConfig()`), so the table shows what a
-    user gets; the settings sweeps that chose those defaults are in BENCHMARKS.md §4 (paired runs over seeds; the
-    earlier single-seed sweeps of this runner are in its history, see the §2 history line). ``select_interval=None``
-    resolves to `COMPARE_SELECT_STEPS` with ``select_strategy="step"`` and to ``"auto"`` otherwise.
+    user gets; the settings sweeps that chose those defaults are in BENCHMARKS.md "Quality: short fine-tunes" and the
+    sections after it (paired runs over seeds; the earlier single-seed sweeps of this runner are in git's history of
+    BENCHMARKS.md). ``select_interval=None`` resolves to `COMPARE_SELECT_STEPS` with ``select_strategy="step"`` and to
+    ``"auto"`` otherwise.
     """
 
     model: str | None = None  # "minilm" (default), "smollm2", or a local HF model folder

@@ -13,7 +13,7 @@ not average out over a window: the sum's error grows with the window's length, s
 stochastic rounding. The bf16 sum crosses the link as it is (half the bytes of an fp32 sum) into a bf16 landing
 buffer on the host, and the host worker widens it exactly into its fp32 accumulator, the AdamW's input. "auto"
 picks it exactly when fp32 sums do not fit and bf16 sums do. Its quality against ``"device"`` (paired seeds):
-BENCHMARKS.md §4e.
+BENCHMARKS.md "Quality: low-precision host state".
 
 "Fit" is decided when the first step's gradients exist (forward and backward have run, so their peak is known):
 

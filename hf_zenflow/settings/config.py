@@ -18,21 +18,22 @@ from .deepspeed_config import load, zenflow_values
 
 #: `host_lr_scale="auto"`: the largest learning rate a window's host step takes (lr × multiplier) when its result is
 #: written back 1 step into the next window; a lag of L steps divides it by sqrt(L). Set by the quality suite
-#: (`scripts/quality_suite.py`, BENCHMARKS.md "Quality suite"): a host step above it diverged a model from scratch
-#: (an un-normalised block, lr 1e-3 x 4 and 5e-4 x 4) and cost MiniLM +6 % held-out loss at lr 3e-4 x 4, while the
-#: window's multiplier stays necessary at fine-tuning rates (MiniLM at 5e-5: x1 costs +5.7 %, x4 +0.25 %). A cap of
-#: 2e-3 with `host_step_guard` diverged nothing but cost the pretrained tiny Llama's fine-tune +2-3 % at 3e-4 - 1e-3.
+#: (`scripts/quality_suite.py`, BENCHMARKS.md "Quality: the size of the host step"): a host step above it diverged a
+#: model from scratch (an un-normalised block, lr 1e-3 x 4 and 5e-4 x 4) and cost MiniLM +6 % held-out loss at lr 3e-4
+#: x 4, while the window's multiplier stays necessary at fine-tuning rates (MiniLM at 5e-5: x1 costs +5.7 %, x4 +0.25
+#: %). A cap of 2e-3 with `host_step_guard` diverged nothing but cost the pretrained tiny Llama's fine-tune +2-3 % at
+#: 3e-4 - 1e-3.
 AUTO_HOST_LR_CAP = 5e-4
 
 #: `high_lr_rule="auto"`: above peak lr × update_interval > this, windows are shortened to floor(this / lr) steps.
-#: Measured on the tiny Llama (30 steps, U=4, 5 paired seeds, BENCHMARKS.md §4b).
+#: Measured on the tiny Llama (30 steps, U=4, 5 paired seeds, BENCHMARKS.md "Quality: high learning rates").
 HIGH_LR_RULE_THRESHOLD = 5e-3
 
 #: `host_step_guard="auto"`'s ratio, where it watches (windows shortened by `high_lr_rule`): a host result is taken
 #: to have overshot when the first gradient that sees it has a total norm above this multiple of the largest of the
-#: last `HOST_STEP_GUARD_HISTORY` norms before it (BENCHMARKS.md, the host step guard's sections). The largest recent
-#: norm, not the last one: while fine-tuning a norm can triple from one batch to the next, within the spread the
-#: steps before it already showed.
+#: last `HOST_STEP_GUARD_HISTORY` norms before it (BENCHMARKS.md "Quality: the size of the host step"). The largest
+#: recent norm, not the last one: while fine-tuning a norm can triple from one batch to the next, within the spread
+#: the steps before it already showed.
 HOST_STEP_GUARD_RATIO = 2.5
 
 #: `host_step_guard` compares the first gradient norm after a write-back with the largest of this many norms before it.
@@ -205,7 +206,8 @@ class ZenFlowConfig:
                   "(0 when not overlapped): the momentum horizon of beta1 counted in windows, less the momentum that "
                   "the late write-back adds. Chosen at the first step, logged, in stats() and checkpoints; at lower "
                   "rates nothing changes (bit for bit). Not with update_interval=\"auto\". \"off\": the "
-                  "configured windows and betas at every learning rate (BENCHMARKS §4b).",
+                  "configured windows and betas at every learning rate (BENCHMARKS.md \"Quality: high learning "
+                  "rates\").",
                   "choices": _HIGH_LR_RULES},
     )
     host_step_guard: float | str = field(

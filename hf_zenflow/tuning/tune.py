@@ -16,8 +16,8 @@ an interrupted run (Ctrl-C) keeps and writes what finished. Outputs: ``tune.json
 recommendation), ``pareto.png`` (quality loss vs speed-up, the Pareto front and the recommended point) and
 ``recommended.py`` (ready `ZenFlowTrainingArguments(...)`).
 
-One seed per trial: a single trial's difference has the seed-to-seed noise of a short fine-tune (BENCHMARKS.md
-§4 measures it); treat differences smaller than that as ties.
+One seed per trial: a single trial's difference has the seed-to-seed noise of a short fine-tune
+(BENCHMARKS.md "Quality: short fine-tunes" measures it); treat differences smaller than that as ties.
 
 Where the parts live: the grid (`tune_grid`), the Pareto front and the recommendation (`pareto`), the written outputs
 (`tune_report`); the paired interval of the quality study is in `paired_stats`. Their public names are importable

@@ -88,7 +88,7 @@ def _pretrained_tiny_llama(tmp_path, text):
 def test_a_high_learning_rate_fine_tune_with_the_defaults(tmp_path, text):
     """At lr 3e-3, the edge of stability for this model, the defaults stay within 10% of adamw_torch over 30
     fine-tuning steps: ``host_lr_scale="auto"`` takes 1.0-1.7 there (by the write-back lag ``"auto"`` chose), not
-    "interval"'s 4, which overshoots (BENCHMARKS §4)."""
+    "interval"'s 4, which overshoots (BENCHMARKS.md "Quality: the size of the host step")."""
     base, finetune, held_out = _pretrained_tiny_llama(tmp_path, text)
     ref = Trainer(model=copy.deepcopy(base), args=zenflow_args(tmp_path / "ref", zenflow=False),
                   train_dataset=finetune)
@@ -111,7 +111,7 @@ def test_the_defaults_fine_tune_closer_to_adamw_torch_than_one_step_per_window(t
     """At a fine-tuning learning rate (3e-4) the defaults (``host_lr_scale="auto"``: 5/3 there, the multiplier
     whose host step reaches its cap 5e-4, ``writeback_lag="auto"``)
     end within 0.3% of adamw_torch's held-out loss, where ZenFlow's own rule (1.0, written back at the next window
-    boundary) is 0.4-0.5% above it (BENCHMARKS §4: -0.19 and +0.45 %, three seeds)."""
+    boundary) is 0.4-0.5% above it (`git show 186c27e:BENCHMARKS.md` §4b: -0.20 and +0.45 %)."""
     base, finetune, held_out = _pretrained_tiny_llama(tmp_path, text)
     lr = dict(learning_rate=3e-4)
     ref = Trainer(model=copy.deepcopy(base), args=zenflow_args(tmp_path / "ref", zenflow=False, **lr),
