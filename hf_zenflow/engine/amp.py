@@ -13,7 +13,8 @@ Two recipes reach the optimizer, and both are supported:
   `GradScaler.unscale_` so that afterwards it tells the optimizer (`ZenFlowAdamW._grads_unscaled`), which multiplies
   the hooks' norms by the same ``1 / scale`` and keeps the early copies, which the host adds times ``1 / scale``
   (read in the step's one sync) instead of copying the gradients again; beforehand the compute stream waits for
-  those copies, so that the in-place rewrite cannot race them. `step()` then gets ``grad_scale=None``
+  the copies of the gradients in ``p.grad``, so that the in-place rewrite cannot race them (not for those of the
+  gradients freed in backward, which ``unscale_`` does not rewrite). `step()` then gets ``grad_scale=None``
   and the gradients are taken as they are.
 
 Gradients freed in backward (`free_gradients_in_backward`) are not in ``p.grad`` for the scaler, under either

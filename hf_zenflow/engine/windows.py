@@ -552,13 +552,16 @@ class HostWindows:
             self.early.factor = factor
 
     def order_after_early_copies(self) -> None:
-        """Sync point (device streams only): the compute stream waits for the copies the hooks started, so that an
-        in-place rewrite of the gradients that follows (``unscale_``) runs after they have read them."""
+        """Sync point (device streams only): the compute stream waits for the copies the hooks started of the
+        gradients still in ``p.grad``, so that the in-place rewrite of them that follows (``unscale_``) runs after
+        the copies have read them. Not for the gradients freed in backward: they are not in ``p.grad``, so
+        ``unscale_`` never rewrites them, and their memory is kept for their copies by `record_stream`; the next
+        forward does not wait for those copies."""
         early = self.early
         if early is None:
             return
-        copies = CopyEvents([e for *_, arrived in early.copies.values() for e in arrived.events])
-        self.transports.compute_waits_for(copies)
+        rewritten = [arrived for p, (*_, arrived) in early.copies.items() if p not in early.freed]
+        self.transports.compute_waits_for(CopyEvents([e for arrived in rewritten for e in arrived.events]))
 
     def forget_early_copies(self) -> None:
         """The gradients were rewritten in place without a version bump (`GradScaler.unscale_`): the copies the
