@@ -666,11 +666,17 @@ class HostWindows:
     def finish_hand_off(self, started: HandOff, coef: float | None) -> None:
         """The handed-off gradients (times `coef`) go to the worker: held until the step knows whether it closes
         the window, whose host AdamW job then takes them (`HeldHandOff`)."""
-        if any(g._base is not None for _, g in started.work):
+        if self.param_shards is None and any(g._base is not None for _, g in started.work):
             # A gradient that is a view of storage its owner keeps and writes again (DDP's gradient_as_bucket_view:
             # the reducer writes the next backward's gradients into the same bucket on the compute stream):
             # `record_stream` cannot protect it, since it is never freed. Sync point (device streams only): the
             # compute stream waits for the copies to the host before any later work, the next backward included.
+            # Not under FSDP2, whose gradient shards are views of their module group's reduce-scatter output:
+            # FSDP2 writes that output only before it makes the views (torch 2.13, `foreach_reduce`), keeps no
+            # reference to it after, and adds a later backward into a shard only while the DTensor's ``.grad`` is
+            # still set, which it no longer is (below). Its memory goes back to the caching allocator when the last
+            # view goes, and the copies' `record_stream` keeps it from reuse until they have read it: nothing to wait
+            # for here, and the next forward does not wait for the copies.
             self.transports.compute_waits_for(started.landed)
         for split, _ in started.work:
             split.owner.grad = None  # the worker owns this gradient now (FSDP2: the DTensor's, else it accumulates)
