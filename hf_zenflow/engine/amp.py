@@ -43,8 +43,9 @@ _WRAPPED = "_hf_zenflow_notifies"
 def install() -> None:
     """Wrap `torch.amp.GradScaler.unscale_` (once per process) so that an optimizer defining
     ``_grads_unscaled(inv_scale)`` hears of it after its gradients were unscaled, and the scaler's overflow check
-    (``_unscale_grads_``, under ``unscale_`` and ``step``) so that one defining ``_freed_overflow()`` adds the
-    overflow of gradients that are not in ``p.grad``. Other optimizers see no change."""
+    (``_unscale_grads_``, under ``unscale_`` and ``step``) so that one defining ``_freed_overflow()`` (a flag per
+    device) adds the overflow of gradients that are not in ``p.grad`` on their devices. Other optimizers see no
+    change."""
     original = torch.amp.GradScaler.unscale_
     if getattr(original, _WRAPPED, False):
         return
@@ -68,8 +69,10 @@ def install() -> None:
         found = check(self, optimizer, *args)
         overflow = getattr(optimizer, "_freed_overflow", None)
         extra = overflow() if overflow is not None else None
-        if extra is not None:  # gradients the scaler did not see (freed in backward): their overflow counts too
-            found[extra.device] = found[extra.device] + extra if extra.device in found else extra
+        # gradients the scaler did not see (freed in backward): their overflow counts too, on their own device, as the
+        # scaler keeps one flag per device
+        for device, flag in (extra or {}).items():
+            found[device] = found[device] + flag if device in found else flag
         return found
 
     torch.amp.GradScaler._unscale_grads_ = unscale_grads_  # type: ignore[method-assign]
