@@ -138,6 +138,43 @@ def test_meter_counts_weights_gradients_and_state_exactly():
     meter.remove()
 
 
+class FakeCudaMemory:
+    """The caching allocator's statistics as `torch.cuda` reports them: the bytes allocated now, and their peak since
+    the last `reset_peak_memory_stats`, which sets the peak to the bytes allocated now."""
+
+    def __init__(self, allocated: int) -> None:
+        self.allocated = self.peak = allocated
+
+    def run(self, nbytes: int) -> None:
+        """A step's forward and backward: `nbytes` of activations allocated at once, then freed."""
+        self.peak = max(self.peak, self.allocated + nbytes)
+
+    def max_memory_allocated(self, device: torch.device | None = None) -> int:
+        return self.peak
+
+    def reset_peak_memory_stats(self, device: torch.device | None = None) -> None:
+        self.peak = self.allocated
+
+
+def test_the_cuda_step_peak_is_each_steps_own(monkeypatch):
+    """On CUDA the meter reads the caching allocator's peak (`torch.cuda.max_memory_allocated`): it starts afresh
+    after each step (`torch.cuda.reset_peak_memory_stats`), so ``step_peak_device_bytes`` is that step's peak and
+    ``peak_device_bytes`` the run's (before, the allocator's peak was never reset: every step's peak read the run's,
+    the largest step's forever after)."""
+    fake = FakeCudaMemory(allocated=1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", fake.max_memory_allocated)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
+    monkeypatch.setattr(DeviceMemoryMeter, "_cuda_device", lambda self: torch.device("cuda", 0))
+    lin = torch.nn.Linear(8, 8)
+    meter = DeviceMemoryMeter(lin.parameters(), lambda: 0)
+    seen = []
+    for activations in (500, 100, 300, 0):
+        fake.run(activations)
+        meter.finish_step()
+        seen.append((meter.step_peak_bytes, meter.peak_bytes))
+    assert seen == [(1500, 1500), (1100, 1500), (1300, 1500), (1000, 1500)]
+
+
 def _llama(hidden: int, layers: int, vocab: int) -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
     LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM  # noqa: N806
