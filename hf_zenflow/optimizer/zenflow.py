@@ -41,6 +41,7 @@ from ..engine.device_state import DenseDeviceState
 from ..engine.device_step import ParamWrites, device_update
 from ..engine.failure import drop_failed_worker, refuse_after_failure
 from ..engine.gradients import GradientReads, read_gradients
+from ..engine.graph_guard import refuse_captured_step
 from ..engine.offload_report import announce_offload
 from ..engine.params import (
     announce_high_lr_rule,
@@ -277,6 +278,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        refuse_captured_step()  # (a CUDA graph capture: `engine/graph_guard.py`)
         loss = None
         if closure is not None:
             with torch.enable_grad():

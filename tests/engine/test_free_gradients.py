@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,16 +22,19 @@ SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", selec
 
 def _run(free: str, dtype: torch.dtype = torch.float32, micro_batches: int = 1, clip: float | None = 0.5,
          steps: int = 12, transport: type | None = None, monkeypatch: pytest.MonkeyPatch | None = None,
+         forward: Callable[[torch.nn.Module], Callable] = lambda model: model,
          **settings: object) -> tuple[list[torch.Tensor], list[float], list[float]]:
+    """`forward`: what the model's forward runs through (e.g. `torch.compile`)."""
     if transport is not None:
         monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: transport())
     model = make_model(dtype=dtype)
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, **{**SETTINGS, **settings}, free_gradients_in_backward=free)
     peaks, losses = [], []
     data = batches(steps * micro_batches)
+    run_forward = forward(model)
     for i in range(steps):
         for x, y in data[i * micro_batches:(i + 1) * micro_batches]:
-            logits = model(x.to(DEVICE)).float()
+            logits = run_forward(x.to(DEVICE)).float()
             loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.to(DEVICE).view(-1))
             loss.backward()
             losses.append(loss.item())
