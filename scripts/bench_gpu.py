@@ -236,7 +236,10 @@ def run_one(name: str, args: argparse.Namespace, device: torch.device, batches: 
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "gpu_busy_fraction": statistics.fmean(busy) if busy else None,
-        "peak_device_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        # (ZenFlowAdamW resets the allocator's peak at the end of each step and keeps the run's in its stats)
+        "peak_device_memory_gib": max(torch.cuda.max_memory_allocated(device),
+                                      (stats[-1] if stats else {}).get("peak_device_bytes", 0)) / 2**30
+        if device.type == "cuda" else None,
         "engine_stats_last": {k: v for k, v in (stats[-1] if stats else {}).items() if isinstance(v, (int, float))},
     }
     del runner, model, fwd

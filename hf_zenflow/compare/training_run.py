@@ -364,7 +364,9 @@ class TrainingRun:
                       "host_threads": int(last_stats.get("host_threads") or split.host) if is_engine else None},
             "timeline": self.timeline.to_dict(),
             # (not separable when the runs take turns on one GPU: every run's memory is allocated at once)
-            "peak_device_memory_bytes": torch.cuda.max_memory_allocated(device)
+            # (each run's meter resets the allocator's peak at the end of each step and keeps the run's)
+            "peak_device_memory_bytes": max(torch.cuda.max_memory_allocated(device),
+                                            memory.get("peak_device_bytes") or 0)
             if device.type == "cuda" and not self.interleaved else None,
             # weights + gradients held + optimizer device state at the step's peak (`engine/device_memory.py`; CUDA:
             # max_memory_allocated, shared between runs that take turns), and per parameter

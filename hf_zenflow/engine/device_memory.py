@@ -1,7 +1,10 @@
 """What the device holds at its peak in a training step: `DeviceMemoryMeter`.
 
 On CUDA the caching allocator knows (`torch.cuda.max_memory_allocated`, which also counts activations and
-temporaries). A CPU device shares its memory with the host, so there the meter counts what a GPU would hold:
+temporaries); the meter resets that peak at the end of each step (`torch.cuda.reset_peak_memory_stats`), so that
+each step's peak is its own, and keeps the run's (`peak_bytes`): code that reads the allocator's peak itself after
+training reads the last step's. A CPU device shares its memory with the host, so there the meter counts what a GPU
+would hold:
 
 - the parameters (every trained parameter's storage, once);
 - the gradients while they are on the device: from the moment backward produces one (the census runs in each
@@ -124,8 +127,12 @@ class DeviceMemoryMeter:
         self.note()
         device = self._cuda_device()
         if device is not None:
+            # the caching allocator's peak since the end of the last step (a host-side counter: no sync), which
+            # starts afresh from the bytes allocated now, so that the next step's peak is its own; it is every
+            # reader's peak statistic of this device, so the run's peak is `peak_bytes`
             self._step_peak = torch.cuda.max_memory_allocated(device)
             self.peak_bytes = max(self.peak_bytes, self._step_peak)
+            torch.cuda.reset_peak_memory_stats(device)
         self.step_peak_bytes, self._step_peak = self._step_peak, 0
         self._recount = True
 

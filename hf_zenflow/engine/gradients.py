@@ -33,6 +33,7 @@ import torch
 from ..distributed.sharding import RankGroup, is_dtensor, set_grad
 from .device_memory import DeviceMemoryMeter
 from .device_step import gather_selected, norms_and_gather
+from .graph_guard import refuse_traced_hook
 
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ class GradientReads:
 
     @torch.no_grad()
     def _read(self, p: torch.Tensor) -> None:
+        refuse_traced_hook(p.grad)  # (compiled autograd, CUDA graphs: `graph_guard.py`)
         meter = self.meter
         if meter is not None:
             meter.gradient_arrived(p, p.grad)

@@ -552,13 +552,16 @@ class HostWindows:
             self.early.factor = factor
 
     def order_after_early_copies(self) -> None:
-        """Sync point (device streams only): the compute stream waits for the copies the hooks started, so that an
-        in-place rewrite of the gradients that follows (``unscale_``) runs after they have read them."""
+        """Sync point (device streams only): the compute stream waits for the copies the hooks started of the
+        gradients still in ``p.grad``, so that the in-place rewrite of them that follows (``unscale_``) runs after
+        the copies have read them. Not for the gradients freed in backward: they are not in ``p.grad``, so
+        ``unscale_`` never rewrites them, and their memory is kept for their copies by `record_stream`; the next
+        forward does not wait for those copies."""
         early = self.early
         if early is None:
             return
-        copies = CopyEvents([e for *_, arrived in early.copies.values() for e in arrived.events])
-        self.transports.compute_waits_for(copies)
+        rewritten = [arrived for p, (*_, arrived) in early.copies.items() if p not in early.freed]
+        self.transports.compute_waits_for(CopyEvents([e for arrived in rewritten for e in arrived.events]))
 
     def forget_early_copies(self) -> None:
         """The gradients were rewritten in place without a version bump (`GradScaler.unscale_`): the copies the
@@ -663,11 +666,17 @@ class HostWindows:
     def finish_hand_off(self, started: HandOff, coef: float | None) -> None:
         """The handed-off gradients (times `coef`) go to the worker: held until the step knows whether it closes
         the window, whose host AdamW job then takes them (`HeldHandOff`)."""
-        if any(g._base is not None for _, g in started.work):
+        if self.param_shards is None and any(g._base is not None for _, g in started.work):
             # A gradient that is a view of storage its owner keeps and writes again (DDP's gradient_as_bucket_view:
             # the reducer writes the next backward's gradients into the same bucket on the compute stream):
             # `record_stream` cannot protect it, since it is never freed. Sync point (device streams only): the
             # compute stream waits for the copies to the host before any later work, the next backward included.
+            # Not under FSDP2, whose gradient shards are views of their module group's reduce-scatter output:
+            # FSDP2 writes that output only before it makes the views (torch 2.13, `foreach_reduce`), keeps no
+            # reference to it after, and adds a later backward into a shard only while the DTensor's ``.grad`` is
+            # still set, which it no longer is (below). Its memory goes back to the caching allocator when the last
+            # view goes, and the copies' `record_stream` keeps it from reuse until they have read it: nothing to wait
+            # for here, and the next forward does not wait for the copies.
             self.transports.compute_waits_for(started.landed)
         for split, _ in started.work:
             split.owner.grad = None  # the worker owns this gradient now (FSDP2: the DTensor's, else it accumulates)

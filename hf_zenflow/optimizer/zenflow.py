@@ -41,6 +41,7 @@ from ..engine.device_state import DenseDeviceState
 from ..engine.device_step import ParamWrites, device_update
 from ..engine.failure import drop_failed_worker, refuse_after_failure
 from ..engine.gradients import GradientReads, read_gradients
+from ..engine.graph_guard import refuse_captured_step
 from ..engine.offload_report import announce_offload
 from ..engine.params import (
     announce_high_lr_rule,
@@ -253,28 +254,31 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         backward must have read them first (`amp.install`)."""
         self._host.order_after_early_copies()
 
-    def _freed_overflow(self) -> torch.Tensor | None:
-        """1.0 (a device tensor) when a gradient freed in backward holds an inf or NaN, else 0.0; None when none was
-        freed. Added to a GradScaler's overflow check (`amp.install`), which reads only ``p.grad``: the same
-        element-wise test, made in each gradient's hook (or, for the hooks of the first step with a scaler, which
-        did not know of it, from the host copies wherever the hook's norm is not finite: a norm that is finite
-        rules an inf or NaN out)."""
+    def _freed_overflow(self) -> dict[torch.device, torch.Tensor] | None:
+        """Per device of the gradients freed in backward: 1.0 (a tensor there) when one of them holds an inf or NaN,
+        else 0.0; None when none was freed. Added to a GradScaler's overflow check (`amp.install`), which reads only
+        ``p.grad`` and keeps one flag per device (``device_map``: a model over several GPUs): the same element-wise
+        test, made in each gradient's hook (or, for the hooks of the first step with a scaler, which did not know of
+        it, from the host copies wherever the hook's norm is not finite: a norm that is finite rules an inf or NaN
+        out)."""
         freed = self._host.freed
         if not freed:
             return None
-        flags = []
+        flags: dict[torch.device, list[torch.Tensor]] = {}
         for p, f in freed.items():
+            device = f.stand_in.device  # (the gradient's)
+            on_device = flags.setdefault(device, [])
             norm = self._reads.norm(p, f.stand_in)
             # Sync point (only the first step with a scaler: its hooks made no check)
             if f.overflow is None and norm is not None and bool(torch.isfinite(norm)):
                 continue
-            flags.append(f.has_overflow().to(f.stand_in.device))
-        if not flags:
-            return torch.zeros((), device=next(iter(freed.values())).stand_in.device)
-        return torch.stack(flags).amax()
+            on_device.append(f.has_overflow().to(device))
+        return {device: torch.stack(found).amax() if found else torch.zeros((), device=device)
+                for device, found in flags.items()}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        refuse_captured_step()  # (a CUDA graph capture: `engine/graph_guard.py`)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -301,6 +301,21 @@ class CheckedRegistrar(HostRegistrar):
         return True
 
 
+def lazy_transports(monkeypatch: Any) -> list[AsyncCopies]:
+    """From now on (until `monkeypatch` undoes it) every transport an optimizer makes is a `CudaTransport` over its
+    own lazy double (`AsyncCopies(lazy=True)`: a copy runs only when something waits for it, as late as CUDA may run
+    it); returns the doubles, in the order they are made."""
+    backends: list[AsyncCopies] = []
+
+    def make(device: torch.device) -> CudaTransport:
+        backend = AsyncCopies(seed=len(backends), lazy=True)
+        backends.append(backend)
+        return CudaTransport(streams=backend, registrar=CheckedRegistrar(backend))
+
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
+    return backends
+
+
 def async_transport(seed: int = 0) -> tuple[CudaTransport, AsyncCopies]:
     """`CudaTransport` (its own code: streams, events, the pinned arena) over the asynchronous CPU double."""
     backend = AsyncCopies(seed)
