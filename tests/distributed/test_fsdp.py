@@ -200,7 +200,11 @@ def test_two_fsdp2_ranks_train_like_one_process_on_the_global_batch(fsdp_run, mo
         for name, mine, ref in zip([n for n, _ in model.named_parameters()], runs[0]["final"], model.parameters()):
             ref = ref.detach().float().cpu()
             rel = ((mine - ref).norm() / ref.norm()).item()
-            assert rel < 1e-5, (name, rel)
+            # The ranks sum the batch in another order (each rank's half, then the reduce-scatter) than one process
+            # does, and which order torch's CPU kernels take depends on the CPU: 20 AdamW steps magnify those last
+            # bits most in the small matrices (on an AMD EPYC without AVX-512, up.weight 2.3e-5 and gate.weight
+            # 3.4e-5, the native kernels on or off; the others <= 7e-7). A wrong shard's algebra is off by far more.
+            assert rel < 1e-4, (name, rel)
     finally:
         opt.close()
 
