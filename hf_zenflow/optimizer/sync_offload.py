@@ -28,6 +28,7 @@ from ..engine.telemetry import StepTimer, ZenFlowStats
 from ..engine.worker import bounded_wait
 from ..settings.threads import rank_cpu_count
 from ..transport import transport_for
+from .ownership import take_over
 
 
 class _HostParam:
@@ -114,6 +115,8 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"SyncOffloadAdamW cpu_threads={cpu_threads!r} is invalid: allowed is None or an "
                              "integer >= 1.")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        # a ZenFlowAdamW still hooked on these parameters would take their gradients in backward (`ownership.py`)
+        take_over(self, [p for g in self.param_groups for p in g["params"]], holds=False)
         self.cpu_threads = cpu_threads if cpu_threads is not None else rank_cpu_count()
         self._host: dict[torch.Tensor, _HostParam] = {}
         self._norm_cache = GradNormCache()
