@@ -115,6 +115,9 @@ def check_block(zenflow: dict[str, Any]) -> None:
     if zenflow.get("accumulate_on") not in (None, "host", "device", "device_bf16"):
         raise Refusal(f"{where}: accumulate_on={zenflow['accumulate_on']!r} is invalid, expected 'host', 'device', "
                       "'device_bf16' or None (not decided yet)")
+    clip = zenflow.get("max_grad_norm")
+    if clip is not None and (not _is_number(clip) or not clip >= 0):  # (inf: measured only)
+        raise Refusal(f"{where}: max_grad_norm={clip!r} is invalid, expected a number >= 0 (inf: not clipped) or None")
     chosen = zenflow.get("limit_min_offload_numel")
     top = (zenflow.get("config") or {}).get("min_offload_numel")
     if chosen is not None and (not _is_int(chosen) or chosen < 0 or (_is_int(top) and chosen > top)):

@@ -176,6 +176,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._host.limit_peak = lambda: (opt._limit_peak() if (opt := me()) is not None else 0)
         #: the caller clips through `clip_grad_norm_` (free_gradients_in_backward="auto"), a GradScaler was seen
         self._clips_through_optimizer, self._scaled = False, False
+        self._clip_max_norm: float | None = None  # the last `clip_grad_norm_`'s max_norm (saved in checkpoints)
+        #: what the last `load_state_dict()` loaded: its steps and clip threshold (`checkpoint.SavedProgress`), for a
+        #: resume to compare with the Trainer's state (`hf_zenflow.hf.resume.check_resumed_optimizer`); None: none
+        self.loaded_progress: checkpoint.SavedProgress | None = None
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._made_in_backward: list[torch.Tensor] = []  # the first step's state made in its backward hooks
         self._limit_cache: tuple[tuple, LimitChoice] | None = None  # (`_limit_choice`)
@@ -234,6 +238,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """
         self._find_param_shards()
         self._clips_through_optimizer = True
+        self._clip_max_norm = float(max_norm)
         freed = self._host.freed  # (gradients freed in backward: their stand-ins, whose norms the hooks took)
         local = self._fsdp.local  # (FSDP2: the freed gradients are keyed by the local shards)
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None or local(p) in freed]
@@ -753,6 +758,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._find_param_shards()
         self._host.release_early()  # (gradients freed in a backward before the load belong to the old state)
         checkpoint.load(self, state_dict)
+        self.loaded_progress = checkpoint.saved_progress(state_dict)
         self._host.free_kind = self._frees_next_step()  # (the restored schedule's next step)
 
     def name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module) -> None:
