@@ -150,3 +150,18 @@ def test_convert_refuses_an_output_dir_inside_the_checkpoint(tmp_path, capsys, i
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--output-dir {output} is inside the checkpoint {checkpoint}" in err, err
     assert [p.name for p in checkpoint.iterdir()] == ["optimizer.pt"]
+
+
+def test_reshard_of_a_converted_checkpoint_says_what_its_optimizer_file_is(tmp_path, train_dataset, capsys):
+    """Regression: `reshard-checkpoint` on the output of `convert-checkpoint` called its (valid) torch.optim.AdamW
+    state "damaged". It says what the file is and what to do instead, in one line, and changes nothing."""
+    zenflow(tmp_path, train_dataset, "zen", max_steps=4, save_steps=4)
+    checkpoint = tmp_path / "zen" / "checkpoint-4"
+    assert main(["convert-checkpoint", str(checkpoint)]) == 0
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    capsys.readouterr()
+    assert main(["reshard-checkpoint", str(checkpoint), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a torch.optim.AdamW state dict" in err and "nothing to re-shard" in err, err
+    assert "damaged" not in err
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
