@@ -164,16 +164,21 @@ def newest_complete_checkpoint(output_dir: str, need_optimizer: bool = True) -> 
 
 def checked_resume(resume_from_checkpoint: Any, output_dir: str, need_optimizer: bool = True) -> Any:
     """What the Trainer should resume from for the `resume_from_checkpoint` a user passed: for True the newest
-    complete checkpoint of `output_dir` (a `CheckpointError` when there are checkpoints but none complete; True
-    when there are none, for the Trainer's own message); a folder named explicitly after checking its files (a
-    damaged one is refused by name, not met as a bare decoding error halfway through loading)."""
+    complete checkpoint of `output_dir` (a `CheckpointError` when there is none: no ``checkpoint-N`` folder, or none
+    complete); a folder named explicitly after checking its files (a damaged one is refused by name, not met as a
+    bare decoding error halfway through loading)."""
     if resume_from_checkpoint is True:
         found = newest_complete_checkpoint(output_dir, need_optimizer)
         if found is None and checkpoint_folders(output_dir):
             raise CheckpointError(
                 f"resume_from_checkpoint=True: no complete checkpoint in {output_dir} (each folder's problems are in "
                 "the warning above). Start without resume_from_checkpoint, or restore a checkpoint from a copy.")
-        return found if found is not None else True
+        if found is None:
+            where = "has no checkpoint-N folder" if os.path.isdir(output_dir) else "does not exist"
+            raise CheckpointError(
+                f"resume_from_checkpoint=True: {output_dir} {where}: there is nothing to resume. Start without "
+                "resume_from_checkpoint, or pass the output_dir (or the checkpoint folder) of the run to resume.")
+        return found
     if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
         problems = integrity_problems(os.fspath(resume_from_checkpoint))
         if problems:

@@ -117,3 +117,17 @@ def test_a_torch_adamw_state_may_have_fewer_steps_than_the_trainer():
         check_resumed_optimizer(SavedProgress(7, exact=False), 6, "optimizer.pt")
     with pytest.raises(CheckpointError, match=r"taken 5 optimizer step\(s\)"):
         check_resumed_optimizer(SavedProgress(5, exact=True), 6, "optimizer.pt")
+
+
+@pytest.mark.parametrize("output", ["empty", "missing"])
+def test_resume_true_without_any_checkpoint_is_a_checkpoint_error(tmp_path, train_dataset, output):
+    """Regression: `resume_from_checkpoint=True` with no checkpoint raised transformers' bare ValueError ("No valid
+    checkpoint found"), not the CheckpointError every other resume refusal is."""
+    out = tmp_path / "run"
+    trainer = ZenFlowTrainer(model=tiny_llama(), args=zenflow_args(out, **SAVES), train_dataset=train_dataset)
+    if output == "missing" and out.exists():  # (the Trainer may have created it)
+        out.rmdir()
+    where = "has no checkpoint-N folder" if output == "empty" else "does not exist"
+    with pytest.raises(CheckpointError, match=rf"resume_from_checkpoint=True: {out} {where}: there is nothing"):
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 0
