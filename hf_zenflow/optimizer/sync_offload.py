@@ -17,6 +17,7 @@ import torch
 
 from .._base import (
     GradNormCache,
+    check_group_hyperparameters,
     check_hyperparameters,
     clip_coefficient,
     fused_adamw_,
@@ -123,6 +124,10 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
         self._stats = ZenFlowStats()
         self._steps = 0
         self._host_thread: ThreadPoolExecutor | None = None  # started by the first step (`_host_executor`)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        check_group_hyperparameters(param_group, self.defaults)  # (a group's own lr, betas, ... as the arguments)
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
