@@ -4,6 +4,8 @@ the fused AdamW kernel call, host buffer allocation and the worker-thread count.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,16 +16,30 @@ from torch.optim.adam import adam as _functional_adam
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
+def _finite(value: Any) -> bool:
+    """A finite real number (not a bool, a string or a tensor)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """Reject AdamW settings torch would reject, naming the argument."""
-    if isinstance(lr, torch.Tensor) or not 0.0 <= lr:
-        raise ValueError(f"lr={lr!r} is invalid: allowed is a float >= 0.")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+    """Reject AdamW settings torch would reject, and those no run can use (infinite, NaN, a bool, a string),
+    naming the argument. The one check of these values: the optimizers' arguments and param groups, and a
+    checkpoint's param groups (`checkpoint/validate.py`)."""
+    if not _finite(lr) or not 0.0 <= lr:
+        raise ValueError(f"lr={lr!r} is invalid: allowed is a finite float >= 0.")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(_finite(b) and 0.0 <= b < 1.0
+                                                                          for b in betas):
         raise ValueError(f"betas={betas!r} is invalid: allowed is a pair of floats in [0, 1).")
-    if not 0.0 <= eps:
-        raise ValueError(f"eps={eps!r} is invalid: allowed is a float >= 0.")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"weight_decay={weight_decay!r} is invalid: allowed is a float >= 0.")
+    if not _finite(eps) or not 0.0 <= eps:
+        raise ValueError(f"eps={eps!r} is invalid: allowed is a finite float >= 0.")
+    if not _finite(weight_decay) or not 0.0 <= weight_decay:
+        raise ValueError(f"weight_decay={weight_decay!r} is invalid: allowed is a finite float >= 0.")
+
+
+def check_group_hyperparameters(group: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """`check_hyperparameters` of a param group that sets any of them itself (the rest from `defaults`)."""
+    if any(key in group for key in _HYPER_KEYS):
+        check_hyperparameters(*(group.get(key, defaults[key]) for key in _HYPER_KEYS))
 
 
 def fused_adamw_(

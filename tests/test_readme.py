@@ -45,11 +45,38 @@ def test_the_first_commands_are_the_main_job_then_the_tests():
     assert re.search(r"# the tests: \d+(-\d+)? min on 2 CPU cores", run[1]), run[1]
 
 
+#: Run between the README's Python blocks (a notebook user's cells, in order, in one process): each stage's
+#: optimizer is caught as the Trainers build it, and what it moved is printed.
+WATCH_THE_TRAINER = """
+import hf_zenflow.hf.trainer as _trainer_module
+_trainers_optimizers = []
+_create = _trainer_module.ZenFlowTrainer.create_optimizer
+def _catch(self, model=None):
+    made = _create(self, model)
+    _trainers_optimizers.append(self.zenflow_optimizer)
+    return made
+_trainer_module.ZenFlowTrainer.create_optimizer = _catch
+_up_proj = model.model.layers[0].mlp.up_proj.weight
+_before = _up_proj.detach().clone()
+"""
+SAY_WHAT_THE_TRAINER_MOVED = """
+print("stage", int(not torch.equal(_before, _up_proj)), _trainers_optimizers[0].stats()["total_bytes_to_host"])
+_before = _up_proj.detach().clone()
+"""
+SAY_WHAT_THE_PLAIN_TRAINER_MOVED = """
+print("stage", int(not torch.equal(_before, _up_proj)), opt.stats()["total_bytes_to_host"])
+"""
+
+
 def test_the_python_blocks_run_as_written(tmp_path):
-    """The plain loop, the Trainer and the `optimizers=` route, as one script: the loop offloads (about 10 % of the
-    columns on the device, bytes to the host) and the Trainers write their output folders."""
+    """The plain loop, the Trainer and the `optimizers=` route, as one script (a notebook run in order): the loop
+    offloads (about 10 % of the columns on the device, bytes to the host), and so does each Trainer after it on the
+    same model, which the optimizer before it no longer holds: an offloaded matrix moves and bytes go to the host
+    in each stage. The Trainers write their output folders."""
+    loop, trainer, plain_trainer = blocks("python")
     script = tmp_path / "readme.py"
-    script.write_text("\n".join(blocks("python")))
+    script.write_text("\n".join([loop, WATCH_THE_TRAINER, trainer, SAY_WHAT_THE_TRAINER_MOVED, plain_trainer,
+                                 SAY_WHAT_THE_PLAIN_TRAINER_MOVED]))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -57,6 +84,10 @@ def test_the_python_blocks_run_as_written(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     selected, to_host = (float(v) for v in proc.stdout.strip().splitlines()[0].split())
     assert 0.05 < selected < 0.2 and to_host > 0
+    stages = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("stage ")]
+    assert len(stages) == 2, proc.stdout
+    for stage, (moved, to_host) in zip(("ZenFlowTrainer", "Trainer with ZenFlowCallback"), stages):
+        assert moved == "1" and float(to_host) > 0, (stage, proc.stdout, proc.stderr[-4000:])
     assert (tmp_path / "out").is_dir() and (tmp_path / "out-plain").is_dir()
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,30 @@ _DERIVED_SETTINGS = ("steps_per_epoch",)
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as it is: damaged, from another model, or from an incompatible version.
     The message names the file or tensor and what to do."""
+
+
+@dataclass(frozen=True)
+class SavedProgress:
+    """How far the run that wrote an optimizer state dict had got, for a resume to compare with the Trainer's state:
+    `steps`, the optimizer steps it had taken (`exact`: every `step()` call, skipped ones included, as a ZenFlow state
+    counts them; not `exact`: a `torch.optim.AdamW` state's largest per-parameter step, which leaves out steps a
+    GradScaler skipped), and the `max_grad_norm` it clipped at last (None: not recorded)."""
+
+    steps: int
+    exact: bool
+    max_grad_norm: float | None = None
+
+
+def saved_progress(state_dict: dict[str, Any]) -> SavedProgress | None:
+    """The `SavedProgress` of a state dict that loaded (checked already); None for one without steps (a state saved
+    before the first step)."""
+    zenflow = state_dict.get("zenflow")
+    if zenflow is not None:
+        return SavedProgress(int(zenflow["steps"]) + int(zenflow["skipped_steps"]), True,
+                             zenflow.get("max_grad_norm"))
+    steps = [float(entry["step"]) for entry in state_dict.get("state", {}).values()
+             if isinstance(entry, dict) and "step" in entry]
+    return SavedProgress(int(max(steps)), False) if steps else None
 
 
 
@@ -154,6 +179,9 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
             "host_step_guard": opt._host.guard.state(),  # (its factor, and a write-back it still watches)
             "writeback_pending": opt._host.writeback_pending, "unapplied_steps": list(opt._host.unapplied_steps),
             "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
+            # the max_norm of the last `clip_grad_norm_` (None: never called; inf: measured only): a resume through
+            # the Trainer compares it with its max_grad_norm (`hf/resume.py`)
+            "max_grad_norm": opt._clip_max_norm,
             # where windows are summed ("auto"'s choice; None before any host state): a resumed run keeps it
             "accumulate_on": opt._host.accumulate_on,
             # the min_offload_numel device_memory_limit_bytes chose (None: no limit): a resumed run keeps it
@@ -251,5 +279,6 @@ def load_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
         ) from exc
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "ZenFlowState", "check_file", "load_file", "migrate", "pack"]
+__all__ = ["FORMAT_VERSION", "CheckpointError", "SavedProgress", "ZenFlowState", "check_file", "load_file", "migrate",
+           "pack", "saved_progress"]
 

@@ -124,6 +124,7 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     opt._host.writeback_pending = bool(zenflow["writeback_pending"])
     opt._host.unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
     opt._stats.skipped_steps = int(zenflow["skipped_steps"])
+    opt._clip_max_norm = zenflow.get("max_grad_norm")  # (until the next `clip_grad_norm_`)
     for index, entry in state_dict["state"].items():
         p = params[int(index)]
         if entry["kind"] == "dense":

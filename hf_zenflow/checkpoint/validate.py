@@ -22,6 +22,10 @@ _HOST_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "host_step", "ac
 _BLOCK_INTS = ("steps", "window_steps", "windows", "reselections", "last_interval", "skipped_steps")
 _BLOCK_BOOLS = ("force_select", "writeback_pending")
 
+#: Step counts are fp32 tensors (as torch's AdamW keeps them): above 2**24 adding one step no longer changes them. The
+#: block's counters (steps, windows, skipped steps...) are held to it too: no run this optimizer saves gets beyond.
+_MAX_STEP_COUNT = 2**24
+
 #: The tensors of a split entry that hold only this rank's share under several ranks.
 _SHARED_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "accum")
 
@@ -72,18 +76,11 @@ def check_groups(opt: ZenFlowState, saved_groups: Any) -> None:
         raise Refusal(f"param_groups: the parameter indices {indices[:16]} are not 0..{len(indices) - 1} once each")
     for n, saved in enumerate(saved_groups):
         where = f"param group {n}"
-        for key in ("lr", "eps", "weight_decay"):
+        for key in ("lr", "betas", "eps", "weight_decay"):
             if key not in saved:
                 raise Refusal(f"{where}: '{key}' is missing")
-            if not _is_number(saved[key]) or not math.isfinite(saved[key]):
-                raise Refusal(f"{where}: {key}={saved[key]!r} is invalid, expected a finite number")
-        betas = saved.get("betas")
-        if betas is None:
-            raise Refusal(f"{where}: 'betas' is missing")
-        if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(_is_number(b) for b in betas):
-            raise Refusal(f"{where}: betas={betas!r} is invalid, expected a pair of floats in [0, 1)")
-        try:
-            check_hyperparameters(saved["lr"], tuple(betas), saved["eps"], saved["weight_decay"])
+        try:  # (the optimizers' own check of these values)
+            check_hyperparameters(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
         except ValueError as exc:
             raise Refusal(f"{where}: {exc}") from None
         if "select_rows" in saved and not isinstance(saved["select_rows"], bool):
@@ -91,30 +88,38 @@ def check_groups(opt: ZenFlowState, saved_groups: Any) -> None:
 
 
 def check_block(zenflow: dict[str, Any]) -> None:
-    """The zenflow block's counters, flags and settings."""
+    """The zenflow block's counters, flags and settings: each in the range its `ZenFlowConfig` setting allows (the
+    saved config's, checked by `ZenFlowConfig` itself), counters below `_MAX_STEP_COUNT`."""
     where = "the 'zenflow' block"
+    config = _saved_config(where, zenflow)
     for key in _BLOCK_INTS:
-        _count(where, zenflow, key)
+        _count(where, zenflow, key, top=_MAX_STEP_COUNT)
     steps = zenflow["steps"]
     _count(where, zenflow, "window_steps", top=steps)
     _count(where, zenflow, "windows", top=steps)  # (a window closes at a step: warm-up steps close one each)
     for key in _BLOCK_BOOLS:
         _flag(where, zenflow, key)
-    lag = zenflow.get("writeback_lag")
-    if lag is not None and (not _is_int(lag) or lag < 1):
-        raise Refusal(f"{where}: writeback_lag={lag!r} is invalid, expected an integer >= 1 or None")
-    high = zenflow.get("high_lr_window")
-    if high is not None and (not _is_int(high) or high < 1):
-        raise Refusal(f"{where}: high_lr_window={high!r} is invalid, expected an integer >= 1 or None")
+    # the run's write-back lag and high_lr_rule's windows: never beyond the configured window (`ZenFlowConfig`'s
+    # bound of writeback_lag)
+    top, bound = config.writeback_lag_bound() if config is not None else (None, "")
+    for key in ("writeback_lag", "high_lr_window"):
+        value = zenflow.get(key)
+        if value is not None and (not _is_int(value) or value < 1 or (top is not None and value > top)):
+            allowed = f"an integer from 1 to {bound} ({top})" if top is not None else "an integer >= 1"
+            raise Refusal(f"{where}: {key}={value!r} is invalid, expected None or {allowed}")
     if "writeback_lag_pending" in zenflow:
         _flag(where, zenflow, "writeback_lag_pending")
     if "host_step_guard" in zenflow:  # (a checkpoint from before the guard has none: it starts afresh)
         problem = guard_problem(zenflow["host_step_guard"])
         if problem is not None:
             raise Refusal(f"{where}: {problem}")
-    if zenflow.get("accumulate_on") not in (None, "host", "device", "device_bf16"):
-        raise Refusal(f"{where}: accumulate_on={zenflow['accumulate_on']!r} is invalid, expected 'host', 'device', "
-                      "'device_bf16' or None (not decided yet)")
+    chosen_places = [c for c in ZenFlowConfig.choices("accumulate_on") if c != "auto"]  # ("auto"'s choice)
+    if zenflow.get("accumulate_on") not in (None, *chosen_places):
+        raise Refusal(f"{where}: accumulate_on={zenflow['accumulate_on']!r} is invalid, expected one of "
+                      f"{chosen_places} or None (not decided yet)")
+    clip = zenflow.get("max_grad_norm")
+    if clip is not None and (not _is_number(clip) or not clip >= 0):  # (inf: measured only)
+        raise Refusal(f"{where}: max_grad_norm={clip!r} is invalid, expected a number >= 0 (inf: not clipped) or None")
     chosen = zenflow.get("limit_min_offload_numel")
     top = (zenflow.get("config") or {}).get("min_offload_numel")
     if chosen is not None and (not _is_int(chosen) or chosen < 0 or (_is_int(top) and chosen > top)):
@@ -125,16 +130,21 @@ def check_block(zenflow: dict[str, Any]) -> None:
     if not isinstance(unapplied, list) or not all(_is_int(n) and 0 <= n <= steps for n in unapplied):
         raise Refusal(f"{where}: unapplied_steps={unapplied!r} is invalid, expected a list of step counts "
                       f"in [0, {steps}]")
-    config = zenflow.get("config")
-    if config is not None:
-        try:
-            ZenFlowConfig.from_dict(config)
-        except (TypeError, ValueError) as exc:
-            raise Refusal(f"{where}: its config is invalid ({exc})") from None
     for key in ("ranks", "fsdp_ranks"):
         if key in zenflow:
             ranks = _count(where, zenflow, key, low=1)
             _count(where, zenflow, key.removesuffix("s"), top=ranks - 1)
+
+
+def _saved_config(where: str, zenflow: dict[str, Any]) -> ZenFlowConfig | None:
+    """The block's saved settings, checked by `ZenFlowConfig` itself (None: a state saved without them)."""
+    config = zenflow.get("config")
+    if config is None:
+        return None
+    try:
+        return ZenFlowConfig.from_dict(config)
+    except (TypeError, ValueError) as exc:
+        raise Refusal(f"{where}: its config is invalid ({exc})") from None
 
 
 def check_entry_fields(where: str, entry: dict[str, Any], p: torch.Tensor, steps: int, units: int,
@@ -204,10 +214,6 @@ def check_tensors(where: str, entry: dict[str, Any], p: torch.Tensor) -> None:
         for key in ("host_exp_avg", "host_exp_avg_sq", "accum"):
             if entry.get(key) is not None and entry[key].shape != shape:
                 raise Refusal(f"{where}: {key} has shape {list(entry[key].shape)}, host_master {list(shape)}")
-
-
-#: Step counts are fp32 tensors (as torch's AdamW keeps them): above 2**24 adding one step no longer changes them.
-_MAX_STEP_COUNT = 2**24
 
 
 def check_consistency(where: str, entry: dict[str, Any], zenflow: dict[str, Any]) -> None:

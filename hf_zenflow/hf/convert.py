@@ -92,6 +92,13 @@ def check_convert_inputs(folder: Path, output_dir: Path | None) -> None:
         raise CheckpointError(f"{path}: no such optimizer checkpoint file: {folder} has no ZenFlow optimizer state "
                               "to convert.")
     if output_dir is not None:
+        source = folder.resolve()
+        if source == output_dir.resolve() or source in output_dir.resolve().parents:
+            # (the copy would be written into the folder it is copied from, and be part of that checkpoint from then
+            # on: a later conversion or resume of it would carry the copy along)
+            raise CheckpointError(f"--output-dir {output_dir} is inside the checkpoint {folder}: choose a folder "
+                                  f"outside it for the converted copy (or leave --output-dir out to convert "
+                                  f"{folder} in place).")
         if output_dir.exists():
             raise CheckpointError(f"--output-dir {output_dir} exists: choose a new folder for the converted "
                                   "checkpoint.")

@@ -62,6 +62,7 @@ from ..engine.windows import HandOff, HostWindows
 from ..engine.worker import wait_for_closed_workers
 from ..engine.writeback_lag import AutoWritebackLag
 from ..settings.config import ZenFlowConfig, sums_on_device
+from .ownership import take_over
 from .stats import optimizer_stats
 
 
@@ -107,6 +108,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     memory (``hf-zenflow compare`` uses it for the word embeddings on a CPU device). `step()` takes ownership of the
     gradients of split matrices (it sets their ``.grad`` to None) so that the host worker can read them after
     `step()` returns.
+
+    One ZenFlow optimizer per parameter: the backward hooks read each gradient and may take it off its parameter
+    (``free_gradients_in_backward``), so two optimizers hooked on one parameter would race for its gradient and the
+    later one would silently train nothing. A `ZenFlowAdamW` (or `SyncOffloadAdamW`) built over parameters an earlier
+    `ZenFlowAdamW` holds takes them over: the earlier one is detached (closed, which lets its host worker finish its
+    jobs; its hooks off; its `step()` refused from then on), and a warning says so once, naming how many parameters
+    and the first, unless it had been closed with nothing left to apply. A take-over rather than a refusal because
+    building the next optimizer over the same model (a notebook's next cell, a Trainer after a plain loop) says
+    what the caller wants, while the earlier optimizer usually still lives in a variable: a refusal would leave
+    ``del opt; gc.collect()`` as the remedy. The earlier one's host results not yet in the weights are not written
+    then (they would change weights the caller may just have loaded): `flush()` it first to keep them. `close()` an
+    optimizer before another kind (``torch.optim.AdamW``, a Trainer's ``adamw_torch``) trains its parameters.
 
     Example:
         >>> import torch
@@ -164,6 +177,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._host.limit_peak = lambda: (opt._limit_peak() if (opt := me()) is not None else 0)
         #: the caller clips through `clip_grad_norm_` (free_gradients_in_backward="auto"), a GradScaler was seen
         self._clips_through_optimizer, self._scaled = False, False
+        self._clip_max_norm: float | None = None  # the last `clip_grad_norm_`'s max_norm (saved in checkpoints)
+        #: what the last `load_state_dict()` loaded: its steps and clip threshold (`checkpoint.SavedProgress`), for a
+        #: resume to compare with the Trainer's state (`hf_zenflow.hf.resume.check_resumed_optimizer`); None: none
+        self.loaded_progress: checkpoint.SavedProgress | None = None
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._made_in_backward: list[torch.Tensor] = []  # the first step's state made in its backward hooks
         self._limit_cache: tuple[tuple, LimitChoice] | None = None  # (`_limit_choice`)
@@ -175,6 +192,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         }
         amp.install()  # scaler.unscale_(opt) tells `_grads_unscaled`
         _LIVE_OPTIMIZERS.add(self)
+        self._hooks_off = False  # `close()` took the hooks off; the next `train()` or `step()` hooks again
+        self._detached: str | None = None  # why another optimizer took the parameters over (`_detach`)
+        take_over(self, self._held())  # (one ZenFlow optimizer per parameter: see the class docstring)
         # The thread rule's decision for the run, before its first forward (docs/threads.md)
         self._host.keeper.offload_planned = offloads_any(self.param_groups, config)
         self._host.keeper.claim_cores()
@@ -187,7 +207,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         check_group_params(self.param_groups[-1])
         if hasattr(self, "_reads"):  # a group added after construction: its gradients are read in backward too
-            self._reads.watch(self.param_groups[-1]["params"])
+            take_over(self, self.param_groups[-1]["params"])
+            if not self._hooks_off:
+                self._reads.watch(self.param_groups[-1]["params"])
             self._group_of.update({p: self.param_groups[-1] for p in self.param_groups[-1]["params"]})
             self._host.keeper.offload_planned = offloads_any(self.param_groups, self.config)
             self._host.keeper.claim_cores()
@@ -217,6 +239,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """
         self._find_param_shards()
         self._clips_through_optimizer = True
+        self._clip_max_norm = float(max_norm)
         freed = self._host.freed  # (gradients freed in backward: their stand-ins, whose norms the hooks took)
         local = self._fsdp.local  # (FSDP2: the freed gradients are keyed by the local shards)
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None or local(p) in freed]
@@ -284,6 +307,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         refuse_after_failure(self._host)
+        self._hook_again()
         self._auto_lag.tick()
         self._find_param_shards(final=True)
         worker = self._host.ensure_worker()
@@ -533,7 +557,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def train(self) -> None:
         """HF calls this before every training step: surface a worker failure (waiting here would serialise the host
         step with every training step), and claim the cores again if a `close()` ended the last run, before this
-        run's first forward (docs/threads.md)."""
+        run's first forward (docs/threads.md); after a `close()`, the backward hooks go back on before it too."""
+        self._hook_again()
         self._host.keeper.claim_cores()
         if self._host.worker is not None:
             self._host.worker.check()
@@ -545,9 +570,41 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.synchronize()
 
     def close(self) -> None:
-        """End of a run: stop the host worker thread (a later `step()` starts a new one), unlock pinned host memory
-        and give the training thread its cores back (docs/threads.md)."""
+        """End of a run: stop the host worker thread once its jobs have run, take the backward hooks off the
+        parameters (another optimizer may train them now), unlock pinned host memory and give the training thread its
+        cores back (docs/threads.md). The state stays: a later `train()` or `step()` puts the hooks back and starts a
+        new worker (that step reads its gradients itself), unless another ZenFlow optimizer has taken the parameters
+        over since (see the class docstring): then it refuses."""
         self._host.close()
+        if hasattr(self, "_reads"):  # (a constructor that failed early has none)
+            self._reads.remove()
+            self._hooks_off = True
+
+    def _held(self) -> list[torch.Tensor]:
+        """The parameters this optimizer holds (`ownership.py`)."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _unapplied_steps(self) -> int:
+        """Steps whose host updates are not in the weights yet (the open window, host results awaiting write-back)."""
+        if self._schedule is None:
+            return 0
+        return self._schedule.window_steps + sum(self._host.unapplied_steps)
+
+    def _detach(self, reason: str) -> None:
+        """Another optimizer took the parameters over (`ownership.take_over`): closed, hooks off, `step()` refused."""
+        self.close()
+        self._detached = reason
+
+    def _hook_again(self) -> None:
+        """Before a step after `close()`: the backward hooks go back on, unless the parameters were taken over."""
+        if self._detached is not None:
+            raise RuntimeError(f"ZenFlowAdamW: this optimizer no longer holds its parameters ({self._detached}); "
+                               "each parameter is trained by one ZenFlow optimizer at a time. Step the later one, "
+                               "or build a new ZenFlowAdamW over the parameters (load_state_dict(old.state_dict()) "
+                               "carries this one's state over).")
+        if self._hooks_off:
+            self._reads.watch(self._held())
+            self._hooks_off = False
 
     @property
     def config(self) -> ZenFlowConfig:
@@ -570,8 +627,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def __del__(self) -> None:  # noqa: D105
         try:
-            self.close()
-            self._reads.remove()  # the parameters outlive the optimizer: take the hooks off them
+            self.close()  # (the parameters outlive the optimizer: the hooks come off them)
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
 
@@ -626,7 +682,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             kept = {id(p) for p in current}
             self._param_names = {p: n for p, n in self._param_names.items() if id(p) in kept}
             self._reads.remove()
-            self._reads = GradientReads(current)
+            self._reads = GradientReads([] if self._hooks_off else current)
             self._reads.on_ready = self._host.grad_ready
             self._group_of = {p: g for g in self.param_groups for p in g["params"]}
             self._meter = DeviceMemoryMeter(current, self._meter.state_bytes)
@@ -706,6 +762,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._find_param_shards()
         self._host.release_early()  # (gradients freed in a backward before the load belong to the old state)
         checkpoint.load(self, state_dict)
+        self.loaded_progress = checkpoint.saved_progress(state_dict)
         self._host.free_kind = self._frees_next_step()  # (the restored schedule's next step)
 
     def name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module) -> None:

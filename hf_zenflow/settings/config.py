@@ -336,7 +336,7 @@ class ZenFlowConfig:
                   "docs/memory.md). Clip through optimizer.clip_grad_norm_: torch.nn.utils.clip_grad_norm_ over "
                   "the model cannot see freed gradients. \"auto\": on from the first step under ZenFlowTrainer and "
                   "`hf-zenflow compare` (they clip through the optimizer), in a plain loop from the step after the "
-                  "first optimizer.clip_grad_norm_; \"on\" / \"off\" (or True / False) from the first step / never.",
+                  "first optimizer.clip_grad_norm_; \"on\" / \"off\" from the first step / never.",
                   "choices": ("auto", "on", "off")},
     )
     cpu_threads: int | None = field(
@@ -359,8 +359,6 @@ class ZenFlowConfig:
             _fail("topk_ratio", self.topk_ratio, "a float in [0, 1] (0.1 is typical)")
         self.topk_ratio = float(self.topk_ratio)
         self.update_interval = parse_int_or_auto("update_interval", self.update_interval)
-        if isinstance(self.free_gradients_in_backward, bool):
-            self.free_gradients_in_backward = "on" if self.free_gradients_in_backward else "off"
         for f in fields(self):  # the string choices (select_strategy, accumulate_on), in any case
             choices = f.metadata.get("choices")
             given = getattr(self, f.name)
@@ -390,8 +388,7 @@ class ZenFlowConfig:
         if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().lower() == "none":
             self.writeback_lag = None  # (a flag or environment variable cannot carry None)
         if self.writeback_lag is not None:
-            top = self.update_interval if _is_int(self.update_interval) else self.auto_max_interval
-            bound = "update_interval" if _is_int(self.update_interval) else "auto_max_interval"
+            top, bound = self.writeback_lag_bound()
             allowed = f'None (the next window boundary), "auto" or an integer from 1 to {bound} ({top})'
             if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().lower() == "auto":
                 self.writeback_lag = "auto"
@@ -452,6 +449,18 @@ class ZenFlowConfig:
             pass
 
     # ----------------------------------------------------------------------------------------------------------------
+    def writeback_lag_bound(self) -> tuple[int, str]:
+        """The largest `writeback_lag` (a window's length: a later write-back would come after the next window has
+        closed) and the setting it comes from: `update_interval`, or `auto_max_interval` with ``"auto"`` windows."""
+        if _is_int(self.update_interval):
+            return self.update_interval, "update_interval"
+        return self.auto_max_interval, "auto_max_interval"
+
+    @classmethod
+    def choices(cls, name: str) -> tuple[str, ...]:
+        """The values the string setting `name` allows (its metadata's ``choices``)."""
+        return next(f.metadata["choices"] for f in fields(cls) if f.name == name)
+
     @property
     def is_auto_interval(self) -> bool:
         return self.update_interval == "auto"
