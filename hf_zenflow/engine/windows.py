@@ -40,6 +40,7 @@ from .device_step import device_update
 from .host import HostLayout, HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype
 from .host_guard import HostStepGuard
 from .host_lr import LrScaleRecord, host_hyper, peak_lr, window_lag
+from .in_flight import FreedInFlight
 from .params import is_split
 from .schedule import StepKind, WindowSchedule
 from .selection import num_selected
@@ -265,6 +266,8 @@ class HostWindows:
         self.copies_factor: float | None = None
         #: the first step's link buffers were reserved at once when its state is made in the backward hooks
         self.reserved_ahead = False
+        #: the gradients freed in backward whose copy to the host has not landed (their memory is still allocated)
+        self.in_flight = FreedInFlight()
         #: the device's peak so far, for ``device_memory_limit_bytes`` (`accumulation.decide`; set by the optimizer)
         self.device_peak: Callable[[], int] = lambda: 0
         #: under ``device_memory_limit_bytes``, what the step holds beside the device sums of "auto" and what they
@@ -296,6 +299,7 @@ class HostWindows:
         self.guard = HostStepGuard()
         self.release_early()
         self.transports.forget()
+        self.in_flight.clear()  # (closing the transports waited for every copy)
         self.stats.device_clocks.clear()
 
     def stop_worker(self) -> None:
@@ -311,6 +315,7 @@ class HostWindows:
         self.release_early()
         self.keeper.close()
         self.transports.close()
+        self.in_flight.clear()  # (closing waited for every copy)
 
     @property
     def shards(self) -> RankGroup:
@@ -466,7 +471,9 @@ class HostWindows:
         stand_in = g.new_empty(0)
         early.copies[p] = (weakref.ref(stand_in), stand_in._version, source, landed)
         early.freed[p] = FreedGradient(stand_in, source, landed, g.shape, g.stride(), scores, gathered, overflow)
-        split.owner.grad = None  # the device's memory for this gradient goes now
+        split.owner.grad = None  # the device's memory for this gradient goes once its copy has read it
+        # (at most `FREED_IN_FLIGHT` such copies pending: beyond them this hook waits for the oldest, `in_flight.py`)
+        self.in_flight.add(g.numel() * g.element_size(), landed)
         return stand_in
 
     def may_free(self, split: SplitMatrix, g: torch.Tensor) -> bool:

@@ -26,6 +26,7 @@ import torch
 
 from hf_zenflow.engine.accumulation import selected_bytes
 from hf_zenflow.engine.host import GRAD_SLOTS
+from hf_zenflow.engine.in_flight import in_flight_count
 from hf_zenflow.estimate.ranks import RankSplit
 from hf_zenflow.settings.config import ZenFlowConfig
 
@@ -95,11 +96,12 @@ def llama_shape(params: float) -> tuple[float, float]:
 
 
 def in_flight_gradient_gb(params: float, device_share: float = 1.0) -> float:
-    """Device memory of the gradients in flight when each is freed in backward: the one autograd is writing and one
-    per hand-off slot being copied to the host (`GRAD_SLOTS`), each of the model's largest matrix (a llama MLP
-    matrix, hidden x 8/3 hidden, in bf16; of the rank's shard under FSDP2)."""
+    """Device memory of the gradients in flight when each is freed in backward: the one autograd has just produced
+    and those whose copy to the host has not read them yet (`engine.in_flight.in_flight_count`: a GPU's copies can
+    lag backward), each of the model's largest matrix (a llama MLP matrix, hidden x 8/3 hidden, in bf16; of the
+    rank's shard under FSDP2)."""
     hidden, _ = llama_shape(params)
-    return (GRAD_SLOTS + 1) * hidden * (8 / 3) * hidden * device_share * GRADIENT_BYTES / 1e9
+    return in_flight_count(copies_lag=True) * hidden * (8 / 3) * hidden * device_share * GRADIENT_BYTES / 1e9
 
 
 def device_memory_gb(schedule: str, params: float, topk_ratio: float = 0.1, sum_bytes: int = 0,
