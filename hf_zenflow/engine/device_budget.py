@@ -1,11 +1,10 @@
-"""`device_memory_limit_bytes`: which matrices stay whole on the device so that the step's peak fits the limit.
-
-Without a limit, matrices with fewer than `min_offload_numel` elements are updated whole on the device (dense
+"""The device's estimated peak in a step, from sizes alone (`estimate_peak`): what `device_memory_limit_bytes` is held
+to. Without a limit, matrices with fewer than `min_offload_numel` elements are updated whole on the device (dense
 AdamW state, their gradient held until `step()`), the rest are split. Under a limit the run's threshold is lowered
-until the estimated peak fits: matrices under `min_offload_numel` are offloaded too, largest first (all matrices of
-one size together: the 24 attention matrices of a BERT-sized model are one step), and the largest threshold that
-fits is kept, so as few matrices as possible leave the device. When none fits, the threshold with the smallest
-estimated peak is kept and a warning names the limit and that peak.
+until the estimated peak fits (`planner.choose_min_offload_numel`): matrices under `min_offload_numel` are offloaded
+too, largest first (all matrices of one size together: the 24 attention matrices of a BERT-sized model are one
+step), and the largest threshold that fits is kept, so as few matrices as possible leave the device. When none fits,
+the threshold with the smallest estimated peak is kept and a warning names the limit and that peak.
 
 The estimate (`estimate_peak`) is an upper bound of what `DeviceMemoryMeter` counts at its peak: the weights of
 every parameter of the param groups, the optimizer's device state (a split matrix's selected columns: fp32 master,
@@ -23,7 +22,6 @@ the same threshold; once per run, at its first step, kept in `stats()["min_offlo
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -38,9 +36,6 @@ from .params import is_split
 from .selection import num_selected
 
 
-logger = logging.getLogger("hf_zenflow")
-
-
 @dataclass(frozen=True)
 class PeakEstimate:
     """The parts of the estimated peak, in bytes (see the module docstring)."""
@@ -49,7 +44,8 @@ class PeakEstimate:
     state: int
     held_gradients: int
     in_flight_gradient: int
-    #: the part of `state` that is the offloaded matrices' selected columns (`accumulation.decide` counts it itself)
+    #: the part of `state` that is the offloaded matrices' selected columns (`planner.plan_accumulation` counts it
+    #: itself)
     offloaded_selected: int = 0
 
     @property
@@ -58,7 +54,7 @@ class PeakEstimate:
 
     @property
     def beside_window_sums(self) -> int:
-        """What the step holds whatever `accumulate_on="auto"` chooses and `accumulation.decide` does not count
+        """What the step holds whatever `accumulate_on="auto"` chooses and `planner.plan_accumulation` does not count
         itself (the selected columns' state, and the offloaded gradients that device sums keep): the peak its
         device sums must fit on top of."""
         return self.total - self.offloaded_selected - self.in_flight_gradient
@@ -113,65 +109,4 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
     return PeakEstimate(weights, state, held, max(in_flight, scratch), selected)
 
 
-def candidate_thresholds(groups: list[dict[str, Any]], config: ZenFlowConfig) -> list[int]:
-    """`min_offload_numel` and, below it, the size of each trainable matrix that could be split, largest first."""
-    sizes = {math.prod(p.shape) for g in groups for p in g["params"]
-             if p.requires_grad and is_split(_local(p), g, config, p.shape, 0)}
-    return [config.min_offload_numel] + sorted((n for n in sizes if n < config.min_offload_numel), reverse=True)
-
-
-@dataclass(frozen=True)
-class LimitChoice:
-    """What the limit chose: the run's `min_offload_numel`, its estimated peak, and whether that fits."""
-
-    min_offload_numel: int
-    estimate: PeakEstimate
-    fits: bool
-
-
-def choose_min_offload_numel(groups: list[dict[str, Any]], config: ZenFlowConfig, frees: bool,
-                             accumulate_on: str | None = None, copies_lag: bool = False) -> LimitChoice:
-    """The largest threshold whose estimated peak fits `config.device_memory_limit_bytes` (set), else the one with
-    the smallest estimated peak. `accumulate_on`: where windows are summed when known; "auto" before its choice
-    counts host sums (it puts the sums on the device only when they fit on top: `accumulation.decide`)."""
-    limit = config.device_memory_limit_bytes
-    sums = accumulate_on if accumulate_on in ("host", *DEVICE_SUM_DTYPES) else "host"
-    best: LimitChoice | None = None
-    for threshold in candidate_thresholds(groups, config):
-        estimate = estimate_peak(groups, config, threshold, frees, sums, copies_lag)
-        if estimate.total <= limit:
-            return LimitChoice(threshold, estimate, True)
-        if best is None or estimate.total < best.estimate.total:
-            best = LimitChoice(threshold, estimate, False)
-    return best
-
-
-def announce_limit(groups: list[dict[str, Any]], config: ZenFlowConfig, threshold: int, frees: bool,
-                   accumulate_on: str | None, copies_lag: bool = False) -> None:
-    """Say once per run, at its first step, what the limit chose (`threshold`, info), or that nothing fits (a
-    warning naming the limit and the smallest peak possible)."""
-    sums = accumulate_on if accumulate_on in ("host", *DEVICE_SUM_DTYPES) else "host"
-    estimate = estimate_peak(groups, config, threshold, frees, sums, copies_lag)
-    limit = config.device_memory_limit_bytes
-    if estimate.total <= limit:
-        lowered = (f"min_offload_numel lowered from {config.min_offload_numel} to {threshold}"
-                   if threshold < config.min_offload_numel else f"min_offload_numel={threshold} kept")
-        logger.info("hf_zenflow: device_memory_limit_bytes=%d: %s, estimated peak %d bytes (%s)", limit, lowered,
-                    estimate.total, _parts(estimate))
-        return
-    smallest = choose_min_offload_numel(groups, config, frees, accumulate_on, copies_lag)
-    hint = "" if frees else ("; here the gradients stay on the device until the step (free_gradients_in_backward, "
-                             "docs/memory.md): freeing them in backward lowers it")
-    logger.warning("ZenFlowAdamW: device_memory_limit_bytes=%d cannot be met: the smallest peak possible is an "
-                   "estimated %d bytes (%s), with min_offload_numel=%d%s. Training goes on over the limit.", limit,
-                   smallest.estimate.total, _parts(smallest.estimate), smallest.min_offload_numel, hint)
-
-
-def _parts(estimate: PeakEstimate) -> str:
-    return (f"weights {estimate.weights / 2**20:.1f} MiB, optimizer state {estimate.state / 2**20:.1f} MiB, "
-            f"gradients held until the step {estimate.held_gradients / 2**20:.1f} MiB, gradients in flight "
-            f"{estimate.in_flight_gradient / 2**20:.1f} MiB")
-
-
-__all__ = ["LimitChoice", "PeakEstimate", "announce_limit", "candidate_thresholds", "choose_min_offload_numel",
-           "estimate_peak"]
+__all__ = ["PeakEstimate", "estimate_peak"]

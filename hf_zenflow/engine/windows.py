@@ -34,7 +34,6 @@ from ..distributed.replica_check import note_host_split
 from ..distributed.sharding import RankGroup, local_grad, set_grad
 from ..settings.config import ZenFlowConfig, sums_on_device
 from ..transport import CopyEvents, Transport, Transports
-from . import accumulation
 from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
 from .device_step import device_update
 from .host import HostLayout, HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype
@@ -42,6 +41,7 @@ from .host_guard import HostStepGuard
 from .host_lr import LrScaleRecord, host_hyper, peak_lr, window_lag
 from .in_flight import FreedInFlight
 from .params import is_split
+from .planner import RunSizes, plan_accumulation
 from .schedule import StepKind, WindowSchedule
 from .selection import num_selected
 from .split_matrix import SplitMatrix, selection_scores
@@ -244,7 +244,7 @@ class HostWindows:
         # is a check-then-act that must happen once, under this lock.
         self._early_lock = threading.Lock()
         self.held = HeldHandOff()  # this step's hand-off until the step knows whether it closes the window
-        #: ``accumulate_on="auto"``'s choice, made when the first host state is created (`accumulation.py`)
+        #: ``accumulate_on="auto"``'s choice, made when the first host state is created (`planner.py`)
         self.accumulate_chosen: str | None = None
         #: the host step's learning-rate multiplier of the last full window (`stats()["host_lr_scale"]`)
         self.lr_scale = LrScaleRecord()
@@ -268,7 +268,8 @@ class HostWindows:
         self.reserved_ahead = False
         #: the gradients freed in backward whose copy to the host has not landed (their memory is still allocated)
         self.in_flight = FreedInFlight()
-        #: the device's peak so far, for ``device_memory_limit_bytes`` (`accumulation.decide`; set by the optimizer)
+        #: the device's peak so far, for ``device_memory_limit_bytes`` (`planner.plan_accumulation`; set by the
+        #: optimizer)
         self.device_peak: Callable[[], int] = lambda: 0
         #: under ``device_memory_limit_bytes``, what the step holds beside the device sums of "auto" and what they
         #: keep (`device_budget.PeakEstimate.beside_window_sums`; 0 without a limit; set by the optimizer)
@@ -362,9 +363,12 @@ class HostWindows:
         return list(groups.values())
 
     def _decide(self, splits: list[SplitMatrix], shares: dict) -> None:
-        self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group,
-                                                     peak=max(self.device_peak(), self.limit_peak()),
-                                                     frees_gradients=self.free_kind is not None)
+        local = [getattr(p, "_local_tensor", p) for g in self.groups for p in g["params"] if p.requires_grad]
+        elements = float(sum(p.numel() for p in local))
+        sizes = RunSizes(splits, shares, self.transport_of, elements,
+                         elements * (self.param_shards.ranks if self.param_shards is not None else 1),
+                         peak=max(self.device_peak(), self.limit_peak()), frees_gradients=self.free_kind is not None)
+        self.accumulate_chosen = plan_accumulation(self.config, sizes, self.reduce_group)
 
     def prepare_first_state(self, entries: list[tuple[dict, torch.Tensor]], schedule: WindowSchedule) -> None:
         """Before the first step's state is made in its backward hooks (`HostWindows.grad_ready`), for the matrices

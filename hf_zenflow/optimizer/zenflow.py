@@ -35,7 +35,7 @@ from .. import checkpoint
 from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
-from ..engine.device_budget import LimitChoice, announce_limit, choose_min_offload_numel, estimate_peak
+from ..engine.device_budget import estimate_peak
 from ..engine.device_memory import DeviceMemoryMeter
 from ..engine.device_state import DenseDeviceState
 from ..engine.device_step import ParamWrites, device_update
@@ -52,6 +52,7 @@ from ..engine.params import (
     offloads_any,
     resolve_config,
 )
+from ..engine.planner import LimitChoice, announce_limit, choose_min_offload_numel
 from ..engine.reselection import reselect, select_waiting
 from ..engine.schedule import StepKind, WindowSchedule
 from ..engine.split_matrix import SplitMatrix, master_value
