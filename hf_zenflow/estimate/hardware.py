@@ -31,11 +31,12 @@ The model's constants:
   step, and the host step for its input to land (the window's fp32 sums with ``accumulate_on="device"``, the last
   step's gradient otherwise): that chain, link then host, must fit in the window's U device steps (the write-back lag
   is at most U), so ZenFlow's host side per step is the larger of its work and that chain over U;
-* ``accumulate_on="auto"`` (the default): the device when the ZenFlow row with device accumulation fits the device
-  memory with the engine's margin (`hf_zenflow.engine.accumulation.MARGIN` of it left free) together with the
-  activations of a llama-shaped model with activation checkpointing (`activation_gb`), else the device with bf16 sums
-  when those fit (``"device_bf16"``: half the sums' device memory and link bytes, a widening pass on the host), else
-  the host (`auto_accumulation`);
+* ``accumulate_on="auto"`` (the default): the engine's planner's rule (`hf_zenflow.engine.planner.choose`) over
+  ZenFlow's three rows (window summed on the host, on the device in fp32, in bf16: half the sums' device memory and
+  link bytes, a widening pass on the host): the fastest row that fits the device memory with the engine's margin
+  (`hf_zenflow.engine.accumulation.MARGIN` of it left free) together with the activations of a llama-shaped model with
+  activation checkpointing (`activation_gb`), and the host RAM, then the smallest (`auto_accumulation`); ZenFlow's
+  rows are the engine's step model (`hf_zenflow.engine.step_model.zenflow_step`);
 * device and host memory: `memory.py` (what each schedule holds, the limits it must fit in); what fits and the
   largest model each schedule trains: `fits.py`;
 * N data-parallel ranks on the profile's node (``ranks``, ``parallel``): every figure is per rank, split as module
