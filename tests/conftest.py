@@ -32,6 +32,12 @@ DEVICE = torch.device(os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu"))
 FP32_MOMENTS = {"host_moment_dtype": "float32"}
 
 
+def plan_with_host_ram(monkeypatch: pytest.MonkeyPatch, nbytes: float | None) -> None:
+    """The host RAM the planner sees for the host state (`hf_zenflow.engine.planner.host_room`), fixed for a test:
+    where it is short for host window sums, ``accumulate_on="auto"`` takes device sums when they fit the device."""
+    monkeypatch.setattr("hf_zenflow.engine.planner.host_room", lambda: nbytes)
+
+
 def assert_same_across_devices(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     """`ours` (computed by the host's AdamW) equals `theirs` (torch's AdamW on `DEVICE`): bit for bit when the device
     is the CPU (the same kernel on the same numbers); on CUDA within fp32 rounding, because CUDA's fused AdamW is

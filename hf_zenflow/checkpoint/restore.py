@@ -195,7 +195,15 @@ def _restore_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any], in
             entry = widen_moments(entry)
             for name in ("exp_avg", "exp_avg_sq"):
                 getattr(host, name).copy_(mine(entry[f"host_{name}"]))
-        host.master.copy_(mine(entry["host_master"]))
+        if entry["host_master"] is not None:
+            host.master.copy_(mine(entry["host_master"]))
+        else:
+            # the fp32 weights hold the master of every column the host owns (saved with the model, loaded before
+            # this state); the device columns' host values are saved beside
+            host.master.copy_(split.host_part(p.detach()))
+            if "host_master_columns" in entry:
+                host.master.index_copy_(split.axis, entry["device_index"].long().cpu(),
+                                        mine(entry["host_master_columns"]).to(host.master.dtype))
         host.step.copy_(entry["host_step"])
         # the open window's sum goes wherever this optimizer keeps it (either setting can load either)
         target = split.window_sum if split.window_sum is not None else host.accum
@@ -208,8 +216,12 @@ def _restore_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any], in
         host.writeback.copy_(host.master)  # a pending write-back reads this buffer
         host.writeback_fresh = opt._host.writeback_pending
     if "device_master" in entry:
+        index = entry["device_index"].long()
+        # (None: the fp32 weights hold the device columns' master values)
+        master = fit(entry["device_master"]) if entry["device_master"] is not None else \
+            split.matrix(p.detach()).index_select(split.axis, index.to(p.device))
         split.device = DeviceColumns.from_columns(
-            entry["device_index"].long(), fit(entry["device_master"]), fit(entry["device_exp_avg"]),
+            index, master, fit(entry["device_exp_avg"]),
             fit(entry["device_exp_avg_sq"]), step=entry["device_step"], device=p.device, axis=split.axis,
             grad_dtype=split.grad_dtype,
         )

@@ -27,10 +27,14 @@ _BLOCK_BOOLS = ("force_select", "writeback_pending")
 _MAX_STEP_COUNT = 2**24
 
 #: The tensors of a split entry that hold only this rank's share under several ranks.
-_SHARED_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "accum")
+_SHARED_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "accum", "host_master_columns")
 
-_FP32_KEYS = ("device_master", "device_exp_avg", "device_exp_avg_sq", "host_master", "host_exp_avg",
-              "host_exp_avg_sq", "accum", "exp_avg", "exp_avg_sq", "master")
+_FP32_KEYS = ("device_master", "device_exp_avg", "device_exp_avg_sq", "host_master", "host_master_columns",
+              "exp_avg", "exp_avg_sq", "master")
+#: Tensors kept in the dtype they are stored in: fp32, or bf16 (``host_moment_dtype="bfloat16"``, bf16 window sums).
+_STORED_KEYS = ("host_exp_avg", "host_exp_avg_sq", "accum")
+#: Masters an entry of an fp32 parameter may leave to the weights (None: the weights hold them).
+_MASTERS_IN_WEIGHTS = ("host_master", "device_master")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -178,8 +182,14 @@ def check_entry_fields(where: str, entry: dict[str, Any], p: torch.Tensor, steps
         if present and len(present) != len(keys):
             raise Refusal(f"{where}: {sorted(set(keys) - set(present))} are missing (the entry has {present})")
     for key in _DEVICE_KEYS + _HOST_KEYS[:4]:
+        if key in _MASTERS_IN_WEIGHTS and key in entry and entry[key] is None and p.dtype == torch.float32:
+            continue  # (the fp32 weights hold it)
         if key in entry and not isinstance(entry[key], torch.Tensor):
             raise Refusal(f"{where}: {key} is {type(entry[key]).__name__}, expected a tensor")
+    if "host_master_columns" in entry and (entry.get("host_master", 0) is not None or "device_index" not in entry
+                                           or not isinstance(entry["host_master_columns"], torch.Tensor)):
+        raise Refusal(f"{where}: host_master_columns is only saved, as a tensor, beside device columns when the "
+                      "weights hold the host master (host_master None)")
     if "host_master" in entry:
         _count(where, entry, "accum_count", top=steps)
         if not (entry["accum"] is None or isinstance(entry["accum"], torch.Tensor)):
@@ -201,8 +211,11 @@ def check_tensors(where: str, entry: dict[str, Any], p: torch.Tensor) -> None:
         expected = p.numel() // share[2] * share[1] if share and key in _SHARED_KEYS else p.numel()
         if key in numel_ok and t.numel() != expected:
             raise Refusal(f"{where}: {key} has {t.numel()} elements, expected {expected}")
-        if key in _FP32_KEYS and t.dtype != torch.float32 and not (quantized and key in _QUANTIZED_CODES):
+        if key in _FP32_KEYS and t.dtype != torch.float32:
             raise Refusal(f"{where}: {key} is {t.dtype}, expected torch.float32")
+        if key in _STORED_KEYS and t.dtype not in (torch.float32, torch.bfloat16) \
+                and not (quantized and key in _QUANTIZED_CODES):
+            raise Refusal(f"{where}: {key} is {t.dtype}, expected torch.float32 or torch.bfloat16")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise Refusal(f"{where}: {key} holds {int((~torch.isfinite(t)).sum())} non-finite value(s)")
         if key.endswith("exp_avg_sq") and bool((t < 0).any()):
@@ -210,10 +223,11 @@ def check_tensors(where: str, entry: dict[str, Any], p: torch.Tensor) -> None:
         if key.endswith("step") and (t.numel() != 1 or not t.is_floating_point() or float(t) < 0):
             raise Refusal(f"{where}: {key} is {t.tolist()}, expected a count >= 0")
     if "host_master" in entry:
-        shape = entry["host_master"].shape
-        for key in ("host_exp_avg", "host_exp_avg_sq", "accum"):
+        reference = "host_master" if entry["host_master"] is not None else "host_exp_avg"
+        shape = entry[reference].shape
+        for key in ("host_master", "host_exp_avg", "host_exp_avg_sq", "accum"):
             if entry.get(key) is not None and entry[key].shape != shape:
-                raise Refusal(f"{where}: {key} has shape {list(entry[key].shape)}, host_master {list(shape)}")
+                raise Refusal(f"{where}: {key} has shape {list(entry[key].shape)}, {reference} {list(shape)}")
 
 
 def check_consistency(where: str, entry: dict[str, Any], zenflow: dict[str, Any]) -> None:
@@ -268,15 +282,22 @@ def check_device_columns(where: str, entry: dict[str, Any], p: torch.Tensor, uni
         raise Refusal(f"{where}: device_index is {idx.dtype} of shape {list(idx.shape)}, expected 1-D integers")
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= units or bool((idx[1:] <= idx[:-1]).any())):
         raise Refusal(f"{where}: device_index is not a sorted set of distinct indices in [0, {units})")
-    master, axis = entry["device_master"], entry["axis"]
+    reference = "device_master" if entry["device_master"] is not None else "device_exp_avg"
+    master, axis = entry[reference], entry["axis"]
     if master.ndim != 2 or entry["k"] != idx.numel() or master.shape[axis] != idx.numel():
         raise Refusal(f"{where}: k={entry['k']} does not match the {idx.numel()} saved device columns")
     other = p.numel() // units if units else 0
     if master.shape[1 - axis] != other and not entry.get("rows"):
-        raise Refusal(f"{where}: device_master has shape {list(master.shape)}, expected {other} values per column")
+        raise Refusal(f"{where}: {reference} has shape {list(master.shape)}, expected {other} values per column")
     for key in ("device_exp_avg", "device_exp_avg_sq"):
         if entry[key].shape != master.shape:
-            raise Refusal(f"{where}: {key} has shape {list(entry[key].shape)}, device_master {list(master.shape)}")
+            raise Refusal(f"{where}: {key} has shape {list(entry[key].shape)}, {reference} {list(master.shape)}")
+    columns = entry.get("host_master_columns")
+    share = entry.get("share")
+    if columns is not None and (columns.ndim != 2 or columns.shape[axis] != idx.numel() or columns.shape[1 - axis]
+                                != (share[1] if share else master.shape[1 - axis])):
+        raise Refusal(f"{where}: host_master_columns has shape {list(columns.shape)}, expected this rank's rows of "
+                      f"the {idx.numel()} device columns")
 
 
 #: Name segments that wrappers add (DDP, torch.compile, FSDP1, activation checkpointing): the same parameter.

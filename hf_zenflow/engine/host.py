@@ -105,12 +105,18 @@ class HostLayout:
                    writeback_from_master=config.host_writeback == "master",
                    unselected_sums=config.host_sum_columns == "unselected")
 
+    @staticmethod
+    def master_writeback_applies(transport: Transport, ranks: int) -> bool:
+        """Whether ``host_writeback="master"`` applies over `transport` with the host state shared by `ranks` ranks
+        (`on_link`)."""
+        return not transport.pins_host_memory and ranks == 1
+
     def on_link(self, transport: Transport, ranks: int) -> HostLayout:
         """The layout as it applies over `transport` with the host state shared by `ranks` ranks: the write-back
         reads the master only where it is a synchronous copy of one rank's whole result (an asynchronous copy
         would read the master while the worker's next pass writes it; several ranks all-gather write-back buffers
         in the weight's dtype); elsewhere the buffer stays, with a warning (once)."""
-        if not self.writeback_from_master or (not transport.pins_host_memory and ranks == 1):
+        if not self.writeback_from_master or self.master_writeback_applies(transport, ranks):
             return self
         global _warned_writeback
         if not _warned_writeback:

@@ -34,13 +34,14 @@ from ..distributed.replica_check import note_host_split
 from ..distributed.sharding import RankGroup, local_grad, set_grad
 from ..settings.config import ZenFlowConfig, sums_on_device
 from ..transport import CopyEvents, Transport, Transports
-from . import accumulation
 from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
 from .device_step import device_update
 from .host import HostLayout, HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype
 from .host_guard import HostStepGuard
 from .host_lr import LrScaleRecord, host_hyper, peak_lr, window_lag
+from .in_flight import FreedInFlight
 from .params import is_split
+from .planner import RunSizes, plan_accumulation
 from .schedule import StepKind, WindowSchedule
 from .selection import num_selected
 from .split_matrix import SplitMatrix, selection_scores
@@ -243,7 +244,7 @@ class HostWindows:
         # is a check-then-act that must happen once, under this lock.
         self._early_lock = threading.Lock()
         self.held = HeldHandOff()  # this step's hand-off until the step knows whether it closes the window
-        #: ``accumulate_on="auto"``'s choice, made when the first host state is created (`accumulation.py`)
+        #: ``accumulate_on="auto"``'s choice, made when the first host state is created (`planner.py`)
         self.accumulate_chosen: str | None = None
         #: the host step's learning-rate multiplier of the last full window (`stats()["host_lr_scale"]`)
         self.lr_scale = LrScaleRecord()
@@ -265,7 +266,10 @@ class HostWindows:
         self.copies_factor: float | None = None
         #: the first step's link buffers were reserved at once when its state is made in the backward hooks
         self.reserved_ahead = False
-        #: the device's peak so far, for ``device_memory_limit_bytes`` (`accumulation.decide`; set by the optimizer)
+        #: the gradients freed in backward whose copy to the host has not landed (their memory is still allocated)
+        self.in_flight = FreedInFlight()
+        #: the device's peak so far, for ``device_memory_limit_bytes`` (`planner.plan_accumulation`; set by the
+        #: optimizer)
         self.device_peak: Callable[[], int] = lambda: 0
         #: under ``device_memory_limit_bytes``, what the step holds beside the device sums of "auto" and what they
         #: keep (`device_budget.PeakEstimate.beside_window_sums`; 0 without a limit; set by the optimizer)
@@ -296,6 +300,7 @@ class HostWindows:
         self.guard = HostStepGuard()
         self.release_early()
         self.transports.forget()
+        self.in_flight.clear()  # (closing the transports waited for every copy)
         self.stats.device_clocks.clear()
 
     def stop_worker(self) -> None:
@@ -311,6 +316,7 @@ class HostWindows:
         self.release_early()
         self.keeper.close()
         self.transports.close()
+        self.in_flight.clear()  # (closing waited for every copy)
 
     @property
     def shards(self) -> RankGroup:
@@ -357,9 +363,12 @@ class HostWindows:
         return list(groups.values())
 
     def _decide(self, splits: list[SplitMatrix], shares: dict) -> None:
-        self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group,
-                                                     peak=max(self.device_peak(), self.limit_peak()),
-                                                     frees_gradients=self.free_kind is not None)
+        local = [getattr(p, "_local_tensor", p) for g in self.groups for p in g["params"] if p.requires_grad]
+        elements = float(sum(p.numel() for p in local))
+        sizes = RunSizes(splits, shares, self.transport_of, elements,
+                         elements * (self.param_shards.ranks if self.param_shards is not None else 1),
+                         peak=max(self.device_peak(), self.limit_peak()), frees_gradients=self.free_kind is not None)
+        self.accumulate_chosen = plan_accumulation(self.config, sizes, self.reduce_group)
 
     def prepare_first_state(self, entries: list[tuple[dict, torch.Tensor]], schedule: WindowSchedule) -> None:
         """Before the first step's state is made in its backward hooks (`HostWindows.grad_ready`), for the matrices
@@ -466,7 +475,9 @@ class HostWindows:
         stand_in = g.new_empty(0)
         early.copies[p] = (weakref.ref(stand_in), stand_in._version, source, landed)
         early.freed[p] = FreedGradient(stand_in, source, landed, g.shape, g.stride(), scores, gathered, overflow)
-        split.owner.grad = None  # the device's memory for this gradient goes now
+        split.owner.grad = None  # the device's memory for this gradient goes once its copy has read it
+        # (at most `FREED_IN_FLIGHT` such copies pending: beyond them this hook waits for the oldest, `in_flight.py`)
+        self.in_flight.add(g.numel() * g.element_size(), landed)
         return stand_in
 
     def may_free(self, split: SplitMatrix, g: torch.Tensor) -> bool:

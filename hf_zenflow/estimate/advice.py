@@ -28,6 +28,7 @@ from hf_zenflow.estimate.memory import (
     DEVICE_MEMORY_HEADROOM,
     HOST_MEMORY_HEADROOM,
     HOST_MOMENT_DTYPES,
+    LEAN_HOST_STATE,
 )
 from hf_zenflow.estimate.profiles import HardwareProfile
 from hf_zenflow.estimate.ranks import RankSplit
@@ -52,15 +53,15 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
                    f"more than {DEVICE_MEMORY_HEADROOM:.0%} of the device's {profile.device_mem_gb:.0f} GB.")
     if ranks > 1:
         out.append(_per_rank_sentence(profile, params, update_interval, rows, RankSplit(ranks, parallel)))
-    auto = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel,
-                             gradients_freed_in_backward)
+    auto = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel, rows=rows)
     chosen = rows[AUTO_ROWS[auto["choice"]]]
-    sums = "bf16" if auto["choice"] == "device_bf16" else "fp32"
-    out.append(f'accumulate_on="auto" (the default) chooses "{auto["choice"]}": weights, gradients, selected '
-               f"columns and {sums} window sums {auto['state_gb']:.1f} GB + activations ~{auto['activations_gb']:.1f} "
-               f"GB (checkpointed, estimated) {'>' if auto['choice'] == 'host' else '<='} {auto['limit_gb']:.1f} "
-               f"GB (the device's {profile.device_mem_gb:g} GB less a {auto['margin']:.0%} margin); ZenFlow with the "
-               f"defaults: {chosen['step_ms']:.0f} ms/step, {chosen['bound']}-bound, "
+    fitting = [o.accumulate_on for o in auto["options"] if o.fits]
+    out.append(f'accumulate_on="auto" (the default) chooses "{auto["choice"]}": the fastest schedule that fits, then '
+               f"the smallest (the engine's planner); fitting here: {', '.join(fitting) or 'none'} (device: state + "
+               f"activations ~{auto['activations_gb']:.1f} GB, checkpointed, estimated, within {auto['limit_gb']:.1f} "
+               f"GB, the device's {profile.device_mem_gb:g} GB less a {auto['margin']:.0%} margin; host: within "
+               f"{auto['host_limit_gb']:.1f} GB); ZenFlow with the defaults: {chosen['step_ms']:.0f} ms/step, "
+               f"{auto['state_gb']:.1f} GB on the device, {chosen['bound']}-bound, "
                f"{sync['step_ms'] / chosen['step_ms']:.2f}x faster than synchronous offload, "
                f"{chosen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
     u = max(1.0, float(update_interval))
@@ -129,8 +130,7 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
              "zenflow": f"ZenFlow, U={update_interval:g}, topk_ratio={topk_ratio:g} (window summed on the host)",
              "zenflow_device_accumulation": 'ZenFlow, same, accumulate_on="device"',
              "zenflow_device_bf16": 'ZenFlow, same, accumulate_on="device_bf16"'}
-    chosen = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel,
-                               gradients_freed_in_backward)["choice"]
+    chosen = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel, rows=rows)["choice"]
     names[AUTO_ROWS[chosen]] += ' = the default ("auto")'
     p = asdict(profile)
     lines = [f"## Bound model (not a measurement): `{profile.name}`", "",
@@ -168,7 +168,9 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
 FIT_LABELS = {"no_offload": "no offload (AdamW on the device)", "sync_offload": "synchronous offload (ZeRO-Offload)",
               "zenflow": f'ZenFlow, the defaults, host_moment_dtype="{DEFAULT_HOST_MOMENTS}"',
               **{f"zenflow_{MOMENT_NAMES[m]}_moments": f'ZenFlow, host_moment_dtype="{m}"' for m in HOST_MOMENT_DTYPES
-                 if m != DEFAULT_HOST_MOMENTS}}
+                 if m != DEFAULT_HOST_MOMENTS},
+              "zenflow_lean": "ZenFlow, the lean host state (" + ", ".join(f'{k}="{v}"'
+                                                                          for k, v in LEAN_HOST_STATE.items()) + ")"}
 
 
 def _limits(profile: HardwareProfile, ranks: int) -> str:

@@ -24,6 +24,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..atomic import atomic_path, check_writable_folder, is_temporary, replace_folder, staged_folder, torch_save
 from ..checkpoint.convert import is_torch_adamw_state, to_torch_adamw
 from ..checkpoint.format import CheckpointError, load_file
@@ -49,6 +51,23 @@ def _key_candidates(name: str) -> list[str]:
     parts = name.split(".")
     return [name] + [".".join(parts[: i + 1] + parts[i + 2:])
                      for i, part in enumerate(parts[:-2]) if part.startswith("lora_")]
+
+
+def saved_weights(folder: str | Path, state: dict[str, Any]) -> dict[int, torch.Tensor]:
+    """The weights in `folder` of the parameters whose fp32 master `state` leaves to them (saved with the model, not
+    twice), by parameter index and recorded name: what `to_torch_adamw`'s ``weights`` takes."""
+    from safetensors.torch import load_file as load_weights
+
+    wanted = {int(i): e.get("name") for i, e in state["state"].items() if isinstance(e, dict)
+              and (e.get("host_master", 0) is None or e.get("device_master", 0) is None)}
+    found: dict[int, torch.Tensor] = {}
+    for file in _weight_files(Path(folder)) if wanted else []:
+        weights = load_weights(str(file))
+        for i, name in wanted.items():
+            key = next((k for k in _key_candidates(name) if k in weights), None) if name else None
+            if key is not None:
+                found[i] = weights[key]
+    return found
 
 
 def _stage_copy(source: Path, staging: Path, link: bool) -> None:
@@ -149,7 +168,7 @@ def _convert_in(folder: Path, display: Path) -> dict[str, Any]:
     if state.get("zenflow") is None:
         raise CheckpointError(f"{display} holds no ZenFlowAdamW state (never stepped?): nothing to convert.")
     try:
-        adamw, masters = to_torch_adamw(state)
+        adamw, masters = to_torch_adamw(state, weights=saved_weights(folder, state))
     except CheckpointError as exc:
         raise CheckpointError(f"{display}: {exc}") from exc
     names = {int(i): e.get("name") for i, e in state["state"].items()}

@@ -35,7 +35,7 @@ from .. import checkpoint
 from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
-from ..engine.device_budget import LimitChoice, announce_limit, choose_min_offload_numel, estimate_peak
+from ..engine.device_budget import estimate_peak
 from ..engine.device_memory import DeviceMemoryMeter
 from ..engine.device_state import DenseDeviceState
 from ..engine.device_step import ParamWrites, device_update
@@ -53,6 +53,7 @@ from ..engine.params import (
     offloads_any,
     resolve_config,
 )
+from ..engine.planner import LimitChoice, announce_limit, choose_min_offload_numel
 from ..engine.reselection import reselect, select_waiting
 from ..engine.schedule import StepKind, WindowSchedule
 from ..engine.split_matrix import SplitMatrix, master_value
@@ -168,7 +169,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._reads.on_ready = self._host.grad_ready
         # what the device holds at its peak in a step (`stats()["peak_device_bytes"]`)
         self._meter = DeviceMemoryMeter((p for g in self.param_groups for p in g["params"]),
-                                        lambda: device_state_bytes(self._split, self._dense))
+                                        lambda: device_state_bytes(self._split, self._dense),
+                                        in_flight=self._host.in_flight.bytes)
         self._reads.meter = self._meter
         self._reads.on_arrival = self._host.regather
         self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1  # DDP rewrites them after the hooks
@@ -378,7 +380,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if schedule.limit_min_offload_numel is not None and not schedule.limit_announced:
             schedule.limit_announced = True  # (once per run: a resumed run says what it restored)
             announce_limit(self.param_groups, self.config, schedule.limit_min_offload_numel,
-                           self._host.free_kind is not None, self._host.accumulate_on)
+                           self._host.free_kind is not None, self._host.accumulate_on, self._copies_lag())
 
         # ---- 1. one read of every gradient ------------------------------------------------------------------------
         kind = schedule.kind()
@@ -685,7 +687,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._reads = GradientReads([] if self._hooks_off else current)
             self._reads.on_ready = self._host.grad_ready
             self._group_of = {p: g for g in self.param_groups for p in g["params"]}
-            self._meter = DeviceMemoryMeter(current, self._meter.state_bytes)
+            self._meter = DeviceMemoryMeter(current, self._meter.state_bytes, in_flight=self._meter.in_flight)
             self._reads.meter = self._meter
             self._reads.on_arrival = self._host.regather
             self._reads.copies_out = self._host.copies_out
@@ -712,8 +714,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         the parameters' sizes and the settings, and whether the coming step frees its gradients in backward."""
         key = (self.config, len(self.param_groups), self._host.free_kind is not None, self._host.accumulate_on)
         if self._limit_cache is None or self._limit_cache[0] != key:  # (the first backward's hooks ask alike)
-            self._limit_cache = (key, choose_min_offload_numel(self.param_groups, self.config, key[2], key[3]))
+            self._limit_cache = (key, choose_min_offload_numel(self.param_groups, self.config, key[2], key[3],
+                                                               self._copies_lag()))
         return self._limit_cache[1]
+
+    def _copies_lag(self) -> bool:
+        """Whether the copies of gradients to the host run beside backward and may lag it (CUDA's side stream):
+        then several freed gradients can be in flight at once (`engine/in_flight.py`). A CUDA parameter's copies
+        do; other devices' as their transport says, once made (none is made here)."""
+        return any(p.device.type == "cuda" for g in self.param_groups for p in g["params"]) or any(
+            t.stages_gradients for t in self._host.transports.values())
 
     def _offload_threshold(self) -> int:
         """The run's `min_offload_numel` (a device memory limit's choice, else the setting), before the schedule
@@ -730,7 +740,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self.config.device_memory_limit_bytes is None:
             return 0
         return estimate_peak(self.param_groups, self.config, self._offload_threshold(),
-                             self._host.free_kind is not None).beside_window_sums
+                             self._host.free_kind is not None, copies_lag=self._copies_lag()).beside_window_sums
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpointing

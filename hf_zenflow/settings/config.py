@@ -243,10 +243,13 @@ class ZenFlowConfig:
                   'runs the AdamW (same results). "device_bf16": the same, the sums kept in bf16 on the device '
                   "(+2 bytes per offloaded parameter; each step adds in fp32 and rounds the running sum to bf16, "
                   "8 significant bits) and sent as bf16 (half the link bytes), widened into the host's fp32 "
-                  'accumulator. "auto": "device" when fp32 sums fit in the device memory left after the first '
-                  'forward/backward with a 10% margin, else "device_bf16" when bf16 sums fit, else "host" (CUDA: '
-                  'measured; a CPU device: `device_memory_budget_bytes`, without it "host"); chosen at the first '
-                  "step, logged, in stats() and checkpoints.",
+                  'accumulator. "auto": the fastest of the three that fits the device memory left after the first '
+                  "forward/backward (10% margin; CUDA: measured; a CPU device: device_memory_budget_bytes, without "
+                  "it unknown, so host) and the host RAM this process can take (its cgroup limits included, 10% "
+                  "margin), then the smallest; fastest by the bound model of hf-zenflow estimate's default profile, "
+                  "never by timings, so the same script chooses the same (docs/memory.md): host sums where the host "
+                  "RAM holds them, device sums where it is short and the device has room; chosen at the first step, "
+                  "logged, in stats() and checkpoints.",
                   "choices": _ACCUMULATE_ON},
     )
     host_grad_dtype: str = field(

@@ -104,17 +104,17 @@ def test_a_resealed_field_outside_the_ranges_of_the_settings_is_refused(saved, m
 
 def test_a_stripped_state_claiming_format_1_is_refused(saved):
     """Repro: the checksums stripped and ``format_version=1`` set: it loaded, with only a warning that format 1's
-    fields are checked by range. Formats 1 and 2 are refused outright (this hf_zenflow reads format 3 only)."""
+    fields are checked by range. Formats 1 and 2 are refused outright (this hf_zenflow reads formats 3, 4)."""
     state = copy.deepcopy(saved)
     state["zenflow"]["format_version"] = 1
     del state["zenflow"]["checksum"]
     for entry in state["state"].values():
         entry.pop("checksums")
-    _refused(state, "format_version=1; this hf_zenflow reads format 3 only")
+    _refused(state, "format_version=1; this hf_zenflow reads formats 3, 4")
     for entry in state["state"].values():
         entry.pop("shape")
     del state["zenflow"]["format_version"]
-    _refused(state, "format_version=None; this hf_zenflow reads format 3 only")
+    _refused(state, "format_version=None; this hf_zenflow reads formats 3, 4")
 
 
 def test_a_torch_adamw_state_with_a_negative_second_moment_is_refused():

@@ -69,7 +69,7 @@ def test_ddp_shares_merge_back_to_the_one_process_state(layout, ranks):
     state = _state(layout)
     shares = [ddp_share_of(state, ranks, r) for r in range(ranks)]
     host = next(e for e in shares[0]["state"].values() if "share" in e)
-    assert host["host_master"].numel() < state["state"][0]["host_master"].numel()  # a share, not a copy
+    assert host["host_exp_avg"].numel() < state["state"][0]["host_exp_avg"].numel()  # a share, not a copy
     _same(merge_rank_states(shares[::-1]), state)
 
 

@@ -1,6 +1,7 @@
 """``accumulate_on="device_bf16"``: the window summed on the device in bf16 (each add computed in fp32, the running sum
-rounded to nearest bf16), shipped as bf16 and widened into the host's fp32 accumulator; "auto" picks it exactly when
-fp32 sums do not fit with the margin and bf16 sums do (`hf_zenflow.engine.accumulation`)."""
+rounded to nearest bf16), shipped as bf16 and widened into the host's fp32 accumulator; "auto", with the host's RAM
+short for host sums, picks it exactly when fp32 sums do not fit the device with the margin and bf16 sums do
+(`hf_zenflow.engine.planner`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,16 @@ from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine import accumulation
 from hf_zenflow.engine.host import accumulate_into
 from hf_zenflow.transport import CopyTransport, CpuDeviceTransport
-from tests.conftest import DEVICE, batches, linear_schedule, make_model, param_groups, roundtrip, train
+from tests.conftest import (
+    DEVICE,
+    batches,
+    linear_schedule,
+    make_model,
+    param_groups,
+    plan_with_host_ram,
+    roundtrip,
+    train,
+)
 from tests.doubles.async_device import async_transport
 
 
@@ -26,6 +36,14 @@ LR = 1e-2
 SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0,
                 high_lr_rule="off", free_gradients_in_backward="off")
 FITS = 1 << 30  # bytes: far more than the tiny model's window sums and selected columns (~36 KB)
+#: Host RAM for the tiny fp32 model's host state with device sums (12 B per offloaded element on a CPU device with
+#: fp32 sums, 14 with bf16 ones) but not with host sums (16): "auto" then weighs the device sums against the device.
+DEVICE_SUMS_ONLY = 15 * sum(p.numel() for p in make_model().parameters() if p.ndim >= 2)
+
+
+@pytest.fixture(autouse=True)
+def host_short_for_host_sums(monkeypatch) -> None:
+    plan_with_host_ram(monkeypatch, DEVICE_SUMS_ONLY)
 
 
 def run(steps: int, **settings) -> tuple[torch.nn.Module, list[float], ZenFlowAdamW, list[dict]]:
@@ -53,7 +71,8 @@ def sums_needed(settings: dict) -> tuple[int, int]:
 
 
 def smallest_budget_that_fits(need: int) -> int:
-    """The smallest device budget under which `need` bytes fit with the margin (the rule of `accumulation.decide`)."""
+    """The smallest device budget under which `need` bytes fit with the margin (the planner's rule,
+    `planner.plan_accumulation`)."""
     budget = math.floor(need / (1 - accumulation.MARGIN))
     while not need <= budget - accumulation.MARGIN * budget:
         budget += 1
@@ -205,8 +224,7 @@ def test_a_resume_mid_window_continues_exactly(first, then):
     saved = seen["checkpoint"]["opt"]
     assert saved["zenflow"]["accumulate_on"] == "device_bf16"
     open_sums = [e["accum"] for e in saved["state"].values() if e.get("kind") == "split" and e["accum_count"]]
-    assert open_sums and all(t.dtype == torch.float32 for t in open_sums)  # (saved widened: the format stays fp32)
-    assert all(torch.equal(t, t.bfloat16().float()) for t in open_sums)  # (bf16 values)
+    assert open_sums and all(t.dtype == torch.bfloat16 for t in open_sums)  # (saved as it is kept)
     assert seen["chosen"] == "device_bf16"
     assert all(s.window_sum is None or s.window_sum.dtype == torch.bfloat16 for s in opt_b._split.values())
     assert resumed == full
@@ -230,7 +248,7 @@ def test_a_bf16_checkpoint_loads_under_another_accumulation_with_its_open_window
     assert entries and len(entries) == len(splits)
     for entry, split in zip(entries, splits):
         held = split.window_sum if then == "device" else split.host.accum
-        assert held.dtype == torch.float32 and torch.equal(held, entry["accum"])
+        assert held.dtype == torch.float32 and torch.equal(held, entry["accum"].float())  # (widened exactly)
     train(model, fresh, data[6:], clip=1.0)
     fresh.flush()
     assert fresh.stats()["windows"] > 0 and all(torch.isfinite(p).all() for p in model.parameters())
@@ -278,6 +296,9 @@ def _ranks_run(rank: int, init_file: str, out_dir: str, budgets: tuple[int, int]
 
 
 def _ranks_run_body(rank: int, out_dir: str, budgets: tuple[int, int]) -> None:
+    from hf_zenflow.engine import planner
+
+    planner.host_room = lambda: DEVICE_SUMS_ONLY / 2  # (this rank's process, half the host state: short for host sums)
     model = make_model().cpu()
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
     opt = ZenFlowAdamW(

@@ -13,7 +13,7 @@ from hf_zenflow.engine import accumulation
 from hf_zenflow.engine.device_memory import DeviceMemoryMeter
 from hf_zenflow.engine.schedule import StepKind
 from hf_zenflow.transport import CopyTransport
-from tests.conftest import DEVICE, FREE_GRADIENTS, batches, make_model, param_groups
+from tests.conftest import DEVICE, FREE_GRADIENTS, batches, make_model, param_groups, plan_with_host_ram
 
 
 SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=5, min_offload_numel=0,
@@ -97,10 +97,11 @@ def test_a_step_of_another_kind_brings_the_freed_gradients_back_exactly(freed_fo
         assert torch.equal(a, b)
 
 
-def test_auto_counts_the_freed_gradients_against_device_sums():
-    """accumulate_on="auto" with the gradients freed in backward: device sums would keep every offloaded gradient
-    on the device until step(), so a budget that fits the sums and selected columns alone chooses host sums (which
-    free them), and one larger by the gradients' bytes chooses device sums."""
+def test_auto_counts_the_freed_gradients_against_device_sums(monkeypatch):
+    """accumulate_on="auto" with the gradients freed in backward and the host short for host sums: device sums would
+    keep every offloaded gradient on the device until step(), so a budget that fits the sums and selected columns
+    alone chooses host sums (which free them), and one larger by the gradients' bytes chooses device sums."""
+    plan_with_host_ram(monkeypatch, 0)  # (no host option fits: the device sums that fit the device are taken)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, **{**SETTINGS, "accumulate_on": "device"})
     x, y = batches(1)[0]

@@ -10,6 +10,7 @@ from transformers import Trainer
 
 from hf_zenflow import CheckpointError, ZenFlowTrainer, to_torch_adamw
 from hf_zenflow.cli import main
+from hf_zenflow.hf.convert import saved_weights
 
 
 #: ZenFlow settings under which it is exactly AdamW (fp32 host moments), so that a switch can be compared with an
@@ -69,7 +70,7 @@ def test_conversion_writes_the_masters_into_the_weights(tmp_path, train_dataset)
     zenflow(tmp_path, train_dataset, "zen", max_steps=4, save_steps=4)
     checkpoint = tmp_path / "zen" / "checkpoint-4"
     state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
-    _, masters = to_torch_adamw(state)
+    _, masters = to_torch_adamw(state, weights=saved_weights(checkpoint, state))
     out = tmp_path / "converted"
     assert main(["convert-checkpoint", str(checkpoint), "--output-dir", str(out)]) == 0
     weights = load_weights(str(out / "model.safetensors"))

@@ -5,8 +5,6 @@ transport are in test_optimizer.py, test_transport.py and test_gradients.py.)"""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -24,7 +22,12 @@ from tests.conftest import (
     param_groups,
     train,
 )
-from tests.doubles.async_device import AsyncCopies, CheckedRegistrar, async_transport, lazy_transports
+from tests.doubles.async_device import (
+    AsyncCopies,
+    CheckedRegistrar,
+    async_transports,
+    lazy_transports,
+)
 from tests.engine.test_gradients import train_accumulating
 from tests.engine.test_several_devices import TwoHalves, backward_in_two_threads
 from tests.optimizer.test_optimizer import LR, STEPS, assert_resume_continues_identically, run_reference, run_zenflow
@@ -39,19 +42,8 @@ def async_device(request, monkeypatch) -> list[AsyncCopies]:
     """Every transport the optimizers of the test create is a `CudaTransport` over its own `AsyncCopies` (the
     delays seeded by the parameter); yields their doubles, and fails the test on anything a background copy
     recorded (a torn read of an unlocked block, an event that never completed)."""
-    backends: list[AsyncCopies] = []
-    seeds = itertools.count(1000 * request.param)
-
-    def make(device: torch.device) -> CudaTransport:
-        transport, backend = async_transport(next(seeds))
-        backends.append(backend)
-        return transport
-
-    monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
-    yield backends
-    for backend in backends:
-        backend.synchronize(torch.device("cpu"))
-        backend.check()
+    with async_transports(monkeypatch, 1000 * request.param) as backends:
+        yield backends
 
 
 def copied(backends: list[AsyncCopies]) -> int:
