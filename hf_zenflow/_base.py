@@ -4,11 +4,33 @@ the fused AdamW kernel call, host buffer allocation and the worker-thread count.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.optim.adam import adam as _functional_adam
+
+
+#: The oldest torch release this package runs on (``pyproject.toml`` requires the same): 2.7, the first whose
+#: functional ``torch.optim.adam.adam`` takes ``decoupled_weight_decay`` (`fused_adamw_`). What else is used is
+#: older: fused CPU AdamW (2.4), ``torch.distributed.fsdp.fully_shard`` at its public path (2.6),
+#: ``torch.distributed.tensor.DTensor`` (2.5), ``torch.amp.GradScaler(device)`` (2.3),
+#: ``Tensor.register_post_accumulate_grad_hook`` (2.1).
+MIN_TORCH = (2, 7)
+
+
+def check_torch_version(version: str) -> None:
+    """Refuse a torch older than `MIN_TORCH` with an ImportError that names both versions: an old torch would
+    otherwise fail later, inside the first optimizer step, with a TypeError about a keyword argument."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found.group(1)), int(found.group(2))) < MIN_TORCH:
+        floor = ".".join(map(str, MIN_TORCH))
+        raise ImportError(f"hf_zenflow needs torch >= {floor}; this environment has torch {version}: "
+                          f"pip install 'torch>={floor}'")
+
+
+check_torch_version(torch.__version__)
 
 
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
