@@ -70,7 +70,7 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
     """The peak the device holds in a step with matrices of at least `min_numel` elements split. `frees`: the
     gradients of offloaded matrices leave the device in their backward hook (`free_gradients_in_backward`);
     `accumulate_on`: where windows are summed ("host", "device" or "device_bf16")."""
-    weights = state = held = in_flight = selected = 0
+    weights = state = held = in_flight = selected = narrow_selected = largest_split = 0
     seen: set[int] = set()
     for group in groups:
         for p in group["params"]:
@@ -91,9 +91,12 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
             selected_elements = math.ceil(local.numel() * k / columns)
             columns_state = selected_bytes(p.dtype) * selected_elements
             if selected_bytes(p.dtype) < SELECTED_BYTES:
-                # the device update widens a bf16/fp16 gathered gradient into an fp32 scratch of at most one
-                # matrix's selected columns (`device_step.device_update`): transient, like a gradient in flight
+                # the device update widens bf16/fp16 gathered gradients into an fp32 scratch of at most one
+                # matrix's selected columns, or of the largest split matrix's gradient bytes
+                # (`device_step.device_update`): transient, like a gradient in flight
                 in_flight = max(in_flight, 4 * selected_elements)
+                narrow_selected += selected_elements
+            largest_split = max(largest_split, nbytes)
             state += columns_state
             offloaded = k < columns or config.full_warm_up_rounds > 0
             selected += columns_state if offloaded else 0
@@ -104,6 +107,7 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
                 in_flight = max(in_flight, nbytes)
             else:
                 held += nbytes
+    in_flight = max(in_flight, min(4 * narrow_selected, largest_split))
     return PeakEstimate(weights, state, held, in_flight, selected)
 
 

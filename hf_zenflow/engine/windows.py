@@ -103,8 +103,8 @@ class FreedGradient:
         if self.source.device == cols.grad.device:
             cols.gather_grad(self.source)
         else:  # (a copy to the device: the columns only)
-            cols.grad_buffer(self.source.dtype).copy_(
-                torch.index_select(self.source, cols.axis, cols.index.to(self.source.device)))
+            index = cols.host_index() if self.source.device.type == "cpu" else cols.index.to(self.source.device)
+            cols.grad_buffer(self.source.dtype).copy_(torch.index_select(self.source, cols.axis, index))
         if self.factor is not None:
             cols.grad.mul_(self.factor.to(cols.grad.device))
 
@@ -490,6 +490,13 @@ class HostWindows:
         kept whole on the device) must not hold it while the offloaded matrices' gradients leave (`may_free`)."""
         split = self.splits.get(p)
         return self.param_shards is not None and self.free_kind is not None and (split is None or split.host is None)
+
+    def defers_norm(self, g: torch.Tensor) -> bool:
+        """Whether the norm of a gradient `g` that stays on the device is left to the step (`GradientReads.settle`:
+        one batched launch per device and dtype instead of one per gradient in its hook): where the transport
+        copies (the device's memory is not the host's; on a CPU device the hook reads the gradient while it is in
+        cache)."""
+        return self.transports.of(g.device, fsdp_shard=self.param_shards is not None).stages_gradients
 
     @property
     def freed(self) -> dict[torch.Tensor, FreedGradient]:
