@@ -18,9 +18,10 @@ widths divided by `--shrink`.
 
 `--device cuda` counts the same on a CUDA device (`CudaTransport` itself): every operator is a launch there; the
 copies are operators too, event records and stream waits are not counted. `--check` holds an ordinary step to
-`ORDINARY_PER_MATRIX` launches per offloaded matrix (one more with gradients freed in backward) plus
-`ORDINARY_FIXED`, and a re-selection to `RESELECTION_READS_PER_MATRIX` host reads per matrix plus
-`RESELECTION_READS_FIXED` (exit status 1 when a bound is exceeded; tests/engine/test_launches.py holds CI to them).
+`ORDINARY_PER_MATRIX` launches per offloaded matrix (one more with gradients freed in backward; with bf16 device
+sums `BF16_SUM_PER_PIECE` per piece of a sum beyond the first) plus `ORDINARY_FIXED`, and a re-selection to
+`RESELECTION_READS_PER_MATRIX` host reads per matrix plus `RESELECTION_READS_FIXED` (exit status 1 when a bound
+is exceeded; tests/engine/test_launches.py holds CI to them).
 
     python scripts/count_device_calls.py --shape llama-7b --layers 1 --dtype bfloat16
     python scripts/count_device_calls.py --matrices 32 --width 64
@@ -56,21 +57,41 @@ ORDINARY_PER_MATRIX = 5
 FREED_EXTRA = 1
 #: ... and for the whole step (the norms' total, the non-finite check, one batched AdamW per run of matrices).
 ORDINARY_FIXED = 32
+#: With ``accumulate_on="device_bf16"`` the add into the bf16 window sum takes three launches per piece of it
+#: (`host.bf16_sum_piece_elems` on a CUDA device) instead of the copy to the host: on top, per piece beyond each
+#: matrix's first.
+BF16_SUM_PER_PIECE = 3
 #: Host reads of a re-selection: the outgoing columns' state, per matrix; the rest once for all matrices.
 RESELECTION_READS_PER_MATRIX = 2
 RESELECTION_READS_FIXED = 8
 
 
-def bounds(matrices: int, free: str) -> dict[str, int]:
-    """The bounds `--check` holds a run of `matrices` offloaded matrices to."""
+def bounds(matrices: int, free: str, accumulate_on: str = "host", bf16_sum_pieces: int = 0) -> dict[str, int]:
+    """The bounds `--check` holds a run of `matrices` offloaded matrices to (`bf16_sum_pieces`: the pieces of all
+    their bf16 window sums, with ``accumulate_on="device_bf16"``)."""
     per_matrix = ORDINARY_PER_MATRIX + (FREED_EXTRA if free == "on" else 0)
-    return {"ordinary_launches": per_matrix * matrices + ORDINARY_FIXED,
+    pieces = BF16_SUM_PER_PIECE * max(0, bf16_sum_pieces - matrices) if accumulate_on == "device_bf16" else 0
+    return {"ordinary_launches": per_matrix * matrices + ORDINARY_FIXED + pieces,
             "reselection_host_reads": RESELECTION_READS_PER_MATRIX * matrices + RESELECTION_READS_FIXED}
+
+
+def bf16_sum_pieces(model: torch.nn.Module) -> int:
+    """The pieces a CUDA device adds the bf16 window sums of `model`'s matrices in (`_accumulate_bf16`)."""
+    from hf_zenflow.engine.host import bf16_sum_piece_elems
+
+    per_piece = bf16_sum_piece_elems(torch.device("cuda"))
+    pieces = 0
+    for p in model.parameters():
+        if p.ndim == 2:
+            rows = max(1, per_piece // p.shape[1])
+            pieces += -(-p.shape[0] // rows)
+    return pieces
 
 
 def verdict(result: dict[str, Any]) -> dict[str, Any]:
     """Whether `result` (of `count`) keeps the bounds, with the figures compared."""
-    limit = bounds(result["matrices"], result["free_gradients_in_backward"])
+    limit = bounds(result["matrices"], result["free_gradients_in_backward"], result["accumulate_on"],
+                   result["bf16_sum_pieces"])
     steps = result["max_per_step"]
     launches = steps.get("ordinary", {}).get("launches")
     reads = steps.get("re-selection", {}).get("host_reads")
@@ -189,8 +210,8 @@ def count(args: argparse.Namespace) -> dict[str, Any]:
             summary[kind]["launches_per_matrix"] = round(summary[kind]["launches"] / matrices, 2)
             summary[kind]["steps"] = len(picked)
     return {"shape": args.shape, "device": args.device, "matrices": matrices, "dtype": args.dtype,
-            "accumulate_on": accumulate_on, "free_gradients_in_backward": args.free, "max_per_step": summary,
-            "rows": rows}
+            "accumulate_on": accumulate_on, "free_gradients_in_backward": args.free,
+            "bf16_sum_pieces": bf16_sum_pieces(model), "max_per_step": summary, "rows": rows}
 
 
 def parser() -> argparse.ArgumentParser:
