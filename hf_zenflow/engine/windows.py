@@ -495,8 +495,10 @@ class HostWindows:
         """Whether the norm of a gradient `g` that stays on the device is left to the step (`GradientReads.settle`:
         one batched launch per device and dtype instead of one per gradient in its hook): where the transport
         copies (the device's memory is not the host's; on a CPU device the hook reads the gradient while it is in
-        cache)."""
-        return self.transports.of(g.device, fsdp_shard=self.param_shards is not None).stages_gradients
+        cache). Not before the first step has made the device's transport (the hooks never make it: under FSDP2 its
+        kind depends on the sharding, found at the first step)."""
+        transport = self.transports.made(g.device)
+        return transport is not None and transport.stages_gradients
 
     @property
     def freed(self) -> dict[torch.Tensor, FreedGradient]:
