@@ -573,12 +573,13 @@ def sanitized(device: torch.device, timeout_s: float = 25.0) -> dict[str, Any]:
     synchronisation between them). Fails on its report, or when the run fails otherwise."""
     import subprocess
 
-    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import cuda_checks as c; "
+    code = ("import sys, torch; sys.path[:0] = sys.argv[1:3]; import cuda_checks as c; "
             "c.race_shape = lambda device: (256, 688); "
             "r = c.races(torch.device('cuda'), steps=4, cycles=0); print(r); sys.exit(0 if r['ok'] else 1)")
     env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
     try:
-        done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent)], env=env,
+        here = Path(__file__).resolve().parent
+        done = subprocess.run([sys.executable, "-c", code, str(here), str(here.parent)], env=env,
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"ok": False, "ran": False, "why": f"did not finish within {timeout_s} s"}
@@ -648,7 +649,8 @@ def device_memory(device: torch.device, steps: int = 4) -> dict[str, Any]:
                           device_memory_limit_bytes=limit)
     within = {name: run["allocated_peak"] <= run["estimate"] + run["activations"] + MEMORY_SLACK_BYTES
               for name, run in {**{f"free={k}": v for k, v in runs.items()}, "limited": limited}.items()}
-    largest = max(p.numel() * p.element_size() for p in _memory_model(device).parameters())
+    hidden, intermediate = race_shape(device)
+    largest = hidden * intermediate * torch.bfloat16.itemsize  # (the largest gradient: one MLP matrix's)
     freed_saves = runs["off"]["allocated_peak"] - runs["on"]["allocated_peak"]
     freeing_ok = freed_saves >= 0.5 * (runs["on"]["offloaded_gradient_bytes"] - largest)
     limit_ok = limited["estimate"] <= limit and \
