@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
+import types
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +49,14 @@ def assert_same_across_devices(ours: torch.Tensor, theirs: torch.Tensor) -> None
         assert torch.equal(ours, theirs)
     else:
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
+def load_script(name: str) -> types.ModuleType:
+    """The module of ``scripts/<name>.py`` (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyNet:

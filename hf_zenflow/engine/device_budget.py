@@ -70,7 +70,7 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
     gradients of offloaded matrices leave the device in their backward hook (`free_gradients_in_backward`);
     `accumulate_on`: where windows are summed ("host", "device" or "device_bf16"); `copies_lag`: the copies to the
     host run beside backward and may lag it (a transport that stages gradients: CUDA)."""
-    weights = state = held = scratch = selected = 0
+    weights = state = held = scratch = selected = narrow_selected = largest_split = 0
     freed: list[int] = []
     seen: set[int] = set()
     for group in groups:
@@ -92,9 +92,12 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
             selected_elements = math.ceil(local.numel() * k / columns)
             columns_state = selected_bytes(p.dtype) * selected_elements
             if selected_bytes(p.dtype) < SELECTED_BYTES:
-                # the device update widens a bf16/fp16 gathered gradient into an fp32 scratch of at most one
-                # matrix's selected columns (`device_step.device_update`): transient, like a gradient in flight
+                # the device update widens bf16/fp16 gathered gradients into an fp32 scratch of at most one
+                # matrix's selected columns, or of the largest split matrix's gradient bytes
+                # (`device_step.device_update`): transient, like a gradient in flight
                 scratch = max(scratch, 4 * selected_elements)
+                narrow_selected += selected_elements
+            largest_split = max(largest_split, nbytes)
             state += columns_state
             offloaded = k < columns or config.full_warm_up_rounds > 0
             selected += columns_state if offloaded else 0
@@ -105,6 +108,7 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
                 freed.append(nbytes)
             else:
                 held += nbytes
+    scratch = max(scratch, min(4 * narrow_selected, largest_split))
     in_flight = sum(sorted(freed)[-in_flight_count(copies_lag):]) if freed else 0
     return PeakEstimate(weights, state, held, max(in_flight, scratch), selected)
 

@@ -104,8 +104,8 @@ class FreedGradient:
         if self.source.device == cols.grad.device:
             cols.gather_grad(self.source)
         else:  # (a copy to the device: the columns only)
-            cols.grad_buffer(self.source.dtype).copy_(
-                torch.index_select(self.source, cols.axis, cols.index.to(self.source.device)))
+            index = cols.host_index() if self.source.device.type == "cpu" else cols.index.to(self.source.device)
+            cols.grad_buffer(self.source.dtype).copy_(torch.index_select(self.source, cols.axis, index))
         if self.factor is not None:
             cols.grad.mul_(self.factor.to(cols.grad.device))
 
@@ -501,6 +501,15 @@ class HostWindows:
         kept whole on the device) must not hold it while the offloaded matrices' gradients leave (`may_free`)."""
         split = self.splits.get(p)
         return self.param_shards is not None and self.free_kind is not None and (split is None or split.host is None)
+
+    def defers_norm(self, g: torch.Tensor) -> bool:
+        """Whether the norm of a gradient `g` that stays on the device is left to the step (`GradientReads.settle`:
+        one batched launch per device and dtype instead of one per gradient in its hook): where the transport
+        copies (the device's memory is not the host's; on a CPU device the hook reads the gradient while it is in
+        cache). Not before the first step has made the device's transport (the hooks never make it: under FSDP2 its
+        kind depends on the sharding, found at the first step)."""
+        transport = self.transports.made(g.device)
+        return transport is not None and transport.stages_gradients
 
     @property
     def freed(self) -> dict[torch.Tensor, FreedGradient]:

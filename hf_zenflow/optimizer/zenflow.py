@@ -173,6 +173,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                         in_flight=self._host.in_flight.bytes)
         self._reads.meter = self._meter
         self._reads.on_arrival = self._host.regather
+        self._reads.defers_norm = self._host.defers_norm
         self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1  # DDP rewrites them after the hooks
         me = weakref.ref(self)
         self._host.device_peak = lambda: (opt._meter.peak_bytes if (opt := me()) is not None else 0)
@@ -690,6 +691,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._meter = DeviceMemoryMeter(current, self._meter.state_bytes, in_flight=self._meter.in_flight)
             self._reads.meter = self._meter
             self._reads.on_arrival = self._host.regather
+            self._reads.defers_norm = self._host.defers_norm
             self._reads.copies_out = self._host.copies_out
             self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1
             # (FSDP2's ranks free their shards from the next step on; ``accumulate_on="auto"``, deciding in this

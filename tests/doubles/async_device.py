@@ -195,14 +195,17 @@ class AsyncCopies(CudaStreams):
                 return self._rng.uniform(0.0, 0.0005)
             return self._rng.uniform(0.001, self.max_delay_s)
 
+    #: the class of the streams it makes
+    stream_type: type[FakeStream] = FakeStream
+
     def side_stream(self, device: torch.device) -> FakeStream:
-        stream = FakeStream(self, compute=False)
+        stream = self.stream_type(self, compute=False)
         self._side.append(stream)
         return stream
 
     def current_stream(self, device: torch.device) -> FakeStream:
         return getattr(self._local, "stream", None) or self._compute.setdefault(
-            torch.device(device), FakeStream(self, compute=True))
+            torch.device(device), self.stream_type(self, compute=True))
 
     @contextlib.contextmanager
     def use(self, stream: FakeStream) -> Iterator[None]:

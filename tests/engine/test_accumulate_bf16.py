@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import hf_zenflow.engine.windows as windows_module
+import hf_zenflow.transport as transport_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine import accumulation
 from hf_zenflow.engine.host import accumulate_into
@@ -107,14 +108,14 @@ def within_half_a_bf16_ulp(value: torch.Tensor, exact: torch.Tensor, terms: torc
 def test_a_bf16_add_is_the_fp32_add_rounded_to_nearest():
     """One add into a bf16 sum = the fp32 rule (`accumulate_into` on an fp32 sum) on the widened sum, rounded to
     nearest bf16, bit for bit; so within half a bf16 ulp of the exact ``sum + coef * grad`` (a hand loop in float64).
-    torch's in-place bf16 add on CPU is not: it rounds the clip coefficient to bf16 first. Several pieces of
-    `NARROW_CHUNK` elements and a strided gradient (a share's columns)."""
+    torch's in-place bf16 add on CPU is not: it rounds the clip coefficient to bf16 first. Several pieces on the CPU
+    (`bf16_sum_piece_elems`) and a strided gradient (a share's columns); on `DEVICE`."""
     torch.manual_seed(0)
     rows, cols = 1100, 4000  # > NARROW_CHUNK elements: three pieces
     for grad_dtype, coef in itertools.product((torch.float32, torch.bfloat16), (None, 0.37)):
-        grads = [torch.randn(rows, cols + 7)[:, 3 : cols + 3].to(grad_dtype) for _ in range(4)]
-        narrow = torch.empty(rows, cols, dtype=torch.bfloat16)
-        wide = torch.empty(rows, cols)
+        grads = [torch.randn(rows, cols + 7)[:, 3 : cols + 3].to(DEVICE, grad_dtype) for _ in range(4)]
+        narrow = torch.empty(rows, cols, dtype=torch.bfloat16, device=DEVICE)
+        wide = torch.empty(rows, cols, device=DEVICE)
         for i, g in enumerate(grads):
             before = narrow.clone()
             accumulate_into(narrow, g, coef, first=i == 0)
@@ -125,8 +126,8 @@ def test_a_bf16_add_is_the_fp32_add_rounded_to_nearest():
             exact = (0.0 if i == 0 else before.double()) + term
             terms = term.abs() + (0.0 if i == 0 else before.double().abs())
             assert within_half_a_bf16_ulp(narrow, exact, terms), (grad_dtype, coef, i)
-            if coef is not None and i > 0 and grad_dtype == torch.bfloat16:
-                torch_add = before.add_(g, alpha=coef)  # (what the bound rules out)
+            if coef is not None and i > 0 and grad_dtype == torch.bfloat16 and DEVICE.type == "cpu":
+                torch_add = before.add_(g, alpha=coef)  # (what the bound rules out, on the CPU)
                 assert not within_half_a_bf16_ulp(torch_add, exact, terms)
 
 
@@ -255,12 +256,12 @@ def test_a_bf16_checkpoint_loads_under_another_accumulation_with_its_open_window
     fresh.close()
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="swaps the CPU device's transport")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, monkeypatch):
     """CUDA's schedule (a bf16 sum copied into a pinned bf16 landing buffer, on a side stream, with the worker
     waiting for its event before it widens it), with copies that land late (`tests/doubles/async_device`), gives
-    the CPU device's bits (a buffer swap)."""
+    the CPU device's bits (a buffer swap). On CUDA: CUDA's own transport gives the bits of every copy synchronous
+    (`CopyTransport` over pageable memory)."""
     results, backends = [], []
     seeds = itertools.count(7)
 
@@ -269,7 +270,10 @@ def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, mon
         backends.append(backend)
         return transport
 
-    for factory in (lambda device: CpuDeviceTransport(), lambda device: CopyTransport(), asynchronous):
+    cuda_own = transport_module.transport_for
+    factories = ((lambda device: CpuDeviceTransport(), lambda device: CopyTransport(), asynchronous)
+                 if DEVICE.type == "cpu" else (lambda device: CopyTransport(), cuda_own))
+    for factory in factories:
         monkeypatch.setattr("hf_zenflow.transport.transport_for", factory)
         model = make_model(dtype=dtype)
         opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, accumulate_on="device_bf16")
@@ -282,7 +286,7 @@ def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, mon
     for backend in backends:
         backend.synchronize(torch.device("cpu"))
         backend.check()
-    assert sum(b.copies for b in backends) > 0
+    assert DEVICE.type != "cpu" or sum(b.copies for b in backends) > 0
     (cpu_losses, cpu_weights), *others = results
     for losses, weights in others:
         assert losses == cpu_losses
