@@ -82,6 +82,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "compare",
         help=SUMMARIES["compare"],
+        allow_abbrev=False,
         description="Fine-tune the same model three ways (same seed, data and schedule), print a headline table "
         "and write results.md (every figure), results.json, loss_curves.png and time_breakdown.png into a new run "
         "folder (and, with --save-model, the ZenFlow-trained model with its model card). Warns when other processes "
@@ -221,6 +222,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "estimate",
         help=SUMMARIES["estimate"],
+        allow_abbrev=False,
         description="The bound model (not a measurement; no GPU is used): per step, the device, link and host time "
         "of no-offload AdamW, synchronous offload (ZeRO-Offload's schedule) and ZenFlow on a hardware profile, what "
         "bounds each and which setting moves the bound; the device and host memory of each and whether it fits; "
@@ -253,6 +255,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "tune",
         help=SUMMARIES["tune"],
+        allow_abbrev=False,
         description="Fine-tune the same model from the same start with adamw_torch and with ZenFlow settings from a "
         "grid (topk_ratio x update_interval x host_lr_scale, and writeback_lag at the default ratio; the library "
         "default first) until the budget is spent; "
@@ -354,13 +357,13 @@ _BUILDERS = {"compare": _add_compare, "estimate": _add_estimate, "tune": _add_tu
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with `command`, only that command's flags (the others are listed by name): a
     command's parser reads defaults from modules that take a while to import."""
-    parser = argparse.ArgumentParser(prog="hf-zenflow", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="hf-zenflow", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, add in _BUILDERS.items():
         if command in (None, name):
             add(sub)
         else:
-            sub.add_parser(name, help=SUMMARIES[name], add_help=False)
+            sub.add_parser(name, help=SUMMARIES[name], add_help=False, allow_abbrev=False)
     return parser
 
 

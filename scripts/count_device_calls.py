@@ -41,7 +41,7 @@ class Counting(AsyncCopies):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--matrices", type=int, default=32)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--steps", type=int, default=24)

@@ -448,7 +448,7 @@ CUDA_ONLY = {"host_syncs": host_syncs, "pinned_link_buffers": pinned_link_buffer
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", default="gpu_out")
     p.add_argument("--device", default="cuda", help="cuda (every check) or cpu (the device-independent ones)")
     args = p.parse_args(argv)

@@ -17,6 +17,7 @@ def add_convert(sub: argparse._SubParsersAction, summary: str) -> None:
     p = sub.add_parser(
         "convert-checkpoint",
         help=summary,
+        allow_abbrev=False,
         description="Rewrite CHECKPOINT's optimizer.pt as a torch.optim.AdamW state dict (moments, step counts) and "
         "its safetensors weights as ZenFlow's fp32 masters (what ZenFlow had not yet written into the weights is "
         "applied, as flush() would). The original optimizer file is kept as optimizer.zenflow.pt. The converted "
@@ -56,6 +57,7 @@ def add_reshard(sub: argparse._SubParsersAction, summary: str) -> None:
     p = sub.add_parser(
         "reshard-checkpoint",
         help=summary,
+        allow_abbrev=False,
         description="Merge the ZenFlow optimizer files of CHECKPOINT (one per rank: "
         "zenflow_optimizer_rank{r}_of_{N}.pt, or the one-process optimizer.pt / optimizer.bin) and cut them again "
         "for --world-size ranks, so that a ZenFlowTrainer or ZenFlowPlugin run resumes on another number of GPUs. "
