@@ -316,16 +316,21 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_tune(args: argparse.Namespace) -> int:
-    from hf_zenflow.compare.data import AssetMissingError
     from hf_zenflow.tuning.tune import TuneConfig, check_tune_inputs, format_recommendation, format_table, run_tune
 
-    require("compare", "hf-zenflow tune")
     fields = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     for key in ("topk", "intervals", "scales", "lags"):
         fields[key] = tuple(fields[key])
     try:
         cfg = TuneConfig(**fields)
-        check_tune_inputs(cfg)  # every input before any work (one line, exit 2)
+        check_tune_inputs(cfg)  # every input before the heavy imports and any work (one line, exit 2)
+    except ValueError as exc:
+        print(f"hf-zenflow tune: {exc}", file=sys.stderr)
+        return 2
+    require("compare", "hf-zenflow tune")
+    from hf_zenflow.compare.data import AssetMissingError
+
+    try:
         payload = run_tune(cfg)
     except (AssetMissingError, ValueError) as exc:
         print(f"hf-zenflow tune: {exc}", file=sys.stderr)

@@ -143,6 +143,7 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 def estimate_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Check the inputs, resolve the host, print the tables; returns (and with --output writes) the figures."""
+    profile = check_inputs(args)  # before the model's imports (torch) and the host measurement: a refusal at once
     from dataclasses import replace
 
     from hf_zenflow.estimate.advice import format_max_params, format_schedule_model, format_what_fits
@@ -150,7 +151,6 @@ def estimate_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from hf_zenflow.estimate.host_rates import resolve_host
     from hf_zenflow.estimate.memory import GRADIENTS_FREED_IN_BACKWARD
 
-    profile = check_inputs(args)
     output = Path(args.output).expanduser() if args.output is not None else None
     if args.interconnect_gbps is not None:
         profile = replace(profile, interconnect_gbps=args.interconnect_gbps)
