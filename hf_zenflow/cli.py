@@ -25,6 +25,7 @@ from hf_zenflow.settings.cli_types import (
     lr_scale,
     non_negative_float,
     non_negative_int,
+    parameter_count,
     positive_float,
     positive_int,
     writeback_lag,
@@ -149,9 +150,9 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-cores", type=positive_int, default=None,
                    help="cores of the host: the host AdamW threads of synchronous offload and of ZenFlow's worker, "
                    "and of the projection's host (default: half the cores this process may use)")
-    p.add_argument("--project-params", type=positive_float, default=None,
-                   help="after the runs, project the three schedules to a model of this many parameters (e.g. 7e9) "
-                   "on --project-hardware (default: the model that ran)")
+    p.add_argument("--project-params", type=parameter_count, default=None,
+                   help="after the runs, project the three schedules to a model of this many parameters (e.g. 7e9 or "
+                   "7B) on --project-hardware (default: the model that ran)")
     p.add_argument("--project-hardware", default=",".join(d.project_hardware),
                    help="comma-separated hardware profiles of the projection (presets or JSON files) (default: "
                    "%(default)s)")
@@ -294,8 +295,8 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                    help="tolerance: held-out loss at most this many percent above adamw_torch's")
     p.add_argument("--hardware", default=d.hardware,
                    help=f"profile for the modelled speed-up: a preset ({', '.join(sorted(PROFILES))}) or a JSON file")
-    p.add_argument("--target-params", type=positive_float, default=None,
-                   help="model size the speed-up is modelled for (default: this model's)")
+    p.add_argument("--target-params", type=parameter_count, default=None,
+                   help="model size the speed-up is modelled for, e.g. 7e9 or 7B (default: this model's)")
     p.add_argument("--target-tokens-per-step", type=positive_float, default=None,
                    help="tokens per optimizer step at scale (default: this task's)")
     p.add_argument("--device-cores", type=positive_int, default=None,
