@@ -23,6 +23,7 @@ from hf_zenflow.settings.cli_types import (
     fraction,
     interval,
     lr_scale,
+    memory_budget,
     non_negative_float,
     non_negative_int,
     parameter_count,
@@ -126,11 +127,13 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    '"none" (the next window boundary)')
     p.add_argument("--min-offload-numel", type=non_negative_int, default=d.min_offload_numel,
                    help="ZenFlow: matrices with fewer elements stay wholly on the device (e.g. the classifier head)")
-    p.add_argument("--device-memory-budget", type=non_negative_int, default=None, metavar="BYTES",
+    p.add_argument("--device-memory-budget", type=memory_budget, default=d.device_memory_budget,
+                   metavar="sync|free|BYTES",
                    help="ZenFlow: the device memory its whole step may hold (weights, gradients, optimizer state, "
-                   "window sums), e.g. sync offload's peak from an earlier run's headline: matrices under "
-                   "--min-offload-numel are offloaded too, largest first, until the step fits, and "
-                   "accumulate_on=\"auto\" decides under it (default: the device's free memory)")
+                   "window sums): sync = what synchronous offload holds (its weights and gradients; where people "
+                   "offload the device has no more), free = the device's free memory, or a number of bytes; "
+                   "matrices under --min-offload-numel are offloaded too, largest first, until the step fits, and "
+                   "accumulate_on=\"auto\" decides under it")
     p.add_argument("--select-strategy", default=d.select_strategy, choices=["auto", "step", "epoch"],
                    help='ZenFlow column re-selection: "step"/"epoch" every --select-interval steps/epochs, "auto" '
                    "every epoch")

@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
 
-    base = CompareConfig(steps=60)
+    base = CompareConfig(steps=60, device_memory_budget="free")  # the unlimited variants: the free memory
     split = base.core_split()
     split.apply_device()  # as `train_one`: D intra-op threads (and the device's allocator model) before any forward
     task = prepare_task(model=base.model, task=base.task, steps=base.steps, train_size=base.train_size, eval_size=50,
