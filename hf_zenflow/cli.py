@@ -33,6 +33,14 @@ from hf_zenflow.settings.cli_types import (
 )
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's parser whose argument errors are one line (the usage block is what ``--help`` shows) with exit
+    status 2, like every other refusal of the command line. Subcommands' parsers are of the same class."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
 class TrueDefaultsFormatter(argparse.HelpFormatter):
     """Appends "(default: X)" to every option whose help does not already say its default, and to none whose
     default argparse would misstate: an on/off flag (its help says what happens without it) or an unset option
@@ -366,7 +374,7 @@ _BUILDERS = {"compare": _add_compare, "estimate": _add_estimate, "tune": _add_tu
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with `command`, only that command's flags (the others are listed by name): a
     command's parser reads defaults from modules that take a while to import."""
-    parser = argparse.ArgumentParser(prog="hf-zenflow", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = OneLineErrorParser(prog="hf-zenflow", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, add in _BUILDERS.items():
         if command in (None, name):

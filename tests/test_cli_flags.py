@@ -53,7 +53,9 @@ def test_a_prefix_of_a_flag_is_refused(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         build_parser(argv[0]).parse_args(argv)
     assert exit_.value.code == 2
-    assert f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {argv[-2]}" in err
+    assert err.count("\n") == 1 and err.endswith("--help\n"), err  # one line: the usage block is --help's
 
 
 def run_trainer_example(cwd: Path, *flags: str) -> subprocess.CompletedProcess:
