@@ -99,7 +99,8 @@ def _settings_line(task: PreparedTask, cfg: CompareConfig, device: torch.device)
             f"seed {cfg.seed}; "
             f"device {device}; ZenFlow topk_ratio {cfg.topk_ratio}, update_interval {cfg.update_interval}, "
             f"overlap_step {cfg.overlap_step}, select_strategy {cfg.select_strategy}, select_interval "
-            f"{cfg.select_interval}, full_warm_up_rounds {cfg.full_warm_up_rounds}; weights of the offloading runs "
+            f"{cfg.select_interval}, full_warm_up_rounds {cfg.full_warm_up_rounds}, device memory budget "
+            f"{cfg.device_memory_budget}; weights of the offloading runs "
             f"{cfg.resolved_layout()}-major; ZenFlow selects embedding {cfg.resolved_embedding_select()}.")
 
 

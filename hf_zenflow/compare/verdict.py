@@ -124,8 +124,13 @@ def _quality(results: dict[str, dict[str, Any]], metric_name: str) -> str:
         metric_better, loss_better = zen[key] > reference[key], zen["eval_loss"] < reference["eval_loss"]
         if zen[key] != reference[key] and metric_better != loss_better:
             text += f" (the {metric_name} and the loss disagree in direction)"
-    return text + (". One seed is one seed: a difference this size can come from the seed alone; rerun with a few "
-                   "--seed values (or hf-zenflow tune) before reading it as a quality difference.")
+    return text + (". One seed is one seed: rerun with a few --seed values (or hf-zenflow tune) before reading the "
+                   "difference as ZenFlow's, not the seed's.")
+
+
+def _ms(value: float) -> str:
+    """A time in ms: whole ms from 100 up, else three significant figures."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _projection(results: dict[str, dict[str, Any]], projection: dict[str, Any], params_ran: float,
@@ -143,7 +148,7 @@ def _projection(results: dict[str, dict[str, Any]], projection: dict[str, Any], 
     fb, step = base.get("forward_backward_ms_mean"), base.get("step_ms_mean")
     text = f"Why the projection differs from what this machine measured: here the device is {here}"
     if fb and step:
-        text += (f", and {SHORT_NAMES[base['optimizer']]}'s forward + backward took {fb:.3g} of its {step:.3g} ms "
+        text += (f", and {SHORT_NAMES[base['optimizer']]}'s forward + backward took {_ms(fb)} of its {_ms(step)} ms "
                  f"per step: the optimizer, and with it all that offloading costs and ZenFlow's overlap hides, was "
                  f"{max(0.0, 1 - fb / step):.0%} of a step")
     text += (f". A GPU runs forward and backward far faster ({first_name}: a whole no-offload step "
