@@ -46,7 +46,7 @@ ALL = ("adamw_torch_fused", "sync_offload", "zenflow", "zenflow_device_acc", "to
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=24)

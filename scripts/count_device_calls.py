@@ -215,7 +215,7 @@ def count(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="square", choices=("square", "llama-7b"))
     p.add_argument("--matrices", type=int, default=32, help="--shape square: the number of matrices")
     p.add_argument("--width", type=int, default=64, help="--shape square: their width")

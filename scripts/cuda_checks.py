@@ -668,7 +668,7 @@ MULTI_GPU = {"nccl_two_ranks": nccl_two_ranks}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", default="gpu_out")
     p.add_argument("--device", default="cuda", help="cuda (every check) or cpu (the device-independent ones)")
     p.add_argument("--checks", default=None,

@@ -418,9 +418,9 @@ def _pm(mean: float, half: float | None, digits: int = 2) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run")
+    p = sub.add_parser("run", allow_abbrev=False)
     p.add_argument("--form", choices=("short", "long"), default="short")
     p.add_argument("--cases", nargs="+", choices=sorted(CASES))
     p.add_argument("--lrs", type=float, nargs="+")
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", default=["defaults"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True)
-    s = sub.add_parser("summary")
+    s = sub.add_parser("summary", allow_abbrev=False)
     s.add_argument("files", nargs="+")
     args = parser.parse_args(argv)
     if args.command == "run":

@@ -158,6 +158,12 @@ def reshard_states(states: list[dict[str, Any]], world_size: int, parallel: str 
     merged = merge_rank_states(states)
     if world_size == 1:
         return [merged]
+    longest = max((max(entry["shape"], default=0) for entry in merged["state"].values() if "shape" in entry),
+                  default=None)
+    if longest is not None and world_size > longest:  # (each rank's part is a range of one dimension)
+        raise ValueError(f"reshard_states: world_size={world_size} is invalid: allowed is at most {longest}, the "
+                         "longest dimension of any parameter in the state; beyond it a rank would hold no part of "
+                         "any parameter.")
     cut = fsdp_rows_of if parallel == "fsdp2" else ddp_share_of
     return [cut(merged, world_size, r) for r in range(world_size)]
 

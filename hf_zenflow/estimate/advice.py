@@ -32,6 +32,7 @@ from hf_zenflow.estimate.memory import (
 )
 from hf_zenflow.estimate.profiles import HardwareProfile
 from hf_zenflow.estimate.ranks import RankSplit
+from hf_zenflow.estimate.speed_words import than, versus
 
 
 def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
@@ -62,7 +63,7 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
                f"GB, the device's {profile.device_mem_gb:g} GB less a {auto['margin']:.0%} margin; host: within "
                f"{auto['host_limit_gb']:.1f} GB); ZenFlow with the defaults: {chosen['step_ms']:.0f} ms/step, "
                f"{auto['state_gb']:.1f} GB on the device, {chosen['bound']}-bound, "
-               f"{sync['step_ms'] / chosen['step_ms']:.2f}x faster than synchronous offload, "
+               f"{than(chosen['step_ms'], sync['step_ms'], 'synchronous offload')}, "
                f"{chosen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
     u = max(1.0, float(update_interval))
     landing = chosen["link_ms"] * u if auto["choice"] != "host" else chosen["link_ms"]
@@ -72,7 +73,7 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
                f"{chosen['host_chain_ms']:.0f} ms in all: {chosen['host_ms']:.0f} ms per step, the larger over "
                f"the window.")
     out.append(f"ZenFlow (window summed on the host, U={update_interval:g}): {zen['step_ms']:.0f} ms/step, "
-               f"{zen['bound']}-bound, {sync['step_ms'] / zen['step_ms']:.2f}x faster than synchronous offload "
+               f"{zen['bound']}-bound, {than(zen['step_ms'], sync['step_ms'], 'synchronous offload')} "
                f"({sync['step_ms']:.0f} ms/step), {zen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
     if zen["bound"] == "host":
         unbind = {"device_step_ms": device_step_ms, "ranks": ranks, "parallel": parallel}
@@ -156,7 +157,7 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
                  "cores": f"cores ({profile.host_cores} x {profile.host_adamw_per_core / 1e6:.0f} M/s)"}.get(
                      r["host_limit"], "-")
         lines.append(f"| {label} | {r['device_ms']:.0f} | {r['link_ms']:.0f} | {r['host_ms']:.0f} | "
-                     f"{r['step_ms']:.0f} | {bound} | {sync / r['step_ms']:.2f}x | "
+                     f"{r['step_ms']:.0f} | {bound} | {versus(r['step_ms'], sync, key == 'sync_offload')} | "
                      f"{r['device_memory_gb']:.1f}{fits} | {r['host_memory_node_gb']:.1f}{host_fits} | {limit} |"
                      + (f" {r['allgather_ms']:.0f} |" if several else ""))
     lines += [""] + [f"- {s}" for s in advice(profile, params, tokens_per_step, topk_ratio, update_interval,
@@ -192,7 +193,8 @@ def format_what_fits(profile: HardwareProfile, rows: dict[str, dict[str, Any]], 
     for key, r in rows.items():
         lines.append(f"| {_label(key, r)} | {r['device_memory_gb']:.1f} | {_yes(r['fits_device_memory'])} | "
                      f"{r['host_memory_node_gb']:.1f} | {_yes(r['fits_host_memory'])} | {r['step_ms']:.1f} | "
-                     f"{r['step_vs_no_offload']:.2f}x | {r['speedup_vs_sync']:.2f}x faster |")
+                     f"{versus(r['step_vs_no_offload'], 1.0, key == 'no_offload')} | "
+                     f"{versus(1.0, r['speedup_vs_sync'], key == 'sync_offload')} |")
     return "\n".join(lines) + "\n"
 
 

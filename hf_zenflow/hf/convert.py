@@ -30,6 +30,7 @@ from ..atomic import atomic_path, check_writable_folder, is_temporary, replace_f
 from ..checkpoint.convert import is_torch_adamw_state, to_torch_adamw
 from ..checkpoint.format import CheckpointError, load_file
 from .checkpoint_manifest import has_manifest, write_manifest
+from .checkpoint_paths import missing_folder_message
 from .rank_checkpoint import saved_world_sizes
 
 
@@ -94,12 +95,9 @@ def _stage_copy(source: Path, staging: Path, link: bool) -> None:
 
 def check_convert_inputs(folder: Path, output_dir: Path | None) -> None:
     """Refuse what `convert_checkpoint` cannot do, before it does anything (`CheckpointError`, one line)."""
-    if not folder.is_dir():
-        aside = f".{folder.name}.replaced-*"
-        leftovers = sorted(p.name for p in folder.parent.glob(aside)) if folder.parent.is_dir() else []
-        hint = (f" A conversion was interrupted between two renames: the original is {folder.parent / leftovers[0]}; "
-                f"rename it back to {folder.name}." if leftovers else "")
-        raise CheckpointError(f"{folder}: no such checkpoint folder.{hint}")
+    missing = missing_folder_message(folder)
+    if missing is not None:
+        raise CheckpointError(missing)
     path = folder / OPTIMIZER_FILE
     sizes = saved_world_sizes(str(folder))
     if not path.is_file() and sizes:
