@@ -38,7 +38,7 @@ def test_a_compiled_forward_trains_as_without_compiling():
 
 
 @pytest.mark.parametrize("how", ["context", "config"])
-def test_compiled_autograd_is_refused(how, monkeypatch):
+def test_compiled_autograd_is_refused(how):
     """Compiled autograd traces the post-accumulate-grad hooks, whose side effects (a copy to the host started, the
     gradient freed) belong to each run: the first hook refuses, naming the forward-only compile instead."""
     from torch._dynamo import compiled_autograd
@@ -52,13 +52,14 @@ def test_compiled_autograd_is_refused(how, monkeypatch):
             with compiled_autograd._enable(torch.compile(backend="eager")):
                 _loss(model, x, y).backward()
         else:
-            monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
+            # (the config's own patch: a monkeypatch of the config module leaves a stale attribute behind it)
+            with torch._dynamo.config.patch(compiled_autograd=True):
 
-            @torch.compile(backend="eager")
-            def train_step(x: torch.Tensor, y: torch.Tensor) -> None:
-                _loss(model, x, y).backward()
+                @torch.compile(backend="eager")
+                def train_step(x: torch.Tensor, y: torch.Tensor) -> None:
+                    _loss(model, x, y).backward()
 
-            train_step(x, y)
+                train_step(x, y)
     torch._dynamo.reset()
     opt.close()
 
