@@ -66,7 +66,8 @@ from hf_zenflow.settings.flags import SETTINGS, add_arguments  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--output_dir", default="runs/zenflow_accelerate")
     p.add_argument("--max_steps", type=int, default=30, help="optimizer steps")
     p.add_argument("--batch_size", type=int, default=4)

@@ -141,13 +141,17 @@ def build(script: ScriptArguments, seed: int = 0):
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = HfArgumentParser((ScriptArguments, ZenFlowTrainingArguments))
+    parser = HfArgumentParser((ScriptArguments, ZenFlowTrainingArguments), allow_abbrev=False)
     parser.set_defaults(logging_steps=10)  # the Trainer's 500 is more steps than an example runs: no loss logged
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        script, args = parser.parse_json_file(argv[0])
-    else:
-        script, args = parser.parse_args_into_dataclasses(argv)
+    try:
+        if len(argv) == 1 and argv[0].endswith(".json"):
+            script, args = parser.parse_json_file(argv[0])
+        else:
+            script, args = parser.parse_args_into_dataclasses(argv)
+    except ValueError as exc:  # a value the arguments' checks refuse (the message names the flag): one line, exit 2
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     model, tokenizer, train, held_out = build(script, seed=args.seed)
 
     trainer = ZenFlowTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,

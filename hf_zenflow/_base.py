@@ -4,6 +4,9 @@ the fused AdamW kernel call, host buffer allocation and the worker-thread count.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,19 +14,54 @@ import torch
 from torch.optim.adam import adam as _functional_adam
 
 
+#: The oldest torch release this package runs on (``pyproject.toml`` requires the same): 2.7, the first whose
+#: functional ``torch.optim.adam.adam`` takes ``decoupled_weight_decay`` (`fused_adamw_`). What else is used is
+#: older: fused CPU AdamW (2.4), ``torch.distributed.fsdp.fully_shard`` at its public path (2.6),
+#: ``torch.distributed.tensor.DTensor`` (2.5), ``torch.amp.GradScaler(device)`` (2.3),
+#: ``Tensor.register_post_accumulate_grad_hook`` (2.1).
+MIN_TORCH = (2, 7)
+
+
+def check_torch_version(version: str) -> None:
+    """Refuse a torch older than `MIN_TORCH` with an ImportError that names both versions: an old torch would
+    otherwise fail later, inside the first optimizer step, with a TypeError about a keyword argument."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found.group(1)), int(found.group(2))) < MIN_TORCH:
+        floor = ".".join(map(str, MIN_TORCH))
+        raise ImportError(f"hf_zenflow needs torch >= {floor}; this environment has torch {version}: "
+                          f"pip install 'torch>={floor}'")
+
+
+check_torch_version(torch.__version__)
+
+
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
+def _finite(value: Any) -> bool:
+    """A finite real number (not a bool, a string or a tensor)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """Reject AdamW settings torch would reject, naming the argument."""
-    if isinstance(lr, torch.Tensor) or not 0.0 <= lr:
-        raise ValueError(f"lr={lr!r} is invalid: allowed is a float >= 0.")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+    """Reject AdamW settings torch would reject, and those no run can use (infinite, NaN, a bool, a string),
+    naming the argument. The one check of these values: the optimizers' arguments and param groups, and a
+    checkpoint's param groups (`checkpoint/validate.py`)."""
+    if not _finite(lr) or not 0.0 <= lr:
+        raise ValueError(f"lr={lr!r} is invalid: allowed is a finite float >= 0.")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(_finite(b) and 0.0 <= b < 1.0
+                                                                          for b in betas):
         raise ValueError(f"betas={betas!r} is invalid: allowed is a pair of floats in [0, 1).")
-    if not 0.0 <= eps:
-        raise ValueError(f"eps={eps!r} is invalid: allowed is a float >= 0.")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"weight_decay={weight_decay!r} is invalid: allowed is a float >= 0.")
+    if not _finite(eps) or not 0.0 <= eps:
+        raise ValueError(f"eps={eps!r} is invalid: allowed is a finite float >= 0.")
+    if not _finite(weight_decay) or not 0.0 <= weight_decay:
+        raise ValueError(f"weight_decay={weight_decay!r} is invalid: allowed is a finite float >= 0.")
+
+
+def check_group_hyperparameters(group: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """`check_hyperparameters` of a param group that sets any of them itself (the rest from `defaults`)."""
+    if any(key in group for key in _HYPER_KEYS):
+        check_hyperparameters(*(group.get(key, defaults[key]) for key in _HYPER_KEYS))
 
 
 def fused_adamw_(
@@ -91,29 +129,39 @@ def torch_threads(n: int) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+def torch_norms(grads: list[torch.Tensor], norm_type: float = 2.0) -> list[torch.Tensor]:
+    """Per-tensor norms (in the order given) computed exactly as `torch.nn.utils.clip_grad_norm_` computes them:
+    grouped by device and dtype, one ``torch._foreach_norm`` per group where supported. A tensor's norm has the same
+    bits whatever else is in its group (the foreach kernel reduces each tensor on its own)."""
+    if not grads:
+        return []
+    norms: list[torch.Tensor | None] = [None] * len(grads)
+    grouped = torch.utils._foreach_utils._group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[attr-defined]
+    for (device, _), ([device_grads], indices) in grouped.items():
+        if torch.utils._foreach_utils._has_foreach_support(device_grads, device):  # type: ignore[attr-defined]
+            values = list(torch._foreach_norm(device_grads, norm_type))
+        else:
+            values = [torch.linalg.vector_norm(g, norm_type) for g in device_grads]
+        for i, v in zip(indices, values):
+            norms[i] = v
+    return norms  # type: ignore[return-value]
+
+
 def grad_norms(grads: list[torch.Tensor], norm_type: float = 2.0,
                known: list[torch.Tensor | None] | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per-tensor norms (in the order given) and their total, computed exactly as
-    `torch.nn.utils.clip_grad_norm_` does (grouped by device and dtype, foreach where supported, the total taken
-    over the norms in grouped order), so the total is bit-identical to what torch would report. `known`: norms
-    already computed the same way (`gradients.torch_norm`, in backward hooks), used instead of reading again."""
+    `torch.nn.utils.clip_grad_norm_` does (`torch_norms`, the total taken over the norms in grouped order), so the
+    total is bit-identical to what torch would report. `known`: norms already computed the same way
+    (`gradients.torch_norm`, in backward hooks), used instead of reading again."""
     if not grads:
         return [], torch.tensor(0.0)
     known = known if known is not None else [None] * len(grads)
-    grouped = torch.utils._foreach_utils._group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[attr-defined]
+    missing = [i for i, n in enumerate(known) if n is None]
     norms: list[torch.Tensor | None] = list(known)
-    in_grouped_order: list[torch.Tensor] = []
-    for (device, _), ([device_grads], indices) in grouped.items():
-        missing = [j for j, i in enumerate(indices) if norms[i] is None]
-        todo = [device_grads[j] for j in missing]
-        if todo:
-            if torch.utils._foreach_utils._has_foreach_support(todo, device):  # type: ignore[attr-defined]
-                values = list(torch._foreach_norm(todo, norm_type))
-            else:
-                values = [torch.linalg.vector_norm(g, norm_type) for g in todo]
-            for j, v in zip(missing, values):
-                norms[indices[j]] = v
-        in_grouped_order.extend(norms[i] for i in indices)
+    for i, n in zip(missing, torch_norms([grads[i] for i in missing], norm_type)):
+        norms[i] = n
+    grouped = torch.utils._foreach_utils._group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[attr-defined]
+    in_grouped_order = [norms[i] for _, (_, indices) in grouped.items() for i in indices]
     first = grads[0].device
     total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in in_grouped_order]), norm_type)
     return norms, total  # type: ignore[return-value]

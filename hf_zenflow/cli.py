@@ -23,12 +23,22 @@ from hf_zenflow.settings.cli_types import (
     fraction,
     interval,
     lr_scale,
+    memory_budget,
     non_negative_float,
     non_negative_int,
+    parameter_count,
     positive_float,
     positive_int,
     writeback_lag,
 )
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's parser whose argument errors are one line (the usage block is what ``--help`` shows) with exit
+    status 2, like every other refusal of the command line. Subcommands' parsers are of the same class."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
 
 
 class TrueDefaultsFormatter(argparse.HelpFormatter):
@@ -82,6 +92,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "compare",
         help=SUMMARIES["compare"],
+        allow_abbrev=False,
         description="Fine-tune the same model three ways (same seed, data and schedule), print a headline table "
         "and write results.md (every figure), results.json, loss_curves.png and time_breakdown.png into a new run "
         "folder (and, with --save-model, the ZenFlow-trained model with its model card). Warns when other processes "
@@ -124,11 +135,13 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    '"none" (the next window boundary)')
     p.add_argument("--min-offload-numel", type=non_negative_int, default=d.min_offload_numel,
                    help="ZenFlow: matrices with fewer elements stay wholly on the device (e.g. the classifier head)")
-    p.add_argument("--device-memory-budget", type=non_negative_int, default=None, metavar="BYTES",
+    p.add_argument("--device-memory-budget", type=memory_budget, default=d.device_memory_budget,
+                   metavar="sync|free|BYTES",
                    help="ZenFlow: the device memory its whole step may hold (weights, gradients, optimizer state, "
-                   "window sums), e.g. sync offload's peak from an earlier run's headline: matrices under "
-                   "--min-offload-numel are offloaded too, largest first, until the step fits, and "
-                   "accumulate_on=\"auto\" decides under it (default: the device's free memory)")
+                   "window sums): sync = what synchronous offload holds (its weights and gradients; where people "
+                   "offload the device has no more), free = the device's free memory, or a number of bytes; "
+                   "matrices under --min-offload-numel are offloaded too, largest first, until the step fits, and "
+                   "accumulate_on=\"auto\" decides under it")
     p.add_argument("--select-strategy", default=d.select_strategy, choices=["auto", "step", "epoch"],
                    help='ZenFlow column re-selection: "step"/"epoch" every --select-interval steps/epochs, "auto" '
                    "every epoch")
@@ -148,9 +161,9 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-cores", type=positive_int, default=None,
                    help="cores of the host: the host AdamW threads of synchronous offload and of ZenFlow's worker, "
                    "and of the projection's host (default: half the cores this process may use)")
-    p.add_argument("--project-params", type=positive_float, default=None,
-                   help="after the runs, project the three schedules to a model of this many parameters (e.g. 7e9) "
-                   "on --project-hardware (default: the model that ran)")
+    p.add_argument("--project-params", type=parameter_count, default=None,
+                   help="after the runs, project the three schedules to a model of this many parameters (e.g. 7e9 or "
+                   "7B) on --project-hardware (default: the model that ran)")
     p.add_argument("--project-hardware", default=",".join(d.project_hardware),
                    help="comma-separated hardware profiles of the projection (presets or JSON files) (default: "
                    "%(default)s)")
@@ -221,6 +234,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "estimate",
         help=SUMMARIES["estimate"],
+        allow_abbrev=False,
         description="The bound model (not a measurement; no GPU is used): per step, the device, link and host time "
         "of no-offload AdamW, synchronous offload (ZeRO-Offload's schedule) and ZenFlow on a hardware profile, what "
         "bounds each and which setting moves the bound; the device and host memory of each and whether it fits; "
@@ -253,6 +267,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "tune",
         help=SUMMARIES["tune"],
+        allow_abbrev=False,
         description="Fine-tune the same model from the same start with adamw_torch and with ZenFlow settings from a "
         "grid (topk_ratio x update_interval x host_lr_scale, and writeback_lag at the default ratio; the library "
         "default first) until the budget is spent; "
@@ -291,8 +306,8 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                    help="tolerance: held-out loss at most this many percent above adamw_torch's")
     p.add_argument("--hardware", default=d.hardware,
                    help=f"profile for the modelled speed-up: a preset ({', '.join(sorted(PROFILES))}) or a JSON file")
-    p.add_argument("--target-params", type=positive_float, default=None,
-                   help="model size the speed-up is modelled for (default: this model's)")
+    p.add_argument("--target-params", type=parameter_count, default=None,
+                   help="model size the speed-up is modelled for, e.g. 7e9 or 7B (default: this model's)")
     p.add_argument("--target-tokens-per-step", type=positive_float, default=None,
                    help="tokens per optimizer step at scale (default: this task's)")
     p.add_argument("--device-cores", type=positive_int, default=None,
@@ -313,16 +328,21 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_tune(args: argparse.Namespace) -> int:
-    from hf_zenflow.compare.data import AssetMissingError
     from hf_zenflow.tuning.tune import TuneConfig, check_tune_inputs, format_recommendation, format_table, run_tune
 
-    require("compare", "hf-zenflow tune")
     fields = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     for key in ("topk", "intervals", "scales", "lags"):
         fields[key] = tuple(fields[key])
     try:
         cfg = TuneConfig(**fields)
-        check_tune_inputs(cfg)  # every input before any work (one line, exit 2)
+        check_tune_inputs(cfg)  # every input before the heavy imports and any work (one line, exit 2)
+    except ValueError as exc:
+        print(f"hf-zenflow tune: {exc}", file=sys.stderr)
+        return 2
+    require("compare", "hf-zenflow tune")
+    from hf_zenflow.compare.data import AssetMissingError
+
+    try:
         payload = run_tune(cfg)
     except (AssetMissingError, ValueError) as exc:
         print(f"hf-zenflow tune: {exc}", file=sys.stderr)
@@ -354,13 +374,13 @@ _BUILDERS = {"compare": _add_compare, "estimate": _add_estimate, "tune": _add_tu
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with `command`, only that command's flags (the others are listed by name): a
     command's parser reads defaults from modules that take a while to import."""
-    parser = argparse.ArgumentParser(prog="hf-zenflow", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(prog="hf-zenflow", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, add in _BUILDERS.items():
         if command in (None, name):
             add(sub)
         else:
-            sub.add_parser(name, help=SUMMARIES[name], add_help=False)
+            sub.add_parser(name, help=SUMMARIES[name], add_help=False, allow_abbrev=False)
     return parser
 
 

@@ -72,7 +72,7 @@ def one_step(run: dict[str, Any], name: str, batches: list[Any], max_grad_norm: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--block", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warm", type=int, default=6)

@@ -35,7 +35,8 @@ def mlp(width: int, layers: int, seed: int = 0) -> torch.nn.Sequential:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--width", type=int, default=2048, help="width of every Linear layer (default 2048)")
     ap.add_argument("--layers", type=int, default=12, help="Linear layers (default 12: ~50M parameters)")
     ap.add_argument("--batch", type=int, default=64, help="rows per batch (default 64)")

@@ -46,7 +46,7 @@ ALL = ("adamw_torch_fused", "sync_offload", "zenflow", "zenflow_device_acc", "to
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=24)
@@ -236,7 +236,10 @@ def run_one(name: str, args: argparse.Namespace, device: torch.device, batches: 
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "gpu_busy_fraction": statistics.fmean(busy) if busy else None,
-        "peak_device_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        # (ZenFlowAdamW resets the allocator's peak at the end of each step and keeps the run's in its stats)
+        "peak_device_memory_gib": max(torch.cuda.max_memory_allocated(device),
+                                      (stats[-1] if stats else {}).get("peak_device_bytes", 0)) / 2**30
+        if device.type == "cuda" else None,
         "engine_stats_last": {k: v for k, v in (stats[-1] if stats else {}).items() if isinstance(v, (int, float))},
     }
     del runner, model, fwd

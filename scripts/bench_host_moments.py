@@ -53,7 +53,7 @@ def _use_kernels(on: bool) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=1 << 24)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--interval", type=int, default=4)

@@ -67,7 +67,7 @@ def one_step(run: dict[str, Any], batches: list[Any], max_grad_norm: float, reco
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--thresholds", default="0,65536,262144,1048576", help="min_offload_numel, free device memory")
     ap.add_argument("--limited", default="262144", help="min_offload_numel under --limit (empty: none)")
     ap.add_argument("--limit", type=int, default=181711888, help="device_memory_limit_bytes (default: sync "
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
 
-    base = CompareConfig(steps=60)
+    base = CompareConfig(steps=60, device_memory_budget="free")  # the unlimited variants: the free memory
     split = base.core_split()
     split.apply_device()  # as `train_one`: D intra-op threads (and the device's allocator model) before any forward
     task = prepare_task(model=base.model, task=base.task, steps=base.steps, train_size=base.train_size, eval_size=50,

@@ -42,7 +42,8 @@ def transformer_shapes(params: float) -> list[tuple[int, ...]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=100e6, help="approximate parameter count (default 1e8)")
     ap.add_argument("--steps", type=int, default=16, help="timed steps per optimizer (default 16)")
     ap.add_argument("--warmup", type=int, default=8,

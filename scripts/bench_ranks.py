@@ -203,7 +203,8 @@ def table(results: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=3, help="Llama-MLP blocks (default 3: 26M parameters)")
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024; intermediate 2816)")
     ap.add_argument("--batch", type=int, default=16, help="rows per rank (B; one process gets 2B; default 16)")

@@ -26,7 +26,7 @@ from hf_zenflow.transport.cpu_device import kernels
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--numel", type=int, default=1 << 24)
     parser.add_argument("--interval", type=int, default=4)
     parser.add_argument("--grad-dtype", choices=["bf16", "fp32"], default="bf16")

@@ -92,7 +92,7 @@ def measure_zenflow(params: list[torch.nn.Parameter], grads: list[torch.Tensor],
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=float, default=16e6, help="bf16 parameters of the model (default: 16e6)")
     parser.add_argument("--threads", type=int, default=1, help="host threads (default: 1)")
     parser.add_argument("--interval", type=int, default=4, help="ZenFlow's update_interval (default: 4)")

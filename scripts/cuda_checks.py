@@ -293,8 +293,13 @@ class EventWaits:
         torch.cuda.Event.synchronize = self._original  # type: ignore[method-assign]
 
 
+#: The training thread's synchronising CUDA calls an ordinary step may make: the step's one read of its scalars.
+SYNCS_PER_ORDINARY_STEP = 1
+
+
 def host_syncs(device: torch.device, steps: int = 24) -> dict[str, Any]:
-    """Per accumulation place: synchronising CUDA calls and event waits of the training thread per step."""
+    """Per accumulation place: synchronising CUDA calls and event waits of the training thread per step; an
+    ordinary step makes at most `SYNCS_PER_ORDINARY_STEP` and waits on no event."""
     out: dict[str, Any] = {}
     ok = True
     for accumulate_on in ACCUMULATIONS:
@@ -328,8 +333,10 @@ def host_syncs(device: torch.device, steps: int = 24) -> dict[str, Any]:
         finally:
             opt.close()
         ordinary = [s for s in per_step if not s["window_closed_or_selection_or_warm_up"]]
-        # an ordinary step's training thread waits on no event: copies to the host are waited for by the worker
-        part_ok = chosen == accumulate_on and all(s["event_waits_training"] == 0 for s in ordinary)
+        # an ordinary step's training thread waits on no event (copies to the host are waited for by the worker)
+        # and synchronises once: the step's one read of its scalars
+        part_ok = (chosen == accumulate_on and bool(ordinary)
+                   and all(s["event_waits_training"] == 0 and s["syncs"] <= SYNCS_PER_ORDINARY_STEP for s in ordinary))
         out[f"accumulate_on={accumulate_on}"] = {
             "ok": part_ok, "per_step": per_step, "ordinary_steps": len(ordinary),
             "syncs_per_ordinary_step_max": max((s["syncs"] for s in ordinary), default=None),
@@ -382,9 +389,10 @@ def _nccl_rank(rank: int, init_file: str, results: Any) -> None:
     import torch.distributed as dist
 
     try:
-        torch.cuda.set_device(0)
+        gpu = rank % torch.cuda.device_count()
+        torch.cuda.set_device(gpu)
         dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=30), device_id=torch.device("cuda", 0))
+                                timeout=datetime.timedelta(seconds=30), device_id=torch.device("cuda", gpu))
         t = torch.full((4,), float(rank + 1), device="cuda")
         dist.all_reduce(t)
         torch.cuda.synchronize()
@@ -394,9 +402,9 @@ def _nccl_rank(rank: int, init_file: str, results: Any) -> None:
         results.put((rank, "error", f"{type(exc).__name__}: {exc}"[:500]))
 
 
-def nccl_two_ranks_one_gpu(device: torch.device, wait_s: float = 30.0) -> dict[str, Any]:
-    """Two processes, one NCCL group, both on GPU 0, one all-reduce (3 expected on both ranks); `wait_s` for both
-    answers together."""
+def nccl_two_ranks(device: torch.device, wait_s: float = 30.0) -> dict[str, Any]:
+    """Two processes, one NCCL group, one per GPU (rank r on GPU r modulo the GPUs), one all-reduce (3 expected on
+    both ranks); `wait_s` for both answers together."""
     import queue
     import time
 
@@ -442,15 +450,230 @@ def nccl_verdict(answers: list[tuple[int, str, Any]]) -> dict[str, Any]:
     return {"ok": False, "ran": False, "answers": answers, "why": "the two ranks did not both finish"}
 
 
-DEVICE_INDEPENDENT = {"fp16_grad_scaler": fp16_grad_scaler}
-CUDA_ONLY = {"host_syncs": host_syncs, "pinned_link_buffers": pinned_link_buffers,
-             "nccl_two_ranks_one_gpu": nccl_two_ranks_one_gpu}
+# ---------------------------------------------------------------------------------------------------------------
+# Races made visible: copies made late on purpose, against the same run with every copy synchronous
+# ---------------------------------------------------------------------------------------------------------------
+#: Cycles a slowed stream spins before each copy and before each module's gradients (`torch.cuda._sleep`): about
+#: 10 ms at 2 GHz, far longer than a missing wait could go unnoticed.
+SLEEP_CYCLES = 20_000_000
+#: The schedules the race check runs: copies in backward with gradients freed there (host sums), and bf16 window
+#: sums shipped once per window (``accumulate_on="device_bf16"``); windows of 2 steps, a re-selection at step 4.
+RACE_SETTINGS: dict[str, dict[str, Any]] = {
+    "host_sums_freed": dict(accumulate_on="host", free_gradients_in_backward="on"),
+    "device_bf16_sums": dict(accumulate_on="device_bf16", free_gradients_in_backward="off"),
+}
+
+
+def _cuda_streams_slowed(cycles: int) -> Any:
+    from hf_zenflow.transport import CudaStreams
+
+    class SlowedStreams(CudaStreams):
+        """Every copy waits `cycles` on its own stream first: the side stream's device->host copies and the
+        compute stream's write-back land late, so a reader that does not wait for them reads too early."""
+
+        def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+            torch.cuda._sleep(cycles)  # (on the current stream: the copy's)
+            super().copy(dst, src)
+
+    return SlowedStreams()
+
+
+class MlpPair(torch.nn.Module):
+    """A Llama MLP's two largest matrices (4096 x 11008 and 11008 x 4096 on CUDA), bf16."""
+
+    def __init__(self, hidden: int, intermediate: int, device: torch.device) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(hidden, intermediate, bias=False, dtype=torch.bfloat16, device=device)
+        self.down = torch.nn.Linear(intermediate, hidden, bias=False, dtype=torch.bfloat16, device=device)
+        self.norm = torch.nn.Parameter(torch.ones(hidden, dtype=torch.bfloat16, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.silu(self.up(x * self.norm)))
+
+
+def race_shape(device: torch.device) -> tuple[int, int]:
+    """(hidden, intermediate): Llama-7B's on CUDA; small on the CPU, where the double makes the copies late."""
+    return (4096, 11008) if device.type == "cuda" else (64, 172)
+
+
+def _race_run(device: torch.device, settings: dict[str, Any], slowed: bool, steps: int, cycles: int
+              ) -> tuple[list[torch.Tensor], list[float], int]:
+    """Train `steps` steps; `slowed`: copies made late (CUDA: `_cuda_streams_slowed`, and the compute stream slowed
+    before each module's gradients; the CPU: the asynchronous double with long delays), else every copy
+    synchronous (`CopyTransport` over pageable memory). Returns the weights, the losses and the copies made."""
+    import hf_zenflow.transport as transport_package
+    from hf_zenflow.transport import CopyTransport, CudaTransport
+
+    backends: list[Any] = []
+
+    def late(dev: torch.device) -> Any:
+        if device.type == "cuda":
+            return CudaTransport(streams=_cuda_streams_slowed(cycles))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.doubles.async_device import AsyncCopies, CheckedRegistrar
+
+        backends.append(AsyncCopies(seed=len(backends), max_delay_s=0.01))
+        return CudaTransport(streams=backends[-1], registrar=CheckedRegistrar(backends[-1]))
+
+    real = transport_package.transport_for
+    transport_package.transport_for = late if slowed else (lambda dev: CopyTransport())
+    hidden, intermediate = race_shape(device)
+    torch.manual_seed(0)
+    model = MlpPair(hidden, intermediate, device)
+    hooks = []
+    if slowed and device.type == "cuda":
+        # the compute stream is late too: a copy that did not wait for the gradient it reads reads it unfinished
+        hooks = [m.register_full_backward_pre_hook(lambda *_: torch.cuda._sleep(cycles))
+                 for m in (model.up, model.down)]
+    g = torch.Generator().manual_seed(3)
+    opt = _zenflow(model, lr=1e-3, topk_ratio=0.1, update_interval=2, select_interval=4, **settings)
+    losses = []
+    try:
+        for _ in range(steps):
+            x = torch.randn(16, hidden, generator=g).to(device, torch.bfloat16)
+            loss = model(x).float().square().mean()
+            loss.backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        opt.flush()
+        copies = int(opt.stats()["total_bytes_to_host"])
+    finally:
+        opt.close()
+        transport_package.transport_for = real
+        for hook in hooks:
+            hook.remove()
+    for backend in backends:
+        backend.synchronize(torch.device("cpu"))
+        backend.check()
+    return [p.detach().clone() for p in model.parameters()], losses, copies
+
+
+def races(device: torch.device, steps: int = 6, cycles: int = SLEEP_CYCLES) -> dict[str, Any]:
+    """Per schedule of `RACE_SETTINGS`: the run with copies made late equals, bit for bit, the same run with every
+    copy synchronous (weights and losses). Any device: on the CPU over the asynchronous double (CI runs it)."""
+    out: dict[str, Any] = {"shape": race_shape(device)}
+    ok = True
+    for name, settings in RACE_SETTINGS.items():
+        reference, ref_losses, _ = _race_run(device, settings, slowed=False, steps=steps, cycles=cycles)
+        weights, losses, moved = _race_run(device, settings, slowed=True, steps=steps, cycles=cycles)
+        differing = [i for i, (a, b) in enumerate(zip(weights, reference)) if not torch.equal(a, b)]
+        part_ok = not differing and losses == ref_losses and moved > 0
+        out[name] = {"ok": part_ok, "parameters_differing": differing, "losses_equal": losses == ref_losses,
+                     "bytes_to_host": moved}
+        ok &= part_ok
+    out["ok"] = ok
+    return out
+
+
+def sanitized(device: torch.device, timeout_s: float = 25.0) -> dict[str, Any]:
+    """The race check's schedules on small matrices in a process under ``TORCH_CUDA_SANITIZER=1`` (torch's CUDA
+    stream sanitizer: it raises where a kernel or copy reads or writes a tensor that another stream used without a
+    synchronisation between them). Fails on its report, or when the run fails otherwise."""
+    import subprocess
+
+    code = ("import sys, torch; sys.path[:0] = sys.argv[1:3]; import cuda_checks as c; "
+            "c.race_shape = lambda device: (256, 688); "
+            "r = c.races(torch.device('cuda'), steps=4, cycles=0); print(r); sys.exit(0 if r['ok'] else 1)")
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    try:
+        here = Path(__file__).resolve().parent
+        done = subprocess.run([sys.executable, "-c", code, str(here), str(here.parent)], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "ran": False, "why": f"did not finish within {timeout_s} s"}
+    tail = (done.stdout + done.stderr)[-3000:]
+    reported = "CUDASanitizerErrors" in tail or "CSAN detected" in tail
+    return {"ok": done.returncode == 0 and not reported, "ran": True, "race_reported": reported,
+            "returncode": done.returncode, "output_tail": tail}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Device memory, measured against the estimate (CUDA only)
+# ---------------------------------------------------------------------------------------------------------------
+#: What the allocator may hold beyond the estimate and the activations: cuBLAS's workspace, rounding to blocks.
+MEMORY_SLACK_BYTES = 96 << 20
+
+
+def _memory_model(device: torch.device) -> torch.nn.Module:
+    hidden, intermediate = race_shape(device)
+    torch.manual_seed(0)
+    return torch.nn.Sequential(MlpPair(hidden, intermediate, device), MlpPair(hidden, intermediate, device))
+
+
+def _memory_run(device: torch.device, steps: int, **settings: Any) -> dict[str, int]:
+    """Peak allocated and reserved bytes of `steps` steps (from a fresh allocator state), the optimizer's estimate
+    of its peak (`device_budget.estimate_peak`, as the limit uses it) and the activations' bytes."""
+    from hf_zenflow.engine.device_budget import estimate_peak
+
+    model = _memory_model(device)
+    hidden = race_shape(device)[0]
+    x = torch.randn(16, hidden, device=device, dtype=torch.bfloat16)
+    weights = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    model(x).float().square().mean().backward()  # (activations and gradients, no optimizer)
+    gradients = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    activations = max(0, torch.cuda.max_memory_allocated(device) - weights - gradients)
+    model.zero_grad(set_to_none=True)
+    opt = _zenflow(model, lr=1e-3, topk_ratio=0.1, update_interval=2, select_interval=100, **settings)
+    try:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(steps):
+            model(x).float().square().mean().backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        estimate = estimate_peak(opt.param_groups, opt.config, opt._offload_threshold(),
+                                 opt._host.free_kind is not None, accumulate_on=opt.stats()["accumulate_on"]).total
+        return {"allocated_peak": torch.cuda.max_memory_allocated(device),
+                "reserved_peak": torch.cuda.max_memory_reserved(device), "estimate": estimate,
+                "activations": activations, "offloaded_gradient_bytes": gradients}
+    finally:
+        opt.close()
+
+
+def device_memory(device: torch.device, steps: int = 4) -> dict[str, Any]:
+    """Measured against the estimate: with gradients freed in backward and without, the allocator's peak stays
+    within the optimizer's estimate plus the activations (and `MEMORY_SLACK_BYTES`); freeing lowers it by at least
+    half of the gradients it frees (all but the largest, which its hook still holds); and under a
+    ``device_memory_limit_bytes`` of the freed run's estimate, the memory the allocator reserves stays within the
+    limit plus the activations and the slack."""
+    runs = {free: _memory_run(device, steps, accumulate_on="host", free_gradients_in_backward=free)
+            for free in ("off", "on")}
+    limit = runs["on"]["estimate"]
+    limited = _memory_run(device, steps, accumulate_on="host", free_gradients_in_backward="on",
+                          device_memory_limit_bytes=limit)
+    within = {name: run["allocated_peak"] <= run["estimate"] + run["activations"] + MEMORY_SLACK_BYTES
+              for name, run in {**{f"free={k}": v for k, v in runs.items()}, "limited": limited}.items()}
+    hidden, intermediate = race_shape(device)
+    largest = hidden * intermediate * torch.bfloat16.itemsize  # (the largest gradient: one MLP matrix's)
+    freed_saves = runs["off"]["allocated_peak"] - runs["on"]["allocated_peak"]
+    freeing_ok = freed_saves >= 0.5 * (runs["on"]["offloaded_gradient_bytes"] - largest)
+    limit_ok = limited["estimate"] <= limit and \
+        limited["reserved_peak"] <= limit + limited["activations"] + MEMORY_SLACK_BYTES
+    return {"ok": all(within.values()) and freeing_ok and limit_ok, "within_estimate": within,
+            "freeing_saves_bytes": freed_saves, "freeing_ok": freeing_ok, "limit_bytes": limit, "limit_ok": limit_ok,
+            "runs": {**{f"free={k}": v for k, v in runs.items()}, "limited": limited}}
+
+
+DEVICE_INDEPENDENT = {"fp16_grad_scaler": fp16_grad_scaler, "races": races}
+CUDA_ONLY = {"host_syncs": host_syncs, "pinned_link_buffers": pinned_link_buffers, "device_memory": device_memory,
+             "sanitized": sanitized}
+#: Checks that need more than one GPU (skipped, and said so, on one).
+MULTI_GPU = {"nccl_two_ranks": nccl_two_ranks}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", default="gpu_out")
     p.add_argument("--device", default="cuda", help="cuda (every check) or cpu (the device-independent ones)")
+    p.add_argument("--checks", default=None,
+                   help="comma-separated names to run (default: every check the device allows); results go to "
+                        "<out-dir>/cuda_checks_<names>.json then")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -458,20 +681,33 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
                            "torch": torch.__version__}
-    checks = {**DEVICE_INDEPENDENT, **(CUDA_ONLY if device.type == "cuda" else {})}
+    allowed = {**DEVICE_INDEPENDENT}
+    if device.type == "cuda":
+        allowed.update(CUDA_ONLY)
+        if torch.cuda.device_count() > 1:
+            allowed.update(MULTI_GPU)
+    wanted = args.checks.split(",") if args.checks else list(allowed)
+    unknown = [name for name in wanted if name not in {**DEVICE_INDEPENDENT, **CUDA_ONLY, **MULTI_GPU}]
+    if unknown:
+        p.error(f"unknown checks {unknown}")
+    results = Path(args.out_dir) / (f"cuda_checks_{'_'.join(wanted)}.json" if args.checks else "cuda_checks.json")
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     failed = False
-    for name, check in checks.items():
-        try:
-            out[name] = check(device)
-            failed |= out[name].get("ok") is not True
-        except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others' results
-            traceback.print_exc()
-            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            failed = True
+    for name in wanted:
+        if name not in allowed:
+            out[name] = {"ok": True, "ran": False,
+                         "why": "needs CUDA" if name in CUDA_ONLY else "needs more than one GPU"}
+        else:
+            try:
+                out[name] = allowed[name](device)
+                failed |= out[name].get("ok") is not True
+            except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others' results
+                traceback.print_exc()
+                out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                failed = True
         print(name, "ok" if out[name].get("ok") else "FAILED", json.dumps(out[name], default=str)[:2000], flush=True)
         # written after every check: a run stopped by its time limit keeps the results it has
-        (Path(args.out_dir) / "cuda_checks.json").write_text(json.dumps(out, indent=2, default=str))
+        results.write_text(json.dumps(out, indent=2, default=str))
     return 1 if failed else 0
 
 

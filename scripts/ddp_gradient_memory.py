@@ -58,7 +58,7 @@ def rank_main(rank: int, init_file: str, bucket_view: bool, layers: int, width: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=2048)
     args = parser.parse_args()

@@ -246,11 +246,11 @@ def _pm(mean: float, half: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("run", "spread"):
-        p = commands.add_parser(name)
+        p = commands.add_parser(name, allow_abbrev=False)
         p.add_argument("--task", choices=sorted(TASKS), default="minilm")
         p.add_argument("--lr", type=float, required=True)
         p.add_argument("--ratio", type=float, default=ZenFlowConfig().topk_ratio,
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--out", required=True)
         else:
             p.add_argument("--seed", type=int, default=0)
-    p = commands.add_parser("summary")
+    p = commands.add_parser("summary", allow_abbrev=False)
     p.add_argument("files", nargs="+")
     args = parser.parse_args(argv)
     if getattr(args, "delay", 0) < 0:

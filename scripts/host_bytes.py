@@ -96,7 +96,7 @@ def host_bytes(opt: ZenFlowAdamW) -> tuple[dict[str, int], int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["minilm", "llama"], default="minilm")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batch", type=int, default=16)

@@ -211,7 +211,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20, help="kills per setting (default: %(default)s)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="settings (default: 1 2)")
     parser.add_argument("--max-steps", type=int, default=8)

@@ -1,6 +1,7 @@
 """ZenFlow settings across learning rates, paired against `adamw_torch`: the tiny byte-level Llama of `tests/hf`
 pretrained for 150 steps, then fine-tuned 30 steps x 4 sequences under the Trainer (linear decay, no warm-up), held-out
-loss. Small enough to sweep learning rates up to the edge of stability in a minute per setting (BENCHMARKS.md §4).
+loss. Small enough to sweep learning rates up to the edge of stability in a minute per setting
+(BENCHMARKS.md "Quality: high learning rates").
 
     python scripts/quality_high_lr.py --seeds 0 1 2 --lrs 3e-3 1e-3 3e-4 \\
         --variants defaults "host_lr_scale=interval" "host_lr_scale=interval writeback_lag=1"
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 1e-3, 3e-4])
     p.add_argument("--pretrain-steps", type=int, default=150, help="steps of the base model's pretraining")

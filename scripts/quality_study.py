@@ -94,7 +94,7 @@ def prepare(task_name: str, seed: int, lr: float | None = None) -> tuple[Any, Co
     spec = dict(TASKS[task_name], **({"lr": lr} if lr is not None else {}))
     lora = spec.pop("lora", False)
     layers = spec.pop("layers", None)
-    cfg = CompareConfig(seed=seed, quiet=True, log_every=0, **spec)
+    cfg = CompareConfig(seed=seed, quiet=True, log_every=0, device_memory_budget="free", **spec)
     task = prepare_task(model=cfg.model, steps=cfg.steps, train_size=cfg.train_size, eval_size=cfg.eval_size,
                         batch_size=cfg.batch_size, max_length=cfg.max_length, seed=seed,
                         eval_batch_size=cfg.eval_batch_size,
@@ -205,9 +205,9 @@ def _pm(mean: float, half: float | None, decimals: int = 2) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run")
+    p = sub.add_parser("run", allow_abbrev=False)
     p.add_argument("--task", choices=sorted(TASKS), required=True)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--grid", default="minilm")
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reference", action="store_true",
                    help="ZenFlow runs only (no adamw_torch run); pair them with `summary --reference LABEL`")
     p.add_argument("--out", required=True)
-    s = sub.add_parser("summary")
+    s = sub.add_parser("summary", allow_abbrev=False)
     s.add_argument("files", nargs="+")
     s.add_argument("--reference", default="adamw_torch",
                    help="the run label the others are paired with (default adamw_torch)")

@@ -559,9 +559,9 @@ def _pm(mean: float, half: float | None, digits: int = 2) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run")
+    p = sub.add_parser("run", allow_abbrev=False)
     p.add_argument("--form", choices=("short", "long", "long-run"), default="short")
     p.add_argument("--cases", nargs="+", choices=sorted(CASES))
     p.add_argument("--lrs", type=float, nargs="+")
@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=250,
                    help="long-run form: save the run's state every N steps (0: never), to resume a stopped run")
     p.add_argument("--out", required=True)
-    s = sub.add_parser("summary")
+    s = sub.add_parser("summary", allow_abbrev=False)
     s.add_argument("files", nargs="+")
     s.add_argument("--against", help="also compare every other ZenFlow setting with this one (paired), e.g. "
                    "host_moment_dtype=float32")

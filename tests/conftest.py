@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
+import types
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +35,12 @@ DEVICE = torch.device(os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu"))
 FP32_MOMENTS = {"host_moment_dtype": "float32"}
 
 
+def plan_with_host_ram(monkeypatch: pytest.MonkeyPatch, nbytes: float | None) -> None:
+    """The host RAM the planner sees for the host state (`hf_zenflow.engine.planner.host_room`), fixed for a test:
+    where it is short for host window sums, ``accumulate_on="auto"`` takes device sums when they fit the device."""
+    monkeypatch.setattr("hf_zenflow.engine.planner.host_room", lambda: nbytes)
+
+
 def assert_same_across_devices(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     """`ours` (computed by the host's AdamW) equals `theirs` (torch's AdamW on `DEVICE`): bit for bit when the device
     is the CPU (the same kernel on the same numbers); on CUDA within fp32 rounding, because CUDA's fused AdamW is
@@ -40,6 +49,14 @@ def assert_same_across_devices(ours: torch.Tensor, theirs: torch.Tensor) -> None
         assert torch.equal(ours, theirs)
     else:
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
+def load_script(name: str) -> types.ModuleType:
+    """The module of ``scripts/<name>.py`` (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyNet:

@@ -3,27 +3,16 @@ could never pass on a GPU (or one that passes whatever the optimizer does) is fo
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from hf_zenflow.transport import CopyTransport
+from tests.conftest import load_script
 
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "cuda_checks.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("cuda_checks", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cuda_checks = _load()
+cuda_checks = load_script("cuda_checks")
 
 
 @pytest.mark.parametrize("transport", ["reference", "copying"])
@@ -75,3 +64,14 @@ def test_the_nccl_pair_is_passed_refused_or_failed_by_the_ranks_answers():
     assert refused["ok"] is True and refused["ran"] is False and "does not allow" in refused["why"]
     assert verdict([(0, "ok", 3.0)])["ok"] is False  # a rank that never answered (a hang, a crash)
     assert verdict([(0, "error", "RuntimeError: out of memory"), (1, "ok", 3.0)])["ok"] is False
+
+
+def test_the_race_check_fails_when_the_worker_reads_copies_before_they_land(monkeypatch):
+    """The worker no longer waits for the copies it reads: over the asynchronous double they land late (NaN until
+    then), and the check sees it (a differing run, or the double's own report of the race)."""
+    monkeypatch.setattr("hf_zenflow.transport.link.CopyEvents.wait", lambda self: None)
+    try:
+        result = cuda_checks.races(torch.device("cpu"), steps=4)
+    except AssertionError:  # (the double's report: `CopyRaceError`)
+        return
+    assert result["ok"] is False

@@ -284,9 +284,20 @@ def _code_and_docs() -> list[Path]:
     return [p for p in found if p.name != Path(__file__).name]
 
 
+#: ``docs/page.md "Section"``, ``README.md's *Section*``, ``BENCHMARKS.md, section "Section"``; not a past version's
+#: section (``git show abc1234:BENCHMARKS.md``, "Section"), which git keeps.
+SECTION_REFERENCE = re.compile(
+    r"""((?:docs/[\w-]+|README|(?<!:)BENCHMARKS)\.md)`?(?:'s)?,? (?:section )?["'*]([^"'*\n]+)["'*]""")
+
+
+def _as_read(path: Path) -> str:
+    """A page's text with its lines joined (a section's name may wrap); code as it is."""
+    text = path.read_text(errors="replace")
+    return " ".join(text.split()) if path.suffix == ".md" else text
+
+
 SECTION_REFERENCES = [(path.relative_to(ROOT), page, name) for path in _code_and_docs()
-                      for page, name in re.findall(r"""((?:docs/[\w-]+|README)\.md)(?:'s)?,? ["'*]([^"'*\n]+)["'*]""",
-                                                   path.read_text(errors="replace"))]
+                      for page, name in SECTION_REFERENCE.findall(_as_read(path))]
 
 
 @pytest.mark.parametrize(("path", "page", "name"), SECTION_REFERENCES,
@@ -298,6 +309,17 @@ def test_sections_named_elsewhere_exist(path, page, name):
 
 def test_section_references_are_found():
     assert any(str(path) == "pyproject.toml" for path, _, _ in SECTION_REFERENCES)
+    assert any(page == "BENCHMARKS.md" for _, page, _ in SECTION_REFERENCES)
+    found = SECTION_REFERENCE.findall('BENCHMARKS.md, section "Reliability"; abdbd43:BENCHMARKS.md, "1. Optimizer"')
+    assert found == [("BENCHMARKS.md", "Reliability")]  # (a past version's sections are git's to keep)
+
+
+def test_benchmarks_sections_are_named_not_numbered():
+    """BENCHMARKS.md's sections have names, not numbers: a "BENCHMARKS.md §4b" would point nowhere. Numbers are for a
+    past version (``git show abc1234:BENCHMARKS.md`` §4b)."""
+    found = [f"{path.relative_to(ROOT)}: {m.group(0)!r}" for path in _code_and_docs()
+             for m in re.finditer(r"(?<![:\w])BENCHMARKS(?:\.md)?`?,?\s+§", path.read_text(errors="replace"))]
+    assert found == [], "name the section instead:\n" + "\n".join(found)
 
 
 def test_references_below_and_above_name_a_section_of_the_same_page():

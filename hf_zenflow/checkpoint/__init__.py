@@ -10,7 +10,16 @@ optimizer calls this package with itself (`ZenFlowState`), so a checkpoint can b
 without the optimizer class. The old module path ``hf_zenflow.checkpoint`` keeps its names here.
 """
 
-from .format import FORMAT_VERSION, CheckpointError, check_file, load_file, migrate, pack
+from .format import (
+    FORMAT_VERSION,
+    CheckpointError,
+    SavedProgress,
+    check_file,
+    load_file,
+    migrate,
+    pack,
+    saved_progress,
+)
 from .restore import load, unpack, validate
 from .state import ZenFlowState
 
@@ -18,12 +27,14 @@ from .state import ZenFlowState
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
+    "SavedProgress",
     "ZenFlowState",
     "check_file",
     "load",
     "load_file",
     "migrate",
     "pack",
+    "saved_progress",
     "unpack",
     "validate",
 ]

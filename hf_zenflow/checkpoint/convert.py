@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from ..engine.device_state import DenseDeviceState
 from ..engine.host import host_adamw_window
 from ..engine.host_lr import host_hyper, window_lag
 from ..engine.params import is_split
-from ..engine.selection import num_selected
+from ..engine.selection import num_selected, storage_matrix
 from ..engine.split_matrix import SplitMatrix
 from ..settings.config import ZenFlowConfig
 from .format import (
@@ -202,13 +203,17 @@ def unpack_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
 # To torch.optim.AdamW
 # ---------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def to_torch_adamw(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int, torch.Tensor]]:
+def to_torch_adamw(state_dict: dict[str, Any],
+                   weights: Mapping[int, torch.Tensor] | Sequence[torch.Tensor] | None = None,
+                   ) -> tuple[dict[str, Any], dict[int, torch.Tensor]]:
     """Turn a ZenFlowAdamW state dict into one `torch.optim.AdamW` loads, and the fp32 master weight per parameter
     index that the weights must be set to for the two to continue together.
 
     Whatever ZenFlow had not yet put into the weights is applied first, as `flush()` would: a pending host result
     (already in the host master) and the open window's gradient sum (one host AdamW step with the group's learning
-    rate). Step counts are the device path's (one per optimizer step).
+    rate). Step counts are the device path's (one per optimizer step). `weights`: the parameters' current values by
+    index (e.g. ``list(model.parameters())``), needed where the state leaves a matrix's fp32 master to its fp32
+    weights (saved with the model, not twice).
 
     Example:
         >>> import torch
@@ -216,7 +221,7 @@ def to_torch_adamw(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int
         >>> model = torch.nn.Linear(16, 16)
         >>> opt = ZenFlowAdamW(model.parameters(), lr=1e-3, min_offload_numel=0)
         >>> model(torch.randn(4, 16)).sum().backward(); opt.step()
-        >>> adamw_state, masters = to_torch_adamw(opt.state_dict())
+        >>> adamw_state, masters = to_torch_adamw(opt.state_dict(), weights=list(model.parameters()))
         >>> with torch.no_grad():
         ...     for i, p in enumerate(model.parameters()):
         ...         p.copy_(masters[i])
@@ -224,12 +229,31 @@ def to_torch_adamw(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int
         >>> opt.close()
     """
     try:
-        return _to_torch_adamw(migrate(state_dict))
+        return _to_torch_adamw(migrate(state_dict), weights)
     except _PARSE_ERRORS as exc:
         raise _refused(exc) from None
 
 
-def _to_torch_adamw(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int, torch.Tensor]]:
+def _weight_matrix(entry: dict[str, Any], index: int, weights: Any) -> torch.Tensor | None:
+    """The fp32 weight of parameter `index` as the entry's storage matrix, when the entry leaves a master to it
+    (None when it leaves none); a `CheckpointError` when it does and `weights` does not hold it."""
+    if entry.get("host_master", 0) is not None and entry.get("device_master", 0) is not None:
+        return None
+    try:
+        weight = weights[index] if weights is not None else None
+    except (IndexError, KeyError):
+        weight = None
+    if weight is None:
+        raise CheckpointError(
+            f"to_torch_adamw: parameter {index}'s fp32 master is its weight (saved with the model, not twice in the "
+            "optimizer state): pass the weights, e.g. to_torch_adamw(state, weights=list(model.parameters())).")
+    axis, rows = int(entry.get("axis", 1)), bool(entry.get("rows", False))
+    weight = weight.detach().float().cpu().reshape(entry.get("shape") or weight.shape)
+    return storage_matrix(weight, 1 if rows else axis).clone()
+
+
+def _to_torch_adamw(state_dict: dict[str, Any], weights: Any = None
+                    ) -> tuple[dict[str, Any], dict[int, torch.Tensor]]:
     zenflow = state_dict.get("zenflow") or {}
     if int(zenflow.get("ranks", 1)) > 1:
         raise CheckpointError(
@@ -250,7 +274,8 @@ def _to_torch_adamw(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[in
             if entry["master"] is not None:
                 masters[index] = entry["master"].float().cpu().reshape(shape).clone()
             continue
-        master, m, v, step = _flushed_split(entry, config, group_of[index], zenflow)
+        master, m, v, step = _flushed_split(entry, config, group_of[index], zenflow,
+                                            _weight_matrix(entry, index, weights))
         axis, rows = int(entry.get("axis", 1)), bool(entry.get("rows", False))
         shape = entry.get("shape")
         if shape is None:
@@ -272,12 +297,21 @@ def _unstorage(m: torch.Tensor, axis: int, rows: bool, shape: list[int]) -> torc
     return (m if axis == 1 or rows else m.t()).contiguous().reshape(shape).clone()
 
 
-def _flushed_split(entry: dict[str, Any], config: ZenFlowConfig, group: dict[str, Any],
-                   zenflow: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flushed_split(entry: dict[str, Any], config: ZenFlowConfig, group: dict[str, Any], zenflow: dict[str, Any],
+                   weight: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full fp32 (master, exp_avg, exp_avg_sq) storage matrices of a split entry and its AdamW step count, with the
-    open window applied."""
+    open window applied. `weight`: the fp32 weight's storage matrix, where the entry leaves a master to it."""
     axis = int(entry.get("axis", 1))
     entry = widen_moments(entry)  # (8-bit host moments: their fp32 values)
+    index = entry["device_index"].long().cpu() if "device_index" in entry else None
+    if "device_master" in entry and entry["device_master"] is None:
+        entry = {**entry, "device_master": weight.index_select(axis, index)}  # (the weights hold them)
+    if "host_master" in entry and entry["host_master"] is None:
+        master = weight.clone()
+        if "host_master_columns" in entry:
+            master.index_copy_(axis, index, entry["host_master_columns"].float().cpu())
+        entry = {**entry, "host_master": master}
     if "host_master" in entry:
         master, m, v = (entry[k].float().cpu().clone() for k in ("host_master", "host_exp_avg", "host_exp_avg_sq"))
         count = int(entry.get("accum_count", 0))
@@ -294,7 +328,6 @@ def _flushed_split(entry: dict[str, Any], config: ZenFlowConfig, group: dict[str
         master = entry["device_master"].float().cpu().clone()
         m, v = (entry[k].float().cpu().clone() for k in ("device_exp_avg", "device_exp_avg_sq"))
     if "device_master" in entry and "host_master" in entry:
-        index = entry["device_index"].long().cpu()
         for full, key in ((master, "device_master"), (m, "device_exp_avg"), (v, "device_exp_avg_sq")):
             full.index_copy_(axis, index, entry[key].float().cpu())
     if "device_step" in entry:

@@ -2,13 +2,19 @@
 the checks of a checkpoint file. Loading (`restore.py`) and the conversions to and from `torch.optim.AdamW`
 (`convert.py`) are beside it.
 
-Format version 3 (``state_dict()["zenflow"]["format_version"]``): per parameter index an entry of kind ``"split"``
+Format version 4 (``state_dict()["zenflow"]["format_version"]``): per parameter index an entry of kind ``"split"``
 (a matrix: selection, device columns, host state, the open window's gradient sum) or ``"dense"`` (updated wholly on
 the device), each with the parameter's ``shape`` and ``dtype``, its name when known, and a ``checksums`` dict; the
 ``zenflow`` block carries a ``checksum`` too. Together they cover every tensor and every non-tensor field (counters,
 settings, hyper-parameters, Zen-auto statistics) and their own presence (`validate.py`), so that a damaged
-file is refused instead of training on garbage (torch's own loader does not check its zip CRCs). Any other version
-is refused in one line.
+file is refused instead of training on garbage (torch's own loader does not check its zip CRCs). Every tensor is
+saved in the dtype it is kept in (bf16 host moments and window sums as bf16), and nothing the fp32 weights hold is
+saved twice: a split entry's ``host_master`` is None where the weights are the master of every column the host owns
+(no host result waiting for its write-back), with the device columns' own host values in ``host_master_columns``,
+and its ``device_master`` None where the weights hold the device columns' (`host_master_to_save`,
+`weights_hold_columns`); loading takes them from the parameters, as a dense fp32 parameter's master always was.
+Format 3 (every master saved, moments and sums widened to fp32) loads as it is; any other version is refused in one
+line.
 
 Loading is transactional: every field is parsed and checked (types, ranges, shapes, dtypes, saved parameter names
 against this optimizer's, checksums) before anything is written, and every refusal is a `CheckpointError` naming the
@@ -32,8 +38,9 @@ from __future__ import annotations
 
 import logging
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,9 +49,16 @@ from .seal import PREFIX, Refusal, seal, verify
 from .state import ZenFlowState
 
 
+if TYPE_CHECKING:
+    from ..engine.split_matrix import SplitMatrix
+
+
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+#: The format versions this hf_zenflow reads: 3 is 4 with every master saved and the host moments and window sums
+#: widened to fp32, which the readers of 4 take as they are.
+READ_VERSIONS = (3, 4)
 
 #: Group keys of `torch.optim.AdamW` that ZenFlowAdamW has no use for (its behaviour is fixed: fused, decoupled).
 _TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
@@ -57,6 +71,30 @@ _DERIVED_SETTINGS = ("steps_per_epoch",)
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as it is: damaged, from another model, or from an incompatible version.
     The message names the file or tensor and what to do."""
+
+
+@dataclass(frozen=True)
+class SavedProgress:
+    """How far the run that wrote an optimizer state dict had got, for a resume to compare with the Trainer's state:
+    `steps`, the optimizer steps it had taken (`exact`: every `step()` call, skipped ones included, as a ZenFlow state
+    counts them; not `exact`: a `torch.optim.AdamW` state's largest per-parameter step, which leaves out steps a
+    GradScaler skipped), and the `max_grad_norm` it clipped at last (None: not recorded)."""
+
+    steps: int
+    exact: bool
+    max_grad_norm: float | None = None
+
+
+def saved_progress(state_dict: dict[str, Any]) -> SavedProgress | None:
+    """The `SavedProgress` of a state dict that loaded (checked already); None for one without steps (a state saved
+    before the first step)."""
+    zenflow = state_dict.get("zenflow")
+    if zenflow is not None:
+        return SavedProgress(int(zenflow["steps"]) + int(zenflow["skipped_steps"]), True,
+                             zenflow.get("max_grad_norm"))
+    steps = [float(entry["step"]) for entry in state_dict.get("state", {}).values()
+             if isinstance(entry, dict) and "step" in entry]
+    return SavedProgress(int(max(steps)), False) if steps else None
 
 
 
@@ -91,6 +129,44 @@ def widen_moments(entry: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------------------------------
+#: Elements compared at a time when `host_master_to_save` checks a master against the weights (a bounded copy of a
+#: GPU's weights on the host).
+_COMPARE_ELEMENTS = 1 << 22
+
+
+def weights_hold_columns(split: SplitMatrix) -> bool:
+    """Whether the fp32 weights hold `split`'s device columns' master values exactly (the step writes them there):
+    then they are not saved twice."""
+    d = split.device
+    if split.param.dtype != torch.float32 or d is None:
+        return False
+    return torch.equal(split.matrix(split.param.detach()).index_select(split.axis, d.index), d.master)
+
+
+def host_master_to_save(split: SplitMatrix) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the host master to save, the values of its device columns to save beside it): (None, those columns) when the
+    fp32 weights hold the master of every column the host owns (no host result waiting for its write-back: the
+    weights, saved with the model, are then the master there); (the master, None) otherwise. The device columns'
+    host values (the host's own, refreshed from the device at each re-selection) are kept as they are."""
+    host, param = split.host, split.param
+    if param.dtype != torch.float32 or split.share.ranks > 1:
+        return host.master, None
+    weight = split.host_part(param.detach())
+    index = split.device.index.cpu() if split.device is not None else None
+    rows = max(1, _COMPARE_ELEMENTS // max(1, weight.shape[1]))
+    for start in range(0, weight.shape[0], rows):
+        mine, theirs = host.master[start:start + rows], weight[start:start + rows].cpu()
+        same = mine == theirs
+        if index is not None and split.axis == 1:
+            same[:, index] = True
+        elif index is not None:  # (column-major storage: the device columns are rows)
+            inside = index[(index >= start) & (index < start + mine.shape[0])] - start
+            same[inside] = True
+        if not bool(same.all()):
+            return host.master, None
+    return None, None if index is None else host.master.index_select(split.axis, index)
+
+
 def pack(opt: ZenFlowState) -> dict[str, Any]:
     """The state dict of `opt` (its worker idle): see the module docstring."""
     index_of: dict[torch.Tensor, int] = {}
@@ -108,20 +184,22 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
                                  "rows": split.rows}
         if split.device is not None:
             d = split.device
-            entry.update(device_index=d.index, device_master=d.master, device_exp_avg=d.exp_avg,
-                         device_exp_avg_sq=d.exp_avg_sq, device_step=d.step)
+            entry.update(device_index=d.index, device_master=None if weights_hold_columns(split) else d.master,
+                         device_exp_avg=d.exp_avg, device_exp_avg_sq=d.exp_avg_sq, device_step=d.step)
         if split.host is not None:
             h = split.host
-            # the open window's sum, wherever it is kept (the host worker is idle: closed windows are applied)
+            # the open window's sum, wherever it is kept (the host worker is idle: closed windows are applied), in
+            # the dtype it is kept in (a bf16 sum as it is: any setting loads it, and a bf16 one gets the same bits)
             # (a sum of the unselected columns only, host_sum_columns="unselected", is saved over every column)
             accum, count = (split.window_sum, split.window_count) if split.window_sum is not None else (
                 h.full_sum() if h.accum_count else h.accum, h.accum_count)
-            # moments stored bf16 (host_moment_dtype) are saved widened, exactly: the file format stays fp32, and a
-            # resume under either setting restores them (the setting itself is in the saved config)
-            # a bf16 window sum (accumulate_on="device_bf16") too: any setting loads it, and "device_bf16" rounds it
-            # back to the same bits
-            entry.update(host_master=h.master, host_exp_avg=h.exp_avg.float(), host_exp_avg_sq=h.exp_avg_sq.float(),
-                         host_step=h.step, accum=accum.float() if count else None, accum_count=count)
+            # the moments as they are stored (bf16 with host_moment_dtype="bfloat16"): a resume under either setting
+            # restores them, widened or rounded as the new setting stores them
+            master, columns = host_master_to_save(split)
+            entry.update(host_master=master, host_exp_avg=h.exp_avg, host_exp_avg_sq=h.exp_avg_sq,
+                         host_step=h.step, accum=accum if count else None, accum_count=count)
+            if columns is not None:
+                entry["host_master_columns"] = columns
             if h.quantized:
                 # 8-bit moments (host_moment_dtype="int8") are saved as they are held, codes and per-block scales,
                 # for an exact resume; readers that move the state elsewhere widen them (`widen_moments`)
@@ -156,6 +234,9 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
             "rounding_seed": opt._host.rounding_seed,
             "writeback_pending": opt._host.writeback_pending, "unapplied_steps": list(opt._host.unapplied_steps),
             "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
+            # the max_norm of the last `clip_grad_norm_` (None: never called; inf: measured only): a resume through
+            # the Trainer compares it with its max_grad_norm (`hf/resume.py`)
+            "max_grad_norm": opt._clip_max_norm,
             # where windows are summed ("auto"'s choice; None before any host state): a resumed run keeps it
             "accumulate_on": opt._host.accumulate_on,
             # the min_offload_numel device_memory_limit_bytes chose (None: no limit): a resumed run keeps it
@@ -207,10 +288,11 @@ def _migrate(state_dict: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(zenflow, dict):
         raise Refusal(f"the 'zenflow' block is {type(zenflow).__name__}, expected a dict")
     version = zenflow.get("format_version")
-    if version != FORMAT_VERSION or isinstance(version, bool):
+    if version not in READ_VERSIONS or isinstance(version, bool):
         raise CheckpointError(
-            f"{PREFIX}: the checkpoint has format_version={version!r}; this hf_zenflow reads format "
-            f"{FORMAT_VERSION} only. Resume without the optimizer state, or with the hf_zenflow that wrote it."
+            f"{PREFIX}: the checkpoint has format_version={version!r}; this hf_zenflow reads formats "
+            f"{', '.join(map(str, READ_VERSIONS))}. Resume without the optimizer state, or with the hf_zenflow that "
+            "wrote it."
         )
     verify(state_dict)
     return state_dict
@@ -253,5 +335,6 @@ def load_file(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
         ) from exc
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "ZenFlowState", "check_file", "load_file", "migrate", "pack"]
+__all__ = ["FORMAT_VERSION", "CheckpointError", "SavedProgress", "ZenFlowState", "check_file", "load_file", "migrate",
+           "pack", "saved_progress"]
 

@@ -36,7 +36,7 @@ from .seal import seal
 
 
 #: The tensors of a split entry that hold only a rank's share under DDP (`checkpoint._SHARED_KEYS`).
-_DDP_SHARED = ("host_master", "host_exp_avg", "host_exp_avg_sq", "accum")
+_DDP_SHARED = ("host_master", "host_exp_avg", "host_exp_avg_sq", "accum", "host_master_columns")
 
 
 def _rank_count(zenflow: dict[str, Any] | None) -> tuple[str, int] | None:
@@ -135,7 +135,7 @@ def ddp_share_of(state: dict[str, Any], ranks: int, rank: int) -> dict[str, Any]
         mine = dict(entry)
         if entry.get("kind") == "split" and "host_master" in entry and ranks > 1:
             dim = 1 - int(entry.get("axis", 1))
-            share = Share(dim, int(entry["host_master"].shape[dim]), ranks, rank)
+            share = Share(dim, int(entry["host_exp_avg"].shape[dim]), ranks, rank)  # (the master may be None)
             for key in _DDP_SHARED:
                 if entry.get(key) is not None:
                     mine[key] = share.local(entry[key]).clone()
@@ -158,6 +158,12 @@ def reshard_states(states: list[dict[str, Any]], world_size: int, parallel: str 
     merged = merge_rank_states(states)
     if world_size == 1:
         return [merged]
+    longest = max((max(entry["shape"], default=0) for entry in merged["state"].values() if "shape" in entry),
+                  default=None)
+    if longest is not None and world_size > longest:  # (each rank's part is a range of one dimension)
+        raise ValueError(f"reshard_states: world_size={world_size} is invalid: allowed is at most {longest}, the "
+                         "longest dimension of any parameter in the state; beyond it a rank would hold no part of "
+                         "any parameter.")
     cut = fsdp_rows_of if parallel == "fsdp2" else ddp_share_of
     return [cut(merged, world_size, r) for r in range(world_size)]
 

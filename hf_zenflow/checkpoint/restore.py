@@ -120,12 +120,13 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     # before any host state is restored: it is created for the accumulation the saved run chose
     opt._host.accumulate_chosen = resumed_choice(opt.config, zenflow)
     if "host_step_guard" in zenflow:
-        opt._host.guard.load(zenflow["host_step_guard"])
+        opt._host.guard.load(zenflow["host_step_guard"])  # (the factor it engaged to, a write-back it watches)
     if "rounding_seed" in zenflow:  # (before any host state is made: its random bits are keyed by it)
-        opt._host.rounding_seed = int(zenflow["rounding_seed"])  # (the factor it engaged to, a write-back it watches)
+        opt._host.rounding_seed = int(zenflow["rounding_seed"])
     opt._host.writeback_pending = bool(zenflow["writeback_pending"])
     opt._host.unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
     opt._stats.skipped_steps = int(zenflow["skipped_steps"])
+    opt._clip_max_norm = zenflow.get("max_grad_norm")  # (until the next `clip_grad_norm_`)
     for index, entry in state_dict["state"].items():
         p = params[int(index)]
         if entry["kind"] == "dense":
@@ -196,7 +197,15 @@ def _restore_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any], in
             entry = widen_moments(entry)
             for name in ("exp_avg", "exp_avg_sq"):
                 getattr(host, name).copy_(mine(entry[f"host_{name}"]))
-        host.master.copy_(mine(entry["host_master"]))
+        if entry["host_master"] is not None:
+            host.master.copy_(mine(entry["host_master"]))
+        else:
+            # the fp32 weights hold the master of every column the host owns (saved with the model, loaded before
+            # this state); the device columns' host values are saved beside
+            host.master.copy_(split.host_part(p.detach()))
+            if "host_master_columns" in entry:
+                host.master.index_copy_(split.axis, entry["device_index"].long().cpu(),
+                                        mine(entry["host_master_columns"]).to(host.master.dtype))
         host.step.copy_(entry["host_step"])
         # the open window's sum goes wherever this optimizer keeps it (either setting can load either)
         target = split.window_sum if split.window_sum is not None else host.accum
@@ -209,8 +218,12 @@ def _restore_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any], in
         host.writeback.copy_(host.master)  # a pending write-back reads this buffer
         host.writeback_fresh = opt._host.writeback_pending
     if "device_master" in entry:
+        index = entry["device_index"].long()
+        # (None: the fp32 weights hold the device columns' master values)
+        master = fit(entry["device_master"]) if entry["device_master"] is not None else \
+            split.matrix(p.detach()).index_select(split.axis, index.to(p.device))
         split.device = DeviceColumns.from_columns(
-            entry["device_index"].long(), fit(entry["device_master"]), fit(entry["device_exp_avg"]),
+            index, master, fit(entry["device_exp_avg"]),
             fit(entry["device_exp_avg_sq"]), step=entry["device_step"], device=p.device, axis=split.axis,
             grad_dtype=split.grad_dtype,
         )

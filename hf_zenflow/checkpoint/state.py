@@ -33,6 +33,7 @@ class ZenFlowState(Protocol):
     _stats: ZenFlowStats
     _fsdp: LocalShards
     _param_names: dict[torch.Tensor, str]
+    _clip_max_norm: float | None
 
     def _engine_params(self) -> list[torch.Tensor]: ...
 

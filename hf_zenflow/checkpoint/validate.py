@@ -22,11 +22,19 @@ _HOST_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "host_step", "ac
 _BLOCK_INTS = ("steps", "window_steps", "windows", "reselections", "last_interval", "skipped_steps")
 _BLOCK_BOOLS = ("force_select", "writeback_pending")
 
-#: The tensors of a split entry that hold only this rank's share under several ranks.
-_SHARED_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "accum")
+#: Step counts are fp32 tensors (as torch's AdamW keeps them): above 2**24 adding one step no longer changes them. The
+#: block's counters (steps, windows, skipped steps...) are held to it too: no run this optimizer saves gets beyond.
+_MAX_STEP_COUNT = 2**24
 
-_FP32_KEYS = ("device_master", "device_exp_avg", "device_exp_avg_sq", "host_master", "host_exp_avg",
-              "host_exp_avg_sq", "accum", "exp_avg", "exp_avg_sq", "master")
+#: The tensors of a split entry that hold only this rank's share under several ranks.
+_SHARED_KEYS = ("host_master", "host_exp_avg", "host_exp_avg_sq", "accum", "host_master_columns")
+
+_FP32_KEYS = ("device_master", "device_exp_avg", "device_exp_avg_sq", "host_master", "host_master_columns",
+              "exp_avg", "exp_avg_sq", "master")
+#: Tensors kept in the dtype they are stored in: fp32, or bf16 (``host_moment_dtype="bfloat16"``, bf16 window sums).
+_STORED_KEYS = ("host_exp_avg", "host_exp_avg_sq", "accum")
+#: Masters an entry of an fp32 parameter may leave to the weights (None: the weights hold them).
+_MASTERS_IN_WEIGHTS = ("host_master", "device_master")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -72,18 +80,11 @@ def check_groups(opt: ZenFlowState, saved_groups: Any) -> None:
         raise Refusal(f"param_groups: the parameter indices {indices[:16]} are not 0..{len(indices) - 1} once each")
     for n, saved in enumerate(saved_groups):
         where = f"param group {n}"
-        for key in ("lr", "eps", "weight_decay"):
+        for key in ("lr", "betas", "eps", "weight_decay"):
             if key not in saved:
                 raise Refusal(f"{where}: '{key}' is missing")
-            if not _is_number(saved[key]) or not math.isfinite(saved[key]):
-                raise Refusal(f"{where}: {key}={saved[key]!r} is invalid, expected a finite number")
-        betas = saved.get("betas")
-        if betas is None:
-            raise Refusal(f"{where}: 'betas' is missing")
-        if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(_is_number(b) for b in betas):
-            raise Refusal(f"{where}: betas={betas!r} is invalid, expected a pair of floats in [0, 1)")
-        try:
-            check_hyperparameters(saved["lr"], tuple(betas), saved["eps"], saved["weight_decay"])
+        try:  # (the optimizers' own check of these values)
+            check_hyperparameters(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
         except ValueError as exc:
             raise Refusal(f"{where}: {exc}") from None
         if "select_rows" in saved and not isinstance(saved["select_rows"], bool):
@@ -91,21 +92,25 @@ def check_groups(opt: ZenFlowState, saved_groups: Any) -> None:
 
 
 def check_block(zenflow: dict[str, Any]) -> None:
-    """The zenflow block's counters, flags and settings."""
+    """The zenflow block's counters, flags and settings: each in the range its `ZenFlowConfig` setting allows (the
+    saved config's, checked by `ZenFlowConfig` itself), counters below `_MAX_STEP_COUNT`."""
     where = "the 'zenflow' block"
+    config = _saved_config(where, zenflow)
     for key in _BLOCK_INTS:
-        _count(where, zenflow, key)
+        _count(where, zenflow, key, top=_MAX_STEP_COUNT)
     steps = zenflow["steps"]
     _count(where, zenflow, "window_steps", top=steps)
     _count(where, zenflow, "windows", top=steps)  # (a window closes at a step: warm-up steps close one each)
     for key in _BLOCK_BOOLS:
         _flag(where, zenflow, key)
-    lag = zenflow.get("writeback_lag")
-    if lag is not None and (not _is_int(lag) or lag < 1):
-        raise Refusal(f"{where}: writeback_lag={lag!r} is invalid, expected an integer >= 1 or None")
-    high = zenflow.get("high_lr_window")
-    if high is not None and (not _is_int(high) or high < 1):
-        raise Refusal(f"{where}: high_lr_window={high!r} is invalid, expected an integer >= 1 or None")
+    # the run's write-back lag and high_lr_rule's windows: never beyond the configured window (`ZenFlowConfig`'s
+    # bound of writeback_lag)
+    top, bound = config.writeback_lag_bound() if config is not None else (None, "")
+    for key in ("writeback_lag", "high_lr_window"):
+        value = zenflow.get(key)
+        if value is not None and (not _is_int(value) or value < 1 or (top is not None and value > top)):
+            allowed = f"an integer from 1 to {bound} ({top})" if top is not None else "an integer >= 1"
+            raise Refusal(f"{where}: {key}={value!r} is invalid, expected None or {allowed}")
     if "writeback_lag_pending" in zenflow:
         _flag(where, zenflow, "writeback_lag_pending")
     seed = zenflow.get("rounding_seed")  # (a checkpoint from before stochastic rounding has none)
@@ -115,9 +120,13 @@ def check_block(zenflow: dict[str, Any]) -> None:
         problem = guard_problem(zenflow["host_step_guard"])
         if problem is not None:
             raise Refusal(f"{where}: {problem}")
-    if zenflow.get("accumulate_on") not in (None, "host", "device", "device_bf16"):
-        raise Refusal(f"{where}: accumulate_on={zenflow['accumulate_on']!r} is invalid, expected 'host', 'device', "
-                      "'device_bf16' or None (not decided yet)")
+    chosen_places = [c for c in ZenFlowConfig.choices("accumulate_on") if c != "auto"]  # ("auto"'s choice)
+    if zenflow.get("accumulate_on") not in (None, *chosen_places):
+        raise Refusal(f"{where}: accumulate_on={zenflow['accumulate_on']!r} is invalid, expected one of "
+                      f"{chosen_places} or None (not decided yet)")
+    clip = zenflow.get("max_grad_norm")
+    if clip is not None and (not _is_number(clip) or not clip >= 0):  # (inf: measured only)
+        raise Refusal(f"{where}: max_grad_norm={clip!r} is invalid, expected a number >= 0 (inf: not clipped) or None")
     chosen = zenflow.get("limit_min_offload_numel")
     top = (zenflow.get("config") or {}).get("min_offload_numel")
     if chosen is not None and (not _is_int(chosen) or chosen < 0 or (_is_int(top) and chosen > top)):
@@ -128,16 +137,21 @@ def check_block(zenflow: dict[str, Any]) -> None:
     if not isinstance(unapplied, list) or not all(_is_int(n) and 0 <= n <= steps for n in unapplied):
         raise Refusal(f"{where}: unapplied_steps={unapplied!r} is invalid, expected a list of step counts "
                       f"in [0, {steps}]")
-    config = zenflow.get("config")
-    if config is not None:
-        try:
-            ZenFlowConfig.from_dict(config)
-        except (TypeError, ValueError) as exc:
-            raise Refusal(f"{where}: its config is invalid ({exc})") from None
     for key in ("ranks", "fsdp_ranks"):
         if key in zenflow:
             ranks = _count(where, zenflow, key, low=1)
             _count(where, zenflow, key.removesuffix("s"), top=ranks - 1)
+
+
+def _saved_config(where: str, zenflow: dict[str, Any]) -> ZenFlowConfig | None:
+    """The block's saved settings, checked by `ZenFlowConfig` itself (None: a state saved without them)."""
+    config = zenflow.get("config")
+    if config is None:
+        return None
+    try:
+        return ZenFlowConfig.from_dict(config)
+    except (TypeError, ValueError) as exc:
+        raise Refusal(f"{where}: its config is invalid ({exc})") from None
 
 
 def check_entry_fields(where: str, entry: dict[str, Any], p: torch.Tensor, steps: int, units: int,
@@ -171,8 +185,14 @@ def check_entry_fields(where: str, entry: dict[str, Any], p: torch.Tensor, steps
         if present and len(present) != len(keys):
             raise Refusal(f"{where}: {sorted(set(keys) - set(present))} are missing (the entry has {present})")
     for key in _DEVICE_KEYS + _HOST_KEYS[:4]:
+        if key in _MASTERS_IN_WEIGHTS and key in entry and entry[key] is None and p.dtype == torch.float32:
+            continue  # (the fp32 weights hold it)
         if key in entry and not isinstance(entry[key], torch.Tensor):
             raise Refusal(f"{where}: {key} is {type(entry[key]).__name__}, expected a tensor")
+    if "host_master_columns" in entry and (entry.get("host_master", 0) is not None or "device_index" not in entry
+                                           or not isinstance(entry["host_master_columns"], torch.Tensor)):
+        raise Refusal(f"{where}: host_master_columns is only saved, as a tensor, beside device columns when the "
+                      "weights hold the host master (host_master None)")
     if "host_master" in entry:
         _count(where, entry, "accum_count", top=steps)
         if not (entry["accum"] is None or isinstance(entry["accum"], torch.Tensor)):
@@ -194,8 +214,11 @@ def check_tensors(where: str, entry: dict[str, Any], p: torch.Tensor) -> None:
         expected = p.numel() // share[2] * share[1] if share and key in _SHARED_KEYS else p.numel()
         if key in numel_ok and t.numel() != expected:
             raise Refusal(f"{where}: {key} has {t.numel()} elements, expected {expected}")
-        if key in _FP32_KEYS and t.dtype != torch.float32 and not (quantized and key in _QUANTIZED_CODES):
+        if key in _FP32_KEYS and t.dtype != torch.float32:
             raise Refusal(f"{where}: {key} is {t.dtype}, expected torch.float32")
+        if key in _STORED_KEYS and t.dtype not in (torch.float32, torch.bfloat16) \
+                and not (quantized and key in _QUANTIZED_CODES):
+            raise Refusal(f"{where}: {key} is {t.dtype}, expected torch.float32 or torch.bfloat16")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise Refusal(f"{where}: {key} holds {int((~torch.isfinite(t)).sum())} non-finite value(s)")
         if key.endswith("exp_avg_sq") and bool((t < 0).any()):
@@ -203,14 +226,11 @@ def check_tensors(where: str, entry: dict[str, Any], p: torch.Tensor) -> None:
         if key.endswith("step") and (t.numel() != 1 or not t.is_floating_point() or float(t) < 0):
             raise Refusal(f"{where}: {key} is {t.tolist()}, expected a count >= 0")
     if "host_master" in entry:
-        shape = entry["host_master"].shape
-        for key in ("host_exp_avg", "host_exp_avg_sq", "accum"):
+        reference = "host_master" if entry["host_master"] is not None else "host_exp_avg"
+        shape = entry[reference].shape
+        for key in ("host_master", "host_exp_avg", "host_exp_avg_sq", "accum"):
             if entry.get(key) is not None and entry[key].shape != shape:
-                raise Refusal(f"{where}: {key} has shape {list(entry[key].shape)}, host_master {list(shape)}")
-
-
-#: Step counts are fp32 tensors (as torch's AdamW keeps them): above 2**24 adding one step no longer changes them.
-_MAX_STEP_COUNT = 2**24
+                raise Refusal(f"{where}: {key} has shape {list(entry[key].shape)}, {reference} {list(shape)}")
 
 
 def check_consistency(where: str, entry: dict[str, Any], zenflow: dict[str, Any]) -> None:
@@ -265,15 +285,22 @@ def check_device_columns(where: str, entry: dict[str, Any], p: torch.Tensor, uni
         raise Refusal(f"{where}: device_index is {idx.dtype} of shape {list(idx.shape)}, expected 1-D integers")
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= units or bool((idx[1:] <= idx[:-1]).any())):
         raise Refusal(f"{where}: device_index is not a sorted set of distinct indices in [0, {units})")
-    master, axis = entry["device_master"], entry["axis"]
+    reference = "device_master" if entry["device_master"] is not None else "device_exp_avg"
+    master, axis = entry[reference], entry["axis"]
     if master.ndim != 2 or entry["k"] != idx.numel() or master.shape[axis] != idx.numel():
         raise Refusal(f"{where}: k={entry['k']} does not match the {idx.numel()} saved device columns")
     other = p.numel() // units if units else 0
     if master.shape[1 - axis] != other and not entry.get("rows"):
-        raise Refusal(f"{where}: device_master has shape {list(master.shape)}, expected {other} values per column")
+        raise Refusal(f"{where}: {reference} has shape {list(master.shape)}, expected {other} values per column")
     for key in ("device_exp_avg", "device_exp_avg_sq"):
         if entry[key].shape != master.shape:
-            raise Refusal(f"{where}: {key} has shape {list(entry[key].shape)}, device_master {list(master.shape)}")
+            raise Refusal(f"{where}: {key} has shape {list(entry[key].shape)}, {reference} {list(master.shape)}")
+    columns = entry.get("host_master_columns")
+    share = entry.get("share")
+    if columns is not None and (columns.ndim != 2 or columns.shape[axis] != idx.numel() or columns.shape[1 - axis]
+                                != (share[1] if share else master.shape[1 - axis])):
+        raise Refusal(f"{where}: host_master_columns has shape {list(columns.shape)}, expected this rank's rows of "
+                      f"the {idx.numel()} device columns")
 
 
 #: Name segments that wrappers add (DDP, torch.compile, FSDP1, activation checkpointing): the same parameter.

@@ -9,12 +9,14 @@ value and what is allowed; nothing is created before they all pass.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hf_zenflow.atomic import check_writable_folder
 from hf_zenflow.compare.compare_config import OPTIMIZERS
+from hf_zenflow.compare.data_source import names_a_missing_path
 from hf_zenflow.compare.output import DEFAULT_PARENT, check_output_dir
 from hf_zenflow.settings.config import ZenFlowConfig
 
@@ -22,6 +24,9 @@ from hf_zenflow.settings.config import ZenFlowConfig
 if TYPE_CHECKING:
     from hf_zenflow.compare.compare_config import CompareConfig
 
+#: What a machine with a GPU torch can use has (NVIDIA's driver, in a container too; WSL's; ROCm's): without any of
+#: them `torch.cuda` finds no device, and a `--device cuda` is refused before torch is imported.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
 #: The models `--model` names without a path.
 NAMED_MODELS = ("minilm", "smollm2")
 
@@ -33,6 +38,9 @@ def check_device(device: str) -> None:
     match = re.fullmatch(r"cuda(?::(\d+))?", device)
     if match is None:
         raise ValueError(f"--device {device!r} is invalid: allowed are 'auto', 'cpu' and 'cuda[:N]'.")
+    if not any(os.path.exists(p) for p in GPU_DRIVER_PATHS):  # answered without importing torch (seconds)
+        raise ValueError(f"--device {device}: this machine has no GPU driver (none of {', '.join(GPU_DRIVER_PATHS)}), "
+                         "so no CUDA device; use --device cpu.")
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -54,9 +62,12 @@ def check_model(model: str | None) -> None:
 
 
 def check_dataset(dataset: str | None) -> None:
-    """A --dataset that names a file must not be empty (a name that is no path is looked up when the data loads)."""
+    """A --dataset that names a file must exist and not be empty (a name that is no path is looked up when the data
+    loads)."""
     if dataset is None:
         return
+    if names_a_missing_path(dataset):
+        raise ValueError(f"--dataset {dataset!r}: no such file or folder.")
     path = Path(dataset).expanduser()
     if path.is_file() and path.stat().st_size == 0:
         raise ValueError(f"--dataset {dataset}: the file is empty.")
@@ -93,18 +104,20 @@ def check_compare_inputs(cfg: CompareConfig) -> None:
     if unknown or not cfg.optimizers:
         raise ValueError(f"--optimizers {','.join(cfg.optimizers)!r}: unknown optimizer(s) {unknown}: allowed are "
                          f"{', '.join(OPTIMIZERS)} (comma-separated, at least one).")
+    # the device, files and paths first: answered before torch is imported (seconds)
     check_device(cfg.device)
-    cfg.resolved_layout()
-    cfg.resolved_embedding_select()
-    if "zenflow" in cfg.optimizers:
-        zenflow_config(cfg)
-    cfg.core_split()
     check_profiles(cfg.project_hardware)
     check_model(cfg.model)
     check_dataset(cfg.dataset)
     check_output_dir(cfg.output_dir, cfg.overwrite)
     check_writable_folder(cfg.output_dir if cfg.output_dir is not None else DEFAULT_PARENT, "--output-dir")
+    if "zenflow" in cfg.optimizers:
+        zenflow_config(cfg)
+    # what "auto" resolves to depends on the device torch finds
+    cfg.resolved_layout()
+    cfg.resolved_embedding_select()
+    cfg.core_split()
 
 
-__all__ = ["NAMED_MODELS", "check_compare_inputs", "check_dataset", "check_device", "check_model", "check_profiles",
-           "zenflow_config"]
+__all__ = ["GPU_DRIVER_PATHS", "NAMED_MODELS", "check_compare_inputs", "check_dataset", "check_device", "check_model",
+           "check_profiles", "zenflow_config"]

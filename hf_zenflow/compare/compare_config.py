@@ -22,6 +22,9 @@ if TYPE_CHECKING:  # (imported where used: the command line reads this module's 
 OPTIMIZERS = ("adamw_torch", "sync_offload", "zenflow")
 
 
+#: The named values of `CompareConfig.device_memory_budget` (else a number of bytes).
+DEVICE_MEMORY_BUDGETS = ("sync", "free")
+
 #: ZenFlow's re-selection period (steps) when `compare` is given ``--select-strategy step`` without an interval.
 COMPARE_SELECT_STEPS = 10
 
@@ -34,9 +37,10 @@ class CompareConfig:
 
     The defaults are sized for a 2-core CPU: 150 steps of 16 sentences (one pass over 2400), evaluated on 1000
     held-out sentences. The ZenFlow settings default to the library's (`ZenFlowConfig()`), so the table shows what a
-    user gets; the settings sweeps that chose those defaults are in BENCHMARKS.md §4 (paired runs over seeds; the
-    earlier single-seed sweeps of this runner are in its history, see the §2 history line). ``select_interval=None``
-    resolves to `COMPARE_SELECT_STEPS` with ``select_strategy="step"`` and to ``"auto"`` otherwise.
+    user gets; the settings sweeps that chose those defaults are in BENCHMARKS.md "Quality: short fine-tunes" and the
+    sections after it (paired runs over seeds; the earlier single-seed sweeps of this runner are in git's history of
+    BENCHMARKS.md). ``select_interval=None`` resolves to `COMPARE_SELECT_STEPS` with ``select_strategy="step"`` and to
+    ``"auto"`` otherwise.
     """
 
     model: str | None = None  # "minilm" (default), "smollm2", or a local HF model folder
@@ -72,8 +76,10 @@ class CompareConfig:
     host_sum_columns: str = _LIBRARY.host_sum_columns
     host_writeback: str = _LIBRARY.host_writeback
     accumulate_on: str = _LIBRARY.accumulate_on  # "auto": decided under the device memory the run gives it
-    # ZenFlow's whole device memory in bytes (weights, gradients, state, sums; None: what the device has)
-    device_memory_budget: int | None = None
+    # ZenFlow's whole device memory (weights, gradients, state, sums): "sync" = what synchronous offload holds (the
+    # weights and their gradients: where people offload, the device has no more), "free" = what the device has free,
+    # or bytes (`DEVICE_MEMORY_BUDGETS`)
+    device_memory_budget: int | str = "sync"
     select_strategy: str = _LIBRARY.select_strategy
     select_interval: int | str | None = None  # None: COMPARE_SELECT_STEPS with "step", "auto" otherwise
     full_warm_up_rounds: int = _LIBRARY.full_warm_up_rounds
@@ -104,6 +110,12 @@ class CompareConfig:
                 self.block_steps, int) or self.block_steps < MIN_BLOCK_STEPS):
             raise ValueError(f"CompareConfig.block_steps={self.block_steps!r} is invalid: allowed is None or an "
                              f"integer >= {MIN_BLOCK_STEPS} (the drawn timeline window lies within one turn).")
+        budget = self.device_memory_budget
+        if budget not in DEVICE_MEMORY_BUDGETS and (isinstance(budget, bool) or not isinstance(budget, int)
+                                                    or budget < 0):
+            raise ValueError(f"CompareConfig.device_memory_budget={budget!r} is invalid: allowed are 'sync' "
+                             "(synchronous offload's device memory), 'free' (the device's free memory) and an "
+                             "integer >= 0 (bytes).")
         if self.select_interval is None:
             self.select_interval = COMPARE_SELECT_STEPS if self.select_strategy == "step" else "auto"
 

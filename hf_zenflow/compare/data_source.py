@@ -74,6 +74,15 @@ def _loader(path: Path) -> str | None:
     return LOADERS.get(suffixes[-1]) if suffixes else None
 
 
+def names_a_missing_path(name: str) -> bool:
+    """Whether --dataset `name` is a local path (it starts with ``.``, ``/`` or ``~``, has more than one ``/`` or a
+    data file's suffix: not a ``owner/name`` load_dataset name) that does not exist."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return False
+    return name.startswith((".", "/", "~")) or os.sep in name.strip("/").replace("/", "", 1) or bool(_loader(path))
+
+
 def load_file(path: Path, **kwargs: Any) -> Any:
     """One local data file as a `Dataset` (its only split, "train")."""
     loader = _loader(path)
@@ -129,7 +138,7 @@ def _load_user(name: str) -> tuple[dict[str, Any], str | None]:
                 raise DataError(f"split {empty.group(1)!r} of --dataset {name!r} is empty.") from exc
             raise DataError(f"--dataset {name!r}: no usable data files ({_first_line(exc)}); expected a data file or "
                             "a folder of files named by split, e.g. train.csv and validation.csv.") from exc
-    if name.startswith((".", "/", "~")) or os.sep in name.strip("/").replace("/", "", 1) or _loader(path):
+    if names_a_missing_path(name):
         raise DataError(f"--dataset {name!r}: no such file or folder.")
     try:
         with _hub_offline(datasets):

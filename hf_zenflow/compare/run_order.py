@@ -1,8 +1,9 @@
 """In which order `hf-zenflow compare` runs its three fine-tunes: one after the other, or taking turns.
 
 A shared machine drifts: on the project's quiet 2-core machine one optimizer's whole-run step time moved 12 % between
-two identical invocations (BENCHMARKS.md §2), more than the differences `compare` exists to show. Runs that follow one
-another each meet a different stretch of that drift; runs that take turns in short blocks of steps meet the same one.
+two identical invocations (BENCHMARKS.md "Side by side"), more than the differences `compare` exists to show. Runs
+that follow one another each meet a different stretch of that drift; runs that take turns in short blocks of steps
+meet the same one.
 So by default, on a CPU device, the runs are **interleaved**: all of them are built first (each its own model copy,
 optimizer, scheduler and random stream), then each advances one block of steps in turn, the order rotating every
 round so that no run always follows the same one (`turns`). Each run's clock counts only its own blocks.

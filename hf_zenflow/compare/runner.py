@@ -26,10 +26,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import os
 import platform
-import shutil
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -37,7 +34,7 @@ from typing import Any
 
 import torch
 
-from hf_zenflow.compare import report
+from hf_zenflow.compare import progress, report
 from hf_zenflow.compare.compare_config import CompareConfig
 from hf_zenflow.compare.data import PreparedTask, prepare_task
 from hf_zenflow.compare.machine_load import LoadMonitor
@@ -48,6 +45,7 @@ from hf_zenflow.compare.report import OPTIMIZERS
 from hf_zenflow.compare.run_order import resolve_block_steps, resolve_run_order, turns
 from hf_zenflow.compare.timeline import plot_timeline
 from hf_zenflow.compare.training_run import TIMING_SKIP, TrainingRun, evaluate, make_optimizer, train_one
+from hf_zenflow.compare.verdict import MIN_TIMED_STEPS, verdict
 from hf_zenflow.settings.threads import available_cpu_count
 
 
@@ -62,26 +60,9 @@ def _log(cfg: CompareConfig, msg: str, bar: Any = None) -> None:
 
 
 def progress_bar(cfg: CompareConfig, total: int) -> Any:
-    """One bar over every step of every run, with ETA (tqdm, as the Trainer uses); None with --quiet or
-    --log-every 0. Redrawn at most every 0.5 s on a terminal, every 30 s into a log file."""
-    if cfg.quiet or not cfg.log_every:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="step", file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 30.0,
-                **_bar_width())
-
-
-def _bar_width() -> dict[str, Any]:
-    """Follow the terminal's size when it has one. A pseudo-terminal without a size (`script`, some CI runners)
-    reports 0 x 0, and tqdm then draws nothing at all: give it $COLUMNS (or 120) x 24 there, as for a pipe."""
-    try:
-        size = os.get_terminal_size(sys.stderr.fileno())
-        if size.columns > 0 and size.lines > 0:
-            return {"dynamic_ncols": True}
-    except (OSError, ValueError):  # not a terminal
-        pass
-    return {"ncols": shutil.get_terminal_size((120, 24)).columns, "nrows": 24}
+    """One bar over every step of every run, with ETA, on a terminal; whole lines at every tenth of the steps in a
+    file or a pipe (`hf_zenflow.compare.progress`); None with --quiet or --log-every 0."""
+    return progress.progress_bar(total, show=not cfg.quiet and bool(cfg.log_every))
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
@@ -118,7 +99,8 @@ def _settings_line(task: PreparedTask, cfg: CompareConfig, device: torch.device)
             f"seed {cfg.seed}; "
             f"device {device}; ZenFlow topk_ratio {cfg.topk_ratio}, update_interval {cfg.update_interval}, "
             f"overlap_step {cfg.overlap_step}, select_strategy {cfg.select_strategy}, select_interval "
-            f"{cfg.select_interval}, full_warm_up_rounds {cfg.full_warm_up_rounds}; weights of the offloading runs "
+            f"{cfg.select_interval}, full_warm_up_rounds {cfg.full_warm_up_rounds}, device memory budget "
+            f"{cfg.device_memory_budget}; weights of the offloading runs "
             f"{cfg.resolved_layout()}-major; ZenFlow selects embedding {cfg.resolved_embedding_select()}.")
 
 
@@ -188,6 +170,10 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
               "time_breakdown.png, timeline.png"
               + (", zenflow_model/ (model + README.md card)" if payload["saved_model"] else "")
               + f" in {payload['total_seconds']:.0f} s")
+    if not cfg.quiet and payload["verdict"]:  # the last words: the verdict
+        print("\nVerdict (from the figures above):\n" + "\n".join(textwrap.fill(f"- {line}", 118,
+                                                                               subsequent_indent="  ")
+                                                              for line in payload["verdict"]), flush=True)
     return payload
 
 
@@ -282,12 +268,19 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor, final_dir: Pat
     block = resolve_block_steps(cfg.block_steps, cfg.update_interval)
     order_text = f"{order} ({why})" + (f", {block} steps per turn" if order == "interleaved" else "")
     _log(cfg, f"run order: {order_text}")
+    first = min(TIMING_SKIP, max(0, len(task.train_batches) - 1))
+    timed = len(task.train_batches) - first
+    if timed < MIN_TIMED_STEPS:
+        _log(cfg, f"warning: {cfg.steps} steps leave {timed} timed step(s) (the first {first} are not timed): the "
+                  "per-step statistics (p10–p90) and the verdict's speed interval say little; use --steps "
+                  f"{first + MIN_TIMED_STEPS} or more")
     bar = progress_bar(cfg, len(task.train_batches) * len(cfg.optimizers))
     try:
-        if order == "interleaved":
-            results = _run_interleaved(cfg, task, device, monitor, bar, block)
-        else:
-            results = _run_sequential(cfg, task, device, monitor, bar)
+        with progress.lines_above(bar):  # (the thread split each engine announces: a line of its own)
+            if order == "interleaved":
+                results = _run_interleaved(cfg, task, device, monitor, bar, block)
+            else:
+                results = _run_sequential(cfg, task, device, monitor, bar)
     finally:
         if bar is not None:
             bar.close()
@@ -309,6 +302,8 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor, final_dir: Pat
     _log(cfg, "projecting to the hardware profiles (measuring this host's AdamW rate and memory bandwidth) ...")
     projection = run_projection(results, task.num_parameters, _tokens_per_step(task, cfg), cfg, split.host)
     projected = projection_table(projection["profiles"])
+    said = verdict(results, projection, task.metric_name, first, block, cfg.device_memory_budget,
+                   task.num_parameters, cuda, split.device)
     info = machine_info(device)
     payload = {
         "output_dir": str(final_dir),
@@ -327,6 +322,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor, final_dir: Pat
         "results": results,
         "ratios": rat,
         "saved_model": str(final_dir / model_dir.name) if model_dir else None,
+        "verdict": said,
         "total_seconds": time.perf_counter() - wall,
     }
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
@@ -334,6 +330,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor, final_dir: Pat
     md = [f"# hf-zenflow compare: {task.model_name}", "", _settings_line(task, cfg, device), "", f"Machine: {machine}",
           "", f"Cores: {split.describe()}.", "", f"Run order: {order_text}.", ""]
     md += [f"> **{warning}**", ""] if warning else []
+    md += ["## Verdict", "", *[f"- {line}" for line in said], ""] if said else []
     md += ["## Headline", "", report.TABLE_CAPTION, "", headline, "", note, ""]
     md += [f"- {n}" for n in notes] + ([""] if notes else [])
     md += ["## All figures", "", full, "",

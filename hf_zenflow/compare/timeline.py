@@ -129,12 +129,24 @@ COLORS = {("device", "busy"): "#2ca02c", ("device", "wait"): "#d62728", ("host",
 
 
 def plot_timeline(results: dict[str, dict[str, Any]], path: Any, title: str) -> None:
-    """timeline.png: per run, the device / host / link lanes of its recorded window, with its device utilisation."""
+    """timeline.png: `timeline_figure`, saved to `path`."""
+    from hf_zenflow.compare.plots import pyplot
+
+    fig = timeline_figure(results, title)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+def timeline_figure(results: dict[str, dict[str, Any]], title: str) -> Any:
+    """Per run, the device / host / link lanes of its recorded window, with its device utilisation; one x-axis
+    scale for every run (from 0 to the longest window), so that a window twice as long looks twice as long."""
     from hf_zenflow.compare.plots import LABELS, pyplot
 
     plt = pyplot()
     names = [n for n in results if results[n].get("timeline")]
-    fig, axes = plt.subplots(len(names) or 1, 1, figsize=(11, 1.6 + 1.5 * max(1, len(names))), squeeze=False)
+    fig, axes = plt.subplots(len(names) or 1, 1, figsize=(11, 1.6 + 1.5 * max(1, len(names))), squeeze=False,
+                             sharex=True)
+    longest = max((span["end_ms"] for n in names for span in results[n]["timeline"]["spans"]), default=0.0)
     lanes = ("link", "host", "device")
     for ax, name in zip(axes[:, 0], names):
         r = results[name]
@@ -148,12 +160,14 @@ def plot_timeline(results: dict[str, dict[str, Any]], path: Any, title: str) -> 
         ax.set_title(f"{LABELS.get(name, name)}: steps {tl['first_step'] + 1}–{tl['last_step'] + 1}; device "
                      f"utilisation over the whole run {100 * util:.0f} %" if util is not None else name,
                      fontsize=9, loc="left")
-        ax.set_xlabel("ms from the window's start", fontsize=8)
+        ax.set_xlabel("ms from the window's start (the same scale in every panel)", fontsize=8)
+        ax.tick_params(labelbottom=True)  # (sharex hides the upper panels' tick labels)
+    if longest > 0:
+        axes[0, 0].set_xlim(0.0, longest * 1.02)
     from matplotlib.patches import Patch
 
     handles = [Patch(color=c, label=f"{lane} {kind}") for (lane, kind), c in COLORS.items()]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

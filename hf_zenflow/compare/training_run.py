@@ -61,9 +61,9 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
             host_sum_dtype=cfg.host_sum_dtype, host_sum_columns=cfg.host_sum_columns,
             host_writeback=cfg.host_writeback, accumulate_on=cfg.accumulate_on,
             # --device-memory-budget: ZenFlow's whole step is held to it (the run's min_offload_numel is lowered until
-            # the step fits, and accumulate_on="auto" decides under it)
-            device_memory_budget_bytes=cpu_device_budget(model) if cfg.device_memory_budget is None else None,
-            device_memory_limit_bytes=cfg.device_memory_budget,
+            # the step fits, and accumulate_on="auto" decides under it); "free": the device's free memory decides
+            device_memory_budget_bytes=cpu_device_budget(model) if cfg.device_memory_budget == "free" else None,
+            device_memory_limit_bytes=device_memory_limit(cfg, model),
         )
         if cfg.resolved_embedding_select() == "rows":
             tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
@@ -74,6 +74,23 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
         opt.clip_through_optimizer()  # (`TrainingRun._step` clips with `opt.clip_grad_norm_`)
         return opt
     raise ValueError(f"optimizer {name!r} is unknown: allowed are {OPTIMIZERS}.")
+
+
+def sync_offload_device_bytes(model: torch.nn.Module) -> int:
+    """What synchronous offload holds on the device at its peak: the weights and every trainable parameter's gradient
+    (its optimizer state lives on the host), as the `sync_offload` run's meter counts them."""
+    params = list(dict.fromkeys(model.parameters()))
+    return sum(p.numel() * p.element_size() for p in params) + sum(
+        p.numel() * p.element_size() for p in params if p.requires_grad)
+
+
+def device_memory_limit(cfg: CompareConfig, model: torch.nn.Module) -> int | None:
+    """The device memory ZenFlow's step is held to (`ZenFlowConfig.device_memory_limit_bytes`): synchronous
+    offload's (`sync_offload_device_bytes`) by default, the bytes given, or None with "free"."""
+    budget = cfg.device_memory_budget
+    if budget == "sync":
+        return sync_offload_device_bytes(model)
+    return None if budget == "free" else int(budget)
 
 
 def cpu_device_budget(model: torch.nn.Module) -> int | None:
@@ -199,7 +216,8 @@ class TrainingRun:
         self.steps = len(task.train_batches)
         self.sched = get_linear_schedule_with_warmup(self.opt, int(cfg.warmup_ratio * self.steps), self.steps)
         self.rec: dict[str, list[float]] = {k: [] for k in (
-            "loss", "fb_ms", "clip_ms", "opt_ms", "other_ms", "step_ms", "engine_critical_ms", "host_step_ms",
+            "loss", "fb_ms", "clip_ms", "opt_ms", "other_ms", "step_ms", "handover_ms", "engine_critical_ms",
+            "host_step_ms",
             "accumulate_ms", "bytes_to_host", "bytes_to_device", "staleness", "selected_fraction")}
         self.rss_peak = self.rss_start
         self.last_stats: dict[str, Any] = {}
@@ -234,6 +252,7 @@ class TrainingRun:
                 self.opt.synchronize()  # the host worker idle: the next run's turn has the host cores to itself
             _sync(self.device)
             self.handover_ms.append((time.perf_counter() - t0) * 1e3)
+            self.rec["handover_ms"][-1] += self.handover_ms[-1]  # (charged to the turn's last step)
         self.train_s += time.perf_counter() - start
         self._rng = _random_state(self.device)
 
@@ -264,7 +283,8 @@ class TrainingRun:
         clock.mark()
         fb_ms, clip_ms, opt_ms, other_ms = clock.durations_ms()
         for key, value in (("loss", loss_value), ("fb_ms", fb_ms), ("clip_ms", clip_ms), ("opt_ms", opt_ms),
-                           ("other_ms", other_ms), ("step_ms", fb_ms + clip_ms + opt_ms + other_ms)):
+                           ("other_ms", other_ms), ("step_ms", fb_ms + clip_ms + opt_ms + other_ms),
+                           ("handover_ms", 0.0)):
             rec[key].append(value)
         if self.is_engine:
             self.last_stats = dict(opt.stats())
@@ -364,7 +384,9 @@ class TrainingRun:
                       "host_threads": int(last_stats.get("host_threads") or split.host) if is_engine else None},
             "timeline": self.timeline.to_dict(),
             # (not separable when the runs take turns on one GPU: every run's memory is allocated at once)
-            "peak_device_memory_bytes": torch.cuda.max_memory_allocated(device)
+            # (each run's meter resets the allocator's peak at the end of each step and keeps the run's)
+            "peak_device_memory_bytes": max(torch.cuda.max_memory_allocated(device),
+                                            memory.get("peak_device_bytes") or 0)
             if device.type == "cuda" and not self.interleaved else None,
             # weights + gradients held + optimizer device state at the step's peak (`engine/device_memory.py`; CUDA:
             # max_memory_allocated, shared between runs that take turns), and per parameter
@@ -373,7 +395,7 @@ class TrainingRun:
             # the last step's peak: an ordinary step (the run's peak may be its first step or a re-selection)
             "step_peak_device_bytes": memory.get("step_peak_device_bytes"),
             "offloaded_params_fraction": last_stats.get("offloaded_params_fraction") if name == "zenflow" else None,
-            "device_memory_budget_bytes": cfg.device_memory_budget if name == "zenflow" else None,
+            "device_memory_budget_bytes": device_memory_limit(cfg, self.model) if name == "zenflow" else None,
             "host_rss_peak_bytes": self.rss_peak,
             "host_rss_start_bytes": self.rss_start,
             "optimizer_state_device_bytes": device_state,
@@ -383,8 +405,10 @@ class TrainingRun:
             # the engine's own split of its critical path (mean ms per step over the timed steps)
             "engine_phases_ms_mean": {p: _mean(rec[f"cp_{p}_ms"][timed]) for p in ENGINE_PHASES
                                       if f"cp_{p}_ms" in rec} if is_engine else {},
-            "curves": {k: rec[k] for k in ("loss", "fb_ms", "clip_ms", "opt_ms", "other_ms", "engine_critical_ms",
-                                           "bytes_to_host", "bytes_to_device", "staleness")},
+            # per step; step_ms + handover_ms (the wait at the end of a turn, on the turn's last step) is the step's
+            # share of the whole run's time, which the verdict's interval is taken over
+            "curves": {k: rec[k] for k in ("loss", "fb_ms", "clip_ms", "opt_ms", "other_ms", "step_ms", "handover_ms",
+                                           "engine_critical_ms", "bytes_to_host", "bytes_to_device", "staleness")},
         }
         if cfg.save_model and name == "zenflow":
             result["_model"] = self.model  # kept for saving next to the card; dropped before results.json is written

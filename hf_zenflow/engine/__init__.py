@@ -13,7 +13,8 @@
   ("auto"'s choice from the host columns' sizes);
 - one matrix's two sides and its columns: `split_matrix.py`, `selection.py`, `reselection.py`; the optimizer's
   arguments made into state: `params.py`; weights changed from outside: `weight_marks.py`; the storage layout:
-  `layout.py` (`column_major_`); AMP: `amp.py`; per-step telemetry: `telemetry.py`.
+  `layout.py` (`column_major_`); AMP: `amp.py`; per-step telemetry: `telemetry.py`; what the hooks and `step()`
+  refuse to run under (compiled autograd, CUDA graphs): `graph_guard.py`.
 
 May import: `distributed`, `transport`, `settings`, `hf_zenflow._base`. Not `checkpoint` or `optimizer` (above it).
 """

@@ -13,7 +13,8 @@ Two recipes reach the optimizer, and both are supported:
   `GradScaler.unscale_` so that afterwards it tells the optimizer (`ZenFlowAdamW._grads_unscaled`), which multiplies
   the hooks' norms by the same ``1 / scale`` and keeps the early copies, which the host adds times ``1 / scale``
   (read in the step's one sync) instead of copying the gradients again; beforehand the compute stream waits for
-  those copies, so that the in-place rewrite cannot race them. `step()` then gets ``grad_scale=None``
+  the copies of the gradients in ``p.grad``, so that the in-place rewrite cannot race them (not for those of the
+  gradients freed in backward, which ``unscale_`` does not rewrite). `step()` then gets ``grad_scale=None``
   and the gradients are taken as they are.
 
 Gradients freed in backward (`free_gradients_in_backward`) are not in ``p.grad`` for the scaler, under either
@@ -42,8 +43,9 @@ _WRAPPED = "_hf_zenflow_notifies"
 def install() -> None:
     """Wrap `torch.amp.GradScaler.unscale_` (once per process) so that an optimizer defining
     ``_grads_unscaled(inv_scale)`` hears of it after its gradients were unscaled, and the scaler's overflow check
-    (``_unscale_grads_``, under ``unscale_`` and ``step``) so that one defining ``_freed_overflow()`` adds the
-    overflow of gradients that are not in ``p.grad``. Other optimizers see no change."""
+    (``_unscale_grads_``, under ``unscale_`` and ``step``) so that one defining ``_freed_overflow()`` (a flag per
+    device) adds the overflow of gradients that are not in ``p.grad`` on their devices. Other optimizers see no
+    change."""
     original = torch.amp.GradScaler.unscale_
     if getattr(original, _WRAPPED, False):
         return
@@ -67,8 +69,10 @@ def install() -> None:
         found = check(self, optimizer, *args)
         overflow = getattr(optimizer, "_freed_overflow", None)
         extra = overflow() if overflow is not None else None
-        if extra is not None:  # gradients the scaler did not see (freed in backward): their overflow counts too
-            found[extra.device] = found[extra.device] + extra if extra.device in found else extra
+        # gradients the scaler did not see (freed in backward): their overflow counts too, on their own device, as the
+        # scaler keeps one flag per device
+        for device, flag in (extra or {}).items():
+            found[device] = found[device] + flag if device in found else flag
         return found
 
     torch.amp.GradScaler._unscale_grads_ = unscale_grads_  # type: ignore[method-assign]

@@ -1,12 +1,16 @@
 """What the device holds at its peak in a training step: `DeviceMemoryMeter`.
 
 On CUDA the caching allocator knows (`torch.cuda.max_memory_allocated`, which also counts activations and
-temporaries). A CPU device shares its memory with the host, so there the meter counts what a GPU would hold:
+temporaries); the meter resets that peak at the end of each step (`torch.cuda.reset_peak_memory_stats`), so that
+each step's peak is its own, and keeps the run's (`peak_bytes`): code that reads the allocator's peak itself after
+training reads the last step's. A CPU device shares its memory with the host, so there the meter counts what a GPU
+would hold:
 
 - the parameters (every trained parameter's storage, once);
 - the gradients while they are on the device: from the moment backward produces one (the census runs in each
   post-accumulate-grad hook, where a gradient is newest and every gradient still held is counted) until it is set
-  to None (by `step()`, ``zero_grad`` or, with the gradients freed in backward, by the hook itself);
+  to None (by `step()` or ``zero_grad``) or, freed in backward, until its copy to the host has read it (`in_flight`, a
+  callback: the bytes of the freed gradients whose copy has not landed, `in_flight.FreedInFlight`);
 - the optimizer's device state (`state_bytes`, a callback: fused AdamW's moments, ZenFlow's selected columns and
   dense state, device-side window sums), counted at the end of each step and at every census after it;
 - transient bytes the caller names at a census (`note`'s `extra`): ZenFlow's device update passes the fp32 copies
@@ -52,9 +56,11 @@ class DeviceMemoryMeter:
         >>> meter.remove()
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], state_bytes: Callable[[], int], watch: bool = False) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], state_bytes: Callable[[], int], watch: bool = False,
+                 in_flight: Callable[[], int] = lambda: 0) -> None:
         self.params = list(dict.fromkeys(p for p in params))  # (a parameter listed twice counts once)
         self.state_bytes = state_bytes
+        self.in_flight = in_flight
         self.param_count = sum(p.numel() for p in self.params)
         self._weights = sum(_bytes(p.data) for p in self.params)
         self._grads: dict[int, int] = {}
@@ -85,7 +91,7 @@ class DeviceMemoryMeter:
     def _census(self, extra: int = 0) -> None:
         if self._cuda_device() is not None:
             return
-        held = self._weights + self._grad_total + self._state + extra
+        held = self._weights + self._grad_total + self.in_flight() + self._state + extra
         self._step_peak = max(self._step_peak, held)
         self.peak_bytes = max(self.peak_bytes, held)
 
@@ -110,7 +116,7 @@ class DeviceMemoryMeter:
         self._census(extra)
 
     def gradient_left(self, p: torch.Tensor) -> None:
-        """`p`'s gradient left the device (freed in backward)."""
+        """`p`'s gradient left ``p.grad`` (freed in backward; until its copy has read it, `in_flight` counts it)."""
         self._set(p, 0)
 
     def note(self, extra: int = 0) -> None:
@@ -124,8 +130,12 @@ class DeviceMemoryMeter:
         self.note()
         device = self._cuda_device()
         if device is not None:
+            # the caching allocator's peak since the end of the last step (a host-side counter: no sync), which
+            # starts afresh from the bytes allocated now, so that the next step's peak is its own; it is every
+            # reader's peak statistic of this device, so the run's peak is `peak_bytes`
             self._step_peak = torch.cuda.max_memory_allocated(device)
             self.peak_bytes = max(self.peak_bytes, self._step_peak)
+            torch.cuda.reset_peak_memory_stats(device)
         self.step_peak_bytes, self._step_peak = self._step_peak, 0
         self._recount = True
 

@@ -5,13 +5,16 @@ them and the weights and gradients (`gather_columns`, `scatter_columns`; the CPU
 All device-side optimizer state is fp32 (master values and both moments), whatever the parameter dtype, so a bf16
 model never has its master truncated: the parameter only ever receives a rounded copy of the fp32 master. The
 selected columns' gathered gradient keeps the gradient's own dtype when that is bf16 or fp16 (a gather is a copy:
-nothing is lost), 2 B per selected element instead of 4; whatever reads it widens it to fp32 first, one matrix at a
-time (`DeviceColumns.widened_grad`), and computes exactly as on an fp32 gather.
+nothing is lost), 2 B per selected element instead of 4; whatever reads it widens it to fp32 first (one matrix at a
+time, `DeviceColumns.widened_grad`; the update a run of matrices at a time) and computes exactly as on an fp32
+gather.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -45,22 +48,35 @@ class DeviceColumns:
     step: torch.Tensor
     grad: torch.Tensor  # reused gather buffer (fp32, or the gradient's bf16 / fp16)
     axis: int = 1
+    #: `index` on the host, when known (`host_index`): reading it there again costs no device sync
+    index_on_host: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_columns(
         cls, index: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
         step: torch.Tensor, device: torch.device, axis: int = 1, grad_dtype: torch.dtype = torch.float32,
+        index_on_host: torch.Tensor | None = None,
     ) -> DeviceColumns:
         """The columns `index` with their state (any dtype, moved to fp32 on `device`); `grad_dtype`: the dtype of
-        the gradients that will be gathered (the buffer is `gathered_dtype` of it)."""
+        the gradients that will be gathered (the buffer is `gathered_dtype` of it); `index_on_host`: the same
+        index on the host, when the caller has it."""
         to = {"device": device, "dtype": torch.float32}
         master = master.to(**to).contiguous()
+        if index_on_host is None and index.device.type == "cpu":
+            index_on_host = index
         index = index.to(device)
         return cls(
             index=index, master=master, exp_avg=exp_avg.to(**to).contiguous(),
             exp_avg_sq=exp_avg_sq.to(**to).contiguous(), step=step.to(**to).clone(),
-            grad=torch.empty_like(master, dtype=gathered_dtype(grad_dtype)), axis=axis,
+            grad=torch.empty_like(master, dtype=gathered_dtype(grad_dtype)), axis=axis, index_on_host=index_on_host,
         )
+
+    def host_index(self) -> torch.Tensor:
+        """`index` on the host (Sync point, the first time only, where `index` lives on an accelerator and the
+        host copy was not given: a blocking copy)."""
+        if self.index_on_host is None:
+            self.index_on_host = self.index.cpu()
+        return self.index_on_host
 
     @property
     def k(self) -> int:
@@ -151,14 +167,45 @@ def gather_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
         cols.gather_grad(g)
 
 
+#: Elements of the rounded masters `scatter_columns` holds at once (in the parameters' dtype): the rounding of a
+#: run of matrices is one batched copy, not one per matrix.
+ROUNDING_RUN_ELEMS = 1 << 24
+
+
+def runs_within(items: list[Any], numel: Callable[[Any], int], limit: int) -> list[list[Any]]:
+    """`items` in consecutive runs of at most `limit` elements together (`numel` of each), or of one item when it
+    alone is larger."""
+    runs: list[list[Any]] = []
+    size = 0
+    for item in items:
+        if not runs or (runs[-1] and size + numel(item) > limit):
+            runs.append([])
+            size = 0
+        runs[-1].append(item)
+        size += numel(item)
+    return runs
+
+
 def scatter_columns(items: list[tuple[DeviceColumns, torch.Tensor]]) -> None:
-    """Write each matrix's (rounded) master units into its parameter's `storage_matrix`."""
+    """Write each matrix's (rounded) master units into its parameter's `storage_matrix`. Masters rounded to a
+    narrower parameter dtype are rounded a run at a time (`ROUNDING_RUN_ELEMS`) by one batched copy (the same
+    rounding to nearest as ``Tensor.to``), then scattered one matrix at a time."""
     native, rest = _kernel_split(items)
     if native:
         kernels.scatter([p for _, p in native], [c.master for c, _ in native], [c.index for c, _ in native])
+    narrow: dict[tuple[torch.device, torch.dtype], list[tuple[DeviceColumns, torch.Tensor]]] = {}
     for cols, p in rest:
-        cols.scatter_into(p)
+        if p.dtype == torch.float32:
+            cols.scatter_into(p)
+        else:
+            narrow.setdefault((p.device, p.dtype), []).append((cols, p))
+    for (_, dtype), group in narrow.items():
+        for run in runs_within(group, lambda item: item[0].master.numel(), ROUNDING_RUN_ELEMS):
+            rounded = [torch.empty_like(cols.master, dtype=dtype) for cols, _ in run]
+            torch._foreach_copy_(rounded, [cols.master for cols, _ in run])
+            for (cols, p), source in zip(run, rounded):
+                p.index_copy_(cols.axis, cols.index, source)
 
 
 __all__ = ["NARROW_GRAD_DTYPES", "DenseDeviceState", "DeviceColumns", "gather_columns", "gathered_dtype",
-           "scatter_columns"]
+           "runs_within", "scatter_columns"]

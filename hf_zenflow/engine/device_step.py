@@ -15,7 +15,7 @@ import torch
 
 from .._base import by_device, fused_adamw_, l2_norm
 from ..transport.cpu_device import kernels
-from .device_state import DenseDeviceState, DeviceColumns, gather_columns, scatter_columns
+from .device_state import DenseDeviceState, DeviceColumns, gather_columns, runs_within, scatter_columns
 
 
 if TYPE_CHECKING:
@@ -113,22 +113,15 @@ class ParamWrites:
         self._scatters, self._dense_copies = [], []
 
 
-def _widening_chunks(columns: list[DeviceColumns]) -> list[list[DeviceColumns]]:
+def _widening_chunks(columns: list[DeviceColumns], gradient_bytes: int) -> list[list[DeviceColumns]]:
     """`columns` whose gathered gradient is narrower than fp32, in consecutive runs whose fp32 copies together take
-    no more than the largest one's: each run is widened and updated in one launch, so the update holds at most one
-    matrix's worth of fp32 gradient at a time (the gather buffers keep the narrow dtype)."""
+    no more than `gradient_bytes` (the largest offloaded gradient's: a transient no larger than a gradient in its
+    backward hook) or the largest one's: each run is widened by one batched copy and updated in one launch (the
+    gather buffers keep the narrow dtype)."""
     if not columns:
         return []
-    limit = max(c.grad.numel() for c in columns)
-    chunks: list[list[DeviceColumns]] = [[]]
-    size = 0
-    for cols in columns:
-        if chunks[-1] and size + cols.grad.numel() > limit:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(cols)
-        size += cols.grad.numel()
-    return chunks
+    largest = max(c.grad.numel() for c in columns)
+    return runs_within(columns, lambda cols: cols.grad.numel(), max(largest, gradient_bytes // 4))
 
 
 def device_update(
@@ -196,11 +189,12 @@ def device_update(
         for bucket, t in zip(lists, tensors):
             bucket.append(t)
     widened_bytes = 0
+    gradient_bytes = max((p.numel() * p.element_size() for _, p, split, _ in updates if split is not None), default=0)
     for key, (group, (params, gs, m, v, steps)) in batches.items():
         device = key[1]
         flag = None if found_inf is None else _to(found_inf, device)
         fused_adamw_(params, gs, m, v, steps, group, found_inf=flag)
-        chunks = _widening_chunks(narrow.get(key, []))
+        chunks = _widening_chunks(narrow.get(key, []), gradient_bytes)
         if not chunks:
             continue
         # One fp32 scratch for the runs' widened copies, reused run after run (one allocation per group and device,
@@ -214,8 +208,9 @@ def device_update(
             wide, start = [], 0
             for cols in chunk:
                 n = cols.grad.numel()
-                wide.append(scratch[start:start + n].view(cols.grad.shape).copy_(cols.grad))  # (exact)
+                wide.append(scratch[start:start + n].view(cols.grad.shape))
                 start += n
+            torch._foreach_copy_(wide, [cols.grad for cols in chunk])  # (exact; one batched copy per run)
             if coef is not None:
                 torch._foreach_mul_(wide, _to(coef, device))
             fused_adamw_([c.master for c in chunk], wide, [c.exp_avg for c in chunk],

@@ -30,9 +30,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .._base import torch_norms
 from ..distributed.sharding import RankGroup, is_dtensor, set_grad
 from .device_memory import DeviceMemoryMeter
 from .device_step import gather_selected, norms_and_gather
+from .graph_guard import refuse_traced_hook
 
 
 if TYPE_CHECKING:
@@ -42,9 +44,7 @@ if TYPE_CHECKING:
 def torch_norm(g: torch.Tensor) -> torch.Tensor:
     """The L2 norm of `g` computed the way `torch.nn.utils.clip_grad_norm_` computes it per tensor (foreach where
     supported), so that a total built from such norms is bit-identical to torch's."""
-    if torch.utils._foreach_utils._has_foreach_support([g], g.device):  # type: ignore[attr-defined]
-        return torch._foreach_norm([g], 2.0)[0]
-    return torch.linalg.vector_norm(g, 2.0)
+    return torch_norms([g])[0]
 
 
 def _between_micro_batches() -> bool:
@@ -88,6 +88,12 @@ class GradientReads:
         self.copies_out: Callable[[torch.Tensor], bool] = lambda p: False
         #: counts the device's gradients as they arrive and leave (`device_memory.py`), when set
         self.meter: DeviceMemoryMeter | None = None
+        #: whether the norm of a gradient that stays in ``p.grad`` is left to the step (`settle`), which takes all
+        #: of them in one batched launch per device and dtype instead of one per gradient in its hook (set by the
+        #: optimizer: where the device is not the host's memory)
+        self.defers_norm: Callable[[torch.Tensor], bool] = lambda g: False
+        # parameter -> (its gradient then, that gradient's version then) for the norms left to `settle`
+        self._deferred: dict[torch.Tensor, tuple[weakref.ref, int]] = {}
         self._handles: list = []
         self.watch(params)
 
@@ -104,6 +110,7 @@ class GradientReads:
 
     @torch.no_grad()
     def _read(self, p: torch.Tensor) -> None:
+        refuse_traced_hook(p.grad)  # (compiled autograd, CUDA graphs: `graph_guard.py`)
         meter = self.meter
         if meter is not None:
             meter.gradient_arrived(p, p.grad)
@@ -128,12 +135,27 @@ class GradientReads:
             return
         if self.on_arrival is not None:
             self.on_arrival(p)  # (an earlier micro-batch's gradient that was freed comes back, added into `g`)
-        norm = torch_norm(g)
-        self._norms[p] = (weakref.ref(g), g._version, norm)
-        if self.on_ready is not None:
-            stand_in = self.on_ready(p, g)
-            if stand_in is not None:  # freed: `step()` sees the stand-in, and the norm describes it
-                self._norms[p] = (weakref.ref(stand_in), stand_in._version, norm)
+        self._norms.pop(p, None)
+        self._deferred.pop(p, None)
+        stand_in = self.on_ready(p, g) if self.on_ready is not None else None
+        if stand_in is not None:  # freed: its norm now (`g` is still alive here), keyed by the stand-in `step()` sees
+            self._norms[p] = (weakref.ref(stand_in), stand_in._version, torch_norm(g))
+        elif self.defers_norm(g):
+            self._deferred[p] = (weakref.ref(g), g._version)
+        else:
+            self._norms[p] = (weakref.ref(g), g._version, torch_norm(g))
+
+    def settle(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Take the norms the hooks left to the step (`defers_norm`) of the gradients among `grads` (of `params`)
+        that are still as the hooks saw them, in one ``torch._foreach_norm`` per device and dtype (`torch_norms`:
+        the bits the hooks' `torch_norm` gives), so that `norm` then returns them."""
+        todo = []
+        for p, g in zip(params, grads):
+            seen = self._deferred.pop(p, None)
+            if seen is not None and seen[0]() is g and seen[1] == g._version:
+                todo.append((p, g))
+        for (p, g), n in zip(todo, torch_norms([g for _, g in todo])):
+            self._norms[p] = (weakref.ref(g), g._version, n)
 
     def norm(self, p: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor | None:
         """The hook's norm of `p`'s gradient `g` (default ``p.grad``), if it still describes that gradient."""
@@ -150,12 +172,13 @@ class GradientReads:
 
     def clear(self) -> None:
         self._norms.clear()
+        self._deferred.clear()
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._norms.clear()
+        self.clear()
 
 
 @dataclass
@@ -238,6 +261,7 @@ def read_gradients(
     if cached_norms:
         norms = list(cached_norms)
     else:
+        reads.settle([p for _, p in entries], grads)  # (the norms the hooks left to the step: batched)
         norms = [reads.norm(p, g) for (_, p), g in zip(entries, grads)]
         todo = [i for i, n in enumerate(norms) if n is None]
         if todo:  # read now, with the gather in the same sweep where the kernels allow

@@ -106,12 +106,18 @@ class HostLayout:
                    writeback_from_master=config.host_writeback == "master",
                    unselected_sums=config.host_sum_columns == "unselected")
 
+    @staticmethod
+    def master_writeback_applies(transport: Transport, ranks: int) -> bool:
+        """Whether ``host_writeback="master"`` applies over `transport` with the host state shared by `ranks` ranks
+        (`on_link`)."""
+        return not transport.pins_host_memory and ranks == 1
+
     def on_link(self, transport: Transport, ranks: int) -> HostLayout:
         """The layout as it applies over `transport` with the host state shared by `ranks` ranks: the write-back
         reads the master only where it is a synchronous copy of one rank's whole result (an asynchronous copy
         would read the master while the worker's next pass writes it; several ranks all-gather write-back buffers
         in the weight's dtype); elsewhere the buffer stays, with a warning (once)."""
-        if not self.writeback_from_master or (not transport.pins_host_memory and ranks == 1):
+        if not self.writeback_from_master or self.master_writeback_applies(transport, ranks):
             return self
         global _warned_writeback
         if not _warned_writeback:
@@ -146,7 +152,7 @@ def accumulate_into(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | Non
         if coef is not None:
             accum.mul_(coef)
         return
-    if grad2d.dtype != torch.float32 and grad2d.device.type == "cpu":
+    if grad2d.dtype != torch.float32 and widens_before_add(grad2d.device):
         grad2d = _fp32_scratch(grad2d).copy_(grad2d)
     if coef is None:
         accum.add_(grad2d)
@@ -154,24 +160,41 @@ def accumulate_into(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | Non
         accum.add_(grad2d, alpha=coef)
 
 
+def widens_before_add(device: torch.device) -> bool:
+    """Whether `accumulate_into` widens a narrow gradient into an fp32 scratch before adding it (the CPU, where
+    torch's mixed-dtype add is slow; an accelerator adds it as it is, in one kernel: the same exact widening)."""
+    return device.type == "cpu"
+
+
 def _accumulate_bf16(accum: torch.Tensor, grad2d: torch.Tensor, coef: float | None, first: bool) -> None:
-    """``accum = round_bf16(widen(accum) + grad * coef)`` for a bf16 window sum, by pieces of `NARROW_CHUNK`
-    elements: each piece is widened exactly into an fp32 scratch on the sum's device, gets the fp32 rule of
-    `accumulate_into` (the same arithmetic as an fp32 sum, so a bf16 sum is an fp32 sum rounded after every add, bit
-    for bit) and is rounded back to nearest. Not torch's in-place bf16 add: on CPU it rounds ``alpha`` (the clip
-    coefficient) to bf16 first, a systematic error in the whole step's gradient. The scratch bounds the extra device
-    memory to one piece (16 MiB)."""
-    rows = max(1, NARROW_CHUNK // max(1, accum.shape[-1]))
+    """``accum = round_bf16(widen(accum) + grad * coef)`` for a bf16 window sum, by pieces (`bf16_sum_piece_elems`):
+    each piece is widened exactly into an fp32 scratch on the sum's device, gets the fp32 rule of `accumulate_into`
+    (the same arithmetic as an fp32 sum, so a bf16 sum is an fp32 sum rounded after every add, bit for bit) and is
+    rounded back to nearest. Not torch's in-place bf16 add: on CPU it rounds ``alpha`` (the clip coefficient) to
+    bf16 first, a systematic error in the whole step's gradient. The scratch bounds the extra memory to one piece,
+    taken once per call (CPU: a per-thread buffer kept between calls)."""
+    rows = max(1, bf16_sum_piece_elems(accum.device) // max(1, accum.shape[-1]))
+    on_cpu = accum.device.type == "cpu"
+    scratch = None if on_cpu else torch.empty(min(rows, accum.shape[0]) * accum.shape[-1], dtype=torch.float32,
+                                              device=accum.device)
     for start in range(0, accum.shape[0], rows):
         part = accum[start:start + rows]
-        if part.device.type == "cpu":
-            wide = _fp32_scratch(part, "bf16_sum")
-        else:
-            wide = torch.empty(part.shape, dtype=torch.float32, device=part.device)
+        wide = _fp32_scratch(part, "bf16_sum") if scratch is None else scratch[:part.numel()].view(part.shape)
         if not first:
             wide.copy_(part)
         accumulate_into(wide, grad2d[start:start + rows], coef, first)
         part.copy_(wide)
+
+
+#: Elements per piece of a bf16 window sum added on an accelerator (`_accumulate_bf16`): each piece costs three
+#: kernel launches, so pieces are larger than on the CPU (`NARROW_CHUNK`, a cache-friendly 16 MiB of fp32), at most
+#: 64 MiB of fp32 scratch: a 4096 x 11008 sum in 3 pieces, not 11.
+DEVICE_BF16_PIECE_ELEMS = 1 << 24
+
+
+def bf16_sum_piece_elems(device: torch.device) -> int:
+    """Elements per piece of `_accumulate_bf16` on `device`."""
+    return NARROW_CHUNK if device.type == "cpu" else DEVICE_BF16_PIECE_ELEMS
 
 
 def _scratch_of(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:

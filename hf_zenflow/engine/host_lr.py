@@ -43,7 +43,8 @@ def high_lr_window(lr: float, update_interval: int | None) -> int | None:
     """`high_lr_rule="auto"`: the window length at the peak learning rate `lr`, or None where the rule leaves the
     configured `update_interval` alone (lr x update_interval <= `HIGH_LR_RULE_THRESHOLD`, one-step windows,
     Zen-auto's windows). Above it a window's single host step leaves the unselected columns behind, and a larger
-    multiplier overshoots (BENCHMARKS.md §4b); shorter windows, floor(threshold / lr) steps, update them more often.
+    multiplier overshoots (BENCHMARKS.md "Quality: high learning rates"); shorter windows, floor(threshold / lr)
+    steps, update them more often.
 
     Example:
         >>> high_lr_window(1e-3, 4), high_lr_window(1.25e-3, 4), high_lr_window(2e-3, 4), high_lr_window(3e-3, 4)

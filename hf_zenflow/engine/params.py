@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._base import check_hyperparameters
+from .._base import check_group_hyperparameters
 from ..settings.config import HIGH_LR_RULE_THRESHOLD, ZenFlowConfig
 from .device_state import DenseDeviceState
 from .host_lr import peak_lr, rule_beta1, rule_window
@@ -50,9 +50,7 @@ def check_param_group(group: dict[str, Any], defaults: dict[str, Any]) -> None:
     if not isinstance(group.get("select_rows", False), bool):
         raise ValueError(f"ZenFlowAdamW param group select_rows={group['select_rows']!r} is invalid: "
                          "allowed are True and False.")
-    if any(key in group for key in ("lr", "betas", "eps", "weight_decay")):
-        check_hyperparameters(group.get("lr", defaults["lr"]), group.get("betas", defaults["betas"]),
-                              group.get("eps", defaults["eps"]), group.get("weight_decay", defaults["weight_decay"]))
+    check_group_hyperparameters(group, defaults)
 
 
 #: Parameter dtypes ZenFlowAdamW updates: its masters and moments are fp32, so an fp64 parameter would silently be

@@ -10,7 +10,7 @@ import torch
 
 from ..transport.cpu_device import kernels
 from .schedule import WindowSchedule
-from .selection import num_selected, top_columns
+from .selection import indices_on_host, num_selected, top_columns
 from .split_matrix import SplitMatrix
 from .telemetry import StepTimer
 from .windows import HostWindows
@@ -85,7 +85,9 @@ def select_columns(host: HostWindows, pairs: list[tuple[SplitMatrix, torch.Tenso
     # Collective: the ranks' partial sums (their shares of the rows under DDP, their FSDP2 shards) summed, so that
     # every rank selects the same columns
     host.reduce_group.all_reduce_sum(scores)
-    ranked = [(split, s) for (split, _), s in zip(scored, scores) if bool(s.any())]
+    # (Sync point, selection only: whether each matrix's scores are not all zero, read once for all matrices)
+    nonzero = torch.stack([s.any().to(scores[0].device) for s in scores]).tolist() if scores else []
+    ranked = [(split, s) for (split, _), s, ok in zip(scored, scores, nonzero) if ok]
     chosen = [(split, top_columns(s, split.k)) for split, s in ranked]
     if ranked:
         # Sync point (selection only): the chosen columns' share of each matrix's squared gradient norm, read on the
@@ -94,16 +96,17 @@ def select_columns(host: HostWindows, pairs: list[tuple[SplitMatrix, torch.Tenso
         for (split, _), share in zip(ranked, shares.tolist()):
             split.selected_share = share
     chosen += [(split, torch.arange(split.k, device=split.param.device)) for split, _ in todo if not split.offloaded]
-    hosted = [(split, index) for split, index in chosen if split.host is not None]
-    parts = [(split.share, t.index_select(split.axis, index.cpu()).float()) for split, index in hosted
+    on_host = indices_on_host([index for _, index in chosen])  # (Sync point, selection only: one copy per device)
+    hosted = [(split, index) for (split, _), index in zip(chosen, on_host) if split.host is not None]
+    parts = [(split.share, t.index_select(split.axis, index).float()) for split, index in hosted
              for t in (split.host.master, split.host.exp_avg, split.host.exp_avg_sq)]
     # Collective: on the parameters' device (the pieces are host state, which NCCL refuses); the full columns land
     # there, where `install_columns` wants them
     device = hosted[0][0].param.device if hosted else torch.device("cpu")
     whole = ranks.gather(parts, "device-column all-gather", device)
     cols = {id(split): whole[3 * i:3 * i + 3] for i, (split, _) in enumerate(hosted)}
-    for split, index in chosen:
-        split.install_columns(index, cols.get(id(split)))
+    for (split, index), index_on_host in zip(chosen, on_host):
+        split.install_columns(index, cols.get(id(split)), index_on_host)
     # the freed gradients' selected columns (new or kept) come back from their host copies for this step's update
     regathered: set[torch.Tensor] = set()
     for split, _ in pairs:

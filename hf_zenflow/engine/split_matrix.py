@@ -124,7 +124,7 @@ class SplitMatrix:
             m, v = torch.zeros_like(master), torch.zeros_like(master)
         if self.device is not None:
             cols = self.device
-            index = cols.index.cpu()
+            index = cols.host_index()
             for full, part in ((master, cols.master), (m, cols.exp_avg), (v, cols.exp_avg_sq)):
                 full.index_copy_(self.axis, index, part.cpu())
         return master, m, v
@@ -138,17 +138,18 @@ class SplitMatrix:
             attach_host([self])
         host = self.host
         # Sync point (re-selection only, every `select_period` steps): the outgoing device columns are copied to the
-        # host with blocking copies.
+        # host with one blocking copy (master and moments together).
         if self.device is not None and host is not None:
-            idx = self.device.index.cpu()
-            host.master.index_copy_(self.axis, idx, self.share.local(self.device.master).cpu())
+            idx = self.device.host_index()
+            parts = [self.share.local(t) for t in (self.device.master, self.device.exp_avg, self.device.exp_avg_sq)]
+            landed = torch.cat([t.reshape(-1) for t in parts]).cpu().split([t.numel() for t in parts])
             # (8-bit moments: the blocks the columns land in are quantised again, stochastically with bits of their
             # own, keyed like a host pass's: exp_avg the low 16, exp_avg_sq the high 16)
             step, stream = int(host.step), host.stream
-            for full, part, moment in ((host.exp_avg, self.device.exp_avg, 0),
-                                       (host.exp_avg_sq, self.device.exp_avg_sq, 1)):
-                source = self.share.local(part).cpu().to(full.dtype)  # (bf16 moments: rounded to nearest, once)
-                if host.quantized:
+            for moment, (full, part, flat) in enumerate(zip((host.master, host.exp_avg, host.exp_avg_sq), parts,
+                                                            landed), start=-1):
+                source = flat.view(part.shape).to(full.dtype)  # (bf16 moments: rounded to nearest, once)
+                if moment >= 0 and host.quantized:
                     full.index_copy_(self.axis, idx, source, lambda lo, hi, moment=moment: random16(
                         stream.bits(step, lo, hi, RESELECTION_SALT), moment))
                 else:
@@ -162,9 +163,11 @@ class SplitMatrix:
         """Each column's squared L2 norm over this rank's share of `grad` (summed across ranks by the caller)."""
         return column_scores(self.host_part(grad), self.axis)
 
-    def install_columns(self, index: torch.Tensor, cols: list[torch.Tensor] | None) -> None:
+    def install_columns(self, index: torch.Tensor, cols: list[torch.Tensor] | None,
+                        index_on_host: torch.Tensor | None = None) -> None:
         """The second half: the columns `index` move to the device with their whole master values and moments
-        `cols` (gathered from the host shares; None: no host state, from the weights with zero moments)."""
+        `cols` (gathered from the host shares; None: no host state, from the weights with zero moments);
+        `index_on_host`: `index` on the host, when the caller has it."""
         if self.device is not None:
             step = self.device.step  # most device columns stay: keep the device path's count
         elif self.host is not None:
@@ -175,7 +178,7 @@ class SplitMatrix:
             master = self.matrix(self.param).detach().index_select(self.axis, index).float()
             cols = [master, torch.zeros_like(master), torch.zeros_like(master)]
         self.device = DeviceColumns.from_columns(index, *cols, step=step, device=self.param.device, axis=self.axis,
-                                                 grad_dtype=self.grad_dtype)
+                                                 grad_dtype=self.grad_dtype, index_on_host=index_on_host)
         if not self.offloaded:
             self.detach_host()  # every column on the device (topk_ratio=1): the host keeps nothing
         self.fit_host_sum()
@@ -190,7 +193,7 @@ class SplitMatrix:
             self.host.keep_sum_columns(None, self.axis)
             return
         kept = torch.ones(self.columns, dtype=torch.bool)
-        kept[self.device.index.cpu()] = False
+        kept[self.device.host_index()] = False
         self.host.keep_sum_columns(kept.nonzero().squeeze(1), self.axis)
 
 def selection_scores(split: SplitMatrix, grad: torch.Tensor) -> torch.Tensor:

@@ -81,8 +81,9 @@ class ZenFlowStats:
     - ``ranks``: data-parallel ranks sharing the host work (each rank's host state covers 1/``ranks`` of every
       offloaded matrix, `distributed/sharding.py`); ``gather_buffer_bytes``: the write-back's all-gather buffer (on the
       device with NCCL, on the host with gloo), 0 with one rank;
-    - ``peak_device_bytes``: the most the device held in any step so far (CUDA: ``max_memory_allocated``; a CPU
-      device: weights + gradients on the device + optimizer device state, `device_memory.py`),
+    - ``peak_device_bytes``: the most the device held in any step so far (CUDA: ``max_memory_allocated``, reset at
+      the end of each step; a CPU device: weights + gradients on the device + optimizer device state,
+      `device_memory.py`),
       ``step_peak_device_bytes`` the last step's, ``peak_device_bytes_per_param`` over the parameters' elements,
       ``weight_bytes``; ``offloaded_params_fraction``: the share of the parameters in matrices with host state;
     - ``host_threads``: threads the host worker runs with (whatever ``OMP_NUM_THREADS`` says; docs/threads.md).

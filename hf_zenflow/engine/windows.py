@@ -35,13 +35,14 @@ from ..distributed.sharding import RankGroup, local_grad, set_grad
 from ..settings.config import ZenFlowConfig, sums_on_device
 from ..transport import CopyEvents, Transport, Transports
 from ..transport.cpu_device.rounding import matrix_key
-from . import accumulation
 from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
 from .device_step import device_update
 from .host import HostLayout, HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype
 from .host_guard import HostStepGuard
 from .host_lr import LrScaleRecord, host_hyper, peak_lr, window_lag
+from .in_flight import FreedInFlight
 from .params import is_split
+from .planner import RunSizes, plan_accumulation
 from .schedule import StepKind, WindowSchedule
 from .selection import num_selected
 from .split_matrix import SplitMatrix, selection_scores
@@ -104,8 +105,8 @@ class FreedGradient:
         if self.source.device == cols.grad.device:
             cols.gather_grad(self.source)
         else:  # (a copy to the device: the columns only)
-            cols.grad_buffer(self.source.dtype).copy_(
-                torch.index_select(self.source, cols.axis, cols.index.to(self.source.device)))
+            index = cols.host_index() if self.source.device.type == "cpu" else cols.index.to(self.source.device)
+            cols.grad_buffer(self.source.dtype).copy_(torch.index_select(self.source, cols.axis, index))
         if self.factor is not None:
             cols.grad.mul_(self.factor.to(cols.grad.device))
 
@@ -244,7 +245,7 @@ class HostWindows:
         # is a check-then-act that must happen once, under this lock.
         self._early_lock = threading.Lock()
         self.held = HeldHandOff()  # this step's hand-off until the step knows whether it closes the window
-        #: ``accumulate_on="auto"``'s choice, made when the first host state is created (`accumulation.py`)
+        #: ``accumulate_on="auto"``'s choice, made when the first host state is created (`planner.py`)
         self.accumulate_chosen: str | None = None
         #: the host step's learning-rate multiplier of the last full window (`stats()["host_lr_scale"]`)
         self.lr_scale = LrScaleRecord()
@@ -270,7 +271,10 @@ class HostWindows:
         self.copies_factor: float | None = None
         #: the first step's link buffers were reserved at once when its state is made in the backward hooks
         self.reserved_ahead = False
-        #: the device's peak so far, for ``device_memory_limit_bytes`` (`accumulation.decide`; set by the optimizer)
+        #: the gradients freed in backward whose copy to the host has not landed (their memory is still allocated)
+        self.in_flight = FreedInFlight()
+        #: the device's peak so far, for ``device_memory_limit_bytes`` (`planner.plan_accumulation`; set by the
+        #: optimizer)
         self.device_peak: Callable[[], int] = lambda: 0
         #: under ``device_memory_limit_bytes``, what the step holds beside the device sums of "auto" and what they
         #: keep (`device_budget.PeakEstimate.beside_window_sums`; 0 without a limit; set by the optimizer)
@@ -301,6 +305,7 @@ class HostWindows:
         self.guard = HostStepGuard()
         self.release_early()
         self.transports.forget()
+        self.in_flight.clear()  # (closing the transports waited for every copy)
         self.stats.device_clocks.clear()
 
     def stop_worker(self) -> None:
@@ -316,6 +321,7 @@ class HostWindows:
         self.release_early()
         self.keeper.close()
         self.transports.close()
+        self.in_flight.clear()  # (closing waited for every copy)
 
     @property
     def shards(self) -> RankGroup:
@@ -362,9 +368,12 @@ class HostWindows:
         return list(groups.values())
 
     def _decide(self, splits: list[SplitMatrix], shares: dict) -> None:
-        self.accumulate_chosen = accumulation.decide(self.config, splits, shares, self.reduce_group,
-                                                     peak=max(self.device_peak(), self.limit_peak()),
-                                                     frees_gradients=self.free_kind is not None)
+        local = [getattr(p, "_local_tensor", p) for g in self.groups for p in g["params"] if p.requires_grad]
+        elements = float(sum(p.numel() for p in local))
+        sizes = RunSizes(splits, shares, self.transport_of, elements,
+                         elements * (self.param_shards.ranks if self.param_shards is not None else 1),
+                         peak=max(self.device_peak(), self.limit_peak()), frees_gradients=self.free_kind is not None)
+        self.accumulate_chosen = plan_accumulation(self.config, sizes, self.reduce_group)
 
     def prepare_first_state(self, entries: list[tuple[dict, torch.Tensor]], schedule: WindowSchedule) -> None:
         """Before the first step's state is made in its backward hooks (`HostWindows.grad_ready`), for the matrices
@@ -478,7 +487,9 @@ class HostWindows:
         stand_in = g.new_empty(0)
         early.copies[p] = (weakref.ref(stand_in), stand_in._version, source, landed)
         early.freed[p] = FreedGradient(stand_in, source, landed, g.shape, g.stride(), scores, gathered, overflow)
-        split.owner.grad = None  # the device's memory for this gradient goes now
+        split.owner.grad = None  # the device's memory for this gradient goes once its copy has read it
+        # (at most `FREED_IN_FLIGHT` such copies pending: beyond them this hook waits for the oldest, `in_flight.py`)
+        self.in_flight.add(g.numel() * g.element_size(), landed)
         return stand_in
 
     def may_free(self, split: SplitMatrix, g: torch.Tensor) -> bool:
@@ -502,6 +513,15 @@ class HostWindows:
         kept whole on the device) must not hold it while the offloaded matrices' gradients leave (`may_free`)."""
         split = self.splits.get(p)
         return self.param_shards is not None and self.free_kind is not None and (split is None or split.host is None)
+
+    def defers_norm(self, g: torch.Tensor) -> bool:
+        """Whether the norm of a gradient `g` that stays on the device is left to the step (`GradientReads.settle`:
+        one batched launch per device and dtype instead of one per gradient in its hook): where the transport
+        copies (the device's memory is not the host's; on a CPU device the hook reads the gradient while it is in
+        cache). Not before the first step has made the device's transport (the hooks never make it: under FSDP2 its
+        kind depends on the sharding, found at the first step)."""
+        transport = self.transports.made(g.device)
+        return transport is not None and transport.stages_gradients
 
     @property
     def freed(self) -> dict[torch.Tensor, FreedGradient]:
@@ -564,13 +584,16 @@ class HostWindows:
             self.early.factor = factor
 
     def order_after_early_copies(self) -> None:
-        """Sync point (device streams only): the compute stream waits for the copies the hooks started, so that an
-        in-place rewrite of the gradients that follows (``unscale_``) runs after they have read them."""
+        """Sync point (device streams only): the compute stream waits for the copies the hooks started of the
+        gradients still in ``p.grad``, so that the in-place rewrite of them that follows (``unscale_``) runs after
+        the copies have read them. Not for the gradients freed in backward: they are not in ``p.grad``, so
+        ``unscale_`` never rewrites them, and their memory is kept for their copies by `record_stream`; the next
+        forward does not wait for those copies."""
         early = self.early
         if early is None:
             return
-        copies = CopyEvents([e for *_, arrived in early.copies.values() for e in arrived.events])
-        self.transports.compute_waits_for(copies)
+        rewritten = [arrived for p, (*_, arrived) in early.copies.items() if p not in early.freed]
+        self.transports.compute_waits_for(CopyEvents([e for arrived in rewritten for e in arrived.events]))
 
     def forget_early_copies(self) -> None:
         """The gradients were rewritten in place without a version bump (`GradScaler.unscale_`): the copies the
@@ -675,11 +698,17 @@ class HostWindows:
     def finish_hand_off(self, started: HandOff, coef: float | None) -> None:
         """The handed-off gradients (times `coef`) go to the worker: held until the step knows whether it closes
         the window, whose host AdamW job then takes them (`HeldHandOff`)."""
-        if any(g._base is not None for _, g in started.work):
+        if self.param_shards is None and any(g._base is not None for _, g in started.work):
             # A gradient that is a view of storage its owner keeps and writes again (DDP's gradient_as_bucket_view:
             # the reducer writes the next backward's gradients into the same bucket on the compute stream):
             # `record_stream` cannot protect it, since it is never freed. Sync point (device streams only): the
             # compute stream waits for the copies to the host before any later work, the next backward included.
+            # Not under FSDP2, whose gradient shards are views of their module group's reduce-scatter output:
+            # FSDP2 writes that output only before it makes the views (torch 2.13, `foreach_reduce`), keeps no
+            # reference to it after, and adds a later backward into a shard only while the DTensor's ``.grad`` is
+            # still set, which it no longer is (below). Its memory goes back to the caching allocator when the last
+            # view goes, and the copies' `record_stream` keeps it from reuse until they have read it: nothing to wait
+            # for here, and the next forward does not wait for the copies.
             self.transports.compute_waits_for(started.landed)
         for split, _ in started.work:
             split.owner.grad = None  # the worker owns this gradient now (FSDP2: the DTensor's, else it accumulates)

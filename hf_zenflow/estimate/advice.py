@@ -28,9 +28,11 @@ from hf_zenflow.estimate.memory import (
     DEVICE_MEMORY_HEADROOM,
     HOST_MEMORY_HEADROOM,
     HOST_MOMENT_DTYPES,
+    LEAN_HOST_STATE,
 )
 from hf_zenflow.estimate.profiles import HardwareProfile
 from hf_zenflow.estimate.ranks import RankSplit
+from hf_zenflow.estimate.speed_words import than, versus
 
 
 def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
@@ -52,16 +54,16 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
                    f"more than {DEVICE_MEMORY_HEADROOM:.0%} of the device's {profile.device_mem_gb:.0f} GB.")
     if ranks > 1:
         out.append(_per_rank_sentence(profile, params, update_interval, rows, RankSplit(ranks, parallel)))
-    auto = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel,
-                             gradients_freed_in_backward)
+    auto = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel, rows=rows)
     chosen = rows[AUTO_ROWS[auto["choice"]]]
-    sums = "bf16" if auto["choice"] == "device_bf16" else "fp32"
-    out.append(f'accumulate_on="auto" (the default) chooses "{auto["choice"]}": weights, gradients, selected '
-               f"columns and {sums} window sums {auto['state_gb']:.1f} GB + activations ~{auto['activations_gb']:.1f} "
-               f"GB (checkpointed, estimated) {'>' if auto['choice'] == 'host' else '<='} {auto['limit_gb']:.1f} "
-               f"GB (the device's {profile.device_mem_gb:g} GB less a {auto['margin']:.0%} margin); ZenFlow with the "
-               f"defaults: {chosen['step_ms']:.0f} ms/step, {chosen['bound']}-bound, "
-               f"{sync['step_ms'] / chosen['step_ms']:.2f}x faster than synchronous offload, "
+    fitting = [o.accumulate_on for o in auto["options"] if o.fits]
+    out.append(f'accumulate_on="auto" (the default) chooses "{auto["choice"]}": the fastest schedule that fits, then '
+               f"the smallest (the engine's planner); fitting here: {', '.join(fitting) or 'none'} (device: state + "
+               f"activations ~{auto['activations_gb']:.1f} GB, checkpointed, estimated, within {auto['limit_gb']:.1f} "
+               f"GB, the device's {profile.device_mem_gb:g} GB less a {auto['margin']:.0%} margin; host: within "
+               f"{auto['host_limit_gb']:.1f} GB); ZenFlow with the defaults: {chosen['step_ms']:.0f} ms/step, "
+               f"{auto['state_gb']:.1f} GB on the device, {chosen['bound']}-bound, "
+               f"{than(chosen['step_ms'], sync['step_ms'], 'synchronous offload')}, "
                f"{chosen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
     u = max(1.0, float(update_interval))
     landing = chosen["link_ms"] * u if auto["choice"] != "host" else chosen["link_ms"]
@@ -71,7 +73,7 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
                f"{chosen['host_chain_ms']:.0f} ms in all: {chosen['host_ms']:.0f} ms per step, the larger over "
                f"the window.")
     out.append(f"ZenFlow (window summed on the host, U={update_interval:g}): {zen['step_ms']:.0f} ms/step, "
-               f"{zen['bound']}-bound, {sync['step_ms'] / zen['step_ms']:.2f}x faster than synchronous offload "
+               f"{zen['bound']}-bound, {than(zen['step_ms'], sync['step_ms'], 'synchronous offload')} "
                f"({sync['step_ms']:.0f} ms/step), {zen['step_ms'] / base['step_ms']:.2f}x the no-offload step.")
     if zen["bound"] == "host":
         unbind = {"device_step_ms": device_step_ms, "ranks": ranks, "parallel": parallel}
@@ -129,8 +131,7 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
              "zenflow": f"ZenFlow, U={update_interval:g}, topk_ratio={topk_ratio:g} (window summed on the host)",
              "zenflow_device_accumulation": 'ZenFlow, same, accumulate_on="device"',
              "zenflow_device_bf16": 'ZenFlow, same, accumulate_on="device_bf16"'}
-    chosen = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel,
-                               gradients_freed_in_backward)["choice"]
+    chosen = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel, rows=rows)["choice"]
     names[AUTO_ROWS[chosen]] += ' = the default ("auto")'
     p = asdict(profile)
     lines = [f"## Bound model (not a measurement): `{profile.name}`", "",
@@ -156,7 +157,7 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
                  "cores": f"cores ({profile.host_cores} x {profile.host_adamw_per_core / 1e6:.0f} M/s)"}.get(
                      r["host_limit"], "-")
         lines.append(f"| {label} | {r['device_ms']:.0f} | {r['link_ms']:.0f} | {r['host_ms']:.0f} | "
-                     f"{r['step_ms']:.0f} | {bound} | {sync / r['step_ms']:.2f}x | "
+                     f"{r['step_ms']:.0f} | {bound} | {versus(r['step_ms'], sync, key == 'sync_offload')} | "
                      f"{r['device_memory_gb']:.1f}{fits} | {r['host_memory_node_gb']:.1f}{host_fits} | {limit} |"
                      + (f" {r['allgather_ms']:.0f} |" if several else ""))
     lines += [""] + [f"- {s}" for s in advice(profile, params, tokens_per_step, topk_ratio, update_interval,
@@ -168,7 +169,9 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
 FIT_LABELS = {"no_offload": "no offload (AdamW on the device)", "sync_offload": "synchronous offload (ZeRO-Offload)",
               "zenflow": f'ZenFlow, the defaults, host_moment_dtype="{DEFAULT_HOST_MOMENTS}"',
               **{f"zenflow_{MOMENT_NAMES[m]}_moments": f'ZenFlow, host_moment_dtype="{m}"' for m in HOST_MOMENT_DTYPES
-                 if m != DEFAULT_HOST_MOMENTS}}
+                 if m != DEFAULT_HOST_MOMENTS},
+              "zenflow_lean": "ZenFlow, the lean host state (" + ", ".join(f'{k}="{v}"'
+                                                                          for k, v in LEAN_HOST_STATE.items()) + ")"}
 
 
 def _limits(profile: HardwareProfile, ranks: int) -> str:
@@ -190,7 +193,8 @@ def format_what_fits(profile: HardwareProfile, rows: dict[str, dict[str, Any]], 
     for key, r in rows.items():
         lines.append(f"| {_label(key, r)} | {r['device_memory_gb']:.1f} | {_yes(r['fits_device_memory'])} | "
                      f"{r['host_memory_node_gb']:.1f} | {_yes(r['fits_host_memory'])} | {r['step_ms']:.1f} | "
-                     f"{r['step_vs_no_offload']:.2f}x | {r['speedup_vs_sync']:.2f}x faster |")
+                     f"{versus(r['step_vs_no_offload'], 1.0, key == 'no_offload')} | "
+                     f"{versus(1.0, r['speedup_vs_sync'], key == 'sync_offload')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,7 @@
 """`hf-zenflow estimate` on the command line: its flags, the check of every input before any work (the profile, the
 flags that go together, the output path), and the run: the bound model's tables (`advice`) with the host resolved
 (`host_rates.resolve_host`: this machine's measured AdamW rate on the profile's host unless ``--host-from-profile``),
-and the JSON of ``--output``.
+and the file of ``--output`` (JSON or Markdown, by its suffix).
 """
 
 from __future__ import annotations
@@ -13,15 +13,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from hf_zenflow.atomic import write_text
 from hf_zenflow.estimate.profiles import PROFILES, HardwareProfile, load_profile
 from hf_zenflow.estimate.ranks import PARALLEL_MODES, check_ranks
-from hf_zenflow.settings.cli_types import _number, fraction, positive_float, positive_int
+from hf_zenflow.settings.cli_types import _number, fraction, parameter_count, positive_float, positive_int
 
 
 #: The profile `estimate` models when ``--hardware`` is not given.
 DEFAULT_HARDWARE = "h100-80gb-pcie5"
 #: The model size of the tables when neither ``--params`` nor ``--max-params`` is given.
 DEFAULT_PARAMS = 7e9
+#: What ``--output`` writes, by the file's suffix.
+OUTPUT_FORMATS = {".json": "every figure, as JSON", ".md": "the tables and sentences as printed, Markdown"}
 
 
 def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,8 +36,8 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
                         "machine's; required with --host-from-profile, except host_adamw_per_core) "
                         "(default: %(default)s)")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--params", type=positive_float, default=None,
-                      help=f"model parameters, e.g. 7e9 (default: {DEFAULT_PARAMS:g})")
+    size.add_argument("--params", type=parameter_count, default=None,
+                      help=f"model parameters, e.g. 7e9, 7B or 350M (default: {DEFAULT_PARAMS:g})")
     size.add_argument("--max-params", action="store_true",
                       help="print the largest model each schedule trains on the profile's device and host RAM, with "
                            "its step time there, instead of the tables for one size (default: off)")
@@ -75,7 +78,9 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-from-profile", action="store_true",
                    help="take the host AdamW rate from the profile's published figure (DeepSpeed's CPUAdam rate per "
                         "core) instead of measuring this machine's (default: measured here, a second or two)")
-    p.add_argument("--output", default=None, help="also write the figures as JSON to this file (default: none)")
+    p.add_argument("--output", default=None,
+                   help="also write to this file, in the format its suffix names: .json (every figure) or .md (the "
+                        "tables and sentences as printed, Markdown) (default: none)")
 
 
 def rank_count(text: str) -> int:
@@ -121,6 +126,11 @@ def check_inputs(args: argparse.Namespace) -> HardwareProfile:
     `load_profile`), the flags that go together and the output path. Returns the profile as loaded."""
     if args.output is not None:
         check_output_path(args.output)
+        suffix = Path(args.output).suffix.lower()
+        if suffix not in OUTPUT_FORMATS:
+            allowed = ", ".join(f"{k} ({v})" for k, v in OUTPUT_FORMATS.items())
+            raise ValueError(f"--output {args.output}: the suffix {suffix or '(none)'!r} names no format: allowed are "
+                             f"{allowed}.")
     if args.max_params and args.device_step_ms is not None:
         raise ValueError("--device-step-ms is invalid with --max-params: a measured forward+backward is of one model "
                          "size; allowed with --params.")
@@ -130,19 +140,20 @@ def check_inputs(args: argparse.Namespace) -> HardwareProfile:
     return load_profile(args.hardware, published_host=args.host_from_profile)
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write `payload` to `path` whole or not at all (a temporary sibling, renamed over it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def write_output(path: Path, payload: dict[str, Any], printed: str) -> None:
+    """Write `payload` (.json) or the `printed` tables (.md) to `path`, whole or not at all (`hf_zenflow.atomic`: a
+    temporary sibling renamed over it); an error names `path`, not the temporary file."""
+    text = json.dumps(payload, indent=2, default=str) if path.suffix.lower() == ".json" else printed
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, text)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 def estimate_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Check the inputs, resolve the host, print the tables; returns (and with --output writes) the figures."""
+    profile = check_inputs(args)  # before the model's imports (torch) and the host measurement: a refusal at once
     from dataclasses import replace
 
     from hf_zenflow.estimate.advice import format_max_params, format_schedule_model, format_what_fits
@@ -150,7 +161,6 @@ def estimate_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from hf_zenflow.estimate.host_rates import resolve_host
     from hf_zenflow.estimate.memory import GRADIENTS_FREED_IN_BACKWARD
 
-    profile = check_inputs(args)
     output = Path(args.output).expanduser() if args.output is not None else None
     if args.interconnect_gbps is not None:
         profile = replace(profile, interconnect_gbps=args.interconnect_gbps)
@@ -160,21 +170,28 @@ def estimate_from_args(args: argparse.Namespace) -> dict[str, Any]:
                "update_interval": args.update_interval, "ranks": args.ranks, "parallel": args.parallel}
     payload: dict[str, Any] = {"profile": asdict(profile), "host": host_line, **setting,
                                "gradients_freed_in_backward": GRADIENTS_FREED_IN_BACKWARD}
+    printed: list[str] = []
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        printed.append(text)
+
     if args.max_params:
         largest = {s: max_params(profile, s, **setting) for s in FIT_SCHEDULES}
-        print(format_max_params(profile, largest, args.ranks, args.parallel), flush=True)
+        say(format_max_params(profile, largest, args.ranks, args.parallel))
         payload["max_params"] = largest
     else:
         params = args.params or DEFAULT_PARAMS
-        print(format_schedule_model(profile, params, args.tokens_per_step, args.topk_ratio, args.update_interval,
-                                    args.device_step_ms, args.ranks, args.parallel), flush=True)
+        say(format_schedule_model(profile, params, args.tokens_per_step, args.topk_ratio, args.update_interval,
+                                  args.device_step_ms, args.ranks, args.parallel))
         fits = what_fits(profile, params, **setting, device_step_ms=args.device_step_ms)
-        print(format_what_fits(profile, fits, args.ranks), flush=True)
+        say(format_what_fits(profile, fits, args.ranks))
         payload.update(params=params, device_step_ms=args.device_step_ms, what_fits=fits)
-    print(host_line + "\n", flush=True)
+    say(host_line + "\n")
     if output is not None:
-        write_json(output, payload)
+        write_output(output, payload, "\n".join(printed))
     return payload
 
 
-__all__ = ["DEFAULT_HARDWARE", "add_estimate_arguments", "check_inputs", "check_output_path", "estimate_from_args"]
+__all__ = ["DEFAULT_HARDWARE", "OUTPUT_FORMATS", "add_estimate_arguments", "check_inputs", "check_output_path",
+           "estimate_from_args", "write_output"]

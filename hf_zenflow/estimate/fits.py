@@ -13,18 +13,20 @@ from __future__ import annotations
 from typing import Any
 
 from hf_zenflow.estimate.hardware import AUTO_ROWS, auto_accumulation, schedule_model
-from hf_zenflow.estimate.memory import DEFAULT_HOST_MOMENTS, HOST_MOMENT_DTYPES
+from hf_zenflow.estimate.memory import DEFAULT_HOST_MOMENTS, HOST_MOMENT_DTYPES, LEAN_HOST_STATE
 from hf_zenflow.estimate.profiles import HardwareProfile
 
 
 #: How a schedule's name spells each ``host_moment_dtype``.
 MOMENT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
-#: The schedules `what_fits` and `max_params` compare: ZenFlow with the defaults (``accumulate_on="auto"``'s row at
-#: that size, host moments in `DEFAULT_HOST_MOMENTS`) and the same with each other ``host_moment_dtype``.
-FIT_SCHEDULES = {"no_offload": ("no_offload", None), "sync_offload": ("sync_offload", None),
-                 "zenflow": ("zenflow", DEFAULT_HOST_MOMENTS),
-                 **{f"zenflow_{MOMENT_NAMES[m]}_moments": ("zenflow", m) for m in HOST_MOMENT_DTYPES
-                    if m != DEFAULT_HOST_MOMENTS}}
+#: The schedules `what_fits` and `max_params` compare, each with the host state's settings it changes: ZenFlow with
+#: the defaults (``accumulate_on="auto"``'s row at that size), the same with each other ``host_moment_dtype``, and
+#: with the lean host state (`LEAN_HOST_STATE`).
+FIT_SCHEDULES: dict[str, tuple[str, dict[str, str] | None]] = {
+    "no_offload": ("no_offload", None), "sync_offload": ("sync_offload", None), "zenflow": ("zenflow", {}),
+    **{f"zenflow_{MOMENT_NAMES[m]}_moments": ("zenflow", {"host_moment_dtype": m}) for m in HOST_MOMENT_DTYPES
+       if m != DEFAULT_HOST_MOMENTS},
+    "zenflow_lean": ("zenflow", LEAN_HOST_STATE)}
 
 
 def fit_row(profile: HardwareProfile, schedule: str, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
@@ -32,15 +34,14 @@ def fit_row(profile: HardwareProfile, schedule: str, params: float, tokens_per_s
             gradients_freed_in_backward: bool | None = None, device_step_ms: float | None = None) -> dict[str, Any]:
     """`schedule_model`'s row of one of `FIT_SCHEDULES` at `params`; a ZenFlow row is the one ``accumulate_on="auto"``
     chooses at that size (its ``accumulate_on`` says which), with ``fits`` = fits the device and the host."""
-    kind, moments = FIT_SCHEDULES[schedule]
+    kind, host_state = FIT_SCHEDULES[schedule]
+    rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms, ranks,
+                          parallel, None, gradients_freed_in_backward, host_state)
     key = kind
     choice = None
     if kind == "zenflow":
-        choice = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel,
-                                   gradients_freed_in_backward)["choice"]
+        choice = auto_accumulation(profile, params, tokens_per_step, topk_ratio, ranks, parallel, rows=rows)["choice"]
         key = AUTO_ROWS[choice]
-    rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms, ranks,
-                          parallel, moments or DEFAULT_HOST_MOMENTS, gradients_freed_in_backward)
     row = dict(rows[key], params=float(params), accumulate_on=choice)
     row["fits"] = row["fits_device_memory"] and row["fits_host_memory"]
     row["step_vs_no_offload"] = row["step_ms"] / rows["no_offload"]["step_ms"]

@@ -20,7 +20,7 @@ The model's constants:
   one, `host_rates`) times the profile's cores; ZenFlow's window pass, one step's accumulation and the write-back
   rounding cost the profile's ``host_window_adamws``, ``host_accumulate_adamws`` and ``host_rounding_adamws`` host
   AdamWs (this machine's engine passes timed against its fused AdamW, `host_rates.measure_host_rates`;
-  `profiles.WINDOW_PASS_VS_ADAMW`, `profiles.ACCUMULATE_VS_ADAMW` and `profiles.ROUNDING_VS_ADAMW`, none for the
+  `step_model.WINDOW_PASS_VS_ADAMW`, `step_model.ACCUMULATE_VS_ADAMW` and `step_model.ROUNDING_VS_ADAMW`, none for the
   rounding, where nothing was measured). Memory
   traffic: the bytes per offloaded parameter each pass reads and writes in its dtypes (`zenflow_host_passes`,
   ``HOST_ADAMW_BYTES_PER_PARAM`` for synchronous offload), over ``host_mem_gbps``, a STREAM-like sustained figure of a
@@ -31,11 +31,12 @@ The model's constants:
   step, and the host step for its input to land (the window's fp32 sums with ``accumulate_on="device"``, the last
   step's gradient otherwise): that chain, link then host, must fit in the window's U device steps (the write-back lag
   is at most U), so ZenFlow's host side per step is the larger of its work and that chain over U;
-* ``accumulate_on="auto"`` (the default): the device when the ZenFlow row with device accumulation fits the device
-  memory with the engine's margin (`hf_zenflow.engine.accumulation.MARGIN` of it left free) together with the
-  activations of a llama-shaped model with activation checkpointing (`activation_gb`), else the device with bf16 sums
-  when those fit (``"device_bf16"``: half the sums' device memory and link bytes, a widening pass on the host), else
-  the host (`auto_accumulation`);
+* ``accumulate_on="auto"`` (the default): the engine's planner's rule (`hf_zenflow.engine.planner.choose`) over
+  ZenFlow's three rows (window summed on the host, on the device in fp32, in bf16: half the sums' device memory and
+  link bytes, a widening pass on the host): the fastest row that fits the device memory with the engine's margin
+  (`hf_zenflow.engine.accumulation.MARGIN` of it left free) together with the activations of a llama-shaped model with
+  activation checkpointing (`activation_gb`), and the host RAM, then the smallest (`auto_accumulation`); ZenFlow's
+  rows are the engine's step model (`hf_zenflow.engine.step_model.zenflow_step`);
 * device and host memory: `memory.py` (what each schedule holds, the limits it must fit in); what fits and the
   largest model each schedule trains: `fits.py`;
 * N data-parallel ranks on the profile's node (``ranks``, ``parallel``): every figure is per rank, split as module
@@ -55,120 +56,49 @@ from __future__ import annotations
 from typing import Any
 
 from hf_zenflow.engine.accumulation import MARGIN
+from hf_zenflow.engine.planner import Option, choose
+from hf_zenflow.engine.step_model import (
+    DEVICE_ACCUMULATOR_BYTES,
+    DEVICE_ADAMW_BYTES_PER_PARAM,
+    LINK_BYTES_PER_PARAM,
+    SUM_BYTES,
+    Rates,
+    zenflow_host_passes,
+    zenflow_step,
+)
 from hf_zenflow.estimate.memory import (
-    BF16_BYTES,
-    DEFAULT_HOST_MOMENTS,
     DEVICE_MEMORY_HEADROOM,
-    FP32_BYTES,
+    GPU_TRANSPORT,
     HOST_MEMORY_HEADROOM,
-    HOST_MOMENT_DTYPES,
-    MOMENT_BYTES,
     SYNC_HOST_BYTES_PER_PARAM,
     activation_gb,
     device_memory_gb,
+    host_layout,
     zenflow_host_bytes_per_param,
 )
-from hf_zenflow.estimate.profiles import (
-    ACCUMULATE_VS_ADAMW,
-    HOST_ADAMW_BYTES_PER_PARAM,
-    ROUNDING_VS_ADAMW,
-    WINDOW_PASS_VS_ADAMW,
-    HardwareProfile,
-)
+from hf_zenflow.estimate.profiles import HOST_ADAMW_BYTES_PER_PARAM, HardwareProfile
 from hf_zenflow.estimate.ranks import RankSplit
 
 
-#: AdamW bytes per parameter on the device: read bf16 grad + fp32 master, exp_avg, exp_avg_sq (14 B), write the
-#: three fp32 tensors and the bf16 parameter (14 B).
-DEVICE_ADAMW_BYTES_PER_PARAM = 28
-#: bf16 gradients and parameters cross the link.
-LINK_BYTES_PER_PARAM = 2
+#: ZenFlow's rows of the bound model: (row, where the window is summed).
+ZENFLOW_ROWS = (("zenflow", "host"), ("zenflow_device_accumulation", "device"), ("zenflow_device_bf16", "device_bf16"))
+#: The row of each place a window may be summed (`planner.SUM_PLACES`).
+AUTO_ROWS = {place: row for row, place in ZENFLOW_ROWS}
 
 
-def host_state_bytes(host_moments: str = DEFAULT_HOST_MOMENTS) -> float:
-    """Bytes per offloaded parameter the window's host AdamW pass reads and writes of its state: the fp32 master and
-    the two moments, each read and written (24 with fp32 moments, 16 with bf16 ones)."""
-    return 2 * (FP32_BYTES + 2 * MOMENT_BYTES[host_moments])
-
-
-#: ZenFlow's host passes, bytes per offloaded parameter with a bf16 model (`host.py`): the AdamW pass of
-#: `kernels.window_adamw` reads and writes the fp32 master and the moments (`host_state_bytes`) and reads the window's
-#: fp32 sum (4; not on a one-step window summed on the host, whose sum is its gradient); with host accumulation it
-#: also reads the window's last bf16 gradient, folded in (2).
-HOST_STATE_BYTES = host_state_bytes()
-#: The rounding of the fp32 master into the bf16 write-back buffer, a pass of its own (``writeback.copy_(master)``):
-#: read 4, write 2.
-HOST_ROUNDING_BYTES = 6
-#: ZenFlow's device-side window sum (accumulate_on="device"): fp32, and its per-step cost (read bf16 grad, read and
-#: write the fp32 sum).
-DEVICE_ACCUMULATOR_BYTES = 4
-DEVICE_ACCUMULATE_TRAFFIC = 10
-#: The same in bf16 (accumulate_on="device_bf16"): a 2-B sum, and the engine's add in pieces through an fp32 scratch
-#: (widen the sum: read 2, write 4; add the gradient: read 4 + 2, write 4; round: read 4, write 2).
-DEVICE_BF16_ACCUMULATOR_BYTES = 2
-DEVICE_BF16_ACCUMULATE_TRAFFIC = 22
-#: The host's widening of a landed bf16 sum into its fp32 accumulator before the window's AdamW (read 2, write 4).
-HOST_WIDEN_BYTES = 6
-#: ZenFlow's rows of the bound model: (row, bytes of one device-side window sum element; 0 = summed on the host).
-ZENFLOW_SUM_ROWS = (("zenflow", 0), ("zenflow_device_accumulation", DEVICE_ACCUMULATOR_BYTES),
-                    ("zenflow_device_bf16", DEVICE_BF16_ACCUMULATOR_BYTES))
-def _bound(parts: dict[str, float]) -> tuple[float, str]:
-    side = max(parts, key=lambda k: parts[k])
-    return parts[side], side
-
-
-def zenflow_host_passes(update_interval: float, on_device: bool, bf16_sums: bool = False,
-                        host_moments: str = DEFAULT_HOST_MOMENTS, window_adamws: float = WINDOW_PASS_VS_ADAMW,
-                        accumulate_adamws: float = ACCUMULATE_VS_ADAMW,
-                        rounding_adamws: float = ROUNDING_VS_ADAMW) -> list[tuple[str, float, float, float]]:
-    """ZenFlow's host work in one window, pass by pass: (pass, how many per window, core work in host AdamWs, host
-    memory bytes per offloaded parameter), with a bf16 model and host moments in `host_moments`; the window's AdamW
-    pass costs `window_adamws` host AdamWs of core work, one step's accumulation `accumulate_adamws`, the write-back
-    rounding `rounding_adamws` (a profile's ``host_window_adamws``, ``host_accumulate_adamws`` and
-    ``host_rounding_adamws``: the same whatever the moments' dtype).
-
-    Besides what each pass reads and writes (`HOST_STATE_BYTES`, ...), the DMA that runs beside the passes takes the
-    same memory bandwidth and is counted in the pass it overlaps: with host accumulation each step's bf16 gradient
-    lands (2) while the worker is busy with earlier ones; the write-back copy reads the bf16 buffer (2) while the
-    worker may run the next window. The fp32 window sums' landing (``accumulate_on="device"``) is not counted: the
-    host step waits for it (the chain in `schedule_model`), so it overlaps no pass. With `bf16_sums`
-    (``accumulate_on="device_bf16"``) the landed bf16 sum is first widened into the fp32 accumulator.
-
-    Example:
-        >>> [(name, n, b) for name, n, _, b in zenflow_host_passes(4, on_device=True)]
-        [('window AdamW', 1.0, 22.0), ('write-back rounding', 1.0, 6.0)]
-    """
-    u = max(1.0, float(update_interval))
-    state = host_state_bytes(host_moments)
-    rounding = ("write-back rounding", 1.0, rounding_adamws, float(HOST_ROUNDING_BYTES))
-    if on_device:
-        widen = [("bf16 sum widened", 1.0, 0.0, float(HOST_WIDEN_BYTES))] if bf16_sums else []
-        return [*widen, ("window AdamW", 1.0, window_adamws, float(FP32_BYTES + state + BF16_BYTES)), rounding]
-    landing = BF16_BYTES
-    passes = []
-    if u > 1:
-        # the window's first gradient is written into the sum (read bf16, write fp32), later ones added to it
-        passes.append(("first accumulation", 1.0, accumulate_adamws, float(landing + BF16_BYTES + FP32_BYTES)))
-    if u > 2:
-        passes.append(("accumulation", u - 2, accumulate_adamws,
-                       float(landing + BF16_BYTES + 2 * FP32_BYTES)))
-    # the last gradient folded into the AdamW pass: the sum read unless the window is that gradient alone
-    window = landing + BF16_BYTES + (FP32_BYTES if u > 1 else 0) + state + BF16_BYTES
-    return [*passes, ("window AdamW", 1.0, window_adamws, float(window)), rounding]
-
-
-def _host_pass_ms(profile: HardwareProfile, params: float, core_share: float, adamws: float,
-                  nbytes: float) -> tuple[float, float]:
-    """(core ms, memory ms) of one host pass over `params` parameters on `core_share` of the node."""
-    core = adamws * params / profile.host_core_params_per_s(core_share) * 1e3
-    memory = nbytes * params / (profile.host_mem_gbps * core_share * 1e9) * 1e3
-    return core, memory
+def profile_rates(profile: HardwareProfile, core_share: float = 1.0) -> Rates:
+    """`profile`'s speeds as the step model takes them (`step_model.Rates`), for a rank on `core_share` of the
+    node's host cores and memory bandwidth."""
+    return Rates(profile.device_mem_gbps, profile.link_gbps, profile.host_core_params_per_s(core_share),
+                 profile.host_mem_gbps * core_share, profile.host_window_adamws, profile.host_accumulate_adamws,
+                 profile.host_rounding_adamws)
 
 
 def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
                    update_interval: float = 4, device_step_ms: float | None = None, ranks: int = 1,
-                   parallel: str = "ddp", host_moments: str = DEFAULT_HOST_MOMENTS,
-                   gradients_freed_in_backward: bool | None = None) -> dict[str, dict[str, Any]]:
+                   parallel: str = "ddp", host_moments: str | None = None,
+                   gradients_freed_in_backward: bool | None = None,
+                   host_state: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Per-step ms of each side and the step time of every schedule (the slowest side of an overlapped schedule,
     the sum of a synchronous one); `bound` names the side that sets the step; `host_limit` says what bounds the
     host's passes ("memory" or "cores", by the larger share of the host time). Memory: ``device_memory_gb`` and
@@ -185,17 +115,15 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
     window: the input's landing, then the AdamW and rounding passes the write-back waits for); their ``host_ms`` is
     the larger of the work and the chain over the window.
     """
-    if host_moments not in MOMENT_BYTES:
-        raise ValueError(f"host_moments={host_moments!r} is invalid: allowed are {', '.join(HOST_MOMENT_DTYPES)}.")
     split = RankSplit(ranks, parallel)
     n = float(params)
     dev, share = split.device_share, split.host_share
     compute = device_step_ms if device_step_ms is not None else (
         6.0 * n * tokens_per_step / (profile.device_tflops * 1e12 * profile.mfu) * 1e3)
     device_adamw = n * dev * DEVICE_ADAMW_BYTES_PER_PARAM / (profile.device_mem_gbps * 1e9) * 1e3
-    grad_read = n * dev * LINK_BYTES_PER_PARAM / (profile.device_mem_gbps * 1e9) * 1e3
     link = n * share * LINK_BYTES_PER_PARAM / (profile.link_gbps * 1e9) * 1e3  # one direction, bf16, one GPU
-    sync_core, sync_memory = _host_pass_ms(profile, n * share, split.core_share, 1.0, HOST_ADAMW_BYTES_PER_PARAM)
+    rates = profile_rates(profile, split.core_share)
+    sync_core, sync_memory = rates.host_pass_ms(n * share, 1.0, HOST_ADAMW_BYTES_PER_PARAM)
     host_adamw = max(sync_core, sync_memory)
     allgather = split.allgather_ms(n * LINK_BYTES_PER_PARAM, profile.interconnect_gbps)
     u = max(1.0, float(update_interval))
@@ -206,50 +134,22 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                           "host_memory_gb": 0.0}
     # ZeRO-Offload partitions the same way: its all-gather of the updated weights follows every step
     sync_parts = {"device": compute + allgather, "link": 2 * link, "host": host_adamw}
-    rows["sync_offload"] = {"step_ms": sum(sync_parts.values()), "bound": _bound(sync_parts)[1],
+    rows["sync_offload"] = {"step_ms": sum(sync_parts.values()), "bound": max(sync_parts, key=sync_parts.__getitem__),
                             "device_ms": compute + allgather, "link_ms": 2 * link, "host_ms": host_adamw,
                             "allgather_ms": allgather,
                             "device_memory_gb": device_memory_gb("sync_offload", n, split=split),
                             "host_memory_gb": n * share * SYNC_HOST_BYTES_PER_PARAM / 1e9,
                             "host_limit": "memory" if sync_memory > sync_core else "cores"}
-    selected = topk_ratio * device_adamw + grad_read
-    for key, sum_bytes in ZENFLOW_SUM_ROWS:
-        on_device = sum_bytes > 0
-        # the sums cross in their own dtype: `link` is one bf16 element per parameter
-        sums_link = link * sum_bytes / LINK_BYTES_PER_PARAM
-        traffic = (DEVICE_ACCUMULATE_TRAFFIC if sum_bytes == DEVICE_ACCUMULATOR_BYTES
-                   else DEVICE_BF16_ACCUMULATE_TRAFFIC)
-        # the write-back of a window's result (and under DDP its all-gather) runs on the device's stream: on the
-        # device timeline
-        device = compute + selected + link / u + allgather / u + (
-            n * share * traffic / (profile.device_mem_gbps * 1e9) * 1e3 if on_device else 0.0)
-        if on_device:
-            # the device keeps one sum per matrix: the next window's first add, after its first forward+backward,
-            # waits until the copy of the closed window's sums has read them
-            device += max(0.0, sums_link - compute) / u
-        link_down = sums_link / u if on_device else link  # one sum per window, or every bf16 gradient
-        work = core_total = memory_total = 0.0
-        chain = sums_link if on_device else link  # what the host step waits for: the sums, or the last gradient
-        for name, count, adamws, nbytes in zenflow_host_passes(u, on_device, sum_bytes == BF16_BYTES, host_moments,
-                                                               profile.host_window_adamws,
-                                                               profile.host_accumulate_adamws,
-                                                               profile.host_rounding_adamws):
-            core, memory = _host_pass_ms(profile, n * share, split.core_share, adamws, nbytes)
-            work += count * max(core, memory)
-            core_total += count * core
-            memory_total += count * memory
-            if name in ("bf16 sum widened", "window AdamW", "write-back rounding"):
-                chain += max(core, memory)
-        host = max(work, chain) / u
-        parts = {"device": device, "link": link_down, "host": host}
-        step, side = _bound(parts)
-        rows[key] = {"step_ms": step, "bound": side, "device_ms": device, "link_ms": link_down, "host_ms": host,
-                     "host_work_ms": work / u, "host_chain_ms": chain,
-                     "host_limit": "memory" if memory_total > core_total else "cores",
-                     "allgather_ms": allgather / u,
-                     "device_memory_gb": device_memory_gb("zenflow", n, topk_ratio, sum_bytes,
+    layout = host_layout(host_moments, host_state)
+    for key, place in ZENFLOW_ROWS:
+        sides = zenflow_step(rates, compute, n * dev, topk_ratio * n * dev, n * share, u, place,
+                             layout["host_moment_dtype"], allgather)
+        rows[key] = {**sides,
+                     "device_memory_gb": device_memory_gb("zenflow", n, topk_ratio, SUM_BYTES[place],
                                                           gradients_freed_in_backward, split),
-                     "host_memory_gb": n * share * zenflow_host_bytes_per_param(sum_bytes, host_moments) / 1e9}
+                     "host_memory_gb": (n * share * zenflow_host_bytes_per_param(SUM_BYTES[place], **layout,
+                                                                                topk_ratio=topk_ratio)
+                                        + GPU_TRANSPORT.fixed_host_bytes) / 1e9}
     for r in rows.values():
         r["fits_device_memory"] = r["device_memory_gb"] <= DEVICE_MEMORY_HEADROOM * profile.device_mem_gb
         r["host_memory_node_gb"] = r["host_memory_gb"] * split.ranks
@@ -258,27 +158,30 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
     return rows
 
 
-#: The bound model's row of each `auto_accumulation` choice.
-AUTO_ROWS = {"host": "zenflow", "device": "zenflow_device_accumulation", "device_bf16": "zenflow_device_bf16"}
-
-
 def auto_accumulation(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float = 0.1,
-                      ranks: int = 1, parallel: str = "ddp",
-                      gradients_freed_in_backward: bool | None = None) -> dict[str, Any]:
-    """What ``accumulate_on="auto"`` chooses on `profile`: "device" when weights, gradients, the selected columns'
-    state and the fp32 window sums (`schedule_model`'s device-accumulation row) plus `activation_gb` fit the
-    device's memory less the engine's margin, else "device_bf16" when the same with bf16 sums fits, else "host";
-    with the figures (GB, one rank's; ``state_gb`` with the sums of the choice, fp32 sums for "host")."""
-
-    row = schedule_model(profile, params, tokens_per_step, topk_ratio, 4, None, ranks, parallel,
-                         gradients_freed_in_backward=gradients_freed_in_backward)
-    need, need_bf16 = (row[k]["device_memory_gb"] for k in ("zenflow_device_accumulation", "zenflow_device_bf16"))
+                      ranks: int = 1, parallel: str = "ddp", gradients_freed_in_backward: bool | None = None,
+                      update_interval: float = 4, device_step_ms: float | None = None,
+                      host_moments: str | None = None, host_state: dict[str, str] | None = None,
+                      rows: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """What ``accumulate_on="auto"`` chooses on `profile`: the engine's rule (`hf_zenflow.engine.planner.choose`)
+    over ZenFlow's three rows (`schedule_model`'s, or `rows`): the fastest that fits, then the smallest. A row fits
+    the device when its weights, gradients, selected columns' state and device sums plus `activation_gb` stay within
+    the device's memory less the engine's margin, and the host when the node's host state stays within
+    `HOST_MEMORY_HEADROOM` of its RAM. With the figures (GB, one rank's device, the node's host), ``options`` (the
+    planner's view of each row) and ``state_gb`` (the device GB of the choice)."""
+    if rows is None:
+        rows = schedule_model(profile, params, tokens_per_step, topk_ratio, update_interval, device_step_ms, ranks,
+                              parallel, host_moments, gradients_freed_in_backward, host_state)
     activations = activation_gb(params * RankSplit(ranks, parallel).device_share, tokens_per_step)
     limit = (1 - MARGIN) * profile.device_mem_gb
-    choice = ("device" if need + activations <= limit
-              else "device_bf16" if need_bf16 + activations <= limit else "host")
-    return {"choice": choice, "state_gb": need_bf16 if choice == "device_bf16" else need,
-            "activations_gb": activations, "limit_gb": limit, "margin": MARGIN}
+    host_limit = HOST_MEMORY_HEADROOM * profile.host_mem_gb
+    options = [Option(place, rows[row]["step_ms"], rows[row]["device_memory_gb"] * 1e9,
+                      rows[row]["host_memory_node_gb"] * 1e9,
+                      max(0.0, rows[row]["device_memory_gb"] + activations - limit) * 1e9,
+                      max(0.0, rows[row]["host_memory_node_gb"] - host_limit) * 1e9) for row, place in ZENFLOW_ROWS]
+    choice = choose(options).accumulate_on
+    return {"choice": choice, "state_gb": rows[AUTO_ROWS[choice]]["device_memory_gb"], "activations_gb": activations,
+            "limit_gb": limit, "host_limit_gb": host_limit, "margin": MARGIN, "options": options}
 
 
 def interval_to_unbind(profile: HardwareProfile, params: float, tokens_per_step: float, topk_ratio: float,
@@ -294,5 +197,6 @@ def interval_to_unbind(profile: HardwareProfile, params: float, tokens_per_step:
     return None
 
 
-__all__ = ["AUTO_ROWS", "DEVICE_ADAMW_BYTES_PER_PARAM", "LINK_BYTES_PER_PARAM",
-           "activation_gb", "auto_accumulation", "interval_to_unbind", "schedule_model", "zenflow_host_passes"]
+__all__ = ["AUTO_ROWS", "DEVICE_ACCUMULATOR_BYTES", "DEVICE_ADAMW_BYTES_PER_PARAM", "LINK_BYTES_PER_PARAM",
+           "ZENFLOW_ROWS", "activation_gb", "auto_accumulation", "interval_to_unbind", "profile_rates",
+           "schedule_model", "zenflow_host_passes"]

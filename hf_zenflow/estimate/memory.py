@@ -7,13 +7,16 @@ bf16 model, and the limits it must fit in.
   the device, and either every bf16 gradient until the step or, with ``gradients_freed_in_backward``, only the
   gradients in flight to the host (`in_flight_gradient_gb`). Counted against `DEVICE_MEMORY_HEADROOM` of the device;
   activations are not counted there (`activation_gb` estimates them for ``accumulate_on="auto"``);
-* host (`zenflow_host_bytes_per_param`): per offloaded parameter, the fp32 master (4), the two moments in
-  ``host_moment_dtype`` (fp32 8, bf16 4, int8 2 plus one fp32 scale per `INT8_BLOCK` elements of each), the window
-  accumulator (fp32 4; 2 with ``host_sum_dtype="bfloat16"`` and the window summed on the host), the bf16 write-back
-  buffer (2, pinned: ``host_writeback="master"`` does not apply on a GPU), with the window summed on the host the
-  pinned landing slots of the in-flight gradients (`engine.host.GRAD_SLOTS` x 2), with bf16 device sums their bf16
-  landing buffer (2); synchronous offload `SYNC_HOST_BYTES_PER_PARAM`. Every rank of a node holds its share;
-  together they must fit `HOST_MEMORY_HEADROOM` of the node's RAM.
+* host (`zenflow_host_bytes_per_param`): per offloaded parameter, what the engine allocates on a GPU for the host
+  state settings (``host_moment_dtype``, ``host_sum_dtype``, ``host_sum_columns``, ``host_writeback``: the
+  library's defaults unless given), counted by the engine's own rule (`engine.host_footprint`): the fp32 master (4),
+  the two moments (fp32 8, bf16 4, int8 2 plus one fp32 scale per `INT8_BLOCK` elements of each), the window sum
+  where it is host memory (fp32 4, bf16 2; with ``host_sum_columns="unselected"`` only the columns not on the
+  device), and the pinned buffers that cross the link (today the bf16 write-back buffer, 2, and with the window
+  summed on the host the landing slots of the in-flight gradients, `engine.host.GRAD_SLOTS` x 2; with bf16 device
+  sums their bf16 landing buffer, 2), plus the transport's fixed pinned bytes once per rank
+  (`Transport.fixed_host_bytes`, a bounded pool); synchronous offload `SYNC_HOST_BYTES_PER_PARAM`. Every rank of a
+  node holds its share; together they must fit `HOST_MEMORY_HEADROOM` of the node's RAM.
 
 Example:
     >>> round(device_memory_gb("zenflow", 7e9, 0.1, gradients_freed_in_backward=False) / 7, 2)  # GB per 1e9 params
@@ -25,21 +28,26 @@ from __future__ import annotations
 import torch
 
 from hf_zenflow.engine.accumulation import selected_bytes
-from hf_zenflow.engine.host import GRAD_SLOTS
+from hf_zenflow.engine.host import HostLayout
+from hf_zenflow.engine.host_footprint import host_bytes_per_element
+from hf_zenflow.engine.in_flight import in_flight_count
+from hf_zenflow.engine.step_model import BF16_BYTES, FP32_BYTES, INT8_BLOCK, MOMENT_BYTES, SUM_BYTES
 from hf_zenflow.estimate.ranks import RankSplit
 from hf_zenflow.settings.config import ZenFlowConfig
+from hf_zenflow.transport import CudaTransport
 
 
-FP32_BYTES, BF16_BYTES = 4, 2
-#: Host moment storage, bytes per element of each of the two moments, by ``host_moment_dtype``: int8 blocks of
-#: `INT8_BLOCK` elements with one fp32 scale each.
-INT8_BLOCK = 256
-MOMENT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + FP32_BYTES / INT8_BLOCK}
 HOST_MOMENT_DTYPES = tuple(MOMENT_BYTES)
-#: Host window accumulator bytes per element by ``host_sum_dtype`` (a window summed on the host).
-HOST_SUM_BYTES = {"float32": FP32_BYTES, "bfloat16": BF16_BYTES}
-#: The library's ``host_moment_dtype``: what "ZenFlow, the defaults" stores its host moments in.
-DEFAULT_HOST_MOMENTS: str = ZenFlowConfig.host_moment_dtype
+#: The host state's settings and the library's defaults of them: what "ZenFlow, the defaults" holds on the host.
+HOST_STATE_SETTINGS = ("host_moment_dtype", "host_sum_dtype", "host_sum_columns", "host_writeback")
+DEFAULT_HOST_STATE: dict[str, str] = {name: getattr(ZenFlowConfig, name) for name in HOST_STATE_SETTINGS}
+DEFAULT_HOST_MOMENTS: str = DEFAULT_HOST_STATE["host_moment_dtype"]
+#: The smallest host state the settings give (docs/host-memory.md): 8-bit moments, a bf16 window sum of the
+#: unselected columns, the write-back from the fp32 master.
+LEAN_HOST_STATE = {"host_moment_dtype": "int8", "host_sum_dtype": "bfloat16", "host_sum_columns": "unselected",
+                   "host_writeback": "master"}
+#: The GPU transport whose buffers the host memory counts (made, never used: no GPU is needed).
+GPU_TRANSPORT = CudaTransport()
 #: Device bytes per parameter of a bf16 model: the weight and its gradient; fp32 master and moments where AdamW runs
 #: on the device.
 WEIGHT_BYTES = GRADIENT_BYTES = BF16_BYTES
@@ -64,27 +72,41 @@ SYNC_HOST_BYTES_PER_PARAM = 16
 GRADIENTS_FREED_IN_BACKWARD = True
 
 
-def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moments: str = DEFAULT_HOST_MOMENTS,
-                                 host_sums: str = "float32") -> float:
-    """ZenFlow's host memory per offloaded parameter of a bf16 model on a GPU (`engine/host.py`): fp32 master (4),
-    the two moments (`MOMENT_BYTES`), the window accumulator (4; 2 with the window summed on the host in bf16,
-    `host_sums` "bfloat16": ``host_sum_dtype``), the bf16 write-back buffer (2); with the window summed on the host
-    (`sum_bytes` 0) the pinned landing slot of each in-flight gradient (`GRAD_SLOTS` x 2), with bf16 device sums
-    (`sum_bytes` 2) the buffer the sum lands in (2).
+def host_layout(host_moments: str | None = None, host_state: dict[str, str] | None = None) -> dict[str, str]:
+    """The host state's settings of a schedule: the library's defaults, with `host_state` (some of
+    `HOST_STATE_SETTINGS`) and `host_moments` (``host_moment_dtype``) over them; each value checked as
+    `ZenFlowConfig` checks it."""
+    values = {**DEFAULT_HOST_STATE, **(host_state or {})}
+    if host_moments is not None:
+        values["host_moment_dtype"] = host_moments
+    unknown = sorted(set(values) - set(HOST_STATE_SETTINGS))
+    if unknown:
+        raise ValueError(f"host_state {unknown} is invalid: allowed are {', '.join(HOST_STATE_SETTINGS)}.")
+    ZenFlowConfig(**values)  # (a value ZenFlowConfig refuses is refused here, by name)
+    return values
+
+
+def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moment_dtype: str = DEFAULT_HOST_MOMENTS,
+                                 host_sum_dtype: str = DEFAULT_HOST_STATE["host_sum_dtype"],
+                                 host_sum_columns: str = DEFAULT_HOST_STATE["host_sum_columns"],
+                                 host_writeback: str = DEFAULT_HOST_STATE["host_writeback"],
+                                 topk_ratio: float = 0.1) -> float:
+    """ZenFlow's host memory per offloaded parameter of a bf16 model on a GPU: the engine's own count
+    (`engine.host_footprint.host_bytes_per_element` over `GPU_TRANSPORT`) for device sums of `sum_bytes` per element
+    (0: the window summed on the host) and the host state's settings (a `topk_ratio` share of the columns on the
+    device).
 
     Example:
         >>> zenflow_host_bytes_per_param(0), zenflow_host_bytes_per_param(4), zenflow_host_bytes_per_param(0, "int8")
         (18.0, 14.0, 16.03125)
-        >>> zenflow_host_bytes_per_param(0, "int8", host_sums="bfloat16")
+        >>> zenflow_host_bytes_per_param(0, "int8", host_sum_dtype="bfloat16")
         14.03125
     """
-    if host_moments not in MOMENT_BYTES:
-        raise ValueError(f"host_moments={host_moments!r} is invalid: allowed are {', '.join(HOST_MOMENT_DTYPES)}.")
-    if host_sums not in HOST_SUM_BYTES:
-        raise ValueError(f"host_sums={host_sums!r} is invalid: allowed are {', '.join(HOST_SUM_BYTES)}.")
-    landing = GRAD_SLOTS * BF16_BYTES if sum_bytes == 0 else BF16_BYTES if sum_bytes == BF16_BYTES else 0
-    accumulator = HOST_SUM_BYTES[host_sums] if sum_bytes == 0 else FP32_BYTES  # (device sums land in fp32)
-    return FP32_BYTES + 2 * MOMENT_BYTES[host_moments] + accumulator + BF16_BYTES + landing
+    config = ZenFlowConfig(host_moment_dtype=host_moment_dtype, host_sum_dtype=host_sum_dtype,
+                           host_sum_columns=host_sum_columns, host_writeback=host_writeback)
+    place = {value: key for key, value in SUM_BYTES.items()}[sum_bytes]
+    return host_bytes_per_element(HostLayout.of(config), place, torch.bfloat16, torch.bfloat16, GPU_TRANSPORT,
+                                  device_share=topk_ratio)
 
 
 def llama_shape(params: float) -> tuple[float, float]:
@@ -95,11 +117,12 @@ def llama_shape(params: float) -> tuple[float, float]:
 
 
 def in_flight_gradient_gb(params: float, device_share: float = 1.0) -> float:
-    """Device memory of the gradients in flight when each is freed in backward: the one autograd is writing and one
-    per hand-off slot being copied to the host (`GRAD_SLOTS`), each of the model's largest matrix (a llama MLP
-    matrix, hidden x 8/3 hidden, in bf16; of the rank's shard under FSDP2)."""
+    """Device memory of the gradients in flight when each is freed in backward: the one autograd has just produced
+    and those whose copy to the host has not read them yet (`engine.in_flight.in_flight_count`: a GPU's copies can
+    lag backward), each of the model's largest matrix (a llama MLP matrix, hidden x 8/3 hidden, in bf16; of the
+    rank's shard under FSDP2)."""
     hidden, _ = llama_shape(params)
-    return (GRAD_SLOTS + 1) * hidden * (8 / 3) * hidden * device_share * GRADIENT_BYTES / 1e9
+    return in_flight_count(copies_lag=True) * hidden * (8 / 3) * hidden * device_share * GRADIENT_BYTES / 1e9
 
 
 def device_memory_gb(schedule: str, params: float, topk_ratio: float = 0.1, sum_bytes: int = 0,
@@ -137,6 +160,7 @@ def activation_gb(params: float, tokens_per_step: float) -> float:
     return tokens_per_step * hidden * (2 * layers + 34) / 1e9
 
 
-__all__ = ["DEVICE_MEMORY_HEADROOM", "GRADIENTS_FREED_IN_BACKWARD", "HOST_MEMORY_HEADROOM", "HOST_MOMENT_DTYPES",
-           "HOST_SUM_BYTES", "MOMENT_BYTES", "SELECTED_BYTES", "activation_gb", "device_memory_gb",
-           "in_flight_gradient_gb", "llama_shape", "zenflow_host_bytes_per_param"]
+__all__ = ["BF16_BYTES", "DEFAULT_HOST_STATE", "DEVICE_MEMORY_HEADROOM", "FP32_BYTES", "GPU_TRANSPORT",
+           "GRADIENTS_FREED_IN_BACKWARD", "HOST_MEMORY_HEADROOM", "HOST_MOMENT_DTYPES", "HOST_STATE_SETTINGS",
+           "INT8_BLOCK", "LEAN_HOST_STATE", "MOMENT_BYTES", "SELECTED_BYTES", "activation_gb", "device_memory_gb",
+           "host_layout", "in_flight_gradient_gb", "llama_shape", "zenflow_host_bytes_per_param"]

@@ -16,6 +16,10 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+# ZenFlow's host passes in host AdamWs of core work, where they are not measured on this machine: the engine's step
+# model's (`hf_zenflow.engine.step_model`)
+from hf_zenflow.engine.step_model import ACCUMULATE_VS_ADAMW, ROUNDING_VS_ADAMW, WINDOW_PASS_VS_ADAMW
+
 
 #: The published Llama-2-7B host figure: DeepSpeed's CPUAdam over 7e9 parameters in 4600 ms on 128 threads
 #: (`--host-from-profile`'s per-core rate).
@@ -26,13 +30,6 @@ PUBLISHED_HOST_CORES = 128
 #: pass (2)).
 #: Its gradient lands and its parameter leaves while the host waits (the link phases), so no DMA overlaps the pass.
 HOST_ADAMW_BYTES_PER_PARAM = 30
-#: ZenFlow's host passes in host AdamWs of core work, where they are not measured on this machine
-#: (`host_rates.measure_host_rates` times the engine's own passes against a fused AdamW): the window's AdamW pass
-#: (the window's sum read, its last gradient folded in, the mean taken, AdamW), one step's accumulation, and the
-#: rounding of the master into the bf16 write-back buffer (counted by its bytes alone when not measured).
-WINDOW_PASS_VS_ADAMW = 1.0
-ACCUMULATE_VS_ADAMW = 0.54
-ROUNDING_VS_ADAMW = 0.0
 #: Fields that may be 0 (a pass with no core work counted); every other field must be > 0.
 ZERO_ALLOWED_FIELDS = ("host_rounding_adamws",)
 

@@ -15,6 +15,7 @@ from transformers import TrainerCallback
 
 from ..engine.worker import wait_for_closed_workers
 from ..optimizer.zenflow import ZenFlowAdamW
+from .resume import check_resumed_optimizer
 from .unwrap import unwrap_zenflow_optimizer
 
 
@@ -45,6 +46,13 @@ class ZenFlowCallback(TrainerCallback):
         if opt is not None:
             self._optimizer = opt
             opt.drained_by = type(self).__name__  # (before the first step's `optimizer.train()`, which checks it)
+            if state.global_step > 0:
+                # a resume (the Trainer has loaded trainer_state.json and then the optimizer file): the two must be
+                # of the same save. (A fresh TrainerState starts at 0: an optimizer state loaded by hand before a
+                # new run is the caller's.)
+                check_resumed_optimizer(opt.loaded_progress, state.global_step,
+                                        f"{type(self).__name__}: the optimizer file resumed from")
+            opt.loaded_progress = None  # (compared once)
 
     def on_step_end(self, args, state, control, **kwargs):
         # Runs after DefaultFlowCallback (first in the list) has decided this step's save / evaluation, and before

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..settings.cli_types import positive_int
+from .checkpoint_paths import missing_folder_message, world_size_problem
 
 
 def add_convert(sub: argparse._SubParsersAction, summary: str) -> None:
     p = sub.add_parser(
         "convert-checkpoint",
         help=summary,
+        allow_abbrev=False,
         description="Rewrite CHECKPOINT's optimizer.pt as a torch.optim.AdamW state dict (moments, step counts) and "
         "its safetensors weights as ZenFlow's fp32 masters (what ZenFlow had not yet written into the weights is "
         "applied, as flush() would). The original optimizer file is kept as optimizer.zenflow.pt. The converted "
@@ -35,7 +38,16 @@ def _os_error(command: str, exc: OSError) -> int:
     return 2
 
 
+def _refuse(command: str, problem: str | None) -> bool:
+    """Print `problem` (one line) and say so; False when there is none."""
+    if problem is not None:
+        print(f"hf-zenflow {command}: {problem}", file=sys.stderr)
+    return problem is not None
+
+
 def run_convert(args: argparse.Namespace) -> int:
+    if _refuse("convert-checkpoint", missing_folder_message(Path(args.checkpoint))):  # before torch is imported
+        return 2
     from ..checkpoint.format import CheckpointError
     from .convert import convert_checkpoint
 
@@ -56,6 +68,7 @@ def add_reshard(sub: argparse._SubParsersAction, summary: str) -> None:
     p = sub.add_parser(
         "reshard-checkpoint",
         help=summary,
+        allow_abbrev=False,
         description="Merge the ZenFlow optimizer files of CHECKPOINT (one per rank: "
         "zenflow_optimizer_rank{r}_of_{N}.pt, or the one-process optimizer.pt / optimizer.bin) and cut them again "
         "for --world-size ranks, so that a ZenFlowTrainer or ZenFlowPlugin run resumes on another number of GPUs. "
@@ -73,12 +86,16 @@ def add_reshard(sub: argparse._SubParsersAction, summary: str) -> None:
 
 
 def run_reshard(args: argparse.Namespace) -> int:
+    folder = Path(args.checkpoint)
+    # before torch is imported and anything is read: the folder, and a world size its weights can be split into
+    if _refuse("reshard-checkpoint", missing_folder_message(folder) or world_size_problem(folder, args.world_size)):
+        return 2
     from ..checkpoint.format import CheckpointError
     from .rank_checkpoint import reshard_checkpoint
 
     try:
         reshard_checkpoint(args.checkpoint, args.world_size, args.parallel)
-    except CheckpointError as exc:
+    except (CheckpointError, ValueError) as exc:  # (ValueError: a world size the optimizer state cannot be cut into)
         print(f"hf-zenflow reshard-checkpoint: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

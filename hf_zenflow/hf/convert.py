@@ -24,10 +24,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..atomic import atomic_path, check_writable_folder, is_temporary, replace_folder, staged_folder, torch_save
 from ..checkpoint.convert import is_torch_adamw_state, to_torch_adamw
 from ..checkpoint.format import CheckpointError, load_file
 from .checkpoint_manifest import has_manifest, write_manifest
+from .checkpoint_paths import missing_folder_message
 from .rank_checkpoint import saved_world_sizes
 
 
@@ -49,6 +52,23 @@ def _key_candidates(name: str) -> list[str]:
     parts = name.split(".")
     return [name] + [".".join(parts[: i + 1] + parts[i + 2:])
                      for i, part in enumerate(parts[:-2]) if part.startswith("lora_")]
+
+
+def saved_weights(folder: str | Path, state: dict[str, Any]) -> dict[int, torch.Tensor]:
+    """The weights in `folder` of the parameters whose fp32 master `state` leaves to them (saved with the model, not
+    twice), by parameter index and recorded name: what `to_torch_adamw`'s ``weights`` takes."""
+    from safetensors.torch import load_file as load_weights
+
+    wanted = {int(i): e.get("name") for i, e in state["state"].items() if isinstance(e, dict)
+              and (e.get("host_master", 0) is None or e.get("device_master", 0) is None)}
+    found: dict[int, torch.Tensor] = {}
+    for file in _weight_files(Path(folder)) if wanted else []:
+        weights = load_weights(str(file))
+        for i, name in wanted.items():
+            key = next((k for k in _key_candidates(name) if k in weights), None) if name else None
+            if key is not None:
+                found[i] = weights[key]
+    return found
 
 
 def _stage_copy(source: Path, staging: Path, link: bool) -> None:
@@ -75,12 +95,9 @@ def _stage_copy(source: Path, staging: Path, link: bool) -> None:
 
 def check_convert_inputs(folder: Path, output_dir: Path | None) -> None:
     """Refuse what `convert_checkpoint` cannot do, before it does anything (`CheckpointError`, one line)."""
-    if not folder.is_dir():
-        aside = f".{folder.name}.replaced-*"
-        leftovers = sorted(p.name for p in folder.parent.glob(aside)) if folder.parent.is_dir() else []
-        hint = (f" A conversion was interrupted between two renames: the original is {folder.parent / leftovers[0]}; "
-                f"rename it back to {folder.name}." if leftovers else "")
-        raise CheckpointError(f"{folder}: no such checkpoint folder.{hint}")
+    missing = missing_folder_message(folder)
+    if missing is not None:
+        raise CheckpointError(missing)
     path = folder / OPTIMIZER_FILE
     sizes = saved_world_sizes(str(folder))
     if not path.is_file() and sizes:
@@ -92,6 +109,13 @@ def check_convert_inputs(folder: Path, output_dir: Path | None) -> None:
         raise CheckpointError(f"{path}: no such optimizer checkpoint file: {folder} has no ZenFlow optimizer state "
                               "to convert.")
     if output_dir is not None:
+        source = folder.resolve()
+        if source == output_dir.resolve() or source in output_dir.resolve().parents:
+            # (the copy would be written into the folder it is copied from, and be part of that checkpoint from then
+            # on: a later conversion or resume of it would carry the copy along)
+            raise CheckpointError(f"--output-dir {output_dir} is inside the checkpoint {folder}: choose a folder "
+                                  f"outside it for the converted copy (or leave --output-dir out to convert "
+                                  f"{folder} in place).")
         if output_dir.exists():
             raise CheckpointError(f"--output-dir {output_dir} exists: choose a new folder for the converted "
                                   "checkpoint.")
@@ -142,7 +166,7 @@ def _convert_in(folder: Path, display: Path) -> dict[str, Any]:
     if state.get("zenflow") is None:
         raise CheckpointError(f"{display} holds no ZenFlowAdamW state (never stepped?): nothing to convert.")
     try:
-        adamw, masters = to_torch_adamw(state)
+        adamw, masters = to_torch_adamw(state, weights=saved_weights(folder, state))
     except CheckpointError as exc:
         raise CheckpointError(f"{display}: {exc}") from exc
     names = {int(i): e.get("name") for i, e in state["state"].items()}

@@ -149,6 +149,7 @@ def reshard_checkpoint(checkpoint: str, world_size: int, parallel: str | None = 
     The new files are written under temporary names first, and the old ones renamed to their backups only then: a
     run killed before that leaves the checkpoint as it was; killed in between, the backups (which a re-run names)
     are the complete original. A checkpoint manifest (`checkpoint_manifest`) is written anew."""
+    from ..checkpoint.convert import is_torch_adamw_state
     from ..checkpoint.reshard import reshard_states
 
     if not os.path.isdir(checkpoint):
@@ -181,6 +182,12 @@ def reshard_checkpoint(checkpoint: str, world_size: int, parallel: str | None = 
                                   f"{ACCELERATE_OPTIMIZER_NAME} or rank files) to re-shard.")
         log(f"reading {path}")
         old, states = [path], [load_file(path, map_location="cpu")]
+        if is_torch_adamw_state(states[0]):
+            raise CheckpointError(
+                f"{path} is a torch.optim.AdamW state dict (what hf-zenflow convert-checkpoint writes), not a ZenFlow "
+                "one: it is not split by rank, so there is nothing to re-shard; every rank of a plain Trainer run "
+                "loads it as it is. To resume with ZenFlow on another number of ranks, re-shard the ZenFlow "
+                "checkpoint before converting it.")
     new_states = reshard_states(states, world_size, parallel)
     if world_size == 1:
         new = {os.path.join(checkpoint, one_name): new_states[0]}

@@ -2,7 +2,8 @@
 (`hf_zenflow.hf.checkpoint_manifest`: every file there, of its size and hash) and it has the trainer state, the model
 weights and (unless the user resumes without it) the optimizer state. A process killed while saving leaves a partial
 newest folder; `resume_from_checkpoint=True` then resumes from the newest complete one instead, and says which
-folders it skipped and why."""
+folders it skipped and why. Once loaded, the optimizer state must be the one saved with the Trainer's state
+(`check_resumed_optimizer`), whether or not the folder has a manifest."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..atomic import is_temporary
-from ..checkpoint.format import CheckpointError
+from ..checkpoint.format import CheckpointError, SavedProgress
 from .checkpoint_manifest import MANIFEST_NAME, has_manifest, manifest_problems, save_interrupted
 from .rank_checkpoint import ACCELERATE_OPTIMIZER_NAME, OPTIMIZER_NAME, rank_file_name, saved_world_sizes
 
@@ -163,16 +164,21 @@ def newest_complete_checkpoint(output_dir: str, need_optimizer: bool = True) -> 
 
 def checked_resume(resume_from_checkpoint: Any, output_dir: str, need_optimizer: bool = True) -> Any:
     """What the Trainer should resume from for the `resume_from_checkpoint` a user passed: for True the newest
-    complete checkpoint of `output_dir` (a `CheckpointError` when there are checkpoints but none complete; True
-    when there are none, for the Trainer's own message); a folder named explicitly after checking its files (a
-    damaged one is refused by name, not met as a bare decoding error halfway through loading)."""
+    complete checkpoint of `output_dir` (a `CheckpointError` when there is none: no ``checkpoint-N`` folder, or none
+    complete); a folder named explicitly after checking its files (a damaged one is refused by name, not met as a
+    bare decoding error halfway through loading)."""
     if resume_from_checkpoint is True:
         found = newest_complete_checkpoint(output_dir, need_optimizer)
         if found is None and checkpoint_folders(output_dir):
             raise CheckpointError(
                 f"resume_from_checkpoint=True: no complete checkpoint in {output_dir} (each folder's problems are in "
                 "the warning above). Start without resume_from_checkpoint, or restore a checkpoint from a copy.")
-        return found if found is not None else True
+        if found is None:
+            where = "has no checkpoint-N folder" if os.path.isdir(output_dir) else "does not exist"
+            raise CheckpointError(
+                f"resume_from_checkpoint=True: {output_dir} {where}: there is nothing to resume. Start without "
+                "resume_from_checkpoint, or pass the output_dir (or the checkpoint folder) of the run to resume.")
+        return found
     if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
         problems = integrity_problems(os.fspath(resume_from_checkpoint))
         if problems:
@@ -182,5 +188,29 @@ def checked_resume(resume_from_checkpoint: Any, output_dir: str, need_optimizer:
     return resume_from_checkpoint
 
 
-__all__ = ["checked_resume", "checkpoint_folders", "checkpoint_problems", "integrity_problems",
-           "newest_complete_checkpoint"]
+def check_resumed_optimizer(loaded: SavedProgress | None, global_step: int, where: str,
+                            max_grad_norm: float | None = None) -> None:
+    """The optimizer state just loaded for a resume (`ZenFlowAdamW.loaded_progress`) against the Trainer's state
+    loaded beside it: a `CheckpointError` when its step count is not `global_step` (``trainer_state.json``), naming
+    both (a `torch.optim.AdamW` state, which leaves out the steps a GradScaler skipped, only when it has more); a
+    warning when it was clipped at another `max_grad_norm` than the Trainer's (None: the Trainer does not clip
+    through the optimizer), which takes effect. `where`: the file, for the messages. A manifest vouches for the
+    files being whole, not for their coming from the same save: an optimizer file copied from another checkpoint
+    (and the manifest rewritten) is whole too."""
+    if loaded is None:
+        return
+    if loaded.steps != global_step and (loaded.exact or loaded.steps > global_step):
+        raise CheckpointError(
+            f"{where}: the optimizer state has taken {loaded.steps} optimizer step(s), but the checkpoint's "
+            f"{TRAINER_STATE_NAME} says global_step={global_step}: the file was saved at another step or by another "
+            "run (copied in by hand?), and resuming would continue another point of training. Resume from a "
+            "checkpoint whose files were saved together.")
+    if max_grad_norm is not None and loaded.max_grad_norm is not None and loaded.max_grad_norm != max_grad_norm:
+        logger.warning("ZenFlowTrainer: %s was saved by a run that clipped at max_grad_norm=%g; this run clips at %g, "
+                       "which takes effect. If max_grad_norm was not changed for this resume, the optimizer file "
+                       "comes from another run: resume from a checkpoint whose files were saved together.", where,
+                       loaded.max_grad_norm, max_grad_norm)
+
+
+__all__ = ["check_resumed_optimizer", "checked_resume", "checkpoint_folders", "checkpoint_problems",
+           "integrity_problems", "newest_complete_checkpoint"]

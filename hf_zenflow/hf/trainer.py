@@ -45,7 +45,7 @@ from ..optimizer.zenflow import ZenFlowAdamW
 from .args_upgrade import upgrade_training_arguments
 from .checkpoint_manifest import finish_saving, mark_saving
 from .rank_checkpoint import OPTIMIZER_NAME, check_one_process_resume, load_rank_state, save_rank_state
-from .resume import checked_resume
+from .resume import check_resumed_optimizer, checked_resume
 from .trainer_card import render_trainer_card
 from .trainer_telemetry import ZenFlowTelemetry, ZenFlowTelemetryCallback
 from .training_args import SUPPORTED_OPTIMS, ZenFlowTrainingArguments
@@ -268,6 +268,14 @@ class ZenFlowTrainer(Trainer):
             super()._load_optimizer_and_scheduler(checkpoint)
         except CheckpointError as exc:
             raise CheckpointError(f"{path}: {exc}") from exc
+        self._check_resumed_optimizer(path)
+
+    def _check_resumed_optimizer(self, where: str) -> None:
+        """The optimizer state just loaded belongs to the Trainer state resumed (`resume.check_resumed_optimizer`):
+        the same step count; the same clipping, or a warning. (`self.state` was read from the checkpoint's
+        trainer_state.json before the optimizer is loaded.)"""
+        clip = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")  # (as `_get_grad_norm`)
+        check_resumed_optimizer(self.zenflow_optimizer.loaded_progress, self.state.global_step, where, clip)
 
     def _load_rank_optimizer_and_scheduler(self, checkpoint: str) -> None:
         state = load_rank_state(checkpoint, self.args.process_index, self.args.world_size)
@@ -277,6 +285,7 @@ class ZenFlowTrainer(Trainer):
             self.optimizer.load_state_dict(state)
         except CheckpointError as exc:
             raise CheckpointError(f"{checkpoint} (rank {self.args.process_index}): {exc}") from exc
+        self._check_resumed_optimizer(f"{checkpoint} (rank {self.args.process_index})")
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             with warnings.catch_warnings(record=True) as caught:

@@ -1,5 +1,17 @@
 """The Trainer's ZenFlow telemetry: `ZenFlowAdamW.stats()` read after every optimizer step and averaged into the
-`zenflow/...` metrics of each training log and of the end-of-training summary."""
+`zenflow/...` metrics of each training log and of the end-of-training summary.
+
+What each log carries, so that a log line stays readable:
+
+- every training log: the essentials (`EVERY_LOG`: the critical path, its wait for the host, the host step, the
+  selected fraction, the bytes sent to the host, means over the steps since the previous log; and the device
+  utilisation);
+- the first training log, and then a log only where its value changed since it was last logged: the settings and
+  state the run is in (`WHEN_CHANGED`: the window length, re-selections, skipped steps, the high-lr rule and the
+  host-step guard, the device memory peaks, the offloaded share, the device columns' share of the gradient);
+- the end-of-training summary (and so ``all_results.json``): every figure over the whole run, the ones no step log
+  carries included (`MEAN_STATS`' ``bytes_to_device`` and ``staleness``, the ``steps`` and ``windows`` counters).
+"""
 
 from __future__ import annotations
 
@@ -30,6 +42,10 @@ LAST_STATS = ("update_interval", "steps", "windows", "reselections", "skipped_st
               "offloaded_params_fraction", "min_offload_numel",
               # how much of the offloaded matrices' gradient their device columns held at the last selection
               "selected_grad_share")
+#: In every training log (with `UTILIZATION`).
+EVERY_LOG = ("critical_path_ms", "cp_wait_ms", "host_step_ms", "selected_fraction", "bytes_to_host")
+#: In the first training log and then in those where the value changed since it was last logged.
+WHEN_CHANGED = tuple(key for key in LAST_STATS if key not in ("steps", "windows"))
 TELEMETRY_PREFIX = "zenflow/"
 #: The device's busy share of the training loop's wall time between optimizer steps: 1 - (the steps' device waits,
 #: `telemetry.DEVICE_WAIT_PHASES`) / (their wall time), as `hf-zenflow compare` reports it.
@@ -47,15 +63,21 @@ def _number(value: Any) -> float | None:
 class ZenFlowTelemetry:
     """Aggregates `ZenFlowAdamW.stats()` over optimizer steps.
 
-    `record()` after every optimizer step; `pop_interval()` returns the `zenflow/...` metrics of the steps since the
-    previous call (means of the per-step figures, latest value of the counters); `run_summary()` the same over the
-    whole run.
+    `record()` after every optimizer step; `pop_interval()` returns the `zenflow/...` metrics of a training log (the
+    module docstring says which: the `EVERY_LOG` means over the steps since the previous call, and the `WHEN_CHANGED`
+    values that changed since they were last logged); `run_summary()` every figure over the whole run.
 
     Example:
         >>> t = ZenFlowTelemetry()
-        >>> t.record({"critical_path_ms": 2.0, "steps": 1}); t.record({"critical_path_ms": 4.0, "steps": 2})
+        >>> t.record({"critical_path_ms": 2.0, "update_interval": 4, "steps": 1})
+        >>> t.record({"critical_path_ms": 4.0, "update_interval": 4, "steps": 2})
         >>> t.pop_interval()
-        {'zenflow/critical_path_ms': 3.0, 'zenflow/steps': 2.0}
+        {'zenflow/critical_path_ms': 3.0, 'zenflow/update_interval': 4.0}
+        >>> t.record({"critical_path_ms": 5.0, "update_interval": 4, "steps": 3})
+        >>> t.pop_interval()  # the window length has not changed
+        {'zenflow/critical_path_ms': 5.0}
+        >>> t.run_summary()
+        {'zenflow/critical_path_ms': 3.6666666666666665, 'zenflow/update_interval': 4.0, 'zenflow/steps': 3.0}
     """
 
     def __init__(self) -> None:
@@ -66,6 +88,7 @@ class ZenFlowTelemetry:
         self.last: dict[str, float] = {}
         self._interval_busy = [0.0, 0.0]  # device waits, wall ms of the steps with a known wall time
         self._run_busy = [0.0, 0.0]
+        self._logged: dict[str, float] = {}  # the `WHEN_CHANGED` values as last logged
 
     def record(self, stats: dict[str, Any], step_wall_ms: float | None = None) -> None:
         """One optimizer step's `stats()`; `step_wall_ms`: the loop's wall time of that step (since the previous
@@ -95,7 +118,13 @@ class ZenFlowTelemetry:
         return {f"{TELEMETRY_PREFIX}{UTILIZATION}": 1.0 - acc[0] / acc[1]} if acc[1] > 0 else {}
 
     def pop_interval(self) -> dict[str, float]:
-        metrics = {**self._metrics(self._interval_sum, self._interval_count), **self._utilization(self._interval_busy)}
+        metrics = {f"{TELEMETRY_PREFIX}{key}": self._interval_sum[key] / self._interval_count[key]
+                   for key in EVERY_LOG if self._interval_count.get(key)}
+        metrics.update(self._utilization(self._interval_busy))
+        changed = {key: self.last[key] for key in WHEN_CHANGED
+                   if key in self.last and self._logged.get(key) != self.last[key]}
+        self._logged.update(changed)
+        metrics.update({f"{TELEMETRY_PREFIX}{key}": value for key, value in changed.items()})
         self._interval_sum, self._interval_count, self._interval_busy = {}, {}, [0.0, 0.0]
         return metrics
 

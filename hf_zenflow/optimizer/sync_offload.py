@@ -17,6 +17,7 @@ import torch
 
 from .._base import (
     GradNormCache,
+    check_group_hyperparameters,
     check_hyperparameters,
     clip_coefficient,
     fused_adamw_,
@@ -28,6 +29,7 @@ from ..engine.telemetry import StepTimer, ZenFlowStats
 from ..engine.worker import bounded_wait
 from ..settings.threads import rank_cpu_count
 from ..transport import transport_for
+from .ownership import take_over
 
 
 class _HostParam:
@@ -114,12 +116,18 @@ class SyncOffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"SyncOffloadAdamW cpu_threads={cpu_threads!r} is invalid: allowed is None or an "
                              "integer >= 1.")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        # a ZenFlowAdamW still hooked on these parameters would take their gradients in backward (`ownership.py`)
+        take_over(self, [p for g in self.param_groups for p in g["params"]], holds=False)
         self.cpu_threads = cpu_threads if cpu_threads is not None else rank_cpu_count()
         self._host: dict[torch.Tensor, _HostParam] = {}
         self._norm_cache = GradNormCache()
         self._stats = ZenFlowStats()
         self._steps = 0
         self._host_thread: ThreadPoolExecutor | None = None  # started by the first step (`_host_executor`)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        check_group_hyperparameters(param_group, self.defaults)  # (a group's own lr, betas, ... as the arguments)
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -35,12 +35,13 @@ from .. import checkpoint
 from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
-from ..engine.device_budget import LimitChoice, announce_limit, choose_min_offload_numel, estimate_peak
+from ..engine.device_budget import estimate_peak
 from ..engine.device_memory import DeviceMemoryMeter
 from ..engine.device_state import DenseDeviceState
 from ..engine.device_step import ParamWrites, device_update
 from ..engine.failure import drop_failed_worker, refuse_after_failure
 from ..engine.gradients import GradientReads, read_gradients
+from ..engine.graph_guard import refuse_captured_step
 from ..engine.offload_report import announce_offload
 from ..engine.params import (
     announce_high_lr_rule,
@@ -52,6 +53,7 @@ from ..engine.params import (
     offloads_any,
     resolve_config,
 )
+from ..engine.planner import LimitChoice, announce_limit, choose_min_offload_numel
 from ..engine.reselection import reselect, select_waiting
 from ..engine.schedule import StepKind, WindowSchedule
 from ..engine.split_matrix import SplitMatrix, master_value
@@ -61,6 +63,7 @@ from ..engine.windows import HandOff, HostWindows
 from ..engine.worker import wait_for_closed_workers
 from ..engine.writeback_lag import AutoWritebackLag
 from ..settings.config import ZenFlowConfig, sums_on_device
+from .ownership import take_over
 from .stats import optimizer_stats
 
 
@@ -106,6 +109,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     memory (``hf-zenflow compare`` uses it for the word embeddings on a CPU device). `step()` takes ownership of the
     gradients of split matrices (it sets their ``.grad`` to None) so that the host worker can read them after
     `step()` returns.
+
+    One ZenFlow optimizer per parameter: the backward hooks read each gradient and may take it off its parameter
+    (``free_gradients_in_backward``), so two optimizers hooked on one parameter would race for its gradient and the
+    later one would silently train nothing. A `ZenFlowAdamW` (or `SyncOffloadAdamW`) built over parameters an earlier
+    `ZenFlowAdamW` holds takes them over: the earlier one is detached (closed, which lets its host worker finish its
+    jobs; its hooks off; its `step()` refused from then on), and a warning says so once, naming how many parameters
+    and the first, unless it had been closed with nothing left to apply. A take-over rather than a refusal because
+    building the next optimizer over the same model (a notebook's next cell, a Trainer after a plain loop) says
+    what the caller wants, while the earlier optimizer usually still lives in a variable: a refusal would leave
+    ``del opt; gc.collect()`` as the remedy. The earlier one's host results not yet in the weights are not written
+    then (they would change weights the caller may just have loaded): `flush()` it first to keep them. `close()` an
+    optimizer before another kind (``torch.optim.AdamW``, a Trainer's ``adamw_torch``) trains its parameters.
 
     Example:
         >>> import torch
@@ -154,15 +169,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._reads.on_ready = self._host.grad_ready
         # what the device holds at its peak in a step (`stats()["peak_device_bytes"]`)
         self._meter = DeviceMemoryMeter((p for g in self.param_groups for p in g["params"]),
-                                        lambda: device_state_bytes(self._split, self._dense))
+                                        lambda: device_state_bytes(self._split, self._dense),
+                                        in_flight=self._host.in_flight.bytes)
         self._reads.meter = self._meter
         self._reads.on_arrival = self._host.regather
+        self._reads.defers_norm = self._host.defers_norm
         self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1  # DDP rewrites them after the hooks
         me = weakref.ref(self)
         self._host.device_peak = lambda: (opt._meter.peak_bytes if (opt := me()) is not None else 0)
         self._host.limit_peak = lambda: (opt._limit_peak() if (opt := me()) is not None else 0)
         #: the caller clips through `clip_grad_norm_` (free_gradients_in_backward="auto"), a GradScaler was seen
         self._clips_through_optimizer, self._scaled = False, False
+        self._clip_max_norm: float | None = None  # the last `clip_grad_norm_`'s max_norm (saved in checkpoints)
+        #: what the last `load_state_dict()` loaded: its steps and clip threshold (`checkpoint.SavedProgress`), for a
+        #: resume to compare with the Trainer's state (`hf_zenflow.hf.resume.check_resumed_optimizer`); None: none
+        self.loaded_progress: checkpoint.SavedProgress | None = None
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._made_in_backward: list[torch.Tensor] = []  # the first step's state made in its backward hooks
         self._limit_cache: tuple[tuple, LimitChoice] | None = None  # (`_limit_choice`)
@@ -174,6 +195,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         }
         amp.install()  # scaler.unscale_(opt) tells `_grads_unscaled`
         _LIVE_OPTIMIZERS.add(self)
+        self._hooks_off = False  # `close()` took the hooks off; the next `train()` or `step()` hooks again
+        self._detached: str | None = None  # why another optimizer took the parameters over (`_detach`)
+        take_over(self, self._held())  # (one ZenFlow optimizer per parameter: see the class docstring)
         # The thread rule's decision for the run, before its first forward (docs/threads.md)
         self._host.keeper.offload_planned = offloads_any(self.param_groups, config)
         self._host.keeper.claim_cores()
@@ -186,7 +210,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         check_group_params(self.param_groups[-1])
         if hasattr(self, "_reads"):  # a group added after construction: its gradients are read in backward too
-            self._reads.watch(self.param_groups[-1]["params"])
+            take_over(self, self.param_groups[-1]["params"])
+            if not self._hooks_off:
+                self._reads.watch(self.param_groups[-1]["params"])
             self._group_of.update({p: self.param_groups[-1] for p in self.param_groups[-1]["params"]})
             self._host.keeper.offload_planned = offloads_any(self.param_groups, self.config)
             self._host.keeper.claim_cores()
@@ -216,6 +242,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """
         self._find_param_shards()
         self._clips_through_optimizer = True
+        self._clip_max_norm = float(max_norm)
         freed = self._host.freed  # (gradients freed in backward: their stand-ins, whose norms the hooks took)
         local = self._fsdp.local  # (FSDP2: the freed gradients are keyed by the local shards)
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None or local(p) in freed]
@@ -253,33 +280,37 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         backward must have read them first (`amp.install`)."""
         self._host.order_after_early_copies()
 
-    def _freed_overflow(self) -> torch.Tensor | None:
-        """1.0 (a device tensor) when a gradient freed in backward holds an inf or NaN, else 0.0; None when none was
-        freed. Added to a GradScaler's overflow check (`amp.install`), which reads only ``p.grad``: the same
-        element-wise test, made in each gradient's hook (or, for the hooks of the first step with a scaler, which
-        did not know of it, from the host copies wherever the hook's norm is not finite: a norm that is finite
-        rules an inf or NaN out)."""
+    def _freed_overflow(self) -> dict[torch.device, torch.Tensor] | None:
+        """Per device of the gradients freed in backward: 1.0 (a tensor there) when one of them holds an inf or NaN,
+        else 0.0; None when none was freed. Added to a GradScaler's overflow check (`amp.install`), which reads only
+        ``p.grad`` and keeps one flag per device (``device_map``: a model over several GPUs): the same element-wise
+        test, made in each gradient's hook (or, for the hooks of the first step with a scaler, which did not know of
+        it, from the host copies wherever the hook's norm is not finite: a norm that is finite rules an inf or NaN
+        out)."""
         freed = self._host.freed
         if not freed:
             return None
-        flags = []
+        flags: dict[torch.device, list[torch.Tensor]] = {}
         for p, f in freed.items():
+            device = f.stand_in.device  # (the gradient's)
+            on_device = flags.setdefault(device, [])
             norm = self._reads.norm(p, f.stand_in)
             # Sync point (only the first step with a scaler: its hooks made no check)
             if f.overflow is None and norm is not None and bool(torch.isfinite(norm)):
                 continue
-            flags.append(f.has_overflow().to(f.stand_in.device))
-        if not flags:
-            return torch.zeros((), device=next(iter(freed.values())).stand_in.device)
-        return torch.stack(flags).amax()
+            on_device.append(f.has_overflow().to(device))
+        return {device: torch.stack(found).amax() if found else torch.zeros((), device=device)
+                for device, found in flags.items()}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        refuse_captured_step()  # (a CUDA graph capture: `engine/graph_guard.py`)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         refuse_after_failure(self._host)
+        self._hook_again()
         self._auto_lag.tick()
         self._find_param_shards(final=True)
         worker = self._host.ensure_worker()
@@ -350,7 +381,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if schedule.limit_min_offload_numel is not None and not schedule.limit_announced:
             schedule.limit_announced = True  # (once per run: a resumed run says what it restored)
             announce_limit(self.param_groups, self.config, schedule.limit_min_offload_numel,
-                           self._host.free_kind is not None, self._host.accumulate_on)
+                           self._host.free_kind is not None, self._host.accumulate_on, self._copies_lag())
 
         # ---- 1. one read of every gradient ------------------------------------------------------------------------
         kind = schedule.kind()
@@ -529,7 +560,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def train(self) -> None:
         """HF calls this before every training step: surface a worker failure (waiting here would serialise the host
         step with every training step), and claim the cores again if a `close()` ended the last run, before this
-        run's first forward (docs/threads.md)."""
+        run's first forward (docs/threads.md); after a `close()`, the backward hooks go back on before it too."""
+        self._hook_again()
         self._host.keeper.claim_cores()
         if self._host.worker is not None:
             self._host.worker.check()
@@ -541,9 +573,41 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.synchronize()
 
     def close(self) -> None:
-        """End of a run: stop the host worker thread (a later `step()` starts a new one), unlock pinned host memory
-        and give the training thread its cores back (docs/threads.md)."""
+        """End of a run: stop the host worker thread once its jobs have run, take the backward hooks off the
+        parameters (another optimizer may train them now), unlock pinned host memory and give the training thread its
+        cores back (docs/threads.md). The state stays: a later `train()` or `step()` puts the hooks back and starts a
+        new worker (that step reads its gradients itself), unless another ZenFlow optimizer has taken the parameters
+        over since (see the class docstring): then it refuses."""
         self._host.close()
+        if hasattr(self, "_reads"):  # (a constructor that failed early has none)
+            self._reads.remove()
+            self._hooks_off = True
+
+    def _held(self) -> list[torch.Tensor]:
+        """The parameters this optimizer holds (`ownership.py`)."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _unapplied_steps(self) -> int:
+        """Steps whose host updates are not in the weights yet (the open window, host results awaiting write-back)."""
+        if self._schedule is None:
+            return 0
+        return self._schedule.window_steps + sum(self._host.unapplied_steps)
+
+    def _detach(self, reason: str) -> None:
+        """Another optimizer took the parameters over (`ownership.take_over`): closed, hooks off, `step()` refused."""
+        self.close()
+        self._detached = reason
+
+    def _hook_again(self) -> None:
+        """Before a step after `close()`: the backward hooks go back on, unless the parameters were taken over."""
+        if self._detached is not None:
+            raise RuntimeError(f"ZenFlowAdamW: this optimizer no longer holds its parameters ({self._detached}); "
+                               "each parameter is trained by one ZenFlow optimizer at a time. Step the later one, "
+                               "or build a new ZenFlowAdamW over the parameters (load_state_dict(old.state_dict()) "
+                               "carries this one's state over).")
+        if self._hooks_off:
+            self._reads.watch(self._held())
+            self._hooks_off = False
 
     @property
     def config(self) -> ZenFlowConfig:
@@ -566,8 +630,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def __del__(self) -> None:  # noqa: D105
         try:
-            self.close()
-            self._reads.remove()  # the parameters outlive the optimizer: take the hooks off them
+            self.close()  # (the parameters outlive the optimizer: the hooks come off them)
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
 
@@ -622,12 +685,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             kept = {id(p) for p in current}
             self._param_names = {p: n for p, n in self._param_names.items() if id(p) in kept}
             self._reads.remove()
-            self._reads = GradientReads(current)
+            self._reads = GradientReads([] if self._hooks_off else current)
             self._reads.on_ready = self._host.grad_ready
             self._group_of = {p: g for g in self.param_groups for p in g["params"]}
-            self._meter = DeviceMemoryMeter(current, self._meter.state_bytes)
+            self._meter = DeviceMemoryMeter(current, self._meter.state_bytes, in_flight=self._meter.in_flight)
             self._reads.meter = self._meter
             self._reads.on_arrival = self._host.regather
+            self._reads.defers_norm = self._host.defers_norm
             self._reads.copies_out = self._host.copies_out
             self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1
             # (FSDP2's ranks free their shards from the next step on; ``accumulate_on="auto"``, deciding in this
@@ -652,8 +716,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         the parameters' sizes and the settings, and whether the coming step frees its gradients in backward."""
         key = (self.config, len(self.param_groups), self._host.free_kind is not None, self._host.accumulate_on)
         if self._limit_cache is None or self._limit_cache[0] != key:  # (the first backward's hooks ask alike)
-            self._limit_cache = (key, choose_min_offload_numel(self.param_groups, self.config, key[2], key[3]))
+            self._limit_cache = (key, choose_min_offload_numel(self.param_groups, self.config, key[2], key[3],
+                                                               self._copies_lag()))
         return self._limit_cache[1]
+
+    def _copies_lag(self) -> bool:
+        """Whether the copies of gradients to the host run beside backward and may lag it (CUDA's side stream):
+        then several freed gradients can be in flight at once (`engine/in_flight.py`). A CUDA parameter's copies
+        do; other devices' as their transport says, once made (none is made here)."""
+        return any(p.device.type == "cuda" for g in self.param_groups for p in g["params"]) or any(
+            t.stages_gradients for t in self._host.transports.values())
 
     def _offload_threshold(self) -> int:
         """The run's `min_offload_numel` (a device memory limit's choice, else the setting), before the schedule
@@ -670,7 +742,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self.config.device_memory_limit_bytes is None:
             return 0
         return estimate_peak(self.param_groups, self.config, self._offload_threshold(),
-                             self._host.free_kind is not None).beside_window_sums
+                             self._host.free_kind is not None, copies_lag=self._copies_lag()).beside_window_sums
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpointing
@@ -702,6 +774,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._find_param_shards()
         self._host.release_early()  # (gradients freed in a backward before the load belong to the old state)
         checkpoint.load(self, state_dict)
+        self.loaded_progress = checkpoint.saved_progress(state_dict)
         self._host.free_kind = self._frees_next_step()  # (the restored schedule's next step)
 
     def name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module) -> None:

@@ -36,6 +36,39 @@ fraction = _number(float, 0.0, 1.0, False, "a number in [0, 1]")
 block_steps = _number(int, 8, None, False, "an integer >= 8")
 
 
+#: The suffixes of a parameter count ("7B", "350m", "1.5T"), any case.
+PARAMETER_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+def parameter_count(text: str) -> float:
+    """A number of parameters > 0: a number (7e9, 1.5e9) or one with a K, M, B or T suffix, any case (7B, 13b,
+    350M)."""
+    word = text.strip().lower()
+    scale = PARAMETER_SUFFIXES.get(word[-1:], 1.0)
+    number = word[:-1] if word[-1:] in PARAMETER_SUFFIXES else word
+    try:
+        value = float(number) * scale
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed is a number of parameters > 0, e.g. 7e9, or "
+                                         "one with a K, M, B or T suffix, e.g. 7B or 350M")
+    return value
+
+
+parameter_count.__name__ = "a number of parameters"
+
+
+def memory_budget(text: str) -> int | str:
+    """compare's device memory budget: "sync" (synchronous offload's), "free" (the device's free memory) or bytes,
+    an integer >= 0."""
+    word = text.strip().lower()
+    return word if word in ("sync", "free") else _budget_int(text)
+
+
+_budget_int = _number(int, 0, None, False, '"sync", "free" or an integer >= 0 (bytes)')
+
+
 def interval(text: str) -> int | str:
     """An update/select interval: an integer >= 1 or "auto"."""
     return "auto" if text.strip().lower() == "auto" else _interval_int(text)
@@ -62,5 +95,5 @@ def writeback_lag(text: str) -> int | str | None:
 _lag_int = _number(int, 1, None, False, 'an integer >= 1, "auto" or "none"')
 
 
-__all__ = ["fraction", "interval", "lr_scale", "non_negative_float", "non_negative_int", "positive_float",
-           "positive_int", "writeback_lag"]
+__all__ = ["PARAMETER_SUFFIXES", "fraction", "interval", "lr_scale", "memory_budget", "non_negative_float",
+           "non_negative_int", "parameter_count", "positive_float", "positive_int", "writeback_lag"]

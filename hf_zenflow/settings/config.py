@@ -18,21 +18,22 @@ from .deepspeed_config import load, zenflow_values
 
 #: `host_lr_scale="auto"`: the largest learning rate a window's host step takes (lr × multiplier) when its result is
 #: written back 1 step into the next window; a lag of L steps divides it by sqrt(L). Set by the quality suite
-#: (`scripts/quality_suite.py`, BENCHMARKS.md "Quality suite"): a host step above it diverged a model from scratch
-#: (an un-normalised block, lr 1e-3 x 4 and 5e-4 x 4) and cost MiniLM +6 % held-out loss at lr 3e-4 x 4, while the
-#: window's multiplier stays necessary at fine-tuning rates (MiniLM at 5e-5: x1 costs +5.7 %, x4 +0.25 %). A cap of
-#: 2e-3 with `host_step_guard` diverged nothing but cost the pretrained tiny Llama's fine-tune +2-3 % at 3e-4 - 1e-3.
+#: (`scripts/quality_suite.py`, BENCHMARKS.md "Quality: the size of the host step"): a host step above it diverged a
+#: model from scratch (an un-normalised block, lr 1e-3 x 4 and 5e-4 x 4) and cost MiniLM +6 % held-out loss at lr 3e-4
+#: x 4, while the window's multiplier stays necessary at fine-tuning rates (MiniLM at 5e-5: x1 costs +5.7 %, x4 +0.25
+#: %). A cap of 2e-3 with `host_step_guard` diverged nothing but cost the pretrained tiny Llama's fine-tune +2-3 % at
+#: 3e-4 - 1e-3.
 AUTO_HOST_LR_CAP = 5e-4
 
 #: `high_lr_rule="auto"`: above peak lr × update_interval > this, windows are shortened to floor(this / lr) steps.
-#: Measured on the tiny Llama (30 steps, U=4, 5 paired seeds, BENCHMARKS.md §4b).
+#: Measured on the tiny Llama (30 steps, U=4, 5 paired seeds, BENCHMARKS.md "Quality: high learning rates").
 HIGH_LR_RULE_THRESHOLD = 5e-3
 
 #: `host_step_guard="auto"`'s ratio, where it watches (windows shortened by `high_lr_rule`): a host result is taken
 #: to have overshot when the first gradient that sees it has a total norm above this multiple of the largest of the
-#: last `HOST_STEP_GUARD_HISTORY` norms before it (BENCHMARKS.md, the host step guard's sections). The largest recent
-#: norm, not the last one: while fine-tuning a norm can triple from one batch to the next, within the spread the
-#: steps before it already showed.
+#: last `HOST_STEP_GUARD_HISTORY` norms before it (BENCHMARKS.md "Quality: the size of the host step"). The largest
+#: recent norm, not the last one: while fine-tuning a norm can triple from one batch to the next, within the spread
+#: the steps before it already showed.
 HOST_STEP_GUARD_RATIO = 2.5
 
 #: `host_step_guard` compares the first gradient norm after a write-back with the largest of this many norms before it.
@@ -205,7 +206,8 @@ class ZenFlowConfig:
                   "(0 when not overlapped): the momentum horizon of beta1 counted in windows, less the momentum that "
                   "the late write-back adds. Chosen at the first step, logged, in stats() and checkpoints; at lower "
                   "rates nothing changes (bit for bit). Not with update_interval=\"auto\". \"off\": the "
-                  "configured windows and betas at every learning rate (BENCHMARKS §4b).",
+                  "configured windows and betas at every learning rate (BENCHMARKS.md \"Quality: high learning "
+                  "rates\").",
                   "choices": _HIGH_LR_RULES},
     )
     host_step_guard: float | str = field(
@@ -241,10 +243,13 @@ class ZenFlowConfig:
                   'runs the AdamW (same results). "device_bf16": the same, the sums kept in bf16 on the device '
                   "(+2 bytes per offloaded parameter; each step adds in fp32 and rounds the running sum to bf16, "
                   "8 significant bits) and sent as bf16 (half the link bytes), widened into the host's fp32 "
-                  'accumulator. "auto": "device" when fp32 sums fit in the device memory left after the first '
-                  'forward/backward with a 10% margin, else "device_bf16" when bf16 sums fit, else "host" (CUDA: '
-                  'measured; a CPU device: `device_memory_budget_bytes`, without it "host"); chosen at the first '
-                  "step, logged, in stats() and checkpoints.",
+                  'accumulator. "auto": the fastest of the three that fits the device memory left after the first '
+                  "forward/backward (10% margin; CUDA: measured; a CPU device: device_memory_budget_bytes, without "
+                  "it unknown, so host) and the host RAM this process can take (its cgroup limits included, 10% "
+                  "margin), then the smallest; fastest by the bound model of hf-zenflow estimate's default profile, "
+                  "never by timings, so the same script chooses the same (docs/memory.md): host sums where the host "
+                  "RAM holds them, device sums where it is short and the device has room; chosen at the first step, "
+                  "logged, in stats() and checkpoints.",
                   "choices": _ACCUMULATE_ON},
     )
     host_grad_dtype: str = field(
@@ -336,7 +341,7 @@ class ZenFlowConfig:
                   "docs/memory.md). Clip through optimizer.clip_grad_norm_: torch.nn.utils.clip_grad_norm_ over "
                   "the model cannot see freed gradients. \"auto\": on from the first step under ZenFlowTrainer and "
                   "`hf-zenflow compare` (they clip through the optimizer), in a plain loop from the step after the "
-                  "first optimizer.clip_grad_norm_; \"on\" / \"off\" (or True / False) from the first step / never.",
+                  "first optimizer.clip_grad_norm_; \"on\" / \"off\" from the first step / never.",
                   "choices": ("auto", "on", "off")},
     )
     cpu_threads: int | None = field(
@@ -359,8 +364,6 @@ class ZenFlowConfig:
             _fail("topk_ratio", self.topk_ratio, "a float in [0, 1] (0.1 is typical)")
         self.topk_ratio = float(self.topk_ratio)
         self.update_interval = parse_int_or_auto("update_interval", self.update_interval)
-        if isinstance(self.free_gradients_in_backward, bool):
-            self.free_gradients_in_backward = "on" if self.free_gradients_in_backward else "off"
         for f in fields(self):  # the string choices (select_strategy, accumulate_on), in any case
             choices = f.metadata.get("choices")
             given = getattr(self, f.name)
@@ -390,8 +393,7 @@ class ZenFlowConfig:
         if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().lower() == "none":
             self.writeback_lag = None  # (a flag or environment variable cannot carry None)
         if self.writeback_lag is not None:
-            top = self.update_interval if _is_int(self.update_interval) else self.auto_max_interval
-            bound = "update_interval" if _is_int(self.update_interval) else "auto_max_interval"
+            top, bound = self.writeback_lag_bound()
             allowed = f'None (the next window boundary), "auto" or an integer from 1 to {bound} ({top})'
             if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().lower() == "auto":
                 self.writeback_lag = "auto"
@@ -452,6 +454,18 @@ class ZenFlowConfig:
             pass
 
     # ----------------------------------------------------------------------------------------------------------------
+    def writeback_lag_bound(self) -> tuple[int, str]:
+        """The largest `writeback_lag` (a window's length: a later write-back would come after the next window has
+        closed) and the setting it comes from: `update_interval`, or `auto_max_interval` with ``"auto"`` windows."""
+        if _is_int(self.update_interval):
+            return self.update_interval, "update_interval"
+        return self.auto_max_interval, "auto_max_interval"
+
+    @classmethod
+    def choices(cls, name: str) -> tuple[str, ...]:
+        """The values the string setting `name` allows (its metadata's ``choices``)."""
+        return next(f.metadata["choices"] for f in fields(cls) if f.name == name)
+
     @property
     def is_auto_interval(self) -> bool:
         return self.update_interval == "auto"

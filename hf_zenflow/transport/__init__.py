@@ -48,6 +48,10 @@ class Transports:
             self._on_new(self._by_type[kind])
         return self._by_type[kind]
 
+    def made(self, device: torch.device) -> Transport | None:
+        """The transport of parameters on `device` if one was made (`of`), else None (none is made here)."""
+        return self._by_type.get(device.type)
+
     def values(self) -> list[Transport]:
         return list(self._by_type.values())
 

@@ -108,6 +108,9 @@ class Transport:
     stages_gradients = False
     #: whether host buffers that cross the link are pinned (asynchronous copies)
     pins_host_memory = False
+    #: host bytes the transport holds whatever the model's size (a bounded pinned pool); what grows with the model
+    #: is in each matrix's `host_buffer` requests
+    fixed_host_bytes = 0
 
     def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host buffer that crosses the link (pinned where copies are asynchronous)."""

@@ -16,8 +16,8 @@ an interrupted run (Ctrl-C) keeps and writes what finished. Outputs: ``tune.json
 recommendation), ``pareto.png`` (quality loss vs speed-up, the Pareto front and the recommended point) and
 ``recommended.py`` (ready `ZenFlowTrainingArguments(...)`).
 
-One seed per trial: a single trial's difference has the seed-to-seed noise of a short fine-tune (BENCHMARKS.md
-§4 measures it); treat differences smaller than that as ties.
+One seed per trial: a single trial's difference has the seed-to-seed noise of a short fine-tune
+(BENCHMARKS.md "Quality: short fine-tunes" measures it); treat differences smaller than that as ties.
 
 Where the parts live: the grid (`tune_grid`), the Pareto front and the recommendation (`pareto`), the written outputs
 (`tune_report`); the paired interval of the quality study is in `paired_stats`. Their public names are importable
@@ -263,7 +263,7 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
                          log_every=0, device_cores=cfg.device_cores, host_cores=cfg.host_cores,
                          dataset=cfg.dataset, text_column=cfg.text_column,
                          label_column=cfg.label_column, train_split=cfg.train_split, eval_split=cfg.eval_split,
-                         metric=cfg.metric)
+                         metric=cfg.metric, device_memory_budget="free")  # (trials: the device's free memory)
     base.core_split()  # a bad core count fails before the model loads
     device = base.resolved_device()
     task = prepare_task(model=cfg.model, task=cfg.task, steps=cfg.steps, train_size=cfg.train_size,

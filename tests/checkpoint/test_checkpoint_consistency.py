@@ -82,19 +82,39 @@ def test_a_sealed_but_inconsistent_state_is_refused(saved, edit, match):
     _refused(_edited(saved, edit), match)
 
 
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda s: s["zenflow"].update(steps=2**30), r"steps=1073741824 is invalid, expected an integer >= 0 and <= "
+                                                 r"16777216"),
+    (lambda s: s["zenflow"].update(skipped_steps=2**30), r"skipped_steps=1073741824 is invalid"),
+    (lambda s: s["zenflow"].update(writeback_lag=99), r"writeback_lag=99 is invalid, expected None or an integer "
+                                                      r"from 1 to update_interval \(4\)"),
+    (lambda s: s["zenflow"].update(high_lr_window=99), r"high_lr_window=99 is invalid, expected None or an integer "
+                                                       r"from 1 to update_interval \(4\)"),
+    (lambda s: s["zenflow"].update(writeback_lag=True), r"writeback_lag=True is invalid"),
+    (lambda s: s["zenflow"].update(accumulate_on="auto"), r"accumulate_on='auto' is invalid"),
+    (lambda s: s["zenflow"].update(max_grad_norm=float("nan")), r"max_grad_norm=nan is invalid"),
+], ids=["steps=2**30", "skipped_steps=2**30", "writeback_lag=99", "high_lr_window=99", "writeback_lag=True",
+        "accumulate_on=auto", "max_grad_norm=nan"])
+def test_a_resealed_field_outside_the_ranges_of_the_settings_is_refused(saved, match, edit):
+    """Regression: re-sealed block fields outside the documented ranges loaded: a step count of 2**30 (the
+    per-parameter counts are fp32, which stop counting at 2**24), `writeback_lag=99` under `update_interval=4`
+    (ZenFlowConfig allows 1 to update_interval)."""
+    _refused(_edited(saved, edit), match)
+
+
 def test_a_stripped_state_claiming_format_1_is_refused(saved):
     """Repro: the checksums stripped and ``format_version=1`` set: it loaded, with only a warning that format 1's
-    fields are checked by range. Formats 1 and 2 are refused outright (this hf_zenflow reads format 3 only)."""
+    fields are checked by range. Formats 1 and 2 are refused outright (this hf_zenflow reads formats 3, 4)."""
     state = copy.deepcopy(saved)
     state["zenflow"]["format_version"] = 1
     del state["zenflow"]["checksum"]
     for entry in state["state"].values():
         entry.pop("checksums")
-    _refused(state, "format_version=1; this hf_zenflow reads format 3 only")
+    _refused(state, "format_version=1; this hf_zenflow reads formats 3, 4")
     for entry in state["state"].values():
         entry.pop("shape")
     del state["zenflow"]["format_version"]
-    _refused(state, "format_version=None; this hf_zenflow reads format 3 only")
+    _refused(state, "format_version=None; this hf_zenflow reads formats 3, 4")
 
 
 def test_a_torch_adamw_state_with_a_negative_second_moment_is_refused():

@@ -69,7 +69,7 @@ def test_ddp_shares_merge_back_to_the_one_process_state(layout, ranks):
     state = _state(layout)
     shares = [ddp_share_of(state, ranks, r) for r in range(ranks)]
     host = next(e for e in shares[0]["state"].values() if "share" in e)
-    assert host["host_master"].numel() < state["state"][0]["host_master"].numel()  # a share, not a copy
+    assert host["host_exp_avg"].numel() < state["state"][0]["host_exp_avg"].numel()  # a share, not a copy
     _same(merge_rank_states(shares[::-1]), state)
 
 
@@ -153,3 +153,19 @@ def test_a_rerun_after_an_interrupted_reshard_names_the_backups(tmp_path):
     with pytest.raises(CheckpointError, match=r"optimizer\.pt\.before_reshard.*mv .*optimizer\.pt\.before_reshard "
                                               r".*optimizer\.pt\b"):
         reshard_checkpoint(str(tmp_path), 2, log=lambda *_: None)
+
+
+def test_more_ranks_than_the_longest_dimension_are_refused(tmp_path, capsys):
+    """Regression: `hf-zenflow reshard-checkpoint CKPT --world-size 1000000000` printed "reading ..." and never
+    ended (it cut a state for every rank). The longest dimension of these parameters is 33: 33 ranks are cut, 34
+    refused, by the function and by the command on a folder without weights (the command refuses a folder with
+    weights before reading anything: tests/compare/test_cli_inputs.py)."""
+    state = _state("row")
+    assert len(reshard_states([state], 33, "fsdp2")) == 33
+    with pytest.raises(ValueError, match="world_size=34 is invalid: allowed is at most 33"):
+        reshard_states([state], 34)
+    torch.save(state, tmp_path / "optimizer.pt")
+    assert cli(["reshard-checkpoint", str(tmp_path), "--world-size", "1000000000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "world_size=1000000000 is invalid: allowed is at most 33" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["optimizer.pt"]

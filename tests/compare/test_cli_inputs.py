@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_zenflow.cli import main
+from hf_zenflow.compare.checks import GPU_DRIVER_PATHS
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,3 +122,60 @@ def test_argument_errors_and_help_answer_before_torch_is_imported(argv):
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("HEAVY [] CODE"), proc.stdout[-2000:] + proc.stderr[-2000:]
     assert last.endswith("CODE 0" if "--help" in argv else "CODE 2")
+
+
+def run_cli_counting_imports(argv: list[str], cwd: Path) -> tuple[str, str, list[str]]:
+    """`hf-zenflow ARGV` in a fresh interpreter: its last line of output ("HEAVY [modules] CODE status": which of
+    torch, transformers and numpy were imported by the time it returned, and its exit status), its stderr and that
+    stderr's lines."""
+    code = ("import sys; from hf_zenflow.cli import main\n"
+            "try:\n    code = main(sys.argv[1:])\nexcept SystemExit as exc:\n    code = exc.code\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules)\n"
+            "print('HEAVY', heavy, 'CODE', code)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=cwd)
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
+    return last, proc.stderr, proc.stderr.strip().splitlines()
+
+
+def weights_only_checkpoint(folder: Path) -> Path:
+    """A checkpoint folder whose weights' longest dimension is 33 (and an optimizer file)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    save_file({"embed.weight": torch.zeros(24, 20), "up.weight": torch.zeros(33, 20)},
+              str(folder / "model.safetensors"))
+    torch.save({"state": {}, "param_groups": []}, folder / "optimizer.pt")
+    return folder
+
+
+INPUT_ERRORS = {
+    "tune-dataset": (["tune", "--dataset", "missing.csv"], "--dataset 'missing.csv': no such file"),
+    "tune-model": (["tune", "--model", "missing"], "--model 'missing'"),
+    "tune-hardware": (["tune", "--hardware", "nope"], "--hardware 'nope'"),
+    "estimate-hardware": (["estimate", "--hardware", "nope"], "--hardware 'nope'"),
+    "compare-dataset": (["compare", "--dataset", "missing.csv"], "--dataset 'missing.csv': no such file"),
+    "compare-model": (["compare", "--model", "missing"], "--model 'missing'"),
+    "convert-missing": (["convert-checkpoint", "missing"], "missing: no such checkpoint folder"),
+    "reshard-missing": (["reshard-checkpoint", "missing", "--world-size", "2"], "missing: no such checkpoint folder"),
+    "reshard-too-many-ranks": (["reshard-checkpoint", "ckpt", "--world-size", "1000000000"],
+                               "--world-size 1000000000 is invalid for ckpt: allowed is at most 33"),
+}
+if not any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
+    INPUT_ERRORS["compare-device-cuda"] = (["compare", "--device", "cuda"], "--device cuda: this machine has no GPU")
+
+
+@pytest.mark.parametrize("case", sorted(INPUT_ERRORS))
+def test_a_missing_path_file_or_device_is_refused_before_torch_is_imported(case, tmp_path):
+    """Regression: these failures came after torch was imported (and for estimate after a host measurement), 4 to
+    52 s each; `reshard-checkpoint CKPT --world-size 1000000000` never ended. Each is now one line and exit status
+    2 with torch not imported (what it costs in seconds: BENCHMARKS.md)."""
+    weights_only_checkpoint(tmp_path / "ckpt")
+    argv, named = INPUT_ERRORS[case]
+    last, stderr, lines = run_cli_counting_imports(argv, tmp_path)
+    assert last == "HEAVY [] CODE 2", stderr[-3000:]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert lines[0].startswith(f"hf-zenflow {argv[0]}: ") and named in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing made
+

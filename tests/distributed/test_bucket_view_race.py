@@ -1,7 +1,8 @@
-"""DDP with ``gradient_as_bucket_view=True``, on the asynchronous CPU double of a CUDA device: each gradient the
-step hands to the host is a view of a bucket that the next backward's reducer writes into on the compute stream.
-The caching allocator's `record_stream` cannot protect a view it never frees, so the copy to the host must have
-read the bucket before the compute stream writes it again."""
+"""DDP with ``gradient_as_bucket_view=True``, on the asynchronous CPU double of a CUDA device (on CUDA: CUDA's own
+transport, against the same run with every copy synchronous): each gradient the step hands to the host is a view of
+a bucket that the next backward's reducer writes into on the compute stream. The caching allocator's
+`record_stream` cannot protect a view it never frees, so the copy to the host must have read the bucket before the
+compute stream writes it again."""
 
 from __future__ import annotations
 
@@ -9,18 +10,19 @@ import pytest
 import torch
 
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.transport import CudaTransport
+from hf_zenflow.transport import CopyTransport, CudaTransport
 from tests.conftest import DEVICE, batches, make_model, param_groups
 from tests.doubles.async_device import AsyncCopies, CheckedRegistrar
 
 
-if DEVICE.type != "cpu":
-    pytest.skip("replaces the CPU device's transport with the double", allow_module_level=True)
-
-
 def _train(steps: int, double: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], int]:
+    """`double`: copies that land late (the CPU: the double; CUDA: its own transport), else the reference (the CPU
+    device's transport; CUDA: every copy synchronous)."""
     backends: list[AsyncCopies] = []
-    if double:
+    if DEVICE.type != "cpu":
+        if not double:
+            monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
+    elif double:
         def make(device: torch.device) -> CudaTransport:
             # lazy: a copy runs only when something waits for it, i.e. as late as CUDA may run it
             backend = AsyncCopies(seed=len(backends), lazy=True)
@@ -35,14 +37,14 @@ def _train(steps: int, double: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[l
     # DDP's reducer rewrites each gradient after the hooks: they read nothing, step() reads the reduced gradients
     opt._reads.reduced_later = lambda: True
     # one bucket for every gradient, as DDP's reducer keeps it across steps
-    bucket = torch.zeros(sum(p.numel() for p in params))
+    bucket = torch.zeros(sum(p.numel() for p in params), device=DEVICE)
     views, offset = [], 0
     for p in params:
         views.append(bucket[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
     for x, y in batches(steps):
-        logits = model(x)
-        torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
+        logits = model(x.to(DEVICE))
+        torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.to(DEVICE).view(-1)).backward()
         with torch.no_grad():
             for p, view in zip(params, views):  # the reducer: into the bucket (compute stream), p.grad its view
                 view.copy_(p.grad)

@@ -200,7 +200,11 @@ def test_two_fsdp2_ranks_train_like_one_process_on_the_global_batch(fsdp_run, mo
         for name, mine, ref in zip([n for n, _ in model.named_parameters()], runs[0]["final"], model.parameters()):
             ref = ref.detach().float().cpu()
             rel = ((mine - ref).norm() / ref.norm()).item()
-            assert rel < 1e-5, (name, rel)
+            # The ranks sum the batch in another order (each rank's half, then the reduce-scatter) than one process
+            # does, and which order torch's CPU kernels take depends on the CPU: 20 AdamW steps magnify those last
+            # bits most in the small matrices (on an AMD EPYC without AVX-512, up.weight 2.3e-5 and gate.weight
+            # 3.4e-5, the native kernels on or off; the others <= 7e-7). A wrong shard's algebra is off by far more.
+            assert rel < 1e-4, (name, rel)
     finally:
         opt.close()
 
@@ -491,3 +495,79 @@ def test_fsdp2_ranks_freeing_gradients_in_backward_change_no_arithmetic(tmp_path
             assert all(f < k for f, k in zip(peaks_freed[1:], peaks_kept[1:]))
             assert all(run[f"{name}-on"]["own_storage"][1:])
     assert runs[0]["scaler-on"]["skipped"] == 3
+
+
+def _reduce_scatter_views_run(rank: int, init_file: str, out_dir: str) -> None:
+    """The FSDP2 ranks on the CPU device's transport and on `CudaTransport` over a lazy double of an asynchronous
+    device, with the gradients kept and freed in backward."""
+    run_in_group(rank, init_file, _reduce_scatter_views_body, out_dir, ranks=RANKS, device=DEVICE)
+
+
+def _reduce_scatter_views_body(rank: int, out_dir: str) -> None:
+    import hf_zenflow.transport as transport_package
+    from tests.doubles.async_device import FakeStream, lazy_transports
+
+    results: dict = {}
+    for free in ("off", "on"):
+        for double in (False, True):
+            with pytest.MonkeyPatch.context() as m:
+                backends = []
+                if double:
+                    # (an FSDP2 shard on a CPU device would get `CpuShardTransport`: the double stands in for it)
+                    backends = lazy_transports(m)
+                    m.setattr("hf_zenflow.transport.CpuShardTransport", lambda: transport_package.transport_for(
+                        torch.device("cuda")))
+                    real_wait, waits = FakeStream.wait_event, [0]
+
+                    def wait_event(stream, event, real_wait=real_wait, waits=waits):
+                        waits[0] += stream.compute
+                        real_wait(stream, event)
+
+                    m.setattr(FakeStream, "wait_event", wait_event)
+                model = _shard(_model())
+                opt = _zenflow(model, free_gradients_in_backward=free, select_interval=5, update_interval=3,
+                               high_lr_rule="off")
+                views = []
+                for i in range(12):
+                    x, y = (t.to(DEVICE) for t in _data()[i])
+                    part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+                    logits = model(x[part])
+                    torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y[part].view(-1)).backward()
+                    # (whether the offloaded matrices' gradients are views of the reduce-scatter output)
+                    views.append(sum(p.grad.to_local()._base is not None for p in model.parameters()
+                                     if p.grad is not None and p.ndim == 2))
+                    opt.clip_grad_norm_(0.5)
+                    opt.step()
+                    opt.zero_grad()
+                opt.flush()
+                final = _full(model)
+                opt.close()
+                for backend in backends:
+                    backend.synchronize(torch.device("cpu"))
+                    backend.check()
+                results[f"{free}-{'double' if double else 'cpu'}"] = {
+                    "final": final, "views": views, "waits": waits[0] if double else None,
+                    "copies": sum(b.copies for b in backends), "torn": sum(b.torn_reads for b in backends)}
+    torch.save(results, os.path.join(out_dir, f"views{rank}.pt"))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="replaces the CPU device's transport with the double")
+@pytest.mark.timeout(240)
+def test_fsdp2_reduce_scatter_views_are_not_waited_for_by_the_compute_stream(tmp_path):
+    """Under FSDP2 every gradient shard is a view of its module group's reduce-scatter output. Unlike a DDP bucket
+    (which the reducer writes again in the next backward, so the compute stream must wait for its copies), FSDP2
+    never writes that output again once its views exist (a later backward accumulates into a gradient only while it
+    is still set, and the step sets the handed-off ones to None) and its memory goes back to the caching allocator
+    when the last view goes, where `record_stream` keeps it for the side stream's copies. So the compute stream
+    waits for no copy (before: for all of them, every step where the gradients stayed: with freeing off, and the
+    first step's kept gradients); on a lazy double, where each copy runs only when something waits for it, the
+    ranks train bit for bit as on the CPU device's transport, and no copy reads torn data."""
+    spawn_ranks(_reduce_scatter_views_run, str(tmp_path), ranks=RANKS)
+    for rank in range(RANKS):
+        runs = torch.load(tmp_path / f"views{rank}.pt", weights_only=True)
+        for free in ("off", "on"):
+            cpu, double = runs[f"{free}-cpu"], runs[f"{free}-double"]
+            assert double["copies"] > 0 and double["torn"] == 0
+            assert all(torch.equal(a, b) for a, b in zip(double["final"], cpu["final"])), (rank, free)
+            assert double["waits"] == 0, (rank, free, double["waits"])
+        assert all(views > 0 for views in runs["off-double"]["views"])  # (the gradients were views)

@@ -13,7 +13,11 @@ What CUDA does and a CPU device does not, modelled here:
 - a source written between the copy's enqueue and its run gives a torn read: the destination is poisoned
   (a later copy into it, ordered after on the same stream, may legitimately replace it);
 - page-locked blocks unlocked while a copy from or into them is still in flight are recorded as errors
-  (`CheckedRegistrar`).
+  (`CheckedRegistrar`);
+- with a `bandwidth`, a device->host copy takes its bytes over that bandwidth (the side stream's copies run one after
+  another, so they lag a backward pass that produces gradients faster), and until it has run the copy keeps its
+  source alive, as ``record_stream`` keeps a CUDA block allocated: `GradientBlocks` is the allocator's view of the
+  gradients, each block held until the engine has let it go and its copy has read it.
 
 Every wait is bounded (`WAIT_S`): a missing event completion fails a test instead of hanging it. Anything that
 went wrong on a background thread is collected in `AsyncCopies.errors` for the test to assert on.
@@ -26,6 +30,7 @@ import itertools
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -166,8 +171,11 @@ class AsyncCopies(CudaStreams):
     a device value), so a host wait that the schedule should have made unnecessary is always counted
     (`host_waits`)."""
 
-    def __init__(self, seed: int = 0, max_delay_s: float = 0.004, lazy: bool = False) -> None:
+    def __init__(self, seed: int = 0, max_delay_s: float = 0.004, lazy: bool = False,
+                 bandwidth: float | None = None) -> None:
         self.lazy = lazy
+        #: bytes per second of a device->host copy (None: the seeded random delays)
+        self.bandwidth = bandwidth
         self.host_waits = 0
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()
@@ -187,14 +195,17 @@ class AsyncCopies(CudaStreams):
                 return self._rng.uniform(0.0, 0.0005)
             return self._rng.uniform(0.001, self.max_delay_s)
 
+    #: the class of the streams it makes
+    stream_type: type[FakeStream] = FakeStream
+
     def side_stream(self, device: torch.device) -> FakeStream:
-        stream = FakeStream(self, compute=False)
+        stream = self.stream_type(self, compute=False)
         self._side.append(stream)
         return stream
 
     def current_stream(self, device: torch.device) -> FakeStream:
         return getattr(self._local, "stream", None) or self._compute.setdefault(
-            torch.device(device), FakeStream(self, compute=True))
+            torch.device(device), self.stream_type(self, compute=True))
 
     @contextlib.contextmanager
     def use(self, stream: FakeStream) -> Iterator[None]:
@@ -247,16 +258,19 @@ class AsyncCopies(CudaStreams):
             stream.enqueue(read_source, 3 * self._delay())
         else:
             poison(dst)
+            nbytes = src.numel() * src.element_size()
 
             def land() -> None:
+                nonlocal src
                 try:
                     if not torn():
                         with torch.no_grad():
                             dst.copy_(src)
                 finally:
                     self._in_flight.pop(key, None)
+                    src = None  # the source's block is free once the copy has run (before the stream's next event)
 
-            stream.enqueue(land, self._delay())
+            stream.enqueue(land, self._delay() if self.bandwidth is None else nbytes / self.bandwidth)
 
     def keep_alive(self, t: torch.Tensor, stream: Any) -> None:
         """(`copy` holds the source until it has run.)"""
@@ -301,7 +315,76 @@ class CheckedRegistrar(HostRegistrar):
         return True
 
 
-def async_transport(seed: int = 0) -> tuple[CudaTransport, AsyncCopies]:
-    """`CudaTransport` (its own code: streams, events, the pinned arena) over the asynchronous CPU double."""
-    backend = AsyncCopies(seed)
+def lazy_transports(monkeypatch: Any) -> list[AsyncCopies]:
+    """From now on (until `monkeypatch` undoes it) every transport an optimizer makes is a `CudaTransport` over its
+    own lazy double (`AsyncCopies(lazy=True)`: a copy runs only when something waits for it, as late as CUDA may run
+    it); returns the doubles, in the order they are made."""
+    backends: list[AsyncCopies] = []
+
+    def make(device: torch.device) -> CudaTransport:
+        backend = AsyncCopies(seed=len(backends), lazy=True)
+        backends.append(backend)
+        return CudaTransport(streams=backend, registrar=CheckedRegistrar(backend))
+
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
+    return backends
+
+
+def async_transport(seed: int = 0, bandwidth: float | None = None) -> tuple[CudaTransport, AsyncCopies]:
+    """`CudaTransport` (its own code: streams, events, the pinned arena) over the asynchronous CPU double; copies
+    to the host at `bandwidth` bytes per second when given."""
+    backend = AsyncCopies(seed, bandwidth=bandwidth)
     return CudaTransport(streams=backend, registrar=CheckedRegistrar(backend)), backend
+
+
+@contextlib.contextmanager
+def async_transports(monkeypatch: Any, first_seed: int = 0, bandwidth: float | None = None
+                     ) -> Iterator[list[AsyncCopies]]:
+    """Every transport the optimizers create meanwhile is a `CudaTransport` over its own `AsyncCopies` (seeds from
+    `first_seed` on, copies at `bandwidth`); yields their doubles, then lets every copy run and raises what a
+    background copy recorded (a torn read of an unlocked block, an event that never completed)."""
+    backends: list[AsyncCopies] = []
+    seeds = itertools.count(first_seed)
+
+    def make(device: torch.device) -> CudaTransport:
+        transport, backend = async_transport(next(seeds), bandwidth)
+        backends.append(backend)
+        return transport
+
+    monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
+    yield backends
+    for backend in backends:
+        backend.synchronize(torch.device("cpu"))
+        backend.check()
+
+
+class GradientBlocks:
+    """The device allocator's view of the gradients of `params`: a gradient's block is allocated when backward
+    produces it (seen by a post-accumulate-grad hook registered before the optimizer's) and released when its
+    storage is (``p.grad`` set to None and nothing else holding it: the double's copy keeps its source until it has
+    run). `peak_bytes`: the most gradient bytes allocated at once."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[int, int] = {}
+        self.bytes = self.peak_bytes = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._produced) for p in params if p.requires_grad]
+
+    def _produced(self, p: torch.Tensor) -> None:
+        storage = p.grad.untyped_storage()
+        key = id(storage)
+        with self._lock:
+            if key in self._live:
+                return
+            self._live[key] = storage.nbytes()
+            self.bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+        weakref.finalize(storage, self._released, key)  # (a storage's Python object lives as long as the block)
+
+    def _released(self, key: int) -> None:
+        with self._lock:
+            self.bytes -= self._live.pop(key)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()

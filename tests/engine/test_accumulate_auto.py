@@ -1,5 +1,7 @@
-"""``accumulate_on="auto"`` (the default): the device when the window sums fit the device memory, else the host;
-decided once at the first step, the same on every rank, kept by checkpoints (`hf_zenflow.engine.accumulation`)."""
+"""``accumulate_on="auto"`` (the default): the fastest place to sum the windows that fits the device memory and the
+host RAM, then the smallest (`hf_zenflow.engine.planner`): the host when its RAM holds host sums, the device when only
+device sums fit the host's RAM and the device has room for them; decided once at the first step, the same on every
+rank, kept by checkpoints."""
 
 from __future__ import annotations
 
@@ -10,13 +12,27 @@ import pytest
 import torch
 
 from hf_zenflow import ZenFlowAdamW, ZenFlowConfig
-from hf_zenflow.engine import accumulation
-from tests.conftest import DEVICE, batches, linear_schedule, make_model, param_groups, roundtrip, train
+from hf_zenflow.engine import accumulation, planner
+from hf_zenflow.transport import CudaTransport
+from tests.conftest import (
+    DEVICE,
+    batches,
+    linear_schedule,
+    make_model,
+    param_groups,
+    plan_with_host_ram,
+    roundtrip,
+    train,
+)
 
 
 LR = 1e-2
 SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0)
 FITS, TOO_SMALL = 1 << 30, 1000  # bytes; the tiny model's window sums and selected columns take ~36 KB
+#: Host RAM for the tiny fp32 model's host state with fp32 device sums (12 B per offloaded element on a CPU device:
+#: master, bf16 moments, the sum that is also the write-back buffer) but not with host sums (16: the sum and the
+#: write-back buffer apart) nor bf16 device sums (14: an fp32 accumulator and a bf16 landing buffer).
+SHORT_HOST = 13 * sum(p.numel() for p in make_model().parameters() if p.ndim >= 2)
 
 
 def run(steps: int, **settings) -> tuple[torch.nn.Module, list[float], dict]:
@@ -36,8 +52,18 @@ def test_auto_is_the_default_and_undecided_before_the_first_step():
     opt.close()
 
 
-@pytest.mark.parametrize(("budget", "expected"), [(FITS, "device"), (TOO_SMALL, "host")])
-def test_auto_chooses_by_budget_and_trains_bitwise_like_the_explicit_setting(budget, expected, caplog):
+@pytest.fixture
+def short_host(monkeypatch) -> None:
+    plan_with_host_ram(monkeypatch, SHORT_HOST)
+
+
+@pytest.mark.parametrize(("budget", "host_ram", "expected"), [(FITS, None, "host"), (FITS, SHORT_HOST, "device"),
+                                                              (TOO_SMALL, SHORT_HOST, "host")])
+def test_auto_chooses_by_memory_and_trains_bitwise_like_the_explicit_setting(budget, host_ram, expected, caplog,
+                                                                            monkeypatch):
+    """With room on the host (None: unknown, counted as room) host sums are the fastest; where the host is short and
+    the device has room, device sums; where neither has room, host sums (the device never overflows first)."""
+    plan_with_host_ram(monkeypatch, host_ram)
     with caplog.at_level(logging.INFO, logger="hf_zenflow"):
         auto_model, auto_losses, auto_stats = run(14, device_memory_budget_bytes=budget)
     assert auto_stats["accumulate_on"] == expected
@@ -59,7 +85,7 @@ def test_a_cpu_device_without_a_budget_accumulates_on_the_host():
 
 
 @pytest.mark.parametrize(("first", "then", "kept"), [(FITS, TOO_SMALL, "device"), (TOO_SMALL, FITS, "host")])
-def test_a_resumed_run_keeps_its_choice_and_continues_exactly(first, then, kept):
+def test_a_resumed_run_keeps_its_choice_and_continues_exactly(first, then, kept, short_host):
     total, split_at = 22, 6  # mid-window, with a host step in flight
     data = batches(total)
     model = make_model()
@@ -145,6 +171,9 @@ def _agreement_run(rank: int, init_file: str, out_dir: str, budgets: tuple[int, 
 
 
 def _agreement_run_body(rank: int, out_dir: str, budgets: tuple[int, int]) -> None:
+    from hf_zenflow.engine import planner
+
+    planner.host_room = lambda: SHORT_HOST  # (this rank's process: device sums where its device has room)
     model = make_model().cpu()
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
     opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, cpu_threads=1,
@@ -161,7 +190,8 @@ def _agreement_run_body(rank: int, out_dir: str, budgets: tuple[int, int]) -> No
 
 
 def test_ranks_agree_on_the_most_conservative_choice(tmp_path):
-    """Rank 0's budget fits, rank 1's does not: both accumulate on the host (one spawn of two gloo ranks)."""
+    """With the host short for host sums, rank 0's budget fits device sums, rank 1's does not: both accumulate on
+    the host (one spawn of two gloo ranks)."""
     from gloo_ranks import spawn_ranks
 
     spawn_ranks(_agreement_run, str(tmp_path), (FITS, TOO_SMALL))
@@ -172,11 +202,12 @@ def test_ranks_agree_on_the_most_conservative_choice(tmp_path):
 
 
 class _Split:
-    """What `accumulation.decide` reads of a matrix: the device of its parameter, its [rows, columns] shape (a meta
+    """What the planner reads of a matrix: the device and dtype of its parameter, its [rows, columns] shape (a meta
     tensor) and its selected columns."""
 
     def __init__(self, device: torch.device, rows: int, columns: int, k: int) -> None:
-        self.param = SimpleNamespace(device=device, shape=torch.empty((rows, columns), device="meta"))
+        shape = torch.empty((rows, columns), device="meta")
+        self.param = SimpleNamespace(device=device, shape=shape, dtype=torch.float32, element_size=lambda: 4)
         self.columns, self.k = columns, k
         self.grad_dtype = torch.float32  # (its selected columns: 16 B per element)
 
@@ -185,6 +216,8 @@ class _Split:
 
 
 class _WholeShare:
+    ranks = 1
+
     def local(self, matrix: torch.Tensor) -> torch.Tensor:
         return matrix
 
@@ -193,7 +226,8 @@ class _WholeShare:
                                                      ((64, 2), "host"), ((2, 64), "host")])
 def test_a_model_over_several_gpus_gets_device_sums_only_where_every_gpu_has_room(spare_mib, expected, monkeypatch):
     """``device_map``: each GPU holds the window sums of its own matrices, so each must have room for them. Before:
-    only the first parameter's GPU was measured (here GPU 0, roomy), and a full GPU 1 got fp32 sums anyway."""
+    only the first parameter's GPU was measured (here GPU 0, roomy), and a full GPU 1 got fp32 sums anyway. (The
+    host's RAM here holds device sums, not host sums.)"""
     mib = 1 << 20
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
     # one matrix of 1 Mi elements per GPU: fp32 sums 4 MiB, bf16 sums 2 MiB, plus 1 MiB of selected columns (16 B
@@ -201,6 +235,9 @@ def test_a_model_over_several_gpus_gets_device_sums_only_where_every_gpu_has_roo
     splits = [_Split(gpu, 1024, 1024, k=64) for gpu in gpus]
     shares = {id(s): _WholeShare() for s in splits}
     spare = dict(zip(gpus, spare_mib))
-    monkeypatch.setattr(accumulation, "available_bytes", lambda device, *limits: (spare[device] * mib, 10 * mib))
-    chosen = accumulation.decide(ZenFlowConfig(accumulate_on="auto"), splits, shares, SimpleNamespace(ranks=1))
+    monkeypatch.setattr(planner, "available_bytes", lambda device, *limits: (spare[device] * mib, 10 * mib))
+    # fp32 weights over pinned buffers: 24 B per element with host sums, 16 with fp32 device sums, 18 with bf16 ones
+    plan_with_host_ram(monkeypatch, 20 * 2 * mib)
+    sizes = planner.RunSizes(splits, shares, lambda split: CudaTransport(), 2 * mib, 2 * mib)
+    chosen = planner.plan_accumulation(ZenFlowConfig(accumulate_on="auto"), sizes, SimpleNamespace(ranks=1))
     assert chosen == expected

@@ -1,6 +1,7 @@
 """``accumulate_on="device_bf16"``: the window summed on the device in bf16 (each add computed in fp32, the running sum
-rounded to nearest bf16), shipped as bf16 and widened into the host's fp32 accumulator; "auto" picks it exactly when
-fp32 sums do not fit with the margin and bf16 sums do (`hf_zenflow.engine.accumulation`)."""
+rounded to nearest bf16), shipped as bf16 and widened into the host's fp32 accumulator; "auto", with the host's RAM
+short for host sums, picks it exactly when fp32 sums do not fit the device with the margin and bf16 sums do
+(`hf_zenflow.engine.planner`)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,21 @@ import pytest
 import torch
 
 import hf_zenflow.engine.windows as windows_module
+import hf_zenflow.transport as transport_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine import accumulation
 from hf_zenflow.engine.host import accumulate_into
 from hf_zenflow.transport import CopyTransport, CpuDeviceTransport
-from tests.conftest import DEVICE, batches, linear_schedule, make_model, param_groups, roundtrip, train
+from tests.conftest import (
+    DEVICE,
+    batches,
+    linear_schedule,
+    make_model,
+    param_groups,
+    plan_with_host_ram,
+    roundtrip,
+    train,
+)
 from tests.doubles.async_device import async_transport
 
 
@@ -26,6 +37,14 @@ LR = 1e-2
 SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0,
                 high_lr_rule="off", free_gradients_in_backward="off")
 FITS = 1 << 30  # bytes: far more than the tiny model's window sums and selected columns (~36 KB)
+#: Host RAM for the tiny fp32 model's host state with device sums (12 B per offloaded element on a CPU device with
+#: fp32 sums, 14 with bf16 ones) but not with host sums (16): "auto" then weighs the device sums against the device.
+DEVICE_SUMS_ONLY = 15 * sum(p.numel() for p in make_model().parameters() if p.ndim >= 2)
+
+
+@pytest.fixture(autouse=True)
+def host_short_for_host_sums(monkeypatch) -> None:
+    plan_with_host_ram(monkeypatch, DEVICE_SUMS_ONLY)
 
 
 def run(steps: int, **settings) -> tuple[torch.nn.Module, list[float], ZenFlowAdamW, list[dict]]:
@@ -53,7 +72,8 @@ def sums_needed(settings: dict) -> tuple[int, int]:
 
 
 def smallest_budget_that_fits(need: int) -> int:
-    """The smallest device budget under which `need` bytes fit with the margin (the rule of `accumulation.decide`)."""
+    """The smallest device budget under which `need` bytes fit with the margin (the planner's rule,
+    `planner.plan_accumulation`)."""
     budget = math.floor(need / (1 - accumulation.MARGIN))
     while not need <= budget - accumulation.MARGIN * budget:
         budget += 1
@@ -88,14 +108,14 @@ def within_half_a_bf16_ulp(value: torch.Tensor, exact: torch.Tensor, terms: torc
 def test_a_bf16_add_is_the_fp32_add_rounded_to_nearest():
     """One add into a bf16 sum = the fp32 rule (`accumulate_into` on an fp32 sum) on the widened sum, rounded to
     nearest bf16, bit for bit; so within half a bf16 ulp of the exact ``sum + coef * grad`` (a hand loop in float64).
-    torch's in-place bf16 add on CPU is not: it rounds the clip coefficient to bf16 first. Several pieces of
-    `NARROW_CHUNK` elements and a strided gradient (a share's columns)."""
+    torch's in-place bf16 add on CPU is not: it rounds the clip coefficient to bf16 first. Several pieces on the CPU
+    (`bf16_sum_piece_elems`) and a strided gradient (a share's columns); on `DEVICE`."""
     torch.manual_seed(0)
     rows, cols = 1100, 4000  # > NARROW_CHUNK elements: three pieces
     for grad_dtype, coef in itertools.product((torch.float32, torch.bfloat16), (None, 0.37)):
-        grads = [torch.randn(rows, cols + 7)[:, 3 : cols + 3].to(grad_dtype) for _ in range(4)]
-        narrow = torch.empty(rows, cols, dtype=torch.bfloat16)
-        wide = torch.empty(rows, cols)
+        grads = [torch.randn(rows, cols + 7)[:, 3 : cols + 3].to(DEVICE, grad_dtype) for _ in range(4)]
+        narrow = torch.empty(rows, cols, dtype=torch.bfloat16, device=DEVICE)
+        wide = torch.empty(rows, cols, device=DEVICE)
         for i, g in enumerate(grads):
             before = narrow.clone()
             accumulate_into(narrow, g, coef, first=i == 0)
@@ -106,8 +126,8 @@ def test_a_bf16_add_is_the_fp32_add_rounded_to_nearest():
             exact = (0.0 if i == 0 else before.double()) + term
             terms = term.abs() + (0.0 if i == 0 else before.double().abs())
             assert within_half_a_bf16_ulp(narrow, exact, terms), (grad_dtype, coef, i)
-            if coef is not None and i > 0 and grad_dtype == torch.bfloat16:
-                torch_add = before.add_(g, alpha=coef)  # (what the bound rules out)
+            if coef is not None and i > 0 and grad_dtype == torch.bfloat16 and DEVICE.type == "cpu":
+                torch_add = before.add_(g, alpha=coef)  # (what the bound rules out, on the CPU)
                 assert not within_half_a_bf16_ulp(torch_add, exact, terms)
 
 
@@ -205,8 +225,7 @@ def test_a_resume_mid_window_continues_exactly(first, then):
     saved = seen["checkpoint"]["opt"]
     assert saved["zenflow"]["accumulate_on"] == "device_bf16"
     open_sums = [e["accum"] for e in saved["state"].values() if e.get("kind") == "split" and e["accum_count"]]
-    assert open_sums and all(t.dtype == torch.float32 for t in open_sums)  # (saved widened: the format stays fp32)
-    assert all(torch.equal(t, t.bfloat16().float()) for t in open_sums)  # (bf16 values)
+    assert open_sums and all(t.dtype == torch.bfloat16 for t in open_sums)  # (saved as it is kept)
     assert seen["chosen"] == "device_bf16"
     assert all(s.window_sum is None or s.window_sum.dtype == torch.bfloat16 for s in opt_b._split.values())
     assert resumed == full
@@ -230,19 +249,19 @@ def test_a_bf16_checkpoint_loads_under_another_accumulation_with_its_open_window
     assert entries and len(entries) == len(splits)
     for entry, split in zip(entries, splits):
         held = split.window_sum if then == "device" else split.host.accum
-        assert held.dtype == torch.float32 and torch.equal(held, entry["accum"])
+        assert held.dtype == torch.float32 and torch.equal(held, entry["accum"].float())  # (widened exactly)
     train(model, fresh, data[6:], clip=1.0)
     fresh.flush()
     assert fresh.stats()["windows"] > 0 and all(torch.isfinite(p).all() for p in model.parameters())
     fresh.close()
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="swaps the CPU device's transport")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, monkeypatch):
     """CUDA's schedule (a bf16 sum copied into a pinned bf16 landing buffer, on a side stream, with the worker
     waiting for its event before it widens it), with copies that land late (`tests/doubles/async_device`), gives
-    the CPU device's bits (a buffer swap)."""
+    the CPU device's bits (a buffer swap). On CUDA: CUDA's own transport gives the bits of every copy synchronous
+    (`CopyTransport` over pageable memory)."""
     results, backends = [], []
     seeds = itertools.count(7)
 
@@ -251,7 +270,10 @@ def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, mon
         backends.append(backend)
         return transport
 
-    for factory in (lambda device: CpuDeviceTransport(), lambda device: CopyTransport(), asynchronous):
+    cuda_own = transport_module.transport_for
+    factories = ((lambda device: CpuDeviceTransport(), lambda device: CopyTransport(), asynchronous)
+                 if DEVICE.type == "cpu" else (lambda device: CopyTransport(), cuda_own))
+    for factory in factories:
         monkeypatch.setattr("hf_zenflow.transport.transport_for", factory)
         model = make_model(dtype=dtype)
         opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, accumulate_on="device_bf16")
@@ -264,7 +286,7 @@ def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, mon
     for backend in backends:
         backend.synchronize(torch.device("cpu"))
         backend.check()
-    assert sum(b.copies for b in backends) > 0
+    assert DEVICE.type != "cpu" or sum(b.copies for b in backends) > 0
     (cpu_losses, cpu_weights), *others = results
     for losses, weights in others:
         assert losses == cpu_losses
@@ -278,6 +300,9 @@ def _ranks_run(rank: int, init_file: str, out_dir: str, budgets: tuple[int, int]
 
 
 def _ranks_run_body(rank: int, out_dir: str, budgets: tuple[int, int]) -> None:
+    from hf_zenflow.engine import planner
+
+    planner.host_room = lambda: DEVICE_SUMS_ONLY / 2  # (this rank's process, half the host state: short for host sums)
     model = make_model().cpu()
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
     opt = ZenFlowAdamW(

@@ -12,9 +12,10 @@ import torch
 from hf_zenflow import CheckpointError, ZenFlowAdamW
 from hf_zenflow.checkpoint.seal import seal
 from hf_zenflow.engine import accumulation
-from hf_zenflow.engine.device_budget import candidate_thresholds, choose_min_offload_numel, estimate_peak
+from hf_zenflow.engine.device_budget import estimate_peak
+from hf_zenflow.engine.planner import candidate_thresholds, choose_min_offload_numel
 from hf_zenflow.settings.config import MIN_OFFLOAD_NUMEL, ZenFlowConfig
-from tests.conftest import DEVICE, batches, roundtrip
+from tests.conftest import DEVICE, batches, plan_with_host_ram, roundtrip
 
 
 VOCAB = 256
@@ -108,10 +109,12 @@ def test_a_limit_at_sync_offloads_peak_holds_zenflow_to_it(caplog):
     assert len(said) == 1 and f"lowered from {MIN_OFFLOAD_NUMEL} to 16384" in said[0], said
 
 
-def test_auto_window_sums_fit_under_the_limit_too(caplog):
+def test_auto_window_sums_fit_under_the_limit_too(caplog, monkeypatch):
     """`accumulate_on="auto"` under a limit: device sums (fp32 or bf16) only where they fit beside what the step
     holds anyway (the whole matrices' state and gradients, counted from sizes, not the smaller peak of the first
-    backward's first hooks): at every limit the measured peak is within it, and nothing is said to be over it."""
+    backward's first hooks): at every limit the measured peak is within it, and nothing is said to be over it. (The
+    host's RAM is made short for every option, so that the device sums that fit the device are taken.)"""
+    plan_with_host_ram(monkeypatch, 0)
     chosen = set()
     with caplog.at_level(logging.WARNING, logger="hf_zenflow"):
         for limit in range(800_000, 1_900_001, 50_000):

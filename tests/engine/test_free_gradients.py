@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hf_zenflow.engine import accumulation
 from hf_zenflow.engine.device_memory import DeviceMemoryMeter
 from hf_zenflow.engine.schedule import StepKind
 from hf_zenflow.transport import CopyTransport
-from tests.conftest import DEVICE, FREE_GRADIENTS, batches, make_model, param_groups
+from tests.conftest import DEVICE, FREE_GRADIENTS, batches, make_model, param_groups, plan_with_host_ram
 
 
 SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=5, min_offload_numel=0,
@@ -21,16 +22,19 @@ SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", selec
 
 def _run(free: str, dtype: torch.dtype = torch.float32, micro_batches: int = 1, clip: float | None = 0.5,
          steps: int = 12, transport: type | None = None, monkeypatch: pytest.MonkeyPatch | None = None,
+         forward: Callable[[torch.nn.Module], Callable] = lambda model: model,
          **settings: object) -> tuple[list[torch.Tensor], list[float], list[float]]:
+    """`forward`: what the model's forward runs through (e.g. `torch.compile`)."""
     if transport is not None:
         monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: transport())
     model = make_model(dtype=dtype)
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, **{**SETTINGS, **settings}, free_gradients_in_backward=free)
     peaks, losses = [], []
     data = batches(steps * micro_batches)
+    run_forward = forward(model)
     for i in range(steps):
         for x, y in data[i * micro_batches:(i + 1) * micro_batches]:
-            logits = model(x.to(DEVICE)).float()
+            logits = run_forward(x.to(DEVICE)).float()
             loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.to(DEVICE).view(-1))
             loss.backward()
             losses.append(loss.item())
@@ -93,10 +97,11 @@ def test_a_step_of_another_kind_brings_the_freed_gradients_back_exactly(freed_fo
         assert torch.equal(a, b)
 
 
-def test_auto_counts_the_freed_gradients_against_device_sums():
-    """accumulate_on="auto" with the gradients freed in backward: device sums would keep every offloaded gradient
-    on the device until step(), so a budget that fits the sums and selected columns alone chooses host sums (which
-    free them), and one larger by the gradients' bytes chooses device sums."""
+def test_auto_counts_the_freed_gradients_against_device_sums(monkeypatch):
+    """accumulate_on="auto" with the gradients freed in backward and the host short for host sums: device sums would
+    keep every offloaded gradient on the device until step(), so a budget that fits the sums and selected columns
+    alone chooses host sums (which free them), and one larger by the gradients' bytes chooses device sums."""
+    plan_with_host_ram(monkeypatch, 0)  # (no host option fits: the device sums that fit the device are taken)
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=1e-2, **{**SETTINGS, "accumulate_on": "device"})
     x, y = batches(1)[0]
@@ -136,6 +141,43 @@ def test_meter_counts_weights_gradients_and_state_exactly():
     n = sum(p.numel() for p in lin.parameters())
     assert meter.peak_bytes == 4 * n + 4 * n + 8 * n + 2 * 4  # weights, grads, two moments, two step counters
     meter.remove()
+
+
+class FakeCudaMemory:
+    """The caching allocator's statistics as `torch.cuda` reports them: the bytes allocated now, and their peak since
+    the last `reset_peak_memory_stats`, which sets the peak to the bytes allocated now."""
+
+    def __init__(self, allocated: int) -> None:
+        self.allocated = self.peak = allocated
+
+    def run(self, nbytes: int) -> None:
+        """A step's forward and backward: `nbytes` of activations allocated at once, then freed."""
+        self.peak = max(self.peak, self.allocated + nbytes)
+
+    def max_memory_allocated(self, device: torch.device | None = None) -> int:
+        return self.peak
+
+    def reset_peak_memory_stats(self, device: torch.device | None = None) -> None:
+        self.peak = self.allocated
+
+
+def test_the_cuda_step_peak_is_each_steps_own(monkeypatch):
+    """On CUDA the meter reads the caching allocator's peak (`torch.cuda.max_memory_allocated`): it starts afresh
+    after each step (`torch.cuda.reset_peak_memory_stats`), so ``step_peak_device_bytes`` is that step's peak and
+    ``peak_device_bytes`` the run's (before, the allocator's peak was never reset: every step's peak read the run's,
+    the largest step's forever after)."""
+    fake = FakeCudaMemory(allocated=1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", fake.max_memory_allocated)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
+    monkeypatch.setattr(DeviceMemoryMeter, "_cuda_device", lambda self: torch.device("cuda", 0))
+    lin = torch.nn.Linear(8, 8)
+    meter = DeviceMemoryMeter(lin.parameters(), lambda: 0)
+    seen = []
+    for activations in (500, 100, 300, 0):
+        fake.run(activations)
+        meter.finish_step()
+        seen.append((meter.step_peak_bytes, meter.peak_bytes))
+    assert seen == [(1500, 1500), (1100, 1500), (1300, 1500), (1000, 1500)]
 
 
 def _llama(hidden: int, layers: int, vocab: int) -> torch.nn.Module:

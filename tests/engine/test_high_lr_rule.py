@@ -200,7 +200,7 @@ def test_a_checkpoint_mid_window_converts_to_adamw_with_the_rules_beta1():
         train(model, opt, batches(16)[:SPLIT_AT], linear_schedule(opt, 16), clip=1.0)
         state = roundtrip(opt.state_dict())
         opt.close()
-        return to_torch_adamw(state)[1]
+        return to_torch_adamw(state, weights=list(model.parameters()))[1]
 
     auto = saved()
     explicit = saved(update_interval=2, betas=(high_lr_beta1(0.9, 2, 1), 0.999), high_lr_rule="off")

@@ -185,7 +185,7 @@ def test_a_resume_mid_window_continues_bit_for_bit(saved_with, loaded_with):
     assert open_sums and all((s.host.sum_index is not None) == (saved_with == "unselected") for s in open_sums)
     opt.close()
     entries = [e for e in saved["state"].values() if e["kind"] == "split" and e.get("accum") is not None]
-    assert entries and all(e["accum"].shape == e["host_master"].shape for e in entries)
+    assert entries and all(e["accum"].shape == e["host_exp_avg"].shape for e in entries)
     second = make_model()
     second.load_state_dict(first.state_dict())
     opt = ZenFlowAdamW(param_groups(second), lr=LR, **{**SPLIT, **settings, "host_sum_columns": loaded_with})

@@ -4,6 +4,7 @@ here: a model whose two halves backward in two threads at the same moment."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -111,4 +112,39 @@ def test_a_worker_is_never_started_from_an_autograd_thread(monkeypatch):
     opt.step()
     assert opt._host.worker is not None and opt._host.worker.background
     assert threads_module._POOL.thread == threading.get_ident()  # the thread that called step()
+    opt.close()
+
+
+@pytest.mark.parametrize("overflowing", ["a", "b"])
+def test_freed_gradients_overflow_is_charged_to_each_ones_device(overflowing):
+    """``device_map`` + a GradScaler + gradients freed in backward: each half's hook takes its overflow flag on its
+    own device, and the scaler keeps one ``found_inf`` per device. The flags are added to the scaler's check per
+    device (before: stacked into one tensor, which fails for flags on two devices, and charged to one device). Half
+    b's freed gradient is moved to another device after its hook ("meta", the one other device every machine
+    has: its flag is only moved and grouped, never read); half a's stays on the CPU, where its flag is read."""
+    model = TwoHalves()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=0,
+                       free_gradients_in_backward="on")
+    scaler = torch.amp.GradScaler("cpu", init_scale=4096.0)
+    x = torch.randn(8, 32)
+    for step in range(2):  # (the second step's hooks know of the scaler: they take the flags)
+        losses = model.losses(x + step)
+        backward_in_two_threads(tuple(scaler.scale(loss) for loss in losses))
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    a, b = model.losses(x)
+    backward_in_two_threads((scaler.scale(a) * (math.inf if overflowing == "a" else 1.0),
+                             scaler.scale(b) * (math.inf if overflowing == "b" else 1.0)))
+    freed = opt._host.freed
+    assert set(freed) == {model.a.weight, model.b.weight} and all(f.overflow is not None for f in freed.values())
+    on_b = freed[model.b.weight]
+    on_b.stand_in, on_b.overflow = on_b.stand_in.to("meta"), on_b.overflow.to("meta")
+    scaler.unscale_(opt)
+    found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+    assert set(found) == {torch.device("cpu"), torch.device("meta")}
+    assert found[torch.device("cpu")].item() == (1.0 if overflowing == "a" else 0.0)
+    assert found[torch.device("meta")].shape == ()
+    opt._host.release_early()
     opt.close()

@@ -15,6 +15,7 @@ from hf_zenflow.cli import main
 from hf_zenflow.engine.host import GRAD_SLOTS
 from hf_zenflow.estimate import host_rates
 from hf_zenflow.estimate.fits import FIT_SCHEDULES, PARAMS_PRECISION, fit_row, max_params
+from hf_zenflow.estimate.hardware import AUTO_ROWS, activation_gb, schedule_model
 from hf_zenflow.estimate.host_rates import HostRates
 from hf_zenflow.estimate.memory import (
     SELECTED_BYTES,
@@ -22,7 +23,7 @@ from hf_zenflow.estimate.memory import (
     in_flight_gradient_gb,
     zenflow_host_bytes_per_param,
 )
-from hf_zenflow.estimate.profiles import PROFILES
+from hf_zenflow.estimate.profiles import PROFILES, HardwareProfile
 from hf_zenflow.estimate.ranks import RankSplit
 
 
@@ -117,7 +118,7 @@ def test_host_bytes_per_param_are_the_engines(moments: str) -> None:
 def test_int8_moments_take_a_quarter_of_fp32_plus_their_block_scales() -> None:
     assert zenflow_host_bytes_per_param(0, "float32") - zenflow_host_bytes_per_param(0, "int8") == pytest.approx(
         2 * (4 - 1 - 4 / 256))
-    with pytest.raises(ValueError, match=r"host_moments='fp8' is invalid: allowed are float32, bfloat16, int8"):
+    with pytest.raises(ValueError, match=r"host_moment_dtype='fp8' is invalid: allowed is \"float32\" \| "):
         zenflow_host_bytes_per_param(0, "fp8")
 
 
@@ -164,7 +165,8 @@ def test_what_fits_table_and_json(tmp_path: Path, measured: None, capsys: pytest
     payload = _estimate_json(tmp_path, "fits", "--params", "7e9")
     out = capsys.readouterr().out
     assert "EMULATED" not in out and "### What fits: 7.00B parameters on `h100-80gb-pcie5`" in out
-    ratios = set(re.findall(r"ZenFlow with the defaults: [0-9.]+ ms/step, \w+-bound, ([0-9.]+)x faster", out))
+    ratios = set(re.findall(r"ZenFlow with the defaults: [0-9.]+ ms/step, [0-9.]+ GB on the device, \w+-bound, "
+                            r"([0-9.]+)x faster", out))
     row = payload["what_fits"]["zenflow"]
     assert ratios == {f"{row['speedup_vs_sync']:.2f}"}
     assert f"| {row['speedup_vs_sync']:.2f}x faster |" in out
@@ -174,6 +176,28 @@ def test_what_fits_table_and_json(tmp_path: Path, measured: None, capsys: pytest
     assert again["accumulate_on"] == row["accumulate_on"]
     for key in ("device_memory_gb", "host_memory_node_gb", "step_ms", "device_ms", "host_ms"):
         assert again[key] == pytest.approx(row[key])
+
+
+def test_the_default_row_is_the_fastest_schedule_that_fits(tmp_path: Path, measured: None,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`--params 7e9` on h100-80gb-pcie5: the row marked as the default is, of ZenFlow's three, the fastest whose
+    device state and activations fit 90 % of the device and whose host state fits 90 % of the RAM: the window summed
+    on the host (device-bound, nothing added on the device), not the device sums that also fit (slower by their
+    per-step add on the device, and 40 GB more device memory)."""
+    payload = _estimate_json(tmp_path, "default", "--params", "7e9")
+    out = capsys.readouterr().out
+    profile = HardwareProfile(**payload["profile"])
+    rows = schedule_model(profile, 7e9, 4096)
+    act = activation_gb(7e9, 4096)
+    fitting = {place: rows[row] for place, row in AUTO_ROWS.items()
+               if rows[row]["device_memory_gb"] + act <= 0.9 * profile.device_mem_gb
+               and rows[row]["host_memory_node_gb"] <= 0.9 * profile.host_mem_gb}
+    chosen = payload["what_fits"]["zenflow"]["accumulate_on"]
+    assert set(fitting) == {"host", "device", "device_bf16"}
+    assert rows[AUTO_ROWS[chosen]]["step_ms"] == min(r["step_ms"] for r in fitting.values())
+    assert chosen == "host"
+    marked = [line for line in out.splitlines() if '= the default ("auto")' in line]
+    assert len(marked) == 1 and "(window summed on the host)" in marked[0]
 
 
 def test_host_ram_defaults(tmp_path: Path, measured: None) -> None:

@@ -10,6 +10,7 @@ from transformers import Trainer
 
 from hf_zenflow import CheckpointError, ZenFlowTrainer, to_torch_adamw
 from hf_zenflow.cli import main
+from hf_zenflow.hf.convert import saved_weights
 
 
 #: ZenFlow settings under which it is exactly AdamW (fp32 host moments), so that a switch can be compared with an
@@ -69,7 +70,7 @@ def test_conversion_writes_the_masters_into_the_weights(tmp_path, train_dataset)
     zenflow(tmp_path, train_dataset, "zen", max_steps=4, save_steps=4)
     checkpoint = tmp_path / "zen" / "checkpoint-4"
     state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
-    _, masters = to_torch_adamw(state)
+    _, masters = to_torch_adamw(state, weights=saved_weights(checkpoint, state))
     out = tmp_path / "converted"
     assert main(["convert-checkpoint", str(checkpoint), "--output-dir", str(out)]) == 0
     weights = load_weights(str(out / "model.safetensors"))
@@ -135,3 +136,33 @@ def test_convert_refuses_bad_inputs_before_copying(tmp_path, capsys):
     assert main(["convert-checkpoint", str(checkpoint), "--output-dir", str(tmp_path / "afile" / "copy")]) == 2
     assert "afile" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "checkpoint-6"]
+
+
+@pytest.mark.parametrize("inside", ["sub", "a/b", "link/sub", "."])
+def test_convert_refuses_an_output_dir_inside_the_checkpoint(tmp_path, capsys, inside):
+    """Regression: `convert-checkpoint CKPT --output-dir CKPT/sub` wrote the converted copy inside the checkpoint it
+    converted. Refused in one line naming both folders (through a symbolic link too), before anything is written."""
+    checkpoint = tmp_path / "checkpoint-6"
+    checkpoint.mkdir()
+    (checkpoint / "optimizer.pt").write_bytes(b"x")  # (the paths are checked before the file is read)
+    (tmp_path / "link").symlink_to(checkpoint)
+    output = tmp_path / inside if inside.startswith("link") else checkpoint / inside
+    assert main(["convert-checkpoint", str(checkpoint), "--output-dir", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--output-dir {output} is inside the checkpoint {checkpoint}" in err, err
+    assert [p.name for p in checkpoint.iterdir()] == ["optimizer.pt"]
+
+
+def test_reshard_of_a_converted_checkpoint_says_what_its_optimizer_file_is(tmp_path, train_dataset, capsys):
+    """Regression: `reshard-checkpoint` on the output of `convert-checkpoint` called its (valid) torch.optim.AdamW
+    state "damaged". It says what the file is and what to do instead, in one line, and changes nothing."""
+    zenflow(tmp_path, train_dataset, "zen", max_steps=4, save_steps=4)
+    checkpoint = tmp_path / "zen" / "checkpoint-4"
+    assert main(["convert-checkpoint", str(checkpoint)]) == 0
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    capsys.readouterr()
+    assert main(["reshard-checkpoint", str(checkpoint), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a torch.optim.AdamW state dict" in err and "nothing to re-shard" in err, err
+    assert "damaged" not in err
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before

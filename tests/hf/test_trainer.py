@@ -16,9 +16,9 @@ from hf_zenflow import ZenFlowAdamW, ZenFlowConfig, ZenFlowTrainer, ZenFlowTrain
 from hf_zenflow.hf.unwrap import unwrap_zenflow_optimizer
 
 
+#: In every training log (`trainer_telemetry.EVERY_LOG` and the device utilisation).
 TELEMETRY_KEYS = ("zenflow/critical_path_ms", "zenflow/cp_wait_ms", "zenflow/host_step_ms",
-                  "zenflow/selected_fraction", "zenflow/update_interval", "zenflow/bytes_to_host",
-                  "zenflow/bytes_to_device", "zenflow/staleness", "zenflow/device_utilization")
+                  "zenflow/selected_fraction", "zenflow/bytes_to_host", "zenflow/device_utilization")
 
 
 def reference_run(tmp_path, train_dataset, **overrides) -> Trainer:
@@ -88,7 +88,7 @@ def _pretrained_tiny_llama(tmp_path, text):
 def test_a_high_learning_rate_fine_tune_with_the_defaults(tmp_path, text):
     """At lr 3e-3, the edge of stability for this model, the defaults stay within 10% of adamw_torch over 30
     fine-tuning steps: ``host_lr_scale="auto"`` takes 1.0-1.7 there (by the write-back lag ``"auto"`` chose), not
-    "interval"'s 4, which overshoots (BENCHMARKS §4)."""
+    "interval"'s 4, which overshoots (BENCHMARKS.md "Quality: the size of the host step")."""
     base, finetune, held_out = _pretrained_tiny_llama(tmp_path, text)
     ref = Trainer(model=copy.deepcopy(base), args=zenflow_args(tmp_path / "ref", zenflow=False),
                   train_dataset=finetune)
@@ -111,7 +111,7 @@ def test_the_defaults_fine_tune_closer_to_adamw_torch_than_one_step_per_window(t
     """At a fine-tuning learning rate (3e-4) the defaults (``host_lr_scale="auto"``: 5/3 there, the multiplier
     whose host step reaches its cap 5e-4, ``writeback_lag="auto"``)
     end within 0.3% of adamw_torch's held-out loss, where ZenFlow's own rule (1.0, written back at the next window
-    boundary) is 0.4-0.5% above it (BENCHMARKS §4: -0.19 and +0.45 %, three seeds)."""
+    boundary) is 0.4-0.5% above it (`git show 186c27e:BENCHMARKS.md` §4b: -0.20 and +0.45 %)."""
     base, finetune, held_out = _pretrained_tiny_llama(tmp_path, text)
     lr = dict(learning_rate=3e-4)
     ref = Trainer(model=copy.deepcopy(base), args=zenflow_args(tmp_path / "ref", zenflow=False, **lr),
@@ -259,21 +259,23 @@ def test_telemetry_in_logs_and_model_card(tmp_path, train_dataset):
     for entry in step_logs:
         for key in TELEMETRY_KEYS:
             assert key in entry and math.isfinite(entry[key]), key
-        assert entry["zenflow/update_interval"] == 4
         assert 0.0 < entry["zenflow/selected_fraction"] < 1.0
-        assert 0.0 < entry["zenflow/selected_grad_share"] <= 1.0  # columns were chosen from a gradient
         assert entry["zenflow/bytes_to_host"] > 0
         assert 0.0 <= entry["zenflow/device_utilization"] <= 1.0
-    assert step_logs[-1]["zenflow/bytes_to_device"] > 0  # a window was written back
+    first = step_logs[0]  # the run's settings and state, logged once (then where they change)
+    assert first["zenflow/update_interval"] == 4
+    assert 0.0 < first["zenflow/selected_grad_share"] <= 1.0  # columns were chosen from a gradient
     # the device's peak: more than the weights (gradients, selected columns' state), less than weights + gradients +
     # fp32 AdamW state, as the gradients leave the device in backward under the Trainer
     weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     params = sum(p.numel() for p in trainer.model.parameters())
-    assert weights < step_logs[-1]["zenflow/peak_device_bytes"] < weights + 12 * params
-    assert step_logs[-1]["zenflow/peak_device_bytes_per_param"] > 0
-    assert 0.0 < step_logs[-1]["zenflow/offloaded_params_fraction"] <= 1.0
+    assert weights < first["zenflow/peak_device_bytes"] < weights + 12 * params
+    assert first["zenflow/peak_device_bytes_per_param"] > 0
+    assert 0.0 < first["zenflow/offloaded_params_fraction"] <= 1.0
     summary = trainer.state.log_history[-1]
     assert "train_loss" in summary and summary["zenflow/steps"] == 8
+    assert summary["zenflow/bytes_to_device"] > 0  # a window was written back
+    assert summary["zenflow/update_interval"] == 4
     trainer.save_model()
     card = (tmp_path / "zenflow" / "README.md").read_text()
     assert "- hf_zenflow" in card.split("---")[1]  # tag in the YAML front matter
@@ -283,13 +285,41 @@ def test_telemetry_in_logs_and_model_card(tmp_path, train_dataset):
     assert (tmp_path / "zenflow" / "model.safetensors").is_file()
 
 
+def test_each_log_carries_the_essentials_and_what_changed(tmp_path, train_dataset):
+    """Regression: every training log carried 24 `zenflow/*` keys. Each carries the essentials; the settings and
+    state the run is in come in the first log and then only where they changed (here the re-selection count, every
+    4 steps); the end-of-training summary carries every figure."""
+    from hf_zenflow.hf.trainer_telemetry import LAST_STATS, MEAN_STATS, WHEN_CHANGED
+
+    trainer = zenflow_run(tmp_path, train_dataset, max_steps=12, logging_steps=1, zenflow_high_lr_rule="off",
+                          zenflow_select_strategy="step", zenflow_select_interval=4)
+    step_logs = [e for e in trainer.state.log_history if "loss" in e]
+    zenflow_keys = [{k for k in e if k.startswith("zenflow/")} for e in step_logs]
+    # (the first step's wall time holds the set-up: no device utilisation for a log of that step alone)
+    assert set(TELEMETRY_KEYS) - {"zenflow/device_utilization"} <= zenflow_keys[0]
+    assert all(set(TELEMETRY_KEYS) <= keys for keys in zenflow_keys[1:]), zenflow_keys
+    assert len(zenflow_keys[0]) > len(TELEMETRY_KEYS) + 5  # the first log: the settings and state too
+    assert max(len(keys) for keys in zenflow_keys[1:]) <= len(TELEMETRY_KEYS) + 3, zenflow_keys
+    assert zenflow_keys[-1] - set(TELEMETRY_KEYS) < {f"zenflow/{k}" for k in WHEN_CHANGED}
+    # a value is logged again only where it differs from the one logged before it
+    for key in (f"zenflow/{k}" for k in WHEN_CHANGED):
+        values = [e[key] for e in step_logs if key in e]
+        assert all(a != b for a, b in zip(values, values[1:])), f"{key} {values}"
+    assert len(logged(trainer, "zenflow/reselections")) >= 2  # re-selections happened and were logged as they did
+    summary = trainer.state.log_history[-1]
+    assert "train_loss" in summary
+    assert {f"zenflow/{k}" for k in (*MEAN_STATS, *LAST_STATS)} <= set(summary), set(summary)
+    assert summary["zenflow/steps"] == 12
+
+
 def test_high_lr_rule_in_logs_and_model_card(tmp_path, train_dataset):
     """At the helpers' lr 3e-3 (x update_interval 4 > 5e-3) the default high_lr_rule engages: one-step windows and
     host beta1 0.4 (write-back lag 1); the logs and the card's measured figures say so."""
     trainer = zenflow_run(tmp_path, train_dataset, max_steps=4, logging_steps=2)
     step_logs = [e for e in trainer.state.log_history if "loss" in e]
-    assert all(e["zenflow/high_lr_window"] == 1 and e["zenflow/update_interval"] == 1 for e in step_logs)
-    assert all(e["zenflow/host_beta1"] == pytest.approx(0.4) for e in step_logs)
+    assert all(e["zenflow/high_lr_window"] == 1 and e["zenflow/update_interval"] == 1 for e in step_logs[:1])
+    assert all(e["zenflow/host_beta1"] == pytest.approx(0.4) for e in step_logs[:1])
+    assert logged(trainer, "zenflow/high_lr_window") == [1, 1]  # the first log, and the summary
     trainer.save_model()
     card = (tmp_path / "zenflow" / "README.md").read_text()
     assert '| high_lr_rule="auto": window steps (0 = not engaged) | 1 |' in card

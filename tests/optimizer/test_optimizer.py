@@ -829,3 +829,19 @@ def test_copy_and_pickle_are_refused_at_copy_time(how):
     with pytest.raises(TypeError, match="state_dict"):
         copy.deepcopy(opt) if how == "deepcopy" else pickle.dumps(opt)
     opt.close()
+
+
+@pytest.mark.parametrize("optimizer", [ZenFlowAdamW, SyncOffloadAdamW])
+@pytest.mark.parametrize(("name", "value"), [
+    ("lr", float("inf")), ("lr", float("nan")), ("lr", True), ("lr", "1e-3"), ("eps", float("inf")),
+    ("weight_decay", float("inf")), ("weight_decay", -float("inf")), ("betas", (False, 0.999)),
+    ("betas", (0.9, float("nan"))), ("betas", (0.9,)),
+])
+def test_a_hyper_parameter_that_is_not_a_finite_number_is_refused_naming_it(optimizer, name, value):
+    """Regression: `lr=float("inf")` was accepted (every step then skipped, blamed on a NaN loss), as were an
+    infinite eps or weight decay and a bool for a beta."""
+    model = make_model()
+    with pytest.raises(ValueError, match=rf"^{name}=.* is invalid: allowed is"):
+        optimizer(model.parameters(), **{name: value})
+    with pytest.raises(ValueError, match=rf"^{name}=.* is invalid"):  # a param group's own value, too
+        optimizer([{"params": list(model.parameters()), name: value}])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,20 @@ def test_invalid_values_name_the_field_and_the_value(field, value):
     assert f"ZenFlowConfig.{field}=" in message
     assert repr(value) in message or str(value) in message
     assert "allowed" in message
+
+
+#: Every setting of ZenFlowConfig that takes a choice of strings (its metadata's "choices").
+CHOICE_FIELDS = [f.name for f in fields(ZenFlowConfig) if f.metadata.get("choices")]
+
+
+@pytest.mark.parametrize("value", [True, False])
+@pytest.mark.parametrize("field", CHOICE_FIELDS + ["update_interval", "select_interval", "writeback_lag",
+                                                   "host_lr_scale", "host_step_guard", "topk_ratio", "auto_ratio"])
+def test_a_bool_is_refused_where_a_choice_or_a_number_is_expected(field, value):
+    """Regression: `free_gradients_in_backward=True` was taken for "on" (a bool for a choice field)."""
+    kwargs = {field: value, **({"select_strategy": "step"} if field == "select_interval" else {})}
+    with pytest.raises(ValueError, match=rf"ZenFlowConfig\.{field}={value!r} is invalid: allowed is"):
+        ZenFlowConfig(**kwargs)
 
 
 def test_optimizer_rejects_bad_settings_at_construction():

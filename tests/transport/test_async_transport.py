@@ -5,8 +5,6 @@ transport are in test_optimizer.py, test_transport.py and test_gradients.py.)"""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -24,7 +22,12 @@ from tests.conftest import (
     param_groups,
     train,
 )
-from tests.doubles.async_device import AsyncCopies, CheckedRegistrar, async_transport
+from tests.doubles.async_device import (
+    AsyncCopies,
+    CheckedRegistrar,
+    async_transports,
+    lazy_transports,
+)
 from tests.engine.test_gradients import train_accumulating
 from tests.engine.test_several_devices import TwoHalves, backward_in_two_threads
 from tests.optimizer.test_optimizer import LR, STEPS, assert_resume_continues_identically, run_reference, run_zenflow
@@ -39,19 +42,8 @@ def async_device(request, monkeypatch) -> list[AsyncCopies]:
     """Every transport the optimizers of the test create is a `CudaTransport` over its own `AsyncCopies` (the
     delays seeded by the parameter); yields their doubles, and fails the test on anything a background copy
     recorded (a torn read of an unlocked block, an event that never completed)."""
-    backends: list[AsyncCopies] = []
-    seeds = itertools.count(1000 * request.param)
-
-    def make(device: torch.device) -> CudaTransport:
-        transport, backend = async_transport(next(seeds))
-        backends.append(backend)
-        return transport
-
-    monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
-    yield backends
-    for backend in backends:
-        backend.synchronize(torch.device("cpu"))
-        backend.check()
+    with async_transports(monkeypatch, 1000 * request.param) as backends:
+        yield backends
 
 
 def copied(backends: list[AsyncCopies]) -> int:
@@ -276,15 +268,8 @@ def test_unscale_runs_after_the_copies_started_in_backward(monkeypatch):
     from tests.engine.test_amp import _assert_same_weights
     from tests.engine.test_amp import _run as run_amp
 
-    backends: list[AsyncCopies] = []
-
-    def make(device: torch.device) -> CudaTransport:
-        backend = AsyncCopies(seed=len(backends), lazy=True)
-        backends.append(backend)
-        return CudaTransport(streams=backend, registrar=CheckedRegistrar(backend))
-
     ref, ref_norms, _ = run_amp(8, 1.0, None, topk_ratio=0.1)
-    monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
+    backends = lazy_transports(monkeypatch)
     model, norms, _ = run_amp(8, 1.0, "unscale", topk_ratio=0.1)
     for backend in backends:
         backend.synchronize(torch.device("cpu"))
@@ -292,3 +277,65 @@ def test_unscale_runs_after_the_copies_started_in_backward(monkeypatch):
     assert sum(b.torn_reads for b in backends) == 0
     assert norms == ref_norms
     _assert_same_weights(model, ref)
+
+
+@pytest.mark.parametrize("free", ["off", "on"])
+def test_unscale_waits_only_for_the_copies_of_the_gradients_it_rewrites(free, monkeypatch):
+    """The Trainer's fp16 order (unscale_, clip, step) on a lazy double: under ``unscale_`` the compute stream waits
+    for the early copy of each gradient still in ``p.grad`` (unscale_ rewrites it in place) and for no other. A
+    gradient freed in backward is not in ``p.grad``, so unscale_ never rewrites it: waiting for its copy would hold
+    the next forward behind the whole transfer to the host (before: one wait per early copy, freed ones included).
+    The run stays that of the loop without a scaler, bit for bit, and no copy reads torn data."""
+    from tests.doubles.async_device import FakeStream
+    from tests.engine.test_amp import SCALE, _assert_same_weights, _loss
+
+    def run(scaled: bool) -> tuple[torch.nn.Module, list[tuple[int, int]], list[AsyncCopies]]:
+        backends = lazy_transports(monkeypatch)
+        model = make_model()
+        opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=3, min_offload_numel=0,
+                           select_strategy="step", select_interval=5, free_gradients_in_backward=free,
+                           high_lr_rule="off")
+        scaler = torch.amp.GradScaler(DEVICE.type, init_scale=SCALE) if scaled else None
+        real_wait, counting = FakeStream.wait_event, [False, 0]
+
+        def wait_event(stream: FakeStream, event) -> None:
+            counting[1] += counting[0] and stream.compute
+            real_wait(stream, event)
+
+        seen: list[tuple[int, int]] = []  # per step: (compute-stream waits under unscale_, gradients it rewrites)
+        with monkeypatch.context() as m:
+            m.setattr(FakeStream, "wait_event", wait_event)
+            for x, y in batches(10):
+                loss = _loss(model, x, y)
+                if scaler is None:
+                    loss.backward()
+                    opt.clip_grad_norm_(1.0)
+                    opt.step()
+                else:
+                    scaler.scale(loss).backward()
+                    offloaded = [p for p, s in opt._split.items() if s.host is not None]
+                    rewritten = sum(p.grad is not None for p in offloaded)  # (the others were freed in backward)
+                    counting[:] = [True, 0]
+                    scaler.unscale_(opt)
+                    seen.append((counting[1], rewritten))
+                    counting[0] = False
+                    opt.clip_grad_norm_(1.0)
+                    scaler.step(opt)
+                    scaler.update()
+                opt.zero_grad()
+        opt.flush()
+        opt.close()
+        for backend in backends:
+            backend.synchronize(torch.device("cpu"))
+            backend.check()
+        return model, seen, backends
+
+    ref, _, _ = run(scaled=False)
+    model, seen, backends = run(scaled=True)
+    assert sum(b.torn_reads for b in backends) == 0
+    _assert_same_weights(model, ref)
+    assert [waits for waits, _ in seen] == [rewritten for _, rewritten in seen]
+    if free == "off":
+        assert sum(rewritten for _, rewritten in seen) > 0  # (gradients kept: each waited for)
+    else:
+        assert all(rewritten == 0 for _, rewritten in seen[1:])  # (freed in every step after the first)

@@ -1,0 +1,58 @@
+"""Host memory a schedule needs, from its settings alone, before any host state exists: what `HostMatrix.create`
+allocates per offloaded element (`host_bytes_per_element`; a transport's pinned bytes that do not grow with the
+model are its `Transport.fixed_host_bytes`). The planner weighs schedules by it (`planner.py`) and `hf-zenflow
+estimate` counts its host memory with it, so both follow the host state as it is built.
+
+Example:
+    >>> import torch
+    >>> from hf_zenflow.engine.host import HostLayout
+    >>> from hf_zenflow.transport import CudaTransport
+    >>> gpu = CudaTransport()  # (made, never used: no GPU needed)
+    >>> layout = HostLayout(moments=torch.bfloat16)
+    >>> host_bytes_per_element(layout, "host", torch.bfloat16, torch.bfloat16, gpu)  # 4 + 4 + 4 + 2 + 2 x 2
+    18.0
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..settings.config import sums_on_device
+from ..transport import Transport
+from .host import HostLayout, HostMatrix
+from .step_model import FP32_BYTES, MOMENT_BYTES
+
+
+#: Elements of the matrix `host_bytes_per_element` asks `HostMatrix.link_bytes` about: a multiple of every rounding.
+_ELEMENTS = 1 << 20
+_MOMENT_SETTING = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8"}
+
+
+def host_bytes_per_element(layout: HostLayout, accumulate_on: str, weight_dtype: torch.dtype,
+                           grad_dtype: torch.dtype, transport: Transport, ranks: int = 1,
+                           device_share: float = 0.0) -> float:
+    """Host bytes per offloaded element of a matrix whose weights are `weight_dtype` and whose gradients cross the
+    link in `grad_dtype`, with its host state stored as `layout` says (where it applies over `transport` with the host
+    state shared by `ranks` ranks: `HostLayout.on_link`) and its window summed as `accumulate_on` says ("host",
+    "device" or "device_bf16"): the fp32 master, the two moments, the window sum where it is host memory (with
+    ``host_sum_columns="unselected"`` only the `1 - device_share` of the columns not on the device), and the buffers
+    that cross the link (`HostMatrix.link_bytes`: the write-back buffer, the gradient landing slots, the device
+    sums' landing buffers)."""
+    if layout.writeback_from_master and not HostLayout.master_writeback_applies(transport, ranks):
+        layout = HostLayout(layout.moments, layout.sums, False, layout.unselected_sums)
+    on_device = sums_on_device(accumulate_on)
+    narrow = accumulate_on == "device_bf16"
+    moments = 2 * MOMENT_BYTES[_MOMENT_SETTING[layout.moments]]
+    if on_device and (not narrow or HostMatrix.shares_writeback(weight_dtype, accumulate_on, transport)):
+        host_sum = 0.0  # (a buffer that crosses the link: in `link_bytes`)
+    elif on_device:
+        host_sum = float(FP32_BYTES)  # the fp32 accumulator the landed bf16 sum is widened into
+    else:
+        kept = 1.0 - device_share if layout.unselected_sums else 1.0
+        host_sum = layout.sums.itemsize * kept
+    matrix = torch.empty((1, _ELEMENTS), dtype=weight_dtype, device="meta")
+    link = HostMatrix.link_bytes(matrix, grad_dtype, accumulate_on, transport, layout) / _ELEMENTS
+    return FP32_BYTES + moments + host_sum + link
+
+
+__all__ = ["host_bytes_per_element"]
