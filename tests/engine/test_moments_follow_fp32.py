@@ -123,7 +123,7 @@ def test_the_driver_is_the_optimizer_bit_for_bit():
             opt.step()
             driver.step(grad)
         opt.flush()
-        state = to_torch_adamw(opt.state_dict())[0]["state"][0]
+        state = to_torch_adamw(opt.state_dict(), weights=[w])[0]["state"][0]
         opt.close()
         assert opt.stats()["reselections"] == 3
         m, v = driver.moments()
