@@ -46,7 +46,7 @@ def _ref_module(ref: str, path: str, name: str, into: Path) -> object:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--ref", default="main", help="the git ref whose pass is the baseline")
     parser.add_argument("--numel", type=int, default=1 << 23)
     parser.add_argument("--interval", type=int, default=4)
