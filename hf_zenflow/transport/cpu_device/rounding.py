@@ -15,7 +15,8 @@ derived from the pass's 64-bit key and the index's high 32 bits; the low 16 bits
 param groups and the matrix's host step count, and ``index`` is the element's index in the whole parameter's storage
 matrix (not in this rank's share of it). So the same seed gives the same bits, a resumed run the bits of an
 uninterrupted one (the seed is in the checkpoint; the step count is state anyway), and a matrix shared by several
-ranks the bits one process would use.
+ranks the bits one process would use. A column-major weight (`column_major_`) orders its storage otherwise, so it
+draws other bits than the same weight row-major: the two layouts agree bit for bit with fp32 moments only.
 
 Example:
     >>> import torch
