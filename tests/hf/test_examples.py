@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from hf_helpers import REPO_ROOT
+from hf_helpers import REPO_ROOT, free_port
 from safetensors.torch import load_file
 
 
@@ -100,7 +100,9 @@ def test_the_readme_two_rank_accelerate_command(tmp_path):
     word) and exercises the host path: each rank sends half the host-bound bytes of one process."""
     env, words = documented_command("accelerate launch --multi_gpu --num_processes 2")
     assert env == {"ACCELERATE_USE_CPU": "true"} and words[-1] == "examples/train_accelerate.py"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", *words[2:-1], str(EXAMPLES / "train_accelerate.py")]
+    # (a free rendezvous port rather than accelerate's fixed 29500, which another job on the machine may hold)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", *words[2:-1], "--main_process_port",
+              str(free_port()), str(EXAMPLES / "train_accelerate.py")]
     out = tmp_path / "two_ranks"
     proc = run([*launch, "--output_dir", str(out)], example_env(**env), cwd=tmp_path)
     log = json.loads((out / "train_log.json").read_text())
