@@ -65,6 +65,10 @@ def _ddp_rank(rank: int, init_file: str, out_dir: str) -> None:
     dist.all_reduce(torch.ones(8))
     del model
     dist.destroy_process_group()
+    # (a thread may still be on its way out right after the call on a loaded machine: give them a few seconds)
+    deadline = time.monotonic() + 10
+    while gloo_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
     with open(os.path.join(out_dir, f"threads{rank}.txt"), "w") as f:
         f.write(str(gloo_threads()))
 
