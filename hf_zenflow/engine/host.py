@@ -5,7 +5,8 @@ Host memory per offloaded parameter element: fp32 master (4 B) + bf16 exp_avg an
 ``host_moment_dtype="bfloat16"``) + fp32 window accumulator (4 B) = 12 B, plus a write-back buffer in the parameter
 dtype (pinned on CUDA; on a CPU device it is a spare storage of the weight, swapped in at each write-back instead of a
 copy) and on CUDA a pinned copy of the
-gradient per in-flight step (2 slots x the gradient dtype; none with ``accumulate_on="device"``, where on a CPU
+gradient per in-flight step (`grad_slots`: 2 slots with a write-back one step after the close, ``writeback_lag`` + 1
+with a later one, x the gradient dtype; none with ``accumulate_on="device"``, where on a CPU
 device with fp32 weights the write-back buffer is the accumulator itself: `HostMatrix.shares_writeback`). One moment
 set (DeepSpeed keeps two). The bf16 moments are widened, updated in fp32 and rounded back in the same pass
 (`kernels.window_adamw_bf16`, or torch's operations in pieces, `_adamw_narrow_moments`); ``"float32"`` keeps them in
@@ -57,9 +58,24 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("hf_zenflow")
 
-#: In-flight gradient hand-offs between the caller and the worker. Two lets the caller hand over step t+1 while the
-#: worker still folds step t into the accumulator; more would only buy memory (each slot pins one gradient copy).
+#: The fewest in-flight gradient hand-offs between the caller and the worker: two let the caller hand over step t+1
+#: while the worker still folds step t into the accumulator (a write-back one step after the window's close).
 GRAD_SLOTS = 2
+
+
+def grad_slots(lag: int) -> int:
+    """Hand-off slots for a schedule that writes a window's host result back `lag` steps after its close (1 when
+    the write-back follows at once): the window's host AdamW job keeps the closing step's slot until it has run,
+    and each of the next steps' jobs queues behind it on the in-order worker with its own slot, so the `lag` steps
+    up to the write-back (which waits for that AdamW, in `step()`) need `lag` slots beside it; with fewer, a backward
+    hook of one of them would wait in `take_slot` for the AdamW while the device idles. Each slot costs a landing
+    buffer of every offloaded gradient where the transport copies them (pinned, on CUDA: `HostMatrix.link_bytes`).
+
+    Example:
+        >>> grad_slots(1), grad_slots(3)
+        (2, 4)
+    """
+    return max(GRAD_SLOTS, lag + 1)
 
 _scratch = threading.local()
 
@@ -282,7 +298,7 @@ class HostMatrix:
     @classmethod
     def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host",
                transport: Transport | None = None, moments: torch.dtype | HostLayout = torch.float32,
-               stream: RandomStream | None = None) -> HostMatrix:
+               stream: RandomStream | None = None, slots: int = GRAD_SLOTS) -> HostMatrix:
         """Host state for `param2d`. The buffers that cross the link come from `transport` (pinned from one arena
         on CUDA): the write-back buffer, the gradient landing buffers when the transport copies each step's
         gradient (one per hand-off slot), and the accumulator when the window is summed on the device
@@ -291,7 +307,8 @@ class HostMatrix:
         bf16 with ``host_moment_dtype="bfloat16"``, int8 for 8-bit codes), or the whole `HostLayout` (the window
         sum's dtype when it is summed on the host; the write-back from the master, where `HostLayout.on_link`
         kept it). `grad_dtype`: the dtype gradients cross the link in. `stream`: where the random bits that round
-        narrow moments come from (default: `RandomStream()`, seed 0, the matrix alone)."""
+        narrow moments come from (default: `RandomStream()`, seed 0, the matrix alone). `slots`: the hand-off slots
+        (`grad_slots`; `add_staging` adds landing buffers when a later write-back lag needs more)."""
         transport = transport if transport is not None else Transport()  # (references, no pinning)
         layout = moments if isinstance(moments, HostLayout) else HostLayout(moments=moments)
         moments = layout.moments
@@ -318,7 +335,7 @@ class HostMatrix:
         if narrow:
             state.landing = transport.host_buffer(shape, torch.bfloat16).zero_()
         if transport.stages_gradients and not on_device:
-            state.staging = [transport.host_buffer(shape, grad_dtype) for _ in range(GRAD_SLOTS)]
+            state.staging = [transport.host_buffer(shape, grad_dtype) for _ in range(slots)]
         if HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport):
             # the window sum is read by the host AdamW pass, after which the buffer is free until the next window's
             # sum lands at the next close (after the write-back: `HostWindows.close_window`): the rounded master
@@ -345,10 +362,27 @@ class HostMatrix:
         two buffers stay separate there."""
         return sums_on_device(accumulate_on) and param_dtype == torch.float32 and not transport.pins_host_memory
 
+    def add_staging(self, transport: Transport, slots: int) -> int:
+        """Landing buffers up to `slots` (`grad_slots`) where the transport stages gradients (`staging`), from
+        `transport` (the caller reserved their bytes: `staging_bytes`); returns how many were added."""
+        if not self.staging:
+            return 0
+        missing = slots - len(self.staging)
+        first = self.staging[0]
+        self.staging += [transport.host_buffer(first.shape, first.dtype) for _ in range(missing)]
+        return max(0, missing)
+
+    def staging_bytes(self, slots: int) -> int:
+        """Bytes (rounded as a pinned arena rounds them) of the landing buffers `add_staging` adds up to `slots`."""
+        if not self.staging:
+            return 0
+        return max(0, slots - len(self.staging)) * PinnedArena.aligned(self.staging[0].nbytes)
+
     @staticmethod
     def link_bytes(param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str, transport: Transport,
-                   layout: HostLayout | None = None) -> int:
-        """Bytes of `transport.host_buffer` that `create` asks for (each rounded as a pinned arena rounds it)."""
+                   layout: HostLayout | None = None, slots: int = GRAD_SLOTS) -> int:
+        """Bytes of `transport.host_buffer` that `create` asks for with `slots` hand-off slots (each rounded as a
+        pinned arena rounds it)."""
         numel = param2d.numel()
         shared = HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport)
         from_master = layout is not None and layout.writeback_from_master and not transport.pins_host_memory
@@ -358,7 +392,7 @@ class HostMatrix:
         if accumulate_on == "device_bf16":  # the bf16 sum lands in its own buffer
             sizes.append(numel * 2)
         elif not sums_on_device(accumulate_on) and transport.stages_gradients:
-            sizes += [numel * torch.empty((), dtype=grad_dtype).element_size()] * GRAD_SLOTS
+            sizes += [numel * torch.empty((), dtype=grad_dtype).element_size()] * slots
         return sum(PinnedArena.aligned(n) for n in sizes)
 
     def keep_sum_columns(self, unselected: torch.Tensor | None, axis: int) -> None:

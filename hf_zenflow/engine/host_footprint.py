@@ -19,7 +19,7 @@ import torch
 
 from ..settings.config import sums_on_device
 from ..transport import Transport
-from .host import HostLayout, HostMatrix
+from .host import GRAD_SLOTS, HostLayout, HostMatrix
 from .step_model import FP32_BYTES, MOMENT_BYTES
 
 
@@ -30,14 +30,14 @@ _MOMENT_SETTING = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.i
 
 def host_bytes_per_element(layout: HostLayout, accumulate_on: str, weight_dtype: torch.dtype,
                            grad_dtype: torch.dtype, transport: Transport, ranks: int = 1,
-                           device_share: float = 0.0) -> float:
+                           device_share: float = 0.0, slots: int = GRAD_SLOTS) -> float:
     """Host bytes per offloaded element of a matrix whose weights are `weight_dtype` and whose gradients cross the
     link in `grad_dtype`, with its host state stored as `layout` says (where it applies over `transport` with the host
     state shared by `ranks` ranks: `HostLayout.on_link`) and its window summed as `accumulate_on` says ("host",
     "device" or "device_bf16"): the fp32 master, the two moments, the window sum where it is host memory (with
     ``host_sum_columns="unselected"`` only the `1 - device_share` of the columns not on the device), and the buffers
-    that cross the link (`HostMatrix.link_bytes`: the write-back buffer, the gradient landing slots, the device
-    sums' landing buffers)."""
+    that cross the link (`HostMatrix.link_bytes`: the write-back buffer, the gradient landing buffers of `slots`
+    hand-off slots, `host.grad_slots`, the device sums' landing buffers)."""
     if layout.writeback_from_master and not HostLayout.master_writeback_applies(transport, ranks):
         layout = HostLayout(layout.moments, layout.sums, False, layout.unselected_sums)
     on_device = sums_on_device(accumulate_on)
@@ -51,7 +51,7 @@ def host_bytes_per_element(layout: HostLayout, accumulate_on: str, weight_dtype:
         kept = 1.0 - device_share if layout.unselected_sums else 1.0
         host_sum = layout.sums.itemsize * kept
     matrix = torch.empty((1, _ELEMENTS), dtype=weight_dtype, device="meta")
-    link = HostMatrix.link_bytes(matrix, grad_dtype, accumulate_on, transport, layout) / _ELEMENTS
+    link = HostMatrix.link_bytes(matrix, grad_dtype, accumulate_on, transport, layout, slots) / _ELEMENTS
     return FP32_BYTES + moments + host_sum + link
 
 

@@ -54,10 +54,11 @@ import torch
 from ..settings.config import DEVICE_SUM_DTYPES, ZenFlowConfig
 from .accumulation import MARGIN, available_bytes, device_bytes_needed
 from .device_budget import PeakEstimate, estimate_peak
-from .host import HostLayout, link_grad_dtype
+from .host import HostLayout, grad_slots, link_grad_dtype
 from .host_footprint import host_bytes_per_element
 from .host_ram import available_host_bytes
 from .params import is_split
+from .schedule import planned_writeback_steps
 from .step_model import Rates, zenflow_step
 
 
@@ -181,6 +182,7 @@ def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> 
                                       sizes.peak) for device in {s.param.device for s in splits}}
     room_host = host_room()
     fixed = sum({id(t): t.fixed_host_bytes for t in map(sizes.transport_of, splits)}.values())
+    slots = grad_slots(planned_writeback_steps(config, int(hosted)))  # (landing buffers of host sums)
     options = []
     for place in places:
         sum_bytes = DEVICE_SUM_DTYPES[place].itemsize if place in DEVICE_SUM_DTYPES else 0
@@ -200,7 +202,7 @@ def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> 
         host = fixed + sum(n * host_bytes_per_element(layout, place, s.param.dtype,
                                                       link_grad_dtype(s.grad_dtype, config.host_grad_dtype),
                                                       sizes.transport_of(s), sizes.shares[id(s)].ranks,
-                                                      s.k / max(1, s.columns))
+                                                      s.k / max(1, s.columns), slots)
                            for s, n in zip(splits, local))
         step = zenflow_step(node.rates(), compute, sizes.device_elements,
                             selected + sizes.device_elements - hosted, hosted, interval, place,

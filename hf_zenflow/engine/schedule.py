@@ -145,6 +145,16 @@ class WindowSchedule:
             return False
         return not overlap or writeback_pending
 
+    def writeback_steps(self, overlap: bool) -> int:
+        """Steps from a window's close to the step that writes its result back, at most (`boundary_writes_back`): 1
+        when not overlapped (at once); the lag; without one, the next window's length at most (`update_interval`,
+        or `auto_max_interval` with Zen-auto windows). The hand-off slots follow from it (`host.grad_slots`)."""
+        if not overlap:
+            return 1
+        if self.writeback_lag is not None:
+            return self.writeback_lag
+        return self.update_interval or self.auto_max_interval
+
     def close_window(self) -> int:
         """Account for a closed window; returns its length in steps."""
         steps, self.window_steps = self.window_steps, 0
@@ -168,3 +178,33 @@ def auto_writeback_lag(host_step_ms: float, step_ms: float, longest: int) -> int
     if not step_ms > 0:
         return longest
     return max(1, min(longest, math.ceil(host_step_ms / (AUTO_LAG_FILL * step_ms))))
+
+
+#: `writeback_lag="auto"`: host-column elements per step of lag (2**31: a host AdamW over them takes about half a
+#: second on 8 cores at the 0.5 Gparam/s per core measured in BENCHMARKS.md, less than a training step of a model
+#: that size)
+AUTO_LAG_HOST_ELEMENTS = 2**31
+
+
+def lag_for_host_elements(host_elements: int, longest: int) -> int:
+    """``writeback_lag="auto"``'s rule (`writeback_lag.auto_lag_from_sizes`): one step per `AUTO_LAG_HOST_ELEMENTS`
+    elements of host columns on this rank, rounded up, at least 1 and at most `longest` (the window)."""
+    return max(1, min(longest, math.ceil(host_elements / AUTO_LAG_HOST_ELEMENTS)))
+
+
+def planned_writeback_steps(config: Any, host_elements: int) -> int:
+    """The steps from a window's close to its write-back that `config` gives a run with `host_elements` elements of
+    host columns on this rank (`WindowSchedule.writeback_steps` once the run has its schedule): what the hand-off
+    slots are counted by before the run starts (`host.grad_slots`; the planner's and the estimate's host memory).
+
+    Example:
+        >>> from hf_zenflow.settings.config import ZenFlowConfig
+        >>> planned_writeback_steps(ZenFlowConfig(writeback_lag=3), 0), planned_writeback_steps(ZenFlowConfig(), 0)
+        (3, 1)
+    """
+    longest = config.writeback_lag_bound()[0]
+    if not config.overlap_step:
+        return 1
+    if config.writeback_lag == "auto":
+        return lag_for_host_elements(host_elements, longest)
+    return longest if config.writeback_lag is None else int(config.writeback_lag)

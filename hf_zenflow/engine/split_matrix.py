@@ -18,7 +18,7 @@ from ..transport.cpu_device import kernels
 from ..transport.cpu_device.rounding import RESELECTION_SALT, RandomStream, random16
 from ..transport.link import Transport
 from .device_state import DenseDeviceState, DeviceColumns
-from .host import HostLayout, HostMatrix
+from .host import GRAD_SLOTS, HostLayout, HostMatrix
 from .schedule import ZenAutoStats
 from .selection import column_scores, selection_axis, storage_matrix
 
@@ -81,17 +81,18 @@ class SplitMatrix:
 
     def attach_host(self, accumulate_on: str, transport: Transport | None = None, share: Share | None = None,
                     grad_dtype: torch.dtype | None = None, layout: torch.dtype | HostLayout = torch.float32,
-                    stream: RandomStream | None = None) -> None:
+                    stream: RandomStream | None = None, slots: int = GRAD_SLOTS) -> None:
         """Create the host state of `share` (default: the whole matrix), its link buffers from `transport` (and,
         accumulating on the device, the device-side window sum of that share). `grad_dtype`: the dtype gradients
         cross the link in (default: the gradient's); `layout`: how the host state is stored (`HostLayout`), or the
         host moments' storage dtype alone; `stream`: the random bits that round narrow moments
-        (`random_stream`)."""
+        (`random_stream`); `slots`: the hand-off slots (`host.grad_slots`)."""
         self.share = share if share is not None else Share(1 - self.axis, self.matrix(self.param).shape[1 - self.axis])
         part = self.host_part(self.param)
         if isinstance(layout, HostLayout):
             layout = layout.on_link(transport if transport is not None else Transport(), self.share.ranks)
-        self.host = HostMatrix.create(part, grad_dtype or self.grad_dtype, accumulate_on, transport, layout, stream)
+        self.host = HostMatrix.create(part, grad_dtype or self.grad_dtype, accumulate_on, transport, layout, stream,
+                                      slots)
         if sums_on_device(accumulate_on):
             self.window_sum = torch.zeros(part.shape, dtype=DEVICE_SUM_DTYPES[accumulate_on], device=self.param.device)
             self.window_count = 0

@@ -37,7 +37,7 @@ from ..transport import CopyEvents, Transport, Transports
 from ..transport.cpu_device.rounding import matrix_key
 from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
 from .device_step import device_update
-from .host import HostLayout, HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype
+from .host import GRAD_SLOTS, HostLayout, HostMatrix, accumulate_into, grad_slots, host_adamw_window, link_grad_dtype
 from .host_guard import HostStepGuard
 from .host_lr import LrScaleRecord, host_hyper, peak_lr, window_lag
 from .in_flight import FreedInFlight
@@ -245,6 +245,9 @@ class HostWindows:
         # is a check-then-act that must happen once, under this lock.
         self._early_lock = threading.Lock()
         self.held = HeldHandOff()  # this step's hand-off until the step knows whether it closes the window
+        #: the hand-off slots (`host.grad_slots`): the worker's pool and each matrix's landing buffers, raised at a
+        #: window's close when the write-back lag needs more (`provide_slots`); never lowered within a run
+        self.slots = GRAD_SLOTS
         #: ``accumulate_on="auto"``'s choice, made when the first host state is created (`planner.py`)
         self.accumulate_chosen: str | None = None
         #: the host step's learning-rate multiplier of the last full window (`stats()["host_lr_scale"]`)
@@ -355,7 +358,8 @@ class HostWindows:
             has_host_state=any(s.host is not None for s in self.splits.values()),
             may_replace_inline=self.early is None,
             cuda_device=cuda_device_of(p for g in self.groups for p in g["params"]),
-            on_start=lambda: note_host_split(self.reduce_group.ranks, self.process_group))  # (once per process)
+            on_start=lambda: note_host_split(self.reduce_group.ranks, self.process_group),  # (once per process)
+            slots=self.slots)
 
     def transport_of(self, split: SplitMatrix) -> Transport:
         return self.transports.of(split.param.device, fsdp_shard=self.param_shards is not None)
@@ -396,7 +400,7 @@ class HostWindows:
         for transport, group in self.by_transport(splits):
             transport.reserve(sum(HostMatrix.link_bytes(
                 shares[id(s)].local(s.matrix(s.param)), link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype),
-                self.accumulate_on, transport, HostLayout.of(self.config)) for s in group))
+                self.accumulate_on, transport, HostLayout.of(self.config), self.slots) for s in group))
         self.reserved_ahead = True
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:
@@ -413,7 +417,8 @@ class HostWindows:
         for transport, group in self.by_transport(splits):
             if not self.reserved_ahead:  # (`decide_accumulation` reserved for the first step's matrices)
                 transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), linked[id(s)],
-                                                            accumulate_on, transport, layout) for s in group))
+                                                            accumulate_on, transport, layout, self.slots)
+                                      for s in group))
             for split in group:
                 # (the parameter's place in the param groups, and its rows' place under FSDP2: what every rank and
                 # a resumed run agree on)
@@ -421,15 +426,17 @@ class HostWindows:
                 first_row = (self.param_shards.share(0, split.owner.shape[0]).start
                              if self.param_shards is not None and split.owner is not split.param else 0)
                 stream = split.random_stream(matrix_key(self.rounding_seed, ordinal), shares[id(split)], first_row)
-                split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], layout, stream)
+                split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], layout, stream,
+                                  self.slots)
 
     # ---- 1. hand-off in backward ------------------------------------------------------------------------------------
 
     def grad_ready(self, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
         """Backward has finished `p`'s gradient (a `GradientReads` hook): on a transport that copies (CUDA), start
         its copy to the host now, so that it overlaps the rest of backward instead of following `step()`'s sync.
-        The first such gradient of a step takes the hand-off slot (a stall only while the worker is two steps
-        behind); `start_hand_off` keeps the copies whose gradient has not changed since, and copies the rest.
+        The first such gradient of a step takes the hand-off slot (a stall only while the worker is behind by more
+        than the window's host AdamW, which `provide_slots` leaves a slot beside for each step up to its
+        write-back); `start_hand_off` keeps the copies whose gradient has not changed since, and copies the rest.
 
         When the gradient may be freed (`may_free`), on any transport: the selected columns are gathered into the
         device columns' buffer, the whole gradient goes to the host, and ``p.grad`` is set to None. Returns the
@@ -640,7 +647,7 @@ class HostWindows:
                         ) -> HandOff | None:
         """Take a hand-off slot and start moving the offloaded matrices' gradients to the host (CUDA: a copy on a
         side stream into pinned memory, which the worker will wait for; CPU device: nothing to move, the worker
-        reads the gradient tensors). Blocks (a stall) only while the worker is `GRAD_SLOTS` steps behind. None when
+        reads the gradient tensors). Blocks (a stall) only while every slot is held (`provide_slots`). None when
         nothing goes to the host worker this step (``accumulate_on="device"`` sums on the device instead)."""
         if sums_on_device(self.accumulate_on):
             return None
@@ -781,6 +788,12 @@ class HostWindows:
                     worker.wait(self.pending)
                 landed = self._ship_window_sums([s for s in self.splits.values() if s.host is not None])
 
+        # What waits for this AdamW job: only the write-back `writeback_steps` later (`apply_previous_window`, in
+        # `step()`). The job keeps the closing step's hand-off slot until it has run, and the jobs of the steps up
+        # to that write-back queue behind it on the in-order worker with a slot each: one slot for each of those
+        # steps beside it, or a backward hook of one of them would wait in `take_slot` for the AdamW (the device
+        # idle meanwhile).
+        self.provide_slots(grad_slots(schedule.writeback_steps(self.config.overlap_step)))
         # (with this step's gradients folded in)
         future = self.held.submit_close(worker, work, landed, host_adamw_window)
         self.unapplied_steps.append(steps)
@@ -790,6 +803,21 @@ class HostWindows:
                 worker.wait(future)
             with timer.phase("writeback"):
                 self.write_back()
+
+    def provide_slots(self, count: int) -> None:
+        """At least `count` hand-off slots (`host.grad_slots`): each matrix whose transport stages gradients gets
+        its landing buffers for the new slots (one reservation per transport: pinned on CUDA), then the worker's
+        pool the new indices. In `step()`, between backward passes, so no hook takes a slot meanwhile."""
+        if count <= self.slots:
+            return
+        staged = [split for split in self.splits.values() if split.host is not None and split.host.staging]
+        for transport, group in self.by_transport(staged):
+            transport.reserve(sum(split.host.staging_bytes(count) for split in group))
+            for split in group:
+                split.host.add_staging(transport, count)
+        self.slots = count
+        if self.worker is not None:
+            self.worker.provide_slots(count)
 
     def _ship_window_sums(self, splits: list[SplitMatrix]) -> CopyEvents:
         """``accumulate_on="device"`` / ``"device_bf16"``: move each closed window's device sum to the host, once per

@@ -152,7 +152,8 @@ class HostAdamWorker:
     `check()` / `wait()`, and every later job is dropped rather than run on inconsistent state.
     """
 
-    def __init__(self, threads: int, background: bool, cuda_device: int | None = None) -> None:
+    def __init__(self, threads: int, background: bool, cuda_device: int | None = None,
+                 slots: int = GRAD_SLOTS) -> None:
         self.threads = threads
         self.background = background
         # the CUDA device the thread makes current before its first job (`cuda_device_of`): its event waits (and
@@ -161,9 +162,10 @@ class HostAdamWorker:
         self._error: BaseException | None = None
         self._error_job = ""
         self._outstanding: dict[Future, HostJob] = {}
+        # the free hand-off slots' indices (`take_slot`), `slots` of them (`host.grad_slots`; `provide_slots` adds)
+        self.slots = 0
         self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for slot in range(GRAD_SLOTS):
-            self._slots.put(slot)
+        self.provide_slots(slots)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._gate: Gate | None = None  # what held jobs wait for (see `hold`)
         self._holding = False
@@ -309,8 +311,17 @@ class HostAdamWorker:
         wait_for_closed_workers()
         self.check()
 
+    def provide_slots(self, count: int) -> None:
+        """At least `count` hand-off slots (`host.grad_slots`: a later write-back needs more; the caller has made
+        the per-slot buffers of the new indices first). Called by the training thread between steps."""
+        for slot in range(self.slots, count):
+            self._slots.put(slot)
+        self.slots = max(self.slots, count)
+
     def acquire_slot(self) -> int:
-        """A free gradient hand-off slot; blocks (a stall) while the worker is two steps behind."""
+        """A free gradient hand-off slot; blocks (a stall) while every slot is held by a job not yet run: the
+        worker is `slots` steps behind (with `host.grad_slots` slots, only when it is behind by more than the
+        window's host AdamW, whose write-back waits for it first)."""
         if self._slots.empty():
             self._open_gate()  # the jobs that free a slot may be held
         taken: list[int] = []
@@ -443,16 +454,18 @@ class WorkerKeeper:
         return self.config.overlap_step and self.host_executor == "thread"
 
     def ensure(self, has_host_state: bool, may_replace_inline: bool, cuda_device: int | None,
-               on_start: Callable[[], None] = lambda: None) -> HostAdamWorker:
+               on_start: Callable[[], None] = lambda: None, slots: int = GRAD_SLOTS) -> HostAdamWorker:
         """The worker, started if there is none: a thread when the schedule overlaps and something is offloaded
         (planned, or `has_host_state` after all; an inline worker then gives way when `may_replace_inline`: it has
-        nothing in flight); otherwise inline, no thread. `on_start` runs before a new worker starts."""
+        nothing in flight); otherwise inline, no thread. `on_start` runs before a new worker starts; a new worker
+        has `slots` hand-off slots."""
         thread = self.background() and (self.offload_planned or has_host_state)
         worker = self.worker
         if worker is None or (not worker.background and may_replace_inline and thread):
             self.claim_cores()  # (a run continued after `close()`: the same claim again)
             on_start()
-            self.worker = HostAdamWorker(self.config.resolved_cpu_threads, background=thread, cuda_device=cuda_device)
+            self.worker = HostAdamWorker(self.config.resolved_cpu_threads, background=thread, cuda_device=cuda_device,
+                                         slots=slots)
         return self.worker
 
     def stop(self) -> None:

@@ -18,7 +18,6 @@ differs from the choice, a log line names the setting that would use it. The run
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from collections import deque
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .schedule import WindowSchedule, auto_writeback_lag
+from .schedule import AUTO_LAG_HOST_ELEMENTS, WindowSchedule, auto_writeback_lag, lag_for_host_elements
 
 
 if TYPE_CHECKING:
@@ -35,10 +34,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("hf_zenflow")
 
-#: `writeback_lag="auto"`: host-column elements per step of lag (2**31: a host AdamW over them takes about half a
-#: second on 8 cores at the 0.5 Gparam/s per core measured in BENCHMARKS.md, less than a training step of a model
-#: that size)
-AUTO_LAG_HOST_ELEMENTS = 2**31
 
 
 def auto_lag_from_sizes(host_elements: int, longest: int) -> int:
@@ -49,7 +44,8 @@ def auto_lag_from_sizes(host_elements: int, longest: int) -> int:
         >>> auto_lag_from_sizes(0, 4), auto_lag_from_sizes(10**9, 4), auto_lag_from_sizes(6 * 10**9, 4)
         (1, 1, 3)
     """
-    return max(1, min(longest, math.ceil(host_elements / AUTO_LAG_HOST_ELEMENTS)))
+    return lag_for_host_elements(host_elements, longest)
+
 
 
 def host_elements(host: HostWindows) -> int:

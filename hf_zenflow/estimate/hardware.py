@@ -56,7 +56,9 @@ from __future__ import annotations
 from typing import Any
 
 from hf_zenflow.engine.accumulation import MARGIN
+from hf_zenflow.engine.host import grad_slots
 from hf_zenflow.engine.planner import Option, choose
+from hf_zenflow.engine.schedule import lag_for_host_elements
 from hf_zenflow.engine.step_model import (
     DEVICE_ACCUMULATOR_BYTES,
     DEVICE_ADAMW_BYTES_PER_PARAM,
@@ -141,6 +143,8 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                             "host_memory_gb": n * share * SYNC_HOST_BYTES_PER_PARAM / 1e9,
                             "host_limit": "memory" if sync_memory > sync_core else "cores"}
     layout = host_layout(host_moments, host_state)
+    # the hand-off slots of the default writeback_lag="auto" for this rank's host columns (one landing buffer each)
+    slots = grad_slots(lag_for_host_elements(int(n * share), int(u)))
     for key, place in ZENFLOW_ROWS:
         sides = zenflow_step(rates, compute, n * dev, topk_ratio * n * dev, n * share, u, place,
                              layout["host_moment_dtype"], allgather)
@@ -148,7 +152,7 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                      "device_memory_gb": device_memory_gb("zenflow", n, topk_ratio, SUM_BYTES[place],
                                                           gradients_freed_in_backward, split),
                      "host_memory_gb": (n * share * zenflow_host_bytes_per_param(SUM_BYTES[place], **layout,
-                                                                                topk_ratio=topk_ratio)
+                                                                                topk_ratio=topk_ratio, slots=slots)
                                         + GPU_TRANSPORT.fixed_host_bytes) / 1e9}
     for r in rows.values():
         r["fits_device_memory"] = r["device_memory_gb"] <= DEVICE_MEMORY_HEADROOM * profile.device_mem_gb

@@ -13,7 +13,8 @@ bf16 model, and the limits it must fit in.
   the two moments (fp32 8, bf16 4, int8 2 plus one fp32 scale per `INT8_BLOCK` elements of each), the window sum
   where it is host memory (fp32 4, bf16 2; with ``host_sum_columns="unselected"`` only the columns not on the
   device), and the pinned buffers that cross the link (today the bf16 write-back buffer, 2, and with the window
-  summed on the host the landing slots of the in-flight gradients, `engine.host.GRAD_SLOTS` x 2; with bf16 device
+  summed on the host the landing slots of the in-flight gradients, `engine.host.grad_slots` x 2: 2 slots, or
+  ``writeback_lag`` + 1 with a later write-back, `engine.writeback_lag.planned_writeback_steps`; with bf16 device
   sums their bf16 landing buffer, 2), plus the transport's fixed pinned bytes once per rank
   (`Transport.fixed_host_bytes`, a bounded pool); synchronous offload `SYNC_HOST_BYTES_PER_PARAM`. Every rank of a
   node holds its share; together they must fit `HOST_MEMORY_HEADROOM` of the node's RAM.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from hf_zenflow.engine.accumulation import selected_bytes
-from hf_zenflow.engine.host import HostLayout
+from hf_zenflow.engine.host import GRAD_SLOTS, HostLayout
 from hf_zenflow.engine.host_footprint import host_bytes_per_element
 from hf_zenflow.engine.in_flight import in_flight_count
 from hf_zenflow.engine.step_model import BF16_BYTES, FP32_BYTES, INT8_BLOCK, MOMENT_BYTES, SUM_BYTES
@@ -90,11 +91,12 @@ def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moment_dtype: str = DE
                                  host_sum_dtype: str = DEFAULT_HOST_STATE["host_sum_dtype"],
                                  host_sum_columns: str = DEFAULT_HOST_STATE["host_sum_columns"],
                                  host_writeback: str = DEFAULT_HOST_STATE["host_writeback"],
-                                 topk_ratio: float = 0.1) -> float:
+                                 topk_ratio: float = 0.1, slots: int = GRAD_SLOTS) -> float:
     """ZenFlow's host memory per offloaded parameter of a bf16 model on a GPU: the engine's own count
     (`engine.host_footprint.host_bytes_per_element` over `GPU_TRANSPORT`) for device sums of `sum_bytes` per element
     (0: the window summed on the host) and the host state's settings (a `topk_ratio` share of the columns on the
-    device).
+    device), with `slots` hand-off slots (`engine.host.grad_slots`: one landing buffer each where the window is summed
+    on the host).
 
     Example:
         >>> zenflow_host_bytes_per_param(0), zenflow_host_bytes_per_param(4), zenflow_host_bytes_per_param(0, "int8")
@@ -106,7 +108,7 @@ def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moment_dtype: str = DE
                            host_sum_columns=host_sum_columns, host_writeback=host_writeback)
     place = {value: key for key, value in SUM_BYTES.items()}[sum_bytes]
     return host_bytes_per_element(HostLayout.of(config), place, torch.bfloat16, torch.bfloat16, GPU_TRANSPORT,
-                                  device_share=topk_ratio)
+                                  device_share=topk_ratio, slots=slots)
 
 
 def llama_shape(params: float) -> tuple[float, float]:
