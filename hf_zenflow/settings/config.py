@@ -172,7 +172,9 @@ class ZenFlowConfig:
                   "it is not done by then. \"auto\": decided at the first step from the elements of host columns on "
                   "each rank (one step per 2**31 elements, at least 1, at most the window), never from timings, so "
                   "the same script and seed give the same weights; logged, in stats() and checkpoints, with the lag "
-                  "the measured times would allow logged as advice."},
+                  "the measured times would allow logged as advice. A lag of L keeps L + 1 gradient hand-offs in "
+                  "flight (None: the window's length + 1), so that backward never waits for the host step; on CUDA "
+                  "each one beyond 2 costs a landing buffer of the offloaded gradients (docs/host-memory.md)."},
     )
     auto_ratio: float = field(
         default=0.99,
