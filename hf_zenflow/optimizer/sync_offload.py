@@ -2,7 +2,13 @@
 
 Every step: all gradients go to the host, a fused host AdamW updates fp32 masters and moments there, and the
 parameters come back; the caller waits for all of it. This is what ZenFlow is measured against, and with
-``topk_ratio=0, update_interval=1, overlap_step=False`` ZenFlow reproduces it.
+``topk_ratio=0, update_interval=1, overlap_step=False`` (and fp32 host moments) ZenFlow reproduces it bit for bit on
+a CPU device.
+
+It is a class of its own rather than that setting of `ZenFlowAdamW`: on CUDA the engine updates 1-D parameters on
+the device (ZeRO-Offload keeps every state on the host and moves every gradient), and a baseline run through the
+engine would carry the engine's own per-step work (column scores, hooks, window bookkeeping) into the figures
+ZenFlow is compared against.
 """
 
 from __future__ import annotations
