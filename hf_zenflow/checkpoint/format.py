@@ -222,6 +222,7 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
     schedule = opt._schedule
     zenflow = None
     if schedule is not None:
+        host = opt.host_windows.state()
         zenflow = {
             "format_version": FORMAT_VERSION,
             "steps": schedule.steps, "window_steps": schedule.window_steps, "windows": schedule.windows,
@@ -229,23 +230,21 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
             "force_select": schedule.force_select, "writeback_lag": schedule.writeback_lag,
             "writeback_lag_pending": schedule.writeback_lag_pending,
             "high_lr_window": schedule.high_lr_window,  # (`high_lr_rule="auto"`'s choice: None = not engaged)
-            "host_step_guard": opt._host.guard.state(),  # (its factor, and a write-back it still watches)
+            "host_step_guard": host["host_step_guard"],  # (its factor, and a write-back it still watches)
             # the seed of the random bits that round narrow host moments: a resumed run rounds as this one would
-            "rounding_seed": opt._host.rounding_seed,
-            "writeback_pending": opt._host.writeback_pending, "unapplied_steps": list(opt._host.unapplied_steps),
+            "rounding_seed": host["rounding_seed"],
+            "writeback_pending": host["writeback_pending"], "unapplied_steps": host["unapplied_steps"],
             "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
             # the max_norm of the last `clip_grad_norm_` (None: never called; inf: measured only): a resume through
             # the Trainer compares it with its max_grad_norm (`hf/resume.py`)
             "max_grad_norm": opt._clip_max_norm,
             # where windows are summed ("auto"'s choice; None before any host state): a resumed run keeps it
-            "accumulate_on": opt._host.accumulate_on,
+            "accumulate_on": host["accumulate_on"],
             # the min_offload_numel device_memory_limit_bytes chose (None: no limit): a resumed run keeps it
             "limit_min_offload_numel": schedule.limit_min_offload_numel,
         }
-        if opt._host.shards.ranks > 1:
-            zenflow.update(ranks=opt._host.shards.ranks, rank=opt._host.shards.rank)
-        if opt._host.param_shards is not None:  # FSDP2: this rank's shards of the parameters
-            zenflow.update(fsdp_ranks=opt._host.param_shards.ranks, fsdp_rank=opt._host.param_shards.rank)
+        # with several ranks, this rank's share of the host state; under FSDP2, this rank's shards of the parameters
+        zenflow.update({key: host[key] for key in ("ranks", "rank", "fsdp_ranks", "fsdp_rank") if key in host})
     return seal({"state": state, "param_groups": groups, "zenflow": zenflow})
 
 

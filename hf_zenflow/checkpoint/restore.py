@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from ..engine.accumulation import resumed_choice
 from ..engine.device_state import DenseDeviceState, DeviceColumns
 from ..engine.schedule import ZenAutoStats
 from ..engine.split_matrix import SplitMatrix
@@ -111,20 +110,15 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
         # the saved run's lag, chosen or still provisional; an explicit setting replaces it
         schedule.writeback_lag = zenflow["writeback_lag"]
         schedule.writeback_lag_pending = bool(zenflow["writeback_lag_pending"])
-    if "limit_min_offload_numel" in zenflow and (opt._host.param_shards is not None or all(
+    if "limit_min_offload_numel" in zenflow and (opt.host_windows.param_shards is not None or all(
             saved.get(name) == getattr(opt.config, name)
             for name in ("device_memory_limit_bytes", "min_offload_numel"))):
         # the threshold the saved run's device memory limit chose; a new limit or min_offload_numel chooses afresh
         # (`apply_changed_settings` moves the matrices), except under FSDP2, where matrices cannot move
         schedule.limit_min_offload_numel = zenflow["limit_min_offload_numel"]
-    # before any host state is restored: it is created for the accumulation the saved run chose
-    opt._host.accumulate_chosen = resumed_choice(opt.config, zenflow)
-    if "host_step_guard" in zenflow:
-        opt._host.guard.load(zenflow["host_step_guard"])  # (the factor it engaged to, a write-back it watches)
-    if "rounding_seed" in zenflow:  # (before any host state is made: its random bits are keyed by it)
-        opt._host.rounding_seed = int(zenflow["rounding_seed"])
-    opt._host.writeback_pending = bool(zenflow["writeback_pending"])
-    opt._host.unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
+    # before any host state is restored: it is created for the accumulation the saved run chose, its random bits
+    # keyed by the saved seed
+    opt.host_windows.load(zenflow)
     opt._stats.skipped_steps = int(zenflow["skipped_steps"])
     opt._clip_max_norm = zenflow.get("max_grad_norm")  # (until the next `clip_grad_norm_`)
     for index, entry in state_dict["state"].items():
@@ -148,11 +142,12 @@ def _checked(opt: ZenFlowState, state_dict: dict[str, Any]) -> dict[str, Any]:
     zenflow = state_dict.get("zenflow")
     if zenflow is not None:
         checks.check_block(zenflow)  # (the rank fields are read next)
-    mesh = opt._host.param_shards
+    host = opt.host_windows
+    mesh = host.param_shards
     if mesh is not None and zenflow and not {"ranks", "fsdp_ranks"} & set(zenflow):
         state_dict = fsdp_rows_of(state_dict, mesh.ranks, mesh.rank)  # a one-process state: this rank's rows of it
-    check_ranks(state_dict.get("zenflow") or {}, opt._host.shards.ranks, opt._host.shards.rank)
-    check_fsdp_ranks(state_dict.get("zenflow") or {}, opt._host.param_shards)
+    check_ranks(state_dict.get("zenflow") or {}, host.shards.ranks, host.shards.rank)
+    check_fsdp_ranks(state_dict.get("zenflow") or {}, host.param_shards)
     _validate(opt, state_dict)
     return state_dict
 
@@ -162,13 +157,9 @@ def load(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     longer matches the settings in force is closed (the next step starts one with the current settings)."""
     before = (opt.config.resolved_cpu_threads, opt.config.overlap_step)
     unpack(opt, state_dict)
-    worker = opt._host.worker
-    if worker is not None and (worker.threads, worker.background) != (
-        before[0], before[1] and opt.host_executor == "thread"
-    ):
-        opt._host.stop_worker()  # (not `opt.close()`: the run goes on, its cores stay claimed and the state just
-        # loaded keeps its pinned buffers)
-    opt._host.keeper.failure = None  # a whole, checked state again after a host worker failure (`engine/failure.py`)
+    # (a worker started with other settings stops, not `opt.close()`: the run goes on; after a host worker failure
+    # the state is whole and checked again)
+    opt.host_windows.loaded(threads=before[0], background=before[1] and opt.host_executor == "thread")
     opt._mark_weights()
 
 
@@ -183,7 +174,7 @@ def _restore_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any], in
         return t.t() if flip and t.ndim == 2 else t
 
     if "host_master" in entry:
-        opt._host.attach_host([split])
+        opt.host_windows.attach_host([split])
         host = split.host
         # a one-process state dict loaded under several ranks: each takes its share
         mine = (lambda t: split.share.local(fit(t))) if "share" not in entry else fit
@@ -216,7 +207,7 @@ def _restore_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any], in
         if entry["accum"] is not None:
             target.copy_(mine(entry["accum"]))
         host.writeback.copy_(host.master)  # a pending write-back reads this buffer
-        host.writeback_fresh = opt._host.writeback_pending
+        host.writeback_fresh = opt.host_windows.writeback_pending
     if "device_master" in entry:
         index = entry["device_index"].long()
         # (None: the fp32 weights hold the device columns' master values)

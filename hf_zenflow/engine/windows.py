@@ -35,6 +35,7 @@ from ..distributed.sharding import RankGroup, local_grad, set_grad
 from ..settings.config import ZenFlowConfig, sums_on_device
 from ..transport import CopyEvents, Transport, Transports
 from ..transport.cpu_device.rounding import matrix_key
+from .accumulation import resumed_choice
 from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
 from .device_step import device_update
 from .host import HostLayout, HostMatrix, accumulate_into, host_adamw_window, link_grad_dtype
@@ -307,6 +308,50 @@ class HostWindows:
         self.transports.forget()
         self.in_flight.clear()  # (closing the transports waited for every copy)
         self.stats.device_clocks.clear()
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the host side, as plain values under the keys of its ``zenflow`` block: the
+        guard's state, the seed of the rounding bits, whether a host result awaits its write-back and the sizes of
+        the windows it holds, where windows are summed, and the ranks the host state is split across (``ranks`` and
+        ``rank`` with several, ``fsdp_ranks`` and ``fsdp_rank`` under FSDP2; `load` leaves those to the caller's
+        rank checks)."""
+        state: dict[str, Any] = {
+            "host_step_guard": self.guard.state(), "rounding_seed": self.rounding_seed,
+            "writeback_pending": self.writeback_pending, "unapplied_steps": list(self.unapplied_steps),
+            "accumulate_on": self.accumulate_on,
+        }
+        if self.shards.ranks > 1:
+            state.update(ranks=self.shards.ranks, rank=self.shards.rank)
+        if self.param_shards is not None:
+            state.update(fsdp_ranks=self.param_shards.ranks, fsdp_rank=self.param_shards.rank)
+        return state
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore what `state()` gave, from a checked checkpoint block (one written before the guard or the seed
+        existed lacks them: theirs stay; ``config`` names the accumulation of one written before "auto"), after
+        `reset` and before any host state is made: it is made for the accumulation chosen and rounds with the
+        seed."""
+        self.accumulate_chosen = resumed_choice(self.config, state)
+        if "host_step_guard" in state:
+            self.guard.load(state["host_step_guard"])  # (the factor it engaged to, a write-back it watches)
+        if "rounding_seed" in state:
+            self.rounding_seed = int(state["rounding_seed"])
+        self.writeback_pending = bool(state["writeback_pending"])
+        self.unapplied_steps = [int(n) for n in state["unapplied_steps"]]
+
+    def loaded(self, threads: int, background: bool) -> None:
+        """A whole, checked state was just loaded: a worker that no longer runs with `threads` threads in the
+        `background` mode wanted stops (a later step starts one with the settings in force; the run goes on, its
+        cores stay claimed and the state just loaded keeps its pinned buffers), and a host worker's failure is
+        forgotten (`engine/failure.py`)."""
+        worker = self.worker
+        if worker is not None and (worker.threads, worker.background) != (threads, background):
+            self.stop_worker()
+        self.keeper.failure = None
+
+    def guard_factor(self) -> float:
+        """The host lr's factor under the configured `host_step_guard` (`HostStepGuard.factor_for`)."""
+        return self.guard.factor_for(self.config.host_step_guard)
 
     def stop_worker(self) -> None:
         """Stop the worker thread only (a later step starts a new one, e.g. with other settings); the run goes on:

@@ -619,6 +619,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._config = value
         self._host.config = value
 
+    @property
+    def host_windows(self) -> HostWindows:
+        """The host side of this optimizer (`engine/windows.py`): the checkpoint code saves and restores it through
+        its `state()` and `load()`, and reads the ranks its host state is split across (`shards`, `param_shards`)."""
+        return self._host
+
     def __reduce_ex__(self, protocol: object) -> Any:
         """Refused: `copy.deepcopy` and pickle. The optimizer owns a host worker thread, backward hooks on its
         parameters, pinned transfer buffers and state keyed by the parameters themselves; a copy could share none

@@ -68,6 +68,26 @@ def zenflow(**settings):
     return lambda model: ZenFlowAdamW(param_groups(model), lr=LR, **{**ADAMW_EXACT, **settings})
 
 
+def test_the_host_side_state_is_what_the_checkpoint_keeps_and_a_load_restores_it():
+    """`HostWindows.state()` holds the plain values the checkpoint writes of the host side (a host result awaiting its
+    write-back, the guard's norms, the seed, the accumulation), and a new optimizer's host side gives the same values
+    back after `load_state_dict`."""
+    settings = dict(update_interval=4, overlap_step=True, writeback_lag=2, high_lr_rule="off", accumulate_on="host")
+    _, opt, _, _ = run_until(zenflow(**settings), steps=SPLIT_AT - 1)
+    host = opt.host_windows.state()
+    saved = roundtrip(opt.state_dict())
+    opt.close()
+    assert host["writeback_pending"] and host["unapplied_steps"] == [4]  # (the window closed at step 4 awaits lag 2)
+    assert host["host_step_guard"]["recent_norms"], "the guard has seen norms"
+    assert {key: saved["zenflow"][key] for key in host} == host
+    fresh = zenflow(**settings)(make_model())
+    before = fresh.host_windows.state()
+    assert not before["writeback_pending"] and not before["host_step_guard"]["recent_norms"]
+    fresh.load_state_dict(saved)
+    assert fresh.host_windows.state() == host
+    fresh.close()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Settings changed on resume (issue 10.4)
 # ---------------------------------------------------------------------------------------------------------------------
