@@ -222,14 +222,12 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
     schedule = opt._schedule
     zenflow = None
     if schedule is not None:
-        host = opt.host_windows.state()
+        host, progress = opt.host_windows.state(), schedule.state()
         zenflow = {
             "format_version": FORMAT_VERSION,
-            "steps": schedule.steps, "window_steps": schedule.window_steps, "windows": schedule.windows,
-            "reselections": schedule.reselections, "last_interval": schedule.last_interval,
-            "force_select": schedule.force_select, "writeback_lag": schedule.writeback_lag,
-            "writeback_lag_pending": schedule.writeback_lag_pending,
-            "high_lr_window": schedule.high_lr_window,  # (`high_lr_rule="auto"`'s choice: None = not engaged)
+            **{key: progress[key] for key in (*schedule.COUNTERS, "force_select", "writeback_lag",
+                                              "writeback_lag_pending")},
+            "high_lr_window": progress["high_lr_window"],  # (`high_lr_rule="auto"`'s choice: None = not engaged)
             "host_step_guard": host["host_step_guard"],  # (its factor, and a write-back it still watches)
             # the seed of the random bits that round narrow host moments: a resumed run rounds as this one would
             "rounding_seed": host["rounding_seed"],
@@ -241,7 +239,7 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
             # where windows are summed ("auto"'s choice; None before any host state): a resumed run keeps it
             "accumulate_on": host["accumulate_on"],
             # the min_offload_numel device_memory_limit_bytes chose (None: no limit): a resumed run keeps it
-            "limit_min_offload_numel": schedule.limit_min_offload_numel,
+            "limit_min_offload_numel": progress["limit_min_offload_numel"],
         }
         # with several ranks, this rank's share of the host state; under FSDP2, this rank's shards of the parameters
         zenflow.update({key: host[key] for key in ("ranks", "rank", "fsdp_ranks", "fsdp_rank") if key in host})

@@ -95,9 +95,6 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     params = opt._engine_params()
     groups = [g for g in opt.param_groups for _ in g["params"]]
     schedule = opt._ensure_schedule()
-    for key in ("steps", "window_steps", "windows", "reselections", "last_interval"):
-        setattr(schedule, key, int(zenflow[key]))
-    schedule.force_select = bool(zenflow.get("force_select", False))
     saved = zenflow.get("config", {})
     if opt.config.high_lr_rule == "auto" and saved.get("high_lr_rule", "auto") == "auto" \
             and saved.get("update_interval") == opt.config.update_interval:
@@ -106,16 +103,15 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
         configured = None if opt.config.is_auto_interval else int(opt.config.update_interval)
         schedule.shorten_windows(zenflow.get("high_lr_window"), configured,
                                  1 if opt.config.writeback_lag == "auto" else opt.config.writeback_lag)
-    if opt.config.writeback_lag == "auto" and "writeback_lag_pending" in zenflow:
+    schedule.load(
+        zenflow,
         # the saved run's lag, chosen or still provisional; an explicit setting replaces it
-        schedule.writeback_lag = zenflow["writeback_lag"]
-        schedule.writeback_lag_pending = bool(zenflow["writeback_lag_pending"])
-    if "limit_min_offload_numel" in zenflow and (opt.host_windows.param_shards is not None or all(
-            saved.get(name) == getattr(opt.config, name)
-            for name in ("device_memory_limit_bytes", "min_offload_numel"))):
+        lag=opt.config.writeback_lag == "auto" and "writeback_lag_pending" in zenflow,
         # the threshold the saved run's device memory limit chose; a new limit or min_offload_numel chooses afresh
         # (`apply_changed_settings` moves the matrices), except under FSDP2, where matrices cannot move
-        schedule.limit_min_offload_numel = zenflow["limit_min_offload_numel"]
+        limit="limit_min_offload_numel" in zenflow and (opt.host_windows.param_shards is not None or all(
+            saved.get(name) == getattr(opt.config, name)
+            for name in ("device_memory_limit_bytes", "min_offload_numel"))))
     # before any host state is restored: it is created for the accumulation the saved run chose, its random bits
     # keyed by the saved seed
     opt.host_windows.load(zenflow)
