@@ -180,33 +180,22 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
         groups.append(packed)
     state: dict[int, dict[str, Any]] = {}
     for p, split in opt._split.items():
-        entry: dict[str, Any] = {"kind": "split", "k": split.k, "auto": split.auto.to_list(), "axis": split.axis,
-                                 "rows": split.rows}
-        if split.device is not None:
-            d = split.device
-            entry.update(device_index=d.index, device_master=None if weights_hold_columns(split) else d.master,
-                         device_exp_avg=d.exp_avg, device_exp_avg_sq=d.exp_avg_sq, device_step=d.step)
-        if split.host is not None:
-            h = split.host
-            # the open window's sum, wherever it is kept (the host worker is idle: closed windows are applied), in
-            # the dtype it is kept in (a bf16 sum as it is: any setting loads it, and a bf16 one gets the same bits)
-            # (a sum of the unselected columns only, host_sum_columns="unselected", is saved over every column)
-            accum, count = (split.window_sum, split.window_count) if split.window_sum is not None else (
-                h.full_sum() if h.accum_count else h.accum, h.accum_count)
-            # the moments as they are stored (bf16 with host_moment_dtype="bfloat16"): a resume under either setting
-            # restores them, widened or rounded as the new setting stores them
-            master, columns = host_master_to_save(split)
-            entry.update(host_master=master, host_exp_avg=h.exp_avg, host_exp_avg_sq=h.exp_avg_sq,
-                         host_step=h.step, accum=accum if count else None, accum_count=count)
-            if columns is not None:
+        # the matrix's state as held (the moments in the dtype they are stored in: a resume under either setting
+        # restores them, widened or rounded as the new setting stores them; 8-bit ones as codes and per-block scales,
+        # for an exact resume, which readers that move the state elsewhere widen: `widen_moments`; the open window's
+        # sum as it is kept: any setting loads it, and a bf16 one gets the same bits), less what the fp32 weights
+        # hold: a master saved twice
+        held = split.state()
+        master, columns = host_master_to_save(split) if split.host is not None else (None, None)
+        entry: dict[str, Any] = {"kind": "split"}
+        for key, value in held.items():
+            if key == "device_master" and weights_hold_columns(split):
+                value = None
+            elif key == "host_master":
+                value = master
+            entry[key] = value
+            if key == "accum_count" and columns is not None:  # (the device columns' host values, beside the master)
                 entry["host_master_columns"] = columns
-            if h.quantized:
-                # 8-bit moments (host_moment_dtype="int8") are saved as they are held, codes and per-block scales,
-                # for an exact resume; readers that move the state elsewhere widen them (`widen_moments`)
-                entry.update(host_exp_avg=h.exp_avg.codes, host_exp_avg_sq=h.exp_avg_sq.codes,
-                             host_exp_avg_scale=h.exp_avg.scales, host_exp_avg_sq_scale=h.exp_avg_sq.scales)
-            if split.share.ranks > 1:
-                entry["share"] = [split.share.start, split.share.length, split.share.size]
         state[index_of[p]] = entry
     for p, dense in opt._dense.items():
         state[index_of[p]] = {

@@ -9,12 +9,11 @@ from typing import Any
 
 import torch
 
-from ..engine.device_state import DenseDeviceState, DeviceColumns
-from ..engine.schedule import ZenAutoStats
+from ..engine.device_state import DenseDeviceState
 from ..engine.split_matrix import SplitMatrix
 from . import validate as checks
 from .convert import apply_changed_settings, is_torch_adamw_state, unpack_torch_adamw
-from .format import _PARSE_ERRORS, _migrate, _refused, _restore_groups, is_quantized, widen_moments
+from .format import _PARSE_ERRORS, _migrate, _refused, _restore_groups
 from .reshard import check_fsdp_ranks, check_ranks, fsdp_rows_of
 from .seal import Refusal
 from .state import ZenFlowState
@@ -162,59 +161,9 @@ def load(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
 def _restore_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any], index: int, entry: dict[str, Any]
                    ) -> SplitMatrix:
     split = SplitMatrix(p, int(entry["k"]), rows=bool(group.get("select_rows", False)), owner=opt._fsdp.owner(p))
-    split.auto = ZenAutoStats.from_list(entry["auto"])
-    # saved from a parameter in the other layout (see `column_major_`): every matrix here is transposed
-    flip = not split.rows and int(entry.get("axis", 1)) != split.axis
-
-    def fit(t: torch.Tensor) -> torch.Tensor:
-        return t.t() if flip and t.ndim == 2 else t
-
     if "host_master" in entry:
-        opt.host_windows.attach_host([split])
-        host = split.host
-        # a one-process state dict loaded under several ranks: each takes its share
-        mine = (lambda t: split.share.local(fit(t))) if "share" not in entry else fit
-        whole = "share" in entry or split.share.ranks == 1
-        if is_quantized(entry) and host.quantized and whole and not flip:
-            # 8-bit moments into 8-bit moments of the same blocks: the codes and scales as saved (exact)
-            for name in ("exp_avg", "exp_avg_sq"):
-                getattr(host, name).copy_codes_(entry[f"host_{name}"], entry[f"host_{name}_scale"])
-        else:
-            # any other pair of settings, layout or share: the fp32 values, stored as this optimizer stores them
-            entry = widen_moments(entry)
-            for name in ("exp_avg", "exp_avg_sq"):
-                getattr(host, name).copy_(mine(entry[f"host_{name}"]))
-        if entry["host_master"] is not None:
-            host.master.copy_(mine(entry["host_master"]))
-        else:
-            # the fp32 weights hold the master of every column the host owns (saved with the model, loaded before
-            # this state); the device columns' host values are saved beside
-            host.master.copy_(split.host_part(p.detach()))
-            if "host_master_columns" in entry:
-                host.master.index_copy_(split.axis, entry["device_index"].long().cpu(),
-                                        mine(entry["host_master_columns"]).to(host.master.dtype))
-        host.step.copy_(entry["host_step"])
-        # the open window's sum goes wherever this optimizer keeps it (either setting can load either)
-        target = split.window_sum if split.window_sum is not None else host.accum
-        if split.window_sum is not None:
-            split.window_count = int(entry["accum_count"])
-        else:
-            host.accum_count = int(entry["accum_count"])
-        if entry["accum"] is not None:
-            target.copy_(mine(entry["accum"]))
-        host.writeback.copy_(host.master)  # a pending write-back reads this buffer
-        host.writeback_fresh = opt.host_windows.writeback_pending
-    if "device_master" in entry:
-        index = entry["device_index"].long()
-        # (None: the fp32 weights hold the device columns' master values)
-        master = fit(entry["device_master"]) if entry["device_master"] is not None else \
-            split.matrix(p.detach()).index_select(split.axis, index.to(p.device))
-        split.device = DeviceColumns.from_columns(
-            index, master, fit(entry["device_exp_avg"]),
-            fit(entry["device_exp_avg_sq"]), step=entry["device_step"], device=p.device, axis=split.axis,
-            grad_dtype=split.grad_dtype,
-        )
-        split.fit_host_sum()  # (the restored sum, saved over every column, keeps the unselected ones)
+        opt.host_windows.attach_host([split])  # (for the settings in force, in this rank's share)
+    split.load(entry, writeback_fresh=opt.host_windows.writeback_pending)
     return split
 
 
