@@ -15,6 +15,7 @@ import torch
 from hf_zenflow import CheckpointError, ZenFlowAdamW, to_torch_adamw
 from hf_zenflow.checkpoint.format import FORMAT_VERSION, load_file
 from hf_zenflow.checkpoint.seal import seal
+from hf_zenflow.engine.split_matrix import SplitMatrix
 from tests.conftest import (
     FP32_MOMENTS,
     batches,
@@ -86,6 +87,28 @@ def test_the_host_side_state_is_what_the_checkpoint_keeps_and_a_load_restores_it
     fresh.load_state_dict(saved)
     assert fresh.host_windows.state() == host
     fresh.close()
+
+
+def test_a_split_matrix_state_loads_into_a_fresh_one_as_it_was():
+    """`SplitMatrix.state()` holds the matrix as it is held (the selection, the device columns, the host state and the
+    open window's sum), and a matrix made for the same settings gives the same values back after `load` of it."""
+    settings = dict(update_interval=4, high_lr_rule="off", accumulate_on="host", topk_ratio=0.25)
+    _, opt, _, _ = run_until(zenflow(**settings), steps=SPLIT_AT)
+    opt.synchronize()
+    splits = list(opt._split.items())
+    assert any(s.device is not None and s.host is not None and s.host.accum_count for _, s in splits)
+    for p, split in splits:
+        held = split.state()
+        fresh = SplitMatrix(p, held["k"], rows=split.rows)
+        if "host_master" in held:
+            opt.host_windows.attach_host([fresh])
+        fresh.load(held)
+        again = fresh.state()
+        assert list(again) == list(held)
+        for key, value in held.items():
+            same = torch.equal(again[key], value) if isinstance(value, torch.Tensor) else again[key] == value
+            assert same, key
+    opt.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
