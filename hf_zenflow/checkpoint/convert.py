@@ -66,9 +66,11 @@ def apply_changed_settings(opt: ZenFlowState, saved: dict[str, Any]) -> None:
                 f"already. Resume with full_warm_up_rounds <= {schedule.steps}."
             )
         elif name == "accumulate_on" and now == "auto":
-            note += f" (keeps the checkpoint's {opt._host.accumulate_on!r})" if opt._host.accumulate_on else ""
+            kept = opt.host_windows.accumulate_on
+            note += f" (keeps the checkpoint's {kept!r})" if kept else ""
         notes.append(note)
-    if "min_offload_numel" in changed or ("device_memory_limit_bytes" in changed and opt._host.param_shards is None):
+    if "min_offload_numel" in changed or ("device_memory_limit_bytes" in changed
+                                          and opt.host_windows.param_shards is None):
         # (a new limit chooses the run's threshold afresh, `device_budget.py`; under FSDP2 the checkpoint's stays)
         notes.append(_apply_min_offload_numel(opt))
     logger.warning("ZenFlowAdamW.load_state_dict: settings differ from the checkpoint's; the current ones take "
@@ -77,7 +79,7 @@ def apply_changed_settings(opt: ZenFlowState, saved: dict[str, Any]) -> None:
 
 def _apply_min_offload_numel(opt: ZenFlowState) -> str:
     """Move matrices between the split path and the dense path to match the current `min_offload_numel`."""
-    if opt._host.param_shards is not None:
+    if opt.host_windows.param_shards is not None:
         raise CheckpointError(
             "ZenFlowAdamW.load_state_dict: min_offload_numel differs from the checkpoint's; under FSDP2 matrices "
             "cannot move between the split and the dense path on resume. Resume with the checkpoint's "
@@ -104,9 +106,9 @@ def _split_to_dense(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any]) -
             # the open window's gradients are applied now, as `flush()` would, so none is lost
             lag = window_lag(opt._schedule, opt.config.overlap_step, host.accum_count)
             hyper, _ = host_hyper(group, opt.config, host.accum_count, lag, opt._schedule.high_lr_window,
-                                  opt._host.guard.factor_for(opt.config.host_step_guard))
+                                  opt.host_windows.guard_factor())
             host_adamw_window([(hyper, [host])])
-    master, m, v = split.full_state(opt._host.shards)
+    master, m, v = split.full_state(opt.host_windows.shards)
     step = (split.device.step if split.device is not None else split.host.step).clone()
     dense = DenseDeviceState.fresh(p)
     dense.exp_avg.copy_(split.unmatrix(m.to(p.device)))
@@ -123,7 +125,7 @@ def _dense_to_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any]) -
     rows = bool(group.get("select_rows", False))
     split = SplitMatrix(p, 0, rows=rows)
     split.k = num_selected(opt.config.topk_ratio, split.columns)
-    opt._host.attach_host([split])
+    opt.host_windows.attach_host([split])
     host = split.host
     host.master.copy_(split.host_part(dense.master_of(p)))
     host.exp_avg.copy_(split.host_part(dense.exp_avg))
@@ -171,7 +173,7 @@ def _check_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
 def unpack_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     """Continue from a `torch.optim.AdamW` checkpoint: moments and step counts carried over; each matrix's columns
     are selected at the next step (until then its whole state is on the host)."""
-    if opt._host.param_shards is not None:
+    if opt.host_windows.param_shards is not None:
         raise CheckpointError(
             "ZenFlowAdamW.load_state_dict: continuing from a torch.optim.AdamW state dict under FSDP2 is not "
             "supported (its tensors are DTensors of the whole parameters). Load it in a run without FSDP2 and save "

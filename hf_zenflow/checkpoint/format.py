@@ -180,33 +180,22 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
         groups.append(packed)
     state: dict[int, dict[str, Any]] = {}
     for p, split in opt._split.items():
-        entry: dict[str, Any] = {"kind": "split", "k": split.k, "auto": split.auto.to_list(), "axis": split.axis,
-                                 "rows": split.rows}
-        if split.device is not None:
-            d = split.device
-            entry.update(device_index=d.index, device_master=None if weights_hold_columns(split) else d.master,
-                         device_exp_avg=d.exp_avg, device_exp_avg_sq=d.exp_avg_sq, device_step=d.step)
-        if split.host is not None:
-            h = split.host
-            # the open window's sum, wherever it is kept (the host worker is idle: closed windows are applied), in
-            # the dtype it is kept in (a bf16 sum as it is: any setting loads it, and a bf16 one gets the same bits)
-            # (a sum of the unselected columns only, host_sum_columns="unselected", is saved over every column)
-            accum, count = (split.window_sum, split.window_count) if split.window_sum is not None else (
-                h.full_sum() if h.accum_count else h.accum, h.accum_count)
-            # the moments as they are stored (bf16 with host_moment_dtype="bfloat16"): a resume under either setting
-            # restores them, widened or rounded as the new setting stores them
-            master, columns = host_master_to_save(split)
-            entry.update(host_master=master, host_exp_avg=h.exp_avg, host_exp_avg_sq=h.exp_avg_sq,
-                         host_step=h.step, accum=accum if count else None, accum_count=count)
-            if columns is not None:
+        # the matrix's state as held (the moments in the dtype they are stored in: a resume under either setting
+        # restores them, widened or rounded as the new setting stores them; 8-bit ones as codes and per-block scales,
+        # for an exact resume, which readers that move the state elsewhere widen: `widen_moments`; the open window's
+        # sum as it is kept: any setting loads it, and a bf16 one gets the same bits), less what the fp32 weights
+        # hold: a master saved twice
+        held = split.state()
+        master, columns = host_master_to_save(split) if split.host is not None else (None, None)
+        entry: dict[str, Any] = {"kind": "split"}
+        for key, value in held.items():
+            if key == "device_master" and weights_hold_columns(split):
+                value = None
+            elif key == "host_master":
+                value = master
+            entry[key] = value
+            if key == "accum_count" and columns is not None:  # (the device columns' host values, beside the master)
                 entry["host_master_columns"] = columns
-            if h.quantized:
-                # 8-bit moments (host_moment_dtype="int8") are saved as they are held, codes and per-block scales,
-                # for an exact resume; readers that move the state elsewhere widen them (`widen_moments`)
-                entry.update(host_exp_avg=h.exp_avg.codes, host_exp_avg_sq=h.exp_avg_sq.codes,
-                             host_exp_avg_scale=h.exp_avg.scales, host_exp_avg_sq_scale=h.exp_avg_sq.scales)
-            if split.share.ranks > 1:
-                entry["share"] = [split.share.start, split.share.length, split.share.size]
         state[index_of[p]] = entry
     for p, dense in opt._dense.items():
         state[index_of[p]] = {
@@ -222,30 +211,27 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
     schedule = opt._schedule
     zenflow = None
     if schedule is not None:
+        host, progress = opt.host_windows.state(), schedule.state()
         zenflow = {
             "format_version": FORMAT_VERSION,
-            "steps": schedule.steps, "window_steps": schedule.window_steps, "windows": schedule.windows,
-            "reselections": schedule.reselections, "last_interval": schedule.last_interval,
-            "force_select": schedule.force_select, "writeback_lag": schedule.writeback_lag,
-            "writeback_lag_pending": schedule.writeback_lag_pending,
-            "high_lr_window": schedule.high_lr_window,  # (`high_lr_rule="auto"`'s choice: None = not engaged)
-            "host_step_guard": opt._host.guard.state(),  # (its factor, and a write-back it still watches)
+            **{key: progress[key] for key in (*schedule.COUNTERS, "force_select", "writeback_lag",
+                                              "writeback_lag_pending")},
+            "high_lr_window": progress["high_lr_window"],  # (`high_lr_rule="auto"`'s choice: None = not engaged)
+            "host_step_guard": host["host_step_guard"],  # (its factor, and a write-back it still watches)
             # the seed of the random bits that round narrow host moments: a resumed run rounds as this one would
-            "rounding_seed": opt._host.rounding_seed,
-            "writeback_pending": opt._host.writeback_pending, "unapplied_steps": list(opt._host.unapplied_steps),
+            "rounding_seed": host["rounding_seed"],
+            "writeback_pending": host["writeback_pending"], "unapplied_steps": host["unapplied_steps"],
             "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
             # the max_norm of the last `clip_grad_norm_` (None: never called; inf: measured only): a resume through
             # the Trainer compares it with its max_grad_norm (`hf/resume.py`)
             "max_grad_norm": opt._clip_max_norm,
             # where windows are summed ("auto"'s choice; None before any host state): a resumed run keeps it
-            "accumulate_on": opt._host.accumulate_on,
+            "accumulate_on": host["accumulate_on"],
             # the min_offload_numel device_memory_limit_bytes chose (None: no limit): a resumed run keeps it
-            "limit_min_offload_numel": schedule.limit_min_offload_numel,
+            "limit_min_offload_numel": progress["limit_min_offload_numel"],
         }
-        if opt._host.shards.ranks > 1:
-            zenflow.update(ranks=opt._host.shards.ranks, rank=opt._host.shards.rank)
-        if opt._host.param_shards is not None:  # FSDP2: this rank's shards of the parameters
-            zenflow.update(fsdp_ranks=opt._host.param_shards.ranks, fsdp_rank=opt._host.param_shards.rank)
+        # with several ranks, this rank's share of the host state; under FSDP2, this rank's shards of the parameters
+        zenflow.update({key: host[key] for key in ("ranks", "rank", "fsdp_ranks", "fsdp_rank") if key in host})
     return seal({"state": state, "param_groups": groups, "zenflow": zenflow})
 
 

@@ -9,13 +9,11 @@ from typing import Any
 
 import torch
 
-from ..engine.accumulation import resumed_choice
-from ..engine.device_state import DenseDeviceState, DeviceColumns
-from ..engine.schedule import ZenAutoStats
+from ..engine.device_state import DenseDeviceState
 from ..engine.split_matrix import SplitMatrix
 from . import validate as checks
 from .convert import apply_changed_settings, is_torch_adamw_state, unpack_torch_adamw
-from .format import _PARSE_ERRORS, _migrate, _refused, _restore_groups, is_quantized, widen_moments
+from .format import _PARSE_ERRORS, _migrate, _refused, _restore_groups
 from .reshard import check_fsdp_ranks, check_ranks, fsdp_rows_of
 from .seal import Refusal
 from .state import ZenFlowState
@@ -96,9 +94,6 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     params = opt._engine_params()
     groups = [g for g in opt.param_groups for _ in g["params"]]
     schedule = opt._ensure_schedule()
-    for key in ("steps", "window_steps", "windows", "reselections", "last_interval"):
-        setattr(schedule, key, int(zenflow[key]))
-    schedule.force_select = bool(zenflow.get("force_select", False))
     saved = zenflow.get("config", {})
     if opt.config.high_lr_rule == "auto" and saved.get("high_lr_rule", "auto") == "auto" \
             and saved.get("update_interval") == opt.config.update_interval:
@@ -107,24 +102,18 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
         configured = None if opt.config.is_auto_interval else int(opt.config.update_interval)
         schedule.shorten_windows(zenflow.get("high_lr_window"), configured,
                                  1 if opt.config.writeback_lag == "auto" else opt.config.writeback_lag)
-    if opt.config.writeback_lag == "auto" and "writeback_lag_pending" in zenflow:
+    schedule.load(
+        zenflow,
         # the saved run's lag, chosen or still provisional; an explicit setting replaces it
-        schedule.writeback_lag = zenflow["writeback_lag"]
-        schedule.writeback_lag_pending = bool(zenflow["writeback_lag_pending"])
-    if "limit_min_offload_numel" in zenflow and (opt._host.param_shards is not None or all(
-            saved.get(name) == getattr(opt.config, name)
-            for name in ("device_memory_limit_bytes", "min_offload_numel"))):
+        lag=opt.config.writeback_lag == "auto" and "writeback_lag_pending" in zenflow,
         # the threshold the saved run's device memory limit chose; a new limit or min_offload_numel chooses afresh
         # (`apply_changed_settings` moves the matrices), except under FSDP2, where matrices cannot move
-        schedule.limit_min_offload_numel = zenflow["limit_min_offload_numel"]
-    # before any host state is restored: it is created for the accumulation the saved run chose
-    opt._host.accumulate_chosen = resumed_choice(opt.config, zenflow)
-    if "host_step_guard" in zenflow:
-        opt._host.guard.load(zenflow["host_step_guard"])  # (the factor it engaged to, a write-back it watches)
-    if "rounding_seed" in zenflow:  # (before any host state is made: its random bits are keyed by it)
-        opt._host.rounding_seed = int(zenflow["rounding_seed"])
-    opt._host.writeback_pending = bool(zenflow["writeback_pending"])
-    opt._host.unapplied_steps = [int(n) for n in zenflow["unapplied_steps"]]
+        limit="limit_min_offload_numel" in zenflow and (opt.host_windows.param_shards is not None or all(
+            saved.get(name) == getattr(opt.config, name)
+            for name in ("device_memory_limit_bytes", "min_offload_numel"))))
+    # before any host state is restored: it is created for the accumulation the saved run chose, its random bits
+    # keyed by the saved seed
+    opt.host_windows.load(zenflow)
     opt._stats.skipped_steps = int(zenflow["skipped_steps"])
     opt._clip_max_norm = zenflow.get("max_grad_norm")  # (until the next `clip_grad_norm_`)
     for index, entry in state_dict["state"].items():
@@ -148,11 +137,12 @@ def _checked(opt: ZenFlowState, state_dict: dict[str, Any]) -> dict[str, Any]:
     zenflow = state_dict.get("zenflow")
     if zenflow is not None:
         checks.check_block(zenflow)  # (the rank fields are read next)
-    mesh = opt._host.param_shards
+    host = opt.host_windows
+    mesh = host.param_shards
     if mesh is not None and zenflow and not {"ranks", "fsdp_ranks"} & set(zenflow):
         state_dict = fsdp_rows_of(state_dict, mesh.ranks, mesh.rank)  # a one-process state: this rank's rows of it
-    check_ranks(state_dict.get("zenflow") or {}, opt._host.shards.ranks, opt._host.shards.rank)
-    check_fsdp_ranks(state_dict.get("zenflow") or {}, opt._host.param_shards)
+    check_ranks(state_dict.get("zenflow") or {}, host.shards.ranks, host.shards.rank)
+    check_fsdp_ranks(state_dict.get("zenflow") or {}, host.param_shards)
     _validate(opt, state_dict)
     return state_dict
 
@@ -162,72 +152,18 @@ def load(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     longer matches the settings in force is closed (the next step starts one with the current settings)."""
     before = (opt.config.resolved_cpu_threads, opt.config.overlap_step)
     unpack(opt, state_dict)
-    worker = opt._host.worker
-    if worker is not None and (worker.threads, worker.background) != (
-        before[0], before[1] and opt.host_executor == "thread"
-    ):
-        opt._host.stop_worker()  # (not `opt.close()`: the run goes on, its cores stay claimed and the state just
-        # loaded keeps its pinned buffers)
-    opt._host.keeper.failure = None  # a whole, checked state again after a host worker failure (`engine/failure.py`)
+    # (a worker started with other settings stops, not `opt.close()`: the run goes on; after a host worker failure
+    # the state is whole and checked again)
+    opt.host_windows.loaded(threads=before[0], background=before[1] and opt.host_executor == "thread")
     opt._mark_weights()
 
 
 def _restore_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any], index: int, entry: dict[str, Any]
                    ) -> SplitMatrix:
     split = SplitMatrix(p, int(entry["k"]), rows=bool(group.get("select_rows", False)), owner=opt._fsdp.owner(p))
-    split.auto = ZenAutoStats.from_list(entry["auto"])
-    # saved from a parameter in the other layout (see `column_major_`): every matrix here is transposed
-    flip = not split.rows and int(entry.get("axis", 1)) != split.axis
-
-    def fit(t: torch.Tensor) -> torch.Tensor:
-        return t.t() if flip and t.ndim == 2 else t
-
     if "host_master" in entry:
-        opt._host.attach_host([split])
-        host = split.host
-        # a one-process state dict loaded under several ranks: each takes its share
-        mine = (lambda t: split.share.local(fit(t))) if "share" not in entry else fit
-        whole = "share" in entry or split.share.ranks == 1
-        if is_quantized(entry) and host.quantized and whole and not flip:
-            # 8-bit moments into 8-bit moments of the same blocks: the codes and scales as saved (exact)
-            for name in ("exp_avg", "exp_avg_sq"):
-                getattr(host, name).copy_codes_(entry[f"host_{name}"], entry[f"host_{name}_scale"])
-        else:
-            # any other pair of settings, layout or share: the fp32 values, stored as this optimizer stores them
-            entry = widen_moments(entry)
-            for name in ("exp_avg", "exp_avg_sq"):
-                getattr(host, name).copy_(mine(entry[f"host_{name}"]))
-        if entry["host_master"] is not None:
-            host.master.copy_(mine(entry["host_master"]))
-        else:
-            # the fp32 weights hold the master of every column the host owns (saved with the model, loaded before
-            # this state); the device columns' host values are saved beside
-            host.master.copy_(split.host_part(p.detach()))
-            if "host_master_columns" in entry:
-                host.master.index_copy_(split.axis, entry["device_index"].long().cpu(),
-                                        mine(entry["host_master_columns"]).to(host.master.dtype))
-        host.step.copy_(entry["host_step"])
-        # the open window's sum goes wherever this optimizer keeps it (either setting can load either)
-        target = split.window_sum if split.window_sum is not None else host.accum
-        if split.window_sum is not None:
-            split.window_count = int(entry["accum_count"])
-        else:
-            host.accum_count = int(entry["accum_count"])
-        if entry["accum"] is not None:
-            target.copy_(mine(entry["accum"]))
-        host.writeback.copy_(host.master)  # a pending write-back reads this buffer
-        host.writeback_fresh = opt._host.writeback_pending
-    if "device_master" in entry:
-        index = entry["device_index"].long()
-        # (None: the fp32 weights hold the device columns' master values)
-        master = fit(entry["device_master"]) if entry["device_master"] is not None else \
-            split.matrix(p.detach()).index_select(split.axis, index.to(p.device))
-        split.device = DeviceColumns.from_columns(
-            index, master, fit(entry["device_exp_avg"]),
-            fit(entry["device_exp_avg_sq"]), step=entry["device_step"], device=p.device, axis=split.axis,
-            grad_dtype=split.grad_dtype,
-        )
-        split.fit_host_sum()  # (the restored sum, saved over every column, keeps the unselected ones)
+        opt.host_windows.attach_host([split])  # (for the settings in force, in this rank's share)
+    split.load(entry, writeback_fresh=opt.host_windows.writeback_pending)
     return split
 
 

@@ -28,12 +28,14 @@ class ZenFlowState(Protocol):
     host_executor: str
     _split: dict[torch.Tensor, SplitMatrix]
     _dense: dict[torch.Tensor, DenseDeviceState]
-    _host: HostWindows
     _schedule: WindowSchedule | None
     _stats: ZenFlowStats
     _fsdp: LocalShards
     _param_names: dict[torch.Tensor, str]
     _clip_max_norm: float | None
+
+    @property
+    def host_windows(self) -> HostWindows: ...
 
     def _engine_params(self) -> list[torch.Tensor]: ...
 

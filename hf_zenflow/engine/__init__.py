@@ -12,7 +12,8 @@
 - the schedule, decisions without tensors: `schedule.py` (step kinds, windows, Zen-auto votes), `writeback_lag.py`
   ("auto"'s choice from the host columns' sizes);
 - one matrix's two sides and its columns: `split_matrix.py`, `selection.py`, `reselection.py`; the optimizer's
-  arguments made into state: `params.py`; weights changed from outside: `weight_marks.py`; the storage layout:
+  arguments made into state: `params.py`, the run's schedule and the first step's state made in its backward
+  hooks: `state_maker.py`; weights changed from outside: `weight_marks.py`; the storage layout:
   `layout.py` (`column_major_`); AMP: `amp.py`; per-step telemetry: `telemetry.py`; what the hooks and `step()`
   refuse to run under (compiled autograd, CUDA graphs): `graph_guard.py`.
 

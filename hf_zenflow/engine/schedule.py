@@ -102,6 +102,34 @@ class WindowSchedule:
         self.update_interval = window or configured
         self.writeback_lag = lag if window is None or lag is None else min(lag, window)
 
+    #: the keys of `state()` that `load()` always restores: the progress, whatever the settings in force
+    COUNTERS = ("steps", "window_steps", "windows", "reselections", "last_interval")
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the schedule, as plain values under the keys of its ``zenflow`` block: the
+        counters, a re-selection forced at the next step, the write-back lag (and whether "auto" has still to choose
+        it), `high_lr_rule`'s window and the threshold a device memory limit chose."""
+        return {
+            "steps": self.steps, "window_steps": self.window_steps, "windows": self.windows,
+            "reselections": self.reselections, "last_interval": self.last_interval, "force_select": self.force_select,
+            "writeback_lag": self.writeback_lag, "writeback_lag_pending": self.writeback_lag_pending,
+            "high_lr_window": self.high_lr_window, "limit_min_offload_numel": self.limit_min_offload_numel,
+        }
+
+    def load(self, state: dict[str, Any], lag: bool = False, limit: bool = False) -> None:
+        """Restore the counters and a forced re-selection from `state` (a checked checkpoint block; one without
+        ``force_select`` forces none); with `lag`, "auto"'s write-back lag as the saved run had it, chosen or not
+        (after `shorten_windows`, which sets the lag from the settings); with `limit`, the threshold the saved run's
+        device memory limit chose. Where the caller passes neither, the settings in force decide those afresh."""
+        for key in self.COUNTERS:
+            setattr(self, key, int(state[key]))
+        self.force_select = bool(state.get("force_select", False))
+        if lag:
+            self.writeback_lag = state["writeback_lag"]
+            self.writeback_lag_pending = bool(state["writeback_lag_pending"])
+        if limit:
+            self.limit_min_offload_numel = state["limit_min_offload_numel"]
+
     def in_warm_up(self) -> bool:
         return self.steps < self.warm_up
 

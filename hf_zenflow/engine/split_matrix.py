@@ -19,6 +19,7 @@ from ..transport.cpu_device.rounding import RESELECTION_SALT, RandomStream, rand
 from ..transport.link import Transport
 from .device_state import DenseDeviceState, DeviceColumns
 from .host import GRAD_SLOTS, HostLayout, HostMatrix
+from .quantized_moments import QuantizedMoment
 from .schedule import ZenAutoStats
 from .selection import column_scores, selection_axis, storage_matrix
 
@@ -108,6 +109,95 @@ class SplitMatrix:
     def offloaded(self) -> bool:
         """True when some columns live on the host (k < in)."""
         return self.k < self.columns
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this matrix, as it is held, under the keys of its entry: the selection (``k``,
+        Zen-auto's statistics, the layout), the device columns (``device_*``), this rank's host state (``host_*``;
+        8-bit moments as their codes and per-block scales) with the open window's sum wherever it is kept and the
+        steps in it (``accum``: None when empty), and the rank's ``share`` with several. The tensors are the live
+        state (the open window's host sum, when held in parts, a new one)."""
+        state: dict[str, Any] = {"k": self.k, "auto": self.auto.to_list(), "axis": self.axis, "rows": self.rows}
+        if self.device is not None:
+            d = self.device
+            state.update(device_index=d.index, device_master=d.master, device_exp_avg=d.exp_avg,
+                         device_exp_avg_sq=d.exp_avg_sq, device_step=d.step)
+        if self.host is not None:
+            h = self.host
+            # the open window's sum, wherever it is kept (the caller has drained the host worker), in the dtype it is
+            # kept in; a sum of the unselected columns only (host_sum_columns="unselected") over every column
+            accum, count = (self.window_sum, self.window_count) if self.window_sum is not None else (
+                h.full_sum() if h.accum_count else h.accum, h.accum_count)
+            state.update(host_master=h.master, host_exp_avg=h.exp_avg, host_exp_avg_sq=h.exp_avg_sq,
+                         host_step=h.step, accum=accum if count else None, accum_count=count)
+            if h.quantized:
+                state.update(host_exp_avg=h.exp_avg.codes, host_exp_avg_sq=h.exp_avg_sq.codes,
+                             host_exp_avg_scale=h.exp_avg.scales, host_exp_avg_sq_scale=h.exp_avg_sq.scales)
+            if self.share.ranks > 1:
+                state["share"] = [self.share.start, self.share.length, self.share.size]
+        return state
+
+    @torch.no_grad()
+    def load(self, state: dict[str, Any], writeback_fresh: bool = False) -> None:
+        """Restore what `state()` gave (a checked checkpoint entry) into this matrix, made for the settings in force
+        with `k` the entry's and, where the entry has host state, its own host state (`attach_host`). The entry may
+        come from a parameter in the other layout (`column_major_`: every matrix transposed), hold the whole matrix
+        where this rank holds a share (it takes its share), 8-bit or wider moments (8-bit ones into 8-bit ones of
+        the same blocks as saved; any other pair as their fp32 values, stored as this matrix stores them) and its
+        window sum kept on either side; a master left to the fp32 weights (None: loaded before this state) comes
+        from the parameter, the device columns' host values beside it. `writeback_fresh`: a host result awaits its
+        write-back (the host master is what it writes)."""
+        self.auto = ZenAutoStats.from_list(state["auto"])
+        # saved from a parameter in the other layout (see `column_major_`): every matrix here is transposed
+        flip = not self.rows and int(state.get("axis", 1)) != self.axis
+
+        def fit(t: torch.Tensor) -> torch.Tensor:
+            return t.t() if flip and t.ndim == 2 else t
+
+        p = self.param
+        if "host_master" in state:
+            host = self.host
+            # a one-process state dict loaded under several ranks: each takes its share
+            mine = (lambda t: self.share.local(fit(t))) if "share" not in state else fit
+            whole = "share" in state or self.share.ranks == 1
+            if "host_exp_avg_scale" in state and host.quantized and whole and not flip:
+                # 8-bit moments into 8-bit moments of the same blocks: the codes and scales as saved (exact)
+                for name in ("exp_avg", "exp_avg_sq"):
+                    getattr(host, name).copy_codes_(state[f"host_{name}"], state[f"host_{name}_scale"])
+            else:
+                # any other pair of settings, layout or share: the fp32 values, stored as this matrix stores them
+                for name in ("exp_avg", "exp_avg_sq"):
+                    getattr(host, name).copy_(mine(_saved_moment(state, name)))
+            if state["host_master"] is not None:
+                host.master.copy_(mine(state["host_master"]))
+            else:
+                # the fp32 weights hold the master of every column the host owns (saved with the model, loaded
+                # before this state); the device columns' host values are saved beside
+                host.master.copy_(self.host_part(p.detach()))
+                if "host_master_columns" in state:
+                    host.master.index_copy_(self.axis, state["device_index"].long().cpu(),
+                                            mine(state["host_master_columns"]).to(host.master.dtype))
+            host.step.copy_(state["host_step"])
+            # the open window's sum goes wherever this matrix keeps it (either setting can load either)
+            target = self.window_sum if self.window_sum is not None else host.accum
+            if self.window_sum is not None:
+                self.window_count = int(state["accum_count"])
+            else:
+                host.accum_count = int(state["accum_count"])
+            if state["accum"] is not None:
+                target.copy_(mine(state["accum"]))
+            host.writeback.copy_(host.master)  # a pending write-back reads this buffer
+            host.writeback_fresh = writeback_fresh
+        if "device_master" in state:
+            index = state["device_index"].long()
+            # (None: the fp32 weights hold the device columns' master values)
+            master = fit(state["device_master"]) if state["device_master"] is not None else \
+                self.matrix(p.detach()).index_select(self.axis, index.to(p.device))
+            self.device = DeviceColumns.from_columns(
+                index, master, fit(state["device_exp_avg"]),
+                fit(state["device_exp_avg_sq"]), step=state["device_step"], device=p.device, axis=self.axis,
+                grad_dtype=self.grad_dtype,
+            )
+            self.fit_host_sum()  # (the restored sum, saved over every column, keeps the unselected ones)
 
     @torch.no_grad()
     def full_state(self, ranks: RankGroup | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -218,3 +308,11 @@ def master_value(param: torch.Tensor, splits: dict[torch.Tensor, SplitMatrix],
     if split is None:
         return param.detach().float().cpu().clone()
     return split.unmatrix(split.full_state(ranks)[0])
+
+
+def _saved_moment(state: dict[str, Any], name: str) -> torch.Tensor:
+    """A saved host moment (``"exp_avg"`` or ``"exp_avg_sq"``) as its values: 8-bit codes decoded with their
+    per-block scales, other dtypes as saved."""
+    scales = state.get(f"host_{name}_scale")
+    codes = state[f"host_{name}"]
+    return codes if scales is None else QuantizedMoment(codes, scales.float()).float()

@@ -35,6 +35,9 @@ from ..distributed.sharding import RankGroup, local_grad, set_grad
 from ..settings.config import ZenFlowConfig, sums_on_device
 from ..transport import CopyEvents, Transport, Transports
 from ..transport.cpu_device.rounding import matrix_key
+from .accumulation import resumed_choice
+from .device_budget import estimate_peak
+from .device_memory import DeviceMemoryMeter
 from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
 from .device_step import device_update
 from .host import GRAD_SLOTS, HostLayout, HostMatrix, accumulate_into, grad_slots, host_adamw_window, link_grad_dtype
@@ -264,8 +267,11 @@ class HostWindows:
         #: a GradScaler is in use: each gradient freed in backward has its overflow check made in its hook
         self.checks_overflow = False
         #: creates a matrix's state in its first backward hook (the first step, so that it can be freed too), or
-        #: None (set by the optimizer)
+        #: None (`StateMaker.in_backward`, set by the optimizer)
         self.create_in_backward: Callable[[torch.Tensor], SplitMatrix | None] | None = None
+        #: the run's schedule: None until the first step (or a load) makes it (`StateMaker.ensure_schedule`), and
+        #: again after a reset
+        self.schedule: WindowSchedule | None = None
         #: the thread that may start the worker from a backward hook (the optimizer's; not a device's autograd thread)
         self._home_thread = threading.current_thread()
         self._create_lock = threading.Lock()
@@ -276,12 +282,9 @@ class HostWindows:
         self.reserved_ahead = False
         #: the gradients freed in backward whose copy to the host has not landed (their memory is still allocated)
         self.in_flight = FreedInFlight()
-        #: the device's peak so far, for ``device_memory_limit_bytes`` (`planner.plan_accumulation`; set by the
-        #: optimizer)
-        self.device_peak: Callable[[], int] = lambda: 0
-        #: under ``device_memory_limit_bytes``, what the step holds beside the device sums of "auto" and what they
-        #: keep (`device_budget.PeakEstimate.beside_window_sums`; 0 without a limit; set by the optimizer)
-        self.limit_peak: Callable[[], int] = lambda: 0
+        #: the optimizer's meter of what the device holds (set by the optimizer): its peak so far is what
+        #: "auto" weighs against ``device_memory_limit_bytes`` (`planner.plan_accumulation`; None: a peak of 0)
+        self.meter: DeviceMemoryMeter | None = None
 
     @property
     def config(self) -> ZenFlowConfig:
@@ -310,6 +313,50 @@ class HostWindows:
         self.transports.forget()
         self.in_flight.clear()  # (closing the transports waited for every copy)
         self.stats.device_clocks.clear()
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the host side, as plain values under the keys of its ``zenflow`` block: the
+        guard's state, the seed of the rounding bits, whether a host result awaits its write-back and the sizes of
+        the windows it holds, where windows are summed, and the ranks the host state is split across (``ranks`` and
+        ``rank`` with several, ``fsdp_ranks`` and ``fsdp_rank`` under FSDP2; `load` leaves those to the caller's
+        rank checks)."""
+        state: dict[str, Any] = {
+            "host_step_guard": self.guard.state(), "rounding_seed": self.rounding_seed,
+            "writeback_pending": self.writeback_pending, "unapplied_steps": list(self.unapplied_steps),
+            "accumulate_on": self.accumulate_on,
+        }
+        if self.shards.ranks > 1:
+            state.update(ranks=self.shards.ranks, rank=self.shards.rank)
+        if self.param_shards is not None:
+            state.update(fsdp_ranks=self.param_shards.ranks, fsdp_rank=self.param_shards.rank)
+        return state
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore what `state()` gave, from a checked checkpoint block (one written before the guard or the seed
+        existed lacks them: theirs stay; ``config`` names the accumulation of one written before "auto"), after
+        `reset` and before any host state is made: it is made for the accumulation chosen and rounds with the
+        seed."""
+        self.accumulate_chosen = resumed_choice(self.config, state)
+        if "host_step_guard" in state:
+            self.guard.load(state["host_step_guard"])  # (the factor it engaged to, a write-back it watches)
+        if "rounding_seed" in state:
+            self.rounding_seed = int(state["rounding_seed"])
+        self.writeback_pending = bool(state["writeback_pending"])
+        self.unapplied_steps = [int(n) for n in state["unapplied_steps"]]
+
+    def loaded(self, threads: int, background: bool) -> None:
+        """A whole, checked state was just loaded: a worker that no longer runs with `threads` threads in the
+        `background` mode wanted stops (a later step starts one with the settings in force; the run goes on, its
+        cores stay claimed and the state just loaded keeps its pinned buffers), and a host worker's failure is
+        forgotten (`engine/failure.py`)."""
+        worker = self.worker
+        if worker is not None and (worker.threads, worker.background) != (threads, background):
+            self.stop_worker()
+        self.keeper.failure = None
+
+    def guard_factor(self) -> float:
+        """The host lr's factor under the configured `host_step_guard` (`HostStepGuard.factor_for`)."""
+        return self.guard.factor_for(self.config.host_step_guard)
 
     def stop_worker(self) -> None:
         """Stop the worker thread only (a later step starts a new one, e.g. with other settings); the run goes on:
@@ -371,12 +418,29 @@ class HostWindows:
             groups.setdefault(id(transport), (transport, []))[1].append(split)
         return list(groups.values())
 
+    def copies_lag(self) -> bool:
+        """Whether the copies of gradients to the host run beside backward and may lag it (CUDA's side stream):
+        then several freed gradients can be in flight at once (`engine/in_flight.py`). A CUDA parameter's copies
+        do; other devices' as their transport says, once made (none is made here)."""
+        return any(p.device.type == "cuda" for g in self.groups for p in g["params"]) or any(
+            t.stages_gradients for t in self.transports.values())
+
+    def limit_peak(self) -> int:
+        """Under `device_memory_limit_bytes`: what a step at the run's threshold holds beside what
+        `accumulate_on="auto"` counts for device sums (`PeakEstimate.beside_window_sums`); 0 without a limit. Asked
+        when "auto" decides, which is at the first host state: the schedule exists by then."""
+        if self.config.device_memory_limit_bytes is None:
+            return 0
+        return estimate_peak(self.groups, self.config, self.schedule.offload_threshold(self.config),
+                             self.free_kind is not None, copies_lag=self.copies_lag()).beside_window_sums
+
     def _decide(self, splits: list[SplitMatrix], shares: dict) -> None:
         local = [getattr(p, "_local_tensor", p) for g in self.groups for p in g["params"] if p.requires_grad]
         elements = float(sum(p.numel() for p in local))
         sizes = RunSizes(splits, shares, self.transport_of, elements,
                          elements * (self.param_shards.ranks if self.param_shards is not None else 1),
-                         peak=max(self.device_peak(), self.limit_peak()), frees_gradients=self.free_kind is not None)
+                         peak=max(self.meter.peak_bytes if self.meter is not None else 0, self.limit_peak()),
+                         frees_gradients=self.free_kind is not None)
         self.accumulate_chosen = plan_accumulation(self.config, sizes, self.reduce_group)
 
     def prepare_first_state(self, entries: list[tuple[dict, torch.Tensor]], schedule: WindowSchedule) -> None:

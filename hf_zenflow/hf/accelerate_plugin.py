@@ -290,7 +290,7 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
             "zenflow_cpu_threads": opt.config.resolved_cpu_threads if opt is not None else None,
             "host_worker_threads": None,
         }
-        worker = opt._host.worker if opt is not None else None
+        worker = opt.host_windows.worker if opt is not None else None
         if worker is not None and getattr(worker, "_thread", None) is not None:
             # Ask the worker thread itself: torch's thread count is per OS thread.
             seen: dict[str, Any] = {}

@@ -35,7 +35,6 @@ from .. import checkpoint
 from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
-from ..engine.device_budget import estimate_peak
 from ..engine.device_memory import DeviceMemoryMeter
 from ..engine.device_state import DenseDeviceState
 from ..engine.device_step import ParamWrites, device_update
@@ -48,15 +47,14 @@ from ..engine.params import (
     check_group_params,
     check_param_group,
     create_state,
-    is_split,
-    new_schedule,
     offloads_any,
     resolve_config,
 )
-from ..engine.planner import LimitChoice, announce_limit, choose_min_offload_numel
+from ..engine.planner import LimitChoice, announce_limit
 from ..engine.reselection import reselect, select_waiting
 from ..engine.schedule import StepKind, WindowSchedule
 from ..engine.split_matrix import SplitMatrix, master_value
+from ..engine.state_maker import StateMaker
 from ..engine.telemetry import StepTimer, ZenFlowStats, device_state_bytes
 from ..engine.weight_marks import WeightMarks, rekey, reread_masters
 from ..engine.windows import HandOff, HostWindows
@@ -156,12 +154,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.host_executor = host_executor
         self._split: dict[torch.Tensor, SplitMatrix] = {}
         self._dense: dict[torch.Tensor, DenseDeviceState] = {}
-        self._schedule: WindowSchedule | None = None
         self._norm_cache = GradNormCache()
         self._stats = ZenFlowStats()
         self._auto_lag = AutoWritebackLag()
         self._fsdp = LocalShards()  # FSDP2's DTensor parameters, found at the first use (`_find_param_shards`)
         self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor, process_group)
+        # the run's schedule (kept by the host side: `_schedule`) and the first step's state made in its backward hooks
+        self._state = StateMaker(self._host, self._dense, self._fsdp)
         self.config = config
         self.drained_by: str | None = None  # what drains it: "ZenFlowCallback", "ZenFlowTrainer" (`train()` checks)
         # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
@@ -169,25 +168,20 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._reads.on_ready = self._host.grad_ready
         # what the device holds at its peak in a step (`stats()["peak_device_bytes"]`)
         self._meter = DeviceMemoryMeter((p for g in self.param_groups for p in g["params"]),
-                                        lambda: device_state_bytes(self._split, self._dense),
+                                        lambda split=self._split, dense=self._dense: device_state_bytes(split, dense),
                                         in_flight=self._host.in_flight.bytes)
-        self._reads.meter = self._meter
+        self._reads.meter = self._host.meter = self._meter
         self._reads.on_arrival = self._host.regather
         self._reads.defers_norm = self._host.defers_norm
         self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1  # DDP rewrites them after the hooks
-        me = weakref.ref(self)
-        self._host.device_peak = lambda: (opt._meter.peak_bytes if (opt := me()) is not None else 0)
-        self._host.limit_peak = lambda: (opt._limit_peak() if (opt := me()) is not None else 0)
         #: the caller clips through `clip_grad_norm_` (free_gradients_in_backward="auto"), a GradScaler was seen
         self._clips_through_optimizer, self._scaled = False, False
         self._clip_max_norm: float | None = None  # the last `clip_grad_norm_`'s max_norm (saved in checkpoints)
         #: what the last `load_state_dict()` loaded: its steps and clip threshold (`checkpoint.SavedProgress`), for a
         #: resume to compare with the Trainer's state (`hf_zenflow.hf.resume.check_resumed_optimizer`); None: none
         self.loaded_progress: checkpoint.SavedProgress | None = None
-        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
-        self._made_in_backward: list[torch.Tensor] = []  # the first step's state made in its backward hooks
-        self._limit_cache: tuple[tuple, LimitChoice] | None = None  # (`_limit_choice`)
-        self._host.create_in_backward = lambda p: (opt._create_in_backward(p) if (opt := me()) is not None else None)
+        self._made_in_backward = self._state.made_in_backward  # the first step's state made in its backward hooks
+        self._host.create_in_backward = self._state.in_backward
         self._host.free_kind = self._frees_next_step()
         self._weights = WeightMarks()  # notices weights changed from outside the optimizer
         self._param_names: dict[torch.Tensor, str] = {
@@ -213,7 +207,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             take_over(self, self.param_groups[-1]["params"])
             if not self._hooks_off:
                 self._reads.watch(self.param_groups[-1]["params"])
-            self._group_of.update({p: self.param_groups[-1] for p in self.param_groups[-1]["params"]})
+            self._state.group_of.update({p: self.param_groups[-1] for p in self.param_groups[-1]["params"]})
             self._host.keeper.offload_planned = offloads_any(self.param_groups, self.config)
             self._host.keeper.claim_cores()
 
@@ -499,22 +493,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return StepKind.WARM_UP if self.config.full_warm_up_rounds > 0 else StepKind.SELECT
         return self._schedule.kind()
 
-    @torch.no_grad()
-    def _create_in_backward(self, p: torch.Tensor) -> SplitMatrix | None:
-        """The first step's backward hook of `p`: its state now (a split matrix with host state only; the rest
-        waits for `step()`), so that its gradient can leave the device like every later one."""
-        group = self._group_of.get(p)
-        if group is None or self._fsdp.active or not is_split(p, group, self.config,
-                                                               min_numel=self._offload_threshold()):
-            return None
-        schedule = self._ensure_schedule()
-        if not self._made_in_backward:  # ("auto" decides over, and the link buffers are reserved for, all of them)
-            self._host.prepare_first_state([(group, q) for group in self.param_groups for q in group["params"]
-                                            if q.requires_grad], schedule)
-        create_state([(group, p)], self._split, self._dense, self.config, schedule, self._host.attach_host)
-        self._made_in_backward.append(p)
-        return self._split.get(p)
-
     def _forget_backward_state(self) -> None:
         """The first step is skipped: the state its backward hooks made goes again, so that the step changes
         nothing at all (as when the state is made in `step()`)."""
@@ -619,6 +597,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._config = value
         self._host.config = value
 
+    @property
+    def host_windows(self) -> HostWindows:
+        """The host side of this optimizer (`engine/windows.py`): the checkpoint code saves and restores it through
+        its `state()` and `load()`, and reads the ranks its host state is split across (`shards`, `param_shards`)."""
+        return self._host
+
     def __reduce_ex__(self, protocol: object) -> Any:
         """Refused: `copy.deepcopy` and pickle. The optimizer owns a host worker thread, backward hooks on its
         parameters, pinned transfer buffers and state keyed by the parameters themselves; a copy could share none
@@ -687,9 +671,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._reads.remove()
             self._reads = GradientReads([] if self._hooks_off else current)
             self._reads.on_ready = self._host.grad_ready
-            self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+            self._state.group_of = {p: g for g in self.param_groups for p in g["params"]}
             self._meter = DeviceMemoryMeter(current, self._meter.state_bytes, in_flight=self._meter.in_flight)
-            self._reads.meter = self._meter
+            self._reads.meter = self._host.meter = self._meter
             self._reads.on_arrival = self._host.regather
             self._reads.defers_norm = self._host.defers_norm
             self._reads.copies_out = self._host.copies_out
@@ -703,46 +687,30 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._find_param_shards()
         return [self._fsdp.local(p) for g in self.param_groups for p in g["params"]]
 
+    @property
+    def _schedule(self) -> WindowSchedule | None:
+        """The run's schedule (None before the first step), kept by the host side (`HostWindows.schedule`), where
+        the backward hooks that make the first step's state find it."""
+        return self._host.schedule
+
+    @_schedule.setter
+    def _schedule(self, value: WindowSchedule | None) -> None:
+        self._host.schedule = value
+
     def _ensure_schedule(self) -> WindowSchedule:
-        if self._schedule is None:
-            schedule = new_schedule(self.config, self.param_groups)
-            if self.config.device_memory_limit_bytes is not None:
-                schedule.limit_min_offload_numel = self._limit_choice().min_offload_numel
-            self._schedule = schedule
-        return self._schedule
+        return self._state.ensure_schedule()
 
     def _limit_choice(self) -> LimitChoice:
-        """`device_memory_limit_bytes`'s choice of the run's `min_offload_numel` (`engine/device_budget.py`): from
-        the parameters' sizes and the settings, and whether the coming step frees its gradients in backward."""
-        key = (self.config, len(self.param_groups), self._host.free_kind is not None, self._host.accumulate_on)
-        if self._limit_cache is None or self._limit_cache[0] != key:  # (the first backward's hooks ask alike)
-            self._limit_cache = (key, choose_min_offload_numel(self.param_groups, self.config, key[2], key[3],
-                                                               self._copies_lag()))
-        return self._limit_cache[1]
+        """`device_memory_limit_bytes`'s choice of the run's `min_offload_numel` (`StateMaker.limit_choice`)."""
+        return self._state.limit_choice()
 
     def _copies_lag(self) -> bool:
-        """Whether the copies of gradients to the host run beside backward and may lag it (CUDA's side stream):
-        then several freed gradients can be in flight at once (`engine/in_flight.py`). A CUDA parameter's copies
-        do; other devices' as their transport says, once made (none is made here)."""
-        return any(p.device.type == "cuda" for g in self.param_groups for p in g["params"]) or any(
-            t.stages_gradients for t in self._host.transports.values())
+        """Whether the copies of gradients to the host may lag backward (`HostWindows.copies_lag`)."""
+        return self._host.copies_lag()
 
     def _offload_threshold(self) -> int:
-        """The run's `min_offload_numel` (a device memory limit's choice, else the setting), before the schedule
-        exists too."""
-        if self._schedule is not None:
-            return self._schedule.offload_threshold(self.config)
-        if self.config.device_memory_limit_bytes is None:
-            return self.config.min_offload_numel
-        return self._limit_choice().min_offload_numel
-
-    def _limit_peak(self) -> int:
-        """Under `device_memory_limit_bytes`: what a step at the run's threshold holds beside what
-        `accumulate_on="auto"` counts for device sums (`PeakEstimate.beside_window_sums`); 0 without a limit."""
-        if self.config.device_memory_limit_bytes is None:
-            return 0
-        return estimate_peak(self.param_groups, self.config, self._offload_threshold(),
-                             self._host.free_kind is not None, copies_lag=self._copies_lag()).beside_window_sums
+        """The run's `min_offload_numel`, before the schedule exists too (`StateMaker.offload_threshold`)."""
+        return self._state.offload_threshold()
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpointing

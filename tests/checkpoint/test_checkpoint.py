@@ -15,6 +15,7 @@ import torch
 from hf_zenflow import CheckpointError, ZenFlowAdamW, to_torch_adamw
 from hf_zenflow.checkpoint.format import FORMAT_VERSION, load_file
 from hf_zenflow.checkpoint.seal import seal
+from hf_zenflow.engine.split_matrix import SplitMatrix
 from tests.conftest import (
     FP32_MOMENTS,
     batches,
@@ -66,6 +67,48 @@ def save(model, opt, sched) -> dict:
 
 def zenflow(**settings):
     return lambda model: ZenFlowAdamW(param_groups(model), lr=LR, **{**ADAMW_EXACT, **settings})
+
+
+def test_the_host_side_state_is_what_the_checkpoint_keeps_and_a_load_restores_it():
+    """`HostWindows.state()` holds the plain values the checkpoint writes of the host side (a host result awaiting its
+    write-back, the guard's norms, the seed, the accumulation), and a new optimizer's host side gives the same values
+    back after `load_state_dict`."""
+    settings = dict(update_interval=4, overlap_step=True, writeback_lag=2, high_lr_rule="off", accumulate_on="host")
+    _, opt, _, _ = run_until(zenflow(**settings), steps=SPLIT_AT - 1)
+    host = opt.host_windows.state()
+    saved = roundtrip(opt.state_dict())
+    opt.close()
+    assert host["writeback_pending"] and host["unapplied_steps"] == [4]  # (the window closed at step 4 awaits lag 2)
+    assert host["host_step_guard"]["recent_norms"], "the guard has seen norms"
+    assert {key: saved["zenflow"][key] for key in host} == host
+    fresh = zenflow(**settings)(make_model())
+    before = fresh.host_windows.state()
+    assert not before["writeback_pending"] and not before["host_step_guard"]["recent_norms"]
+    fresh.load_state_dict(saved)
+    assert fresh.host_windows.state() == host
+    fresh.close()
+
+
+def test_a_split_matrix_state_loads_into_a_fresh_one_as_it_was():
+    """`SplitMatrix.state()` holds the matrix as it is held (the selection, the device columns, the host state and the
+    open window's sum), and a matrix made for the same settings gives the same values back after `load` of it."""
+    settings = dict(update_interval=4, high_lr_rule="off", accumulate_on="host", topk_ratio=0.25)
+    _, opt, _, _ = run_until(zenflow(**settings), steps=SPLIT_AT)
+    opt.synchronize()
+    splits = list(opt._split.items())
+    assert any(s.device is not None and s.host is not None and s.host.accum_count for _, s in splits)
+    for p, split in splits:
+        held = split.state()
+        fresh = SplitMatrix(p, held["k"], rows=split.rows)
+        if "host_master" in held:
+            opt.host_windows.attach_host([fresh])
+        fresh.load(held)
+        again = fresh.state()
+        assert list(again) == list(held)
+        for key, value in held.items():
+            same = torch.equal(again[key], value) if isinstance(value, torch.Tensor) else again[key] == value
+            assert same, key
+    opt.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

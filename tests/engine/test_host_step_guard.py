@@ -316,8 +316,9 @@ def test_a_checkpoint_from_before_the_history_keeps_its_last_norm():
     seal(saved)
     opt = ZenFlowAdamW(_matrices_only().parameters(), **_resumable())
     opt.load_state_dict(saved)
-    assert list(opt._host.guard.recent_norms) == [state["last_norm"]]
-    assert opt._host.guard.watch_norm == state["watch_norm"] and opt._host.guard.factor == state["factor"]
+    guard = opt.host_windows.state()["host_step_guard"]
+    assert guard["recent_norms"] == [state["last_norm"]]
+    assert guard["watch_norm"] == state["watch_norm"] and guard["factor"] == state["factor"]
     opt.close()
 
 

@@ -224,9 +224,9 @@ def test_the_rounding_seed_travels_with_the_checkpoint(moments):
     second = make_model()
     second.load_state_dict(first.state_dict())
     opt = made_under(4, second)
-    assert opt._host.rounding_seed == 4
+    assert opt.host_windows.state()["rounding_seed"] == 4
     opt.load_state_dict(saved)
-    assert opt._host.rounding_seed == 3
+    assert opt.host_windows.state()["rounding_seed"] == 3
     train(second, opt, data[5:])
     opt.close()
     assert all(torch.equal(p, q) for p, q in zip(whole.parameters(), second.parameters()))

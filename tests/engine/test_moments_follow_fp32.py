@@ -115,7 +115,7 @@ def test_the_driver_is_the_optimizer_bit_for_bit():
     for name, settings in SETTINGS.items():
         w = torch.nn.Parameter(torch.zeros(SHAPE))
         opt = ZenFlowAdamW([w], lr=1e-3, weight_decay=0.0, min_offload_numel=0, cpu_threads=1, **settings)
-        driver = MomentsDriver(settings, opt._host.rounding_seed)
+        driver = MomentsDriver(settings, opt.host_windows.state()["rounding_seed"])
         gen = torch.Generator().manual_seed(1)
         for step in range(1, steps + 1):
             grad = torch.randn(SHAPE, generator=gen).mul_(gradient_scale(step, "drop"))
