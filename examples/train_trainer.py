@@ -44,8 +44,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local
 
@@ -54,6 +52,15 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hf_zenflow.settings.flags import invalid_flags_message  # noqa: E402
+
+
+if __name__ == "__main__" and (problem := invalid_flags_message(sys.argv[1:])):
+    # a bad --zenflow_* value is answered at once, before torch and transformers are imported
+    print(f"{os.path.basename(sys.argv[0])}: {problem}", file=sys.stderr)
+    raise SystemExit(2)
+
+import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from hf_zenflow import ZenFlowTrainer, ZenFlowTrainingArguments  # noqa: E402

@@ -152,6 +152,51 @@ def rename_fields(message: str, name: Callable[[str], str]) -> str:
     return re.sub(r"ZenFlowConfig\.(\w+)", lambda m: name(m.group(1)), message)
 
 
+def invalid_flags_message(argv: Iterable[str], prefix: str = "zenflow_") -> str | None:
+    """What is wrong with the ``--<prefix><setting>`` flags among `argv` (their values together, every other setting
+    at its default), named by flag; None when they are valid or `argv` takes its settings from elsewhere (a JSON file
+    of arguments, ``--<prefix>from_deepspeed``). For a script to answer a bad value before it imports torch; flags
+    this reading cannot place (an unknown name, a missing value) are left to the script's own parser.
+
+    Example:
+        >>> invalid_flags_message(["--output_dir", "out", "--zenflow_topk_ratio", "2"])
+        '--zenflow_topk_ratio=2.0 is invalid: allowed is a float in [0, 1] (0.1 is typical).'
+        >>> invalid_flags_message(["--no_zenflow_overlap_step", "--zenflow_update_interval=8"]) is None
+        True
+    """
+    words = list(argv)
+    if any(w.endswith(".json") and not w.startswith("-") for w in words[:1]) or any(
+            w.split("=", 1)[0] == f"--{prefix}from_deepspeed" for w in words):
+        return None
+    values: dict[str, Any] = {}
+    for i, word in enumerate(words):
+        flag, given, raw = word.partition("=")
+        negated = flag.startswith(f"--no_{prefix}")
+        name = flag[len(f"--no_{prefix}"):] if negated else flag[len(f"--{prefix}"):]
+        setting = SETTINGS_BY_NAME.get(name) if flag.startswith(("--" + prefix, f"--no_{prefix}")) else None
+        if setting is None:
+            continue
+        if negated:
+            values[name] = False
+            continue
+        if not given:
+            following = words[i + 1] if i + 1 < len(words) else None
+            if following is None or following.startswith("--"):
+                if setting.kind == "bool":
+                    values[name] = True
+                continue  # (a missing value: the script's parser says so)
+            raw = following
+        try:
+            values[name] = parse_text(setting, raw)
+        except ValueError as err:
+            return f"--{prefix}{name}={raw} is invalid: {err}."
+    try:
+        ZenFlowConfig(**values)
+    except ValueError as err:
+        return rename_fields(str(err), lambda field_name: f"--{prefix}{field_name}")
+    return None
+
+
 def render_help(setting: Setting, name: Callable[[str], str] = lambda n: f"`{n}`") -> str:
     """`setting`'s help with every backticked field name (``select_interval``) written as `name` renders it."""
     return re.sub(r"`(\w+)`", lambda m: name(m.group(1)) if m.group(1) in SETTINGS_BY_NAME else m.group(0),

@@ -194,3 +194,22 @@ def test_notebook_outputs_are_git_ignored():
         pytest.skip("not a git checkout")
     for path in ("examples/zenflow_quickstart_output/README.md", "examples/zenflow_quickstart_run.ipynb"):
         assert subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO_ROOT).returncode == 0, path
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--zenflow_topk_ratio", "2"], "--zenflow_topk_ratio=2.0 is invalid: allowed is a float in [0, 1]"),
+    (["--zenflow_select_strategy=nope"], "--zenflow_select_strategy='nope' is invalid"),
+    (["--zenflow_update_interval", "2", "--zenflow_writeback_lag", "3"], "--zenflow_writeback_lag=3 is invalid"),
+])
+def test_train_trainer_refuses_a_bad_zenflow_flag_before_importing_torch(flags, named, tmp_path):
+    """Regression: `train_trainer.py --zenflow_topk_ratio 2` ended in a traceback after transformers was imported;
+    a bad --zenflow_* value is one line and exit status 2, with neither torch nor transformers imported."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(EXAMPLES / "train_trainer.py"), *flags,
+                           "--output_dir", str(tmp_path / "out")], env=example_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time")]
+    assert proc.returncode == 2 and len(said) == 1, proc.stderr[-3000:]
+    assert said[0].startswith("train_trainer.py: ") and named in said[0], said
+    assert not {"torch", "transformers"} & imported
+    assert not (tmp_path / "out").exists()
