@@ -3,7 +3,7 @@
 Which kind of step this is (dense warm-up, a re-selection, or an ordinary step that may launch its device work before
 the host reads the step's scalars), when a window closes (a fixed `update_interval`, or Zen-auto's votes within
 `auto_max_interval`), which step writes a host result back, and the learning-rate scale of a host step.
-`ZenFlowAdamW` asks; it decides nothing of this itself.
+`step_plan.py` turns these into one step's plan, which `ZenFlowAdamW` follows; it decides nothing of this itself.
 """
 
 from __future__ import annotations
