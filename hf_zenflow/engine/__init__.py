@@ -9,8 +9,9 @@
 - between them: `windows.py` (`HostWindows`: a gradient's way into its window, in backward or in the step, the
   window's close and its result written back ``writeback_lag`` steps later); `accumulation.py` (host or device
   window sums), `host_lr.py` (the host step's learning-rate multiplier), `host_guard.py` (`host_step_guard`);
-- the schedule, decisions without tensors: `schedule.py` (step kinds, windows, Zen-auto votes), `writeback_lag.py`
-  ("auto"'s choice from the host columns' sizes);
+- the schedule, decisions without tensors: `schedule.py` (step kinds, windows, Zen-auto votes), `step_plan.py`
+  (`StepPlan`: those decisions for one step, which `_step` follows), `writeback_lag.py` ("auto"'s choice from the
+  host columns' sizes), `run_start.py` (what a run decides and logs once, at its first step);
 - one matrix's two sides and its columns: `split_matrix.py`, `selection.py`, `reselection.py`; the optimizer's
   arguments made into state: `params.py`, the run's schedule and the first step's state made in its backward
   hooks: `state_maker.py`; weights changed from outside: `weight_marks.py`; the storage layout:

@@ -64,11 +64,9 @@ def offloaded_fraction(groups: list[dict[str, Any]], config: ZenFlowConfig,
 
 
 def announce_offload(groups: list[dict[str, Any]], config: ZenFlowConfig, schedule: WindowSchedule) -> None:
-    """At the first step of a run: a warning when nothing or almost nothing is offloaded (`ALMOST_NOTHING`), or when
-    ``high_lr_rule="auto"`` shortened the windows to one step (the host AdamW then runs at every step)."""
-    if schedule.offload_announced:
-        return
-    schedule.offload_announced = True
+    """A warning when nothing or almost nothing is offloaded (`ALMOST_NOTHING`), or when ``high_lr_rule="auto"``
+    shortened the windows to one step (the host AdamW then runs at every step); `run_start.RunStart` calls it once
+    per run, at its first step."""
     fraction, reasons = offloaded_fraction(groups, config, schedule.offload_threshold(config))
     if fraction < ALMOST_NOTHING:
         what = "nothing" if fraction == 0 else f"almost nothing ({fraction:.1%} of the trainable parameters)"

@@ -116,11 +116,9 @@ def new_schedule(config: ZenFlowConfig, groups: list[dict] | None = None) -> Win
 
 
 def announce_high_lr_rule(schedule: WindowSchedule, config: ZenFlowConfig, groups: list[dict]) -> None:
-    """Log `high_lr_rule="auto"`'s choice once per run, at the first step this optimizer takes: after a resume that
-    is the checkpoint's choice (restored over the one a fresh schedule would make), not a decision it replaced."""
-    if schedule.high_lr_announced:
-        return
-    schedule.high_lr_announced = True  # (once: every later step returns above, a flag test on the step's path)
+    """Log `high_lr_rule="auto"`'s choice, when engaged (`run_start.RunStart` calls it once per run, at its first
+    step: after a resume that is the checkpoint's choice, restored over the one a fresh schedule would make, not a
+    decision it replaced)."""
     window = schedule.high_lr_window
     if window is None:
         return

@@ -3,7 +3,7 @@
 Which kind of step this is (dense warm-up, a re-selection, or an ordinary step that may launch its device work before
 the host reads the step's scalars), when a window closes (a fixed `update_interval`, or Zen-auto's votes within
 `auto_max_interval`), which step writes a host result back, and the learning-rate scale of a host step.
-`ZenFlowAdamW` asks; it decides nothing of this itself.
+`step_plan.py` turns these into one step's plan, which `ZenFlowAdamW` follows; it decides nothing of this itself.
 """
 
 from __future__ import annotations
@@ -80,15 +80,9 @@ class WindowSchedule:
     force_select: bool = False
     #: `high_lr_rule="auto"`'s shortened window (then also `update_interval`); None: not engaged
     high_lr_window: int | None = None
-    #: whether this optimizer has logged that choice (`params.announce_high_lr_rule`; not saved)
-    high_lr_announced: bool = False
-    #: whether this run has said that it offloads (almost) nothing (`offload_report.announce_offload`; not saved)
-    offload_announced: bool = False
     #: the `min_offload_numel` that `device_memory_limit_bytes` chose for the run (`device_budget.py`); None: the
     #: setting's (no limit)
     limit_min_offload_numel: int | None = None
-    #: whether this run has said what the limit chose (`device_budget.announce_limit`; not saved)
-    limit_announced: bool = False
 
     def offload_threshold(self, config: Any) -> int:
         """The run's `min_offload_numel`: the limit's choice, else `config`'s setting."""
@@ -138,11 +132,13 @@ class WindowSchedule:
             return False
         return self.force_select or (self.steps - self.warm_up) % self.select_period == 0
 
-    def window_closes(self, auto_votes: list[bool]) -> bool:
-        """Called after the current step was added to the window (window_steps already counts it)."""
+    def window_closes(self, auto_votes: list[bool], window_steps: int | None = None) -> bool:
+        """Whether the window closes after the current step: `window_steps` counts the current step (default: the
+        open window's `window_steps`, the current step already added)."""
+        steps = self.window_steps if window_steps is None else window_steps
         if self.update_interval is not None:
-            return self.window_steps >= self.update_interval
-        if self.window_steps >= self.auto_max_interval:
+            return steps >= self.update_interval
+        if steps >= self.auto_max_interval:
             return True
         if not auto_votes:  # a selection step (no masses measured) or no offloaded matrix: wait for the bound
             return False
@@ -161,15 +157,16 @@ class WindowSchedule:
         ordinary step with no matrix waiting for its first columns (those decisions need host numbers first)."""
         return self.kind() is StepKind.ORDINARY and not waiting_for_columns
 
-    def boundary_writes_back(self, overlap: bool, writeback_pending: bool) -> bool:
+    def boundary_writes_back(self, overlap: bool, writeback_pending: bool, window_steps: int | None = None) -> bool:
         """Whether the next step writes a host result back: the previous window's, pending, when overlapped (in the
         `writeback_lag`-th step of this window, or in the step that closes a fixed-length window), this window's
         own when not (in the step that closes it). Zen-auto windows are decided after the device update, so their
-        closing step never counts here (the close writes back itself)."""
-        if overlap and writeback_pending and self.writeback_lag is not None \
-                and self.window_steps + 1 >= self.writeback_lag:
+        closing step never counts here (the close writes back itself). `window_steps`: the steps in the window
+        before the next one (default: the open window's)."""
+        before = self.window_steps if window_steps is None else window_steps
+        if overlap and writeback_pending and self.writeback_lag is not None and before + 1 >= self.writeback_lag:
             return True
-        if self.update_interval is None or self.window_steps + 1 < self.update_interval:
+        if self.update_interval is None or before + 1 < self.update_interval:
             return False
         return not overlap or writeback_pending
 

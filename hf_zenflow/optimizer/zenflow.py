@@ -39,22 +39,22 @@ from ..engine.device_memory import DeviceMemoryMeter
 from ..engine.device_state import DenseDeviceState
 from ..engine.device_step import ParamWrites, device_update
 from ..engine.failure import drop_failed_worker, refuse_after_failure
-from ..engine.gradients import GradientReads, read_gradients
+from ..engine.gradients import GradientReads, StepReads, Synced, read_gradients
 from ..engine.graph_guard import refuse_captured_step
-from ..engine.offload_report import announce_offload
 from ..engine.params import (
-    announce_high_lr_rule,
     check_group_params,
     check_param_group,
     create_state,
     offloads_any,
     resolve_config,
 )
-from ..engine.planner import LimitChoice, announce_limit
+from ..engine.planner import LimitChoice
 from ..engine.reselection import reselect, select_waiting
+from ..engine.run_start import RunStart
 from ..engine.schedule import StepKind, WindowSchedule
 from ..engine.split_matrix import SplitMatrix, master_value
 from ..engine.state_maker import StateMaker
+from ..engine.step_plan import StepPlan, plan_step
 from ..engine.telemetry import StepTimer, ZenFlowStats, device_state_bytes
 from ..engine.weight_marks import WeightMarks, rekey, reread_masters
 from ..engine.windows import HandOff, HostWindows
@@ -157,6 +157,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._norm_cache = GradNormCache()
         self._stats = ZenFlowStats()
         self._auto_lag = AutoWritebackLag()
+        self._run_start = RunStart()  # the once-per-run decisions and log lines of each schedule
         self._fsdp = LocalShards()  # FSDP2's DTensor parameters, found at the first use (`_find_param_shards`)
         self._host = HostWindows(self._split, self.param_groups, config, self._stats, host_executor, process_group)
         # the run's schedule (kept by the host side: `_schedule`) and the first step's state made in its backward hooks
@@ -322,20 +323,76 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             worker.release()
 
     def _step(self, loss: float | None) -> float | None:
-        """One step, after `step()` has taken the worker, in this order:
+        """One step, after `step()` has taken the worker: read -> plan -> device update -> hand-off -> close.
 
-        1. one read of every gradient (norms, Zen-auto's masses, the selected columns on an ordinary step);
-        2. an ordinary step launches its device update and the hand-off to the host before it waits;
-        3. the step's one device->host sync (the non-finite check, the clip coefficient); warm-up, selection and
-           matrices waiting for columns decide on those numbers first, then update;
-        4. the previous window's host result is written back when the schedule says (``writeback_lag`` steps into
-           the window), this step's gradients go to the host, and the window closes on schedule (its host AdamW
-           submitted).
+        1. read: every gradient once (norms, Zen-auto's masses, the selected columns on an ordinary step);
+        2. plan: the schedule's decisions for this step (`engine/step_plan.py`);
+        3. device update: launched with the hand-off's copies before the step's one device->host sync (the non-finite
+           check, the clip coefficient) where the plan says, else after it, on the columns chosen on its numbers;
+        4. hand-off: the previous window's result goes into the weights first where the plan says (overlapped:
+           ``writeback_lag`` steps into the window), then this step's gradients go to the host worker;
+        5. close: the window closes where the plan says (its host AdamW submitted; the sequential schedule waits
+           for it and writes it back at once).
         """
         timer = StepTimer()
-        unscale, found_inf = amp.scaler_args(self)  # (called by `GradScaler.step`)
+        unscale, found_inf = self._scaler_args()
+        taken = self._take_gradients()
+        if taken is None:
+            return loss
+        entries, grads, measured, freed = taken
+        if self._first_step_overflowed(found_inf):
+            self._forget_backward_state()
+            self._stats.skip_step(timer, steps=0)
+            return loss
+        schedule = self._prepare_state(entries)
+        reads, copies_factor = self._read(schedule, entries, grads, measured, freed, unscale, found_inf, timer)
+        plan = plan_step(schedule, self.config.overlap_step, self._host.writeback_pending, bool(reads.waiting))
+        writes: ParamWrites | None = None
+        started: HandOff | None = None
+        try:
+            if plan.launches_before_sync:
+                writes, started = self._launch_before_sync(plan, entries, grads, reads, timer)
+            synced = self._sync(reads, len(entries), copies_factor, timer)
+            if not synced.finite:
+                if started is not None:
+                    self._host.abandon_hand_off(started)
+                self._stats.skip_step(timer, steps=schedule.steps)
+                return loss
+            if writes is not None:
+                writes.apply()  # (the update launched before the check: the parameters receive its masters now)
+            if plan.warm_up:
+                self._meter.note()  # (the state exists; the gradients are still held)
+                self._host.warm_up_step(entries, grads, synced.coef, timer, schedule, self._dense)
+            else:
+                # the first gradient after a write-back tells whether the host result overshot (`host_guard.py`);
+                # this step's own write-back, below, comes after
+                self._host.guard.observe(synced.total, schedule.steps, self.config.host_step_guard)
+                if not plan.launches_before_sync:
+                    writes = self._update_after_sync(plan, schedule, entries, grads, reads, synced, timer)
+                self._hand_off(plan, entries, grads, writes, started, synced, timer)
+                self._close_if_due(plan, schedule, reads, synced, timer)
+        except BaseException:
+            self._host.held.abandon(self._host.abandon_hand_off)
+            # an interrupt (Ctrl-C) or a failure between taking a hand-off slot and submitting its job must not leak
+            # the slot: the next step would wait for it forever
+            if started is not None and not started.done:
+                self._host.abandon_hand_off(started)
+            raise
+        self._finish_step(schedule, timer)
+        return loss
+
+    def _scaler_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What a GradScaler's `step` passes (`engine/amp.py`): 1 / the scale still on the gradients and the overflow
+        flag, each None when absent."""
+        unscale, found_inf = amp.scaler_args(self)
         if unscale is not None or found_inf is not None:
             self._note_scaler()
+        return unscale, found_inf
+
+    def _take_gradients(self) -> tuple[list[tuple[dict, torch.Tensor]], list[torch.Tensor], tuple, dict] | None:
+        """The step's (group, parameter) entries with a gradient (under FSDP2 this rank's shards), their gradients (a
+        freed gradient's stand-in in its place), what `clip_grad_norm_` measured of them (norms, total, clip
+        coefficient) and the gradients freed in backward; None when no parameter has a gradient."""
         # what `clip_grad_norm_` measured, keyed by the gradients it saw (a freed gradient's stand-in)
         measured_on = {p: f.stand_in for p, f in self._host.freed.items()}
         if self._host.freed and (self._host.accumulate_on != "host"
@@ -347,138 +404,125 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         entries = [(group, p) for group in self.param_groups for p in group["params"]
                    if p.grad is not None or self._fsdp.local(p) in freed]
         if not entries:
-            return loss
+            return None
         for _, p in entries:
             if p.grad is not None and p.grad.is_sparse:
                 raise RuntimeError("ZenFlowAdamW does not support sparse gradients")
         entries, grads = self._fsdp.entries(entries)  # (FSDP2: this rank's shards; else unchanged)
         grads = [freed[p].stand_in if p in freed else g for (_, p), g in zip(entries, grads)]
-        cached_norms, cached_total, clip = self._norm_cache.take([measured_on.get(p, g)
-                                                                  for (_, p), g in zip(entries, grads)])
+        measured = self._norm_cache.take([measured_on.get(p, g) for (_, p), g in zip(entries, grads)])
+        return entries, grads, measured, freed
+
+    def _first_step_overflowed(self, found_inf: torch.Tensor | None) -> bool:
+        """Whether the run's very first step overflowed (a GradScaler starting too high does this a few times): it is
+        then skipped before any state exists, so that it changes nothing at all (state its backward hooks made goes
+        again, `_forget_backward_state`). Not under FSDP2, where each rank's flag covers its own shards only: there
+        the step's all-reduced norm makes every rank skip alike, after creating the state."""
         first = self._schedule is None or (self._schedule.steps == 0 and bool(self._made_in_backward))
-        if first and found_inf is not None and not self._fsdp.active and found_inf.item():
-            # Sync point (first step only, which waits for its scalars before any update anyway): the very first
-            # step overflowed (a GradScaler starting too high does this a few times); it is skipped before any state
-            # exists, so that it changes nothing at all (state its backward hooks made goes again). (Not under
-            # FSDP2, where each rank's flag covers its own shards only: there the step's all-reduced norm makes
-            # every rank skip alike, after creating the state.)
-            self._forget_backward_state()
-            self._stats.skip_step(timer, steps=0)
-            return loss
+        # Sync point (first step only, which waits for its scalars before any update anyway): the scaler's flag
+        return first and found_inf is not None and not self._fsdp.active and bool(found_inf.item())
+
+    def _prepare_state(self, entries: list[tuple[dict, torch.Tensor]]) -> WindowSchedule:
+        """The schedule, with the state of every entry (weights changed from outside re-read first); at the run's
+        first step, its once-per-run decisions and log lines (`engine/run_start.py`)."""
         schedule = self._ensure_schedule()
         self._pick_up_outside_changes()
         create_state(entries, self._split, self._dense, self.config, schedule, self._host.attach_host,
                      self._fsdp if self._fsdp.active else None)
-        self._auto_lag.maybe_choose(self.config, schedule, self._host)  # (first step: from the host columns' sizes)
-        announce_high_lr_rule(schedule, self.config, self.param_groups)
-        announce_offload(self.param_groups, self.config, schedule)
-        if schedule.limit_min_offload_numel is not None and not schedule.limit_announced:
-            schedule.limit_announced = True  # (once per run: a resumed run says what it restored)
-            announce_limit(self.param_groups, self.config, schedule.limit_min_offload_numel,
-                           self._host.free_kind is not None, self._host.accumulate_on, self._copies_lag())
+        self._run_start.at_first_step(schedule, self.config, self.param_groups, self._host, self._auto_lag,
+                                      self._copies_lag)
+        return schedule
 
-        # ---- 1. one read of every gradient ------------------------------------------------------------------------
-        kind = schedule.kind()
-        warm_up, selecting = kind is StepKind.WARM_UP, kind is StepKind.SELECT
-        gather_now = kind is StepKind.ORDINARY
+    def _read(self, schedule: WindowSchedule, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor],
+              measured: tuple, freed: dict, unscale: torch.Tensor | None, found_inf: torch.Tensor | None,
+              timer: StepTimer) -> tuple[StepReads, torch.Tensor | None]:
+        """One read of every gradient (`engine/gradients.py`; an ordinary step gathers its selected columns too), and
+        the inverse scale on the copies made in backward before a GradScaler's ``unscale_`` (read in the sync; the
+        hand-off takes those copies)."""
+        gather_now = schedule.kind() is StepKind.ORDINARY
         with timer.phase("norms"):
-            reads = read_gradients(self._split, self._reads, entries, grads, (cached_norms, cached_total, clip),
-                                   gather_now, auto=self.config.is_auto_interval, ranks=self._host.param_shards,
-                                   unscale=unscale, found_inf=found_inf,
-                                   gathered_already=set(freed) if gather_now else None)
-        total, gathered, clip = reads.total, reads.gathered, reads.clip  # (clip: with the scaler's 1 / scale)
-        # the inverse scale on the copies made in backward before a GradScaler's unscale_ (read in the sync below)
-        copies_factor = self._host.early.factor if self._host.early is not None else None
+            reads = read_gradients(self._split, self._reads, entries, grads, measured, gather_now,
+                                   auto=self.config.is_auto_interval, ranks=self._host.param_shards, unscale=unscale,
+                                   found_inf=found_inf, gathered_already=set(freed) if gather_now else None)
+        return reads, (self._host.early.factor if self._host.early is not None else None)
 
-        # ---- 2. an ordinary step launches its device work before it waits -------------------------------------
-        # The fused AdamW takes the non-finite flag as a device tensor and changes nothing when it is set, so the
-        # update need not wait for the check: the device computes while the host waits below. (Warm-up, selection
-        # and matrices waiting for columns decide on host numbers first: they take the sync-first path.)
-        early = schedule.launches_before_sync(waiting_for_columns=bool(reads.waiting))
-        started: HandOff | None = None
-        writes: ParamWrites | None = None
-        try:
-            writes_back = False
-            if early:
-                bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
-                writes_back = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
-                with timer.phase("device_update"):
-                    # (the masters only: the parameters receive them after the check below, a skipped step
-                    # leaves them untouched)
-                    writes = device_update(self._split, self._dense, entries, grads, clip, gathered,
-                                           writes_back=writes_back, found_inf=bad.float())
-                # (the device's peak of the step: every gradient still held, the state updated, and the widened
-                # copies of the gathered gradients the update held at its peak)
-                self._meter.note(writes.widened_bytes)
-                with timer.phase("handoff"):
-                    started = self._host.start_hand_off(entries, grads)
+    def _launch_before_sync(self, plan: StepPlan, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor],
+                            reads: StepReads, timer: StepTimer) -> tuple[ParamWrites, HandOff | None]:
+        """An ordinary step's device update and the start of its hand-off, before the step's sync. The fused AdamW
+        takes the non-finite flag as a device tensor and changes nothing when it is set, so the update need not wait
+        for the check: the device computes while the host waits in the sync."""
+        total, clip = reads.total, reads.clip
+        bad = ~torch.isfinite(total) if clip is None else ~(torch.isfinite(total) & torch.isfinite(clip))
+        with timer.phase("device_update"):
+            # (the masters only: the parameters receive them after the check, a skipped step leaves them untouched)
+            writes = device_update(self._split, self._dense, entries, grads, clip, reads.gathered,
+                                   writes_back=plan.writes_back, found_inf=bad.float())
+        # (the device's peak of the step: every gradient still held, the state updated, and the widened copies of
+        # the gathered gradients the update held at its peak)
+        self._meter.note(writes.widened_bytes)
+        with timer.phase("handoff"):
+            started = self._host.start_hand_off(entries, grads)
+        return writes, started
 
-            # ---- 3. the one device->host sync of the step ---------------------------------------------------------
-            with timer.phase("norms"):
-                # Sync point, the only one of an ordinary step: the caller waits for the backward pass (and the norms)
-                # to finish and reads a few scalars (`StepReads.sync`).
-                synced = reads.sync(clipped=clip is not None, entries=len(entries), copies_factor=copies_factor)
-                self._host.copies_factor = synced.copies_factor
-            if not synced.finite:
-                if started is not None:
-                    self._host.abandon_hand_off(started)
-                self._stats.skip_step(timer, steps=schedule.steps)
-                return loss
-            coef = synced.coef
-            if writes is not None:
-                writes.apply()
-            if not warm_up:
-                # the first gradient after a write-back tells whether the host result overshot (`host_guard.py`);
-                # this step's own write-back, below, comes after
-                self._host.guard.observe(synced.total, schedule.steps, self.config.host_step_guard)
+    def _sync(self, reads: StepReads, entries: int, copies_factor: torch.Tensor | None, timer: StepTimer) -> Synced:
+        """The step's one device->host sync (`StepReads.sync`)."""
+        with timer.phase("norms"):
+            # Sync point, the only one of an ordinary step: the caller waits for the backward pass (and the norms) to
+            # finish and reads a few scalars.
+            synced = reads.sync(clipped=reads.clip is not None, entries=entries, copies_factor=copies_factor)
+            self._host.copies_factor = synced.copies_factor
+        return synced
 
-            if warm_up:
-                self._meter.note()  # (the state exists; the gradients are still held)
-                self._host.warm_up_step(entries, grads, coef, timer, schedule, self._dense)
+    def _update_after_sync(self, plan: StepPlan, schedule: WindowSchedule, entries: list[tuple[dict, torch.Tensor]],
+                           grads: list[torch.Tensor], reads: StepReads, synced: Synced,
+                           timer: StepTimer) -> ParamWrites:
+        """A re-selection's device update, or a step's with matrices waiting for their first columns: the columns
+        chosen on the synced numbers, then the update, its parameters written at once."""
+        with timer.phase("select"):
+            if plan.selects:
+                reads.gathered |= reselect(self._host, schedule, entries, grads)
             else:
-                if not early:
-                    with timer.phase("select"):
-                        if selecting:
-                            gathered |= reselect(self._host, self._schedule, entries, grads)
-                        else:
-                            select_waiting(self._host, entries, grads, synced.waiting_norms)
-                    writes_back = schedule.boundary_writes_back(self.config.overlap_step, self._host.writeback_pending)
-                    with timer.phase("device_update"):
-                        writes = device_update(self._split, self._dense, entries, grads, coef, gathered,
-                                               writes_back=writes_back)
-                        writes.apply()
-                if writes_back and self.config.overlap_step:
-                    # The previous window's result goes into the weights before this step's gradients are handed to
-                    # the worker: the write-back does not depend on them, and this way its scatter does not compete
-                    # with the worker's accumulation for cores and memory bandwidth (`close_window` then finds no
-                    # write-back pending).
-                    self._host.apply_previous_window(timer)
-                if not early:
-                    self._meter.note(writes.widened_bytes)  # (the device's peak of the step, as above)
-                with timer.phase("handoff"):
-                    if started is not None:
-                        self._host.finish_hand_off(started, coef)
-                    else:
-                        self._host.hand_off(entries, grads, coef)
-                schedule.window_steps += 1
-                if schedule.window_closes(reads.votes(synced)):
-                    # (folds this step's hand-off into the window's host AdamW job: one pass over the host state)
-                    self._host.close_window(self._schedule, timer, sequential=not self.config.overlap_step)
-                self._host.held.submit()  # a step that does not close the window: its accumulation job
-        except BaseException:
-            self._host.held.abandon(self._host.abandon_hand_off)
-            # an interrupt (Ctrl-C) or a failure between taking a hand-off slot and submitting its job must not leak
-            # the slot: the next step would wait for it forever
-            if started is not None and not started.done:
-                self._host.abandon_hand_off(started)
-            raise
+                select_waiting(self._host, entries, grads, synced.waiting_norms)
+        with timer.phase("device_update"):
+            writes = device_update(self._split, self._dense, entries, grads, synced.coef, reads.gathered,
+                                   writes_back=plan.writes_back)
+            writes.apply()
+        return writes
+
+    def _hand_off(self, plan: StepPlan, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor],
+                  writes: ParamWrites, started: HandOff | None, synced: Synced, timer: StepTimer) -> None:
+        """The previous window's write-back where the plan says, then this step's gradients to the host worker."""
+        if plan.writes_previous_window_back:
+            # The previous window's result goes into the weights before this step's gradients are handed to the
+            # worker: the write-back does not depend on them, and this way its scatter does not compete with the
+            # worker's accumulation for cores and memory bandwidth (`close_window` then finds no write-back pending).
+            self._host.apply_previous_window(timer)
+        if not plan.launches_before_sync:
+            self._meter.note(writes.widened_bytes)  # (the device's peak of the step, as in `_launch_before_sync`)
+        with timer.phase("handoff"):
+            if started is not None:
+                self._host.finish_hand_off(started, synced.coef)
+            else:
+                self._host.hand_off(entries, grads, synced.coef)
+
+    def _close_if_due(self, plan: StepPlan, schedule: WindowSchedule, reads: StepReads, synced: Synced,
+                      timer: StepTimer) -> None:
+        """This step joins the window, which closes where the plan says (Zen-auto: on this step's votes)."""
+        schedule.window_steps += 1
+        votes = reads.votes(synced)  # (Zen-auto's statistics take every step's masses)
+        if plan.closes_window if plan.closes_window is not None else schedule.window_closes(votes):
+            # (folds this step's hand-off into the window's host AdamW job: one pass over the host state)
+            self._host.close_window(schedule, timer, sequential=plan.close_waits)
+        self._host.held.submit()  # a step that does not close the window: its accumulation job
+
+    def _finish_step(self, schedule: WindowSchedule, timer: StepTimer) -> None:
+        """A step taken: counted, the weights marked as the optimizer left them, its telemetry closed."""
         schedule.steps += 1
         self._made_in_backward.clear()
         self._host.reserved_ahead = False  # (later host state reserves its own buffers)
         self._auto_lag.maybe_advise(self.config, schedule, self._host)
         self._mark_weights()
         self._stats.finish_step(timer, staleness=sum(self._host.unapplied_steps) + schedule.window_steps)
-        return loss
 
     def _frees_next_step(self) -> StepKind | None:
         """The next step's kind when its gradients of offloaded matrices leave the device in backward

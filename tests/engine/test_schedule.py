@@ -100,3 +100,15 @@ def test_host_lr_scale():
     assert host_lr_scale(1.0, 4) == 1.0
     assert host_lr_scale(0.5, 4) == 0.5
     assert host_lr_scale("interval", 4) == 4.0
+
+
+@pytest.mark.parametrize("update_interval, lag", [(4, None), (4, 2), (None, 2), (1, None)])
+def test_asking_for_a_window_length_is_asking_with_that_window_open(update_interval, lag):
+    s = schedule(update_interval=update_interval, writeback_lag=lag, auto_max_interval=5)
+    for steps in range(7):
+        opened = schedule(update_interval=update_interval, writeback_lag=lag, auto_max_interval=5)
+        opened.window_steps = steps
+        for overlap, pending in [(True, True), (True, False), (False, False)]:
+            assert s.boundary_writes_back(overlap, pending, window_steps=steps) is \
+                opened.boundary_writes_back(overlap, pending)
+        assert s.window_closes([True], window_steps=steps) is opened.window_closes([True])
