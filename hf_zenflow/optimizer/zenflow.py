@@ -35,6 +35,7 @@ from .. import checkpoint
 from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
+from ..engine.backward import HandOff
 from ..engine.device_budget import estimate_peak
 from ..engine.device_memory import DeviceMemoryMeter
 from ..engine.device_state import DenseDeviceState
@@ -59,7 +60,7 @@ from ..engine.schedule import StepKind, WindowSchedule
 from ..engine.split_matrix import SplitMatrix, master_value
 from ..engine.telemetry import StepTimer, ZenFlowStats, device_state_bytes
 from ..engine.weight_marks import WeightMarks, rekey, reread_masters
-from ..engine.windows import HandOff, HostWindows
+from ..engine.windows import HostWindows
 from ..engine.worker import wait_for_closed_workers
 from ..engine.writeback_lag import AutoWritebackLag
 from ..settings.config import ZenFlowConfig, sums_on_device
@@ -166,14 +167,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.drained_by: str | None = None  # what drains it: "ZenFlowCallback", "ZenFlowTrainer" (`train()` checks)
         # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
         self._reads = GradientReads(p for g in self.param_groups for p in g["params"])
-        self._reads.on_ready = self._host.grad_ready
+        self._reads.on_ready = self._host.backward.grad_ready
         # what the device holds at its peak in a step (`stats()["peak_device_bytes"]`)
         self._meter = DeviceMemoryMeter((p for g in self.param_groups for p in g["params"]),
                                         lambda: device_state_bytes(self._split, self._dense),
-                                        in_flight=self._host.in_flight.bytes)
+                                        in_flight=self._host.backward.in_flight.bytes)
         self._reads.meter = self._meter
-        self._reads.on_arrival = self._host.regather
-        self._reads.defers_norm = self._host.defers_norm
+        self._reads.on_arrival = self._host.backward.regather
+        self._reads.defers_norm = self._host.backward.defers_norm
         self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1  # DDP rewrites them after the hooks
         me = weakref.ref(self)
         self._host.device_peak = lambda: (opt._meter.peak_bytes if (opt := me()) is not None else 0)
@@ -187,8 +188,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._made_in_backward: list[torch.Tensor] = []  # the first step's state made in its backward hooks
         self._limit_cache: tuple[tuple, LimitChoice] | None = None  # (`_limit_choice`)
-        self._host.create_in_backward = lambda p: (opt._create_in_backward(p) if (opt := me()) is not None else None)
-        self._host.free_kind = self._frees_next_step()
+        self._host.backward.create_in_backward = lambda p: (opt._create_in_backward(p) if (opt := me()) is not None
+                                                            else None)
+        self._host.backward.free_kind = self._frees_next_step()
         self._weights = WeightMarks()  # notices weights changed from outside the optimizer
         self._param_names: dict[torch.Tensor, str] = {
             p: name for g in self.param_groups for name, p in zip(g.get("param_names", ()), g["params"])
@@ -223,14 +225,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         ``free_gradients_in_backward="auto"`` they are freed from the first step on (`ZenFlowTrainer` and
         `hf-zenflow compare` say so; otherwise "auto" waits for the first `clip_grad_norm_`)."""
         self._clips_through_optimizer = True
-        self._host.free_kind = self._frees_next_step()
+        self._host.backward.free_kind = self._frees_next_step()
 
     def set_steps_per_epoch(self, steps: int) -> None:
         """Epoch length in optimizer steps, for ``select_strategy="epoch"`` or ``"auto"``."""
         self.config = dataclasses.replace(self.config, steps_per_epoch=int(steps))
         if self._schedule is not None:
             self._schedule.select_period = self.config.select_period()
-            self._host.free_kind = self._frees_next_step()
+            self._host.backward.free_kind = self._frees_next_step()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -243,7 +245,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._find_param_shards()
         self._clips_through_optimizer = True
         self._clip_max_norm = float(max_norm)
-        freed = self._host.freed  # (gradients freed in backward: their stand-ins, whose norms the hooks took)
+        freed = self._host.backward.freed  # (gradients freed in backward: their stand-ins, whose norms the hooks took)
         local = self._fsdp.local  # (FSDP2: the freed gradients are keyed by the local shards)
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None or local(p) in freed]
         grads = [freed[local(p)].stand_in if local(p) in freed else self._fsdp.grad(p) for p in params]
@@ -263,22 +265,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """`GradScaler.unscale_` multiplied every gradient by `inv_scale` in place, without a version bump
         (`engine/amp.py`): what was read of them before must follow or go."""
         self._note_scaler()
-        # gradients freed in backward (the scaler did not see them): they stay on the host and follow, their
-        # gathered columns now, their host copies in the host's addition (their overflow went to the scaler's check:
+        # gradients freed in backward (the scaler did not see them) and the copies started in backward: they follow
+        # on the host, added times inv_scale, without a second copy (their overflow went to the scaler's check:
         # `amp.install`)
-        self._host.unscale_freed(inv_scale)
+        self._host.backward.unscaled(inv_scale)
         self._reads.rescale(inv_scale)
         self._norm_cache.take([])  # a clip measured before unscale_ no longer describes the gradients
-        self._host.scale_early_copies(inv_scale)  # (they are added times inv_scale: no second copy)
 
     def _note_scaler(self) -> None:
         """A GradScaler is in use: from now on the hooks make its overflow check of each gradient they free."""
-        self._scaled = self._host.checks_overflow = True
+        self._scaled = self._host.backward.checks_overflow = True
 
     def _before_unscale(self) -> None:
         """`GradScaler.unscale_` is about to rewrite the gradients in place: the copies to the host started in
         backward must have read them first (`amp.install`)."""
-        self._host.order_after_early_copies()
+        self._host.backward.before_unscale()
 
     def _freed_overflow(self) -> dict[torch.device, torch.Tensor] | None:
         """Per device of the gradients freed in backward: 1.0 (a tensor there) when one of them holds an inf or NaN,
@@ -286,21 +287,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         ``p.grad`` and keeps one flag per device (``device_map``: a model over several GPUs): the same element-wise
         test, made in each gradient's hook (or, for the hooks of the first step with a scaler, which did not know of
         it, from the host copies wherever the hook's norm is not finite: a norm that is finite rules an inf or NaN
-        out)."""
-        freed = self._host.freed
-        if not freed:
-            return None
-        flags: dict[torch.device, list[torch.Tensor]] = {}
-        for p, f in freed.items():
-            device = f.stand_in.device  # (the gradient's)
-            on_device = flags.setdefault(device, [])
-            norm = self._reads.norm(p, f.stand_in)
-            # Sync point (only the first step with a scaler: its hooks made no check)
-            if f.overflow is None and norm is not None and bool(torch.isfinite(norm)):
-                continue
-            on_device.append(f.has_overflow().to(device))
-        return {device: torch.stack(found).amax() if found else torch.zeros((), device=device)
-                for device, found in flags.items()}
+        out: `BackwardHandOff.freed_overflow`, with the hooks' norms)."""
+        return self._host.backward.freed_overflow(self._reads.norm)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -319,10 +307,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         try:
             return self._step(loss)
         finally:
-            self._host.free_kind = self._frees_next_step()
+            self._host.backward.free_kind = self._frees_next_step()
             self._meter.finish_step()
             self._reads.clear()  # this backward's reads are used up
-            self._host.release_early()  # copies started in backward that this step did not take (skipped step)
+            self._host.backward.release()  # copies started in backward that this step did not take (skipped step)
             # The host jobs this step submitted (accumulation, the window's host AdamW) start now, overlapping the
             # caller's next forward/backward.
             worker.release()
@@ -343,13 +331,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if unscale is not None or found_inf is not None:
             self._note_scaler()
         # what `clip_grad_norm_` measured, keyed by the gradients it saw (a freed gradient's stand-in)
-        measured_on = {p: f.stand_in for p, f in self._host.freed.items()}
-        if self._host.freed and (self._host.accumulate_on != "host"
-                                 or self._ensure_schedule().kind() is not self._host.free_kind):
+        measured_on = {p: f.stand_in for p, f in self._host.backward.freed.items()}
+        if self._host.backward.freed and (self._host.accumulate_on != "host"
+                                          or self._ensure_schedule().kind() is not self._host.backward.free_kind):
             # the step needs whole gradients after all (a re-selection forced by a resume or a changed setting):
             # the freed ones come back from the host, the same values
-            self._host.restore_freed()
-        freed = self._host.freed  # gradients freed in backward: their stand-ins take their place below
+            self._host.backward.restore_freed()
+        freed = self._host.backward.freed  # gradients freed in backward: their stand-ins take their place below
         entries = [(group, p) for group in self.param_groups for p in group["params"]
                    if p.grad is not None or self._fsdp.local(p) in freed]
         if not entries:
@@ -381,7 +369,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if schedule.limit_min_offload_numel is not None and not schedule.limit_announced:
             schedule.limit_announced = True  # (once per run: a resumed run says what it restored)
             announce_limit(self.param_groups, self.config, schedule.limit_min_offload_numel,
-                           self._host.free_kind is not None, self._host.accumulate_on, self._copies_lag())
+                           self._host.backward.free_kind is not None, self._host.accumulate_on, self._copies_lag())
 
         # ---- 1. one read of every gradient ------------------------------------------------------------------------
         kind = schedule.kind()
@@ -394,7 +382,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                    gathered_already=set(freed) if gather_now else None)
         total, gathered, clip = reads.total, reads.gathered, reads.clip  # (clip: with the scaler's 1 / scale)
         # the inverse scale on the copies made in backward before a GradScaler's unscale_ (read in the sync below)
-        copies_factor = self._host.early.factor if self._host.early is not None else None
+        copies_factor = self._host.backward.early_factor
 
         # ---- 2. an ordinary step launches its device work before it waits -------------------------------------
         # The fused AdamW takes the non-finite flag as a device tensor and changes nothing when it is set, so the
@@ -417,17 +405,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 # copies of the gathered gradients the update held at its peak)
                 self._meter.note(writes.widened_bytes)
                 with timer.phase("handoff"):
-                    started = self._host.start_hand_off(entries, grads)
+                    started = self._host.backward.start(entries, grads)
 
             # ---- 3. the one device->host sync of the step ---------------------------------------------------------
             with timer.phase("norms"):
                 # Sync point, the only one of an ordinary step: the caller waits for the backward pass (and the norms)
                 # to finish and reads a few scalars (`StepReads.sync`).
                 synced = reads.sync(clipped=clip is not None, entries=len(entries), copies_factor=copies_factor)
-                self._host.copies_factor = synced.copies_factor
+                self._host.backward.copies_factor = synced.copies_factor
             if not synced.finite:
                 if started is not None:
-                    self._host.abandon_hand_off(started)
+                    self._host.backward.abandon(started)
                 self._stats.skip_step(timer, steps=schedule.steps)
                 return loss
             coef = synced.coef
@@ -463,20 +451,20 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     self._meter.note(writes.widened_bytes)  # (the device's peak of the step, as above)
                 with timer.phase("handoff"):
                     if started is not None:
-                        self._host.finish_hand_off(started, coef)
+                        self._host.backward.finish(started, coef)
                     else:
                         self._host.hand_off(entries, grads, coef)
                 schedule.window_steps += 1
                 if schedule.window_closes(reads.votes(synced)):
                     # (folds this step's hand-off into the window's host AdamW job: one pass over the host state)
                     self._host.close_window(self._schedule, timer, sequential=not self.config.overlap_step)
-                self._host.held.submit()  # a step that does not close the window: its accumulation job
+                self._host.backward.held.submit()  # a step that does not close the window: its accumulation job
         except BaseException:
-            self._host.held.abandon(self._host.abandon_hand_off)
+            self._host.backward.held.abandon(self._host.backward.abandon)
             # an interrupt (Ctrl-C) or a failure between taking a hand-off slot and submitting its job must not leak
             # the slot: the next step would wait for it forever
             if started is not None and not started.done:
-                self._host.abandon_hand_off(started)
+                self._host.backward.abandon(started)
             raise
         schedule.steps += 1
         self._made_in_backward.clear()
@@ -520,7 +508,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         nothing at all (as when the state is made in `step()`)."""
         if not self._made_in_backward:
             return
-        self._host.release_early()
+        self._host.backward.release()
         for p in self._made_in_backward:
             self._split.pop(p, None)
         self._made_in_backward.clear()
@@ -532,7 +520,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """`torch.optim.Optimizer.zero_grad`, and the gradients freed in backward (held on the host for the next
         `step()`) are dropped too."""
         super().zero_grad(set_to_none)
-        self._host.release_early()
+        self._host.backward.release()
 
     def synchronize(self) -> None:
         """Wait until the host worker is idle and re-raise its failure, if any. Does not change the schedule: a host
@@ -686,17 +674,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._param_names = {p: n for p, n in self._param_names.items() if id(p) in kept}
             self._reads.remove()
             self._reads = GradientReads([] if self._hooks_off else current)
-            self._reads.on_ready = self._host.grad_ready
+            self._reads.on_ready = self._host.backward.grad_ready
             self._group_of = {p: g for g in self.param_groups for p in g["params"]}
             self._meter = DeviceMemoryMeter(current, self._meter.state_bytes, in_flight=self._meter.in_flight)
             self._reads.meter = self._meter
-            self._reads.on_arrival = self._host.regather
-            self._reads.defers_norm = self._host.defers_norm
-            self._reads.copies_out = self._host.copies_out
+            self._reads.on_arrival = self._host.backward.regather
+            self._reads.defers_norm = self._host.backward.defers_norm
+            self._reads.copies_out = self._host.backward.copies_out
             self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1
             # (FSDP2's ranks free their shards from the next step on; ``accumulate_on="auto"``, deciding in this
             # step, weighs that)
-            self._host.free_kind = self._frees_next_step()
+            self._host.backward.free_kind = self._frees_next_step()
 
     def _engine_params(self) -> list[torch.Tensor]:
         """Every parameter in param-group order as the engine keys its state (its local shard under FSDP2)."""
@@ -714,7 +702,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _limit_choice(self) -> LimitChoice:
         """`device_memory_limit_bytes`'s choice of the run's `min_offload_numel` (`engine/device_budget.py`): from
         the parameters' sizes and the settings, and whether the coming step frees its gradients in backward."""
-        key = (self.config, len(self.param_groups), self._host.free_kind is not None, self._host.accumulate_on)
+        key = (self.config, len(self.param_groups), self._host.backward.free_kind is not None,
+               self._host.accumulate_on)
         if self._limit_cache is None or self._limit_cache[0] != key:  # (the first backward's hooks ask alike)
             self._limit_cache = (key, choose_min_offload_numel(self.param_groups, self.config, key[2], key[3],
                                                                self._copies_lag()))
@@ -742,7 +731,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self.config.device_memory_limit_bytes is None:
             return 0
         return estimate_peak(self.param_groups, self.config, self._offload_threshold(),
-                             self._host.free_kind is not None, copies_lag=self._copies_lag()).beside_window_sums
+                             self._host.backward.free_kind is not None,
+                             copies_lag=self._copies_lag()).beside_window_sums
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpointing
@@ -772,10 +762,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """
         drop_failed_worker(self._host) or self.synchronize()  # (a failed worker's state is replaced: no wait)
         self._find_param_shards()
-        self._host.release_early()  # (gradients freed in a backward before the load belong to the old state)
+        self._host.backward.release()  # (gradients freed in a backward before the load belong to the old state)
         checkpoint.load(self, state_dict)
         self.loaded_progress = checkpoint.saved_progress(state_dict)
-        self._host.free_kind = self._frees_next_step()  # (the restored schedule's next step)
+        self._host.backward.free_kind = self._frees_next_step()  # (the restored schedule's next step)
 
     def name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module) -> None:
         """Record parameter names (e.g. ``model.named_parameters()``, or the model): checkpoints then carry them and
