@@ -628,7 +628,8 @@ def _memory_run(device: torch.device, steps: int, **settings: Any) -> dict[str, 
             opt.zero_grad()
         opt.synchronize()
         estimate = estimate_peak(opt.param_groups, opt.config, opt._offload_threshold(),
-                                 opt._host.free_kind is not None, accumulate_on=opt.stats()["accumulate_on"]).total
+                                 opt._host.backward.free_kind is not None,
+                                 accumulate_on=opt.stats()["accumulate_on"]).total
         return {"allocated_peak": torch.cuda.max_memory_allocated(device),
                 "reserved_peak": torch.cuda.max_memory_reserved(device), "estimate": estimate,
                 "activations": activations, "offloaded_gradient_bytes": gradients}

@@ -17,6 +17,10 @@ Two recipes reach the optimizer, and both are supported:
   gradients freed in backward, which ``unscale_`` does not rewrite). `step()` then gets ``grad_scale=None``
   and the gradients are taken as they are.
 
+What follows the scale on the optimizer's side, the hooks' early copies and the gradients freed in backward, is
+`backward.BackwardHandOff`'s (`before_unscale`, `unscaled`, `freed_overflow`); the optimizer's three methods that
+the wraps call hand over to it.
+
 Gradients freed in backward (`free_gradients_in_backward`) are not in ``p.grad`` for the scaler, under either
 recipe. Their overflow check, the scaler's own element-wise one (an L2 norm is no such test: it overflows fp16 on
 finite values), is made in each gradient's hook once a scaler has been seen, and added to the scaler's
@@ -27,6 +31,24 @@ gathered are multiplied by ``1 / scale`` as the scaler multiplied the others, an
 it, like the early copies above.
 
 `GradScaler.update()` still sees the scaler's own ``found_inf`` either way, so the scale backs off after an overflow.
+
+Why the class is wrapped, once per process, and not one scaler or the optimizer alone (torch 2.13's
+``torch/amp/grad_scaler.py``):
+
+- ``unscale_(opt)`` calls no method of the optimizer, before or after: it reads ``opt.param_groups`` and rewrites each
+  ``p.grad`` with ``torch._amp_foreach_non_finite_check_and_unscale_``, which leaves the version counter alone. The
+  optimizer cannot see afterwards that it ran (its hooks' norms and early copies still look current), nor order
+  the rewrite after those copies beforehand.
+- The overflow flags live in the scaler's own per-optimizer state (``found_inf_per_device``), filled only from what
+  ``_unscale_grads_`` returns; ``step`` skips on them and ``update()`` backs the scale off on them. A gradient that
+  is not in ``p.grad`` can join them nowhere else.
+- ``_step_supports_amp_scaling`` changes ``scaler.step`` alone: the optimizer is given ``grad_scale`` and ``found_inf``
+  when ``step()`` is called, after ``unscale_`` has run and after those flags are recorded. The scaler itself
+  reaches the optimizer only as a ``grad_scaler`` keyword of ``step()``, which torch deprecates (a FutureWarning),
+  and only at the first step, after the first ``unscale_``: no scaler instance can be wrapped before its first use.
+
+The wraps change nothing for other optimizers: they call only the methods an optimizer defines
+(``_before_unscale``, ``_grads_unscaled``, ``_freed_overflow``), and only while the scaler is enabled.
 """
 
 from __future__ import annotations

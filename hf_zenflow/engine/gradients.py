@@ -76,15 +76,15 @@ class GradientReads:
         # gradient at a recycled address is never taken for the one that was read
         self._norms: dict[torch.Tensor, tuple[weakref.ref, int, torch.Tensor]] = {}
         #: called with (parameter, gradient) after the norm, e.g. to start the gradient's copy to the host; returns
-        #: a stand-in when it freed the gradient (`HostWindows.grad_ready`), else None
+        #: a stand-in when it freed the gradient (`BackwardHandOff.grad_ready`), else None
         self.on_ready: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
-        #: called with the parameter before the norm (`HostWindows.regather`)
+        #: called with the parameter before the norm (`BackwardHandOff.regather`)
         self.on_arrival: Callable[[torch.Tensor], None] | None = None
         #: True when each (non-DTensor) gradient is rewritten after its hook by a data-parallel reduction (DDP's
         #: all-reduce): the hooks then read nothing (see the module docstring)
         self.reduced_later: Callable[[], bool] = lambda: False
         #: whether an FSDP2 gradient shard that stays on the device is copied out of its reduce-scatter output
-        #: (`HostWindows.copies_out`)
+        #: (`BackwardHandOff.copies_out`)
         self.copies_out: Callable[[torch.Tensor], bool] = lambda p: False
         #: counts the device's gradients as they arrive and leave (`device_memory.py`), when set
         self.meter: DeviceMemoryMeter | None = None
@@ -116,7 +116,7 @@ class GradientReads:
             meter.gradient_arrived(p, p.grad)
         self._read_now(p)
         if meter is not None and p.grad is None:
-            meter.gradient_left(p)  # freed in backward (`HostWindows.grad_ready`)
+            meter.gradient_left(p)  # freed in backward (`BackwardHandOff.grad_ready`)
 
     def _read_now(self, p: torch.Tensor) -> None:
         g = p.grad

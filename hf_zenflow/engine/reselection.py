@@ -74,7 +74,7 @@ def select_columns(host: HostWindows, pairs: list[tuple[SplitMatrix, torch.Tenso
     moves with blocking copies.
     """
     ranks = host.shards
-    freed = host.freed
+    freed = host.backward.freed
     todo = [(split, g) for split, g in pairs if split.release_columns(host.attach_host)]
     scored = [(split, g) for split, g in todo if split.offloaded]
     # one threaded kernel pass for the contiguous row-scored matrices of a CPU device (one rank: whole matrices)

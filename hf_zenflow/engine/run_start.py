@@ -42,7 +42,7 @@ class RunStart:
         announce_high_lr_rule(schedule, config, groups)
         announce_offload(groups, config, schedule)
         if schedule.limit_min_offload_numel is not None:  # (a resumed run says what it restored)
-            announce_limit(groups, config, schedule.limit_min_offload_numel, host.free_kind is not None,
+            announce_limit(groups, config, schedule.limit_min_offload_numel, host.backward.free_kind is not None,
                            host.accumulate_on, copies_lag())
         self._made_for = schedule
 

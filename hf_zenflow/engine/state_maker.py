@@ -1,7 +1,7 @@
 """What makes a `ZenFlowAdamW`'s state where the optimizer cannot: the run's schedule (`StateMaker.ensure_schedule`,
 with the `min_offload_numel` a device memory limit chooses) and, with ``free_gradients_in_backward``, the first step's
-state of a matrix in its backward hook (`StateMaker.in_backward`, which `HostWindows.grad_ready` calls), so that its
-gradient can leave the device like every later one.
+state of a matrix in its backward hook (`StateMaker.in_backward`, which `BackwardHandOff.grad_ready` calls), so that
+its gradient can leave the device like every later one.
 
 The optimizer owns one `StateMaker` over its host side, its dense state and its FSDP2 shards, and keeps its param
 groups current (`group_of`); the backward hooks reach the maker through the host side, never the optimizer.
@@ -54,7 +54,7 @@ class StateMaker:
         """`device_memory_limit_bytes`'s choice of the run's `min_offload_numel` (`engine/device_budget.py`): from
         the parameters' sizes and the settings, and whether the coming step frees its gradients in backward."""
         host = self.host
-        key = (host.config, len(host.groups), host.free_kind is not None, host.accumulate_on)
+        key = (host.config, len(host.groups), host.backward.free_kind is not None, host.accumulate_on)
         if self._limit_cache is None or self._limit_cache[0] != key:  # (the first backward's hooks ask alike)
             self._limit_cache = (key, choose_min_offload_numel(host.groups, host.config, key[2], key[3],
                                                                host.copies_lag()))

@@ -35,6 +35,7 @@ from .. import checkpoint
 from .._base import GradNormCache, check_hyperparameters, clip_coefficient, grad_norms
 from ..distributed.fsdp import LocalShards, global_norm
 from ..engine import amp
+from ..engine.backward import HandOff
 from ..engine.device_memory import DeviceMemoryMeter
 from ..engine.device_state import DenseDeviceState
 from ..engine.device_step import ParamWrites, device_update
@@ -57,7 +58,7 @@ from ..engine.state_maker import StateMaker
 from ..engine.step_plan import StepPlan, plan_step
 from ..engine.telemetry import StepTimer, ZenFlowStats, device_state_bytes
 from ..engine.weight_marks import WeightMarks, rekey, reread_masters
-from ..engine.windows import HandOff, HostWindows
+from ..engine.windows import HostWindows
 from ..engine.worker import wait_for_closed_workers
 from ..engine.writeback_lag import AutoWritebackLag
 from ..settings.config import ZenFlowConfig, sums_on_device
@@ -166,14 +167,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.drained_by: str | None = None  # what drains it: "ZenFlowCallback", "ZenFlowTrainer" (`train()` checks)
         # each gradient's norm (and on CUDA the start of its copy to the host) as backward produces it
         self._reads = GradientReads(p for g in self.param_groups for p in g["params"])
-        self._reads.on_ready = self._host.grad_ready
+        self._reads.on_ready = self._host.backward.grad_ready
         # what the device holds at its peak in a step (`stats()["peak_device_bytes"]`)
         self._meter = DeviceMemoryMeter((p for g in self.param_groups for p in g["params"]),
                                         lambda split=self._split, dense=self._dense: device_state_bytes(split, dense),
-                                        in_flight=self._host.in_flight.bytes)
+                                        in_flight=self._host.backward.in_flight.bytes)
         self._reads.meter = self._host.meter = self._meter
-        self._reads.on_arrival = self._host.regather
-        self._reads.defers_norm = self._host.defers_norm
+        self._reads.on_arrival = self._host.backward.regather
+        self._reads.defers_norm = self._host.backward.defers_norm
         self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1  # DDP rewrites them after the hooks
         #: the caller clips through `clip_grad_norm_` (free_gradients_in_backward="auto"), a GradScaler was seen
         self._clips_through_optimizer, self._scaled = False, False
@@ -182,8 +183,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         #: resume to compare with the Trainer's state (`hf_zenflow.hf.resume.check_resumed_optimizer`); None: none
         self.loaded_progress: checkpoint.SavedProgress | None = None
         self._made_in_backward = self._state.made_in_backward  # the first step's state made in its backward hooks
-        self._host.create_in_backward = self._state.in_backward
-        self._host.free_kind = self._frees_next_step()
+        self._host.backward.create_in_backward = self._state.in_backward
+        self._host.backward.free_kind = self._frees_next_step()
         self._weights = WeightMarks()  # notices weights changed from outside the optimizer
         self._param_names: dict[torch.Tensor, str] = {
             p: name for g in self.param_groups for name, p in zip(g.get("param_names", ()), g["params"])
@@ -218,14 +219,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         ``free_gradients_in_backward="auto"`` they are freed from the first step on (`ZenFlowTrainer` and
         `hf-zenflow compare` say so; otherwise "auto" waits for the first `clip_grad_norm_`)."""
         self._clips_through_optimizer = True
-        self._host.free_kind = self._frees_next_step()
+        self._host.backward.free_kind = self._frees_next_step()
 
     def set_steps_per_epoch(self, steps: int) -> None:
         """Epoch length in optimizer steps, for ``select_strategy="epoch"`` or ``"auto"``."""
         self.config = dataclasses.replace(self.config, steps_per_epoch=int(steps))
         if self._schedule is not None:
             self._schedule.select_period = self.config.select_period()
-            self._host.free_kind = self._frees_next_step()
+            self._host.backward.free_kind = self._frees_next_step()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -238,7 +239,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._find_param_shards()
         self._clips_through_optimizer = True
         self._clip_max_norm = float(max_norm)
-        freed = self._host.freed  # (gradients freed in backward: their stand-ins, whose norms the hooks took)
+        freed = self._host.backward.freed  # (gradients freed in backward: their stand-ins, whose norms the hooks took)
         local = self._fsdp.local  # (FSDP2: the freed gradients are keyed by the local shards)
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None or local(p) in freed]
         grads = [freed[local(p)].stand_in if local(p) in freed else self._fsdp.grad(p) for p in params]
@@ -258,22 +259,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """`GradScaler.unscale_` multiplied every gradient by `inv_scale` in place, without a version bump
         (`engine/amp.py`): what was read of them before must follow or go."""
         self._note_scaler()
-        # gradients freed in backward (the scaler did not see them): they stay on the host and follow, their
-        # gathered columns now, their host copies in the host's addition (their overflow went to the scaler's check:
+        # gradients freed in backward (the scaler did not see them) and the copies started in backward: they follow
+        # on the host, added times inv_scale, without a second copy (their overflow went to the scaler's check:
         # `amp.install`)
-        self._host.unscale_freed(inv_scale)
+        self._host.backward.unscaled(inv_scale)
         self._reads.rescale(inv_scale)
         self._norm_cache.take([])  # a clip measured before unscale_ no longer describes the gradients
-        self._host.scale_early_copies(inv_scale)  # (they are added times inv_scale: no second copy)
 
     def _note_scaler(self) -> None:
         """A GradScaler is in use: from now on the hooks make its overflow check of each gradient they free."""
-        self._scaled = self._host.checks_overflow = True
+        self._scaled = self._host.backward.checks_overflow = True
 
     def _before_unscale(self) -> None:
         """`GradScaler.unscale_` is about to rewrite the gradients in place: the copies to the host started in
         backward must have read them first (`amp.install`)."""
-        self._host.order_after_early_copies()
+        self._host.backward.before_unscale()
 
     def _freed_overflow(self) -> dict[torch.device, torch.Tensor] | None:
         """Per device of the gradients freed in backward: 1.0 (a tensor there) when one of them holds an inf or NaN,
@@ -281,21 +281,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         ``p.grad`` and keeps one flag per device (``device_map``: a model over several GPUs): the same element-wise
         test, made in each gradient's hook (or, for the hooks of the first step with a scaler, which did not know of
         it, from the host copies wherever the hook's norm is not finite: a norm that is finite rules an inf or NaN
-        out)."""
-        freed = self._host.freed
-        if not freed:
-            return None
-        flags: dict[torch.device, list[torch.Tensor]] = {}
-        for p, f in freed.items():
-            device = f.stand_in.device  # (the gradient's)
-            on_device = flags.setdefault(device, [])
-            norm = self._reads.norm(p, f.stand_in)
-            # Sync point (only the first step with a scaler: its hooks made no check)
-            if f.overflow is None and norm is not None and bool(torch.isfinite(norm)):
-                continue
-            on_device.append(f.has_overflow().to(device))
-        return {device: torch.stack(found).amax() if found else torch.zeros((), device=device)
-                for device, found in flags.items()}
+        out: `BackwardHandOff.freed_overflow`, with the hooks' norms)."""
+        return self._host.backward.freed_overflow(self._reads.norm)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -314,10 +301,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         try:
             return self._step(loss)
         finally:
-            self._host.free_kind = self._frees_next_step()
+            self._host.backward.free_kind = self._frees_next_step()
             self._meter.finish_step()
             self._reads.clear()  # this backward's reads are used up
-            self._host.release_early()  # copies started in backward that this step did not take (skipped step)
+            self._host.backward.release()  # copies started in backward that this step did not take (skipped step)
             # The host jobs this step submitted (accumulation, the window's host AdamW) start now, overlapping the
             # caller's next forward/backward.
             worker.release()
@@ -355,7 +342,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             synced = self._sync(reads, len(entries), copies_factor, timer)
             if not synced.finite:
                 if started is not None:
-                    self._host.abandon_hand_off(started)
+                    self._host.backward.abandon(started)
                 self._stats.skip_step(timer, steps=schedule.steps)
                 return loss
             if writes is not None:
@@ -372,11 +359,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._hand_off(plan, entries, grads, writes, started, synced, timer)
                 self._close_if_due(plan, schedule, reads, synced, timer)
         except BaseException:
-            self._host.held.abandon(self._host.abandon_hand_off)
+            self._host.backward.held.abandon(self._host.backward.abandon)
             # an interrupt (Ctrl-C) or a failure between taking a hand-off slot and submitting its job must not leak
             # the slot: the next step would wait for it forever
             if started is not None and not started.done:
-                self._host.abandon_hand_off(started)
+                self._host.backward.abandon(started)
             raise
         self._finish_step(schedule, timer)
         return loss
@@ -394,13 +381,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         freed gradient's stand-in in its place), what `clip_grad_norm_` measured of them (norms, total, clip
         coefficient) and the gradients freed in backward; None when no parameter has a gradient."""
         # what `clip_grad_norm_` measured, keyed by the gradients it saw (a freed gradient's stand-in)
-        measured_on = {p: f.stand_in for p, f in self._host.freed.items()}
-        if self._host.freed and (self._host.accumulate_on != "host"
-                                 or self._ensure_schedule().kind() is not self._host.free_kind):
+        measured_on = {p: f.stand_in for p, f in self._host.backward.freed.items()}
+        if self._host.backward.freed and (self._host.accumulate_on != "host"
+                                          or self._ensure_schedule().kind() is not self._host.backward.free_kind):
             # the step needs whole gradients after all (a re-selection forced by a resume or a changed setting):
             # the freed ones come back from the host, the same values
-            self._host.restore_freed()
-        freed = self._host.freed  # gradients freed in backward: their stand-ins take their place below
+            self._host.backward.restore_freed()
+        freed = self._host.backward.freed  # gradients freed in backward: their stand-ins take their place below
         entries = [(group, p) for group in self.param_groups for p in group["params"]
                    if p.grad is not None or self._fsdp.local(p) in freed]
         if not entries:
@@ -444,7 +431,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             reads = read_gradients(self._split, self._reads, entries, grads, measured, gather_now,
                                    auto=self.config.is_auto_interval, ranks=self._host.param_shards, unscale=unscale,
                                    found_inf=found_inf, gathered_already=set(freed) if gather_now else None)
-        return reads, (self._host.early.factor if self._host.early is not None else None)
+        return reads, self._host.backward.early_factor
 
     def _launch_before_sync(self, plan: StepPlan, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor],
                             reads: StepReads, timer: StepTimer) -> tuple[ParamWrites, HandOff | None]:
@@ -461,7 +448,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # the gathered gradients the update held at its peak)
         self._meter.note(writes.widened_bytes)
         with timer.phase("handoff"):
-            started = self._host.start_hand_off(entries, grads)
+            started = self._host.backward.start(entries, grads)
         return writes, started
 
     def _sync(self, reads: StepReads, entries: int, copies_factor: torch.Tensor | None, timer: StepTimer) -> Synced:
@@ -470,7 +457,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # Sync point, the only one of an ordinary step: the caller waits for the backward pass (and the norms) to
             # finish and reads a few scalars.
             synced = reads.sync(clipped=reads.clip is not None, entries=entries, copies_factor=copies_factor)
-            self._host.copies_factor = synced.copies_factor
+            self._host.backward.copies_factor = synced.copies_factor
         return synced
 
     def _update_after_sync(self, plan: StepPlan, schedule: WindowSchedule, entries: list[tuple[dict, torch.Tensor]],
@@ -501,7 +488,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._meter.note(writes.widened_bytes)  # (the device's peak of the step, as in `_launch_before_sync`)
         with timer.phase("handoff"):
             if started is not None:
-                self._host.finish_hand_off(started, synced.coef)
+                self._host.backward.finish(started, synced.coef)
             else:
                 self._host.hand_off(entries, grads, synced.coef)
 
@@ -513,7 +500,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if plan.closes_window if plan.closes_window is not None else schedule.window_closes(votes):
             # (folds this step's hand-off into the window's host AdamW job: one pass over the host state)
             self._host.close_window(schedule, timer, sequential=plan.close_waits)
-        self._host.held.submit()  # a step that does not close the window: its accumulation job
+        self._host.backward.held.submit()  # a step that does not close the window: its accumulation job
 
     def _finish_step(self, schedule: WindowSchedule, timer: StepTimer) -> None:
         """A step taken: counted, the weights marked as the optimizer left them, its telemetry closed."""
@@ -542,7 +529,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         nothing at all (as when the state is made in `step()`)."""
         if not self._made_in_backward:
             return
-        self._host.release_early()
+        self._host.backward.release()
         for p in self._made_in_backward:
             self._split.pop(p, None)
         self._made_in_backward.clear()
@@ -554,7 +541,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """`torch.optim.Optimizer.zero_grad`, and the gradients freed in backward (held on the host for the next
         `step()`) are dropped too."""
         super().zero_grad(set_to_none)
-        self._host.release_early()
+        self._host.backward.release()
 
     def synchronize(self) -> None:
         """Wait until the host worker is idle and re-raise its failure, if any. Does not change the schedule: a host
@@ -714,17 +701,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._param_names = {p: n for p, n in self._param_names.items() if id(p) in kept}
             self._reads.remove()
             self._reads = GradientReads([] if self._hooks_off else current)
-            self._reads.on_ready = self._host.grad_ready
+            self._reads.on_ready = self._host.backward.grad_ready
             self._state.group_of = {p: g for g in self.param_groups for p in g["params"]}
             self._meter = DeviceMemoryMeter(current, self._meter.state_bytes, in_flight=self._meter.in_flight)
             self._reads.meter = self._host.meter = self._meter
-            self._reads.on_arrival = self._host.regather
-            self._reads.defers_norm = self._host.defers_norm
-            self._reads.copies_out = self._host.copies_out
+            self._reads.on_arrival = self._host.backward.regather
+            self._reads.defers_norm = self._host.backward.defers_norm
+            self._reads.copies_out = self._host.backward.copies_out
             self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1
             # (FSDP2's ranks free their shards from the next step on; ``accumulate_on="auto"``, deciding in this
             # step, weighs that)
-            self._host.free_kind = self._frees_next_step()
+            self._host.backward.free_kind = self._frees_next_step()
 
     def _engine_params(self) -> list[torch.Tensor]:
         """Every parameter in param-group order as the engine keys its state (its local shard under FSDP2)."""
@@ -784,10 +771,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """
         drop_failed_worker(self._host) or self.synchronize()  # (a failed worker's state is replaced: no wait)
         self._find_param_shards()
-        self._host.release_early()  # (gradients freed in a backward before the load belong to the old state)
+        self._host.backward.release()  # (gradients freed in a backward before the load belong to the old state)
         checkpoint.load(self, state_dict)
         self.loaded_progress = checkpoint.saved_progress(state_dict)
-        self._host.free_kind = self._frees_next_step()  # (the restored schedule's next step)
+        self._host.backward.free_kind = self._frees_next_step()  # (the restored schedule's next step)
 
     def name_parameters(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module) -> None:
         """Record parameter names (e.g. ``model.named_parameters()``, or the model): checkpoints then carry them and

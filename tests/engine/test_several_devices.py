@@ -79,7 +79,7 @@ def test_hooks_of_two_devices_at_once_take_one_hand_off_slot(monkeypatch):
     monkeypatch.setattr(worker, "take_slot", slow_take)
     for step in range(2 * GRAD_SLOTS):
         backward_in_two_threads(model.losses(x + step))
-        early = opt._host.early
+        early = opt._host.backward.early
         assert early is not None and len(early.copies) == 2  # both halves' copies, in one slot
         assert worker._slots.qsize() == GRAD_SLOTS - 1, f"step {step}: more than one slot taken"
         done = threading.Event()
@@ -137,7 +137,7 @@ def test_freed_gradients_overflow_is_charged_to_each_ones_device(overflowing):
     a, b = model.losses(x)
     backward_in_two_threads((scaler.scale(a) * (math.inf if overflowing == "a" else 1.0),
                              scaler.scale(b) * (math.inf if overflowing == "b" else 1.0)))
-    freed = opt._host.freed
+    freed = opt._host.backward.freed
     assert set(freed) == {model.a.weight, model.b.weight} and all(f.overflow is not None for f in freed.values())
     on_b = freed[model.b.weight]
     on_b.stand_in, on_b.overflow = on_b.stand_in.to("meta"), on_b.overflow.to("meta")
@@ -146,5 +146,5 @@ def test_freed_gradients_overflow_is_charged_to_each_ones_device(overflowing):
     assert set(found) == {torch.device("cpu"), torch.device("meta")}
     assert found[torch.device("cpu")].item() == (1.0 if overflowing == "a" else 0.0)
     assert found[torch.device("meta")].shape == ()
-    opt._host.release_early()
+    opt._host.backward.release()
     opt.close()

@@ -97,7 +97,7 @@ def test_a_slow_host_adamw_never_blocks_a_backward_hook(monkeypatch, lag):
     hook finds no free slot while it runs: a stall, recorded and then let go); no hook may find the pool empty then,
     and the weights are those of the sequential reference (the inline executor). "auto": chosen as 3 at the first
     step, after the host state with its landing buffers exists."""
-    from hf_zenflow.engine.windows import HeldHandOff
+    from hf_zenflow.engine.backward import HeldHandOff
 
     monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
     if lag == "auto":

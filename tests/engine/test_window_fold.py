@@ -1,4 +1,4 @@
-"""The window's last gradients folded into its host AdamW job (`windows.HeldHandOff`, `host.host_adamw_window`): one
+"""The window's last gradients folded into its host AdamW job (`backward.HeldHandOff`, `host.host_adamw_window`): one
 job and one pass over the host state at the window's close instead of an accumulation job and an AdamW job, with
 the same bits as the two passes."""
 
