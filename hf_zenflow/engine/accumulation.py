@@ -1,6 +1,7 @@
 """Where a window's unselected gradient is summed, and what the device holds for it: the byte counts and the device
-room the planner weighs ``accumulate_on="auto"`` with (the choice itself: `planner.plan_accumulation`), and the
-choice a resumed run keeps (`resumed_choice`).
+room the planner weighs ``accumulate_on="auto"`` with (the choice itself: `planner.plan_accumulation`), the
+choice a resumed run keeps (`resumed_choice`), and the device sums' adds and their trip to the host at the window's
+close (`add_to_device_sums`, `ship_device_sums`).
 
 ``"host"``: every step the whole gradient of each offloaded matrix goes to the host and the worker adds it into its
 accumulator. ``"device"``: an fp32 window sum per offloaded matrix stays on the device (4 B per offloaded element)
@@ -36,18 +37,22 @@ device until `step()` (its clip coefficient is known only then).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..settings.config import DEVICE_SUM_DTYPES
+from ..transport.link import CopyEvents, Transport
 from .device_state import gathered_dtype
+from .host import accumulate_into
 
 
 if TYPE_CHECKING:
     from ..distributed.sharding import Share
     from ..settings.config import ZenFlowConfig
     from .split_matrix import SplitMatrix
+    from .telemetry import ZenFlowStats
 
 #: Fraction of the device's memory (a CPU device: of the budget) that device accumulation must leave free, and of the
 #: host RAM the host state must leave free (`planner.host_room`).
@@ -111,3 +116,33 @@ def resumed_choice(config: ZenFlowConfig, zenflow: dict) -> str | None:
         return None
     saved = zenflow.get("accumulate_on") or (zenflow.get("config") or {}).get("accumulate_on")
     return saved if saved in ("host", *DEVICE_SUM_DTYPES) else None
+
+
+def add_to_device_sums(work: list[tuple[SplitMatrix, torch.Tensor]], coef: float | None,
+                       transport_of: Callable[[SplitMatrix], Transport]) -> None:
+    """``accumulate_on="device"`` / ``"device_bf16"``: add this step's gradients into the device-side window sums,
+    fp32 / bf16 (the caller's stream, like the rest of the device update); nothing crosses the link until the window
+    closes."""
+    for split, g in work:
+        if split.window_count == 0:
+            transport_of(split).before_window_add(split)  # (CUDA: the last window's copy has read it)
+        accumulate_into(split.window_sum, split.host_part(g), coef, first=split.window_count == 0)
+        split.window_count += 1
+
+
+def ship_device_sums(splits: list[SplitMatrix],
+                     by_transport: Callable[[list[SplitMatrix]], list[tuple[Transport, list[SplitMatrix]]]],
+                     stats: ZenFlowStats) -> CopyEvents:
+    """``accumulate_on="device"`` / ``"device_bf16"``: move each closed window's device sum to the host, once per
+    window; returns what the host step must wait for. The caller has made sure no host step still reads the
+    accumulators."""
+    shipped = [s for s in splits if s.window_sum is not None and s.window_count]
+    landed = CopyEvents()
+    # the sum crosses the link in its own dtype: fp32, or bf16 with "device_bf16" (half the bytes)
+    stats.bytes_to_host += sum(s.window_sum.nbytes for s in shipped)
+    for transport, group in by_transport(shipped):
+        landed.events += transport.ship_window_sums(group).events
+    for split in shipped:
+        split.host.accum_count, split.window_count = split.window_count, 0
+        split.host.landing_full = split.host.landing is not None  # (the worker widens it: `host_adamw_window`)
+    return landed

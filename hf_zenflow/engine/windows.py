@@ -5,7 +5,8 @@ window closes and how its result gets back into the weights. One gradient's way,
    to the host started in backward, or the gradient freed there; the step's copies; the hand-off held until the step
    knows whether it closes the window;
 2. **into the window** (`HostWindows.hand_off`): the host worker adds the handed-off gradients into the window sums,
-   or, with ``accumulate_on="device"`` or ``"device_bf16"``, the device sums the window (`accumulate_on_device`);
+   or, with ``accumulate_on="device"`` or ``"device_bf16"``, the device sums the window
+   (`accumulation.add_to_device_sums`);
 3. **window close** (`close_window`): the window's host AdamW is submitted to the worker, the closing step's
    gradients folded into the same pass over the host state;
 4. **write-back** (`write_back`): at once (``overlap_step=False``) or ``writeback_lag`` steps into the next window
@@ -26,15 +27,14 @@ from .._base import by_device
 from ..distributed.replica_check import note_host_split
 from ..distributed.sharding import RankGroup
 from ..settings.config import ZenFlowConfig, sums_on_device
-from ..transport import CopyEvents, Transport, Transports
+from ..transport import Transport, Transports
 from ..transport.cpu_device.rounding import matrix_key
-from .accumulation import resumed_choice
+from .accumulation import add_to_device_sums, resumed_choice, ship_device_sums
 from .backward import BackwardHandOff, offloaded
 from .device_budget import estimate_peak
 from .device_memory import DeviceMemoryMeter
-from .device_state import DenseDeviceState, DeviceColumns, scatter_columns
-from .device_step import device_update
-from .host import GRAD_SLOTS, HostLayout, HostMatrix, accumulate_into, grad_slots, host_adamw_window, link_grad_dtype
+from .device_state import DeviceColumns, scatter_columns
+from .host import GRAD_SLOTS, HostLayout, HostMatrix, grad_slots, host_adamw_window, link_grad_dtype
 from .host_guard import HostStepGuard
 from .host_lr import LrScaleRecord, host_hyper, peak_lr, window_lag
 from .params import is_split
@@ -305,34 +305,11 @@ class HostWindows:
         self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
     ) -> None:
         """This step's gradients of the offloaded matrices (times `coef`) into the window: to the host worker
-        (`BackwardHandOff.hand_off`), or into the device window sums (`accumulate_on_device`)."""
+        (`BackwardHandOff.hand_off`), or into the device window sums (`accumulation.add_to_device_sums`)."""
         if not sums_on_device(self.accumulate_on):
             self.backward.hand_off(entries, grads, coef)
         elif work := offloaded(self.splits, entries, grads):
-            self.accumulate_on_device(work, coef)
-
-    def accumulate_on_device(self, work: list[tuple[SplitMatrix, torch.Tensor]], coef: float | None) -> None:
-        """``accumulate_on="device"`` / ``"device_bf16"``: add this step's gradients into the device-side window
-        sums, fp32 / bf16 (the caller's stream, like the rest of the device update); nothing crosses the link until
-        the window closes."""
-        for split, g in work:
-            if split.window_count == 0:
-                self.transport_of(split).before_window_add(split)  # (CUDA: the last window's copy has read it)
-            accumulate_into(split.window_sum, split.host_part(g), coef, first=split.window_count == 0)
-            split.window_count += 1
-
-    def warm_up_step(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
-                     timer: StepTimer, schedule: WindowSchedule, dense: dict[torch.Tensor, DenseDeviceState]) -> None:
-        """A warm-up step, plain dense AdamW: every matrix column by the host, synchronously (a one-step window);
-        1-D parameters on the device."""
-        with timer.phase("device_update"):
-            device_update(self.splits, dense, entries, grads, coef, set()).apply()
-        with timer.phase("handoff"):
-            self.hand_off(entries, grads, coef)
-        schedule.window_steps += 1
-        self.close_window(schedule, timer, sequential=True)
-        self.guard.forget_write_back()  # (plain AdamW, no host multiplier: nothing for the guard to watch)
-        self.backward.held.submit()  # (only when the close had no host work to fold it into)
+            add_to_device_sums(work, coef, self.transport_of)
 
     # ---- 3. window close --------------------------------------------------------------------------------------------
 
@@ -375,7 +352,8 @@ class HostWindows:
                     # before this window's sums land there (only reached in sequential closes: an overlapped close
                     # waited above).
                     worker.wait(self.pending)
-                landed = self._ship_window_sums([s for s in self.splits.values() if s.host is not None])
+                landed = ship_device_sums([s for s in self.splits.values() if s.host is not None],
+                                          self.by_transport, self.stats)
 
         # What waits for this AdamW job: only the write-back `writeback_steps` later (`apply_previous_window`, in
         # `step()`). The job keeps the closing step's hand-off slot until it has run, and the jobs of the steps up
@@ -407,21 +385,6 @@ class HostWindows:
         self.slots = count
         if self.worker is not None:
             self.worker.provide_slots(count)
-
-    def _ship_window_sums(self, splits: list[SplitMatrix]) -> CopyEvents:
-        """``accumulate_on="device"`` / ``"device_bf16"``: move each closed window's device sum to the host, once per
-        window; returns what the host step must wait for. The caller has made sure no host step still reads the
-        accumulators."""
-        shipped = [s for s in splits if s.window_sum is not None and s.window_count]
-        landed = CopyEvents()
-        # the sum crosses the link in its own dtype: fp32, or bf16 with "device_bf16" (half the bytes)
-        self.stats.bytes_to_host += sum(s.window_sum.nbytes for s in shipped)
-        for transport, group in self.by_transport(shipped):
-            landed.events += transport.ship_window_sums(group).events
-        for split in shipped:
-            split.host.accum_count, split.window_count = split.window_count, 0
-            split.host.landing_full = split.host.landing is not None  # (the worker widens it: `host_adamw_window`)
-        return landed
 
     # ---- 4. write-back ----------------------------------------------------------------------------------------------
 

@@ -349,7 +349,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 writes.apply()  # (the update launched before the check: the parameters receive its masters now)
             if plan.warm_up:
                 self._meter.note()  # (the state exists; the gradients are still held)
-                self._host.warm_up_step(entries, grads, synced.coef, timer, schedule, self._dense)
+                self._warm_up_step(entries, grads, synced.coef, schedule, timer)
             else:
                 # the first gradient after a write-back tells whether the host result overshot (`host_guard.py`);
                 # this step's own write-back, below, comes after
@@ -491,6 +491,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._host.backward.finish(started, synced.coef)
             else:
                 self._host.hand_off(entries, grads, synced.coef)
+
+    def _warm_up_step(self, entries: list[tuple[dict, torch.Tensor]], grads: list[torch.Tensor], coef: float | None,
+                      schedule: WindowSchedule, timer: StepTimer) -> None:
+        """A warm-up step, plain dense AdamW: every matrix column by the host, synchronously (a one-step window);
+        1-D parameters on the device."""
+        with timer.phase("device_update"):
+            device_update(self._split, self._dense, entries, grads, coef, set()).apply()
+        with timer.phase("handoff"):
+            self._host.hand_off(entries, grads, coef)
+        schedule.window_steps += 1
+        self._host.close_window(schedule, timer, sequential=True)
+        self._host.guard.forget_write_back()  # (plain AdamW, no host multiplier: nothing for the guard to watch)
+        self._host.backward.held.submit()  # (only when the close had no host work to fold it into)
 
     def _close_if_due(self, plan: StepPlan, schedule: WindowSchedule, reads: StepReads, synced: Synced,
                       timer: StepTimer) -> None:

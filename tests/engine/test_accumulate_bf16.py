@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-import hf_zenflow.engine.windows as windows_module
+import hf_zenflow.engine.accumulation as accumulation_module
 import hf_zenflow.transport as transport_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine import accumulation
@@ -139,7 +139,7 @@ def rounded_device_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
         accumulate_into(accum, grad2d, coef, first)
         accum.copy_(accum.bfloat16())
 
-    monkeypatch.setattr(windows_module, "accumulate_into", add_then_round)
+    monkeypatch.setattr(accumulation_module, "accumulate_into", add_then_round)
 
 
 def test_device_bf16_is_the_fp32_device_schedule_rounded_after_every_add(monkeypatch):
