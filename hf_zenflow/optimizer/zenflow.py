@@ -692,11 +692,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # step, weighs that)
             self._host.free_kind = self._frees_next_step()
 
-    def _engine_params(self) -> list[torch.Tensor]:
-        """Every parameter in param-group order as the engine keys its state (its local shard under FSDP2)."""
-        self._find_param_shards()
-        return self._engine_state.params()
-
     @property
     def _schedule(self) -> WindowSchedule | None:
         """The run's schedule (None before the first step), kept by the host side (`HostWindows.schedule`), where
@@ -761,6 +756,3 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         pairs = named.named_parameters() if isinstance(named, torch.nn.Module) else named
         mine = {p for g in self.param_groups for p in g["params"]}
         self._engine_state.names.update({p: name for name, p in pairs if p in mine})
-
-    def _reset_state(self) -> None:
-        self._engine_state.reset()
