@@ -52,7 +52,7 @@ def apply_changed_settings(opt: ZenFlowState, saved: dict[str, Any]) -> None:
                if name in saved and name not in _DERIVED_SETTINGS and saved[name] != current[name]}
     if not changed:
         return
-    schedule = opt._schedule
+    host, schedule = opt.engine_state.host, opt.engine_state.schedule
     notes = []
     for name, (before, now) in changed.items():
         note = f"{name} {before!r} -> {now!r}"
@@ -66,11 +66,11 @@ def apply_changed_settings(opt: ZenFlowState, saved: dict[str, Any]) -> None:
                 f"already. Resume with full_warm_up_rounds <= {schedule.steps}."
             )
         elif name == "accumulate_on" and now == "auto":
-            kept = opt.host_windows.accumulate_on
+            kept = host.accumulate_on
             note += f" (keeps the checkpoint's {kept!r})" if kept else ""
         notes.append(note)
     if "min_offload_numel" in changed or ("device_memory_limit_bytes" in changed
-                                          and opt.host_windows.param_shards is None):
+                                          and host.param_shards is None):
         # (a new limit chooses the run's threshold afresh, `device_budget.py`; under FSDP2 the checkpoint's stays)
         notes.append(_apply_min_offload_numel(opt))
     logger.warning("ZenFlowAdamW.load_state_dict: settings differ from the checkpoint's; the current ones take "
@@ -79,15 +79,16 @@ def apply_changed_settings(opt: ZenFlowState, saved: dict[str, Any]) -> None:
 
 def _apply_min_offload_numel(opt: ZenFlowState) -> str:
     """Move matrices between the split path and the dense path to match the current `min_offload_numel`."""
-    if opt.host_windows.param_shards is not None:
+    engine = opt.engine_state
+    if engine.host.param_shards is not None:
         raise CheckpointError(
             "ZenFlowAdamW.load_state_dict: min_offload_numel differs from the checkpoint's; under FSDP2 matrices "
             "cannot move between the split and the dense path on resume. Resume with the checkpoint's "
             "min_offload_numel.")
     group_of = {p: g for g in opt.param_groups for p in g["params"]}
-    threshold = opt._schedule.offload_threshold(opt.config)  # (a device memory limit's choice, else the setting)
-    to_dense = [p for p in opt._split if not is_split(p, group_of[p], opt.config, min_numel=threshold)]
-    to_split = [p for p in opt._dense if is_split(p, group_of[p], opt.config, min_numel=threshold)]
+    threshold = engine.schedule.offload_threshold(opt.config)  # (a device memory limit's choice, else the setting)
+    to_dense = [p for p in engine.splits if not is_split(p, group_of[p], opt.config, min_numel=threshold)]
+    to_split = [p for p in engine.dense if is_split(p, group_of[p], opt.config, min_numel=threshold)]
     for p in to_dense:
         _split_to_dense(opt, p, group_of[p])
     for p in to_split:
@@ -96,7 +97,8 @@ def _apply_min_offload_numel(opt: ZenFlowState) -> str:
 
 
 def _split_to_dense(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any]) -> None:
-    split = opt._split.pop(p)
+    engine = opt.engine_state
+    split = engine.splits.pop(p)
     if split.host is not None:
         host = split.host
         if split.window_sum is not None and split.window_count:
@@ -104,11 +106,11 @@ def _split_to_dense(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any]) -
             host.accum_count = split.window_count
         if host.accum_count:
             # the open window's gradients are applied now, as `flush()` would, so none is lost
-            lag = window_lag(opt._schedule, opt.config.overlap_step, host.accum_count)
-            hyper, _ = host_hyper(group, opt.config, host.accum_count, lag, opt._schedule.high_lr_window,
-                                  opt.host_windows.guard_factor())
+            lag = window_lag(engine.schedule, opt.config.overlap_step, host.accum_count)
+            hyper, _ = host_hyper(group, opt.config, host.accum_count, lag, engine.schedule.high_lr_window,
+                                  engine.host.guard_factor())
             host_adamw_window([(hyper, [host])])
-    master, m, v = split.full_state(opt.host_windows.shards)
+    master, m, v = split.full_state(engine.host.shards)
     step = (split.device.step if split.device is not None else split.host.step).clone()
     dense = DenseDeviceState.fresh(p)
     dense.exp_avg.copy_(split.unmatrix(m.to(p.device)))
@@ -117,15 +119,16 @@ def _split_to_dense(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any]) -
     if dense.master is not None:
         dense.master.copy_(split.unmatrix(master.to(p.device)))
     p.copy_(split.unmatrix(master.to(p.device)))
-    opt._dense[p] = dense
+    engine.dense[p] = dense
 
 
 def _dense_to_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any]) -> None:
-    dense = opt._dense.pop(p)
+    engine = opt.engine_state
+    dense = engine.dense.pop(p)
     rows = bool(group.get("select_rows", False))
     split = SplitMatrix(p, 0, rows=rows)
     split.k = num_selected(opt.config.topk_ratio, split.columns)
-    opt.host_windows.attach_host([split])
+    engine.host.attach_host([split])
     host = split.host
     host.master.copy_(split.host_part(dense.master_of(p)))
     host.exp_avg.copy_(split.host_part(dense.exp_avg))
@@ -133,7 +136,7 @@ def _dense_to_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any]) -
     host.step.copy_(dense.step)
     if not host.writes_back_master:  # (the master itself: set above)
         host.writeback.copy_(split.host_part(p.detach()))
-    opt._split[p] = split  # device columns are chosen at the next step with a gradient
+    engine.splits[p] = split  # device columns are chosen at the next step with a gradient
 
 
 def _check_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
@@ -173,7 +176,8 @@ def _check_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
 def unpack_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     """Continue from a `torch.optim.AdamW` checkpoint: moments and step counts carried over; each matrix's columns
     are selected at the next step (until then its whole state is on the host)."""
-    if opt.host_windows.param_shards is not None:
+    engine = opt.engine_state
+    if engine.host.param_shards is not None:
         raise CheckpointError(
             "ZenFlowAdamW.load_state_dict: continuing from a torch.optim.AdamW state dict under FSDP2 is not "
             "supported (its tensors are DTensors of the whole parameters). Load it in a run without FSDP2 and save "
@@ -185,8 +189,8 @@ def unpack_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     # every value read below was checked: the optimizer is only written now
     params = [p for g in opt.param_groups for p in g["params"]]
     _restore_groups(opt, state_dict["param_groups"])
-    opt._reset_state()
-    threshold = opt._ensure_schedule().offload_threshold(opt.config)
+    engine.reset()
+    threshold = engine.ensure_schedule().offload_threshold(opt.config)
     group_of = {p: g for g in opt.param_groups for p in g["params"]}
     for index, entry in state_dict["state"].items():
         p = params[int(index)]
@@ -196,7 +200,7 @@ def unpack_torch_adamw(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
         dense.exp_avg.copy_(exp_avg)
         dense.exp_avg_sq.copy_(exp_avg_sq)
         dense.step.copy_(step)
-        opt._dense[p] = dense
+        engine.dense[p] = dense
         if is_split(p, group_of[p], opt.config, min_numel=threshold):
             _dense_to_split(opt, p, group_of[p])
 

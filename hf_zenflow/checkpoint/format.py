@@ -169,6 +169,7 @@ def host_master_to_save(split: SplitMatrix) -> tuple[torch.Tensor | None, torch.
 
 def pack(opt: ZenFlowState) -> dict[str, Any]:
     """The state dict of `opt` (its worker idle): see the module docstring."""
+    engine = opt.engine_state
     index_of: dict[torch.Tensor, int] = {}
     groups = []
     for group in opt.param_groups:
@@ -176,10 +177,10 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
         packed["params"] = []
         for p in group["params"]:
             packed["params"].append(len(index_of))
-            index_of[opt._fsdp.local(p)] = len(index_of)  # (the engine keys an FSDP2 parameter by its shard)
+            index_of[engine.fsdp.local(p)] = len(index_of)  # (the engine keys an FSDP2 parameter by its shard)
         groups.append(packed)
     state: dict[int, dict[str, Any]] = {}
-    for p, split in opt._split.items():
+    for p, split in engine.splits.items():
         # the matrix's state as held (the moments in the dtype they are stored in: a resume under either setting
         # restores them, widened or rounded as the new setting stores them; 8-bit ones as codes and per-block scales,
         # for an exact resume, which readers that move the state elsewhere widen: `widen_moments`; the open window's
@@ -197,7 +198,7 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
             if key == "accum_count" and columns is not None:  # (the device columns' host values, beside the master)
                 entry["host_master_columns"] = columns
         state[index_of[p]] = entry
-    for p, dense in opt._dense.items():
+    for p, dense in engine.dense.items():
         state[index_of[p]] = {
             "kind": "dense", "step": dense.step, "exp_avg": dense.exp_avg, "exp_avg_sq": dense.exp_avg_sq,
             "master": dense.master,  # None: the fp32 parameter is its own master (saved with the model)
@@ -205,13 +206,13 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
     for p, entry in state.items():
         param = next(q for q, i in index_of.items() if i == p)
         entry.update(shape=list(param.shape), dtype=str(param.dtype).removeprefix("torch."))
-        name = opt._param_names.get(opt._fsdp.owner(param))
+        name = engine.name_of(param)
         if name is not None:
             entry["name"] = name
-    schedule = opt._schedule
+    schedule = engine.schedule
     zenflow = None
     if schedule is not None:
-        host, progress = opt.host_windows.state(), schedule.state()
+        host, progress, counters = engine.host.state(), schedule.state(), engine.state()
         zenflow = {
             "format_version": FORMAT_VERSION,
             **{key: progress[key] for key in (*schedule.COUNTERS, "force_select", "writeback_lag",
@@ -221,10 +222,10 @@ def pack(opt: ZenFlowState) -> dict[str, Any]:
             # the seed of the random bits that round narrow host moments: a resumed run rounds as this one would
             "rounding_seed": host["rounding_seed"],
             "writeback_pending": host["writeback_pending"], "unapplied_steps": host["unapplied_steps"],
-            "skipped_steps": opt._stats.skipped_steps, "config": opt.config.to_dict(),
+            "skipped_steps": counters["skipped_steps"], "config": opt.config.to_dict(),
             # the max_norm of the last `clip_grad_norm_` (None: never called; inf: measured only): a resume through
             # the Trainer compares it with its max_grad_norm (`hf/resume.py`)
-            "max_grad_norm": opt._clip_max_norm,
+            "max_grad_norm": counters["max_grad_norm"],
             # where windows are summed ("auto"'s choice; None before any host state): a resumed run keeps it
             "accumulate_on": host["accumulate_on"],
             # the min_offload_numel device_memory_limit_bytes chose (None: no limit): a resumed run keeps it

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..engine.device_state import DenseDeviceState
+from ..engine.engine_state import EngineState
 from ..engine.split_matrix import SplitMatrix
 from . import validate as checks
 from .convert import apply_changed_settings, is_torch_adamw_state, unpack_torch_adamw
@@ -42,7 +43,8 @@ def _index(index: Any, count: int) -> int:
 
 
 def _validate(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
-    params = opt._engine_params()
+    engine = opt.engine_state
+    params = engine.params()
     checks.check_groups(opt, state_dict["param_groups"])
     zenflow = state_dict.get("zenflow")
     if zenflow is None:
@@ -64,7 +66,7 @@ def _validate(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
         where = _label(index, entry, p)
         if entry.get("kind") not in ("split", "dense") or (entry["kind"] == "split" and p.ndim < 2):
             raise Refusal(f"{where}: entry kind {entry.get('kind')!r} is invalid here")
-        checks.check_name(where, entry.get("name"), opt._param_names.get(opt._fsdp.owner(p)))
+        checks.check_name(where, entry.get("name"), engine.name_of(p))
         rows = bool(groups[i].get("select_rows", False))
         units = p.shape[0] if rows else math.prod(p.shape[1:])  # (an FSDP2 shard may have 0 rows)
         checks.check_entry_fields(where, entry, p, zenflow["steps"], units, rows)
@@ -87,13 +89,14 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
         raise _refused(exc) from None
     # From here on every value read was checked: the optimizer is only written now.
     _restore_groups(opt, state_dict["param_groups"])
-    opt._reset_state()
+    engine = opt.engine_state
+    engine.reset()
     zenflow = state_dict.get("zenflow")
     if zenflow is None:
         return
-    params = opt._engine_params()
+    params = engine.params()
     groups = [g for g in opt.param_groups for _ in g["params"]]
-    schedule = opt._ensure_schedule()
+    schedule = engine.ensure_schedule()
     saved = zenflow.get("config", {})
     if opt.config.high_lr_rule == "auto" and saved.get("high_lr_rule", "auto") == "auto" \
             and saved.get("update_interval") == opt.config.update_interval:
@@ -108,14 +111,13 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
         lag=opt.config.writeback_lag == "auto" and "writeback_lag_pending" in zenflow,
         # the threshold the saved run's device memory limit chose; a new limit or min_offload_numel chooses afresh
         # (`apply_changed_settings` moves the matrices), except under FSDP2, where matrices cannot move
-        limit="limit_min_offload_numel" in zenflow and (opt.host_windows.param_shards is not None or all(
+        limit="limit_min_offload_numel" in zenflow and (engine.host.param_shards is not None or all(
             saved.get(name) == getattr(opt.config, name)
             for name in ("device_memory_limit_bytes", "min_offload_numel"))))
     # before any host state is restored: it is created for the accumulation the saved run chose, its random bits
     # keyed by the saved seed
-    opt.host_windows.load(zenflow)
-    opt._stats.skipped_steps = int(zenflow["skipped_steps"])
-    opt._clip_max_norm = zenflow.get("max_grad_norm")  # (until the next `clip_grad_norm_`)
+    engine.host.load(zenflow)
+    engine.load(zenflow)  # (the skipped steps; the clip threshold, until the next `clip_grad_norm_`)
     for index, entry in state_dict["state"].items():
         p = params[int(index)]
         if entry["kind"] == "dense":
@@ -125,9 +127,9 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
             if entry["master"] is not None and dense.master is not None:
                 # (an fp32 parameter is its own master: none is saved)
                 dense.master.copy_(entry["master"].view_as(dense.master))
-            opt._dense[p] = dense
+            engine.dense[p] = dense
             continue
-        opt._split[p] = _restore_split(opt, p, groups[int(index)], int(index), entry)
+        engine.splits[p] = _restore_split(engine, p, groups[int(index)], entry)
     apply_changed_settings(opt, zenflow.get("config") or {})
 
 
@@ -137,7 +139,7 @@ def _checked(opt: ZenFlowState, state_dict: dict[str, Any]) -> dict[str, Any]:
     zenflow = state_dict.get("zenflow")
     if zenflow is not None:
         checks.check_block(zenflow)  # (the rank fields are read next)
-    host = opt.host_windows
+    host = opt.engine_state.host
     mesh = host.param_shards
     if mesh is not None and zenflow and not {"ranks", "fsdp_ranks"} & set(zenflow):
         state_dict = fsdp_rows_of(state_dict, mesh.ranks, mesh.rank)  # a one-process state: this rank's rows of it
@@ -154,16 +156,16 @@ def load(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     unpack(opt, state_dict)
     # (a worker started with other settings stops, not `opt.close()`: the run goes on; after a host worker failure
     # the state is whole and checked again)
-    opt.host_windows.loaded(threads=before[0], background=before[1] and opt.host_executor == "thread")
-    opt._mark_weights()
+    opt.engine_state.host.loaded(threads=before[0], background=before[1] and opt.host_executor == "thread")
+    opt.engine_state.mark_weights()
 
 
-def _restore_split(opt: ZenFlowState, p: torch.Tensor, group: dict[str, Any], index: int, entry: dict[str, Any]
+def _restore_split(engine: EngineState, p: torch.Tensor, group: dict[str, Any], entry: dict[str, Any]
                    ) -> SplitMatrix:
-    split = SplitMatrix(p, int(entry["k"]), rows=bool(group.get("select_rows", False)), owner=opt._fsdp.owner(p))
+    split = SplitMatrix(p, int(entry["k"]), rows=bool(group.get("select_rows", False)), owner=engine.fsdp.owner(p))
     if "host_master" in entry:
-        opt.host_windows.attach_host([split])  # (for the settings in force, in this rank's share)
-    split.load(entry, writeback_fresh=opt.host_windows.writeback_pending)
+        engine.host.attach_host([split])  # (for the settings in force, in this rank's share)
+    split.load(entry, writeback_fresh=engine.host.writeback_pending)
     return split
 
 

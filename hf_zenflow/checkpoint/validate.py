@@ -332,7 +332,7 @@ def check_settings_change(opt: ZenFlowState, zenflow: dict[str, Any]) -> None:
             f"full_warm_up_rounds={now.full_warm_up_rounds} cannot take effect: the checkpoint is {steps} steps in, "
             f"past its own warm-up of {before} steps, and the columns were selected already. Resume with "
             f"full_warm_up_rounds <= {steps}")
-    if opt.host_windows.param_shards is not None and saved.get("min_offload_numel", now.min_offload_numel) \
+    if opt.engine_state.host.param_shards is not None and saved.get("min_offload_numel", now.min_offload_numel) \
             != now.min_offload_numel:
         raise Refusal("min_offload_numel differs from the checkpoint's; under FSDP2 matrices cannot move between the "
                       "split and the dense path on resume. Resume with the checkpoint's min_offload_numel")

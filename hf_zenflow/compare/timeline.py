@@ -112,7 +112,7 @@ class TimelineRecorder:
             self.collect_host(opt)
 
     def collect_host(self, opt: Any) -> None:
-        worker = getattr(getattr(opt, "_host", None), "worker", None)
+        worker = getattr(getattr(opt, "host_windows", None), "worker", None)  # (ZenFlowAdamW)
         if worker is None or self.origin is None or self.end is None or self.host_collected:
             return
         self.host_collected = True

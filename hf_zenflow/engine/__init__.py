@@ -16,7 +16,8 @@
   host columns' sizes), `run_start.py` (what a run decides and logs once, at its first step);
 - one matrix's two sides and its columns: `split_matrix.py`, `selection.py`, `reselection.py`; the optimizer's
   arguments made into state: `params.py`, the run's schedule and the first step's state made in its backward
-  hooks: `state_maker.py`; weights changed from outside: `weight_marks.py`; the storage layout:
+  hooks: `state_maker.py`; the optimizer's state in one object, which the checkpoint code saves and restores:
+  `engine_state.py`; weights changed from outside: `weight_marks.py`; the storage layout:
   `layout.py` (`column_major_`); AMP: `amp.py` (the GradScaler wraps); per-step telemetry: `telemetry.py`; what
   the hooks and `step()` refuse to run under (compiled autograd, CUDA graphs): `graph_guard.py`.
 

@@ -46,7 +46,8 @@ def take_over(new: Any, params: Iterable[torch.Tensor], holds: bool = True) -> N
         shared = [p for p in old._held() if id(p) in mine]
         if not shared:
             continue
-        what = describe(shared, {**old._param_names, **getattr(new, "_param_names", {})})
+        new_names = new.engine_state.names if hasattr(new, "engine_state") else {}  # (`SyncOffloadAdamW`: none)
+        what = describe(shared, {**old.engine_state.names, **new_names})
         was_closed, unapplied = old._hooks_off, old._unapplied_steps()
         old._detach(f"a {type(new).__name__} built later over {what} took them over")
         _HOLDERS.discard(old)

@@ -39,6 +39,7 @@ from ..engine.backward import HandOff
 from ..engine.device_memory import DeviceMemoryMeter
 from ..engine.device_state import DenseDeviceState
 from ..engine.device_step import ParamWrites, device_update
+from ..engine.engine_state import EngineState
 from ..engine.failure import drop_failed_worker, refuse_after_failure
 from ..engine.gradients import GradientReads, StepReads, Synced, read_gradients
 from ..engine.graph_guard import refuse_captured_step
@@ -178,7 +179,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._reads.reduced_later = lambda host=self._host: host.shards.ranks > 1  # DDP rewrites them after the hooks
         #: the caller clips through `clip_grad_norm_` (free_gradients_in_backward="auto"), a GradScaler was seen
         self._clips_through_optimizer, self._scaled = False, False
-        self._clip_max_norm: float | None = None  # the last `clip_grad_norm_`'s max_norm (saved in checkpoints)
         #: what the last `load_state_dict()` loaded: its steps and clip threshold (`checkpoint.SavedProgress`), for a
         #: resume to compare with the Trainer's state (`hf_zenflow.hf.resume.check_resumed_optimizer`); None: none
         self.loaded_progress: checkpoint.SavedProgress | None = None
@@ -186,9 +186,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._host.backward.create_in_backward = self._state.in_backward
         self._host.backward.free_kind = self._frees_next_step()
         self._weights = WeightMarks()  # notices weights changed from outside the optimizer
-        self._param_names: dict[torch.Tensor, str] = {
-            p: name for g in self.param_groups for name, p in zip(g.get("param_names", ()), g["params"])
-        }
+        names = {p: name for g in self.param_groups for name, p in zip(g.get("param_names", ()), g["params"])}
+        # the state as one object (`engine_state`): the checkpoint code saves and restores it
+        self._engine_state = EngineState(self._split, self._dense, self._host, self._fsdp, self._stats, names,
+                                         self._state, self._weights)
         amp.install()  # scaler.unscale_(opt) tells `_grads_unscaled`
         _LIVE_OPTIMIZERS.add(self)
         self._hooks_off = False  # `close()` took the hooks off; the next `train()` or `step()` hooks again
@@ -238,7 +239,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """
         self._find_param_shards()
         self._clips_through_optimizer = True
-        self._clip_max_norm = float(max_norm)
+        self._engine_state.clip_max_norm = float(max_norm)  # (saved in checkpoints)
         freed = self._host.backward.freed  # (gradients freed in backward: their stand-ins, whose norms the hooks took)
         local = self._fsdp.local  # (FSDP2: the freed gradients are keyed by the local shards)
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None or local(p) in freed]
@@ -643,9 +644,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     @property
     def host_windows(self) -> HostWindows:
-        """The host side of this optimizer (`engine/windows.py`): the checkpoint code saves and restores it through
-        its `state()` and `load()`, and reads the ranks its host state is split across (`shards`, `param_shards`)."""
+        """The host side of this optimizer (`engine/windows.py`; also `engine_state.host`): its host worker, the
+        ranks its host state is split across (`shards`, `param_shards`), its checkpoint values (`state()`)."""
         return self._host
+
+    @property
+    def engine_state(self) -> EngineState:
+        """This optimizer's state besides its param groups and settings (`engine/engine_state.py`): each
+        parameter's split matrix or dense device state, the host side with the run's schedule, FSDP2's shards, the
+        parameters' names and the counters a checkpoint keeps; `state_dict()` and `load_state_dict()` save and
+        restore it (`hf_zenflow.checkpoint`)."""
+        return self._engine_state
 
     def __reduce_ex__(self, protocol: object) -> Any:
         """Refused: `copy.deepcopy` and pickle. The optimizer owns a host worker thread, backward hooks on its
@@ -693,7 +702,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._mark_weights()
 
     def _mark_weights(self) -> None:
-        self._weights.mark(self._split, self._dense)
+        self._engine_state.mark_weights()
 
     def master_weight(self, param: torch.Tensor) -> torch.Tensor:
         """The fp32 master value of `param` (host columns from the host master, device columns from the device),
@@ -711,7 +720,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # replaced alive (their names, the backward hooks on them)
             current = [p for g in self.param_groups for p in g["params"]]
             kept = {id(p) for p in current}
-            self._param_names = {p: n for p, n in self._param_names.items() if id(p) in kept}
+            names = self._engine_state.names
+            self._engine_state.names = {p: n for p, n in names.items() if id(p) in kept}
             self._reads.remove()
             self._reads = GradientReads([] if self._hooks_off else current)
             self._reads.on_ready = self._host.backward.grad_ready
@@ -725,11 +735,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # (FSDP2's ranks free their shards from the next step on; ``accumulate_on="auto"``, deciding in this
             # step, weighs that)
             self._host.backward.free_kind = self._frees_next_step()
-
-    def _engine_params(self) -> list[torch.Tensor]:
-        """Every parameter in param-group order as the engine keys its state (its local shard under FSDP2)."""
-        self._find_param_shards()
-        return [self._fsdp.local(p) for g in self.param_groups for p in g["params"]]
 
     @property
     def _schedule(self) -> WindowSchedule | None:
@@ -794,10 +799,4 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         error messages name the parameter. Parameters passed as ``(name, param)`` pairs are named already."""
         pairs = named.named_parameters() if isinstance(named, torch.nn.Module) else named
         mine = {p for g in self.param_groups for p in g["params"]}
-        self._param_names.update({p: name for name, p in pairs if p in mine})
-
-    def _reset_state(self) -> None:
-        self._split.clear()
-        self._dense.clear()
-        self._host.reset()
-        self._schedule = None
+        self._engine_state.names.update({p: name for name, p in pairs if p in mine})

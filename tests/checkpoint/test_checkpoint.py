@@ -89,13 +89,38 @@ def test_the_host_side_state_is_what_the_checkpoint_keeps_and_a_load_restores_it
     fresh.close()
 
 
+def test_the_run_counters_are_what_the_checkpoint_keeps_and_a_load_restores_them():
+    """`EngineState.state()` holds the run's counters the checkpoint writes (the steps skipped for non-finite
+    gradients, the max_norm of the last `clip_grad_norm_`), and a new optimizer gives the same values back after
+    `load_state_dict`."""
+    settings = dict(free_gradients_in_backward="off")  # (the hook below spoils a gradient held after backward)
+    model = make_model()
+    opt = zenflow(**settings)(model)
+
+    def spoil(step: int) -> None:
+        if step == 2:
+            next(model.parameters()).grad.fill_(float("nan"))
+
+    train(model, opt, batches(5), clip=0.5, hook=spoil)
+    counters = opt.engine_state.state()
+    saved = roundtrip(opt.state_dict())
+    opt.close()
+    assert counters == {"skipped_steps": 1, "max_grad_norm": 0.5}
+    assert {key: saved["zenflow"][key] for key in counters} == counters
+    fresh = zenflow(**settings)(make_model())
+    assert fresh.engine_state.state() == {"skipped_steps": 0, "max_grad_norm": None}
+    fresh.load_state_dict(saved)
+    assert fresh.engine_state.state() == counters
+    fresh.close()
+
+
 def test_a_split_matrix_state_loads_into_a_fresh_one_as_it_was():
     """`SplitMatrix.state()` holds the matrix as it is held (the selection, the device columns, the host state and the
     open window's sum), and a matrix made for the same settings gives the same values back after `load` of it."""
     settings = dict(update_interval=4, high_lr_rule="off", accumulate_on="host", topk_ratio=0.25)
     _, opt, _, _ = run_until(zenflow(**settings), steps=SPLIT_AT)
     opt.synchronize()
-    splits = list(opt._split.items())
+    splits = list(opt.engine_state.splits.items())
     assert any(s.device is not None and s.host is not None and s.host.accum_count for _, s in splits)
     for p, split in splits:
         held = split.state()
@@ -154,7 +179,7 @@ def test_a_new_min_offload_numel_moves_matrices_between_paths_exactly(before, af
     checkpoint = save(model, opt, sched)
     opt.close()
     model_b, opt_b, rest = resume(checkpoint, zenflow(topk_ratio=0.1, min_offload_numel=after))
-    assert (len(opt_b._split) > 0) == (after == 0)
+    assert (len(opt_b.engine_state.splits) > 0) == (after == 0)
     assert first + rest == pytest.approx(ref_losses, rel=1e-5)
     assert max_rel_diff(model_b, ref) < 1e-5
     opt_b.close()
@@ -267,7 +292,7 @@ def test_bytes_overwritten_in_the_file_are_refused_naming_the_tensor(tmp_path):
     state = torch.load(path, weights_only=True)
     with pytest.raises(CheckpointError, match=r"parameter \d+ of shape .*: host_\w+ .*(checksum|non-finite)"):
         fresh.load_state_dict(state)
-    assert not fresh._split and not fresh._dense  # nothing was changed
+    assert not fresh.engine_state.splits and not fresh.engine_state.dense  # nothing was changed
 
 
 @pytest.mark.parametrize("damage, message", [

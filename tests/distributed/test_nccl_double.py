@@ -83,7 +83,7 @@ def test_the_double_refuses_host_state_and_what_is_computed_from_it():
     opt.step()  # one process: no collective; the host state now exists
     double = install([opt])
     try:
-        master = next(s.host.master for s in opt._host.splits.values() if s.host is not None)
+        master = next(s.host.master for s in opt.host_windows.splits.values() if s.host is not None)
         assert master.device != model.up.weight.device  # the host is not the device
         for host in (master, master.index_select(1, torch.tensor([0, 1])).float(), torch.zeros(3)):
             with pytest.raises(HostTensorRefused):
@@ -119,13 +119,13 @@ def _rank_copying_body(rank: int, out_dir: str) -> None:
             part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
             _step(wrapped, opt, x[part], y[part])
             share = sum(s.host_part(s.param).numel() * s.param.element_size()
-                        for s in opt._host.splits.values() if s.host is not None)
+                        for s in opt.host_windows.splits.values() if s.host is not None)
             steps.append((opt.stats()["bytes_to_host"], share))
         final = _weights(model)
         opt.flush()
     finally:
         uninstall(double)
-    assert type(opt._host.transport_of(next(iter(opt._host.splits.values())))) is CopyTransport
+    assert type(opt.host_windows.transport_of(next(iter(opt.host_windows.splits.values())))) is CopyTransport
     torch.save({"steps": steps, "final": final, "flushed": _weights(model), "refusals": double.refusals},
                os.path.join(out_dir, f"copy{rank}.pt"))
     opt.close()

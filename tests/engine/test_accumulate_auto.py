@@ -110,7 +110,7 @@ def test_a_resumed_run_keeps_its_choice_and_continues_exactly(first, then, kept,
     opt_b.load_state_dict(checkpoint["opt"])
     sched_b.load_state_dict(checkpoint["sched"])
     assert opt_b.stats()["accumulate_on"] == kept
-    window_sums_on_device = any(s.window_sum is not None for s in opt_b._split.values())
+    window_sums_on_device = any(s.window_sum is not None for s in opt_b.engine_state.splits.values())
     assert window_sums_on_device == (kept == "device")
     tail = train(model_b, opt_b, data[split_at:], sched_b, clip=1.0)
     assert opt_b.stats()["accumulate_on"] == kept
@@ -128,7 +128,7 @@ def test_an_explicit_setting_on_resume_replaces_the_saved_choice():
     fresh = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, accumulate_on="host")
     fresh.load_state_dict(state)
     assert fresh.stats()["accumulate_on"] == "host"
-    assert all(s.window_sum is None for s in fresh._split.values())
+    assert all(s.window_sum is None for s in fresh.engine_state.splits.values())
     fresh.close()
 
 

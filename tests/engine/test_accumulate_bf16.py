@@ -66,7 +66,7 @@ def run(steps: int, **settings) -> tuple[torch.nn.Module, list[float], ZenFlowAd
 def sums_needed(settings: dict) -> tuple[int, int]:
     """What "auto" weighs for the tiny model: its window sums (fp32, bf16) plus the selected columns' state."""
     _, _, opt, _ = run(1, accumulate_on="device", **settings)
-    splits = [s for s in opt._split.values() if s.host is not None]
+    splits = [s for s in opt.engine_state.splits.values() if s.host is not None]
     shares = {id(s): s.share for s in splits}
     return (accumulation.device_bytes_needed(splits, shares, 4), accumulation.device_bytes_needed(splits, shares, 2))
 
@@ -93,7 +93,7 @@ def test_auto_chooses_fp32_then_bf16_then_host_at_the_exact_boundaries(caplog):
         assert per_step[-1]["accumulate_on"] == expected, budget
         chosen = [r.getMessage() for r in caplog.records if 'accumulate_on="auto" chose' in r.getMessage()]
         assert len(chosen) == 1 and f'chose "{expected}"' in chosen[0]
-        sums = [s.window_sum for s in opt._split.values() if s.host is not None]
+        sums = [s.window_sum for s in opt.engine_state.splits.values() if s.host is not None]
         expected_dtype = accumulation.DEVICE_SUM_DTYPES.get(expected)
         assert all((t is None if expected_dtype is None else t.dtype == expected_dtype) for t in sums)
 
@@ -158,7 +158,7 @@ def test_device_bf16_is_the_fp32_device_schedule_rounded_after_every_add(monkeyp
 def test_link_bytes_per_window_are_half_and_device_bytes_two_per_element_less():
     _, _, _, fp32 = run(14, accumulate_on="device")
     _, _, opt, bf16 = run(14, accumulate_on="device_bf16")
-    hosted = sum(s.host.master.numel() for s in opt._split.values() if s.host is not None)
+    hosted = sum(s.host.master.numel() for s in opt.engine_state.splits.values() if s.host is not None)
     closes = [i for i, st in enumerate(fp32) if st["windows"] > (fp32[i - 1]["windows"] if i else 0)]
     shipped = 0
     for a, b in zip(fp32, bf16):
@@ -227,7 +227,8 @@ def test_a_resume_mid_window_continues_exactly(first, then):
     open_sums = [e["accum"] for e in saved["state"].values() if e.get("kind") == "split" and e["accum_count"]]
     assert open_sums and all(t.dtype == torch.bfloat16 for t in open_sums)  # (saved as it is kept)
     assert seen["chosen"] == "device_bf16"
-    assert all(s.window_sum is None or s.window_sum.dtype == torch.bfloat16 for s in opt_b._split.values())
+    assert all(s.window_sum is None or s.window_sum.dtype == torch.bfloat16
+               for s in opt_b.engine_state.splits.values())
     assert resumed == full
     assert all(torch.equal(p, q) for p, q in zip(model_b.parameters(), model.parameters()))
 
@@ -245,7 +246,7 @@ def test_a_bf16_checkpoint_loads_under_another_accumulation_with_its_open_window
     fresh.load_state_dict(state)
     assert fresh.stats()["accumulate_on"] == then
     entries = [e for e in state["state"].values() if e.get("kind") == "split" and e["accum_count"]]
-    splits = [s for s in fresh._split.values() if s.host is not None]
+    splits = [s for s in fresh.engine_state.splits.values() if s.host is not None]
     assert entries and len(entries) == len(splits)
     for entry, split in zip(entries, splits):
         held = split.window_sum if then == "device" else split.host.accum
@@ -280,7 +281,7 @@ def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, mon
         losses = train(model, opt, batches(22), linear_schedule(opt, 22), clip=1.0)
         opt.flush()
         assert opt.stats()["windows"] > 0
-        assert all(s.host.landing is not None for s in opt._split.values() if s.host is not None)
+        assert all(s.host.landing is not None for s in opt.engine_state.splits.values() if s.host is not None)
         opt.close()
         results.append((losses, [p.detach().clone() for p in model.parameters()]))
     for backend in backends:
@@ -315,7 +316,7 @@ def _ranks_run_body(rank: int, out_dir: str, budgets: tuple[int, int]) -> None:
         opt.step()
         opt.zero_grad()
     opt.flush()
-    sums = {str(s.window_sum.dtype) for s in opt._split.values() if s.window_sum is not None}
+    sums = {str(s.window_sum.dtype) for s in opt.engine_state.splits.values() if s.window_sum is not None}
     torch.save(
         {
             "chosen": opt.stats()["accumulate_on"],
@@ -357,7 +358,7 @@ def test_an_fp32_checkpoint_loads_under_device_bf16_its_open_window_rounded(save
     fresh.load_state_dict(state)
     assert fresh.stats()["accumulate_on"] == "device_bf16"
     entries = [e for e in state["state"].values() if e.get("kind") == "split" and e["accum_count"]]
-    splits = [s for s in fresh._split.values() if s.host is not None]
+    splits = [s for s in fresh.engine_state.splits.values() if s.host is not None]
     assert entries and len(entries) == len(splits)
     for entry, split in zip(entries, splits):
         assert split.window_count == entry["accum_count"]

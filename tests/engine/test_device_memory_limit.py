@@ -104,7 +104,7 @@ def test_a_limit_at_sync_offloads_peak_holds_zenflow_to_it(caplog):
     assert stats["peak_device_bytes"] <= limit
     assert stats["min_offload_numel"] == 16384  # (the largest threshold that fits: the 8192-element layers stay whole)
     assert stats["accumulate_on"] == "host"  # ("auto": fp32 or bf16 device sums do not fit on top)
-    assert sorted(p.numel() for p in opt._dense if p.ndim >= 2) == [8192, 8192]
+    assert sorted(p.numel() for p in opt.engine_state.dense if p.ndim >= 2) == [8192, 8192]
     said = [r.getMessage() for r in caplog.records if "device_memory_limit_bytes=" in r.getMessage()]
     assert len(said) == 1 and f"lowered from {MIN_OFFLOAD_NUMEL} to 16384" in said[0], said
 
@@ -195,7 +195,7 @@ def test_a_resume_without_the_limit_moves_the_matrices_back():
     opt.close()
     opt = _optimizer(model, accumulate_on="host")
     opt.load_state_dict(saved)
-    assert not opt._split and opt.stats()["min_offload_numel"] == MIN_OFFLOAD_NUMEL
+    assert not opt.engine_state.splits and opt.stats()["min_offload_numel"] == MIN_OFFLOAD_NUMEL
     _train(model, opt, data[4:])
     opt.close()
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -223,8 +223,8 @@ def test_without_a_limit_nothing_changes():
     """No limit: no choice is made or saved, the setting splits; a limit the setting already fits changes nothing
     either (the same weights, bit for bit)."""
     plain, stats, opt = _run(accumulate_on="host", min_offload_numel=16384)
-    assert opt._schedule.limit_min_offload_numel is None and stats["min_offload_numel"] == 16384
-    assert sorted(p.numel() for p in opt._dense if p.ndim >= 2) == [8192, 8192]
+    assert opt.engine_state.schedule.limit_min_offload_numel is None and stats["min_offload_numel"] == 16384
+    assert sorted(p.numel() for p in opt.engine_state.dense if p.ndim >= 2) == [8192, 8192]
     roomy, roomy_stats, _ = _run(accumulate_on="host", min_offload_numel=16384, device_memory_limit_bytes=1 << 40)
     assert roomy_stats["min_offload_numel"] == 16384
     assert all(torch.equal(a, b) for a, b in zip(plain, roomy))

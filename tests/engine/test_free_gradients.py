@@ -108,7 +108,7 @@ def test_auto_counts_the_freed_gradients_against_device_sums(monkeypatch):
     logits = model(x.to(DEVICE)).float()
     torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.to(DEVICE).view(-1)).backward()
     opt.step()
-    splits = [s for s in opt._split.values() if s.host is not None]
+    splits = [s for s in opt.engine_state.splits.values() if s.host is not None]
     need = accumulation.device_bytes_needed(splits, {id(s): s.share for s in splits}, 4)
     grads = sum(s.param.numel() * s.param.element_size() for s in splits)
     opt.close()

@@ -61,7 +61,7 @@ def test_the_estimate_and_the_meter_agree_with_the_allocator_when_copies_lag_bac
         # the allocator's peak: the weights and the device state (fixed after the first step) and the gradients'
         # blocks at their most
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        allocator = weights + device_state_bytes(opt._split, opt._dense) + blocks.peak_bytes
+        allocator = weights + device_state_bytes(opt.engine_state.splits, opt.engine_state.dense) + blocks.peak_bytes
     finally:
         opt.close()
         blocks.remove()

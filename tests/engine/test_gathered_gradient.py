@@ -86,8 +86,8 @@ def _train(dtype: torch.dtype, steps: int, micro_batches: int, clip: float | Non
         "weights": [p.detach().clone() for p in model.parameters()],
         "state": _flatten(opt.state_dict()),
         "losses": losses,
-        "buffers": {s.device.grad.dtype for s in opt._split.values() if s.device is not None},
-        "selected": sum(s.device.grad.numel() for s in opt._split.values() if s.device is not None),
+        "buffers": {s.device.grad.dtype for s in opt.engine_state.splits.values() if s.device is not None},
+        "selected": sum(s.device.grad.numel() for s in opt.engine_state.splits.values() if s.device is not None),
         "device_state_bytes": opt.stats()["device_state_bytes"],
         "windows": opt.stats()["windows"],
     }

@@ -171,15 +171,15 @@ def test_copies_started_in_backward_are_taken_by_the_step(monkeypatch):
     opt.step()  # the first step creates the host state: from now on the hooks can copy
     opt.zero_grad()
     copied_in_step: list[int] = []
-    real = opt._host.backward._sources
-    monkeypatch.setattr(opt._host.backward, "_sources", lambda work, slot: (copied_in_step.append(len(work)),
+    real = opt.host_windows.backward._sources
+    monkeypatch.setattr(opt.host_windows.backward, "_sources", lambda work, slot: (copied_in_step.append(len(work)),
                                                                              real(work, slot))[1])
     for _ in range(3):
         loss_of(model, x, y).backward()
-        early = opt._host.backward.early
+        early = opt.host_windows.backward.early
         assert early is not None and len(early.copies) == 3  # the three matrices, copied in backward
         opt.step()
         opt.zero_grad()
-        assert opt._host.backward.early is None
+        assert opt.host_windows.backward.early is None
     assert copied_in_step == []  # the step copied nothing itself
     opt.close()

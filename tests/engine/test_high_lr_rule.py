@@ -156,7 +156,7 @@ def test_the_choice_comes_from_the_checkpoint(saved_window, settings, expected):
         saved["opt"]["zenflow"]["high_lr_window"] = saved_window
     seal(saved["opt"])  # (the checksums follow the edit, as a saved state of that choice would have them)
     _, opt, _ = _resume(saved, **settings)
-    stats, interval = opt.stats(), opt._schedule.update_interval  # (stats: the last closed window's, 2)
+    stats, interval = opt.stats(), opt.engine_state.schedule.update_interval  # (stats: the last closed window's, 2)
     opt.close()
     assert stats["high_lr_window"] == expected
     assert interval == (expected or 4)

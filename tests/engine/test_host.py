@@ -183,7 +183,7 @@ def test_optimizer_step_leaves_the_worker_released():
     for _ in range(3):
         model(torch.randn(4, 64)).sum().backward()
         opt.step()
-        assert opt._host.worker._gate is None
+        assert opt.host_windows.worker._gate is None
         opt.zero_grad()
     opt.close()
 
@@ -292,7 +292,7 @@ def test_an_interrupted_hand_off_in_step_does_not_leak_its_slot(monkeypatch):
     runner.start()
     runner.join(timeout=30)
     assert outcome == ["done"], "the step after two interrupted hand-offs did not complete (leaked slots)"
-    assert _slot_count(opt._host.worker) == GRAD_SLOTS
+    assert _slot_count(opt.host_windows.worker) == GRAD_SLOTS
     assert all(torch.isfinite(p).all() for p in model.parameters())
     opt.close()
 

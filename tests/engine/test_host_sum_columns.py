@@ -147,10 +147,10 @@ def test_unselected_sums_train_the_weights_of_full_sums_bit_for_bit(moments, sum
     """11 steps with windows of 3, overlapped, re-selection every 4 steps (mid-window: it closes the window first)."""
     settings = dict(host_moment_dtype=moments, host_sum_dtype=sums)
     full, opt = _run(settings, dtype=dtype, layout=layout)
-    assert all(s.host.sum_index is None for s in opt._split.values() if s.host is not None)
+    assert all(s.host.sum_index is None for s in opt.engine_state.splits.values() if s.host is not None)
     opt.close()
     lean, opt = _run({**settings, **UNSELECTED}, dtype=dtype, layout=layout)
-    hosted = [s for s in opt._split.values() if s.host is not None]
+    hosted = [s for s in opt.engine_state.splits.values() if s.host is not None]
     assert hosted and all(s.host.accum.shape[s.axis] == s.columns - s.k for s in hosted)
     assert opt.stats()["reselections"] >= 2
     opt.close()
@@ -181,7 +181,7 @@ def test_a_resume_mid_window_continues_bit_for_bit(saved_with, loaded_with):
     opt = ZenFlowAdamW(param_groups(first), lr=LR, **{**SPLIT, **settings, "host_sum_columns": saved_with})
     train(first, opt, data[:5])
     saved = roundtrip(opt.state_dict())
-    open_sums = [s for s in opt._split.values() if s.host is not None and s.host.accum_count]
+    open_sums = [s for s in opt.engine_state.splits.values() if s.host is not None and s.host.accum_count]
     assert open_sums and all((s.host.sum_index is not None) == (saved_with == "unselected") for s in open_sums)
     opt.close()
     entries = [e for e in saved["state"].values() if e["kind"] == "split" and e.get("accum") is not None]
@@ -191,7 +191,7 @@ def test_a_resume_mid_window_continues_bit_for_bit(saved_with, loaded_with):
     opt = ZenFlowAdamW(param_groups(second), lr=LR, **{**SPLIT, **settings, "host_sum_columns": loaded_with})
     opt.load_state_dict(saved)
     assert all((s.host.sum_index is not None) == (loaded_with == "unselected")
-               for s in opt._split.values() if s.host is not None and s.device is not None)
+               for s in opt.engine_state.splits.values() if s.host is not None and s.device is not None)
     train(second, opt, data[5:])
     opt.flush()
     opt.close()
@@ -209,7 +209,7 @@ def test_int8_moments_bf16_unselected_sums_and_no_write_back_buffer_hold_under_8
     _, opt = _run(settings, 8, dtype, width=256)
     stats = opt.stats()
     measured, elements, blocks = _host_bytes(opt)
-    hosted = [s for s in opt._split.values() if s.host is not None]
+    hosted = [s for s in opt.engine_state.splits.values() if s.host is not None]
     summed = sum(s.host.accum.numel() for s in hosted)
     kept_columns = sum(s.columns - s.k for s in hosted)
     opt.close()

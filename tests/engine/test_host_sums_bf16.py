@@ -125,7 +125,7 @@ def test_bf16_host_sums_are_the_device_bf16_sums_bit_for_bit():
     """The same rule wherever the window is summed: on the host in bf16, or on the device in bf16 (whose landed sum
     the host widens into fp32): the same weights, and not those of fp32 sums."""
     ours, opt = _run(dict(host_sum_dtype="bfloat16", accumulate_on="host"), 11)
-    assert all(s.host.accum.dtype == torch.bfloat16 for s in opt._split.values() if s.host is not None)
+    assert all(s.host.accum.dtype == torch.bfloat16 for s in opt.engine_state.splits.values() if s.host is not None)
     opt.close()
     device, opt = _run(dict(accumulate_on="device_bf16"), 11)
     opt.close()
@@ -166,7 +166,7 @@ def test_write_back_from_the_master_changes_no_bit(dtype, accumulate_on):
     buffered, opt = _run(dict(accumulate_on=accumulate_on), 13, dtype)
     opt.close()
     ours, opt = _run(dict(accumulate_on=accumulate_on, host_writeback="master"), 13, dtype)
-    hosted = [s.host for s in opt._split.values() if s.host is not None]
+    hosted = [s.host for s in opt.engine_state.splits.values() if s.host is not None]
     assert hosted and all(h.writes_back_master for h in hosted) == (accumulate_on == "host" or dtype != torch.float32)
     opt.close()
     assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), buffered.parameters()))
@@ -180,7 +180,7 @@ def test_write_back_from_the_master_through_a_copying_transport(monkeypatch):
     monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: made.append(CopyTransport())
                         or made[-1])
     ours, opt = _run(dict(LEAN), 9, torch.bfloat16)
-    hosted = [s.host for s in opt._split.values() if s.host is not None]
+    hosted = [s.host for s in opt.engine_state.splits.values() if s.host is not None]
     assert hosted and all(h.writes_back_master for h in hosted)
     # the link buffers reserved are the ones taken (the gradient slots): none for a write-back buffer
     taken = sum(PinnedArena.aligned(t.numel() * t.element_size()) for h in hosted for t in h.staging)
@@ -212,7 +212,7 @@ def _host_bytes(opt: ZenFlowAdamW) -> tuple[int, int, int]:
     """(bytes of the distinct host storages, elements, quantisation blocks) of the host state."""
     storages: dict[int, int] = {}
     elements = blocks = 0
-    for split in opt._split.values():
+    for split in opt.engine_state.splits.values():
         host = split.host
         if host is None:
             continue
@@ -255,7 +255,8 @@ def test_lean_host_state_resumes_exactly_and_its_sum_is_checksummed():
     opt = ZenFlowAdamW(param_groups(first), lr=LR, **{**SPLIT, **settings})
     train(first, opt, data[:5])
     saved = roundtrip(opt.state_dict())
-    sums = {id(s): s.host.accum.clone() for s in opt._split.values() if s.host is not None and s.host.accum_count}
+    sums = {id(s): s.host.accum.clone() for s in opt.engine_state.splits.values()
+            if s.host is not None and s.host.accum_count}
     opt.close()
     assert sums and all(t.dtype == torch.bfloat16 and bool(t.any()) for t in sums.values())
     entries = [e for e in saved["state"].values() if e["kind"] == "split" and e.get("accum") is not None]
@@ -277,7 +278,7 @@ def test_lean_host_state_resumes_exactly_and_its_sum_is_checksummed():
 def test_to_torch_adamw_takes_the_lean_state():
     """to_torch_adamw: the fp32 master and dequantised moments of every column, as the optimizer holds them."""
     model, opt = _run(dict(LEAN, host_moment_dtype="int8"), 7)
-    full = [s.full_state() for s in opt._split.values()]
+    full = [s.full_state() for s in opt.engine_state.splits.values()]
     saved = roundtrip(opt.state_dict())
     opt.close()
     adamw_state, _ = to_torch_adamw(saved, weights=[p for g in opt.param_groups for p in g["params"]])

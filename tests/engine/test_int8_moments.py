@@ -143,7 +143,7 @@ def test_int8_host_is_adamw_with_8bit_moments(path, monkeypatch):
     if path == "torch-pieces":  # pieces of two blocks: every matrix in several pieces, with a remainder
         monkeypatch.setattr(qm, "PIECE", 2 * BLOCK)
     model, losses, opt = _zenflow(INT8)
-    assert all(s.host.quantized for s in opt._split.values() if s.host is not None)
+    assert all(s.host.quantized for s in opt.engine_state.splits.values() if s.host is not None)
     opt.close()
     ref = make_model()
     ref_losses = train(ref, QuantizedAdamW(ref), DATA)
@@ -220,8 +220,9 @@ def test_int8_state_loads_under_other_settings_and_converts_to_torch(other):
     """to_torch_adamw dequantises; a resume under another host_moment_dtype takes the fp32 values; an fp32 state
     resumed under int8 is quantised."""
     saved, opt = _trained_state()
-    full = {i: s.full_state() for i, s in enumerate(opt._split.values())}
-    hosted = [(s.host.exp_avg.float(), s.host.exp_avg_sq.float()) for s in opt._split.values() if s.host is not None]
+    full = {i: s.full_state() for i, s in enumerate(opt.engine_state.splits.values())}
+    hosted = [(s.host.exp_avg.float(), s.host.exp_avg_sq.float()) for s in opt.engine_state.splits.values()
+              if s.host is not None]
     opt.close()
     adamw_state, _ = to_torch_adamw(saved, weights=[p for g in opt.param_groups for p in g["params"]])
     converted = [adamw_state["state"][i] for i, e in saved["state"].items() if e["kind"] == "split"]
@@ -234,7 +235,7 @@ def test_int8_state_loads_under_other_settings_and_converts_to_torch(other):
     opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**SPLIT, "host_moment_dtype": other})
     opt.load_state_dict(saved)
     dtype = getattr(torch, other)
-    here = [(s.host.exp_avg, s.host.exp_avg_sq) for s in opt._split.values() if s.host is not None]
+    here = [(s.host.exp_avg, s.host.exp_avg_sq) for s in opt.engine_state.splits.values() if s.host is not None]
     assert hosted and len(here) == len(hosted)
     for (m, v), (m2, v2) in zip(hosted, here):
         assert m2.dtype == v2.dtype == dtype
@@ -243,7 +244,7 @@ def test_int8_state_loads_under_other_settings_and_converts_to_torch(other):
     opt.close()
     opt = ZenFlowAdamW(param_groups(make_model()), lr=LR, **SPLIT)
     opt.load_state_dict(wide)  # back under int8: quantised again
-    assert all(s.host.quantized for s in opt._split.values() if s.host is not None)
+    assert all(s.host.quantized for s in opt.engine_state.splits.values() if s.host is not None)
     opt.close()
 
 
@@ -262,7 +263,7 @@ def test_host_bytes_per_param_with_int8_moments_are_the_host_tensors(accumulate_
     stats = opt.stats()
     storages: dict[int, int] = {}
     elements = blocks = 0
-    for split in opt._split.values():
+    for split in opt.engine_state.splits.values():
         host = split.host
         if host is None:
             continue

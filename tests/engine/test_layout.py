@@ -187,7 +187,7 @@ def layout_runs(dtype: torch.dtype, accumulate_on: str, moments: dict) -> list[l
         params = layout_params(column_major, dtype)
         opt = ZenFlowAdamW(params, **settings)
         step_with(params, opt, grads)
-        assert opt._split[params[0]].axis == (0 if column_major else 1)
+        assert opt.engine_state.splits[params[0]].axis == (0 if column_major else 1)
         opt.flush()
         finals.append([(p.detach().clone(), opt.master_weight(p)) for p in params])
         opt.close()
@@ -260,7 +260,7 @@ def test_embedding_rows_interval_one_is_adamw(topk_ratio):
                        overlap_step=False, select_strategy="step", select_interval=3, min_offload_numel=0,
                        **FP32_MOMENTS)
     losses = train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=0.5)
-    split = opt._split[model.embed.weight]
+    split = opt.engine_state.splits[model.embed.weight]
     assert split.rows and split.device.master.shape == (split.k, 40) and split.k == int(topk_ratio * 24)
     opt.close()
     assert max_rel_diff(model, ref) < 1e-5
@@ -276,6 +276,6 @@ def test_embedding_rows_overlapped_equals_sequential_and_the_setting_is_checkpoi
     other = ZenFlowAdamW(groups, lr=LR, **OVERLAP_SETTINGS, min_offload_numel=0)
     other.load_state_dict(saved)
     assert other.param_groups[-1]["select_rows"] is True
-    assert other._split[groups[-1]["params"][0]].rows
+    assert other.engine_state.splits[groups[-1]["params"][0]].rows
     with pytest.raises(ValueError, match="select_rows='yes' is invalid"):
         ZenFlowAdamW([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "select_rows": "yes"}], min_offload_numel=0)

@@ -129,8 +129,8 @@ def test_bf16_moments_through_the_kernel_are_the_torch_pass_bit_for_bit(monkeypa
                 opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings, **grad_settings)
                 train(model, opt, batches(STEPS), clip=0.05)
                 opt.flush()
-                moments = [(s.host.exp_avg.clone(), s.host.exp_avg_sq.clone()) for s in opt._split.values()
-                           if s.host is not None]
+                moments = [(s.host.exp_avg.clone(), s.host.exp_avg_sq.clone())
+                           for s in opt.engine_state.splits.values() if s.host is not None]
                 opt.close()
                 runs.append((list(model.parameters()), moments))
             assert calls[path] > 0 and calls["torch" if path == "kernel" else "kernel"] == 0
@@ -150,7 +150,7 @@ def test_narrow_gradients_through_staging_buffers_round_the_same(monkeypatch):
     opt.close()
     monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
     staged, _, opt = _zenflow(settings, topk_ratio=0.25, update_interval=3, overlap_step=True)
-    staging = [s.host.staging for s in opt._split.values() if s.host is not None]
+    staging = [s.host.staging for s in opt.engine_state.splits.values() if s.host is not None]
     opt.close()
     assert staging and all(buf.dtype == torch.bfloat16 for bufs in staging for buf in bufs)
     for p, q in zip(direct.parameters(), staged.parameters()):
@@ -190,7 +190,7 @@ def test_bf16_moments_resume_exactly():
     second.load_state_dict(first.state_dict())
     opt = ZenFlowAdamW(param_groups(second), lr=LR, **settings)
     opt.load_state_dict(saved)
-    assert all(s.host.exp_avg.dtype == torch.bfloat16 for s in opt._split.values() if s.host is not None)
+    assert all(s.host.exp_avg.dtype == torch.bfloat16 for s in opt.engine_state.splits.values() if s.host is not None)
     train(second, opt, data[5:])
     opt.flush()
     opt.close()
@@ -243,7 +243,7 @@ def _measured_host_bytes(opt: ZenFlowAdamW) -> tuple[int, int]:
     share it. The step counter is one scalar per matrix, not per element: left out, as `stats()` leaves it."""
     storages: dict[int, int] = {}
     elements = 0
-    for split in opt._split.values():
+    for split in opt.engine_state.splits.values():
         host = split.host
         if host is None:
             continue

@@ -69,7 +69,7 @@ def test_hooks_of_two_devices_at_once_take_one_hand_off_slot(monkeypatch):
     sum(model.losses(x)).backward()
     opt.step()  # the host state exists from now on: the hooks start the copies
     opt.zero_grad()
-    worker = opt._host.worker
+    worker = opt.host_windows.worker
     real_take = worker.take_slot
 
     def slow_take():
@@ -79,7 +79,7 @@ def test_hooks_of_two_devices_at_once_take_one_hand_off_slot(monkeypatch):
     monkeypatch.setattr(worker, "take_slot", slow_take)
     for step in range(2 * GRAD_SLOTS):
         backward_in_two_threads(model.losses(x + step))
-        early = opt._host.backward.early
+        early = opt.host_windows.backward.early
         assert early is not None and len(early.copies) == 2  # both halves' copies, in one slot
         assert worker._slots.qsize() == GRAD_SLOTS - 1, f"step {step}: more than one slot taken"
         done = threading.Event()
@@ -110,7 +110,7 @@ def test_a_worker_is_never_started_from_an_autograd_thread(monkeypatch):
     opt.close()  # (the Trainer's end of training; a later step starts a new worker)
     backward_in_two_threads(model.losses(x))  # the hooks run on other threads, as autograd's on CUDA
     opt.step()
-    assert opt._host.worker is not None and opt._host.worker.background
+    assert opt.host_windows.worker is not None and opt.host_windows.worker.background
     assert threads_module._POOL.thread == threading.get_ident()  # the thread that called step()
     opt.close()
 
@@ -137,7 +137,7 @@ def test_freed_gradients_overflow_is_charged_to_each_ones_device(overflowing):
     a, b = model.losses(x)
     backward_in_two_threads((scaler.scale(a) * (math.inf if overflowing == "a" else 1.0),
                              scaler.scale(b) * (math.inf if overflowing == "b" else 1.0)))
-    freed = opt._host.backward.freed
+    freed = opt.host_windows.backward.freed
     assert set(freed) == {model.a.weight, model.b.weight} and all(f.overflow is not None for f in freed.values())
     on_b = freed[model.b.weight]
     on_b.stand_in, on_b.overflow = on_b.stand_in.to("meta"), on_b.overflow.to("meta")
@@ -146,5 +146,5 @@ def test_freed_gradients_overflow_is_charged_to_each_ones_device(overflowing):
     assert set(found) == {torch.device("cpu"), torch.device("meta")}
     assert found[torch.device("cpu")].item() == (1.0 if overflowing == "a" else 0.0)
     assert found[torch.device("meta")].shape == ()
-    opt._host.backward.release()
+    opt.host_windows.backward.release()
     opt.close()

@@ -87,9 +87,9 @@ def test_the_optimizer_closes_and_writes_back_where_its_plans_say(monkeypatch, o
                        select_strategy="step", select_interval=4, min_offload_numel=0, writeback_lag=1,
                        overlap_step=overlap, host_executor="inline")
     written, closed = [], []
-    write_back, close_window = opt._host.write_back, opt._host.close_window
-    monkeypatch.setattr(opt._host, "write_back", lambda: (written.append(len(plans) - 1), write_back())[1])
-    monkeypatch.setattr(opt._host, "close_window",
+    write_back, close_window = opt.host_windows.write_back, opt.host_windows.close_window
+    monkeypatch.setattr(opt.host_windows, "write_back", lambda: (written.append(len(plans) - 1), write_back())[1])
+    monkeypatch.setattr(opt.host_windows, "close_window",
                         lambda *a, **k: (closed.append(len(plans) - 1), close_window(*a, **k))[1])
     train(model, opt, batches(10), clip=1.0)
     opt.close()

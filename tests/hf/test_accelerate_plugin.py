@@ -202,11 +202,11 @@ def test_flush_at_the_end_of_a_loop_leaves_no_host_thread():
     model, optimizer = ZenFlowPlugin(update_interval=2, overlap_step=True, cpu_threads=1, min_offload_numel=0).prepare(
         accelerator, tiny_llama(), lr=1e-3)
     _loop(accelerator, model, optimizer, _batches(3))
-    thread = optimizer.optimizer._host.worker._thread
+    thread = optimizer.optimizer.host_windows.worker._thread
     assert thread.is_alive()
     ZenFlowPlugin.flush(optimizer)
     assert not thread.is_alive()
     _loop(accelerator, model, optimizer, _batches(1, start=3))  # training on starts a new worker
-    assert optimizer.optimizer._host.worker._thread.is_alive()
+    assert optimizer.optimizer.host_windows.worker._thread.is_alive()
     ZenFlowPlugin.flush(optimizer)
-    assert optimizer.optimizer._host.worker is None
+    assert optimizer.optimizer.host_windows.worker is None

@@ -102,7 +102,7 @@ def test_an_optimizer_file_of_a_run_with_another_max_grad_norm_is_named(runs, tm
     told = [r.getMessage() for r in caplog.records if "max_grad_norm" in r.getMessage()]
     assert len(told) == 1 and "clipped at max_grad_norm=0.5; this run clips at 1" in told[0], told
     assert "checkpoint-6/optimizer.pt" in told[0]
-    assert trainer.zenflow_optimizer._clip_max_norm == 1.0
+    assert trainer.zenflow_optimizer.engine_state.state()["max_grad_norm"] == 1.0
     caplog.clear()
     with caplog.at_level("WARNING", logger="hf_zenflow"):  # its own file: nothing to say
         zenflow_run(tmp_path / "again", train_dataset, resume=str(runs / "zenflow" / "checkpoint-3"))

@@ -430,7 +430,7 @@ class _WorkerThreads(TrainerCallback):
         self.seen: list[threading.Thread] = []
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
-        worker = unwrap_zenflow_optimizer(optimizer)._host.worker
+        worker = unwrap_zenflow_optimizer(optimizer).host_windows.worker
         if worker is not None and worker._thread is not None and worker._thread not in self.seen:
             self.seen.append(worker._thread)
 

@@ -429,7 +429,7 @@ def test_eval_drains_and_close_stops_the_worker():
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
     train(model, opt, batches(4))
     opt.eval()
-    worker = opt._host.worker
+    worker = opt.host_windows.worker
     assert all(f.done() for f in worker._outstanding)
     thread = worker._thread
     opt.close()
@@ -448,7 +448,7 @@ def test_reselection_follows_changing_importance():
         lin.weight.grad[:, hot] = 1.0
         lin.weight.grad[:, (hot + 1) % 20] = 0.5
         opt.step()
-        split = opt._split[lin.weight]
+        split = opt.engine_state.splits[lin.weight]
         assert split.device.index.tolist() == sorted([hot, (hot + 1) % 20])
     assert opt.stats()["reselections"] == 2
     opt.close()
@@ -574,7 +574,7 @@ def test_small_matrices_stay_on_the_device():
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=1500)
     train(model, opt, batches(2))
-    split = {name for name, p in model.named_parameters() if p in opt._split}
+    split = {name for name, p in model.named_parameters() if p in opt.engine_state.splits}
     assert split == {"up.weight", "down.weight"}  # the 24x40 embedding (960 elements) is below the threshold
     opt.close()
 
@@ -646,7 +646,7 @@ def test_no_selection_from_an_all_zero_gradient():
             lin.weight.grad[:, hot] = 1.0
             lin.weight.grad[:, 2] = 0.01
         opt.step()
-        split = opt._split[lin.weight]
+        split = opt.engine_state.splits[lin.weight]
         if t == 0:
             assert split.device is None  # nothing to rank yet
         else:

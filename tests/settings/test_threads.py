@@ -39,7 +39,7 @@ def _train(opt: ZenFlowAdamW, model: torch.nn.Module, steps: int = 3, pools: lis
 
 def _worker_threads(opt: ZenFlowAdamW) -> int:
     seen: list[int] = []
-    opt._host.worker.wait(opt._host.worker.submit("probe", lambda: seen.append(torch.get_num_threads())))
+    opt.host_windows.worker.wait(opt.host_windows.worker.submit("probe", lambda: seen.append(torch.get_num_threads())))
     return seen[0]
 
 
@@ -78,7 +78,7 @@ def test_the_pool_is_decided_when_the_optimizer_is_built_and_kept_until_close(un
     _train(opt, model, pools=pools)
     worker = _worker_threads(opt)
     assert worker == max(1, cores // 2) and worker + decided <= cores
-    opt._host.stop_worker()  # the worker stops and restarts within the run (as a resume with new settings does)
+    opt.host_windows.stop_worker()  # the worker stops and restarts within the run (as a resume with new settings does)
     _train(opt, model, steps=2, pools=pools)
     assert pools == [decided] * 10  # never changed across the worker's start, stop and restart
     reports = _reports(caplog)
@@ -87,7 +87,7 @@ def test_the_pool_is_decided_when_the_optimizer_is_built_and_kept_until_close(un
     assert "together" not in reports[0]
     opt.close()  # the end of the run
     assert torch.get_num_threads() == cores
-    assert opt._host.worker is None
+    assert opt.host_windows.worker is None
 
 
 def test_a_resumed_run_gets_the_fresh_runs_pool_before_its_first_forward(untouched_default_pool):
@@ -193,7 +193,7 @@ def test_nothing_offloaded_starts_no_worker_and_keeps_the_pool(untouched_default
         reference.zero_grad()
         assert _host_threads() <= before
     assert pools == [cores] * 4 and torch.get_num_threads() == cores
-    assert opt._host.worker is None or not opt._host.worker.background
+    assert opt.host_windows.worker is None or not opt.host_windows.worker.background
     assert not _reports(caplog)
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q)  # plain (fused) AdamW, bit for bit
@@ -211,7 +211,7 @@ def test_something_offloaded_after_all_gets_a_worker_but_the_pool_stays(untouche
     model.weight.requires_grad_(True)
     pools: list[int] = []
     _train(opt, model, steps=3, pools=pools)
-    assert opt._host.worker.background and opt._host.worker._thread.is_alive()
+    assert opt.host_windows.worker.background and opt.host_windows.worker._thread.is_alive()
     assert pools == [cores] * 6
     opt.close()
 

@@ -174,7 +174,7 @@ def test_a_sequential_step_waits_for_the_device_once(monkeypatch):
         return read
 
     # the host matrices' AdamW step counts live in host memory (`HostMatrix.step`), as on CUDA
-    host_counters = {id(split.host.step) for split in opt._split.values() if split.host is not None}
+    host_counters = {id(split.host.step) for split in opt.engine_state.splits.values() if split.host is not None}
     for step in range(3):
         x, y = batches(1, seed=10 + step)[0]
         logits = model(x)
@@ -313,7 +313,7 @@ def test_unscale_waits_only_for_the_copies_of_the_gradients_it_rewrites(free, mo
                     opt.step()
                 else:
                     scaler.scale(loss).backward()
-                    offloaded = [p for p, s in opt._split.items() if s.host is not None]
+                    offloaded = [p for p, s in opt.engine_state.splits.items() if s.host is not None]
                     rewritten = sum(p.grad is not None for p in offloaded)  # (the others were freed in backward)
                     counting[:] = [True, 0]
                     scaler.unscale_(opt)

@@ -27,7 +27,8 @@ def run(transport_cls, steps, settings, make=make_model):
         model = make()
         opt = ZenFlowAdamW(param_groups(model), lr=LR, min_offload_numel=0, **settings)
         losses = steps(model, opt)
-        assert opt._host.transports and all(isinstance(t, transport_cls) for t in opt._host.transports.values())
+        transports = opt.host_windows.transports
+        assert transports and all(isinstance(t, transport_cls) for t in transports.values())
         opt.flush()
         stats = opt.stats()
         opt.close()
