@@ -1,5 +1,5 @@
 """Several devices in one process (``device_map="auto"``): each device's part of backward runs on its own autograd
-thread, so the post-accumulate-grad hooks (`HostWindows.grad_ready`) fire from several threads at once. The double
+thread, so the post-accumulate-grad hooks (`BackwardHandOff.grad_ready`) fire from several threads at once. The double
 here: a model whose two halves backward in two threads at the same moment."""
 
 from __future__ import annotations
