@@ -8,10 +8,14 @@ import os
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from deprecation_guard import no_deprecated_calls_from_our_code
+
+from hf_zenflow import ZenFlowAdamW, ZenFlowConfig
+from hf_zenflow.settings.rules import EngineRules
 
 
 class TinyNet(torch.nn.Module):
@@ -33,6 +37,21 @@ DEVICE = torch.device(os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu"))
 #: Host moments in fp32, for the tests whose reference is AdamW with fp32 moments (torch's AdamW, synchronous
 #: offload, an fp32 checkpoint's continuation): the default stores the host moments in bf16.
 FP32_MOMENTS = {"host_moment_dtype": "float32"}
+
+
+def zenflow_config(config: ZenFlowConfig | None = None, **values: Any) -> ZenFlowConfig:
+    """`config` (default: `ZenFlowConfig()`) with `values` applied: the settings among them as settings, the engine
+    rules (`EngineRules`) through `with_rules`, so that a test names what it fixes in one place."""
+    rules = {k: values.pop(k) for k in list(values) if k in EngineRules.names()}
+    return (config if config is not None else ZenFlowConfig()).replace(**values).with_rules(**rules)
+
+
+def zenflow_adamw(params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                  weight_decay: float = 1e-2, *, config: ZenFlowConfig | None = None, host_executor: str = "thread",
+                  process_group: Any = None, **values: Any) -> ZenFlowAdamW:
+    """`ZenFlowAdamW` whose keyword arguments may name engine rules beside the settings (`zenflow_config`)."""
+    return ZenFlowAdamW(params, lr, betas, eps, weight_decay, config=zenflow_config(config, **values),
+                        host_executor=host_executor, process_group=process_group)
 
 
 def plan_with_host_ram(monkeypatch: pytest.MonkeyPatch, nbytes: float | None) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from .._base import check_group_hyperparameters
 from ..settings.config import HIGH_LR_RULE_THRESHOLD, ZenFlowConfig
+from ..settings.rules import EngineRules
 from .device_state import DenseDeviceState
 from .host_lr import peak_lr, rule_beta1, rule_window
 from .schedule import WindowSchedule
@@ -35,10 +36,14 @@ def resolve_config(config: ZenFlowConfig | None, overrides: dict[str, Any], host
     if overrides:
         known = {f.name for f in dataclasses.fields(ZenFlowConfig)}
         unknown = sorted(set(overrides) - known)
+        rules = sorted(set(unknown) & set(EngineRules.names()))
+        if rules:
+            raise ValueError(f"ZenFlowAdamW got engine rule(s) {rules}, which are not settings: change one for a "
+                             f"test or a study with config=ZenFlowConfig(...).with_rules({rules[0]}=...).")
         if unknown:
             raise ValueError(f"ZenFlowAdamW got unknown argument(s) {unknown}: ZenFlowConfig fields are "
                              f"{sorted(known)}.")
-        config = dataclasses.replace(config, **overrides)
+        config = config.replace(**overrides)
     if host_executor not in ("thread", "inline"):
         raise ValueError(f'ZenFlowAdamW host_executor={host_executor!r} is invalid: allowed is "thread" or '
                          '"inline".')
@@ -105,7 +110,7 @@ def new_schedule(config: ZenFlowConfig, groups: list[dict] | None = None) -> Win
         warm_up=config.full_warm_up_rounds,
         update_interval=configured,
         auto_ratio=config.auto_ratio,
-        auto_max_interval=config.auto_max_interval,
+        auto_max_interval=config.rules.auto_max_interval,
         select_period=config.select_period(),
         # "auto": 1 step until the choice (`writeback_lag.py`)
         writeback_lag=1 if config.writeback_lag == "auto" else config.writeback_lag,

@@ -176,7 +176,7 @@ def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> 
     hosted = float(sum(local))
     grad_bytes = (sum(n * link_grad_dtype(s.grad_dtype, config.host_grad_dtype).itemsize
                       for s, n in zip(splits, local)) / hosted) if hosted else 2.0
-    interval = config.update_interval if isinstance(config.update_interval, int) else config.auto_max_interval
+    interval = config.update_interval if isinstance(config.update_interval, int) else config.rules.auto_max_interval
     compute = node.compute_ms(sizes.model_elements)
     rooms = {device: available_bytes(device, config.device_memory_budget_bytes, config.device_memory_limit_bytes,
                                       sizes.peak) for device in {s.param.device for s in splits}}

@@ -73,7 +73,6 @@ class ZenFlowSettingArguments:
     zenflow_overlap_step: bool = _setting("overlap_step")
     zenflow_writeback_lag: str | None = _setting("writeback_lag")
     zenflow_auto_ratio: float = _setting("auto_ratio")
-    zenflow_auto_max_interval: int = _setting("auto_max_interval")
     zenflow_host_lr_scale: str = _setting("host_lr_scale")
     zenflow_high_lr_rule: LowercaseChoice = _setting("high_lr_rule")
     zenflow_host_step_guard: str = _setting("host_step_guard")

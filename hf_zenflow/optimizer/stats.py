@@ -41,7 +41,7 @@ def optimizer_stats(
         interval = high or interval
     lr_scale = host.lr_scale.last
     if lr_scale is None:  # before the first window closes: what the next full window will take
-        window = int(interval) or config.auto_max_interval
+        window = int(interval) or config.rules.auto_max_interval
         lr_scale = host_lr_scale(
             config.host_lr_scale,
             window,

@@ -23,7 +23,6 @@ set migrate with them, so with ``update_interval=1`` the split is invisible (Ada
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Iterable
@@ -224,7 +223,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def set_steps_per_epoch(self, steps: int) -> None:
         """Epoch length in optimizer steps, for ``select_strategy="epoch"`` or ``"auto"``."""
-        self.config = dataclasses.replace(self.config, steps_per_epoch=int(steps))
+        self.config = self.config.replace(steps_per_epoch=int(steps))
         if self._schedule is not None:
             self._schedule.select_period = self.config.select_period()
             self._host.backward.free_kind = self._frees_next_step()

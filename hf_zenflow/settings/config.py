@@ -8,12 +8,15 @@ source of the settings' command-line flags, plugin arguments, environment variab
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from .deepspeed_config import load, zenflow_values
+from .rules import EngineRules
 
 
 #: `host_lr_scale="auto"`: the largest learning rate a window's host step takes (lr × multiplier) when its result is
@@ -180,11 +183,6 @@ class ZenFlowConfig:
         default=0.99,
         metadata={"help": 'With update_interval="auto": fraction of weight matrices that must meet the Zen-auto '
                   "criterion to close the window."},
-    )
-    auto_max_interval: int = field(
-        default=16,
-        metadata={"help": 'With update_interval="auto": a window never spans more than this many steps (bounded '
-                  "staleness)."},
     )
     host_lr_scale: float | str = field(
         default="auto",
@@ -390,8 +388,8 @@ class ZenFlowConfig:
         ):
             _fail("auto_ratio", self.auto_ratio, "a float in (0, 1]")
         self.auto_ratio = float(self.auto_ratio)
-        if not _is_int(self.auto_max_interval) or self.auto_max_interval < 1:
-            _fail("auto_max_interval", self.auto_max_interval, "an integer >= 1")
+        # the rules the choices above stand for, with a test's or a study's changes (`with_rules`)
+        self.rules = EngineRules.resolve(self, getattr(self, "_rule_changes", {}))
         if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().lower() == "none":
             self.writeback_lag = None  # (a flag or environment variable cannot carry None)
         if self.writeback_lag is not None:
@@ -458,10 +456,10 @@ class ZenFlowConfig:
     # ----------------------------------------------------------------------------------------------------------------
     def writeback_lag_bound(self) -> tuple[int, str]:
         """The largest `writeback_lag` (a window's length: a later write-back would come after the next window has
-        closed) and the setting it comes from: `update_interval`, or `auto_max_interval` with ``"auto"`` windows."""
+        closed) and where it comes from: `update_interval`, or the longest Zen-auto window with ``"auto"`` windows."""
         if _is_int(self.update_interval):
             return self.update_interval, "update_interval"
-        return self.auto_max_interval, "auto_max_interval"
+        return self.rules.auto_max_interval, "the longest \"auto\" window"
 
     @classmethod
     def choices(cls, name: str) -> tuple[str, ...]:
@@ -494,16 +492,36 @@ class ZenFlowConfig:
             return DEFAULT_SELECT_STEPS
         return interval * self.steps_per_epoch
 
+    def with_rules(self, **changes: Any) -> ZenFlowConfig:
+        """A copy whose engine rules (`EngineRules`, `self.rules`) have `changes` applied, checked like settings.
+        For tests and studies of one rule; the changes are kept by `replace` and `to_dict` (checkpoints)."""
+        changed = copy.copy(self)
+        changed._rule_changes = {**getattr(self, "_rule_changes", {}), **changes}
+        changed.__post_init__()
+        return changed
+
+    def replace(self, **changes: Any) -> ZenFlowConfig:
+        """`dataclasses.replace` that keeps the rules changed by `with_rules` (which `dataclasses.replace`, making a
+        new config from its fields alone, would drop)."""
+        return dataclasses.replace(self, **changes).with_rules(**getattr(self, "_rule_changes", {}))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ZenFlowConfig) and self.to_dict() == other.to_dict()
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The settings, and under ``"rules"`` the rules `with_rules` changed (absent when none were)."""
+        changes = getattr(self, "_rule_changes", {})
+        return {**asdict(self), **({"rules": dict(changes)} if changes else {})}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ZenFlowConfig:
+        values = dict(values)
+        changes = values.pop("rules", None) or {}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"ZenFlowConfig got unknown field(s) {unknown}: allowed are {sorted(known)}.")
-        return cls(**values)
+        return cls(**values).with_rules(**changes)
 
     @classmethod
     def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike) -> ZenFlowConfig:

@@ -16,7 +16,7 @@ import torch
 from hf_zenflow import CheckpointError, ZenFlowAdamW
 from hf_zenflow.checkpoint.format import load_file
 from hf_zenflow.checkpoint.seal import seal
-from tests.conftest import batches, make_model, param_groups, roundtrip, train
+from tests.conftest import batches, make_model, param_groups, roundtrip, train, zenflow_adamw
 
 
 LR = 1e-2
@@ -26,7 +26,7 @@ SETTINGS = dict(topk_ratio=0.1, update_interval="auto", auto_max_interval=5, wri
 
 def _trained(steps: int = 6, seed: int = 0) -> tuple[torch.nn.Module, ZenFlowAdamW]:
     model = make_model(seed)
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS)
     opt.name_parameters(model)
     train(model, opt, batches(steps, seed=seed + 1))
     return model, opt
@@ -181,7 +181,7 @@ def test_random_byte_flips_in_data_pkl_never_load_a_different_state(saved, tmp_p
     buffer = io.BytesIO()
     torch.save(saved, buffer)
     raw = buffer.getvalue()
-    reference = ZenFlowAdamW(param_groups(make_model()), lr=LR, **SETTINGS)
+    reference = zenflow_adamw(param_groups(make_model()), lr=LR, **SETTINGS)
     reference.load_state_dict(saved)
     expected = copy.deepcopy(reference.state_dict())
     reference.close()
@@ -190,7 +190,7 @@ def test_random_byte_flips_in_data_pkl_never_load_a_different_state(saved, tmp_p
     for trial in range(60):
         path = tmp_path / f"optimizer{trial}.pt"
         path.write_bytes(_flip_in_data_pkl(raw, rng))
-        opt = ZenFlowAdamW(param_groups(make_model()), lr=LR, **SETTINGS)
+        opt = zenflow_adamw(param_groups(make_model()), lr=LR, **SETTINGS)
         try:
             opt.load_state_dict(load_file(path))
         except CheckpointError:
@@ -227,13 +227,13 @@ def test_a_state_of_another_model_with_the_same_shapes_is_refused_and_wrapper_pr
             self.emb, self.w1, self.ln, self.w2 = tiny.embed, tiny.up, tiny.norm, tiny.down
 
     other = Renamed()
-    opt = ZenFlowAdamW(param_groups(other), lr=LR, **SETTINGS)
+    opt = zenflow_adamw(param_groups(other), lr=LR, **SETTINGS)
     opt.name_parameters(other)
     _refused_and_unchanged(opt, saved, r"saved for parameter 'embed.weight'.*'emb.weight'")
     opt.close()
     wrapped = torch.nn.Module()
     wrapped.module = make_model()  # (DDP's "module." prefix: the same parameters)
-    opt = ZenFlowAdamW(param_groups(wrapped.module), lr=LR, **SETTINGS)
+    opt = zenflow_adamw(param_groups(wrapped.module), lr=LR, **SETTINGS)
     opt.name_parameters(wrapped)
     opt.load_state_dict(saved)
     opt.close()

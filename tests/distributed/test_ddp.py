@@ -16,13 +16,16 @@ import torch
 import torch.distributed as dist
 from gloo_ranks import assert_each_rank_holds_at_most, assert_resumed_bitwise, run_in_group, spawn_ranks
 
-from hf_zenflow import CheckpointError, ZenFlowAdamW, column_major_
+from hf_zenflow import CheckpointError, ZenFlowAdamW, ZenFlowConfig, column_major_
 from hf_zenflow.distributed.sharding import RankGroup, ShardCollectiveError, Share
 
 
-SETTINGS = dict(topk_ratio=0.25, update_interval="auto", auto_max_interval=4, full_warm_up_rounds=2,
+SETTINGS = dict(topk_ratio=0.25, update_interval="auto", full_warm_up_rounds=2,
                 select_strategy="step", select_interval=8, min_offload_numel=0, cpu_threads=1, overlap_step=True,
                 writeback_lag=1)  # (fixed: the reference runs compare against this schedule)
+#: the longest Zen-auto window of these runs, an engine rule (`ZenFlowConfig.with_rules`)
+AUTO_MAX_INTERVAL = 4
+RULES = ZenFlowConfig().with_rules(auto_max_interval=AUTO_MAX_INTERVAL)
 STEPS, PER_RANK, RANKS = 20, 4, 2
 #: How close ranks that split the global batch come to one process on it (relative to each weight's norm): the
 #: all-reduced gradients differ from one process's in their last bits, and the bf16 host moments, rounded
@@ -84,7 +87,7 @@ def _train(rank: int, steps: range, model: torch.nn.Module, opt: ZenFlowAdamW, w
 
 def _ddp(model: torch.nn.Module) -> tuple[torch.nn.Module, ZenFlowAdamW]:
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **SETTINGS)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, config=RULES, **SETTINGS)
     opt.name_parameters(model)
     return wrapped, opt
 
@@ -149,7 +152,7 @@ def ddp_run(tmp_path_factory) -> tuple[dict, dict, str]:
 
 def _reference() -> tuple[Net, ZenFlowAdamW]:
     model = _model()
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **SETTINGS)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, config=RULES, **SETTINGS)
     _train(0, range(STEPS), model, opt)
     return model, opt
 
@@ -162,7 +165,7 @@ def test_two_ranks_train_like_one_process_on_the_global_batch(ddp_run):
         stats = opt.stats()
         assert stats["reselections"] >= 2  # re-selections inside the run
         # more windows than warm-up plus the Zen-auto bound alone would close: some closed on Zen-auto's votes
-        assert stats["windows"] > 2 + (STEPS - 2) // SETTINGS["auto_max_interval"]
+        assert stats["windows"] > 2 + (STEPS - 2) // AUTO_MAX_INTERVAL
         for mine, ref in zip(rank0["final"], model.parameters()):
             rel = ((mine - ref.detach()).norm() / ref.detach().norm()).item()
             assert rel < LIKE_ONE_PROCESS, rel
@@ -199,7 +202,7 @@ def test_a_share_saved_under_two_ranks_does_not_load_in_one_process(ddp_run):
     _, _, out = ddp_run
     state = torch.load(os.path.join(out, "optimizer_rank0.pt"), weights_only=True)
     assert state["zenflow"]["ranks"] == 2 and state["zenflow"]["rank"] == 0
-    opt = ZenFlowAdamW(_model().parameters(), lr=1e-2, **SETTINGS)
+    opt = ZenFlowAdamW(_model().parameters(), lr=1e-2, config=RULES, **SETTINGS)
     try:
         with pytest.raises(CheckpointError, match=r"world size 2.*world size 1"):
             opt.load_state_dict(state)
@@ -217,7 +220,7 @@ def test_the_ranks_shares_merged_resume_in_one_process(ddp_run):
     assert "ranks" not in merged["zenflow"]
     model = _model()
     model.load_state_dict(torch.load(os.path.join(out, "model_saved.pt"), weights_only=True))
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **SETTINGS)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, config=RULES, **SETTINGS)
     try:
         opt.load_state_dict(merged)
         assert opt.stats()["host_state_bytes"] > 0
@@ -233,7 +236,7 @@ def _rank_timeout(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS,
                             timeout=datetime.timedelta(seconds=3))
     model = _model()
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **{**SETTINGS, "full_warm_up_rounds": 0})
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, config=RULES, **{**SETTINGS, "full_warm_up_rounds": 0})
     data = _data()
     try:
         # no DDP: the ranks' first collective is the optimizer's own (the selection at step 0), which rank 1 never
@@ -344,8 +347,8 @@ def _auto_lag_body(rank: int, out_dir: str) -> None:
     auto_lag.auto_lag_from_sizes = lambda elements, longest: 1 + 2 * rank
     model = _model()
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **{**SETTINGS, "update_interval": 4, "writeback_lag": "auto",
-                                                          "high_lr_rule": "off"})
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, config=RULES,
+                       **{**SETTINGS, "update_interval": 4, "writeback_lag": "auto", "high_lr_rule": "off"})
     _train(rank, range(14), wrapped, opt)
     lag = opt.stats()["writeback_lag"]
     torch.save({"lag": lag, "weights": _flushed(opt, model)}, os.path.join(out_dir, f"auto{rank}.pt"))

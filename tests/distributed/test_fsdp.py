@@ -30,14 +30,16 @@ from gloo_ranks import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from hf_zenflow import CheckpointError, ZenFlowAdamW
+from hf_zenflow import CheckpointError, ZenFlowAdamW, ZenFlowConfig
 from hf_zenflow.checkpoint.seal import seal
 from hf_zenflow.transport import CopyTransport
 
 
-SETTINGS = dict(topk_ratio=0.25, update_interval="auto", auto_max_interval=4, full_warm_up_rounds=2,
+SETTINGS = dict(topk_ratio=0.25, update_interval="auto", full_warm_up_rounds=2,
                 select_strategy="step", select_interval=8, min_offload_numel=0, cpu_threads=1, overlap_step=True,
                 writeback_lag=1)  # (fixed: the reference runs compare against this schedule)
+#: the longest Zen-auto window of these runs, an engine rule (`ZenFlowConfig.with_rules`)
+AUTO_MAX_INTERVAL = 4
 STEPS, PER_RANK = 20, 4
 SAVE = 11  # a step inside a window (checked: window_steps > 0)
 
@@ -98,7 +100,8 @@ def _full(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _zenflow(model: torch.nn.Module, **overrides) -> ZenFlowAdamW:
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **{**SETTINGS, **overrides})
+    rules = ZenFlowConfig().with_rules(auto_max_interval=AUTO_MAX_INTERVAL)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, config=rules, **{**SETTINGS, **overrides})
     opt.name_parameters(model)
     return opt
 
@@ -193,7 +196,7 @@ def test_two_fsdp2_ranks_train_like_one_process_on_the_global_batch(fsdp_run, mo
     try:
         assert stats["reselections"] >= 2  # re-selections inside the run
         # more windows than warm-up plus the Zen-auto bound alone would close: some closed on Zen-auto's votes
-        assert stats["windows"] > 2 + (STEPS - 2) // SETTINGS["auto_max_interval"]
+        assert stats["windows"] > 2 + (STEPS - 2) // AUTO_MAX_INTERVAL
         for run in runs:
             assert run["stats"]["windows"] == stats["windows"]
             assert run["stats"]["reselections"] == stats["reselections"]

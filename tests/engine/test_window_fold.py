@@ -10,7 +10,7 @@ import torch
 import hf_zenflow.engine.host as host_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.worker import HostAdamWorker
-from tests.conftest import FP32_MOMENTS, batches, linear_schedule, make_model, param_groups, train
+from tests.conftest import FP32_MOMENTS, batches, linear_schedule, make_model, param_groups, train, zenflow_adamw
 
 
 SETTINGS = dict(topk_ratio=0.1, select_strategy="step", select_interval=8, min_offload_numel=0, high_lr_rule="off")
@@ -55,8 +55,8 @@ def test_the_one_pass_kernel_gives_the_bits_of_the_torch_passes(monkeypatch, acc
 
         monkeypatch.setattr(host_module.kernels, "window_adamw", counted)
         model = make_model()
-        opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=interval, overlap_step=overlap_step,
-                           accumulate_on=accumulate_on, auto_max_interval=5, **SETTINGS, **FP32_MOMENTS)
+        opt = zenflow_adamw(param_groups(model), lr=1e-2, update_interval=interval, overlap_step=overlap_step,
+                            accumulate_on=accumulate_on, auto_max_interval=5, **SETTINGS, **FP32_MOMENTS)
         losses = train(model, opt, batches(18), linear_schedule(opt, 18), clip=1.0)
         opt.flush()
         opt.close()

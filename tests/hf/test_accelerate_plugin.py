@@ -19,7 +19,7 @@ from hf_zenflow.hf.accelerate_plugin import ENV_PREFIX
 
 ENV_NAMES = [f"{ENV_PREFIX}{name.upper()}" for name in (
     "topk_ratio", "update_interval", "select_strategy", "select_interval", "full_warm_up_rounds", "overlap_step",
-    "auto_ratio", "auto_max_interval", "cpu_threads", "steps_per_epoch")]
+    "auto_ratio", "cpu_threads", "steps_per_epoch")]
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,6 @@ CASES = [
     ("full_warm_up_rounds", "3", 3, {}),
     ("overlap_step", "false", False, {}),
     ("auto_ratio", "0.5", 0.5, {}),
-    ("auto_max_interval", "5", 5, {}),
     ("writeback_lag", "2", 2, {}),
     ("writeback_lag", "None", None, {}),
     ("host_lr_scale", "1", 1.0, {}),
@@ -147,15 +146,20 @@ def test_bad_choice_names_the_flag_and_what_is_allowed():
         ZenFlowTrainingArguments(output_dir="unused", use_cpu=True, report_to="none", zenflow_accumulate_on="gpu")
 
 
-def test_auto_max_interval_reaches_the_optimizer(tmp_path, train_dataset):
+def test_zen_auto_settings_reach_the_optimizer(tmp_path, train_dataset):
     (args,) = HfArgumentParser(ZenFlowTrainingArguments).parse_args_into_dataclasses(
-        [*BASE, "--zenflow_update_interval", "auto", "--zenflow_auto_max_interval", "5", "--zenflow_auto_ratio",
-         "0.5"])
+        [*BASE, "--zenflow_update_interval", "auto", "--zenflow_auto_ratio", "0.5"])
     args = zenflow_args(tmp_path, max_steps=2, **{k: v for k, v in vars(args).items() if k.startswith("zenflow_")})
     trainer = ZenFlowTrainer(model=tiny_llama(), args=args, train_dataset=train_dataset)
     trainer.train()
     config = trainer.zenflow_optimizer.config
-    assert (config.update_interval, config.auto_max_interval, config.auto_ratio) == ("auto", 5, 0.5)
+    assert (config.update_interval, config.auto_ratio, config.rules.auto_max_interval) == ("auto", 0.5, 16)
+
+
+def test_an_engine_rule_is_no_flag():
+    with pytest.raises(ValueError, match="not used by the HfArgumentParser: \\['--zenflow_auto_max_interval'"):
+        HfArgumentParser(ZenFlowTrainingArguments).parse_args_into_dataclasses(
+            [*BASE, "--zenflow_auto_max_interval", "5"])
 
 
 def _doc_entries(doc: str) -> dict[str, str]:

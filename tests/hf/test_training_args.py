@@ -97,7 +97,7 @@ def test_to_dict_and_json_round_trip():
         "zenflow_select_strategy": "step", "zenflow_select_interval": 7, "zenflow_full_warm_up_rounds": 0,
         "zenflow_overlap_step": False, "zenflow_cpu_threads": 3, "zenflow_host_lr_scale": "interval",
         "zenflow_min_offload_numel": 4096, "zenflow_accumulate_on": "device", "zenflow_layout": "row",
-        "zenflow_auto_ratio": 0.99, "zenflow_auto_max_interval": 16, "zenflow_from_deepspeed": None,
+        "zenflow_auto_ratio": 0.99, "zenflow_from_deepspeed": None,
         "zenflow_resume_without_optimizer": False,
         "zenflow_writeback_lag": "auto", "zenflow_device_memory_budget_bytes": None,
         "zenflow_device_memory_limit_bytes": None, "zenflow_free_gradients_in_backward": "auto",

@@ -25,6 +25,7 @@ from tests.conftest import (
     param_groups,
     roundtrip,
     train,
+    zenflow_adamw,
 )
 
 
@@ -467,8 +468,8 @@ def test_epoch_strategy_needs_the_epoch_length():
 
 def test_auto_interval_is_adaptive_and_bounded():
     lin = torch.nn.Linear(50, 8, bias=False)
-    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.1, update_interval="auto", auto_max_interval=6,
-                       select_strategy="step", select_interval=1000, host_executor="inline", min_offload_numel=0)
+    opt = zenflow_adamw([lin.weight], lr=LR, topk_ratio=0.1, update_interval="auto", auto_max_interval=6,
+                        select_strategy="step", select_interval=1000, host_executor="inline", min_offload_numel=0)
     intervals = []
     for t in range(40):
         g = torch.zeros_like(lin.weight)

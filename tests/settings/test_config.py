@@ -28,7 +28,6 @@ from hf_zenflow.settings.config import DEFAULT_SELECT_STEPS, available_cpu_count
         ("overlap_step", "yes"),
         ("auto_ratio", 0.0),
         ("auto_ratio", 1.2),
-        ("auto_max_interval", 0),
         ("host_lr_scale", 0.0),
         ("host_lr_scale", "twice"),
         ("min_offload_numel", -1),
@@ -193,6 +192,7 @@ def test_from_deepspeed_bad_sources_are_named(tmp_path):
 
 def test_writeback_lag_is_bounded_by_the_window():
     assert ZenFlowConfig(update_interval=4, writeback_lag=4).writeback_lag == 4
-    assert ZenFlowConfig(update_interval="auto", auto_max_interval=8, writeback_lag=8).writeback_lag == 8
-    with pytest.raises(ValueError, match=r"writeback_lag=9 .*auto_max_interval \(8\)"):
-        ZenFlowConfig(update_interval="auto", auto_max_interval=8, writeback_lag=9)
+    auto = ZenFlowConfig(update_interval="auto", writeback_lag=8).with_rules(auto_max_interval=8)
+    assert auto.writeback_lag == 8
+    with pytest.raises(ValueError, match=r'writeback_lag=9 .*the longest "auto" window \(8\)'):
+        ZenFlowConfig(update_interval="auto", writeback_lag=9).with_rules(auto_max_interval=8)
