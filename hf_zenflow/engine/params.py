@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._base import check_group_hyperparameters
-from ..settings.config import HIGH_LR_RULE_THRESHOLD, ZenFlowConfig
+from ..settings.config import HIGH_LR_RULE_THRESHOLD, ZenFlowConfig, removed_settings_text
 from .device_state import DenseDeviceState
 from .host_lr import peak_lr, rule_beta1, rule_window
 from .schedule import WindowSchedule
@@ -33,6 +33,9 @@ def resolve_config(config: ZenFlowConfig | None, overrides: dict[str, Any], host
     keywords and an unknown `host_executor` fail, naming what is allowed."""
     config = config if config is not None else ZenFlowConfig()
     if overrides:
+        removed = removed_settings_text(overrides)
+        if removed:
+            raise ValueError(f"ZenFlowAdamW: the {removed} in this version of hf_zenflow.")
         known = {f.name for f in dataclasses.fields(ZenFlowConfig)}
         unknown = sorted(set(overrides) - known)
         if unknown:
