@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..engine.quantized_moments import QuantizedMoment
-from .seal import PREFIX, Refusal, seal, verify
+from .seal import PREFIX, Outdated, Refusal, seal, verify
 from .state import ZenFlowState
 
 
@@ -249,6 +249,9 @@ _PARSE_ERRORS = (Refusal, KeyError, IndexError, TypeError, AttributeError, Value
 def _refused(exc: Exception) -> CheckpointError:
     if isinstance(exc, CheckpointError):
         return exc
+    if isinstance(exc, Outdated):
+        return CheckpointError(f"{PREFIX}: {exc}; resume without it (fresh optimizer state), or with the version "
+                               "that wrote it.")
     problem = str(exc) if isinstance(exc, Refusal) else f"the state is malformed ({type(exc).__name__}: {exc})"
     return CheckpointError(f"{PREFIX}: {problem}. {_DAMAGED}")
 

@@ -26,6 +26,11 @@ class Refusal(ValueError):
     """A problem found by the checks; `checkpoint` turns it into a `CheckpointError` with the advice."""
 
 
+class Outdated(Refusal):
+    """A state written by an earlier version of hf_zenflow that this one cannot read: not damaged, so the
+    `CheckpointError` carries its own advice."""
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Checksums
 # ---------------------------------------------------------------------------------------------------------------------

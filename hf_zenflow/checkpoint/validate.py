@@ -12,8 +12,8 @@ import torch
 from .._base import check_hyperparameters
 from ..engine.host_guard import check_state as guard_problem
 from ..engine.quantized_moments import BLOCK, blocks
-from ..settings.config import ZenFlowConfig
-from .seal import Refusal
+from ..settings.config import ZenFlowConfig, removed_settings_text
+from .seal import Outdated, Refusal
 from .state import ZenFlowState
 
 
@@ -148,6 +148,10 @@ def _saved_config(where: str, zenflow: dict[str, Any]) -> ZenFlowConfig | None:
     config = zenflow.get("config")
     if config is None:
         return None
+    removed = removed_settings_text(config) if isinstance(config, dict) else None
+    if removed:
+        raise Outdated(f"{where}: it was written by an earlier version of hf_zenflow: its {removed} in this "
+                       "version, so it cannot be loaded")
     try:
         return ZenFlowConfig.from_dict(config)
     except (TypeError, ValueError) as exc:

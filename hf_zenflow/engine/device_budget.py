@@ -30,7 +30,6 @@ import torch
 
 from ..settings.config import DEVICE_SUM_DTYPES, ZenFlowConfig, sums_on_device
 from .accumulation import SELECTED_BYTES, selected_bytes
-from .host import link_grad_dtype
 from .in_flight import in_flight_count
 from .params import is_split
 from .selection import num_selected
@@ -103,8 +102,7 @@ def estimate_peak(groups: list[dict[str, Any]], config: ZenFlowConfig, min_numel
             selected += columns_state if offloaded else 0
             if offloaded and sums_on_device(accumulate_on):
                 state += local.numel() * DEVICE_SUM_DTYPES[accumulate_on].itemsize
-            if frees and offloaded and not sums_on_device(accumulate_on) \
-                    and link_grad_dtype(p.dtype, config.host_grad_dtype) == p.dtype:
+            if frees and offloaded and not sums_on_device(accumulate_on):
                 freed.append(nbytes)
             else:
                 held += nbytes

@@ -11,9 +11,8 @@ device with fp32 weights the write-back buffer is the accumulator itself: `HostM
 set (DeepSpeed keeps two). The bf16 moments are widened, updated in fp32 and rounded back in the same pass
 (`kernels.window_adamw_bf16`, or torch's operations in pieces, `_adamw_narrow_moments`); ``"float32"`` keeps them in
 fp32 (16 B: torch's AdamW arithmetic for every element), ``"int8"`` in 8-bit codes with an fp32 scale per block of 256
-(10.03 B; decoded, updated and encoded in the same pass: `quantized_moments.py`). ``host_grad_dtype="bfloat16"``
-lands fp32 gradients as bf16 (half the landing buffers and the bytes to host). ``accumulate_on="device_bf16"`` adds a
-bf16 landing buffer (+2 B) that the window's bf16 sum lands in; the worker widens it into the fp32 accumulator
+(10.03 B; decoded, updated and encoded in the same pass: `quantized_moments.py`). ``accumulate_on="device_bf16"``
+adds a bf16 landing buffer (+2 B) that the window's bf16 sum lands in; the worker widens it into the fp32 accumulator
 (`host_adamw_window`). ``host_sum_dtype="bfloat16"`` keeps a window summed on the host in a bf16 accumulator (2 B:
 the rule of ``"device_bf16"``, `accumulate_into`; the one-pass kernel widens it as it reads), and
 ``host_writeback="master"`` drops the write-back buffer where the write-back is a synchronous copy on one process (a
@@ -89,12 +88,6 @@ def _fp32_scratch(like: torch.Tensor, name: str = "buf") -> torch.Tensor:
         buf = torch.empty(like.numel(), dtype=torch.float32)
         setattr(_scratch, name, buf)
     return buf[: like.numel()].view(like.shape)
-
-
-def link_grad_dtype(grad_dtype: torch.dtype, setting: str) -> torch.dtype:
-    """The dtype a gradient of `grad_dtype` crosses the link in under ``host_grad_dtype=setting``: bf16 only narrows
-    an fp32 gradient (an fp16 one would lose range, a bf16 one is there already)."""
-    return torch.bfloat16 if setting == "bfloat16" and grad_dtype == torch.float32 else grad_dtype
 
 
 def moment_dtype(setting: str) -> torch.dtype:
@@ -266,8 +259,8 @@ class HostMatrix:
     step: torch.Tensor
     accum: torch.Tensor
     accum_count: int = 0
-    # the dtype each step's gradient reaches the host in (`link_grad_dtype`): the staging buffers' on a transport
-    # that copies; a transport that hands over references casts to it
+    # the dtype each step's gradient reaches the host in (the gradient's own): the staging buffers' on a transport
+    # that copies
     grad_dtype: torch.dtype = torch.float32
     # CUDA only: pinned landing buffers for the device->host gradient copy (one per slot).
     staging: list[torch.Tensor] = field(default_factory=list)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._base import check_group_hyperparameters
-from ..settings.config import HIGH_LR_RULE_THRESHOLD, ZenFlowConfig
+from ..settings.config import HIGH_LR_RULE_THRESHOLD, ZenFlowConfig, removed_settings_text
 from ..settings.rules import EngineRules
 from .device_state import DenseDeviceState
 from .host_lr import peak_lr, rule_beta1, rule_window
@@ -40,6 +40,9 @@ def resolve_config(config: ZenFlowConfig | None, overrides: dict[str, Any], host
         if rules:
             raise ValueError(f"ZenFlowAdamW got engine rule(s) {rules}, which are not settings: change one for a "
                              f"test or a study with config=ZenFlowConfig(...).with_rules({rules[0]}=...).")
+        removed = removed_settings_text(overrides)
+        if removed:
+            raise ValueError(f"ZenFlowAdamW: the {removed} in this version of hf_zenflow.")
         if unknown:
             raise ValueError(f"ZenFlowAdamW got unknown argument(s) {unknown}: ZenFlowConfig fields are "
                              f"{sorted(known)}.")

@@ -54,7 +54,7 @@ import torch
 from ..settings.config import DEVICE_SUM_DTYPES, ZenFlowConfig
 from .accumulation import MARGIN, available_bytes, device_bytes_needed
 from .device_budget import PeakEstimate, estimate_peak
-from .host import HostLayout, grad_slots, link_grad_dtype
+from .host import HostLayout, grad_slots
 from .host_footprint import host_bytes_per_element
 from .host_ram import available_host_bytes
 from .params import is_split
@@ -174,8 +174,7 @@ def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> 
     local = [sizes.shares[id(s)].local(s.matrix(s.param)).numel() for s in splits]
     selected = sum(s.k * (s.matrix(s.param).numel() // max(1, s.columns)) for s in splits)
     hosted = float(sum(local))
-    grad_bytes = (sum(n * link_grad_dtype(s.grad_dtype, config.host_grad_dtype).itemsize
-                      for s, n in zip(splits, local)) / hosted) if hosted else 2.0
+    grad_bytes = (sum(n * s.grad_dtype.itemsize for s, n in zip(splits, local)) / hosted) if hosted else 2.0
     interval = config.update_interval if isinstance(config.update_interval, int) else config.rules.auto_max_interval
     compute = node.compute_ms(sizes.model_elements)
     rooms = {device: available_bytes(device, config.device_memory_budget_bytes, config.device_memory_limit_bytes,
@@ -199,8 +198,7 @@ def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> 
                 device_over += max(0.0, need - (spare - MARGIN * size)) if spare is not None and size is not None \
                     else math.inf
             device_bytes += need
-        host = fixed + sum(n * host_bytes_per_element(layout, place, s.param.dtype,
-                                                      link_grad_dtype(s.grad_dtype, config.host_grad_dtype),
+        host = fixed + sum(n * host_bytes_per_element(layout, place, s.param.dtype, s.grad_dtype,
                                                       sizes.transport_of(s), sizes.shares[id(s)].ranks,
                                                       s.k / max(1, s.columns), slots)
                            for s, n in zip(splits, local))

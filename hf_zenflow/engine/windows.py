@@ -34,7 +34,7 @@ from .backward import BackwardHandOff, offloaded
 from .device_budget import estimate_peak
 from .device_memory import DeviceMemoryMeter
 from .device_state import DeviceColumns, scatter_columns
-from .host import GRAD_SLOTS, HostLayout, HostMatrix, grad_slots, host_adamw_window, link_grad_dtype
+from .host import GRAD_SLOTS, HostLayout, HostMatrix, grad_slots, host_adamw_window
 from .host_guard import HostStepGuard
 from .host_lr import LrScaleRecord, host_hyper, peak_lr, window_lag
 from .params import is_split
@@ -269,7 +269,7 @@ class HostWindows:
         # made in `step()`); the matrices' `attach_host` calls in their hooks then take from it
         for transport, group in self.by_transport(splits):
             transport.reserve(sum(HostMatrix.link_bytes(
-                shares[id(s)].local(s.matrix(s.param)), link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype),
+                shares[id(s)].local(s.matrix(s.param)), s.grad_dtype,
                 self.accumulate_on, transport, HostLayout.of(self.config), self.slots) for s in group))
         self.reserved_ahead = True
 
@@ -281,7 +281,7 @@ class HostWindows:
             # have run), and every rank creates its first host state at the same step
             self._decide(splits, shares)
         accumulate_on = self.accumulate_on
-        linked = {id(s): link_grad_dtype(s.grad_dtype, self.config.host_grad_dtype) for s in splits}
+        linked = {id(s): s.grad_dtype for s in splits}
         layout = HostLayout.of(self.config)
         ordinals = {id(p): i for i, p in enumerate(p for g in self.groups for p in g["params"])}
         for transport, group in self.by_transport(splits):

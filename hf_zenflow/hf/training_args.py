@@ -78,7 +78,6 @@ class ZenFlowSettingArguments:
     zenflow_host_step_guard: str = _setting("host_step_guard")
     zenflow_min_offload_numel: int = _setting("min_offload_numel")
     zenflow_accumulate_on: LowercaseChoice = _setting("accumulate_on")
-    zenflow_host_grad_dtype: LowercaseChoice = _setting("host_grad_dtype")
     zenflow_host_moment_dtype: LowercaseChoice = _setting("host_moment_dtype")
     zenflow_host_sum_dtype: LowercaseChoice = _setting("host_sum_dtype")
     zenflow_host_sum_columns: LowercaseChoice = _setting("host_sum_columns")

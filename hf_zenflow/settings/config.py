@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -62,12 +63,31 @@ _SELECT_STRATEGIES = ("auto", "step", "epoch")
 _ACCUMULATE_ON = ("auto", "host", "device", "device_bf16")
 #: The resolved `accumulate_on` values that sum on the device (`DEVICE_SUM_DTYPES`: their dtypes).
 _DEVICE_SUMS = ("device", "device_bf16")
-_HOST_GRAD_DTYPES = ("auto", "bfloat16")
 _HOST_MOMENT_DTYPES = ("float32", "bfloat16", "int8")
 _HOST_SUM_DTYPES = ("float32", "bfloat16")
 _HOST_SUM_COLUMNS = ("all", "unselected")
 _HOST_WRITEBACKS = ("buffer", "master")
 _HIGH_LR_RULES = ("auto", "off")
+
+
+#: Settings this version of hf_zenflow no longer has: a settings dict (a checkpoint's) or a `ZenFlowAdamW` keyword
+#: that names one is refused with one message that says so (`removed_settings_text`), not as an unknown name.
+REMOVED_SETTINGS = ("host_grad_dtype", "auto_max_interval")
+
+
+def removed_settings_text(names: Iterable[str]) -> str | None:
+    """"setting X no longer exists" (or "settings X, Y no longer exist") for those of `names` that are
+    `REMOVED_SETTINGS`; None when none is.
+
+    Example:
+        >>> removed_settings_text(["topk_ratio", "host_grad_dtype"])
+        'setting host_grad_dtype no longer exists'
+    """
+    removed = sorted(set(names) & set(REMOVED_SETTINGS))
+    if not removed:
+        return None
+    one = len(removed) == 1
+    return f"setting{'' if one else 's'} {', '.join(removed)} no longer exist{'s' if one else ''}"
 
 
 def sums_on_device(accumulate_on: str | None) -> bool:
@@ -251,15 +271,6 @@ class ZenFlowConfig:
                   "RAM holds them, device sums where it is short and the device has room; chosen at the first step, "
                   "logged, in stats() and checkpoints.",
                   "choices": _ACCUMULATE_ON},
-    )
-    host_grad_dtype: str = field(
-        default="auto",
-        metadata={"help": 'The dtype of each step\'s gradient on its way to the host. "auto": the gradient\'s own. '
-                  '"bfloat16": an fp32 gradient is rounded to bf16 on the device before it crosses the link (half '
-                  "the device-to-host bytes and half the landing buffers); the host still sums the window in fp32. "
-                  'Other gradients (bf16, fp16) cross as they are. (accumulate_on="device" / "device_bf16" sum on the '
-                  "device and ship the sum once per window: unaffected.)",
-                  "choices": _HOST_GRAD_DTYPES},
     )
     host_moment_dtype: str = field(
         default="bfloat16",
@@ -515,6 +526,10 @@ class ZenFlowConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ZenFlowConfig:
+        removed = removed_settings_text(values)
+        if removed:
+            raise ValueError(f"ZenFlowConfig.from_dict: the {removed} in this version of hf_zenflow (settings "
+                             "written by an earlier version).")
         values = dict(values)
         changes = values.pop("rules", None) or {}
         known = {f.name for f in fields(cls)}

@@ -49,9 +49,6 @@ class CopyTransport(Transport):
         for device, items in by_device(work, lambda item: item[1].device):
             with self._copying(device):
                 for split, g in items:
-                    # a staging buffer narrower than the gradient (host_grad_dtype="bfloat16"): copy_ rounds on the
-                    # device, on this side stream (after its wait for the compute stream), into a temporary it
-                    # copies from; only the narrow bytes cross the link
                     self._copy(split.host.staging[slot], split.host_part(g))
                     self._keep_alive(g, device)
                 event = self._landed_event(device)

@@ -123,8 +123,7 @@ class Transport:
                  ) -> tuple[list[tuple[HostEnd, torch.Tensor]], CopyEvents]:
         """Start moving this step's gradients (this rank's share of each storage matrix) to the host; returns what
         the host job reads and what it must wait for. The caller then drops its references to the gradients."""
-        # (host_grad_dtype="bfloat16": the worker reads the gradient rounded as a copy over the link would be)
-        sources = [(split.host, _owned(split.host_part(g).to(split.host.grad_dtype), g)) for split, g in work]
+        sources = [(split.host, _owned(split.host_part(g), g)) for split, g in work]
         return sources, CopyEvents()
 
     def compute_waits_for(self, landed: CopyEvents) -> None:

@@ -237,3 +237,13 @@ def test_a_state_of_another_model_with_the_same_shapes_is_refused_and_wrapper_pr
     opt.name_parameters(wrapped)
     opt.load_state_dict(saved)
     opt.close()
+
+
+def test_a_checkpoint_holding_a_removed_setting_is_refused_naming_it(saved, target):
+    """A state written while `host_grad_dtype` was a setting: one message names it and says that it no longer
+    exists here (not a list of every field allowed)."""
+    state = copy.deepcopy(saved)
+    state["zenflow"]["config"]["host_grad_dtype"] = "auto"
+    seal(state)
+    _refused_and_unchanged(target, state, r"written by an earlier version of hf_zenflow: its setting host_grad_dtype "
+                                          r"no longer exists in this version, so it cannot be loaded")

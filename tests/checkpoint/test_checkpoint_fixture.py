@@ -2,13 +2,18 @@
 
 `tests/data/checkpoint_fixture.pt` holds a ZenFlowAdamW state taken mid-window by the package as it stood then
 (`tests/data/make_checkpoint_fixture.py`), the next two batches, and the weights and losses those two steps gave.
+Its settings name some that this version no longer has (`REMOVED_SETTINGS`, at their defaults there): as saved it
+is refused naming them; without them it continues the run.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from hf_zenflow import ZenFlowAdamW
+from hf_zenflow import CheckpointError, ZenFlowAdamW
+from hf_zenflow.checkpoint.seal import seal
+from hf_zenflow.settings.config import REMOVED_SETTINGS
 from tests.conftest import FP32_MOMENTS
 from tests.data.make_checkpoint_fixture import FIXTURE, make_model, train_step
 
@@ -19,7 +24,14 @@ def test_checkpoint_from_before_the_relayout_continues_the_run() -> None:
     model.load_state_dict(fixture["model"])
     # the run that wrote the fixture kept its host moments in fp32 (the default then, so not in its settings)
     opt = ZenFlowAdamW(model.parameters(), lr=fixture["lr"], **{**FP32_MOMENTS, **fixture["settings"]})
-    opt.load_state_dict(fixture["optimizer"])
+    saved = fixture["optimizer"]
+    held = sorted(set(saved["zenflow"]["config"]) & set(REMOVED_SETTINGS))
+    assert held
+    with pytest.raises(CheckpointError, match=f"its settings? {', '.join(held)} no longer exists? in this version"):
+        opt.load_state_dict(saved)
+    for name in held:
+        del saved["zenflow"]["config"][name]
+    opt.load_state_dict(seal(saved))
     losses = [train_step(model, opt, batch) for batch in fixture["batches"]]
     opt.flush()
     opt.close()

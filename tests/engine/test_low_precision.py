@@ -1,8 +1,7 @@
-"""Opt-in low-precision host state and transfer: ``host_grad_dtype="bfloat16"`` (fp32 gradients cross the link as
-bf16) and ``host_moment_dtype="bfloat16"`` (host moments stored bf16, updated in fp32).
+"""Low-precision host state: ``host_moment_dtype="bfloat16"`` (host moments stored bf16, updated in fp32).
 
 The reference is an independent implementation of the same arithmetic: torch's fused AdamW on the matrices with
-each gradient rounded to bf16 before the step (to nearest) and each moment rounded to bf16 after it (stochastically,
+each moment rounded to bf16 after the step (stochastically,
 with the random bits of `rounding.RandomStream` for the optimizer's seed, the matrix's place in the param groups and
 the step count). With every column on the host and a window of one step, ZenFlow is that AdamW, so the two must agree
 bit for bit; and the settings must change the result, or the comparison says nothing."""
@@ -16,7 +15,6 @@ import torch
 
 import hf_zenflow.engine.host as host_module
 from hf_zenflow import ZenFlowAdamW
-from hf_zenflow.transport import CopyTransport
 from hf_zenflow.transport.cpu_device import kernels
 from hf_zenflow.transport.cpu_device.rounding import RandomStream, matrix_key, random16, round_bf16
 from tests.conftest import DEVICE, FP32_MOMENTS, batches, make_model, param_groups, roundtrip, train
@@ -26,36 +24,30 @@ LR, STEPS = 1e-2, 12
 #: one batch seen every step: its loss must fall
 DATA = batches(1) * STEPS
 ALL_ON_HOST = dict(topk_ratio=0.0, update_interval=1, overlap_step=False, min_offload_numel=0, cpu_threads=1)
-SETTINGS = [dict(host_grad_dtype="bfloat16", **FP32_MOMENTS), dict(host_moment_dtype="bfloat16"),
-            dict(host_grad_dtype="bfloat16", host_moment_dtype="bfloat16")]
+BF16_MOMENTS = dict(host_moment_dtype="bfloat16")
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU device's transports (a CUDA run: cuda_checks)")
 
 
 class RoundedAdamW(torch.optim.AdamW):
-    """torch's fused AdamW with the matrices' gradients rounded to bf16 before each step (`grads`) and their moments
-    rounded to bf16 stochastically after it (`moments`), with the bits of torch's initial seed (what ZenFlowAdamW
-    keys its rounding by), the matrix's place in the param groups and the step count."""
+    """torch's fused AdamW with the matrices' moments rounded to bf16 stochastically after each step, with the bits
+    of torch's initial seed (what ZenFlowAdamW keys its rounding by), the matrix's place in the param groups and the
+    step count."""
 
-    def __init__(self, model: torch.nn.Module, grads: bool, moments: bool) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(param_groups(model), lr=LR, fused=True)
         self.matrices = [p for p in model.parameters() if p.ndim == 2]
-        self.grads, self.moments = grads, moments
         ordinals = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         self.streams = {p: RandomStream(matrix_key(torch.initial_seed(), ordinals[id(p)])) for p in self.matrices}
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
-        if self.grads:
-            for p in self.matrices:
-                p.grad.copy_(p.grad.to(torch.bfloat16))
         super().step(closure)
-        if self.moments:
-            for p in self.matrices:
-                state = self.state[p]
-                bits = self.streams[p].bits(int(state["step"]), 0, p.numel()).view(p.shape)
-                state["exp_avg"].copy_(round_bf16(state["exp_avg"], random16(bits, 0)))
-                state["exp_avg_sq"].copy_(round_bf16(state["exp_avg_sq"], random16(bits, 1)))
+        for p in self.matrices:
+            state = self.state[p]
+            bits = self.streams[p].bits(int(state["step"]), 0, p.numel()).view(p.shape)
+            state["exp_avg"].copy_(round_bf16(state["exp_avg"], random16(bits, 0)))
+            state["exp_avg_sq"].copy_(round_bf16(state["exp_avg_sq"], random16(bits, 1)))
 
 
 def _zenflow(settings: dict, **kw) -> tuple[torch.nn.Module, list[float], ZenFlowAdamW]:
@@ -94,18 +86,14 @@ def _moment_path(path: str, monkeypatch) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch", "torch-pieces"])
-@pytest.mark.parametrize("settings", SETTINGS)
-def test_low_precision_host_is_adamw_with_the_same_rounding(settings, path, monkeypatch):
-    bf16_moments = settings["host_moment_dtype"] == "bfloat16"
-    if path != "kernel" and not bf16_moments:
-        pytest.skip("the path of the bf16 moments' pass: fp32 moments here")
+def test_low_precision_host_is_adamw_with_the_same_rounding(path, monkeypatch):
     calls = _moment_path(path, monkeypatch)
-    model, losses, opt = _zenflow(settings)
+    model, losses, opt = _zenflow(BF16_MOMENTS)
     opt.close()
-    if bf16_moments:  # (the pass went where it was sent)
-        assert calls[path.split("-")[0]] > 0 and calls["torch" if path == "kernel" else "kernel"] == 0
+    # (the pass went where it was sent)
+    assert calls[path.split("-")[0]] > 0 and calls["torch" if path == "kernel" else "kernel"] == 0
     ref = make_model()
-    ref_losses = train(ref, RoundedAdamW(ref, "host_grad_dtype" in settings, bf16_moments), DATA)
+    ref_losses = train(ref, RoundedAdamW(ref), DATA)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
     assert losses == ref_losses and losses[-1] < losses[0]  # and it trains
@@ -116,7 +104,7 @@ def test_low_precision_host_is_adamw_with_the_same_rounding(settings, path, monk
 
 def test_bf16_moments_through_the_kernel_are_the_torch_pass_bit_for_bit(monkeypatch):
     """A split run with bf16 moments (columns on the device, windows of three steps overlapped with the next ones,
-    re-selection, bf16 gradients to the host, a clipped run): the CPU kernel's one-pass window and torch's
+    re-selection, a clipped run): the CPU kernel's one-pass window and torch's
     operations give the same weights and the same host moments."""
     settings = dict(host_moment_dtype="bfloat16", topk_ratio=0.25, update_interval=3, overlap_step=True,
                     select_strategy="step", select_interval=4, min_offload_numel=0, cpu_threads=2)
@@ -124,55 +112,37 @@ def test_bf16_moments_through_the_kernel_are_the_torch_pass_bit_for_bit(monkeypa
     for path in ("kernel", "torch"):
         with monkeypatch.context() as patch:
             calls = _moment_path(path, patch)
-            for grad_settings in ({}, dict(host_grad_dtype="bfloat16")):
-                model = make_model()
-                opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings, **grad_settings)
-                train(model, opt, batches(STEPS), clip=0.05)
-                opt.flush()
-                moments = [(s.host.exp_avg.clone(), s.host.exp_avg_sq.clone())
-                           for s in opt.engine_state.splits.values() if s.host is not None]
-                opt.close()
-                runs.append((list(model.parameters()), moments))
+            model = make_model()
+            opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings)
+            train(model, opt, batches(STEPS), clip=0.05)
+            opt.flush()
+            moments = [(s.host.exp_avg.clone(), s.host.exp_avg_sq.clone())
+                       for s in opt.engine_state.splits.values() if s.host is not None]
+            opt.close()
+            runs.append((list(model.parameters()), moments))
             assert calls[path] > 0 and calls["torch" if path == "kernel" else "kernel"] == 0
-    for (params, moments), (ref_params, ref_moments) in zip(runs[:2], runs[2:]):
-        assert moments and all(m.dtype == torch.bfloat16 for pair in moments for m in pair)
-        for p, q in zip(params, ref_params):
-            assert torch.equal(p, q)
-        for pair, ref_pair in zip(moments, ref_moments):
-            assert all(torch.equal(a, b) for a, b in zip(pair, ref_pair))
-
-
-def test_narrow_gradients_through_staging_buffers_round_the_same(monkeypatch):
-    """A transport that copies (CUDA's schedule) lands the gradients in bf16 staging buffers: the same bits as the
-    CPU device's cast of the gradient itself."""
-    settings = dict(host_grad_dtype="bfloat16")
-    direct, _, opt = _zenflow(settings, topk_ratio=0.25, update_interval=3, overlap_step=True)
-    opt.close()
-    monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CopyTransport())
-    staged, _, opt = _zenflow(settings, topk_ratio=0.25, update_interval=3, overlap_step=True)
-    staging = [s.host.staging for s in opt.engine_state.splits.values() if s.host is not None]
-    opt.close()
-    assert staging and all(buf.dtype == torch.bfloat16 for bufs in staging for buf in bufs)
-    for p, q in zip(direct.parameters(), staged.parameters()):
+    (params, moments), (ref_params, ref_moments) = runs
+    assert moments and all(m.dtype == torch.bfloat16 for pair in moments for m in pair)
+    for p, q in zip(params, ref_params):
         assert torch.equal(p, q)
+    for pair, ref_pair in zip(moments, ref_moments):
+        assert all(torch.equal(a, b) for a, b in zip(pair, ref_pair))
 
 
 def test_stats_report_the_bytes_saved():
-    """bf16 moments: 4 B less per hosted element; bf16 gradients: half the bytes to the host of fp32 gradients."""
+    """bf16 moments: 4 B less per hosted element."""
     figures = {}
-    for name, settings in {"fp32": FP32_MOMENTS, "moments": dict(host_moment_dtype="bfloat16"),
-                           "grads": dict(host_grad_dtype="bfloat16", **FP32_MOMENTS)}.items():
+    for name, settings in {"fp32": FP32_MOMENTS, "moments": BF16_MOMENTS}.items():
         _, _, opt = _zenflow(settings, topk_ratio=0.25, update_interval=2, overlap_step=True)
         figures[name] = opt.stats()
         opt.close()
     hosted = (figures["fp32"]["host_state_bytes"] - figures["moments"]["host_state_bytes"]) / 4
     assert hosted > 0 and hosted == int(hosted)
     assert figures["fp32"]["host_bytes_per_param"] - figures["moments"]["host_bytes_per_param"] == pytest.approx(4)
-    assert figures["grads"]["bytes_to_host"] * 2 == figures["fp32"]["bytes_to_host"] > 0
 
 
 def test_bf16_moments_resume_exactly():
-    settings = dict(host_moment_dtype="bfloat16", host_grad_dtype="bfloat16", topk_ratio=0.25, update_interval=2,
+    settings = dict(host_moment_dtype="bfloat16", topk_ratio=0.25, update_interval=2,
                     overlap_step=True, select_strategy="step", select_interval=3, min_offload_numel=0, cpu_threads=1)
     data = batches(STEPS)
     whole = make_model()

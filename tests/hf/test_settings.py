@@ -39,7 +39,6 @@ CASES = [
     ("host_step_guard", "OFF", "off", {}),
     ("min_offload_numel", "12345", 12345, {}),
     ("accumulate_on", "Device", "device", {}),
-    ("host_grad_dtype", "BFloat16", "bfloat16", {}),
     ("host_moment_dtype", "Float32", "float32", {}),
     ("host_sum_dtype", "BFloat16", "bfloat16", {}),
     ("host_sum_columns", "Unselected", "unselected", {}),

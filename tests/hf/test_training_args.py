@@ -101,7 +101,7 @@ def test_to_dict_and_json_round_trip():
         "zenflow_resume_without_optimizer": False,
         "zenflow_writeback_lag": "auto", "zenflow_device_memory_budget_bytes": None,
         "zenflow_device_memory_limit_bytes": None, "zenflow_free_gradients_in_backward": "auto",
-        "zenflow_host_grad_dtype": "auto", "zenflow_host_moment_dtype": "bfloat16", "zenflow_high_lr_rule": "auto",
+        "zenflow_host_moment_dtype": "bfloat16", "zenflow_high_lr_rule": "auto",
         "zenflow_host_sum_dtype": "float32", "zenflow_host_sum_columns": "all",
         "zenflow_host_writeback": "buffer",
         "zenflow_host_step_guard": "auto",

@@ -32,7 +32,6 @@ from hf_zenflow.settings.config import DEFAULT_SELECT_STEPS, available_cpu_count
         ("host_lr_scale", "twice"),
         ("min_offload_numel", -1),
         ("accumulate_on", "gpu"),
-        ("host_grad_dtype", "float16"),
         ("host_moment_dtype", "float16"),
         ("cpu_threads", 0),
         ("steps_per_epoch", 0),
@@ -196,3 +195,4 @@ def test_writeback_lag_is_bounded_by_the_window():
     assert auto.writeback_lag == 8
     with pytest.raises(ValueError, match=r'writeback_lag=9 .*the longest "auto" window \(8\)'):
         ZenFlowConfig(update_interval="auto", writeback_lag=9).with_rules(auto_max_interval=8)
+
