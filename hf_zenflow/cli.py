@@ -31,6 +31,7 @@ from hf_zenflow.settings.cli_types import (
     positive_int,
     writeback_lag,
 )
+from hf_zenflow.settings.config import HOST_STATE_CHOICES
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -135,6 +136,9 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    '"none" (the next window boundary)')
     p.add_argument("--min-offload-numel", type=non_negative_int, default=d.min_offload_numel,
                    help="ZenFlow: matrices with fewer elements stay wholly on the device (e.g. the classifier head)")
+    p.add_argument("--host-state", type=str.lower, default=d.host_state, choices=HOST_STATE_CHOICES,
+                   help='ZenFlow: the host state\'s preset: "auto" (bf16 moments), "fp32" (fp32 moments, torch\'s '
+                   'AdamW arithmetic) or "lean" (the smallest host state)')
     p.add_argument("--device-memory-budget", type=memory_budget, default=d.device_memory_budget,
                    metavar="sync|free|BYTES",
                    help="ZenFlow: the device memory its whole step may hold (weights, gradients, optimizer state, "

@@ -22,7 +22,8 @@ Trainer's defaults; every matrix of the small models offloaded, `min_offload_num
 
 The long-run form (``--form long-run``) trains runs of thousands of steps, where reduced-precision host moments or a
 deferred update could drift away from what short runs show; by default each seed runs `adamw_torch`, ZenFlow's
-defaults and ZenFlow with fp32 host moments (``host_moment_dtype=float32``), 3 seeds:
+defaults and ZenFlow with fp32 host moments (the rule ``host_moment_dtype=float32``, what ``host_state=fp32``
+stands for; the label of the recorded runs), 3 seeds:
 
 * ``minilm-epochs``: all-MiniLM-L6-v2 fine-tuned on 4 000 Rotten Tomatoes sentences for 4 epochs at batch 8 (2 000
   steps, lr 5e-5, the Trainer's default), 1 000 held-out sentences; held-out loss and accuracy;
@@ -45,7 +46,8 @@ Usage:
     python scripts/quality_suite.py summary runs/quality/suite.jsonl
 
 Results are appended to the JSONL file one run at a time, so an interrupted suite resumes where it stopped.
-Each variant is a space-separated list of `ZenFlowConfig` ``KEY=VALUE`` settings (``defaults`` = none).
+Each variant is a space-separated list of ``KEY=VALUE`` pairs (``defaults`` = none): `ZenFlowConfig` settings, or
+engine rules (`EngineRules`, changed through `ZenFlowConfig.with_rules`: `tune_grid.study_config`).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ import torch  # noqa: E402
 
 from hf_zenflow.tuning.divergence import DIVERGED_RATIO, diverged  # noqa: E402
 from hf_zenflow.tuning.paired_stats import paired_interval  # noqa: E402
-from hf_zenflow.tuning.tune_grid import parse_settings  # noqa: E402
+from hf_zenflow.tuning.tune_grid import parse_settings, study_config  # noqa: E402
 
 
 SEQ = 64
@@ -351,10 +353,9 @@ class LongRunOptions:
 
 def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any] | None,
           options: LongRunOptions | None = None) -> dict[str, Any]:
-    """One run: `settings` None = `adamw_torch`, else ZenFlow with these `ZenFlowConfig` fields over the case's.
+    """One run: `settings` None = `adamw_torch`, else ZenFlow with these settings and rules over the case's.
     With `options` (the long-run form): evaluations along the way, progress lines, and a resumable saved state."""
     from hf_zenflow.optimizer import ZenFlowAdamW
-    from hf_zenflow.settings import ZenFlowConfig
 
     options = options or LongRunOptions()
     model, train_batches, eval_batches = case.build(seed, steps)
@@ -367,8 +368,8 @@ def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any]
     if settings is None:
         opt = torch.optim.AdamW(groups, **hyper)
     else:
-        config = ZenFlowConfig(cpu_threads=1, steps_per_epoch=case.epoch_steps or steps,
-                               **{**case.zenflow, **settings})
+        config = study_config({"cpu_threads": 1, "steps_per_epoch": case.epoch_steps or steps,
+                               **case.zenflow, **settings})
         opt = ZenFlowAdamW(groups, config=config, **hyper)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: max(0.0, 1.0 - i / steps))
     torch.manual_seed(seed)

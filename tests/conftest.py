@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import os
@@ -36,7 +37,7 @@ class TinyNet(torch.nn.Module):
 DEVICE = torch.device(os.environ.get("HF_ZENFLOW_TEST_DEVICE", "cpu"))
 #: Host moments in fp32, for the tests whose reference is AdamW with fp32 moments (torch's AdamW, synchronous
 #: offload, an fp32 checkpoint's continuation): the default stores the host moments in bf16.
-FP32_MOMENTS = {"host_moment_dtype": "float32"}
+FP32_MOMENTS = {"host_state": "fp32"}
 
 
 def zenflow_config(config: ZenFlowConfig | None = None, **values: Any) -> ZenFlowConfig:
@@ -168,8 +169,9 @@ def _no_deprecated_calls_from_our_code():
         yield
 
 
-#: "on": every optimizer of the tests frees its gradients in backward where it applies (`free_gradients_in_backward`
-#: left at "auto" becomes "on"), so that the reference tests run in both modes: ``HF_ZENFLOW_TEST_FREE_GRADIENTS=on``.
+#: "on": every optimizer of the tests frees its gradients in backward where it applies (the rule
+#: `free_gradients_in_backward` left at "auto" becomes "on"), so that the reference tests run in both modes:
+#: ``HF_ZENFLOW_TEST_FREE_GRADIENTS=on``.
 FREE_GRADIENTS = os.environ.get("HF_ZENFLOW_TEST_FREE_GRADIENTS", "auto")
 FREE_GRADIENTS_IN_RANKS = "HF_ZENFLOW_TEST_FREE_GRADIENTS_IN_RANKS"
 
@@ -184,8 +186,8 @@ def _free_gradients_mode(request: pytest.FixtureRequest, monkeypatch: pytest.Mon
     original = ZenFlowConfig.__post_init__
 
     def post_init(self: ZenFlowConfig) -> None:
-        if self.free_gradients_in_backward == "auto":
-            self.free_gradients_in_backward = "on"
         original(self)
+        if self.rules.free_gradients_in_backward == "auto":
+            self.rules = dataclasses.replace(self.rules, free_gradients_in_backward="on")
 
     monkeypatch.setattr(ZenFlowConfig, "__post_init__", post_init)

@@ -3,6 +3,7 @@ rank count of the distributed tests (`DEVICE`, `RANKS`, `several_ranks`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import os
@@ -102,8 +103,8 @@ def init_ranks(rank: int, init_file: str, ranks: int = 2, timeout_s: float = 60,
 
 def free_gradients_in_ranks() -> None:
     """In a rank process of a test run with ``HF_ZENFLOW_TEST_FREE_GRADIENTS=on``: every optimizer frees its gradients
-    in backward where it applies (``free_gradients_in_backward="auto"`` becomes "on"), as the test's own process
-    does (`tests/conftest.py`, which passes the mode on in the environment)."""
+    in backward where it applies (the rule ``free_gradients_in_backward="auto"`` becomes "on"), as the test's own
+    process does (`tests/conftest.py`, which passes the mode on in the environment)."""
     if os.environ.get("HF_ZENFLOW_TEST_FREE_GRADIENTS_IN_RANKS") != "on":
         return
     from hf_zenflow.settings.config import ZenFlowConfig
@@ -113,9 +114,9 @@ def free_gradients_in_ranks() -> None:
         return
 
     def post_init(self: ZenFlowConfig) -> None:
-        if self.free_gradients_in_backward == "auto":
-            self.free_gradients_in_backward = "on"
         original(self)
+        if self.rules.free_gradients_in_backward == "auto":
+            self.rules = dataclasses.replace(self.rules, free_gradients_in_backward="on")
 
     post_init._frees_gradients = True  # type: ignore[attr-defined]
     ZenFlowConfig.__post_init__ = post_init  # type: ignore[method-assign]

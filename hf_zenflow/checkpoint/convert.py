@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,9 +46,17 @@ def is_torch_adamw_state(state_dict: dict[str, Any]) -> bool:
         for e in entries.values())
 
 
+def _settings_and_rules(config: ZenFlowConfig) -> dict[str, Any]:
+    """`config`'s settings and every rule they resolve to (`config.rules`), by name."""
+    return {**{k: v for k, v in config.to_dict().items() if k != "rules"}, **dataclasses.asdict(config.rules)}
+
+
 def apply_changed_settings(opt: ZenFlowState, saved: dict[str, Any]) -> None:
-    """Let the optimizer's current settings take effect where they differ from the checkpoint's."""
-    current = opt.config.to_dict()
+    """Let the optimizer's current settings (and the rules they stand for) take effect where they differ from the
+    checkpoint's."""
+    current = _settings_and_rules(opt.config)
+    if saved:  # (its rules, resolved: a preset's or changed by `with_rules`; checked on loading, `validate.py`)
+        saved = {**saved, **dataclasses.asdict(ZenFlowConfig.from_dict(saved).rules)}
     changed = {name: (saved[name], current[name]) for name in current
                if name in saved and name not in _DERIVED_SETTINGS and saved[name] != current[name]}
     if not changed:

@@ -13,6 +13,7 @@ from .._base import check_hyperparameters
 from ..engine.host_guard import check_state as guard_problem
 from ..engine.quantized_moments import BLOCK, blocks
 from ..settings.config import ZenFlowConfig, removed_settings_text
+from ..settings.rules import ACCUMULATE_ON
 from .seal import Outdated, Refusal
 from .state import ZenFlowState
 
@@ -120,7 +121,7 @@ def check_block(zenflow: dict[str, Any]) -> None:
         problem = guard_problem(zenflow["host_step_guard"])
         if problem is not None:
             raise Refusal(f"{where}: {problem}")
-    chosen_places = [c for c in ZenFlowConfig.choices("accumulate_on") if c != "auto"]  # ("auto"'s choice)
+    chosen_places = [c for c in ACCUMULATE_ON if c != "auto"]  # ("auto"'s choice)
     if zenflow.get("accumulate_on") not in (None, *chosen_places):
         raise Refusal(f"{where}: accumulate_on={zenflow['accumulate_on']!r} is invalid, expected one of "
                       f"{chosen_places} or None (not decided yet)")

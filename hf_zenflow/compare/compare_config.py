@@ -71,11 +71,8 @@ class CompareConfig:
     host_lr_scale: float | str = _LIBRARY.host_lr_scale
     writeback_lag: int | str | None = _LIBRARY.writeback_lag
     min_offload_numel: int = _LIBRARY.min_offload_numel
-    host_moment_dtype: str = _LIBRARY.host_moment_dtype
-    host_sum_dtype: str = _LIBRARY.host_sum_dtype
-    host_sum_columns: str = _LIBRARY.host_sum_columns
-    host_writeback: str = _LIBRARY.host_writeback
-    accumulate_on: str = _LIBRARY.accumulate_on  # "auto": decided under the device memory the run gives it
+    # "auto": where the window is summed is decided under the device memory the run gives it
+    host_state: str = _LIBRARY.host_state
     # ZenFlow's whole device memory (weights, gradients, state, sums): "sync" = what synchronous offload holds (the
     # weights and their gradients: where people offload, the device has no more), "free" = what the device has free,
     # or bytes (`DEVICE_MEMORY_BUDGETS`)

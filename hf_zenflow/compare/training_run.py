@@ -57,9 +57,7 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
             select_strategy=cfg.select_strategy, select_interval=cfg.select_interval,
             full_warm_up_rounds=cfg.full_warm_up_rounds, cpu_threads=host_cores,
             steps_per_epoch=_steps_per_epoch(cfg), host_lr_scale=cfg.host_lr_scale, writeback_lag=cfg.writeback_lag,
-            min_offload_numel=cfg.min_offload_numel, host_moment_dtype=cfg.host_moment_dtype,
-            host_sum_dtype=cfg.host_sum_dtype, host_sum_columns=cfg.host_sum_columns,
-            host_writeback=cfg.host_writeback, accumulate_on=cfg.accumulate_on,
+            min_offload_numel=cfg.min_offload_numel, host_state=cfg.host_state,
             # --device-memory-budget: ZenFlow's whole step is held to it (the run's min_offload_numel is lowered until
             # the step fits, and accumulate_on="auto" decides under it); "free": the device's free memory decides
             device_memory_budget_bytes=cpu_device_budget(model) if cfg.device_memory_budget == "free" else None,

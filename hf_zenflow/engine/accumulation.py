@@ -110,11 +110,11 @@ def available_bytes(device: torch.device, budget: int | None, limit: int | None 
 
 
 def resumed_choice(config: ZenFlowConfig, zenflow: dict) -> str | None:
-    """The accumulation a resumed "auto" run keeps: the checkpoint's choice (or, from a checkpoint written before
-    "auto" existed, its explicit setting); None while it had not decided yet, or when the setting is explicit."""
-    if config.accumulate_on != "auto":
+    """The accumulation a resumed "auto" run keeps: the checkpoint's choice (or its explicit rule); None while it
+    had not decided yet, or when the rule is explicit."""
+    if config.rules.accumulate_on != "auto":
         return None
-    saved = zenflow.get("accumulate_on") or (zenflow.get("config") or {}).get("accumulate_on")
+    saved = zenflow.get("accumulate_on") or ((zenflow.get("config") or {}).get("rules") or {}).get("accumulate_on")
     return saved if saved in ("host", *DEVICE_SUM_DTYPES) else None
 
 

@@ -107,13 +107,18 @@ class HostLayout:
     writeback_from_master: bool = False
     #: ``host_sum_columns="unselected"``: a window summed on the host keeps only the columns not on the device
     unselected_sums: bool = False
+    #: Whether ``host_writeback="master"`` was asked for by `ZenFlowConfig.with_rules` (where it does not apply, a
+    #: warning) rather than by a preset (``host_state="lean"``, which cannot be wrong: logged at info level)
+    writeback_asked: bool = field(default=False, compare=False)
 
     @classmethod
     def of(cls, config: ZenFlowConfig) -> HostLayout:
-        return cls(moments=moment_dtype(config.host_moment_dtype),
-                   sums=torch.bfloat16 if config.host_sum_dtype == "bfloat16" else torch.float32,
-                   writeback_from_master=config.host_writeback == "master",
-                   unselected_sums=config.host_sum_columns == "unselected")
+        rules = config.rules
+        return cls(moments=moment_dtype(rules.host_moment_dtype),
+                   sums=torch.bfloat16 if rules.host_sum_dtype == "bfloat16" else torch.float32,
+                   writeback_from_master=rules.host_writeback == "master",
+                   unselected_sums=rules.host_sum_columns == "unselected",
+                   writeback_asked="host_writeback" in config.changed_rules())
 
     @staticmethod
     def master_writeback_applies(transport: Transport, ranks: int) -> bool:
@@ -125,15 +130,17 @@ class HostLayout:
         """The layout as it applies over `transport` with the host state shared by `ranks` ranks: the write-back
         reads the master only where it is a synchronous copy of one rank's whole result (an asynchronous copy
         would read the master while the worker's next pass writes it; several ranks all-gather write-back buffers
-        in the weight's dtype); elsewhere the buffer stays, with a warning (once)."""
+        in the weight's dtype); elsewhere the buffer stays, said once: a warning when `with_rules` asked for the
+        master, at info level when a preset did (``host_state="lean"`` takes the smallest state that applies)."""
         if not self.writeback_from_master or self.master_writeback_applies(transport, ranks):
             return self
         global _warned_writeback
         if not _warned_writeback:
             _warned_writeback = True
-            logger.warning('hf_zenflow: host_writeback="master" does not apply here (%s): the write-back buffer '
-                           "stays", "asynchronous copies from pinned memory" if transport.pins_host_memory
-                           else f"a host state shared by {ranks} ranks")
+            logger.log(logging.WARNING if self.writeback_asked else logging.INFO,
+                       'hf_zenflow: host_writeback="master" does not apply here (%s): the write-back buffer stays',
+                       "asynchronous copies from pinned memory" if transport.pins_host_memory
+                       else f"a host state shared by {ranks} ranks")
         return replace(self, writeback_from_master=False)
 
 

@@ -167,8 +167,8 @@ class RunSizes:
 
 
 def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> list[Option]:
-    """Every place `config.accumulate_on` allows, with its step time, bytes and overflows on this rank."""
-    places = SUM_PLACES if config.accumulate_on == "auto" else (config.accumulate_on,)
+    """Every place `config.rules.accumulate_on` allows, with its step time, bytes and overflows on this rank."""
+    places = SUM_PLACES if config.rules.accumulate_on == "auto" else (config.rules.accumulate_on,)
     layout = HostLayout.of(config)
     splits = sizes.splits
     local = [sizes.shares[id(s)].local(s.matrix(s.param)).numel() for s in splits]
@@ -204,18 +204,18 @@ def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> 
                            for s, n in zip(splits, local))
         step = zenflow_step(node.rates(), compute, sizes.device_elements,
                             selected + sizes.device_elements - hosted, hosted, interval, place,
-                            config.host_moment_dtype, grad_bytes=grad_bytes)["step_ms"]
+                            config.rules.host_moment_dtype, grad_bytes=grad_bytes)["step_ms"]
         options.append(Option(place, step, device_bytes, host, device_over,
                               0.0 if room_host is None else max(0.0, host - room_host)))
     return options
 
 
 def plan_accumulation(config: ZenFlowConfig, sizes: RunSizes, ranks: RankGroup, node: Node = RUNTIME_NODE) -> str:
-    """Where this run sums its windows: `config.accumulate_on` when explicit, else the planner's choice (`choose`)
-    over the places, agreed by every rank of `ranks` (a collective when there are several: call it on every rank at
-    the same step), logged once."""
-    if config.accumulate_on != "auto":
-        return config.accumulate_on
+    """Where this run sums its windows: `config.rules.accumulate_on` when explicit, else the planner's choice
+    (`choose`) over the places, agreed by every rank of `ranks` (a collective when there are several: call it on
+    every rank at the same step), logged once."""
+    if config.rules.accumulate_on != "auto":
+        return config.rules.accumulate_on
     options = _options(config, sizes, ranks.ranks, node)
     if ranks.ranks > 1:
         # one row per place: overflows and step times summed over the ranks, so that every rank chooses alike (an

@@ -107,8 +107,9 @@ class HostWindows:
 
     @property
     def accumulate_on(self) -> str | None:
-        """Where windows are summed: the explicit setting, or "auto"'s choice (None before it is made)."""
-        return self.accumulate_chosen if self.config.accumulate_on == "auto" else self.config.accumulate_on
+        """Where windows are summed: the explicit rule, or "auto"'s choice (None before it is made)."""
+        rule = self.config.rules.accumulate_on
+        return self.accumulate_chosen if rule == "auto" else rule
 
     def reset(self) -> None:
         """Forget every window in flight (the optimizer's state is being replaced; the worker is idle). The

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from hf_zenflow.estimate.fits import MOMENT_NAMES
 from hf_zenflow.estimate.hardware import (
     AUTO_ROWS,
     DEVICE_ACCUMULATOR_BYTES,
@@ -23,13 +22,7 @@ from hf_zenflow.estimate.hardware import (
     interval_to_unbind,
     schedule_model,
 )
-from hf_zenflow.estimate.memory import (
-    DEFAULT_HOST_MOMENTS,
-    DEVICE_MEMORY_HEADROOM,
-    HOST_MEMORY_HEADROOM,
-    HOST_MOMENT_DTYPES,
-    LEAN_HOST_STATE,
-)
+from hf_zenflow.estimate.memory import DEVICE_MEMORY_HEADROOM, HOST_MEMORY_HEADROOM
 from hf_zenflow.estimate.profiles import HardwareProfile
 from hf_zenflow.estimate.ranks import RankSplit
 from hf_zenflow.estimate.speed_words import than, versus
@@ -79,7 +72,8 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
         unbind = {"device_step_ms": device_step_ms, "ranks": ranks, "parallel": parallel}
         u_host = interval_to_unbind(profile, params, tokens_per_step, topk_ratio, "host", **unbind)
         u_dev = interval_to_unbind(profile, params, tokens_per_step, topk_ratio, "device", **unbind)
-        move = (f'accumulate_on="device" moves the bound: {dev["step_ms"]:.0f} ms/step ({dev["bound"]}-bound; '
+        move = (f'Device sums (the rule accumulate_on="device", which "auto" takes where they fit and are faster) '
+                f'move the bound: {dev["step_ms"]:.0f} ms/step ({dev["bound"]}-bound; '
                 f'+{params * DEVICE_ACCUMULATOR_BYTES / ranks / 1e9:.1f} GB of device memory'
                 + ("" if dev["fits_device_memory"] else ", which does NOT fit") + ")")
         move += f"; device-bound from update_interval={u_dev}" if u_dev else "; still not device-bound at U=32"
@@ -89,7 +83,8 @@ def advice(profile: HardwareProfile, params: float, tokens_per_step: float, topk
                    "last gradient folded in). " + move
                    + ".")
     elif zen["bound"] == "link":
-        out.append('Link-bound: every step\'s gradient crosses the link. accumulate_on="device" sends one fp32 sum '
+        out.append('Link-bound: every step\'s gradient crosses the link. Device sums (the rule '
+                   'accumulate_on="device", which "auto" takes where they fit and are faster) send one fp32 sum '
                    f"per window instead: {dev['step_ms']:.0f} ms/step ({dev['bound']}-bound).")
     else:
         out.append("Device-bound: the offload is hidden behind forward/backward; a smaller topk_ratio only trims the "
@@ -167,11 +162,9 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
 
 #: How the tables name `fits.FIT_SCHEDULES`.
 FIT_LABELS = {"no_offload": "no offload (AdamW on the device)", "sync_offload": "synchronous offload (ZeRO-Offload)",
-              "zenflow": f'ZenFlow, the defaults, host_moment_dtype="{DEFAULT_HOST_MOMENTS}"',
-              **{f"zenflow_{MOMENT_NAMES[m]}_moments": f'ZenFlow, host_moment_dtype="{m}"' for m in HOST_MOMENT_DTYPES
-                 if m != DEFAULT_HOST_MOMENTS},
-              "zenflow_lean": "ZenFlow, the lean host state (" + ", ".join(f'{k}="{v}"'
-                                                                          for k, v in LEAN_HOST_STATE.items()) + ")"}
+              "zenflow": 'ZenFlow, the defaults (host_state="auto": bf16 host moments)',
+              "zenflow_fp32": 'ZenFlow, host_state="fp32" (fp32 host moments)',
+              "zenflow_lean": 'ZenFlow, host_state="lean" (int8 moments, bf16 sums of the unselected columns)'}
 
 
 def _limits(profile: HardwareProfile, ranks: int) -> str:

@@ -13,20 +13,18 @@ from __future__ import annotations
 from typing import Any
 
 from hf_zenflow.estimate.hardware import AUTO_ROWS, auto_accumulation, schedule_model
-from hf_zenflow.estimate.memory import DEFAULT_HOST_MOMENTS, HOST_MOMENT_DTYPES, LEAN_HOST_STATE
+from hf_zenflow.estimate.memory import preset_layout
 from hf_zenflow.estimate.profiles import HardwareProfile
+from hf_zenflow.settings.rules import HOST_STATES
 
 
-#: How a schedule's name spells each ``host_moment_dtype``.
-MOMENT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
-#: The schedules `what_fits` and `max_params` compare, each with the host state's settings it changes: ZenFlow with
-#: the defaults (``accumulate_on="auto"``'s row at that size), the same with each other ``host_moment_dtype``, and
-#: with the lean host state (`LEAN_HOST_STATE`).
+#: The schedules `what_fits` and `max_params` compare, each with its host-state rules: ZenFlow under each
+#: ``host_state`` preset ("zenflow": the default, "auto"; "zenflow_fp32", "zenflow_lean"), its row the one the
+#: planner's ``accumulate_on="auto"`` chooses at that size.
 FIT_SCHEDULES: dict[str, tuple[str, dict[str, str] | None]] = {
-    "no_offload": ("no_offload", None), "sync_offload": ("sync_offload", None), "zenflow": ("zenflow", {}),
-    **{f"zenflow_{MOMENT_NAMES[m]}_moments": ("zenflow", {"host_moment_dtype": m}) for m in HOST_MOMENT_DTYPES
-       if m != DEFAULT_HOST_MOMENTS},
-    "zenflow_lean": ("zenflow", LEAN_HOST_STATE)}
+    "no_offload": ("no_offload", None), "sync_offload": ("sync_offload", None),
+    **{"zenflow" if preset == "auto" else f"zenflow_{preset}": ("zenflow", preset_layout(preset))
+       for preset in HOST_STATES}}
 
 
 def fit_row(profile: HardwareProfile, schedule: str, params: float, tokens_per_step: float, topk_ratio: float = 0.1,

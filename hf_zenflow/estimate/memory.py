@@ -8,16 +8,16 @@ bf16 model, and the limits it must fit in.
   gradients in flight to the host (`in_flight_gradient_gb`). Counted against `DEVICE_MEMORY_HEADROOM` of the device;
   activations are not counted there (`activation_gb` estimates them for ``accumulate_on="auto"``);
 * host (`zenflow_host_bytes_per_param`): per offloaded parameter, what the engine allocates on a GPU for the host
-  state settings (``host_moment_dtype``, ``host_sum_dtype``, ``host_sum_columns``, ``host_writeback``: the
-  library's defaults unless given), counted by the engine's own rule (`engine.host_footprint`): the fp32 master (4),
-  the two moments (fp32 8, bf16 4, int8 2 plus one fp32 scale per `INT8_BLOCK` elements of each), the window sum
-  where it is host memory (fp32 4, bf16 2; with ``host_sum_columns="unselected"`` only the columns not on the
-  device), and the pinned buffers that cross the link (today the bf16 write-back buffer, 2, and with the window
+  state's rules (``host_moment_dtype``, ``host_sum_dtype``, ``host_sum_columns``, ``host_writeback``: a ``host_state``
+  preset's, `preset_layout`; the default's unless given), counted by the engine's own rule (`engine.host_footprint`):
+  the fp32 master (4), the two moments (fp32 8, bf16 4, int8 2 plus one fp32 scale per `INT8_BLOCK` elements of each),
+  the window sum where it is host memory (fp32 4, bf16 2; with ``host_sum_columns="unselected"`` only the columns not
+  on the device), and the pinned buffers that cross the link (today the bf16 write-back buffer, 2, and with the window
   summed on the host the landing slots of the in-flight gradients, `engine.host.grad_slots` x 2: 2 slots, or
-  ``writeback_lag`` + 1 with a later write-back, `engine.writeback_lag.planned_writeback_steps`; with bf16 device
-  sums their bf16 landing buffer, 2), plus the transport's fixed pinned bytes once per rank
-  (`Transport.fixed_host_bytes`, a bounded pool); synchronous offload `SYNC_HOST_BYTES_PER_PARAM`. Every rank of a
-  node holds its share; together they must fit `HOST_MEMORY_HEADROOM` of the node's RAM.
+  ``writeback_lag`` + 1 with a later write-back, `engine.writeback_lag.planned_writeback_steps`; with bf16 device sums
+  their bf16 landing buffer, 2), plus the transport's fixed pinned bytes once per rank (`Transport.fixed_host_bytes`, a
+  bounded pool); synchronous offload `SYNC_HOST_BYTES_PER_PARAM`. Every rank of a node holds its share; together they
+  must fit `HOST_MEMORY_HEADROOM` of the node's RAM.
 
 Example:
     >>> round(device_memory_gb("zenflow", 7e9, 0.1, gradients_freed_in_backward=False) / 7, 2)  # GB per 1e9 params
@@ -35,18 +35,30 @@ from hf_zenflow.engine.in_flight import in_flight_count
 from hf_zenflow.engine.step_model import BF16_BYTES, FP32_BYTES, INT8_BLOCK, MOMENT_BYTES, SUM_BYTES
 from hf_zenflow.estimate.ranks import RankSplit
 from hf_zenflow.settings.config import ZenFlowConfig
+from hf_zenflow.settings.rules import host_state_rules
 from hf_zenflow.transport import CudaTransport
 
 
 HOST_MOMENT_DTYPES = tuple(MOMENT_BYTES)
-#: The host state's settings and the library's defaults of them: what "ZenFlow, the defaults" holds on the host.
-HOST_STATE_SETTINGS = ("host_moment_dtype", "host_sum_dtype", "host_sum_columns", "host_writeback")
-DEFAULT_HOST_STATE: dict[str, str] = {name: getattr(ZenFlowConfig, name) for name in HOST_STATE_SETTINGS}
+#: The engine's host-state rules (`EngineRules`) that the host memory counts.
+HOST_STATE_RULES = ("host_moment_dtype", "host_sum_dtype", "host_sum_columns", "host_writeback")
+
+
+def preset_layout(host_state: str) -> dict[str, str]:
+    """`HOST_STATE_RULES` as the preset ``host_state`` resolves them, by the engine's own function
+    (`settings.rules.host_state_rules`).
+
+    Example:
+        >>> preset_layout("lean")["host_moment_dtype"]
+        'int8'
+    """
+    rules = host_state_rules(host_state)
+    return {name: rules[name] for name in HOST_STATE_RULES}
+
+
+#: What "ZenFlow, the defaults" (``host_state="auto"``) holds on the host.
+DEFAULT_HOST_STATE: dict[str, str] = preset_layout("auto")
 DEFAULT_HOST_MOMENTS: str = DEFAULT_HOST_STATE["host_moment_dtype"]
-#: The smallest host state the settings give (docs/host-memory.md): 8-bit moments, a bf16 window sum of the
-#: unselected columns, the write-back from the fp32 master.
-LEAN_HOST_STATE = {"host_moment_dtype": "int8", "host_sum_dtype": "bfloat16", "host_sum_columns": "unselected",
-                   "host_writeback": "master"}
 #: The GPU transport whose buffers the host memory counts (made, never used: no GPU is needed).
 GPU_TRANSPORT = CudaTransport()
 #: Device bytes per parameter of a bf16 model: the weight and its gradient; fp32 master and moments where AdamW runs
@@ -74,16 +86,16 @@ GRADIENTS_FREED_IN_BACKWARD = True
 
 
 def host_layout(host_moments: str | None = None, host_state: dict[str, str] | None = None) -> dict[str, str]:
-    """The host state's settings of a schedule: the library's defaults, with `host_state` (some of
-    `HOST_STATE_SETTINGS`) and `host_moments` (``host_moment_dtype``) over them; each value checked as
-    `ZenFlowConfig` checks it."""
+    """The host-state rules of a schedule: the defaults' (`DEFAULT_HOST_STATE`), with `host_state` (some of
+    `HOST_STATE_RULES`, e.g. a preset's `preset_layout`) and `host_moments` (``host_moment_dtype``) over them; each
+    value checked as the engine's rules check it (`ZenFlowConfig.with_rules`)."""
     values = {**DEFAULT_HOST_STATE, **(host_state or {})}
     if host_moments is not None:
         values["host_moment_dtype"] = host_moments
-    unknown = sorted(set(values) - set(HOST_STATE_SETTINGS))
+    unknown = sorted(set(values) - set(HOST_STATE_RULES))
     if unknown:
-        raise ValueError(f"host_state {unknown} is invalid: allowed are {', '.join(HOST_STATE_SETTINGS)}.")
-    ZenFlowConfig(**values)  # (a value ZenFlowConfig refuses is refused here, by name)
+        raise ValueError(f"host_state {unknown} is invalid: allowed are {', '.join(HOST_STATE_RULES)}.")
+    ZenFlowConfig().with_rules(**values)  # (a value the rules refuse is refused here, by name)
     return values
 
 
@@ -104,8 +116,8 @@ def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moment_dtype: str = DE
         >>> zenflow_host_bytes_per_param(0, "int8", host_sum_dtype="bfloat16")
         14.03125
     """
-    config = ZenFlowConfig(host_moment_dtype=host_moment_dtype, host_sum_dtype=host_sum_dtype,
-                           host_sum_columns=host_sum_columns, host_writeback=host_writeback)
+    config = ZenFlowConfig().with_rules(host_moment_dtype=host_moment_dtype, host_sum_dtype=host_sum_dtype,
+                                        host_sum_columns=host_sum_columns, host_writeback=host_writeback)
     place = {value: key for key, value in SUM_BYTES.items()}[sum_bytes]
     return host_bytes_per_element(HostLayout.of(config), place, torch.bfloat16, torch.bfloat16, GPU_TRANSPORT,
                                   device_share=topk_ratio, slots=slots)
@@ -163,6 +175,6 @@ def activation_gb(params: float, tokens_per_step: float) -> float:
 
 
 __all__ = ["BF16_BYTES", "DEFAULT_HOST_STATE", "DEVICE_MEMORY_HEADROOM", "FP32_BYTES", "GPU_TRANSPORT",
-           "GRADIENTS_FREED_IN_BACKWARD", "HOST_MEMORY_HEADROOM", "HOST_MOMENT_DTYPES", "HOST_STATE_SETTINGS",
-           "INT8_BLOCK", "LEAN_HOST_STATE", "MOMENT_BYTES", "SELECTED_BYTES", "activation_gb", "device_memory_gb",
-           "host_layout", "in_flight_gradient_gb", "llama_shape", "zenflow_host_bytes_per_param"]
+           "GRADIENTS_FREED_IN_BACKWARD", "HOST_MEMORY_HEADROOM", "HOST_MOMENT_DTYPES", "HOST_STATE_RULES",
+           "INT8_BLOCK", "MOMENT_BYTES", "SELECTED_BYTES", "activation_gb", "device_memory_gb", "host_layout",
+           "in_flight_gradient_gb", "llama_shape", "preset_layout", "zenflow_host_bytes_per_param"]

@@ -77,14 +77,9 @@ class ZenFlowSettingArguments:
     zenflow_high_lr_rule: LowercaseChoice = _setting("high_lr_rule")
     zenflow_host_step_guard: str = _setting("host_step_guard")
     zenflow_min_offload_numel: int = _setting("min_offload_numel")
-    zenflow_accumulate_on: LowercaseChoice = _setting("accumulate_on")
-    zenflow_host_moment_dtype: LowercaseChoice = _setting("host_moment_dtype")
-    zenflow_host_sum_dtype: LowercaseChoice = _setting("host_sum_dtype")
-    zenflow_host_sum_columns: LowercaseChoice = _setting("host_sum_columns")
-    zenflow_host_writeback: LowercaseChoice = _setting("host_writeback")
+    zenflow_host_state: LowercaseChoice = _setting("host_state")
     zenflow_device_memory_budget_bytes: int | None = _setting("device_memory_budget_bytes")
     zenflow_device_memory_limit_bytes: int | None = _setting("device_memory_limit_bytes")
-    zenflow_free_gradients_in_backward: LowercaseChoice = _setting("free_gradients_in_backward")
     zenflow_cpu_threads: int | None = _setting("cpu_threads")
 
 

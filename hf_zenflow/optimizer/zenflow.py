@@ -529,8 +529,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         (`free_gradients_in_backward`), else None: one process or FSDP2 ranks (not DDP, whose reducer rewrites the
         gradients after the hooks and keeps its buckets for the run), host window sums, and with "auto" a caller
         that clips through `clip_grad_norm_`. Before the first step (no schedule yet): "on" only."""
-        setting = self.config.free_gradients_in_backward
-        wanted = setting == "on" or (setting == "auto" and self._clips_through_optimizer)
+        rule = self.config.rules.free_gradients_in_backward
+        wanted = rule == "on" or (rule == "auto" and self._clips_through_optimizer)
         if not wanted or self._host.several_ranks() or sums_on_device(self._host.accumulate_on):
             return None
         if self._schedule is None:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from .deepspeed_config import load, zenflow_values
-from .rules import EngineRules
+from .rules import DEVICE_SUMS, HOST_STATES, EngineRules
 
 
 #: `host_lr_scale="auto"`: the largest learning rate a window's host step takes (lr × multiplier) when its result is
@@ -60,19 +60,15 @@ DEFAULT_SELECT_STEPS = 100
 MIN_OFFLOAD_NUMEL = 1 << 18
 
 _SELECT_STRATEGIES = ("auto", "step", "epoch")
-_ACCUMULATE_ON = ("auto", "host", "device", "device_bf16")
-#: The resolved `accumulate_on` values that sum on the device (`DEVICE_SUM_DTYPES`: their dtypes).
-_DEVICE_SUMS = ("device", "device_bf16")
-_HOST_MOMENT_DTYPES = ("float32", "bfloat16", "int8")
-_HOST_SUM_DTYPES = ("float32", "bfloat16")
-_HOST_SUM_COLUMNS = ("all", "unselected")
-_HOST_WRITEBACKS = ("buffer", "master")
+#: `host_state`'s presets (`rules.HOST_STATES`: the rules each stands for).
+HOST_STATE_CHOICES = tuple(HOST_STATES)
 _HIGH_LR_RULES = ("auto", "off")
 
 
 #: Settings this version of hf_zenflow no longer has: a settings dict (a checkpoint's) or a `ZenFlowAdamW` keyword
 #: that names one is refused with one message that says so (`removed_settings_text`), not as an unknown name.
-REMOVED_SETTINGS = ("host_grad_dtype", "auto_max_interval")
+REMOVED_SETTINGS = ("host_grad_dtype", "auto_max_interval", "accumulate_on", "host_moment_dtype", "host_sum_dtype",
+                    "host_sum_columns", "host_writeback", "free_gradients_in_backward")
 
 
 def removed_settings_text(names: Iterable[str]) -> str | None:
@@ -91,9 +87,9 @@ def removed_settings_text(names: Iterable[str]) -> str | None:
 
 
 def sums_on_device(accumulate_on: str | None) -> bool:
-    """Whether a resolved `accumulate_on` ("auto"'s choice, or the setting) sums windows on the device ("device" or
+    """Whether a resolved `accumulate_on` ("auto"'s choice, or the rule) sums windows on the device ("device" or
     "device_bf16")."""
-    return accumulate_on in _DEVICE_SUMS
+    return accumulate_on in DEVICE_SUMS
 
 
 def __getattr__(name: str) -> Any:
@@ -254,75 +250,20 @@ class ZenFlowConfig:
                   "small. 0 offloads every matrix. device_memory_limit_bytes may lower it for the run, so that the "
                   "step fits the limit (stats()[\"min_offload_numel\"])."},
     )
-    accumulate_on: str = field(
+    host_state: str = field(
         default="auto",
-        metadata={"help": 'Where the unselected gradient is summed over a window. "host": every step the whole '
-                  "matrix gradient goes to the host and the worker adds it into an fp32 accumulator (no device "
-                  'memory). "device": an fp32 accumulator per offloaded matrix stays on the device (+4 bytes per '
-                  "offloaded parameter of device memory) and crosses the link once per window; the host then only "
-                  'runs the AdamW (same results). "device_bf16": the same, the sums kept in bf16 on the device '
-                  "(+2 bytes per offloaded parameter; each step adds in fp32 and rounds the running sum to bf16, "
-                  "8 significant bits) and sent as bf16 (half the link bytes), widened into the host's fp32 "
-                  'accumulator. "auto": the fastest of the three that fits the device memory left after the first '
-                  "forward/backward (10% margin; CUDA: measured; a CPU device: device_memory_budget_bytes, without "
-                  "it unknown, so host) and the host RAM this process can take (its cgroup limits included, 10% "
-                  "margin), then the smallest; fastest by the bound model of hf-zenflow estimate's default profile, "
-                  "never by timings, so the same script chooses the same (docs/memory.md): host sums where the host "
-                  "RAM holds them, device sums where it is short and the device has room; chosen at the first step, "
-                  "logged, in stats() and checkpoints.",
-                  "choices": _ACCUMULATE_ON},
-    )
-    host_moment_dtype: str = field(
-        default="bfloat16",
-        metadata={"help": 'The dtype of the host AdamW moments (exp_avg, exp_avg_sq). "bfloat16" (the default): '
-                  "stored in bf16 (4 bytes less per offloaded parameter of host memory than fp32); the host AdamW "
-                  "widens them to fp32, updates in fp32 against the fp32 master, and rounds them back stochastically "
-                  "(reproducible random bits keyed by torch's seed when the optimizer is made, kept in checkpoints). "
-                  '"float32": fp32 moments, torch\'s AdamW arithmetic for every element. "int8": 8-bit codes '
-                  "with one fp32 scale per block of 256 elements (2.03 bytes per parameter for both moments, 5.97 "
-                  "less than fp32; 8-bit floating-point codes with 3 mantissa bits under the block's largest "
-                  "magnitude), dequantised, updated in fp32 and quantised again, stochastically, in the same pass; "
-                  "checkpoints keep the codes and scales. The "
-                  "device columns keep fp32 moments (docs/host-memory.md).",
-                  "choices": _HOST_MOMENT_DTYPES},
-    )
-    host_sum_dtype: str = field(
-        default="float32",
-        metadata={"help": "The dtype of the host's window sum when the window is summed on the host "
-                  '(accumulate_on="host", or "auto" choosing it). "float32" (the default): an fp32 accumulator, 4 '
-                  'bytes per offloaded parameter. "bfloat16": 2 bytes; each step\'s add is computed in fp32 (the '
-                  "running sum widened, plus the clip coefficient x the gradient) and the running sum is rounded to "
-                  'nearest bf16 after it, the rule of accumulate_on="device_bf16", on the host; the host AdamW '
-                  "divides the widened sum by the window's length in fp32. Windows summed on the device keep their "
-                  'own dtype (accumulate_on="device": fp32; "device_bf16": bf16), so it cannot be set with those.',
-                  "choices": _HOST_SUM_DTYPES},
-    )
-    host_sum_columns: str = field(
-        default="all",
-        metadata={"help": "Which columns of a matrix the host's window sum keeps when the window is summed on the "
-                  'host (accumulate_on="host", or "auto" choosing it). "all" (the default): every column, one '
-                  "contiguous add per step. \"unselected\": only the columns not on the device (the ones the host "
-                  "AdamW's result is kept for), topk_ratio x the sum's bytes less (with topk_ratio=0.1 and "
-                  'host_sum_dtype="bfloat16": 1.8 bytes per offloaded parameter instead of 2); each step\'s add '
-                  "reads those columns of the gradient and the host AdamW reads the kept sum through each column's "
-                  "place in it. The same weights bit for bit "
-                  'with fp32 and bf16 moments; with host_moment_dtype="int8" the device columns\' stale host '
-                  "moments (never read) are updated with a zero sum (or the window's last gradient) instead of "
-                  "their own, which changes their blocks' scales and so the codes of the host columns beside them. "
-                  "It cannot be set with the window summed on the device.",
-                  "choices": _HOST_SUM_COLUMNS},
-    )
-    host_writeback: str = field(
-        default="buffer",
-        metadata={"help": 'Where a window\'s host result is written back from. "buffer" (the default): the worker '
-                  "rounds it into a write-back buffer in the weight's dtype (pinned on CUDA, copied asynchronously; "
-                  "on a CPU device swapped in as the weight's storage, no copy). \"master\": no buffer; the "
-                  "write-back copies the fp32 master into the weight (rounded to its dtype) on the training thread, "
-                  "4 bytes less host memory per offloaded parameter with fp32 weights, 2 with bf16, the same weights "
-                  "bit for bit. It applies where the write-back is a synchronous copy on one process (a CPU device); "
-                  "with CUDA's asynchronous copies from pinned memory, or a host state shared by several ranks, the "
-                  "buffer stays (with a warning).",
-                  "choices": _HOST_WRITEBACKS},
+        metadata={"help": "The host state of the offloaded matrices, a preset of the engine's host-state rules "
+                  "(docs/host-memory.md). \"auto\" (the default): bf16 AdamW moments (updated in fp32 against the "
+                  "fp32 master, rounded back stochastically with reproducible random bits), an fp32 window sum on "
+                  "the host or on the device, as the planner chooses at the first step from the memory each side "
+                  "has left (logged, stats()[\"accumulate_on\"], checkpoints), the write-back from a buffer in the "
+                  "weight's dtype, each offloaded gradient freed in its backward hook where that applies (one "
+                  "process, host sums; clip through optimizer.clip_grad_norm_). \"fp32\": the same with fp32 "
+                  "moments, torch's AdamW arithmetic for every element (4 bytes more per offloaded parameter). "
+                  "\"lean\": the smallest host state: 8-bit moments (one fp32 scale per block of 256), a bf16 window "
+                  "sum of the unselected columns only, the write-back from the fp32 master where it is a synchronous "
+                  "copy on one process (a CPU device; elsewhere the buffer stays).",
+                  "choices": HOST_STATE_CHOICES},
     )
     device_memory_budget_bytes: int | None = field(
         default=None,
@@ -341,19 +282,6 @@ class ZenFlowConfig:
                   "device only when the sums fit on top, with its margin. None: no such limit (then "
                   "device_memory_budget_bytes, or on CUDA the measured free memory, decides where windows are "
                   "summed)."},
-    )
-    free_gradients_in_backward: str = field(
-        default="auto",
-        metadata={"help": "Free each offloaded matrix's device gradient in its backward hook: the selected columns "
-                  "are gathered on the device for their update (a re-selection keeps the column scores and gathers "
-                  "the new columns from the host copy), the whole gradient goes to the host (pinned staging on "
-                  "CUDA) and p.grad becomes None at once, so the device never holds every gradient. Applies with "
-                  "host window sums on one process (not under DDP or FSDP2, nor once a GradScaler is seen: "
-                  "docs/memory.md). Clip through optimizer.clip_grad_norm_: torch.nn.utils.clip_grad_norm_ over "
-                  "the model cannot see freed gradients. \"auto\": on from the first step under ZenFlowTrainer and "
-                  "`hf-zenflow compare` (they clip through the optimizer), in a plain loop from the step after the "
-                  "first optimizer.clip_grad_norm_; \"on\" / \"off\" from the first step / never.",
-                  "choices": ("auto", "on", "off")},
     )
     cpu_threads: int | None = field(
         default=None,
@@ -375,7 +303,7 @@ class ZenFlowConfig:
             _fail("topk_ratio", self.topk_ratio, "a float in [0, 1] (0.1 is typical)")
         self.topk_ratio = float(self.topk_ratio)
         self.update_interval = parse_int_or_auto("update_interval", self.update_interval)
-        for f in fields(self):  # the string choices (select_strategy, accumulate_on), in any case
+        for f in fields(self):  # the string choices (select_strategy, host_state), in any case
             choices = f.metadata.get("choices")
             given = getattr(self, f.name)
             if not choices:
@@ -433,18 +361,6 @@ class ZenFlowConfig:
             if isinstance(self.host_step_guard, bool) or not ratio > 1 or math.isinf(ratio):
                 _fail("host_step_guard", self.host_step_guard, 'a float > 1, "auto" or "off"')
             self.host_step_guard = ratio
-        if self.host_sum_dtype != "float32" and sums_on_device(self.accumulate_on):
-            raise ValueError(
-                f"ZenFlowConfig.host_sum_dtype={self.host_sum_dtype!r} is invalid with "
-                f"accumulate_on={self.accumulate_on!r}: allowed is \"float32\" (the window is summed on the device, "
-                'in the dtype accumulate_on names); host_sum_dtype applies with accumulate_on "host" or "auto".'
-            )
-        if self.host_sum_columns != "all" and sums_on_device(self.accumulate_on):
-            raise ValueError(
-                f"ZenFlowConfig.host_sum_columns={self.host_sum_columns!r} is invalid with "
-                f"accumulate_on={self.accumulate_on!r}: allowed is \"all\" (the window is summed on the device); "
-                'host_sum_columns applies with accumulate_on "host" or "auto".'
-            )
         if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
             _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")
         if self.device_memory_budget_bytes is not None and (
@@ -510,6 +426,10 @@ class ZenFlowConfig:
         changed._rule_changes = {**getattr(self, "_rule_changes", {}), **changes}
         changed.__post_init__()
         return changed
+
+    def changed_rules(self) -> dict[str, Any]:
+        """The rules `with_rules` changed (the rest are what the choices stand for)."""
+        return dict(getattr(self, "_rule_changes", {}))
 
     def replace(self, **changes: Any) -> ZenFlowConfig:
         """`dataclasses.replace` that keeps the rules changed by `with_rules` (which `dataclasses.replace`, making a

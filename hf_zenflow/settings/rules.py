@@ -12,17 +12,56 @@ Example:
     16
     >>> ZenFlowConfig(update_interval="auto").with_rules(auto_max_interval=8).rules.auto_max_interval
     8
+    >>> ZenFlowConfig(host_state="lean").rules.host_moment_dtype
+    'int8'
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 
 #: The longest Zen-auto window (`update_interval="auto"`), in optimizer steps: the staleness bound of the host
 #: columns when the gradient mass is slow to balance. DeepSpeed's ZenFlow bounds it the same way.
 AUTO_MAX_INTERVAL = 16
+
+#: The values of each host-state rule (`ZenFlowConfig.host_state` chooses among them: `host_state_rules`).
+ACCUMULATE_ON = ("auto", "host", "device", "device_bf16")
+#: The resolved `accumulate_on` values that sum on the device.
+DEVICE_SUMS = ("device", "device_bf16")
+HOST_MOMENT_DTYPES = ("float32", "bfloat16", "int8")
+HOST_SUM_DTYPES = ("float32", "bfloat16")
+HOST_SUM_COLUMNS = ("all", "unselected")
+HOST_WRITEBACKS = ("buffer", "master")
+FREE_GRADIENTS = ("auto", "on", "off")
+
+#: The presets of `ZenFlowConfig.host_state`: the host-state rules each stands for (docs/host-memory.md). "auto":
+#: bf16 moments kept with stochastic rounding, an fp32 window sum where the planner puts it; "fp32": the same with
+#: fp32 moments, torch's AdamW arithmetic for every element; "lean": the smallest host state (8-bit moments, a bf16
+#: window sum of the unselected columns only, the write-back from the fp32 master where it applies).
+HOST_STATES: dict[str, dict[str, str]] = {
+    "auto": {"accumulate_on": "auto", "host_moment_dtype": "bfloat16", "host_sum_dtype": "float32",
+             "host_sum_columns": "all", "host_writeback": "buffer", "free_gradients_in_backward": "auto"},
+    "fp32": {"accumulate_on": "auto", "host_moment_dtype": "float32", "host_sum_dtype": "float32",
+             "host_sum_columns": "all", "host_writeback": "buffer", "free_gradients_in_backward": "auto"},
+    "lean": {"accumulate_on": "auto", "host_moment_dtype": "int8", "host_sum_dtype": "bfloat16",
+             "host_sum_columns": "unselected", "host_writeback": "master", "free_gradients_in_backward": "auto"},
+}
+
+
+def host_state_rules(host_state: str) -> dict[str, str]:
+    """The host-state rules the preset `host_state` ("auto", "fp32" or "lean") stands for; the engine
+    (`EngineRules.resolve`) and `hf-zenflow estimate` resolve a preset through this one function.
+
+    Example:
+        >>> host_state_rules("fp32")["host_moment_dtype"]
+        'float32'
+    """
+    if host_state not in HOST_STATES:
+        raise ValueError(f"host_state={host_state!r} is invalid: allowed is "
+                         f"{' | '.join(repr(name) for name in HOST_STATES)}.")
+    return dict(HOST_STATES[host_state])
 
 
 def _is_int(value: Any) -> bool:
@@ -43,10 +82,62 @@ class EngineRules:
 
     #: Zen-auto windows close after at most this many steps (`AUTO_MAX_INTERVAL`).
     auto_max_interval: int = AUTO_MAX_INTERVAL
+    #: Where the unselected gradient is summed over a window. "host": every step the whole matrix gradient goes to
+    #: the host, whose worker adds it into the window sum (no device memory). "device": an fp32 sum per offloaded
+    #: matrix stays on the device (+4 bytes per offloaded parameter) and crosses the link once per window (the same
+    #: results). "device_bf16": the same in bf16 (+2 bytes; each step adds in fp32 and rounds the running sum to
+    #: bf16), sent as bf16 and widened on the host. "auto": the planner's choice at the first step
+    #: (`engine.planner`): the fastest of the three that fits the device memory and the host RAM left, by the bound
+    #: model, never by timings; logged, in stats() and checkpoints (docs/memory.md).
+    accumulate_on: str = "auto"
+    #: The host AdamW moments' dtype: "bfloat16" (widened to fp32 for the update, rounded back stochastically with
+    #: reproducible random bits kept in checkpoints), "float32" (torch's AdamW arithmetic for every element), or
+    #: "int8" (8-bit codes with one fp32 scale per block of 256 elements, updated in fp32 and quantised again
+    #: stochastically in the same pass). The device columns keep fp32 moments (docs/host-memory.md).
+    host_moment_dtype: str = "bfloat16"
+    #: The dtype of a window summed on the host: "float32", or "bfloat16" (each add computed in fp32 and the running
+    #: sum rounded to nearest bf16, `accumulate_on="device_bf16"`'s rule on the host). Not with device sums, which
+    #: keep their own dtype.
+    host_sum_dtype: str = "float32"
+    #: Which columns a window summed on the host keeps: "all" (one contiguous add per step) or "unselected" (only
+    #: the columns not on the device: topk_ratio x the sum's bytes less; the same weights bit for bit with fp32 and
+    #: bf16 moments; with int8 moments the never-read device columns' codes change their blocks' scales). Not with
+    #: device sums.
+    host_sum_columns: str = "all"
+    #: Where a window's host result is written back from: "buffer" (rounded by the worker into a buffer in the
+    #: weight's dtype: pinned and copied asynchronously on CUDA, swapped in as the weight's storage on a CPU device)
+    #: or "master" (no buffer: the training thread copies the fp32 master into the weight, the same weights bit for
+    #: bit). "master" applies to a synchronous copy on one process (a CPU device); elsewhere the buffer stays, with a
+    #: warning when asked for by `with_rules`, logged at info level when a preset asked for it.
+    host_writeback: str = "buffer"
+    #: Free each offloaded matrix's device gradient in its backward hook (the selected columns gathered on the
+    #: device, the whole gradient sent to the host), with host sums on one process or FSDP2 ranks (docs/memory.md):
+    #: "auto" from the first step under ZenFlowTrainer and `hf-zenflow compare` (they clip through the optimizer),
+    #: in a plain loop from the step after the first optimizer.clip_grad_norm_; "on" / "off": from the first step /
+    #: never.
+    free_gradients_in_backward: str = "auto"
 
     def __post_init__(self) -> None:
         if not _is_int(self.auto_max_interval) or self.auto_max_interval < 1:
             _fail("auto_max_interval", self.auto_max_interval, "an integer >= 1")
+        for name, choices in _CHOICES.items():  # in any case, like the settings' choices
+            given = getattr(self, name)
+            value = given.strip().lower() if isinstance(given, str) else given
+            if value not in choices:
+                _fail(name, given, " | ".join(f'"{c}"' for c in choices))
+            object.__setattr__(self, name, value)
+        if self.host_sum_dtype != "float32" and self.accumulate_on in DEVICE_SUMS:
+            raise ValueError(
+                f"EngineRules.host_sum_dtype={self.host_sum_dtype!r} is invalid with "
+                f"accumulate_on={self.accumulate_on!r}: allowed is \"float32\" (the window is summed on the device, "
+                'in the dtype accumulate_on names); host_sum_dtype applies with accumulate_on "host" or "auto".'
+            )
+        if self.host_sum_columns != "all" and self.accumulate_on in DEVICE_SUMS:
+            raise ValueError(
+                f"EngineRules.host_sum_columns={self.host_sum_columns!r} is invalid with "
+                f"accumulate_on={self.accumulate_on!r}: allowed is \"all\" (the window is summed on the device); "
+                'host_sum_columns applies with accumulate_on "host" or "auto".'
+            )
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -54,10 +145,17 @@ class EngineRules:
 
     @classmethod
     def resolve(cls, config: Any, changes: dict[str, Any]) -> EngineRules:
-        """The rules `config`'s choices stand for (`config`: a `ZenFlowConfig`, whose module imports this one),
-        with `changes` (a test's or a study's) applied. An unknown rule fails, naming the ones there are."""
+        """The rules `config`'s choices stand for (`config`: a `ZenFlowConfig`, whose module imports this one:
+        its `host_state` preset, `host_state_rules`), with `changes` (a test's or a study's) applied. An unknown
+        rule fails, naming the ones there are."""
         unknown = sorted(set(changes) - set(cls.names()))
         if unknown:
             raise ValueError(f"ZenFlowConfig.with_rules got unknown rule(s) {unknown}: allowed are "
                              f"{sorted(cls.names())}.")
-        return replace(cls(), **changes)
+        return cls(**{**host_state_rules(config.host_state), **changes})
+
+
+#: The string rules and the values each allows.
+_CHOICES = {"accumulate_on": ACCUMULATE_ON, "host_moment_dtype": HOST_MOMENT_DTYPES,
+            "host_sum_dtype": HOST_SUM_DTYPES, "host_sum_columns": HOST_SUM_COLUMNS, "host_writeback": HOST_WRITEBACKS,
+            "free_gradients_in_backward": FREE_GRADIENTS}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_zenflow.settings.config import ZenFlowConfig
+from hf_zenflow.settings.rules import EngineRules
 
 
 GRID_TOPK: tuple[float, ...] = (0.05, 0.1, 0.2)
@@ -82,6 +83,18 @@ def parse_settings(text: str) -> dict[str, Any]:
     if text.strip() in ("", "defaults"):
         return {}
     return {k: parse_value(v) for k, v in (kv.split("=", 1) for kv in text.split())}
+
+
+def study_config(values: dict[str, Any]) -> ZenFlowConfig:
+    """The `ZenFlowConfig` of `values` (e.g. `parse_settings`'): the settings among them as settings, the engine's
+    rules (`EngineRules`, for a study of one rule: ``host_moment_dtype=float32``) through `ZenFlowConfig.with_rules`.
+
+    Example:
+        >>> study_config(parse_settings("topk_ratio=0.2 host_moment_dtype=float32")).rules.host_moment_dtype
+        'float32'
+    """
+    rules = {k: v for k, v in values.items() if k in EngineRules.names()}
+    return ZenFlowConfig(**{k: v for k, v in values.items() if k not in rules}).with_rules(**rules)
 
 
 def library_default_setting() -> TrialSetting:

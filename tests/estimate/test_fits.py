@@ -25,6 +25,7 @@ from hf_zenflow.estimate.memory import (
 )
 from hf_zenflow.estimate.profiles import PROFILES, HardwareProfile
 from hf_zenflow.estimate.ranks import RankSplit
+from tests.conftest import zenflow_adamw
 
 
 FAKE = HostRates(cores=4, adamw_params_per_s={1: 1.0e9, 2: 1.8e9, 4: 3.0e9}, mem_gbps=40.0, seconds=0.1)
@@ -99,12 +100,10 @@ def test_host_bytes_per_param_are_the_engines(moments: str) -> None:
     """The model's host bytes per offloaded parameter (window summed on the host) less the pinned landing slots a GPU
     adds (`GRAD_SLOTS` bf16 gradients) are what a real ZenFlowAdamW on a bf16 CPU model holds
     (``stats()["host_bytes_per_param"]``, measured from its host tensors)."""
-    from hf_zenflow.optimizer import ZenFlowAdamW
-
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(64, 48).to(torch.bfloat16)) for _ in range(3)]
-    opt = ZenFlowAdamW(params, lr=1e-3, topk_ratio=0.25, update_interval=2, min_offload_numel=0,
-                       accumulate_on="host", host_moment_dtype=moments, overlap_step=False)
+    opt = zenflow_adamw(params, lr=1e-3, topk_ratio=0.25, update_interval=2, min_offload_numel=0,
+                        accumulate_on="host", host_moment_dtype=moments, overlap_step=False)
     try:
         for p in params:
             p.grad = torch.randn_like(p)
@@ -150,11 +149,11 @@ def test_max_params_agree_with_params_runs_at_that_size(flags: tuple[str, ...], 
     text = capsys.readouterr().out
     assert "### The largest model each schedule trains on `h100-80gb-pcie5`" in text
     if "--host-mem-gb" in flags:
-        # 128 GB of RAM: the host limits the offloading schedules, and narrower moments fit larger models (the
-        # defaults keep them in bf16)
+        # 128 GB of RAM: the host limits the offloading schedules, and a smaller host state fits larger models (the
+        # defaults keep the moments in bf16)
         assert {largest[s]["limited_by"] for s in FIT_SCHEDULES if s != "no_offload"} == {"host memory"}
-        assert (largest["zenflow_fp32_moments"]["params"] < largest["zenflow"]["params"]
-                < largest["zenflow_int8_moments"]["params"])
+        assert (largest["zenflow_fp32"]["params"] < largest["zenflow"]["params"]
+                < largest["zenflow_lean"]["params"])
     elif not flags:
         assert limits == {"device memory"}  # 1 TB of RAM: the device limits every schedule
 

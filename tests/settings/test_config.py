@@ -31,8 +31,7 @@ from hf_zenflow.settings.config import DEFAULT_SELECT_STEPS, available_cpu_count
         ("host_lr_scale", 0.0),
         ("host_lr_scale", "twice"),
         ("min_offload_numel", -1),
-        ("accumulate_on", "gpu"),
-        ("host_moment_dtype", "float16"),
+        ("host_state", "small"),
         ("cpu_threads", 0),
         ("steps_per_epoch", 0),
         ("writeback_lag", 0),
@@ -60,7 +59,7 @@ CHOICE_FIELDS = [f.name for f in fields(ZenFlowConfig) if f.metadata.get("choice
 @pytest.mark.parametrize("field", CHOICE_FIELDS + ["update_interval", "select_interval", "writeback_lag",
                                                    "host_lr_scale", "host_step_guard", "topk_ratio", "auto_ratio"])
 def test_a_bool_is_refused_where_a_choice_or_a_number_is_expected(field, value):
-    """Regression: `free_gradients_in_backward=True` was taken for "on" (a bool for a choice field)."""
+    """Regression: a bool was taken for a choice field's "on"."""
     kwargs = {field: value, **({"select_strategy": "step"} if field == "select_interval" else {})}
     with pytest.raises(ValueError, match=rf"ZenFlowConfig\.{field}={value!r} is invalid: allowed is"):
         ZenFlowConfig(**kwargs)

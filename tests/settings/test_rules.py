@@ -21,7 +21,7 @@ def test_a_changed_rule_is_checked_like_a_setting():
     assert ZenFlowConfig().with_rules(auto_max_interval=3).rules.auto_max_interval == 3
     with pytest.raises(ValueError, match=r"EngineRules.auto_max_interval=0 is invalid: allowed is an integer >= 1"):
         ZenFlowConfig().with_rules(auto_max_interval=0)
-    with pytest.raises(ValueError, match=r"unknown rule\(s\) \['window'\]: allowed are \['auto_max_interval'"):
+    with pytest.raises(ValueError, match=r"unknown rule\(s\) \['window'\]: allowed are \[.*'auto_max_interval'"):
         ZenFlowConfig().with_rules(window=3)
 
 
