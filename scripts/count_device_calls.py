@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_zenflow import ZenFlowAdamW  # noqa: E402
+from hf_zenflow.tuning.tune_grid import study_config  # noqa: E402
 from tests.doubles.launches import CUDA_LIKE, DeviceCalls, counted_hooks, counting_transport  # noqa: E402
 
 
@@ -134,8 +135,10 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, int, int]:
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(lr=1e-3, topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8,
-                min_offload_numel=0, accumulate_on=args.accumulate_on, writeback_lag=1, high_lr_rule="off",
+    """The settings, and the engine rules (`EngineRules`: where windows are summed, whether gradients are freed in
+    backward) the count is made under."""
+    return dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0,
+                accumulate_on=args.accumulate_on, writeback_lag=1, high_lr_rule="off",
                 free_gradients_in_backward=args.free)
 
 
@@ -167,7 +170,7 @@ def count(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     try:
         with CUDA_LIKE() if double else contextlib.nullcontext(), counted_hooks(calls):
-            opt = ZenFlowAdamW(model.parameters(), **settings(args))
+            opt = ZenFlowAdamW(model.parameters(), lr=1e-3, config=study_config(settings(args)))
             for step in range(args.steps):
                 x = torch.randn(args.tokens, width, dtype=dtype, device=args.device)
                 before = opt.stats()

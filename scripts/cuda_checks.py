@@ -86,14 +86,17 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
 
 
-def _zenflow(model: torch.nn.Module, **settings: Any) -> Any:
+def _zenflow(model: torch.nn.Module, lr: float = 1e-3, **settings: Any) -> Any:
+    """`ZenFlowAdamW` under `_SETTINGS` with `settings` over them: settings, or engine rules (where windows are
+    summed, whether gradients are freed in backward), which reach it through `ZenFlowConfig.with_rules`."""
     from hf_zenflow import ZenFlowAdamW
+    from hf_zenflow.tuning.tune_grid import study_config
 
-    return ZenFlowAdamW(model.parameters(), **{**_SETTINGS, **settings})
+    return ZenFlowAdamW(model.parameters(), lr=lr, config=study_config({**_SETTINGS, **settings}))
 
 
 #: The offloaded schedule the fp16 checks run: windows of 3 steps, a re-selection every 6, overlapped.
-_SETTINGS: dict[str, Any] = dict(lr=1e-3, topk_ratio=0.25, update_interval=3, select_strategy="step",
+_SETTINGS: dict[str, Any] = dict(topk_ratio=0.25, update_interval=3, select_strategy="step",
                                  select_interval=6, overlap_step=True, writeback_lag=1, high_lr_rule="off",
                                  min_offload_numel=0)
 

@@ -25,6 +25,7 @@ from tests.conftest import (
     param_groups,
     roundtrip,
     train,
+    zenflow_adamw,
 )
 
 
@@ -66,7 +67,7 @@ def save(model, opt, sched) -> dict:
 
 
 def zenflow(**settings):
-    return lambda model: ZenFlowAdamW(param_groups(model), lr=LR, **{**ADAMW_EXACT, **settings})
+    return lambda model: zenflow_adamw(param_groups(model), lr=LR, **{**ADAMW_EXACT, **settings})
 
 
 def test_the_host_side_state_is_what_the_checkpoint_keeps_and_a_load_restores_it():
@@ -237,8 +238,8 @@ def test_zenflow_checkpoint_continues_in_torch_adamw_exactly(settings):
 def test_conversion_applies_what_zenflow_had_pending_like_flush(accumulate_on):
     """Overlapped, mid-window: the converted masters are what `flush()` would put into the weights."""
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0,
-                       accumulate_on=accumulate_on)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0,
+                        accumulate_on=accumulate_on)
     train(model, opt, batches(10), clip=1.0)  # a write-back pending and two steps in the open window
     state = roundtrip(opt.state_dict())
     _, masters = to_torch_adamw(state, weights=[p.detach().clone() for g in opt.param_groups for p in g["params"]])

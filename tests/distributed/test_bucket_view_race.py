@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.transport import CopyTransport, CudaTransport
-from tests.conftest import DEVICE, batches, make_model, param_groups
+from tests.conftest import DEVICE, batches, make_model, param_groups, zenflow_adamw
 from tests.doubles.async_device import AsyncCopies, CheckedRegistrar
 
 
@@ -32,8 +31,8 @@ def _train(steps: int, double: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[l
         monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
     model = make_model()
     params = list(model.parameters())
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, topk_ratio=0.1, update_interval=2, min_offload_numel=0,
-                       accumulate_on="host", select_strategy="step", select_interval=4)
+    opt = zenflow_adamw(param_groups(model), lr=1e-2, topk_ratio=0.1, update_interval=2, min_offload_numel=0,
+                        accumulate_on="host", select_strategy="step", select_interval=4)
     # DDP's reducer rewrites each gradient after the hooks: they read nothing, step() reads the reduced gradients
     opt._reads.reduced_later = lambda: True
     # one bucket for every gradient, as DDP's reducer keeps it across steps

@@ -18,6 +18,7 @@ from gloo_ranks import assert_each_rank_holds_at_most, assert_resumed_bitwise, r
 
 from hf_zenflow import CheckpointError, ZenFlowAdamW, ZenFlowConfig, column_major_
 from hf_zenflow.distributed.sharding import RankGroup, ShardCollectiveError, Share
+from tests.conftest import zenflow_adamw
 
 
 SETTINGS = dict(topk_ratio=0.25, update_interval="auto", full_warm_up_rounds=2,
@@ -87,7 +88,7 @@ def _train(rank: int, steps: range, model: torch.nn.Module, opt: ZenFlowAdamW, w
 
 def _ddp(model: torch.nn.Module) -> tuple[torch.nn.Module, ZenFlowAdamW]:
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, config=RULES, **SETTINGS)
+    opt = zenflow_adamw(model.parameters(), lr=1e-2, config=RULES, **SETTINGS)
     opt.name_parameters(model)
     return wrapped, opt
 
@@ -152,7 +153,7 @@ def ddp_run(tmp_path_factory) -> tuple[dict, dict, str]:
 
 def _reference() -> tuple[Net, ZenFlowAdamW]:
     model = _model()
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, config=RULES, **SETTINGS)
+    opt = zenflow_adamw(model.parameters(), lr=1e-2, config=RULES, **SETTINGS)
     _train(0, range(STEPS), model, opt)
     return model, opt
 
@@ -202,7 +203,7 @@ def test_a_share_saved_under_two_ranks_does_not_load_in_one_process(ddp_run):
     _, _, out = ddp_run
     state = torch.load(os.path.join(out, "optimizer_rank0.pt"), weights_only=True)
     assert state["zenflow"]["ranks"] == 2 and state["zenflow"]["rank"] == 0
-    opt = ZenFlowAdamW(_model().parameters(), lr=1e-2, config=RULES, **SETTINGS)
+    opt = zenflow_adamw(_model().parameters(), lr=1e-2, config=RULES, **SETTINGS)
     try:
         with pytest.raises(CheckpointError, match=r"world size 2.*world size 1"):
             opt.load_state_dict(state)
@@ -220,7 +221,7 @@ def test_the_ranks_shares_merged_resume_in_one_process(ddp_run):
     assert "ranks" not in merged["zenflow"]
     model = _model()
     model.load_state_dict(torch.load(os.path.join(out, "model_saved.pt"), weights_only=True))
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, config=RULES, **SETTINGS)
+    opt = zenflow_adamw(model.parameters(), lr=1e-2, config=RULES, **SETTINGS)
     try:
         opt.load_state_dict(merged)
         assert opt.stats()["host_state_bytes"] > 0
@@ -236,7 +237,7 @@ def _rank_timeout(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS,
                             timeout=datetime.timedelta(seconds=3))
     model = _model()
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, config=RULES, **{**SETTINGS, "full_warm_up_rounds": 0})
+    opt = zenflow_adamw(model.parameters(), lr=1e-2, config=RULES, **{**SETTINGS, "full_warm_up_rounds": 0})
     data = _data()
     try:
         # no DDP: the ranks' first collective is the optimizer's own (the selection at step 0), which rank 1 never
@@ -292,7 +293,7 @@ HALF = STEPS // 2
 
 def _other(model: Net) -> ZenFlowAdamW:
     rest = [p for n, p in model.named_parameters() if n != "embed.weight"]
-    return ZenFlowAdamW([{"params": [model.embed.weight], "select_rows": True}, {"params": rest}], lr=1e-2, **OTHER)
+    return zenflow_adamw([{"params": [model.embed.weight], "select_rows": True}, {"params": rest}], lr=1e-2, **OTHER)
 
 
 def _rank_resume_one_process_state(rank: int, init_file: str, out_dir: str) -> None:
@@ -347,8 +348,8 @@ def _auto_lag_body(rank: int, out_dir: str) -> None:
     auto_lag.auto_lag_from_sizes = lambda elements, longest: 1 + 2 * rank
     model = _model()
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, config=RULES,
-                       **{**SETTINGS, "update_interval": 4, "writeback_lag": "auto", "high_lr_rule": "off"})
+    opt = zenflow_adamw(model.parameters(), lr=1e-2, config=RULES,
+                        **{**SETTINGS, "update_interval": 4, "writeback_lag": "auto", "high_lr_rule": "off"})
     _train(rank, range(14), wrapped, opt)
     lag = opt.stats()["writeback_lag"]
     torch.save({"lag": lag, "weights": _flushed(opt, model)}, os.path.join(out_dir, f"auto{rank}.pt"))

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from hf_zenflow import CheckpointError, ZenFlowAdamW, ZenFlowConfig
 from hf_zenflow.checkpoint.seal import seal
 from hf_zenflow.transport import CopyTransport
+from tests.conftest import zenflow_adamw
 
 
 SETTINGS = dict(topk_ratio=0.25, update_interval="auto", full_warm_up_rounds=2,
@@ -101,7 +102,7 @@ def _full(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def _zenflow(model: torch.nn.Module, **overrides) -> ZenFlowAdamW:
     rules = ZenFlowConfig().with_rules(auto_max_interval=AUTO_MAX_INTERVAL)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, config=rules, **{**SETTINGS, **overrides})
+    opt = zenflow_adamw(model.parameters(), lr=1e-2, config=rules, **{**SETTINGS, **overrides})
     opt.name_parameters(model)
     return opt
 

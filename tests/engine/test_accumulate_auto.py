@@ -13,6 +13,7 @@ import torch
 
 from hf_zenflow import ZenFlowAdamW, ZenFlowConfig
 from hf_zenflow.engine import accumulation, planner
+from hf_zenflow.settings.rules import EngineRules
 from hf_zenflow.transport import CudaTransport
 from tests.conftest import (
     DEVICE,
@@ -23,6 +24,8 @@ from tests.conftest import (
     plan_with_host_ram,
     roundtrip,
     train,
+    zenflow_adamw,
+    zenflow_config,
 )
 
 
@@ -37,7 +40,7 @@ SHORT_HOST = 13 * sum(p.numel() for p in make_model().parameters() if p.ndim >= 
 
 def run(steps: int, **settings) -> tuple[torch.nn.Module, list[float], dict]:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**SETTINGS, **settings})
+    opt = zenflow_adamw(param_groups(model), lr=LR, **{**SETTINGS, **settings})
     losses = train(model, opt, batches(steps), linear_schedule(opt, steps), clip=1.0)
     opt.flush()
     stats = opt.stats()
@@ -46,7 +49,7 @@ def run(steps: int, **settings) -> tuple[torch.nn.Module, list[float], dict]:
 
 
 def test_auto_is_the_default_and_undecided_before_the_first_step():
-    assert ZenFlowConfig().accumulate_on == "auto"
+    assert ZenFlowConfig().rules.accumulate_on == "auto"
     opt = ZenFlowAdamW(param_groups(make_model()), lr=LR)
     assert opt.stats()["accumulate_on"] == "auto"
     opt.close()
@@ -89,13 +92,13 @@ def test_a_resumed_run_keeps_its_choice_and_continues_exactly(first, then, kept,
     total, split_at = 22, 6  # mid-window, with a host step in flight
     data = batches(total)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, device_memory_budget_bytes=first)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, device_memory_budget_bytes=first)
     full_losses = train(model, opt, data, linear_schedule(opt, total), clip=1.0)
     assert opt.stats()["accumulate_on"] == kept
     opt.close()
 
     model_a = make_model()
-    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, **SETTINGS, device_memory_budget_bytes=first)
+    opt_a = zenflow_adamw(param_groups(model_a), lr=LR, **SETTINGS, device_memory_budget_bytes=first)
     sched_a = linear_schedule(opt_a, total)
     head = train(model_a, opt_a, data[:split_at], sched_a, clip=1.0)
     checkpoint = roundtrip({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "sched": sched_a.state_dict()})
@@ -105,7 +108,7 @@ def test_a_resumed_run_keeps_its_choice_and_continues_exactly(first, then, kept,
     model_b = make_model(seed=123)
     model_b.load_state_dict(checkpoint["model"])
     # this budget alone would choose the other place: the checkpoint's choice wins
-    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, **SETTINGS, device_memory_budget_bytes=then)
+    opt_b = zenflow_adamw(param_groups(model_b), lr=LR, **SETTINGS, device_memory_budget_bytes=then)
     sched_b = linear_schedule(opt_b, total)
     opt_b.load_state_dict(checkpoint["opt"])
     sched_b.load_state_dict(checkpoint["sched"])
@@ -121,11 +124,11 @@ def test_a_resumed_run_keeps_its_choice_and_continues_exactly(first, then, kept,
 
 def test_an_explicit_setting_on_resume_replaces_the_saved_choice():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, device_memory_budget_bytes=FITS)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, device_memory_budget_bytes=FITS)
     train(model, opt, batches(6), clip=1.0)
     state = roundtrip(opt.state_dict())
     opt.close()
-    fresh = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, accumulate_on="host")
+    fresh = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, accumulate_on="host")
     fresh.load_state_dict(state)
     assert fresh.stats()["accumulate_on"] == "host"
     assert all(s.window_sum is None for s in fresh.engine_state.splits.values())
@@ -140,13 +143,14 @@ def test_an_explicit_setting_on_resume_replaces_the_saved_choice():
 ])
 def test_invalid_values_are_refused_naming_field_value_and_allowed(field, value, allowed):
     with pytest.raises(ValueError) as err:
-        ZenFlowConfig(**{field: value})
-    assert f"ZenFlowConfig.{field}={value!r} is invalid" in str(err.value)
+        zenflow_config(**{field: value})
+    owner = "EngineRules" if field in EngineRules.names() else "ZenFlowConfig"
+    assert f"{owner}.{field}={value!r} is invalid" in str(err.value)
     assert allowed in str(err.value)
 
 
 def test_choices_are_case_insensitive():
-    assert ZenFlowConfig(accumulate_on=" AUTO").accumulate_on == "auto"
+    assert zenflow_config(accumulate_on=" AUTO").rules.accumulate_on == "auto"
 
 
 def test_cuda_spare_memory_is_free_plus_cache_minus_the_peak(monkeypatch):
@@ -176,8 +180,8 @@ def _agreement_run_body(rank: int, out_dir: str, budgets: tuple[int, int]) -> No
     planner.host_room = lambda: SHORT_HOST  # (this rank's process: device sums where its device has room)
     model = make_model().cpu()
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, cpu_threads=1,
-                       device_memory_budget_bytes=budgets[rank])
+    opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, cpu_threads=1,
+                        device_memory_budget_bytes=budgets[rank])
     for x, y in batches(6, seed=rank):
         loss = torch.nn.functional.cross_entropy(wrapped(x).flatten(0, 1), y.flatten())
         loss.backward()
@@ -239,5 +243,5 @@ def test_a_model_over_several_gpus_gets_device_sums_only_where_every_gpu_has_roo
     # fp32 weights over pinned buffers: 24 B per element with host sums, 16 with fp32 device sums, 18 with bf16 ones
     plan_with_host_ram(monkeypatch, 20 * 2 * mib)
     sizes = planner.RunSizes(splits, shares, lambda split: CudaTransport(), 2 * mib, 2 * mib)
-    chosen = planner.plan_accumulation(ZenFlowConfig(accumulate_on="auto"), sizes, SimpleNamespace(ranks=1))
+    chosen = planner.plan_accumulation(zenflow_config(accumulate_on="auto"), sizes, SimpleNamespace(ranks=1))
     assert chosen == expected

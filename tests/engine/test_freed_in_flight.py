@@ -13,7 +13,7 @@ from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.device_budget import estimate_peak
 from hf_zenflow.engine.in_flight import FREED_IN_FLIGHT
 from hf_zenflow.engine.telemetry import device_state_bytes
-from tests.conftest import DEVICE, max_rel_diff
+from tests.conftest import DEVICE, max_rel_diff, zenflow_adamw
 from tests.doubles.async_device import AsyncCopies, GradientBlocks, async_transports, lazy_transports
 
 
@@ -63,7 +63,7 @@ def lagging_link(monkeypatch) -> list[AsyncCopies]:
 def test_the_estimate_and_the_meter_agree_with_the_allocator_when_copies_lag_backward(lagging_link):
     model = _model()
     blocks = GradientBlocks(list(model.parameters()))  # (its hooks run before the optimizer's)
-    opt = ZenFlowAdamW(model.parameters(), **SETTINGS)
+    opt = zenflow_adamw(model.parameters(), **SETTINGS)
     try:
         _train(model, opt)
         groups, config = opt.param_groups, opt.config
@@ -86,7 +86,7 @@ def test_waiting_for_the_link_changes_no_bits(slow_link):
     """The hooks that wait for the oldest copy compute what they would without waiting: the same weights as the
     CPU device's transport, whose copies are synchronous."""
     model = _model()
-    opt = ZenFlowAdamW(model.parameters(), **SETTINGS)
+    opt = zenflow_adamw(model.parameters(), **SETTINGS)
     _train(model, opt)
     opt.close()
     assert slow_link and sum(b.copies for b in slow_link) > 0
@@ -97,7 +97,7 @@ def test_waiting_for_the_link_changes_no_bits(slow_link):
         from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
 
         patch.setattr("hf_zenflow.transport.transport_for", lambda device: CpuDeviceTransport())
-        ref_opt = ZenFlowAdamW(reference.parameters(), **SETTINGS)
+        ref_opt = zenflow_adamw(reference.parameters(), **SETTINGS)
         _train(reference, ref_opt)
         ref_opt.close()
     assert max_rel_diff(model, reference) == 0.0

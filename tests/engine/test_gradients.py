@@ -23,6 +23,7 @@ from tests.conftest import (
     make_model,
     max_rel_diff,
     param_groups,
+    zenflow_adamw,
 )
 
 
@@ -59,7 +60,7 @@ def test_gradient_accumulation_stays_exact(clip):
     ref_opt = torch.optim.AdamW(param_groups(ref), lr=LR)
     ref_losses = train_accumulating(ref, ref_opt, data, 3, clip, linear_schedule(ref_opt, 12))
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **EXACT)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **EXACT)
     losses = train_accumulating(model, opt, data, 3, clip, linear_schedule(opt, 12))
     opt.close()
     assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -69,8 +70,8 @@ def test_gradient_accumulation_stays_exact(clip):
 def test_step_uses_the_norms_taken_in_backward(monkeypatch):
     model = make_model()
     # (it rewrites a gradient after backward: the gradients stay on the device)
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0,
-                       free_gradients_in_backward="off")
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0,
+                        free_gradients_in_backward="off")
     x, y = batches(1)[0]
     loss_of(model, x, y).backward()
     opt.step()  # the first step selects columns
@@ -98,7 +99,7 @@ def test_step_uses_the_norms_taken_in_backward(monkeypatch):
 def test_clipping_with_the_hooks_norms_is_torch_bit_for_bit():
     model = make_model()
     # torch sums the norms in this order; torch's clip reads p.grad, so the gradients stay on the device
-    opt = ZenFlowAdamW(model.parameters(), lr=LR, min_offload_numel=0, free_gradients_in_backward="off")
+    opt = zenflow_adamw(model.parameters(), lr=LR, min_offload_numel=0, free_gradients_in_backward="off")
     x, y = batches(1)[0]
     loss_of(model, x, y).backward()
     assert all(opt._reads.norm(p) is not None for p in model.parameters())

@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from hf_zenflow import CheckpointError, ZenFlowAdamW
+from hf_zenflow import CheckpointError
 from hf_zenflow.checkpoint.seal import seal
 from hf_zenflow.engine.host_guard import HostStepGuard
 from hf_zenflow.settings.config import (
@@ -23,7 +23,7 @@ from hf_zenflow.settings.config import (
     HOST_STEP_GUARD_RATIO,
     ZenFlowConfig,
 )
-from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train
+from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train, zenflow_adamw
 
 
 STEPS = 16
@@ -126,8 +126,8 @@ def _settings(**settings):
 
 def _run(model, lr, hook=None, **settings):
     settings = _settings(**settings)
-    opt = ZenFlowAdamW(model.parameters() if settings["topk_ratio"] == 0.0 else param_groups(model), lr=lr,
-                       **settings)
+    opt = zenflow_adamw(model.parameters() if settings["topk_ratio"] == 0.0 else param_groups(model), lr=lr,
+                        **settings)
     train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=1.0,
           hook=None if hook is None else lambda i: hook(opt, i))
     opt.flush()
@@ -186,7 +186,7 @@ def _factors_of_a_guarded_run(lr, ratio, **settings):
     """The guard's factor in force for each step's window close (after the step's own comparison)."""
     factors: list[float] = []
     model = _matrices_only()
-    opt = ZenFlowAdamW(model.parameters(), lr=lr, **_settings(topk_ratio=0.0, host_step_guard=ratio, **settings))
+    opt = zenflow_adamw(model.parameters(), lr=lr, **_settings(topk_ratio=0.0, host_step_guard=ratio, **settings))
     sched = linear_schedule(opt, STEPS)
     for x, y in batches(STEPS):
         logits = model(x)
@@ -240,7 +240,7 @@ def test_a_guarded_run_resumes_exactly_with_a_write_back_still_watched(settings)
     uninterrupted, _ = _run(_matrices_only(), OVERSHOOT_LR, topk_ratio=0.0,
                             **{"host_step_guard": HOST_STEP_GUARD_RATIO, **settings})
     model = _matrices_only()
-    opt = ZenFlowAdamW(model.parameters(), **{**_resumable(), **settings})
+    opt = zenflow_adamw(model.parameters(), **{**_resumable(), **settings})
     sched = linear_schedule(opt, STEPS)
     train(model, opt, batches(STEPS)[:SPLIT_AT], sched, clip=1.0)
     saved = roundtrip({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
@@ -253,7 +253,7 @@ def test_a_guarded_run_resumes_exactly_with_a_write_back_still_watched(settings)
     assert guard["high_lr"] == (settings.get("high_lr_rule") == "auto"), guard
     model = _matrices_only(seed=123)
     model.load_state_dict(saved["model"])
-    opt = ZenFlowAdamW(model.parameters(), **{**_resumable(), **settings})
+    opt = zenflow_adamw(model.parameters(), **{**_resumable(), **settings})
     sched = linear_schedule(opt, STEPS)
     opt.load_state_dict(saved["opt"])
     sched.load_state_dict(saved["sched"])
@@ -273,7 +273,7 @@ def test_off_after_an_engagement_restores_the_configured_host_step():
     def resume(state):
         torch.manual_seed(0)
         model = _matrices_only()
-        opt = ZenFlowAdamW(model.parameters(), **{**_resumable(), "host_step_guard": "off"})
+        opt = zenflow_adamw(model.parameters(), **{**_resumable(), "host_step_guard": "off"})
         opt.load_state_dict(state)
         stats = opt.stats()
         train(model, opt, batches(STEPS)[SPLIT_AT:], None, clip=1.0)
@@ -292,7 +292,7 @@ def test_off_after_an_engagement_restores_the_configured_host_step():
 
 def _saved_at_split():
     model = _matrices_only()
-    opt = ZenFlowAdamW(model.parameters(), **_resumable())
+    opt = zenflow_adamw(model.parameters(), **_resumable())
     train(model, opt, batches(STEPS)[:SPLIT_AT], None, clip=1.0)
     saved = roundtrip(opt.state_dict())
     opt.close()
@@ -303,7 +303,7 @@ def test_a_checkpoint_from_before_the_guard_starts_it_afresh():
     saved = _saved_at_split()
     del saved["zenflow"]["host_step_guard"]
     seal(saved)
-    opt = ZenFlowAdamW(_matrices_only().parameters(), **_resumable())
+    opt = zenflow_adamw(_matrices_only().parameters(), **_resumable())
     opt.load_state_dict(saved)
     assert opt.stats()["host_step_guard"] == 1.0 and opt.stats()["host_step_guard_engaged"] == 0
     opt.close()
@@ -314,7 +314,7 @@ def test_a_checkpoint_from_before_the_history_keeps_its_last_norm():
     state = saved["zenflow"]["host_step_guard"]
     del state["recent_norms"]
     seal(saved)
-    opt = ZenFlowAdamW(_matrices_only().parameters(), **_resumable())
+    opt = zenflow_adamw(_matrices_only().parameters(), **_resumable())
     opt.load_state_dict(saved)
     guard = opt.host_windows.state()["host_step_guard"]
     assert guard["recent_norms"] == [state["last_norm"]]
@@ -329,7 +329,7 @@ def test_a_damaged_guard_state_is_refused(key, value):
     saved = _saved_at_split()
     saved["zenflow"]["host_step_guard"][key] = value
     seal(saved)
-    opt = ZenFlowAdamW(_matrices_only().parameters(), **_resumable())
+    opt = zenflow_adamw(_matrices_only().parameters(), **_resumable())
     with pytest.raises(CheckpointError, match="host_step_guard"):
         opt.load_state_dict(saved)
     opt.close()

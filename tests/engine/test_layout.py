@@ -17,6 +17,7 @@ from tests.conftest import (
     param_groups,
     roundtrip,
     train,
+    zenflow_adamw,
 )
 
 
@@ -82,7 +83,7 @@ def test_column_major_degenerate_settings_are_adamw(settings, clip):
     ref_opt = torch.optim.AdamW(param_groups(ref), lr=LR)
     ref_losses = train(ref, ref_opt, batches(STEPS), linear_schedule(ref_opt, STEPS), clip=clip)
     model = column_major_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings, min_offload_numel=0, **FP32_MOMENTS)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **settings, min_offload_numel=0, **FP32_MOMENTS)
     losses = train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=clip)
     opt.close()
     assert max_rel_diff(model, ref) < 1e-5
@@ -110,7 +111,7 @@ def assert_overlapped_equals_sequential(make, groups) -> ZenFlowAdamW:
     runs = []
     for executor in ("thread", "inline"):
         model = make()
-        opt = ZenFlowAdamW(groups(model), lr=LR, host_executor=executor, **OVERLAP_SETTINGS, min_offload_numel=0)
+        opt = zenflow_adamw(groups(model), lr=LR, host_executor=executor, **OVERLAP_SETTINGS, min_offload_numel=0)
         losses = train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=1.0)
         opt.flush()
         opt.close()
@@ -185,7 +186,7 @@ def layout_runs(dtype: torch.dtype, accumulate_on: str, moments: dict) -> list[l
     finals = []
     for column_major in (False, True):
         params = layout_params(column_major, dtype)
-        opt = ZenFlowAdamW(params, **settings)
+        opt = zenflow_adamw(params, **settings)
         step_with(params, opt, grads)
         assert opt.engine_state.splits[params[0]].axis == (0 if column_major else 1)
         opt.flush()
@@ -203,13 +204,13 @@ def test_checkpoint_moves_between_layouts(save_column_major):
     settings = dict(lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8,
                     min_offload_numel=16, **FP32_MOMENTS)
     params = layout_params(False, torch.float32)
-    opt = ZenFlowAdamW(params, **settings)
+    opt = zenflow_adamw(params, **settings)
     step_with(params, opt, grads)
     opt.flush()
     opt.close()
 
     params_a = layout_params(save_column_major, torch.float32)
-    opt_a = ZenFlowAdamW(params_a, **settings)
+    opt_a = zenflow_adamw(params_a, **settings)
     step_with(params_a, opt_a, grads[:6])  # mid-window, a host step in flight
     checkpoint = roundtrip({"opt": opt_a.state_dict(), "params": [p.detach() for p in params_a]})
     opt_a.close()
@@ -218,7 +219,7 @@ def test_checkpoint_moves_between_layouts(save_column_major):
     with torch.no_grad():
         for p, saved in zip(params_b, checkpoint["params"]):
             p.copy_(saved)
-    opt_b = ZenFlowAdamW(params_b, **settings)
+    opt_b = zenflow_adamw(params_b, **settings)
     opt_b.load_state_dict(checkpoint["opt"])
     step_with(params_b, opt_b, grads[6:])
     opt_b.flush()
@@ -256,9 +257,9 @@ def test_embedding_rows_interval_one_is_adamw(topk_ratio):
     ref_opt = torch.optim.AdamW(embedding_row_groups(ref), lr=LR)
     ref_losses = train(ref, ref_opt, batches(STEPS), linear_schedule(ref_opt, STEPS), clip=0.5)
     model = make_model()
-    opt = ZenFlowAdamW(embedding_row_groups(model), lr=LR, topk_ratio=topk_ratio, update_interval=1,
-                       overlap_step=False, select_strategy="step", select_interval=3, min_offload_numel=0,
-                       **FP32_MOMENTS)
+    opt = zenflow_adamw(embedding_row_groups(model), lr=LR, topk_ratio=topk_ratio, update_interval=1,
+                        overlap_step=False, select_strategy="step", select_interval=3, min_offload_numel=0,
+                        **FP32_MOMENTS)
     losses = train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=0.5)
     split = opt.engine_state.splits[model.embed.weight]
     assert split.rows and split.device.master.shape == (split.k, 40) and split.k == int(topk_ratio * 24)
@@ -273,7 +274,7 @@ def test_embedding_rows_overlapped_equals_sequential_and_the_setting_is_checkpoi
     saved = roundtrip(opt.state_dict())
     groups = embedding_row_groups(make_model())
     groups[-1]["select_rows"] = False
-    other = ZenFlowAdamW(groups, lr=LR, **OVERLAP_SETTINGS, min_offload_numel=0)
+    other = zenflow_adamw(groups, lr=LR, **OVERLAP_SETTINGS, min_offload_numel=0)
     other.load_state_dict(saved)
     assert other.param_groups[-1]["select_rows"] is True
     assert other.engine_state.splits[groups[-1]["params"][0]].rows

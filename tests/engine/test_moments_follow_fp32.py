@@ -33,14 +33,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_zenflow import ZenFlowAdamW, to_torch_adamw
+from hf_zenflow import to_torch_adamw
 from hf_zenflow._base import fused_adamw_
 from hf_zenflow.engine.host import HostLayout, host_adamw_window
 from hf_zenflow.engine.selection import num_selected, top_columns
 from hf_zenflow.engine.split_matrix import SplitMatrix
 from hf_zenflow.settings.config import DEFAULT_SELECT_STEPS, ZenFlowConfig
 from hf_zenflow.transport.cpu_device.rounding import matrix_key
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, zenflow_adamw, zenflow_config
 
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU device's host passes")
@@ -73,7 +73,7 @@ class MomentsDriver:
     docstring). `seed`: the optimizer's rounding seed."""
 
     def __init__(self, settings: dict, seed: int) -> None:
-        config = ZenFlowConfig(**settings)
+        config = zenflow_config(**settings)
         self.split = SplitMatrix(torch.nn.Parameter(torch.zeros(SHAPE)), 0)
         self.split.k = num_selected(config.topk_ratio, self.split.columns)
         layout = HostLayout.of(config)
@@ -114,7 +114,7 @@ def test_the_driver_is_the_optimizer_bit_for_bit():
     steps = 2 * DEFAULT_SELECT_STEPS + WINDOW  # (the first selection and two re-selections, then a whole window)
     for name, settings in SETTINGS.items():
         w = torch.nn.Parameter(torch.zeros(SHAPE))
-        opt = ZenFlowAdamW([w], lr=1e-3, weight_decay=0.0, min_offload_numel=0, cpu_threads=1, **settings)
+        opt = zenflow_adamw([w], lr=1e-3, weight_decay=0.0, min_offload_numel=0, cpu_threads=1, **settings)
         driver = MomentsDriver(settings, opt.host_windows.state()["rounding_seed"])
         gen = torch.Generator().manual_seed(1)
         for step in range(1, steps + 1):

@@ -14,7 +14,7 @@ import torch
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.host import GRAD_SLOTS
 from hf_zenflow.transport import CopyTransport
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, zenflow_adamw
 
 
 if DEVICE.type != "cpu":
@@ -123,8 +123,8 @@ def test_freed_gradients_overflow_is_charged_to_each_ones_device(overflowing):
     b's freed gradient is moved to another device after its hook ("meta", the one other device every machine
     has: its flag is only moved and grouped, never read); half a's stays on the CPU, where its flag is read."""
     model = TwoHalves()
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=0,
-                       free_gradients_in_backward="on")
+    opt = zenflow_adamw(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, min_offload_numel=0,
+                        free_gradients_in_backward="on")
     scaler = torch.amp.GradScaler("cpu", init_scale=4096.0)
     x = torch.randn(8, 32)
     for step in range(2):  # (the second step's hooks know of the scaler: they take the flags)

@@ -33,8 +33,8 @@ def rank() -> int:
 
 def device_args(opts: argparse.Namespace) -> dict:
     """CPU ranks talk over gloo; GPU ranks (scripts/gpu_check.sh) over NCCL, one GPU each; and the host moments'
-    dtype when `--host-moment-dtype` names one."""
-    moments = {"zenflow_host_moment_dtype": opts.host_moment_dtype} if opts.host_moment_dtype else {}
+    state's preset when `--host-state` names one."""
+    moments = {"zenflow_host_state": opts.host_state} if opts.host_state else {}
     if opts.device == "cpu":
         return {"use_cpu": True, "ddp_backend": "gloo", **moments}
     return {"use_cpu": False, "ddp_backend": "nccl", **moments}
@@ -142,7 +142,7 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, default=12)
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume", default=None)
-    parser.add_argument("--host-moment-dtype", default=None, help="zenflow_host_moment_dtype (default: the library's)")
+    parser.add_argument("--host-state", default=None, help="zenflow_host_state (default: the library's)")
 
 
 def run_rank(opts: argparse.Namespace, run: Callable[[argparse.Namespace], dict]) -> None:

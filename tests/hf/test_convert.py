@@ -16,7 +16,7 @@ from hf_zenflow.hf.convert import saved_weights
 #: ZenFlow settings under which it is exactly AdamW (fp32 host moments), so that a switch can be compared with an
 #: uninterrupted run
 EXACT = dict(zenflow_topk_ratio=0.1, zenflow_update_interval=1, zenflow_overlap_step=False,
-             zenflow_host_moment_dtype="float32")
+             zenflow_host_state="fp32")
 COMMON = dict(max_steps=10, save_strategy="steps", save_steps=6, weight_decay=0.01)
 
 

@@ -38,15 +38,10 @@ CASES = [
     ("host_step_guard", "3", 3.0, {}),
     ("host_step_guard", "OFF", "off", {}),
     ("min_offload_numel", "12345", 12345, {}),
-    ("accumulate_on", "Device", "device", {}),
-    ("host_moment_dtype", "Float32", "float32", {}),
-    ("host_sum_dtype", "BFloat16", "bfloat16", {}),
-    ("host_sum_columns", "Unselected", "unselected", {}),
-    ("host_writeback", "Master", "master", {}),
+    ("host_state", "Lean", "lean", {}),
     ("high_lr_rule", "OFF", "off", {}),
     ("device_memory_budget_bytes", "1000000", 1000000, {}),
     ("device_memory_limit_bytes", "2000000", 2000000, {}),
-    ("free_gradients_in_backward", "Off", "off", {}),
     ("cpu_threads", "2", 2, {}),
     ("steps_per_epoch", "30", 30, {}),
 ]
@@ -120,29 +115,30 @@ def test_flags_carry_the_help_true_default_and_choices():
         assert " ".join(setting.help.split()[:4]) in action.help, arg  # the config's own text
         assert action.choices == (list(setting.choices) if setting.choices else None), arg
     assert actions["--zenflow_select_strategy"].choices == ["auto", "step", "epoch"]
-    assert actions["--zenflow_accumulate_on"].choices == ["auto", "host", "device", "device_bf16"]
+    assert actions["--zenflow_host_state"].choices == ["auto", "fp32", "lean"]
 
 
 def test_choices_are_case_insensitive_everywhere():
-    assert ZenFlowConfig(select_strategy=" STEP", select_interval=3, accumulate_on="HOST").select_strategy == "step"
+    assert ZenFlowConfig(select_strategy=" STEP", select_interval=3, host_state="FP32").select_strategy == "step"
     args = ZenFlowTrainingArguments(output_dir="unused", use_cpu=True, report_to="none",
                                     zenflow_select_strategy="Step", zenflow_select_interval="3",
-                                    zenflow_update_interval="AUTO", zenflow_accumulate_on="Device",
+                                    zenflow_update_interval="AUTO", zenflow_host_state="Lean",
                                     zenflow_layout="COLUMN")
-    assert (args.zenflow_select_strategy, args.zenflow_update_interval, args.zenflow_accumulate_on,
-            args.zenflow_layout) == ("step", "auto", "device", "column")
+    assert (args.zenflow_select_strategy, args.zenflow_update_interval, args.zenflow_host_state,
+            args.zenflow_layout) == ("step", "auto", "lean", "column")
     (parsed,) = HfArgumentParser(ZenFlowTrainingArguments).parse_args_into_dataclasses(
-        [*BASE, "--zenflow_select_strategy", "EPOCH", "--zenflow_accumulate_on", "HOST", "--zenflow_layout", "Row"])
-    assert (parsed.zenflow_select_strategy, parsed.zenflow_accumulate_on, parsed.zenflow_layout) == (
-        "epoch", "host", "row")
-    plugin = ZenFlowPlugin(select_strategy="STEP", update_interval="Auto", accumulate_on="HOST")
-    assert (plugin.to_config().select_strategy, plugin.to_config().update_interval) == ("step", "auto")
+        [*BASE, "--zenflow_select_strategy", "EPOCH", "--zenflow_host_state", "FP32", "--zenflow_layout", "Row"])
+    assert (parsed.zenflow_select_strategy, parsed.zenflow_host_state, parsed.zenflow_layout) == (
+        "epoch", "fp32", "row")
+    plugin = ZenFlowPlugin(select_strategy="STEP", update_interval="Auto", host_state="LEAN")
+    assert (plugin.to_config().select_strategy, plugin.to_config().update_interval,
+            plugin.to_config().host_state) == ("step", "auto", "lean")
 
 
 def test_bad_choice_names_the_flag_and_what_is_allowed():
     with pytest.raises(ValueError,
-                       match=r"--zenflow_accumulate_on='gpu' is invalid: allowed is \"auto\" \| \"host\" \| \"dev"):
-        ZenFlowTrainingArguments(output_dir="unused", use_cpu=True, report_to="none", zenflow_accumulate_on="gpu")
+                       match=r"--zenflow_host_state='small' is invalid: allowed is \"auto\" \| \"fp32\" \| \"lean\""):
+        ZenFlowTrainingArguments(output_dir="unused", use_cpu=True, report_to="none", zenflow_host_state="small")
 
 
 def test_zen_auto_settings_reach_the_optimizer(tmp_path, train_dataset):
@@ -159,6 +155,13 @@ def test_an_engine_rule_is_no_flag():
     with pytest.raises(ValueError, match="not used by the HfArgumentParser: \\['--zenflow_auto_max_interval'"):
         HfArgumentParser(ZenFlowTrainingArguments).parse_args_into_dataclasses(
             [*BASE, "--zenflow_auto_max_interval", "5"])
+
+
+@pytest.mark.parametrize("name", ["accumulate_on", "host_moment_dtype", "host_sum_dtype", "host_sum_columns",
+                                  "host_writeback", "free_gradients_in_backward"])
+def test_the_host_state_rules_are_no_flags(name):
+    with pytest.raises(ValueError, match=f"not used by the HfArgumentParser: \\['--zenflow_{name}'"):
+        HfArgumentParser(ZenFlowTrainingArguments).parse_args_into_dataclasses([*BASE, f"--zenflow_{name}", "auto"])
 
 
 def _doc_entries(doc: str) -> dict[str, str]:

@@ -64,7 +64,7 @@ def test_sequential_interval_1_reproduces_adamw_torch_at_topk_0_1(tmp_path, trai
     common = dict(weight_decay=0.01)
     ref = reference_run(tmp_path, train_dataset, **common)
     zen = zenflow_run(tmp_path, train_dataset, zenflow_topk_ratio=0.1, zenflow_update_interval=1,
-                      zenflow_overlap_step=False, zenflow_host_moment_dtype="float32", **common)
+                      zenflow_overlap_step=False, zenflow_host_state="fp32", **common)
     stats = zen.zenflow_optimizer.stats()
     assert 0.0 < stats["selected_fraction"] < 0.5  # the host path really is in use
     assert stats["windows"] == 30

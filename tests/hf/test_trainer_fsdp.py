@@ -28,7 +28,7 @@ from hf_zenflow.hf.rank_checkpoint import rank_file_name
 
 
 WORKER = Path(__file__).with_name("hf_fsdp_worker.py")
-FP32_MOMENTS = ("--host-moment-dtype", "float32")
+FP32_MOMENTS = ("--host-state", "fp32")
 def run(out: Path, *worker_args: str, worker: Path = WORKER) -> list[dict]:
     proc: subprocess.CompletedProcess = torchrun(worker, out, *worker_args, nproc=RANKS, device=DEVICE)
     return rank_results(out, proc, RANKS)

@@ -45,7 +45,7 @@ def run_reference(steps: int = STEPS, clip: float | None = None, fused: bool = F
 
 def run_zenflow(steps: int = STEPS, clip: float | None = None, **kw) -> tuple[torch.nn.Module, list, ZenFlowAdamW]:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**OFF, **kw}, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **{**OFF, **kw}, min_offload_numel=0)
     losses = train(model, opt, batches(steps), linear_schedule(opt, steps), clip=clip)
     opt.flush()
     opt.close()
@@ -140,9 +140,9 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, w
     ref_w = lin.weight.detach().clone()
     data = [torch.randn(4, 32) for _ in range(24)]
     U, k = 4, 8
-    opt = ZenFlowAdamW([lin.weight], lr=LR, weight_decay=0.05, topk_ratio=k / 32, update_interval=U,
-                       select_strategy="step", select_interval=1000, host_lr_scale=host_lr_scale, min_offload_numel=0,
-                       writeback_lag=writeback_lag, **OFF, **FP32_MOMENTS)
+    opt = zenflow_adamw([lin.weight], lr=LR, weight_decay=0.05, topk_ratio=k / 32, update_interval=U,
+                        select_strategy="step", select_interval=1000, host_lr_scale=host_lr_scale, min_offload_numel=0,
+                        writeback_lag=writeback_lag, **OFF, **FP32_MOMENTS)
     def lag(window: int) -> int:  # the write-back lag of window `window`'s result (1-based)
         if writeback_lag == "auto":
             return 2
@@ -209,8 +209,8 @@ def test_device_accumulation_equals_host_accumulation_bit_for_bit(settings, dtyp
     results = []
     for accumulate_on in ("host", "device"):
         model = make_model(dtype=dtype)
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, accumulate_on=accumulate_on, **{**OFF, **settings},
-                           min_offload_numel=0)
+        opt = zenflow_adamw(param_groups(model), lr=LR, accumulate_on=accumulate_on, **{**OFF, **settings},
+                            min_offload_numel=0)
         losses = train(model, opt, batches(30), linear_schedule(opt, 30), clip=1.0)
         opt.flush()
         results.append((model, losses, opt.stats()))
@@ -235,12 +235,12 @@ def assert_resume_continues_identically(split_at: int, total: int, settings: dic
     rest: losses and weights must be identical. Returns the checkpoint."""
     data = batches(total)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**OFF, **settings}, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **{**OFF, **settings}, min_offload_numel=0)
     full_losses = train(model, opt, data, linear_schedule(opt, total), clip=1.0)
     opt.close()
 
     model_a = make_model()
-    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, **{**OFF, **settings, **(save or {})}, min_offload_numel=0)
+    opt_a = zenflow_adamw(param_groups(model_a), lr=LR, **{**OFF, **settings, **(save or {})}, min_offload_numel=0)
     sched_a = linear_schedule(opt_a, total)
     first = train(model_a, opt_a, data[:split_at], sched_a, clip=1.0)
     checkpoint = roundtrip({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "sched": sched_a.state_dict()})
@@ -248,7 +248,7 @@ def assert_resume_continues_identically(split_at: int, total: int, settings: dic
 
     model_b = make_model(seed=123)  # fresh copy, different init: everything must come from the checkpoint
     model_b.load_state_dict(checkpoint["model"])
-    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, **{**OFF, **settings, **(load or {})}, min_offload_numel=0)
+    opt_b = zenflow_adamw(param_groups(model_b), lr=LR, **{**OFF, **settings, **(load or {})}, min_offload_numel=0)
     sched_b = linear_schedule(opt_b, total)  # built before loading, as the HF Trainer does
     opt_b.load_state_dict(checkpoint["opt"])
     sched_b.load_state_dict(checkpoint["sched"])
@@ -284,7 +284,7 @@ def test_state_dict_is_weights_only_safe_and_accepts_any_device_tensors():
     kinds = {entry["kind"] for entry in state["state"].values()}
     assert kinds == {"split", "dense"}
     model = make_model()
-    fresh = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.2, update_interval=4, min_offload_numel=0, **OFF)
+    fresh = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.2, update_interval=4, min_offload_numel=0, **OFF)
     fresh.load_state_dict(copy.deepcopy(state))
     assert roundtrip(fresh.state_dict())["zenflow"] == state["zenflow"]
 
@@ -328,12 +328,12 @@ def test_non_finite_gradient_skips_the_whole_step():
 
     # reference: the same run with batch 6 simply absent
     model_r = make_model()
-    opt_r = ZenFlowAdamW(param_groups(model_r), lr=LR, **settings, min_offload_numel=0)
+    opt_r = zenflow_adamw(param_groups(model_r), lr=LR, **settings, min_offload_numel=0)
     ref_losses = train(model_r, opt_r, data[:6] + data[7:])
     opt_r.flush()
 
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **settings, min_offload_numel=0)
     snapshot = {}
     # the non-finite values arrive with the gradients, in backward (freed in backward, a gradient is gone by then)
     poisoned = {"now": False}
@@ -489,8 +489,8 @@ def test_auto_interval_is_adaptive_and_bounded():
 
 def test_host_memory_is_sixteen_bytes_per_offloaded_element_plus_the_write_back_buffer():
     lin = torch.nn.Linear(64, 32, bias=False)
-    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.25, update_interval=2, min_offload_numel=0,
-                       **FP32_MOMENTS)
+    opt = zenflow_adamw([lin.weight], lr=LR, topk_ratio=0.25, update_interval=2, min_offload_numel=0,
+                        **FP32_MOMENTS)
     lin.weight.grad = torch.randn_like(lin.weight)
     opt.step()
     stats = opt.stats()
@@ -519,8 +519,8 @@ def test_steps_consume_offloaded_gradients_only():
 
 def test_telemetry_counts_bytes_staleness_and_phases():
     lin = torch.nn.Linear(40, 16, bias=True)
-    opt = ZenFlowAdamW(lin.parameters(), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
-                       select_interval=1000, host_executor="inline", min_offload_numel=0, writeback_lag=None, **OFF)
+    opt = zenflow_adamw(lin.parameters(), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
+                        select_interval=1000, host_executor="inline", min_offload_numel=0, writeback_lag=None, **OFF)
     matrix_bytes = lin.weight.numel() * 4
     seen = []
     for _ in range(12):
@@ -541,8 +541,8 @@ def test_telemetry_counts_bytes_staleness_and_phases():
 def test_selected_grad_share_is_the_chosen_columns_share_of_the_gradient_at_each_selection():
     # two matrices, each with its own spread over columns; re-selected every 3 steps from that step's gradient
     a, b = torch.nn.Linear(40, 16, bias=False), torch.nn.Linear(30, 8, bias=False)
-    opt = ZenFlowAdamW([a.weight, b.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
-                       select_interval=3, host_executor="inline", min_offload_numel=0, **OFF)
+    opt = zenflow_adamw([a.weight, b.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                        select_interval=3, host_executor="inline", min_offload_numel=0, **OFF)
     assert math.isnan(opt.stats()["selected_grad_share"])  # nothing chosen yet
     generator = torch.Generator().manual_seed(0)
     expected = math.nan
@@ -564,8 +564,8 @@ def test_selected_grad_share_is_the_chosen_columns_share_of_the_gradient_at_each
     assert opt.stats()["reselections"] >= 2  # the figure followed re-selections, not only the first choice
     state = opt.state_dict()
     opt.close()
-    resumed = ZenFlowAdamW([a.weight, b.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
-                           select_interval=3, host_executor="inline", min_offload_numel=0, **OFF)
+    resumed = zenflow_adamw([a.weight, b.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                            select_interval=3, host_executor="inline", min_offload_numel=0, **OFF)
     resumed.load_state_dict(state)
     assert math.isnan(resumed.stats()["selected_grad_share"])  # not checkpointed: read again at the next selection
     resumed.close()
@@ -706,8 +706,8 @@ def test_training_through_an_outside_weight_change_is_adamw_at_interval_one():
     runs = []
     for zenflow in (False, True):
         model = make_model()
-        opt = (ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
-                            select_strategy="step", select_interval=5, min_offload_numel=0, **FP32_MOMENTS) if zenflow
+        opt = (zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
+                             select_strategy="step", select_interval=5, min_offload_numel=0, **FP32_MOMENTS) if zenflow
                else torch.optim.AdamW(param_groups(model), lr=LR))
         train(model, opt, data[:4])
         best = copy.deepcopy(model.state_dict())

@@ -21,6 +21,7 @@ from tests.conftest import (
     max_rel_diff,
     param_groups,
     train,
+    zenflow_adamw,
 )
 from tests.doubles.async_device import (
     AsyncCopies,
@@ -292,9 +293,9 @@ def test_unscale_waits_only_for_the_copies_of_the_gradients_it_rewrites(free, mo
     def run(scaled: bool) -> tuple[torch.nn.Module, list[tuple[int, int]], list[AsyncCopies]]:
         backends = lazy_transports(monkeypatch)
         model = make_model()
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=3, min_offload_numel=0,
-                           select_strategy="step", select_interval=5, free_gradients_in_backward=free,
-                           high_lr_rule="off")
+        opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=3, min_offload_numel=0,
+                            select_strategy="step", select_interval=5, free_gradients_in_backward=free,
+                            high_lr_rule="off")
         scaler = torch.amp.GradScaler(DEVICE.type, init_scale=SCALE) if scaled else None
         real_wait, counting = FakeStream.wait_event, [False, 0]
 
