@@ -166,11 +166,13 @@ def make_runner(name: str, model: torch.nn.Module, args: argparse.Namespace) -> 
         return _Plain(model, SyncOffloadAdamW(model.parameters(), cpu_threads=args.cpu_threads, **common), name)
     if name in ("zenflow", "zenflow_device_acc"):
         from hf_zenflow import ZenFlowAdamW
+        from hf_zenflow.tuning.tune_grid import study_config
 
-        opt = ZenFlowAdamW(model.parameters(), topk_ratio=args.topk_ratio, update_interval=args.update_interval,
-                           overlap_step=True, cpu_threads=args.cpu_threads, select_strategy="step",
-                           select_interval=100, accumulate_on="device" if name == "zenflow_device_acc" else "host",
-                           **common)
+        config = study_config(dict(topk_ratio=args.topk_ratio, update_interval=args.update_interval,
+                                   overlap_step=True, cpu_threads=args.cpu_threads, select_strategy="step",
+                                   select_interval=100,
+                                   accumulate_on="device" if name == "zenflow_device_acc" else "host"))
+        opt = ZenFlowAdamW(model.parameters(), config=config, **common)
         return _Plain(model, opt, name)
     if name == "torchao_offload":
         from torchao.optim import CPUOffloadOptimizer

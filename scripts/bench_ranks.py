@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_zenflow import ZenFlowAdamW
+from hf_zenflow.tuning.tune_grid import study_config
 
 
 SETTINGS = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, writeback_lag=1, cpu_threads=1,
@@ -109,8 +110,8 @@ def _train(rank: int, ranks: int, kind: str, args: argparse.Namespace) -> dict:
         for block in model:
             fully_shard(block)
         fully_shard(model)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-4, **SETTINGS, accumulate_on=args.accumulate_on,
-                       host_moment_dtype=args.host_moment_dtype)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-4, config=study_config(
+        {**SETTINGS, "accumulate_on": args.accumulate_on, "host_moment_dtype": args.host_moment_dtype}))
     opt.name_parameters(model)
     gen = torch.Generator().manual_seed(1)
     global_batch = 2 * args.batch  # every configuration trains on the same global batch
@@ -212,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=8, help="unmeasured steps first (default 8: two windows)")
     ap.add_argument("--rounds", type=int, default=2, help="times the three configurations run (default 2)")
     ap.add_argument("--accumulate-on", default="auto", choices=("auto", "host", "device"),
-                    help='accumulate_on for every configuration (default "auto": the host on a CPU device)')
+                    help='the rule accumulate_on for every configuration (default "auto": the host on a CPU device)')
     ap.add_argument("--host-moment-dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="host_moment_dtype for every configuration (default float32)")
+                    help="the rule host_moment_dtype for every configuration (default float32)")
     ap.add_argument("--out", default=None, help="write the raw per-step numbers of every run to this JSON file")
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned processes: 1 training thread each

@@ -35,6 +35,7 @@ from hf_zenflow.estimate.hardware import zenflow_host_passes
 from hf_zenflow.estimate.host_rates import host_profile, measure_host_rates
 from hf_zenflow.estimate.profiles import HOST_ADAMW_BYTES_PER_PARAM, PROFILES
 from hf_zenflow.optimizer import SyncOffloadAdamW, ZenFlowAdamW
+from hf_zenflow.tuning.tune_grid import study_config
 
 
 def model(params: float, side: int = 2048, seed: int = 0) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
@@ -68,9 +69,9 @@ def measure_sync(params: list[torch.nn.Parameter], grads: list[torch.Tensor], th
 def measure_zenflow(params: list[torch.nn.Parameter], grads: list[torch.Tensor], threads: int, interval: int,
                     windows: int) -> tuple[float, float]:
     """(median accumulation ms per step, median window AdamW ms) of the worker's own job timers."""
-    opt = ZenFlowAdamW(params, lr=1e-5, topk_ratio=0.1, update_interval=interval, overlap_step=False,
-                       cpu_threads=threads, accumulate_on="host", min_offload_numel=0, select_strategy="step",
-                       select_interval=10**6, writeback_lag="none")
+    opt = ZenFlowAdamW(params, lr=1e-5, config=study_config(dict(
+        topk_ratio=0.1, update_interval=interval, overlap_step=False, cpu_threads=threads, accumulate_on="host",
+        min_offload_numel=0, select_strategy="step", select_interval=10**6, writeback_lag="none")))
     accumulate, adamw = [], []
     try:
         for _ in range((windows + 1) * interval):

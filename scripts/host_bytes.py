@@ -1,4 +1,5 @@
-"""Host bytes per offloaded parameter, measured from the host tensors, per host-state setting, in one process.
+"""Host bytes per offloaded parameter, measured from the host tensors, per host state (the ``host_state`` presets and
+the engine's host-state rules between them, set through `ZenFlowConfig.with_rules`), in one process.
 
     python scripts/host_bytes.py                      # MiniLM (all-MiniLM-L6-v2, real weights), 8 steps per setting
     python scripts/host_bytes.py --model llama --steps 6
@@ -24,18 +25,18 @@ import torch
 
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.quantized_moments import QuantizedMoment
+from hf_zenflow.tuning.tune_grid import study_config
 
 
 SETTINGS = {
-    "fp32 moments": dict(host_moment_dtype="float32"),
-    "bf16 moments (default)": dict(),
+    "fp32 moments (host_state=fp32)": dict(host_state="fp32"),
+    "bf16 moments (host_state=auto, the default)": dict(),
     "int8 moments": dict(host_moment_dtype="int8"),
     "int8, bf16 sums": dict(host_moment_dtype="int8", host_sum_dtype="bfloat16"),
     "int8, write-back from master": dict(host_moment_dtype="int8", host_writeback="master"),
     "int8, bf16 sums, write-back from master": dict(host_moment_dtype="int8", host_sum_dtype="bfloat16",
                                                      host_writeback="master"),
-    "int8, bf16 sums of the unselected columns, write-back from master": dict(
-        host_moment_dtype="int8", host_sum_dtype="bfloat16", host_sum_columns="unselected", host_writeback="master"),
+    "int8, bf16 sums of the unselected columns, write-back from master (host_state=lean)": dict(host_state="lean"),
 }
 COMMON = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, writeback_lag=1, accumulate_on="host",
               min_offload_numel=0, cpu_threads=1)
@@ -111,7 +112,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, settings in SETTINGS.items():
         model, loss_of = build(args.model)
-        opt = ZenFlowAdamW(model.parameters(), lr=5e-5, **{**COMMON, **settings})
+        opt = ZenFlowAdamW(model.parameters(), lr=5e-5, config=study_config({**COMMON, **settings}))
         writeback_ms = []
         for batch in data:
             loss_of(batch).backward()
