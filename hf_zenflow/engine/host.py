@@ -1,25 +1,24 @@
 """The host path: per-matrix host state, gradient accumulation and the host AdamW of a window (the worker that runs
 them is `worker.py`).
 
-Host memory per offloaded parameter element: fp32 master (4 B) + bf16 exp_avg and exp_avg_sq (4 B, the default
-``host_moment_dtype="bfloat16"``) + fp32 window accumulator (4 B) = 12 B, plus a write-back buffer in the parameter
-dtype (pinned on CUDA; on a CPU device it is a spare storage of the weight, swapped in at each write-back instead of a
-copy) and on CUDA a pinned copy of the
-gradient per in-flight step (`grad_slots`: 2 slots with a write-back one step after the close, ``writeback_lag`` + 1
-with a later one, x the gradient dtype; none with ``accumulate_on="device"``, where on a CPU
-device with fp32 weights the write-back buffer is the accumulator itself: `HostMatrix.shares_writeback`). One moment
-set (DeepSpeed keeps two). The bf16 moments are widened, updated in fp32 and rounded back in the same pass
-(`kernels.window_adamw_bf16`, or torch's operations in pieces, `_adamw_narrow_moments`); ``"float32"`` keeps them in
-fp32 (16 B: torch's AdamW arithmetic for every element), ``"int8"`` in 8-bit codes with an fp32 scale per block of 256
-(10.03 B; decoded, updated and encoded in the same pass: `quantized_moments.py`). ``accumulate_on="device_bf16"``
-adds a bf16 landing buffer (+2 B) that the window's bf16 sum lands in; the worker widens it into the fp32 accumulator
-(`host_adamw_window`). ``host_sum_dtype="bfloat16"`` keeps a window summed on the host in a bf16 accumulator (2 B:
-the rule of ``"device_bf16"``, `accumulate_into`; the one-pass kernel widens it as it reads), and
-``host_writeback="master"`` drops the write-back buffer where the write-back is a synchronous copy on one process (a
-CPU device: the master itself is copied into the weight, `HostMatrix.writes_back_master`): with 8-bit moments and
-host sums, 4 + 2.03 + 2 = 8.03 B, nothing else (`HostLayout` carries these settings). ``host_sum_columns="unselected"``
-keeps in a host sum only the columns not on the device (`HostMatrix.keep_sum_columns`; 7.83 B at topk_ratio=0.1,
-plus the kept columns' indices).
+Host memory per offloaded parameter element (the rules of ``host_state``, `settings.rules`): fp32 master (4 B) + bf16
+exp_avg and exp_avg_sq (4 B, the default ``host_moment_dtype="bfloat16"``) + fp32 window accumulator (4 B) = 12 B,
+plus a write-back buffer in the parameter dtype (pinned on CUDA; on a CPU device it is a spare storage of the weight,
+swapped in at each write-back instead of a copy) and on CUDA a pinned copy of the gradient per in-flight step
+(`grad_slots`: 2 slots with a write-back one step after the close, ``writeback_lag`` + 1 with a later one, x the
+gradient dtype; none with ``accumulate_on="device"``, where on a CPU device with fp32 weights the write-back buffer is
+the accumulator itself: `HostMatrix.shares_writeback`). One moment set (DeepSpeed keeps two). The bf16 moments are
+widened, updated in fp32 and rounded back in the same pass (`kernels.window_adamw_bf16`, or torch's operations in
+pieces, `_adamw_narrow_moments`); ``"float32"`` keeps them in fp32 (16 B: torch's AdamW arithmetic for every element),
+``"int8"`` in 8-bit codes with an fp32 scale per block of 256 (10.03 B; decoded, updated and encoded in the same pass:
+`quantized_moments.py`). ``accumulate_on="device_bf16"`` adds a bf16 landing buffer (+2 B) that the window's bf16 sum
+lands in; the worker widens it into the fp32 accumulator (`host_adamw_window`). ``host_sum_dtype="bfloat16"`` keeps a
+window summed on the host in a bf16 accumulator (2 B: the rule of ``"device_bf16"``, `accumulate_into`; the one-pass
+kernel widens it as it reads), and ``host_writeback="master"`` drops the write-back buffer where the write-back is a
+synchronous copy on one process (a CPU device: the master itself is copied into the weight,
+`HostMatrix.writes_back_master`): with 8-bit moments and host sums, 4 + 2.03 + 2 = 8.03 B, nothing else (`HostLayout`
+carries these rules). ``host_sum_columns="unselected"`` keeps in a host sum only the columns not on the device
+(`HostMatrix.keep_sum_columns`; 7.83 B at topk_ratio=0.1, plus the kept columns' indices).
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
 [in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
@@ -29,7 +28,7 @@ here once), and every window the host AdamW updates the whole matrix in one pass
 gradient and divides by the window's length (`host_adamw_window`); the columns currently on the device are carried
 along and simply ignored (their host values are refreshed from the device at re-selection; with
 ``host_sum_columns="unselected"`` their sum is not kept, and the pass reads a zero one). That
-keeps every per-step and per-window host operation contiguous (but the indexed reads of that setting); the only
+keeps every per-step and per-window host operation contiguous (but the indexed reads of that rule); the only
 column moves are the selected columns (device side, every step) and the migration at re-selection, strided for
 row-major weights and whole rows for column-major ones.
 """
@@ -91,7 +90,7 @@ def _fp32_scratch(like: torch.Tensor, name: str = "buf") -> torch.Tensor:
 
 
 def moment_dtype(setting: str) -> torch.dtype:
-    """The storage dtype of the host moments under ``host_moment_dtype=setting`` (int8: the codes of
+    """The storage dtype of the host moments under the rule ``host_moment_dtype=setting`` (int8: the codes of
     `QuantizedMoment`, with their per-block scales)."""
     return {"bfloat16": torch.bfloat16, "int8": torch.int8}.get(setting, torch.float32)
 
