@@ -58,6 +58,8 @@ import torch
 
 #: The loss scale: a power of two, so that scaling and unscaling the fp32 gradients are exact.
 SCALE = 4096.0
+#: The learning rate of every run (ZenFlow's and torch's AdamW's).
+LR = 1e-3
 #: The accumulation places the checks cover (``"auto"`` would choose one of them by the device's free memory).
 ACCUMULATIONS = ("host", "device")
 
@@ -86,7 +88,7 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
 
 
-def _zenflow(model: torch.nn.Module, lr: float = 1e-3, **settings: Any) -> Any:
+def _zenflow(model: torch.nn.Module, lr: float = LR, **settings: Any) -> Any:
     """`ZenFlowAdamW` under `_SETTINGS` with `settings` over them: settings, or engine rules (where windows are
     summed, whether gradients are freed in backward), which reach it through `ZenFlowConfig.with_rules`."""
     from hf_zenflow import ZenFlowAdamW
@@ -149,7 +151,7 @@ def _all_columns_against_adamw(device: torch.device, steps: int) -> float:
     for zenflow in (True, False):
         model = _model(device, width)
         opt = (_zenflow(model, topk_ratio=1.0) if zenflow else
-               torch.optim.AdamW(model.parameters(), lr=_SETTINGS["lr"], fused=True))
+               torch.optim.AdamW(model.parameters(), lr=LR, fused=True))
         scaler = torch.amp.GradScaler(device.type, init_scale=SCALE)
         try:
             for x, y in data:
