@@ -23,7 +23,7 @@ from hf_zenflow.settings.cli_types import (
     fraction,
     interval,
     lr_scale,
-    memory_budget,
+    memory_limit,
     non_negative_float,
     non_negative_int,
     parameter_count,
@@ -135,7 +135,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                    '"none" (the next window boundary)')
     p.add_argument("--min-offload-numel", type=non_negative_int, default=d.min_offload_numel,
                    help="ZenFlow: matrices with fewer elements stay wholly on the device (e.g. the classifier head)")
-    p.add_argument("--device-memory-budget", type=memory_budget, default=d.device_memory_budget,
+    p.add_argument("--device-memory-limit-bytes", type=memory_limit, default=d.device_memory_limit_bytes,
                    metavar="sync|free|BYTES",
                    help="ZenFlow: the device memory its whole step may hold (weights, gradients, optimizer state, "
                    "window sums): sync = what synchronous offload holds (its weights and gradients; where people "

@@ -83,7 +83,6 @@ class ZenFlowSettingArguments:
     zenflow_host_sum_dtype: LowercaseChoice = _setting("host_sum_dtype")
     zenflow_host_sum_columns: LowercaseChoice = _setting("host_sum_columns")
     zenflow_host_writeback: LowercaseChoice = _setting("host_writeback")
-    zenflow_device_memory_budget_bytes: int | None = _setting("device_memory_budget_bytes")
     zenflow_device_memory_limit_bytes: int | None = _setting("device_memory_limit_bytes")
     zenflow_free_gradients_in_backward: LowercaseChoice = _setting("free_gradients_in_backward")
     zenflow_cpu_threads: int | None = _setting("cpu_threads")

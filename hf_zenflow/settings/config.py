@@ -69,7 +69,7 @@ _HIGH_LR_RULES = ("auto", "off")
 
 #: Settings this version of hf_zenflow no longer has: a settings dict (a checkpoint's) or a `ZenFlowAdamW` keyword
 #: that names one is refused with one message that says so (`removed_settings_text`), not as an unknown name.
-REMOVED_SETTINGS = ("host_grad_dtype",)
+REMOVED_SETTINGS = ("host_grad_dtype", "device_memory_budget_bytes")
 
 
 def removed_settings_text(names: Iterable[str]) -> str | None:
@@ -326,23 +326,17 @@ class ZenFlowConfig:
                   "buffer stays (with a warning).",
                   "choices": _HOST_WRITEBACKS},
     )
-    device_memory_budget_bytes: int | None = field(
-        default=None,
-        metadata={"help": 'Device memory, in bytes, that accumulate_on="auto" may count on for the window sums '
-                  "(and the selected columns' state) beyond the training step's own peak. None: measured on "
-                  'CUDA; unknown on a CPU device, which then accumulates on the host. On CUDA a budget caps the '
-                  "measured figure (a shared GPU)."},
-    )
     device_memory_limit_bytes: int | None = field(
         default=None,
         metadata={"help": "The whole device memory, in bytes, the training step may hold (weights, gradients, "
                   "optimizer state, window sums; not activations). At the first step the run's min_offload_numel "
                   "is lowered until the estimated peak fits: matrices under it are offloaded too, largest first "
                   "(decided from sizes alone, logged once, in stats()[\"min_offload_numel\"] and checkpoints; a "
-                  "warning when even offloading every matrix cannot fit). accumulate_on=\"auto\" then sums on the "
-                  "device only when the sums fit on top, with its margin. None: no such limit (then "
-                  "device_memory_budget_bytes, or on CUDA the measured free memory, decides where windows are "
-                  "summed)."},
+                  "warning when even offloading every matrix cannot fit). It is also the room accumulate_on=\"auto\" "
+                  "weighs: it sums on the device only when the sums fit in the limit less the estimated peak, with "
+                  "its margin (on CUDA also within the measured free memory). None: no such limit; on CUDA the "
+                  "measured free memory decides where windows are summed, on a CPU device the room is unknown and "
+                  "they are summed on the host."},
     )
     free_gradients_in_backward: str = field(
         default="auto",
@@ -449,10 +443,6 @@ class ZenFlowConfig:
             )
         if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
             _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")
-        if self.device_memory_budget_bytes is not None and (
-            not _is_int(self.device_memory_budget_bytes) or self.device_memory_budget_bytes < 0
-        ):
-            _fail("device_memory_budget_bytes", self.device_memory_budget_bytes, "None or an integer >= 0")
         if self.device_memory_limit_bytes is not None and (
             not _is_int(self.device_memory_limit_bytes) or self.device_memory_limit_bytes < 0
         ):

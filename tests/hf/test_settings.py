@@ -45,7 +45,6 @@ CASES = [
     ("host_sum_columns", "Unselected", "unselected", {}),
     ("host_writeback", "Master", "master", {}),
     ("high_lr_rule", "OFF", "off", {}),
-    ("device_memory_budget_bytes", "1000000", 1000000, {}),
     ("device_memory_limit_bytes", "2000000", 2000000, {}),
     ("free_gradients_in_backward", "Off", "off", {}),
     ("cpu_threads", "2", 2, {}),

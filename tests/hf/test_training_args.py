@@ -99,7 +99,7 @@ def test_to_dict_and_json_round_trip():
         "zenflow_min_offload_numel": 4096, "zenflow_accumulate_on": "device", "zenflow_layout": "row",
         "zenflow_auto_ratio": 0.99, "zenflow_auto_max_interval": 16, "zenflow_from_deepspeed": None,
         "zenflow_resume_without_optimizer": False,
-        "zenflow_writeback_lag": "auto", "zenflow_device_memory_budget_bytes": None,
+        "zenflow_writeback_lag": "auto",
         "zenflow_device_memory_limit_bytes": None, "zenflow_free_gradients_in_backward": "auto",
         "zenflow_host_moment_dtype": "bfloat16", "zenflow_high_lr_rule": "auto",
         "zenflow_host_sum_dtype": "float32", "zenflow_host_sum_columns": "all",
