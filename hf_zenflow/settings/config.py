@@ -266,12 +266,12 @@ class ZenFlowConfig:
                   "(+2 bytes per offloaded parameter; each step adds in fp32 and rounds the running sum to bf16, "
                   "8 significant bits) and sent as bf16 (half the link bytes), widened into the host's fp32 "
                   'accumulator. "auto": the fastest of the three that fits the device memory left after the first '
-                  "forward/backward (10% margin; CUDA: measured; a CPU device: device_memory_budget_bytes, without "
-                  "it unknown, so host) and the host RAM this process can take (its cgroup limits included, 10% "
-                  "margin), then the smallest; fastest by the bound model of hf-zenflow estimate's default profile, "
-                  "never by timings, so the same script chooses the same (docs/memory.md): host sums where the host "
-                  "RAM holds them, device sums where it is short and the device has room; chosen at the first step, "
-                  "logged, in stats() and checkpoints.",
+                  "forward/backward (10% margin; CUDA: measured; device_memory_limit_bytes: the limit less the "
+                  "step's estimated peak; a CPU device without it: unknown, so host) and the host RAM this process "
+                  "can take (its cgroup limits included, 10% margin), then the smallest; fastest by the bound model "
+                  "of hf-zenflow estimate's default profile, never by timings, so the same script chooses the same "
+                  "(docs/memory.md): host sums where the host RAM holds them, device sums where it is short and the "
+                  "device has room; chosen at the first step, logged, in stats() and checkpoints.",
                   "choices": _ACCUMULATE_ON},
     )
     host_moment_dtype: str = field(
