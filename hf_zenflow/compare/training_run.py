@@ -57,7 +57,7 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
             topk_ratio=cfg.topk_ratio, update_interval=cfg.update_interval, overlap_step=cfg.overlap_step,
             select_strategy=cfg.select_strategy, select_interval=cfg.select_interval,
             full_warm_up_rounds=cfg.full_warm_up_rounds, cpu_threads=host_cores,
-            steps_per_epoch=_steps_per_epoch(cfg), host_lr_scale=cfg.host_lr_scale, writeback_lag=cfg.writeback_lag,
+            host_lr_scale=cfg.host_lr_scale, writeback_lag=cfg.writeback_lag,
             min_offload_numel=cfg.min_offload_numel, host_moment_dtype=cfg.host_moment_dtype,
             host_sum_dtype=cfg.host_sum_dtype, host_sum_columns=cfg.host_sum_columns,
             host_writeback=cfg.host_writeback, accumulate_on=cfg.accumulate_on,
@@ -70,7 +70,7 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
             rows = [p for p in groups[0]["params"] if id(p) in tables]
             groups[0]["params"] = [p for p in groups[0]["params"] if id(p) not in tables]
             groups.append({"params": rows, "weight_decay": cfg.weight_decay, "select_rows": True})
-        opt = ZenFlowAdamW(groups, config=zcfg, **common)
+        opt = ZenFlowAdamW(groups, config=zcfg, steps_per_epoch=_steps_per_epoch(cfg), **common)
         opt.clip_through_optimizer()  # (`TrainingRun._step` clips with `opt.clip_grad_norm_`)
         return opt
     raise ValueError(f"optimizer {name!r} is unknown: allowed are {OPTIMIZERS}.")

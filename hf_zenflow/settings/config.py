@@ -69,7 +69,7 @@ _HIGH_LR_RULES = ("auto", "off")
 
 #: Settings this version of hf_zenflow no longer has: a settings dict (a checkpoint's) or a `ZenFlowAdamW` keyword
 #: that names one is refused with one message that says so (`removed_settings_text`), not as an unknown name.
-REMOVED_SETTINGS = ("host_grad_dtype", "device_memory_budget_bytes")
+REMOVED_SETTINGS = ("host_grad_dtype", "device_memory_budget_bytes", "steps_per_epoch")
 
 
 def removed_settings_text(names: Iterable[str]) -> str | None:
@@ -358,11 +358,6 @@ class ZenFlowConfig:
                   "training thread keeps the remaining cores from the optimizer's construction to the end of the run "
                   "(docs/threads.md)."},
     )
-    steps_per_epoch: int | None = field(
-        default=None,
-        metadata={"help": 'Optimizer steps per epoch, used by select_strategy "epoch"/"auto". The Trainer fills '
-                  "it in; a plain loop may pass it."},
-    )
 
     def __post_init__(self) -> None:
         if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)) or not (
@@ -449,12 +444,6 @@ class ZenFlowConfig:
             _fail("device_memory_limit_bytes", self.device_memory_limit_bytes, "None or an integer >= 0")
         if self.cpu_threads is not None and (not _is_int(self.cpu_threads) or self.cpu_threads < 1):
             _fail("cpu_threads", self.cpu_threads, "None (derive from CPU affinity) or an integer >= 1")
-        if self.steps_per_epoch is not None and (not _is_int(self.steps_per_epoch) or self.steps_per_epoch < 1):
-            _fail("steps_per_epoch", self.steps_per_epoch, "None or an integer >= 1")
-        if self.select_strategy == "epoch" and self.steps_per_epoch is None:
-            # Not an error: the Trainer fills steps_per_epoch in later. The optimizer raises if it is still unknown
-            # when the first re-selection is due, rather than silently never re-selecting (DeepSpeed #8456).
-            pass
 
     # ----------------------------------------------------------------------------------------------------------------
     def writeback_lag_bound(self) -> tuple[int, str]:
@@ -481,19 +470,22 @@ class ZenFlowConfig:
 
         return worker_threads(self.cpu_threads)
 
-    def select_period(self) -> int:
-        """Optimizer steps between re-selections, as resolved from the strategy and the epoch length."""
+    def select_period(self, steps_per_epoch: int | None = None) -> int:
+        """Optimizer steps between re-selections, as resolved from the strategy and the epoch length
+        (`steps_per_epoch`, the data's, in optimizer steps: `ZenFlowAdamW.steps_per_epoch`; None: unknown).
+        ``"epoch"`` with the epoch length unknown raises rather than never re-selecting."""
         interval = 1 if self.select_interval == "auto" else int(self.select_interval)
         if self.select_strategy == "step":
             return DEFAULT_SELECT_STEPS if self.select_interval == "auto" else interval
-        if self.steps_per_epoch is None:
+        if steps_per_epoch is None:
             if self.select_strategy == "epoch":
                 raise ValueError(
-                    'ZenFlowConfig.select_strategy="epoch" needs steps_per_epoch (an integer >= 1); the Trainer '
-                    'sets it, a plain loop must pass it, or use select_strategy="step".'
+                    'ZenFlowConfig.select_strategy="epoch" needs the epoch length: ZenFlowTrainer and '
+                    "ZenFlowPlugin.prepare set it, a plain loop passes ZenFlowAdamW(..., steps_per_epoch=N) or calls "
+                    'optimizer.set_steps_per_epoch(N) before the first step; or use select_strategy="step".'
                 )
             return DEFAULT_SELECT_STEPS
-        return interval * self.steps_per_epoch
+        return interval * steps_per_epoch
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
