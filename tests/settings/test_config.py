@@ -205,9 +205,9 @@ REMOVED = ("host_grad_dtype", "device_memory_budget_bytes", "steps_per_epoch")
 
 
 def test_the_removed_settings_are_gone_and_a_use_of_one_names_it():
-    """`host_grad_dtype`, `device_memory_budget_bytes` (now `device_memory_limit_bytes` alone) and `steps_per_epoch`
-    (the data's, passed to the optimizer) are no settings: a dataclass field, a keyword of `ZenFlowConfig` or of
-    `ZenFlowAdamW`, or an entry of a settings dict that names one fails, naming it."""
+    """`host_grad_dtype`, `device_memory_budget_bytes` (`device_memory_limit_bytes` gives the room) and
+    `steps_per_epoch` (the data's, passed to the optimizer) are no settings: a dataclass field, a keyword of
+    `ZenFlowConfig` or of `ZenFlowAdamW`, or an entry of a settings dict that names one fails, naming it."""
     import torch
 
     from hf_zenflow.settings.config import REMOVED_SETTINGS
