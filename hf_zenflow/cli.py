@@ -23,7 +23,7 @@ from hf_zenflow.settings.cli_types import (
     fraction,
     interval,
     lr_scale,
-    memory_budget,
+    memory_limit,
     non_negative_float,
     non_negative_int,
     parameter_count,
@@ -139,7 +139,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-state", type=str.lower, default=d.host_state, choices=HOST_STATE_CHOICES,
                    help='ZenFlow: the host state\'s preset: "auto" (bf16 moments), "fp32" (fp32 moments, torch\'s '
                    'AdamW arithmetic) or "lean" (the smallest host state)')
-    p.add_argument("--device-memory-budget", type=memory_budget, default=d.device_memory_budget,
+    p.add_argument("--device-memory-limit-bytes", type=memory_limit, default=d.device_memory_limit_bytes,
                    metavar="sync|free|BYTES",
                    help="ZenFlow: the device memory its whole step may hold (weights, gradients, optimizer state, "
                    "window sums): sync = what synchronous offload holds (its weights and gradients; where people "

@@ -3,11 +3,11 @@
 Same model, data, core split, layouts and optimizer settings as the compare runner (`CompareConfig()` defaults,
 `make_optimizer`, `column_major_` for the offloading runs). One ZenFlow run per `--thresholds` value with free device
 memory (compare's default: "auto" sums the windows on the device where memory allows), one per `--limited` value
-under `--limit` bytes (`device_memory_limit_bytes`, compare's `--device-memory-budget`: the run's threshold is what
-the limit chooses), and the two references (`adamw_torch`, `sync_offload`). Each trains its own copy; after `--warm`
-untimed steps each, the runs take turns in blocks of `--block` steps for `--rounds` rounds (the order rotates every
-round), so a busy machine disturbs all of them alike. A block's time includes waiting for ZenFlow's host worker at
-its end, so host work that did not overlap the block is charged to it.
+under `--limit` bytes (`device_memory_limit_bytes`, compare's `--device-memory-limit-bytes`: the run's threshold is
+what the limit chooses), and the two references (`adamw_torch`, `sync_offload`). Each trains its own copy; after
+`--warm` untimed steps each, the runs take turns in blocks of `--block` steps for `--rounds` rounds (the order
+rotates every round), so a busy machine disturbs all of them alike. A block's time includes waiting for ZenFlow's
+host worker at its end, so host work that did not overlap the block is charged to it.
 
 Per run: the median whole step (forward, backward, clip, optimizer.step, zero_grad), the training thread's CPU time
 per step (`time.thread_time`, the comparable figure on a busy machine), `optimizer.step`'s wall and CPU time, the
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
 
-    base = CompareConfig(steps=60, device_memory_budget="free")  # the unlimited variants: the free memory
+    base = CompareConfig(steps=60, device_memory_limit_bytes="free")  # the unlimited variants: the free memory
     split = base.core_split()
     split.apply_device()  # as `train_one`: D intra-op threads (and the device's allocator model) before any forward
     task = prepare_task(model=base.model, task=base.task, steps=base.steps, train_size=base.train_size, eval_size=50,
@@ -92,7 +92,7 @@ def main() -> None:
                          dataclasses.replace(base, min_offload_numel=int(n))))
     for n in filter(None, args.limited.split(",")):
         variants.append((f"zenflow min_offload_numel={n} limit={args.limit}", "zenflow",
-                         dataclasses.replace(base, min_offload_numel=int(n), device_memory_budget=args.limit)))
+                         dataclasses.replace(base, min_offload_numel=int(n), device_memory_limit_bytes=args.limit)))
     runs: dict[str, dict[str, Any]] = {}
     for label, kind, cfg in variants:
         torch.manual_seed(cfg.seed)

@@ -94,7 +94,7 @@ def prepare(task_name: str, seed: int, lr: float | None = None) -> tuple[Any, Co
     spec = dict(TASKS[task_name], **({"lr": lr} if lr is not None else {}))
     lora = spec.pop("lora", False)
     layers = spec.pop("layers", None)
-    cfg = CompareConfig(seed=seed, quiet=True, log_every=0, device_memory_budget="free", **spec)
+    cfg = CompareConfig(seed=seed, quiet=True, log_every=0, device_memory_limit_bytes="free", **spec)
     task = prepare_task(model=cfg.model, steps=cfg.steps, train_size=cfg.train_size, eval_size=cfg.eval_size,
                         batch_size=cfg.batch_size, max_length=cfg.max_length, seed=seed,
                         eval_batch_size=cfg.eval_batch_size,

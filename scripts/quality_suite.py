@@ -368,9 +368,8 @@ def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any]
     if settings is None:
         opt = torch.optim.AdamW(groups, **hyper)
     else:
-        config = study_config({"cpu_threads": 1, "steps_per_epoch": case.epoch_steps or steps,
-                               **case.zenflow, **settings})
-        opt = ZenFlowAdamW(groups, config=config, **hyper)
+        config = study_config({"cpu_threads": 1, **case.zenflow, **settings})
+        opt = ZenFlowAdamW(groups, config=config, steps_per_epoch=case.epoch_steps or steps, **hyper)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: max(0.0, 1.0 - i / steps))
     torch.manual_seed(seed)
     losses: list[float] = []

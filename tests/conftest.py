@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import io
+import math
 import os
 import types
 from collections.abc import Callable
@@ -59,6 +60,47 @@ def plan_with_host_ram(monkeypatch: pytest.MonkeyPatch, nbytes: float | None) ->
     """The host RAM the planner sees for the host state (`hf_zenflow.engine.planner.host_room`), fixed for a test:
     where it is short for host window sums, ``accumulate_on="auto"`` takes device sums when they fit the device."""
     monkeypatch.setattr("hf_zenflow.engine.planner.host_room", lambda: nbytes)
+
+
+def step_peak(settings: dict) -> int:
+    """The peak of a step of `make_model()` under `settings` (with ``accumulate_on="auto"``) that the planner takes
+    from a `device_memory_limit_bytes`: the larger of the peak measured when it decides and the estimated one beside
+    the window sums (`HostWindows._decide`); the limit less this is the room device sums must fit in. Read off the
+    planner's own input in one step under a limit far above the model."""
+    import hf_zenflow.engine.windows as windows
+
+    seen: list[int] = []
+    plan = windows.plan_accumulation
+
+    def recording(config, sizes, *args):  # noqa: ANN001, ANN002, ANN202
+        seen.append(sizes.peak)
+        return plan(config, sizes, *args)
+
+    windows.plan_accumulation = recording
+    try:
+        model = make_model()
+        opt = zenflow_adamw(param_groups(model), lr=1e-2,
+                            **{**settings, "accumulate_on": "auto", "device_memory_limit_bytes": 1 << 40})
+        train(model, opt, batches(1))
+        opt.close()
+    finally:
+        windows.plan_accumulation = plan
+    (peak,) = seen
+    return peak
+
+
+def smallest_limit_that_fits(settings: dict, need: int) -> int:
+    """The smallest `device_memory_limit_bytes` under which `need` bytes (device sums, the selected columns' state,
+    the gradients device sums keep) fit beside a step under `settings` with the planner's margin (its rule,
+    `planner.plan_accumulation`: ``need <= limit - step_peak - MARGIN * limit``)."""
+    from hf_zenflow.engine.accumulation import MARGIN
+
+    peak = step_peak(settings)
+    limit = math.floor((need + peak) / (1 - MARGIN))
+    while not need <= limit - peak - MARGIN * limit:
+        limit += 1
+    assert not need <= (limit - 1) - peak - MARGIN * (limit - 1)
+    return limit
 
 
 def assert_same_across_devices(ours: torch.Tensor, theirs: torch.Tensor) -> None:

@@ -74,6 +74,23 @@ def test_the_trainer_example_refuses_a_bad_zenflow_value_in_one_line(tmp_path):
     assert lines[0].startswith("train_trainer.py: ") and "--zenflow_topk_ratio=2.0 is invalid" in lines[0]
 
 
+def test_a_removed_setting_is_no_flag_and_is_named_as_removed(tmp_path):
+    """`--zenflow_host_grad_dtype` is no flag: the Trainer's parser refuses it naming it, and the example script says
+    in one line that the setting no longer exists."""
+    from transformers import HfArgumentParser
+
+    from hf_zenflow import ZenFlowTrainingArguments
+
+    with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--zenflow_host_grad_dtype'"):
+        HfArgumentParser(ZenFlowTrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", "out", "--use_cpu", "--zenflow_host_grad_dtype", "bfloat16"])
+    proc = run_trainer_example(tmp_path, "--zenflow_host_grad_dtype", "bfloat16")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("\n") == 1 and ("--zenflow_host_grad_dtype: the setting host_grad_dtype no longer exists "
+                                              "in this version of hf_zenflow") in proc.stderr, proc.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_trainer_example_refuses_a_prefix_of_a_flag(tmp_path):
     """(A bad value: taken as --zenflow_topk_ratio, it fails at once too, not after a run.)"""
     proc = run_trainer_example(tmp_path, "--zenflow_topk", "2")

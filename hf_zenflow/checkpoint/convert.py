@@ -20,7 +20,6 @@ from ..engine.selection import num_selected, storage_matrix
 from ..engine.split_matrix import SplitMatrix
 from ..settings.config import ZenFlowConfig
 from .format import (
-    _DERIVED_SETTINGS,
     _PARSE_ERRORS,
     CheckpointError,
     _refused,
@@ -58,7 +57,7 @@ def apply_changed_settings(opt: ZenFlowState, saved: dict[str, Any]) -> None:
     if saved:  # (its rules, resolved: a preset's or changed by `with_rules`; checked on loading, `validate.py`)
         saved = {**saved, **dataclasses.asdict(ZenFlowConfig.from_dict(saved).rules)}
     changed = {name: (saved[name], current[name]) for name in current
-               if name in saved and name not in _DERIVED_SETTINGS and saved[name] != current[name]}
+               if name in saved and saved[name] != current[name]}
     if not changed:
         return
     host, schedule = opt.engine_state.host, opt.engine_state.schedule

@@ -64,10 +64,6 @@ READ_VERSIONS = (3, 4)
 _TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
                           "decoupled_weight_decay", "param_names")
 
-#: Settings that are not the user's to change on resume (filled in by the Trainer or the plugin).
-_DERIVED_SETTINGS = ("steps_per_epoch",)
-
-
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as it is: damaged, from another model, or from an incompatible version.
     The message names the file or tensor and what to do."""

@@ -22,8 +22,8 @@ if TYPE_CHECKING:  # (imported where used: the command line reads this module's 
 OPTIMIZERS = ("adamw_torch", "sync_offload", "zenflow")
 
 
-#: The named values of `CompareConfig.device_memory_budget` (else a number of bytes).
-DEVICE_MEMORY_BUDGETS = ("sync", "free")
+#: The named values of `CompareConfig.device_memory_limit_bytes` (else a number of bytes).
+DEVICE_MEMORY_LIMITS = ("sync", "free")
 
 #: ZenFlow's re-selection period (steps) when `compare` is given ``--select-strategy step`` without an interval.
 COMPARE_SELECT_STEPS = 10
@@ -75,8 +75,8 @@ class CompareConfig:
     host_state: str = _LIBRARY.host_state
     # ZenFlow's whole device memory (weights, gradients, state, sums): "sync" = what synchronous offload holds (the
     # weights and their gradients: where people offload, the device has no more), "free" = what the device has free,
-    # or bytes (`DEVICE_MEMORY_BUDGETS`)
-    device_memory_budget: int | str = "sync"
+    # or bytes (`DEVICE_MEMORY_LIMITS`): ZenFlowConfig.device_memory_limit_bytes of its run
+    device_memory_limit_bytes: int | str = "sync"
     select_strategy: str = _LIBRARY.select_strategy
     select_interval: int | str | None = None  # None: COMPARE_SELECT_STEPS with "step", "auto" otherwise
     full_warm_up_rounds: int = _LIBRARY.full_warm_up_rounds
@@ -107,10 +107,10 @@ class CompareConfig:
                 self.block_steps, int) or self.block_steps < MIN_BLOCK_STEPS):
             raise ValueError(f"CompareConfig.block_steps={self.block_steps!r} is invalid: allowed is None or an "
                              f"integer >= {MIN_BLOCK_STEPS} (the drawn timeline window lies within one turn).")
-        budget = self.device_memory_budget
-        if budget not in DEVICE_MEMORY_BUDGETS and (isinstance(budget, bool) or not isinstance(budget, int)
-                                                    or budget < 0):
-            raise ValueError(f"CompareConfig.device_memory_budget={budget!r} is invalid: allowed are 'sync' "
+        limit = self.device_memory_limit_bytes
+        if limit not in DEVICE_MEMORY_LIMITS and (isinstance(limit, bool) or not isinstance(limit, int)
+                                                  or limit < 0):
+            raise ValueError(f"CompareConfig.device_memory_limit_bytes={limit!r} is invalid: allowed are 'sync' "
                              "(synchronous offload's device memory), 'free' (the device's free memory) and an "
                              "integer >= 0 (bytes).")
         if self.select_interval is None:

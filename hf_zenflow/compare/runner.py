@@ -99,8 +99,8 @@ def _settings_line(task: PreparedTask, cfg: CompareConfig, device: torch.device)
             f"seed {cfg.seed}; "
             f"device {device}; ZenFlow topk_ratio {cfg.topk_ratio}, update_interval {cfg.update_interval}, "
             f"overlap_step {cfg.overlap_step}, select_strategy {cfg.select_strategy}, select_interval "
-            f"{cfg.select_interval}, full_warm_up_rounds {cfg.full_warm_up_rounds}, device memory budget "
-            f"{cfg.device_memory_budget}; weights of the offloading runs "
+            f"{cfg.select_interval}, full_warm_up_rounds {cfg.full_warm_up_rounds}, device memory limit "
+            f"{cfg.device_memory_limit_bytes}; weights of the offloading runs "
             f"{cfg.resolved_layout()}-major; ZenFlow selects embedding {cfg.resolved_embedding_select()}.")
 
 
@@ -302,7 +302,7 @@ def _run(cfg: CompareConfig, out_dir: Path, monitor: LoadMonitor, final_dir: Pat
     _log(cfg, "projecting to the hardware profiles (measuring this host's AdamW rate and memory bandwidth) ...")
     projection = run_projection(results, task.num_parameters, _tokens_per_step(task, cfg), cfg, split.host)
     projected = projection_table(projection["profiles"])
-    said = verdict(results, projection, task.metric_name, first, block, cfg.device_memory_budget,
+    said = verdict(results, projection, task.metric_name, first, block, cfg.device_memory_limit_bytes,
                    task.num_parameters, cuda, split.device)
     info = machine_info(device)
     payload = {

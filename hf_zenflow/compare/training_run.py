@@ -52,23 +52,24 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
     if name == "sync_offload":
         return SyncOffloadAdamW(groups, cpu_threads=host_cores, **common)
     if name == "zenflow":
+        limit = device_memory_limit(cfg, model)
         zcfg = ZenFlowConfig(
             topk_ratio=cfg.topk_ratio, update_interval=cfg.update_interval, overlap_step=cfg.overlap_step,
             select_strategy=cfg.select_strategy, select_interval=cfg.select_interval,
             full_warm_up_rounds=cfg.full_warm_up_rounds, cpu_threads=host_cores,
-            steps_per_epoch=_steps_per_epoch(cfg), host_lr_scale=cfg.host_lr_scale, writeback_lag=cfg.writeback_lag,
+            host_lr_scale=cfg.host_lr_scale, writeback_lag=cfg.writeback_lag,
             min_offload_numel=cfg.min_offload_numel, host_state=cfg.host_state,
-            # --device-memory-budget: ZenFlow's whole step is held to it (the run's min_offload_numel is lowered until
-            # the step fits, and accumulate_on="auto" decides under it); "free": the device's free memory decides
-            device_memory_budget_bytes=cpu_device_budget(model) if cfg.device_memory_budget == "free" else None,
-            device_memory_limit_bytes=device_memory_limit(cfg, model),
+            # --device-memory-limit-bytes: ZenFlow's whole step is held to it (the run's min_offload_numel is lowered
+            # until the step fits, and the planner decides where windows are summed under it); "free": the device's
+            # free memory
+            device_memory_limit_bytes=cpu_device_free_limit(model) if limit is None else limit,
         )
         if cfg.resolved_embedding_select() == "rows":
             tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
             rows = [p for p in groups[0]["params"] if id(p) in tables]
             groups[0]["params"] = [p for p in groups[0]["params"] if id(p) not in tables]
             groups.append({"params": rows, "weight_decay": cfg.weight_decay, "select_rows": True})
-        opt = ZenFlowAdamW(groups, config=zcfg, **common)
+        opt = ZenFlowAdamW(groups, config=zcfg, steps_per_epoch=_steps_per_epoch(cfg), **common)
         opt.clip_through_optimizer()  # (`TrainingRun._step` clips with `opt.clip_grad_norm_`)
         return opt
     raise ValueError(f"optimizer {name!r} is unknown: allowed are {OPTIMIZERS}.")
@@ -85,21 +86,23 @@ def sync_offload_device_bytes(model: torch.nn.Module) -> int:
 def device_memory_limit(cfg: CompareConfig, model: torch.nn.Module) -> int | None:
     """The device memory ZenFlow's step is held to (`ZenFlowConfig.device_memory_limit_bytes`): synchronous
     offload's (`sync_offload_device_bytes`) by default, the bytes given, or None with "free"."""
-    budget = cfg.device_memory_budget
-    if budget == "sync":
+    limit = cfg.device_memory_limit_bytes
+    if limit == "sync":
         return sync_offload_device_bytes(model)
-    return None if budget == "free" else int(budget)
+    return None if limit == "free" else int(limit)
 
 
-def cpu_device_budget(model: torch.nn.Module) -> int | None:
-    """On a CPU device, the memory it can give `accumulate_on="auto"`: the machine's available memory now (model
-    and data loaded), which is where device-side window sums would really live. CUDA measures its own (None).
-    Without it a CPU device always accumulates on the host, which no GPU run of a model this size would do."""
+def cpu_device_free_limit(model: torch.nn.Module) -> int | None:
+    """``--device-memory-limit-bytes free`` on a CPU device: the weights it holds plus the machine's available memory
+    now (model and data loaded), where device-side window sums would really live, so that `accumulate_on="auto"`
+    weighs the memory left beside the step. CUDA measures its own free memory (None). Without a limit a CPU device
+    always accumulates on the host, which no GPU run of a model this size would do."""
     if next(model.parameters()).device.type != "cpu":
         return None
     import psutil
 
-    return int(psutil.virtual_memory().available)
+    weights = sum(p.numel() * p.element_size() for p in dict.fromkeys(model.parameters()))
+    return weights + int(psutil.virtual_memory().available)
 
 
 def _steps_per_epoch(cfg: CompareConfig) -> int:
@@ -393,7 +396,7 @@ class TrainingRun:
             # the last step's peak: an ordinary step (the run's peak may be its first step or a re-selection)
             "step_peak_device_bytes": memory.get("step_peak_device_bytes"),
             "offloaded_params_fraction": last_stats.get("offloaded_params_fraction") if name == "zenflow" else None,
-            "device_memory_budget_bytes": device_memory_limit(cfg, self.model) if name == "zenflow" else None,
+            "device_memory_limit_bytes": device_memory_limit(cfg, self.model) if name == "zenflow" else None,
             "host_rss_peak_bytes": self.rss_peak,
             "host_rss_start_bytes": self.rss_start,
             "optimizer_state_device_bytes": device_state,

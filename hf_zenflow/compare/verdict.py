@@ -6,7 +6,7 @@
   pairs the same batches. The geometric mean of the block ratios and its 95 % t-interval (over the logarithms) say
   whether a difference is shown: "no difference shown" when the interval holds 1. Blocks, not steps, because
   neighbouring steps share the machine's state of the moment.
-- **Device memory**: ZenFlow's peak against each baseline's, and what it was held to (`--device-memory-budget`).
+- **Device memory**: ZenFlow's peak against each baseline's, and what it was held to (`--device-memory-limit-bytes`).
 - **Quality**: the held-out metric and loss against each baseline; one seed is one seed.
 - **The projection**: why the GPU profiles' projected times differ from what this machine measured, and, on each
   profile where ZenFlow's projected step is longer than no offload's, why (the side that bounds it).
@@ -80,7 +80,7 @@ def _speed(name: str, zen: dict[str, Any], base: dict[str, Any], first: int, blo
     return text + (f"; {', '.join(parts)}." if parts else ".")
 
 
-def _memory(results: dict[str, dict[str, Any]], budget: Any) -> str | None:
+def _memory(results: dict[str, dict[str, Any]], option: Any) -> str | None:
     zen = results["zenflow"]
     key = "peak_device_bytes" if zen.get("peak_device_bytes") else "peak_device_memory_bytes"
     if not zen.get(key):
@@ -92,13 +92,13 @@ def _memory(results: dict[str, dict[str, Any]], budget: Any) -> str | None:
               if n != "zenflow" and r.get(key)]
     if others:
         text += ", " + " and ".join(others)
-    limit = zen.get("device_memory_budget_bytes")
-    if budget == "free" or limit is None:
-        text += "; it had the device's free memory (--device-memory-budget free)"
+    limit = zen.get("device_memory_limit_bytes")
+    if option == "free" or limit is None:
+        text += "; it had the device's free memory (--device-memory-limit-bytes free)"
     else:
         held = "within" if zen[key] <= limit else "above"
-        what = ", synchronous offload's weights and gradients" if budget == "sync" else ""
-        text += f"; held to {format_size(limit)}{what} (--device-memory-budget), {held} it"
+        what = ", synchronous offload's weights and gradients" if option == "sync" else ""
+        text += f"; held to {format_size(limit)}{what} (--device-memory-limit-bytes), {held} it"
     return text + "."
 
 
@@ -185,14 +185,14 @@ def _projection(results: dict[str, dict[str, Any]], projection: dict[str, Any], 
 
 
 def verdict(results: dict[str, dict[str, Any]], projection: dict[str, Any] | None, metric_name: str, first: int,
-            block: int, budget: Any, params_ran: float, cuda: bool = False,
+            block: int, memory_limit: Any, params_ran: float, cuda: bool = False,
             device_cores: int | None = None) -> list[str]:
     """The verdict's paragraphs (see the module docstring); empty without a ZenFlow run."""
     zen = results.get("zenflow")
     if zen is None:
         return []
     lines = [_speed(name, zen, r, first, block) for name, r in results.items() if name != "zenflow"]
-    memory = _memory(results, budget)
+    memory = _memory(results, memory_limit)
     lines += [memory] if memory else []
     lines.append(_quality(results, metric_name))
     lines += _projection(results, projection or {}, params_ran, cuda, device_cores)

@@ -19,13 +19,13 @@ The device room (`available_bytes`) is read when the first step's gradients exis
 so their peak is known):
 
 * CUDA: what the next forward/backward leaves free = the driver's free memory + the caching allocator's reserve
-  - the peak allocated so far (the next step needs that peak again); capped by `device_memory_budget_bytes` when
-  it is set; for a model spread over several GPUs (``device_map``), on each GPU for the matrices it holds;
-* a CPU device: `device_memory_budget_bytes` (None: nothing is known, so nothing that needs device room fits);
+  - the peak allocated so far (the next step needs that peak again); for a model spread over several GPUs
+  (``device_map``), on each GPU for the matrices it holds;
+* a CPU device: nothing is known without a limit, so nothing that needs device room fits;
 * either: `device_memory_limit_bytes`, the whole memory the step may hold, leaves the limit less the larger of the
   peak counted so far (`device_memory.py`: weights and gradients after the first backward) and what the step holds
-  beside the sums (`device_budget.py`: weights, the whole-on-device parameters' state and gradients), and caps the
-  rest.
+  beside the sums (`device_budget.py`: weights, the whole-on-device parameters' state and gradients); on CUDA the
+  smaller of that and the measured room.
 
 Device sums need the sums and the optimizer state the first selection will put on the device (fp32 master and two
 moments of the selected columns, and their gathered gradient in the gradient's dtype: 16 B per selected element of an
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from .split_matrix import SplitMatrix
     from .telemetry import ZenFlowStats
 
-#: Fraction of the device's memory (a CPU device: of the budget) that device accumulation must leave free, and of the
+#: Fraction of the device's memory (under a limit: of the limit) that device accumulation must leave free, and of the
 #: host RAM the host state must leave free (`planner.host_room`).
 MARGIN = 0.10
 
@@ -87,26 +87,25 @@ def device_bytes_needed(splits: list[SplitMatrix], shares: dict[int, Share], sum
     return total
 
 
-def available_bytes(device: torch.device, budget: int | None, limit: int | None = None,
-                    peak: int = 0) -> tuple[int | None, int | None]:
+def available_bytes(device: torch.device, limit: int | None, peak: int = 0) -> tuple[int | None, int | None]:
     """(bytes the device can give the optimizer beyond the next step's peak, the device's size for the margin);
-    (None, None) when unknown (a CPU device without a budget or a limit). `limit`: the whole memory the step may
-    hold (`device_memory_limit_bytes`), of which `peak` (the peak measured so far) is taken."""
+    (None, None) when unknown (a CPU device without a limit). `limit`: the whole memory the step may hold
+    (`device_memory_limit_bytes`), of which `peak` (the step's estimated peak beside the window sums) is taken.
+
+    Example:
+        >>> available_bytes(torch.device("cpu"), 10 << 20, peak=4 << 20), available_bytes(torch.device("cpu"), None)
+        ((6291456, 10485760), (None, None))
+    """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         measured = torch.cuda.max_memory_allocated(device)
         spare = max(0, free + torch.cuda.memory_reserved(device) - measured)
-        if budget is not None:
-            spare = min(spare, budget)
         if limit is not None:  # (`peak`: an estimate of the step's peak may exceed what the first backward reached)
             spare, total = min(spare, max(0, limit - max(measured, peak))), min(total, limit)
         return spare, total
-    if limit is not None:
-        spare = max(0, limit - peak)
-        return (spare if budget is None else min(spare, budget)), limit
-    if budget is None:
+    if limit is None:
         return None, None
-    return budget, budget
+    return max(0, limit - peak), limit
 
 
 def resumed_choice(config: ZenFlowConfig, zenflow: dict) -> str | None:

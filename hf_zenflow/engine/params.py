@@ -105,16 +105,18 @@ def check_group_params(group: dict[str, Any]) -> None:
                              "own (nn.Parameter(w.contiguous())).")
 
 
-def new_schedule(config: ZenFlowConfig, groups: list[dict] | None = None) -> WindowSchedule:
-    """The run's schedule; `high_lr_rule="auto"` judges by the largest peak learning rate of the param `groups`
-    (`host_lr.high_lr_window`; its choice is logged at the first step, `announce_high_lr_rule`)."""
+def new_schedule(config: ZenFlowConfig, groups: list[dict] | None = None,
+                 steps_per_epoch: int | None = None) -> WindowSchedule:
+    """The run's schedule, re-selecting by the epoch length `steps_per_epoch` where the strategy says so
+    (`ZenFlowConfig.select_period`); `high_lr_rule="auto"` judges by the largest peak learning rate of the param
+    `groups` (`host_lr.high_lr_window`; its choice is logged at the first step, `announce_high_lr_rule`)."""
     configured = None if config.is_auto_interval else int(config.update_interval)
     schedule = WindowSchedule(
         warm_up=config.full_warm_up_rounds,
         update_interval=configured,
         auto_ratio=config.auto_ratio,
         auto_max_interval=config.rules.auto_max_interval,
-        select_period=config.select_period(),
+        select_period=config.select_period(steps_per_epoch),
         # "auto": 1 step until the choice (`writeback_lag.py`)
         writeback_lag=1 if config.writeback_lag == "auto" else config.writeback_lag,
         writeback_lag_pending=config.writeback_lag == "auto",

@@ -16,10 +16,11 @@ bytes). When none fits, the one that overflows the device least (an out-of-memor
 estimate` its profile's, in a run `RUNTIME_NODE`'s (a PCIe Gen5 GPU server: `hf-zenflow estimate`'s default
 profile), never a timing of the run, so the same script makes the same choice and trains to the same weights. "Fits":
 
-* device: the room the step leaves (`accumulation.available_bytes`: on CUDA the free memory and the caching
-  allocator's reserve less the peak so far, capped by `device_memory_budget_bytes`; under
-  `device_memory_limit_bytes` the limit less the estimated or measured peak; a CPU device without either: unknown,
-  so nothing that needs device room fits), less `MARGIN` of the device;
+* device: the room the step leaves (`accumulation.available_bytes`): under `device_memory_limit_bytes` the limit less
+  the estimated peak beside the window sums (`device_budget.estimate_peak`; on CUDA also less the peak measured so
+  far, and at most the measured room); without a limit on CUDA the free memory and the caching allocator's reserve
+  less the peak so far, on a CPU device unknown, so nothing that needs device room fits; less `MARGIN` of the
+  device (of the limit under one);
 * host: the RAM this process can still take (`host_ram.available_host_bytes`: ``MemAvailable``, capped by its
   cgroup v1/v2 limits), shared by the ranks of the node (``LOCAL_WORLD_SIZE``), less `MARGIN` of it; the host
   state of each option counted from its settings (`host_footprint.host_bytes_per_element`).
@@ -177,8 +178,8 @@ def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> 
     grad_bytes = (sum(n * s.grad_dtype.itemsize for s, n in zip(splits, local)) / hosted) if hosted else 2.0
     interval = config.update_interval if isinstance(config.update_interval, int) else config.rules.auto_max_interval
     compute = node.compute_ms(sizes.model_elements)
-    rooms = {device: available_bytes(device, config.device_memory_budget_bytes, config.device_memory_limit_bytes,
-                                      sizes.peak) for device in {s.param.device for s in splits}}
+    rooms = {device: available_bytes(device, config.device_memory_limit_bytes, sizes.peak)
+             for device in {s.param.device for s in splits}}
     room_host = host_room()
     fixed = sum({id(t): t.fixed_host_bytes for t in map(sizes.transport_of, splits)}.values())
     slots = grad_slots(planned_writeback_steps(config, int(hosted)))  # (landing buffers of host sums)

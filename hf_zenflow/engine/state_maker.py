@@ -44,7 +44,7 @@ class StateMaker:
         """The run's schedule, made at its first use."""
         host = self.host
         if host.schedule is None:
-            schedule = new_schedule(host.config, host.groups)
+            schedule = new_schedule(host.config, host.groups, host.steps_per_epoch)
             if host.config.device_memory_limit_bytes is not None:
                 schedule.limit_min_offload_numel = self.limit_choice().min_offload_numel
             host.schedule = schedule

@@ -86,6 +86,9 @@ class HostWindows:
         #: the run's schedule: None until the first step (or a load) makes it (`StateMaker.ensure_schedule`), and
         #: again after a reset
         self.schedule: WindowSchedule | None = None
+        #: the epoch length in optimizer steps, the data's (`ZenFlowAdamW.set_steps_per_epoch`): select_strategy
+        #: "epoch" and "auto" re-select by it; None: unknown
+        self.steps_per_epoch: int | None = None
         #: the first step's link buffers were reserved at once when its state is made in the backward hooks
         self.reserved_ahead = False
         #: the optimizer's meter of what the device holds (set by the optimizer): its peak so far is what

@@ -92,7 +92,7 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
     """ZenFlow settings for an `accelerate` loop, read from ``HF_ZENFLOW_<FIELD>`` when not given.
 
     Every `ZenFlowConfig` field is an argument (generated from its fields). Unset fields take `ZenFlowConfig`'s
-    defaults; ``steps_per_epoch`` is derived from the prepared dataloader when not given. Environment values are read
+    defaults; the optimizer's epoch length is set from the prepared dataloader (`prepare`). Environment values are read
     like command-line text (``true``/``false``, numbers, ``auto``; choices in any case). Invalid values raise
     `ValueError` naming the argument or the environment variable they came from.
 
@@ -193,9 +193,9 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
 
         Builds the `ZenFlowAdamW` over the model's trainable parameters, sets its epoch length from the first
         prepared dataloader in `objects` (in optimizer steps, i.e. divided by the gradient accumulation steps) unless
-        `steps_per_epoch` is set, and registers save/load-state pre-hooks that wait for the host worker, so that
-        `accelerator.save_state` / `load_state` round-trip exactly (the optimizer's state_dict holds the whole
-        ZenFlow state). Build the LR scheduler on the returned optimizer afterwards (and prepare it).
+        ``steps_per_epoch`` is passed in `optimizer_kwargs`, and registers save/load-state pre-hooks that wait for the
+        host worker, so that `accelerator.save_state` / `load_state` round-trip exactly (the optimizer's state_dict
+        holds the whole ZenFlow state). Build the LR scheduler on the returned optimizer afterwards (and prepare it).
 
         Under DDP (several processes) ``save_state`` must be called on every rank, as accelerate asks anyway: each
         rank writes its share of the optimizer state to ``zenflow_optimizer_rank{r}_of_{N}.pt`` in the folder, as
@@ -223,7 +223,7 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
         prepared = accelerator.prepare(*objects) if objects else ()
         if len(objects) == 1:
             prepared = (prepared,)
-        if self.steps_per_epoch is None:
+        if optimizer.steps_per_epoch is None:
             for obj in prepared:
                 if isinstance(obj, torch.utils.data.DataLoader):
                     try:

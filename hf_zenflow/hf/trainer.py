@@ -182,7 +182,7 @@ class ZenFlowTrainer(Trainer):
         optimizer = super().create_optimizer(model)
         opt = unwrap_zenflow_optimizer(optimizer)
         # Fill the epoch length in unless the user's own optimizer (`optimizers=(ZenFlowAdamW(...), None)`) has one.
-        if opt is not None and self._zenflow_steps_per_epoch is not None and opt.config.steps_per_epoch is None:
+        if opt is not None and self._zenflow_steps_per_epoch is not None and opt.steps_per_epoch is None:
             opt.set_steps_per_epoch(self._zenflow_steps_per_epoch)
         if opt is not None:
             opt.drained_by = type(self).__name__  # this Trainer synchronises, flushes and closes it itself

@@ -1,7 +1,7 @@
 """`ZenFlowTrainingArguments`: `TrainingArguments` plus the `--zenflow_*` flags.
 
 Every `ZenFlowConfig` field `<name>` is a field `zenflow_<name>` here (`ZenFlowSettingArguments`), with the
-setting's type, true default, help and choices (`settings.flags`), except the few in `TRAINER_EXCLUDED_SETTINGS`.
+setting's type, true default, help and choices (`settings.flags`).
 Values are validated by `ZenFlowConfig` itself (errors name the flag). Combinations the ZenFlow optimizer does not
 support fail at construction, naming the conflict, instead of training wrongly later.
 """
@@ -37,20 +37,13 @@ SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 #: Prefix of the generated fields (`zenflow_topk_ratio`, ...).
 ARG_PREFIX = "zenflow_"
 
-#: `ZenFlowConfig` fields that are deliberately not Trainer flags, with the reason (the one list of exclusions).
-TRAINER_EXCLUDED_SETTINGS = {
-    "steps_per_epoch": "the Trainer derives it from the train dataloader in optimizer steps (after gradient "
-    "accumulation, per process), so a flag could only disagree with it; for a dataset without a length use "
-    "--zenflow_select_strategy step.",
-}
-
 #: TrainingArguments field -> ZenFlowConfig field.
-ZENFLOW_FIELDS = {ARG_PREFIX + s.name: s.name for s in SETTINGS if s.name not in TRAINER_EXCLUDED_SETTINGS}
+ZENFLOW_FIELDS = {ARG_PREFIX + s.name: s.name for s in SETTINGS}
 
 _LAYOUTS = ("auto", "column", "row")
 
 #: Each setting's command-line field: its type, true default, help and choices (`settings.flags.trainer_fields`).
-_FIELDS = {name: spec for name, _, spec in trainer_fields(ARG_PREFIX, exclude=TRAINER_EXCLUDED_SETTINGS)}
+_FIELDS = {name: spec for name, _, spec in trainer_fields(ARG_PREFIX)}
 
 
 def _setting(name: str) -> Any:
@@ -60,7 +53,7 @@ def _setting(name: str) -> Any:
 
 @dataclass
 class ZenFlowSettingArguments:
-    """One ``--zenflow_<setting>`` field per `ZenFlowConfig` field (but `TRAINER_EXCLUDED_SETTINGS`), in its order;
+    """One ``--zenflow_<setting>`` field per `ZenFlowConfig` field, in its order;
     defaults, help and choices come from the setting. `ZenFlowTrainingArguments` lists this class first among its
     bases so that these fields come after the `TrainingArguments` ones (``output_dir`` stays the first positional
     argument)."""
@@ -78,7 +71,6 @@ class ZenFlowSettingArguments:
     zenflow_host_step_guard: str = _setting("host_step_guard")
     zenflow_min_offload_numel: int = _setting("min_offload_numel")
     zenflow_host_state: LowercaseChoice = _setting("host_state")
-    zenflow_device_memory_budget_bytes: int | None = _setting("device_memory_budget_bytes")
     zenflow_device_memory_limit_bytes: int | None = _setting("device_memory_limit_bytes")
     zenflow_cpu_threads: int | None = _setting("cpu_threads")
 
@@ -113,8 +105,9 @@ class ZenFlowTrainingArguments(ZenFlowSettingArguments, TrainingArguments):
     then be `"adamw_torch"` or `"adamw_torch_fused"` (`learning_rate`, `weight_decay`, `adam_beta1/2`, `adam_epsilon`,
     `max_grad_norm`, the LR scheduler and gradient accumulation keep their usual meaning; the ZenFlow interval counts
     *optimizer* steps). `zenflow_<name>` is `ZenFlowConfig.<name>`; after construction each holds the validated value
-    (e.g. `zenflow_update_interval` an `int` or `"auto"`). Choice strings are case-insensitive. `steps_per_epoch` is
-    not a flag: the Trainer derives it from the train dataloader.
+    (e.g. `zenflow_update_interval` an `int` or `"auto"`). Choice strings are case-insensitive. The epoch length that
+    select_strategy "epoch" / "auto" re-select by is not a setting: the Trainer derives it from the train dataloader
+    (for a dataset without a length use `zenflow_select_strategy="step"`).
 
     > Parameters that control ZenFlow
 
@@ -234,7 +227,7 @@ class ZenFlowTrainingArguments(ZenFlowSettingArguments, TrainingArguments):
 
     # ----------------------------------------------------------------------------------------------------------------
     def zenflow_config(self, **overrides: Any) -> ZenFlowConfig:
-        """The `ZenFlowConfig` these arguments describe (`overrides` replace fields, e.g. `steps_per_epoch=...`).
+        """The `ZenFlowConfig` these arguments describe (`overrides` replace fields, e.g. `topk_ratio=...`).
 
         Raises `ValueError` naming the `--zenflow_*` flag when a value is invalid.
         """

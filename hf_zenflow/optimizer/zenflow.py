@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import numbers
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -91,6 +92,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         params: parameters or param groups (per-group ``lr``, ``betas``, ``eps``, ``weight_decay``).
         lr, betas, eps, weight_decay: AdamW hyper-parameters (decoupled weight decay, as `torch.optim.AdamW`).
         config: a `ZenFlowConfig`; keyword arguments named like its fields override it.
+        steps_per_epoch: the epoch length in optimizer steps (the data's, not a setting), by which
+            ``select_strategy="epoch"`` and ``"auto"`` re-select; `ZenFlowTrainer` and `ZenFlowPlugin.prepare` set it
+            from the dataloader (`set_steps_per_epoch`). None: unknown (``"auto"`` re-selects every 100 steps,
+            ``"epoch"`` refuses the first step).
         host_executor: ``"thread"`` (default) runs the host work on a background thread; ``"inline"`` runs the same
             jobs in the calling thread, in the same order (the sequential reference of the overlapped schedule).
         process_group: the data-parallel ranks that share the host work (default: torch's default process group,
@@ -145,6 +150,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         config: ZenFlowConfig | None = None,
+        steps_per_epoch: int | None = None,
         host_executor: str = "thread",
         process_group: Any = None,
         **config_overrides: Any,
@@ -197,6 +203,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # The thread rule's decision for the run, before its first forward (docs/threads.md)
         self._host.keeper.offload_planned = offloads_any(self.param_groups, config)
         self._host.keeper.claim_cores()
+        if steps_per_epoch is not None:
+            self.set_steps_per_epoch(steps_per_epoch)
 
     # ------------------------------------------------------------------------------------------------------------
     # Public API
@@ -221,11 +229,20 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._clips_through_optimizer = True
         self._host.backward.free_kind = self._frees_next_step()
 
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """The epoch length in optimizer steps that ``select_strategy="epoch"`` / ``"auto"`` re-select by; None:
+        unknown."""
+        return self._host.steps_per_epoch
+
     def set_steps_per_epoch(self, steps: int) -> None:
-        """Epoch length in optimizer steps, for ``select_strategy="epoch"`` or ``"auto"``."""
-        self.config = self.config.replace(steps_per_epoch=int(steps))
+        """Set the epoch length in optimizer steps, for ``select_strategy="epoch"`` or ``"auto"`` (the Trainer and
+        `ZenFlowPlugin.prepare` do, from the dataloader); an integer >= 1."""
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+            raise ValueError(f"ZenFlowAdamW: steps_per_epoch={steps!r} is invalid: allowed is an integer >= 1.")
+        self._host.steps_per_epoch = int(steps)
         if self._schedule is not None:
-            self._schedule.select_period = self.config.select_period()
+            self._schedule.select_period = self.config.select_period(int(steps))
             self._host.backward.free_kind = self._frees_next_step()
 
     @torch.no_grad()

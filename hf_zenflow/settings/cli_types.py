@@ -59,14 +59,14 @@ def parameter_count(text: str) -> float:
 parameter_count.__name__ = "a number of parameters"
 
 
-def memory_budget(text: str) -> int | str:
-    """compare's device memory budget: "sync" (synchronous offload's), "free" (the device's free memory) or bytes,
+def memory_limit(text: str) -> int | str:
+    """compare's device memory limit: "sync" (synchronous offload's), "free" (the device's free memory) or bytes,
     an integer >= 0."""
     word = text.strip().lower()
-    return word if word in ("sync", "free") else _budget_int(text)
+    return word if word in ("sync", "free") else _limit_int(text)
 
 
-_budget_int = _number(int, 0, None, False, '"sync", "free" or an integer >= 0 (bytes)')
+_limit_int = _number(int, 0, None, False, '"sync", "free" or an integer >= 0 (bytes)')
 
 
 def interval(text: str) -> int | str:
@@ -95,5 +95,5 @@ def writeback_lag(text: str) -> int | str | None:
 _lag_int = _number(int, 1, None, False, 'an integer >= 1, "auto" or "none"')
 
 
-__all__ = ["PARAMETER_SUFFIXES", "fraction", "interval", "lr_scale", "memory_budget", "non_negative_float",
+__all__ = ["PARAMETER_SUFFIXES", "fraction", "interval", "lr_scale", "memory_limit", "non_negative_float",
            "non_negative_int", "parameter_count", "positive_float", "positive_int", "writeback_lag"]

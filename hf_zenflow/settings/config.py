@@ -67,8 +67,9 @@ _HIGH_LR_RULES = ("auto", "off")
 
 #: Settings this version of hf_zenflow no longer has: a settings dict (a checkpoint's) or a `ZenFlowAdamW` keyword
 #: that names one is refused with one message that says so (`removed_settings_text`), not as an unknown name.
-REMOVED_SETTINGS = ("host_grad_dtype", "auto_max_interval", "accumulate_on", "host_moment_dtype", "host_sum_dtype",
-                    "host_sum_columns", "host_writeback", "free_gradients_in_backward")
+REMOVED_SETTINGS = ("host_grad_dtype", "auto_max_interval", "device_memory_budget_bytes", "steps_per_epoch",
+                    "accumulate_on", "host_moment_dtype", "host_sum_dtype", "host_sum_columns", "host_writeback",
+                    "free_gradients_in_backward")
 
 
 def removed_settings_text(names: Iterable[str]) -> str | None:
@@ -265,23 +266,17 @@ class ZenFlowConfig:
                   "copy on one process (a CPU device; elsewhere the buffer stays).",
                   "choices": HOST_STATE_CHOICES},
     )
-    device_memory_budget_bytes: int | None = field(
-        default=None,
-        metadata={"help": 'Device memory, in bytes, that accumulate_on="auto" may count on for the window sums '
-                  "(and the selected columns' state) beyond the training step's own peak. None: measured on "
-                  'CUDA; unknown on a CPU device, which then accumulates on the host. On CUDA a budget caps the '
-                  "measured figure (a shared GPU)."},
-    )
     device_memory_limit_bytes: int | None = field(
         default=None,
         metadata={"help": "The whole device memory, in bytes, the training step may hold (weights, gradients, "
                   "optimizer state, window sums; not activations). At the first step the run's min_offload_numel "
                   "is lowered until the estimated peak fits: matrices under it are offloaded too, largest first "
                   "(decided from sizes alone, logged once, in stats()[\"min_offload_numel\"] and checkpoints; a "
-                  "warning when even offloading every matrix cannot fit). accumulate_on=\"auto\" then sums on the "
-                  "device only when the sums fit on top, with its margin. None: no such limit (then "
-                  "device_memory_budget_bytes, or on CUDA the measured free memory, decides where windows are "
-                  "summed)."},
+                  "warning when even offloading every matrix cannot fit). It is also the room accumulate_on=\"auto\" "
+                  "weighs: it sums on the device only when the sums fit in the limit less the estimated peak, with "
+                  "its margin (on CUDA also within the measured free memory). None: no such limit; on CUDA the "
+                  "measured free memory decides where windows are summed, on a CPU device the room is unknown and "
+                  "they are summed on the host."},
     )
     cpu_threads: int | None = field(
         default=None,
@@ -289,11 +284,6 @@ class ZenFlowConfig:
                   "process's CPU affinity; more than those cores is clamped to them. When something is offloaded, the "
                   "training thread keeps the remaining cores from the optimizer's construction to the end of the run "
                   "(docs/threads.md)."},
-    )
-    steps_per_epoch: int | None = field(
-        default=None,
-        metadata={"help": 'Optimizer steps per epoch, used by select_strategy "epoch"/"auto". The Trainer fills '
-                  "it in; a plain loop may pass it."},
     )
 
     def __post_init__(self) -> None:
@@ -363,22 +353,12 @@ class ZenFlowConfig:
             self.host_step_guard = ratio
         if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
             _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")
-        if self.device_memory_budget_bytes is not None and (
-            not _is_int(self.device_memory_budget_bytes) or self.device_memory_budget_bytes < 0
-        ):
-            _fail("device_memory_budget_bytes", self.device_memory_budget_bytes, "None or an integer >= 0")
         if self.device_memory_limit_bytes is not None and (
             not _is_int(self.device_memory_limit_bytes) or self.device_memory_limit_bytes < 0
         ):
             _fail("device_memory_limit_bytes", self.device_memory_limit_bytes, "None or an integer >= 0")
         if self.cpu_threads is not None and (not _is_int(self.cpu_threads) or self.cpu_threads < 1):
             _fail("cpu_threads", self.cpu_threads, "None (derive from CPU affinity) or an integer >= 1")
-        if self.steps_per_epoch is not None and (not _is_int(self.steps_per_epoch) or self.steps_per_epoch < 1):
-            _fail("steps_per_epoch", self.steps_per_epoch, "None or an integer >= 1")
-        if self.select_strategy == "epoch" and self.steps_per_epoch is None:
-            # Not an error: the Trainer fills steps_per_epoch in later. The optimizer raises if it is still unknown
-            # when the first re-selection is due, rather than silently never re-selecting (DeepSpeed #8456).
-            pass
 
     # ----------------------------------------------------------------------------------------------------------------
     def writeback_lag_bound(self) -> tuple[int, str]:
@@ -405,19 +385,22 @@ class ZenFlowConfig:
 
         return worker_threads(self.cpu_threads)
 
-    def select_period(self) -> int:
-        """Optimizer steps between re-selections, as resolved from the strategy and the epoch length."""
+    def select_period(self, steps_per_epoch: int | None = None) -> int:
+        """Optimizer steps between re-selections, as resolved from the strategy and the epoch length
+        (`steps_per_epoch`, the data's, in optimizer steps: `ZenFlowAdamW.steps_per_epoch`; None: unknown).
+        ``"epoch"`` with the epoch length unknown raises rather than never re-selecting."""
         interval = 1 if self.select_interval == "auto" else int(self.select_interval)
         if self.select_strategy == "step":
             return DEFAULT_SELECT_STEPS if self.select_interval == "auto" else interval
-        if self.steps_per_epoch is None:
+        if steps_per_epoch is None:
             if self.select_strategy == "epoch":
                 raise ValueError(
-                    'ZenFlowConfig.select_strategy="epoch" needs steps_per_epoch (an integer >= 1); the Trainer '
-                    'sets it, a plain loop must pass it, or use select_strategy="step".'
+                    'ZenFlowConfig.select_strategy="epoch" needs the epoch length: ZenFlowTrainer and '
+                    "ZenFlowPlugin.prepare set it, a plain loop passes ZenFlowAdamW(..., steps_per_epoch=N) or calls "
+                    'optimizer.set_steps_per_epoch(N) before the first step; or use select_strategy="step".'
                 )
             return DEFAULT_SELECT_STEPS
-        return interval * self.steps_per_epoch
+        return interval * steps_per_epoch
 
     def with_rules(self, **changes: Any) -> ZenFlowConfig:
         """A copy whose engine rules (`EngineRules`, `self.rules`) have `changes` applied, checked like settings.

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
-from .config import ZenFlowConfig
+from .config import ZenFlowConfig, removed_settings_text
 
 
 #: Words read as True / False from a command line or an environment variable (a superset of transformers'
@@ -156,7 +156,8 @@ def invalid_flags_message(argv: Iterable[str], prefix: str = "zenflow_") -> str 
     """What is wrong with the ``--<prefix><setting>`` flags among `argv` (their values together, every other setting
     at its default), named by flag; None when they are valid or `argv` takes its settings from elsewhere (a JSON file
     of arguments, ``--<prefix>from_deepspeed``). For a script to answer a bad value before it imports torch; flags
-    this reading cannot place (an unknown name, a missing value) are left to the script's own parser.
+    this reading cannot place (an unknown name, a missing value) are left to the script's own parser, but for one
+    that names a removed setting (`REMOVED_SETTINGS`), which is named as such.
 
     Example:
         >>> invalid_flags_message(["--output_dir", "out", "--zenflow_topk_ratio", "2"])
@@ -175,6 +176,9 @@ def invalid_flags_message(argv: Iterable[str], prefix: str = "zenflow_") -> str 
         name = flag[len(f"--no_{prefix}"):] if negated else flag[len(f"--{prefix}"):]
         setting = SETTINGS_BY_NAME.get(name) if flag.startswith(("--" + prefix, f"--no_{prefix}")) else None
         if setting is None:
+            removed = removed_settings_text([name]) if flag.startswith(("--" + prefix, f"--no_{prefix}")) else None
+            if removed:
+                return f"{flag}: the {removed} in this version of hf_zenflow."
             continue
         if negated:
             values[name] = False
@@ -214,17 +218,11 @@ def cli_annotation(setting: Setting) -> Any:
     return base | None if setting.optional else base
 
 
-def trainer_fields(prefix: str, exclude: Iterable[str] = ()) -> list[tuple[str, Any, Field]]:
+def trainer_fields(prefix: str) -> list[tuple[str, Any, Field]]:
     """``(name, type, field)`` triples for `dataclasses.make_dataclass`: one command-line field per setting, named
     ``<prefix><setting>``, with the setting's true default, help (``%`` escaped for argparse) and choices."""
-    excluded = set(exclude)
-    unknown = excluded - set(SETTINGS_BY_NAME)
-    if unknown:
-        raise ValueError(f"excluded setting(s) {sorted(unknown)} are not ZenFlowConfig fields")
     specs = []
     for s in SETTINGS:
-        if s.name in excluded:
-            continue
         metadata: dict[str, Any] = {"help": render_help(s, lambda n: f"--{prefix}{n}").replace("%", "%%")}
         if s.choices:
             metadata["choices"] = list(s.choices)

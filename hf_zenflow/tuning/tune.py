@@ -263,7 +263,7 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
                          log_every=0, device_cores=cfg.device_cores, host_cores=cfg.host_cores,
                          dataset=cfg.dataset, text_column=cfg.text_column,
                          label_column=cfg.label_column, train_split=cfg.train_split, eval_split=cfg.eval_split,
-                         metric=cfg.metric, device_memory_budget="free")  # (trials: the device's free memory)
+                         metric=cfg.metric, device_memory_limit_bytes="free")  # (trials: the device's free memory)
     base.core_split()  # a bad core count fails before the model loads
     device = base.resolved_device()
     task = prepare_task(model=cfg.model, task=cfg.task, steps=cfg.steps, train_size=cfg.train_size,

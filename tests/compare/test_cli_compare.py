@@ -57,9 +57,9 @@ def _card_row(card: str, name: str) -> str:
 def test_compare_tiny_run_writes_all_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
-    # (--device-memory-budget free: the device's free memory, where the window sums fit, as on a GPU with room to
+    # (--device-memory-limit-bytes free: the device's free memory, where the window sums fit, as on a GPU with room to
     # spare; the default holds ZenFlow to sync offload's memory: tests/compare/test_verdict.py)
-    rc = main(["compare", "--steps", "4", *TINY, "--save-model", "--device-memory-budget", "free"])
+    rc = main(["compare", "--steps", "4", *TINY, "--save-model", "--device-memory-limit-bytes", "free"])
     assert rc == 0
     runs = list((tmp_path / "zenflow_compare").iterdir())
     assert len(runs) == 1 and runs[0].name.endswith("_minilm"), runs  # a new folder per run, named by model

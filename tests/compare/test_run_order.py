@@ -148,7 +148,7 @@ def test_each_run_counts_its_own_turns_and_host_work_never_crosses_a_turn(monkey
     monkeypatch.setattr(HostAdamWorker, "_execute", slow_execute)
     monkeypatch.setattr(TrainingRun, "advance", recorded_advance)
     # (the free memory: the window summed on the device, so that ZenFlow's step itself never waits for a host job)
-    task, cfg = tiny_task(21), tiny_config(save_model=False, device_memory_budget="free")
+    task, cfg = tiny_task(21), tiny_config(save_model=False, device_memory_limit_bytes="free")
     results = runner._run_interleaved(cfg, task, torch.device("cpu"), LoadMonitor(), None, 8)
     span_s = max(b for _, _, b in turn_spans) - min(a for _, a, _ in turn_spans)
     others = [(a, b) for who, a, b in turn_spans if who != "zenflow"]

@@ -54,7 +54,7 @@ PROJECTION = {"params": 22.7e6, "profiles": {"h100-80gb-pcie5": {
 
 
 def say(res: dict, **kwargs) -> str:
-    values = dict(projection=PROJECTION, metric_name="accuracy", first=2, block=4, budget="sync",
+    values = dict(projection=PROJECTION, metric_name="accuracy", first=2, block=4, memory_limit="sync",
                   params_ran=22.7e6, device_cores=1)
     values.update(kwargs)
     return "\n".join(verdict(res, **values))
@@ -65,7 +65,7 @@ def test_the_verdict_says_no_difference_when_the_interval_holds_one():
     wall-clock gain (1.00×) from rows of figures. Steps that differ only by noise around the same time: "no
     difference shown", with the interval, against each baseline."""
     noise = [100.0 + 3.0 * math.sin(i) for i in range(42)]
-    text = say(results(noise, list(reversed(noise)), device_memory_budget_bytes=8 << 20))
+    text = say(results(noise, list(reversed(noise)), device_memory_limit_bytes=8 << 20))
     assert text.count("no difference shown") == 2, text
     assert "Speed against adamw_torch: ZenFlow's whole run was as fast as adamw_torch's" in text
     assert re.search(r"per block of 4 steps \d\.\d{3}× its time \(95 % interval 0\.9\d\d–1\.0\d\d, 10 blocks\)",
@@ -75,11 +75,12 @@ def test_the_verdict_says_no_difference_when_the_interval_holds_one():
 def test_the_verdict_names_a_shown_difference_memory_quality_and_the_projection():
     slow = [130.0 + (i % 3) for i in range(42)]
     base = [100.0 + (i % 2) for i in range(42)]
-    res = results(slow, base, eval_accuracy=0.794, eval_loss=0.49, device_memory_budget_bytes=8 << 20)
+    res = results(slow, base, eval_accuracy=0.794, eval_loss=0.49, device_memory_limit_bytes=8 << 20)
     text = say(res)
     assert "ZenFlow slower" in text and "ZenFlow's whole run was 1.30x slower than adamw_torch's" in text
     assert "Device memory: ZenFlow's peak 8.0 MiB (8.0 B/param), 0.50× adamw_torch's 16.0 MiB" in text
-    assert "held to 8.0 MiB, synchronous offload's weights and gradients (--device-memory-budget), within it" in text
+    assert ("held to 8.0 MiB, synchronous offload's weights and gradients (--device-memory-limit-bytes), within it"
+            in text)
     assert "Quality: held-out accuracy 0.7940 and loss 0.4900 against adamw_torch 0.8000 (-0.60 points)" in text
     assert "the accuracy and the loss disagree in direction" in text and "One seed is one seed" in text
     # the projection: why it differs, and the profile where ZenFlow loses to no offload, with its bound
@@ -88,8 +89,8 @@ def test_the_verdict_names_a_shown_difference_memory_quality_and_the_projection(
     assert ("Where the projection has ZenFlow slower than no offload (h100-80gb-pcie5 1.004 against 0.513 ms, "
             "host-bound: its host side 1.004 ms against 0.52 ms of GPU work)") in text
     assert "no offload fits there" in text and "ZenFlow is 2.79x faster on h100-80gb-pcie5" in text
-    free = say(results(slow, base), budget="free")
-    assert "it had the device's free memory (--device-memory-budget free)" in free
+    free = say(results(slow, base), memory_limit="free")
+    assert "it had the device's free memory (--device-memory-limit-bytes free)" in free
 
 
 def test_too_few_steps_give_no_interval():
@@ -129,24 +130,26 @@ def test_compare_in_a_log_file_has_no_carriage_returns_and_ends_with_the_verdict
 
 def test_zenflow_is_held_to_sync_offloads_device_memory_by_default(tiny_compare, tmp_path):
     """Regression: compare ran ZenFlow with the device's free memory (1.75× synchronous offload's on the default
-    task) where people offload because memory is short. By default its budget is synchronous offload's weights and
-    gradients, byte for byte what the sync offload run's meter measured; --device-memory-budget free is the option."""
+    task) where people offload because memory is short. By default its limit is synchronous offload's weights and
+    gradients, byte for byte what the sync offload run's meter measured; --device-memory-limit-bytes free is the
+    option."""
     held = tiny_compare(tiny_config(output_dir=str(tmp_path / "held"), project_hardware=("h100-80gb-pcie5",)))
     zen, sync = held["results"]["zenflow"], held["results"]["sync_offload"]
-    assert zen["device_memory_budget_bytes"] == sync["peak_device_bytes"] > 0
-    assert zen["peak_device_bytes"] <= zen["device_memory_budget_bytes"]
-    free = tiny_compare(tiny_config(output_dir=str(tmp_path / "free"), device_memory_budget="free",
+    assert zen["device_memory_limit_bytes"] == sync["peak_device_bytes"] > 0
+    assert zen["peak_device_bytes"] <= zen["device_memory_limit_bytes"]
+    free = tiny_compare(tiny_config(output_dir=str(tmp_path / "free"), device_memory_limit_bytes="free",
                                     project_hardware=("h100-80gb-pcie5",)))
-    assert free["results"]["zenflow"]["device_memory_budget_bytes"] is None
-    assert any("--device-memory-budget free" in line for line in free["verdict"])
+    assert free["results"]["zenflow"]["device_memory_limit_bytes"] is None
+    assert any("--device-memory-limit-bytes free" in line for line in free["verdict"])
 
 
-def test_the_budget_flag_takes_sync_free_or_bytes(capsys):
-    parse = lambda *flags: build_parser("compare").parse_args(["compare", *flags]).device_memory_budget  # noqa: E731
-    assert parse() == "sync" and parse("--device-memory-budget", "free") == "free"
-    assert parse("--device-memory-budget", "181711888") == 181711888
+def test_the_limit_flag_takes_sync_free_or_bytes(capsys):
+    parse = lambda *flags: (  # noqa: E731
+        build_parser("compare").parse_args(["compare", *flags]).device_memory_limit_bytes)
+    assert parse() == "sync" and parse("--device-memory-limit-bytes", "free") == "free"
+    assert parse("--device-memory-limit-bytes", "181711888") == 181711888
     with pytest.raises(SystemExit):
-        parse("--device-memory-budget", "lots")
+        parse("--device-memory-limit-bytes", "lots")
     assert '"sync", "free" or an integer >= 0' in capsys.readouterr().err
 
 

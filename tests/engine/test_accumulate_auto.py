@@ -23,6 +23,7 @@ from tests.conftest import (
     param_groups,
     plan_with_host_ram,
     roundtrip,
+    step_peak,
     train,
     zenflow_adamw,
     zenflow_config,
@@ -31,11 +32,18 @@ from tests.conftest import (
 
 LR = 1e-2
 SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0)
-FITS, TOO_SMALL = 1 << 30, 1000  # bytes; the tiny model's window sums and selected columns take ~36 KB
+#: device memory limits, in bytes: FITS far above the tiny model's step and its window sums and selected columns
+#: (~36 KB), TOO_SMALL (`too_small`) 1000 bytes above the step's estimated peak
+FITS, TOO_SMALL = 1 << 30, "too small"
 #: Host RAM for the tiny fp32 model's host state with fp32 device sums (12 B per offloaded element on a CPU device:
 #: master, bf16 moments, the sum that is also the write-back buffer) but not with host sums (16: the sum and the
 #: write-back buffer apart) nor bf16 device sums (14: an fp32 accumulator and a bf16 landing buffer).
 SHORT_HOST = 13 * sum(p.numel() for p in make_model().parameters() if p.ndim >= 2)
+
+
+def limit(room: int | str, settings: dict = SETTINGS) -> int:
+    """`room` as a `device_memory_limit_bytes`: FITS as it is, TOO_SMALL 1000 bytes of room beside the step."""
+    return step_peak(settings) + 1000 if room == TOO_SMALL else room
 
 
 def run(steps: int, **settings) -> tuple[torch.nn.Module, list[float], dict]:
@@ -60,15 +68,16 @@ def short_host(monkeypatch) -> None:
     plan_with_host_ram(monkeypatch, SHORT_HOST)
 
 
-@pytest.mark.parametrize(("budget", "host_ram", "expected"), [(FITS, None, "host"), (FITS, SHORT_HOST, "device"),
-                                                              (TOO_SMALL, SHORT_HOST, "host")])
-def test_auto_chooses_by_memory_and_trains_bitwise_like_the_explicit_setting(budget, host_ram, expected, caplog,
+@pytest.mark.parametrize(("room", "host_ram", "expected"), [(FITS, None, "host"), (FITS, SHORT_HOST, "device"),
+                                                            (TOO_SMALL, SHORT_HOST, "host")])
+def test_auto_chooses_by_memory_and_trains_bitwise_like_the_explicit_setting(room, host_ram, expected, caplog,
                                                                             monkeypatch):
     """With room on the host (None: unknown, counted as room) host sums are the fastest; where the host is short and
     the device has room, device sums; where neither has room, host sums (the device never overflows first)."""
     plan_with_host_ram(monkeypatch, host_ram)
+    limit_bytes = limit(room)
     with caplog.at_level(logging.INFO, logger="hf_zenflow"):
-        auto_model, auto_losses, auto_stats = run(14, device_memory_budget_bytes=budget)
+        auto_model, auto_losses, auto_stats = run(14, device_memory_limit_bytes=limit_bytes)
     assert auto_stats["accumulate_on"] == expected
     chosen = [r.getMessage() for r in caplog.records if 'accumulate_on="auto" chose' in r.getMessage()]
     assert len(chosen) == 1 and f'chose "{expected}"' in chosen[0]
@@ -81,8 +90,8 @@ def test_auto_chooses_by_memory_and_trains_bitwise_like_the_explicit_setting(bud
     assert auto_stats["host_state_bytes"] == ref_stats["host_state_bytes"]
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="a CPU device's memory is unknown without a budget")
-def test_a_cpu_device_without_a_budget_accumulates_on_the_host():
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="a CPU device's memory is unknown without a limit")
+def test_a_cpu_device_without_a_limit_accumulates_on_the_host():
     _, _, stats = run(5)
     assert stats["accumulate_on"] == "host"
 
@@ -92,13 +101,13 @@ def test_a_resumed_run_keeps_its_choice_and_continues_exactly(first, then, kept,
     total, split_at = 22, 6  # mid-window, with a host step in flight
     data = batches(total)
     model = make_model()
-    opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, device_memory_budget_bytes=first)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, device_memory_limit_bytes=limit(first))
     full_losses = train(model, opt, data, linear_schedule(opt, total), clip=1.0)
     assert opt.stats()["accumulate_on"] == kept
     opt.close()
 
     model_a = make_model()
-    opt_a = zenflow_adamw(param_groups(model_a), lr=LR, **SETTINGS, device_memory_budget_bytes=first)
+    opt_a = zenflow_adamw(param_groups(model_a), lr=LR, **SETTINGS, device_memory_limit_bytes=limit(first))
     sched_a = linear_schedule(opt_a, total)
     head = train(model_a, opt_a, data[:split_at], sched_a, clip=1.0)
     checkpoint = roundtrip({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "sched": sched_a.state_dict()})
@@ -107,8 +116,8 @@ def test_a_resumed_run_keeps_its_choice_and_continues_exactly(first, then, kept,
 
     model_b = make_model(seed=123)
     model_b.load_state_dict(checkpoint["model"])
-    # this budget alone would choose the other place: the checkpoint's choice wins
-    opt_b = zenflow_adamw(param_groups(model_b), lr=LR, **SETTINGS, device_memory_budget_bytes=then)
+    # this limit alone would choose the other place: the checkpoint's choice wins
+    opt_b = zenflow_adamw(param_groups(model_b), lr=LR, **SETTINGS, device_memory_limit_bytes=limit(then))
     sched_b = linear_schedule(opt_b, total)
     opt_b.load_state_dict(checkpoint["opt"])
     sched_b.load_state_dict(checkpoint["sched"])
@@ -124,7 +133,7 @@ def test_a_resumed_run_keeps_its_choice_and_continues_exactly(first, then, kept,
 
 def test_an_explicit_setting_on_resume_replaces_the_saved_choice():
     model = make_model()
-    opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, device_memory_budget_bytes=FITS)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, device_memory_limit_bytes=FITS)
     train(model, opt, batches(6), clip=1.0)
     state = roundtrip(opt.state_dict())
     opt.close()
@@ -138,8 +147,8 @@ def test_an_explicit_setting_on_resume_replaces_the_saved_choice():
 @pytest.mark.parametrize(("field", "value", "allowed"), [
     ("accumulate_on", "gpu", '"auto" | "host" | "device"'),
     ("accumulate_on", 1, '"auto" | "host" | "device"'),
-    ("device_memory_budget_bytes", -1, "None or an integer >= 0"),
-    ("device_memory_budget_bytes", 1.5, "None or an integer >= 0"),
+    ("device_memory_limit_bytes", -1, "None or an integer >= 0"),
+    ("device_memory_limit_bytes", 1.5, "None or an integer >= 0"),
 ])
 def test_invalid_values_are_refused_naming_field_value_and_allowed(field, value, allowed):
     with pytest.raises(ValueError) as err:
@@ -161,27 +170,29 @@ def test_cuda_spare_memory_is_free_plus_cache_minus_the_peak(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 36 * gib)
     cuda = torch.device("cuda", 0)
     assert accumulation.available_bytes(cuda, None) == (4 * gib, 80 * gib)
-    assert accumulation.available_bytes(cuda, gib) == (gib, 80 * gib)  # a budget caps it
+    # a limit caps it: the limit less the step's peak, within the measured room
+    assert accumulation.available_bytes(cuda, 37 * gib) == (gib, 37 * gib)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 50 * gib)
     assert accumulation.available_bytes(cuda, None) == (0, 80 * gib)
     assert accumulation.available_bytes(torch.device("cpu"), None) == (None, None)
     assert accumulation.available_bytes(torch.device("cpu"), 5) == (5, 5)
+    assert accumulation.available_bytes(torch.device("cpu"), 5, peak=3) == (2, 5)
 
 
-def _agreement_run(rank: int, init_file: str, out_dir: str, budgets: tuple[int, int]) -> None:
+def _agreement_run(rank: int, init_file: str, out_dir: str, limits: tuple[int, int]) -> None:
     from gloo_ranks import run_in_group
 
-    run_in_group(rank, init_file, _agreement_run_body, out_dir, budgets)
+    run_in_group(rank, init_file, _agreement_run_body, out_dir, limits)
 
 
-def _agreement_run_body(rank: int, out_dir: str, budgets: tuple[int, int]) -> None:
+def _agreement_run_body(rank: int, out_dir: str, limits: tuple[int, int]) -> None:
     from hf_zenflow.engine import planner
 
     planner.host_room = lambda: SHORT_HOST  # (this rank's process: device sums where its device has room)
     model = make_model().cpu()
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
     opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, cpu_threads=1,
-                        device_memory_budget_bytes=budgets[rank])
+                        device_memory_limit_bytes=limits[rank])
     for x, y in batches(6, seed=rank):
         loss = torch.nn.functional.cross_entropy(wrapped(x).flatten(0, 1), y.flatten())
         loss.backward()
@@ -194,11 +205,11 @@ def _agreement_run_body(rank: int, out_dir: str, budgets: tuple[int, int]) -> No
 
 
 def test_ranks_agree_on_the_most_conservative_choice(tmp_path):
-    """With the host short for host sums, rank 0's budget fits device sums, rank 1's does not: both accumulate on
+    """With the host short for host sums, rank 0's limit fits device sums, rank 1's does not: both accumulate on
     the host (one spawn of two gloo ranks)."""
     from gloo_ranks import spawn_ranks
 
-    spawn_ranks(_agreement_run, str(tmp_path), (FITS, TOO_SMALL))
+    spawn_ranks(_agreement_run, str(tmp_path), (FITS, limit(TOO_SMALL)))
     a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     assert a["chosen"] == b["chosen"] == "host"
     assert all(torch.equal(p, q) for p, q in zip(a["weights"], b["weights"]))

@@ -26,6 +26,8 @@ from tests.conftest import (
     param_groups,
     plan_with_host_ram,
     roundtrip,
+    smallest_limit_that_fits,
+    step_peak,
     train,
     zenflow_adamw,
 )
@@ -37,7 +39,7 @@ LR = 1e-2
 # gradients they keep on the device, `tests/engine/test_free_gradients.py`)
 SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0,
                 high_lr_rule="off", free_gradients_in_backward="off")
-FITS = 1 << 30  # bytes: far more than the tiny model's window sums and selected columns (~36 KB)
+FITS = 1 << 30  # bytes: a device memory limit far above the tiny model's step, window sums and selected columns
 #: Host RAM for the tiny fp32 model's host state with device sums (12 B per offloaded element on a CPU device with
 #: fp32 sums, 14 with bf16 ones) but not with host sums (16): "auto" then weighs the device sums against the device.
 DEVICE_SUMS_ONLY = 15 * sum(p.numel() for p in make_model().parameters() if p.ndim >= 2)
@@ -72,26 +74,16 @@ def sums_needed(settings: dict) -> tuple[int, int]:
     return (accumulation.device_bytes_needed(splits, shares, 4), accumulation.device_bytes_needed(splits, shares, 2))
 
 
-def smallest_budget_that_fits(need: int) -> int:
-    """The smallest device budget under which `need` bytes fit with the margin (the planner's rule,
-    `planner.plan_accumulation`)."""
-    budget = math.floor(need / (1 - accumulation.MARGIN))
-    while not need <= budget - accumulation.MARGIN * budget:
-        budget += 1
-    assert not need <= (budget - 1) - accumulation.MARGIN * (budget - 1)
-    return budget
-
-
 def test_auto_chooses_fp32_then_bf16_then_host_at_the_exact_boundaries(caplog):
     need32, need16 = sums_needed({})
     assert need16 < need32  # (half the sums' bytes; the selected columns' state is the same)
-    at32, at16 = smallest_budget_that_fits(need32), smallest_budget_that_fits(need16)
+    at32, at16 = smallest_limit_that_fits(SETTINGS, need32), smallest_limit_that_fits(SETTINGS, need16)
     cases = [(at32, "device"), (at32 - 1, "device_bf16"), (at16, "device_bf16"), (at16 - 1, "host")]
-    for budget, expected in cases:
+    for limit, expected in cases:
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hf_zenflow"):
-            _, _, opt, per_step = run(2, device_memory_budget_bytes=budget)
-        assert per_step[-1]["accumulate_on"] == expected, budget
+            _, _, opt, per_step = run(2, device_memory_limit_bytes=limit)
+        assert per_step[-1]["accumulate_on"] == expected, limit
         chosen = [r.getMessage() for r in caplog.records if 'accumulate_on="auto" chose' in r.getMessage()]
         assert len(chosen) == 1 and f'chose "{expected}"' in chosen[0]
         sums = [s.window_sum for s in opt.engine_state.splits.values() if s.host is not None]
@@ -214,14 +206,14 @@ def resume(
     ("first", "then"),
     [
         (dict(accumulate_on="device_bf16"), dict(accumulate_on="device_bf16")),
-        # "auto" chose bf16 sums; the resumed run's budget alone would choose fp32 sums: the checkpoint's choice wins
-        (dict(device_memory_budget_bytes="bf16"), dict(device_memory_budget_bytes=FITS)),
+        # "auto" chose bf16 sums; the resumed run's limit alone would choose fp32 sums: the checkpoint's choice wins
+        (dict(device_memory_limit_bytes="bf16"), dict(device_memory_limit_bytes=FITS)),
     ],
 )
 def test_a_resume_mid_window_continues_exactly(first, then):
-    if first.get("device_memory_budget_bytes") == "bf16":
+    if first.get("device_memory_limit_bytes") == "bf16":
         need32, _ = sums_needed({})
-        first = dict(device_memory_budget_bytes=smallest_budget_that_fits(need32) - 1)
+        first = dict(device_memory_limit_bytes=smallest_limit_that_fits(SETTINGS, need32) - 1)
     full, resumed, model, model_b, seen, opt_b = resume(first, then)
     saved = seen["checkpoint"]["opt"]
     assert saved["zenflow"]["accumulate_on"] == "device_bf16"
@@ -295,20 +287,20 @@ def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, mon
         assert all(torch.equal(p, q) for p, q in zip(weights, cpu_weights))
 
 
-def _ranks_run(rank: int, init_file: str, out_dir: str, budgets: tuple[int, int]) -> None:
+def _ranks_run(rank: int, init_file: str, out_dir: str, limits: tuple[int, int]) -> None:
     from gloo_ranks import run_in_group
 
-    run_in_group(rank, init_file, _ranks_run_body, out_dir, budgets)
+    run_in_group(rank, init_file, _ranks_run_body, out_dir, limits)
 
 
-def _ranks_run_body(rank: int, out_dir: str, budgets: tuple[int, int]) -> None:
+def _ranks_run_body(rank: int, out_dir: str, limits: tuple[int, int]) -> None:
     from hf_zenflow.engine import planner
 
     planner.host_room = lambda: DEVICE_SUMS_ONLY / 2  # (this rank's process, half the host state: short for host sums)
     model = make_model().cpu()
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
     opt = zenflow_adamw(
-        param_groups(model), lr=LR, **SETTINGS, cpu_threads=1, device_memory_budget_bytes=budgets[rank]
+        param_groups(model), lr=LR, **SETTINGS, cpu_threads=1, device_memory_limit_bytes=limits[rank]
     )
     for x, y in batches(10, seed=rank):
         loss = torch.nn.functional.cross_entropy(wrapped(x).flatten(0, 1), y.flatten())
@@ -337,9 +329,10 @@ def test_ranks_agree_on_bf16_sums_when_one_rank_fits_only_those(tmp_path):
     need32, need16 = sums_needed({})
     hosted_bytes = (need32 - need16) // 2  # 2 B per hosted element (one process), the rest is the selected state
     selected = need16 - 2 * hosted_bytes
-    # each rank's share: half the sums; midway between its bf16 and fp32 needs
+    # each rank's share: half the sums; room midway between its bf16 and fp32 needs beside the step (each rank's
+    # step holds the whole model on its device, as one process's does)
     per_rank32, per_rank16 = 2 * hosted_bytes + selected, hosted_bytes + selected
-    only_bf16 = math.ceil((per_rank32 + per_rank16) / 2 / (1 - accumulation.MARGIN))
+    only_bf16 = math.ceil(((per_rank32 + per_rank16) / 2 + step_peak(SETTINGS)) / (1 - accumulation.MARGIN))
     spawn_ranks(_ranks_run, str(tmp_path), (FITS, only_bf16))
     a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     assert a["chosen"] == b["chosen"] == "device_bf16"

@@ -132,8 +132,8 @@ def test_a_cuda_limit_counts_the_estimated_peak_when_it_is_above_the_measured_on
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 36 * gib)
     cuda = torch.device("cuda", 0)
-    assert accumulation.available_bytes(cuda, None, 40 * gib, 38 * gib) == (2 * gib, 40 * gib)
-    assert accumulation.available_bytes(cuda, None, 40 * gib, 30 * gib) == (4 * gib, 40 * gib)
+    assert accumulation.available_bytes(cuda, 40 * gib, 38 * gib) == (2 * gib, 40 * gib)
+    assert accumulation.available_bytes(cuda, 40 * gib, 30 * gib) == (4 * gib, 40 * gib)
 
 
 def test_the_choice_is_the_largest_threshold_that_fits():

@@ -13,7 +13,16 @@ from hf_zenflow.engine import accumulation
 from hf_zenflow.engine.device_memory import DeviceMemoryMeter
 from hf_zenflow.engine.schedule import StepKind
 from hf_zenflow.transport import CopyTransport
-from tests.conftest import DEVICE, FREE_GRADIENTS, batches, make_model, param_groups, plan_with_host_ram, zenflow_adamw
+from tests.conftest import (
+    DEVICE,
+    FREE_GRADIENTS,
+    batches,
+    make_model,
+    param_groups,
+    plan_with_host_ram,
+    smallest_limit_that_fits,
+    zenflow_adamw,
+)
 
 
 SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=5, min_offload_numel=0,
@@ -99,8 +108,9 @@ def test_a_step_of_another_kind_brings_the_freed_gradients_back_exactly(freed_fo
 
 def test_auto_counts_the_freed_gradients_against_device_sums(monkeypatch):
     """accumulate_on="auto" with the gradients freed in backward and the host short for host sums: device sums would
-    keep every offloaded gradient on the device until step(), so a budget that fits the sums and selected columns
-    alone chooses host sums (which free them), and one larger by the gradients' bytes chooses device sums."""
+    keep every offloaded gradient on the device until step(), so a limit whose room beside the step fits the sums and
+    selected columns alone chooses host sums (which free them), and one larger by the gradients' bytes chooses
+    device sums."""
     plan_with_host_ram(monkeypatch, 0)  # (no host option fits: the device sums that fit the device are taken)
     model = make_model()
     opt = zenflow_adamw(param_groups(model), lr=1e-2, **{**SETTINGS, "accumulate_on": "device"})
@@ -112,17 +122,17 @@ def test_auto_counts_the_freed_gradients_against_device_sums(monkeypatch):
     need = accumulation.device_bytes_needed(splits, {id(s): s.share for s in splits}, 4)
     grads = sum(s.param.numel() * s.param.element_size() for s in splits)
     opt.close()
-    roomy = math.ceil((need + grads) / (1 - accumulation.MARGIN)) + 1
-    tight = math.ceil(need / (1 - accumulation.MARGIN)) + 1
+    freeing = {**SETTINGS, "accumulate_on": "auto", "free_gradients_in_backward": "on"}
+    roomy = smallest_limit_that_fits(freeing, need + grads)
+    tight = smallest_limit_that_fits(freeing, need)
     chosen = {}
-    for budget in (tight, roomy):
+    for limit in (tight, roomy):
         model = make_model()
-        opt = zenflow_adamw(param_groups(model), lr=1e-2, **{**SETTINGS, "accumulate_on": "auto"},
-                            device_memory_budget_bytes=budget, free_gradients_in_backward="on")
+        opt = zenflow_adamw(param_groups(model), lr=1e-2, **freeing, device_memory_limit_bytes=limit)
         logits = model(x.to(DEVICE)).float()
         torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.to(DEVICE).view(-1)).backward()
         opt.step()
-        chosen[budget] = opt.stats()["accumulate_on"]
+        chosen[limit] = opt.stats()["accumulate_on"]
         opt.close()
     assert chosen[tight] != "device" and chosen[roomy] == "device"
 

@@ -19,7 +19,7 @@ from hf_zenflow.hf.accelerate_plugin import ENV_PREFIX
 
 ENV_NAMES = [f"{ENV_PREFIX}{name.upper()}" for name in (
     "topk_ratio", "update_interval", "select_strategy", "select_interval", "full_warm_up_rounds", "overlap_step",
-    "auto_ratio", "cpu_threads", "steps_per_epoch")]
+    "auto_ratio", "cpu_threads")]
 
 
 @pytest.fixture(autouse=True)
@@ -124,7 +124,7 @@ def test_prepare_and_steps_per_epoch():
                                                                              lr=1e-3)
     opt = optimizer.optimizer
     assert isinstance(opt, ZenFlowAdamW)
-    assert opt.config.steps_per_epoch == 5  # 10 batches / 2 accumulation steps
+    assert opt.steps_per_epoch == 5  # 10 batches / 2 accumulation steps
     assert len(prepared_loader) == 10
     assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
 

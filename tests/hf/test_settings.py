@@ -15,7 +15,8 @@ from transformers import HfArgumentParser
 from hf_zenflow import ZenFlowConfig, ZenFlowPlugin
 from hf_zenflow.hf.accelerate_plugin import env_name
 from hf_zenflow.hf.trainer import ZenFlowTrainer
-from hf_zenflow.hf.training_args import TRAINER_EXCLUDED_SETTINGS, ZENFLOW_FIELDS, ZenFlowTrainingArguments
+from hf_zenflow.hf.training_args import ZENFLOW_FIELDS, ZenFlowTrainingArguments
+from hf_zenflow.settings.config import REMOVED_SETTINGS
 from hf_zenflow.settings.flags import SETTINGS, SETTINGS_BY_NAME, add_arguments, format_default
 
 
@@ -40,10 +41,8 @@ CASES = [
     ("min_offload_numel", "12345", 12345, {}),
     ("host_state", "Lean", "lean", {}),
     ("high_lr_rule", "OFF", "off", {}),
-    ("device_memory_budget_bytes", "1000000", 1000000, {}),
     ("device_memory_limit_bytes", "2000000", 2000000, {}),
     ("cpu_threads", "2", 2, {}),
-    ("steps_per_epoch", "30", 30, {}),
 ]
 BASE = ["--output_dir", "unused", "--use_cpu", "--report_to", "none"]
 
@@ -55,11 +54,11 @@ def test_the_table_covers_every_field():
         assert value != getattr(ZenFlowConfig(), name)
 
 
-def test_exclusions_are_listed_once_and_every_other_field_is_a_flag():
-    assert set(ZENFLOW_FIELDS.values()) | set(TRAINER_EXCLUDED_SETTINGS) == {f.name for f in fields(ZenFlowConfig)}
-    assert not set(ZENFLOW_FIELDS.values()) & set(TRAINER_EXCLUDED_SETTINGS)
+def test_every_field_is_a_flag_and_no_removed_setting_is():
+    assert set(ZENFLOW_FIELDS.values()) == {f.name for f in fields(ZenFlowConfig)}
     flags = HfArgumentParser(ZenFlowTrainingArguments)._option_string_actions
-    assert "--zenflow_steps_per_epoch" not in flags
+    assert all(f"--{arg}" in flags for arg in ZENFLOW_FIELDS)
+    assert not [name for name in REMOVED_SETTINGS if f"--zenflow_{name}" in flags]
 
 
 def _from_trainer_flags(name, text, needs):
@@ -97,8 +96,7 @@ def test_every_path_gives_the_same_config(monkeypatch, name, text, expected, nee
         "ZenFlowConfig from text": ZenFlowConfig(**{name: text, **needs}) if SETTINGS_BY_NAME[name].kind in (
             "text", "choice") else ZenFlowConfig(**{name: expected, **needs}),
     }
-    if name not in TRAINER_EXCLUDED_SETTINGS:
-        paths["Trainer flags"] = _from_trainer_flags(name, text, needs)
+    paths["Trainer flags"] = _from_trainer_flags(name, text, needs)
     reference = ZenFlowConfig(**{name: expected, **needs})
     for path, config in paths.items():
         assert config == reference, path

@@ -402,7 +402,7 @@ def test_user_built_zenflow_optimizer(tmp_path, train_dataset):
                              optimizers=(opt, None))
     trainer.train()
     assert trainer.zenflow_optimizer is opt
-    assert opt.stats()["windows"] == 2 and opt.config.steps_per_epoch == 64  # 256 samples / batch 4
+    assert opt.stats()["windows"] == 2 and opt.steps_per_epoch == 64  # 256 samples / batch 4
     assert "zenflow/critical_path_ms" in trainer.state.log_history[0]
 
 

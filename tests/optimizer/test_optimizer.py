@@ -458,12 +458,27 @@ def test_reselection_follows_changing_importance():
 def test_epoch_strategy_needs_the_epoch_length():
     model = make_model()
     opt = ZenFlowAdamW(param_groups(model), lr=LR, select_strategy="epoch", select_interval=1, min_offload_numel=0)
+    assert opt.steps_per_epoch is None
     with pytest.raises(ValueError, match="steps_per_epoch"):
         train(model, opt, batches(1))
     opt.set_steps_per_epoch(3)
     train(model, opt, batches(7))
-    assert opt.stats()["reselections"] == 3  # steps 0, 3, 6
+    assert opt.steps_per_epoch == 3 and opt.stats()["reselections"] == 3  # steps 0, 3, 6
     opt.close()
+
+
+def test_the_epoch_length_is_a_keyword_of_the_optimizer():
+    """A plain loop passes the epoch length where it builds the optimizer: the same re-selections as setting it
+    before the first step; an invalid one is refused naming it."""
+    model = make_model()
+    opt = ZenFlowAdamW(param_groups(model), lr=LR, select_strategy="epoch", select_interval=2, min_offload_numel=0,
+                       steps_per_epoch=2)
+    train(model, opt, batches(9))
+    assert opt.steps_per_epoch == 2 and opt.stats()["reselections"] == 3  # steps 0, 4, 8
+    opt.close()
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=rf"steps_per_epoch={bad!r} is invalid: allowed is an integer >= 1"):
+            ZenFlowAdamW(param_groups(make_model()), lr=LR, steps_per_epoch=bad)
 
 
 def test_auto_interval_is_adaptive_and_bounded():

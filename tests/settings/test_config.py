@@ -33,7 +33,6 @@ from hf_zenflow.settings.config import DEFAULT_SELECT_STEPS, available_cpu_count
         ("min_offload_numel", -1),
         ("host_state", "small"),
         ("cpu_threads", 0),
-        ("steps_per_epoch", 0),
         ("writeback_lag", 0),
         ("writeback_lag", 5),  # beyond update_interval=4: the next window has closed by then
         ("writeback_lag", 1.5),
@@ -113,8 +112,13 @@ def test_integer_interval_with_auto_strategy_is_rejected():
     ],
 )
 def test_select_period(strategy, interval, steps_per_epoch, period):
-    cfg = ZenFlowConfig(select_strategy=strategy, select_interval=interval, steps_per_epoch=steps_per_epoch)
-    assert cfg.select_period() == period
+    cfg = ZenFlowConfig(select_strategy=strategy, select_interval=interval)
+    assert cfg.select_period(steps_per_epoch) == period
+
+
+def test_the_epoch_strategy_needs_the_epoch_length():
+    with pytest.raises(ValueError, match="needs the epoch length.*steps_per_epoch=N"):
+        ZenFlowConfig(select_strategy="epoch", select_interval=1).select_period(None)
 
 
 def test_cpu_threads_default_follows_affinity():
@@ -195,3 +199,28 @@ def test_writeback_lag_is_bounded_by_the_window():
     with pytest.raises(ValueError, match=r'writeback_lag=9 .*the longest "auto" window \(8\)'):
         ZenFlowConfig(update_interval="auto", writeback_lag=9).with_rules(auto_max_interval=8)
 
+
+REMOVED = ("host_grad_dtype", "device_memory_budget_bytes", "steps_per_epoch")
+
+
+def test_the_removed_settings_are_gone_and_a_use_of_one_names_it():
+    """`host_grad_dtype`, `device_memory_budget_bytes` (`device_memory_limit_bytes` gives the room) and
+    `steps_per_epoch` (the data's, passed to the optimizer) are no settings: a dataclass field, a keyword of
+    `ZenFlowConfig` or of `ZenFlowAdamW`, or an entry of a settings dict that names one fails, naming it."""
+    import torch
+
+    from hf_zenflow.settings.config import REMOVED_SETTINGS
+
+    names = {f.name for f in fields(ZenFlowConfig)}
+    assert not names & set(REMOVED) and set(REMOVED) <= set(REMOVED_SETTINGS)
+    for name in ("host_grad_dtype", "device_memory_budget_bytes"):
+        with pytest.raises(TypeError, match=name):
+            ZenFlowConfig(**{name: None})
+        with pytest.raises(ValueError, match=rf"setting {name} no longer exists in this version of hf_zenflow"):
+            ZenFlowAdamW([torch.nn.Parameter(torch.zeros(2, 2))], **{name: None})
+    with pytest.raises(TypeError, match="steps_per_epoch"):
+        ZenFlowConfig(steps_per_epoch=3)
+    with pytest.raises(ValueError, match=r"settings device_memory_budget_bytes, host_grad_dtype no longer exist in "
+                                         r"this version of hf_zenflow"):
+        ZenFlowConfig.from_dict({**ZenFlowConfig().to_dict(), "host_grad_dtype": "auto",
+                                 "device_memory_budget_bytes": None})
