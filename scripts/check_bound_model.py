@@ -35,6 +35,7 @@ from hf_zenflow.estimate.hardware import zenflow_host_passes
 from hf_zenflow.estimate.host_rates import host_profile, measure_host_rates
 from hf_zenflow.estimate.profiles import HOST_ADAMW_BYTES_PER_PARAM, PROFILES
 from hf_zenflow.optimizer import SyncOffloadAdamW, ZenFlowAdamW
+from hf_zenflow.settings import ZenFlowConfig
 
 
 def model(params: float, side: int = 2048, seed: int = 0) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
@@ -70,7 +71,7 @@ def measure_zenflow(params: list[torch.nn.Parameter], grads: list[torch.Tensor],
     """(median accumulation ms per step, median window AdamW ms) of the worker's own job timers."""
     opt = ZenFlowAdamW(params, lr=1e-5, topk_ratio=0.1, update_interval=interval, overlap_step=False,
                        cpu_threads=threads, accumulate_on="host", min_offload_numel=0, select_strategy="step",
-                       select_interval=10**6, writeback_lag="none")
+                       select_interval=10**6, config=ZenFlowConfig().with_rules(writeback_lag=None))
     accumulate, adamw = [], []
     try:
         for _ in range((windows + 1) * interval):

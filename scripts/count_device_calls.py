@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_zenflow import ZenFlowAdamW  # noqa: E402
+from hf_zenflow import ZenFlowAdamW, ZenFlowConfig  # noqa: E402
 from tests.doubles.launches import CUDA_LIKE, DeviceCalls, counted_hooks, counting_transport  # noqa: E402
 
 
@@ -135,8 +135,11 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, int, int]:
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     return dict(lr=1e-3, topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8,
-                min_offload_numel=0, accumulate_on=args.accumulate_on, writeback_lag=1, high_lr_rule="off",
-                free_gradients_in_backward=args.free)
+                min_offload_numel=0, accumulate_on=args.accumulate_on, free_gradients_in_backward=args.free)
+
+
+#: The engine rules of the counted runs: a write-back one step into the next window, the configured windows.
+RULES = ZenFlowConfig().with_rules(writeback_lag=1, high_lr_rule="off")
 
 
 def count(args: argparse.Namespace) -> dict[str, Any]:
@@ -167,7 +170,7 @@ def count(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     try:
         with CUDA_LIKE() if double else contextlib.nullcontext(), counted_hooks(calls):
-            opt = ZenFlowAdamW(model.parameters(), **settings(args))
+            opt = ZenFlowAdamW(model.parameters(), config=RULES, **settings(args))
             for step in range(args.steps):
                 x = torch.randn(args.tokens, width, dtype=dtype, device=args.device)
                 before = opt.stats()

@@ -87,15 +87,16 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
 
 
 def _zenflow(model: torch.nn.Module, **settings: Any) -> Any:
-    from hf_zenflow import ZenFlowAdamW
+    from hf_zenflow import ZenFlowAdamW, ZenFlowConfig
 
-    return ZenFlowAdamW(model.parameters(), **{**_SETTINGS, **settings})
+    return ZenFlowAdamW(model.parameters(), config=ZenFlowConfig().with_rules(**_RULES), **{**_SETTINGS, **settings})
 
 
 #: The offloaded schedule the fp16 checks run: windows of 3 steps, a re-selection every 6, overlapped.
 _SETTINGS: dict[str, Any] = dict(lr=1e-3, topk_ratio=0.25, update_interval=3, select_strategy="step",
-                                 select_interval=6, overlap_step=True, writeback_lag=1, high_lr_rule="off",
-                                 min_offload_numel=0)
+                                 select_interval=6, overlap_step=True, min_offload_numel=0)
+#: Its engine rules: a write-back one step into the next window, the configured windows at lr 1e-3.
+_RULES: dict[str, Any] = dict(writeback_lag=1, high_lr_rule="off")
 
 
 # ---------------------------------------------------------------------------------------------------------------

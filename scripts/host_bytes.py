@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from hf_zenflow import ZenFlowAdamW
+from hf_zenflow import ZenFlowAdamW, ZenFlowConfig
 from hf_zenflow.engine.quantized_moments import QuantizedMoment
 
 
@@ -37,8 +37,10 @@ SETTINGS = {
     "int8, bf16 sums of the unselected columns, write-back from master": dict(
         host_moment_dtype="int8", host_sum_dtype="bfloat16", host_sum_columns="unselected", host_writeback="master"),
 }
-COMMON = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, writeback_lag=1, accumulate_on="host",
-              min_offload_numel=0, cpu_threads=1)
+COMMON = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, accumulate_on="host", min_offload_numel=0,
+              cpu_threads=1)
+#: (the write-back one step into the next window: an engine rule)
+RULES = ZenFlowConfig().with_rules(writeback_lag=1)
 
 
 def build(name: str) -> tuple[torch.nn.Module, callable]:
@@ -111,7 +113,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, settings in SETTINGS.items():
         model, loss_of = build(args.model)
-        opt = ZenFlowAdamW(model.parameters(), lr=5e-5, **{**COMMON, **settings})
+        opt = ZenFlowAdamW(model.parameters(), lr=5e-5, config=RULES, **{**COMMON, **settings})
         writeback_ms = []
         for batch in data:
             loss_of(batch).backward()

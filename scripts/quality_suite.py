@@ -45,7 +45,8 @@ Usage:
     python scripts/quality_suite.py summary runs/quality/suite.jsonl
 
 Results are appended to the JSONL file one run at a time, so an interrupted suite resumes where it stopped.
-Each variant is a space-separated list of `ZenFlowConfig` ``KEY=VALUE`` settings (``defaults`` = none).
+Each variant is a space-separated list of `ZenFlowConfig` ``KEY=VALUE`` settings or engine rules (`EngineRules`, e.g.
+``host_lr_scale=1.0``, applied with `ZenFlowConfig.with_rules`; ``defaults`` = none).
 """
 
 from __future__ import annotations
@@ -351,10 +352,12 @@ class LongRunOptions:
 
 def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any] | None,
           options: LongRunOptions | None = None) -> dict[str, Any]:
-    """One run: `settings` None = `adamw_torch`, else ZenFlow with these `ZenFlowConfig` fields over the case's.
+    """One run: `settings` None = `adamw_torch`, else ZenFlow with these `ZenFlowConfig` fields and engine rules
+    over the case's.
     With `options` (the long-run form): evaluations along the way, progress lines, and a resumable saved state."""
     from hf_zenflow.optimizer import ZenFlowAdamW
     from hf_zenflow.settings import ZenFlowConfig
+    from hf_zenflow.settings.rules import split_rules
 
     options = options or LongRunOptions()
     model, train_batches, eval_batches = case.build(seed, steps)
@@ -367,8 +370,8 @@ def train(case: Case, seed: int, lr: float, steps: int, settings: dict[str, Any]
     if settings is None:
         opt = torch.optim.AdamW(groups, **hyper)
     else:
-        config = ZenFlowConfig(cpu_threads=1, steps_per_epoch=case.epoch_steps or steps,
-                               **{**case.zenflow, **settings})
+        fields, rules = split_rules({**case.zenflow, **settings})
+        config = ZenFlowConfig(cpu_threads=1, steps_per_epoch=case.epoch_steps or steps, **fields).with_rules(**rules)
         opt = ZenFlowAdamW(groups, config=config, **hyper)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: max(0.0, 1.0 - i / steps))
     torch.manual_seed(seed)

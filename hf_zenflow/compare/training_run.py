@@ -56,7 +56,7 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
             topk_ratio=cfg.topk_ratio, update_interval=cfg.update_interval, overlap_step=cfg.overlap_step,
             select_strategy=cfg.select_strategy, select_interval=cfg.select_interval,
             full_warm_up_rounds=cfg.full_warm_up_rounds, cpu_threads=host_cores,
-            steps_per_epoch=_steps_per_epoch(cfg), host_lr_scale=cfg.host_lr_scale, writeback_lag=cfg.writeback_lag,
+            steps_per_epoch=_steps_per_epoch(cfg), host_step=cfg.host_step,
             min_offload_numel=cfg.min_offload_numel, host_moment_dtype=cfg.host_moment_dtype,
             host_sum_dtype=cfg.host_sum_dtype, host_sum_columns=cfg.host_sum_columns,
             host_writeback=cfg.host_writeback, accumulate_on=cfg.accumulate_on,
@@ -64,7 +64,7 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
             # the step fits, and accumulate_on="auto" decides under it); "free": the device's free memory decides
             device_memory_budget_bytes=cpu_device_budget(model) if cfg.device_memory_budget == "free" else None,
             device_memory_limit_bytes=device_memory_limit(cfg, model),
-        )
+        ).with_rules(**cfg.rules)
         if cfg.resolved_embedding_select() == "rows":
             tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
             rows = [p for p in groups[0]["params"] if id(p) in tables]

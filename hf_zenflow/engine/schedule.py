@@ -230,6 +230,6 @@ def planned_writeback_steps(config: Any, host_elements: int) -> int:
     longest = config.writeback_lag_bound()[0]
     if not config.overlap_step:
         return 1
-    if config.writeback_lag == "auto":
+    if config.rules.writeback_lag == "auto":
         return lag_for_host_elements(host_elements, longest)
-    return longest if config.writeback_lag is None else int(config.writeback_lag)
+    return longest if config.rules.writeback_lag is None else int(config.rules.writeback_lag)

@@ -94,7 +94,7 @@ class AutoWritebackLag:
     def maybe_advise(self, config: ZenFlowConfig, schedule: WindowSchedule, host: HostWindows) -> None:
         """After the second overlapped window with an ``"auto"`` lag: log the lag the measured times would allow
         when it differs from the choice (advice only; the schedule keeps its lag)."""
-        if self._advised or config.writeback_lag != "auto" or not config.overlap_step:
+        if self._advised or config.rules.writeback_lag != "auto" or not config.overlap_step:
             return
         if schedule.steps <= schedule.warm_up:
             # dense warm-up steps close a synchronous window each and wait for the host: neither their windows nor

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_zenflow import CheckpointError, ZenFlowAdamW
+from hf_zenflow import CheckpointError
 from hf_zenflow.checkpoint.seal import seal
 from hf_zenflow.settings.config import REMOVED_SETTINGS
-from tests.conftest import FP32_MOMENTS
+from tests.conftest import FP32_MOMENTS, zenflow_adamw
 from tests.data.make_checkpoint_fixture import FIXTURE, make_model, train_step
 
 
@@ -23,7 +23,7 @@ def test_checkpoint_from_before_the_relayout_continues_the_run() -> None:
     model = make_model()
     model.load_state_dict(fixture["model"])
     # the run that wrote the fixture kept its host moments in fp32 (the default then, so not in its settings)
-    opt = ZenFlowAdamW(model.parameters(), lr=fixture["lr"], **{**FP32_MOMENTS, **fixture["settings"]})
+    opt = zenflow_adamw(model.parameters(), lr=fixture["lr"], **{**FP32_MOMENTS, **fixture["settings"]})
     saved = fixture["optimizer"]
     held = sorted(set(saved["zenflow"]["config"]) & set(REMOVED_SETTINGS))
     assert held

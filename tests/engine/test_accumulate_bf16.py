@@ -27,6 +27,7 @@ from tests.conftest import (
     plan_with_host_ram,
     roundtrip,
     train,
+    zenflow_adamw,
 )
 from tests.doubles.async_device import async_transport
 
@@ -51,7 +52,7 @@ def run(steps: int, **settings) -> tuple[torch.nn.Module, list[float], ZenFlowAd
     """Train `steps` steps (clipped: the clip coefficient scales every add); returns the optimizer, flushed and
     closed, and the stats after every step."""
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**SETTINGS, **settings})
+    opt = zenflow_adamw(param_groups(model), lr=LR, **{**SETTINGS, **settings})
     per_step: list[dict] = []
     schedule = linear_schedule(opt, steps)
     losses = []
@@ -186,12 +187,12 @@ def resume(
     flight) resumed under `settings_then`."""
     data = batches(total)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, **settings_first)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, **settings_first)
     full = train(model, opt, data, linear_schedule(opt, total), clip=1.0)
     opt.close()
 
     model_a = make_model()
-    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, **SETTINGS, **settings_first)
+    opt_a = zenflow_adamw(param_groups(model_a), lr=LR, **SETTINGS, **settings_first)
     sched_a = linear_schedule(opt_a, total)
     head = train(model_a, opt_a, data[:split_at], sched_a, clip=1.0)
     checkpoint = roundtrip({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "sched": sched_a.state_dict()})
@@ -199,7 +200,7 @@ def resume(
 
     model_b = make_model(seed=123)
     model_b.load_state_dict(checkpoint["model"])
-    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, **SETTINGS, **settings_then)
+    opt_b = zenflow_adamw(param_groups(model_b), lr=LR, **SETTINGS, **settings_then)
     sched_b = linear_schedule(opt_b, total)
     opt_b.load_state_dict(checkpoint["opt"])
     sched_b.load_state_dict(checkpoint["sched"])
@@ -238,11 +239,11 @@ def test_a_bf16_checkpoint_loads_under_another_accumulation_with_its_open_window
     """Another setting takes the open window's sum where it keeps it (widened exactly) and trains on."""
     data = batches(10)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, accumulate_on="device_bf16")
+    opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, accumulate_on="device_bf16")
     train(model, opt, data[:6], clip=1.0)
     state = roundtrip(opt.state_dict())
     opt.close()
-    fresh = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, accumulate_on=then)
+    fresh = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, accumulate_on=then)
     fresh.load_state_dict(state)
     assert fresh.stats()["accumulate_on"] == then
     entries = [e for e in state["state"].values() if e.get("kind") == "split" and e["accum_count"]]
@@ -277,7 +278,7 @@ def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, mon
     for factory in factories:
         monkeypatch.setattr("hf_zenflow.transport.transport_for", factory)
         model = make_model(dtype=dtype)
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, accumulate_on="device_bf16")
+        opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, accumulate_on="device_bf16")
         losses = train(model, opt, batches(22), linear_schedule(opt, 22), clip=1.0)
         opt.flush()
         assert opt.stats()["windows"] > 0
@@ -306,7 +307,7 @@ def _ranks_run_body(rank: int, out_dir: str, budgets: tuple[int, int]) -> None:
     planner.host_room = lambda: DEVICE_SUMS_ONLY / 2  # (this rank's process, half the host state: short for host sums)
     model = make_model().cpu()
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    opt = ZenFlowAdamW(
+    opt = zenflow_adamw(
         param_groups(model), lr=LR, **SETTINGS, cpu_threads=1, device_memory_budget_bytes=budgets[rank]
     )
     for x, y in batches(10, seed=rank):
@@ -350,11 +351,11 @@ def test_ranks_agree_on_bf16_sums_when_one_rank_fits_only_those(tmp_path):
 def test_an_fp32_checkpoint_loads_under_device_bf16_its_open_window_rounded(saved_under):
     data = batches(10)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, accumulate_on=saved_under)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, accumulate_on=saved_under)
     train(model, opt, data[:6], clip=1.0)
     state = roundtrip(opt.state_dict())
     opt.close()
-    fresh = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, accumulate_on="device_bf16")
+    fresh = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, accumulate_on="device_bf16")
     fresh.load_state_dict(state)
     assert fresh.stats()["accumulate_on"] == "device_bf16"
     entries = [e for e in state["state"].values() if e.get("kind") == "split" and e["accum_count"]]

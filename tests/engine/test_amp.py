@@ -15,7 +15,7 @@ import torch
 
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.transport import CopyTransport
-from tests.conftest import DEVICE, batches, make_model, param_groups
+from tests.conftest import DEVICE, batches, make_model, param_groups, zenflow_adamw
 
 
 LR = 1e-2
@@ -36,7 +36,7 @@ def _run(steps: int, clip: float | None, scaler_recipe: str | None, overflow_at:
     indices whose scaled loss is made infinite (the scaler must skip them; the reference simply leaves them out).
     `on_overflow(opt, model, before)` is called after each overflowed step with the state before it."""
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**SETTINGS, **settings})
+    opt = zenflow_adamw(param_groups(model), lr=LR, **{**SETTINGS, **settings})
     scaler = torch.amp.GradScaler(DEVICE.type, init_scale=SCALE) if scaler_recipe else None
     norms: list[float] = []
     for i, (x, y) in enumerate(batches(steps)):
@@ -166,7 +166,7 @@ def test_clip_measures_unscaled_gradients_after_unscale():
     measured = {}
     for free in ("off", "on"):
         model = make_model()
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS, free_gradients_in_backward=free)
+        opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, free_gradients_in_backward=free)
         scaler = torch.amp.GradScaler(DEVICE.type, init_scale=SCALE)
         x, y = batches(1)[0]
         scaler.scale(_loss(model, x, y)).backward()

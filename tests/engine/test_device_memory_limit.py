@@ -14,8 +14,8 @@ from hf_zenflow.checkpoint.seal import seal
 from hf_zenflow.engine import accumulation
 from hf_zenflow.engine.device_budget import estimate_peak
 from hf_zenflow.engine.planner import candidate_thresholds, choose_min_offload_numel
-from hf_zenflow.settings.config import MIN_OFFLOAD_NUMEL, ZenFlowConfig
-from tests.conftest import DEVICE, batches, plan_with_host_ram, roundtrip
+from hf_zenflow.settings.config import MIN_OFFLOAD_NUMEL
+from tests.conftest import DEVICE, batches, plan_with_host_ram, roundtrip, zenflow_adamw, zenflow_config
 
 
 VOCAB = 256
@@ -52,7 +52,7 @@ def _groups(model: torch.nn.Module) -> list[dict]:
 
 
 def _optimizer(model: torch.nn.Module, **settings: object) -> ZenFlowAdamW:
-    return ZenFlowAdamW(_groups(model), lr=1e-3, **{**SETTINGS, **settings})
+    return zenflow_adamw(_groups(model), lr=1e-3, **{**SETTINGS, **settings})
 
 
 def _train(model: torch.nn.Module, opt: ZenFlowAdamW, data: list) -> None:
@@ -140,11 +140,11 @@ def test_the_choice_is_the_largest_threshold_that_fits():
     """Between the candidates' estimates: a limit just under one threshold's estimate takes the next one down; a
     limit at it keeps it."""
     model = _model()
-    config = ZenFlowConfig(**SETTINGS)
+    config = zenflow_config(**SETTINGS)
     groups = _groups(model)
     assert candidate_thresholds(groups, config) == [MIN_OFFLOAD_NUMEL, 16384, 8192]
     at_16384 = estimate_peak(groups, config, 16384, frees=True).total
-    chosen = [choose_min_offload_numel(groups, ZenFlowConfig(**SETTINGS, device_memory_limit_bytes=limit), True)
+    chosen = [choose_min_offload_numel(groups, zenflow_config(**SETTINGS, device_memory_limit_bytes=limit), True)
               for limit in (at_16384, at_16384 - 1)]
     assert [(c.min_offload_numel, c.fits) for c in chosen] == [(16384, True), (8192, True)]
 
@@ -166,7 +166,7 @@ def test_the_same_script_chooses_the_same_and_a_resumed_run_continues_exactly():
     saved = roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
     opt.close()
     assert saved["opt"]["zenflow"]["limit_min_offload_numel"] == 16384
-    fresh_choice = choose_min_offload_numel(_groups(model), ZenFlowConfig(
+    fresh_choice = choose_min_offload_numel(_groups(model), zenflow_config(
         **{**SETTINGS, "free_gradients_in_backward": "off"}, device_memory_limit_bytes=limit), frees=False)
     assert fresh_choice.min_offload_numel != 16384
 
@@ -206,8 +206,8 @@ def test_a_limit_that_cannot_be_met_is_said_once(caplog):
     and that peak, and trains on."""
     model = _model()
     limit = sum(p.numel() * p.element_size() for p in model.parameters())
-    smallest = min(estimate_peak(_groups(model), ZenFlowConfig(**SETTINGS), t, frees=True).total
-                   for t in candidate_thresholds(_groups(model), ZenFlowConfig(**SETTINGS)))
+    smallest = min(estimate_peak(_groups(model), zenflow_config(**SETTINGS), t, frees=True).total
+                   for t in candidate_thresholds(_groups(model), zenflow_config(**SETTINGS)))
     with caplog.at_level(logging.INFO, logger="hf_zenflow"):
         weights, stats, _ = _run(device_memory_limit_bytes=limit)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
@@ -254,4 +254,4 @@ def test_a_damaged_choice_is_refused(value):
 @pytest.mark.parametrize("value", [-1, 1.5, "1e9", True])
 def test_an_invalid_limit_is_refused(value):
     with pytest.raises(ValueError, match=rf"device_memory_limit_bytes={value!r} is invalid: allowed is None or an"):
-        ZenFlowConfig(device_memory_limit_bytes=value)
+        zenflow_config(device_memory_limit_bytes=value)

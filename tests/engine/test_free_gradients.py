@@ -13,7 +13,7 @@ from hf_zenflow.engine import accumulation
 from hf_zenflow.engine.device_memory import DeviceMemoryMeter
 from hf_zenflow.engine.schedule import StepKind
 from hf_zenflow.transport import CopyTransport
-from tests.conftest import DEVICE, FREE_GRADIENTS, batches, make_model, param_groups, plan_with_host_ram
+from tests.conftest import DEVICE, FREE_GRADIENTS, batches, make_model, param_groups, plan_with_host_ram, zenflow_adamw
 
 
 SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=5, min_offload_numel=0,
@@ -28,7 +28,7 @@ def _run(free: str, dtype: torch.dtype = torch.float32, micro_batches: int = 1, 
     if transport is not None:
         monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: transport())
     model = make_model(dtype=dtype)
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, **{**SETTINGS, **settings}, free_gradients_in_backward=free)
+    opt = zenflow_adamw(param_groups(model), lr=1e-2, **{**SETTINGS, **settings}, free_gradients_in_backward=free)
     peaks, losses = [], []
     data = batches(steps * micro_batches)
     run_forward = forward(model)
@@ -103,7 +103,7 @@ def test_auto_counts_the_freed_gradients_against_device_sums(monkeypatch):
     alone chooses host sums (which free them), and one larger by the gradients' bytes chooses device sums."""
     plan_with_host_ram(monkeypatch, 0)  # (no host option fits: the device sums that fit the device are taken)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, **{**SETTINGS, "accumulate_on": "device"})
+    opt = zenflow_adamw(param_groups(model), lr=1e-2, **{**SETTINGS, "accumulate_on": "device"})
     x, y = batches(1)[0]
     logits = model(x.to(DEVICE)).float()
     torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.to(DEVICE).view(-1)).backward()
@@ -117,8 +117,8 @@ def test_auto_counts_the_freed_gradients_against_device_sums(monkeypatch):
     chosen = {}
     for budget in (tight, roomy):
         model = make_model()
-        opt = ZenFlowAdamW(param_groups(model), lr=1e-2, **{**SETTINGS, "accumulate_on": "auto"},
-                           device_memory_budget_bytes=budget, free_gradients_in_backward="on")
+        opt = zenflow_adamw(param_groups(model), lr=1e-2, **{**SETTINGS, "accumulate_on": "auto"},
+                            device_memory_budget_bytes=budget, free_gradients_in_backward="on")
         logits = model(x.to(DEVICE)).float()
         torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.to(DEVICE).view(-1)).backward()
         opt.step()
@@ -195,8 +195,8 @@ def _peak(name: str, steps: int) -> tuple[dict[str, float], int, int]:
     model = _llama(512, 14, 8192)
     params = list(model.parameters())
     if name == "zenflow":
-        opt = ZenFlowAdamW(params, lr=1e-4, topk_ratio=0.1, update_interval=4, accumulate_on="host",
-                           free_gradients_in_backward="on")
+        opt = zenflow_adamw(params, lr=1e-4, topk_ratio=0.1, update_interval=4, accumulate_on="host",
+                            free_gradients_in_backward="on")
         meter = opt._meter
     elif name == "sync_offload":
         opt = SyncOffloadAdamW(params, lr=1e-4)
@@ -247,7 +247,7 @@ def _scaled_run(free: str, recipe: str, dtype: torch.dtype, overflow_at: frozens
     """Train under a `torch.amp.GradScaler`: "unscale" (scale, unscale_, clip, step, update: the Trainer's order) or
     "step" (scale, step, update). Batches in `overflow_at` get an infinite scaled loss."""
     model = make_model(dtype=dtype)
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, **{**SETTINGS, **settings}, free_gradients_in_backward=free)
+    opt = zenflow_adamw(param_groups(model), lr=1e-2, **{**SETTINGS, **settings}, free_gradients_in_backward=free)
     scaler = torch.amp.GradScaler(DEVICE.type, init_scale=init_scale)
     scales, peaks, norms = [], [], []
     for i, (x, y) in enumerate(batches(steps)):

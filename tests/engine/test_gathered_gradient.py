@@ -17,7 +17,7 @@ import torch
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine import device_state, gradients
 from hf_zenflow.engine.accumulation import selected_bytes
-from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip
+from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, zenflow_adamw
 
 
 SETTINGS = dict(topk_ratio=0.25, update_interval="auto", select_strategy="step", select_interval=5,
@@ -56,7 +56,7 @@ def _train(dtype: torch.dtype, steps: int, micro_batches: int, clip: float | Non
     model = make_model(dtype=dtype)
 
     def optimizer() -> ZenFlowAdamW:
-        return ZenFlowAdamW(param_groups(model), lr=1e-2, **{**SETTINGS, **settings})
+        return zenflow_adamw(param_groups(model), lr=1e-2, **{**SETTINGS, **settings})
 
     opt = optimizer()
     grad_scaler = torch.amp.GradScaler(DEVICE.type, init_scale=4096.0) if scaler else None

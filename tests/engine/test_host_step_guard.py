@@ -8,22 +8,29 @@ engaged, a write-back still watched)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
 import torch
 
-from hf_zenflow import CheckpointError, ZenFlowAdamW
+from hf_zenflow import CheckpointError
 from hf_zenflow.checkpoint.seal import seal
 from hf_zenflow.engine.host_guard import HostStepGuard
-from hf_zenflow.settings.config import (
+from hf_zenflow.settings.rules import (
     HOST_STEP_GUARD_HISTORY,
     HOST_STEP_GUARD_MIN_FACTOR,
     HOST_STEP_GUARD_RATIO,
-    ZenFlowConfig,
 )
-from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train
+from tests.conftest import (
+    batches,
+    linear_schedule,
+    make_model,
+    param_groups,
+    roundtrip,
+    train,
+    zenflow_adamw,
+    zenflow_config,
+)
 
 
 STEPS = 16
@@ -126,8 +133,8 @@ def _settings(**settings):
 
 def _run(model, lr, hook=None, **settings):
     settings = _settings(**settings)
-    opt = ZenFlowAdamW(model.parameters() if settings["topk_ratio"] == 0.0 else param_groups(model), lr=lr,
-                       **settings)
+    opt = zenflow_adamw(model.parameters() if settings["topk_ratio"] == 0.0 else param_groups(model), lr=lr,
+                        **settings)
     train(model, opt, batches(STEPS), linear_schedule(opt, STEPS), clip=1.0,
           hook=None if hook is None else lambda i: hook(opt, i))
     opt.flush()
@@ -154,7 +161,7 @@ def test_auto_watches_only_where_high_lr_rule_shortened_the_windows():
     """The same constructed overshoot (every column on the host, a learning rate far above the rule's threshold): with
     the configured windows "auto" does not watch, bit for bit the unguarded run; with `high_lr_rule`'s one-step windows
     it engages, bit for bit the run at the explicit `HOST_STEP_GUARD_RATIO`."""
-    assert ZenFlowConfig().host_step_guard == "auto"
+    assert zenflow_config().rules.host_step_guard == "auto"
     configured, stats = _run(_matrices_only(), OVERSHOOT_LR, topk_ratio=0.0, high_lr_rule="off")
     assert stats["host_step_guard"] == 1.0 and stats["host_step_guard_engaged"] == 0 and stats["high_lr_window"] == 0
     off, _ = _run(_matrices_only(), OVERSHOOT_LR, topk_ratio=0.0, high_lr_rule="off", host_step_guard="off")
@@ -186,7 +193,7 @@ def _factors_of_a_guarded_run(lr, ratio, **settings):
     """The guard's factor in force for each step's window close (after the step's own comparison)."""
     factors: list[float] = []
     model = _matrices_only()
-    opt = ZenFlowAdamW(model.parameters(), lr=lr, **_settings(topk_ratio=0.0, host_step_guard=ratio, **settings))
+    opt = zenflow_adamw(model.parameters(), lr=lr, **_settings(topk_ratio=0.0, host_step_guard=ratio, **settings))
     sched = linear_schedule(opt, STEPS)
     for x, y in batches(STEPS):
         logits = model(x)
@@ -209,7 +216,7 @@ def test_once_engaged_the_host_step_is_the_configured_one_at_the_guards_factor(s
     assert factors[-1] < 1.0 and len(set(factors)) >= 2, factors  # (it engaged, at least once)
 
     def follow(opt, i):
-        opt.config = dataclasses.replace(opt.config, host_lr_scale=factors[i])
+        opt.config = opt.config.with_rules(host_lr_scale=factors[i])
 
     explicit, _ = _run(_matrices_only(), OVERSHOOT_LR, hook=follow, topk_ratio=0.0, host_step_guard="off",
                        **settings)
@@ -240,7 +247,7 @@ def test_a_guarded_run_resumes_exactly_with_a_write_back_still_watched(settings)
     uninterrupted, _ = _run(_matrices_only(), OVERSHOOT_LR, topk_ratio=0.0,
                             **{"host_step_guard": HOST_STEP_GUARD_RATIO, **settings})
     model = _matrices_only()
-    opt = ZenFlowAdamW(model.parameters(), **{**_resumable(), **settings})
+    opt = zenflow_adamw(model.parameters(), **{**_resumable(), **settings})
     sched = linear_schedule(opt, STEPS)
     train(model, opt, batches(STEPS)[:SPLIT_AT], sched, clip=1.0)
     saved = roundtrip({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
@@ -253,7 +260,7 @@ def test_a_guarded_run_resumes_exactly_with_a_write_back_still_watched(settings)
     assert guard["high_lr"] == (settings.get("high_lr_rule") == "auto"), guard
     model = _matrices_only(seed=123)
     model.load_state_dict(saved["model"])
-    opt = ZenFlowAdamW(model.parameters(), **{**_resumable(), **settings})
+    opt = zenflow_adamw(model.parameters(), **{**_resumable(), **settings})
     sched = linear_schedule(opt, STEPS)
     opt.load_state_dict(saved["opt"])
     sched.load_state_dict(saved["sched"])
@@ -273,7 +280,7 @@ def test_off_after_an_engagement_restores_the_configured_host_step():
     def resume(state):
         torch.manual_seed(0)
         model = _matrices_only()
-        opt = ZenFlowAdamW(model.parameters(), **{**_resumable(), "host_step_guard": "off"})
+        opt = zenflow_adamw(model.parameters(), **{**_resumable(), "host_step_guard": "off"})
         opt.load_state_dict(state)
         stats = opt.stats()
         train(model, opt, batches(STEPS)[SPLIT_AT:], None, clip=1.0)
@@ -292,7 +299,7 @@ def test_off_after_an_engagement_restores_the_configured_host_step():
 
 def _saved_at_split():
     model = _matrices_only()
-    opt = ZenFlowAdamW(model.parameters(), **_resumable())
+    opt = zenflow_adamw(model.parameters(), **_resumable())
     train(model, opt, batches(STEPS)[:SPLIT_AT], None, clip=1.0)
     saved = roundtrip(opt.state_dict())
     opt.close()
@@ -303,7 +310,7 @@ def test_a_checkpoint_from_before_the_guard_starts_it_afresh():
     saved = _saved_at_split()
     del saved["zenflow"]["host_step_guard"]
     seal(saved)
-    opt = ZenFlowAdamW(_matrices_only().parameters(), **_resumable())
+    opt = zenflow_adamw(_matrices_only().parameters(), **_resumable())
     opt.load_state_dict(saved)
     assert opt.stats()["host_step_guard"] == 1.0 and opt.stats()["host_step_guard_engaged"] == 0
     opt.close()
@@ -314,7 +321,7 @@ def test_a_checkpoint_from_before_the_history_keeps_its_last_norm():
     state = saved["zenflow"]["host_step_guard"]
     del state["recent_norms"]
     seal(saved)
-    opt = ZenFlowAdamW(_matrices_only().parameters(), **_resumable())
+    opt = zenflow_adamw(_matrices_only().parameters(), **_resumable())
     opt.load_state_dict(saved)
     guard = opt.host_windows.state()["host_step_guard"]
     assert guard["recent_norms"] == [state["last_norm"]]
@@ -329,7 +336,7 @@ def test_a_damaged_guard_state_is_refused(key, value):
     saved = _saved_at_split()
     saved["zenflow"]["host_step_guard"][key] = value
     seal(saved)
-    opt = ZenFlowAdamW(_matrices_only().parameters(), **_resumable())
+    opt = zenflow_adamw(_matrices_only().parameters(), **_resumable())
     with pytest.raises(CheckpointError, match="host_step_guard"):
         opt.load_state_dict(saved)
     opt.close()
@@ -338,13 +345,13 @@ def test_a_damaged_guard_state_is_refused(key, value):
 @pytest.mark.parametrize("value", [1.0, 0.5, "never", True, float("inf")])
 def test_bad_settings_name_the_field_the_value_and_what_is_allowed(value):
     with pytest.raises(ValueError) as info:
-        ZenFlowConfig(host_step_guard=value)
+        zenflow_config(host_step_guard=value)
     message = str(info.value)
-    assert f"ZenFlowConfig.host_step_guard={value!r}" in message and 'a float > 1, "auto" or "off"' in message
+    assert f"EngineRules.host_step_guard={value!r}" in message and 'a float > 1, "auto" or "off"' in message
 
 
 def test_settings_parse_numbers_and_off():
-    assert ZenFlowConfig().host_step_guard == "auto"
-    assert ZenFlowConfig(host_step_guard=" AUTO ").host_step_guard == "auto"
-    assert ZenFlowConfig(host_step_guard="3").host_step_guard == 3.0
-    assert ZenFlowConfig(host_step_guard=" OFF ").host_step_guard == "off"
+    assert zenflow_config().rules.host_step_guard == "auto"
+    assert zenflow_config(host_step_guard=" AUTO ").rules.host_step_guard == "auto"
+    assert zenflow_config(host_step_guard="3").rules.host_step_guard == 3.0
+    assert zenflow_config(host_step_guard=" OFF ").rules.host_step_guard == "off"

@@ -14,12 +14,21 @@ import pytest
 import torch
 
 import hf_zenflow.engine.host as host_module
-from hf_zenflow import ZenFlowAdamW, ZenFlowConfig
 from hf_zenflow.engine.host import HostLayout, HostMatrix, host_adamw_window
 from hf_zenflow.engine.layout import column_major_
 from hf_zenflow.engine.quantized_moments import QuantizedMoment
 from hf_zenflow.transport.cpu_device import kernels
-from tests.conftest import DEVICE, TinyNet, batches, make_model, param_groups, roundtrip, train
+from tests.conftest import (
+    DEVICE,
+    TinyNet,
+    batches,
+    make_model,
+    param_groups,
+    roundtrip,
+    train,
+    zenflow_adamw,
+    zenflow_config,
+)
 from tests.engine.test_host_sums_bf16 import _host_bytes
 
 
@@ -133,7 +142,7 @@ def _run(settings: dict, steps: int = 11, dtype: torch.dtype = torch.float32, da
     model = make_model(dtype=dtype) if width is None else TinyNet(vocab=width, width=width, dtype=dtype)
     if layout == "column":
         column_major_(model)
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**SPLIT, **settings})
+    opt = zenflow_adamw(param_groups(model), lr=LR, **{**SPLIT, **settings})
     train(model, opt, data if data is not None else batches(steps))
     opt.flush()
     return model, opt
@@ -178,7 +187,7 @@ def test_a_resume_mid_window_continues_bit_for_bit(saved_with, loaded_with):
     whole, opt = _run({**settings, "host_sum_columns": saved_with}, data=data)
     opt.close()
     first = make_model()
-    opt = ZenFlowAdamW(param_groups(first), lr=LR, **{**SPLIT, **settings, "host_sum_columns": saved_with})
+    opt = zenflow_adamw(param_groups(first), lr=LR, **{**SPLIT, **settings, "host_sum_columns": saved_with})
     train(first, opt, data[:5])
     saved = roundtrip(opt.state_dict())
     open_sums = [s for s in opt.engine_state.splits.values() if s.host is not None and s.host.accum_count]
@@ -188,7 +197,7 @@ def test_a_resume_mid_window_continues_bit_for_bit(saved_with, loaded_with):
     assert entries and all(e["accum"].shape == e["host_exp_avg"].shape for e in entries)
     second = make_model()
     second.load_state_dict(first.state_dict())
-    opt = ZenFlowAdamW(param_groups(second), lr=LR, **{**SPLIT, **settings, "host_sum_columns": loaded_with})
+    opt = zenflow_adamw(param_groups(second), lr=LR, **{**SPLIT, **settings, "host_sum_columns": loaded_with})
     opt.load_state_dict(saved)
     assert all((s.host.sum_index is not None) == (loaded_with == "unselected")
                for s in opt.engine_state.splits.values() if s.host is not None and s.device is not None)
@@ -223,9 +232,9 @@ def test_int8_moments_bf16_unselected_sums_and_no_write_back_buffer_hold_under_8
 def test_bad_settings_fail_at_construction():
     with pytest.raises(ValueError, match=r"ZenFlowConfig.host_sum_columns='device' is invalid: allowed is "
                                          r'"all" \| "unselected"'):
-        ZenFlowConfig(host_sum_columns="device")
+        zenflow_config(host_sum_columns="device")
     for accumulate_on in ("device", "device_bf16"):
         with pytest.raises(ValueError, match=rf"host_sum_columns='unselected' is invalid with "
                                              rf"accumulate_on='{accumulate_on}'"):
-            ZenFlowConfig(host_sum_columns="unselected", accumulate_on=accumulate_on)
-    assert ZenFlowConfig(host_sum_columns="Unselected", accumulate_on="auto").host_sum_columns == "unselected"
+            zenflow_config(host_sum_columns="unselected", accumulate_on=accumulate_on)
+    assert zenflow_config(host_sum_columns="Unselected", accumulate_on="auto").host_sum_columns == "unselected"

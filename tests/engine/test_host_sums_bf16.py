@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import hf_zenflow.engine.host as host_module
-from hf_zenflow import ZenFlowAdamW, ZenFlowConfig, to_torch_adamw
+from hf_zenflow import ZenFlowAdamW, to_torch_adamw
 from hf_zenflow.checkpoint import CheckpointError
 from hf_zenflow.engine.host import HostLayout, HostMatrix, accumulate_into, host_adamw_window
 from hf_zenflow.engine.quantized_moments import BLOCK, QuantizedMoment
 from hf_zenflow.transport import CopyTransport
 from hf_zenflow.transport.cpu_device import kernels
 from hf_zenflow.transport.pinned import PinnedArena
-from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train
+from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train, zenflow_adamw, zenflow_config
 
 
 LR = 1e-2
@@ -115,7 +115,7 @@ def test_window_pass_on_a_bf16_sum_is_widen_divide_and_the_fp32_pass(monkeypatch
 
 def _run(settings: dict, steps: int = 10, dtype: torch.dtype = torch.float32, model=None, data=None):
     model = model if model is not None else make_model(dtype=dtype)
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**SPLIT, **settings})
+    opt = zenflow_adamw(param_groups(model), lr=LR, **{**SPLIT, **settings})
     train(model, opt, data if data is not None else batches(steps))
     opt.flush()
     return model, opt
@@ -140,8 +140,8 @@ def test_one_step_windows_with_every_column_on_the_host_are_adamw_on_bf16_gradie
     ZenFlow is torch's fused AdamW with the matrices' gradients rounded to bf16 (1-D parameters as they are)."""
     data = batches(8)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.0, update_interval=1, overlap_step=False,
-                       min_offload_numel=0, cpu_threads=1, host_moment_dtype="float32", **LEAN)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.0, update_interval=1, overlap_step=False,
+                        min_offload_numel=0, cpu_threads=1, host_moment_dtype="float32", **LEAN)
     train(model, opt, data)
     opt.close()
     reference = make_model()
@@ -252,7 +252,7 @@ def test_lean_host_state_resumes_exactly_and_its_sum_is_checksummed():
     whole, opt = _run(settings, data=data)
     opt.close()
     first = make_model()
-    opt = ZenFlowAdamW(param_groups(first), lr=LR, **{**SPLIT, **settings})
+    opt = zenflow_adamw(param_groups(first), lr=LR, **{**SPLIT, **settings})
     train(first, opt, data[:5])
     saved = roundtrip(opt.state_dict())
     sums = {id(s): s.host.accum.clone() for s in opt.engine_state.splits.values()
@@ -264,10 +264,10 @@ def test_lean_host_state_resumes_exactly_and_its_sum_is_checksummed():
     damaged = roundtrip(saved)
     next(e for e in damaged["state"].values() if e["kind"] == "split" and e.get("accum") is not None)["accum"].add_(1)
     with pytest.raises(CheckpointError):
-        ZenFlowAdamW(param_groups(make_model()), lr=LR, **{**SPLIT, **settings}).load_state_dict(damaged)
+        zenflow_adamw(param_groups(make_model()), lr=LR, **{**SPLIT, **settings}).load_state_dict(damaged)
     second = make_model()
     second.load_state_dict(first.state_dict())
-    opt = ZenFlowAdamW(param_groups(second), lr=LR, **{**SPLIT, **settings})
+    opt = zenflow_adamw(param_groups(second), lr=LR, **{**SPLIT, **settings})
     opt.load_state_dict(saved)
     train(second, opt, data[5:])
     opt.flush()
@@ -295,9 +295,9 @@ def test_to_torch_adamw_takes_the_lean_state():
 ])
 def test_bad_settings_fail_at_construction(field, value, allowed):
     with pytest.raises(ValueError, match=rf"ZenFlowConfig.{field}='{value}' is invalid: allowed is {allowed}"):
-        ZenFlowConfig(**{field: value})
+        zenflow_config(**{field: value})
     for accumulate_on in ("device", "device_bf16"):
         with pytest.raises(ValueError, match=rf"host_sum_dtype='bfloat16' is invalid with "
                                              rf"accumulate_on='{accumulate_on}'"):
-            ZenFlowConfig(host_sum_dtype="bfloat16", accumulate_on=accumulate_on)
-    assert ZenFlowConfig(host_sum_dtype="BFloat16", accumulate_on="auto").host_sum_dtype == "bfloat16"
+            zenflow_config(host_sum_dtype="bfloat16", accumulate_on=accumulate_on)
+    assert zenflow_config(host_sum_dtype="BFloat16", accumulate_on="auto").host_sum_dtype == "bfloat16"

@@ -23,7 +23,7 @@ from hf_zenflow.engine.host import HostMatrix
 from hf_zenflow.engine.quantized_moments import BLOCK, QuantizedMoment
 from hf_zenflow.transport.cpu_device import kernels
 from hf_zenflow.transport.cpu_device.rounding import RandomStream, matrix_key, random16
-from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train
+from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train, zenflow_adamw
 
 
 LR, STEPS = 1e-2, 12
@@ -69,7 +69,7 @@ class QuantizedAdamW(torch.optim.AdamW):
 
 def _zenflow(settings: dict, **kw) -> tuple[torch.nn.Module, list[float], ZenFlowAdamW]:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**ALL_ON_HOST, **kw, **settings})
+    opt = zenflow_adamw(param_groups(model), lr=LR, **{**ALL_ON_HOST, **kw, **settings})
     losses = train(model, opt, DATA)
     opt.flush()
     return model, losses, opt
@@ -162,12 +162,12 @@ SPLIT = dict(host_moment_dtype="int8", topk_ratio=0.25, update_interval=2, overl
 def test_int8_moments_resume_exactly_from_their_codes():
     data = batches(STEPS)
     whole = make_model()
-    opt = ZenFlowAdamW(param_groups(whole), lr=LR, **SPLIT)
+    opt = zenflow_adamw(param_groups(whole), lr=LR, **SPLIT)
     train(whole, opt, data)
     opt.flush()
     opt.close()
     first = make_model()
-    opt = ZenFlowAdamW(param_groups(first), lr=LR, **SPLIT)
+    opt = zenflow_adamw(param_groups(first), lr=LR, **SPLIT)
     train(first, opt, data[:5])  # mid-window, between re-selections
     saved = roundtrip(opt.state_dict())
     opt.close()
@@ -177,7 +177,7 @@ def test_int8_moments_resume_exactly_from_their_codes():
                          for e in split)
     second = make_model()
     second.load_state_dict(first.state_dict())
-    opt = ZenFlowAdamW(param_groups(second), lr=LR, **SPLIT)
+    opt = zenflow_adamw(param_groups(second), lr=LR, **SPLIT)
     opt.load_state_dict(saved)
     train(second, opt, data[5:])
     opt.flush()
@@ -188,7 +188,7 @@ def test_int8_moments_resume_exactly_from_their_codes():
 
 def _trained_state() -> tuple[dict, ZenFlowAdamW]:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SPLIT)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **SPLIT)
     train(model, opt, batches(5))
     opt.flush()
     return roundtrip(opt.state_dict()), opt
@@ -232,7 +232,7 @@ def test_int8_state_loads_under_other_settings_and_converts_to_torch(other):
         assert torch.equal(state["exp_avg"].reshape(m.shape), m)
         assert torch.equal(state["exp_avg_sq"].reshape(v.shape), v)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**SPLIT, "host_moment_dtype": other})
+    opt = zenflow_adamw(param_groups(model), lr=LR, **{**SPLIT, "host_moment_dtype": other})
     opt.load_state_dict(saved)
     dtype = getattr(torch, other)
     here = [(s.host.exp_avg, s.host.exp_avg_sq) for s in opt.engine_state.splits.values() if s.host is not None]
@@ -242,7 +242,7 @@ def test_int8_state_loads_under_other_settings_and_converts_to_torch(other):
         assert torch.equal(m2, m.to(dtype)) and torch.equal(v2, v.to(dtype))
     wide = roundtrip(opt.state_dict())
     opt.close()
-    opt = ZenFlowAdamW(param_groups(make_model()), lr=LR, **SPLIT)
+    opt = zenflow_adamw(param_groups(make_model()), lr=LR, **SPLIT)
     opt.load_state_dict(wide)  # back under int8: quantised again
     assert all(s.host.quantized for s in opt.engine_state.splits.values() if s.host is not None)
     opt.close()
@@ -255,9 +255,9 @@ def test_host_bytes_per_param_with_int8_moments_are_the_host_tensors(accumulate_
     device, whose landed fp32 sum is also the write-back buffer of fp32 weights: 10.03 B against 16 with fp32
     moments."""
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=3, overlap_step=True,
-                       writeback_lag=1, min_offload_numel=0, cpu_threads=1, host_moment_dtype="int8",
-                       accumulate_on=accumulate_on)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=3, overlap_step=True,
+                        writeback_lag=1, min_offload_numel=0, cpu_threads=1, host_moment_dtype="int8",
+                        accumulate_on=accumulate_on)
     train(model, opt, batches(10))
     opt.flush()
     stats = opt.stats()

@@ -17,7 +17,7 @@ import hf_zenflow.engine.host as host_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.transport.cpu_device import kernels
 from hf_zenflow.transport.cpu_device.rounding import RandomStream, matrix_key, random16, round_bf16
-from tests.conftest import DEVICE, FP32_MOMENTS, batches, make_model, param_groups, roundtrip, train
+from tests.conftest import DEVICE, FP32_MOMENTS, batches, make_model, param_groups, roundtrip, train, zenflow_adamw
 
 
 LR, STEPS = 1e-2, 12
@@ -52,7 +52,7 @@ class RoundedAdamW(torch.optim.AdamW):
 
 def _zenflow(settings: dict, **kw) -> tuple[torch.nn.Module, list[float], ZenFlowAdamW]:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**ALL_ON_HOST, **kw, **settings})
+    opt = zenflow_adamw(param_groups(model), lr=LR, **{**ALL_ON_HOST, **kw, **settings})
     losses = train(model, opt, DATA)
     opt.flush()
     return model, losses, opt
@@ -113,7 +113,7 @@ def test_bf16_moments_through_the_kernel_are_the_torch_pass_bit_for_bit(monkeypa
         with monkeypatch.context() as patch:
             calls = _moment_path(path, patch)
             model = make_model()
-            opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings)
+            opt = zenflow_adamw(param_groups(model), lr=LR, **settings)
             train(model, opt, batches(STEPS), clip=0.05)
             opt.flush()
             moments = [(s.host.exp_avg.clone(), s.host.exp_avg_sq.clone())
@@ -146,19 +146,19 @@ def test_bf16_moments_resume_exactly():
                     overlap_step=True, select_strategy="step", select_interval=3, min_offload_numel=0, cpu_threads=1)
     data = batches(STEPS)
     whole = make_model()
-    opt = ZenFlowAdamW(param_groups(whole), lr=LR, **settings)
+    opt = zenflow_adamw(param_groups(whole), lr=LR, **settings)
     train(whole, opt, data)
     opt.flush()
     opt.close()
     first = make_model()
-    opt = ZenFlowAdamW(param_groups(first), lr=LR, **settings)
+    opt = zenflow_adamw(param_groups(first), lr=LR, **settings)
     train(first, opt, data[:5])  # mid-window, between re-selections
     saved = roundtrip(opt.state_dict())
     opt.close()
     assert saved["zenflow"]["config"]["host_moment_dtype"] == "bfloat16"
     second = make_model()
     second.load_state_dict(first.state_dict())
-    opt = ZenFlowAdamW(param_groups(second), lr=LR, **settings)
+    opt = zenflow_adamw(param_groups(second), lr=LR, **settings)
     opt.load_state_dict(saved)
     assert all(s.host.exp_avg.dtype == torch.bfloat16 for s in opt.engine_state.splits.values() if s.host is not None)
     train(second, opt, data[5:])
@@ -179,7 +179,7 @@ def test_the_rounding_seed_travels_with_the_checkpoint(moments):
 
     def made_under(seed: int, model: torch.nn.Module) -> ZenFlowAdamW:
         torch.manual_seed(seed)
-        return ZenFlowAdamW(param_groups(model), lr=LR, **settings)
+        return zenflow_adamw(param_groups(model), lr=LR, **settings)
 
     whole = make_model()
     opt = made_under(3, whole)
@@ -232,9 +232,9 @@ def test_host_bytes_per_param_with_bf16_moments_are_the_host_tensors(accumulate_
     and write-backs (the CPU device swaps buffers at both), and with the window summed on the device it is at most
     12 B (fp32 master 4, bf16 moments 2 + 2, one fp32 buffer for the landed window sum and the write-back)."""
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=3, overlap_step=True,
-                       writeback_lag=1, min_offload_numel=0, cpu_threads=1, host_moment_dtype="bfloat16",
-                       accumulate_on=accumulate_on)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=3, overlap_step=True,
+                        writeback_lag=1, min_offload_numel=0, cpu_threads=1, host_moment_dtype="bfloat16",
+                        accumulate_on=accumulate_on)
     train(model, opt, batches(10))  # three windows closed, two written back, one pending
     opt.flush()
     stats = opt.stats()

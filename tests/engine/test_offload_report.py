@@ -6,13 +6,12 @@ import logging
 
 import pytest
 
-from hf_zenflow import ZenFlowAdamW
-from tests.conftest import batches, make_model, param_groups, train
+from tests.conftest import batches, make_model, param_groups, train, zenflow_adamw
 
 
 def _said(caplog, **settings) -> list[str]:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), **{"lr": 1e-3, **settings})
+    opt = zenflow_adamw(param_groups(model), **{"lr": 1e-3, **settings})
     with caplog.at_level(logging.WARNING, logger="hf_zenflow"):
         train(model, opt, batches(5))
     opt.close()

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import hf_zenflow.engine.host as host_module
-from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.worker import HostAdamWorker
 from tests.conftest import FP32_MOMENTS, batches, linear_schedule, make_model, param_groups, train, zenflow_adamw
 
@@ -28,7 +27,7 @@ def test_a_window_runs_one_accumulation_job_fewer(monkeypatch, overlap_step):
 
     monkeypatch.setattr(HostAdamWorker, "submit", spy)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, overlap_step=overlap_step, **SETTINGS)
+    opt = zenflow_adamw(param_groups(model), lr=1e-2, update_interval=4, overlap_step=overlap_step, **SETTINGS)
     train(model, opt, batches(8), clip=1.0)
     opt.synchronize()
     opt.close()

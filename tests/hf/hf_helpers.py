@@ -68,8 +68,9 @@ def tiny_llama(seed: int = 0, **overrides: Any):
     return LlamaForCausalLM(config)
 
 
-def zenflow_args(output_dir: Path | str, **overrides: Any):
-    """ZenFlowTrainingArguments for a fast, deterministic CPU run (per-step logging, no checkpoints)."""
+def zenflow_args(output_dir: Path | str, rules: dict[str, Any] | None = None, **overrides: Any):
+    """ZenFlowTrainingArguments for a fast, deterministic CPU run (per-step logging, no checkpoints). `rules`: engine
+    rules (`EngineRules`, no flags) the run's config changes with `ZenFlowConfig.with_rules`."""
     from hf_zenflow.hf.training_args import ZenFlowTrainingArguments
 
     values: dict[str, Any] = dict(
@@ -80,7 +81,11 @@ def zenflow_args(output_dir: Path | str, **overrides: Any):
         zenflow_min_offload_numel=0,  # the tiny model's matrices are all below the default: split them all
     )
     values.update(overrides)
-    return ZenFlowTrainingArguments(**values)
+    args = ZenFlowTrainingArguments(**values)
+    if rules:
+        flags_only = args.zenflow_config
+        args.zenflow_config = lambda **changes: flags_only(**changes).with_rules(**rules)
+    return args
 
 
 def logged(trainer, key: str = "loss") -> list[float]:

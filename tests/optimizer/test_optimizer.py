@@ -45,7 +45,7 @@ def run_reference(steps: int = STEPS, clip: float | None = None, fused: bool = F
 
 def run_zenflow(steps: int = STEPS, clip: float | None = None, **kw) -> tuple[torch.nn.Module, list, ZenFlowAdamW]:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**OFF, **kw}, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **{**OFF, **kw}, min_offload_numel=0)
     losses = train(model, opt, batches(steps), linear_schedule(opt, steps), clip=clip)
     opt.flush()
     opt.close()
@@ -140,9 +140,9 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, w
     ref_w = lin.weight.detach().clone()
     data = [torch.randn(4, 32) for _ in range(24)]
     U, k = 4, 8
-    opt = ZenFlowAdamW([lin.weight], lr=LR, weight_decay=0.05, topk_ratio=k / 32, update_interval=U,
-                       select_strategy="step", select_interval=1000, host_lr_scale=host_lr_scale, min_offload_numel=0,
-                       writeback_lag=writeback_lag, **OFF, **FP32_MOMENTS)
+    opt = zenflow_adamw([lin.weight], lr=LR, weight_decay=0.05, topk_ratio=k / 32, update_interval=U,
+                        select_strategy="step", select_interval=1000, host_lr_scale=host_lr_scale, min_offload_numel=0,
+                        writeback_lag=writeback_lag, **OFF, **FP32_MOMENTS)
     def lag(window: int) -> int:  # the write-back lag of window `window`'s result (1-based)
         if writeback_lag == "auto":
             return 2
@@ -209,8 +209,8 @@ def test_device_accumulation_equals_host_accumulation_bit_for_bit(settings, dtyp
     results = []
     for accumulate_on in ("host", "device"):
         model = make_model(dtype=dtype)
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, accumulate_on=accumulate_on, **{**OFF, **settings},
-                           min_offload_numel=0)
+        opt = zenflow_adamw(param_groups(model), lr=LR, accumulate_on=accumulate_on, **{**OFF, **settings},
+                            min_offload_numel=0)
         losses = train(model, opt, batches(30), linear_schedule(opt, 30), clip=1.0)
         opt.flush()
         results.append((model, losses, opt.stats()))
@@ -235,12 +235,12 @@ def assert_resume_continues_identically(split_at: int, total: int, settings: dic
     rest: losses and weights must be identical. Returns the checkpoint."""
     data = batches(total)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**OFF, **settings}, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **{**OFF, **settings}, min_offload_numel=0)
     full_losses = train(model, opt, data, linear_schedule(opt, total), clip=1.0)
     opt.close()
 
     model_a = make_model()
-    opt_a = ZenFlowAdamW(param_groups(model_a), lr=LR, **{**OFF, **settings, **(save or {})}, min_offload_numel=0)
+    opt_a = zenflow_adamw(param_groups(model_a), lr=LR, **{**OFF, **settings, **(save or {})}, min_offload_numel=0)
     sched_a = linear_schedule(opt_a, total)
     first = train(model_a, opt_a, data[:split_at], sched_a, clip=1.0)
     checkpoint = roundtrip({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "sched": sched_a.state_dict()})
@@ -248,7 +248,7 @@ def assert_resume_continues_identically(split_at: int, total: int, settings: dic
 
     model_b = make_model(seed=123)  # fresh copy, different init: everything must come from the checkpoint
     model_b.load_state_dict(checkpoint["model"])
-    opt_b = ZenFlowAdamW(param_groups(model_b), lr=LR, **{**OFF, **settings, **(load or {})}, min_offload_numel=0)
+    opt_b = zenflow_adamw(param_groups(model_b), lr=LR, **{**OFF, **settings, **(load or {})}, min_offload_numel=0)
     sched_b = linear_schedule(opt_b, total)  # built before loading, as the HF Trainer does
     opt_b.load_state_dict(checkpoint["opt"])
     sched_b.load_state_dict(checkpoint["sched"])
@@ -284,15 +284,15 @@ def test_state_dict_is_weights_only_safe_and_accepts_any_device_tensors():
     kinds = {entry["kind"] for entry in state["state"].values()}
     assert kinds == {"split", "dense"}
     model = make_model()
-    fresh = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.2, update_interval=4, min_offload_numel=0, **OFF)
+    fresh = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.2, update_interval=4, min_offload_numel=0, **OFF)
     fresh.load_state_dict(copy.deepcopy(state))
     assert roundtrip(fresh.state_dict())["zenflow"] == state["zenflow"]
 
 
 def test_bf16_weights_are_the_rounded_fp32_master():
     model = make_model(dtype=torch.bfloat16)
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=3, select_strategy="step",
-                       select_interval=5, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=3, select_strategy="step",
+                        select_interval=5, min_offload_numel=0)
     train(model, opt, batches(23))
     opt.flush()
     for p in model.parameters():
@@ -312,7 +312,7 @@ def test_clip_grad_norm_returns_torch_value(dtype):
     logits = model(x).float()
     torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    opt = ZenFlowAdamW(model.parameters(), lr=LR, min_offload_numel=0)
+    opt = zenflow_adamw(model.parameters(), lr=LR, min_offload_numel=0)
     sync = SyncOffloadAdamW(model.parameters(), lr=LR)
     ours, ours_sync = opt.clip_grad_norm_(0.1), sync.clip_grad_norm_(0.1)
     theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
@@ -328,12 +328,12 @@ def test_non_finite_gradient_skips_the_whole_step():
 
     # reference: the same run with batch 6 simply absent
     model_r = make_model()
-    opt_r = ZenFlowAdamW(param_groups(model_r), lr=LR, **settings, min_offload_numel=0)
+    opt_r = zenflow_adamw(param_groups(model_r), lr=LR, **settings, min_offload_numel=0)
     ref_losses = train(model_r, opt_r, data[:6] + data[7:])
     opt_r.flush()
 
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **settings, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **settings, min_offload_numel=0)
     snapshot = {}
     # the non-finite values arrive with the gradients, in backward (freed in backward, a gradient is gone by then)
     poisoned = {"now": False}
@@ -369,7 +369,7 @@ def test_non_finite_gradient_skips_the_whole_step():
 
 def test_skipped_step_leaves_weights_and_state_untouched():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
     train(model, opt, batches(5))
     opt.synchronize()
     before_w = copy.deepcopy(model.state_dict())
@@ -403,7 +403,7 @@ def test_worker_failure_is_raised_in_the_caller(monkeypatch):
 
     monkeypatch.setattr(window_close, "host_adamw_window", broken)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
     start = time.monotonic()
     with pytest.raises(HostWorkerError, match="injected host failure"):
         train(model, opt, batches(10))
@@ -419,15 +419,15 @@ def test_inline_failure_raises_at_once(monkeypatch):
 
     monkeypatch.setattr(window_close, "host_adamw_window", lambda groups, *last: 1 / 0)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
-                       min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
+                        min_offload_numel=0)
     with pytest.raises(HostWorkerError, match="ZeroDivisionError"):
         train(model, opt, batches(2))
 
 
 def test_eval_drains_and_close_stops_the_worker():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
     train(model, opt, batches(4))
     opt.eval()
     worker = opt.host_windows.worker
@@ -441,8 +441,8 @@ def test_eval_drains_and_close_stops_the_worker():
 
 def test_reselection_follows_changing_importance():
     lin = torch.nn.Linear(20, 4, bias=False)
-    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
-                       select_interval=4, min_offload_numel=0)
+    opt = zenflow_adamw([lin.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                        select_interval=4, min_offload_numel=0)
     for t in range(8):
         hot = 3 if t < 4 else 17
         lin.weight.grad = torch.zeros_like(lin.weight)
@@ -457,7 +457,7 @@ def test_reselection_follows_changing_importance():
 
 def test_epoch_strategy_needs_the_epoch_length():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, select_strategy="epoch", select_interval=1, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, select_strategy="epoch", select_interval=1, min_offload_numel=0)
     with pytest.raises(ValueError, match="steps_per_epoch"):
         train(model, opt, batches(1))
     opt.set_steps_per_epoch(3)
@@ -489,8 +489,8 @@ def test_auto_interval_is_adaptive_and_bounded():
 
 def test_host_memory_is_sixteen_bytes_per_offloaded_element_plus_the_write_back_buffer():
     lin = torch.nn.Linear(64, 32, bias=False)
-    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.25, update_interval=2, min_offload_numel=0,
-                       **FP32_MOMENTS)
+    opt = zenflow_adamw([lin.weight], lr=LR, topk_ratio=0.25, update_interval=2, min_offload_numel=0,
+                        **FP32_MOMENTS)
     lin.weight.grad = torch.randn_like(lin.weight)
     opt.step()
     stats = opt.stats()
@@ -506,7 +506,7 @@ def test_host_memory_is_sixteen_bytes_per_offloaded_element_plus_the_write_back_
 
 def test_steps_consume_offloaded_gradients_only():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
     train(model, opt, batches(1))  # zero_grad already ran; do one more backward by hand
     x, y = (t.to(DEVICE) for t in batches(1)[0])
     logits = model(x)
@@ -519,8 +519,8 @@ def test_steps_consume_offloaded_gradients_only():
 
 def test_telemetry_counts_bytes_staleness_and_phases():
     lin = torch.nn.Linear(40, 16, bias=True)
-    opt = ZenFlowAdamW(lin.parameters(), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
-                       select_interval=1000, host_executor="inline", min_offload_numel=0, writeback_lag=None, **OFF)
+    opt = zenflow_adamw(lin.parameters(), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
+                        select_interval=1000, host_executor="inline", min_offload_numel=0, writeback_lag=None, **OFF)
     matrix_bytes = lin.weight.numel() * 4
     seen = []
     for _ in range(12):
@@ -541,8 +541,8 @@ def test_telemetry_counts_bytes_staleness_and_phases():
 def test_selected_grad_share_is_the_chosen_columns_share_of_the_gradient_at_each_selection():
     # two matrices, each with its own spread over columns; re-selected every 3 steps from that step's gradient
     a, b = torch.nn.Linear(40, 16, bias=False), torch.nn.Linear(30, 8, bias=False)
-    opt = ZenFlowAdamW([a.weight, b.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
-                       select_interval=3, host_executor="inline", min_offload_numel=0, **OFF)
+    opt = zenflow_adamw([a.weight, b.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                        select_interval=3, host_executor="inline", min_offload_numel=0, **OFF)
     assert math.isnan(opt.stats()["selected_grad_share"])  # nothing chosen yet
     generator = torch.Generator().manual_seed(0)
     expected = math.nan
@@ -564,8 +564,8 @@ def test_selected_grad_share_is_the_chosen_columns_share_of_the_gradient_at_each
     assert opt.stats()["reselections"] >= 2  # the figure followed re-selections, not only the first choice
     state = opt.state_dict()
     opt.close()
-    resumed = ZenFlowAdamW([a.weight, b.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
-                           select_interval=3, host_executor="inline", min_offload_numel=0, **OFF)
+    resumed = zenflow_adamw([a.weight, b.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                            select_interval=3, host_executor="inline", min_offload_numel=0, **OFF)
     resumed.load_state_dict(state)
     assert math.isnan(resumed.stats()["selected_grad_share"])  # not checkpointed: read again at the next selection
     resumed.close()
@@ -573,7 +573,7 @@ def test_selected_grad_share_is_the_chosen_columns_share_of_the_gradient_at_each
 
 def test_small_matrices_stay_on_the_device():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=1500)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=1500)
     train(model, opt, batches(2))
     split = {name for name, p in model.named_parameters() if p in opt.engine_state.splits}
     assert split == {"up.weight", "down.weight"}  # the 24x40 embedding (960 elements) is below the threshold
@@ -587,8 +587,8 @@ def test_cpu_write_back_swaps_in_the_workers_buffer():
     if DEVICE.type != "cpu":
         pytest.skip("the swap is the CPU-device write-back")
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=False,
-                       min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=False,
+                        min_offload_numel=0)
     weight, stride = model.up.weight, model.up.weight.stride()
     data = batches(6)
     train(model, opt, data[:1], clip=1.0)
@@ -603,8 +603,8 @@ def test_cpu_write_back_swaps_in_the_workers_buffer():
 
 def _auto_windows(clip: float | None) -> tuple[list[int], list[torch.Tensor]]:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval="auto", select_strategy="step",
-                       select_interval=1000, host_executor="inline", min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval="auto", select_strategy="step",
+                        select_interval=1000, host_executor="inline", min_offload_numel=0)
     intervals: list[int] = []
 
     def record(_: int) -> None:
@@ -638,8 +638,8 @@ def test_no_selection_from_an_all_zero_gradient():
     """Regression (issue 10.3): a matrix whose first gradient is exactly zero (LoRA's lora_A while lora_B is zero)
     had its device columns chosen from that gradient (arbitrarily) and kept them until the next re-selection."""
     lin = torch.nn.Linear(20, 4, bias=False)
-    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
-                       select_interval=1000, min_offload_numel=0)
+    opt = zenflow_adamw([lin.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                        select_interval=1000, min_offload_numel=0)
     hot = [7, 13]
     for t in range(6):
         lin.weight.grad = torch.zeros_like(lin.weight)
@@ -662,7 +662,7 @@ def test_fp32_parameters_are_their_own_master(dtype):
     self-copy of every fp32 1-D parameter per step, its master counted twice in the device bytes and saved in every
     checkpoint."""
     model = make_model(dtype=dtype)
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=1.0, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=1.0, min_offload_numel=0)
     train(model, opt, batches(2))
     state = roundtrip(opt.state_dict())
     dense = [entry for entry in state["state"].values() if entry["kind"] == "dense"]
@@ -685,7 +685,7 @@ def test_weights_changed_from_outside_are_picked_up(dtype):
     """Regression (issue 10.13): after `model.load_state_dict` (the Trainer's load_best_model_at_end) the fp32
     masters kept the old values, and the next write-back overwrote the loaded weights with stale host results."""
     model = make_model(dtype=dtype)
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
     data = batches(12)
     train(model, opt, data[:3])
     best = copy.deepcopy(model.state_dict())
@@ -706,8 +706,8 @@ def test_training_through_an_outside_weight_change_is_adamw_at_interval_one():
     runs = []
     for zenflow in (False, True):
         model = make_model()
-        opt = (ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
-                            select_strategy="step", select_interval=5, min_offload_numel=0, **FP32_MOMENTS) if zenflow
+        opt = (zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
+                             select_strategy="step", select_interval=5, min_offload_numel=0, **FP32_MOMENTS) if zenflow
                else torch.optim.AdamW(param_groups(model), lr=LR))
         train(model, opt, data[:4])
         best = copy.deepcopy(model.state_dict())
@@ -727,8 +727,8 @@ def test_an_ordinary_step_syncs_once_after_launching_the_device_update(monkeypat
     import hf_zenflow.engine.device_step as device_module
 
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
-                       select_interval=100, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
+                        select_interval=100, min_offload_numel=0)
     train(model, opt, batches(3), clip=1.0)  # past the first selection
     events: list[str] = []
     caller = threading.current_thread()
@@ -771,7 +771,7 @@ def test_flush_and_checkpoint_after_close_work():
     results = []
     for close_first in (False, True):
         model = make_model()
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
+        opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
         train(model, opt, batches(6))  # mid-window, a write-back pending
         if close_first:
             opt.close()
@@ -791,14 +791,14 @@ def test_flush_and_checkpoint_after_close_work():
 def test_non_dense_parameter_is_refused_at_construction_naming_its_strides(make):
     p = torch.nn.Parameter(make())  # (nn.Parameter keeps the view's strides: a parameter with gaps in memory)
     with pytest.raises(ValueError, match=r"w.*strides"):
-        ZenFlowAdamW([("w", p)], lr=LR, min_offload_numel=0)
+        zenflow_adamw([("w", p)], lr=LR, min_offload_numel=0)
 
 
 def test_dense_permuted_parameter_is_accepted_and_equals_adamw():
     # a dense but permuted 3-D layout (no gaps): the gradient gets the parameter's strides, the update is exact
     base = torch.randn(4, 8, 16).permute(2, 0, 1)
     p, q = torch.nn.Parameter(base.clone()), torch.nn.Parameter(base.clone())
-    opt, ref = ZenFlowAdamW([p], lr=LR, min_offload_numel=0, topk_ratio=0.25), torch.optim.AdamW([q], lr=LR)
+    opt, ref = zenflow_adamw([p], lr=LR, min_offload_numel=0, topk_ratio=0.25), torch.optim.AdamW([q], lr=LR)
     for step in range(6):
         g = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
         for t, o in ((p, opt), (q, ref)):
@@ -812,13 +812,13 @@ def test_dense_permuted_parameter_is_accepted_and_equals_adamw():
 def test_duplicate_parameter_in_one_list_is_refused():
     p = torch.nn.Parameter(torch.randn(8, 8))
     with pytest.raises(ValueError, match="more than once"):
-        ZenFlowAdamW([p, p], lr=LR)
+        zenflow_adamw([p, p], lr=LR)
 
 
 def test_float64_parameter_is_refused_naming_the_dtype():
     p = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="float64"):
-        ZenFlowAdamW([("w", p)], lr=LR)
+        zenflow_adamw([("w", p)], lr=LR)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
@@ -826,7 +826,7 @@ def test_copy_and_pickle_are_refused_at_copy_time(how):
     import pickle
 
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, min_offload_numel=0)
     with pytest.raises(TypeError, match="state_dict"):
         copy.deepcopy(opt) if how == "deepcopy" else pickle.dumps(opt)
     opt.close()

@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW
-from tests.conftest import batches, make_model, param_groups, train
+from hf_zenflow import SyncOffloadAdamW
+from tests.conftest import batches, make_model, param_groups, train, zenflow_adamw
 
 
 SETTINGS = dict(lr=1e-2, topk_ratio=0.1, update_interval=2, min_offload_numel=0, high_lr_rule="off")
@@ -25,7 +25,7 @@ def fresh_run(start: list[torch.Tensor], steps: int, **settings) -> list[torch.T
     with torch.no_grad():
         for p, w in zip(model.parameters(), start):
             p.copy_(w)
-    opt = ZenFlowAdamW(param_groups(model), **{**SETTINGS, **settings})
+    opt = zenflow_adamw(param_groups(model), **{**SETTINGS, **settings})
     train(model, opt, batches(steps, seed=5), clip=1.0)
     opt.flush()
     opt.close()
@@ -41,13 +41,13 @@ def test_a_second_optimizer_takes_the_parameters_over_and_trains_as_a_fresh_one(
     through `clip_grad_norm_`), then a new one over the same model. The new one trains exactly as one on a model no
     optimizer saw; the first refuses to step, naming why; the take-over is said once, with the count and a name."""
     model = make_model()
-    first = ZenFlowAdamW(param_groups(model), **SETTINGS)
+    first = zenflow_adamw(param_groups(model), **SETTINGS)
     first.name_parameters(model)
     train(model, first, batches(4), clip=1.0)
     first.flush()
     start = weights(model)
     with caplog.at_level(logging.WARNING, logger="hf_zenflow"):
-        second = ZenFlowAdamW(param_groups(model), **{**SETTINGS, "free_gradients_in_backward": "on"})
+        second = zenflow_adamw(param_groups(model), **{**SETTINGS, "free_gradients_in_backward": "on"})
         train(model, second, batches(6, seed=5), clip=1.0)
         second.flush()
     told = takeover_warnings(caplog)
@@ -65,11 +65,11 @@ def test_a_second_optimizer_takes_the_parameters_over_and_trains_as_a_fresh_one(
 
 def test_an_open_window_left_behind_is_named_in_the_warning(caplog):
     model = make_model()
-    first = ZenFlowAdamW(param_groups(model), **SETTINGS, writeback_lag=None)
+    first = zenflow_adamw(param_groups(model), **SETTINGS, writeback_lag=None)
     train(model, first, batches(3), clip=1.0)  # one window closed, written back at the next one's end; one step in it
     first.close()  # closed, but not flushed
     with caplog.at_level(logging.WARNING, logger="hf_zenflow"):
-        ZenFlowAdamW(param_groups(model), **SETTINGS).close()
+        zenflow_adamw(param_groups(model), **SETTINGS).close()
     told = takeover_warnings(caplog)
     assert len(told) == 1 and "host updates of its last 3 step(s)" in told[0] and "not closed" not in told[0], told
 
@@ -77,12 +77,12 @@ def test_an_open_window_left_behind_is_named_in_the_warning(caplog):
 def test_a_run_ended_with_flush_and_close_is_taken_over_without_a_word(caplog):
     """The Trainer's end of training (flush, close): nothing is lost, so nothing is said; the step still refuses."""
     model = make_model()
-    first = ZenFlowAdamW(param_groups(model), **SETTINGS)
+    first = zenflow_adamw(param_groups(model), **SETTINGS)
     train(model, first, batches(3), clip=1.0)
     first.flush()
     first.close()
     with caplog.at_level(logging.WARNING, logger="hf_zenflow"):
-        second = ZenFlowAdamW(param_groups(model), **SETTINGS)
+        second = zenflow_adamw(param_groups(model), **SETTINGS)
     assert takeover_warnings(caplog) == []
     with pytest.raises(RuntimeError, match="no longer holds its parameters"):
         train(model, first, batches(1))
@@ -95,9 +95,9 @@ def test_only_the_shared_parameters_are_taken_over_and_others_stay_held():
     model = make_model()
     matrices = [model.up.weight, model.down.weight]
     rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
-    a = ZenFlowAdamW(matrices, **SETTINGS)
-    b = ZenFlowAdamW(rest, **SETTINGS)
-    c = ZenFlowAdamW([model.embed.weight], **SETTINGS)
+    a = zenflow_adamw(matrices, **SETTINGS)
+    b = zenflow_adamw(rest, **SETTINGS)
+    c = zenflow_adamw([model.embed.weight], **SETTINGS)
     with pytest.raises(RuntimeError, match=r"over 1 parameter\(s\) \(the first: one of shape \(24, 40\)\)"):
         b.step()
     a.step()  # (no gradients yet: a step that changes nothing, but not refused)
@@ -113,7 +113,7 @@ def test_close_takes_the_hooks_off_and_a_later_step_puts_them_back_exactly():
     results = []
     for close_between in (False, True):
         model = make_model()
-        opt = ZenFlowAdamW(param_groups(model), **settings)
+        opt = zenflow_adamw(param_groups(model), **settings)
         data = batches(8)
         train(model, opt, data[:3], clip=1.0)
         if close_between:
@@ -140,7 +140,7 @@ def test_sync_offload_over_the_parameters_of_an_open_zenflow_optimizer_trains():
     """`SyncOffloadAdamW` reads ``p.grad`` in `step()`: an open ZenFlowAdamW's hooks would free the gradients first.
     It takes them over and trains as on a model no optimizer saw."""
     model = make_model()
-    zen = ZenFlowAdamW(param_groups(model), **{**SETTINGS, "free_gradients_in_backward": "on"})
+    zen = zenflow_adamw(param_groups(model), **{**SETTINGS, "free_gradients_in_backward": "on"})
     train(model, zen, batches(2), clip=1.0)
     zen.flush()
     start = weights(model)

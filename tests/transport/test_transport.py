@@ -7,10 +7,9 @@ import pytest
 import torch
 
 import hf_zenflow.transport as transport_package
-from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.transport import ARENA_ALIGN, CopyTransport, PinnedArena
 from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
-from tests.conftest import DEVICE, batches, linear_schedule, make_model, param_groups, train
+from tests.conftest import DEVICE, batches, linear_schedule, make_model, param_groups, train, zenflow_adamw
 
 
 LR = 1e-2
@@ -25,7 +24,7 @@ def run(transport_cls, steps, settings, make=make_model):
     transport_package.transport_for = lambda device: transport_cls()
     try:
         model = make()
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, min_offload_numel=0, **settings)
+        opt = zenflow_adamw(param_groups(model), lr=LR, min_offload_numel=0, **settings)
         losses = steps(model, opt)
         transports = opt.host_windows.transports
         assert transports and all(isinstance(t, transport_cls) for t in transports.values())
@@ -97,7 +96,7 @@ def test_only_fresh_host_results_cross_the_link_at_the_write_back():
         transport_package.transport_for = lambda device, cls=transport_cls: cls()
         try:
             params = make()
-            opt = ZenFlowAdamW(groups(params), lr=LR, min_offload_numel=0, **settings)
+            opt = zenflow_adamw(groups(params), lr=LR, min_offload_numel=0, **settings)
             steps(params, opt)
             before_flush = [p.detach().clone() for p in params]
             opt.flush()
