@@ -1,4 +1,4 @@
-"""`ZenFlowConfig.host_step_guard`: a watch on each host result after it is written into the weights.
+"""`EngineRules.host_step_guard`: a watch on each host result after it is written into the weights.
 
 A window's host step lands all at once, with no gradient in between to correct it. Where the loss is sharp along the
 unselected columns (an un-normalised path to the output, a learning rate at the edge of stability), a step that

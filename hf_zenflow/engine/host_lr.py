@@ -1,4 +1,4 @@
-"""The host AdamW's learning-rate multiplier (`ZenFlowConfig.host_lr_scale`) per window: a number, "interval" (the
+"""The host AdamW's learning-rate multiplier (`EngineRules.host_lr_scale`) per window: a number, "interval" (the
 window's length) or "auto" (the window's length, capped where a window's host step would overshoot), and the run's
 record of it for `stats()` and the log; `high_lr_rule="auto"`: shorter windows and a lower host beta1 at high
 learning rates (`high_lr_window`, `high_lr_beta1`); `host_hyper`: a window's host AdamW hyper-parameters."""
@@ -105,7 +105,7 @@ def host_hyper(group: dict, config: ZenFlowConfig, steps: int, lag: int, high_lr
 
 
 def host_lr_scale(setting: float | str, window_steps: int, lr: float = 0.0, lag: int = 1) -> float:
-    """The host AdamW's learning-rate multiplier for a window of `window_steps` steps (`ZenFlowConfig.host_lr_scale`:
+    """The host AdamW's learning-rate multiplier for a window of `window_steps` steps (`EngineRules.host_lr_scale`:
     a number, "interval" for the window's length, or "auto" for `auto_host_lr_scale` of the group's peak `lr` and the
     write-back `lag`)."""
     if setting == "interval":
