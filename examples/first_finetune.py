@@ -18,6 +18,7 @@ ZenFlowConfig ``KEY=VALUE`` settings or engine rules, e.g. ``host_lr_scale=inter
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -69,6 +70,11 @@ def build(seed: int) -> tuple[Any, Any, Any, Any]:
     return model, tok, Sentences(train_idx), Sentences(held_out)
 
 
+def config_with_rules(args: Any, rules: dict[str, Any], **changes: Any) -> Any:
+    """The ZenFlowConfig `args`' flags describe, with the engine `rules` (`ZenFlowConfig.with_rules`)."""
+    return type(args).zenflow_config(args, **changes).with_rules(**rules)
+
+
 def run_one(seed: int, zenflow: bool, out_dir: str, extra: dict[str, Any]) -> dict[str, Any]:
     from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
 
@@ -83,8 +89,7 @@ def run_one(seed: int, zenflow: bool, out_dir: str, extra: dict[str, Any]) -> di
         settings, rules = split_rules(extra)
         args = ZenFlowTrainingArguments(**common, **{f"zenflow_{k}": v for k, v in settings.items()})
         if rules:  # (engine rules are no Trainer flags: the config the Trainer asks for takes them)
-            flags_only = args.zenflow_config
-            args.zenflow_config = lambda **changes: flags_only(**changes).with_rules(**rules)
+            args.zenflow_config = functools.partial(config_with_rules, args, rules)
         cls = ZenFlowTrainer
     else:
         args = TrainingArguments(**common, optim="adamw_torch")

@@ -4,6 +4,7 @@ launches and their results; accelerate's FSDP on CPU (`fsdp_on_cpu`)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import random
@@ -82,10 +83,14 @@ def zenflow_args(output_dir: Path | str, rules: dict[str, Any] | None = None, **
     )
     values.update(overrides)
     args = ZenFlowTrainingArguments(**values)
-    if rules:
-        flags_only = args.zenflow_config
-        args.zenflow_config = lambda **changes: flags_only(**changes).with_rules(**rules)
+    if rules:  # (a partial of a module's function: the Trainer pickles its arguments with the model)
+        args.zenflow_config = functools.partial(_config_with_rules, args, rules)
     return args
+
+
+def _config_with_rules(args: Any, rules: dict[str, Any], **changes: Any):
+    """The config `args`' flags describe, with the engine `rules`."""
+    return type(args).zenflow_config(args, **changes).with_rules(**rules)
 
 
 def logged(trainer, key: str = "loss") -> list[float]:
