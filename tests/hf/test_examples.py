@@ -120,10 +120,10 @@ def test_train_accelerate_under_accelerate_launch(tmp_path):
               "--num_cpu_threads_per_process", "1", str(EXAMPLES / "train_accelerate.py")]
     common = ["--max_steps", "8", "--num_train_samples", "64", "--seq_len", "32", "--hidden_size", "32",
               "--log_every", "4"]
-    # (HF_ZENFLOW_MIN_OFFLOAD_NUMEL=0: the tiny model is offloaded; with nothing offloaded no worker would start;
-    # HF_ZENFLOW_HIGH_LR_RULE=off: windows of 4 at the example's lr 3e-3, so that step 6 is mid-window)
+    # (HF_ZENFLOW_MIN_OFFLOAD_NUMEL=0: the tiny model is offloaded; with nothing offloaded no worker would start; the
+    # example's lr 1e-3 x 4 stays under the high-lr rule's threshold: windows of 4, so that step 6 is mid-window)
     env = example_env(HF_ZENFLOW_CPU_THREADS="2", HF_ZENFLOW_UPDATE_INTERVAL="4", HF_ZENFLOW_OVERLAP_STEP="true",
-                      HF_ZENFLOW_MIN_OFFLOAD_NUMEL="0", HF_ZENFLOW_HIGH_LR_RULE="off")
+                      HF_ZENFLOW_MIN_OFFLOAD_NUMEL="0")
     full = tmp_path / "full"
     proc = run([*launch, *common, "--output_dir", str(full), "--save_state_steps", "6"], env, cwd=tmp_path)
     assert f"wrote the model and train_log.json to {full.resolve()}" in proc.stdout
