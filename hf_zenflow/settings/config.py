@@ -171,8 +171,9 @@ class ZenFlowConfig:
                   "project's measured rules: the step's learning rate multiplied by each window's length while lr x "
                   f"multiplier stays under {AUTO_HOST_LR_CAP:g} / sqrt(write-back lag), shorter windows above peak "
                   f"lr x update_interval = {HIGH_LR_RULE_THRESHOLD:g}, a guard against host steps that overshoot "
-                  "there, and the result written back a few steps into the next window (one step per 2**31 "
-                  "elements of host columns, decided from sizes: the same script and seed give the same weights). "
+                  "there, and the result written back into the next window after one step per 2**31 elements of "
+                  "host columns (at least 1, at most the window; decided from sizes: the same script and seed give "
+                  "the same weights). "
                   "\"zenflow\": ZenFlow's and DeepSpeed's schedule: one AdamW step per window at the configured lr, "
                   "written back at the next window boundary (what ZenFlowConfig.from_deepspeed gives).",
                   "choices": _HOST_STEPS},
