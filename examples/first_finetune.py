@@ -11,12 +11,14 @@ same training data).
     python examples/first_finetune.py --summary runs/quality/first_finetune.jsonl
 
 ZenFlow variants: ``--variants defaults "update_interval=1 overlap_step=False" ...`` (each a space-separated list of
-ZenFlowConfig ``KEY=VALUE`` settings; ``defaults`` = none). Per seed, adamw_torch runs first, then every variant.
+ZenFlowConfig ``KEY=VALUE`` settings or engine rules, e.g. ``host_lr_scale=interval``, applied with
+`ZenFlowConfig.with_rules`; ``defaults`` = none). Per seed, adamw_torch runs first, then every variant.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -68,17 +70,26 @@ def build(seed: int) -> tuple[Any, Any, Any, Any]:
     return model, tok, Sentences(train_idx), Sentences(held_out)
 
 
+def config_with_rules(args: Any, rules: dict[str, Any], **changes: Any) -> Any:
+    """The ZenFlowConfig `args`' flags describe, with the engine `rules` (`ZenFlowConfig.with_rules`)."""
+    return type(args).zenflow_config(args, **changes).with_rules(**rules)
+
+
 def run_one(seed: int, zenflow: bool, out_dir: str, extra: dict[str, Any]) -> dict[str, Any]:
     from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
 
     from hf_zenflow import ZenFlowTrainer, ZenFlowTrainingArguments
+    from hf_zenflow.settings.rules import split_rules
 
     model, tok, train, held_out = build(seed)
     common = dict(output_dir=out_dir, per_device_train_batch_size=32, per_device_eval_batch_size=128,
                   num_train_epochs=1, learning_rate=5e-5, save_strategy="no", report_to="none", use_cpu=True,
                   seed=seed, logging_steps=1000, disable_tqdm=True)
     if zenflow:
-        args = ZenFlowTrainingArguments(**common, **{f"zenflow_{k}": v for k, v in extra.items()})
+        settings, rules = split_rules(extra)
+        args = ZenFlowTrainingArguments(**common, **{f"zenflow_{k}": v for k, v in settings.items()})
+        if rules:  # (engine rules are no Trainer flags: the config the Trainer asks for takes them)
+            args.zenflow_config = functools.partial(config_with_rules, args, rules)
         cls = ZenFlowTrainer
     else:
         args = TrainingArguments(**common, optim="adamw_torch")
@@ -104,6 +115,7 @@ def run_one(seed: int, zenflow: bool, out_dir: str, extra: dict[str, Any]) -> di
 
 
 def summary(path: str) -> str:
+    from hf_zenflow.settings.rules import HOST_STEP_RULES
     from hf_zenflow.tuning.tune import paired_interval
 
     recs = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -112,9 +124,12 @@ def summary(path: str) -> str:
     for r in recs:
         if r["optimizer"] == "zenflow":  # labelled by the configuration that ran, whatever the defaults were then
             c = r["zenflow_config"]
-            lag = c.get("writeback_lag")  # (absent before writeback_lag existed: the next boundary)
-            schedule = "sequential" if not c["overlap_step"] else f"writeback_lag={lag}"
-            label = (f"r={c['topk_ratio']:g} U={c['update_interval']} host_lr_scale={c['host_lr_scale']} "
+            if "host_lr_scale" in c:  # (written while the host step's rules were settings; no lag: the boundary)
+                rules = {"host_lr_scale": c["host_lr_scale"], "writeback_lag": c.get("writeback_lag")}
+            else:
+                rules = {**HOST_STEP_RULES[c.get("host_step", "auto")], **c.get("rules", {})}
+            schedule = "sequential" if not c["overlap_step"] else f"writeback_lag={rules['writeback_lag']}"
+            label = (f"r={c['topk_ratio']:g} U={c['update_interval']} host_lr_scale={rules['host_lr_scale']} "
                      f"{schedule} min_offload_numel={c['min_offload_numel']}")
             groups.setdefault(label, {})[r["seed"]] = r
     lines = ["| ZenFlow settings | seeds | held-out | adamw_torch accuracy (mean) | ZenFlow accuracy (mean) | "

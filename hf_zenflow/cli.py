@@ -22,14 +22,12 @@ from hf_zenflow.settings.cli_types import (
     block_steps,
     fraction,
     interval,
-    lr_scale,
     memory_limit,
     non_negative_float,
     non_negative_int,
     parameter_count,
     positive_float,
     positive_int,
-    writeback_lag,
 )
 from hf_zenflow.settings.config import HOST_STATE_CHOICES
 
@@ -128,12 +126,10 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topk-ratio", type=fraction, default=d.topk_ratio,
                    help="ZenFlow: share of each matrix's columns updated on the device every step")
     p.add_argument("--update-interval", type=interval, default=d.update_interval, help='an integer or "auto"')
-    p.add_argument("--host-lr-scale", type=lr_scale, default=d.host_lr_scale,
-                   help='ZenFlow host-AdamW lr multiplier: a float, "interval" (x window length) or "auto" '
-                   "(interval, capped at high learning rates)")
-    p.add_argument("--writeback-lag", type=writeback_lag, default=d.writeback_lag,
-                   help='ZenFlow: steps into the next window a host result is written back: an integer, "auto" or '
-                   '"none" (the next window boundary)')
+    p.add_argument("--host-step", type=str.lower, choices=["auto", "zenflow"], default=d.host_step,
+                   help='ZenFlow: the rules of the host AdamW step: "auto" (the measured ones) or "zenflow" '
+                   "(ZenFlow's and DeepSpeed's: one AdamW step per window at the lr, written back at the next window "
+                   "boundary)")
     p.add_argument("--min-offload-numel", type=non_negative_int, default=d.min_offload_numel,
                    help="ZenFlow: matrices with fewer elements stay wholly on the device (e.g. the classifier head)")
     p.add_argument("--host-state", type=str.lower, default=d.host_state, choices=HOST_STATE_CHOICES,
@@ -273,8 +269,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         help=SUMMARIES["tune"],
         allow_abbrev=False,
         description="Fine-tune the same model from the same start with adamw_torch and with ZenFlow settings from a "
-        "grid (topk_ratio x update_interval x host_lr_scale, and writeback_lag at the default ratio; the library "
-        "default first) until the budget is spent; "
+        "grid (topk_ratio x update_interval x host_step; the library default first) until the budget is spent; "
         "score each by held-out loss relative to adamw_torch, measured steps/s and critical path here, and the "
         "modelled speed-up over synchronous offload on --hardware. Writes tune.md (table and recommendation), "
         "tune.json, pareto.png and recommended.py. Ctrl-C keeps what finished.",
@@ -300,11 +295,8 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topk", type=fraction, nargs="+", default=list(d.topk), help="topk_ratio values of the grid")
     p.add_argument("--intervals", type=interval, nargs="+", default=list(d.intervals),
                    help='update_interval values of the grid (integers or "auto")')
-    p.add_argument("--scales", type=lr_scale, nargs="+", default=list(d.scales),
-                   help='host_lr_scale values of the grid (numbers, "interval" or "auto")')
-    p.add_argument("--lags", type=writeback_lag, nargs="+", default=list(d.lags),
-                   help='writeback_lag values of the grid (integers, "auto" or "none"), tried at the library\'s '
-                   "topk_ratio and host_lr_scale (default: 1 auto none)")
+    p.add_argument("--host-steps", type=str.lower, nargs="+", choices=["auto", "zenflow"],
+                   default=list(d.host_steps), help="host_step values of the grid (windows longer than a step)")
     p.add_argument("--max-quality-loss", dest="max_quality_loss_pct", type=non_negative_float,
                    default=d.max_quality_loss_pct,
                    help="tolerance: held-out loss at most this many percent above adamw_torch's")
@@ -335,7 +327,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     from hf_zenflow.tuning.tune import TuneConfig, check_tune_inputs, format_recommendation, format_table, run_tune
 
     fields = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    for key in ("topk", "intervals", "scales", "lags"):
+    for key in ("topk", "intervals", "host_steps"):
         fields[key] = tuple(fields[key])
     try:
         cfg = TuneConfig(**fields)

@@ -6,8 +6,8 @@ training the same model with the same settings, side by side in one invocation.
 
 The model is a stack of `--layers` Llama-MLP blocks (``x + down(silu(gate(x)) * up(x))``, intermediate size
 8/3 × hidden rounded up to 256, no biases), row-major weights; MSE loss against random targets. ZenFlow settings for
-all: r=0.1, U=4, overlap on, ``writeback_lag=1`` (fixed: "auto" decides per process from its own timing), one host
-worker thread, no re-selection after the first selection, every matrix offloaded (``min_offload_numel=0``).
+all: r=0.1, U=4, overlap on, the write-back one step into the next window (the engine rule ``writeback_lag=1``), one
+host worker thread, no re-selection after the first selection, every matrix offloaded (``min_offload_numel=0``).
 Configurations, each in fresh processes spawned from this one (torch.multiprocessing, gloo over a rendezvous file,
 ``OMP_NUM_THREADS=1`` and 1 torch thread per process):
 
@@ -50,9 +50,11 @@ from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.tuning.tune_grid import study_config
 
 
-SETTINGS = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, writeback_lag=1, cpu_threads=1,
+#: (with the write-back one step into the next window, an engine rule)
+SETTINGS = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, cpu_threads=1,
                 select_strategy="step", select_interval=100_000,  # one selection, at the first step
-                min_offload_numel=0)  # a small --hidden still offloads every matrix
+                min_offload_numel=0,  # a small --hidden still offloads every matrix
+                writeback_lag=1)
 CONFIGS = {"one": 1, "ddp": 2, "fsdp2": 2}  # name -> ranks
 MiB = 2**20
 
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table(results)))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "settings": SETTINGS, "load_before": load, "results": results}, f)
+            json.dump({"args": vars(args), "settings": SETTINGS, "rules": {"writeback_lag": 1}, "load_before": load,
+                       "results": results}, f)
         print(f"raw numbers: {args.out}")
     return 0
 

@@ -38,8 +38,8 @@ SETTINGS = {
                                                      host_writeback="master"),
     "int8, bf16 sums of the unselected columns, write-back from master (host_state=lean)": dict(host_state="lean"),
 }
-COMMON = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, writeback_lag=1, accumulate_on="host",
-              min_offload_numel=0, cpu_threads=1)
+COMMON = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, accumulate_on="host", min_offload_numel=0,
+              cpu_threads=1, writeback_lag=1)
 
 
 def build(name: str) -> tuple[torch.nn.Module, callable]:

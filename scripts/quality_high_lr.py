@@ -6,7 +6,8 @@ loss. Small enough to sweep learning rates up to the edge of stability in a minu
     python scripts/quality_high_lr.py --seeds 0 1 2 --lrs 3e-3 1e-3 3e-4 \\
         --variants defaults "host_lr_scale=interval" "host_lr_scale=interval writeback_lag=1"
 
-Each variant is a space-separated list of ZenFlowConfig ``KEY=VALUE`` settings (``defaults`` = none); the tiny
+Each variant is a space-separated list of ZenFlowConfig ``KEY=VALUE`` settings or engine rules (`EngineRules`, applied
+with `ZenFlowConfig.with_rules`; ``defaults`` = none); the tiny
 model's matrices are all below the default `min_offload_numel`, so every run offloads them all (as the test does).
 """
 
@@ -39,12 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from hf_zenflow.hf.trainer import ZenFlowTrainer
+    from hf_zenflow.settings.rules import split_rules
     from hf_zenflow.tuning.paired_stats import paired_interval
     from hf_zenflow.tuning.tune import parse_settings
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
-    variants = {v: parse_settings(v) for v in args.variants}
+    variants = {v: split_rules(parse_settings(v)) for v in args.variants}
     text = corpus_text()
     pretrain = ByteLMDataset(text, num_samples=512)
     finetune = ByteLMDataset(text, num_samples=256, offset=512 * SEQ_LEN)
@@ -61,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                        **quiet), train_dataset=finetune)
             ref.train()
             ref_loss = ref.evaluate(held_out)["eval_loss"]
-            for label, settings in variants.items():
+            for label, (settings, rules) in variants.items():
                 flags: dict[str, Any] = {f"zenflow_{k}": v for k, v in settings.items()}
                 zen = ZenFlowTrainer(model=copy.deepcopy(base), args=zenflow_args(
-                    f"{out}/zen", learning_rate=lr, seed=seed, **quiet, **flags), train_dataset=finetune)
+                    f"{out}/zen", rules=rules, learning_rate=lr, seed=seed, **quiet, **flags), train_dataset=finetune)
                 zen.train()
                 diff = 100.0 * (zen.evaluate(held_out)["eval_loss"] - ref_loss) / ref_loss
                 diffs.setdefault((lr, label), []).append(diff)

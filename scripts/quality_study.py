@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from hf_zenflow.compare.runner import CompareConfig, machine_info
+from hf_zenflow.settings.rules import split_rules
 from hf_zenflow.tuning.tune import (
     TrialSetting,
     default_grid,
@@ -65,24 +66,25 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def grid(name: str) -> list[TrialSetting]:
-    """Named subsets of the issue's grid (topk_ratio x update_interval x host_lr_scale)."""
+    """Named subsets of the tuning grid (topk_ratio x update_interval x host_step). A rule of the host step on its
+    own (``host_lr_scale=interval``, say) is a study of ``--grid default --zenflow host_lr_scale=interval``."""
     full = default_grid()
     if name == "full":
         return full
     if name == "minilm":  # every interval x scale at r=0.1, the other ratios at the library default interval
         d = library_default_setting()
         return [s for s in full if s.topk_ratio == 0.1 or (s.update_interval == d.update_interval)]
-    if name == "lm":  # the interval sweep at r=0.1 with both scales
+    if name == "lm":  # the interval sweep at r=0.1 with both host steps
         return [s for s in full if s.topk_ratio == 0.1]
-    if name == "lm-small":  # U=1, the default U with both scales, auto
+    if name == "lm-small":  # U=1, the default U with both host steps, auto
         d = library_default_setting()
         return [s for s in full if s.topk_ratio == 0.1 and s.update_interval in (1, d.update_interval, "auto")]
-    if name == "lm3":  # the library default, the same with host_lr_scale="interval", Zen-auto
+    if name == "lm3":  # the library default, the same with ZenFlow's host step, Zen-auto
         d = library_default_setting()
-        return [d, dataclasses.replace(d, host_lr_scale="interval"), dataclasses.replace(d, update_interval="auto")]
-    if name == "lm2":  # the library default and the same with host_lr_scale="interval"
+        return [d, dataclasses.replace(d, host_step="zenflow"), dataclasses.replace(d, update_interval="auto")]
+    if name == "lm2":  # the library default and the same with ZenFlow's host step
         d = library_default_setting()
-        return [d, dataclasses.replace(d, host_lr_scale="interval")]
+        return [d, dataclasses.replace(d, host_step="zenflow")]
     if name == "default":
         return [library_default_setting()]
     raise ValueError(f"unknown grid {name!r}: allowed are full, minilm, lm, lm-small, lm3, lm2, default.")
@@ -123,9 +125,12 @@ def run(args: argparse.Namespace) -> int:
             r = json.loads(line)
             done.add((r["task"], r["seed"], r["label"]))
     overrides = parse_settings(" ".join(args.zenflow))
-    # a field the grid's settings carry (topk_ratio, update_interval, host_lr_scale, writeback_lag) is set in the
-    # setting itself, whose own value would otherwise win in `run_trial`; its label then says it
+    # a field the grid's settings carry (topk_ratio, update_interval, host_step) is set in the setting itself, whose
+    # own value would otherwise win in `run_trial`; its label then says it
     varied = {k: overrides.pop(k) for k in [f.name for f in dataclasses.fields(TrialSetting)] if k in overrides}
+    # engine rules (`EngineRules`: host_lr_scale=interval, say) reach the ZenFlow run through CompareConfig.rules
+    fields, rules = split_rules(overrides)
+    trial_overrides = {**fields, **({"rules": rules} if rules else {})}
     settings = [dataclasses.replace(s, **varied) for s in grid(args.grid)]
     suffix = "".join(f" {k}={v}" for k, v in sorted(overrides.items()))
 
@@ -142,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         for setting in todo:
             t0 = time.perf_counter()
             rec = run_trial("zenflow" if setting else "adamw_torch", task, cfg, device, setting,
-                            **(overrides if setting else {}))
+                            **(trial_overrides if setting else {}))
             rec.update(task=args.task, seed=seed, label=label(setting), zenflow_overrides=overrides, lr=cfg.lr,
                        utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                        zenflow_defaults=dataclasses.asdict(library_default_setting()))

@@ -333,7 +333,7 @@ def _flushed_split(entry: dict[str, Any], config: ZenFlowConfig, group: dict[str
             # the saved schedule's lag (None: the next boundary, a whole window), as the optimizer counts it
             lag = zenflow.get("writeback_lag") or zenflow.get("high_lr_window") or config.update_interval
             lag = (lag if isinstance(lag, int) else count) if config.overlap_step else 1
-            guard = 1.0 if config.host_step_guard == "off" else float(
+            guard = 1.0 if config.rules.host_step_guard == "off" else float(
                 (zenflow.get("host_step_guard") or {}).get("factor", 1.0))
             hyper, _ = host_hyper(group, config, count, lag, zenflow.get("high_lr_window"), guard)
             host_step = entry["host_step"].float().cpu().clone()

@@ -12,6 +12,7 @@ import torch
 from ..engine.device_state import DenseDeviceState
 from ..engine.engine_state import EngineState
 from ..engine.split_matrix import SplitMatrix
+from ..settings.config import ZenFlowConfig
 from . import validate as checks
 from .convert import apply_changed_settings, is_torch_adamw_state, unpack_torch_adamw
 from .format import _PARSE_ERRORS, _migrate, _refused, _restore_groups
@@ -98,17 +99,18 @@ def unpack(opt: ZenFlowState, state_dict: dict[str, Any]) -> None:
     groups = [g for g in opt.param_groups for _ in g["params"]]
     schedule = engine.ensure_schedule()
     saved = zenflow.get("config", {})
-    if opt.config.high_lr_rule == "auto" and saved.get("high_lr_rule", "auto") == "auto" \
+    # (the saved settings were checked by `validate`: they make a config, whose rules are the saved run's)
+    if opt.config.rules.high_lr_rule == "auto" and ZenFlowConfig.from_dict(saved).rules.high_lr_rule == "auto" \
             and saved.get("update_interval") == opt.config.update_interval:
         # the saved run's `high_lr_rule="auto"` choice (a checkpoint from before the rule: none, as it ran); with
         # another update_interval, or the rule newly on, it decides afresh (`new_schedule`)
         configured = None if opt.config.is_auto_interval else int(opt.config.update_interval)
         schedule.shorten_windows(zenflow.get("high_lr_window"), configured,
-                                 1 if opt.config.writeback_lag == "auto" else opt.config.writeback_lag)
+                                 1 if opt.config.rules.writeback_lag == "auto" else opt.config.rules.writeback_lag)
     schedule.load(
         zenflow,
         # the saved run's lag, chosen or still provisional; an explicit setting replaces it
-        lag=opt.config.writeback_lag == "auto" and "writeback_lag_pending" in zenflow,
+        lag=opt.config.rules.writeback_lag == "auto" and "writeback_lag_pending" in zenflow,
         # the threshold the saved run's device memory limit chose; a new limit or min_offload_numel chooses afresh
         # (`apply_changed_settings` moves the matrices), except under FSDP2, where matrices cannot move
         limit="limit_min_offload_numel" in zenflow and (engine.host.param_shards is not None or all(

@@ -25,7 +25,7 @@ from hf_zenflow.hf.model_card import render_zenflow_model_card
 def card_settings(cfg: Any) -> dict[str, Any]:
     """ZenFlow's settings as the card lists them (`cfg` is a `CompareConfig`)."""
     return {"topk_ratio": cfg.topk_ratio, "update_interval": cfg.update_interval, "overlap_step": cfg.overlap_step,
-            "host_lr_scale": cfg.host_lr_scale, "writeback_lag": cfg.writeback_lag,
+            "host_step": cfg.host_step, **({"engine rules": cfg.rules} if cfg.rules else {}),
             "min_offload_numel": cfg.min_offload_numel,
             "select_strategy": cfg.select_strategy, "select_interval": cfg.select_interval,
             "full_warm_up_rounds": cfg.full_warm_up_rounds, "cpu_threads": cfg.core_split().host,

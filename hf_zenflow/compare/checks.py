@@ -94,8 +94,8 @@ def zenflow_config(cfg: CompareConfig) -> ZenFlowConfig:
     return ZenFlowConfig(
         topk_ratio=cfg.topk_ratio, update_interval=cfg.update_interval, overlap_step=cfg.overlap_step,
         select_strategy=cfg.select_strategy, select_interval=cfg.select_interval,
-        full_warm_up_rounds=cfg.full_warm_up_rounds, host_lr_scale=cfg.host_lr_scale,
-        writeback_lag=cfg.writeback_lag, min_offload_numel=cfg.min_offload_numel)
+        full_warm_up_rounds=cfg.full_warm_up_rounds, host_step=cfg.host_step,
+        min_offload_numel=cfg.min_offload_numel).with_rules(**cfg.rules)
 
 
 def check_compare_inputs(cfg: CompareConfig) -> None:

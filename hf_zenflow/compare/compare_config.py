@@ -3,8 +3,8 @@ ZenFlow settings default to the library's, so that the comparison shows what a u
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from hf_zenflow.compare.data_source import DataSpec
 from hf_zenflow.compare.run_order import MIN_BLOCK_STEPS, RUN_ORDERS
@@ -68,8 +68,9 @@ class CompareConfig:
     topk_ratio: float = _LIBRARY.topk_ratio
     update_interval: int | str = _LIBRARY.update_interval
     overlap_step: bool = _LIBRARY.overlap_step
-    host_lr_scale: float | str = _LIBRARY.host_lr_scale
-    writeback_lag: int | str | None = _LIBRARY.writeback_lag
+    host_step: str = _LIBRARY.host_step
+    # engine rules the ZenFlow run changes (`ZenFlowConfig.with_rules`), for studies of one rule; no flag sets them
+    rules: dict[str, Any] = field(default_factory=dict)
     min_offload_numel: int = _LIBRARY.min_offload_numel
     # "auto": where the window is summed is decided under the device memory the run gives it
     host_state: str = _LIBRARY.host_state

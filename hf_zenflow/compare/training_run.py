@@ -57,13 +57,12 @@ def make_optimizer(name: str, model: torch.nn.Module, cfg: CompareConfig) -> tor
             topk_ratio=cfg.topk_ratio, update_interval=cfg.update_interval, overlap_step=cfg.overlap_step,
             select_strategy=cfg.select_strategy, select_interval=cfg.select_interval,
             full_warm_up_rounds=cfg.full_warm_up_rounds, cpu_threads=host_cores,
-            host_lr_scale=cfg.host_lr_scale, writeback_lag=cfg.writeback_lag,
-            min_offload_numel=cfg.min_offload_numel, host_state=cfg.host_state,
+            host_step=cfg.host_step, min_offload_numel=cfg.min_offload_numel, host_state=cfg.host_state,
             # --device-memory-limit-bytes: ZenFlow's whole step is held to it (the run's min_offload_numel is lowered
             # until the step fits, and the planner decides where windows are summed under it); "free": the device's
             # free memory
             device_memory_limit_bytes=cpu_device_free_limit(model) if limit is None else limit,
-        )
+        ).with_rules(**cfg.rules)
         if cfg.resolved_embedding_select() == "rows":
             tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
             rows = [p for p in groups[0]["params"] if id(p) in tables]

@@ -1,4 +1,4 @@
-"""`ZenFlowConfig.host_step_guard`: a watch on each host result after it is written into the weights.
+"""`EngineRules.host_step_guard`: a watch on each host result after it is written into the weights.
 
 A window's host step lands all at once, with no gradient in between to correct it. Where the loss is sharp along the
 unselected columns (an un-normalised path to the output, a learning rate at the edge of stability), a step that
@@ -24,8 +24,8 @@ import math
 from collections import deque
 from typing import Any
 
-from ..settings import config as settings_config
-from ..settings.config import HOST_STEP_GUARD_MIN_FACTOR, HOST_STEP_GUARD_RATIO
+from ..settings import rules as settings_rules
+from ..settings.rules import HOST_STEP_GUARD_MIN_FACTOR, HOST_STEP_GUARD_RATIO
 
 
 logger = logging.getLogger("hf_zenflow")
@@ -43,7 +43,7 @@ class HostStepGuard:
         self.engaged = 0
         self.scale = 1.0
         self.high_lr = False
-        self.recent_norms: deque[float] = deque(maxlen=settings_config.HOST_STEP_GUARD_HISTORY)
+        self.recent_norms: deque[float] = deque(maxlen=settings_rules.HOST_STEP_GUARD_HISTORY)
         self.watch_norm: float | None = None
 
     @property

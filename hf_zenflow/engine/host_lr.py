@@ -1,4 +1,4 @@
-"""The host AdamW's learning-rate multiplier (`ZenFlowConfig.host_lr_scale`) per window: a number, "interval" (the
+"""The host AdamW's learning-rate multiplier (`EngineRules.host_lr_scale`) per window: a number, "interval" (the
 window's length) or "auto" (the window's length, capped where a window's host step would overshoot), and the run's
 record of it for `stats()` and the log; `high_lr_rule="auto"`: shorter windows and a lower host beta1 at high
 learning rates (`high_lr_window`, `high_lr_beta1`); `host_hyper`: a window's host AdamW hyper-parameters."""
@@ -9,7 +9,7 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
-from ..settings.config import AUTO_HOST_LR_CAP, HIGH_LR_RULE_THRESHOLD
+from ..settings.rules import AUTO_HOST_LR_CAP, HIGH_LR_RULE_THRESHOLD
 
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def high_lr_beta1(beta1: float, window: int, lag: int) -> float:
 def rule_window(config: ZenFlowConfig, groups: list[dict]) -> int | None:
     """`high_lr_rule`'s choice for a run with these param `groups`: `high_lr_window` at their largest peak lr; None
     when the rule is off, the windows are Zen-auto's, or the rate is below the threshold."""
-    if config.high_lr_rule != "auto" or config.is_auto_interval:
+    if config.rules.high_lr_rule != "auto" or config.is_auto_interval:
         return None
     return high_lr_window(max((peak_lr(g) for g in groups), default=0.0), int(config.update_interval))
 
@@ -94,7 +94,7 @@ def host_hyper(group: dict, config: ZenFlowConfig, steps: int, lag: int, high_lr
     `guard`) and the multiplier; with the high-lr rule engaged (`high_lr`: the schedule's shortened window) beta1
     is `high_lr_beta1`'s."""
     hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
-    scale = host_lr_scale(config.host_lr_scale, steps, peak_lr(group), lag)
+    scale = host_lr_scale(config.rules.host_lr_scale, steps, peak_lr(group), lag)
     hyper["lr"] = hyper["lr"] * scale
     if guard != 1.0:  # (only once the guard engaged: until then the same bits as without it)
         hyper["lr"] = hyper["lr"] * guard
@@ -105,7 +105,7 @@ def host_hyper(group: dict, config: ZenFlowConfig, steps: int, lag: int, high_lr
 
 
 def host_lr_scale(setting: float | str, window_steps: int, lr: float = 0.0, lag: int = 1) -> float:
-    """The host AdamW's learning-rate multiplier for a window of `window_steps` steps (`ZenFlowConfig.host_lr_scale`:
+    """The host AdamW's learning-rate multiplier for a window of `window_steps` steps (`EngineRules.host_lr_scale`:
     a number, "interval" for the window's length, or "auto" for `auto_host_lr_scale` of the group's peak `lr` and the
     write-back `lag`)."""
     if setting == "interval":

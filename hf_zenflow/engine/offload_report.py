@@ -76,5 +76,6 @@ def announce_offload(groups: list[dict[str, Any]], config: ZenFlowConfig, schedu
     elif schedule.high_lr_window == 1 and config.update_interval != 1:
         logger.warning('ZenFlowAdamW: high_lr_rule="auto" shortened the host windows from update_interval=%s to 1 '
                        "step at this learning rate: the host AdamW runs at every step, like synchronous offload. "
-                       'high_lr_rule="off" keeps the configured windows (BENCHMARKS.md "Quality: high learning '
-                       'rates"), or lower the learning rate.', config.update_interval)
+                       'host_step="zenflow" keeps the configured windows (with ZenFlow\'s host step, one AdamW step '
+                       'per window at the learning rate: BENCHMARKS.md "Quality: high learning rates"), or lower the '
+                       "learning rate.", config.update_interval)

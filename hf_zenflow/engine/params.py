@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._base import check_group_hyperparameters
-from ..settings.config import HIGH_LR_RULE_THRESHOLD, ZenFlowConfig, removed_settings_text
-from ..settings.rules import EngineRules
+from ..settings.config import ZenFlowConfig, removed_settings_text
+from ..settings.rules import HIGH_LR_RULE_THRESHOLD, EngineRules
 from .device_state import DenseDeviceState
 from .host_lr import peak_lr, rule_beta1, rule_window
 from .schedule import WindowSchedule
@@ -118,8 +118,8 @@ def new_schedule(config: ZenFlowConfig, groups: list[dict] | None = None,
         auto_max_interval=config.rules.auto_max_interval,
         select_period=config.select_period(steps_per_epoch),
         # "auto": 1 step until the choice (`writeback_lag.py`)
-        writeback_lag=1 if config.writeback_lag == "auto" else config.writeback_lag,
-        writeback_lag_pending=config.writeback_lag == "auto",
+        writeback_lag=1 if config.rules.writeback_lag == "auto" else config.rules.writeback_lag,
+        writeback_lag_pending=config.rules.writeback_lag == "auto",
     )
     schedule.shorten_windows(rule_window(config, groups or []), configured, schedule.writeback_lag)
     return schedule

@@ -224,12 +224,14 @@ def planned_writeback_steps(config: Any, host_elements: int) -> int:
 
     Example:
         >>> from hf_zenflow.settings.config import ZenFlowConfig
-        >>> planned_writeback_steps(ZenFlowConfig(writeback_lag=3), 0), planned_writeback_steps(ZenFlowConfig(), 0)
-        (3, 1)
+        >>> planned_writeback_steps(ZenFlowConfig().with_rules(writeback_lag=3), 0)
+        3
+        >>> planned_writeback_steps(ZenFlowConfig(), 0), planned_writeback_steps(ZenFlowConfig(host_step="zenflow"), 0)
+        (1, 4)
     """
     longest = config.writeback_lag_bound()[0]
     if not config.overlap_step:
         return 1
-    if config.writeback_lag == "auto":
+    if config.rules.writeback_lag == "auto":
         return lag_for_host_elements(host_elements, longest)
-    return longest if config.writeback_lag is None else int(config.writeback_lag)
+    return longest if config.rules.writeback_lag is None else int(config.rules.writeback_lag)

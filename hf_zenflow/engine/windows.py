@@ -166,7 +166,7 @@ class HostWindows:
 
     def guard_factor(self) -> float:
         """The host lr's factor under the configured `host_step_guard` (`HostStepGuard.factor_for`)."""
-        return self.guard.factor_for(self.config.host_step_guard)
+        return self.guard.factor_for(self.config.rules.host_step_guard)
 
     def stop_worker(self) -> None:
         """Stop the worker thread only (a later step starts a new one, e.g. with other settings); the run goes on:
@@ -335,8 +335,8 @@ class HostWindows:
                 if id(group) not in by_group:
                     # hyper-parameters are copied now: the lr in force when the window closed
                     hyper, scale = host_hyper(group, self.config, steps, lag, schedule.high_lr_window,
-                                              self.guard.factor_for(self.config.host_step_guard))
-                    self.lr_scale.note(self.config.host_lr_scale, scale, peak_lr(group), lag, full)
+                                              self.guard.factor_for(self.config.rules.host_step_guard))
+                    self.lr_scale.note(self.config.rules.host_lr_scale, scale, peak_lr(group), lag, full)
                     scales.append(scale)
                     by_group[id(group)] = (hyper, [])
                 by_group[id(group)][1].append(split.host)

@@ -8,11 +8,11 @@ keeps the unselected columns fresher: a model under about two billion offloaded 
 one step into the next window, a 7B model with most of its columns on the host of one rank three steps in (with
 four-step windows). Several ranks take the largest of their choices, agreed at the same step on every rank, so
 their write-back collectives stay in step. The choice is logged, part of the schedule (`stats()`, checkpoints; a
-resumed run continues with it), and an integer `writeback_lag` replaces it.
+resumed run continues with it), and an integer rule `writeback_lag` (`ZenFlowConfig.with_rules`) replaces it.
 
 Times are measured too, but only to advise: after the second window the measured host step and time between steps
 give the smallest lag that would hold the host step with 25% to spare (`schedule.auto_writeback_lag`); when it
-differs from the choice, a log line names the setting that would use it. The run's arithmetic never depends on it.
+differs from the choice, a log line names the rule that would use it. The run's arithmetic never depends on it.
 """
 
 from __future__ import annotations
@@ -88,13 +88,13 @@ class AutoWritebackLag:
         schedule.writeback_lag, schedule.writeback_lag_pending = lag, False
         if config.overlap_step:
             logger.info('hf_zenflow: writeback_lag="auto" chose %d step(s) of %d for %d elements of host columns '
-                        "(one step per %d; an integer writeback_lag sets it)", lag, longest, elements,
-                        AUTO_LAG_HOST_ELEMENTS)
+                        "(one step per %d; the rule writeback_lag=N of ZenFlowConfig.with_rules sets it)", lag,
+                        longest, elements, AUTO_LAG_HOST_ELEMENTS)
 
     def maybe_advise(self, config: ZenFlowConfig, schedule: WindowSchedule, host: HostWindows) -> None:
         """After the second overlapped window with an ``"auto"`` lag: log the lag the measured times would allow
         when it differs from the choice (advice only; the schedule keeps its lag)."""
-        if self._advised or config.writeback_lag != "auto" or not config.overlap_step:
+        if self._advised or config.rules.writeback_lag != "auto" or not config.overlap_step:
             return
         if schedule.steps <= schedule.warm_up:
             # dense warm-up steps close a synchronous window each and wait for the host: neither their windows nor
@@ -110,5 +110,6 @@ class AutoWritebackLag:
         measured = auto_writeback_lag(host_ms, step_ms, longest)
         if measured != schedule.writeback_lag:
             logger.info('hf_zenflow: writeback_lag="auto" keeps %d step(s); this machine\'s measured host step '
-                        "(%.1f ms) and step (%.1f ms) would allow writeback_lag=%d (set it to use it: results then "
-                        "depend on that setting only)", schedule.writeback_lag, host_ms, step_ms, measured)
+                        "(%.1f ms) and step (%.1f ms) would allow writeback_lag=%d (a study can fix it with "
+                        "ZenFlowConfig.with_rules: results then depend on that rule only)", schedule.writeback_lag,
+                        host_ms, step_ms, measured)

@@ -143,7 +143,8 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                             "host_memory_gb": n * share * SYNC_HOST_BYTES_PER_PARAM / 1e9,
                             "host_limit": "memory" if sync_memory > sync_core else "cores"}
     layout = host_layout(host_moments, host_state)
-    # the hand-off slots of the default writeback_lag="auto" for this rank's host columns (one landing buffer each)
+    # the hand-off slots of the default write-back lag (host_step="auto") for this rank's host columns (one landing
+    # buffer each)
     slots = grad_slots(lag_for_host_elements(int(n * share), int(u)))
     for key, place in ZENFLOW_ROWS:
         sides = zenflow_step(rates, compute, n * dev, topk_ratio * n * dev, n * share, u, place,

@@ -43,7 +43,7 @@ def optimizer_stats(
     if lr_scale is None:  # before the first window closes: what the next full window will take
         window = int(interval) or config.rules.auto_max_interval
         lr_scale = host_lr_scale(
-            config.host_lr_scale,
+            config.rules.host_lr_scale,
             window,
             peak_lr(host.groups[0]) if host.groups else 0.0,
             window_lag(schedule, config.overlap_step, window),
@@ -61,7 +61,7 @@ def optimizer_stats(
         writeback_lag=float(schedule.writeback_lag if schedule and schedule.writeback_lag else interval),
         high_lr_window=float(high or 0),
         host_beta1=beta1,
-        host_step_guard=host.guard.factor_for(config.host_step_guard),  # (1.0: not engaged, or "off")
+        host_step_guard=host.guard.factor_for(config.rules.host_step_guard),  # (1.0: not engaged, or "off")
         host_step_guard_engaged=host.guard.engaged,
         host_threads=config.resolved_cpu_threads,
         steps=schedule.steps if schedule else 0,

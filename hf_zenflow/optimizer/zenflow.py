@@ -370,7 +370,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             else:
                 # the first gradient after a write-back tells whether the host result overshot (`host_guard.py`);
                 # this step's own write-back, below, comes after
-                self._host.guard.observe(synced.total, schedule.steps, self.config.host_step_guard)
+                self._host.guard.observe(synced.total, schedule.steps, self.config.rules.host_step_guard)
                 if not plan.launches_before_sync:
                     writes = self._update_after_sync(plan, schedule, entries, grads, reads, synced, timer)
                 self._hand_off(plan, entries, grads, writes, started, synced, timer)

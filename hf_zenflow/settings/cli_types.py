@@ -77,23 +77,5 @@ def interval(text: str) -> int | str:
 _interval_int = _number(int, 1, None, False, 'an integer >= 1 or "auto"')
 
 
-def lr_scale(text: str) -> float | str:
-    """A host learning-rate scale: a number > 0, "interval" or "auto"."""
-    word = text.strip().lower()
-    return word if word in ("interval", "auto") else _scale_float(text)
-
-
-_scale_float = _number(float, 0.0, None, True, 'a number > 0, "interval" or "auto"')
-
-
-def writeback_lag(text: str) -> int | str | None:
-    """A write-back lag: an integer >= 1, "auto" or "none" (at the next window boundary)."""
-    word = text.strip().lower()
-    return None if word == "none" else word if word == "auto" else _lag_int(text)
-
-
-_lag_int = _number(int, 1, None, False, 'an integer >= 1, "auto" or "none"')
-
-
-__all__ = ["PARAMETER_SUFFIXES", "fraction", "interval", "lr_scale", "memory_limit", "non_negative_float",
-           "non_negative_int", "parameter_count", "positive_float", "positive_int", "writeback_lag"]
+__all__ = ["PARAMETER_SUFFIXES", "fraction", "interval", "memory_limit", "non_negative_float", "non_negative_int",
+           "parameter_count", "positive_float", "positive_int"]

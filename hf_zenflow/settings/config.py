@@ -17,34 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from .deepspeed_config import load, zenflow_values
-from .rules import DEVICE_SUMS, HOST_STATES, EngineRules
-
-
-#: `host_lr_scale="auto"`: the largest learning rate a window's host step takes (lr × multiplier) when its result is
-#: written back 1 step into the next window; a lag of L steps divides it by sqrt(L). Set by the quality suite
-#: (`scripts/quality_suite.py`, BENCHMARKS.md "Quality: the size of the host step"): a host step above it diverged a
-#: model from scratch (an un-normalised block, lr 1e-3 x 4 and 5e-4 x 4) and cost MiniLM +6 % held-out loss at lr 3e-4
-#: x 4, while the window's multiplier stays necessary at fine-tuning rates (MiniLM at 5e-5: x1 costs +5.7 %, x4 +0.25
-#: %). A cap of 2e-3 with `host_step_guard` diverged nothing but cost the pretrained tiny Llama's fine-tune +2-3 % at
-#: 3e-4 - 1e-3.
-AUTO_HOST_LR_CAP = 5e-4
-
-#: `high_lr_rule="auto"`: above peak lr × update_interval > this, windows are shortened to floor(this / lr) steps.
-#: Measured on the tiny Llama (30 steps, U=4, 5 paired seeds, BENCHMARKS.md "Quality: high learning rates").
-HIGH_LR_RULE_THRESHOLD = 5e-3
-
-#: `host_step_guard="auto"`'s ratio, where it watches (windows shortened by `high_lr_rule`): a host result is taken
-#: to have overshot when the first gradient that sees it has a total norm above this multiple of the largest of the
-#: last `HOST_STEP_GUARD_HISTORY` norms before it (BENCHMARKS.md "Quality: the size of the host step"). The largest
-#: recent norm, not the last one: while fine-tuning a norm can triple from one batch to the next, within the spread
-#: the steps before it already showed.
-HOST_STEP_GUARD_RATIO = 2.5
-
-#: `host_step_guard` compares the first gradient norm after a write-back with the largest of this many norms before it.
-HOST_STEP_GUARD_HISTORY = 4
-
-#: `host_step_guard` cuts the host step's learning rate at each overshoot, down to this fraction of it.
-HOST_STEP_GUARD_MIN_FACTOR = 0.125
+from .rules import AUTO_HOST_LR_CAP, DEVICE_SUMS, HIGH_LR_RULE_THRESHOLD, HOST_STATES, HOST_STEP_RULES, EngineRules
 
 
 SelectStrategy = Literal["auto", "step", "epoch"]
@@ -62,14 +35,14 @@ MIN_OFFLOAD_NUMEL = 1 << 18
 _SELECT_STRATEGIES = ("auto", "step", "epoch")
 #: `host_state`'s presets (`rules.HOST_STATES`: the rules each stands for).
 HOST_STATE_CHOICES = tuple(HOST_STATES)
-_HIGH_LR_RULES = ("auto", "off")
+_HOST_STEPS = tuple(HOST_STEP_RULES)
 
 
 #: Settings this version of hf_zenflow no longer has: a settings dict (a checkpoint's) or a `ZenFlowAdamW` keyword
 #: that names one is refused with one message that says so (`removed_settings_text`), not as an unknown name.
 REMOVED_SETTINGS = ("host_grad_dtype", "auto_max_interval", "device_memory_budget_bytes", "steps_per_epoch",
                     "accumulate_on", "host_moment_dtype", "host_sum_dtype", "host_sum_columns", "host_writeback",
-                    "free_gradients_in_backward")
+                    "free_gradients_in_backward", "host_lr_scale", "high_lr_rule", "host_step_guard", "writeback_lag")
 
 
 def removed_settings_text(names: Iterable[str]) -> str | None:
@@ -183,64 +156,23 @@ class ZenFlowConfig:
         metadata={"help": "Run the host AdamW in a background worker that overlaps the next steps (its result is "
                   "written back one window later). False: run it inline and write it back at once."},
     )
-    writeback_lag: int | str | None = field(
-        default="auto",
-        metadata={"help": "With overlap_step: after how many steps of the next window a window's host result is "
-                  "written back: an integer from 1 to update_interval, None (at the next window boundary, ZenFlow's "
-                  "schedule: the host step may take a whole window) or \"auto\". Smaller lags keep the unselected "
-                  "columns fresher, closer to AdamW, but give the host step less time: the device waits for it when "
-                  "it is not done by then. \"auto\": decided at the first step from the elements of host columns on "
-                  "each rank (one step per 2**31 elements, at least 1, at most the window), never from timings, so "
-                  "the same script and seed give the same weights; logged, in stats() and checkpoints, with the lag "
-                  "the measured times would allow logged as advice. A lag of L keeps L + 1 gradient hand-offs in "
-                  "flight (None: the window's length + 1), so that backward never waits for the host step; on CUDA "
-                  "each one beyond 2 costs a landing buffer of the offloaded gradients (docs/host-memory.md)."},
-    )
     auto_ratio: float = field(
         default=0.99,
         metadata={"help": 'With update_interval="auto": fraction of weight matrices that must meet the Zen-auto '
                   "criterion to close the window."},
     )
-    host_lr_scale: float | str = field(
+    host_step: str = field(
         default="auto",
-        metadata={"help": "Learning-rate multiplier of the host AdamW step. The unselected columns take one AdamW "
-                  "step per window, so they move about `update_interval` times less per optimizer step than under "
-                  'AdamW; "interval" multiplies by the length of each window, restoring the per-step rate; 1.0 is '
-                  "ZenFlow's (and DeepSpeed's) rule. \"auto\" (the default): \"interval\" while the host step's "
-                  "learning rate (lr x multiplier, by the scheduler's peak lr) stays under "
-                  f"{AUTO_HOST_LR_CAP:g} / sqrt(write-back lag), the multiplier reaching that cap above it, never "
-                  'below 1.0 (logged once; stats()["host_lr_scale"]): "interval" up to lr '
-                  f"{AUTO_HOST_LR_CAP / 4:g} at update_interval=4, 1.0 from lr {AUTO_HOST_LR_CAP:g}; a larger host "
-                  "step diverged a model trained from scratch (docs/quality.md)."},
-    )
-    high_lr_rule: str = field(
-        default="auto",
-        metadata={"help": "Windows at high learning rates. \"auto\" (the default): when the scheduler's peak lr x "
-                  f"update_interval exceeds {HIGH_LR_RULE_THRESHOLD:g} (above 1.25e-3 at update_interval=4), "
-                  f"windows are shortened to floor({HIGH_LR_RULE_THRESHOLD:g} / lr) steps (at least 1), so that the "
-                  "unselected columns are updated more often, and the host AdamW's beta1 becomes "
-                  "max(0, 1 - U'(1 - beta1) - L / (U' + L)) for windows of U' steps written back L steps late "
-                  "(0 when not overlapped): the momentum horizon of beta1 counted in windows, less the momentum that "
-                  "the late write-back adds. Chosen at the first step, logged, in stats() and checkpoints; at lower "
-                  "rates nothing changes (bit for bit). Not with update_interval=\"auto\". \"off\": the "
-                  "configured windows and betas at every learning rate (BENCHMARKS.md \"Quality: high learning "
-                  "rates\").",
-                  "choices": _HIGH_LR_RULES},
-    )
-    host_step_guard: float | str = field(
-        default="auto",
-        metadata={"help": "A guard against host steps that overshoot: when the first gradient computed after a "
-                  "window's host result was written into the weights has a total norm above this multiple of the "
-                  f"largest of the last {HOST_STEP_GUARD_HISTORY} norms before it, the host AdamW's learning rate is "
-                  "cut for the rest of the run: halved, and at least back to one AdamW step per window "
-                  "(host_lr_scale's multiplier x the guard's factor <= "
-                  f"1); again at each such overshoot, down to {HOST_STEP_GUARD_MIN_FACTOR:g} of it. It reads the "
-                  "total gradient norm the step computes anyway: reproducible, and a run in which it never engages "
-                  "is bit for bit the "
-                  'same as without it. Logged; stats()["host_step_guard"] (the factor, 1.0 = not engaged); in '
-                  f'checkpoints. A float > 1; "auto" (the default): {HOST_STEP_GUARD_RATIO:g} where high_lr_rule '
-                  "has shortened the windows (the learning rates at the edge of stability, where a host result "
-                  "written back one step late can overshoot), not watching elsewhere; or \"off\"."},
+        metadata={"help": "The rules of the host AdamW step (docs/how-it-works.md). \"auto\" (the default): the "
+                  "project's measured rules: the step's learning rate multiplied by each window's length while lr x "
+                  f"multiplier stays under {AUTO_HOST_LR_CAP:g} / sqrt(write-back lag), shorter windows above peak "
+                  f"lr x update_interval = {HIGH_LR_RULE_THRESHOLD:g}, a guard against host steps that overshoot "
+                  "there, and the result written back into the next window after one step per 2**31 elements of "
+                  "host columns (at least 1, at most the window; decided from sizes: the same script and seed give "
+                  "the same weights). "
+                  "\"zenflow\": ZenFlow's and DeepSpeed's schedule: one AdamW step per window at the configured lr, "
+                  "written back at the next window boundary (what ZenFlowConfig.from_deepspeed gives).",
+                  "choices": _HOST_STEPS},
     )
     min_offload_numel: int = field(
         default=MIN_OFFLOAD_NUMEL,
@@ -319,38 +251,7 @@ class ZenFlowConfig:
         self.auto_ratio = float(self.auto_ratio)
         # the rules the choices above stand for, with a test's or a study's changes (`with_rules`)
         self.rules = EngineRules.resolve(self, getattr(self, "_rule_changes", {}))
-        if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().lower() == "none":
-            self.writeback_lag = None  # (a flag or environment variable cannot carry None)
-        if self.writeback_lag is not None:
-            top, bound = self.writeback_lag_bound()
-            allowed = f'None (the next window boundary), "auto" or an integer from 1 to {bound} ({top})'
-            if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().lower() == "auto":
-                self.writeback_lag = "auto"
-            else:
-                if isinstance(self.writeback_lag, str) and self.writeback_lag.strip().isdigit():
-                    self.writeback_lag = int(self.writeback_lag)
-                if not _is_int(self.writeback_lag) or not 1 <= self.writeback_lag <= top:
-                    _fail("writeback_lag", self.writeback_lag, allowed)
-        if isinstance(self.host_lr_scale, str) and self.host_lr_scale.strip().lower() in ("interval", "auto"):
-            self.host_lr_scale = self.host_lr_scale.strip().lower()
-        else:
-            try:
-                scale = float(self.host_lr_scale)
-            except (TypeError, ValueError):
-                scale = float("nan")
-            if isinstance(self.host_lr_scale, bool) or not scale > 0 or math.isinf(scale):
-                _fail("host_lr_scale", self.host_lr_scale, 'a float > 0, "interval" or "auto"')
-            self.host_lr_scale = scale
-        if isinstance(self.host_step_guard, str) and self.host_step_guard.strip().lower() in ("off", "auto"):
-            self.host_step_guard = self.host_step_guard.strip().lower()
-        else:
-            try:
-                ratio = float(self.host_step_guard)
-            except (TypeError, ValueError):
-                ratio = float("nan")
-            if isinstance(self.host_step_guard, bool) or not ratio > 1 or math.isinf(ratio):
-                _fail("host_step_guard", self.host_step_guard, 'a float > 1, "auto" or "off"')
-            self.host_step_guard = ratio
+        self.rules.check_window(*self.writeback_lag_bound())
         if not _is_int(self.min_offload_numel) or self.min_offload_numel < 0:
             _fail("min_offload_numel", self.min_offload_numel, "an integer >= 0")
         if self.device_memory_limit_bytes is not None and (
@@ -362,8 +263,9 @@ class ZenFlowConfig:
 
     # ----------------------------------------------------------------------------------------------------------------
     def writeback_lag_bound(self) -> tuple[int, str]:
-        """The largest `writeback_lag` (a window's length: a later write-back would come after the next window has
-        closed) and where it comes from: `update_interval`, or the longest Zen-auto window with ``"auto"`` windows."""
+        """The largest `EngineRules.writeback_lag` (a window's length: a later write-back would come after the next
+        window has closed) and where it comes from: `update_interval`, or the longest Zen-auto window with ``"auto"``
+        windows."""
         if _is_int(self.update_interval):
             return self.update_interval, "update_interval"
         return self.rules.auto_max_interval, "the longest \"auto\" window"
@@ -445,8 +347,9 @@ class ZenFlowConfig:
     def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike) -> ZenFlowConfig:
         """Build from a DeepSpeed config: a dict, a JSON file path or JSON text, holding a whole config
         (``{"zero_optimization": {"zenflow": {...}}}``) or the ``zenflow`` block alone. Missing keys take
-        DeepSpeed's defaults (``update_interval="auto"``, ``overlap_step=False``), so a moved-over run behaves as it
-        did under DeepSpeed.
+        DeepSpeed's defaults (``update_interval="auto"``, ``overlap_step=False``), and the host step is DeepSpeed's
+        (``host_step="zenflow"``: one AdamW step per window at the configured lr, written back at the next window
+        boundary), so a moved-over run behaves as it did under DeepSpeed.
 
         ``pt_reserved_cores_perc`` becomes ``cpu_threads`` (the cores not reserved for the training process);
         ``offload`` (GPU moments in pinned host memory) is not supported and is ignored with a warning. The rest of
@@ -457,6 +360,8 @@ class ZenFlowConfig:
             >>> ZenFlowConfig.from_deepspeed({"zero_optimization": {"zenflow": {"topk_ratio": 0.05,
             ...     "update_interval": 4, "overlap_step": True}}}).topk_ratio
             0.05
+            >>> ZenFlowConfig.from_deepspeed({"topk_ratio": 0.1}).host_step  # (the zenflow block alone)
+            'zenflow'
             >>> ZenFlowConfig.from_deepspeed("zf_config.json").update_interval  # doctest: +SKIP
             4
         """

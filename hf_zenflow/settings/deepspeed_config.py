@@ -102,10 +102,12 @@ def zenflow_values(config: dict[str, Any]) -> dict[str, Any]:
     """The `ZenFlowConfig` fields a DeepSpeed zenflow block determines (its keys, else DeepSpeed's defaults).
 
     ``pt_reserved_cores_perc`` becomes ``cpu_threads`` (the cores not reserved for the training process);
-    ``offload`` (GPU moments in pinned host memory) is not supported and is ignored with a warning.
+    ``offload`` (GPU moments in pinned host memory) is not supported and is ignored with a warning. ``host_step``
+    is ``"zenflow"``: DeepSpeed's host step (one AdamW step per window at the configured lr, written back at the next
+    window boundary), which no key of the block changes.
     """
     block = dict(zenflow_block(config))
-    values = dict(DEEPSPEED_ZENFLOW_DEFAULTS)
+    values = {**DEEPSPEED_ZENFLOW_DEFAULTS, "host_step": "zenflow"}
     if block.pop("offload", False):
         warnings.warn(
             "ZenFlowConfig.from_deepspeed: 'offload' (device-side moments kept in pinned host memory) is not "

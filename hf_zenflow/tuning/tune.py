@@ -2,8 +2,8 @@
 
 Every trial fine-tunes a fresh copy of the same model from the same initial weights on the same batches (the
 `compare` runner's `prepare_task` / `train_one`); only the optimizer differs. `adamw_torch` runs first: it is the
-quality reference. Each ZenFlow setting of the grid (`topk_ratio` x `update_interval` x `host_lr_scale`, and
-`writeback_lag` at the default ratio; library default first) is then scored by
+quality reference. Each ZenFlow setting of the grid (`topk_ratio` x `update_interval` x `host_step`; library
+default first) is then scored by
 
 * quality: held-out loss relative to `adamw_torch`'s (``quality_loss_pct = 100 * (loss / reference - 1)``; also the
   held-out accuracy difference in points);
@@ -43,9 +43,8 @@ from hf_zenflow.tuning.divergence import curve_diverged, diverged
 from hf_zenflow.tuning.paired_stats import paired_interval, t95
 from hf_zenflow.tuning.pareto import pareto_front, recommend
 from hf_zenflow.tuning.tune_grid import (
+    GRID_HOST_STEP,
     GRID_INTERVAL,
-    GRID_LAG,
-    GRID_SCALE,
     GRID_TOPK,
     TrialSetting,
     default_grid,
@@ -165,8 +164,7 @@ class TuneConfig:
     seed: int = 0
     topk: tuple[float, ...] = GRID_TOPK
     intervals: tuple[int | str, ...] = GRID_INTERVAL
-    scales: tuple[float | str, ...] = GRID_SCALE
-    lags: tuple[int | str | None, ...] = GRID_LAG
+    host_steps: tuple[str, ...] = GRID_HOST_STEP
     max_quality_loss_pct: float = 1.0  # tolerance on the held-out loss relative to adamw_torch
     hardware: str = "a100-40gb-pcie4"  # preset name or JSON profile
     target_params: float | None = None  # model size the speed-up is modelled for (None: this model's)
@@ -234,7 +232,7 @@ def check_tune_inputs(cfg: TuneConfig) -> None:
 
     check_device(cfg.device)
     check_profiles([cfg.hardware], "--hardware")
-    for s in default_grid(cfg.topk, cfg.intervals, cfg.scales, cfg.lags):
+    for s in default_grid(cfg.topk, cfg.intervals, cfg.host_steps):
         s.config()  # a bad grid value fails here, naming the field
     check_model(cfg.model)
     check_dataset(cfg.dataset)
@@ -253,7 +251,7 @@ def run_tune(cfg: TuneConfig, on_trial: Callable[[dict[str, Any]], None] | None 
     # the modelled host is this machine, measured (`host_rates`), unless --host-from-profile
     profile = resolve_host(load_profile(cfg.hardware, published_host=cfg.host_from_profile), cfg.hardware,
                            cfg.host_cores, cfg.host_from_profile)[0]
-    grid = default_grid(cfg.topk, cfg.intervals, cfg.scales, cfg.lags)
+    grid = default_grid(cfg.topk, cfg.intervals, cfg.host_steps)
     out_dir = Path(cfg.output_dir)
     wall = time.perf_counter()
     deadline = wall + cfg.budget_minutes * 60.0
@@ -356,6 +354,6 @@ def tune(model: str | None = None, **kwargs: Any) -> dict[str, Any]:
     return run_tune(TuneConfig(model=model, **kwargs))
 
 
-__all__ = ["GRID_INTERVAL", "GRID_LAG", "GRID_SCALE", "GRID_TOPK", "Progress", "TrialSetting", "TuneConfig",
+__all__ = ["GRID_HOST_STEP", "GRID_INTERVAL", "GRID_TOPK", "Progress", "TrialSetting", "TuneConfig",
            "default_grid", "format_recommendation", "format_table", "library_default_setting", "paired_interval",
            "parse_settings", "pareto_front", "plot_pareto", "recommend", "run_trial", "run_tune", "t95", "tune"]

@@ -1,6 +1,6 @@
-"""The settings `hf-zenflow tune` tries: one grid point (`TrialSetting`: topk_ratio, update_interval,
-host_lr_scale, writeback_lag) rendered as training arguments and flags, the grid in the order a budget trims it, and
-the parsing of settings given on the command line."""
+"""The settings `hf-zenflow tune` tries: one grid point (`TrialSetting`: topk_ratio, update_interval, host_step)
+rendered as training arguments and flags, the grid in the order a budget trims it, and the parsing of settings given
+on the command line."""
 
 from __future__ import annotations
 
@@ -10,15 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_zenflow.settings.config import ZenFlowConfig
-from hf_zenflow.settings.rules import EngineRules
+from hf_zenflow.settings.rules import split_rules
 
 
 GRID_TOPK: tuple[float, ...] = (0.05, 0.1, 0.2)
 GRID_INTERVAL: tuple[int | str, ...] = (1, 2, 4, 8, "auto")
-GRID_SCALE: tuple[float | str, ...] = (1.0, "interval")
-#: write-back lags (None: the next window boundary, ZenFlow's schedule); tried at the default topk_ratio and
-#: host_lr_scale only, and only for windows longer than a step (a one-step window has one lag)
-GRID_LAG: tuple[int | str | None, ...] = (1, "auto", None)
+#: the host step's rules: the measured ones ("auto") and ZenFlow's and DeepSpeed's ("zenflow")
+GRID_HOST_STEP: tuple[str, ...] = ZenFlowConfig.choices("host_step")
 
 
 @dataclass(frozen=True)
@@ -27,19 +25,15 @@ class TrialSetting:
 
     topk_ratio: float
     update_interval: int | str
-    host_lr_scale: float | str
-    writeback_lag: int | str | None = ZenFlowConfig.__dataclass_fields__["writeback_lag"].default
+    host_step: str = ZenFlowConfig.__dataclass_fields__["host_step"].default
 
     @property
     def label(self) -> str:
-        scale = {"interval": "xU", "auto": "xauto"}.get(str(self.host_lr_scale))
-        scale = scale or f"x{float(self.host_lr_scale):g}"
-        lag = "" if self.writeback_lag == "auto" else f" lag={self.writeback_lag or 'U'}"
-        return f"r={self.topk_ratio:g} U={self.update_interval} lr{scale}{lag}"
+        step = "" if self.host_step == "auto" else f" {self.host_step}"
+        return f"r={self.topk_ratio:g} U={self.update_interval}{step}"
 
     def config_kwargs(self) -> dict[str, Any]:
-        return {"topk_ratio": self.topk_ratio, "update_interval": self.update_interval,
-                "host_lr_scale": self.host_lr_scale, "writeback_lag": self.writeback_lag}
+        return {"topk_ratio": self.topk_ratio, "update_interval": self.update_interval, "host_step": self.host_step}
 
     def config(self, **extra: Any) -> ZenFlowConfig:
         """The full `ZenFlowConfig` of this setting (library defaults elsewhere): validates it."""
@@ -49,16 +43,12 @@ class TrialSetting:
         def arg(v: Any) -> str:
             return repr(str(v)) if isinstance(v, str) else repr(v)
 
-        # (a None argument means "not given" there: ZenFlow's schedule is spelled "none")
-        lag = "none" if self.writeback_lag is None else self.writeback_lag
         return (f"ZenFlowTrainingArguments(output_dir=..., zenflow_topk_ratio={self.topk_ratio!r}, "
-                f"zenflow_update_interval={arg(self.update_interval)}, "
-                f"zenflow_host_lr_scale={arg(self.host_lr_scale)}, zenflow_writeback_lag={arg(lag)})")
+                f"zenflow_update_interval={arg(self.update_interval)}, zenflow_host_step={arg(self.host_step)})")
 
     def cli_flags(self) -> str:
-        lag = "none" if self.writeback_lag is None else self.writeback_lag
         return (f"--zenflow_topk_ratio {self.topk_ratio:g} --zenflow_update_interval {self.update_interval} "
-                f"--zenflow_host_lr_scale {self.host_lr_scale} --zenflow_writeback_lag {lag}")
+                f"--zenflow_host_step {self.host_step}")
 
 
 def parse_value(text: str) -> Any:
@@ -93,45 +83,36 @@ def study_config(values: dict[str, Any]) -> ZenFlowConfig:
         >>> study_config(parse_settings("topk_ratio=0.2 host_moment_dtype=float32")).rules.host_moment_dtype
         'float32'
     """
-    rules = {k: v for k, v in values.items() if k in EngineRules.names()}
-    return ZenFlowConfig(**{k: v for k, v in values.items() if k not in rules}).with_rules(**rules)
+    settings, rules = split_rules(values)
+    return ZenFlowConfig(**settings).with_rules(**rules)
 
 
 def library_default_setting() -> TrialSetting:
     d = ZenFlowConfig()
-    return TrialSetting(d.topk_ratio, d.update_interval, d.host_lr_scale, d.writeback_lag)
+    return TrialSetting(d.topk_ratio, d.update_interval, d.host_step)
 
 
 def default_grid(topk: Sequence[float] = GRID_TOPK, intervals: Sequence[int | str] = GRID_INTERVAL,
-                 scales: Sequence[float | str] = GRID_SCALE,
-                 lags: Sequence[int | str | None] = GRID_LAG) -> list[TrialSetting]:
+                 host_steps: Sequence[str] = GRID_HOST_STEP) -> list[TrialSetting]:
     """Every combination, in the order a budget trims it: the library default first, then the update_interval x
-    host_lr_scale sweep at the default topk_ratio, then its writeback_lag sweep (the default host_lr_scale), then
-    the other ratios (the default lag). ``update_interval=1`` takes one scale and lag only (``"interval"``
-    multiplies by a window of 1, and a one-step window is written back one step later whatever the lag says)."""
+    host_step sweep at the default topk_ratio, then the other ratios. ``update_interval=1`` takes the default
+    host_step only (a one-step window is written back one step later at one AdamW step's rate under either)."""
     default = library_default_setting()
     seen: set[TrialSetting] = set()
     out: list[TrialSetting] = []
 
     def add(s: TrialSetting) -> None:
         if s.update_interval == 1:
-            s = dataclasses.replace(s, host_lr_scale=1.0, writeback_lag=default.writeback_lag)
+            s = dataclasses.replace(s, host_step=default.host_step)
         if s not in seen:
             seen.add(s)
             out.append(s)
 
-    def point(r: float, u: int | str, s: float | str, lag: int | str | None = default.writeback_lag) -> TrialSetting:
-        return TrialSetting(float(r), u, s if s in ("interval", "auto") else float(s), lag)
-
     if default.topk_ratio in topk and default.update_interval in intervals:
         add(default)
     ratios = sorted(topk, key=lambda r: (abs(r - default.topk_ratio), r))
-    for i, r in enumerate(ratios):
+    for r in ratios:
         for u in intervals:
-            for s in scales:
-                add(point(r, u, s))
-        if i == 0:  # the default window first: the budget may end inside this sweep
-            for u in sorted(intervals, key=lambda u: u != default.update_interval):
-                for lag in lags:
-                    add(point(r, u, default.host_lr_scale, lag))
+            for step in host_steps:
+                add(TrialSetting(float(r), u, step))
     return out

@@ -89,7 +89,7 @@ def plot_pareto(payload: dict[str, Any], path: Path) -> None:
         ys = [r["quality_loss_pct"] for r in rows]
         colors = {0.05: "#dd8452", 0.1: "#4c72b0", 0.2: "#55a868"}
         for r, x, y in zip(rows, xs, ys):
-            marker = "o" if r["setting"]["host_lr_scale"] == 1.0 else "s"
+            marker = "o" if r["setting"]["host_step"] == "zenflow" else "s"
             ax.scatter(x, y, s=60, marker=marker, color=colors.get(r["setting"]["topk_ratio"], "#8c8c8c"),
                        edgecolors="black", linewidths=0.5, zorder=3)
             ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
@@ -106,8 +106,8 @@ def plot_pareto(payload: dict[str, Any], path: Path) -> None:
         for ratio, color in colors.items():
             if any(r["setting"]["topk_ratio"] == ratio for r in rows):
                 ax.scatter([], [], color=color, label=f"topk_ratio {ratio:g}")
-        ax.scatter([], [], marker="o", color="white", edgecolors="black", label="host_lr_scale 1")
-        ax.scatter([], [], marker="s", color="white", edgecolors="black", label="host_lr_scale interval / auto")
+        ax.scatter([], [], marker="o", color="white", edgecolors="black", label='host_step "zenflow"')
+        ax.scatter([], [], marker="s", color="white", edgecolors="black", label='host_step "auto"')
     hw = payload["hardware"]["name"]
     ax.set_xlabel(f"modelled speed-up over synchronous offload on {hw} "
                   f"({payload['modelled_params'] / 1e6:.0f}M params)")

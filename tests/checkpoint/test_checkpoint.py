@@ -162,12 +162,12 @@ def test_a_new_topk_ratio_takes_effect_on_resume_exactly(new_ratio, caplog):
 
 
 def test_a_new_update_interval_takes_effect_on_resume():
-    model, opt, sched, _ = run_until(lambda m: ZenFlowAdamW(param_groups(m), lr=LR, topk_ratio=0.1, update_interval=4,
-                                                            min_offload_numel=0, high_lr_rule="off"), SPLIT_AT)
+    model, opt, sched, _ = run_until(lambda m: zenflow_adamw(param_groups(m), lr=LR, topk_ratio=0.1, update_interval=4,
+                                                             min_offload_numel=0, high_lr_rule="off"), SPLIT_AT)
     checkpoint = save(model, opt, sched)
     opt.close()
-    _, opt_b, _ = resume(checkpoint, lambda m: ZenFlowAdamW(param_groups(m), lr=LR, topk_ratio=0.1, update_interval=2,
-                                                            min_offload_numel=0, high_lr_rule="off"))
+    _, opt_b, _ = resume(checkpoint, lambda m: zenflow_adamw(param_groups(m), lr=LR, topk_ratio=0.1, update_interval=2,
+                                                             min_offload_numel=0, high_lr_rule="off"))
     assert opt_b.stats()["update_interval"] == 2
     opt_b.close()
 
@@ -256,7 +256,7 @@ def test_adamw_with_amsgrad_is_refused_with_the_reason():
     opt = torch.optim.AdamW(param_groups(model), lr=LR, amsgrad=True)
     train(model, opt, batches(2))
     with pytest.raises(CheckpointError, match="amsgrad"):
-        ZenFlowAdamW(param_groups(model), lr=LR).load_state_dict(opt.state_dict())
+        zenflow_adamw(param_groups(model), lr=LR).load_state_dict(opt.state_dict())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -264,13 +264,13 @@ def test_adamw_with_amsgrad_is_refused_with_the_reason():
 # ---------------------------------------------------------------------------------------------------------------------
 def _saved_state(tmp_path: Path) -> tuple[Path, ZenFlowAdamW]:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
     train(model, opt, batches(6))
     path = tmp_path / "optimizer.pt"
     torch.save(opt.state_dict(), path)
     opt.close()
-    return path, ZenFlowAdamW(param_groups(make_model()), lr=LR, topk_ratio=0.1, update_interval=4,
-                              min_offload_numel=0)
+    return path, zenflow_adamw(param_groups(make_model()), lr=LR, topk_ratio=0.1, update_interval=4,
+                               min_offload_numel=0)
 
 
 def _overwrite_inside_largest_tensor(path: Path, nbytes: int = 64) -> None:
@@ -304,7 +304,7 @@ def test_bytes_overwritten_in_the_file_are_refused_naming_the_tensor(tmp_path):
 ])
 def test_inconsistent_values_are_refused_naming_the_tensor(damage, message):
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
     train(model, opt, batches(6))
     state = copy.deepcopy(roundtrip(opt.state_dict()))
     opt.close()
@@ -312,12 +312,12 @@ def test_inconsistent_values_are_refused_naming_the_tensor(damage, message):
     damage(entry)
     seal(state)  # checksums that agree: the values themselves must be checked, not only the checksums
     with pytest.raises(CheckpointError, match=message):
-        ZenFlowAdamW(param_groups(make_model()), lr=LR, min_offload_numel=0).load_state_dict(state)
+        zenflow_adamw(param_groups(make_model()), lr=LR, min_offload_numel=0).load_state_dict(state)
 
 
 def _two_steps_state() -> dict:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, min_offload_numel=0)
     train(model, opt, batches(2))
     state = roundtrip(opt.state_dict())
     opt.close()
@@ -329,7 +329,7 @@ def test_state_of_another_model_is_refused():
     other = torch.nn.Sequential(torch.nn.Embedding(24, 40), torch.nn.Linear(40, 80), torch.nn.LayerNorm(80),
                                 torch.nn.Linear(80, 30, bias=False))
     with pytest.raises(CheckpointError, match="saved for a parameter of shape"):
-        ZenFlowAdamW(param_groups(other), lr=LR).load_state_dict(state)
+        zenflow_adamw(param_groups(other), lr=LR).load_state_dict(state)
 
 
 def test_an_empty_or_truncated_file_names_the_file(tmp_path):
@@ -354,7 +354,7 @@ def test_a_format_1_or_2_checkpoint_is_refused_in_one_line():
             del state["zenflow"]["format_version"]
         else:
             state["zenflow"]["format_version"] = version
-        opt = ZenFlowAdamW(param_groups(make_model()), lr=LR)
+        opt = zenflow_adamw(param_groups(make_model()), lr=LR)
         with pytest.raises(CheckpointError, match=rf"format_version={version}; this hf_zenflow reads formats 3, 4") \
                 as caught:
             opt.load_state_dict(state)
@@ -366,4 +366,4 @@ def test_a_newer_format_is_refused_with_a_message():
     state = _two_steps_state()
     state["zenflow"]["format_version"] = FORMAT_VERSION + 1
     with pytest.raises(CheckpointError, match=rf"format_version={FORMAT_VERSION + 1}; this hf_zenflow reads format"):
-        ZenFlowAdamW(param_groups(make_model()), lr=LR).load_state_dict(state)
+        zenflow_adamw(param_groups(make_model()), lr=LR).load_state_dict(state)

@@ -9,14 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_zenflow import CheckpointError, ZenFlowAdamW, column_major_
+from hf_zenflow import CheckpointError, ZenFlowAdamW, ZenFlowConfig, column_major_
 from hf_zenflow.checkpoint.reshard import ddp_share_of, fsdp_rows_of, merge_rank_states, reshard_states
 from hf_zenflow.cli import main as cli
 from hf_zenflow.hf.rank_checkpoint import load_rank_state, rank_file_name, reshard_checkpoint, save_rank_state
 
 
 SETTINGS = dict(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=1, select_strategy="step", select_interval=4,
-                min_offload_numel=0, cpu_threads=1, overlap_step=True, writeback_lag=1, high_lr_rule="off")
+                min_offload_numel=0, cpu_threads=1, overlap_step=True)
+RULES = ZenFlowConfig().with_rules(writeback_lag=1, high_lr_rule="off")
 
 
 def _state(layout: str) -> dict:
@@ -28,7 +29,7 @@ def _state(layout: str) -> dict:
         column_major_(up)
     groups = [{"params": [embed.weight], "select_rows": layout == "rows"}, {"params": [up.weight, up.bias]},
               {"params": [gate.weight]}]
-    opt = ZenFlowAdamW(groups, lr=1e-2, **SETTINGS)
+    opt = ZenFlowAdamW(groups, lr=1e-2, config=RULES, **SETTINGS)
     try:
         for step in range(7):
             tokens = torch.randint(0, 24, (4, 6), generator=torch.Generator().manual_seed(step))

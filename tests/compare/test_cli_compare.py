@@ -320,7 +320,7 @@ def test_tune_takes_the_data_and_metric_flags(tmp_path: Path) -> None:
     out = tmp_path / "tune"
     rc = main(["tune", "--dataset", str(folder), "--text-column", "sentence", "--label-column", "label",
                "--metric", "f1", "--steps", "2", "--train-size", "12", "--eval-size", "8", "--batch-size", "4",
-               "--eval-batch-size", "8", "--topk", "0.1", "--intervals", "2", "--scales", "1",
+               "--eval-batch-size", "8", "--topk", "0.1", "--intervals", "2", "--host-steps", "zenflow",
                "--budget-minutes", "10", "--no-progress", "--output-dir", str(out)])
     assert rc == 0
     payload = json.loads((out / "tune.json").read_text())

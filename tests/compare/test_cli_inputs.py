@@ -63,7 +63,6 @@ BAD_COMPARE = {
     "project-hardware": (["--project-hardware", "bogus"], "--project-hardware"),
     "optimizers": (["--optimizers", "bogus"], "--optimizers"),
     "device-tpu": (["--device", "tpu"], "--device"),
-    "writeback-lag": (["--writeback-lag", "99"], "writeback_lag"),
     "model": (["--model", "no/such/model"], "--model"),
     "output-dir-under-a-file": (["--output-dir", "{tmp}/afile/run"], "afile"),
 }
@@ -75,7 +74,7 @@ if not torch.cuda.is_available():
 @pytest.mark.parametrize("output", ["default", "new-folder"])
 def test_a_bad_compare_input_is_one_line_before_any_work_leaving_nothing(case, output, tmp_path, monkeypatch, capsys):
     """Regression: --project-hardware bogus was checked after all three runs (a folder with only the PNGs);
-    --optimizers bogus and --device cuda without CUDA gave tracebacks; --device tpu, --writeback-lag 99 failed after
+    --optimizers bogus and --device cuda without CUDA gave tracebacks; --device tpu failed after
     the model loaded, leaving an empty zenflow_compare/; a failed --output-dir NEW left an empty NEW."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("")

@@ -51,8 +51,7 @@ def tiny_task(steps: int) -> PreparedTask:
 
 
 def tiny_config(**overrides) -> CompareConfig:
-    # writeback_lag 1, not "auto": "auto" picks the lag from the first host step's measured time
-    values = dict(steps=21, train_size=168, batch_size=8, update_interval=2, writeback_lag=1, min_offload_numel=0,
+    values = dict(steps=21, train_size=168, batch_size=8, update_interval=2, min_offload_numel=0,
                   log_every=0, quiet=True, device="cpu", device_cores=1, host_cores=1, lr=1e-2, save_model=True)
     values.update(overrides)
     return CompareConfig(**values)

@@ -22,11 +22,11 @@ from tests.conftest import zenflow_adamw
 
 
 SETTINGS = dict(topk_ratio=0.25, update_interval="auto", full_warm_up_rounds=2,
-                select_strategy="step", select_interval=8, min_offload_numel=0, cpu_threads=1, overlap_step=True,
-                writeback_lag=1)  # (fixed: the reference runs compare against this schedule)
+                select_strategy="step", select_interval=8, min_offload_numel=0, cpu_threads=1, overlap_step=True)
 #: the longest Zen-auto window of these runs, an engine rule (`ZenFlowConfig.with_rules`)
 AUTO_MAX_INTERVAL = 4
-RULES = ZenFlowConfig().with_rules(auto_max_interval=AUTO_MAX_INTERVAL)
+#: (the write-back lag fixed: the reference runs compare against this schedule)
+RULES = ZenFlowConfig().with_rules(auto_max_interval=AUTO_MAX_INTERVAL, writeback_lag=1)
 STEPS, PER_RANK, RANKS = 20, 4, 2
 #: How close ranks that split the global batch come to one process on it (relative to each weight's norm): the
 #: all-reduced gradients differ from one process's in their last bits, and the bf16 host moments, rounded
@@ -286,14 +286,16 @@ def test_one_rank_without_a_process_group():
 # A second run: a one-process checkpoint resumed under two ranks (each takes its share), windows summed on the device,
 # an embedding split by rows (its share is a range of hidden columns), sequential write-backs.
 OTHER = dict(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=1, select_strategy="step", select_interval=4,
-             min_offload_numel=0, cpu_threads=1, overlap_step=False, accumulate_on="device",
-             high_lr_rule="off")  # (windows of 3 at lr 1e-2: the rule would shorten them to 1)
+             min_offload_numel=0, cpu_threads=1, overlap_step=False, accumulate_on="device")
+#: (windows of 3 at lr 1e-2: the high-lr rule would shorten them to 1)
+OTHER_RULES = ZenFlowConfig().with_rules(high_lr_rule="off")
 HALF = STEPS // 2
 
 
 def _other(model: Net) -> ZenFlowAdamW:
     rest = [p for n, p in model.named_parameters() if n != "embed.weight"]
-    return zenflow_adamw([{"params": [model.embed.weight], "select_rows": True}, {"params": rest}], lr=1e-2, **OTHER)
+    return zenflow_adamw([{"params": [model.embed.weight], "select_rows": True}, {"params": rest}], lr=1e-2,
+                         config=OTHER_RULES, **OTHER)
 
 
 def _rank_resume_one_process_state(rank: int, init_file: str, out_dir: str) -> None:
@@ -348,8 +350,8 @@ def _auto_lag_body(rank: int, out_dir: str) -> None:
     auto_lag.auto_lag_from_sizes = lambda elements, longest: 1 + 2 * rank
     model = _model()
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    opt = zenflow_adamw(model.parameters(), lr=1e-2, config=RULES,
-                        **{**SETTINGS, "update_interval": 4, "writeback_lag": "auto", "high_lr_rule": "off"})
+    opt = zenflow_adamw(model.parameters(), lr=1e-2, config=RULES.with_rules(writeback_lag="auto", high_lr_rule="off"),
+                        **{**SETTINGS, "update_interval": 4})
     _train(rank, range(14), wrapped, opt)
     lag = opt.stats()["writeback_lag"]
     torch.save({"lag": lag, "weights": _flushed(opt, model)}, os.path.join(out_dir, f"auto{rank}.pt"))

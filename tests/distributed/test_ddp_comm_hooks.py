@@ -17,12 +17,14 @@ import torch
 import torch.distributed as dist
 from gloo_ranks import run_in_group, spawn_ranks
 
-from hf_zenflow import ZenFlowAdamW
+from hf_zenflow import ZenFlowAdamW, ZenFlowConfig
 
 
 STEPS, PER_RANK, RANKS, LR = 12, 4, 2, 1e-2
 ZEN = dict(update_interval=2, overlap_step=True, select_strategy="step", select_interval=4, full_warm_up_rounds=0,
-           min_offload_numel=0, cpu_threads=1, writeback_lag=1)
+           min_offload_numel=0, cpu_threads=1)
+#: (a write-back one step into the next window, fixed)
+ZEN_RULES = ZenFlowConfig().with_rules(writeback_lag=1)
 HOOKS = ("none", "bf16", "powersgd")
 OPTIMIZERS = ("adamw", "zen_all", "zen_0.1")
 
@@ -68,7 +70,8 @@ def _register(ddp: torch.nn.parallel.DistributedDataParallel, hook: str) -> None
 def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=1.0 if kind == "zen_all" else 0.1, **ZEN)
+    opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=1.0 if kind == "zen_all" else 0.1,
+                       config=ZEN_RULES, **ZEN)
     opt.name_parameters(model)
     return opt
 

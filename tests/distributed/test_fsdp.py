@@ -37,10 +37,11 @@ from tests.conftest import zenflow_adamw
 
 
 SETTINGS = dict(topk_ratio=0.25, update_interval="auto", full_warm_up_rounds=2,
-                select_strategy="step", select_interval=8, min_offload_numel=0, cpu_threads=1, overlap_step=True,
-                writeback_lag=1)  # (fixed: the reference runs compare against this schedule)
+                select_strategy="step", select_interval=8, min_offload_numel=0, cpu_threads=1, overlap_step=True)
 #: the longest Zen-auto window of these runs, an engine rule (`ZenFlowConfig.with_rules`)
 AUTO_MAX_INTERVAL = 4
+#: the engine rules of these runs (the write-back lag fixed: the reference runs compare against this schedule)
+RULES = dict(auto_max_interval=AUTO_MAX_INTERVAL, writeback_lag=1)
 STEPS, PER_RANK = 20, 4
 SAVE = 11  # a step inside a window (checked: window_steps > 0)
 
@@ -100,9 +101,10 @@ def _full(model: torch.nn.Module) -> list[torch.Tensor]:
             for p in model.parameters()]
 
 
-def _zenflow(model: torch.nn.Module, **overrides) -> ZenFlowAdamW:
-    rules = ZenFlowConfig().with_rules(auto_max_interval=AUTO_MAX_INTERVAL)
-    opt = zenflow_adamw(model.parameters(), lr=1e-2, config=rules, **{**SETTINGS, **overrides})
+def _zenflow(model: torch.nn.Module, rules: dict | None = None, **overrides) -> ZenFlowAdamW:
+    """ZenFlowAdamW under `SETTINGS` and `RULES`, with `overrides` of the settings and `rules` of the rules."""
+    config = ZenFlowConfig().with_rules(**{**RULES, **(rules or {})})
+    opt = zenflow_adamw(model.parameters(), lr=1e-2, config=config, **{**SETTINGS, **overrides})
     opt.name_parameters(model)
     return opt
 
@@ -412,7 +414,8 @@ def _auto_lag_run(rank: int, init_file: str, out_dir: str) -> None:
 
 def _auto_lag_body(rank: int, out_dir: str) -> None:
     model = _shard(_model())
-    opt = _zenflow(model, update_interval=4, writeback_lag="auto", high_lr_rule="off")  # (lr 1e-2: windows of 4)
+    # (lr 1e-2: windows of 4)
+    opt = _zenflow(model, update_interval=4, rules={"writeback_lag": "auto", "high_lr_rule": "off"})
     _train(model, opt, range(14))
     torch.save({"lag": opt.stats()["writeback_lag"]}, os.path.join(out_dir, f"auto{rank}.pt"))
     opt.close()
@@ -442,7 +445,7 @@ def _freeing_body(rank: int, out_dir: str) -> None:
         for free in ("off", "on"):
             model = _shard(_model())
             opt = _zenflow(model, free_gradients_in_backward=free, select_interval=5, update_interval=3,
-                           high_lr_rule="off")
+                           rules={"high_lr_rule": "off"})
             scaler = torch.amp.GradScaler(DEVICE, init_scale=4096.0) if scaled else None
             peaks, own_storage, scales = [], [], []
             for i in range(12):
@@ -530,7 +533,7 @@ def _reduce_scatter_views_body(rank: int, out_dir: str) -> None:
                     m.setattr(FakeStream, "wait_event", wait_event)
                 model = _shard(_model())
                 opt = _zenflow(model, free_gradients_in_backward=free, select_interval=5, update_interval=3,
-                               high_lr_rule="off")
+                               rules={"high_lr_rule": "off"})
                 views = []
                 for i in range(12):
                     x, y = (t.to(DEVICE) for t in _data()[i])

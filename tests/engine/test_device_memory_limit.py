@@ -14,7 +14,7 @@ from hf_zenflow.checkpoint.seal import seal
 from hf_zenflow.engine import accumulation
 from hf_zenflow.engine.device_budget import estimate_peak
 from hf_zenflow.engine.planner import candidate_thresholds, choose_min_offload_numel
-from hf_zenflow.settings.config import MIN_OFFLOAD_NUMEL, ZenFlowConfig
+from hf_zenflow.settings.config import MIN_OFFLOAD_NUMEL
 from tests.conftest import DEVICE, batches, plan_with_host_ram, roundtrip, zenflow_adamw, zenflow_config
 
 
@@ -254,4 +254,4 @@ def test_a_damaged_choice_is_refused(value):
 @pytest.mark.parametrize("value", [-1, 1.5, "1e9", True])
 def test_an_invalid_limit_is_refused(value):
     with pytest.raises(ValueError, match=rf"device_memory_limit_bytes={value!r} is invalid: allowed is None or an"):
-        ZenFlowConfig(device_memory_limit_bytes=value)
+        zenflow_config(device_memory_limit_bytes=value)

@@ -10,8 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from hf_zenflow import ZenFlowAdamW
-from tests.conftest import DEVICE, batches, make_model, param_groups
+from tests.conftest import DEVICE, batches, make_model, param_groups, zenflow_adamw
 from tests.engine.test_free_gradients import _run as run_training
 
 
@@ -45,7 +44,7 @@ def test_compiled_autograd_is_refused(how):
 
     torch._dynamo.reset()
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=1e-2, min_offload_numel=0)
     x, y = batches(1)[0]
     with pytest.raises(RuntimeError, match=r"compiled autograd.*torch\.compile\(model\) without compiled autograd"):
         if how == "context":
@@ -69,7 +68,7 @@ def test_a_gradient_in_cuda_graph_memory_is_refused(monkeypatch):
     "cached tensor" flag, which lets ``.grad`` take them over): the graph's next replay overwrites it, whatever
     `record_stream` says, so its hook refuses, naming the modes without CUDA graphs."""
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=1e-2, min_offload_numel=0)
     x, y = batches(1)[0]
     loss = _loss(model, x, y)
     monkeypatch.setattr(torch._C, "_is_cached_tensor", lambda t: True)  # (the double: every gradient is one)
@@ -82,7 +81,7 @@ def test_a_cuda_graph_capture_is_refused_in_backward_and_in_step(monkeypatch):
     """Inside ``torch.cuda.graph`` (the current stream capturing) a backward hook and `step()` refuse: a replay would
     repeat none of the host's part."""
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=1e-2, min_offload_numel=0)
     x, y = batches(1)[0]
     loss = _loss(model, x, y)
     with monkeypatch.context() as m:

@@ -11,10 +11,10 @@ import logging
 import pytest
 import torch
 
-from hf_zenflow import CheckpointError, ZenFlowAdamW
+from hf_zenflow import CheckpointError
 from hf_zenflow.checkpoint.seal import seal
 from hf_zenflow.engine.host_lr import high_lr_beta1, high_lr_window
-from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train
+from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train, zenflow_adamw
 
 
 @pytest.mark.parametrize("lr, interval, expected", [
@@ -52,8 +52,8 @@ def _matrices_only(seed: int = 0) -> torch.nn.Module:
 def _run(model, lr, steps=16, betas=(0.9, 0.999), **settings):
     settings = {"topk_ratio": 0.25, "update_interval": 4, "select_strategy": "step", "select_interval": 8,
                 "min_offload_numel": 0, "writeback_lag": 1, **settings}
-    opt = ZenFlowAdamW(model.parameters() if settings["topk_ratio"] == 0.0 else param_groups(model), lr=lr,
-                       betas=betas, **settings)
+    opt = zenflow_adamw(model.parameters() if settings["topk_ratio"] == 0.0 else param_groups(model), lr=lr,
+                        betas=betas, **settings)
     train(model, opt, batches(16)[:steps], linear_schedule(opt, 16), clip=1.0)
     opt.flush()
     stats = opt.stats()
@@ -88,8 +88,8 @@ def test_above_it_the_host_takes_the_rules_windows_and_beta1(lr, overlap_step, w
 
 def test_the_choice_is_logged_once_and_stats_say_it_before_the_first_step(caplog):
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=2e-3, topk_ratio=0.25, update_interval=4, min_offload_numel=0,
-                       writeback_lag=1)
+    opt = zenflow_adamw(param_groups(model), lr=2e-3, topk_ratio=0.25, update_interval=4, min_offload_numel=0,
+                        writeback_lag=1)
     linear_schedule(opt, 16)
     before = opt.stats()
     # (the host step's multiplier is host_lr_scale="auto"'s at 2e-3: 1.0, the cap 5e-4 being below the lr)
@@ -112,7 +112,7 @@ def _resumable(**settings):
 
 def _checkpoint(steps=SPLIT_AT):
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), **_resumable())
+    opt = zenflow_adamw(param_groups(model), **_resumable())
     sched = linear_schedule(opt, 16)
     train(model, opt, batches(16)[:steps], sched, clip=1.0)
     saved = roundtrip({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
@@ -123,7 +123,7 @@ def _checkpoint(steps=SPLIT_AT):
 def _resume(saved, **settings):
     model = make_model(seed=123)
     model.load_state_dict(saved["model"])
-    opt = ZenFlowAdamW(param_groups(model), **_resumable(**settings))
+    opt = zenflow_adamw(param_groups(model), **_resumable(**settings))
     sched = linear_schedule(opt, 16)
     opt.load_state_dict(saved["opt"])
     sched.load_state_dict(saved["sched"])
@@ -196,7 +196,7 @@ def test_a_checkpoint_mid_window_converts_to_adamw_with_the_rules_beta1():
 
     def saved(**settings):
         model = _matrices_only()
-        opt = ZenFlowAdamW(model.parameters(), **{**_resumable(topk_ratio=0.0), **settings})
+        opt = zenflow_adamw(model.parameters(), **{**_resumable(topk_ratio=0.0), **settings})
         train(model, opt, batches(16)[:SPLIT_AT], linear_schedule(opt, 16), clip=1.0)
         state = roundtrip(opt.state_dict())
         opt.close()

@@ -9,10 +9,9 @@ import logging
 import pytest
 import torch
 
-from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.host_lr import auto_host_lr_scale, host_lr_scale, window_lag
 from hf_zenflow.engine.schedule import WindowSchedule
-from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train
+from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train, zenflow_adamw
 
 
 #: (peak lr, window steps, write-back lag, multiplier): "interval" while lr x multiplier <= 5e-4 / sqrt(lag), the cap's
@@ -74,9 +73,9 @@ TOTAL = 16  # four full windows of 4: "auto" and its value agree on every window
 
 def _run(host_lr_scale, lr, writeback_lag, steps=TOTAL, checkpoint_at=None):
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=lr, topk_ratio=0.25, update_interval=4, select_strategy="step",
-                       select_interval=8, min_offload_numel=0, host_lr_scale=host_lr_scale,
-                       writeback_lag=writeback_lag, high_lr_rule="off")
+    opt = zenflow_adamw(param_groups(model), lr=lr, topk_ratio=0.25, update_interval=4, select_strategy="step",
+                        select_interval=8, min_offload_numel=0, host_lr_scale=host_lr_scale,
+                        writeback_lag=writeback_lag, high_lr_rule="off")
     sched = linear_schedule(opt, TOTAL)
     train(model, opt, batches(TOTAL)[:steps], sched, clip=1.0)
     saved = None
@@ -108,8 +107,8 @@ def test_auto_is_bitwise_the_multiplier_it_picks(lr, writeback_lag, expected, ca
 
 def test_stats_say_the_multiplier_before_the_first_window():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=2e-4, update_interval=4, host_lr_scale="auto", writeback_lag=1,
-                       min_offload_numel=0, high_lr_rule="off")
+    opt = zenflow_adamw(param_groups(model), lr=2e-4, update_interval=4, host_lr_scale="auto", writeback_lag=1,
+                        min_offload_numel=0, high_lr_rule="off")
     linear_schedule(opt, 10)
     assert opt.stats()["host_lr_scale"] == 2.5
     opt.close()
@@ -120,9 +119,9 @@ def test_auto_resumes_exactly_mid_window():
     _, _, saved = _run("auto", 3e-4, 1, steps=6, checkpoint_at=6)
     model = make_model(seed=123)
     model.load_state_dict(saved["model"])
-    opt = ZenFlowAdamW(param_groups(model), lr=3e-4, topk_ratio=0.25, update_interval=4, select_strategy="step",
-                       select_interval=8, min_offload_numel=0, host_lr_scale="auto", writeback_lag=1,
-                       high_lr_rule="off")
+    opt = zenflow_adamw(param_groups(model), lr=3e-4, topk_ratio=0.25, update_interval=4, select_strategy="step",
+                        select_interval=8, min_offload_numel=0, host_lr_scale="auto", writeback_lag=1,
+                        high_lr_rule="off")
     sched = linear_schedule(opt, TOTAL)
     opt.load_state_dict(saved["opt"])
     sched.load_state_dict(saved["sched"])

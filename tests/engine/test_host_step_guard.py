@@ -8,7 +8,6 @@ engaged, a write-back still watched)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
@@ -17,13 +16,21 @@ import torch
 from hf_zenflow import CheckpointError
 from hf_zenflow.checkpoint.seal import seal
 from hf_zenflow.engine.host_guard import HostStepGuard
-from hf_zenflow.settings.config import (
+from hf_zenflow.settings.rules import (
     HOST_STEP_GUARD_HISTORY,
     HOST_STEP_GUARD_MIN_FACTOR,
     HOST_STEP_GUARD_RATIO,
-    ZenFlowConfig,
 )
-from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train, zenflow_adamw
+from tests.conftest import (
+    batches,
+    linear_schedule,
+    make_model,
+    param_groups,
+    roundtrip,
+    train,
+    zenflow_adamw,
+    zenflow_config,
+)
 
 
 STEPS = 16
@@ -154,7 +161,7 @@ def test_auto_watches_only_where_high_lr_rule_shortened_the_windows():
     """The same constructed overshoot (every column on the host, a learning rate far above the rule's threshold): with
     the configured windows "auto" does not watch, bit for bit the unguarded run; with `high_lr_rule`'s one-step windows
     it engages, bit for bit the run at the explicit `HOST_STEP_GUARD_RATIO`."""
-    assert ZenFlowConfig().host_step_guard == "auto"
+    assert zenflow_config().rules.host_step_guard == "auto"
     configured, stats = _run(_matrices_only(), OVERSHOOT_LR, topk_ratio=0.0, high_lr_rule="off")
     assert stats["host_step_guard"] == 1.0 and stats["host_step_guard_engaged"] == 0 and stats["high_lr_window"] == 0
     off, _ = _run(_matrices_only(), OVERSHOOT_LR, topk_ratio=0.0, high_lr_rule="off", host_step_guard="off")
@@ -209,7 +216,7 @@ def test_once_engaged_the_host_step_is_the_configured_one_at_the_guards_factor(s
     assert factors[-1] < 1.0 and len(set(factors)) >= 2, factors  # (it engaged, at least once)
 
     def follow(opt, i):
-        opt.config = dataclasses.replace(opt.config, host_lr_scale=factors[i])
+        opt.config = opt.config.with_rules(host_lr_scale=factors[i])
 
     explicit, _ = _run(_matrices_only(), OVERSHOOT_LR, hook=follow, topk_ratio=0.0, host_step_guard="off",
                        **settings)
@@ -338,13 +345,13 @@ def test_a_damaged_guard_state_is_refused(key, value):
 @pytest.mark.parametrize("value", [1.0, 0.5, "never", True, float("inf")])
 def test_bad_settings_name_the_field_the_value_and_what_is_allowed(value):
     with pytest.raises(ValueError) as info:
-        ZenFlowConfig(host_step_guard=value)
+        zenflow_config(host_step_guard=value)
     message = str(info.value)
-    assert f"ZenFlowConfig.host_step_guard={value!r}" in message and 'a float > 1, "auto" or "off"' in message
+    assert f"EngineRules.host_step_guard={value!r}" in message and 'a float > 1, "auto" or "off"' in message
 
 
 def test_settings_parse_numbers_and_off():
-    assert ZenFlowConfig().host_step_guard == "auto"
-    assert ZenFlowConfig(host_step_guard=" AUTO ").host_step_guard == "auto"
-    assert ZenFlowConfig(host_step_guard="3").host_step_guard == 3.0
-    assert ZenFlowConfig(host_step_guard=" OFF ").host_step_guard == "off"
+    assert zenflow_config().rules.host_step_guard == "auto"
+    assert zenflow_config(host_step_guard=" AUTO ").rules.host_step_guard == "auto"
+    assert zenflow_config(host_step_guard="3").rules.host_step_guard == 3.0
+    assert zenflow_config(host_step_guard=" OFF ").rules.host_step_guard == "off"

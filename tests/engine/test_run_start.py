@@ -10,9 +10,8 @@ from collections import Counter
 import pytest
 import torch
 
-from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine import run_start
-from tests.conftest import batches, make_model, param_groups, roundtrip, train
+from tests.conftest import batches, make_model, param_groups, roundtrip, train, zenflow_adamw
 
 
 #: the start of each once-per-run log line: writeback_lag="auto"'s choice, high_lr_rule="auto"'s, the warning that
@@ -37,9 +36,9 @@ def test_the_once_per_run_lines_appear_once_over_many_steps_and_again_after_a_lo
                             lambda *a, _name=name, _original=original, **k: (calls.update([_name]),
                                                                               _original(*a, **k))[1])
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, topk_ratio=0.25, update_interval=4, min_offload_numel=0,
-                       writeback_lag="auto", high_lr_rule="auto", device_memory_limit_bytes=10**9,
-                       host_executor="inline")
+    opt = zenflow_adamw(param_groups(model), lr=1e-2, topk_ratio=0.25, update_interval=4, min_offload_numel=0,
+                        writeback_lag="auto", high_lr_rule="auto", device_memory_limit_bytes=10**9,
+                        host_executor="inline")
     with caplog.at_level(logging.INFO, logger="hf_zenflow"):
         train(model, opt, batches(24), clip=1.0)
     assert _said(caplog) == {"lag": 1, "high_lr": 1, "one_step_windows": 1, "limit": 1}
@@ -57,8 +56,8 @@ def test_the_once_per_run_lines_appear_once_over_many_steps_and_again_after_a_lo
 
 def test_a_first_step_skipped_before_any_state_leaves_the_announcements_to_the_next(caplog):
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-3, topk_ratio=0.25, update_interval=4, min_offload_numel=0,
-                       device_memory_limit_bytes=10**9, host_executor="inline")
+    opt = zenflow_adamw(param_groups(model), lr=1e-3, topk_ratio=0.25, update_interval=4, min_offload_numel=0,
+                        device_memory_limit_bytes=10**9, host_executor="inline")
     (x, _), = batches(1)
     model(x).float().sum().backward()
     with caplog.at_level(logging.INFO, logger="hf_zenflow"):

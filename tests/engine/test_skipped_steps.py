@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_zenflow import ZenFlowAdamW
-from tests.conftest import batches, make_model, param_groups, train
+from tests.conftest import batches, make_model, param_groups, train, zenflow_adamw
 
 
 LR, STEPS = 1e-3, 14
@@ -40,7 +40,7 @@ def _poison(model: torch.nn.Module, bad: tuple[int, ...]):
 
 def _run(dtype: torch.dtype, bad: tuple[int, ...], **kw) -> tuple[torch.nn.Module, ZenFlowAdamW]:
     model = make_model(dtype=dtype)
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **{**SETTINGS, **kw})
+    opt = zenflow_adamw(param_groups(model), lr=LR, **{**SETTINGS, **kw})
     data = DATA if bad else [b for i, b in enumerate(DATA) if i not in BAD]
     train(model, opt, data, hook=_poison(model, bad))
     opt.flush()
@@ -77,7 +77,7 @@ def test_skipped_steps_are_said_at_the_first_and_when_their_count_doubles(caplog
     """Repro: ``opt.clip_grad_norm_(float("nan"))`` skips every step and nothing trains, without a word (only
     ``stats()["skipped_steps"]`` showed it). Now a warning at the first skip and at 2, 4, 8, ... skips."""
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS)
     with caplog.at_level(logging.WARNING, logger="hf_zenflow"):
         train(model, opt, DATA[:2])  # two ordinary steps
         train(model, opt, DATA[2:12], clip=float("nan"))
@@ -90,7 +90,7 @@ def test_skipped_steps_are_said_at_the_first_and_when_their_count_doubles(caplog
 
 def test_a_run_without_skipped_steps_says_nothing_of_them(caplog):
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, **SETTINGS)
+    opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS)
     with caplog.at_level(logging.WARNING, logger="hf_zenflow"):
         train(model, opt, DATA[:6])
     opt.close()

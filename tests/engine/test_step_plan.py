@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.schedule import StepKind, WindowSchedule
 from hf_zenflow.engine.step_plan import StepPlan, plan_step
 from hf_zenflow.optimizer import zenflow
-from tests.conftest import batches, make_model, param_groups, train
+from tests.conftest import batches, make_model, param_groups, train, zenflow_adamw
 
 
 WARM, SEL, ORD = StepKind.WARM_UP, StepKind.SELECT, StepKind.ORDINARY
@@ -83,9 +82,9 @@ def test_the_optimizer_closes_and_writes_back_where_its_plans_say(monkeypatch, o
 
     monkeypatch.setattr(zenflow, "plan_step", recorded)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-3, topk_ratio=0.25, update_interval=3, full_warm_up_rounds=1,
-                       select_strategy="step", select_interval=4, min_offload_numel=0, writeback_lag=1,
-                       overlap_step=overlap, host_executor="inline")
+    opt = zenflow_adamw(param_groups(model), lr=1e-3, topk_ratio=0.25, update_interval=3, full_warm_up_rounds=1,
+                        select_strategy="step", select_interval=4, min_offload_numel=0, writeback_lag=1,
+                        overlap_step=overlap, host_executor="inline")
     written, closed = [], []
     write_back, close_window = opt.host_windows.write_back, opt.host_windows.close_window
     monkeypatch.setattr(opt.host_windows, "write_back", lambda: (written.append(len(plans) - 1), write_back())[1])

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import hf_zenflow.engine.waits as waits
-from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW
+from hf_zenflow import SyncOffloadAdamW
 from hf_zenflow.engine.worker import HostAdamWorker, HostWorkerError
 from hf_zenflow.transport import CopyTransport
-from tests.conftest import batches, make_model, param_groups, train
+from tests.conftest import batches, make_model, param_groups, train, zenflow_adamw
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_a_slow_host_adamw_never_blocks_a_backward_hook(monkeypatch, lag):
                     select_strategy="step", select_interval=1000, min_offload_numel=0)
     data = batches(14)
     reference = make_model()
-    inline = ZenFlowAdamW(param_groups(reference), host_executor="inline", **settings)
+    inline = zenflow_adamw(param_groups(reference), host_executor="inline", **settings)
     train(reference, inline, data)
     inline.close()
 
@@ -152,7 +152,7 @@ def test_a_slow_host_adamw_never_blocks_a_backward_hook(monkeypatch, lag):
     monkeypatch.setattr(HostAdamWorker, "wait", wait)
     monkeypatch.setattr(HostAdamWorker, "take_slot", take_slot)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), **settings)
+    opt = zenflow_adamw(param_groups(model), **settings)
     train(model, opt, data, hook=lambda i: step.__setitem__(0, i + 1))
     opt.synchronize()  # (opens the last window's gate)
     opt.close()

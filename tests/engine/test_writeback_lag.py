@@ -13,7 +13,16 @@ import hf_zenflow.engine.host as host_module
 from hf_zenflow import ZenFlowAdamW
 from hf_zenflow.engine.schedule import auto_writeback_lag
 from hf_zenflow.engine.writeback_lag import AUTO_LAG_HOST_ELEMENTS, auto_lag_from_sizes
-from tests.conftest import batches, linear_schedule, make_model, param_groups, roundtrip, train
+from tests.conftest import (
+    batches,
+    linear_schedule,
+    make_model,
+    param_groups,
+    roundtrip,
+    train,
+    zenflow_adamw,
+    zenflow_config,
+)
 
 
 #: (windows of 4 steps at lr 1e-2: `high_lr_rule="auto"` would shorten them to one; its tests: test_high_lr_rule.py)
@@ -58,7 +67,7 @@ def _slowed_run(host_delay_s: float, pause_s: float, monkeypatch) -> tuple[list[
 
     monkeypatch.setattr("hf_zenflow.engine.windows.host_adamw_window", slow_window)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, min_offload_numel=0, **OFF)
+    opt = zenflow_adamw(param_groups(model), lr=1e-2, update_interval=4, min_offload_numel=0, **OFF)
     _train(opt, model, 10, pause_s=pause_s)
     opt.flush()
     opt.close()
@@ -85,34 +94,32 @@ def test_auto_gives_the_same_weights_whatever_the_host_step_takes(monkeypatch, c
 def test_a_checkpoint_keeps_the_chosen_lag_and_a_new_setting_replaces_it(monkeypatch):
     monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_lag_from_sizes", lambda elements, longest: 1)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", min_offload_numel=0,
-                       **OFF)
+    opt = zenflow_adamw(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", min_offload_numel=0,
+                        **OFF)
     train(model, opt, batches(10), linear_schedule(opt, 10))
     state = roundtrip(opt.state_dict())
     opt.close()
     assert (state["zenflow"]["writeback_lag"], state["zenflow"]["writeback_lag_pending"]) == (1, False)
     # the resumed run would choose 3 from its own sizes: it keeps the saved choice instead
     monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_lag_from_sizes", lambda elements, longest: 3)
-    resumed = ZenFlowAdamW(param_groups(make_model()), lr=1e-2, update_interval=4, writeback_lag="auto",
-                           min_offload_numel=0, **OFF)
+    resumed = zenflow_adamw(param_groups(make_model()), lr=1e-2, update_interval=4, writeback_lag="auto",
+                            min_offload_numel=0, **OFF)
     resumed.load_state_dict(state)
     assert resumed.stats()["writeback_lag"] == 1
     resumed.close()
     # an explicit setting on resume takes effect
-    fixed = ZenFlowAdamW(param_groups(make_model()), lr=1e-2, update_interval=4, writeback_lag=2, min_offload_numel=0,
-                         **OFF)
+    fixed = zenflow_adamw(param_groups(make_model()), lr=1e-2, update_interval=4, writeback_lag=2, min_offload_numel=0,
+                          **OFF)
     fixed.load_state_dict(state)
     assert fixed.stats()["writeback_lag"] == 2
     fixed.close()
 
 
-def test_auto_is_a_setting_everywhere():
-    from hf_zenflow import ZenFlowConfig
-
-    assert ZenFlowConfig(writeback_lag=" Auto ").writeback_lag == "auto"
-    assert ZenFlowConfig(writeback_lag="2").writeback_lag == 2
+def test_the_rule_reads_auto_and_numbers_as_text():
+    assert zenflow_config(writeback_lag=" Auto ").rules.writeback_lag == "auto"
+    assert zenflow_config(writeback_lag="2").rules.writeback_lag == 2
     with pytest.raises(ValueError, match=r'writeback_lag=.soon.*"auto"'):
-        ZenFlowConfig(writeback_lag="soon")
+        zenflow_config(writeback_lag="soon")
 
 
 def test_the_choice_is_made_at_the_first_step_and_the_advice_two_windows_after_the_warm_up(monkeypatch, caplog):
@@ -124,8 +131,8 @@ def test_the_choice_is_made_at_the_first_step_and_the_advice_two_windows_after_t
     monkeypatch.setattr("hf_zenflow.engine.writeback_lag.auto_writeback_lag",
                         lambda host_ms, step_ms, longest: calls.append(-1) or 3)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", full_warm_up_rounds=3,
-                       min_offload_numel=0, **OFF)
+    opt = zenflow_adamw(param_groups(model), lr=1e-2, update_interval=4, writeback_lag="auto", full_warm_up_rounds=3,
+                        min_offload_numel=0, **OFF)
     train(model, opt, batches(1), linear_schedule(opt, 20))
     host_elements = sum(p.numel() for p in model.parameters() if p.ndim == 2)
     assert calls == [host_elements] and opt.stats()["writeback_lag"] == 2

@@ -23,8 +23,7 @@ import torch
 from hf_helpers import ByteLMDataset, corpus_text, fsdp_on_cpu, full_weights, logged, tiny_llama, zenflow_args
 
 
-# writeback_lag fixed: "auto" would choose from each run's own timing (a resumed run against an uninterrupted one)
-ZENFLOW = dict(zenflow_topk_ratio=0.1, zenflow_update_interval=4, zenflow_overlap_step=True, zenflow_writeback_lag=1)
+ZENFLOW = dict(zenflow_topk_ratio=0.1, zenflow_update_interval=4, zenflow_overlap_step=True)
 
 
 def rank() -> int:
@@ -89,7 +88,7 @@ def run_plugin(opts: argparse.Namespace) -> dict:
     accelerator = plugin_accelerator(opts)
     model = tiny_llama()
     loader = torch.utils.data.DataLoader(ByteLMDataset(corpus_text(), num_samples=256), batch_size=4)
-    plugin = ZenFlowPlugin(topk_ratio=0.1, update_interval=4, cpu_threads=1, min_offload_numel=0, writeback_lag=1)
+    plugin = ZenFlowPlugin(topk_ratio=0.1, update_interval=4, cpu_threads=1, min_offload_numel=0)
     model, optimizer, loader = plugin.prepare(accelerator, model, loader, lr=3e-3)
     start, loaded = 0, None
     if opts.resume:  # a checkpoint of --save-steps N is a folder named state-N

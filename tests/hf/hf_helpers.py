@@ -4,6 +4,7 @@ launches and their results; accelerate's FSDP on CPU (`fsdp_on_cpu`)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import random
@@ -68,8 +69,9 @@ def tiny_llama(seed: int = 0, **overrides: Any):
     return LlamaForCausalLM(config)
 
 
-def zenflow_args(output_dir: Path | str, **overrides: Any):
-    """ZenFlowTrainingArguments for a fast, deterministic CPU run (per-step logging, no checkpoints)."""
+def zenflow_args(output_dir: Path | str, rules: dict[str, Any] | None = None, **overrides: Any):
+    """ZenFlowTrainingArguments for a fast, deterministic CPU run (per-step logging, no checkpoints). `rules`: engine
+    rules (`EngineRules`, no flags) the run's config changes with `ZenFlowConfig.with_rules`."""
     from hf_zenflow.hf.training_args import ZenFlowTrainingArguments
 
     values: dict[str, Any] = dict(
@@ -80,7 +82,15 @@ def zenflow_args(output_dir: Path | str, **overrides: Any):
         zenflow_min_offload_numel=0,  # the tiny model's matrices are all below the default: split them all
     )
     values.update(overrides)
-    return ZenFlowTrainingArguments(**values)
+    args = ZenFlowTrainingArguments(**values)
+    if rules:  # (a partial of a module's function: the Trainer pickles its arguments with the model)
+        args.zenflow_config = functools.partial(_config_with_rules, args, rules)
+    return args
+
+
+def _config_with_rules(args: Any, rules: dict[str, Any], **changes: Any):
+    """The config `args`' flags describe, with the engine `rules`."""
+    return type(args).zenflow_config(args, **changes).with_rules(**rules)
 
 
 def logged(trainer, key: str = "loss") -> list[float]:

@@ -120,10 +120,10 @@ def test_train_accelerate_under_accelerate_launch(tmp_path):
               "--num_cpu_threads_per_process", "1", str(EXAMPLES / "train_accelerate.py")]
     common = ["--max_steps", "8", "--num_train_samples", "64", "--seq_len", "32", "--hidden_size", "32",
               "--log_every", "4"]
-    # (HF_ZENFLOW_MIN_OFFLOAD_NUMEL=0: the tiny model is offloaded; with nothing offloaded no worker would start;
-    # HF_ZENFLOW_HIGH_LR_RULE=off: windows of 4 at the example's lr 3e-3, so that step 6 is mid-window)
+    # (HF_ZENFLOW_MIN_OFFLOAD_NUMEL=0: the tiny model is offloaded; with nothing offloaded no worker would start; the
+    # example's lr 1e-3 x 4 stays under the high-lr rule's threshold: windows of 4, so that step 6 is mid-window)
     env = example_env(HF_ZENFLOW_CPU_THREADS="2", HF_ZENFLOW_UPDATE_INTERVAL="4", HF_ZENFLOW_OVERLAP_STEP="true",
-                      HF_ZENFLOW_MIN_OFFLOAD_NUMEL="0", HF_ZENFLOW_HIGH_LR_RULE="off")
+                      HF_ZENFLOW_MIN_OFFLOAD_NUMEL="0")
     full = tmp_path / "full"
     proc = run([*launch, *common, "--output_dir", str(full), "--save_state_steps", "6"], env, cwd=tmp_path)
     assert f"wrote the model and train_log.json to {full.resolve()}" in proc.stdout
@@ -199,7 +199,7 @@ def test_notebook_outputs_are_git_ignored():
 @pytest.mark.parametrize("flags, named", [
     (["--zenflow_topk_ratio", "2"], "--zenflow_topk_ratio=2.0 is invalid: allowed is a float in [0, 1]"),
     (["--zenflow_select_strategy=nope"], "--zenflow_select_strategy='nope' is invalid"),
-    (["--zenflow_update_interval", "2", "--zenflow_writeback_lag", "3"], "--zenflow_writeback_lag=3 is invalid"),
+    (["--zenflow_select_interval", "3"], "--zenflow_select_interval=3 is invalid with select_strategy"),
 ])
 def test_train_trainer_refuses_a_bad_zenflow_flag_before_importing_torch(flags, named, tmp_path):
     """Regression: `train_trainer.py --zenflow_topk_ratio 2` ended in a traceback after transformers was imported;

@@ -96,7 +96,8 @@ def test_a_high_learning_rate_fine_tune_with_the_defaults(tmp_path, text):
     ref.train()
     zen = zenflow_run(tmp_path, finetune, model=copy.deepcopy(base))
     cfg = zen.zenflow_optimizer.config
-    assert (cfg.topk_ratio, cfg.update_interval, cfg.overlap_step, cfg.host_lr_scale) == (0.1, 4, True, "auto")
+    assert (cfg.topk_ratio, cfg.update_interval, cfg.overlap_step, cfg.host_step) == (0.1, 4, True, "auto")
+    assert cfg.rules.host_lr_scale == "auto"
     assert 1.0 <= zen.zenflow_optimizer.stats()["host_lr_scale"] < 2.0
     ref_loss = ref.evaluate(held_out)["eval_loss"]
     zen_loss = zen.evaluate(held_out)["eval_loss"]
@@ -110,8 +111,9 @@ def test_a_high_learning_rate_fine_tune_with_the_defaults(tmp_path, text):
 def test_the_defaults_fine_tune_closer_to_adamw_torch_than_one_step_per_window(tmp_path, text):
     """At a fine-tuning learning rate (3e-4) the defaults (``host_lr_scale="auto"``: 5/3 there, the multiplier
     whose host step reaches its cap 5e-4, ``writeback_lag="auto"``)
-    end within 0.3% of adamw_torch's held-out loss, where ZenFlow's own rule (1.0, written back at the next window
-    boundary) is 0.4-0.5% above it (`git show 186c27e:BENCHMARKS.md` §4b: -0.20 and +0.45 %)."""
+    end within 0.3% of adamw_torch's held-out loss, where ZenFlow's own rule (``host_step="zenflow"``: 1.0, written
+    back at the next window boundary) is 0.4-0.5% above it (`git show 186c27e:BENCHMARKS.md` §4b: -0.20 and
+    +0.45 %)."""
     base, finetune, held_out = _pretrained_tiny_llama(tmp_path, text)
     lr = dict(learning_rate=3e-4)
     ref = Trainer(model=copy.deepcopy(base), args=zenflow_args(tmp_path / "ref", zenflow=False, **lr),
@@ -119,11 +121,11 @@ def test_the_defaults_fine_tune_closer_to_adamw_torch_than_one_step_per_window(t
     ref.train()
     ref_loss = ref.evaluate(held_out)["eval_loss"]
     defaults = zenflow_run(tmp_path, finetune, "defaults", model=copy.deepcopy(base), **lr)
-    assert (defaults.zenflow_optimizer.config.host_lr_scale, defaults.zenflow_optimizer.config.writeback_lag) == (
-        "auto", "auto")
+    rules = defaults.zenflow_optimizer.config.rules
+    assert (rules.host_lr_scale, rules.writeback_lag) == ("auto", "auto")
     assert defaults.zenflow_optimizer.stats()["host_lr_scale"] == pytest.approx(5 / 3, rel=1e-15)  # 5e-4 / 3e-4
-    one_step = zenflow_run(tmp_path, finetune, "one_step", model=copy.deepcopy(base), zenflow_host_lr_scale=1.0,
-                           zenflow_writeback_lag=None, **lr)
+    one_step = zenflow_run(tmp_path, finetune, "one_step", model=copy.deepcopy(base), zenflow_host_step="zenflow",
+                           **lr)
     defaults_gap = abs(defaults.evaluate(held_out)["eval_loss"] - ref_loss) / ref_loss
     one_step_gap = abs(one_step.evaluate(held_out)["eval_loss"] - ref_loss) / ref_loss
     assert defaults_gap <= 0.003 < 0.004 <= one_step_gap, (defaults_gap, one_step_gap)
@@ -253,7 +255,8 @@ def test_activation_checkpointing_gives_the_same_run(tmp_path, train_dataset):
 
 def test_telemetry_in_logs_and_model_card(tmp_path, train_dataset):
     # (high_lr_rule="off": the configured windows of 4 at the helpers' lr 3e-3, which the rule would shorten to 1)
-    trainer = zenflow_run(tmp_path, train_dataset, max_steps=8, logging_steps=4, zenflow_high_lr_rule="off")
+    trainer = zenflow_run(tmp_path, train_dataset, max_steps=8, logging_steps=4,
+                          rules={"high_lr_rule": "off"})
     step_logs = [e for e in trainer.state.log_history if "loss" in e]
     assert len(step_logs) == 2
     for entry in step_logs:
@@ -291,7 +294,7 @@ def test_each_log_carries_the_essentials_and_what_changed(tmp_path, train_datase
     4 steps); the end-of-training summary carries every figure."""
     from hf_zenflow.hf.trainer_telemetry import LAST_STATS, MEAN_STATS, WHEN_CHANGED
 
-    trainer = zenflow_run(tmp_path, train_dataset, max_steps=12, logging_steps=1, zenflow_high_lr_rule="off",
+    trainer = zenflow_run(tmp_path, train_dataset, max_steps=12, logging_steps=1, rules={"high_lr_rule": "off"},
                           zenflow_select_strategy="step", zenflow_select_interval=4)
     step_logs = [e for e in trainer.state.log_history if "loss" in e]
     zenflow_keys = [{k for k in e if k.startswith("zenflow/")} for e in step_logs]
@@ -323,7 +326,7 @@ def test_high_lr_rule_in_logs_and_model_card(tmp_path, train_dataset):
     trainer.save_model()
     card = (tmp_path / "zenflow" / "README.md").read_text()
     assert '| high_lr_rule="auto": window steps (0 = not engaged) | 1 |' in card
-    assert "| host AdamW beta1 | 0.4" in card and "| `high_lr_rule` | auto |" in card
+    assert "| host AdamW beta1 | 0.4" in card and "| `host_step` | auto |" in card
 
 
 def test_checkpoint_writes_model_card_and_drains(tmp_path, train_dataset, monkeypatch):

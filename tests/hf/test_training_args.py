@@ -89,19 +89,17 @@ def test_bad_select_strategy_is_rejected_by_argparse():
 def test_to_dict_and_json_round_trip():
     args = make(zenflow_topk_ratio=0.2, zenflow_update_interval="auto", zenflow_overlap_step=False,
                 zenflow_cpu_threads=3, zenflow_select_strategy="step", zenflow_select_interval="7",
-                zenflow_host_lr_scale="interval", zenflow_min_offload_numel=4096, zenflow_host_state="lean",
+                zenflow_host_step="zenflow", zenflow_min_offload_numel=4096, zenflow_host_state="lean",
                 zenflow_layout="row")
     as_dict = args.to_dict()
     assert {k: v for k, v in as_dict.items() if k.startswith("zenflow")} == {
         "zenflow": True, "zenflow_topk_ratio": 0.2, "zenflow_update_interval": "auto",
         "zenflow_select_strategy": "step", "zenflow_select_interval": 7, "zenflow_full_warm_up_rounds": 0,
-        "zenflow_overlap_step": False, "zenflow_cpu_threads": 3, "zenflow_host_lr_scale": "interval",
+        "zenflow_overlap_step": False, "zenflow_cpu_threads": 3, "zenflow_host_step": "zenflow",
         "zenflow_min_offload_numel": 4096, "zenflow_host_state": "lean", "zenflow_layout": "row",
         "zenflow_auto_ratio": 0.99, "zenflow_from_deepspeed": None,
         "zenflow_resume_without_optimizer": False,
-        "zenflow_writeback_lag": "auto",
-        "zenflow_device_memory_limit_bytes": None, "zenflow_high_lr_rule": "auto",
-        "zenflow_host_step_guard": "auto",
+        "zenflow_device_memory_limit_bytes": None,
     }
     restored = ZenFlowTrainingArguments(**{**json.loads(args.to_json_string()), "hub_token": None})
     assert restored.zenflow_config() == args.zenflow_config()

@@ -291,8 +291,8 @@ def test_state_dict_is_weights_only_safe_and_accepts_any_device_tensors():
 
 def test_bf16_weights_are_the_rounded_fp32_master():
     model = make_model(dtype=torch.bfloat16)
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=3, select_strategy="step",
-                       select_interval=5, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=3, select_strategy="step",
+                        select_interval=5, min_offload_numel=0)
     train(model, opt, batches(23))
     opt.flush()
     for p in model.parameters():
@@ -312,7 +312,7 @@ def test_clip_grad_norm_returns_torch_value(dtype):
     logits = model(x).float()
     torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)).backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    opt = ZenFlowAdamW(model.parameters(), lr=LR, min_offload_numel=0)
+    opt = zenflow_adamw(model.parameters(), lr=LR, min_offload_numel=0)
     sync = SyncOffloadAdamW(model.parameters(), lr=LR)
     ours, ours_sync = opt.clip_grad_norm_(0.1), sync.clip_grad_norm_(0.1)
     theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
@@ -369,7 +369,7 @@ def test_non_finite_gradient_skips_the_whole_step():
 
 def test_skipped_step_leaves_weights_and_state_untouched():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
     train(model, opt, batches(5))
     opt.synchronize()
     before_w = copy.deepcopy(model.state_dict())
@@ -403,7 +403,7 @@ def test_worker_failure_is_raised_in_the_caller(monkeypatch):
 
     monkeypatch.setattr(window_close, "host_adamw_window", broken)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
     start = time.monotonic()
     with pytest.raises(HostWorkerError, match="injected host failure"):
         train(model, opt, batches(10))
@@ -419,15 +419,15 @@ def test_inline_failure_raises_at_once(monkeypatch):
 
     monkeypatch.setattr(window_close, "host_adamw_window", lambda groups, *last: 1 / 0)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
-                       min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
+                        min_offload_numel=0)
     with pytest.raises(HostWorkerError, match="ZeroDivisionError"):
         train(model, opt, batches(2))
 
 
 def test_eval_drains_and_close_stops_the_worker():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
     train(model, opt, batches(4))
     opt.eval()
     worker = opt.host_windows.worker
@@ -441,8 +441,8 @@ def test_eval_drains_and_close_stops_the_worker():
 
 def test_reselection_follows_changing_importance():
     lin = torch.nn.Linear(20, 4, bias=False)
-    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
-                       select_interval=4, min_offload_numel=0)
+    opt = zenflow_adamw([lin.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                        select_interval=4, min_offload_numel=0)
     for t in range(8):
         hot = 3 if t < 4 else 17
         lin.weight.grad = torch.zeros_like(lin.weight)
@@ -521,7 +521,7 @@ def test_host_memory_is_sixteen_bytes_per_offloaded_element_plus_the_write_back_
 
 def test_steps_consume_offloaded_gradients_only():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, min_offload_numel=0)
     train(model, opt, batches(1))  # zero_grad already ran; do one more backward by hand
     x, y = (t.to(DEVICE) for t in batches(1)[0])
     logits = model(x)
@@ -588,7 +588,7 @@ def test_selected_grad_share_is_the_chosen_columns_share_of_the_gradient_at_each
 
 def test_small_matrices_stay_on_the_device():
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=1500)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=1500)
     train(model, opt, batches(2))
     split = {name for name, p in model.named_parameters() if p in opt.engine_state.splits}
     assert split == {"up.weight", "down.weight"}  # the 24x40 embedding (960 elements) is below the threshold
@@ -602,8 +602,8 @@ def test_cpu_write_back_swaps_in_the_workers_buffer():
     if DEVICE.type != "cpu":
         pytest.skip("the swap is the CPU-device write-back")
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=False,
-                       min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=False,
+                        min_offload_numel=0)
     weight, stride = model.up.weight, model.up.weight.stride()
     data = batches(6)
     train(model, opt, data[:1], clip=1.0)
@@ -618,8 +618,8 @@ def test_cpu_write_back_swaps_in_the_workers_buffer():
 
 def _auto_windows(clip: float | None) -> tuple[list[int], list[torch.Tensor]]:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval="auto", select_strategy="step",
-                       select_interval=1000, host_executor="inline", min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval="auto", select_strategy="step",
+                        select_interval=1000, host_executor="inline", min_offload_numel=0)
     intervals: list[int] = []
 
     def record(_: int) -> None:
@@ -653,8 +653,8 @@ def test_no_selection_from_an_all_zero_gradient():
     """Regression (issue 10.3): a matrix whose first gradient is exactly zero (LoRA's lora_A while lora_B is zero)
     had its device columns chosen from that gradient (arbitrarily) and kept them until the next re-selection."""
     lin = torch.nn.Linear(20, 4, bias=False)
-    opt = ZenFlowAdamW([lin.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
-                       select_interval=1000, min_offload_numel=0)
+    opt = zenflow_adamw([lin.weight], lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                        select_interval=1000, min_offload_numel=0)
     hot = [7, 13]
     for t in range(6):
         lin.weight.grad = torch.zeros_like(lin.weight)
@@ -677,7 +677,7 @@ def test_fp32_parameters_are_their_own_master(dtype):
     self-copy of every fp32 1-D parameter per step, its master counted twice in the device bytes and saved in every
     checkpoint."""
     model = make_model(dtype=dtype)
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=1.0, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=1.0, min_offload_numel=0)
     train(model, opt, batches(2))
     state = roundtrip(opt.state_dict())
     dense = [entry for entry in state["state"].values() if entry["kind"] == "dense"]
@@ -700,7 +700,7 @@ def test_weights_changed_from_outside_are_picked_up(dtype):
     """Regression (issue 10.13): after `model.load_state_dict` (the Trainer's load_best_model_at_end) the fp32
     masters kept the old values, and the next write-back overwrote the loaded weights with stale host results."""
     model = make_model(dtype=dtype)
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
     data = batches(12)
     train(model, opt, data[:3])
     best = copy.deepcopy(model.state_dict())
@@ -742,8 +742,8 @@ def test_an_ordinary_step_syncs_once_after_launching_the_device_update(monkeypat
     import hf_zenflow.engine.device_step as device_module
 
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
-                       select_interval=100, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, select_strategy="step",
+                        select_interval=100, min_offload_numel=0)
     train(model, opt, batches(3), clip=1.0)  # past the first selection
     events: list[str] = []
     caller = threading.current_thread()
@@ -786,7 +786,7 @@ def test_flush_and_checkpoint_after_close_work():
     results = []
     for close_first in (False, True):
         model = make_model()
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
+        opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=4, min_offload_numel=0)
         train(model, opt, batches(6))  # mid-window, a write-back pending
         if close_first:
             opt.close()
@@ -806,14 +806,14 @@ def test_flush_and_checkpoint_after_close_work():
 def test_non_dense_parameter_is_refused_at_construction_naming_its_strides(make):
     p = torch.nn.Parameter(make())  # (nn.Parameter keeps the view's strides: a parameter with gaps in memory)
     with pytest.raises(ValueError, match=r"w.*strides"):
-        ZenFlowAdamW([("w", p)], lr=LR, min_offload_numel=0)
+        zenflow_adamw([("w", p)], lr=LR, min_offload_numel=0)
 
 
 def test_dense_permuted_parameter_is_accepted_and_equals_adamw():
     # a dense but permuted 3-D layout (no gaps): the gradient gets the parameter's strides, the update is exact
     base = torch.randn(4, 8, 16).permute(2, 0, 1)
     p, q = torch.nn.Parameter(base.clone()), torch.nn.Parameter(base.clone())
-    opt, ref = ZenFlowAdamW([p], lr=LR, min_offload_numel=0, topk_ratio=0.25), torch.optim.AdamW([q], lr=LR)
+    opt, ref = zenflow_adamw([p], lr=LR, min_offload_numel=0, topk_ratio=0.25), torch.optim.AdamW([q], lr=LR)
     for step in range(6):
         g = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
         for t, o in ((p, opt), (q, ref)):
@@ -827,13 +827,13 @@ def test_dense_permuted_parameter_is_accepted_and_equals_adamw():
 def test_duplicate_parameter_in_one_list_is_refused():
     p = torch.nn.Parameter(torch.randn(8, 8))
     with pytest.raises(ValueError, match="more than once"):
-        ZenFlowAdamW([p, p], lr=LR)
+        zenflow_adamw([p, p], lr=LR)
 
 
 def test_float64_parameter_is_refused_naming_the_dtype():
     p = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="float64"):
-        ZenFlowAdamW([("w", p)], lr=LR)
+        zenflow_adamw([("w", p)], lr=LR)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
@@ -841,7 +841,7 @@ def test_copy_and_pickle_are_refused_at_copy_time(how):
     import pickle
 
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, min_offload_numel=0)
     with pytest.raises(TypeError, match="state_dict"):
         copy.deepcopy(opt) if how == "deepcopy" else pickle.dumps(opt)
     opt.close()

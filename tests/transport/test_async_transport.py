@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_zenflow.transport as transport_package
-from hf_zenflow import SyncOffloadAdamW, ZenFlowAdamW
+from hf_zenflow import SyncOffloadAdamW
 from hf_zenflow.transport import CudaTransport
 from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
 from tests.conftest import (
@@ -106,8 +106,8 @@ def test_async_copies_give_the_cpu_device_bits(async_device, dtype, monkeypatch)
     for factory in (lambda device: CpuDeviceTransport(), make_async):
         monkeypatch.setattr("hf_zenflow.transport.transport_for", factory)
         model = make_model(dtype=dtype)
-        opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=3, select_strategy="step",
-                           select_interval=5, min_offload_numel=0)
+        opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=3, select_strategy="step",
+                            select_interval=5, min_offload_numel=0)
         losses = train_accumulating(model, opt, data, 2, 1.0, linear_schedule(opt, len(data) // 2))
         opt.flush()
         results.append((losses, [p.detach().clone() for p in model.parameters()]))
@@ -127,7 +127,7 @@ def test_hooks_of_two_devices_at_once_give_the_sequential_bits(async_device, mon
     for factory, concurrent in ((lambda device: CpuDeviceTransport(), False), (make_async, True)):
         monkeypatch.setattr("hf_zenflow.transport.transport_for", factory)
         model = TwoHalves()
-        opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2, min_offload_numel=0)
+        opt = zenflow_adamw(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2, min_offload_numel=0)
         for step in range(12):
             losses = model.losses(torch.full((8, 32), 0.1 * step) + torch.arange(32) / 32)
             if concurrent:
@@ -157,8 +157,8 @@ def test_a_sequential_step_waits_for_the_device_once(monkeypatch):
 
     monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
-                       select_strategy="step", select_interval=100, min_offload_numel=0)
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=1, overlap_step=False,
+                        select_strategy="step", select_interval=100, min_offload_numel=0)
     train(model, opt, batches(3), clip=1.0)  # past the first selection: ordinary steps from now on
     (backend,) = backends
     reads: list[str] = []
@@ -201,8 +201,8 @@ def test_the_write_back_copies_device_time_is_counted_as_a_device_wait(async_dev
     from hf_zenflow.engine.telemetry import device_wait_ms
 
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
-                       select_interval=100, min_offload_numel=0, writeback_lag=1, high_lr_rule="off")
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                        select_interval=100, min_offload_numel=0, writeback_lag=1, high_lr_rule="off")
     measured: list[float] = []
     waits: list[tuple[float, float]] = []
     for x, y in batches(12):
@@ -224,8 +224,8 @@ def test_a_caller_that_waits_for_the_device_sees_the_write_back_in_its_own_step(
     """`hf-zenflow compare` synchronises after `step()`: then `stats()` counts each write-back in the step that made
     it, and only there."""
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
-                       select_interval=100, min_offload_numel=0, writeback_lag=1, high_lr_rule="off")
+    opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.1, update_interval=2, select_strategy="step",
+                        select_interval=100, min_offload_numel=0, writeback_lag=1, high_lr_rule="off")
     seen = []
     for x, y in batches(10):
         logits = model(x)

@@ -99,33 +99,28 @@ def test_a_diverged_trial_is_never_recommended() -> None:
 def test_default_grid_covers_the_issue_grid_default_first() -> None:
     grid = default_grid()
     default = library_default_setting()
-    assert grid[0] == default
+    assert grid[0] == default == TrialSetting(0.1, 4, "auto")
     assert len(set(grid)) == len(grid)
-    combos = {(r, u, 1.0 if u == 1 else s, default.writeback_lag) for r, u, s in
-              itertools.product((0.05, 0.1, 0.2), (1, 2, 4, 8, "auto"), (1.0, "interval"))}
-    # the writeback_lag axis: at the default ratio and host_lr_scale ("auto"), windows longer than one step
-    lags = {(default.topk_ratio, u, default.host_lr_scale, lag)
-            for u in (2, 4, 8, "auto") for lag in (1, "auto", None)}
-    assert {(s.topk_ratio, s.update_interval, s.host_lr_scale, s.writeback_lag) for s in grid} == combos | lags
-    assert len(grid) == 39  # U=1 takes one scale: 3 x (1 + 4 x 2), and 4 windows x 3 lags at the default scale
+    combos = {(r, u, "auto" if u == 1 else step) for r, u, step in
+              itertools.product((0.05, 0.1, 0.2), (1, 2, 4, 8, "auto"), ("auto", "zenflow"))}
+    assert {(s.topk_ratio, s.update_interval, s.host_step) for s in grid} == combos
+    assert len(grid) == 27  # U=1 takes one host step: 3 x (1 + 4 x 2)
     for s in grid:  # every point is a valid configuration
         assert isinstance(s.config(), ZenFlowConfig)
-    # the budget trims from the end: the lag sweep (default window first) comes before the other ratios
-    lag_at = [i for i, s in enumerate(grid) if s.writeback_lag != default.writeback_lag]
+    # the budget trims from the end: the default ratio's sweep comes before the other ratios
     other_ratios = [i for i, s in enumerate(grid) if s.topk_ratio != default.topk_ratio]
-    assert grid[lag_at[0]].update_interval == default.update_interval and max(lag_at) < min(other_ratios)
+    assert min(other_ratios) == 9
 
 
-def test_grid_lags_are_only_tried_where_the_window_is_longer_than_a_step() -> None:
-    grid = default_grid(topk=(0.1,), intervals=(1, 4), scales=(1.0,), lags=(1, None))
-    assert [(s.update_interval, s.host_lr_scale, s.writeback_lag) for s in grid] == [
-        (4, library_default_setting().host_lr_scale, "auto"),  # the library default
-        (1, 1.0, "auto"), (4, 1.0, "auto"),
-        (4, library_default_setting().host_lr_scale, 1), (4, library_default_setting().host_lr_scale, None)]
+def test_one_step_windows_take_one_host_step() -> None:
+    grid = default_grid(topk=(0.1,), intervals=(1, 4), host_steps=("zenflow",))
+    assert [(s.update_interval, s.host_step) for s in grid] == [
+        (4, "auto"),  # the library default
+        (1, "auto"), (4, "zenflow")]
 
 
-@pytest.mark.parametrize("setting", [TrialSetting(0.2, "auto", "interval"), TrialSetting(0.1, 4, 1.0, None),
-                                     TrialSetting(0.05, 8, "auto", 2)])
+@pytest.mark.parametrize("setting", [TrialSetting(0.2, "auto", "zenflow"), TrialSetting(0.1, 4),
+                                     TrialSetting(0.05, 8, "auto")])
 def test_setting_flags_give_its_config_through_the_trainer(setting) -> None:
     from transformers import HfArgumentParser
 
@@ -139,15 +134,12 @@ def test_setting_flags_give_its_config_through_the_trainer(setting) -> None:
 
 
 def test_setting_renders_valid_training_arguments_and_flags() -> None:
-    s = TrialSetting(0.2, "auto", "interval")
+    s = TrialSetting(0.2, "auto", "zenflow")
     assert s.training_arguments_code() == ("ZenFlowTrainingArguments(output_dir=..., zenflow_topk_ratio=0.2, "
-                                           "zenflow_update_interval='auto', zenflow_host_lr_scale='interval', "
-                                           "zenflow_writeback_lag='auto')")
-    assert s.cli_flags() == ("--zenflow_topk_ratio 0.2 --zenflow_update_interval auto --zenflow_host_lr_scale "
-                             "interval --zenflow_writeback_lag auto")
-    assert s.label == "r=0.2 U=auto lrxU"
-    assert TrialSetting(0.1, 4, 1.0, None).label == "r=0.1 U=4 lrx1 lag=U"
-    assert TrialSetting(0.1, 4, "auto", 1).label == "r=0.1 U=4 lrxauto lag=1"
+                                           "zenflow_update_interval='auto', zenflow_host_step='zenflow')")
+    assert s.cli_flags() == "--zenflow_topk_ratio 0.2 --zenflow_update_interval auto --zenflow_host_step zenflow"
+    assert s.label == "r=0.2 U=auto zenflow"
+    assert TrialSetting(0.1, 4).label == "r=0.1 U=4"
 
 
 def test_paired_interval_is_the_t_interval() -> None:
@@ -182,14 +174,13 @@ missing = [pip for module, pip in ASSETS.items() if importlib.util.find_spec(mod
 def test_tune_tiny_run_writes_table_plot_and_a_valid_recommendation(tmp_path: Path) -> None:
     out = tmp_path / "tune"
     rc = main(["tune", "--steps", "3", "--train-size", "12", "--eval-size", "8", "--batch-size", "4",
-               "--eval-batch-size", "8", "--topk", "0.1", "--intervals", "1", "2", "--scales", "1",
-               "--lags", "none", "--budget-minutes", "10", "--no-progress", "--output-dir", str(out)])
+               "--eval-batch-size", "8", "--topk", "0.1", "--intervals", "1", "2", "--host-steps", "zenflow",
+               "--budget-minutes", "10", "--no-progress", "--output-dir", str(out)])
     assert rc == 0
     payload = json.loads((out / "tune.json").read_text())
     assert payload["reference"]["optimizer"] == "adamw_torch"
     labels = [t["label"] for t in payload["trials"]]
-    lag_point = TrialSetting(0.1, 2, library_default_setting().host_lr_scale, None)
-    assert labels == ["r=0.1 U=1 lrx1", "r=0.1 U=2 lrx1", lag_point.label]
+    assert labels == ["r=0.1 U=1", "r=0.1 U=2 zenflow"]
     points = [(float("nan") if t["diverged"] else t["quality_loss_pct"], t["modelled_speedup"])
               for t in payload["trials"]]
     assert [i for i, t in enumerate(payload["trials"]) if t["pareto"]] == pareto_front(points)
