@@ -21,7 +21,7 @@ from hf_zenflow.estimate.fits import FIT_SCHEDULES
 from hf_zenflow.estimate.memory import HOST_STATE_RULES
 from hf_zenflow.settings.config import REMOVED_SETTINGS
 from hf_zenflow.transport import CopyTransport
-from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train
+from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train, zenflow_adamw, zenflow_config
 
 
 #: The six former settings, now the rules `host_state` stands for.
@@ -75,7 +75,7 @@ def test_the_rules_are_checked_with_their_own_names():
 
 def _run(config: ZenFlowConfig, steps: int = 10) -> tuple[torch.nn.Module, ZenFlowAdamW, dict]:
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, config=config.replace(**SPLIT))
+    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, config=zenflow_config(config, **SPLIT))
     train(model, opt, batches(steps))
     opt.flush()
     stats = opt.stats()
@@ -123,7 +123,7 @@ def test_the_rules_are_no_keywords(name):
 def test_a_checkpoint_whose_settings_name_them_is_refused_naming_them():
     assert set(HOST_STATE_NAMES) <= set(REMOVED_SETTINGS)
     model = make_model()
-    opt = ZenFlowAdamW(param_groups(model), lr=1e-2, **SPLIT)
+    opt = zenflow_adamw(param_groups(model), lr=1e-2, **SPLIT)
     train(model, opt, batches(2))
     saved = roundtrip(opt.state_dict())
     old = dict(saved["zenflow"]["config"])
