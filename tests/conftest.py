@@ -17,7 +17,7 @@ import torch
 from deprecation_guard import no_deprecated_calls_from_our_code
 
 from hf_zenflow import ZenFlowAdamW, ZenFlowConfig
-from hf_zenflow.settings.rules import EngineRules
+from hf_zenflow.settings.rules import split_rules
 
 
 class TinyNet(torch.nn.Module):
@@ -44,8 +44,8 @@ FP32_MOMENTS = {"host_state": "fp32"}
 def zenflow_config(config: ZenFlowConfig | None = None, **values: Any) -> ZenFlowConfig:
     """`config` (default: `ZenFlowConfig()`) with `values` applied: the settings among them as settings, the engine
     rules (`EngineRules`) through `with_rules`, so that a test names what it fixes in one place."""
-    rules = {k: values.pop(k) for k in list(values) if k in EngineRules.names()}
-    return (config if config is not None else ZenFlowConfig()).replace(**values).with_rules(**rules)
+    settings, rules = split_rules(values)
+    return (config if config is not None else ZenFlowConfig()).replace(**settings).with_rules(**rules)
 
 
 def zenflow_adamw(params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

@@ -6,11 +6,11 @@ flag, environment variable or Trainer field reaches them. Tests and studies that
 on a config with `ZenFlowConfig.with_rules`, which validates the change like a setting and keeps it in the config's
 `to_dict()`, so a checkpoint of such a run resumes under the same rules.
 
-`ZenFlowConfig.host_state` chooses the host state's rules (`host_state_rules`: where windows are summed, the
-moments' and sums' precision, the write-back, the freeing of gradients), `ZenFlowConfig.host_step` the rules of the
-host step (`HOST_STEP_RULES`): ``"auto"`` the project's measured
-ones (`host_lr_scale`, `high_lr_rule`, `host_step_guard` and `writeback_lag` all ``"auto"``), ``"zenflow"`` ZenFlow's
-and DeepSpeed's schedule (one AdamW step per window at the configured lr, written back at the next window boundary).
+`ZenFlowConfig.host_state` chooses the host state's rules (`host_state_rules`: where windows are summed, the moments'
+and sums' precision, the write-back, the freeing of gradients), `ZenFlowConfig.host_step` the rules of the host step
+(`HOST_STEP_RULES`): ``"auto"`` the project's measured ones (`host_lr_scale`, `high_lr_rule`, `host_step_guard` and
+`writeback_lag` all ``"auto"``), ``"zenflow"`` ZenFlow's and DeepSpeed's schedule (one AdamW step per window at the
+configured lr, written back at the next window boundary).
 
 Example:
     >>> from hf_zenflow import ZenFlowConfig
@@ -152,8 +152,8 @@ def host_state_rules(host_state: str) -> dict[str, str]:
 class EngineRules:
     """The rules a `ZenFlowConfig` resolves to (`config.rules`).
 
-    Each field's default is the rule the public choices stand for (``host_step="auto"``); `ZenFlowConfig.with_rules`
-    changes one for a test or a study.
+    Each field's default is the rule the default choices stand for (``host_state="auto"``, ``host_step="auto"``);
+    `ZenFlowConfig.with_rules` changes one for a test or a study.
     """
 
     #: Zen-auto windows close after at most this many steps (`AUTO_MAX_INTERVAL`).
