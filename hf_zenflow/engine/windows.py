@@ -285,12 +285,11 @@ class HostWindows:
             # have run), and every rank creates its first host state at the same step
             self._decide(splits, shares)
         accumulate_on = self.accumulate_on
-        linked = {id(s): s.grad_dtype for s in splits}
         layout = HostLayout.of(self.config)
         ordinals = {id(p): i for i, p in enumerate(p for g in self.groups for p in g["params"])}
         for transport, group in self.by_transport(splits):
             if not self.reserved_ahead:  # (`decide_accumulation` reserved for the first step's matrices)
-                transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), linked[id(s)],
+                transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), s.grad_dtype,
                                                             accumulate_on, transport, layout, self.slots)
                                       for s in group))
             for split in group:
@@ -300,7 +299,7 @@ class HostWindows:
                 first_row = (self.param_shards.share(0, split.owner.shape[0]).start
                              if self.param_shards is not None and split.owner is not split.param else 0)
                 stream = split.random_stream(matrix_key(self.rounding_seed, ordinal), shares[id(split)], first_row)
-                split.attach_host(accumulate_on, transport, shares[id(split)], linked[id(split)], layout, stream,
+                split.attach_host(accumulate_on, transport, shares[id(split)], split.grad_dtype, layout, stream,
                                   self.slots)
 
     # ---- 2. into the window -----------------------------------------------------------------------------------------
