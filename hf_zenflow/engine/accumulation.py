@@ -11,8 +11,8 @@ with the sums kept in bf16 on the device (2 B per offloaded element). Each step'
 running sum widened, plus ``coef * grad``) and rounded to nearest bf16, so the running sum keeps bf16's 8
 significant bits (a relative error up to 2**-9 per add, which does not average out over a window: the sum's error
 grows with the window's length, see `host.accumulate_into`); no stochastic rounding. The bf16 sum crosses the link as
-it is (half the bytes of an fp32 sum) into a bf16 landing buffer on the host, and the host worker widens it exactly
-into its fp32 accumulator, the AdamW's input. Its quality against ``"device"`` (paired seeds): BENCHMARKS.md
+it is (half the bytes of an fp32 sum) into the host's bf16 accumulator, which the window's AdamW pass widens exactly
+as it reads it. Its quality against ``"device"`` (paired seeds): BENCHMARKS.md
 "Quality: low-precision host state".
 
 The device room (`available_bytes`) is read when the first step's gradients exist (forward and backward have run,
@@ -143,5 +143,4 @@ def ship_device_sums(splits: list[SplitMatrix],
         landed.events += transport.ship_window_sums(group).events
     for split in shipped:
         split.host.accum_count, split.window_count = split.window_count, 0
-        split.host.landing_full = split.host.landing is not None  # (the worker widens it: `host_adamw_window`)
     return landed

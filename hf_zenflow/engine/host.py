@@ -11,13 +11,12 @@ the accumulator itself: `HostMatrix.shares_writeback`). One moment set (DeepSpee
 widened, updated in fp32 and rounded back in the same pass (`kernels.window_adamw_bf16`, or torch's operations in
 pieces, `_adamw_narrow_moments`); ``"float32"`` keeps them in fp32 (16 B: torch's AdamW arithmetic for every element),
 ``"int8"`` in 8-bit codes with an fp32 scale per block of 256 (10.03 B; decoded, updated and encoded in the same pass:
-`quantized_moments.py`). ``accumulate_on="device_bf16"`` adds a bf16 landing buffer (+2 B) that the window's bf16 sum
-lands in; the worker widens it into the fp32 accumulator (`host_adamw_window`). ``host_sum_dtype="bfloat16"`` keeps a
-window summed on the host in a bf16 accumulator (2 B: the rule of ``"device_bf16"``, `accumulate_into`; the one-pass
-kernel widens it as it reads), and ``host_writeback="master"`` drops the write-back buffer where the write-back is a
-synchronous copy on one process (a CPU device: the master itself is copied into the weight,
-`HostMatrix.writes_back_master`): with 8-bit moments and host sums, 4 + 2.03 + 2 = 8.03 B, nothing else (`HostLayout`
-carries these rules). ``host_sum_columns="unselected"`` keeps in a host sum only the columns not on the device
+`quantized_moments.py`). ``host_sum_dtype="bfloat16"`` keeps a window summed on the host in a bf16 accumulator (2 B:
+the rule of ``"device_bf16"``, `accumulate_into`; the one-pass kernel widens it as it reads), as
+``accumulate_on="device_bf16"``'s bf16 sum lands in one; ``host_writeback="master"`` drops the write-back buffer on
+one process (the master itself is copied into the weight, `HostMatrix.writes_back_master`; on CUDA through the
+transport's pinned ring): with 8-bit moments and host sums, 4 + 2.03 + 2 = 8.03 B, nothing else (`HostLayout` carries
+these rules). ``host_sum_columns="unselected"`` keeps in a host sum only the columns not on the device
 (`HostMatrix.keep_sum_columns`; 7.83 B at topk_ratio=0.1, plus the kept columns' indices).
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
@@ -122,24 +121,23 @@ class HostLayout:
     @staticmethod
     def master_writeback_applies(transport: Transport, ranks: int) -> bool:
         """Whether ``host_writeback="master"`` applies over `transport` with the host state shared by `ranks` ranks
-        (`on_link`)."""
-        return not transport.pins_host_memory and ranks == 1
+        (`on_link`): on one rank, over every transport (a copy from the master on a CPU device; through the pinned
+        ring where copies are asynchronous, `transport.ring`)."""
+        return ranks == 1
 
     def on_link(self, transport: Transport, ranks: int) -> HostLayout:
         """The layout as it applies over `transport` with the host state shared by `ranks` ranks: the write-back
-        reads the master only where it is a synchronous copy of one rank's whole result (an asynchronous copy
-        would read the master while the worker's next pass writes it; several ranks all-gather write-back buffers
-        in the weight's dtype); elsewhere the buffer stays, said once: a warning when `with_rules` asked for the
-        master, at info level when a preset did (``host_state="lean"`` takes the smallest state that applies)."""
+        reads the master only where one rank writes back its whole result (several ranks all-gather write-back
+        buffers in the weight's dtype); elsewhere the buffer stays, said once: a warning when `with_rules` asked for
+        the master, at info level when a preset did (``host_state="lean"`` takes the smallest state that applies)."""
         if not self.writeback_from_master or self.master_writeback_applies(transport, ranks):
             return self
         global _warned_writeback
         if not _warned_writeback:
             _warned_writeback = True
             logger.log(logging.WARNING if self.writeback_asked else logging.INFO,
-                       'hf_zenflow: host_writeback="master" does not apply here (%s): the write-back buffer stays',
-                       "asynchronous copies from pinned memory" if transport.pins_host_memory
-                       else f"a host state shared by {ranks} ranks")
+                       'hf_zenflow: host_writeback="master" does not apply here (a host state shared by %d ranks): '
+                       "the write-back buffer stays", ranks)
         return replace(self, writeback_from_master=False)
 
 
@@ -277,10 +275,6 @@ class HostMatrix:
     writeback: torch.Tensor | None = None
     writeback_free: object | None = None
     writeback_fresh: bool = False
-    # accumulate_on="device_bf16": the bf16 window sum lands here (a buffer that crosses the link, 2 B/element);
-    # `landing_full` until the worker widens it into `accum` (`host_adamw_window`)
-    landing: torch.Tensor | None = None
-    landing_full: bool = False
     # host_sum_columns="unselected": `accum` keeps only the columns `sum_index` (sorted, along `sum_axis` of the
     # storage matrix: the columns not on the device); None while it keeps every column (`keep_sum_columns`)
     unselected_sums: bool = False
@@ -312,7 +306,6 @@ class HostMatrix:
         layout = moments if isinstance(moments, HostLayout) else HostLayout(moments=moments)
         moments = layout.moments
         on_device = sums_on_device(accumulate_on)
-        narrow = accumulate_on == "device_bf16"  # the sum lands in a bf16 buffer, the accumulator stays host-only
         shape = param2d.shape
         master = torch.empty(shape, dtype=torch.float32).copy_(param2d.detach())
         quantized = moments == torch.int8
@@ -324,15 +317,14 @@ class HostMatrix:
             exp_avg_sq=(QuantizedMoment.zeros(master, signed=False) if quantized
                         else torch.zeros(shape, dtype=moments)),
             step=torch.zeros((), dtype=torch.float32),
-            accum=(transport.host_buffer(shape, torch.float32) if on_device and (
-                not narrow or HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport))
-                else torch.empty(shape, dtype=sum_dtype)).zero_(),
+            # a device sum lands in the accumulator once per window, in its own dtype (bf16 with "device_bf16":
+            # the window's pass widens it as it reads, exactly)
+            accum=(transport.host_buffer(shape, torch.bfloat16 if accumulate_on == "device_bf16" else torch.float32)
+                   if on_device else torch.empty(shape, dtype=sum_dtype)).zero_(),
             grad_dtype=grad_dtype,
             unselected_sums=layout.unselected_sums and not on_device,
             stream=stream if stream is not None else RandomStream(),
         )
-        if narrow:
-            state.landing = transport.host_buffer(shape, torch.bfloat16).zero_()
         if transport.stages_gradients and not on_device:
             state.staging = [transport.host_buffer(shape, grad_dtype) for _ in range(slots)]
         if HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport):
@@ -340,9 +332,10 @@ class HostMatrix:
             # sum lands at the next close (after the write-back: `HostWindows.close_window`): the rounded master
             # goes into the same buffer, 4 B per element less
             state.writeback = state.accum.copy_(param2d.detach())
-        elif layout.writeback_from_master and not transport.pins_host_memory:
-            # host_writeback="master": no buffer; the write-back copies the master itself (`writes_back_master`),
-            # which the worker's next pass writes only after that copy (synchronous) has run
+        elif layout.writeback_from_master:
+            # host_writeback="master": no buffer; the write-back copies the master itself (`writes_back_master`:
+            # through the transport's pinned ring where copies are asynchronous), which the worker's next pass
+            # writes only after the write-back has read it
             state.writeback = state.master
         else:
             # initialised: a matrix that gets no gradient in a window is written back from it unchanged
@@ -359,7 +352,7 @@ class HostMatrix:
         device->host copy would be ordered after the write-back's host->device copy by stream order, but that is
         not tested against the asynchronous double (whose landing buffers read as NaN from the enqueue on): the
         two buffers stay separate there."""
-        return sums_on_device(accumulate_on) and param_dtype == torch.float32 and not transport.pins_host_memory
+        return accumulate_on == "device" and param_dtype == torch.float32 and not transport.pins_host_memory
 
     def add_staging(self, transport: Transport, slots: int) -> int:
         """Landing buffers up to `slots` (`grad_slots`) where the transport stages gradients (`staging`), from
@@ -384,11 +377,11 @@ class HostMatrix:
         pinned arena rounds it)."""
         numel = param2d.numel()
         shared = HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport)
-        from_master = layout is not None and layout.writeback_from_master and not transport.pins_host_memory
+        from_master = layout is not None and layout.writeback_from_master
         sizes = [] if shared or from_master else [numel * param2d.element_size()]
-        if accumulate_on == "device" or shared:  # the fp32 accumulator crosses (or is the write-back buffer)
+        if accumulate_on == "device":  # the fp32 accumulator crosses (and may be the write-back buffer)
             sizes.append(numel * 4)
-        if accumulate_on == "device_bf16":  # the bf16 sum lands in its own buffer
+        if accumulate_on == "device_bf16":  # the bf16 accumulator crosses
             sizes.append(numel * 2)
         elif not sums_on_device(accumulate_on) and transport.stages_gradients:
             sizes += [numel * torch.empty((), dtype=grad_dtype).element_size()] * slots
@@ -477,8 +470,6 @@ class HostMatrix:
         tensors = [self.master, self.accum, *self.staging]
         for moment in (self.exp_avg, self.exp_avg_sq):
             tensors += [moment.codes, moment.scales] if isinstance(moment, QuantizedMoment) else [moment]
-        if self.landing is not None:
-            tensors.append(self.landing)
         if self.sum_index is not None:
             # (8 B per kept column, 4 per column and 4 per device column: about 12 / rows B per element)
             tensors += [self.sum_index, self.sum_before, self.sum_skipped]
@@ -585,11 +576,6 @@ def host_adamw_window(groups: list[tuple[dict, list[HostMatrix]]],
         fused: list[tuple[HostMatrix, torch.Tensor | None]] = []
         plain: list[HostMatrix] = []
         for m in matrices:
-            if m.landing_full:
-                # a window summed on the device in bf16 (``accumulate_on="device_bf16"``): widened exactly into the
-                # fp32 accumulator here, on the worker, so the training thread never pays this pass
-                m.accum.copy_(m.landing)
-                m.landing_full = False
             g = pending.pop(id(m), None)
             if (g is not None or m.accum_count > 0) and _fusable(m, g):
                 fused.append((m, g))

@@ -40,13 +40,9 @@ def host_bytes_per_element(layout: HostLayout, accumulate_on: str, weight_dtype:
     hand-off slots, `host.grad_slots`, the device sums' landing buffers)."""
     if layout.writeback_from_master and not HostLayout.master_writeback_applies(transport, ranks):
         layout = HostLayout(layout.moments, layout.sums, False, layout.unselected_sums)
-    on_device = sums_on_device(accumulate_on)
-    narrow = accumulate_on == "device_bf16"
     moments = 2 * MOMENT_BYTES[_MOMENT_SETTING[layout.moments]]
-    if on_device and (not narrow or HostMatrix.shares_writeback(weight_dtype, accumulate_on, transport)):
+    if sums_on_device(accumulate_on):
         host_sum = 0.0  # (a buffer that crosses the link: in `link_bytes`)
-    elif on_device:
-        host_sum = float(FP32_BYTES)  # the fp32 accumulator the landed bf16 sum is widened into
     else:
         kept = 1.0 - device_share if layout.unselected_sums else 1.0
         host_sum = layout.sums.itemsize * kept

@@ -181,7 +181,9 @@ def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> 
     rooms = {device: available_bytes(device, config.device_memory_limit_bytes, sizes.peak)
              for device in {s.param.device for s in splits}}
     room_host = host_room()
-    fixed = sum({id(t): t.fixed_host_bytes for t in map(sizes.transport_of, splits)}.values())
+    # (each transport's once: the ring the master is written back through, where it applies)
+    fixed = sum({id(t): t.fixed_host_bytes(layout.on_link(t, sizes.shares[id(s)].ranks).writeback_from_master)
+                 for s, t in zip(splits, map(sizes.transport_of, splits))}.values())
     slots = grad_slots(planned_writeback_steps(config, int(hosted)))  # (landing buffers of host sums)
     options = []
     for place in places:

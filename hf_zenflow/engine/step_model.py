@@ -47,8 +47,6 @@ DEVICE_ACCUMULATE_TRAFFIC = 10
 #: (widen the sum: read 2, write 4; add the gradient: read 4 + 2, write 4; round: read 4, write 2).
 DEVICE_BF16_ACCUMULATOR_BYTES = 2
 DEVICE_BF16_ACCUMULATE_TRAFFIC = 22
-#: The host's widening of a landed bf16 sum into its fp32 accumulator before the window's AdamW (read 2, write 4).
-HOST_WIDEN_BYTES = 6
 #: Bytes of one device-side window sum element by where the window is summed (0: on the host).
 SUM_BYTES = {"host": 0, "device": DEVICE_ACCUMULATOR_BYTES, "device_bf16": DEVICE_BF16_ACCUMULATOR_BYTES}
 #: ZenFlow's host passes in host AdamWs of core work where they are not measured (`hf_zenflow.estimate.host_rates`
@@ -101,7 +99,7 @@ def zenflow_host_passes(update_interval: float, on_device: bool, bf16_sums: bool
     while the worker is busy with earlier ones; the write-back copy reads the bf16 buffer (2) while the worker may
     run the next window. The fp32 window sums' landing (``accumulate_on="device"``) is not counted: the host step
     waits for it (the chain in `zenflow_step`), so it overlaps no pass. With `bf16_sums`
-    (``accumulate_on="device_bf16"``) the landed bf16 sum is first widened into the fp32 accumulator.
+    (``accumulate_on="device_bf16"``) the window's AdamW pass reads the landed bf16 sum (2 B instead of 4).
 
     Example:
         >>> [(name, n, b) for name, n, _, b in zenflow_host_passes(4, on_device=True)]
@@ -111,8 +109,8 @@ def zenflow_host_passes(update_interval: float, on_device: bool, bf16_sums: bool
     state = host_state_bytes(host_moments)
     rounding = ("write-back rounding", 1.0, rounding_adamws, float(HOST_ROUNDING_BYTES))
     if on_device:
-        widen = [("bf16 sum widened", 1.0, 0.0, float(HOST_WIDEN_BYTES))] if bf16_sums else []
-        return [*widen, ("window AdamW", 1.0, window_adamws, float(FP32_BYTES + state + BF16_BYTES)), rounding]
+        landed = BF16_BYTES if bf16_sums else FP32_BYTES
+        return [("window AdamW", 1.0, window_adamws, float(landed + state + BF16_BYTES)), rounding]
     landing = grad_bytes
     passes = []
     if u > 1:
@@ -172,7 +170,7 @@ def zenflow_step(rates: Rates, compute_ms: float, device_elements: float, select
         work += count * max(core, memory)
         core_total += count * core
         memory_total += count * memory
-        if name in ("bf16 sum widened", "window AdamW", "write-back rounding"):
+        if name in ("window AdamW", "write-back rounding"):
             chain += max(core, memory)
     host = max(work, chain) / u
     step, side = _bound({"device": device, "link": link_down, "host": host})
@@ -183,5 +181,5 @@ def zenflow_step(rates: Rates, compute_ms: float, device_elements: float, select
 
 __all__ = ["ACCUMULATE_VS_ADAMW", "DEVICE_ACCUMULATE_TRAFFIC", "DEVICE_ACCUMULATOR_BYTES",
            "DEVICE_ADAMW_BYTES_PER_PARAM", "DEVICE_BF16_ACCUMULATE_TRAFFIC", "DEVICE_BF16_ACCUMULATOR_BYTES",
-           "HOST_ROUNDING_BYTES", "HOST_WIDEN_BYTES", "LINK_BYTES_PER_PARAM", "MOMENT_BYTES", "ROUNDING_VS_ADAMW",
+           "HOST_ROUNDING_BYTES", "LINK_BYTES_PER_PARAM", "MOMENT_BYTES", "ROUNDING_VS_ADAMW",
            "SUM_BYTES", "WINDOW_PASS_VS_ADAMW", "Rates", "host_state_bytes", "zenflow_host_passes", "zenflow_step"]

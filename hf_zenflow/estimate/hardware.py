@@ -143,6 +143,10 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                             "host_memory_gb": n * share * SYNC_HOST_BYTES_PER_PARAM / 1e9,
                             "host_limit": "memory" if sync_memory > sync_core else "cores"}
     layout = host_layout(host_moments, host_state)
+    # DDP's ranks share the host state and write back through buffers; one rank, or each FSDP2 rank, writes back its
+    # whole result, through the ring where the write-back reads the master
+    sharing = split.ranks if split.parallel == "ddp" else 1
+    from_master = layout["host_writeback"] == "master" and sharing == 1
     # the hand-off slots of the default write-back lag (host_step="auto") for this rank's host columns (one landing
     # buffer each)
     slots = grad_slots(lag_for_host_elements(int(n * share), int(u)))
@@ -153,8 +157,9 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                      "device_memory_gb": device_memory_gb("zenflow", n, topk_ratio, SUM_BYTES[place],
                                                           gradients_freed_in_backward, split),
                      "host_memory_gb": (n * share * zenflow_host_bytes_per_param(SUM_BYTES[place], **layout,
-                                                                                topk_ratio=topk_ratio, slots=slots)
-                                        + GPU_TRANSPORT.fixed_host_bytes) / 1e9}
+                                                                                topk_ratio=topk_ratio, slots=slots,
+                                                                                ranks=sharing)
+                                        + GPU_TRANSPORT.fixed_host_bytes(from_master)) / 1e9}
     for r in rows.values():
         r["fits_device_memory"] = r["device_memory_gb"] <= DEVICE_MEMORY_HEADROOM * profile.device_mem_gb
         r["host_memory_node_gb"] = r["host_memory_gb"] * split.ranks

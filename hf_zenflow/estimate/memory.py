@@ -12,12 +12,13 @@ bf16 model, and the limits it must fit in.
   preset's, `preset_layout`; the default's unless given), counted by the engine's own rule (`engine.host_footprint`):
   the fp32 master (4), the two moments (fp32 8, bf16 4, int8 2 plus one fp32 scale per `INT8_BLOCK` elements of each),
   the window sum where it is host memory (fp32 4, bf16 2; with ``host_sum_columns="unselected"`` only the columns not
-  on the device), and the pinned buffers that cross the link (today the bf16 write-back buffer, 2, and with the window
-  summed on the host the landing slots of the in-flight gradients, `engine.host.grad_slots` x 2: 2 slots, or
-  ``writeback_lag`` + 1 with a later write-back, `engine.writeback_lag.planned_writeback_steps`; with bf16 device sums
-  their bf16 landing buffer, 2), plus the transport's fixed pinned bytes once per rank (`Transport.fixed_host_bytes`, a
-  bounded pool); synchronous offload `SYNC_HOST_BYTES_PER_PARAM`. Every rank of a node holds its share; together they
-  must fit `HOST_MEMORY_HEADROOM` of the node's RAM.
+  on the device), and the pinned buffers that cross the link (the bf16 write-back buffer, 2, unless it is written back
+  from the master; with the window summed on the host the landing slots of the in-flight gradients,
+  `engine.host.grad_slots` x 2: 2 slots, or ``writeback_lag`` + 1 with a later write-back,
+  `engine.writeback_lag.planned_writeback_steps`; with device sums the accumulator they land in, fp32 4 or bf16 2),
+  plus the transport's fixed pinned bytes once per rank (`Transport.fixed_host_bytes`: the ring the master is
+  written back through, `transport.ring`); synchronous offload `SYNC_HOST_BYTES_PER_PARAM`. Every rank of a node
+  holds its share; together they must fit `HOST_MEMORY_HEADROOM` of the node's RAM.
 
 Example:
     >>> round(device_memory_gb("zenflow", 7e9, 0.1, gradients_freed_in_backward=False) / 7, 2)  # GB per 1e9 params
@@ -103,12 +104,12 @@ def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moment_dtype: str = DE
                                  host_sum_dtype: str = DEFAULT_HOST_STATE["host_sum_dtype"],
                                  host_sum_columns: str = DEFAULT_HOST_STATE["host_sum_columns"],
                                  host_writeback: str = DEFAULT_HOST_STATE["host_writeback"],
-                                 topk_ratio: float = 0.1, slots: int = GRAD_SLOTS) -> float:
+                                 topk_ratio: float = 0.1, slots: int = GRAD_SLOTS, ranks: int = 1) -> float:
     """ZenFlow's host memory per offloaded parameter of a bf16 model on a GPU: the engine's own count
     (`engine.host_footprint.host_bytes_per_element` over `GPU_TRANSPORT`) for device sums of `sum_bytes` per element
     (0: the window summed on the host) and the host state's settings (a `topk_ratio` share of the columns on the
     device), with `slots` hand-off slots (`engine.host.grad_slots`: one landing buffer each where the window is summed
-    on the host).
+    on the host) and the host state shared by `ranks` ranks (DDP's: they write back through buffers).
 
     Example:
         >>> zenflow_host_bytes_per_param(0), zenflow_host_bytes_per_param(4), zenflow_host_bytes_per_param(0, "int8")
@@ -120,7 +121,7 @@ def zenflow_host_bytes_per_param(sum_bytes: int = 0, host_moment_dtype: str = DE
                                         host_sum_columns=host_sum_columns, host_writeback=host_writeback)
     place = {value: key for key, value in SUM_BYTES.items()}[sum_bytes]
     return host_bytes_per_element(HostLayout.of(config), place, torch.bfloat16, torch.bfloat16, GPU_TRANSPORT,
-                                  device_share=topk_ratio, slots=slots)
+                                  ranks=ranks, device_share=topk_ratio, slots=slots)
 
 
 def llama_shape(params: float) -> tuple[float, float]:

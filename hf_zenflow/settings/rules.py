@@ -183,8 +183,9 @@ class EngineRules:
     #: Where a window's host result is written back from: "buffer" (rounded by the worker into a buffer in the
     #: weight's dtype: pinned and copied asynchronously on CUDA, swapped in as the weight's storage on a CPU device)
     #: or "master" (no buffer: the training thread copies the fp32 master into the weight, the same weights bit for
-    #: bit). "master" applies to a synchronous copy on one process (a CPU device); elsewhere the buffer stays, with a
-    #: warning when asked for by `with_rules`, logged at info level when a preset asked for it.
+    #: bit; on CUDA piece by piece through a ring of pinned chunks, `transport.ring`). "master" applies on one
+    #: process; with a host state shared by several ranks the buffer stays, with a warning when asked for by
+    #: `with_rules`, logged at info level when a preset asked for it.
     host_writeback: str = "buffer"
     #: Free each offloaded matrix's device gradient in its backward hook (the selected columns gathered on the
     #: device, the whole gradient sent to the host), with host sums on one process or FSDP2 ranks (docs/memory.md):

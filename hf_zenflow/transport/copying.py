@@ -1,6 +1,7 @@
 """`CopyTransport`: separate device and host buffers and a synchronous copy for every move, the buffers from one
-`PinnedArena` (pinned or not). `CudaTransport` (`cuda.py`) is this schedule with side streams and events; the CPU test
-suite runs the optimizer with this one to check the copying logic."""
+`PinnedArena` (pinned or not), a write-back from the fp32 master through a `PinnedRing`. `CudaTransport` (`cuda.py`)
+is this schedule with side streams and events; the CPU test suite runs the optimizer with this one to check the
+copying logic."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from .._base import by_device
 from .link import CopyEvents, HostEnd, LinkedMatrix, Transport
 from .pinned import HostRegistrar, PinnedArena
+from .ring import PinnedRing
 
 
 class CopyTransport(Transport):
@@ -23,6 +25,12 @@ class CopyTransport(Transport):
     def __init__(self, pin: bool = False, registrar: HostRegistrar | None = None) -> None:
         self.arena = PinnedArena(pin, registrar)
         self.pins_host_memory = pin
+        #: the write-back from the fp32 master crosses through this ring (its own arena: reserved at the first such
+        #: write-back, released with the transport)
+        self.ring = PinnedRing(PinnedArena(pin, registrar))
+
+    def fixed_host_bytes(self, from_master: bool) -> int:
+        return self.ring.nbytes if from_master else 0  # (the ring, taken at the first write-back from the master)
 
     def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.arena.take(shape, dtype)
@@ -65,7 +73,7 @@ class CopyTransport(Transport):
             with self._copying(device):
                 for split, total in items:
                     host = split.host
-                    self._copy(host.landing if host.landing is not None else host.accum, total)
+                    self._copy(host.accum, total)
                 event = self._landed_event(device)
             if event is not None:
                 landed.events.append(event)
@@ -75,14 +83,28 @@ class CopyTransport(Transport):
 
     @property
     def pinned_bytes(self) -> int:
-        return self.arena.pinned_bytes
+        return self.arena.pinned_bytes + self.ring.arena.pinned_bytes
+
+    def _read_event(self, device: torch.device) -> Any:
+        """An event after the copies just enqueued on `device`'s compute stream (CUDA), or None."""
+        return None
 
     def put_weights(self, split: LinkedMatrix) -> None:
+        host, weight = split.host, split.matrix(split.param)
+        if host.writes_back_master:
+            # No write-back buffer: the master is rounded piece by piece into the ring's pinned chunks on this thread,
+            # each chunk copied into its piece of the weight as below; a chunk is refilled once its copy has run.
+            # The worker's next pass may write the master as soon as this returns (every piece has been read).
+            self.ring.copy(weight, host.writeback, self._copy, lambda: self._read_event(split.param.device))
+            return
         # An asynchronous host->device copy from pinned memory on the compute stream (CUDA): the next forward pass
         # and the scatter of the device columns are ordered after it; the host thread does not wait.
-        self._copy(split.matrix(split.param), split.host.writeback)
+        self._copy(weight, host.writeback)
 
     def close(self) -> None:
+        self.ring.wait()
+        self.ring.arena.release()
+        self.ring.forget()
         self.arena.release()
 
 

@@ -112,6 +112,11 @@ class CudaTransport(CopyTransport):
         event.hf_zenflow_device = device  # (`compute_waits_for`: whose compute stream may wait for it)
         return event
 
+    def _read_event(self, device: torch.device) -> Any:
+        event = self.streams.event()
+        event.record(self.streams.current_stream(device))
+        return event
+
     def compute_waits_for(self, landed: CopyEvents) -> None:
         for event in landed.events:
             device = getattr(event, "hf_zenflow_device", None)

@@ -36,7 +36,6 @@ class HostEnd(Protocol):
     """The host end of one offloaded matrix, as the link sees it: buffers (the engine's `HostMatrix` is one)."""
 
     accum: torch.Tensor  # the window's gradient sum
-    landing: torch.Tensor | None  # where a bf16 device-side window sum lands (``accumulate_on="device_bf16"``)
     writeback: torch.Tensor | None  # the host result, rounded to the weight's dtype, for the write-back
     writeback_free: object | None  # what the next writer of `writeback` waits for (a CUDA event), or None
     writes_back_master: bool  # `writeback` is the fp32 master itself (no buffer): copied, never taken as storage
@@ -108,9 +107,11 @@ class Transport:
     stages_gradients = False
     #: whether host buffers that cross the link are pinned (asynchronous copies)
     pins_host_memory = False
-    #: host bytes the transport holds whatever the model's size (a bounded pinned pool); what grows with the model
-    #: is in each matrix's `host_buffer` requests
-    fixed_host_bytes = 0
+
+    def fixed_host_bytes(self, from_master: bool) -> int:
+        """Host bytes the transport holds whatever the model's size, when the write-back reads the fp32 master
+        (`from_master`) or not; what grows with the model is in each matrix's `host_buffer` requests. None here."""
+        return 0
 
     def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host buffer that crosses the link (pinned where copies are asynchronous)."""
@@ -135,13 +136,10 @@ class Transport:
         ``"device_bf16"``)."""
 
     def ship_window_sums(self, splits: list[LinkedMatrix]) -> CopyEvents:
-        """Move each closed window's device-side sum into its host accumulator (the worker is not reading it); a
-        bf16 sum (``accumulate_on="device_bf16"``) into its bf16 landing buffer instead, as it is."""
+        """Move each closed window's device-side sum into its host accumulator, in its own dtype (the worker is
+        not reading it)."""
         for split in splits:
             host = split.host
-            if host.landing is not None:  # (bf16 sums: swapped into the landing buffer, the worker widens them)
-                host.landing, split.window_sum = split.window_sum, host.landing
-                continue
             shared = host.writeback is host.accum  # (`HostMatrix.shares_writeback`: written back already)
             host.accum, split.window_sum = split.window_sum, host.accum
             if shared:

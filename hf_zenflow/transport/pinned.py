@@ -26,6 +26,33 @@ HOST_REGISTER_PORTABLE = 1
 #: Where this process's mapped libraries are listed (Linux).
 PROCESS_MAPS = "/proc/self/maps"
 
+#: ``madvise``'s advice that a range is not mapped into a child made by ``fork`` (Linux).
+MADV_DONTFORK = 10
+
+
+def page_size() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 4096
+
+
+def keep_from_fork(ptr: int, nbytes: int) -> bool:
+    """Mark the page-aligned range [`ptr`, `ptr` + `nbytes`) ``MADV_DONTFORK``: a child made by ``fork`` (a
+    DataLoader worker) does not get it. Without the mark, a fork makes every page of a page-locked block
+    copy-on-write, and the kernel copies the pinned pages for the child at the fork (tens of GB for a large model's
+    buffers, in the child's memory and the fork's time), or on kernels without that care hands the parent a new
+    page on its next write while the device still reads the old one. The child never reads these buffers. False
+    where the advice is not available (not Linux) or refused."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), MADV_DONTFORK) == 0
+
 
 def loaded_cudart(maps: str) -> str | None:
     """The path of the CUDA runtime library mapped into this process (torch's own, ``libcudart.so.*``), from the
@@ -120,8 +147,9 @@ class PinnedArena:
     to a power of two (an 86 MiB buffer costs 128 MiB) and pins each separately. Here each `reserve` allocates one
     ordinary host block of the exact size and page-locks it in place (`HostRegistrar`, portable to every device);
     `take` hands out aligned slices. Where the driver refuses, the block stays ordinary memory (copies to and from
-    it are then synchronous: slower, never wrong), with a warning once per arena. `release` unlocks every block:
-    `close()` and a reloaded state (which allocates new buffers) call it, so pinned memory never outlives its use.
+    it are then synchronous: slower, never wrong), with a warning once per arena. A page-locked block covers whole
+    pages of its own, marked against fork (`keep_from_fork`). `release` unlocks every block: `close()` and a reloaded
+    state (which allocates new buffers) call it, so pinned memory never outlives its use.
     """
 
     def __init__(self, pin: bool, registrar: HostRegistrar | None = None) -> None:
@@ -141,10 +169,20 @@ class PinnedArena:
         """Make room for `nbytes` (sum of `aligned` sizes) of buffers in one new block."""
         if nbytes <= 0:
             return
-        block = torch.empty(nbytes, dtype=torch.uint8)
-        if self.pin:
+        if not self.pin:
+            block = torch.empty(nbytes, dtype=torch.uint8)
+        else:
+            # whole pages of its own (the allocation's first and last pages may hold other data, which a child
+            # made by fork must keep): the block starts on a page boundary and its pages end inside the allocation
+            page = page_size()
+            spaced = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
+            start = -spaced.data_ptr() % page
+            block = spaced[start:start + nbytes]
             if self.registrar.register(block.data_ptr(), nbytes):
                 self._registered.append((block.data_ptr(), nbytes))
+                if not keep_from_fork(block.data_ptr(), (nbytes + page - 1) // page * page):
+                    logger.debug("hf_zenflow: madvise(MADV_DONTFORK) is not available: a fork copies the pinned "
+                                 "pages for its child")
             elif not self._warned:
                 self._warned = True
                 logger.warning(

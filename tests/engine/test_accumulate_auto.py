@@ -37,7 +37,7 @@ SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", selec
 FITS, TOO_SMALL = 1 << 30, "too small"
 #: Host RAM for the tiny fp32 model's host state with fp32 device sums (12 B per offloaded element on a CPU device:
 #: master, bf16 moments, the sum that is also the write-back buffer) but not with host sums (16: the sum and the
-#: write-back buffer apart) nor bf16 device sums (14: an fp32 accumulator and a bf16 landing buffer).
+#: write-back buffer apart) nor bf16 device sums (14: a bf16 accumulator and the write-back buffer apart).
 SHORT_HOST = 13 * sum(p.numel() for p in make_model().parameters() if p.ndim >= 2)
 
 

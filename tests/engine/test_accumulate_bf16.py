@@ -167,7 +167,7 @@ def test_link_bytes_per_window_are_half_and_device_bytes_two_per_element_less():
             assert extra32 == extra16, i
     assert shipped >= 3
     assert fp32[-1]["device_state_bytes"] - bf16[-1]["device_state_bytes"] == 2 * hosted
-    # the host keeps a bf16 landing buffer beside its fp32 accumulator: 2 B per element more
+    # the host's accumulator is bf16 (2 B) and no longer the fp32 write-back buffer (4 B): 2 B per element more
     assert bf16[-1]["host_state_bytes"] - fp32[-1]["host_state_bytes"] == 2 * hosted
     assert bf16[-1]["host_bytes_per_param"] == pytest.approx(fp32[-1]["host_bytes_per_param"] + 2)
 
@@ -252,8 +252,8 @@ def test_a_bf16_checkpoint_loads_under_another_accumulation_with_its_open_window
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, monkeypatch):
-    """CUDA's schedule (a bf16 sum copied into a pinned bf16 landing buffer, on a side stream, with the worker
-    waiting for its event before it widens it), with copies that land late (`tests/doubles/async_device`), gives
+    """CUDA's schedule (a bf16 sum copied into the pinned bf16 accumulator, on a side stream, with the worker
+    waiting for its event before its pass widens it), with copies that land late (`tests/doubles/async_device`), gives
     the CPU device's bits (a buffer swap). On CUDA: CUDA's own transport gives the bits of every copy synchronous
     (`CopyTransport` over pageable memory)."""
     results, backends = [], []
@@ -274,7 +274,8 @@ def test_copying_and_asynchronous_transports_give_the_cpu_device_bits(dtype, mon
         losses = train(model, opt, batches(22), linear_schedule(opt, 22), clip=1.0)
         opt.flush()
         assert opt.stats()["windows"] > 0
-        assert all(s.host.landing is not None for s in opt.engine_state.splits.values() if s.host is not None)
+        assert all(s.host.accum.dtype == torch.bfloat16
+                   for s in opt.engine_state.splits.values() if s.host is not None)
         opt.close()
         results.append((losses, [p.detach().clone() for p in model.parameters()]))
     for backend in backends:

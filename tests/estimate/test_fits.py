@@ -150,10 +150,11 @@ def test_max_params_agree_with_params_runs_at_that_size(flags: tuple[str, ...], 
     assert "### The largest model each schedule trains on `h100-80gb-pcie5`" in text
     if "--host-mem-gb" in flags:
         # 128 GB of RAM: the host limits the offloading schedules, and a smaller host state fits larger models (the
-        # defaults keep the moments in bf16)
+        # defaults keep the moments in bf16); the defaults and the lean state both reach the size where bf16 device
+        # sums, the smallest host state, no longer fit the device
         assert {largest[s]["limited_by"] for s in FIT_SCHEDULES if s != "no_offload"} == {"host memory"}
         assert (largest["zenflow_fp32"]["params"] < largest["zenflow"]["params"]
-                < largest["zenflow_lean"]["params"])
+                <= largest["zenflow_lean"]["params"])
     elif not flags:
         assert limits == {"device memory"}  # 1 TB of RAM: the device limits every schedule
 

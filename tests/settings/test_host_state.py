@@ -97,16 +97,16 @@ def test_a_preset_is_its_rules_and_the_lean_state_is_the_smallest():
 
 
 def test_the_lean_preset_keeps_the_buffer_where_the_master_cannot_be_read_without_a_warning(caplog):
-    pinned = CopyTransport()
-    pinned.pins_host_memory = True  # (what a transport with asynchronous copies from pinned memory says)
     layout = HostLayout.of(ZenFlowConfig(host_state="lean"))
     assert layout.writeback_from_master
     host_module._warned_writeback = False
     with caplog.at_level(logging.INFO, logger="hf_zenflow"):
-        assert layout.on_link(pinned, 1).writeback_from_master is False
+        assert layout.on_link(CopyTransport(), 2).writeback_from_master is False  # (ranks sharing the host state)
     said = [r for r in caplog.records if "host_writeback" in r.message]
     assert [r.levelno for r in said] == [logging.INFO]
-    assert layout.on_link(CopyTransport(), 1) == layout  # (one process, synchronous copies: the master is read)
+    pinned = CopyTransport()
+    pinned.pins_host_memory = True  # (asynchronous copies: through the pinned ring)
+    assert layout.on_link(CopyTransport(), 1) == layout == layout.on_link(pinned, 1)
 
 
 @pytest.mark.parametrize("name", HOST_STATE_NAMES)

@@ -61,7 +61,7 @@ def test_blocks_are_registered_for_every_device():
     assert cudart.calls == [("register", 4096, HOST_REGISTER_PORTABLE)]
     assert HOST_REGISTER_PORTABLE == 1  # cudaHostRegisterPortable
     assert arena.pinned_bytes == 4096 and list(cudart.pinned.values()) == [4096]
-    assert buf.untyped_storage().data_ptr() in cudart.pinned
+    assert buf.data_ptr() in cudart.pinned
     arena.release()
     assert cudart.pinned == {} and arena.pinned_bytes == 0
 

@@ -3,12 +3,17 @@ device's references and swaps, and the pinned arena carves aligned buffers."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import hf_zenflow.transport as transport_package
 from hf_zenflow.transport import ARENA_ALIGN, CopyTransport, PinnedArena
 from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
+from hf_zenflow.transport.pinned import page_size
 from tests.conftest import DEVICE, batches, linear_schedule, make_model, param_groups, train, zenflow_adamw
 
 
@@ -129,6 +134,62 @@ def test_pinned_arena_carves_aligned_buffers_from_one_block():
     assert [int(b.float().mean()) for b in buffers] == [1, 2, 3]
     arena.take((1000,), torch.float32)  # beyond the reservation: a new block of exactly its size
     assert len(arena._blocks) == 2 and arena._blocks[1].numel() == PinnedArena.aligned(4000)
+
+
+#: A child made by fork reads a pinned arena's block (`PinnedArena` with a registrar that accepts it) or an
+#: unpinned one's, and exits 0; a page it does not get kills it.
+_FORK_READ = """
+import os, signal, sys
+import torch
+from hf_zenflow.transport import PinnedArena
+
+class Accepts:
+    def register(self, ptr, nbytes): return True
+    def unregister(self, ptr): return True
+
+arena = PinnedArena(pin=sys.argv[1] == "pinned", registrar=Accepts())
+buf = arena.take((3 << 20,), torch.float32).fill_(7.0)
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if float(buf[-1]) == 7.0 else 3)
+_, status = os.waitpid(pid, 0)
+print("signal" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}", float(buf.sum()) == 7.0 * (3 << 20))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTFORK is Linux's")
+def test_a_forked_child_does_not_get_the_pinned_blocks():
+    """A DataLoader worker forked after the first step must not make the kernel copy (or share copy-on-write) the
+    page-locked buffers: a pinned block's pages are marked MADV_DONTFORK, so a child reading one dies (it never
+    does: the optimizer's buffers are the parent's), while an unpinned block is the child's as ever; the parent
+    reads both whole after the fork."""
+    def child(kind: str) -> str:
+        out = subprocess.run([sys.executable, "-c", _FORK_READ, kind], capture_output=True, text=True, timeout=120,
+                             cwd=Path(__file__).resolve().parents[2])
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert child("pinned") == ["signal", "True"]
+    assert child("pageable") == ["exit", "0", "True"]
+
+
+def test_pinned_blocks_start_on_a_page_and_own_their_pages():
+    class Accepts:
+        def register(self, ptr, nbytes):
+            return True
+
+        def unregister(self, ptr):
+            return True
+
+    arena = PinnedArena(pin=True, registrar=Accepts())
+    for nbytes in (1000, 5 * page_size() + 3):
+        arena.reserve(nbytes)
+        block = arena._blocks[-1]
+        assert block.numel() == nbytes and block.data_ptr() % page_size() == 0
+        base = block._base if block._base is not None else block
+        end = block.data_ptr() + (nbytes + page_size() - 1) // page_size() * page_size()
+        assert end <= base.data_ptr() + base.numel()  # (the marked pages are the block's own)
+    assert arena.pinned_bytes == 1000 + 5 * page_size() + 3
 
 
 def test_cuda_events_are_waited_for_by_sleeping_not_spinning(monkeypatch):

@@ -1,0 +1,91 @@
+"""`PinnedRing`: a fixed number of page-locked chunks, reused in turn, through which a host tensor of any size
+crosses the link piece by piece. The write-back from the fp32 master (``host_writeback="master"``) goes through it on
+a transport with asynchronous copies: each piece of the master is rounded into a chunk on the host and copied from
+there to the weight, so the pinned memory it needs is the ring's, whatever the model's size.
+
+Example:
+    >>> import torch
+    >>> ring = PinnedRing(PinnedArena(pin=False), chunk_bytes=1024, chunks=2)
+    >>> src, dst = torch.randn(1000), torch.empty(1000, dtype=torch.bfloat16)
+    >>> ring.copy(dst, src, lambda d, s: d.copy_(s), lambda: None)
+    >>> torch.equal(dst, src.to(torch.bfloat16))
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .pinned import PinnedArena
+
+
+#: The ring's chunks: enough of them that the host fills one while the link copies the others.
+RING_CHUNKS = 4
+#: Bytes per chunk: a copy of this size runs at the link's full rate, and a piece of the master this size is
+#: rounded in a few milliseconds.
+RING_CHUNK_BYTES = 32 << 20
+#: What the ring pins: `RING_CHUNKS` x `RING_CHUNK_BYTES`, whatever the model's size.
+RING_BYTES = RING_CHUNKS * RING_CHUNK_BYTES
+
+
+class PinnedRing:
+    """`chunks` chunks of `chunk_bytes` from `arena` (reserved at the first use, outside any backward hook), taken
+    in turn. A chunk is refilled only after the copy out of it has run: each use leaves an event (`copy`'s
+    `event_after`), which the next use of that chunk waits for on the host."""
+
+    def __init__(self, arena: PinnedArena, chunk_bytes: int = RING_CHUNK_BYTES, chunks: int = RING_CHUNKS) -> None:
+        self.arena, self.chunk_bytes, self.chunks = arena, chunk_bytes, chunks
+        self._buffers: list[torch.Tensor] = []
+        self._read: list[Any] = [None] * chunks  # per chunk: the event after the copy that last read it, or None
+        self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.chunk_bytes * self.chunks
+
+    def _chunk(self) -> tuple[int, torch.Tensor]:
+        if not self._buffers:
+            self.arena.reserve(self.nbytes)
+            self._buffers = [self.arena.take((self.chunk_bytes,), torch.uint8) for _ in range(self.chunks)]
+        index = self._next
+        self._next = (index + 1) % self.chunks
+        read = self._read[index]
+        if read is not None:
+            # Sync point (host waits on the device): the copy out of this chunk, enqueued one turn of the ring ago,
+            # must have read it before the host writes the next piece into it.
+            read.synchronize()
+            self._read[index] = None
+        return index, self._buffers[index]
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, send: Callable[[torch.Tensor, torch.Tensor], None],
+             event_after: Callable[[], Any]) -> None:
+        """``dst.copy_(src)`` for a host `src` and a device `dst` of the same shape, both contiguous, piece by piece:
+        each piece of `src` is converted to `dst`'s dtype into a chunk, and `send` (the transport's copy, asynchronous
+        on CUDA) copies the chunk into its piece of `dst`; `event_after` records an event after that copy (None where
+        copies are synchronous)."""
+        flat_dst, flat_src = dst.view(-1), src.view(-1)
+        per_chunk = max(1, self.chunk_bytes // dst.element_size())
+        for start in range(0, flat_dst.numel(), per_chunk):
+            piece = flat_dst[start:start + per_chunk]
+            index, chunk = self._chunk()
+            staged = chunk[:piece.numel() * piece.element_size()].view(piece.dtype)
+            staged.copy_(flat_src[start:start + piece.numel()])  # (rounded to the weight's dtype here, on the host)
+            send(piece, staged)
+            self._read[index] = event_after()
+
+    def wait(self) -> None:
+        """Wait until every copy out of the ring has run (before its memory is unlocked)."""
+        for index, read in enumerate(self._read):
+            if read is not None:
+                read.synchronize()
+                self._read[index] = None
+
+    def forget(self) -> None:
+        """Drop the chunks (the arena that holds them is being released); the next use reserves them again."""
+        self._buffers, self._read, self._next = [], [None] * self.chunks, 0
+
+
+__all__ = ["RING_BYTES", "RING_CHUNKS", "RING_CHUNK_BYTES", "PinnedRing"]
