@@ -101,7 +101,11 @@ def test_a_chunk_is_refilled_only_after_its_copy_has_run(monkeypatch):
     monkeypatch.setattr(PinnedRing, "copy", copy_without_waits)
     backends = []
     small_ring_transports(monkeypatch, backends)
-    _, weights, _ = run(torch.float32, steps=8, host_writeback="master")
+    try:
+        _, weights, _ = run(torch.float32, steps=8, host_writeback="master")
+        wrong = any(not torch.equal(p, q) for p, q in zip(weights, cpu_weights))
+    except RuntimeError:  # (a late copy rewrote a weight that autograd had saved for backward)
+        wrong = True
     for backend in backends:
         backend.synchronize(torch.device("cpu"))
-    assert any(not torch.equal(p, q) for p, q in zip(weights, cpu_weights))
+    assert wrong
