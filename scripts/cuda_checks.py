@@ -372,8 +372,8 @@ def pinned_link_buffers(device: torch.device) -> dict[str, Any]:
                 if host is None:
                     continue
                 buffers += [("staging", t) for t in host.staging]
-                buffers += [("writeback", host.writeback)] if host.writeback is not None else []
-                buffers += [("accum", host.accum)] if accumulate_on == "device" else []
+                buffers += [("writeback", host.writeback)] if not host.writes_back_master else []
+                buffers += [("accum", host.accum)] if accumulate_on in ("device", "device_bf16") else []
             unpinned = sorted({name for name, t in buffers if not t.is_pinned()})
             link_bytes = sum(t.numel() * t.element_size() for _, t in buffers)
             pinned_bytes = int(opt.stats()["pinned_host_bytes"])
@@ -461,11 +461,14 @@ def nccl_verdict(answers: list[tuple[int, str, Any]]) -> dict[str, Any]:
 #: Cycles a slowed stream spins before each copy and before each module's gradients (`torch.cuda._sleep`): about
 #: 10 ms at 2 GHz, far longer than a missing wait could go unnoticed.
 SLEEP_CYCLES = 20_000_000
-#: The schedules the race check runs: copies in backward with gradients freed there (host sums), and bf16 window
-#: sums shipped once per window (``accumulate_on="device_bf16"``); windows of 2 steps, a re-selection at step 4.
+#: The schedules the race check runs: copies in backward with gradients freed there (host sums), bf16 window sums
+#: shipped once per window (``accumulate_on="device_bf16"``), and the write-back from the fp32 master through the
+#: transport's ring of pinned chunks (each chunk refilled only after its copy has run); windows of 2 steps, a
+#: re-selection at step 4.
 RACE_SETTINGS: dict[str, dict[str, Any]] = {
     "host_sums_freed": dict(accumulate_on="host", free_gradients_in_backward="on"),
     "device_bf16_sums": dict(accumulate_on="device_bf16", free_gradients_in_backward="off"),
+    "master_through_ring": dict(accumulate_on="host", free_gradients_in_backward="on", host_writeback="master"),
 }
 
 

@@ -10,7 +10,7 @@ thread) on the CPU device, then reads every distinct storage the offloaded matri
 once, however many roles it plays) and `stats()["host_bytes_per_param"]`, which must agree. Per setting: bytes by
 role (master, moments with their block scales, window sum and, with ``host_sum_columns="unselected"``, its column
 indices, write-back buffer), bytes per offloaded parameter, and
-the median of the training thread's write-back time per write-back (``host_writeback="master"`` moves a copy there;
+the median of the training thread's write-back time per write-back (reading the master moves a copy there;
 a timing, so only comparable between the rows of one run on an otherwise idle machine).
 """
 
@@ -29,14 +29,14 @@ from hf_zenflow.tuning.tune_grid import study_config
 
 
 SETTINGS = {
-    "fp32 moments (host_state=fp32)": dict(host_state="fp32"),
-    "bf16 moments (host_state=auto, the default)": dict(),
-    "int8 moments": dict(host_moment_dtype="int8"),
-    "int8, bf16 sums": dict(host_moment_dtype="int8", host_sum_dtype="bfloat16"),
-    "int8, write-back from master": dict(host_moment_dtype="int8", host_writeback="master"),
-    "int8, bf16 sums, write-back from master": dict(host_moment_dtype="int8", host_sum_dtype="bfloat16",
-                                                     host_writeback="master"),
-    "int8, bf16 sums of the unselected columns, write-back from master (host_state=lean)": dict(host_state="lean"),
+    "fp32 moments and sums (host_state=fp32)": dict(host_state="fp32"),
+    "bf16 moments, fp32 sums, a write-back buffer": dict(host_sum_dtype="float32", host_sum_columns="all",
+                                                         host_writeback="buffer"),
+    "bf16 moments, fp32 sums": dict(host_sum_dtype="float32", host_sum_columns="all"),
+    "bf16 moments, bf16 sums": dict(host_sum_columns="all"),
+    "bf16 moments, bf16 sums of the unselected columns (host_state=auto, the default)": dict(),
+    "int8 moments, bf16 sums": dict(host_moment_dtype="int8", host_sum_columns="all"),
+    "int8, bf16 sums of the unselected columns (host_state=lean)": dict(host_state="lean"),
 }
 COMMON = dict(topk_ratio=0.1, update_interval=4, overlap_step=True, accumulate_on="host", min_offload_numel=0,
               cpu_threads=1, writeback_lag=1)

@@ -1,23 +1,24 @@
 """The host path: per-matrix host state, gradient accumulation and the host AdamW of a window (the worker that runs
 them is `worker.py`).
 
-Host memory per offloaded parameter element (the rules of ``host_state``, `settings.rules`): fp32 master (4 B) + bf16
-exp_avg and exp_avg_sq (4 B, the default ``host_moment_dtype="bfloat16"``) + fp32 window accumulator (4 B) = 12 B,
-plus a write-back buffer in the parameter dtype (pinned on CUDA; on a CPU device it is a spare storage of the weight,
-swapped in at each write-back instead of a copy) and on CUDA a pinned copy of the gradient per in-flight step
-(`grad_slots`: 2 slots with a write-back one step after the close, ``writeback_lag`` + 1 with a later one, x the
-gradient dtype; none with ``accumulate_on="device"``, where on a CPU device with fp32 weights the write-back buffer is
-the accumulator itself: `HostMatrix.shares_writeback`). One moment set (DeepSpeed keeps two). The bf16 moments are
-widened, updated in fp32 and rounded back in the same pass (`kernels.window_adamw_bf16`, or torch's operations in
-pieces, `_adamw_narrow_moments`); ``"float32"`` keeps them in fp32 (16 B: torch's AdamW arithmetic for every element),
-``"int8"`` in 8-bit codes with an fp32 scale per block of 256 (10.03 B; decoded, updated and encoded in the same pass:
-`quantized_moments.py`). ``host_sum_dtype="bfloat16"`` keeps a window summed on the host in a bf16 accumulator (2 B:
-the rule of ``"device_bf16"``, `accumulate_into`; the one-pass kernel widens it as it reads), as
-``accumulate_on="device_bf16"``'s bf16 sum lands in one; ``host_writeback="master"`` drops the write-back buffer on
-one process (the master itself is copied into the weight, `HostMatrix.writes_back_master`; on CUDA through the
-transport's pinned ring): with 8-bit moments and host sums, 4 + 2.03 + 2 = 8.03 B, nothing else (`HostLayout` carries
-these rules). ``host_sum_columns="unselected"`` keeps in a host sum only the columns not on the device
-(`HostMatrix.keep_sum_columns`; 7.83 B at topk_ratio=0.1, plus the kept columns' indices).
+Host memory per offloaded parameter element (the rules of ``host_state``, `settings.rules`; the defaults'): fp32
+master (4 B) + bf16 exp_avg and exp_avg_sq (4 B, ``host_moment_dtype="bfloat16"``) + the window sum: summed on the
+host, a bf16 sum of the columns not on the device (``host_sum_dtype="bfloat16"``, ``host_sum_columns="unselected"``:
+1.8 B at topk_ratio=0.1, plus the kept columns' indices, `HostMatrix.keep_sum_columns`; each add computed in fp32 and
+rounded to nearest bf16, the rule of ``accumulate_on="device_bf16"``, `accumulate_into`; the one-pass kernel widens
+it as it reads), or, summed on the device, the accumulator it lands in once per window in its own dtype (fp32 4 B,
+bf16 2 B); then the write-back (``host_writeback="auto"``): on a CPU device from the master itself (copied into the
+weight, `HostMatrix.writes_back_master`: nothing more), where copies are asynchronous (CUDA) from a pinned buffer in
+the parameter dtype that the worker fills (2 B for bf16 weights), and on CUDA a pinned copy of the gradient per
+in-flight step when the host sums the window (`grad_slots`: 2 slots with a write-back one step after the close,
+``writeback_lag`` + 1 with a later one, x the gradient dtype). ``host_writeback="master"`` reads the master on CUDA
+too, through the transport's ring of pinned chunks. With fp32 device sums on a CPU device and fp32 weights the
+write-back buffer is the accumulator itself (`HostMatrix.shares_writeback`). One moment set (DeepSpeed keeps two).
+The bf16 moments are widened, updated in fp32 and rounded back in the same pass (`kernels.window_adamw_bf16`, or
+torch's operations in pieces, `_adamw_narrow_moments`); ``"float32"`` keeps them in fp32 (torch's AdamW arithmetic for
+every element), ``"int8"`` in 8-bit codes with an fp32 scale per block of 256 (2.03 B; decoded, updated and encoded
+in the same pass: `quantized_moments.py`). ``host_state="lean"``: 8-bit moments, bf16 sums of the unselected columns
+and the master written back everywhere: 4 + 2.03 + 1.8 = 7.83 B.
 
 The host state keeps the parameter's own memory layout: its `storage_matrix`, [out, in] for a row-major weight,
 [in, out] for a column-major one (`column_major_`), so copies between the two sides are contiguous streams. Every
@@ -98,13 +99,16 @@ def moment_dtype(setting: str) -> torch.dtype:
 class HostLayout:
     """How a matrix's host state is stored: the moments' dtype (``host_moment_dtype``), the window sum's when the
     window is summed on the host (``host_sum_dtype``), and whether the write-back reads the fp32 master itself
-    instead of a buffer in the weight's dtype (``host_writeback="master"``)."""
+    instead of a buffer in the weight's dtype (``host_writeback="master"``, or ``"auto"`` where its copy is a plain
+    one: `on_link`)."""
 
     moments: torch.dtype = torch.float32
     sums: torch.dtype = torch.float32
     writeback_from_master: bool = False
     #: ``host_sum_columns="unselected"``: a window summed on the host keeps only the columns not on the device
     unselected_sums: bool = False
+    #: ``host_writeback="auto"``: the master where the write-back is a plain copy (`on_link`), else the buffer
+    writeback_auto: bool = False
     #: Whether ``host_writeback="master"`` was asked for by `ZenFlowConfig.with_rules` (where it does not apply, a
     #: warning) rather than by a preset (``host_state="lean"``, which cannot be wrong: logged at info level)
     writeback_asked: bool = field(default=False, compare=False)
@@ -114,8 +118,9 @@ class HostLayout:
         rules = config.rules
         return cls(moments=moment_dtype(rules.host_moment_dtype),
                    sums=torch.bfloat16 if rules.host_sum_dtype == "bfloat16" else torch.float32,
-                   writeback_from_master=rules.host_writeback == "master",
+                   writeback_from_master=rules.host_writeback in ("master", "auto"),
                    unselected_sums=rules.host_sum_columns == "unselected",
+                   writeback_auto=rules.host_writeback == "auto",
                    writeback_asked="host_writeback" in config.changed_rules())
 
     @staticmethod
@@ -125,20 +130,33 @@ class HostLayout:
         ring where copies are asynchronous, `transport.ring`)."""
         return ranks == 1
 
+    def applied(self, transport: Transport, ranks: int) -> HostLayout:
+        """The layout as it applies over `transport` with the host state shared by `ranks` ranks (`on_link`, which
+        also says so when ``"master"`` does not apply)."""
+        keeps = self.master_writeback_applies(transport, ranks) and not (
+            self.writeback_auto and transport.pins_host_memory)
+        return self if not self.writeback_from_master or keeps else replace(self, writeback_from_master=False)
+
     def on_link(self, transport: Transport, ranks: int) -> HostLayout:
         """The layout as it applies over `transport` with the host state shared by `ranks` ranks: the write-back
         reads the master only where one rank writes back its whole result (several ranks all-gather write-back
-        buffers in the weight's dtype); elsewhere the buffer stays, said once: a warning when `with_rules` asked for
-        the master, at info level when a preset did (``host_state="lean"`` takes the smallest state that applies)."""
-        if not self.writeback_from_master or self.master_writeback_applies(transport, ranks):
-            return self
+        buffers in the weight's dtype), and under ``"auto"`` only where that is a plain copy (a CPU device: the
+        master is copied into the weight instead of a buffer being swapped in, a copy the size of the weights per
+        window); where copies are asynchronous "auto" keeps the buffer, which the worker fills beside the device's
+        steps, where the ring would make the training thread round the master into its chunks at the write-back.
+        Where ``"master"`` was set and does not apply, the buffer stays, said once: a warning when `with_rules`
+        asked for it, at info level when a preset did (``host_state="lean"`` takes the smallest state that
+        applies)."""
+        resolved = self.applied(transport, ranks)
+        if resolved is self or self.writeback_auto:
+            return resolved
         global _warned_writeback
         if not _warned_writeback:
             _warned_writeback = True
             logger.log(logging.WARNING if self.writeback_asked else logging.INFO,
                        'hf_zenflow: host_writeback="master" does not apply here (a host state shared by %d ranks): '
                        "the write-back buffer stays", ranks)
-        return replace(self, writeback_from_master=False)
+        return resolved
 
 
 _warned_writeback = False
@@ -374,7 +392,7 @@ class HostMatrix:
     def link_bytes(param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str, transport: Transport,
                    layout: HostLayout | None = None, slots: int = GRAD_SLOTS) -> int:
         """Bytes of `transport.host_buffer` that `create` asks for with `slots` hand-off slots (each rounded as a
-        pinned arena rounds it)."""
+        pinned arena rounds it), under `layout` as it applies over `transport` (`HostLayout.applied`)."""
         numel = param2d.numel()
         shared = HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport)
         from_master = layout is not None and layout.writeback_from_master

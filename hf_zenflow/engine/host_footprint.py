@@ -38,8 +38,7 @@ def host_bytes_per_element(layout: HostLayout, accumulate_on: str, weight_dtype:
     ``host_sum_columns="unselected"`` only the `1 - device_share` of the columns not on the device), and the buffers
     that cross the link (`HostMatrix.link_bytes`: the write-back buffer, the gradient landing buffers of `slots`
     hand-off slots, `host.grad_slots`, the device sums' landing buffers)."""
-    if layout.writeback_from_master and not HostLayout.master_writeback_applies(transport, ranks):
-        layout = HostLayout(layout.moments, layout.sums, False, layout.unselected_sums)
+    layout = layout.applied(transport, ranks)
     moments = 2 * MOMENT_BYTES[_MOMENT_SETTING[layout.moments]]
     if sums_on_device(accumulate_on):
         host_sum = 0.0  # (a buffer that crosses the link: in `link_bytes`)

@@ -182,8 +182,11 @@ def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> 
              for device in {s.param.device for s in splits}}
     room_host = host_room()
     # (each transport's once: the ring the master is written back through, where it applies)
-    fixed = sum({id(t): t.fixed_host_bytes(layout.on_link(t, sizes.shares[id(s)].ranks).writeback_from_master)
-                 for s, t in zip(splits, map(sizes.transport_of, splits))}.values())
+    masters = {id(t): (t, layout.applied(t, sizes.shares[id(s)].ranks).writeback_from_master)
+               for s, t in zip(splits, map(sizes.transport_of, splits))}
+    fixed = sum(t.fixed_host_bytes(from_master) for t, from_master in masters.values())
+    # (a write-back from the master rounds on the training thread: into the weights, or the ring of a GPU)
+    from_master = any(m for _, m in masters.values())
     slots = grad_slots(planned_writeback_steps(config, int(hosted)))  # (landing buffers of host sums)
     options = []
     for place in places:
@@ -207,7 +210,8 @@ def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> 
                            for s, n in zip(splits, local))
         step = zenflow_step(node.rates(), compute, sizes.device_elements,
                             selected + sizes.device_elements - hosted, hosted, interval, place,
-                            config.rules.host_moment_dtype, grad_bytes=grad_bytes)["step_ms"]
+                            config.rules.host_moment_dtype, grad_bytes=grad_bytes,
+                            writeback_from_master=from_master)["step_ms"]
         options.append(Option(place, step, device_bytes, host, device_over,
                               0.0 if room_host is None else max(0.0, host - room_host)))
     return options

@@ -130,7 +130,8 @@ def _bound(parts: dict[str, float]) -> tuple[float, str]:
 
 def zenflow_step(rates: Rates, compute_ms: float, device_elements: float, selected_elements: float,
                  host_elements: float, update_interval: float, accumulate_on: str, host_moments: str = "bfloat16",
-                 allgather_ms: float = 0.0, grad_bytes: float = BF16_BYTES) -> dict[str, Any]:
+                 allgather_ms: float = 0.0, grad_bytes: float = BF16_BYTES,
+                 writeback_from_master: bool = False) -> dict[str, Any]:
     """One ZenFlow step's sides, per step (ms): ``device_ms``, ``link_ms``, ``host_ms`` (the larger of the host's
     passes, ``host_work_ms``, and the chain the write-back waits for, ``host_chain_ms``, over the window), the step
     (``step_ms``, the slowest side) and the side that sets it (``bound``), and what bounds the host passes
@@ -140,7 +141,10 @@ def zenflow_step(rates: Rates, compute_ms: float, device_elements: float, select
     once); `selected_elements`: those updated by AdamW on the device each step (selected columns, whole matrices and
     1-D parameters); `host_elements`: this rank's offloaded elements (its host state); `accumulate_on`: "host",
     "device" or "device_bf16"; `allgather_ms`: the all-gather of a window's updated rows (several ranks), on the
-    device's stream once per window; `grad_bytes`: a gradient element's bytes as it crosses the link.
+    device's stream once per window; `grad_bytes`: a gradient element's bytes as it crosses the link;
+    `writeback_from_master`: the write-back reads the fp32 master (on a GPU through the pinned ring): its rounding pass
+    runs on the training thread at the write-back, while the device waits for the weights, instead of on the host
+    worker beside the device's steps.
     """
     u = max(1.0, float(update_interval))
     sum_bytes = SUM_BYTES[accumulate_on]
@@ -167,6 +171,9 @@ def zenflow_step(rates: Rates, compute_ms: float, device_elements: float, select
                                                            rates.window_adamws, rates.accumulate_adamws,
                                                            rates.rounding_adamws, grad_bytes):
         core, memory = rates.host_pass_ms(host_elements, adamws, nbytes)
+        if writeback_from_master and name == "write-back rounding":
+            device += max(core, memory) / u  # (on the device's timeline, not the worker's)
+            continue
         work += count * max(core, memory)
         core_total += count * core
         memory_total += count * memory

@@ -272,9 +272,10 @@ class HostWindows:
         # the link buffers of every matrix in one reservation per transport (one pinned block, as when the state is
         # made in `step()`); the matrices' `attach_host` calls in their hooks then take from it
         for transport, group in self.by_transport(splits):
+            layout = HostLayout.of(self.config)
             transport.reserve(sum(HostMatrix.link_bytes(
-                shares[id(s)].local(s.matrix(s.param)), s.grad_dtype,
-                self.accumulate_on, transport, HostLayout.of(self.config), self.slots) for s in group))
+                shares[id(s)].local(s.matrix(s.param)), s.grad_dtype, self.accumulate_on, transport,
+                layout.applied(transport, shares[id(s)].ranks), self.slots) for s in group))
         self.reserved_ahead = True
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:
@@ -290,7 +291,9 @@ class HostWindows:
         for transport, group in self.by_transport(splits):
             if not self.reserved_ahead:  # (`decide_accumulation` reserved for the first step's matrices)
                 transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), s.grad_dtype,
-                                                            accumulate_on, transport, layout, self.slots)
+                                                            accumulate_on, transport,
+                                                            layout.applied(transport, shares[id(s)].ranks),
+                                                            self.slots)
                                       for s in group))
             for split in group:
                 # (the parameter's place in the param groups, and its rows' place under FSDP2: what every rank and

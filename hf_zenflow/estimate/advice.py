@@ -162,9 +162,11 @@ def format_schedule_model(profile: HardwareProfile, params: float, tokens_per_st
 
 #: How the tables name `fits.FIT_SCHEDULES`.
 FIT_LABELS = {"no_offload": "no offload (AdamW on the device)", "sync_offload": "synchronous offload (ZeRO-Offload)",
-              "zenflow": 'ZenFlow, the defaults (host_state="auto": bf16 host moments)',
-              "zenflow_fp32": 'ZenFlow, host_state="fp32" (fp32 host moments)',
-              "zenflow_lean": 'ZenFlow, host_state="lean" (int8 moments, bf16 sums of the unselected columns)'}
+              "zenflow": 'ZenFlow, the defaults (host_state="auto": bf16 moments, bf16 sums of the unselected '
+                         'columns)',
+              "zenflow_fp32": 'ZenFlow, host_state="fp32" (fp32 host moments and sums)',
+              "zenflow_lean": 'ZenFlow, host_state="lean" (int8 moments, bf16 sums of the unselected columns, no '
+                              'write-back buffer)'}
 
 
 def _limits(profile: HardwareProfile, ranks: int) -> str:

@@ -152,7 +152,7 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
     slots = grad_slots(lag_for_host_elements(int(n * share), int(u)))
     for key, place in ZENFLOW_ROWS:
         sides = zenflow_step(rates, compute, n * dev, topk_ratio * n * dev, n * share, u, place,
-                             layout["host_moment_dtype"], allgather)
+                             layout["host_moment_dtype"], allgather, writeback_from_master=from_master)
         rows[key] = {**sides,
                      "device_memory_gb": device_memory_gb("zenflow", n, topk_ratio, SUM_BYTES[place],
                                                           gradients_freed_in_backward, split),

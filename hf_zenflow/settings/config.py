@@ -187,15 +187,17 @@ class ZenFlowConfig:
         default="auto",
         metadata={"help": "The host state of the offloaded matrices, a preset of the engine's host-state rules "
                   "(docs/host-memory.md). \"auto\" (the default): bf16 AdamW moments (updated in fp32 against the "
-                  "fp32 master, rounded back stochastically with reproducible random bits), an fp32 window sum on "
-                  "the host or on the device, as the planner chooses at the first step from the memory each side "
-                  "has left (logged, stats()[\"accumulate_on\"], checkpoints), the write-back from a buffer in the "
-                  "weight's dtype, each offloaded gradient freed in its backward hook where that applies (one "
-                  "process, host sums; clip through optimizer.clip_grad_norm_). \"fp32\": the same with fp32 "
-                  "moments, torch's AdamW arithmetic for every element (4 bytes more per offloaded parameter). "
-                  "\"lean\": the smallest host state: 8-bit moments (one fp32 scale per block of 256), a bf16 window "
-                  "sum of the unselected columns only, the write-back from the fp32 master where it is a synchronous "
-                  "copy on one process (a CPU device; elsewhere the buffer stays).",
+                  "fp32 master, rounded back stochastically with reproducible random bits), the window summed on the "
+                  "host or on the device, as the planner chooses at the first step from the memory each side has "
+                  "left (logged, stats()[\"accumulate_on\"], checkpoints): on the host a bf16 sum of the columns "
+                  "not on the device, on the device an fp32 or bf16 sum; the write-back from the fp32 master where "
+                  "it is a plain copy (a CPU device), from a buffer in the weight's dtype where copies are "
+                  "asynchronous (CUDA); each offloaded gradient freed in its backward hook where that applies (one "
+                  "process, host sums; clip through optimizer.clip_grad_norm_). \"fp32\": fp32 moments and fp32 "
+                  "window sums of every column, torch's AdamW arithmetic for every element. \"lean\": the smallest "
+                  "host state: 8-bit moments (one fp32 scale per block of 256), a bf16 window sum of the unselected "
+                  "columns only, the write-back from the fp32 master on one process (on CUDA through a ring of pinned "
+                  "chunks).",
                   "choices": HOST_STATE_CHOICES},
     )
     device_memory_limit_bytes: int | None = field(

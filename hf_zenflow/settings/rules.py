@@ -117,18 +117,20 @@ DEVICE_SUMS = ("device", "device_bf16")
 HOST_MOMENT_DTYPES = ("float32", "bfloat16", "int8")
 HOST_SUM_DTYPES = ("float32", "bfloat16")
 HOST_SUM_COLUMNS = ("all", "unselected")
-HOST_WRITEBACKS = ("buffer", "master")
+HOST_WRITEBACKS = ("auto", "buffer", "master")
 FREE_GRADIENTS = ("auto", "on", "off")
 
 #: The presets of `ZenFlowConfig.host_state`: the host-state rules each stands for (docs/host-memory.md). "auto":
-#: bf16 moments kept with stochastic rounding, an fp32 window sum where the planner puts it; "fp32": the same with
-#: fp32 moments, torch's AdamW arithmetic for every element; "lean": the smallest host state (8-bit moments, a bf16
-#: window sum of the unselected columns only, the write-back from the fp32 master where it applies).
+#: bf16 moments kept with stochastic rounding, the window summed where the planner puts it (on the host: in bf16, the
+#: unselected columns only), the write-back from the fp32 master where that is a plain copy; "fp32": fp32 moments and
+#: fp32 window sums of every column, torch's AdamW arithmetic for every element; "lean": the smallest host state
+#: (8-bit moments, a bf16 window sum of the unselected columns only, the write-back from the fp32 master wherever it
+#: applies).
 HOST_STATES: dict[str, dict[str, str]] = {
-    "auto": {"accumulate_on": "auto", "host_moment_dtype": "bfloat16", "host_sum_dtype": "float32",
-             "host_sum_columns": "all", "host_writeback": "buffer", "free_gradients_in_backward": "auto"},
+    "auto": {"accumulate_on": "auto", "host_moment_dtype": "bfloat16", "host_sum_dtype": "bfloat16",
+             "host_sum_columns": "unselected", "host_writeback": "auto", "free_gradients_in_backward": "auto"},
     "fp32": {"accumulate_on": "auto", "host_moment_dtype": "float32", "host_sum_dtype": "float32",
-             "host_sum_columns": "all", "host_writeback": "buffer", "free_gradients_in_backward": "auto"},
+             "host_sum_columns": "all", "host_writeback": "auto", "free_gradients_in_backward": "auto"},
     "lean": {"accumulate_on": "auto", "host_moment_dtype": "int8", "host_sum_dtype": "bfloat16",
              "host_sum_columns": "unselected", "host_writeback": "master", "free_gradients_in_backward": "auto"},
 }
@@ -174,19 +176,20 @@ class EngineRules:
     #: The dtype of a window summed on the host: "float32", or "bfloat16" (each add computed in fp32 and the running
     #: sum rounded to nearest bf16, `accumulate_on="device_bf16"`'s rule on the host). Not with device sums, which
     #: keep their own dtype.
-    host_sum_dtype: str = "float32"
+    host_sum_dtype: str = "bfloat16"
     #: Which columns a window summed on the host keeps: "all" (one contiguous add per step) or "unselected" (only
     #: the columns not on the device: topk_ratio x the sum's bytes less; the same weights bit for bit with fp32 and
     #: bf16 moments; with int8 moments the never-read device columns' codes change their blocks' scales). Not with
     #: device sums.
-    host_sum_columns: str = "all"
+    host_sum_columns: str = "unselected"
     #: Where a window's host result is written back from: "buffer" (rounded by the worker into a buffer in the
     #: weight's dtype: pinned and copied asynchronously on CUDA, swapped in as the weight's storage on a CPU device)
     #: or "master" (no buffer: the training thread copies the fp32 master into the weight, the same weights bit for
-    #: bit; on CUDA piece by piece through a ring of pinned chunks, `transport.ring`). "master" applies on one
-    #: process; with a host state shared by several ranks the buffer stays, with a warning when asked for by
-    #: `with_rules`, logged at info level when a preset asked for it.
-    host_writeback: str = "buffer"
+    #: bit; on CUDA piece by piece through a ring of pinned chunks, `transport.ring`, rounding each piece at the
+    #: write-back), or "auto" ("master" where that is a plain copy, a CPU device; the buffer where copies are
+    #: asynchronous). "master" applies on one process; with a host state shared by several ranks the buffer stays,
+    #: with a warning when asked for by `with_rules`, logged at info level when a preset asked for it.
+    host_writeback: str = "auto"
     #: Free each offloaded matrix's device gradient in its backward hook (the selected columns gathered on the
     #: device, the whole gradient sent to the host), with host sums on one process or FSDP2 ranks (docs/memory.md):
     #: "auto" from the first step under ZenFlowTrainer and `hf-zenflow compare` (they clip through the optimizer),
@@ -274,7 +277,11 @@ class EngineRules:
         if unknown:
             raise ValueError(f"ZenFlowConfig.with_rules got unknown rule(s) {unknown}: allowed are "
                              f"{sorted(cls.names())}.")
-        return cls(**{**host_state_rules(config.host_state), **HOST_STEP_RULES[config.host_step], **changes})
+        rules = {**host_state_rules(config.host_state), **HOST_STEP_RULES[config.host_step]}
+        if _word(changes.get("accumulate_on"), DEVICE_SUMS):
+            # the preset's rules of a window summed on the host do not apply to sums on the device
+            rules.update(host_sum_dtype="float32", host_sum_columns="all")
+        return cls(**{**rules, **changes})
 
 
 #: The string rules and the values each allows.

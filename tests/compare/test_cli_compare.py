@@ -81,8 +81,9 @@ def test_compare_tiny_run_writes_all_outputs(tmp_path: Path, monkeypatch: pytest
     # the CPU device is given the machine's available memory: every schedule fits, and the planner takes the
     # fastest (`engine.planner`): here the window summed on the host
     assert zen["engine_stats"]["accumulate_on"] == "host"
-    # fp32 master, bf16 moments (the default), the fp32 window sum, and one fp32 buffer for the write-back
-    assert zen["host_bytes_per_param"] == zen["engine_stats"]["host_bytes_per_param"] == 16
+    # the defaults' host state: fp32 master, bf16 moments, a bf16 window sum of the columns not on the device, the
+    # write-back from the master (no buffer): at most 10 B
+    assert zen["host_bytes_per_param"] == zen["engine_stats"]["host_bytes_per_param"] <= 10
     assert zen["optimizer_state_host_bytes"] > 0 and zen["optimizer_state_device_bytes"] > 0
     assert zen["engine_stats"]["windows"] >= 1
     assert set(payload["ratios"]) == {"zenflow_vs_adamw_torch", "zenflow_vs_sync_offload"}

@@ -25,8 +25,9 @@ SETTINGS = dict(topk_ratio=0.25, update_interval="auto", full_warm_up_rounds=2,
                 select_strategy="step", select_interval=8, min_offload_numel=0, cpu_threads=1, overlap_step=True)
 #: the longest Zen-auto window of these runs, an engine rule (`ZenFlowConfig.with_rules`)
 AUTO_MAX_INTERVAL = 4
-#: (the write-back lag fixed: the reference runs compare against this schedule)
-RULES = ZenFlowConfig().with_rules(auto_max_interval=AUTO_MAX_INTERVAL, writeback_lag=1)
+#: (the write-back lag fixed: the reference runs compare against this schedule; the write-back from a buffer, as
+#: ranks that share the host state keep it, so that one process's host state is what the ranks split)
+RULES = ZenFlowConfig().with_rules(auto_max_interval=AUTO_MAX_INTERVAL, writeback_lag=1, host_writeback="buffer")
 STEPS, PER_RANK, RANKS = 20, 4, 2
 #: How close ranks that split the global batch come to one process on it (relative to each weight's norm): the
 #: all-reduced gradients differ from one process's in their last bits, and the bf16 host moments, rounded

@@ -40,8 +40,9 @@ SETTINGS = dict(topk_ratio=0.25, update_interval="auto", full_warm_up_rounds=2,
                 select_strategy="step", select_interval=8, min_offload_numel=0, cpu_threads=1, overlap_step=True)
 #: the longest Zen-auto window of these runs, an engine rule (`ZenFlowConfig.with_rules`)
 AUTO_MAX_INTERVAL = 4
-#: the engine rules of these runs (the write-back lag fixed: the reference runs compare against this schedule)
-RULES = dict(auto_max_interval=AUTO_MAX_INTERVAL, writeback_lag=1)
+#: the engine rules of these runs (the write-back lag fixed: the reference runs compare against this schedule; fp32
+#: window sums: the ranks' and one process's add in another order, which a bf16 sum's rounding would magnify)
+RULES = dict(auto_max_interval=AUTO_MAX_INTERVAL, writeback_lag=1, host_sum_dtype="float32")
 STEPS, PER_RANK = 20, 4
 SAVE = 11  # a step inside a window (checked: window_steps > 0)
 

@@ -31,7 +31,9 @@ from tests.conftest import (
 
 
 LR = 1e-2
-SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0)
+#: (host sums in fp32 over every column with a write-back buffer, 16 B: `SHORT_HOST` holds device sums only)
+SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0,
+                host_sum_dtype="float32", host_sum_columns="all", host_writeback="buffer")
 #: device memory limits, in bytes: FITS far above the tiny model's step and its window sums and selected columns
 #: (~36 KB), TOO_SMALL (`too_small`) 1000 bytes above the step's estimated peak
 FITS, TOO_SMALL = 1 << 30, "too small"

@@ -37,8 +37,10 @@ from tests.doubles.async_device import async_transport
 LR = 1e-2
 # (the boundaries here are the sums' alone: with the gradients freed in backward, device sums also count the
 # gradients they keep on the device, `tests/engine/test_free_gradients.py`)
+# (host sums in fp32 over every column with a write-back buffer, 16 B, so that a short host holds device sums only)
 SETTINGS = dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8, min_offload_numel=0,
-                high_lr_rule="off", free_gradients_in_backward="off")
+                high_lr_rule="off", free_gradients_in_backward="off", host_sum_dtype="float32",
+                host_sum_columns="all", host_writeback="buffer")
 FITS = 1 << 30  # bytes: a device memory limit far above the tiny model's step, window sums and selected columns
 #: Host RAM for the tiny fp32 model's host state with device sums (12 B per offloaded element on a CPU device with
 #: fp32 sums, 14 with bf16 ones) but not with host sums (16): "auto" then weighs the device sums against the device.

@@ -115,10 +115,13 @@ def test_auto_window_sums_fit_under_the_limit_too(caplog, monkeypatch):
     backward's first hooks): at every limit the measured peak is within it, and nothing is said to be over it. (The
     host's RAM is made short for every option, so that the device sums that fit the device are taken.)"""
     plan_with_host_ram(monkeypatch, 0)
+    # (fp32 host sums of every column with a write-back buffer: the largest host state, so that the host's overflow
+    # does not rank host sums first)
+    fp32_sums = dict(host_sum_dtype="float32", host_sum_columns="all", host_writeback="buffer")
     chosen = set()
     with caplog.at_level(logging.WARNING, logger="hf_zenflow"):
         for limit in range(800_000, 1_900_001, 50_000):
-            _, stats, _ = _run(steps=4, min_offload_numel=16384, device_memory_limit_bytes=limit)
+            _, stats, _ = _run(steps=4, min_offload_numel=16384, device_memory_limit_bytes=limit, **fp32_sums)
             assert stats["peak_device_bytes"] <= limit, (limit, stats["accumulate_on"])
             chosen.add(stats["accumulate_on"])
     assert chosen == {"host", "device_bf16", "device"}

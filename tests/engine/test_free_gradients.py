@@ -112,6 +112,9 @@ def test_auto_counts_the_freed_gradients_against_device_sums(monkeypatch):
     selected columns alone chooses host sums (which free them), and one larger by the gradients' bytes chooses
     device sums."""
     plan_with_host_ram(monkeypatch, 0)  # (no host option fits: the device sums that fit the device are taken)
+    # (fp32 host sums of every column with a write-back buffer: the largest host state, so that the host's overflow
+    # does not rank host sums first)
+    fp32_sums = dict(host_sum_dtype="float32", host_sum_columns="all", host_writeback="buffer")
     model = make_model()
     opt = zenflow_adamw(param_groups(model), lr=1e-2, **{**SETTINGS, "accumulate_on": "device"})
     x, y = batches(1)[0]
@@ -122,7 +125,7 @@ def test_auto_counts_the_freed_gradients_against_device_sums(monkeypatch):
     need = accumulation.device_bytes_needed(splits, {id(s): s.share for s in splits}, 4)
     grads = sum(s.param.numel() * s.param.element_size() for s in splits)
     opt.close()
-    freeing = {**SETTINGS, "accumulate_on": "auto", "free_gradients_in_backward": "on"}
+    freeing = {**SETTINGS, **fp32_sums, "accumulate_on": "auto", "free_gradients_in_backward": "on"}
     roomy = smallest_limit_that_fits(freeing, need + grads)
     tight = smallest_limit_that_fits(freeing, need)
     chosen = {}

@@ -34,7 +34,8 @@ from tests.engine.test_host_sums_bf16 import _host_bytes
 
 LR = 1e-2
 SPLIT = dict(topk_ratio=0.25, update_interval=3, overlap_step=True, writeback_lag=1, select_strategy="step",
-             select_interval=4, min_offload_numel=0, cpu_threads=1, high_lr_rule="off", accumulate_on="host")
+             select_interval=4, min_offload_numel=0, cpu_threads=1, high_lr_rule="off", accumulate_on="host",
+             host_sum_columns="all")
 UNSELECTED = dict(host_sum_columns="unselected")
 MOMENTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}

@@ -27,7 +27,9 @@ from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip,
 
 
 LR = 1e-2
-LEAN = dict(host_sum_dtype="bfloat16", host_writeback="master", accumulate_on="host")
+LEAN = dict(host_sum_dtype="bfloat16", host_sum_columns="all", host_writeback="master", accumulate_on="host")
+#: the host state of fp32 host sums of every column and a write-back buffer
+FP32_SUMS = dict(accumulate_on="host", host_sum_dtype="float32", host_sum_columns="all", host_writeback="buffer")
 SPLIT = dict(topk_ratio=0.25, update_interval=3, overlap_step=True, writeback_lag=1, select_strategy="step",
              select_interval=4, min_offload_numel=0, cpu_threads=1, high_lr_rule="off")
 
@@ -124,12 +126,12 @@ def _run(settings: dict, steps: int = 10, dtype: torch.dtype = torch.float32, mo
 def test_bf16_host_sums_are_the_device_bf16_sums_bit_for_bit():
     """The same rule wherever the window is summed: on the host in bf16, or on the device in bf16 (whose landed sum
     the host widens into fp32): the same weights, and not those of fp32 sums."""
-    ours, opt = _run(dict(host_sum_dtype="bfloat16", accumulate_on="host"), 11)
+    ours, opt = _run(dict(host_sum_dtype="bfloat16", host_sum_columns="all", accumulate_on="host"), 11)
     assert all(s.host.accum.dtype == torch.bfloat16 for s in opt.engine_state.splits.values() if s.host is not None)
     opt.close()
     device, opt = _run(dict(accumulate_on="device_bf16"), 11)
     opt.close()
-    fp32, opt = _run(dict(accumulate_on="host"), 11)
+    fp32, opt = _run(FP32_SUMS, 11)
     opt.close()
     assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), device.parameters()))
     assert not all(torch.equal(p, q) for p, q in zip(ours.parameters(), fp32.parameters()))
@@ -174,7 +176,7 @@ def test_write_back_from_the_master_changes_no_bit(dtype, accumulate_on):
 
 def test_write_back_from_the_master_through_a_copying_transport(monkeypatch):
     """A transport that copies (synchronously, unpinned: CUDA's schedule without streams) copies from the master."""
-    buffered, opt = _run(dict(accumulate_on="host"), 9, torch.bfloat16)
+    buffered, opt = _run(FP32_SUMS, 9, torch.bfloat16)
     opt.close()
     made: list[CopyTransport] = []
     monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: made.append(CopyTransport())
@@ -186,7 +188,7 @@ def test_write_back_from_the_master_through_a_copying_transport(monkeypatch):
     taken = sum(PinnedArena.aligned(t.numel() * t.element_size()) for h in hosted for t in h.staging)
     assert taken and sum(b.numel() for t in made for b in t.arena._blocks) == taken
     opt.close()
-    rounded, opt = _run(dict(accumulate_on="host", host_sum_dtype="bfloat16"), 9, torch.bfloat16)
+    rounded, opt = _run(dict(FP32_SUMS, host_sum_dtype="bfloat16"), 9, torch.bfloat16)
     opt.close()
     assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), rounded.parameters()))
     assert not all(torch.equal(p, q) for p, q in zip(ours.parameters(), buffered.parameters()))
@@ -233,9 +235,9 @@ def _host_bytes(opt: ZenFlowAdamW) -> tuple[int, int, int]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_moments_with_bf16_host_sums_and_no_write_back_buffer_hold_8_03_bytes_per_param(dtype):
     """Measured from the host tensors with the window summed on the host (one process): fp32 master 4 + int8
-    codes 1 + 1 + one fp32 scale per 256 elements of each moment (0.03) + the bf16 sum 2 = 8.03 B; the defaults'
-    layout with int8 moments: 4 + 2.03 + 4 (fp32 sum) + the write-back buffer (4 fp32 / 2 bf16 weights)."""
-    for settings, per_element in ((dict(LEAN), 8), (dict(accumulate_on="host"), 8 + dtype.itemsize + 2)):
+    codes 1 + 1 + one fp32 scale per 256 elements of each moment (0.03) + the bf16 sum 2 = 8.03 B; with fp32 sums
+    and a write-back buffer: 4 + 2.03 + 4 (fp32 sum) + the buffer (4 fp32 / 2 bf16 weights)."""
+    for settings, per_element in ((dict(LEAN), 8), (FP32_SUMS, 8 + dtype.itemsize + 2)):
         _, opt = _run({**settings, "host_moment_dtype": "int8"}, 8, dtype)
         stats = opt.stats()
         measured, elements, blocks = _host_bytes(opt)
@@ -243,7 +245,7 @@ def test_int8_moments_with_bf16_host_sums_and_no_write_back_buffer_hold_8_03_byt
         assert elements > 0 and stats["host_state_bytes"] == measured
         assert stats["host_bytes_per_param"] == measured / elements
         assert measured == elements * per_element + blocks * 4
-    assert stats["host_bytes_per_param"] > 10  # (the defaults' layout)
+    assert stats["host_bytes_per_param"] > 10  # (fp32 sums and a buffer)
 
 
 def test_lean_host_state_resumes_exactly_and_its_sum_is_checksummed():

@@ -28,7 +28,9 @@ from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip,
 
 LR, STEPS = 1e-2, 12
 DATA = batches(1) * STEPS
-ALL_ON_HOST = dict(topk_ratio=0.0, update_interval=1, overlap_step=False, min_offload_numel=0, cpu_threads=1)
+#: every column on the host, one-step windows summed in fp32 (the reference sums each step's gradient exactly)
+ALL_ON_HOST = dict(topk_ratio=0.0, update_interval=1, overlap_step=False, min_offload_numel=0, cpu_threads=1,
+                   host_sum_dtype="float32")
 INT8 = dict(host_moment_dtype="int8")
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU device's host passes (a CUDA run: cuda_checks)")
@@ -257,7 +259,8 @@ def test_host_bytes_per_param_with_int8_moments_are_the_host_tensors(accumulate_
     model = make_model()
     opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=3, overlap_step=True,
                         writeback_lag=1, min_offload_numel=0, cpu_threads=1, host_moment_dtype="int8",
-                        accumulate_on=accumulate_on)
+                        accumulate_on=accumulate_on, host_sum_dtype="float32", host_sum_columns="all",
+                        host_writeback="buffer")
     train(model, opt, batches(10))
     opt.flush()
     stats = opt.stats()
@@ -283,7 +286,7 @@ def test_host_bytes_per_param_with_int8_moments_are_the_host_tensors(accumulate_
     if accumulate_on == "device":
         assert measured == elements * (4 + 2 + 4) + blocks * 4
         assert stats["host_bytes_per_param"] < 10.1
-    else:  # the host keeps its own accumulator next to the write-back buffer
+    else:  # the host keeps its own fp32 accumulator next to the write-back buffer (the rules set above)
         assert measured == elements * (4 + 2 + 4 + 4) + blocks * 4
 
 

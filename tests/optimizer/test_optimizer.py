@@ -205,12 +205,12 @@ def test_overlapped_schedule_matches_an_independent_model_of_it(host_lr_scale, w
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_device_accumulation_equals_host_accumulation_bit_for_bit(settings, dtype):
-    """Where the window is summed changes memory and traffic, never the arithmetic."""
+    """Where an fp32 window sum is kept changes memory and traffic, never the arithmetic."""
     results = []
     for accumulate_on in ("host", "device"):
         model = make_model(dtype=dtype)
-        opt = zenflow_adamw(param_groups(model), lr=LR, accumulate_on=accumulate_on, **{**OFF, **settings},
-                            min_offload_numel=0)
+        opt = zenflow_adamw(param_groups(model), lr=LR, accumulate_on=accumulate_on, host_sum_dtype="float32",
+                            **{**OFF, **settings}, min_offload_numel=0)
         losses = train(model, opt, batches(30), linear_schedule(opt, 30), clip=1.0)
         opt.flush()
         results.append((model, losses, opt.stats()))
@@ -262,8 +262,9 @@ def assert_resume_continues_identically(split_at: int, total: int, settings: dic
 
 @pytest.mark.parametrize("save_on, load_on", [("host", "device"), ("device", "host"), ("device", "device")])
 def test_checkpoint_moves_between_accumulation_places(save_on, load_on):
-    assert_resume_continues_identically(
-        6, 26, dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8),
+    assert_resume_continues_identically(  # (fp32 sums on either side: the same arithmetic)
+        6, 26, dict(topk_ratio=0.1, update_interval=4, select_strategy="step", select_interval=8,
+                    host_sum_dtype="float32"),
         save={"accumulate_on": save_on}, load={"accumulate_on": load_on},
     )
 
@@ -505,12 +506,12 @@ def test_auto_interval_is_adaptive_and_bounded():
 def test_host_memory_is_sixteen_bytes_per_offloaded_element_plus_the_write_back_buffer():
     lin = torch.nn.Linear(64, 32, bias=False)
     opt = zenflow_adamw([lin.weight], lr=LR, topk_ratio=0.25, update_interval=2, min_offload_numel=0,
-                        **FP32_MOMENTS)
+                        host_writeback="buffer", **FP32_MOMENTS)
     lin.weight.grad = torch.randn_like(lin.weight)
     opt.step()
     stats = opt.stats()
     # 16 B of AdamW state and window sum + the write-back buffer in the parameter dtype (on a CPU device, the
-    # weight's spare storage that the write-back swaps in)
+    # weight's spare storage that the write-back swaps in; the preset's "auto" copies the master instead)
     assert stats["host_state_bytes"] == (16 + 4) * lin.weight.numel()
     assert stats["host_bytes_per_param"] == 16 + 4
     assert stats["pinned_host_bytes"] == 0  # nothing is pinned for a CPU device
@@ -603,7 +604,7 @@ def test_cpu_write_back_swaps_in_the_workers_buffer():
         pytest.skip("the swap is the CPU-device write-back")
     model = make_model()
     opt = zenflow_adamw(param_groups(model), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=False,
-                        min_offload_numel=0)
+                        min_offload_numel=0, host_writeback="buffer")
     weight, stride = model.up.weight, model.up.weight.stride()
     data = batches(6)
     train(model, opt, data[:1], clip=1.0)

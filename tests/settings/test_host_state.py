@@ -29,10 +29,10 @@ HOST_STATE_NAMES = ("accumulate_on", "host_moment_dtype", "host_sum_dtype", "hos
                     "free_gradients_in_backward")
 #: The rules each preset stands for (docs/host-memory.md).
 PRESETS = {
-    "auto": dict(accumulate_on="auto", host_moment_dtype="bfloat16", host_sum_dtype="float32", host_sum_columns="all",
-                 host_writeback="buffer", free_gradients_in_backward="auto"),
+    "auto": dict(accumulate_on="auto", host_moment_dtype="bfloat16", host_sum_dtype="bfloat16",
+                 host_sum_columns="unselected", host_writeback="auto", free_gradients_in_backward="auto"),
     "fp32": dict(accumulate_on="auto", host_moment_dtype="float32", host_sum_dtype="float32", host_sum_columns="all",
-                 host_writeback="buffer", free_gradients_in_backward="auto"),
+                 host_writeback="auto", free_gradients_in_backward="auto"),
     "lean": dict(accumulate_on="auto", host_moment_dtype="int8", host_sum_dtype="bfloat16",
                  host_sum_columns="unselected", host_writeback="master", free_gradients_in_backward="auto"),
 }
@@ -66,10 +66,13 @@ def test_the_rules_are_checked_with_their_own_names():
         ZenFlowConfig().with_rules(host_moment_dtype="float16")
     with pytest.raises(ValueError, match=r"EngineRules.free_gradients_in_backward=True is invalid"):
         ZenFlowConfig().with_rules(free_gradients_in_backward=True)
-    # "lean"'s bf16 sums of the unselected columns cannot be kept with sums on the device
+    # a preset's rules of host sums give way to sums on the device; both set at once contradict each other
+    for preset in ("auto", "lean"):
+        rules = ZenFlowConfig(host_state=preset).with_rules(accumulate_on="Device").rules
+        assert (rules.accumulate_on, rules.host_sum_dtype, rules.host_sum_columns) == ("device", "float32", "all")
     with pytest.raises(ValueError, match=r"EngineRules.host_sum_dtype='bfloat16' is invalid with "
                                          r"accumulate_on='device'"):
-        ZenFlowConfig(host_state="lean").with_rules(accumulate_on="device")
+        ZenFlowConfig().with_rules(accumulate_on="device", host_sum_dtype="bfloat16")
     assert ZenFlowConfig().with_rules(host_sum_columns="Unselected").rules.host_sum_columns == "unselected"
 
 
@@ -145,3 +148,40 @@ def test_the_preset_is_kept_by_a_checkpoint():
     assert config.to_dict()["host_state"] == "lean" and "rules" not in config.to_dict()
     assert ZenFlowConfig.from_dict(config.to_dict()).rules == config.rules
     assert dataclasses.asdict(config.rules) != dataclasses.asdict(ZenFlowConfig().rules)
+
+
+class _Stack(torch.nn.Module):
+    """Twelve 2048 x 2048 linear layers: 50.4 M parameters, every matrix above the default `min_offload_numel`."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False, dtype=dtype) for _ in range(12)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the host bytes of a CPU device (one process, no pinned buffers)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_default_host_state_holds_at_most_10_bytes_and_the_lean_one_8_on_a_50m_model(dtype):
+    """The defaults of a plain optimizer on a CPU device (nothing set but the learning rate) and `host_state="lean"`,
+    measured from the host tensors of a 50 M-parameter model after two windows."""
+    measured = {}
+    for preset in ("auto", "lean"):
+        model = _Stack(dtype)
+        assert sum(p.numel() for p in model.parameters()) >= 50_000_000
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-4, host_state=preset, cpu_threads=1)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(8):
+            x = torch.randn(8, 2048, generator=gen, dtype=dtype)
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.flush()
+        stats = opt.stats()
+        opt.close()
+        assert stats["windows"] >= 1 and stats["host_state_bytes"] > 0.8 * 50e6 * 7
+        measured[preset] = stats["host_bytes_per_param"]
+    assert measured["auto"] <= 10.0
+    assert measured["lean"] <= 8.0

@@ -167,15 +167,18 @@ def test_a_sequential_step_waits_for_the_device_once(monkeypatch):
         real = getattr(torch.Tensor, name)
 
         def read(self, *args, **kwargs):
-            if id(self) in host_counters:  # host memory (the one-pass window kernel reads them): no device wait
+            # host memory (the one-pass window kernel reads them, or a view of them): no device wait
+            if id(self) in host_counters or (self._base is not None and id(self._base) in host_counters):
                 return real(self, *args, **kwargs)
             reads.append(name)
             backend.sync_compute()  # a host read of a device value waits for the compute stream
             return real(self, *args, **kwargs)
         return read
 
-    # the host matrices' AdamW step counts live in host memory (`HostMatrix.step`), as on CUDA
-    host_counters = {id(split.host.step) for split in opt.engine_state.splits.values() if split.host is not None}
+    # the host matrices' AdamW step counts and their kept columns' places live in host memory (`HostMatrix.step`,
+    # `HostMatrix.sum_before`), as on CUDA
+    hosts = [split.host for split in opt.engine_state.splits.values() if split.host is not None]
+    host_counters = {id(t) for host in hosts for t in (host.step, host.sum_before) if t is not None}
     for step in range(3):
         x, y = batches(1, seed=10 + step)[0]
         logits = model(x)
