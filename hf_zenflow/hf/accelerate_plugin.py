@@ -35,6 +35,7 @@ Example (``accelerate launch --cpu --num_processes 1 train.py``)::
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import os
@@ -59,11 +60,27 @@ logger = logging.getLogger(__name__)
 
 #: Prefix of the environment variables read by `ZenFlowPlugin` (``HF_ZENFLOW_<FIELD>``).
 ENV_PREFIX = "HF_ZENFLOW_"
+#: The package's other variables under the prefix, which are not settings: the host wait's limit (`engine/waits.py`),
+#: the kernel and model cache, the native kernels' switch (`transport/cpu_device/kernels.py`), the test suite's device.
+OTHER_ENV = ("HF_ZENFLOW_CACHE", "HF_ZENFLOW_HOST_WAIT_LIMIT_S", "HF_ZENFLOW_NATIVE", "HF_ZENFLOW_TEST_DEVICE")
 
 
 def env_name(setting: str) -> str:
     """The environment variable of a setting: ``HF_ZENFLOW_<SETTING>``."""
     return ENV_PREFIX + setting.upper()
+
+
+def refuse_unknown_env() -> None:
+    """Raise `ValueError` for a variable under ``HF_ZENFLOW_`` that names no setting (a misspelt or removed one would
+    otherwise be ignored without a word), naming the closest setting's variable and the ones allowed."""
+    allowed = sorted(env_name(s.name) for s in SETTINGS)
+    for name in sorted(os.environ):
+        if name.startswith(ENV_PREFIX) and name not in allowed and name not in OTHER_ENV:
+            # (the names compared without the prefix that they all share)
+            close = difflib.get_close_matches(name[len(ENV_PREFIX):], [a[len(ENV_PREFIX):] for a in allowed], n=1)
+            hint = f" (did you mean {ENV_PREFIX}{close[0]}?)" if close else ""
+            raise ValueError(f"{name} is not a ZenFlow setting{hint}: allowed are {', '.join(allowed)}, and "
+                             f"{', '.join(OTHER_ENV)}, which are not settings.")
 
 
 def decay_parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -94,7 +111,8 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
     Every `ZenFlowConfig` field is an argument (generated from its fields). Unset fields take `ZenFlowConfig`'s
     defaults; the optimizer's epoch length is set from the prepared dataloader (`prepare`). Environment values are read
     like command-line text (``true``/``false``, numbers, ``auto``; choices in any case). Invalid values raise
-    `ValueError` naming the argument or the environment variable they came from.
+    `ValueError` naming the argument or the environment variable they came from, and a variable under the prefix that
+    names no setting raises too.
 
     Example:
         >>> import os; os.environ["HF_ZENFLOW_UPDATE_INTERVAL"] = "8"
@@ -106,6 +124,7 @@ class ZenFlowPlugin(_ZenFlowPluginSettings):
 
     def __post_init__(self) -> None:
         self._from_env: dict[str, str] = {}
+        refuse_unknown_env()
         for setting in SETTINGS:
             if getattr(self, setting.name) is not None:
                 continue  # explicit arguments win over the environment

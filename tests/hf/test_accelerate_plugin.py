@@ -53,6 +53,22 @@ def test_explicit_arguments_win_over_env(monkeypatch):
     assert plugin.topk_ratio == 0.05 and plugin.to_config().update_interval == 8
 
 
+@pytest.mark.parametrize(("name", "closest"), [("HF_ZENFLOW_UPDATE_INTERVALL", "HF_ZENFLOW_UPDATE_INTERVAL"),
+                                               ("HF_ZENFLOW_XYZZY", None)])
+def test_a_variable_under_the_prefix_that_names_no_setting_is_refused(monkeypatch, name, closest):
+    """A misspelt or removed setting's variable fails at construction, naming itself, the closest setting's
+    variable where one is close, and the variables allowed; the package's other variables pass."""
+    monkeypatch.setenv("HF_ZENFLOW_HOST_WAIT_LIMIT_S", "60")
+    monkeypatch.setenv("HF_ZENFLOW_NATIVE", "0")
+    assert ZenFlowPlugin().to_config() == ZenFlowConfig()
+    monkeypatch.setenv(name, "4")
+    with pytest.raises(ValueError, match=f"^{name} is not a ZenFlow setting") as raised:
+        ZenFlowPlugin()
+    message = str(raised.value)
+    assert "allowed are HF_ZENFLOW_" in message and "HF_ZENFLOW_TOPK_RATIO" in message
+    assert (f"did you mean {closest}?" in message) if closest else ("did you mean" not in message)
+
+
 @pytest.mark.parametrize(("name", "value"), [("HF_ZENFLOW_TOPK_RATIO", "lots"), ("HF_ZENFLOW_TOPK_RATIO", "3"),
                                              ("HF_ZENFLOW_UPDATE_INTERVAL", "0"), ("HF_ZENFLOW_OVERLAP_STEP", "maybe"),
                                              ("HF_ZENFLOW_CPU_THREADS", "two")])
