@@ -6,8 +6,9 @@ master (4 B) + bf16 exp_avg and exp_avg_sq (4 B, ``host_moment_dtype="bfloat16"`
 host, a bf16 sum of the columns not on the device (``host_sum_dtype="bfloat16"``, ``host_sum_columns="unselected"``:
 1.8 B at topk_ratio=0.1, plus the kept columns' indices, `HostMatrix.keep_sum_columns`; each add computed in fp32 and
 rounded to nearest bf16, the rule of ``accumulate_on="device_bf16"``, `accumulate_into`; the one-pass kernel widens
-it as it reads), or, summed on the device, the accumulator it lands in once per window in its own dtype (fp32 4 B,
-bf16 2 B); then the write-back (``host_writeback="auto"``): on a CPU device from the master itself (copied into the
+it as it reads), or, summed on the device, the accumulator it lands in once per window in its own dtype (fp32 4 B, bf16
+2 B; ordinary memory, which the sum reaches through the transport's receive ring of pinned chunks where copies are
+asynchronous); then the write-back (``host_writeback="auto"``): on a CPU device from the master itself (copied into the
 weight, `HostMatrix.writes_back_master`: nothing more), where copies are asynchronous (CUDA) from a pinned buffer in
 the parameter dtype that the worker fills (2 B for bf16 weights), and on CUDA a pinned copy of the gradient per
 in-flight step when the host sums the window (`grad_slots`: 2 slots with a write-back one step after the close,
@@ -310,13 +311,13 @@ class HostMatrix:
     def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host",
                transport: Transport | None = None, moments: torch.dtype | HostLayout = torch.float32,
                stream: RandomStream | None = None, slots: int = GRAD_SLOTS) -> HostMatrix:
-        """Host state for `param2d`. The buffers that cross the link come from `transport` (pinned from one arena
-        on CUDA): the write-back buffer, the gradient landing buffers when the transport copies each step's
-        gradient (one per hand-off slot), and the accumulator when the window is summed on the device
-        (``accumulate_on="device"``: it lands there once per window, and no landing buffers are needed). The master
-        and the moments never cross the link and are ordinary host memory. `moments`: the moments' dtype (fp32, or
-        bf16 with ``host_moment_dtype="bfloat16"``, int8 for 8-bit codes), or the whole `HostLayout` (the window
-        sum's dtype when it is summed on the host; the write-back from the master, where `HostLayout.on_link`
+        """Host state for `param2d`. The buffers that cross the link come from `transport` (pinned from one arena on
+        CUDA): the write-back buffer and the gradient landing buffers when the transport copies each step's gradient
+        (one per hand-off slot). A window summed on the device (``accumulate_on="device"`` or ``"device_bf16"``) lands
+        once per window in the accumulator, which is ordinary host memory like the master and the moments (the sums
+        cross through the transport's receive ring, `CopyTransport.ship_window_sums`). `moments`: the moments' dtype
+        (fp32, or bf16 with ``host_moment_dtype="bfloat16"``, int8 for 8-bit codes), or the whole `HostLayout` (the
+        window sum's dtype when it is summed on the host; the write-back from the master, where `HostLayout.on_link`
         kept it). `grad_dtype`: the dtype gradients cross the link in. `stream`: where the random bits that round
         narrow moments come from (default: `RandomStream()`, seed 0, the matrix alone). `slots`: the hand-off slots
         (`grad_slots`; `add_staging` adds landing buffers when a later write-back lag needs more)."""
@@ -336,9 +337,10 @@ class HostMatrix:
                         else torch.zeros(shape, dtype=moments)),
             step=torch.zeros((), dtype=torch.float32),
             # a device sum lands in the accumulator once per window, in its own dtype (bf16 with "device_bf16":
-            # the window's pass widens it as it reads, exactly)
-            accum=(transport.host_buffer(shape, torch.bfloat16 if accumulate_on == "device_bf16" else torch.float32)
-                   if on_device else torch.empty(shape, dtype=sum_dtype)).zero_(),
+            # the window's pass widens it as it reads, exactly), through the transport's receive ring where copies
+            # are asynchronous: ordinary memory, like a sum made on the host
+            accum=torch.zeros(shape, dtype=torch.bfloat16 if accumulate_on == "device_bf16" else torch.float32)
+            if on_device else torch.zeros(shape, dtype=sum_dtype),
             grad_dtype=grad_dtype,
             unselected_sums=layout.unselected_sums and not on_device,
             stream=stream if stream is not None else RandomStream(),
@@ -397,11 +399,7 @@ class HostMatrix:
         shared = HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport)
         from_master = layout is not None and layout.writeback_from_master
         sizes = [] if shared or from_master else [numel * param2d.element_size()]
-        if accumulate_on == "device":  # the fp32 accumulator crosses (and may be the write-back buffer)
-            sizes.append(numel * 4)
-        if accumulate_on == "device_bf16":  # the bf16 accumulator crosses
-            sizes.append(numel * 2)
-        elif not sums_on_device(accumulate_on) and transport.stages_gradients:
+        if not sums_on_device(accumulate_on) and transport.stages_gradients:
             sizes += [numel * torch.empty((), dtype=grad_dtype).element_size()] * slots
         return sum(PinnedArena.aligned(n) for n in sizes)
 

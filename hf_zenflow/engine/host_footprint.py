@@ -34,14 +34,14 @@ def host_bytes_per_element(layout: HostLayout, accumulate_on: str, weight_dtype:
     """Host bytes per offloaded element of a matrix whose weights are `weight_dtype` and whose gradients cross the
     link in `grad_dtype`, with its host state stored as `layout` says (where it applies over `transport` with the host
     state shared by `ranks` ranks: `HostLayout.on_link`) and its window summed as `accumulate_on` says ("host",
-    "device" or "device_bf16"): the fp32 master, the two moments, the window sum where it is host memory (with
-    ``host_sum_columns="unselected"`` only the `1 - device_share` of the columns not on the device), and the buffers
-    that cross the link (`HostMatrix.link_bytes`: the write-back buffer, the gradient landing buffers of `slots`
-    hand-off slots, `host.grad_slots`, the device sums' landing buffers)."""
+    "device" or "device_bf16"): the fp32 master, the two moments, the window sum (summed on the host with
+    ``host_sum_columns="unselected"``, only the `1 - device_share` of the columns not on the device; summed on the
+    device, the accumulator it lands in, in its dtype), and the buffers that cross the link (`HostMatrix.link_bytes`:
+    the write-back buffer, the gradient landing buffers of `slots` hand-off slots, `host.grad_slots`)."""
     layout = layout.applied(transport, ranks)
     moments = 2 * MOMENT_BYTES[_MOMENT_SETTING[layout.moments]]
     if sums_on_device(accumulate_on):
-        host_sum = 0.0  # (a buffer that crosses the link: in `link_bytes`)
+        host_sum = 2.0 if accumulate_on == "device_bf16" else 4.0  # (the accumulator a device sum lands in)
     else:
         kept = 1.0 - device_share if layout.unselected_sums else 1.0
         host_sum = layout.sums.itemsize * kept

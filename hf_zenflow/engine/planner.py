@@ -181,10 +181,9 @@ def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> 
     rooms = {device: available_bytes(device, config.device_memory_limit_bytes, sizes.peak)
              for device in {s.param.device for s in splits}}
     room_host = host_room()
-    # (each transport's once: the ring the master is written back through, where it applies)
+    # (each transport once, with whether the write-back reads the master through it)
     masters = {id(t): (t, layout.applied(t, sizes.shares[id(s)].ranks).writeback_from_master)
                for s, t in zip(splits, map(sizes.transport_of, splits))}
-    fixed = sum(t.fixed_host_bytes(from_master) for t, from_master in masters.values())
     # (a write-back from the master rounds on the training thread: into the weights, or the ring of a GPU)
     from_master = any(m for _, m in masters.values())
     slots = grad_slots(planned_writeback_steps(config, int(hosted)))  # (landing buffers of host sums)
@@ -204,6 +203,8 @@ def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> 
                 device_over += max(0.0, need - (spare - MARGIN * size)) if spare is not None and size is not None \
                     else math.inf
             device_bytes += need
+        # (each transport's rings: the write-back from the master's, where it applies, and the device sums')
+        fixed = sum(t.fixed_host_bytes(from_master, bool(sum_bytes)) for t, from_master in masters.values())
         host = fixed + sum(n * host_bytes_per_element(layout, place, s.param.dtype, s.grad_dtype,
                                                       sizes.transport_of(s), sizes.shares[id(s)].ranks,
                                                       s.k / max(1, s.columns), slots)

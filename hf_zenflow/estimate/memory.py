@@ -15,10 +15,10 @@ bf16 model, and the limits it must fit in.
   on the device), and the pinned buffers that cross the link (the bf16 write-back buffer, 2, unless it is written back
   from the master; with the window summed on the host the landing slots of the in-flight gradients,
   `engine.host.grad_slots` x 2: 2 slots, or ``writeback_lag`` + 1 with a later write-back,
-  `engine.writeback_lag.planned_writeback_steps`; with device sums the accumulator they land in, fp32 4 or bf16 2),
-  plus the transport's fixed pinned bytes once per rank (`Transport.fixed_host_bytes`: the ring the master is
-  written back through, `transport.ring`); synchronous offload `SYNC_HOST_BYTES_PER_PARAM`. Every rank of a node
-  holds its share; together they must fit `HOST_MEMORY_HEADROOM` of the node's RAM.
+  `engine.writeback_lag.planned_writeback_steps`; with device sums the ordinary accumulator they land in, fp32 4 or
+  bf16 2), plus the transport's fixed pinned bytes once per rank (`Transport.fixed_host_bytes`: the rings the master is
+  written back through and the device sums cross, `transport.ring`); synchronous offload `SYNC_HOST_BYTES_PER_PARAM`.
+  Every rank of a node holds its share; together they must fit `HOST_MEMORY_HEADROOM` of the node's RAM.
 
 Example:
     >>> round(device_memory_gb("zenflow", 7e9, 0.1, gradients_freed_in_backward=False) / 7, 2)  # GB per 1e9 params

@@ -1,11 +1,12 @@
 """`CopyTransport`: separate device and host buffers and a synchronous copy for every move, the buffers from one
-`PinnedArena` (pinned or not), a write-back from the fp32 master through a `PinnedRing`. `CudaTransport` (`cuda.py`)
-is this schedule with side streams and events; the CPU test suite runs the optimizer with this one to check the
-copying logic."""
+`PinnedArena` (pinned or not), a write-back from the fp32 master and the device sums through a `PinnedRing` each.
+`CudaTransport` (`cuda.py`) is this schedule with side streams and events; the CPU test suite runs the optimizer with
+this one to check the copying logic."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,46 @@ from .._base import by_device
 from .link import CopyEvents, HostEnd, LinkedMatrix, Transport
 from .pinned import HostRegistrar, PinnedArena
 from .ring import PinnedRing
+
+
+class SumsReceipt:
+    """The window sums of one device on their way to the host accumulators through the transport's receive ring
+    (`PinnedRing.receive`), run once by whichever thread needs them first: the host AdamW job before it reads the
+    accumulators (`synchronize`, through `CopyEvents.wait`), or the training thread before the next window's first
+    add overwrites a sum (`sent`). `after`: an event after the window's last add on the compute stream (None where
+    copies are synchronous)."""
+
+    def __init__(self, transport: CopyTransport, device: torch.device,
+                 pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Any) -> None:
+        self.transport, self.device, self.pairs, self.after = transport, device, pairs, after
+        self._lock = threading.Lock()
+        self._sent = threading.Event()
+        self._last: Any = None  # the event after the last copy out of the device sums
+        self.done = False
+        self.cancelled = False
+
+    def _on_sent(self, last: Any) -> None:
+        self._last = last
+        self._sent.set()
+
+    def synchronize(self) -> None:
+        """Receive the sums into the host accumulators, unless that has happened already."""
+        with self._lock:
+            if self.cancelled:
+                raise RuntimeError("the window sums were not received: the transport was closed first")
+            if not self.done:
+                with self.transport._copying(self.device, after=self.after):
+                    self.transport.receive_ring.receive(
+                        self.pairs, self.transport._copy, lambda: self.transport._landed_event(self.device),
+                        self._on_sent)
+                self.done, self.pairs = True, []
+
+    def sent(self) -> Any:
+        """The event after the last copy out of the device sums, once every copy is enqueued (receiving them first
+        if no thread has started to): after it, the sums may be written again."""
+        if not self._sent.is_set():
+            self.synchronize()  # (or, when another thread holds the lock, wait for it to finish)
+        return self._last
 
 
 class CopyTransport(Transport):
@@ -28,9 +69,13 @@ class CopyTransport(Transport):
         #: the write-back from the fp32 master crosses through this ring (its own arena: reserved at the first such
         #: write-back, released with the transport)
         self.ring = PinnedRing(PinnedArena(pin, registrar))
+        #: the device sums cross through this one (reserved at the first window's close) into ordinary host memory
+        self.receive_ring = PinnedRing(PinnedArena(pin, registrar))
+        self._receipts: list[SumsReceipt] = []  # the receipts not known to be done (`close` cancels them)
 
-    def fixed_host_bytes(self, from_master: bool) -> int:
-        return self.ring.nbytes if from_master else 0  # (the ring, taken at the first write-back from the master)
+    def fixed_host_bytes(self, from_master: bool, receives_sums: bool = False) -> int:
+        # (each ring is taken at its first use: the write-back from the master, the first window's device sums)
+        return (self.ring.nbytes if from_master else 0) + (self.receive_ring.nbytes if receives_sums else 0)
 
     def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.arena.take(shape, dtype)
@@ -39,9 +84,17 @@ class CopyTransport(Transport):
         self.arena.reserve(nbytes)
 
     @contextlib.contextmanager
-    def _copying(self, device: torch.device) -> Iterator[None]:
-        """Where the copies of one device are enqueued (CUDA: its side stream)."""
+    def _copying(self, device: torch.device, after: Any = None) -> Iterator[None]:
+        """Where the copies of one device are enqueued (CUDA: its side stream, ordered after the compute stream's
+        work, or after the event `after` recorded on it)."""
         yield
+
+    def _produced_event(self, device: torch.device) -> Any:
+        """An event after the work enqueued so far on `device`'s compute stream (CUDA), or None."""
+        return None
+
+    def _stream_waits(self, device: torch.device, event: Any) -> None:
+        """Order `device`'s compute stream after `event` (CUDA); nothing where copies are synchronous."""
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """One copy, enqueued where `_copying` says (CUDA: asynchronous, on the current stream)."""
@@ -68,22 +121,34 @@ class CopyTransport(Transport):
         """Keep `t`'s memory from being reused before the copy enqueued on `device`'s side stream has read it."""
 
     def ship_window_sums(self, splits: list[LinkedMatrix]) -> CopyEvents:
+        # The sums cross through the receive ring when the host job first needs them (`SumsReceipt`): the copies out
+        # of them are ordered after this point of the compute stream, and the next window's first add into a sum
+        # waits for the copies out of it (`before_window_add`).
         landed = CopyEvents()
+        self._receipts = [r for r in self._receipts if not r.done]
         for device, items in by_device([(s, s.window_sum) for s in splits], lambda item: item[1].device):
-            with self._copying(device):
-                for split, total in items:
-                    host = split.host
-                    self._copy(host.accum, total)
-                event = self._landed_event(device)
-            if event is not None:
-                landed.events.append(event)
-                for split, _ in items:
-                    split.window_sum_free = event  # the next window's first add waits for this copy on the device
+            receipt = SumsReceipt(self, device, [(split.host.accum, total) for split, total in items],
+                                  self._produced_event(device))
+            landed.events.append(receipt)
+            self._receipts.append(receipt)
+            for split, _ in items:
+                split.window_sum_free = receipt
         return landed
+
+    def before_window_add(self, split: LinkedMatrix) -> None:
+        receipt = split.window_sum_free
+        if receipt is not None:
+            # Sync point: the training thread waits until every copy out of the last window's sums is enqueued
+            # (normally long done by the host job: the window's first add comes a step after its close), then, on
+            # CUDA, the compute stream waits for those copies before the sum is overwritten.
+            last = receipt.sent()
+            if last is not None:
+                self._stream_waits(split.param.device, last)
+            split.window_sum_free = None
 
     @property
     def pinned_bytes(self) -> int:
-        return self.arena.pinned_bytes + self.ring.arena.pinned_bytes
+        return self.arena.pinned_bytes + self.ring.arena.pinned_bytes + self.receive_ring.arena.pinned_bytes
 
     def _read_event(self, device: torch.device) -> Any:
         """An event after the copies just enqueued on `device`'s compute stream (CUDA), or None."""
@@ -102,9 +167,14 @@ class CopyTransport(Transport):
         self._copy(weight, host.writeback)
 
     def close(self) -> None:
+        for receipt in self._receipts:
+            with receipt._lock:  # (waits for a receipt another thread is receiving)
+                receipt.cancelled = not receipt.done
+        self._receipts = []
         self.ring.wait()
-        self.ring.arena.release()
-        self.ring.forget()
+        for ring in (self.ring, self.receive_ring):
+            ring.arena.release()
+            ring.forget()
         self.arena.release()
 
 

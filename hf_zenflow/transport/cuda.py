@@ -94,14 +94,26 @@ class CudaTransport(CopyTransport):
         return self._streams[device]
 
     @contextlib.contextmanager
-    def _copying(self, device: torch.device) -> Iterator[None]:
+    def _copying(self, device: torch.device, after: Any = None) -> Iterator[None]:
         stream = self._stream(device)
         self._devices.add(device)
-        # Sync point (device streams only): the side stream waits for the compute stream that produced the data;
-        # the host thread does not wait.
-        stream.wait_stream(self.streams.current_stream(device))
+        # Sync point (device streams only): the side stream waits for the compute stream that produced the data (up
+        # to `after` where given: a later host thread enqueues these copies); the host thread does not wait.
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(self.streams.current_stream(device))
         with self.streams.use(stream):
             yield
+
+    def _produced_event(self, device: torch.device) -> Any:
+        event = self.streams.event()
+        event.record(self.streams.current_stream(device))
+        return event
+
+    def _stream_waits(self, device: torch.device, event: Any) -> None:
+        # Sync point (device streams only): the compute stream waits for `event`; the host thread does not wait.
+        self.streams.current_stream(device).wait_event(event)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.streams.copy(dst, src)
@@ -127,13 +139,6 @@ class CudaTransport(CopyTransport):
 
     def _keep_alive(self, t: torch.Tensor, device: torch.device) -> None:
         self.streams.keep_alive(t, self._stream(device))
-
-    def before_window_add(self, split: LinkedMatrix) -> None:
-        if split.window_sum_free is not None:
-            # Sync point (device streams only): the compute stream waits until the last window's device->host copy
-            # has read the sum before it is overwritten; the host thread does not wait.
-            self.streams.current_stream(split.param.device).wait_event(split.window_sum_free)
-            split.window_sum_free = None
 
     def put_weights(self, split: LinkedMatrix) -> None:
         device = split.param.device

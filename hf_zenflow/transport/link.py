@@ -108,9 +108,10 @@ class Transport:
     #: whether host buffers that cross the link are pinned (asynchronous copies)
     pins_host_memory = False
 
-    def fixed_host_bytes(self, from_master: bool) -> int:
+    def fixed_host_bytes(self, from_master: bool, receives_sums: bool = False) -> int:
         """Host bytes the transport holds whatever the model's size, when the write-back reads the fp32 master
-        (`from_master`) or not; what grows with the model is in each matrix's `host_buffer` requests. None here."""
+        (`from_master`) or not, and windows are summed on the device (`receives_sums`) or not; what grows with the
+        model is in each matrix's `host_buffer` requests. None here."""
         return 0
 
     def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -1,7 +1,11 @@
-"""`PinnedRing`: a fixed number of page-locked chunks, reused in turn, through which a host tensor of any size
-crosses the link piece by piece. The write-back from the fp32 master (``host_writeback="master"``) goes through it on
-a transport with asynchronous copies: each piece of the master is rounded into a chunk on the host and copied from
-there to the weight, so the pinned memory it needs is the ring's, whatever the model's size.
+"""`PinnedRing`: a fixed number of page-locked chunks, reused in turn, through which a tensor of any size crosses the
+link piece by piece, so that the pinned memory a crossing needs is the ring's, whatever the model's size. On a
+transport with asynchronous copies:
+
+- the write-back from the fp32 master (``host_writeback="master"``, `PinnedRing.copy`): each piece of the master is
+  rounded into a chunk on the host and copied from there to the weight;
+- a window's device sums (``accumulate_on="device"`` / ``"device_bf16"``, `PinnedRing.receive`): each piece of a
+  sum is copied into a chunk, and from the chunk into the host accumulator (ordinary memory) once it has landed.
 
 Example:
     >>> import torch
@@ -75,6 +79,46 @@ class PinnedRing:
             staged.copy_(flat_src[start:start + piece.numel()])  # (rounded to the weight's dtype here, on the host)
             send(piece, staged)
             self._read[index] = event_after()
+
+    def receive(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                send: Callable[[torch.Tensor, torch.Tensor], None], event_after: Callable[[], Any],
+                on_sent: Callable[[Any], None] = lambda last: None) -> None:
+        """``dst.copy_(src)`` for each (host `dst`, device `src`) of `pairs`, of one shape and dtype, contiguous,
+        piece by piece: `send` copies a piece of `src` into a chunk (asynchronous on CUDA), `event_after` records an
+        event after that copy (None where copies are synchronous), and the piece goes from the chunk into `dst` once
+        the event has completed. Up to `chunks` pieces are in flight at once. `on_sent` gets the event after the last
+        copy out of the sources (None where copies are synchronous) as soon as it is enqueued: after it the sources
+        may be written again."""
+        if not self._buffers:
+            self.arena.reserve(self.nbytes)
+            self._buffers = [self.arena.take((self.chunk_bytes,), torch.uint8) for _ in range(self.chunks)]
+        in_flight: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # (chunk piece, host piece, landed), in order
+        last = None
+
+        def land() -> None:
+            staged, piece, landed = in_flight.pop(0)
+            if landed is not None:
+                # Sync point (this host thread waits on the device): the piece has landed in its chunk; the chunk
+                # is then free for the piece `chunks` places later.
+                landed.synchronize()
+            piece.copy_(staged)
+
+        for dst, src in pairs:
+            flat_dst, flat_src = dst.view(-1), src.view(-1)
+            per_chunk = max(1, self.chunk_bytes // src.element_size())
+            for start in range(0, flat_src.numel(), per_chunk):
+                piece = flat_src[start:start + per_chunk]
+                if len(in_flight) == self.chunks:
+                    land()
+                chunk = self._buffers[self._next]
+                self._next = (self._next + 1) % self.chunks
+                staged = chunk[:piece.numel() * piece.element_size()].view(piece.dtype)
+                send(staged, piece)
+                last = event_after()
+                in_flight.append((staged, flat_dst[start:start + piece.numel()], last))
+        on_sent(last)
+        while in_flight:
+            land()
 
     def wait(self) -> None:
         """Wait until every copy out of the ring has run (before its memory is unlocked)."""

@@ -254,7 +254,10 @@ def test_a_model_over_several_gpus_gets_device_sums_only_where_every_gpu_has_roo
     spare = dict(zip(gpus, spare_mib))
     monkeypatch.setattr(planner, "available_bytes", lambda device, *limits: (spare[device] * mib, 10 * mib))
     # fp32 weights over pinned buffers: 24 B per element with host sums, 16 with fp32 device sums, 18 with bf16 ones
+    # (the transport's rings, a fixed 128 MiB each, left out: they would dwarf this model)
     plan_with_host_ram(monkeypatch, 20 * 2 * mib)
-    sizes = planner.RunSizes(splits, shares, lambda split: CudaTransport(), 2 * mib, 2 * mib)
+    gpus_transport = CudaTransport()  # (one per device type, as the engine's `Transports` keeps them)
+    monkeypatch.setattr(gpus_transport, "fixed_host_bytes", lambda *rings: 0)
+    sizes = planner.RunSizes(splits, shares, lambda split: gpus_transport, 2 * mib, 2 * mib)
     chosen = planner.plan_accumulation(zenflow_config(accumulate_on="auto"), sizes, SimpleNamespace(ranks=1))
     assert chosen == expected

@@ -133,7 +133,8 @@ def test_the_engine_chooses_what_the_estimate_marks_as_the_default(host_gb, monk
     monkeypatch.setattr(planner, "available_host_bytes", lambda: host_gb * gb)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     node = replace(RUNTIME_NODE)
-    sizes = planner.RunSizes(splits, shares, lambda split: CudaTransport(), params, params, frees_gradients=True)
+    gpu = CudaTransport()  # (one per device type, as the engine's `Transports` keeps them)
+    sizes = planner.RunSizes(splits, shares, lambda split: gpu, params, params, frees_gradients=True)
     engine = planner.plan_accumulation(ZenFlowConfig(), sizes, SimpleNamespace(ranks=1), node)
     profile = replace(PROFILES[DEFAULT_HARDWARE], host_adamw_per_core=node.host_adamw_per_core,
                       host_mem_gb=host_gb * (1 - planner.MARGIN) / HOST_MEMORY_HEADROOM)
