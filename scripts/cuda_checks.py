@@ -26,10 +26,10 @@ CUDA only (skipped elsewhere):
   per step under ``torch.cuda.set_sync_debug_mode("warn")``, and the ``torch.cuda.Event.synchronize`` calls, which
   that mode does not see, counted here per thread (the training thread's, and the host worker's waits for landed
   copies). Recorded, not asserted, except that an ordinary step's training thread waits on no event;
-- `pinned_link_buffers`: every host buffer that crosses the link (gradient landing slots, write-back buffers, the
-  chunks of the rings the device sums and the write-back from the master cross) is page-locked (``Tensor.is_pinned()``,
-  asked of the CUDA driver), and ``stats()["pinned_host_bytes"]`` covers them: a fallback to pageable memory (``ulimit
-  -l``) would make every "asynchronous" copy synchronous, and ``set_sync_debug_mode`` does not report it;
+- `pinned_link_buffers`: every host buffer that crosses the link (write-back buffers, the chunks of the rings that the
+  gradients, the device sums and the write-back from the master cross) is page-locked (``Tensor.is_pinned()``, asked of
+  the CUDA driver), and ``stats()["pinned_host_bytes"]`` covers them: a fallback to pageable memory (``ulimit -l``)
+  would make every "asynchronous" copy synchronous, and ``set_sync_debug_mode`` does not report it;
 - `nccl_two_ranks_one_gpu`: two processes, one NCCL group, both on the one GPU, an all-reduce. NCCL refuses two
   ranks on one device in one communicator ("Duplicate GPU detected"); the check says so when it does, and does not
   count it as a failure.
@@ -371,12 +371,12 @@ def pinned_link_buffers(device: torch.device) -> dict[str, Any]:
                 host = split.host
                 if host is None:
                     continue
-                buffers += [("staging", t) for t in host.staging]
                 buffers += [("writeback", host.writeback)] if not host.writes_back_master else []
-            # (the rings' chunks: the write-back from the master's, and the device sums', which land in ordinary
-            # memory from there)
+            # (the rings' chunks: the write-back from the master's, the gradients' and the device sums', which land in
+            # ordinary memory from there)
             for transport in opt._host.transports.values():
-                rings = [getattr(transport, name, None) for name in ("ring", "receive_ring")]
+                rings = [getattr(transport, "ring", None), getattr(transport, "receive_ring", None),
+                         getattr(getattr(transport, "lander", None), "ring", None)]
                 buffers += [("ring", t) for ring in rings if ring is not None for t in ring._buffers]
             unpinned = sorted({name for name, t in buffers if not t.is_pinned()})
             link_bytes = sum(t.numel() * t.element_size() for _, t in buffers)

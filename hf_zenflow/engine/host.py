@@ -10,11 +10,12 @@ it as it reads), or, summed on the device, the accumulator it lands in once per 
 2 B; ordinary memory, which the sum reaches through the transport's receive ring of pinned chunks where copies are
 asynchronous); then the write-back (``host_writeback="auto"``): on a CPU device from the master itself (copied into the
 weight, `HostMatrix.writes_back_master`: nothing more), where copies are asynchronous (CUDA) from a pinned buffer in
-the parameter dtype that the worker fills (2 B for bf16 weights), and on CUDA a pinned copy of the gradient per
-in-flight step when the host sums the window (`grad_slots`: 2 slots with a write-back one step after the close,
-``writeback_lag`` + 1 with a later one, x the gradient dtype). ``host_writeback="master"`` reads the master on CUDA
-too, through the transport's ring of pinned chunks. With fp32 device sums on a CPU device and fp32 weights the
-write-back buffer is the accumulator itself (`HostMatrix.shares_writeback`). One moment set (DeepSpeed keeps two).
+the parameter dtype that the worker fills (2 B for bf16 weights), and on CUDA a copy of the gradient per in-flight step
+when the host sums the window (ordinary memory, reached through the transport's ring of pinned chunks; `grad_slots`: 2
+slots with a write-back one step after the close, ``writeback_lag`` + 1 with a later one, x the gradient dtype).
+``host_writeback="master"`` reads the master on CUDA too, through the transport's ring of pinned chunks. With fp32
+device sums on a CPU device and fp32 weights the write-back buffer is the accumulator itself
+(`HostMatrix.shares_writeback`). One moment set (DeepSpeed keeps two).
 The bf16 moments are widened, updated in fp32 and rounded back in the same pass (`kernels.window_adamw_bf16`, or
 torch's operations in pieces, `_adamw_narrow_moments`); ``"float32"`` keeps them in fp32 (torch's AdamW arithmetic for
 every element), ``"int8"`` in 8-bit codes with an fp32 scale per block of 256 (2.03 B; decoded, updated and encoded
@@ -285,7 +286,8 @@ class HostMatrix:
     # the dtype each step's gradient reaches the host in (the gradient's own): the staging buffers' on a transport
     # that copies
     grad_dtype: torch.dtype = torch.float32
-    # CUDA only: pinned landing buffers for the device->host gradient copy (one per slot).
+    # CUDA only: landing buffers for the device->host gradient copy (one per slot; ordinary memory, which the
+    # gradient reaches through the transport's ring of pinned chunks, `transport.lander`).
     staging: list[torch.Tensor] = field(default_factory=list)
     # The host result in the parameter dtype, filled by the worker after each host step: on CUDA a pinned buffer
     # the write-back copies from (and the event after which that copy has read it); on a CPU device a spare
@@ -346,7 +348,8 @@ class HostMatrix:
             stream=stream if stream is not None else RandomStream(),
         )
         if transport.stages_gradients and not on_device:
-            state.staging = [transport.host_buffer(shape, grad_dtype) for _ in range(slots)]
+            # (ordinary memory: the gradients land here from the transport's ring of pinned chunks)
+            state.staging = [torch.empty(shape, dtype=grad_dtype) for _ in range(slots)]
         if HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport):
             # the window sum is read by the host AdamW pass, after which the buffer is free until the next window's
             # sum lands at the next close (after the write-back: `HostWindows.close_window`): the rounded master
@@ -370,37 +373,29 @@ class HostMatrix:
         next close. One fp32 buffer serves both when the weights are fp32 (other dtypes keep their own) and the
         copies are synchronous (a CPU device, CPU FSDP2 shards). With asynchronous copies (CUDA) the next sum's
         device->host copy would be ordered after the write-back's host->device copy by stream order, but that is
-        not tested against the asynchronous double (whose landing buffers read as NaN from the enqueue on): the
+        not tested against the asynchronous double (whose buffers read as NaN from the enqueue on): the
         two buffers stay separate there."""
         return accumulate_on == "device" and param_dtype == torch.float32 and not transport.pins_host_memory
 
-    def add_staging(self, transport: Transport, slots: int) -> int:
-        """Landing buffers up to `slots` (`grad_slots`) where the transport stages gradients (`staging`), from
-        `transport` (the caller reserved their bytes: `staging_bytes`); returns how many were added."""
+    def add_staging(self, slots: int) -> int:
+        """Landing buffers up to `slots` (`grad_slots`) where the transport stages gradients (`staging`); returns
+        how many were added."""
         if not self.staging:
             return 0
         missing = slots - len(self.staging)
         first = self.staging[0]
-        self.staging += [transport.host_buffer(first.shape, first.dtype) for _ in range(missing)]
+        self.staging += [torch.empty(first.shape, dtype=first.dtype) for _ in range(missing)]
         return max(0, missing)
 
-    def staging_bytes(self, slots: int) -> int:
-        """Bytes (rounded as a pinned arena rounds them) of the landing buffers `add_staging` adds up to `slots`."""
-        if not self.staging:
-            return 0
-        return max(0, slots - len(self.staging)) * PinnedArena.aligned(self.staging[0].nbytes)
-
     @staticmethod
-    def link_bytes(param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str, transport: Transport,
-                   layout: HostLayout | None = None, slots: int = GRAD_SLOTS) -> int:
-        """Bytes of `transport.host_buffer` that `create` asks for with `slots` hand-off slots (each rounded as a
-        pinned arena rounds it), under `layout` as it applies over `transport` (`HostLayout.applied`)."""
+    def link_bytes(param2d: torch.Tensor, accumulate_on: str, transport: Transport,
+                   layout: HostLayout | None = None) -> int:
+        """Bytes of `transport.host_buffer` that `create` asks for (the write-back buffer, rounded as a pinned arena
+        rounds it), under `layout` as it applies over `transport` (`HostLayout.applied`)."""
         numel = param2d.numel()
         shared = HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport)
         from_master = layout is not None and layout.writeback_from_master
         sizes = [] if shared or from_master else [numel * param2d.element_size()]
-        if not sums_on_device(accumulate_on) and transport.stages_gradients:
-            sizes += [numel * torch.empty((), dtype=grad_dtype).element_size()] * slots
         return sum(PinnedArena.aligned(n) for n in sizes)
 
     def keep_sum_columns(self, unselected: torch.Tensor | None, axis: int) -> None:

@@ -36,18 +36,20 @@ def host_bytes_per_element(layout: HostLayout, accumulate_on: str, weight_dtype:
     state shared by `ranks` ranks: `HostLayout.on_link`) and its window summed as `accumulate_on` says ("host",
     "device" or "device_bf16"): the fp32 master, the two moments, the window sum (summed on the host with
     ``host_sum_columns="unselected"``, only the `1 - device_share` of the columns not on the device; summed on the
-    device, the accumulator it lands in, in its dtype), and the buffers that cross the link (`HostMatrix.link_bytes`:
-    the write-back buffer, the gradient landing buffers of `slots` hand-off slots, `host.grad_slots`)."""
+    device, the accumulator it lands in, in its dtype), the gradient landing buffers of `slots` hand-off slots
+    (`host.grad_slots`) where the transport stages gradients, and the write-back buffer (`HostMatrix.link_bytes`)."""
     layout = layout.applied(transport, ranks)
     moments = 2 * MOMENT_BYTES[_MOMENT_SETTING[layout.moments]]
     if sums_on_device(accumulate_on):
         host_sum = 2.0 if accumulate_on == "device_bf16" else 4.0  # (the accumulator a device sum lands in)
+        landing = 0.0
     else:
         kept = 1.0 - device_share if layout.unselected_sums else 1.0
         host_sum = layout.sums.itemsize * kept
+        landing = slots * grad_dtype.itemsize if transport.stages_gradients else 0.0
     matrix = torch.empty((1, _ELEMENTS), dtype=weight_dtype, device="meta")
-    link = HostMatrix.link_bytes(matrix, grad_dtype, accumulate_on, transport, layout, slots) / _ELEMENTS
-    return FP32_BYTES + moments + host_sum + link
+    link = HostMatrix.link_bytes(matrix, accumulate_on, transport, layout) / _ELEMENTS
+    return FP32_BYTES + moments + host_sum + landing + link
 
 
 __all__ = ["host_bytes_per_element"]

@@ -274,8 +274,8 @@ class HostWindows:
         for transport, group in self.by_transport(splits):
             layout = HostLayout.of(self.config)
             transport.reserve(sum(HostMatrix.link_bytes(
-                shares[id(s)].local(s.matrix(s.param)), s.grad_dtype, self.accumulate_on, transport,
-                layout.applied(transport, shares[id(s)].ranks), self.slots) for s in group))
+                shares[id(s)].local(s.matrix(s.param)), self.accumulate_on, transport,
+                layout.applied(transport, shares[id(s)].ranks)) for s in group))
         self.reserved_ahead = True
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:
@@ -290,10 +290,8 @@ class HostWindows:
         ordinals = {id(p): i for i, p in enumerate(p for g in self.groups for p in g["params"])}
         for transport, group in self.by_transport(splits):
             if not self.reserved_ahead:  # (`decide_accumulation` reserved for the first step's matrices)
-                transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), s.grad_dtype,
-                                                            accumulate_on, transport,
-                                                            layout.applied(transport, shares[id(s)].ranks),
-                                                            self.slots)
+                transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), accumulate_on,
+                                                            transport, layout.applied(transport, shares[id(s)].ranks))
                                       for s in group))
             for split in group:
                 # (the parameter's place in the param groups, and its rows' place under FSDP2: what every rank and
@@ -379,15 +377,13 @@ class HostWindows:
 
     def provide_slots(self, count: int) -> None:
         """At least `count` hand-off slots (`host.grad_slots`): each matrix whose transport stages gradients gets
-        its landing buffers for the new slots (one reservation per transport: pinned on CUDA), then the worker's
-        pool the new indices. In `step()`, between backward passes, so no hook takes a slot meanwhile."""
+        its landing buffers for the new slots, then the worker's pool the new indices. In `step()`, between backward
+        passes, so no hook takes a slot meanwhile."""
         if count <= self.slots:
             return
-        staged = [split for split in self.splits.values() if split.host is not None and split.host.staging]
-        for transport, group in self.by_transport(staged):
-            transport.reserve(sum(split.host.staging_bytes(count) for split in group))
-            for split in group:
-                split.host.add_staging(transport, count)
+        for split in self.splits.values():
+            if split.host is not None:
+                split.host.add_staging(count)
         self.slots = count
         if self.worker is not None:
             self.worker.provide_slots(count)

@@ -1,5 +1,6 @@
 """`CopyTransport`: separate device and host buffers and a synchronous copy for every move, the buffers from one
-`PinnedArena` (pinned or not), a write-back from the fp32 master and the device sums through a `PinnedRing` each.
+`PinnedArena` (pinned or not); the write-back from the fp32 master, the device sums and each step's gradients
+through a `PinnedRing` each.
 `CudaTransport` (`cuda.py`) is this schedule with side streams and events; the CPU test suite runs the optimizer with
 this one to check the copying logic."""
 
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from .._base import by_device
+from .lander import StagingLander
 from .link import CopyEvents, HostEnd, LinkedMatrix, Transport
 from .pinned import HostRegistrar, PinnedArena
 from .ring import PinnedRing
@@ -72,10 +74,15 @@ class CopyTransport(Transport):
         #: the device sums cross through this one (reserved at the first window's close) into ordinary host memory
         self.receive_ring = PinnedRing(PinnedArena(pin, registrar))
         self._receipts: list[SumsReceipt] = []  # the receipts not known to be done (`close` cancels them)
+        #: each step's gradients cross through this one (reserved at the first hand-off) into the landing slots, in
+        #: ordinary host memory, which the lander's thread fills
+        self.lander = StagingLander(PinnedRing(PinnedArena(pin, registrar)))
 
     def fixed_host_bytes(self, from_master: bool, receives_sums: bool = False) -> int:
-        # (each ring is taken at its first use: the write-back from the master, the first window's device sums)
-        return (self.ring.nbytes if from_master else 0) + (self.receive_ring.nbytes if receives_sums else 0)
+        # (each ring is taken at its first use: the write-back from the master; the first window's device sums, or
+        # the first step's gradients where the host sums the window)
+        crossing = self.receive_ring if receives_sums else self.lander.ring
+        return (self.ring.nbytes if from_master else 0) + crossing.nbytes
 
     def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.arena.take(shape, dtype)
@@ -106,15 +113,24 @@ class CopyTransport(Transport):
 
     def hand_off(self, work: list[tuple[LinkedMatrix, torch.Tensor]], slot: int
                  ) -> tuple[list[tuple[HostEnd, torch.Tensor]], CopyEvents]:
+        # Piece by piece through the lander's ring into the slot's landing buffers (ordinary memory): the host job
+        # waits for the lander's marks; the event after the last copy lets the compute stream wait for the copies
+        # out of the gradients (`compute_waits_for`).
         landed = CopyEvents()
         for device, items in by_device(work, lambda item: item[1].device):
+            recorded: list[Any] = []  # (the events after each piece's copy: the last one is after them all)
+
+            def event_after(device: torch.device = device, recorded: list[Any] = recorded) -> Any:
+                recorded.append(self._landed_event(device))
+                return recorded[-1]
+
             with self._copying(device):
                 for split, g in items:
-                    self._copy(split.host.staging[slot], split.host_part(g))
+                    landed.events.append(self.lander.stage(split.host.staging[slot], split.host_part(g), self._copy,
+                                                           event_after))
                     self._keep_alive(g, device)
-                event = self._landed_event(device)
-            if event is not None:
-                landed.events.append(event)
+            if recorded and recorded[-1] is not None:
+                landed.events.append(recorded[-1])
         return [(split.host, split.host.staging[slot]) for split, _ in work], landed
 
     def _keep_alive(self, t: torch.Tensor, device: torch.device) -> None:
@@ -148,7 +164,8 @@ class CopyTransport(Transport):
 
     @property
     def pinned_bytes(self) -> int:
-        return self.arena.pinned_bytes + self.ring.arena.pinned_bytes + self.receive_ring.arena.pinned_bytes
+        return sum(arena.pinned_bytes for arena in (self.arena, self.ring.arena, self.receive_ring.arena,
+                                                      self.lander.ring.arena))
 
     def _read_event(self, device: torch.device) -> Any:
         """An event after the copies just enqueued on `device`'s compute stream (CUDA), or None."""
@@ -171,8 +188,9 @@ class CopyTransport(Transport):
             with receipt._lock:  # (waits for a receipt another thread is receiving)
                 receipt.cancelled = not receipt.done
         self._receipts = []
+        self.lander.close()
         self.ring.wait()
-        for ring in (self.ring, self.receive_ring):
+        for ring in (self.ring, self.receive_ring, self.lander.ring):
             ring.arena.release()
             ring.forget()
         self.arena.release()

@@ -5,7 +5,8 @@ transport with asynchronous copies:
 - the write-back from the fp32 master (``host_writeback="master"``, `PinnedRing.copy`): each piece of the master is
   rounded into a chunk on the host and copied from there to the weight;
 - a window's device sums (``accumulate_on="device"`` / ``"device_bf16"``, `PinnedRing.receive`): each piece of a
-  sum is copied into a chunk, and from the chunk into the host accumulator (ordinary memory) once it has landed.
+  sum is copied into a chunk, and from the chunk into the host accumulator (ordinary memory) once it has landed;
+- each step's gradients, where the host sums the window (`lander.StagingLander`): the same, into the landing slots.
 
 Example:
     >>> import torch
@@ -50,10 +51,15 @@ class PinnedRing:
     def nbytes(self) -> int:
         return self.chunk_bytes * self.chunks
 
-    def _chunk(self) -> tuple[int, torch.Tensor]:
+    def buffers(self) -> list[torch.Tensor]:
+        """The chunks, reserved at the first call."""
         if not self._buffers:
             self.arena.reserve(self.nbytes)
             self._buffers = [self.arena.take((self.chunk_bytes,), torch.uint8) for _ in range(self.chunks)]
+        return self._buffers
+
+    def _chunk(self) -> tuple[int, torch.Tensor]:
+        self.buffers()
         index = self._next
         self._next = (index + 1) % self.chunks
         read = self._read[index]
@@ -89,9 +95,7 @@ class PinnedRing:
         the event has completed. Up to `chunks` pieces are in flight at once. `on_sent` gets the event after the last
         copy out of the sources (None where copies are synchronous) as soon as it is enqueued: after it the sources
         may be written again."""
-        if not self._buffers:
-            self.arena.reserve(self.nbytes)
-            self._buffers = [self.arena.take((self.chunk_bytes,), torch.uint8) for _ in range(self.chunks)]
+        self.buffers()
         in_flight: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # (chunk piece, host piece, landed), in order
         last = None
 

@@ -21,6 +21,7 @@ from hf_zenflow.estimate.hardware import (
     zenflow_host_passes,
 )
 from hf_zenflow.estimate.profiles import ACCUMULATE_VS_ADAMW, PROFILES, HardwareProfile, load_profile
+from hf_zenflow.transport.ring import RING_BYTES
 
 
 @pytest.fixture(autouse=True)
@@ -224,8 +225,11 @@ def test_per_rank_figures_scale_as_documented(ranks: int, host_ms: float, link_m
     # per window
     assert zen["device_ms"] == pytest.approx(120 + 2.8 + 2 + (link_ms + allgather_ms) / u)
     assert sync["device_ms"] == pytest.approx(120 + allgather_ms)
-    assert zen["host_memory_gb"] == pytest.approx(host_gb) and sync["host_memory_gb"] == pytest.approx(16 / ranks)
-    assert zen["host_memory_node_gb"] == pytest.approx(15.8)  # the node holds all ranks' shares
+    # (each rank's share, and the ring its gradients cross, a fixed 128 MiB)
+    ring_gb = RING_BYTES / 1e9
+    assert zen["host_memory_gb"] == pytest.approx(host_gb + ring_gb)
+    assert sync["host_memory_gb"] == pytest.approx(16 / ranks)
+    assert zen["host_memory_node_gb"] == pytest.approx(15.8 + ranks * ring_gb)  # the node holds all ranks' shares
     # DDP replicates weights, grads, the selected state
     assert zen["device_memory_gb"] == pytest.approx(4.0 + 0.1 * memory.SELECTED_BYTES)
     fsdp = schedule_model(profile, 1e9, 1000, 0.1, u, ranks=ranks, parallel="fsdp2")

@@ -1,8 +1,9 @@
-"""The pinned pool where copies are asynchronous: a window's device sums cross into ordinary host memory through the
-transport's receive ring (`PinnedRing.receive`), the write-back from the master through its write ring, over the CPU
-double of an asynchronous device (`tests/doubles/async_device.py`: a chunk read on the host before its copy has
-landed reads NaN; a sum overwritten before the copy out of it has run is a torn read). The runs give the CPU device's
-bits, and the page-locked bytes are the two rings' whatever the model's size."""
+"""The pinned pool where copies are asynchronous: each step's gradients cross into their landing slots through the
+lander's ring (`lander.StagingLander`), a window's device sums into the host accumulator through the receive ring
+(`PinnedRing.receive`), the write-back from the master through its write ring, all into or out of ordinary host
+memory, over the CPU double of an asynchronous device (`tests/doubles/async_device.py`: a chunk read on the host
+before its copy has landed reads NaN; a sum overwritten before the copy out of it has run is a torn read). The runs
+give the CPU device's bits, and the page-locked bytes are the rings' whatever the model's size."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from hf_zenflow.transport.cpu_device.transport import CpuDeviceTransport
+from hf_zenflow.transport.lander import StagingLander
 from hf_zenflow.transport.pinned import PinnedArena
 from hf_zenflow.transport.ring import PinnedRing
 from tests.conftest import DEVICE
@@ -32,6 +34,8 @@ def small_ring_transports(monkeypatch, backends, transports, chunk_bytes=256, ch
         transport, backend = async_transport(next(seeds))
         transport.ring = PinnedRing(transport.ring.arena, chunk_bytes=chunk_bytes, chunks=chunks)
         transport.receive_ring = PinnedRing(transport.receive_ring.arena, chunk_bytes=chunk_bytes, chunks=chunks)
+        transport.lander = StagingLander(PinnedRing(transport.lander.ring.arena, chunk_bytes=chunk_bytes,
+                                                    chunks=chunks))
         backends.append(backend)
         transports.append(transport)
         return transport
@@ -40,9 +44,11 @@ def small_ring_transports(monkeypatch, backends, transports, chunk_bytes=256, ch
 
 
 @pytest.mark.parametrize("writeback", ["buffer", "master"])
-@pytest.mark.parametrize("accumulate_on", ["device", "device_bf16"])
+@pytest.mark.parametrize("accumulate_on", ["host", "device", "device_bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_device_sums_through_the_receive_ring_give_the_cpu_device_bits(dtype, accumulate_on, writeback, monkeypatch):
+def test_the_crossings_through_the_rings_give_the_cpu_device_bits(dtype, accumulate_on, writeback, monkeypatch):
+    """Each step's gradients (host sums) or the window's sums (device sums), and the write-back, through rings of
+    2 x 256 B."""
     rules = dict(accumulate_on=accumulate_on, host_writeback=writeback)
     monkeypatch.setattr("hf_zenflow.transport.transport_for", lambda device: CpuDeviceTransport())
     cpu_losses, cpu_weights, _ = run(dtype, **rules)
@@ -106,18 +112,20 @@ class Wide(torch.nn.Module):
         return self.head(torch.relu(self.outer(torch.relu(self.inner(self.embed(x))))))
 
 
+@pytest.mark.parametrize("accumulate_on", ["host", "device_bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_pinned_bytes_are_the_rings_whatever_the_models_size(dtype, monkeypatch):
-    """Device sums and the lean host state (the write-back from the master): the page-locked bytes are the two
-    rings', for two models a factor of 4 apart; the host state itself grows with the model."""
+def test_the_pinned_bytes_are_the_rings_whatever_the_models_size(dtype, accumulate_on, monkeypatch):
+    """The lean host state (the write-back from the master), the window summed on the host or the device: the
+    page-locked bytes are two rings' (the write-back's, and the gradients' or the sums'), for two models a factor
+    of 4 apart; the host state itself grows with the model."""
     pinned, hosted = {}, {}
     for width in (64, 128):
         backends, transports = [], []
         small_ring_transports(monkeypatch, backends, transports, chunk_bytes=4096, chunks=3)
         *_, stats = run(dtype, steps=8, make=lambda dtype, width=width: Wide(width, dtype), host_state="lean",
-                        accumulate_on="device_bf16")
+                        accumulate_on=accumulate_on)
         assert stats["windows"] > 0 and transports
-        rings = sum(t.ring.nbytes + t.receive_ring.nbytes for t in transports)
+        rings = sum(t.fixed_host_bytes(True, accumulate_on != "host") for t in transports)
         pinned[width], hosted[width] = stats["pinned_host_bytes"], stats["host_state_bytes"]
         assert pinned[width] == rings == 2 * 3 * 4096, width
     assert hosted[128] > 3 * hosted[64]
