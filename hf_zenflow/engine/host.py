@@ -100,17 +100,16 @@ def moment_dtype(setting: str) -> torch.dtype:
 @dataclass(frozen=True)
 class HostLayout:
     """How a matrix's host state is stored: the moments' dtype (``host_moment_dtype``), the window sum's when the
-    window is summed on the host (``host_sum_dtype``), and whether the write-back reads the fp32 master itself
-    instead of a buffer in the weight's dtype (``host_writeback="master"``, or ``"auto"`` where its copy is a plain
-    one: `on_link`)."""
+    window is summed on the host (``host_sum_dtype``), and where the write-back reads the host result from
+    (``host_writeback``: ``"buffer"``, ``"master"``, or ``"auto"``, which `applied` resolves to one of them over a
+    transport)."""
 
     moments: torch.dtype = torch.float32
     sums: torch.dtype = torch.float32
-    writeback_from_master: bool = False
+    #: ``host_writeback``: "buffer", "master", or "auto" until resolved (`applied`)
+    writeback: str = "buffer"
     #: ``host_sum_columns="unselected"``: a window summed on the host keeps only the columns not on the device
     unselected_sums: bool = False
-    #: ``host_writeback="auto"``: the master where the write-back is a plain copy (`on_link`), else the buffer
-    writeback_auto: bool = False
     #: Whether ``host_writeback="master"`` was asked for by `ZenFlowConfig.with_rules` (where it does not apply, a
     #: warning) rather than by a preset (``host_state="lean"``, which cannot be wrong: logged at info level)
     writeback_asked: bool = field(default=False, compare=False)
@@ -120,10 +119,15 @@ class HostLayout:
         rules = config.rules
         return cls(moments=moment_dtype(rules.host_moment_dtype),
                    sums=torch.bfloat16 if rules.host_sum_dtype == "bfloat16" else torch.float32,
-                   writeback_from_master=rules.host_writeback in ("master", "auto"),
+                   writeback=rules.host_writeback,
                    unselected_sums=rules.host_sum_columns == "unselected",
-                   writeback_auto=rules.host_writeback == "auto",
                    writeback_asked="host_writeback" in config.changed_rules())
+
+    @property
+    def writeback_from_master(self) -> bool:
+        """Whether the write-back reads the fp32 master itself instead of a buffer in the weight's dtype (a resolved
+        layout: `applied`; an unresolved ``"auto"`` reads False)."""
+        return self.writeback == "master"
 
     @staticmethod
     def master_writeback_applies(transport: Transport, ranks: int) -> bool:
@@ -135,9 +139,11 @@ class HostLayout:
     def applied(self, transport: Transport, ranks: int) -> HostLayout:
         """The layout as it applies over `transport` with the host state shared by `ranks` ranks (`on_link`, which
         also says so when ``"master"`` does not apply)."""
-        keeps = self.master_writeback_applies(transport, ranks) and not (
-            self.writeback_auto and transport.pins_host_memory)
-        return self if not self.writeback_from_master or keeps else replace(self, writeback_from_master=False)
+        if self.writeback == "buffer":
+            return self
+        master = self.master_writeback_applies(transport, ranks) and not (
+            self.writeback == "auto" and transport.pins_host_memory)
+        return replace(self, writeback="master" if master else "buffer")
 
     def on_link(self, transport: Transport, ranks: int) -> HostLayout:
         """The layout as it applies over `transport` with the host state shared by `ranks` ranks: the write-back
@@ -150,7 +156,7 @@ class HostLayout:
         asked for it, at info level when a preset did (``host_state="lean"`` takes the smallest state that
         applies)."""
         resolved = self.applied(transport, ranks)
-        if resolved is self or self.writeback_auto:
+        if resolved.writeback == self.writeback or self.writeback == "auto":
             return resolved
         global _warned_writeback
         if not _warned_writeback:

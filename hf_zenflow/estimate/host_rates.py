@@ -157,7 +157,7 @@ def _time_engine_passes() -> tuple[float, float, float]:
     shape = (PASS_PARAMS // 4096, 4096)
     param = torch.randn(shape, generator=gen, dtype=torch.bfloat16).mul_(0.02)
     grad = torch.randn(shape, generator=gen, dtype=torch.bfloat16).mul_(1e-3)
-    layout = replace(HostLayout.of(ZenFlowConfig()), writeback_from_master=False)
+    layout = replace(HostLayout.of(ZenFlowConfig()), writeback="buffer")
     host = HostMatrix.create(param, torch.bfloat16, "host", moments=layout)
     writeback, host.writeback = host.writeback, None  # (the rounding is timed on its own)
     hyper = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}

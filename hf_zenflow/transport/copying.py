@@ -40,6 +40,10 @@ class SumsReceipt:
         self._last = last
         self._sent.set()
 
+    def query(self) -> bool:
+        """Whether the sums are in the host accumulators (no wait)."""
+        return self.done
+
     def synchronize(self) -> None:
         """Receive the sums into the host accumulators, unless that has happened already."""
         with self._lock:
