@@ -319,16 +319,17 @@ class HostMatrix:
     def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host",
                transport: Transport | None = None, moments: torch.dtype | HostLayout = torch.float32,
                stream: RandomStream | None = None, slots: int = GRAD_SLOTS) -> HostMatrix:
-        """Host state for `param2d`. The buffers that cross the link come from `transport` (pinned from one arena on
-        CUDA): the write-back buffer and the gradient landing buffers when the transport copies each step's gradient
-        (one per hand-off slot). A window summed on the device (``accumulate_on="device"`` or ``"device_bf16"``) lands
-        once per window in the accumulator, which is ordinary host memory like the master and the moments (the sums
-        cross through the transport's receive ring, `CopyTransport.ship_window_sums`). `moments`: the moments' dtype
-        (fp32, or bf16 with ``host_moment_dtype="bfloat16"``, int8 for 8-bit codes), or the whole `HostLayout` (the
-        window sum's dtype when it is summed on the host; the write-back from the master, where `HostLayout.on_link`
-        kept it). `grad_dtype`: the dtype gradients cross the link in. `stream`: where the random bits that round
-        narrow moments come from (default: `RandomStream()`, seed 0, the matrix alone). `slots`: the hand-off slots
-        (`grad_slots`; `add_staging` adds landing buffers when a later write-back lag needs more)."""
+        """Host state for `param2d`. The write-back buffer comes from `transport` (pinned from one arena on CUDA); the
+        gradient landing buffers, where the transport copies each step's gradient (one per hand-off slot), are ordinary
+        memory the gradients reach through the transport's ring (`transport.lander`). A window summed on the device
+        (``accumulate_on="device"`` or ``"device_bf16"``) lands once per window in the accumulator, which is ordinary
+        host memory like the master and the moments (the sums cross through the transport's receive ring,
+        `CopyTransport.ship_window_sums`). `moments`: the moments' dtype (fp32, or bf16 with
+        ``host_moment_dtype="bfloat16"``, int8 for 8-bit codes), or the whole `HostLayout` (the window sum's dtype when
+        it is summed on the host; the write-back from the master, where `HostLayout.on_link` kept it). `grad_dtype`:
+        the dtype gradients cross the link in. `stream`: where the random bits that round narrow moments come from
+        (default: `RandomStream()`, seed 0, the matrix alone). `slots`: the hand-off slots (`grad_slots`; `add_staging`
+        adds landing buffers when a later write-back lag needs more)."""
         transport = transport if transport is not None else Transport()  # (references, no pinning)
         layout = moments if isinstance(moments, HostLayout) else HostLayout(moments=moments)
         moments = layout.moments

@@ -61,8 +61,10 @@ logger = logging.getLogger(__name__)
 #: Prefix of the environment variables read by `ZenFlowPlugin` (``HF_ZENFLOW_<FIELD>``).
 ENV_PREFIX = "HF_ZENFLOW_"
 #: The package's other variables under the prefix, which are not settings: the host wait's limit (`engine/waits.py`),
-#: the kernel and model cache, the native kernels' switch (`transport/cpu_device/kernels.py`), the test suite's device.
-OTHER_ENV = ("HF_ZENFLOW_CACHE", "HF_ZENFLOW_HOST_WAIT_LIMIT_S", "HF_ZENFLOW_NATIVE", "HF_ZENFLOW_TEST_DEVICE")
+#: the kernel and model cache, the native kernels' switch (`transport/cpu_device/kernels.py`).
+OTHER_ENV = ("HF_ZENFLOW_CACHE", "HF_ZENFLOW_HOST_WAIT_LIMIT_S", "HF_ZENFLOW_NATIVE")
+#: The test suite's own variables (its device, its gradient-freeing mode) share this prefix.
+TEST_ENV_PREFIX = "HF_ZENFLOW_TEST_"
 
 
 def env_name(setting: str) -> str:
@@ -75,12 +77,14 @@ def refuse_unknown_env() -> None:
     otherwise be ignored without a word), naming the closest setting's variable and the ones allowed."""
     allowed = sorted(env_name(s.name) for s in SETTINGS)
     for name in sorted(os.environ):
-        if name.startswith(ENV_PREFIX) and name not in allowed and name not in OTHER_ENV:
+        if (name.startswith(ENV_PREFIX) and name not in allowed and name not in OTHER_ENV
+                and not name.startswith(TEST_ENV_PREFIX)):
             # (the names compared without the prefix that they all share)
             close = difflib.get_close_matches(name[len(ENV_PREFIX):], [a[len(ENV_PREFIX):] for a in allowed], n=1)
             hint = f" (did you mean {ENV_PREFIX}{close[0]}?)" if close else ""
             raise ValueError(f"{name} is not a ZenFlow setting{hint}: allowed are {', '.join(allowed)}, and "
-                             f"{', '.join(OTHER_ENV)}, which are not settings.")
+                             f"{', '.join(OTHER_ENV)} and the test suite's {TEST_ENV_PREFIX}*, which are not "
+                             "settings.")
 
 
 def decay_parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

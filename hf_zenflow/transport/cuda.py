@@ -1,7 +1,7 @@
-"""`CudaTransport`: asynchronous copies on one side stream per CUDA device, into and out of pinned host buffers carved
-from one registered arena (`PinnedArena`); CUDA events say when a copy has landed (host jobs wait on them) and when a
-buffer has been read (its next writer waits on them). `CudaStreams` holds every stream, event and copy call it
-makes."""
+"""`CudaTransport`: asynchronous copies on one side stream per CUDA device, out of pinned write-back buffers carved
+from one registered arena (`PinnedArena`) and through the rings of pinned chunks `CopyTransport` keeps; CUDA events
+say when a copy has landed (host jobs wait on them) and when a buffer has been read (its next writer waits on them).
+`CudaStreams` holds every stream, event and copy call it makes."""
 
 from __future__ import annotations
 

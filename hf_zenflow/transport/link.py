@@ -5,9 +5,10 @@ The optimizer hands each step's gradients to the host, ships a window's device-s
 (``accumulate_on="device"``) and writes host results back into the weights, always through a `Transport`; it never
 asks what the device is.
 
-- `cuda.CudaTransport`: asynchronous copies on one side stream per CUDA device, into and out of pinned host buffers
-  carved from one registered arena (`PinnedArena`); CUDA events say when a copy has landed (host jobs wait on them)
-  and when a buffer has been read (its next writer waits on them).
+- `cuda.CudaTransport`: asynchronous copies on one side stream per CUDA device, out of pinned write-back buffers
+  carved from one registered arena (`PinnedArena`), and through rings of pinned chunks for each step's gradients,
+  a window's device sums and the write-back from the master (`ring.PinnedRing`, `lander.StagingLander`); CUDA events
+  say when a copy has landed (host jobs wait on them) and when a buffer has been read (its next writer waits on them).
 - `copying.CopyTransport`: the same schedule with ordinary synchronous copies and unpinned buffers: what
   `CudaTransport` does, minus streams and events. The CPU test suite runs the optimizer with it to check the copying
   logic.

@@ -4,6 +4,7 @@ round-trip, fail-fast checks and the thread trap."""
 from __future__ import annotations
 
 import copy
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -67,6 +68,22 @@ def test_a_variable_under_the_prefix_that_names_no_setting_is_refused(monkeypatc
     message = str(raised.value)
     assert "allowed are HF_ZENFLOW_" in message and "HF_ZENFLOW_TOPK_RATIO" in message
     assert (f"did you mean {closest}?" in message) if closest else ("did you mean" not in message)
+
+
+def test_every_variable_the_project_reads_under_the_prefix_is_accepted(monkeypatch):
+    """Each ``HF_ZENFLOW_*`` name in the package, the scripts and the test suite's conftest files, set at once: the
+    plugin refuses none of them (a variable the project reads is never taken for a misspelt setting)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    files = [*(root / "hf_zenflow").rglob("*.py"), *(root / "scripts").glob("*"), *(root / "tests").glob("*.py")]
+    # (whole names: not a prefix such as the test suite's, followed by more of a name or a wildcard)
+    name = re.compile(r"HF_ZENFLOW_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_<*])")
+    names = {m for f in files if f.is_file() for m in name.findall(f.read_text())}
+    assert {"HF_ZENFLOW_NATIVE", "HF_ZENFLOW_TEST_FREE_GRADIENTS", "HF_ZENFLOW_TOPK_RATIO"} <= names
+    for variable in names:
+        monkeypatch.setenv(variable, "")  # (an empty value is not read as a setting)
+    ZenFlowPlugin()
 
 
 @pytest.mark.parametrize(("name", "value"), [("HF_ZENFLOW_TOPK_RATIO", "lots"), ("HF_ZENFLOW_TOPK_RATIO", "3"),
