@@ -353,7 +353,8 @@ def host_syncs(device: torch.device, steps: int = 24) -> dict[str, Any]:
 
 
 def pinned_link_buffers(device: torch.device) -> dict[str, Any]:
-    """Per accumulation place: every host buffer that crosses the link is page-locked, and the stats count it."""
+    """Per accumulation place: every host buffer that crosses the link (the rings' chunks) is page-locked, the stats
+    count them, and the write-back buffers are ordinary memory (they cross through the write ring)."""
     out: dict[str, Any] = {}
     ok = True
     for accumulate_on in ACCUMULATIONS:
@@ -366,14 +367,11 @@ def pinned_link_buffers(device: torch.device) -> dict[str, Any]:
                 opt.step()
                 opt.zero_grad()
             opt.synchronize()
+            pinned_writeback = sum(1 for split in opt._split.values() if split.host is not None
+                                   and not split.host.writes_back_master and split.host.writeback.is_pinned())
             buffers = []
-            for split in opt._split.values():
-                host = split.host
-                if host is None:
-                    continue
-                buffers += [("writeback", host.writeback)] if not host.writes_back_master else []
-            # (the rings' chunks: the write-back from the master's, the gradients' and the device sums', which land in
-            # ordinary memory from there)
+            # (the rings' chunks: the write-back's, the gradients' and the device sums', which land in ordinary
+            # memory from there)
             for transport in opt._host.transports.values():
                 rings = [getattr(transport, "ring", None), getattr(transport, "receive_ring", None),
                          getattr(getattr(transport, "lander", None), "ring", None)]
@@ -383,8 +381,9 @@ def pinned_link_buffers(device: torch.device) -> dict[str, Any]:
             pinned_bytes = int(opt.stats()["pinned_host_bytes"])
         finally:
             opt.close()
-        part_ok = bool(buffers) and not unpinned and pinned_bytes >= link_bytes
+        part_ok = bool(buffers) and not unpinned and pinned_bytes >= link_bytes and pinned_writeback == 0
         out[f"accumulate_on={accumulate_on}"] = {"ok": part_ok, "link_buffers": len(buffers),
+                                                  "pinned_writeback_buffers": pinned_writeback,
                                                   "unpinned_kinds": unpinned, "link_bytes": link_bytes,
                                                   "pinned_host_bytes": pinned_bytes}
         ok &= part_ok

@@ -9,8 +9,9 @@ rounded to nearest bf16, the rule of ``accumulate_on="device_bf16"``, `accumulat
 it as it reads), or, summed on the device, the accumulator it lands in once per window in its own dtype (fp32 4 B, bf16
 2 B; ordinary memory, which the sum reaches through the transport's receive ring of pinned chunks where copies are
 asynchronous); then the write-back (``host_writeback="auto"``): on a CPU device from the master itself (copied into the
-weight, `HostMatrix.writes_back_master`: nothing more), where copies are asynchronous (CUDA) from a pinned buffer in
-the parameter dtype that the worker fills (2 B for bf16 weights), and on CUDA a copy of the gradient per in-flight step
+weight, `HostMatrix.writes_back_master`: nothing more), where copies are asynchronous (CUDA) from a buffer in the
+parameter dtype that the worker fills (2 B for bf16 weights; ordinary memory, copied to the weight through the
+transport's ring of pinned chunks), and on CUDA a copy of the gradient per in-flight step
 when the host sums the window (ordinary memory, reached through the transport's ring of pinned chunks; `grad_slots`: 2
 slots with a write-back one step after the close, ``writeback_lag`` + 1 with a later one, x the gradient dtype).
 ``host_writeback="master"`` reads the master on CUDA too, through the transport's ring of pinned chunks. With fp32
@@ -49,7 +50,6 @@ from ..settings.config import sums_on_device
 from ..transport.cpu_device import kernels
 from ..transport.cpu_device.rounding import RandomStream, moment_random16, round_bf16
 from ..transport.link import Transport
-from ..transport.pinned import PinnedArena
 from .quantized_moments import QuantizedMoment, adamw_pass, kernel_matches
 
 
@@ -69,7 +69,7 @@ def grad_slots(lag: int) -> int:
     and each of the next steps' jobs queues behind it on the in-order worker with its own slot, so the `lag` steps
     up to the write-back (which waits for that AdamW, in `step()`) need `lag` slots beside it; with fewer, a backward
     hook of one of them would wait in `take_slot` for the AdamW while the device idles. Each slot costs a landing
-    buffer of every offloaded gradient where the transport copies them (pinned, on CUDA: `HostMatrix.link_bytes`).
+    buffer of every offloaded gradient where the transport stages them (`HostMatrix.staging`).
 
     Example:
         >>> grad_slots(1), grad_slots(3)
@@ -295,10 +295,10 @@ class HostMatrix:
     # CUDA only: landing buffers for the device->host gradient copy (one per slot; ordinary memory, which the
     # gradient reaches through the transport's ring of pinned chunks, `transport.lander`).
     staging: list[torch.Tensor] = field(default_factory=list)
-    # The host result in the parameter dtype, filled by the worker after each host step: on CUDA a pinned buffer
-    # the write-back copies from (and the event after which that copy has read it); on a CPU device a spare
-    # storage for the weight that the write-back swaps in, instead of copying (the weight's old storage becomes
-    # the spare). `writeback_fresh`: filled since the last write-back.
+    # The host result in the parameter dtype, filled by the worker after each host step: on CUDA a buffer the
+    # write-back copies from through the transport's ring (and the event after which every copy has read it); on a
+    # CPU device a spare storage for the weight that the write-back swaps in, instead of copying (the weight's old
+    # storage becomes the spare). `writeback_fresh`: filled since the last write-back.
     writeback: torch.Tensor | None = None
     writeback_free: object | None = None
     writeback_fresh: bool = False
@@ -319,9 +319,10 @@ class HostMatrix:
     def create(cls, param2d: torch.Tensor, grad_dtype: torch.dtype, accumulate_on: str = "host",
                transport: Transport | None = None, moments: torch.dtype | HostLayout = torch.float32,
                stream: RandomStream | None = None, slots: int = GRAD_SLOTS) -> HostMatrix:
-        """Host state for `param2d`. The write-back buffer comes from `transport` (pinned from one arena on CUDA); the
-        gradient landing buffers, where the transport copies each step's gradient (one per hand-off slot), are ordinary
-        memory the gradients reach through the transport's ring (`transport.lander`). A window summed on the device
+        """Host state for `param2d`, all of it ordinary memory. The write-back buffer crosses to the weight through
+        the transport's ring on CUDA (`CopyTransport.put_weights`); the gradient landing buffers, where the transport
+        copies each step's gradient (one per hand-off slot), are reached through its lander's ring
+        (`transport.lander`). A window summed on the device
         (``accumulate_on="device"`` or ``"device_bf16"``) lands once per window in the accumulator, which is ordinary
         host memory like the master and the moments (the sums cross through the transport's receive ring,
         `CopyTransport.ship_window_sums`). `moments`: the moments' dtype (fp32, or bf16 with
@@ -368,8 +369,9 @@ class HostMatrix:
             # writes only after the write-back has read it
             state.writeback = state.master
         else:
-            # initialised: a matrix that gets no gradient in a window is written back from it unchanged
-            state.writeback = transport.host_buffer(shape, param2d.dtype).copy_(param2d.detach())
+            # initialised: a matrix that gets no gradient in a window is written back from it unchanged. Ordinary
+            # memory: where copies are asynchronous it crosses through the transport's ring of pinned chunks
+            state.writeback = torch.empty(shape, dtype=param2d.dtype).copy_(param2d.detach())
         return state
 
     @staticmethod
@@ -395,15 +397,13 @@ class HostMatrix:
         return max(0, missing)
 
     @staticmethod
-    def link_bytes(param2d: torch.Tensor, accumulate_on: str, transport: Transport,
-                   layout: HostLayout | None = None) -> int:
-        """Bytes of `transport.host_buffer` that `create` asks for (the write-back buffer, rounded as a pinned arena
-        rounds it), under `layout` as it applies over `transport` (`HostLayout.applied`)."""
-        numel = param2d.numel()
+    def writeback_bytes(param2d: torch.Tensor, accumulate_on: str, transport: Transport,
+                        layout: HostLayout | None = None) -> int:
+        """Bytes of the write-back buffer `create` makes for `param2d` (none where the write-back reads the
+        accumulator or the master), under `layout` as it applies over `transport` (`HostLayout.applied`)."""
         shared = HostMatrix.shares_writeback(param2d.dtype, accumulate_on, transport)
         from_master = layout is not None and layout.writeback_from_master
-        sizes = [] if shared or from_master else [numel * param2d.element_size()]
-        return sum(PinnedArena.aligned(n) for n in sizes)
+        return 0 if shared or from_master else param2d.numel() * param2d.element_size()
 
     def keep_sum_columns(self, unselected: torch.Tensor | None, axis: int) -> None:
         """``host_sum_columns="unselected"``: the window sum keeps the columns `unselected` (sorted indices along

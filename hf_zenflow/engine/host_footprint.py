@@ -1,6 +1,6 @@
 """Host memory a schedule needs, from its settings alone, before any host state exists: what `HostMatrix.create`
-allocates per offloaded element (`host_bytes_per_element`; a transport's pinned bytes that do not grow with the
-model are its `Transport.fixed_host_bytes`). The planner weighs schedules by it (`planner.py`) and `hf-zenflow
+allocates per offloaded element (`host_bytes_per_element`; a transport's pinned rings, which do not grow with the
+model, are its `Transport.fixed_host_bytes`). The planner weighs schedules by it (`planner.py`) and `hf-zenflow
 estimate` counts its host memory with it, so both follow the host state as it is built.
 
 Example:
@@ -23,7 +23,7 @@ from .host import GRAD_SLOTS, HostLayout, HostMatrix
 from .step_model import FP32_BYTES, MOMENT_BYTES
 
 
-#: Elements of the matrix `host_bytes_per_element` asks `HostMatrix.link_bytes` about: a multiple of every rounding.
+#: Elements of the matrix `host_bytes_per_element` asks `HostMatrix.writeback_bytes` about.
 _ELEMENTS = 1 << 20
 _MOMENT_SETTING = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8"}
 
@@ -37,7 +37,8 @@ def host_bytes_per_element(layout: HostLayout, accumulate_on: str, weight_dtype:
     "device" or "device_bf16"): the fp32 master, the two moments, the window sum (summed on the host with
     ``host_sum_columns="unselected"``, only the `1 - device_share` of the columns not on the device; summed on the
     device, the accumulator it lands in, in its dtype), the gradient landing buffers of `slots` hand-off slots
-    (`host.grad_slots`) where the transport stages gradients, and the write-back buffer (`HostMatrix.link_bytes`)."""
+    (`host.grad_slots`) where the transport stages gradients, and the write-back buffer
+    (`HostMatrix.writeback_bytes`)."""
     layout = layout.applied(transport, ranks)
     moments = 2 * MOMENT_BYTES[_MOMENT_SETTING[layout.moments]]
     if sums_on_device(accumulate_on):
@@ -48,8 +49,8 @@ def host_bytes_per_element(layout: HostLayout, accumulate_on: str, weight_dtype:
         host_sum = layout.sums.itemsize * kept
         landing = slots * grad_dtype.itemsize if transport.stages_gradients else 0.0
     matrix = torch.empty((1, _ELEMENTS), dtype=weight_dtype, device="meta")
-    link = HostMatrix.link_bytes(matrix, accumulate_on, transport, layout) / _ELEMENTS
-    return FP32_BYTES + moments + host_sum + landing + link
+    writeback = HostMatrix.writeback_bytes(matrix, accumulate_on, transport, layout) / _ELEMENTS
+    return FP32_BYTES + moments + host_sum + landing + writeback
 
 
 __all__ = ["host_bytes_per_element"]

@@ -203,8 +203,8 @@ def _options(config: ZenFlowConfig, sizes: RunSizes, ranks: int, node: Node) -> 
                 device_over += max(0.0, need - (spare - MARGIN * size)) if spare is not None and size is not None \
                     else math.inf
             device_bytes += need
-        # (each transport's rings: the write-back from the master's, where it applies, and the device sums')
-        fixed = sum(t.fixed_host_bytes(from_master, bool(sum_bytes)) for t, from_master in masters.values())
+        # (each transport's rings: the write-back's, and the device sums' or the gradients')
+        fixed = sum(t.fixed_host_bytes(bool(sum_bytes)) for t, _ in masters.values())
         host = fixed + sum(n * host_bytes_per_element(layout, place, s.param.dtype, s.grad_dtype,
                                                       sizes.transport_of(s), sizes.shares[id(s)].ranks,
                                                       s.k / max(1, s.columns), slots)

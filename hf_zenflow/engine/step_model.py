@@ -144,7 +144,9 @@ def zenflow_step(rates: Rates, compute_ms: float, device_elements: float, select
     device's stream once per window; `grad_bytes`: a gradient element's bytes as it crosses the link;
     `writeback_from_master`: the write-back reads the fp32 master (on a GPU through the pinned ring): its rounding pass
     runs on the training thread at the write-back, while the device waits for the weights, instead of on the host
-    worker beside the device's steps.
+    worker beside the device's steps. Otherwise the training thread copies the write-back buffer into the ring's
+    chunks (a read and a write of the buffer's bytes, at the host's memory bandwidth) while the link copies the
+    chunks filled before: the write-back lasts the longer of the two.
     """
     u = max(1.0, float(update_interval))
     sum_bytes = SUM_BYTES[accumulate_on]
@@ -160,6 +162,9 @@ def zenflow_step(rates: Rates, compute_ms: float, device_elements: float, select
     # device timeline
     device = compute_ms + selected + link / u + allgather_ms / u + (
         host_elements * traffic / device_bw * 1e3 if on_device else 0.0)
+    if not writeback_from_master:
+        fill = host_elements * 2 * LINK_BYTES_PER_PARAM / (rates.host_mem_gbps * 1e9) * 1e3
+        device += max(0.0, fill - link) / u
     if on_device:
         # the device keeps one sum per matrix: the next window's first add, after its first forward+backward,
         # waits until the copy of the closed window's sums has read them

@@ -76,9 +76,9 @@ class ZenFlowStats:
     - ``steps``, ``windows``, ``reselections``, ``skipped_steps`` (non-finite gradients);
     - ``host_state_bytes`` / ``device_state_bytes``: optimizer state held on each side by this process (rank);
       ``host_bytes_per_param``: host bytes per element of host state (16 B of AdamW state and window sum, plus the
-      write-back buffer and the CUDA gradient landing slots); ``pinned_host_bytes``: page-locked host memory (CUDA: one
-      arena, exactly sized, for the write-back buffers, and the rings of chunks that the gradients, the device sums and
-      the write-back from the master cross; the master, moments, sums and landing slots are never pinned);
+      write-back buffer and the CUDA gradient landing slots); ``pinned_host_bytes``: page-locked host memory (CUDA: the
+      rings of chunks that the gradients, the device sums and the write-back cross, whatever the model's size; the
+      master, moments, sums, landing slots and write-back buffers are never pinned);
     - ``ranks``: data-parallel ranks sharing the host work (each rank's host state covers 1/``ranks`` of every
       offloaded matrix, `distributed/sharding.py`); ``gather_buffer_bytes``: the write-back's all-gather buffer (on the
       device with NCCL, on the host with gloo), 0 with one rank;

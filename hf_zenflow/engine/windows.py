@@ -89,8 +89,6 @@ class HostWindows:
         #: the epoch length in optimizer steps, the data's (`ZenFlowAdamW.set_steps_per_epoch`): select_strategy
         #: "epoch" and "auto" re-select by it; None: unknown
         self.steps_per_epoch: int | None = None
-        #: the first step's link buffers were reserved at once when its state is made in the backward hooks
-        self.reserved_ahead = False
         #: the optimizer's meter of what the device holds (set by the optimizer): its peak so far is what
         #: "auto" weighs against ``device_memory_limit_bytes`` (`planner.plan_accumulation`; None: a peak of 0)
         self.meter: DeviceMemoryMeter | None = None
@@ -157,7 +155,7 @@ class HostWindows:
     def loaded(self, threads: int, background: bool) -> None:
         """A whole, checked state was just loaded: a worker that no longer runs with `threads` threads in the
         `background` mode wanted stops (a later step starts one with the settings in force; the run goes on, its
-        cores stay claimed and the state just loaded keeps its pinned buffers), and a host worker's failure is
+        cores stay claimed and the transports keep their pinned rings), and a host worker's failure is
         forgotten (`engine/failure.py`)."""
         worker = self.worker
         if worker is not None and (worker.threads, worker.background) != (threads, background):
@@ -255,8 +253,7 @@ class HostWindows:
 
     def prepare_first_state(self, entries: list[tuple[dict, torch.Tensor]], schedule: WindowSchedule) -> None:
         """Before the first step's state is made in its backward hooks (`BackwardHandOff.grad_ready`), for the matrices
-        of `entries` that will have host state: ``accumulate_on="auto"``'s choice over all of them, and their link
-        buffers' reservation."""
+        of `entries` that will have host state: ``accumulate_on="auto"``'s choice over all of them."""
         splits = []
         for group, p in entries:
             if is_split(p, group, self.config, min_numel=schedule.offload_threshold(self.config)):
@@ -269,17 +266,9 @@ class HostWindows:
         shares = {id(s): self.shards.share(1 - s.axis, s.matrix(s.param).shape[1 - s.axis]) for s in splits}
         if self.accumulate_on is None:
             self._decide(splits, shares)
-        # the link buffers of every matrix in one reservation per transport (one pinned block, as when the state is
-        # made in `step()`); the matrices' `attach_host` calls in their hooks then take from it
-        for transport, group in self.by_transport(splits):
-            layout = HostLayout.of(self.config)
-            transport.reserve(sum(HostMatrix.link_bytes(
-                shares[id(s)].local(s.matrix(s.param)), self.accumulate_on, transport,
-                layout.applied(transport, shares[id(s)].ranks)) for s in group))
-        self.reserved_ahead = True
 
     def attach_host(self, splits: list[SplitMatrix]) -> None:
-        """Create the host state of `splits`, their link buffers from one reservation per transport."""
+        """Create the host state of `splits`."""
         shares = {id(s): self.shards.share(1 - s.axis, s.matrix(s.param).shape[1 - s.axis]) for s in splits}
         if self.accumulate_on is None and splits:
             # "auto" decides at the first host state: the first step's gradients exist (its forward and backward
@@ -288,20 +277,15 @@ class HostWindows:
         accumulate_on = self.accumulate_on
         layout = HostLayout.of(self.config)
         ordinals = {id(p): i for i, p in enumerate(p for g in self.groups for p in g["params"])}
-        for transport, group in self.by_transport(splits):
-            if not self.reserved_ahead:  # (`decide_accumulation` reserved for the first step's matrices)
-                transport.reserve(sum(HostMatrix.link_bytes(shares[id(s)].local(s.matrix(s.param)), accumulate_on,
-                                                            transport, layout.applied(transport, shares[id(s)].ranks))
-                                      for s in group))
-            for split in group:
-                # (the parameter's place in the param groups, and its rows' place under FSDP2: what every rank and
-                # a resumed run agree on)
-                ordinal = ordinals.get(id(split.owner), ordinals.get(id(split.param), 0))
-                first_row = (self.param_shards.share(0, split.owner.shape[0]).start
-                             if self.param_shards is not None and split.owner is not split.param else 0)
-                stream = split.random_stream(matrix_key(self.rounding_seed, ordinal), shares[id(split)], first_row)
-                split.attach_host(accumulate_on, transport, shares[id(split)], split.grad_dtype, layout, stream,
-                                  self.slots)
+        for split in splits:
+            # (the parameter's place in the param groups, and its rows' place under FSDP2: what every rank and a
+            # resumed run agree on)
+            ordinal = ordinals.get(id(split.owner), ordinals.get(id(split.param), 0))
+            first_row = (self.param_shards.share(0, split.owner.shape[0]).start
+                         if self.param_shards is not None and split.owner is not split.param else 0)
+            stream = split.random_stream(matrix_key(self.rounding_seed, ordinal), shares[id(split)], first_row)
+            split.attach_host(accumulate_on, self.transport_of(split), shares[id(split)], split.grad_dtype, layout,
+                              stream, self.slots)
 
     # ---- 2. into the window -----------------------------------------------------------------------------------------
 

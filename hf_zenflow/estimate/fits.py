@@ -58,6 +58,8 @@ def what_fits(profile: HardwareProfile, params: float, tokens_per_step: float, t
 
 #: `max_params` searches between these sizes, to this relative precision.
 MIN_PARAMS, MAX_PARAMS, PARAMS_PRECISION = 1e6, 1e15, 1e-4
+#: How ``limited_by`` names a place a window is summed.
+PLACE_WORDS = {"host": "host sums", "device": "fp32 device sums", "device_bf16": "bf16 device sums"}
 
 
 def max_params(profile: HardwareProfile, schedule: str, tokens_per_step: float, topk_ratio: float = 0.1,
@@ -65,7 +67,9 @@ def max_params(profile: HardwareProfile, schedule: str, tokens_per_step: float, 
                gradients_freed_in_backward: bool | None = None) -> dict[str, Any] | None:
     """The largest model `schedule` (one of `FIT_SCHEDULES`) trains on `profile` with `ranks` ranks on its node: its
     `fit_row` there (its step time and memory), with ``limited_by`` ("device memory" or "host memory": what a model
-    `PARAMS_PRECISION` larger would overflow). None when not even `MIN_PARAMS` fits.
+    `PARAMS_PRECISION` larger would overflow; for ZenFlow, where the planner moves the sums at that size, what each
+    place overflows, e.g. "device memory with bf16 device sums, host memory with host sums"). None when not even
+    `MIN_PARAMS` fits.
 
     Memory grows with the size everywhere but at ``accumulate_on="auto"``'s switch from device sums to host sums
     (less device memory, more host memory), so the sizes that fit are one interval from 0: a bisection finds its end.
@@ -84,8 +88,18 @@ def max_params(profile: HardwareProfile, schedule: str, tokens_per_step: float, 
     while hi / lo - 1 > PARAMS_PRECISION:
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if row(mid)["fits"] else (lo, mid)
-    above = row(hi)
-    return dict(row(lo), limited_by="device memory" if not above["fits_device_memory"] else "host memory")
+    largest, above = row(lo), row(hi)
+    limited_by = "device memory" if not above["fits_device_memory"] else "host memory"
+    kept = largest["accumulate_on"]
+    if kept is not None and above["accumulate_on"] != kept:
+        # the planner left `kept` at this size: what it overflows there as the planner counts it (the device with
+        # the activations), then what the place it moved to overflows
+        plan = auto_accumulation(profile, hi, tokens_per_step, topk_ratio, ranks, parallel,
+                                 gradients_freed_in_backward, update_interval, host_state=FIT_SCHEDULES[schedule][1])
+        left = next(o for o in plan["options"] if o.accumulate_on == kept)
+        first = "device memory (activations counted)" if left.device_over > 0 else "host memory"
+        limited_by = f"{first} with {PLACE_WORDS[kept]}, {limited_by} with {PLACE_WORDS[above['accumulate_on']]}"
+    return dict(largest, limited_by=limited_by)
 
 
-__all__ = ["FIT_SCHEDULES", "PARAMS_PRECISION", "fit_row", "max_params", "what_fits"]
+__all__ = ["FIT_SCHEDULES", "PARAMS_PRECISION", "PLACE_WORDS", "fit_row", "max_params", "what_fits"]

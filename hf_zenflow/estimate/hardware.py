@@ -159,7 +159,7 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                      "host_memory_gb": (n * share * zenflow_host_bytes_per_param(SUM_BYTES[place], **layout,
                                                                                 topk_ratio=topk_ratio, slots=slots,
                                                                                 ranks=sharing)
-                                        + GPU_TRANSPORT.fixed_host_bytes(from_master, place != "host")) / 1e9}
+                                        + GPU_TRANSPORT.fixed_host_bytes(place != "host")) / 1e9}
     for r in rows.values():
         r["fits_device_memory"] = r["device_memory_gb"] <= DEVICE_MEMORY_HEADROOM * profile.device_mem_gb
         r["host_memory_node_gb"] = r["host_memory_gb"] * split.ranks

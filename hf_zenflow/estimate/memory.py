@@ -12,12 +12,12 @@ bf16 model, and the limits it must fit in.
   preset's, `preset_layout`; the default's unless given), counted by the engine's own rule (`engine.host_footprint`):
   the fp32 master (4), the two moments (fp32 8, bf16 4, int8 2 plus one fp32 scale per `INT8_BLOCK` elements of each),
   the window sum where it is host memory (fp32 4, bf16 2; with ``host_sum_columns="unselected"`` only the columns not
-  on the device), the pinned write-back buffer (bf16, 2, unless it is written back from the master), with the window
-  summed on the host the (ordinary) landing slots of the in-flight gradients, `engine.host.grad_slots` x 2: 2 slots, or
-  ``writeback_lag`` + 1 with a later write-back, `engine.writeback_lag.planned_writeback_steps`; with device sums the
-  ordinary accumulator they land in, fp32 4 or bf16 2), plus the transport's fixed pinned bytes once per rank
-  (`Transport.fixed_host_bytes`: the rings the master is written back through and the device sums or the gradients
-  cross, `transport.ring`); synchronous offload `SYNC_HOST_BYTES_PER_PARAM`. Every rank of a node holds its share;
+  on the device), the write-back buffer (bf16, 2, unless it is written back from the master), with the window summed on
+  the host the landing slots of the in-flight gradients, `engine.host.grad_slots` x 2: 2 slots, or ``writeback_lag`` +
+  1 with a later write-back, `engine.writeback_lag.planned_writeback_steps`; with device sums the accumulator they land
+  in, fp32 4 or bf16 2; all ordinary memory), plus the transport's fixed pinned bytes once per rank
+  (`Transport.fixed_host_bytes`: the rings the write-back and the device sums or the gradients cross,
+  `transport.ring`); synchronous offload `SYNC_HOST_BYTES_PER_PARAM`. Every rank of a node holds its share;
   together they must fit `HOST_MEMORY_HEADROOM` of the node's RAM.
 
 Example:

@@ -536,7 +536,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """A step taken: counted, the weights marked as the optimizer left them, its telemetry closed."""
         schedule.steps += 1
         self._made_in_backward.clear()
-        self._host.reserved_ahead = False  # (later host state reserves its own buffers)
         self._auto_lag.maybe_advise(self.config, schedule, self._host)
         self._mark_weights()
         self._stats.finish_step(timer, staleness=sum(self._host.unapplied_steps) + schedule.window_steps)
@@ -565,7 +564,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._made_in_backward.clear()
         self._schedule = None
         self._host.accumulate_chosen = None
-        self._host.reserved_ahead = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """`torch.optim.Optimizer.zero_grad`, and the gradients freed in backward (held on the host for the next

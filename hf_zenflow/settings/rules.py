@@ -183,7 +183,8 @@ class EngineRules:
     #: device sums.
     host_sum_columns: str = "unselected"
     #: Where a window's host result is written back from: "buffer" (rounded by the worker into a buffer in the
-    #: weight's dtype: pinned and copied asynchronously on CUDA, swapped in as the weight's storage on a CPU device)
+    #: weight's dtype: copied on CUDA through a ring of pinned chunks, swapped in as the weight's storage on a CPU
+    #: device)
     #: or "master" (no buffer: the training thread copies the fp32 master into the weight, the same weights bit for
     #: bit; on CUDA piece by piece through a ring of pinned chunks, `transport.ring`, rounding each piece at the
     #: write-back), or "auto" ("master" where that is a plain copy, a CPU device; the buffer where copies are

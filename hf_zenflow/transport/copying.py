@@ -1,6 +1,6 @@
-"""`CopyTransport`: separate device and host buffers and a synchronous copy for every move, the buffers from one
-`PinnedArena` (pinned or not); the write-back from the fp32 master, the device sums and each step's gradients
-through a `PinnedRing` each.
+"""`CopyTransport`: separate device and host buffers and a synchronous copy for every move: the write-back, the device
+sums and each step's gradients cross through a `PinnedRing` each (pinned or not), between the device and ordinary
+host memory.
 `CudaTransport` (`cuda.py`) is this schedule with side streams and events; the CPU test suite runs the optimizer with
 this one to check the copying logic."""
 
@@ -70,10 +70,9 @@ class CopyTransport(Transport):
     stages_gradients = True
 
     def __init__(self, pin: bool = False, registrar: HostRegistrar | None = None) -> None:
-        self.arena = PinnedArena(pin, registrar)
         self.pins_host_memory = pin
-        #: the write-back from the fp32 master crosses through this ring (its own arena: reserved at the first such
-        #: write-back, released with the transport)
+        #: the write-back (from its buffer, or from the fp32 master) crosses through this ring (its own arena:
+        #: reserved at the first write-back, released with the transport)
         self.ring = PinnedRing(PinnedArena(pin, registrar))
         #: the device sums cross through this one (reserved at the first window's close) into ordinary host memory
         self.receive_ring = PinnedRing(PinnedArena(pin, registrar))
@@ -82,17 +81,11 @@ class CopyTransport(Transport):
         #: ordinary host memory, which the lander's thread fills
         self.lander = StagingLander(PinnedRing(PinnedArena(pin, registrar)))
 
-    def fixed_host_bytes(self, from_master: bool, receives_sums: bool = False) -> int:
-        # (each ring is taken at its first use: the write-back from the master; the first window's device sums, or
-        # the first step's gradients where the host sums the window)
+    def fixed_host_bytes(self, receives_sums: bool = False) -> int:
+        # (each ring is taken at its first use: the first write-back; the first window's device sums, or the first
+        # step's gradients where the host sums the window)
         crossing = self.receive_ring if receives_sums else self.lander.ring
-        return (self.ring.nbytes if from_master else 0) + crossing.nbytes
-
-    def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return self.arena.take(shape, dtype)
-
-    def reserve(self, nbytes: int) -> None:
-        self.arena.reserve(nbytes)
+        return self.ring.nbytes + crossing.nbytes
 
     @contextlib.contextmanager
     def _copying(self, device: torch.device, after: Any = None) -> Iterator[None]:
@@ -168,8 +161,7 @@ class CopyTransport(Transport):
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(arena.pinned_bytes for arena in (self.arena, self.ring.arena, self.receive_ring.arena,
-                                                      self.lander.ring.arena))
+        return sum(ring.arena.pinned_bytes for ring in (self.ring, self.receive_ring, self.lander.ring))
 
     def _read_event(self, device: torch.device) -> Any:
         """An event after the copies just enqueued on `device`'s compute stream (CUDA), or None."""
@@ -177,15 +169,13 @@ class CopyTransport(Transport):
 
     def put_weights(self, split: LinkedMatrix) -> None:
         host, weight = split.host, split.matrix(split.param)
-        if host.writes_back_master:
-            # No write-back buffer: the master is rounded piece by piece into the ring's pinned chunks on this thread,
-            # each chunk copied into its piece of the weight as below; a chunk is refilled once its copy has run.
-            # The worker's next pass may write the master as soon as this returns (every piece has been read).
-            self.ring.copy(weight, host.writeback, self._copy, lambda: self._read_event(split.param.device))
-            return
-        # An asynchronous host->device copy from pinned memory on the compute stream (CUDA): the next forward pass
-        # and the scatter of the device columns are ordered after it; the host thread does not wait.
-        self._copy(weight, host.writeback)
+        # Piece by piece through the ring's pinned chunks on this thread: the write-back buffer copied (or, with no
+        # buffer, the master rounded) into a chunk, then an asynchronous host->device copy of the chunk into its
+        # piece of the weight on the compute stream (CUDA: the next forward pass and the scatter of the device
+        # columns are ordered after it). Sync point: a chunk is refilled only once the copy out of it has run, so
+        # the host thread waits for the link once the ring is full. The worker's next pass may write the buffer or
+        # the master as soon as this returns: every piece has been read.
+        self.ring.copy(weight, host.writeback, self._copy, lambda: self._read_event(split.param.device))
 
     def close(self) -> None:
         for receipt in self._receipts:
@@ -197,7 +187,6 @@ class CopyTransport(Transport):
         for ring in (self.ring, self.receive_ring, self.lander.ring):
             ring.arena.release()
             ring.forget()
-        self.arena.release()
 
 
 __all__ = ["CopyTransport"]

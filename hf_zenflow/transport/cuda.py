@@ -1,6 +1,6 @@
-"""`CudaTransport`: asynchronous copies on one side stream per CUDA device, out of pinned write-back buffers carved
-from one registered arena (`PinnedArena`) and through the rings of pinned chunks `CopyTransport` keeps; CUDA events
-say when a copy has landed (host jobs wait on them) and when a buffer has been read (its next writer waits on them).
+"""`CudaTransport`: asynchronous copies on one side stream per CUDA device, through the rings of pinned chunks
+`CopyTransport` keeps (each registered once, outside the backward hooks); CUDA events say when a copy has landed (host
+jobs wait on them) and when a buffer has been read (its next writer waits on them).
 `CudaStreams` holds every stream, event and copy call it makes."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class CudaStreams:
 
 
 class CudaTransport(CopyTransport):
-    """Asynchronous copies on one side stream per CUDA device, pinned buffers from one arena, events. `streams`
+    """Asynchronous copies on one side stream per CUDA device, rings of pinned chunks, events. `streams`
     and `registrar`: the CUDA calls (`CudaStreams`, `HostRegistrar`); the CPU test suite passes doubles."""
 
     def __init__(self, streams: CudaStreams | None = None, registrar: HostRegistrar | None = None) -> None:
@@ -151,8 +151,10 @@ class CudaTransport(CopyTransport):
         super().put_weights(split)
 
     def after_write_back(self, splits: list[LinkedMatrix]) -> None:
-        # The worker must not refill a write-back buffer before the copy out of it has run: one event per device,
-        # recorded on the compute stream after the copies, that the worker waits for (`host_adamw_window`).
+        # The worker must not refill a write-back buffer before every copy out of it has run (one rank's write-back
+        # has read it on this thread, through the ring; several ranks' all-gather copies it on the compute stream):
+        # one event per device, recorded on the compute stream after the copies, that the worker waits for
+        # (`host_adamw_window`).
         events: dict[torch.device, Any] = {}
         for split in splits:
             device = split.param.device

@@ -5,11 +5,11 @@ The optimizer hands each step's gradients to the host, ships a window's device-s
 (``accumulate_on="device"``) and writes host results back into the weights, always through a `Transport`; it never
 asks what the device is.
 
-- `cuda.CudaTransport`: asynchronous copies on one side stream per CUDA device, out of pinned write-back buffers
-  carved from one registered arena (`PinnedArena`), and through rings of pinned chunks for each step's gradients,
-  a window's device sums and the write-back from the master (`ring.PinnedRing`, `lander.StagingLander`); CUDA events
+- `cuda.CudaTransport`: asynchronous copies on one side stream per CUDA device, through rings of pinned chunks for
+  each step's gradients, a window's device sums and the write-back (`ring.PinnedRing`, `lander.StagingLander`), all
+  to and from ordinary host memory; CUDA events
   say when a copy has landed (host jobs wait on them) and when a buffer has been read (its next writer waits on them).
-- `copying.CopyTransport`: the same schedule with ordinary synchronous copies and unpinned buffers: what
+- `copying.CopyTransport`: the same schedule with ordinary synchronous copies and unpinned rings: what
   `CudaTransport` does, minus streams and events. The CPU test suite runs the optimizer with it to check the copying
   logic.
 - `cpu_device.transport.CpuDeviceTransport`: the device is the CPU (tests, CI, `hf-zenflow compare` here). Nothing
@@ -109,18 +109,10 @@ class Transport:
     #: whether host buffers that cross the link are pinned (asynchronous copies)
     pins_host_memory = False
 
-    def fixed_host_bytes(self, from_master: bool, receives_sums: bool = False) -> int:
-        """Host bytes the transport holds whatever the model's size, when the write-back reads the fp32 master
-        (`from_master`) or not, and windows are summed on the device (`receives_sums`) or not; what grows with the
-        model is in each matrix's `host_buffer` requests. None here."""
+    def fixed_host_bytes(self, receives_sums: bool = False) -> int:
+        """Host bytes the transport holds whatever the model's size (its pinned rings), when windows are summed on
+        the device (`receives_sums`) or not. None here."""
         return 0
-
-    def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer that crosses the link (pinned where copies are asynchronous)."""
-        return torch.empty(shape, dtype=dtype)
-
-    def reserve(self, nbytes: int) -> None:
-        """A hint: `nbytes` of `host_buffer` (each `PinnedArena.aligned`) are about to be asked for."""
 
     def hand_off(self, work: list[tuple[LinkedMatrix, torch.Tensor]], slot: int
                  ) -> tuple[list[tuple[HostEnd, torch.Tensor]], CopyEvents]:

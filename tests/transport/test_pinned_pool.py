@@ -112,20 +112,22 @@ class Wide(torch.nn.Module):
         return self.head(torch.relu(self.outer(torch.relu(self.inner(self.embed(x))))))
 
 
+@pytest.mark.parametrize("host_state", ["auto", "lean"])
 @pytest.mark.parametrize("accumulate_on", ["host", "device_bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_pinned_bytes_are_the_rings_whatever_the_models_size(dtype, accumulate_on, monkeypatch):
-    """The lean host state (the write-back from the master), the window summed on the host or the device: the
-    page-locked bytes are two rings' (the write-back's, and the gradients' or the sums'), for two models a factor
-    of 4 apart; the host state itself grows with the model."""
+def test_the_pinned_bytes_are_the_rings_whatever_the_models_size(dtype, accumulate_on, host_state, monkeypatch):
+    """The defaults (a write-back buffer in ordinary memory) and the lean host state (the write-back from the
+    master), the window summed on the host or the device: the page-locked bytes are two rings' (the write-back's,
+    and the gradients' or the sums'), for two models a factor of 4 apart; the host state itself grows with the
+    model."""
     pinned, hosted = {}, {}
     for width in (64, 128):
         backends, transports = [], []
         small_ring_transports(monkeypatch, backends, transports, chunk_bytes=4096, chunks=3)
-        *_, stats = run(dtype, steps=8, make=lambda dtype, width=width: Wide(width, dtype), host_state="lean",
+        *_, stats = run(dtype, steps=8, make=lambda dtype, width=width: Wide(width, dtype), host_state=host_state,
                         accumulate_on=accumulate_on)
         assert stats["windows"] > 0 and transports
-        rings = sum(t.fixed_host_bytes(True, accumulate_on != "host") for t in transports)
+        rings = sum(t.fixed_host_bytes(accumulate_on != "host") for t in transports)
         pinned[width], hosted[width] = stats["pinned_host_bytes"], stats["host_state_bytes"]
         assert pinned[width] == rings == 2 * 3 * 4096, width
     assert hosted[128] > 3 * hosted[64]
