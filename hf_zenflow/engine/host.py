@@ -141,20 +141,18 @@ class HostLayout:
         also says so when ``"master"`` does not apply)."""
         if self.writeback == "buffer":
             return self
-        master = self.master_writeback_applies(transport, ranks) and not (
-            self.writeback == "auto" and transport.pins_host_memory)
+        master = self.master_writeback_applies(transport, ranks)
         return replace(self, writeback="master" if master else "buffer")
 
     def on_link(self, transport: Transport, ranks: int) -> HostLayout:
         """The layout as it applies over `transport` with the host state shared by `ranks` ranks: the write-back
-        reads the master only where one rank writes back its whole result (several ranks all-gather write-back
-        buffers in the weight's dtype), and under ``"auto"`` only where that is a plain copy (a CPU device: the
-        master is copied into the weight instead of a buffer being swapped in, a copy the size of the weights per
-        window); where copies are asynchronous "auto" keeps the buffer, which the worker fills beside the device's
-        steps, where the ring would make the training thread round the master into its chunks at the write-back.
-        Where ``"master"`` was set and does not apply, the buffer stays, said once: a warning when `with_rules`
-        asked for it, at info level when a preset did (``host_state="lean"`` takes the smallest state that
-        applies)."""
+        reads the master (``"master"``, and ``"auto"``) only where one rank writes back its whole result (several
+        ranks all-gather write-back buffers in the weight's dtype). On a CPU device the master is then copied into
+        the weight instead of a buffer being swapped in; where copies are asynchronous each piece of it is rounded
+        into a chunk of the transport's ring instead of a buffer's piece being copied there, and the worker no longer
+        rounds the master into a buffer after each host step. Where ``"master"`` was set and does not apply, the
+        buffer stays, said once: a warning when `with_rules` asked for it, at info level when a preset did
+        (``host_state="lean"`` takes the smallest state that applies)."""
         resolved = self.applied(transport, ranks)
         if resolved.writeback == self.writeback or self.writeback == "auto":
             return resolved

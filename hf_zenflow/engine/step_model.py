@@ -142,11 +142,11 @@ def zenflow_step(rates: Rates, compute_ms: float, device_elements: float, select
     1-D parameters); `host_elements`: this rank's offloaded elements (its host state); `accumulate_on`: "host",
     "device" or "device_bf16"; `allgather_ms`: the all-gather of a window's updated rows (several ranks), on the
     device's stream once per window; `grad_bytes`: a gradient element's bytes as it crosses the link;
-    `writeback_from_master`: the write-back reads the fp32 master (on a GPU through the pinned ring): its rounding pass
-    runs on the training thread at the write-back, while the device waits for the weights, instead of on the host
-    worker beside the device's steps. Otherwise the training thread copies the write-back buffer into the ring's
-    chunks (a read and a write of the buffer's bytes, at the host's memory bandwidth) while the link copies the
-    chunks filled before: the write-back lasts the longer of the two.
+    `writeback_from_master`: the write-back reads the fp32 master: its rounding pass runs on the training thread at
+    the write-back instead of on the host worker beside the device's steps. Either way the training thread fills the
+    pinned ring's chunks (rounding the master, or copying the buffer: a read and a write of its bytes at the host's
+    memory bandwidth) while the link copies the chunks filled before, and the device waits for the weights: the
+    write-back lasts the longer of the two.
     """
     u = max(1.0, float(update_interval))
     sum_bytes = SUM_BYTES[accumulate_on]
@@ -159,12 +159,10 @@ def zenflow_step(rates: Rates, compute_ms: float, device_elements: float, select
     sums_link = host_elements * sum_bytes / link_bw * 1e3  # the sums cross in their own dtype
     traffic = DEVICE_ACCUMULATE_TRAFFIC if sum_bytes == DEVICE_ACCUMULATOR_BYTES else DEVICE_BF16_ACCUMULATE_TRAFFIC
     # the write-back of a window's result (and under DDP its all-gather) runs on the device's stream: on the
-    # device timeline
-    device = compute_ms + selected + link / u + allgather_ms / u + (
+    # device timeline, its link copies overlapped with the training thread's fill of the ring (`fill`, below)
+    device = compute_ms + selected + allgather_ms / u + (
         host_elements * traffic / device_bw * 1e3 if on_device else 0.0)
-    if not writeback_from_master:
-        fill = host_elements * 2 * LINK_BYTES_PER_PARAM / (rates.host_mem_gbps * 1e9) * 1e3
-        device += max(0.0, fill - link) / u
+    fill = host_elements * 2 * LINK_BYTES_PER_PARAM / (rates.host_mem_gbps * 1e9) * 1e3  # (the buffer's copy)
     if on_device:
         # the device keeps one sum per matrix: the next window's first add, after its first forward+backward,
         # waits until the copy of the closed window's sums has read them
@@ -177,13 +175,14 @@ def zenflow_step(rates: Rates, compute_ms: float, device_elements: float, select
                                                            rates.rounding_adamws, grad_bytes):
         core, memory = rates.host_pass_ms(host_elements, adamws, nbytes)
         if writeback_from_master and name == "write-back rounding":
-            device += max(core, memory) / u  # (on the device's timeline, not the worker's)
+            fill = max(core, memory)  # (on the training thread, at the write-back: not the worker's)
             continue
         work += count * max(core, memory)
         core_total += count * core
         memory_total += count * memory
         if name in ("window AdamW", "write-back rounding"):
             chain += max(core, memory)
+    device += max(link, fill) / u
     host = max(work, chain) / u
     step, side = _bound({"device": device, "link": link_down, "host": host})
     return {"step_ms": step, "bound": side, "device_ms": device, "link_ms": link_down, "host_ms": host,

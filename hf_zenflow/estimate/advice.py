@@ -165,8 +165,7 @@ FIT_LABELS = {"no_offload": "no offload (AdamW on the device)", "sync_offload": 
               "zenflow": 'ZenFlow, the defaults (host_state="auto": bf16 moments, bf16 sums of the unselected '
                          'columns)',
               "zenflow_fp32": 'ZenFlow, host_state="fp32" (fp32 host moments and sums)',
-              "zenflow_lean": 'ZenFlow, host_state="lean" (int8 moments, bf16 sums of the unselected columns, no '
-                              'write-back buffer)'}
+              "zenflow_lean": 'ZenFlow, host_state="lean" (int8 moments, bf16 sums of the unselected columns)'}
 
 
 def _limits(profile: HardwareProfile, ranks: int) -> str:

@@ -27,7 +27,9 @@ The model's constants:
   typical server of the profile's class (`profiles.HOST_MEMORY_SOURCES`; STREAM counts a byte read once and a byte
   written once, and so do these counts);
 * ZenFlow's window: U - 1 accumulations (host accumulation; the last gradient is folded into the AdamW pass) and one
-  AdamW pass, then the rounding of the master into the bf16 write-back buffer. The write-back waits for that host
+  AdamW pass, then (with a write-back buffer, under DDP) the rounding of the master into it; one rank, or an FSDP2
+  rank, rounds the master at the write-back instead, on the training thread, as it fills the ring's chunks that the
+  link copies to the weights (the write-back lasts the longer of the two). The write-back waits for that host
   step, and the host step for its input to land (the window's fp32 sums with ``accumulate_on="device"``, the last
   step's gradient otherwise): that chain, link then host, must fit in the window's U device steps (the write-back lag
   is at most U), so ZenFlow's host side per step is the larger of its work and that chain over U;
@@ -56,7 +58,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_zenflow.engine.accumulation import MARGIN
-from hf_zenflow.engine.host import grad_slots
+from hf_zenflow.engine.host import HostLayout, grad_slots
 from hf_zenflow.engine.planner import Option, choose
 from hf_zenflow.engine.schedule import lag_for_host_elements
 from hf_zenflow.engine.step_model import (
@@ -144,9 +146,9 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                             "host_limit": "memory" if sync_memory > sync_core else "cores"}
     layout = host_layout(host_moments, host_state)
     # DDP's ranks share the host state and write back through buffers; one rank, or each FSDP2 rank, writes back its
-    # whole result, through the ring where the write-back reads the master
+    # whole result, from the master under "master" and "auto" (the engine's rule, `HostLayout.applied`)
     sharing = split.ranks if split.parallel == "ddp" else 1
-    from_master = layout["host_writeback"] == "master" and sharing == 1
+    from_master = layout["host_writeback"] != "buffer" and HostLayout.master_writeback_applies(GPU_TRANSPORT, sharing)
     # the hand-off slots of the default write-back lag (host_step="auto") for this rank's host columns (one landing
     # buffer each)
     slots = grad_slots(lag_for_host_elements(int(n * share), int(u)))

@@ -184,12 +184,11 @@ class EngineRules:
     host_sum_columns: str = "unselected"
     #: Where a window's host result is written back from: "buffer" (rounded by the worker into a buffer in the
     #: weight's dtype: copied on CUDA through a ring of pinned chunks, swapped in as the weight's storage on a CPU
-    #: device)
-    #: or "master" (no buffer: the training thread copies the fp32 master into the weight, the same weights bit for
-    #: bit; on CUDA piece by piece through a ring of pinned chunks, `transport.ring`, rounding each piece at the
-    #: write-back), or "auto" ("master" where that is a plain copy, a CPU device; the buffer where copies are
-    #: asynchronous). "master" applies on one process; with a host state shared by several ranks the buffer stays,
-    #: with a warning when asked for by `with_rules`, logged at info level when a preset asked for it.
+    #: device) or "master" (no buffer: the training thread copies the fp32 master into the weight, the same weights
+    #: bit for bit; on CUDA piece by piece through the ring, `transport.ring`, rounding each piece at the
+    #: write-back). "master" applies on one process; with a host state shared by several ranks the buffer stays,
+    #: with a warning when asked for by `with_rules`, logged at info level when a preset asked for it. "auto": the
+    #: master where it applies, else the buffer, silently.
     host_writeback: str = "auto"
     #: Free each offloaded matrix's device gradient in its backward hook (the selected columns gathered on the
     #: device, the whole gradient sent to the host), with host sums on one process or FSDP2 ranks (docs/memory.md):

@@ -253,9 +253,10 @@ def test_a_model_over_several_gpus_gets_device_sums_only_where_every_gpu_has_roo
     shares = {id(s): _WholeShare() for s in splits}
     spare = dict(zip(gpus, spare_mib))
     monkeypatch.setattr(planner, "available_bytes", lambda device, *limits: (spare[device] * mib, 10 * mib))
-    # fp32 weights over pinned buffers: 24 B per element with host sums, 16 with fp32 device sums, 18 with bf16 ones
-    # (the transport's rings, a fixed 128 MiB each, left out: they would dwarf this model)
-    plan_with_host_ram(monkeypatch, 20 * 2 * mib)
+    # fp32 weights on CUDA: 17.9 B per element with host sums (two fp32 landing slots), 12 with fp32 device sums,
+    # 10 with bf16 ones, against 14.4 B of room (the RAM less the planner's 10 %); the transport's rings, a fixed
+    # 128 MiB each, left out: they would dwarf this model
+    plan_with_host_ram(monkeypatch, 16 * 2 * mib)
     gpus_transport = CudaTransport()  # (one per device type, as the engine's `Transports` keeps them)
     monkeypatch.setattr(gpus_transport, "fixed_host_bytes", lambda *rings: 0)
     sizes = planner.RunSizes(splits, shares, lambda split: gpus_transport, 2 * mib, 2 * mib)

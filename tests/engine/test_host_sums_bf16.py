@@ -20,7 +20,7 @@ from hf_zenflow import ZenFlowAdamW, to_torch_adamw
 from hf_zenflow.checkpoint import CheckpointError
 from hf_zenflow.engine.host import HostLayout, HostMatrix, accumulate_into, host_adamw_window
 from hf_zenflow.engine.quantized_moments import BLOCK, QuantizedMoment
-from hf_zenflow.transport import CopyTransport
+from hf_zenflow.transport import CopyTransport, Transport
 from hf_zenflow.transport.cpu_device import kernels
 from tests.conftest import DEVICE, batches, make_model, param_groups, roundtrip, train, zenflow_adamw, zenflow_config
 
@@ -207,6 +207,21 @@ def test_write_back_from_the_master_keeps_the_buffer_where_ranks_share_the_host_
         'hf_zenflow: host_writeback="master" does not apply here (a host state shared by 2 ranks): the write-back '
         "buffer stays"]
     host = HostMatrix.create(torch.zeros(4, 8), torch.float32, transport=pinned, moments=layout)
+    assert host.writes_back_master
+
+
+def test_the_defaults_write_back_from_the_master_wherever_one_process_writes_back():
+    """``host_writeback="auto"`` reads the master on one process over every transport, asynchronous copies from pinned
+    chunks included (it kept a buffer there); ranks sharing the host state keep the buffer, without a word."""
+    pinned = CopyTransport()
+    pinned.pins_host_memory = True  # (what a transport with asynchronous copies from pinned memory says)
+    layout = HostLayout.of(zenflow_config())
+    assert layout.writeback == "auto"
+    for transport in (Transport(), CopyTransport(), pinned):
+        assert layout.on_link(transport, 1).writeback_from_master, transport
+    assert not layout.on_link(pinned, 2).writeback_from_master
+    host = HostMatrix.create(torch.zeros(4, 8, dtype=torch.bfloat16), torch.float32, transport=pinned,
+                             moments=layout.on_link(pinned, 1))
     assert host.writes_back_master
 
 

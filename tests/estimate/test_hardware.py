@@ -50,8 +50,14 @@ def _host_acc_window_ms(adamw_ms: float, ms_per_byte: float) -> float:
             + 6 * ms_per_byte)
 
 
+#: The host state's rules with a write-back buffer that the worker rounds the master into (the defaults read the
+#: master at the write-back instead, on one rank).
+BUFFER = {"host_writeback": "buffer"}
+
+
 def test_schedule_model_matches_hand_computed_times() -> None:
-    rows = schedule_model(PROFILE, params=1e9, tokens_per_step=1000, topk_ratio=0.1, update_interval=4)
+    rows = schedule_model(PROFILE, params=1e9, tokens_per_step=1000, topk_ratio=0.1, update_interval=4,
+                          host_state=BUFFER)
     host_adamw = ADAMW_CORE_MS  # core-bound: 30 B x 10 ms = 300 ms of memory traffic is less
     assert rows["no_offload"]["step_ms"] == pytest.approx(120 + 28.0)  # + 28 B/param at 1 TB/s
     assert rows["sync_offload"]["step_ms"] == pytest.approx(120 + 200 + host_adamw)
@@ -80,6 +86,13 @@ def test_schedule_model_matches_hand_computed_times() -> None:
     # bf16 weights and gradients (held until the step) and the selected tenth's state and gathered gradient
     assert zen["device_memory_gb"] == pytest.approx(4.0 + 0.1 * memory.SELECTED_BYTES, abs=1e-9)
     assert rows["no_offload"]["device_memory_gb"] == pytest.approx(16.0) and rows["no_offload"]["fits_device_memory"]
+    # the defaults: the rounding (60 ms) runs on the training thread at the write-back, filling the ring's chunks
+    # while the link copies them (100 ms): off the host's work and chain, hidden under the link on the device
+    master = schedule_model(PROFILE, params=1e9, tokens_per_step=1000, topk_ratio=0.1, update_interval=4)
+    assert master["zenflow"]["host_ms"] == pytest.approx((3 * 0.54 * host_adamw + host_adamw) / 4)
+    assert master["zenflow"]["host_chain_ms"] == pytest.approx(100 + host_adamw)
+    assert master["zenflow"]["device_ms"] == pytest.approx(zen["device_ms"])
+    assert master["zenflow_device_accumulation"]["host_ms"] == pytest.approx((200 + host_adamw) / 4)
 
 
 def test_a_profiles_measured_passes_set_zenflows_host_core_work() -> None:
@@ -89,7 +102,8 @@ def test_a_profiles_measured_passes_set_zenflows_host_core_work() -> None:
     from dataclasses import replace
 
     slow = replace(PROFILE, host_window_adamws=1.7, host_accumulate_adamws=0.1, host_rounding_adamws=0.5)
-    zen = schedule_model(slow, params=1e9, tokens_per_step=1000, topk_ratio=0.1, update_interval=4)["zenflow"]
+    zen = schedule_model(slow, params=1e9, tokens_per_step=1000, topk_ratio=0.1, update_interval=4,
+                         host_state=BUFFER)["zenflow"]
     adamw = ADAMW_CORE_MS  # 657 ms: an accumulation's 0.1 of it (66 ms) is under its bytes (80, then 120 ms)
     assert zen["host_ms"] == pytest.approx((80 + 2 * 120 + 1.7 * adamw + 0.5 * adamw) / 4)
     assert zen["host_chain_ms"] == pytest.approx(100 + 1.7 * adamw + 0.5 * adamw)
@@ -105,16 +119,23 @@ def test_a_profile_refuses_a_negative_pass_cost_and_takes_a_rounding_without_cor
 
 def test_host_passes_take_the_profiles_memory_bandwidth_when_it_binds() -> None:
     """At 10 GB/s (100 ms per byte per parameter) every pass is memory-bound: sync offload's AdamW moves 30 B; the
-    default window (device sums, bf16 moments) 22 B in the AdamW pass and 6 B in the rounding, after 200 ms of
-    landing; with fp32 moments 30 B in the AdamW pass."""
+    window (device sums, bf16 moments) 22 B in the AdamW pass and, with a write-back buffer, 6 B in the rounding,
+    after 200 ms of landing; with fp32 moments 30 B in the AdamW pass. The defaults round on the training thread at
+    the write-back instead: 600 ms there (a buffer's copy: 400 ms), longer than the link's 100 ms, on the device's
+    timeline."""
     from dataclasses import replace
 
     slow = replace(PROFILE, host_mem_gbps=10.0)
-    rows = schedule_model(slow, 1e9, 1000, 0.1, 4)
+    defaults = schedule_model(slow, 1e9, 1000, 0.1, 4)["zenflow_device_accumulation"]
+    assert defaults["host_ms"] == pytest.approx((200 + 2200) / 4)
+    rows = schedule_model(slow, 1e9, 1000, 0.1, 4, host_state=BUFFER)
+    # (the buffer's copy into the chunks, 4 B per element: 400 ms, itself longer than the link's copy)
+    assert defaults["device_ms"] - rows["zenflow_device_accumulation"]["device_ms"] == pytest.approx((600 - 400) / 4)
     assert rows["sync_offload"]["host_ms"] == pytest.approx(3000.0) and rows["sync_offload"]["host_limit"] == "memory"
     dev = rows["zenflow_device_accumulation"]
     assert dev["host_ms"] == pytest.approx((200 + 2200 + 600) / 4) and dev["host_limit"] == "memory"
-    fp32 = schedule_model(slow, 1e9, 1000, 0.1, 4, host_moments="float32")["zenflow_device_accumulation"]
+    fp32 = schedule_model(slow, 1e9, 1000, 0.1, 4, host_moments="float32",
+                          host_state=BUFFER)["zenflow_device_accumulation"]
     assert fp32["host_ms"] == pytest.approx((200 + 3000 + 600) / 4)
     assert rows["zenflow"]["host_ms"] == pytest.approx(_host_acc_window_ms(ADAMW_CORE_MS, 100.0) / 4)
     assert slow.host_limit() == "memory" and PROFILE.host_limit() == "cores"
@@ -212,7 +233,7 @@ def test_per_rank_figures_scale_as_documented(ranks: int, host_ms: float, link_m
     profile = replace(RANK_PROFILE, host_mem_gbps=host_mem_gbps)
     host_ms = host_ms if host_mem_gbps == 100.0 else 1000.0
     u = 4
-    ddp = schedule_model(profile, 1e9, 1000, 0.1, u, ranks=ranks)
+    ddp = schedule_model(profile, 1e9, 1000, 0.1, u, ranks=ranks, host_state=BUFFER)
     sync, zen, dev = ddp["sync_offload"], ddp["zenflow"], ddp["zenflow_device_accumulation"]
     assert sync["host_ms"] == pytest.approx(host_ms)  # not 1/N faster: the ranks share the node's host
     # the same passes on 1/N of the host: the whole-node figure, core- or bandwidth-bound pass by pass
@@ -234,9 +255,14 @@ def test_per_rank_figures_scale_as_documented(ranks: int, host_ms: float, link_m
     assert zen["host_memory_node_gb"] == pytest.approx(15.8 + ranks * ring_gb)  # the node holds all ranks' shares
     # DDP replicates weights, grads, the selected state
     assert zen["device_memory_gb"] == pytest.approx(4.0 + 0.1 * memory.SELECTED_BYTES)
-    fsdp = schedule_model(profile, 1e9, 1000, 0.1, u, ranks=ranks, parallel="fsdp2")
+    fsdp = schedule_model(profile, 1e9, 1000, 0.1, u, ranks=ranks, parallel="fsdp2", host_state=BUFFER)
     assert fsdp["zenflow"]["allgather_ms"] == 0.0 and fsdp["sync_offload"]["host_ms"] == pytest.approx(host_ms)
     assert fsdp["zenflow"]["device_ms"] == pytest.approx(120 + (2.8 + 2) / ranks + writeback_ms / u)  # all sharded
+    # the defaults: each FSDP2 rank writes back its whole share from the master, rounding it (6 B per element) into
+    # the ring's chunks as the link copies them
+    fsdp = schedule_model(profile, 1e9, 1000, 0.1, u, ranks=ranks, parallel="fsdp2")
+    rounding_ms = max(link_ms, 6e3 / host_mem_gbps)
+    assert fsdp["zenflow"]["device_ms"] == pytest.approx(120 + (2.8 + 2) / ranks + rounding_ms / u)
     assert fsdp["no_offload"]["device_memory_gb"] == pytest.approx(16.0 / ranks)
 
 
@@ -337,7 +363,7 @@ def test_auto_takes_host_sums_where_the_host_keeps_up_and_device_sums_where_its_
 def test_auto_accumulation_takes_bf16_device_sums_when_only_they_fit() -> None:
     """Between the two needs (fp32 sums 9.4 GB, bf16 sums 7.4 GB, plus activations) "auto" keeps bf16 sums on the
     device: the sum crosses in bf16 (half the link time: 100 ms per window), the host's AdamW (657 ms) reads it as
-    it is, then the rounding (60 ms), and the device holds 2 B/param less."""
+    it is (the rounding, 60 ms, at the write-back on the training thread), and the device holds 2 B/param less."""
     act = activation_gb(1e9, 1000)
     mid = HardwareProfile("m", device_tflops=100.0, device_mem_gb=(8.6 + act) / 0.9, device_mem_gbps=1000.0,
                           link_gbps=20.0, host_cores=128, host_mem_gbps=100.0, mfu=0.5)
@@ -346,7 +372,7 @@ def test_auto_accumulation_takes_bf16_device_sums_when_only_they_fit() -> None:
     rows = schedule_model(mid, 1e9, 1000)
     dev, bf16 = rows["zenflow_device_accumulation"], rows["zenflow_device_bf16"]
     assert bf16["link_ms"] == pytest.approx(dev["link_ms"] / 2) == pytest.approx(100 / 4)
-    assert bf16["host_chain_ms"] == pytest.approx(100 + ADAMW_CORE_MS + 60)
+    assert bf16["host_chain_ms"] == pytest.approx(100 + ADAMW_CORE_MS)
     assert dev["device_memory_gb"] - bf16["device_memory_gb"] == pytest.approx(2.0)
     # the window's pass reads the landed bf16 sum as it is (2 B), no widening pass before it
     passes = {on: zenflow_host_passes(4, on_device=True, bf16_sums=on) for on in (False, True)}
