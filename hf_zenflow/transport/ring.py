@@ -36,6 +36,10 @@ RING_CHUNK_BYTES = 32 << 20
 RING_BYTES = RING_CHUNKS * RING_CHUNK_BYTES
 
 
+#: Where `PinnedRing.copy` places a piece in a chunk: at a multiple of this many bytes after the one before.
+PIECE_ALIGN = 64
+
+
 class PinnedRing:
     """`chunks` chunks of `chunk_bytes` from `arena` (reserved at the first use, outside any backward hook), taken
     in turn. A chunk is refilled only after the copy out of it has run: each use leaves an event (`copy`'s
@@ -46,6 +50,8 @@ class PinnedRing:
         self._buffers: list[torch.Tensor] = []
         self._read: list[Any] = [None] * chunks  # per chunk: the event after the copy that last read it, or None
         self._next = 0
+        # `copy`'s place: the chunk it fills (-1: none yet) and the first free byte in it
+        self._filling, self._free = -1, chunk_bytes
 
     @property
     def nbytes(self) -> int:
@@ -58,33 +64,43 @@ class PinnedRing:
             self._buffers = [self.arena.take((self.chunk_bytes,), torch.uint8) for _ in range(self.chunks)]
         return self._buffers
 
-    def _chunk(self) -> tuple[int, torch.Tensor]:
+    def _room(self, element_size: int) -> tuple[int, int]:
+        """(chunk, first free byte) where `copy` places its next piece: after the last piece in the chunk it fills,
+        or, where not one element fits there, at the start of the next chunk."""
         self.buffers()
-        index = self._next
-        self._next = (index + 1) % self.chunks
-        read = self._read[index]
-        if read is not None:
-            # Sync point (host waits on the device): the copy out of this chunk, enqueued one turn of the ring ago,
-            # must have read it before the host writes the next piece into it.
-            read.synchronize()
-            self._read[index] = None
-        return index, self._buffers[index]
+        if self._filling < 0 or self._free + element_size > self.chunk_bytes:
+            index = (self._filling + 1) % self.chunks
+            read = self._read[index]
+            if read is not None:
+                # Sync point (host waits on the device): the copies out of this chunk, enqueued one turn of the
+                # ring ago, must have read it before the host writes the next pieces into it.
+                read.synchronize()
+                self._read[index] = None
+            self._filling, self._free = index, 0
+        return self._filling, self._free
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, send: Callable[[torch.Tensor, torch.Tensor], None],
              event_after: Callable[[], Any]) -> None:
         """``dst.copy_(src)`` for a host `src` and a device `dst` of the same shape, both contiguous, piece by piece:
         each piece of `src` is converted to `dst`'s dtype into a chunk, and `send` (the transport's copy, asynchronous
         on CUDA) copies the chunk into its piece of `dst`; `event_after` records an event after that copy (None where
-        copies are synchronous)."""
+        copies are synchronous). Pieces are packed: each goes after the one before in the chunk being filled (that
+        one's copies need only other bytes of it), across calls, so a write-back of many small matrices fills one
+        chunk rather than waiting for each chunk in turn; a chunk is refilled only once the ring has come round."""
         flat_dst, flat_src = dst.view(-1), src.view(-1)
-        per_chunk = max(1, self.chunk_bytes // dst.element_size())
-        for start in range(0, flat_dst.numel(), per_chunk):
-            piece = flat_dst[start:start + per_chunk]
-            index, chunk = self._chunk()
-            staged = chunk[:piece.numel() * piece.element_size()].view(piece.dtype)
-            staged.copy_(flat_src[start:start + piece.numel()])  # (rounded to the weight's dtype here, on the host)
+        size = dst.element_size()
+        start = 0
+        while start < flat_dst.numel():
+            index, offset = self._room(size)
+            count = min(flat_dst.numel() - start, (self.chunk_bytes - offset) // size)
+            piece = flat_dst[start:start + count]
+            staged = self._buffers[index][offset:offset + count * size].view(piece.dtype)
+            staged.copy_(flat_src[start:start + count])  # (rounded to the weight's dtype here, on the host)
             send(piece, staged)
+            # (an event after this copy is after every earlier copy out of the chunk: they share the stream)
             self._read[index] = event_after()
+            self._free = -(-(offset + count * size) // PIECE_ALIGN) * PIECE_ALIGN
+            start += count
 
     def receive(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                 send: Callable[[torch.Tensor, torch.Tensor], None], event_after: Callable[[], Any],
@@ -134,6 +150,7 @@ class PinnedRing:
     def forget(self) -> None:
         """Drop the chunks (the arena that holds them is being released); the next use reserves them again."""
         self._buffers, self._read, self._next = [], [None] * self.chunks, 0
+        self._filling, self._free = -1, self.chunk_bytes
 
 
-__all__ = ["RING_BYTES", "RING_CHUNKS", "RING_CHUNK_BYTES", "PinnedRing"]
+__all__ = ["PIECE_ALIGN", "RING_BYTES", "RING_CHUNKS", "RING_CHUNK_BYTES", "PinnedRing"]

@@ -109,3 +109,33 @@ def test_a_chunk_is_refilled_only_after_its_copy_has_run(writeback, monkeypatch)
     for backend in backends:
         backend.synchronize(torch.device("cpu"))
     assert wrong
+
+
+class _CountedEvent:
+    """An event that says how often a host thread waited for it."""
+
+    waits = 0
+
+    def synchronize(self):
+        _CountedEvent.waits += 1
+
+
+def test_small_pieces_are_packed_into_one_chunk_and_a_chunk_is_waited_for_only_when_the_ring_comes_round():
+    """Ten matrices of 64 B through two chunks of 1 KiB: before, each took a chunk of its own, so the third waited
+    for the first one's copy (eight waits within one write-back); packed, they fill one chunk and nothing waits. Three
+    more KiB go round the ring: a chunk is then waited for each time it is taken again."""
+    from hf_zenflow.transport.pinned import PinnedArena
+
+    ring = PinnedRing(PinnedArena(pin=False), chunk_bytes=1024, chunks=2)
+    sources = [torch.randn(4, 4) for _ in range(10)]
+    targets = [torch.empty(4, 4, dtype=torch.bfloat16) for _ in sources]
+    _CountedEvent.waits = 0
+    for dst, src in zip(targets, sources):
+        ring.copy(dst, src, lambda d, s: d.copy_(s), _CountedEvent)
+    assert _CountedEvent.waits == 0
+    assert all(torch.equal(dst, src.to(torch.bfloat16)) for dst, src in zip(targets, sources))
+    big = torch.randn(3 * 512)  # (3 KiB of bf16 pieces: the rest of the first chunk, the second, the first again)
+    out = torch.empty(3 * 512, dtype=torch.bfloat16)
+    ring.copy(out, big, lambda d, s: d.copy_(s), _CountedEvent)
+    assert torch.equal(out, big.to(torch.bfloat16))
+    assert _CountedEvent.waits == 2  # (the first chunk taken again, then the second)
