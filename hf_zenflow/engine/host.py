@@ -8,13 +8,13 @@ host, a bf16 sum of the columns not on the device (``host_sum_dtype="bfloat16"``
 rounded to nearest bf16, the rule of ``accumulate_on="device_bf16"``, `accumulate_into`; the one-pass kernel widens
 it as it reads), or, summed on the device, the accumulator it lands in once per window in its own dtype (fp32 4 B, bf16
 2 B; ordinary memory, which the sum reaches through the transport's receive ring of pinned chunks where copies are
-asynchronous); then the write-back (``host_writeback="auto"``): on a CPU device from the master itself (copied into the
-weight, `HostMatrix.writes_back_master`: nothing more), where copies are asynchronous (CUDA) from a buffer in the
-parameter dtype that the worker fills (2 B for bf16 weights; ordinary memory, copied to the weight through the
-transport's ring of pinned chunks), and on CUDA a copy of the gradient per in-flight step
+asynchronous); then the write-back (``host_writeback="auto"``): on one process from the master itself (copied into
+the weight, `HostMatrix.writes_back_master`: nothing more; on CUDA rounded piece by piece into the transport's ring of
+pinned chunks), with a host state shared by several ranks from a buffer in the parameter dtype that the worker fills
+(2 B for bf16 weights, ordinary memory), and on CUDA a copy of the gradient per in-flight step
 when the host sums the window (ordinary memory, reached through the transport's ring of pinned chunks; `grad_slots`: 2
 slots with a write-back one step after the close, ``writeback_lag`` + 1 with a later one, x the gradient dtype).
-``host_writeback="master"`` reads the master on CUDA too, through the transport's ring of pinned chunks. With fp32
+``host_writeback="master"`` says so where it does not apply (several ranks). With fp32
 device sums on a CPU device and fp32 weights the write-back buffer is the accumulator itself
 (`HostMatrix.shares_writeback`). One moment set (DeepSpeed keeps two).
 The bf16 moments are widened, updated in fp32 and rounded back in the same pass (`kernels.window_adamw_bf16`, or
@@ -293,9 +293,10 @@ class HostMatrix:
     # CUDA only: landing buffers for the device->host gradient copy (one per slot; ordinary memory, which the
     # gradient reaches through the transport's ring of pinned chunks, `transport.lander`).
     staging: list[torch.Tensor] = field(default_factory=list)
-    # The host result in the parameter dtype, filled by the worker after each host step: on CUDA a buffer the
-    # write-back copies from through the transport's ring (and the event after which every copy has read it); on a
-    # CPU device a spare storage for the weight that the write-back swaps in, instead of copying (the weight's old
+    # Where the write-back reads the host result: the fp32 master itself (`writes_back_master`), or a buffer in the
+    # parameter dtype that the worker fills after each host step: on CUDA copied from through the transport's ring
+    # or, under several ranks, into the all-gather (and the event after which every copy has read it); on a CPU
+    # device a spare storage for the weight that the write-back swaps in, instead of copying (the weight's old
     # storage becomes the spare). `writeback_fresh`: filled since the last write-back.
     writeback: torch.Tensor | None = None
     writeback_free: object | None = None

@@ -146,9 +146,9 @@ def schedule_model(profile: HardwareProfile, params: float, tokens_per_step: flo
                             "host_limit": "memory" if sync_memory > sync_core else "cores"}
     layout = host_layout(host_moments, host_state)
     # DDP's ranks share the host state and write back through buffers; one rank, or each FSDP2 rank, writes back its
-    # whole result, from the master under "master" and "auto" (the engine's rule, `HostLayout.applied`)
+    # whole result (from the master unless "buffer": the engine's rule, `HostLayout.applied`)
     sharing = split.ranks if split.parallel == "ddp" else 1
-    from_master = layout["host_writeback"] != "buffer" and HostLayout.master_writeback_applies(GPU_TRANSPORT, sharing)
+    from_master = HostLayout(writeback=layout["host_writeback"]).applied(GPU_TRANSPORT, sharing).writeback_from_master
     # the hand-off slots of the default write-back lag (host_step="auto") for this rank's host columns (one landing
     # buffer each)
     slots = grad_slots(lag_for_host_elements(int(n * share), int(u)))
