@@ -90,6 +90,21 @@ def _shifted(x: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> tor
     return shifted.bitwise_and_((1 << (32 - bits)) - 1)
 
 
+#: The longest run `_counted` adds to a kept count instead of counting afresh (larger runs: `torch.arange`).
+_COUNT_KEPT = 1 << 22
+
+
+def _counted(length: int, first: int, out: torch.Tensor) -> torch.Tensor:
+    """``first, first + 1, ...`` (int32, wrapping) into `out`'s `length` elements: one addition to this thread's
+    kept ``0, 1, ...``, where `torch.arange` costs three additions' time."""
+    if length > _COUNT_KEPT:
+        return torch.arange(length, dtype=torch.int32, out=out).add_(first)
+    count = getattr(_scratch, "count", None)
+    if count is None or count.numel() < length:
+        count = _scratch.count = torch.arange(min(_COUNT_KEPT, max(length, 1 << 18)), dtype=torch.int32)
+    return torch.add(count[:length], first, out=out)
+
+
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
     """`mix32` of an int32 tensor holding 32-bit patterns, in place: int32 products wrap around as the kernel's
     uint32 products do (their low 32 bits)."""
@@ -150,8 +165,8 @@ class RandomStream:
         while i < n:  # (runs of one high word of the index)
             length = min(n - i, (1 << 32) - (g & _MASK32))
             k = (key & _MASK32) ^ mix32(((g >> 32) + (key >> 32)) & _MASK32)
-            run = torch.arange(length, dtype=torch.int32, out=out[i:i + length])
-            _mix32_(run.add_(_signed32(g & _MASK32)).bitwise_xor_(_signed32(k)))
+            run = _counted(length, _signed32(g & _MASK32), out[i:i + length])
+            _mix32_(run.bitwise_xor_(_signed32(k)))
             i, g = i + length, g + length
         return out
 
@@ -179,14 +194,16 @@ def round_bf16(x: torch.Tensor, r16: torch.Tensor, out: torch.Tensor | None = No
     ``r16`` added to the low half of x's bits, which are then dropped (a NaN becomes bf16's quiet NaN, as in
     `csrc/zenflow_cpu.c`). Up with probability (the dropped half) / 2**16: the exact value in expectation. Written
     into the bf16 `out` when given. (In int32: the sum stays in range for every value but a NaN, whose result is
-    replaced, and its arithmetic shift by 16 is the bf16 bit pattern as an int16.)"""
+    replaced, and its arithmetic shift by 16 is the bf16 bit pattern as an int16. Whether there is a NaN to replace
+    is asked of `x`'s sum, NaN when an element is, and far cheaper than a mask of every element.)"""
     x = x.contiguous()
     summed = torch.add(x.view(torch.int32), r16, out=_buffer("summed", x, torch.int32))
     torch.bitwise_right_shift(summed, 16, out=summed)
     out = torch.empty(x.shape, dtype=torch.bfloat16) if out is None else out
     out.view(torch.int16).copy_(summed)
-    nan = torch.ne(x, x, out=_buffer("nan", x, torch.bool))
-    return out.view(torch.int16).masked_fill_(nan, 0x7FC0).view(torch.bfloat16)
+    if torch.isnan(x.sum()):
+        out.view(torch.int16).masked_fill_(torch.isnan(x), 0x7FC0)
+    return out
 
 
 __all__ = ["RESELECTION_SALT", "RandomStream", "matrix_key", "mix32", "moment_random16", "random16", "round_bf16",

@@ -238,7 +238,7 @@ def test_window_adamw_bf16_is_the_torch_narrow_moment_pass_bit_for_bit(grad_dtyp
 
     assert _native.window_adamw_bf16_available()
     if chunk is not None:
-        monkeypatch.setattr(host_module, "NARROW_CHUNK", chunk)
+        monkeypatch.setattr(host_module, "ROUNDING_PIECE", chunk)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -58,6 +58,11 @@ def test_rounding_is_exact_in_expectation_and_exact_on_representable_values():
     special = torch.tensor([float("inf"), -float("inf"), float("nan")])
     out = round_bf16(special, torch.full((3,), 0xFFFF, dtype=torch.int32)).float()
     assert out[0] == float("inf") and out[1] == -float("inf") and out[2].isnan()
+    # a NaN whose payload would carry into the sign (0x7FFFFFFF + 0xFFFF) becomes bf16's quiet NaN, as in the kernel,
+    # among finite values alone (their sum is then NaN through the NaN only)
+    payload = torch.tensor([0x7FFFFFFF, 0x3F800000, -0x40800000], dtype=torch.int32).view(torch.float32)
+    out = round_bf16(payload, torch.full((3,), 0xFFFF, dtype=torch.int32))
+    assert out.view(torch.int16).tolist() == [0x7FC0, 0x3F80, -0x4080]  # (1.0 and -1.0: no carry)
 
 
 @pytest.mark.parametrize("moments", [torch.bfloat16, torch.int8])
