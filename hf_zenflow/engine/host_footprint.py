@@ -41,11 +41,13 @@ def host_bytes_per_element(layout: HostLayout, accumulate_on: str, weight_dtype:
     (`HostMatrix.writeback_bytes`)."""
     layout = layout.applied(transport, ranks)
     moments = 2 * MOMENT_BYTES[_MOMENT_SETTING[layout.moments]]
+    kept = 1.0 - device_share if HostMatrix.keeps_unselected_sums(layout, accumulate_on, weight_dtype,
+                                                                   transport) else 1.0
     if sums_on_device(accumulate_on):
-        host_sum = 2.0 if accumulate_on == "device_bf16" else 4.0  # (the accumulator a device sum lands in)
+        # (the accumulator a device sum lands in)
+        host_sum = (2.0 if accumulate_on == "device_bf16" else 4.0) * kept
         landing = 0.0
     else:
-        kept = 1.0 - device_share if layout.unselected_sums else 1.0
         host_sum = layout.sums.itemsize * kept
         landing = slots * grad_dtype.itemsize if transport.stages_gradients else 0.0
     matrix = torch.empty((1, _ELEMENTS), dtype=weight_dtype, device="meta")

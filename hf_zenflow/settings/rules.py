@@ -177,10 +177,10 @@ class EngineRules:
     #: sum rounded to nearest bf16, `accumulate_on="device_bf16"`'s rule on the host). Not with device sums, which
     #: keep their own dtype.
     host_sum_dtype: str = "bfloat16"
-    #: Which columns a window summed on the host keeps: "all" (one contiguous add per step) or "unselected" (only
-    #: the columns not on the device: topk_ratio x the sum's bytes less; the same weights bit for bit with fp32 and
-    #: bf16 moments; with int8 moments the never-read device columns' codes change their blocks' scales). Not with
-    #: device sums.
+    #: Which columns the host's window sum keeps: "all" (one contiguous add per step) or "unselected" (only the
+    #: columns not on the device: topk_ratio x the sum's bytes less; the same weights bit for bit with fp32 and bf16
+    #: moments; with int8 moments the never-read device columns' codes change their blocks' scales). With device
+    #: sums, the accumulator they land in, where they cross the link in blocks (CUDA).
     host_sum_columns: str = "unselected"
     #: Where a window's host result is written back from: "buffer" (rounded by the worker into a buffer in the
     #: weight's dtype: copied on CUDA through a ring of pinned chunks, swapped in as the weight's storage on a CPU
@@ -228,12 +228,6 @@ class EngineRules:
                 f"accumulate_on={self.accumulate_on!r}: allowed is \"float32\" (the window is summed on the device, "
                 'in the dtype accumulate_on names); host_sum_dtype applies with accumulate_on "host" or "auto".'
             )
-        if self.host_sum_columns != "all" and self.accumulate_on in DEVICE_SUMS:
-            raise ValueError(
-                f"EngineRules.host_sum_columns={self.host_sum_columns!r} is invalid with "
-                f"accumulate_on={self.accumulate_on!r}: allowed is \"all\" (the window is summed on the device); "
-                'host_sum_columns applies with accumulate_on "host" or "auto".'
-            )
         scale = _word(self.host_lr_scale, ("interval", "auto"))
         if scale is None:
             scale = _number_above("host_lr_scale", self.host_lr_scale, 0.0, 'a float > 0, "interval" or "auto"')
@@ -279,8 +273,8 @@ class EngineRules:
                              f"{sorted(cls.names())}.")
         rules = {**host_state_rules(config.host_state), **HOST_STEP_RULES[config.host_step]}
         if _word(changes.get("accumulate_on"), DEVICE_SUMS):
-            # the preset's rules of a window summed on the host do not apply to sums on the device
-            rules.update(host_sum_dtype="float32", host_sum_columns="all")
+            # the preset's dtype of a window summed on the host does not apply to sums on the device
+            rules.update(host_sum_dtype="float32")
         return cls(**{**rules, **changes})
 
 

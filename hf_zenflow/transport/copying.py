@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ class SumsReceipt:
     copies are synchronous)."""
 
     def __init__(self, transport: CopyTransport, device: torch.device,
-                 pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Any) -> None:
+                 pairs: list[tuple[Callable[[torch.Tensor, int, int], None], torch.Tensor]], after: Any) -> None:
         self.transport, self.device, self.pairs, self.after = transport, device, pairs, after
         self._lock = threading.Lock()
         self._sent = threading.Event()
@@ -68,6 +68,7 @@ class CopyTransport(Transport):
     """Separate device and host buffers and a copy for every move: `CudaTransport`'s schedule without streams."""
 
     stages_gradients = True
+    copies_window_sums = True
 
     def __init__(self, pin: bool = False, registrar: HostRegistrar | None = None) -> None:
         self.pins_host_memory = pin
@@ -140,7 +141,7 @@ class CopyTransport(Transport):
         landed = CopyEvents()
         self._receipts = [r for r in self._receipts if not r.done]
         for device, items in by_device([(s, s.window_sum) for s in splits], lambda item: item[1].device):
-            receipt = SumsReceipt(self, device, [(split.host.accum, total) for split, total in items],
+            receipt = SumsReceipt(self, device, [(split.host.land_sum_piece, total) for split, total in items],
                                   self._produced_event(device))
             landed.events.append(receipt)
             self._receipts.append(receipt)

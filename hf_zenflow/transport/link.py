@@ -43,6 +43,10 @@ class HostEnd(Protocol):
     staging: list[torch.Tensor]  # one landing buffer per hand-off slot (when gradients are staged)
     grad_dtype: torch.dtype  # the dtype gradients cross the link in
 
+    def land_sum_piece(self, piece: torch.Tensor, row: int, column: int) -> None:
+        """Take a block of a device window sum that crossed the link (2-D, from storage row `row` and column
+        `column`) into `accum`: all of it, or the part `accum` keeps."""
+
 
 class LinkedMatrix(Protocol):
     """One offloaded matrix, as the link sees it: the weight, its host end, the device-side window sum, and the views
@@ -108,6 +112,9 @@ class Transport:
     stages_gradients = False
     #: whether host buffers that cross the link are pinned (asynchronous copies)
     pins_host_memory = False
+    #: whether a window's device sum is copied into the host accumulator, in blocks (`HostEnd.land_sum_piece`,
+    #: so the accumulator may keep only some columns), rather than swapped with it (`ship_window_sums`)
+    copies_window_sums = False
 
     def fixed_host_bytes(self, receives_sums: bool = False) -> int:
         """Host bytes the transport holds whatever the model's size (its pinned rings), when windows are summed on

@@ -230,12 +230,48 @@ def test_int8_moments_bf16_unselected_sums_and_no_write_back_buffer_hold_under_8
     assert stats["host_bytes_per_param"] == measured / elements < 7.9
 
 
+@pytest.mark.parametrize("accumulate_on", ["device", "device_bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["row", "column"])
+def test_device_sums_land_only_the_unselected_columns_and_train_the_weights_of_full_sums(accumulate_on, dtype,
+                                                                                         layout, monkeypatch):
+    """Where a window's device sums cross the link (CUDA; here its asynchronous double) the accumulator they land
+    in keeps the unselected columns only: through a ring of 2 x 64 B (most rows in several pieces) and of 2 x 4 KiB
+    (whole rows), the weights of an accumulator of every column bit for bit, with re-selections between windows;
+    the host holds the device columns' sum bytes less, and the kept columns' indices."""
+    from tests.transport.test_pinned_pool import small_ring_transports
+
+    settings = dict(host_moment_dtype="bfloat16", accumulate_on=accumulate_on)
+    itemsize = 2 if accumulate_on == "device_bf16" else 4
+    weights, host_bytes = {}, {}
+    for columns, chunk_bytes in (("all", 4096), ("unselected", 64), ("unselected", 4096)):
+        backends: list = []
+        small_ring_transports(monkeypatch, backends, [], chunk_bytes=chunk_bytes)
+        model, opt = _run({**settings, "host_sum_columns": columns}, dtype=dtype, layout=layout)
+        hosted = [s for s in opt.engine_state.splits.values() if s.host is not None]
+        assert hosted and opt.stats()["reselections"] >= 2 and opt.stats()["accumulate_on"] == accumulate_on
+        if columns == "unselected":
+            assert all(s.host.accum.shape[s.axis] == s.columns - s.k for s in hosted)
+            selected = sum(s.host.master.numel() // s.columns * s.k for s in hosted)
+            kept_columns = sum(s.columns - s.k for s in hosted)
+            index_bytes = kept_columns * 8 + sum(s.columns + 1 for s in hosted) * 4 + sum(s.k for s in hosted) * 4
+            host_bytes[columns, chunk_bytes] = opt.stats()["host_state_bytes"]
+            assert host_bytes[columns, chunk_bytes] == host_bytes["all", 4096] - selected * itemsize + index_bytes
+        else:
+            assert all(s.host.sum_index is None and s.host.accum.shape == s.host.master.shape for s in hosted)
+            host_bytes[columns, chunk_bytes] = opt.stats()["host_state_bytes"]
+        opt.close()
+        for backend in backends:
+            backend.synchronize(torch.device("cpu"))
+            backend.check()
+        assert sum(b.copies for b in backends) > 0
+        weights[columns, chunk_bytes] = [p.detach().clone() for p in model.parameters()]
+    for key in (("unselected", 64), ("unselected", 4096)):
+        assert all(torch.equal(p, q) for p, q in zip(weights["all", 4096], weights[key])), key
+
+
 def test_bad_settings_fail_at_construction():
     with pytest.raises(ValueError, match=r"EngineRules.host_sum_columns='device' is invalid: allowed is "
                                          r'"all" \| "unselected"'):
         zenflow_config(host_sum_columns="device")
-    for accumulate_on in ("device", "device_bf16"):
-        with pytest.raises(ValueError, match=rf"host_sum_columns='unselected' is invalid with "
-                                             rf"accumulate_on='{accumulate_on}'"):
-            zenflow_config(host_sum_columns="unselected", accumulate_on=accumulate_on)
     assert zenflow_config(host_sum_columns="Unselected", accumulate_on="auto").rules.host_sum_columns == "unselected"

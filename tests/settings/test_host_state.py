@@ -66,10 +66,12 @@ def test_the_rules_are_checked_with_their_own_names():
         ZenFlowConfig().with_rules(host_moment_dtype="float16")
     with pytest.raises(ValueError, match=r"EngineRules.free_gradients_in_backward=True is invalid"):
         ZenFlowConfig().with_rules(free_gradients_in_backward=True)
-    # a preset's rules of host sums give way to sums on the device; both set at once contradict each other
+    # a preset's dtype of host sums gives way to sums on the device (its columns stay: the accumulator a device sum
+    # lands in keeps them); both dtypes set at once contradict each other
     for preset in ("auto", "lean"):
         rules = ZenFlowConfig(host_state=preset).with_rules(accumulate_on="Device").rules
-        assert (rules.accumulate_on, rules.host_sum_dtype, rules.host_sum_columns) == ("device", "float32", "all")
+        assert (rules.accumulate_on, rules.host_sum_dtype, rules.host_sum_columns) == ("device", "float32",
+                                                                                      "unselected")
     with pytest.raises(ValueError, match=r"EngineRules.host_sum_dtype='bfloat16' is invalid with "
                                          r"accumulate_on='device'"):
         ZenFlowConfig().with_rules(accumulate_on="device", host_sum_dtype="bfloat16")

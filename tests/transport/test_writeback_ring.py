@@ -38,12 +38,15 @@ def small_ring_transports(monkeypatch, backends, chunk_bytes=SMALL_CHUNK, chunks
     monkeypatch.setattr("hf_zenflow.transport.transport_for", make)
 
 
-def run(dtype, steps=20, make=make_model, **rules):
+def run(dtype, steps=20, make=make_model, inspect=None, **rules):
+    """(losses, weights, stats) of a short run; `inspect` sees the optimizer before it closes."""
     model = make(dtype=dtype)
     opt = zenflow_adamw(param_groups(model), lr=LR, **SETTINGS, **rules)
     losses = train(model, opt, batches(steps), linear_schedule(opt, steps), clip=1.0)
     opt.flush()
     stats = opt.stats()
+    if inspect is not None:
+        inspect(opt)
     opt.close()
     return losses, [p.detach().clone() for p in model.parameters()], stats
 
