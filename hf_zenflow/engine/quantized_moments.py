@@ -53,6 +53,8 @@ PIECE = 1024 * BLOCK
 _SIGNED_TOP, _UNSIGNED_TOP = 127, 255
 #: The fp32 bits of 1.0, shifted right by 20 (8 exponent bits and the 3 mantissa bits a code keeps).
 _ONE_BITS20 = 0x3F800000 >> 20
+#: An int32's sign bit.
+_SIGN_BIT = -(1 << 31)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -172,15 +174,19 @@ def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
 
 def _dequantize(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
     code = codes.to(torch.int32)
-    top = _SIGNED_TOP if codes.dtype == torch.int8 else _UNSIGNED_TOP
-    magnitude = code.abs() if codes.dtype == torch.int8 else code
+    signed = codes.dtype == torch.int8
+    top = _SIGNED_TOP if signed else _UNSIGNED_TOP
+    magnitude = code.abs() if signed else code
     # (torch's shift functions: the operators with a Python int take a slow path)
-    value = torch.bitwise_left_shift(magnitude + (_ONE_BITS20 - top), 20).view(torch.float32)
-    if codes.dtype == torch.int8:
-        value = torch.where(magnitude > 0, value, torch.zeros_like(value)).mul_(scale)
-        out.copy_(torch.where(code < 0, -value, value))
-    else:
-        out.copy_(value.mul_(scale))
+    bits = torch.bitwise_left_shift(magnitude + (_ONE_BITS20 - top), 20)
+    if signed:
+        # the kernel's ``(c ? value : 0) * scale``, negated for ``c < 0``, in integer passes (torch.where takes
+        # several times as long): a code 0 masks its bits to 0.0, and a negative code's sign bit flips the product's
+        bits.bitwise_and_(magnitude.clamp_(max=1).neg_())
+    value = bits.view(torch.float32).mul_(scale)
+    if signed:
+        value.view(torch.int32).bitwise_xor_(code.bitwise_and_(_SIGN_BIT))
+    out.copy_(value)
 
 
 def quantize_into(codes: torch.Tensor, scales: torch.Tensor, values: torch.Tensor,
@@ -212,7 +218,8 @@ def _quantize(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, random
         code = torch.bitwise_right_shift(bits + torch.bitwise_left_shift(random_bits, 4), 20).sub_(_ONE_BITS20 - top)
     if signed:
         code.clamp_(0, top)
-        code = torch.where(x < 0, -code, code)
+        sign = torch.bitwise_right_shift(x.view(torch.int32), 31)  # (0, or -1 where x's sign bit is set)
+        code.bitwise_xor_(sign).sub_(sign)  # (the kernel's ``(c ^ sign) - sign``)
     else:
         code.clamp_(1, top)
     codes.copy_(code)
