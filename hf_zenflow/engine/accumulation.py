@@ -137,8 +137,9 @@ def ship_device_sums(splits: list[SplitMatrix],
     accumulators."""
     shipped = [s for s in splits if s.window_sum is not None and s.window_count]
     landed = CopyEvents()
-    # the sum crosses the link in its own dtype: fp32, or bf16 with "device_bf16" (half the bytes)
-    stats.bytes_to_host += sum(s.window_sum.nbytes for s in shipped)
+    # the sum crosses the link in its own dtype: fp32, or bf16 with "device_bf16" (half the bytes); what the host
+    # accumulator keeps of it (`HostMatrix.keeps_unselected_sums`: its columns not on the device)
+    stats.bytes_to_host += sum(s.host.accum.nbytes for s in shipped)
     for transport, group in by_transport(shipped):
         landed.events += transport.ship_window_sums(group).events
     for split in shipped:

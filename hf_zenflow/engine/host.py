@@ -8,7 +8,7 @@ host, a bf16 sum of the columns not on the device (``host_sum_dtype="bfloat16"``
 rounded to nearest bf16, the rule of ``accumulate_on="device_bf16"``, `accumulate_into`; the one-pass kernel widens
 it as it reads), or, summed on the device, the accumulator it lands in once per window in its own dtype (fp32 4 B, bf16
 2 B; ordinary memory, which the sum reaches through the transport's receive ring of pinned chunks where copies are
-asynchronous, and then keeps only the columns not on the device: `HostMatrix.land_sum_piece`, 1.8 B in bf16); then
+asynchronous, and then keeps only the columns not on the device, gathered on the device: 1.8 B in bf16); then
 the write-back (``host_writeback="auto"``): on one process from the master itself (copied into the weight,
 `HostMatrix.writes_back_master`: nothing more; on CUDA rounded piece by piece into the transport's ring of pinned
 chunks), with a host state shared by several ranks from a buffer in the parameter dtype that the worker fills
@@ -110,7 +110,7 @@ class HostLayout:
     #: ``host_writeback``: "buffer", "master", or "auto" until resolved (`applied`)
     writeback: str = "buffer"
     #: ``host_sum_columns="unselected"``: the host's window sum keeps only the columns not on the device (summed on
-    #: the device, where the sum crosses the link in blocks: `HostMatrix.keeps_unselected_sums`)
+    #: the device, where the sum is copied to the host: `HostMatrix.keeps_unselected_sums`)
     unselected_sums: bool = False
     #: Whether ``host_writeback="master"`` was asked for by `ZenFlowConfig.with_rules` (where it does not apply, a
     #: warning) rather than by a preset (``host_state="lean"``, which cannot be wrong: logged at info level)
@@ -391,29 +391,14 @@ class HostMatrix:
     def keeps_unselected_sums(layout: HostLayout, accumulate_on: str, param_dtype: torch.dtype,
                               transport: Transport) -> bool:
         """Whether the window sum keeps only the columns not on the device (``host_sum_columns="unselected"``,
-        `keep_sum_columns`): a sum made on the host, always; a device sum's accumulator where the sum crosses into
-        it in blocks (`Transport.copies_window_sums`: CUDA; on a CPU device it is swapped in whole) and the
-        accumulator is not also the write-back buffer (`shares_writeback`)."""
+        `keep_sum_columns`): a sum made on the host, always; a device sum's accumulator where the sum is copied into
+        it (`Transport.copies_window_sums`: CUDA, the kept columns gathered on the device; on a CPU device it is
+        swapped in whole) and the accumulator is not also the write-back buffer (`shares_writeback`)."""
         if not layout.unselected_sums:
             return False
         if not sums_on_device(accumulate_on):
             return True
         return transport.copies_window_sums and not HostMatrix.shares_writeback(param_dtype, accumulate_on, transport)
-
-    def land_sum_piece(self, piece: torch.Tensor, row: int, column: int) -> None:
-        """A block of a device window sum, landed from the link (`piece`: 2-D, from storage row `row` and column
-        `column`: whole rows, or part of one row), into the accumulator: whole, or the part of it the accumulator
-        keeps (`keep_sum_columns`: its kept columns, or along the storage's rows its kept rows)."""
-        rows, columns = piece.shape
-        if self.sum_index is None:
-            self.accum[row:row + rows, column:column + columns].copy_(piece)
-        elif self.sum_axis == 1:
-            lo, hi = int(self.sum_before[column]), int(self.sum_before[column + columns])
-            index = self.sum_index if column == 0 and hi == self.sum_index.numel() else self.sum_index[lo:hi] - column
-            torch.index_select(piece, 1, index, out=self.accum[row:row + rows, lo:hi])
-        else:
-            lo, hi = int(self.sum_before[row]), int(self.sum_before[row + rows])
-            torch.index_select(piece, 0, self.sum_index[lo:hi] - row, out=self.accum[lo:hi, column:column + columns])
 
     def add_staging(self, slots: int) -> int:
         """Landing buffers up to `slots` (`grad_slots`) where the transport stages gradients (`staging`); returns

@@ -180,7 +180,7 @@ class EngineRules:
     #: Which columns the host's window sum keeps: "all" (one contiguous add per step) or "unselected" (only the
     #: columns not on the device: topk_ratio x the sum's bytes less; the same weights bit for bit with fp32 and bf16
     #: moments; with int8 moments the never-read device columns' codes change their blocks' scales). With device
-    #: sums, the accumulator they land in, where they cross the link in blocks (CUDA).
+    #: sums, the accumulator they land in, where they are copied to the host (CUDA).
     host_sum_columns: str = "unselected"
     #: Where a window's host result is written back from: "buffer" (rounded by the worker into a buffer in the
     #: weight's dtype: copied on CUDA through a ring of pinned chunks, swapped in as the weight's storage on a CPU

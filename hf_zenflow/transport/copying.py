@@ -27,8 +27,8 @@ class SumsReceipt:
     add overwrites a sum (`sent`). `after`: an event after the window's last add on the compute stream (None where
     copies are synchronous)."""
 
-    def __init__(self, transport: CopyTransport, device: torch.device,
-                 pairs: list[tuple[Callable[[torch.Tensor, int, int], None], torch.Tensor]], after: Any) -> None:
+    def __init__(self, transport: CopyTransport, device: torch.device, pairs: list[tuple[HostEnd, torch.Tensor]],
+                 after: Any) -> None:
         self.transport, self.device, self.pairs, self.after = transport, device, pairs, after
         self._lock = threading.Lock()
         self._sent = threading.Event()
@@ -52,8 +52,8 @@ class SumsReceipt:
             if not self.done:
                 with self.transport._copying(self.device, after=self.after):
                     self.transport.receive_ring.receive(
-                        self.pairs, self.transport._copy, lambda: self.transport._landed_event(self.device),
-                        self._on_sent)
+                        [(host.accum, _sum_pieces(host, total)) for host, total in self.pairs], self.transport._copy,
+                        lambda: self.transport._landed_event(self.device), self._on_sent)
                 self.done, self.pairs = True, []
 
     def sent(self) -> Any:
@@ -62,6 +62,28 @@ class SumsReceipt:
         if not self._sent.is_set():
             self.synchronize()  # (or, when another thread holds the lock, wait for it to finish)
         return self._last
+
+
+def _sum_pieces(host: HostEnd, total: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
+    """``piece_of(start, end)``: elements ``[start, end)`` of what `host`'s accumulator keeps of the device sum
+    `total` (2-D): all of it (a view), or, where the accumulator keeps some of its columns (`HostEnd.sum_index`
+    along `sum_axis`), the rows of those columns that cover the piece, gathered on the device where the copies are
+    enqueued (a transient of about one chunk; fewer bytes over the link, and the host lands a contiguous copy)."""
+    if host.sum_index is None:
+        flat = total.view(-1)
+        return lambda start, end: flat[start:end]
+    axis = host.sum_index.numel() if host.sum_axis == 1 else total.shape[1]  # (the kept matrix's row length)
+    index = host.sum_index.to(total.device)
+
+    def piece_of(start: int, end: int) -> torch.Tensor:
+        first, last = start // axis, -(-end // axis)
+        if host.sum_axis == 1:
+            rows = total[first:last].index_select(1, index)
+        else:
+            rows = total.index_select(0, index[first:last])
+        return rows.view(-1)[start - first * axis:end - first * axis]
+
+    return piece_of
 
 
 class CopyTransport(Transport):
@@ -141,7 +163,7 @@ class CopyTransport(Transport):
         landed = CopyEvents()
         self._receipts = [r for r in self._receipts if not r.done]
         for device, items in by_device([(s, s.window_sum) for s in splits], lambda item: item[1].device):
-            receipt = SumsReceipt(self, device, [(split.host.land_sum_piece, total) for split, total in items],
+            receipt = SumsReceipt(self, device, [(split.host, total) for split, total in items],
                                   self._produced_event(device))
             landed.events.append(receipt)
             self._receipts.append(receipt)

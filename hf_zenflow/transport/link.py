@@ -42,10 +42,9 @@ class HostEnd(Protocol):
     writes_back_master: bool  # `writeback` is the fp32 master itself (no buffer): copied, never taken as storage
     staging: list[torch.Tensor]  # one landing buffer per hand-off slot (when gradients are staged)
     grad_dtype: torch.dtype  # the dtype gradients cross the link in
-
-    def land_sum_piece(self, piece: torch.Tensor, row: int, column: int) -> None:
-        """Take a block of a device window sum that crossed the link (2-D, from storage row `row` and column
-        `column`) into `accum`: all of it, or the part `accum` keeps."""
+    #: the columns (along `sum_axis` of the storage matrix) `accum` keeps of a window sum, sorted; None: all of them
+    sum_index: torch.Tensor | None
+    sum_axis: int
 
 
 class LinkedMatrix(Protocol):
@@ -112,8 +111,8 @@ class Transport:
     stages_gradients = False
     #: whether host buffers that cross the link are pinned (asynchronous copies)
     pins_host_memory = False
-    #: whether a window's device sum is copied into the host accumulator, in blocks (`HostEnd.land_sum_piece`,
-    #: so the accumulator may keep only some columns), rather than swapped with it (`ship_window_sums`)
+    #: whether a window's device sum is copied into the host accumulator (so the accumulator may keep only some of
+    #: its columns, `HostEnd.sum_index`, gathered on the device) rather than swapped with it (`ship_window_sums`)
     copies_window_sums = False
 
     def fixed_host_bytes(self, receives_sums: bool = False) -> int:

@@ -5,8 +5,8 @@ transport with asynchronous copies:
 - the write-back from the fp32 master (``host_writeback="master"``, `PinnedRing.copy`): each piece of the master is
   rounded into a chunk on the host and copied from there to the weight;
 - a window's device sums (``accumulate_on="device"`` / ``"device_bf16"``, `PinnedRing.receive`): each piece of a
-  sum is copied into a chunk, and from the chunk into the host accumulator (ordinary memory: all of the piece, or
-  the columns the accumulator keeps) once it has landed;
+  sum (or of the columns the host accumulator keeps, gathered on the device) is copied into a chunk, and from the
+  chunk into the host accumulator (ordinary memory) once it has landed;
 - each step's gradients, where the host sums the window (`lander.StagingLander`): the same, into the landing slots.
 
 Example:
@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -103,39 +103,42 @@ class PinnedRing:
             self._free = -(-(offset + count * size) // PIECE_ALIGN) * PIECE_ALIGN
             start += count
 
-    def receive(self, pairs: list[tuple[Callable[[torch.Tensor, int, int], None], torch.Tensor]],
+    def receive(self, pairs: list[tuple[torch.Tensor, Callable[[int, int], torch.Tensor]]],
                 send: Callable[[torch.Tensor, torch.Tensor], None], event_after: Callable[[], Any],
                 on_sent: Callable[[Any], None] = lambda last: None) -> None:
-        """Each device `src` of `pairs` (2-D, contiguous) to the host, piece by piece: whole rows of it, or, where a
-        row does not fit a chunk, pieces of one row. `send` copies a piece into a chunk (asynchronous on CUDA),
-        `event_after` records an event after that copy (None where copies are synchronous), and once the event has
-        completed the pair's `land` takes the piece from the chunk: ``land(piece, row, column)``, `piece` the chunk's
-        2-D view of the block of `src` from (`row`, `column`) (it copies the block into the host accumulator, or
-        only the columns that one keeps). Up to `chunks` pieces are in flight at once. `on_sent` gets the event
-        after the last copy out of the sources (None where copies are synchronous) as soon as it is enqueued: after
-        it the sources may be written again."""
+        """For each (host `dst`, `piece_of`) of `pairs`, `dst` (contiguous) receives from the device, piece by piece,
+        the elements that ``piece_of(start, end)`` gives (a device tensor of ``end - start`` elements of one dtype:
+        a view of a contiguous source, or the part of a gathered one): `send` copies a piece into a chunk
+        (asynchronous on CUDA), `event_after` records an event after that copy (None where copies are synchronous),
+        and the piece goes from the chunk into `dst` once the event has completed. Up to `chunks` pieces are in
+        flight at once. `on_sent` gets the event after the last copy out of the sources (None where copies are
+        synchronous) as soon as it is enqueued: after it the sources may be written again."""
         self.buffers()
-        in_flight: list[tuple[Callable[[torch.Tensor, int, int], None], torch.Tensor, int, int, Any]] = []
+        in_flight: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # (chunk piece, host piece, landed), in order
         last = None
 
         def land() -> None:
-            to_host, staged, row, column, landed = in_flight.pop(0)
+            staged, piece, landed = in_flight.pop(0)
             if landed is not None:
                 # Sync point (this host thread waits on the device): the piece has landed in its chunk; the chunk
                 # is then free for the piece `chunks` places later.
                 landed.synchronize()
-            to_host(staged, row, column)
+            piece.copy_(staged)
 
-        for to_host, src in pairs:
-            for row, column, piece in _pieces(src, self.chunk_bytes):
+        for dst, piece_of in pairs:
+            flat_dst = dst.view(-1)
+            per_chunk = max(1, self.chunk_bytes // dst.element_size())
+            for start in range(0, flat_dst.numel(), per_chunk):
+                end = min(start + per_chunk, flat_dst.numel())
+                piece = piece_of(start, end)
                 if len(in_flight) == self.chunks:
                     land()
                 chunk = self._buffers[self._next]
                 self._next = (self._next + 1) % self.chunks
-                staged = chunk[:piece.numel() * piece.element_size()].view(piece.dtype).view(piece.shape)
+                staged = chunk[:piece.numel() * piece.element_size()].view(piece.dtype)
                 send(staged, piece)
                 last = event_after()
-                in_flight.append((to_host, staged, row, column, last))
+                in_flight.append((staged, flat_dst[start:end], last))
         on_sent(last)
         while in_flight:
             land()
@@ -155,18 +158,3 @@ class PinnedRing:
 
 __all__ = ["PIECE_ALIGN", "RING_BYTES", "RING_CHUNKS", "RING_CHUNK_BYTES", "PinnedRing"]
 
-
-def _pieces(src: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """(row, column, block) of the 2-D contiguous `src` that each fit `chunk_bytes`, in storage order: as many whole
-    rows as fit, or, where one row does not, pieces of one row (each block contiguous)."""
-    rows, columns = src.shape
-    row_bytes = columns * src.element_size()
-    if row_bytes <= chunk_bytes:
-        per_chunk = chunk_bytes // row_bytes
-        for row in range(0, rows, per_chunk):
-            yield row, 0, src[row:row + per_chunk]
-        return
-    per_chunk = chunk_bytes // src.element_size()
-    for row in range(rows):
-        for column in range(0, columns, per_chunk):
-            yield row, column, src[row:row + 1, column:column + per_chunk]

@@ -235,21 +235,23 @@ def test_int8_moments_bf16_unselected_sums_and_no_write_back_buffer_hold_under_8
 @pytest.mark.parametrize("layout", ["row", "column"])
 def test_device_sums_land_only_the_unselected_columns_and_train_the_weights_of_full_sums(accumulate_on, dtype,
                                                                                          layout, monkeypatch):
-    """Where a window's device sums cross the link (CUDA; here its asynchronous double) the accumulator they land
-    in keeps the unselected columns only: through a ring of 2 x 64 B (most rows in several pieces) and of 2 x 4 KiB
-    (whole rows), the weights of an accumulator of every column bit for bit, with re-selections between windows;
-    the host holds the device columns' sum bytes less, and the kept columns' indices."""
+    """Where a window's device sums are copied to the host (CUDA; here its asynchronous double) the accumulator they
+    land in keeps the unselected columns only, gathered on the device piece by piece: through a ring of 2 x 64 B
+    (pieces of part of a row) and of 2 x 4 KiB (pieces of several rows), the weights of an accumulator of every
+    column bit for bit, with re-selections between windows; the host holds the device columns' sum bytes less, and
+    the kept columns' indices; the link carries the kept columns only."""
     from tests.transport.test_pinned_pool import small_ring_transports
 
     settings = dict(host_moment_dtype="bfloat16", accumulate_on=accumulate_on)
     itemsize = 2 if accumulate_on == "device_bf16" else 4
-    weights, host_bytes = {}, {}
+    weights, host_bytes, sent = {}, {}, {}
     for columns, chunk_bytes in (("all", 4096), ("unselected", 64), ("unselected", 4096)):
         backends: list = []
         small_ring_transports(monkeypatch, backends, [], chunk_bytes=chunk_bytes)
         model, opt = _run({**settings, "host_sum_columns": columns}, dtype=dtype, layout=layout)
         hosted = [s for s in opt.engine_state.splits.values() if s.host is not None]
         assert hosted and opt.stats()["reselections"] >= 2 and opt.stats()["accumulate_on"] == accumulate_on
+        sent[columns, chunk_bytes] = opt.stats()["bytes_to_host"]
         if columns == "unselected":
             assert all(s.host.accum.shape[s.axis] == s.columns - s.k for s in hosted)
             selected = sum(s.host.master.numel() // s.columns * s.k for s in hosted)
@@ -268,6 +270,7 @@ def test_device_sums_land_only_the_unselected_columns_and_train_the_weights_of_f
         weights[columns, chunk_bytes] = [p.detach().clone() for p in model.parameters()]
     for key in (("unselected", 64), ("unselected", 4096)):
         assert all(torch.equal(p, q) for p, q in zip(weights["all", 4096], weights[key])), key
+        assert sent[key] < sent["all", 4096], key
 
 
 def test_bad_settings_fail_at_construction():

@@ -69,9 +69,7 @@ class _Accumulator:
 
     def __init__(self, shape: tuple[int, int], dtype: torch.dtype) -> None:
         self.accum = torch.zeros(shape, dtype=dtype)
-
-    def land_sum_piece(self, piece: torch.Tensor, row: int, column: int) -> None:
-        self.accum[row:row + piece.shape[0], column:column + piece.shape[1]].copy_(piece)
+        self.sum_index, self.sum_axis = None, 1
 
 
 class _Sums:
@@ -91,7 +89,7 @@ def test_the_next_windows_first_add_waits_for_the_copies_out_of_the_sums(dtype):
     job still gets the closed window's sums, through a ring much smaller than they are."""
     transport, backend = async_transport(5)
     transport.receive_ring = PinnedRing(transport.receive_ring.arena, chunk_bytes=256, chunks=2)
-    splits = [_Sums((10, 100), dtype), _Sums((9, 37), dtype)]  # (fp32 rows of 100 exceed a chunk: cut)
+    splits = [_Sums((10, 100), dtype), _Sums((9, 37), dtype)]
     closed = [s.window_sum.clone() for s in splits]
     landed = transport.ship_window_sums(splits)
     for split in splits:
