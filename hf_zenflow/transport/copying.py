@@ -72,16 +72,19 @@ def _sum_pieces(host: HostEnd, total: torch.Tensor) -> Callable[[int, int], torc
     if host.sum_index is None:
         flat = total.view(-1)
         return lambda start, end: flat[start:end]
-    axis = host.sum_index.numel() if host.sum_axis == 1 else total.shape[1]  # (the kept matrix's row length)
+    row_length = host.sum_index.numel() if host.sum_axis == 1 else total.shape[1]  # (of the kept matrix)
     index = host.sum_index.to(total.device)
 
     def piece_of(start: int, end: int) -> torch.Tensor:
-        first, last = start // axis, -(-end // axis)
+        # Called inside `_copying`: on CUDA the gather runs on the side stream, after the window's last add (the
+        # receipt's `after` event), before the copy out of it; its block goes back to the caching allocator once
+        # the copy is enqueued, for later work on that stream only (after the copy).
+        first, last = start // row_length, -(-end // row_length)
         if host.sum_axis == 1:
             rows = total[first:last].index_select(1, index)
         else:
             rows = total.index_select(0, index[first:last])
-        return rows.view(-1)[start - first * axis:end - first * axis]
+        return rows.view(-1)[start - first * row_length:end - first * row_length]
 
     return piece_of
 
